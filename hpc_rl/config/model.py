@@ -1,0 +1,138 @@
+"""Model architecture files (`configs/models/*.yaml`) and their agreement with HF `config.json`.
+
+Owns: the `ModelArchitecture` dataclass (what Megatron needs to build a GPTModel), loading it from
+YAML, and comparing it with a HuggingFace checkpoint's `config.json`. Does not build models (that is
+`hpc_rl.training.model_provider`) and does not map weights (that is `hpc_rl.weights`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODEL_FAMILIES = ("qwen3", "glm4", "llama")
+
+
+@dataclass(kw_only=True)
+class ModelArchitecture:
+    """A decoder-only transformer, in Megatron's terms (names follow Megatron's TransformerConfig)."""
+
+    family: str
+    """Mapping family for HF <-> Megatron names: qwen3 | glm4 | llama."""
+    num_layers: int
+    """Number of transformer layers (HF num_hidden_layers)."""
+    hidden_size: int
+    """Model width (HF hidden_size)."""
+    ffn_hidden_size: int
+    """MLP inner width (HF intermediate_size)."""
+    num_attention_heads: int
+    """Query heads (HF num_attention_heads)."""
+    num_query_groups: int
+    """KV heads / GQA groups (HF num_key_value_heads)."""
+    kv_channels: int
+    """Head dimension (HF head_dim); may differ from hidden_size / num_attention_heads."""
+    vocab_size: int
+    """Tokenizer vocabulary size as in HF config.json (Megatron pads it for TP)."""
+    rotary_base: float = 10000.0
+    """RoPE theta (HF rope_theta). A wrong value trains silently wrong."""
+    rotary_percent: float = 1.0
+    """Fraction of the head dim that is rotated (GLM4: 0.5)."""
+    rotary_interleaved: bool = False
+    """Interleaved (GPT-J style) rotary pairs instead of half-split (GLM4: true)."""
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon (HF rms_norm_eps), also used by the q/k norms."""
+    tie_word_embeddings: bool = False
+    """Output layer shares the input embedding (Qwen3 0.6B-4B: true)."""
+    qk_layernorm: bool = False
+    """RMSNorm on per-head queries and keys (Qwen3: true)."""
+    add_qkv_bias: bool = False
+    """Bias on the fused QKV projection (GLM4: true)."""
+    add_bias_linear: bool = False
+    """Bias on every other linear layer."""
+    post_sublayer_norms: bool = False
+    """Extra norms after attention and after the MLP (GLM4 'sandwich' norms)."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the rotary tables are built for."""
+
+    def __post_init__(self) -> None:
+        if self.family not in MODEL_FAMILIES:
+            raise ValueError(f"family: {self.family!r} is not one of {', '.join(MODEL_FAMILIES)}")
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_query_groups ({self.num_query_groups})"
+            )
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ModelArchitecture":
+        """Load an architecture file; unknown keys are an error naming the file and key."""
+        path = Path(path)
+        with open(path) as handle:
+            raw = yaml.safe_load(handle) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping of architecture fields")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        try:
+            return cls(**raw)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{path}: {error}") from error
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _hf_value(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if key in config and config[key] is not None:
+            return config[key]
+    return default
+
+
+def _hf_rope_theta(config: dict[str, Any]) -> float | None:
+    theta = _hf_value(config, "rope_theta")
+    if theta is None and isinstance(config.get("rope_parameters"), dict):
+        theta = config["rope_parameters"].get("rope_theta")
+    return theta
+
+
+def architecture_mismatches(arch: ModelArchitecture, hf_config: dict[str, Any]) -> list[str]:
+    """Fields where the architecture file disagrees with an HF config.json, as readable lines."""
+    heads = _hf_value(hf_config, "num_attention_heads")
+    hidden = _hf_value(hf_config, "hidden_size")
+    head_dim = _hf_value(hf_config, "head_dim", default=(hidden // heads if hidden and heads else None))
+    expected: dict[str, Any] = {
+        "num_layers": _hf_value(hf_config, "num_hidden_layers", "num_layers"),
+        "hidden_size": hidden,
+        "ffn_hidden_size": _hf_value(hf_config, "intermediate_size", "ffn_hidden_size"),
+        "num_attention_heads": heads,
+        "num_query_groups": _hf_value(hf_config, "num_key_value_heads", "multi_query_group_num", default=heads),
+        "kv_channels": head_dim,
+        "rotary_base": _hf_rope_theta(hf_config),
+        "norm_epsilon": _hf_value(hf_config, "rms_norm_eps", "layernorm_epsilon"),
+        "vocab_size": _hf_value(hf_config, "vocab_size", "padded_vocab_size"),
+        "tie_word_embeddings": _hf_value(hf_config, "tie_word_embeddings", default=False),
+    }
+    problems = []
+    for name, hf_value in expected.items():
+        if hf_value is None:
+            continue
+        ours = getattr(arch, name)
+        same = math.isclose(float(ours), float(hf_value), rel_tol=1e-9) if isinstance(ours, float) else ours == hf_value
+        if not same:
+            problems.append(f"{name}: model file says {ours!r}, config.json says {hf_value!r}")
+    return problems
+
+
+def load_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """Read `<checkpoint_dir>/config.json`."""
+    with open(Path(checkpoint_dir) / "config.json") as handle:
+        return json.load(handle)

@@ -1,0 +1,431 @@
+"""The typed config tree of one run: sections of `@dataclass(kw_only=True)` with a doc per field.
+
+Owns: field names (slime's flag names, so recipes move over), defaults, types and the invariants a
+single section can check by itself (`__post_init__`). Cross-section rules, file checks and plug-in
+checks live in `hpc_rl.config.validation`; YAML/CLI merging in `hpc_rl.config.loading`.
+Each field's docstring (the string literal after it) is its `--help` text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+RM_TYPES = ("deepscaler", "dapo", "math", "f1", "remote_rm", "tiny_task")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """Where the run's processes go: trainer GPUs, rollout GPUs, colocation."""
+
+    actor_num_nodes: int = 1
+    """Nodes for trainer ranks (het group 0)."""
+    actor_num_gpus_per_node: int = 1
+    """Trainer ranks per trainer node (one per GPU; on CPU, one per process)."""
+    rollout_num_gpus: int = 1
+    """GPUs for rollout engines in total (decoupled: on het group 1; colocated: shared with the trainer)."""
+    rollout_num_gpus_per_engine: int = 1
+    """GPUs per SGLang engine (its tensor-parallel size)."""
+    num_gpus_per_node: int = 8
+    """GPUs per node of the cluster (rollout nodes = rollout_num_gpus / this, rounded up)."""
+    colocate: bool = False
+    """Engines share the trainer's GPUs; memory is released/resumed around each train step."""
+    device: str = "cuda"
+    """cuda (NCCL, SGLang) or cpu (gloo, hpc_rl's CPU engine): the single CPU switch."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"cluster.device: {self.device!r} must be 'cuda' or 'cpu'")
+
+    @property
+    def trainer_world_size(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def num_engines(self) -> int:
+        return max(1, self.rollout_num_gpus // max(1, self.rollout_num_gpus_per_engine))
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Prompt data, sampling, rewards, dynamic sampling and partial rollout."""
+
+    prompt_data: str = ""
+    """Path of the training prompts (.jsonl or .parquet)."""
+    input_key: str = "prompt"
+    """Field holding the prompt: a string or a list of chat messages."""
+    label_key: str | None = "label"
+    """Field holding the ground truth for the reward (null: none)."""
+    metadata_key: str | None = None
+    """Optional field holding a dict copied into each sample's metadata."""
+    tool_key: str | None = None
+    """Optional field with tool definitions passed to the chat template."""
+    apply_chat_template: bool = False
+    """Run the tokenizer's chat template (add_generation_prompt) on the prompt."""
+    skip_bad_lines: bool = False
+    """Skip malformed data lines (and report their count) instead of failing."""
+    rollout_shuffle: bool = False
+    """Shuffle the prompts each epoch (seeded by rollout_seed and the epoch)."""
+    rollout_seed: int = 42
+    """Seed of the data order and of sampling."""
+    rm_type: str | None = None
+    """Built-in reward: deepscaler | dapo | math | f1 | remote_rm | tiny_task."""
+    custom_rm_path: str | None = None
+    """Import path of a custom reward: `async fn(args, sample) -> float` (or a group of samples with group_rm)."""
+    group_rm: bool = False
+    """custom_rm_path scores a whole group: `async fn(args, samples) -> list[float]`."""
+    rm_url: str | None = None
+    """URL of the remote reward model (rm_type remote_rm)."""
+    num_rollout: int | None = None
+    """Number of rollout steps (None: derived from num_epoch and the data size)."""
+    num_epoch: int | None = None
+    """Passes over the prompt data when num_rollout is not given."""
+    rollout_batch_size: int = 8
+    """Prompt groups per rollout step."""
+    n_samples_per_prompt: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    rollout_max_response_len: int = 1024
+    """Maximum new tokens per sample."""
+    rollout_max_prompt_len: int | None = None
+    """Prompts longer than this (in tokens) are dropped at load time (None: keep all)."""
+    rollout_max_context_len: int | None = None
+    """Maximum prompt + response tokens (None: no extra limit)."""
+    rollout_temperature: float = 1.0
+    """Sampling temperature."""
+    rollout_top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    rollout_top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    rollout_stop: list[str] | None = None
+    """Stop strings."""
+    rollout_stop_token_ids: list[int] | None = None
+    """Stop token ids (besides EOS)."""
+    over_sampling_batch_size: int | None = None
+    """Prompt groups per refill when dynamic sampling is on (default: rollout_batch_size)."""
+    dynamic_sampling_filter_path: str | None = None
+    """Import path of the group filter: `fn(args, samples, **kwargs) -> bool | result`
+    (built in: hpc_rl.rollout.filters.check_reward_nonzero_std)."""
+    partial_rollout: bool = False
+    """Keep unfinished groups (with their partial tokens) for the next rollout instead of dropping them."""
+    mask_offpolicy_in_partial_rollout: bool = False
+    """Loss-mask tokens of a partial sample that an older policy generated."""
+    buffer_filter_path: str | None = None
+    """Import path of `fn(args, rollout_id, buffer, num_samples) -> list[list[Sample]]` (default: FIFO)."""
+    custom_generate_function_path: str | None = None
+    """Import path of `async fn(args, sample, sampling_params) -> Sample` (multi-turn, tools)."""
+    update_weights_interval: int = 1
+    """Sync weights to the engines every this many rollouts."""
+    update_weight_buffer_size: int = 512 * 1024**2
+    """Bytes per weight-broadcast bucket."""
+    max_staleness: int | None = None
+    """Async mode: no sample is trained more than this many weight versions after its first token."""
+    async_rollout: bool = False
+    """Generate rollout k+1 while training on rollout k (bounded by max_staleness)."""
+
+    def __post_init__(self) -> None:
+        if self.rm_type is not None and self.rm_type not in RM_TYPES:
+            raise ValueError(f"rollout.rm_type: {self.rm_type!r} is not one of {', '.join(RM_TYPES)}")
+        if self.over_sampling_batch_size is None:
+            self.over_sampling_batch_size = self.rollout_batch_size
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """Trainer batch sizes, parallelism and recompute."""
+
+    global_batch_size: int = 64
+    """Samples per optimizer step."""
+    num_steps_per_rollout: int = 1
+    """Optimizer steps per rollout (rollout_batch_size*n_samples_per_prompt / global_batch_size)."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch (ignored with use_dynamic_batch_size)."""
+    use_dynamic_batch_size: bool = False
+    """Pack micro-batches by tokens up to max_tokens_per_gpu."""
+    max_tokens_per_gpu: int | None = None
+    """Token cap per micro-batch per GPU (x context parallel size) with dynamic batch size."""
+    balance_data: bool = False
+    """Assign micro-batches to DP ranks by Karmarkar-Karp on token counts."""
+    tensor_model_parallel_size: int = 1
+    """TP size."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (needs TP > 1)."""
+    pipeline_model_parallel_size: int = 1
+    """PP size."""
+    context_parallel_size: int = 1
+    """CP size."""
+    expert_model_parallel_size: int = 1
+    """EP size (MoE)."""
+    expert_tensor_parallel_size: int | None = None
+    """Expert TP size (MoE; default: TP)."""
+    recompute_granularity: str | None = None
+    """Activation recompute: full | selective | None."""
+    recompute_method: str | None = None
+    """uniform | block (with full recompute)."""
+    recompute_num_layers: int | None = None
+    """Layers per recompute unit."""
+    calculate_per_token_loss: bool = False
+    """Average the loss over all tokens of a step instead of summing per-sample means."""
+    seed: int = 1234
+    """Trainer RNG seed."""
+    num_threads: int = 1
+    """torch intra-op threads per rank on CPU (1 is fastest with several processes per core)."""
+
+    def __post_init__(self) -> None:
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("training.sequence_parallel needs tensor_model_parallel_size > 1")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ValueError(f"training.recompute_granularity: {self.recompute_granularity!r} is not full|selective")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """Advantages and loss terms of the GRPO family."""
+
+    advantage_estimator: str = "grpo"
+    """grpo | gspo | cispo | reinforce_plus_plus | reinforce_plus_plus_baseline | ppo."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef * KL(policy || reference) to the loss."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator for the loss: k1 | k2 | k3 | low_var_kl."""
+    kl_coef: float = 0.0
+    """KL reward shaping (PPO / REINFORCE++)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    eps_clip: float = 0.2
+    """PPO clip range below 1."""
+    eps_clip_high: float | None = None
+    """PPO clip range above 1 (clip-higher; default eps_clip)."""
+    eps_clip_c: float | None = None
+    """Dual-clip constant (> 1) for negative advantages."""
+    use_tis: bool = False
+    """Truncated importance sampling against the rollout log-probs."""
+    tis_clip: float = 2.0
+    """Upper TIS weight clamp."""
+    tis_clip_low: float = 0.0
+    """Lower TIS weight clamp."""
+    use_rollout_logprobs: bool = False
+    """Use the engine's log-probs as old log-probs instead of recomputing them."""
+    disable_grpo_std_normalization: bool = False
+    """Dr. GRPO: subtract the group mean only."""
+    disable_rewards_normalization: bool = False
+    """Skip group normalisation of rewards entirely."""
+    normalize_advantages: bool = False
+    """Whiten advantages over the DP group."""
+    gamma: float = 1.0
+    """Discount (REINFORCE++, PPO)."""
+    lambd: float = 1.0
+    """GAE lambda (PPO)."""
+    custom_loss_path: str | None = None
+    """Import path of a custom policy loss."""
+    custom_advantage_path: str | None = None
+    """Import path of a custom advantage function."""
+
+    def __post_init__(self) -> None:
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"algorithm.advantage_estimator: {self.advantage_estimator!r} is not one of "
+                f"{', '.join(ADVANTAGE_ESTIMATORS)}"
+            )
+        if self.kl_loss_type not in KL_TYPES:
+            raise ValueError(f"algorithm.kl_loss_type: {self.kl_loss_type!r} is not one of {', '.join(KL_TYPES)}")
+        if self.eps_clip_high is None:
+            self.eps_clip_high = self.eps_clip
+        if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
+            raise ValueError(f"algorithm.eps_clip_c: {self.eps_clip_c} must be > 1 (dual clip) or null")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule."""
+
+    optimizer: str = "adam"
+    """adam | sgd."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    lr_decay_style: str = "constant"
+    """constant | linear | cosine."""
+    min_lr: float = 0.0
+    """Floor of the decayed learning rate."""
+    lr_warmup_iters: int = 0
+    """Linear warm-up steps."""
+    lr_decay_iters: int | None = None
+    """Steps of decay (default: all steps of the run)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0: off)."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer.optimizer: {self.optimizer!r} must be adam or sgd")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"optimizer.lr_decay_style: {self.lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where weights come from and go to."""
+
+    hf_checkpoint: str = ""
+    """HF directory: tokenizer and engine weights (and the actor's start if ref_load is an HF dir)."""
+    ref_load: str | None = None
+    """Frozen reference model: torch_dist dir or HF dir (default: hf_checkpoint)."""
+    load: str | None = None
+    """Actor checkpoint to resume from (empty dir or None: start from ref_load)."""
+    save: str | None = None
+    """Directory for actor + controller checkpoints (default: <run_dir>/checkpoints)."""
+    save_interval: int | None = None
+    """Save every this many rollouts (None: only at the end)."""
+
+
+@dataclass(kw_only=True)
+class EvalDataset:
+    """One eval dataset: a name for the metrics and a path."""
+
+    name: str
+    """Metric prefix (eval/<name>/...)."""
+    path: str
+    """jsonl/parquet path."""
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Periodic evaluation rollouts."""
+
+    eval_interval: int | None = None
+    """Evaluate every this many rollouts (None: never)."""
+    eval_prompt_data: list[EvalDataset] = field(default_factory=list)
+    """Name/path pairs (CLI: --eval-prompt-data aime /path/aime.jsonl gsm8k /path/gsm8k.jsonl)."""
+    n_samples_per_eval_prompt: int = 1
+    """Samples per eval prompt."""
+    eval_max_response_len: int | None = None
+    """Max new tokens in eval (default: rollout_max_response_len)."""
+    eval_temperature: float | None = None
+    """Eval temperature (default: rollout_temperature)."""
+    eval_top_p: float | None = None
+    """Eval top-p (default: rollout_top_p)."""
+    eval_top_k: int | None = None
+    """Eval top-k (default: rollout_top_k)."""
+    skip_eval_before_train: bool = False
+    """Do not evaluate the initial policy."""
+
+
+@dataclass(kw_only=True)
+class SGLangConfig:
+    """Options passed to each SGLang server (`--sglang-X` on the CLI becomes `--X` on the server)."""
+
+    server_concurrency: int = 512
+    """Maximum in-flight requests per engine from the controller."""
+    mem_fraction_static: float | None = None
+    """SGLang --mem-fraction-static."""
+    cuda_graph_bs: list[int] | None = None
+    """SGLang --cuda-graph-bs."""
+    router_policy: str = "cache_aware"
+    """sglang-router policy: cache_aware | round_robin | power_of_two | random."""
+    extra_args: dict[str, Any] = field(default_factory=dict)
+    """Any other server option by SGLang name (e.g. {enable_memory_saver: true})."""
+
+    def server_options(self) -> dict[str, Any]:
+        """All options for `sglang.launch_server`, by SGLang's own names."""
+        options = dict(self.extra_args)
+        if self.mem_fraction_static is not None:
+            options["mem_fraction_static"] = self.mem_fraction_static
+        if self.cuda_graph_bs is not None:
+            options["cuda_graph_bs"] = self.cuda_graph_bs
+        return options
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Run naming and TensorBoard."""
+
+    run_name: str = "hpc_rl"
+    """Name of the run (run dir and TensorBoard)."""
+    tensorboard_dir: str | None = None
+    """TensorBoard event dir (default: <run_dir>/tensorboard)."""
+    log_level: str = "INFO"
+    """Python log level of every component."""
+
+
+@dataclass(kw_only=True)
+class SlurmConfig:
+    """Slurm submission options (ignored by the local executor)."""
+
+    partition: str | None = None
+    """--partition for every het group."""
+    rollout_partition: str | None = None
+    """--partition for the rollout group (default: partition)."""
+    account: str | None = None
+    """--account."""
+    qos: str | None = None
+    """--qos."""
+    time: str = "04:00:00"
+    """--time (HH:MM:SS or minutes)."""
+    constraint: str | None = None
+    """--constraint."""
+    cpus_per_task: int | None = None
+    """--cpus-per-task for each task."""
+    mem: str | None = None
+    """--mem per node."""
+    gres_per_node: bool = True
+    """Request --gpus-per-node (false on clusters without GPU gres)."""
+    extra_sbatch: list[str] = field(default_factory=list)
+    """Extra `#SBATCH` option lines, e.g. ['--exclusive', '--reservation=rl']."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run before the job (module loads, source venv, container env)."""
+    requeue_signal_seconds: int = 120
+    """Seconds before the time limit at which USR2 asks for checkpoint + requeue."""
+    max_num_timeout: int = 3
+    """How many times a timed-out/preempted job is requeued."""
+
+
+@dataclass(kw_only=True)
+class ControllerConfig:
+    """The asyncio controller: addresses and timeouts."""
+
+    port: int = 0
+    """TCP port of the controller (0: pick a free one)."""
+    registration_timeout: float = 600.0
+    """Seconds to wait for every trainer rank and engine to register."""
+    engine_health_interval: float = 5.0
+    """Seconds between engine health checks."""
+    engine_request_timeout: float = 600.0
+    """Seconds before a generate request is considered hung."""
+    max_engine_restarts: int = 3
+    """Restarts of a failed engine before the run fails."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """One complete run: every section plus the model architecture file."""
+
+    model: str = ""
+    """Path of the model architecture file (configs/models/*.yaml)."""
+    run_dir: str = ""
+    """Directory of every artifact of the run (default: runs/<run_name>-<timestamp>)."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)

@@ -1,0 +1,243 @@
+"""Submit-time validation of a whole `RunConfig`: every problem in one pass, before anything is queued.
+
+Owns: cross-section rules (batch arithmetic, GPU topology, parallel sizes vs the model), file
+existence (skippable with `--no-check-files` for rendering a job away from the cluster's
+filesystem), the first rows of the prompt data, plug-in import + signature checks, and the model
+file vs the HF checkpoint's config.json. Each problem names the field (or file:line) and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.data.prompts import DataError, DataKeys, iter_rows, row_to_record
+from hpc_rl.plugins import PluginError, load_callable
+
+ROWS_CHECKED = 5
+
+# plug-in field -> (section, expected positional parameters, async?)
+PLUGIN_SIGNATURES: dict[str, tuple[str, list[str], bool | None]] = {
+    "custom_rm_path": ("rollout", ["args", "sample"], True),
+    "dynamic_sampling_filter_path": ("rollout", ["args", "samples"], None),
+    "buffer_filter_path": ("rollout", ["args", "rollout_id", "buffer", "num_samples"], None),
+    "custom_generate_function_path": ("rollout", ["args", "sample", "sampling_params"], True),
+    "custom_loss_path": ("algorithm", [], None),
+    "custom_advantage_path": ("algorithm", [], None),
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the config: where, what, and what to do."""
+
+    where: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
+
+class ValidationFailed(ValueError):
+    """Raised with every problem found (one line each)."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(f"  - {p}" for p in problems))
+
+
+def _batch_problems(config: RunConfig) -> list[Problem]:
+    rollout, training = config.rollout, config.training
+    problems = []
+    samples = rollout.rollout_batch_size * rollout.n_samples_per_prompt
+    trained = training.global_batch_size * training.num_steps_per_rollout
+    if samples != trained:
+        problems.append(Problem(
+            "rollout.rollout_batch_size",
+            f"rollout_batch_size * n_samples_per_prompt ({rollout.rollout_batch_size} * "
+            f"{rollout.n_samples_per_prompt} = {samples}) must equal global_batch_size * num_steps_per_rollout "
+            f"({training.global_batch_size} * {training.num_steps_per_rollout} = {trained}); "
+            f"e.g. set global_batch_size to {samples // max(1, training.num_steps_per_rollout)}",
+        ))
+    if rollout.over_sampling_batch_size is not None and rollout.over_sampling_batch_size < rollout.rollout_batch_size:
+        problems.append(Problem(
+            "rollout.over_sampling_batch_size",
+            f"{rollout.over_sampling_batch_size} is below rollout_batch_size ({rollout.rollout_batch_size}); "
+            f"set it >= rollout_batch_size",
+        ))
+    dp = _data_parallel_size(config)
+    if dp and training.global_batch_size % dp:
+        problems.append(Problem(
+            "training.global_batch_size",
+            f"{training.global_batch_size} is not divisible by the data-parallel size {dp}",
+        ))
+    if training.use_dynamic_batch_size and not training.max_tokens_per_gpu:
+        problems.append(Problem("training.max_tokens_per_gpu", "use_dynamic_batch_size needs max_tokens_per_gpu"))
+    if rollout.rm_type is None and rollout.custom_rm_path is None:
+        problems.append(Problem("rollout.rm_type", "no reward: set rm_type (e.g. deepscaler) or custom_rm_path"))
+    if rollout.rm_type == "remote_rm" and not rollout.rm_url:
+        problems.append(Problem("rollout.rm_url", "rm_type remote_rm needs rm_url"))
+    if config.eval.eval_interval is not None and not config.eval.eval_prompt_data:
+        problems.append(Problem("eval.eval_interval", "eval_interval is set but eval_prompt_data is empty"))
+    if rollout.num_rollout is None and rollout.num_epoch is None:
+        problems.append(Problem("rollout.num_rollout", "set num_rollout or num_epoch"))
+    return problems
+
+
+def _data_parallel_size(config: RunConfig) -> int:
+    model_parallel = config.training.model_parallel_size
+    world = config.cluster.trainer_world_size
+    return world // model_parallel if model_parallel and world % model_parallel == 0 else 0
+
+
+def _topology_problems(config: RunConfig) -> list[Problem]:
+    cluster, training = config.cluster, config.training
+    problems = []
+    if cluster.rollout_num_gpus_per_engine < 1:
+        problems.append(Problem("cluster.rollout_num_gpus_per_engine", "must be >= 1"))
+    elif cluster.rollout_num_gpus % cluster.rollout_num_gpus_per_engine:
+        problems.append(Problem(
+            "cluster.rollout_num_gpus",
+            f"{cluster.rollout_num_gpus} is not divisible by rollout_num_gpus_per_engine "
+            f"({cluster.rollout_num_gpus_per_engine}); engines cannot be formed",
+        ))
+    world = cluster.trainer_world_size
+    if world % training.model_parallel_size:
+        problems.append(Problem(
+            "training.tensor_model_parallel_size",
+            f"TP*PP*CP = {training.tensor_model_parallel_size}*{training.pipeline_model_parallel_size}*"
+            f"{training.context_parallel_size} = {training.model_parallel_size} does not divide the trainer's "
+            f"{world} GPUs (actor_num_nodes * actor_num_gpus_per_node)",
+        ))
+    if cluster.colocate:
+        if cluster.rollout_num_gpus != world:
+            problems.append(Problem(
+                "cluster.rollout_num_gpus",
+                f"colocate: engines share the trainer's GPUs, so rollout_num_gpus ({cluster.rollout_num_gpus}) "
+                f"must equal actor_num_nodes * actor_num_gpus_per_node ({world})",
+            ))
+    elif cluster.rollout_num_gpus < 1:
+        problems.append(Problem("cluster.rollout_num_gpus", "decoupled mode needs rollout_num_gpus >= 1"))
+    if cluster.device == "cuda":
+        if cluster.actor_num_gpus_per_node > cluster.num_gpus_per_node:
+            problems.append(Problem(
+                "cluster.actor_num_gpus_per_node",
+                f"{cluster.actor_num_gpus_per_node} exceeds num_gpus_per_node ({cluster.num_gpus_per_node})",
+            ))
+        if cluster.rollout_num_gpus_per_engine > cluster.num_gpus_per_node:
+            problems.append(Problem(
+                "cluster.rollout_num_gpus_per_engine",
+                f"an engine cannot span nodes: {cluster.rollout_num_gpus_per_engine} > num_gpus_per_node "
+                f"({cluster.num_gpus_per_node})",
+            ))
+    return problems
+
+
+def _model_problems(config: RunConfig) -> list[Problem]:
+    if not config.model:
+        return [Problem("model", "no model architecture file; set model: configs/models/<name>.yaml")]
+    model_path = Path(config.model)
+    if not model_path.is_file():
+        return [Problem("model", f"model file {model_path} not found")]
+    try:
+        arch = ModelArchitecture.from_yaml(model_path)
+    except ValueError as error:
+        return [Problem("model", str(error))]
+    problems = []
+    tp = config.training.tensor_model_parallel_size
+    if arch.num_query_groups % tp:
+        problems.append(Problem(
+            "training.tensor_model_parallel_size",
+            f"TP {tp} does not divide the model's {arch.num_query_groups} KV heads ({model_path})",
+        ))
+    engine_tp = config.cluster.rollout_num_gpus_per_engine
+    if arch.num_attention_heads % engine_tp:
+        problems.append(Problem(
+            "cluster.rollout_num_gpus_per_engine",
+            f"engine TP {engine_tp} does not divide the model's {arch.num_attention_heads} heads",
+        ))
+    if arch.num_layers % config.training.pipeline_model_parallel_size:
+        problems.append(Problem(
+            "training.pipeline_model_parallel_size",
+            f"PP {config.training.pipeline_model_parallel_size} does not divide {arch.num_layers} layers",
+        ))
+    hf_config = Path(config.checkpoint.hf_checkpoint) / "config.json" if config.checkpoint.hf_checkpoint else None
+    if hf_config is not None and hf_config.is_file():
+        try:
+            hf = json.loads(hf_config.read_text())
+        except json.JSONDecodeError as error:
+            return problems + [Problem(str(hf_config), f"not valid JSON: {error}")]
+        for mismatch in architecture_mismatches(arch, hf):
+            problems.append(Problem("model", f"{model_path} disagrees with {hf_config}: {mismatch}"))
+    return problems
+
+
+def _file_problems(config: RunConfig) -> list[Problem]:
+    problems = []
+    required = {"rollout.prompt_data": config.rollout.prompt_data, "checkpoint.hf_checkpoint": config.checkpoint.hf_checkpoint}
+    for where, value in required.items():
+        if not value:
+            problems.append(Problem(where, "is empty; give a path"))
+        elif not Path(value).exists():
+            problems.append(Problem(where, f"{value} does not exist (use --no-check-files to render the job elsewhere)"))
+    if config.checkpoint.ref_load and not Path(config.checkpoint.ref_load).exists():
+        problems.append(Problem("checkpoint.ref_load", f"{config.checkpoint.ref_load} does not exist"))
+    for dataset in config.eval.eval_prompt_data:
+        if not Path(dataset.path).exists():
+            problems.append(Problem(f"eval.eval_prompt_data[{dataset.name}]", f"{dataset.path} does not exist"))
+    return problems
+
+
+def _data_problems(path: str, keys: DataKeys, where: str) -> list[Problem]:
+    if not path or not Path(path).is_file():
+        return []
+    problems = []
+    try:
+        for count, (row_where, row) in enumerate(iter_rows(path)):
+            if count >= ROWS_CHECKED:
+                break
+            if isinstance(row, DataError):
+                raise row
+            row_to_record(row, count, keys, row_where)
+    except DataError as error:
+        problems.append(Problem(where, str(error)))
+    return problems
+
+
+def _plugin_problems(config: RunConfig) -> list[Problem]:
+    problems = []
+    for name, (section, params, is_async) in PLUGIN_SIGNATURES.items():
+        path = getattr(getattr(config, section), name)
+        if not path:
+            continue
+        if name == "custom_rm_path" and config.rollout.group_rm:
+            params = ["args", "samples"]
+        try:
+            load_callable(path, params or None, require_async=is_async, what=f"{section}.{name}")
+        except PluginError as error:
+            problems.append(Problem(f"{section}.{name}", str(error)))
+    return problems
+
+
+def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Problem]:
+    """Every problem found in `config` (empty list = valid)."""
+    problems = _batch_problems(config) + _topology_problems(config) + _model_problems(config)
+    if check_files:
+        problems += _file_problems(config)
+    keys = DataKeys(input_key=config.rollout.input_key, label_key=config.rollout.label_key,
+                    metadata_key=config.rollout.metadata_key, tool_key=config.rollout.tool_key)
+    problems += _data_problems(config.rollout.prompt_data, keys, "rollout.prompt_data")
+    for dataset in config.eval.eval_prompt_data:
+        problems += _data_problems(dataset.path, keys, f"eval.eval_prompt_data[{dataset.name}]")
+    problems += _plugin_problems(config)
+    return problems
+
+
+def validate(config: RunConfig, *, check_files: bool = True) -> None:
+    """Raise ValidationFailed listing every problem, or return if the config is valid."""
+    problems = collect_problems(config, check_files=check_files)
+    if problems:
+        raise ValidationFailed(problems)

@@ -1,0 +1,88 @@
+"""The `Sample` a rollout produces and the group type (one prompt, `n_samples_per_prompt` samples).
+
+Owns: the fields every stage reads or writes (data source -> generation -> reward -> filter ->
+buffer -> trainer), their status, and a JSON-safe dict form for checkpoints and the wire. Kept small
+on purpose: anything task-specific goes into `metadata`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class SampleStatus(str, enum.Enum):
+    """Where a sample is in its life."""
+
+    PENDING = "pending"
+    """Not generated yet, or generation not finished (a partial sample in the buffer)."""
+    COMPLETED = "completed"
+    """Generation stopped on a stop token / EOS."""
+    TRUNCATED = "truncated"
+    """Generation hit the response length limit."""
+    ABORTED = "aborted"
+    """Generation was cut short by an abort (engine paused, surplus request, engine lost)."""
+    FAILED = "failed"
+    """The engine or a custom generate function reported an error."""
+
+
+@dataclass(kw_only=True)
+class Sample:
+    """One response to one prompt, with everything the trainer and the buffer need."""
+
+    index: int
+    """Unique id of this sample within the run (stable across retries and resume)."""
+    group_index: int
+    """Id of the prompt group (all samples of one prompt share it)."""
+    prompt: str | list[dict[str, Any]]
+    """The prompt as read from the data (a string or chat messages)."""
+    prompt_token_ids: list[int]
+    """Prompt tokens sent to the engine (chat template applied)."""
+    label: Any = None
+    """Ground truth for the reward (the data's `label_key`)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Free-form per-sample data (the data's `metadata_key`, `start_rollout_id`, tool state...)."""
+    response_token_ids: list[int] = field(default_factory=list)
+    """Generated tokens so far (for multi-turn: including tool-result tokens, see `loss_mask`)."""
+    response_logprobs: list[float] = field(default_factory=list)
+    """Log-probability of each response token under the engine's policy (0.0 for tool tokens)."""
+    weight_versions: list[int] = field(default_factory=list)
+    """Per response token: the weight version of the policy that generated it."""
+    loss_mask: list[int] | None = None
+    """Per response token 1 = trained, 0 = masked (tool output, off-policy); None = all ones."""
+    response_text: str = ""
+    """Decoded response (what rewards read)."""
+    status: SampleStatus = SampleStatus.PENDING
+    """Generation status."""
+    reward: float | None = None
+    """Scalar reward once scored."""
+    rid: str = ""
+    """Request id of the last engine request for this sample (for aborts)."""
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_token_ids)
+
+    @property
+    def total_length(self) -> int:
+        return len(self.prompt_token_ids) + len(self.response_token_ids)
+
+    def effective_loss_mask(self) -> list[int]:
+        return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.response_token_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form (checkpoints, status files)."""
+        data = asdict(self)
+        data["status"] = self.status.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Sample":
+        data = dict(data)
+        data["status"] = SampleStatus(data.get("status", SampleStatus.PENDING.value))
+        return cls(**data)
+
+
+Group = list[Sample]
+"""All samples of one prompt (slime's filters and buffer filters take `list[Sample]`)."""

@@ -1,0 +1,143 @@
+"""Job topology from the config: het groups, engines, GPU assignment, ports, NCCL world sizes.
+
+Owns: the pure arithmetic of placing trainer ranks and SGLang engines on nodes (decoupled: two het
+groups; colocated: one group, engines overlapping the trainer's GPUs), the per-process port plan
+(virtual Slurm nodes share one network stack, so every server gets its own port) and the
+weight-update group layout (trainer rank 0 = rank 0, engine i at 1 + sum of earlier engines' TP).
+No processes, no Slurm calls.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hpc_rl.config.schema import ClusterConfig
+
+DEFAULT_BASE_PORT = 15000
+PORTS_PER_ENGINE = 4  # HTTP, NCCL/gloo side channels, spare: SGLang opens a few ports after its own
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnginePlacement:
+    """One engine: its het group, node (index within that group), GPUs and HTTP port."""
+
+    engine_index: int
+    het_group: int
+    node_index: int
+    gpu_ids: tuple[int, ...]
+    port: int
+    weight_group_rank_offset: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class HetGroup:
+    """One heterogeneous-job component."""
+
+    index: int
+    role: str
+    """trainer | rollout | trainer+rollout (colocated)."""
+    num_nodes: int
+    gpus_per_node: int
+    tasks_per_node: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobTopology:
+    """Everything the launcher needs to place processes."""
+
+    groups: tuple[HetGroup, ...]
+    engines: tuple[EnginePlacement, ...]
+    trainer_world_size: int
+    trainer_nodes: int
+    trainer_procs_per_node: int
+    weight_update_world_size: int
+    """1 (trainer rank 0) + the GPUs of every engine."""
+    colocate: bool
+    router_port: int
+    router_metrics_port: int
+    controller_port: int
+    rendezvous_port: int
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """Human-readable summary for `--dry-run` and logs."""
+        lines = [f"job topology ({'colocated' if self.colocate else 'decoupled'}):"]
+        for group in self.groups:
+            lines.append(
+                f"  het group {group.index} [{group.role}]: {group.num_nodes} node(s) x {group.gpus_per_node} GPU(s)"
+            )
+        lines.append(
+            f"  trainer: {self.trainer_world_size} rank(s) = {self.trainer_nodes} node(s) x "
+            f"{self.trainer_procs_per_node}, torchrun rendezvous port {self.rendezvous_port}"
+        )
+        lines.append(f"  engines: {len(self.engines)}")
+        for engine in self.engines:
+            lines.append(
+                f"    engine {engine.engine_index}: het group {engine.het_group}, node {engine.node_index}, "
+                f"GPUs {list(engine.gpu_ids)}, port {engine.port}, weight-group rank {engine.weight_group_rank_offset}"
+            )
+        lines.append(f"  weight-update (NCCL) world size: {self.weight_update_world_size}")
+        lines.append(
+            f"  ports: controller {self.controller_port}, router {self.router_port} (metrics {self.router_metrics_port})"
+        )
+        return "\n".join(lines)
+
+
+def plan_topology(cluster: ClusterConfig, *, base_port: int = DEFAULT_BASE_PORT) -> JobTopology:
+    """Place trainer ranks and engines; raises ValueError for shapes that cannot be placed."""
+    engine_tp = cluster.rollout_num_gpus_per_engine
+    if engine_tp < 1 or cluster.rollout_num_gpus % engine_tp:
+        raise ValueError(
+            f"rollout_num_gpus ({cluster.rollout_num_gpus}) must be a positive multiple of "
+            f"rollout_num_gpus_per_engine ({engine_tp})"
+        )
+    num_engines = cluster.rollout_num_gpus // engine_tp
+    gpus_per_node = cluster.num_gpus_per_node
+    if engine_tp > gpus_per_node:
+        raise ValueError(f"an engine of {engine_tp} GPUs does not fit on a node of {gpus_per_node}")
+    trainer_world = cluster.trainer_world_size
+    engines: list[EnginePlacement] = []
+    engine_port = base_port + 10
+    if cluster.colocate:
+        engines_per_node = max(1, cluster.actor_num_gpus_per_node // engine_tp)
+        for index in range(num_engines):
+            node, slot = divmod(index, engines_per_node)
+            engines.append(EnginePlacement(
+                engine_index=index, het_group=0, node_index=node,
+                gpu_ids=tuple(range(slot * engine_tp, (slot + 1) * engine_tp)),
+                port=engine_port + PORTS_PER_ENGINE * index, weight_group_rank_offset=1 + index * engine_tp,
+            ))
+        groups: tuple[HetGroup, ...] = (HetGroup(
+            index=0, role="trainer+rollout", num_nodes=cluster.actor_num_nodes,
+            gpus_per_node=cluster.actor_num_gpus_per_node, tasks_per_node=cluster.actor_num_gpus_per_node,
+        ),)
+    else:
+        engines_per_node = gpus_per_node // engine_tp
+        rollout_nodes = math.ceil(num_engines / engines_per_node)
+        for index in range(num_engines):
+            node, slot = divmod(index, engines_per_node)
+            engines.append(EnginePlacement(
+                engine_index=index, het_group=1, node_index=node,
+                gpu_ids=tuple(range(slot * engine_tp, (slot + 1) * engine_tp)),
+                port=engine_port + PORTS_PER_ENGINE * index, weight_group_rank_offset=1 + index * engine_tp,
+            ))
+        groups = (
+            HetGroup(index=0, role="trainer", num_nodes=cluster.actor_num_nodes,
+                     gpus_per_node=cluster.actor_num_gpus_per_node, tasks_per_node=cluster.actor_num_gpus_per_node),
+            HetGroup(index=1, role="rollout", num_nodes=rollout_nodes,
+                     gpus_per_node=min(gpus_per_node, cluster.rollout_num_gpus), tasks_per_node=engines_per_node),
+        )
+    return JobTopology(
+        groups=groups,
+        engines=tuple(engines),
+        trainer_world_size=trainer_world,
+        trainer_nodes=cluster.actor_num_nodes,
+        trainer_procs_per_node=cluster.actor_num_gpus_per_node,
+        weight_update_world_size=1 + num_engines * engine_tp,
+        colocate=cluster.colocate,
+        controller_port=base_port,
+        router_port=base_port + 1,
+        router_metrics_port=base_port + 2,
+        rendezvous_port=base_port + 3,
+    )

@@ -1,0 +1,132 @@
+"""`python -m hpc_rl.submit CONFIG.yaml [...] [options] [slime flags...]`: validate, then run or submit.
+
+Owns: the command line of the login node. Loads the config (defaults < YAML files < CLI flags),
+validates all of it (exit code 2 with every problem listed), creates the run directory with
+`config.resolved.yaml` and a 0600 secret, then hands over to the local executor (this machine) or
+the Slurm executor (a heterogeneous job through submitit). `--dry-run` stops after printing the
+resolved config and the job topology.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from hpc_rl.config import ConfigError, RunConfig, load_config, write_resolved_config
+from hpc_rl.config.loading import config_to_dict
+from hpc_rl.config.validation import ValidationFailed, validate
+from hpc_rl.launch.topology import plan_topology
+
+USAGE = """usage: python -m hpc_rl.submit CONFIG.yaml [CONFIG.yaml ...] [options] [--flag value ...]
+
+options:
+  --dry-run            validate, print the resolved config and the job topology, submit nothing
+  --no-check-files     skip only the file-existence checks (render a job away from the cluster's data)
+  --executor E         slurm | local (default: slurm when `srun` is on PATH, else local)
+  --wait               block until the job ends; exit with its status
+  --run-dir DIR        where every artifact of the run goes (default: runs/<run_name>-<timestamp>)
+  -h, --help           this text
+
+Any other flag sets a config field with slime's name: --rollout-batch-size 32, --colocate,
+--eval-prompt-data aime /path/aime.jsonl, --sglang-mem-fraction-static 0.7, --set section.key=value.
+"""
+
+EXIT_INVALID = 2
+
+
+@dataclass
+class SubmitOptions:
+    """The submit command's own options (everything else is config)."""
+
+    config_files: list[str] = field(default_factory=list)
+    config_flags: list[str] = field(default_factory=list)
+    dry_run: bool = False
+    check_files: bool = True
+    executor: str | None = None
+    wait: bool = False
+
+
+def parse_submit_args(argv: list[str]) -> SubmitOptions:
+    options = SubmitOptions()
+    i = 0
+    while i < len(argv) and not argv[i].startswith("-"):
+        options.config_files.append(argv[i])
+        i += 1
+    while i < len(argv):
+        token = argv[i]
+        if token in ("-h", "--help"):
+            print(USAGE)
+            raise SystemExit(0)
+        if token == "--dry-run":
+            options.dry_run = True
+        elif token == "--no-check-files":
+            options.check_files = False
+        elif token == "--wait":
+            options.wait = True
+        elif token == "--executor" or token.startswith("--executor="):
+            value = token.split("=", 1)[1] if "=" in token else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 0 if "=" in token else 1
+            if value not in ("slurm", "local"):
+                raise ConfigError(f"--executor: {value!r} must be slurm or local")
+            options.executor = value
+        else:
+            options.config_flags.append(token)
+        i += 1
+    if not options.config_files:
+        raise ConfigError("no config file given; e.g. python -m hpc_rl.submit configs/tiny_cpu.yaml")
+    return options
+
+
+def default_executor() -> str:
+    return "slurm" if shutil.which("srun") else "local"
+
+
+def assign_run_dir(config: RunConfig) -> RunConfig:
+    if not config.run_dir:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        config.run_dir = str(Path("runs") / f"{config.logging.run_name}-{stamp}")
+    config.run_dir = str(Path(config.run_dir).resolve())
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        options = parse_submit_args(argv)
+        config = load_config(options.config_files, options.config_flags)
+        validate(config, check_files=options.check_files)
+        topology = plan_topology(config.cluster)
+    except ValidationFailed as failure:
+        print(f"hpc_rl.submit: the config has {len(failure.problems)} problem(s); nothing was submitted:",
+              file=sys.stderr)
+        print(str(failure), file=sys.stderr)
+        return EXIT_INVALID
+    except (ConfigError, ValueError) as error:
+        print(f"hpc_rl.submit: {error}", file=sys.stderr)
+        return EXIT_INVALID
+    executor = options.executor or default_executor()
+    if options.dry_run:
+        print("# resolved config")
+        print(yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False), end="")
+        print(f"# executor: {executor}")
+        print(topology.describe())
+        print("dry run: the config is valid; nothing was started or submitted.")
+        return 0
+    config = assign_run_dir(config)
+    write_resolved_config(config, config.run_dir)
+    if executor == "local":
+        from hpc_rl.launch.local import run_local
+
+        return run_local(config)
+    from hpc_rl.launch.slurm_submit import submit_slurm
+
+    return submit_slurm(config, wait=options.wait)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

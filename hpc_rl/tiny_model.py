@@ -1,0 +1,109 @@
+"""Tiny Qwen3 checkpoints with a locally built tokenizer, for tests, benchmarks and the CPU demo.
+
+Owns: the tiny word-level vocabulary, its chat template, and writing an HF checkpoint directory
+(config.json, model.safetensors, tokenizer files) with `save_pretrained`. Nothing is downloaded.
+The vocabulary covers the synthetic task in `hpc_rl.data.tiny_task` (digits and a few words); any
+other word maps to `<unk>`, so real datasets still load and run (as nonsense) on the tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+WORDS = ["user", "assistant", "system", "copy", "add", "answer", "=", "+", ":"] + [str(d) for d in range(10)]
+TINY_VOCAB = SPECIAL_TOKENS + WORDS
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|> {{ message['role'] }} {{ message['content'] }} <|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+@dataclass(kw_only=True)
+class TinyModelSpec:
+    """Shape of a tiny Qwen3 (defaults: ~50k parameters, 2 layers)."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    max_position_embeddings: int = 512
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+
+def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+    """A word-level tokenizer over `TINY_VOCAB` with Qwen-style special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: index for index, token in enumerate(TINY_VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        bos_token=None,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_model(output_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
+    """Write a randomly initialised tiny Qwen3 checkpoint + tokenizer to `output_dir`; return it."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    spec = spec or TinyModelSpec()
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(TINY_VOCAB),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output_dir", help="directory to write the HF checkpoint into")
+    parser.add_argument("--hidden-size", type=int, default=TinyModelSpec.hidden_size)
+    parser.add_argument("--num-layers", type=int, default=TinyModelSpec.num_hidden_layers)
+    parser.add_argument("--seed", type=int, default=TinyModelSpec.seed)
+    args = parser.parse_args(argv)
+    spec = TinyModelSpec(hidden_size=args.hidden_size, num_hidden_layers=args.num_layers, seed=args.seed,
+                         intermediate_size=2 * args.hidden_size)
+    print(make_tiny_model(args.output_dir, spec))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The weight-update process group shared by trainer rank 0 and the engines.
+
+Owns: building a torch.distributed group outside the default world, the way SGLang's engine side
+does it (a TCP rendezvous at `tcp://master_address:master_port`, the store wrapped in
+`PrefixStore(group_name, store)`, a fresh process group on that store). A plain
+`dist.init_process_group` would use another key prefix and never meet the engines, so both sides
+(the trainer's exporter and hpc_rl's CPU engine) call `init_weight_update_group`.
+Rank 0 is the trainer (the broadcast source); engine i joins at `rank_offset_i`.
+No Megatron import here: engines use it too.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+
+
+def init_weight_update_group(
+    *,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str = DEFAULT_GROUP_NAME,
+    backend: str = "gloo",
+    timeout_seconds: float = 600.0,
+) -> dist.ProcessGroup:
+    """Join (or, as rank 0, host) the weight-update group; blocks until all `world_size` ranks joined."""
+    timeout = timedelta(seconds=timeout_seconds)
+    init_method = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    prefixed = dist.PrefixStore(group_name, store)
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], backend, prefixed, group_name=group_name, timeout=timeout
+    )
+    # Ranks of this group are its own (0..world_size-1): collectives take src=0 = the trainer.
+    c10d._world.pg_group_ranks[group] = {index: index for index in range(world_size)}
+    return group
+
+
+def destroy_weight_update_group(group: dist.ProcessGroup) -> None:
+    """Tear the group down (SGLang's /destroy_weights_update_group)."""
+    dist.destroy_process_group(group)
