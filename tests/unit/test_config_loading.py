@@ -1,0 +1,90 @@
+"""Config loading: defaults < YAML < CLI, slime's flags, --set, errors with file:line, resolved round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpc_rl.config import ConfigError, load_config, load_resolved_config, write_resolved_config
+from hpc_rl.config.schema import EvalDataset
+
+
+def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_precedence_defaults_yaml_cli(tmp_path: Path) -> None:
+    first = write(tmp_path, "rollout_batch_size: 4\nrollout:\n  n_samples_per_prompt: 2\n", "a.yaml")
+    second = write(tmp_path, "rollout_batch_size: 6\n", "b.yaml")
+    config = load_config([first, second], ["--n-samples-per-prompt", "3"])
+    assert config.rollout.rollout_batch_size == 6
+    assert config.rollout.n_samples_per_prompt == 3
+    assert config.training.global_batch_size == 64  # default untouched
+
+
+def test_slime_flags_verbatim() -> None:
+    config = load_config([], [
+        "--rollout-batch-size", "32", "--colocate", "--eval-prompt-data", "aime", "/d/aime.jsonl", "gsm", "/d/g.jsonl",
+        "--sglang-mem-fraction-static", "0.7", "--sglang-cuda-graph-bs", "1", "2", "4", "--lr", "1e-6",
+        "--rollout-stop", "</s>", "<|im_end|>", "--no-rollout-shuffle", "--sglang-enable-memory-saver",
+    ])
+    assert config.rollout.rollout_batch_size == 32
+    assert config.cluster.colocate is True
+    assert config.eval.eval_prompt_data == [EvalDataset(name="aime", path="/d/aime.jsonl"),
+                                            EvalDataset(name="gsm", path="/d/g.jsonl")]
+    assert config.sglang.mem_fraction_static == 0.7
+    assert config.sglang.cuda_graph_bs == [1, 2, 4]
+    assert config.optimizer.lr == 1e-6
+    assert config.rollout.rollout_stop == ["</s>", "<|im_end|>"]
+    assert config.rollout.rollout_shuffle is False
+    assert config.sglang.extra_args == {"enable_memory_saver": True}
+
+
+def test_set_override_and_derived_defaults() -> None:
+    config = load_config([], ["--set", "algorithm.eps_clip=0.3", "--set", "rollout.rollout_batch_size=12"])
+    assert config.algorithm.eps_clip == 0.3
+    assert config.algorithm.eps_clip_high == 0.3  # follows eps_clip when not given
+    assert config.rollout.over_sampling_batch_size == 12  # follows rollout_batch_size
+
+
+def test_unknown_key_names_file_and_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "rollout:\n  n_samples_per_prompt: 2\n  rollout_batch_sise: 3\n")
+    with pytest.raises(ConfigError, match=rf"{path}:3: rollout has no field 'rollout_batch_sise'; did you mean 'rollout_batch_size'"):
+        load_config([path])
+
+
+def test_wrong_type_names_file_and_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "model: m.yaml\nglobal_batch_size: many\n")
+    with pytest.raises(ConfigError, match=rf"{path}:2: 'many' is not an integer"):
+        load_config([path])
+
+
+def test_unknown_cli_flag_suggests() -> None:
+    with pytest.raises(ConfigError, match="unknown setting 'n_sample_per_prompt'; did you mean 'n_samples_per_prompt'"):
+        load_config([], ["--n-sample-per-prompt", "8"])
+
+
+def test_architecture_flag_points_to_model_file() -> None:
+    with pytest.raises(ConfigError, match="model-architecture field: set it in the model file"):
+        load_config([], ["--num-layers", "36"])
+
+
+def test_section_invariant_reports_origin(tmp_path: Path) -> None:
+    path = write(tmp_path, "algorithm:\n  advantage_estimator: grpoo\n")
+    with pytest.raises(ConfigError, match="advantage_estimator: 'grpoo' is not one of"):
+        load_config([path])
+
+
+def test_resolved_config_round_trip(tmp_path: Path) -> None:
+    config = load_config([], ["--colocate", "--eval-prompt-data", "a", "/p", "--sglang-foo", "3", "--model", "m.yaml"])
+    write_resolved_config(config, tmp_path)
+    assert (tmp_path / "config.resolved.yaml").is_file()
+    assert load_resolved_config(tmp_path) == config
+
+
+def test_eval_pairs_must_be_even() -> None:
+    with pytest.raises(ConfigError, match="name/path pairs, got an odd count"):
+        load_config([], ["--eval-prompt-data", "aime"])

@@ -1,0 +1,44 @@
+"""`python -m hpc_rl.submit --dry-run` on every shipped recipe, and exit code 2 on bad configs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_rl.submit import main
+
+RECIPES = sorted(p.name for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_dry_runs(recipe: str, in_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([f"configs/{recipe}", "--dry-run", "--no-check-files"]) == 0
+    out = capsys.readouterr().out
+    assert "# resolved config" in out and "job topology" in out and "weight-update (NCCL) world size" in out
+
+
+def test_tiny_dry_run_with_every_check(in_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["configs/tiny_cpu.yaml", "--dry-run"]) == 0
+    assert "dry run: the config is valid" in capsys.readouterr().out
+
+
+def test_invalid_config_exits_2_listing_problems(in_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["configs/tiny_cpu.yaml", "--dry-run", "--global-batch-size", "7", "--rollout-num-gpus", "0"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "problem(s); nothing was submitted" in err and "global_batch_size" in err and "rollout_num_gpus" in err
+
+
+def test_missing_config_file_exits_2(in_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["configs/nope.yaml", "--dry-run"]) == 2
+    assert "configs/nope.yaml: config file not found" in capsys.readouterr().err
+
+
+def test_module_entry_point(in_repo: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "hpc_rl.submit", "configs/qwen3_4b_grpo.yaml", "--dry-run",
+                             "--no-check-files"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "het group 0 [trainer+rollout]: 1 node(s) x 8 GPU(s)" in result.stdout

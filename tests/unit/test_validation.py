@@ -1,0 +1,117 @@
+"""Submit-time validation: every rule has a bad input whose message names the field and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpc_rl.config import load_config
+from hpc_rl.config.validation import ValidationFailed, collect_problems, validate
+
+TINY = "configs/tiny_cpu.yaml"
+
+
+def problems_for(flags: list[str], *, check_files: bool = True) -> str:
+    config = load_config([TINY], flags)
+    return "\n".join(str(p) for p in collect_problems(config, check_files=check_files))
+
+
+@pytest.fixture(autouse=True)
+def _from_repo(in_repo: Path) -> None:
+    """Every test here runs from the repository root."""
+
+
+def test_tiny_default_is_valid() -> None:
+    validate(load_config([TINY]))
+
+
+def test_batch_constraint() -> None:
+    text = problems_for(["--global-batch-size", "100"])
+    assert "rollout_batch_size * n_samples_per_prompt (16 * 8 = 128) must equal global_batch_size" in text
+    assert "(100 * 1 = 100)" in text
+
+
+def test_over_sampling_below_rollout_batch() -> None:
+    assert "rollout.over_sampling_batch_size: 4 is below rollout_batch_size (16)" in problems_for(
+        ["--over-sampling-batch-size", "4"])
+
+
+def test_rollout_gpus_not_divisible_by_engine_size() -> None:
+    text = problems_for(["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"])
+    assert "cluster.rollout_num_gpus: 3 is not divisible by rollout_num_gpus_per_engine (2)" in text
+
+
+def test_model_parallel_must_divide_trainer_gpus() -> None:
+    text = problems_for(["--actor-num-gpus-per-node", "3", "--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    assert "TP*PP*CP = 2*1*1 = 2 does not divide the trainer's 3 GPUs" in text
+
+
+def test_colocate_needs_matching_rollout_gpus() -> None:
+    text = problems_for(["--colocate", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1"])
+    assert "colocate: engines share the trainer's GPUs, so rollout_num_gpus (1) must equal" in text
+
+
+def test_tp_must_divide_kv_heads() -> None:
+    text = problems_for(["--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "4"])
+    assert "TP 4 does not divide the model's 2 KV heads" in text
+
+
+def test_missing_files_and_no_check_files() -> None:
+    flags = ["--prompt-data", "/nonexistent/train.jsonl", "--hf-checkpoint", "/nonexistent/model"]
+    text = problems_for(flags)
+    assert "rollout.prompt_data: /nonexistent/train.jsonl does not exist" in text
+    assert "checkpoint.hf_checkpoint: /nonexistent/model does not exist" in text
+    assert problems_for(flags, check_files=False) == ""
+
+
+def test_prompt_data_missing_keys(tmp_path: Path) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "1+1", "label": "2"}) + "\n")
+    text = problems_for(["--prompt-data", str(data)])
+    assert f"{data}:1: missing input key 'prompt' (fields: label, question); set rollout.input_key" in text
+    text = problems_for(["--prompt-data", str(data), "--input-key", "question", "--label-key", "answer"])
+    assert "missing label key 'answer'" in text
+
+
+def test_prompt_data_bad_json_line(tmp_path: Path) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "label": "1"}) + "\n{broken\n")
+    assert f"{data}:2: not valid JSON" in problems_for(["--prompt-data", str(data)])
+
+
+def test_plugin_import_and_signature(tmp_path: Path) -> None:
+    plugin = tmp_path / "my_plugins.py"
+    plugin.write_text("def sync_reward(args, sample):\n    return 1.0\n\nasync def one_arg(args):\n    return 1.0\n")
+    text = problems_for(["--custom-rm-path", f"{plugin}:sync_reward"])
+    assert "rollout.custom_rm_path" in text and "async" in text
+    text = problems_for(["--custom-rm-path", f"{plugin}:one_arg"])
+    assert "rollout.custom_rm_path" in text
+    assert "rollout.dynamic_sampling_filter_path" in problems_for(
+        ["--dynamic-sampling-filter-path", "no_such_module_xyz.keep_all"])
+    assert "rollout.buffer_filter_path" in problems_for(["--buffer-filter-path", f"{plugin}:missing_function"])
+
+
+def test_model_file_vs_hf_config(tmp_path: Path, tiny_model_dir: Path) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 10000.0
+    config["num_hidden_layers"] = 3
+    (hf / "config.json").write_text(json.dumps(config))
+    text = problems_for(["--hf-checkpoint", str(hf)])
+    assert "rotary_base: model file says 1000000.0, config.json says 10000.0" in text
+    assert "num_layers: model file says 2, config.json says 3" in text
+
+
+def test_every_problem_reported_in_one_pass() -> None:
+    config = load_config([TINY], ["--global-batch-size", "100", "--over-sampling-batch-size", "4",
+                                  "--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"])
+    with pytest.raises(ValidationFailed) as failure:
+        validate(config)
+    assert len(failure.value.problems) >= 3
+
+
+def test_reward_required_and_remote_needs_url() -> None:
+    assert "rollout.rm_url: rm_type remote_rm needs rm_url" in problems_for(["--rm-type", "remote_rm"])
