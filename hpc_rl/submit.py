@@ -21,6 +21,7 @@ from hpc_rl.config import ConfigError, RunConfig, load_config, write_resolved_co
 from hpc_rl.config.loading import config_to_dict
 from hpc_rl.config.validation import ValidationFailed, validate
 from hpc_rl.launch.topology import plan_topology
+from hpc_rl.protocol.secret import create_secret, secret_path
 
 USAGE = """usage: python -m hpc_rl.submit CONFIG.yaml [CONFIG.yaml ...] [options] [--flag value ...]
 
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config = assign_run_dir(config)
     write_resolved_config(config, config.run_dir)
+    create_secret(secret_path(config.run_dir), overwrite=True)
     if executor == "local":
         from hpc_rl.launch.local import run_local
 

@@ -1,0 +1,248 @@
+"""The controller process: one asyncio TCP server that ties trainer ranks, engines and the router together.
+
+    driver ──starts──> Controller.start(): TCP server (job secret), engine health task, rollout stack
+       │                 │
+       │   trainer ranks ├─ Hello(trainer, rank, dp_rank, resume info) ──> registry
+       │   (torchrun)    ├─ NextCommand ──> TrainCommand | SyncWeightsCommand | SaveCommand | StopCommand
+       │                 ├─ WeightPlan (rank 0, during a sync)            (trainer_channel)
+       │                 └─ CommandDone(metrics)
+       ├─ engines: driver calls register_engine(i, url) after /health; health task watches them
+       │   (engine_fleet); generation goes through sglang-router; admin calls go to each engine
+       └─ status: `python -m hpc_rl.status` sends StatusRequest; status.json in the run dir too
+
+    run():  wait_ready (every rank + engine, or a timeout naming who is missing)
+            -> restore state from trainer rank 0's checkpoint (resume) -> RunLoop.run (run_loop.py)
+            -> StopCommand to every rank
+
+Shutdown order (success, failure, Ctrl-C alike): the loop stops issuing commands -> trainer ranks
+get StopCommand (when they are still reachable) -> the driver stops torchrun -> engines -> router ->
+Controller.close(): health task, HTTP sessions, then the TCP server. A trainer rank that disconnects
+fails the run at once (after a final controller-state save, when a trainer can still save).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from hpc_rl.config import plugin_args
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.controller.engine_fleet import EngineFleet, RestartFn, RouterMembership
+from hpc_rl.controller.registry import Registry, TrainerInfo
+from hpc_rl.controller.run_loop import RunLoop
+from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
+from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptSource, make_prompt_encoder
+from hpc_rl.launch.topology import plan_topology
+from hpc_rl.protocol import Connection, Envelope, Secret, Server
+from hpc_rl.protocol.errors import ProtocolError
+from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, StatusReply,
+                                      StatusRequest, WeightPlan)
+from hpc_rl.rewards.group import RewardSpec, reward_group
+from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
+from hpc_rl.rollout.generate import load_generate_function
+from hpc_rl.telemetry.scalars import ScalarLog
+
+log = logging.getLogger(__name__)
+
+
+def num_rollouts(config: RunConfig, dataset_size: int) -> int:
+    if config.rollout.num_rollout is not None:
+        return config.rollout.num_rollout
+    epochs = config.rollout.num_epoch or 1
+    return max(1, epochs * dataset_size // config.rollout.rollout_batch_size)
+
+
+class Controller:
+    """One run's controller (see the module docstring for the message flow and shutdown order)."""
+
+    def __init__(self, config: RunConfig, *, secret: Secret, router: RouterMembership | None,
+                 router_url: str | None, restart_engine: RestartFn | None = None,
+                 host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        self.secret = secret
+        self.host, self.port = host, port
+        topology = plan_topology(config.cluster)
+        self.registry = Registry(trainer_world_size=config.cluster.trainer_world_size,
+                                 num_engines=len(topology.engines))
+        self.channel = TrainerChannel(config.cluster.trainer_world_size)
+        self.fleet = EngineFleet(self.registry, router, api_key=api_key, restart=restart_engine,
+                                 max_restarts=config.controller.max_engine_restarts,
+                                 health_interval_s=config.controller.engine_health_interval)
+        self.router_url = router_url
+        self.server: Server | None = None
+        self.loop: RunLoop | None = None
+        self.client: EngineClient | None = None
+        self.stopping = False
+        self.started_at = time.time()
+        self.last_error = ""
+        self._status_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.server = Server(self.secret, self._handle, on_hello=self._on_hello, on_close=self._on_close)
+        await self.server.start(self.host, self.port)
+        await self.fleet.start()
+        self._build_rollout_stack()
+        self._status_task = asyncio.create_task(self._write_status_forever())
+        log.info("controller listening on %s:%d", *self.server.address)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self.server is not None
+        return self.server.address
+
+    def _build_rollout_stack(self) -> None:
+        from transformers import AutoTokenizer
+
+        config = self.config
+        rollout = config.rollout
+        tokenizer = AutoTokenizer.from_pretrained(config.checkpoint.hf_checkpoint)
+        encoder = make_prompt_encoder(tokenizer, apply_chat_template=rollout.apply_chat_template)
+        keys = DataKeys(input_key=rollout.input_key, label_key=rollout.label_key,
+                        metadata_key=rollout.metadata_key, tool_key=rollout.tool_key)
+        dataset = PromptDataset.load(rollout.prompt_data, keys, skip_bad_lines=rollout.skip_bad_lines)
+        if dataset.skipped_lines:
+            log.warning("%s: skipped %d bad line(s) (skip_bad_lines)", rollout.prompt_data, dataset.skipped_lines)
+        source = PromptSource(dataset, shuffle=rollout.rollout_shuffle, seed=rollout.rollout_seed)
+        self.client = EngineClient(self.registry, router_url=self.router_url,
+                                   per_engine_concurrency=config.sglang.server_concurrency,
+                                   request_timeout_s=config.controller.engine_request_timeout)
+        args = plugin_args(config)
+        spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,
+                          group_rm=rollout.group_rm, args=args)
+
+        async def reward_fn(samples: list[Any]) -> list[float]:
+            return await reward_group(spec, samples)
+
+        scheduler = RolloutScheduler.from_config(config, client=self.client, source=source, encoder=encoder,
+                                                 reward_fn=reward_fn)
+        eval_fn = None
+        if config.eval.eval_prompt_data:
+            datasets = load_eval_datasets(config.eval, keys)
+            generate_fn = load_generate_function(rollout.custom_generate_function_path)
+
+            async def eval_fn(weight_version: int) -> dict[str, float]:
+                assert self.client is not None
+                return await run_eval(client=self.client, datasets=datasets, encoder=encoder, reward_fn=reward_fn,
+                                      n_samples=config.eval.n_samples_per_eval_prompt,
+                                      sampling_params=eval_sampling_params(rollout, config.eval), args=args,
+                                      generate_fn=generate_fn, weight_version=weight_version,
+                                      max_context_len=rollout.rollout_max_context_len)
+
+        tensorboard_dir = config.logging.tensorboard_dir or str(self.run_dir / "tensorboard")
+        self.loop = RunLoop(config=config, registry=self.registry, channel=self.channel, fleet=self.fleet,
+                            scheduler=scheduler, scalars=ScalarLog(tensorboard_dir, filename_suffix=".controller"),
+                            num_rollout=num_rollouts(config, len(dataset)), run_eval=eval_fn,
+                            print_fn=lambda line: print(line, flush=True))
+
+    async def register_engine(self, engine_index: int, url: str, *, tp_size: int = 1) -> None:
+        """The driver started engine `engine_index` and it answers /health at `url`."""
+        await self.fleet.register(engine_index, url, tp_size=tp_size, serving=True)
+
+    async def run(self) -> dict[str, Any]:
+        """Wait for everyone, resume if a checkpoint says so, run every rollout, stop the trainers."""
+        assert self.loop is not None
+        await self.registry.wait_ready(self.config.controller.registration_timeout)
+        resume = self.registry.trainers[0].info.get("resume") if 0 in self.registry.trainers else None
+        if resume and resume.get("controller_state"):
+            self.loop.restore(resume["controller_state"])
+            log.info("resuming at rollout %d (weight version %d)", self.loop.state.next_rollout_id,
+                     self.loop.state.weight_version)
+        try:
+            metrics = await self.loop.run(resumed=bool(resume))
+        except BaseException as error:
+            self.last_error = f"{type(error).__name__}: {error}"
+            raise
+        self.stopping = True
+        await self.loop.stop_trainers("run complete")
+        return metrics
+
+    async def close(self) -> None:
+        self.stopping = True
+        if self._status_task is not None:
+            self._status_task.cancel()
+            await asyncio.gather(self._status_task, return_exceptions=True)
+        self.write_status()
+        await self.fleet.close()
+        if self.client is not None:
+            await self.client.close()
+        if self.server is not None:
+            await self.server.close()
+        if self.loop is not None:
+            self.loop.scalars.close()
+
+    # -- protocol ------------------------------------------------------------------------------------------
+    async def _on_hello(self, conn: Connection, hello: Hello) -> dict[str, Any] | None:
+        if hello.role == "trainer":
+            try:
+                self.registry.add_trainer(TrainerInfo(rank=hello.rank, world_size=hello.world_size, host=hello.host,
+                                                      pid=hello.pid, info=dict(hello.info)))
+            except ValueError as error:
+                raise ProtocolError(str(error)) from None
+        return {"run_dir": str(self.run_dir)}
+
+    async def _on_close(self, conn: Connection, error: BaseException | None) -> None:
+        hello = conn.hello
+        if hello is None or hello.role != "trainer":
+            return
+        self.registry.remove_trainer(hello.rank)
+        if not self.stopping:
+            self.channel.fail(TrainerFailed(f"trainer rank {hello.rank} (pid {hello.pid} on {hello.host}) "
+                                            f"disconnected: {error or 'connection closed'}"))
+
+    async def _handle(self, conn: Connection, envelope: Envelope) -> Message | None:
+        message = envelope.message
+        if isinstance(message, NextCommand):
+            return await self.channel.next_command(message.rank)
+        if isinstance(message, CommandDone):
+            self.channel.on_done(message)
+            return Ack()
+        if isinstance(message, WeightPlan):
+            self.channel.on_weight_plan(message)
+            return Ack()
+        if isinstance(message, StatusRequest):
+            return StatusReply(status=self.status())
+        if isinstance(message, Ping):
+            return Pong(payload=message.payload)
+        raise ProtocolError(f"unexpected message {message.TYPE!r} from {conn.peer}")
+
+    # -- status --------------------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        loop = self.loop
+        last = loop.last_metrics if loop else {}
+        return {
+            "run_dir": str(self.run_dir),
+            "controller": {"address": f"{self.host}:{self.address[1] if self.server else 0}",
+                           "uptime_s": round(time.time() - self.started_at, 1)},
+            "rollout_id": loop.state.next_rollout_id if loop else 0,
+            "num_rollout": loop.num_rollout if loop else 0,
+            "weight_version": loop.state.weight_version if loop else 0,
+            "buffer_size": len(loop.scheduler.buffer) if loop else 0,
+            "last_rollout_seconds": last.get("time/step"),
+            "reward_mean": last.get("rollout/reward_mean"),
+            "samples_per_second": (self.config.rollout.rollout_batch_size * self.config.rollout.n_samples_per_prompt
+                                   / last["time/step"]) if last.get("time/step") else None,
+            "components": self.registry.snapshot(),
+            "engine_events": self.fleet.events[-20:],
+            "last_error": self.last_error or (str(self.channel.failure) if self.channel.failure else ""),
+            "updated_at": time.time(),
+        }
+
+    def write_status(self) -> None:
+        path = self.run_dir / "status.json"
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(self.status(), indent=1, default=str))
+            tmp.replace(path)
+        except OSError as error:
+            log.warning("cannot write %s: %s", path, error)
+
+    async def _write_status_forever(self) -> None:
+        while True:
+            self.write_status()
+            await asyncio.sleep(2.0)

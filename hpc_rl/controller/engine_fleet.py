@@ -1,0 +1,147 @@
+"""The engines as a fleet: registration, health checks, router membership, failure and restart.
+
+Owns: one `EngineAdmin` per engine, adding/removing engines on sglang-router, the health-check
+task (an engine that dies or stops answering is marked FAILED and leaves the router at once, so its
+in-flight samples fail over to the others and are re-queued by the rollout client), and asking the
+launcher to restart it. A restarted engine stays STARTING (not behind the router) until the loop
+has pushed the current weights to it, then `mark_serving` puts it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import aiohttp
+
+from hpc_rl.controller.engine_admin import EngineAdmin
+from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
+
+log = logging.getLogger(__name__)
+
+RestartFn = Callable[[int], Awaitable[str]]
+"""Restart engine i (same placement) and return its URL once it answers /health."""
+
+
+class RouterMembership(Protocol):
+    """What the fleet needs from sglang-router (hpc_rl.engines.router.RouterProcess fits, run in a thread)."""
+
+    def add_worker(self, url: str) -> None: ...
+
+    def remove_worker(self, url: str) -> None: ...
+
+
+class EngineFleet:
+    """Engines of the run, their health, and their place behind the router."""
+
+    def __init__(self, registry: Registry, router: RouterMembership | None, *, api_key: str | None,
+                 restart: RestartFn | None, max_restarts: int, health_interval_s: float,
+                 health_timeout_s: float = 10.0) -> None:
+        self.registry = registry
+        self.router = router
+        self.api_key = api_key
+        self.restart = restart
+        self.max_restarts = max_restarts
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.session: aiohttp.ClientSession | None = None
+        self.admins: dict[int, EngineAdmin] = {}
+        self.engine_waiting = asyncio.Event()
+        """Set when an engine is up but waits for current weights before serving."""
+        self.fatal: BaseException | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._restarts: set[asyncio.Task[None]] = set()
+        self.events: list[dict[str, Any]] = []
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession()
+        self._monitor = asyncio.create_task(self._monitor_loop(), name="engine-health")
+
+    async def close(self) -> None:
+        for task in [self._monitor, *self._restarts]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in [self._monitor, *self._restarts] if t is not None), return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    async def register(self, engine_index: int, url: str, *, tp_size: int = 1, serving: bool) -> None:
+        """An engine answered /health at `url`; serving=True puts it behind the router now."""
+        assert self.session is not None, "start() first"
+        previous = self.registry.engines.get(engine_index)
+        info = EngineInfo(engine_index=engine_index, url=url, tp_size=tp_size,
+                          restarts=previous.restarts if previous else 0)
+        self.registry.add_engine(info)
+        self.admins[engine_index] = EngineAdmin(url, self.session, api_key=self.api_key)
+        if serving:
+            await self._router_call("add_worker", url)
+            self.registry.set_engine_state(engine_index, EngineState.SERVING)
+        else:
+            self.engine_waiting.set()
+
+    async def mark_serving(self, engine_indices: list[int]) -> None:
+        for index in engine_indices:
+            engine = self.registry.engines[index]
+            if engine.state == EngineState.STARTING:
+                await self._router_call("add_worker", engine.url)
+                self.registry.set_engine_state(index, EngineState.SERVING)
+                self._event("serving", index, engine.url)
+        if not any(e.state == EngineState.STARTING for e in self.registry.engines.values()):
+            self.engine_waiting.clear()
+
+    async def _router_call(self, method: str, url: str) -> None:
+        """Router calls block (they wait for the router to apply them): run them off the event loop."""
+        if self.router is not None:
+            await asyncio.to_thread(getattr(self.router, method), url)
+
+    def _event(self, kind: str, index: int, detail: str) -> None:
+        self.events.append({"event": kind, "engine": index, "detail": detail})
+        log.info("engine %d: %s %s", index, kind, detail)
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            for engine in list(self.registry.engines.values()):
+                if engine.state == EngineState.FAILED:
+                    continue
+                if not await self.admins[engine.engine_index].healthy(self.health_timeout_s):
+                    await self.fail_engine(engine.engine_index, "health check failed")
+
+    async def fail_engine(self, engine_index: int, reason: str) -> None:
+        """Take an engine out (router first, so no new request goes there) and restart it if allowed."""
+        engine = self.registry.engines[engine_index]
+        if engine.state == EngineState.FAILED:
+            return
+        if engine.state == EngineState.SERVING:
+            try:
+                await self._router_call("remove_worker", engine.url)
+            except Exception as error:  # the router may already have dropped it
+                log.warning("removing %s from the router: %s", engine.url, error)
+        self.registry.set_engine_state(engine_index, EngineState.FAILED, reason)
+        self._event("failed", engine_index, reason)
+        if self.restart is None or engine.restarts >= self.max_restarts:
+            if not self.registry.live_engines():
+                self.fatal = RuntimeError(f"every engine failed; engine {engine_index}: {reason} "
+                                          f"(restarts used: {engine.restarts}/{self.max_restarts})")
+            return
+        task = asyncio.create_task(self._restart(engine_index), name=f"restart-engine-{engine_index}")
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, engine_index: int) -> None:
+        assert self.restart is not None
+        engine = self.registry.engines[engine_index]
+        engine.restarts += 1
+        self._event("restarting", engine_index, f"attempt {engine.restarts}")
+        try:
+            url = await self.restart(engine_index)
+        except Exception as error:
+            self._event("restart failed", engine_index, str(error))
+            if not self.registry.live_engines():
+                self.fatal = error
+            return
+        await self.register(engine_index, url, tp_size=engine.tp_size, serving=False)
+        self.registry.engines[engine_index].restarts = engine.restarts
+        self._event("restarted", engine_index, url)

@@ -1,0 +1,122 @@
+"""Who is in the job: trainer ranks and engines, and the readiness barrier.
+
+Owns: the live set of trainer ranks (from their Hello) and engines (URL, TP size, weight-group rank
+offset, health state), `wait_ready(timeout)` that names exactly who is missing when it times out,
+and the `EngineDirectory` view the rollout client reads (engines that are up and serving).
+Does not own: talking to them (trainer_channel, engine_admin) or restarting them (the driver).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RegistrationTimeout(RuntimeError):
+    """Not everyone registered in time; the message lists who is missing."""
+
+
+class EngineState(str, enum.Enum):
+    STARTING = "starting"
+    """Started; not yet serving (waiting for current weights before it joins the router)."""
+    SERVING = "serving"
+    """Behind the router, receiving requests."""
+    FAILED = "failed"
+    """Health check failed or the process died; removed from the router."""
+
+
+@dataclass(kw_only=True)
+class TrainerInfo:
+    rank: int
+    world_size: int
+    host: str
+    pid: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class EngineInfo:
+    engine_index: int
+    url: str
+    tp_size: int = 1
+    state: EngineState = EngineState.STARTING
+    restarts: int = 0
+    last_error: str = ""
+
+
+class Registry:
+    """Trainer ranks and engines of the run."""
+
+    def __init__(self, *, trainer_world_size: int, num_engines: int) -> None:
+        self.trainer_world_size = trainer_world_size
+        self.num_engines = num_engines
+        self.trainers: dict[int, TrainerInfo] = {}
+        self.engines: dict[int, EngineInfo] = {}
+        self._changed = asyncio.Event()
+
+    def add_trainer(self, trainer: TrainerInfo) -> None:
+        if trainer.world_size != self.trainer_world_size:
+            raise ValueError(f"trainer rank {trainer.rank} reports world size {trainer.world_size}, "
+                             f"the config says {self.trainer_world_size}")
+        if trainer.rank in self.trainers:
+            raise ValueError(f"trainer rank {trainer.rank} registered twice (pid {self.trainers[trainer.rank].pid} "
+                             f"and {trainer.pid})")
+        self.trainers[trainer.rank] = trainer
+        self._changed.set()
+
+    def remove_trainer(self, rank: int) -> None:
+        self.trainers.pop(rank, None)
+        self._changed.set()
+
+    def add_engine(self, engine: EngineInfo) -> None:
+        self.engines[engine.engine_index] = engine
+        self._changed.set()
+
+    def set_engine_state(self, engine_index: int, state: EngineState, error: str = "") -> None:
+        engine = self.engines[engine_index]
+        engine.state = state
+        if error:
+            engine.last_error = error
+        self._changed.set()
+
+    def serving_engines(self) -> list[EngineInfo]:
+        return [e for _, e in sorted(self.engines.items()) if e.state == EngineState.SERVING]
+
+    def live_engines(self) -> list[EngineInfo]:
+        """Engines that are up (serving or waiting for weights), in index order."""
+        return [e for _, e in sorted(self.engines.items()) if e.state != EngineState.FAILED]
+
+    def engine_urls(self) -> list[str]:
+        """EngineDirectory: base URLs of the engines serving now."""
+        return [e.url for e in self.serving_engines()]
+
+    def missing(self) -> list[str]:
+        missing = [f"trainer rank {r}" for r in range(self.trainer_world_size) if r not in self.trainers]
+        missing += [f"engine {i}" for i in range(self.num_engines) if i not in self.engines]
+        return missing
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Until every trainer rank and engine registered; RegistrationTimeout names who is missing."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.missing():
+            self._changed.clear()
+            left = deadline - loop.time()
+            if left <= 0:
+                raise RegistrationTimeout(
+                    f"not registered after {timeout_s:.0f} s: {', '.join(self.missing())} "
+                    f"(see their logs in the run dir's logs/)"
+                )
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                continue
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "trainers": {r: {"host": t.host, "pid": t.pid} for r, t in sorted(self.trainers.items())},
+            "engines": {i: {"url": e.url, "state": e.state.value, "restarts": e.restarts, "last_error": e.last_error}
+                        for i, e in sorted(self.engines.items())},
+        }

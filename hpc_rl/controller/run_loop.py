@@ -1,0 +1,234 @@
+"""The RL loop the controller drives: rollout -> train -> weight sync, sync or async, with eval and saves.
+
+Sync mode, per rollout k:
+
+    [engines serve v=k]  rollout k (scheduler) ──> train k on every rank ──> v=k+1 ──> sync ──> eval/save
+                                                   (colocated: pause, release memory first;
+                                                    resume weights, sync, resume kv cache, continue)
+Async mode (overlap generation of k+1 with training of k; sync every update_weights_interval):
+
+    rollout k ──┬─> train k ──> v=k+1 ──> sync (engines pause with abort, in-flight samples resume
+                │                            after continue; tokens record the version that made them)
+                └─> rollout k+1 (started as soon as rollout k returned) ──┬─> train k+1 ...
+                                                                          └─> rollout k+2 ...
+    The staleness of a sample = trainer version at its train step - version of its first token;
+    the scheduler resets buffered partials that would exceed max_staleness.
+
+An engine restarted after a failure waits for weights: when the trainer is idle (during a sync-mode
+rollout) the loop pushes the current weights to every live engine at once; otherwise the next sync
+includes it. The loop's state at each rollout boundary (data cursor, partial buffer, counters,
+version) is what a checkpoint stores, so a resumed run replays the same data order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.controller.engine_fleet import EngineFleet
+from hpc_rl.controller.registry import EngineState, Registry
+from hpc_rl.controller.train_batches import RewardShaping, split_for_data_parallel
+from hpc_rl.controller.trainer_channel import TrainerChannel, merge_metrics
+from hpc_rl.controller.weight_sync import WeightGroupState, sync_weights
+from hpc_rl.protocol.messages import SaveCommand, StopCommand, TrainCommand
+from hpc_rl.rollout.scheduler import RolloutResult, RolloutScheduler
+from hpc_rl.telemetry.scalars import ScalarLog, progress_line
+
+log = logging.getLogger(__name__)
+
+COLOCATED_RELEASE_TAGS = ["kv_cache", "weights"]
+
+
+@dataclass
+class LoopState:
+    """Where the run is: the next rollout to generate and the weight version the engines serve."""
+
+    next_rollout_id: int = 0
+    weight_version: int = 0
+
+
+class RunLoop:
+    """Drives trainer ranks and engines through `num_rollout` rollouts."""
+
+    def __init__(self, *, config: RunConfig, registry: Registry, channel: TrainerChannel, fleet: EngineFleet,
+                 scheduler: RolloutScheduler, scalars: ScalarLog, num_rollout: int,
+                 run_eval: Callable[[int], Any] | None = None, print_fn: Callable[[str], None] = print) -> None:
+        self.config = config
+        self.registry = registry
+        self.channel = channel
+        self.fleet = fleet
+        self.scheduler = scheduler
+        self.scalars = scalars
+        self.num_rollout = num_rollout
+        self.run_eval = run_eval
+        self.print = print_fn
+        self.state = LoopState()
+        self.group = WeightGroupState()
+        self.shaping = RewardShaping(
+            advantage_estimator=config.algorithm.advantage_estimator,
+            n_samples_per_prompt=config.rollout.n_samples_per_prompt,
+            std_normalization=not config.algorithm.disable_grpo_std_normalization,
+            disabled=config.algorithm.disable_rewards_normalization,
+        )
+        self.backend = "gloo" if config.cluster.device == "cpu" else "nccl"
+        self.trainer_busy = False
+        self.last_metrics: dict[str, Any] = {}
+        self.history: list[dict[str, Any]] = []
+        self._boundary_states: dict[int, dict[str, Any]] = {}
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def controller_state(self, next_rollout_id: int) -> dict[str, Any]:
+        """What a checkpoint saved after rollout next_rollout_id-1 must hold to resume exactly."""
+        scheduler_state = self._boundary_states.get(next_rollout_id) or self.scheduler.state_dict()
+        return {"next_rollout_id": next_rollout_id, "weight_version": self.state.weight_version,
+                "scheduler": scheduler_state}
+
+    def restore(self, controller_state: dict[str, Any]) -> None:
+        self.state.next_rollout_id = int(controller_state["next_rollout_id"])
+        self.state.weight_version = int(controller_state["weight_version"])
+        self.scheduler.load_state_dict(controller_state["scheduler"])
+        self.scheduler.set_weight_version(self.state.weight_version)
+
+    # -- the phases ----------------------------------------------------------------------------------------
+    def _check_engines(self) -> None:
+        if self.fleet.fatal is not None:
+            raise RuntimeError(f"rollout engines lost: {self.fleet.fatal}")
+        if self.channel.failure is not None:
+            raise self.channel.failure
+
+    async def _rollout(self, rollout_id: int) -> RolloutResult:
+        self._boundary_states[rollout_id] = self.scheduler.state_dict()
+        run = asyncio.create_task(self.scheduler.run(rollout_id, self.state.weight_version))
+        while True:
+            waiting = asyncio.create_task(self.fleet.engine_waiting.wait())
+            done, _ = await asyncio.wait({run, waiting}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+            if run in done:
+                return run.result()
+            try:
+                self._check_engines()
+            except BaseException:
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+                raise
+            if self.fleet.engine_waiting.is_set() and not self.trainer_busy and not self.config.rollout.async_rollout:
+                # A restarted engine: give it the current weights now, so the rollout can use it.
+                await self.sync_weights(self.state.weight_version, reason="engine restarted")
+
+    async def _engines_call(self, method: str, *args: Any, engines: list[int] | None = None) -> None:
+        indices = engines if engines is not None else [e.engine_index for e in self.registry.live_engines()]
+        results = await asyncio.gather(*(getattr(self.fleet.admins[i], method)(*args) for i in indices),
+                                       return_exceptions=True)
+        for index, result in zip(indices, results):
+            if isinstance(result, BaseException):
+                await self.fleet.fail_engine(index, f"{method} failed: {result}")
+
+    async def sync_weights(self, version: int, *, reason: str = "") -> dict[str, float]:
+        """Push the trainer's weights as `version` to every live engine; waiting engines start serving."""
+        start = time.perf_counter()
+        engines = self.registry.live_engines()
+        waiting = [e.engine_index for e in engines if e.state == EngineState.STARTING]
+        pause_mode = "abort" if self.config.rollout.async_rollout else "retract"
+        await self._engines_call("pause", pause_mode)
+        engines = self.registry.live_engines()
+        metrics = await sync_weights(version=version, channel=self.channel, engines=engines,
+                                     admins=self.fleet.admins, group=self.group, backend=self.backend,
+                                     bucket_bytes=self.config.rollout.update_weight_buffer_size,
+                                     timeout_s=self.config.controller.engine_request_timeout)
+        self.state.weight_version = version
+        self.scheduler.set_weight_version(version)
+        await self.fleet.mark_serving(waiting)
+        await self._engines_call("resume_generation")
+        if reason:
+            log.info("weights v%d pushed (%s)", version, reason)
+        metrics["time/weight_sync"] = time.perf_counter() - start
+        return metrics
+
+    async def _train(self, rollout_id: int, result: RolloutResult) -> dict[str, Any]:
+        dp_of = {rank: int(t.info.get("dp_rank", 0)) for rank, t in self.registry.trainers.items()}
+        dp_size = max(1, int(next(iter(self.registry.trainers.values())).info.get("dp_size", 1)))
+        batches = split_for_data_parallel(result.groups, self.shaping, dp_size)
+        start = time.perf_counter()
+        self.trainer_busy = True
+        try:
+            done = await self.channel.run(lambda rank, seq: TrainCommand(
+                seq=seq, rollout_id=rollout_id, batch=batches[dp_of[rank]],
+                meta={"weight_version": self.state.weight_version, "num_rollout": self.num_rollout}))
+        finally:
+            self.trainer_busy = False
+        metrics = {f"train/{k}" if "/" not in k else k: v for k, v in merge_metrics(done).items()}
+        metrics["time/train"] = time.perf_counter() - start
+        return metrics
+
+    async def _save(self, rollout_id: int) -> float:
+        start = time.perf_counter()
+        state = self.controller_state(rollout_id + 1)
+        await self.channel.run(lambda rank, seq: SaveCommand(seq=seq, rollout_id=rollout_id, controller_state=state))
+        return time.perf_counter() - start
+
+    def _due(self, interval: int | None, rollout_id: int) -> bool:
+        return bool(interval) and (rollout_id + 1) % interval == 0  # type: ignore[operator]
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    async def run(self, *, resumed: bool) -> dict[str, Any]:
+        start_id = self.state.next_rollout_id
+        if resumed and start_id > 0:
+            await self.sync_weights(self.state.weight_version, reason="resumed from a checkpoint")
+        if self.run_eval is not None and start_id == 0 and not self.config.eval.skip_eval_before_train:
+            metrics = await self.run_eval(self.state.weight_version)
+            self.scalars.log(metrics, 0)
+            self.print(progress_line(-1, self.num_rollout, metrics).replace("rollout 0/", "eval before training /"))
+        colocate = self.config.cluster.colocate
+        overlap = self.config.rollout.async_rollout
+        next_rollout: asyncio.Task[RolloutResult] | None = None
+        for rollout_id in range(start_id, self.num_rollout):
+            metrics: dict[str, Any] = {}
+            start = time.perf_counter()
+            if next_rollout is None:
+                next_rollout = asyncio.create_task(self._rollout(rollout_id))
+            result = await next_rollout
+            next_rollout = None
+            metrics.update(result.metrics)
+            metrics["time/rollout"] = time.perf_counter() - start
+            if overlap and rollout_id + 1 < self.num_rollout:
+                next_rollout = asyncio.create_task(self._rollout(rollout_id + 1))
+            released = colocate and not overlap
+            if released:
+                await self._engines_call("pause", "retract")
+                await self._engines_call("release_memory", COLOCATED_RELEASE_TAGS)
+            metrics.update(await self._train(rollout_id, result))
+            if released:
+                await self._engines_call("resume_memory", ["weights"])
+            new_version = self.state.weight_version + 1
+            if self._due(self.config.rollout.update_weights_interval, rollout_id) or rollout_id + 1 == self.num_rollout:
+                metrics.update(await self.sync_weights(new_version))
+            else:
+                self.state.weight_version = new_version  # trainer moved on; engines keep the older version
+            if released:
+                await self._engines_call("resume_memory", ["kv_cache"])
+                await self._engines_call("resume_generation")
+            if self.run_eval is not None and self._due(self.config.eval.eval_interval, rollout_id):
+                eval_start = time.perf_counter()
+                metrics.update(await self.run_eval(self.state.weight_version))
+                metrics["time/eval"] = time.perf_counter() - eval_start
+            if self._due(self.config.checkpoint.save_interval, rollout_id) or (
+                    rollout_id + 1 == self.num_rollout and self.config.checkpoint.save is not None):
+                metrics["time/save"] = await self._save(rollout_id)
+            metrics["rollout/weight_version"] = float(self.state.weight_version)
+            metrics["rollout/buffer_size"] = float(len(self.scheduler.buffer))
+            metrics["time/step"] = time.perf_counter() - start
+            self.scalars.log(metrics, rollout_id + 1)
+            self.print(progress_line(rollout_id, self.num_rollout, metrics))
+            self.last_metrics = metrics
+            self.history.append(metrics)
+            self.state.next_rollout_id = rollout_id + 1
+            self._boundary_states.pop(rollout_id, None)
+        return self.last_metrics
+
+    async def stop_trainers(self, reason: str) -> None:
+        if self.channel.failure is None:
+            await self.channel.run(lambda rank, seq: StopCommand(seq=seq, reason=reason), timeout_s=120)

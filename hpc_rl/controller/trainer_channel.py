@@ -1,0 +1,107 @@
+"""Commands to the trainer ranks, and their completion.
+
+Owns: one command queue per rank (a rank asks `NextCommand`, the controller answers with the next
+command when there is one), sequence numbers, collecting `CommandDone` from every rank, the weight
+plan that rank 0 sends during a sync, and failing everything pending when a rank is lost.
+Every rank runs every command in the same order: they are collective operations on the trainer side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hpc_rl.protocol.messages import CommandDone, Message, WeightPlan
+
+
+class TrainerFailed(RuntimeError):
+    """A trainer rank reported an error or disconnected."""
+
+
+@dataclass
+class _Pending:
+    seq: int
+    done: dict[int, CommandDone]
+    future: asyncio.Future[list[CommandDone]]
+
+
+class TrainerChannel:
+    """The controller's side of the trainer command loop."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._queues: dict[int, asyncio.Queue[Message]] = {r: asyncio.Queue() for r in range(world_size)}
+        self._seq = 0
+        self._pending: _Pending | None = None
+        self._weight_plan: asyncio.Future[WeightPlan] | None = None
+        self.failure: TrainerFailed | None = None
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    async def next_command(self, rank: int) -> Message:
+        """A rank's NextCommand: wait until there is a command for it."""
+        if self.failure is not None:
+            raise self.failure
+        return await self._queues[rank].get()
+
+    async def run(self, make_command: Callable[[int, int], Message], *, timeout_s: float | None = None,
+                  expect_weight_plan: bool = False) -> list[CommandDone]:
+        """Send `make_command(rank, seq)` to every rank; wait until all report done (ranks in order)."""
+        if self.failure is not None:
+            raise self.failure
+        if self._pending is not None:
+            raise RuntimeError("a trainer command is already running")
+        seq = self.next_seq()
+        loop = asyncio.get_running_loop()
+        pending = _Pending(seq=seq, done={}, future=loop.create_future())
+        self._pending = pending
+        if expect_weight_plan:
+            self._weight_plan = loop.create_future()
+        for rank in range(self.world_size):
+            self._queues[rank].put_nowait(make_command(rank, seq))
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending.future), timeout_s)
+        finally:
+            self._pending = None
+
+    async def weight_plan(self, timeout_s: float | None = None) -> WeightPlan:
+        """The bucket plan rank 0 sends during the running sync command."""
+        if self._weight_plan is None:
+            raise RuntimeError("no weight sync is running")
+        return await asyncio.wait_for(asyncio.shield(self._weight_plan), timeout_s)
+
+    def on_weight_plan(self, plan: WeightPlan) -> None:
+        if self._weight_plan is None or self._weight_plan.done():
+            raise TrainerFailed("trainer sent a weight plan outside a sync")
+        self._weight_plan.set_result(plan)
+
+    def on_done(self, done: CommandDone) -> None:
+        pending = self._pending
+        if pending is None or done.seq != pending.seq:
+            raise TrainerFailed(f"trainer rank {done.rank} finished command {done.seq}, which is not running")
+        if not done.ok:
+            self.fail(TrainerFailed(f"trainer rank {done.rank} failed command {done.seq}: {done.error}"))
+            return
+        pending.done[done.rank] = done
+        if len(pending.done) == self.world_size and not pending.future.done():
+            pending.future.set_result([pending.done[r] for r in range(self.world_size)])
+
+    def fail(self, error: TrainerFailed) -> None:
+        """A rank is gone or broken: everything waiting on the trainer fails with `error`."""
+        if self.failure is None:
+            self.failure = error
+        for future in (self._pending.future if self._pending else None, self._weight_plan):
+            if future is not None and not future.done():
+                future.set_exception(error)
+
+
+def merge_metrics(done: list[CommandDone]) -> dict[str, Any]:
+    """Metrics of a command: rank 0's (it logs for the trainer), plus any rank's extra keys."""
+    merged: dict[str, Any] = {}
+    for item in reversed(done):
+        merged.update(item.metrics)
+    return merged

@@ -1,0 +1,107 @@
+"""Weight-sync orchestration: trainer rank 0 broadcasts, the controller drives every engine.
+
+Owns the SGLang protocol sequence on the engine side and its interleaving with the trainer:
+
+    controller                           trainer ranks                 engines (HTTP, concurrently)
+    SyncWeights(version, new_group) -->  gather TP shards, plan buckets
+                                    <--  rank 0: WeightPlan(addr, port, buckets)
+    [new group] destroy old group ---------------------------------->  /destroy_weights_update_group
+                init group (rank offsets) --------------------------->  /init_weights_update_group
+                                         rank 0 joins the group  <==>  (the calls return when all joined)
+    begin ---------------------------------------------------------->  /begin_weight_update
+    per bucket: update (names, dtypes, shapes) --------------------->  /update_weights_from_distributed
+                                         rank 0 broadcasts bucket ==>  (each call returns after its bucket)
+    end ------------------------------------------------------------>  /end_weight_update
+                                    <--  CommandDone from every rank
+
+The group is rebuilt only when the set of engines changed (a restarted engine joins a new group).
+Pausing and resuming generation around the sync is the caller's (the loop knows the mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from hpc_rl.controller.engine_admin import EngineAdmin, EngineAdminError
+from hpc_rl.controller.registry import EngineInfo
+from hpc_rl.controller.trainer_channel import TrainerChannel
+from hpc_rl.protocol.messages import SyncWeightsCommand
+from hpc_rl.weights.process_group import DEFAULT_GROUP_NAME
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WeightGroupState:
+    """Which engines the live weight-update group was built with."""
+
+    members: list[tuple[int, str]] = field(default_factory=list)
+    group_name: str = DEFAULT_GROUP_NAME
+    generation: int = 0
+
+
+def rank_offsets(engines: list[EngineInfo]) -> tuple[dict[int, int], int]:
+    """Engine i joins at 1 + sum of earlier engines' TP sizes; world = 1 + all engines' GPUs."""
+    offsets: dict[int, int] = {}
+    next_rank = 1
+    for engine in engines:
+        offsets[engine.engine_index] = next_rank
+        next_rank += engine.tp_size
+    return offsets, next_rank
+
+
+async def sync_weights(*, version: int, channel: TrainerChannel, engines: list[EngineInfo],
+                       admins: dict[int, EngineAdmin], group: WeightGroupState, backend: str,
+                       bucket_bytes: int, timeout_s: float = 600.0) -> dict[str, float]:
+    """Push the trainer's current weights to `engines` as `version`; returns timing metrics."""
+    start = time.perf_counter()
+    members = [(e.engine_index, e.url) for e in engines]
+    new_group = members != group.members
+    offsets, world_size = rank_offsets(engines)
+    if new_group:
+        group.generation += 1
+    group_name = f"{group.group_name}_{group.generation}"
+
+    def command(rank: int, seq: int) -> SyncWeightsCommand:
+        return SyncWeightsCommand(seq=seq, weight_version=version, new_group=new_group, world_size=world_size,
+                                  group_name=group_name, backend=backend, bucket_bytes=bucket_bytes)
+
+    trainer_task = asyncio.create_task(channel.run(command, timeout_s=timeout_s, expect_weight_plan=True))
+    try:
+        plan = await channel.weight_plan(timeout_s)
+        if new_group:
+            if group.members:
+                old_name = f"{group.group_name}_{group.generation - 1}"
+                await asyncio.gather(*(admins[i].destroy_weight_group(old_name) for i, _ in group.members
+                                       if i in admins), return_exceptions=True)
+            await asyncio.gather(*(
+                admins[e.engine_index].init_weight_group(
+                    master_address=plan.master_address, master_port=plan.master_port,
+                    rank_offset=offsets[e.engine_index], world_size=world_size, group_name=group_name,
+                    backend=backend)
+                for e in engines))
+            group.members = members
+        await asyncio.gather(*(admins[e.engine_index].begin_weight_update() for e in engines))
+        for index, bucket in enumerate(plan.buckets):
+            last = index == len(plan.buckets) - 1
+            await asyncio.gather(*(
+                admins[e.engine_index].update_weights_from_distributed(
+                    names=bucket["names"], dtypes=bucket["dtypes"], shapes=bucket["shapes"],
+                    group_name=group_name, weight_version=str(version) if last else None,
+                    load_format=plan.load_format)
+                for e in engines))
+        await asyncio.gather(*(admins[e.engine_index].end_weight_update() for e in engines))
+        await trainer_task
+    except (EngineAdminError, asyncio.TimeoutError):
+        group.members = []  # rebuild next time
+        trainer_task.cancel()
+        raise
+    seconds = time.perf_counter() - start
+    total_bytes = sum(int(b.get("num_bytes", 0)) for b in plan.buckets)
+    log.info("weights v%d -> %d engine(s): %d bucket(s), %.1f MB in %.2f s%s", version, len(engines),
+             len(plan.buckets), total_bytes / 1e6, seconds, " (new group)" if new_group else "")
+    return {"weight_sync/seconds": seconds, "weight_sync/buckets": float(len(plan.buckets)),
+            "weight_sync/mbytes": total_bytes / 1e6, "weight_sync/new_group": float(new_group)}

@@ -1,0 +1,268 @@
+"""The driver: the job's first process. Runs the controller, the router, and starts every other step.
+
+Owns: reading `<run_dir>/config.resolved.yaml` and the secret, per-component log files under
+`<run_dir>/logs/`, starting sglang-router, one engine step per `EnginePlacement` (CPU engine or
+SGLang), the torchrun trainer step (c10d rendezvous on the first trainer node), registering engines
+with the controller, supervising the steps (a dead engine goes to the fleet's failure path and is
+restarted; a dead trainer ends the run with its log tail), and the shutdown order:
+trainer step -> engines -> router -> controller. The same code runs locally (`LocalStepLauncher`)
+and inside a Slurm allocation (`SrunStepLauncher`); only the launcher differs.
+
+Exit codes: 0 done, 1 failed, 3 stopped for checkpoint-and-requeue (USR2), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc_rl.config import RunConfig, load_resolved_config
+from hpc_rl.controller.app import Controller
+from hpc_rl.engines.child_process import log_tail
+from hpc_rl.engines.router import RouterProcess
+from hpc_rl.engines.sglang_launch import SglangLaunchSpec, build_sglang_command, build_sglang_env
+from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
+from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
+from hpc_rl.protocol.secret import load_secret, secret_path
+
+log = logging.getLogger("hpc_rl.driver")
+
+EXIT_OK, EXIT_FAILED, EXIT_REQUEUE, EXIT_INTERRUPTED = 0, 1, 3, 130
+CONTROLLER_ENV = "HPC_RL_CONTROLLER"
+RUN_DIR_ENV = "HPC_RL_RUN_DIR"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class PortPlan:
+    """Ports of this job's servers: free ones locally; topology ports + a per-job offset on Slurm."""
+
+    controller: int
+    router: int
+    router_metrics: int
+    rendezvous: int
+    engines: list[int]
+
+    @classmethod
+    def for_job(cls, topology: JobTopology, *, local: bool) -> "PortPlan":
+        if local:
+            return cls(free_port(), free_port(), free_port(), free_port(), [free_port() for _ in topology.engines])
+        offset = (int(os.environ.get("SLURM_JOB_ID", "0")) % 400) * 50
+        return cls(topology.controller_port + offset, topology.router_port + offset,
+                   topology.router_metrics_port + offset, topology.rendezvous_port + offset,
+                   [e.port + offset for e in topology.engines])
+
+
+def engine_command(config: RunConfig, placement: EnginePlacement, host: str, port: int) -> list[str]:
+    """The engine step's argv: hpc_rl's CPU engine (device cpu) or sglang.launch_server."""
+    if config.cluster.device == "cpu":
+        return [sys.executable, "-m", "hpc_rl.engines.cpu", "--model-path", config.checkpoint.hf_checkpoint,
+                "--host", host, "--port", str(port), "--max-running-requests", str(config.sglang.server_concurrency),
+                "--weight-version", "0", "--num-threads", "1"]
+    spec = SglangLaunchSpec(hf_checkpoint=config.checkpoint.hf_checkpoint, host=host, port=port,
+                            rollout_num_gpus_per_engine=config.cluster.rollout_num_gpus_per_engine,
+                            sglang_options=config.sglang.server_options())
+    return build_sglang_command(spec)
+
+
+def trainer_command(config: RunConfig, run_dir: Path, rendezvous: str) -> list[str]:
+    """torchrun over every trainer node (one torchrun per node; it forks the ranks)."""
+    return [sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={config.cluster.actor_num_nodes}",
+            f"--nproc-per-node={config.cluster.actor_num_gpus_per_node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={os.environ.get('SLURM_JOB_ID', 'local')}",
+            "--max-restarts=0", "-m", "hpc_rl.training", "--run-dir", str(run_dir)]
+
+
+async def _wait_healthy(url: str, step: StepHandle, timeout_s: float, log_path: Path) -> None:
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if step.poll() is not None:
+                raise RuntimeError(f"{step.name} exited with code {step.poll()} before it was healthy; "
+                                   f"last lines of {log_path}:\n{log_tail(log_path)}")
+            try:
+                async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2)) as response:
+                    if response.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                pass
+            await asyncio.sleep(0.3)
+    raise RuntimeError(f"{step.name} not healthy at {url}/health after {timeout_s:.0f} s; "
+                       f"last lines of {log_path}:\n{log_tail(log_path)}")
+
+
+class Driver:
+    """Starts and supervises one run's processes (see the module docstring)."""
+
+    def __init__(self, run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> None:
+        self.run_dir = Path(run_dir).resolve()
+        self.config = load_resolved_config(self.run_dir)
+        self.launcher = launcher
+        self.local = local
+        self.topology = plan_topology(self.config.cluster)
+        self.ports = PortPlan.for_job(self.topology, local=local)
+        self.logs = self.run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.host = launcher.node_address(0, 0)
+        self.engine_steps: dict[int, StepHandle] = {}
+        self.trainer_step: StepHandle | None = None
+        self.router: RouterProcess | None = None
+        self.controller: Controller | None = None
+        self.requeue_requested = False
+
+    # -- engines -------------------------------------------------------------------------------------------
+    async def start_engine(self, index: int) -> str:
+        placement = self.topology.engines[index]
+        host = self.launcher.node_address(placement.het_group, placement.node_index)
+        port = self.ports.engines[index]
+        log_path = self.logs / f"engine-{index}.log"
+        env = build_sglang_env({}, {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+        if self.config.cluster.device == "cuda" and not self.local:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, placement.gpu_ids))
+        step = self.launcher.start(StepSpec(
+            name=f"engine-{index}", argv=engine_command(self.config, placement, host, port), env=env,
+            het_group=placement.het_group, node_index=placement.node_index, num_nodes=1, tasks_per_node=1,
+            gpus_per_task=len(placement.gpu_ids) if self.config.cluster.device == "cuda" else 0,
+            overlap=self.topology.colocate, log_path=log_path))
+        self.engine_steps[index] = step
+        url = f"http://{host}:{port}"
+        await _wait_healthy(url, step, 600.0, log_path)
+        return url
+
+    async def restart_engine(self, index: int) -> str:
+        old = self.engine_steps.get(index)
+        if old is not None:
+            await asyncio.to_thread(old.stop, 5.0)
+        return await self.start_engine(index)
+
+    # -- the run -------------------------------------------------------------------------------------------
+    async def run(self) -> int:
+        secret = load_secret(secret_path(self.run_dir))
+        self.router = RouterProcess(log_path=self.logs / "router.log", host=self.host, port=self.ports.router,
+                                    prometheus_port=self.ports.router_metrics,
+                                    policy=self.config.sglang.router_policy)
+        self.router.start()
+        await asyncio.to_thread(self.router.wait_listening, 60.0)
+        self.controller = Controller(self.config, secret=secret, router=self.router, router_url=self.router.url,
+                                     restart_engine=self.restart_engine, host=self.host, port=self.ports.controller)
+        await self.controller.start()
+        urls = await asyncio.gather(*(self.start_engine(i) for i in range(len(self.topology.engines))))
+        for index, url in enumerate(urls):
+            await self.controller.register_engine(index, url, tp_size=self.config.cluster.rollout_num_gpus_per_engine)
+        rendezvous = f"{self.host}:{self.ports.rendezvous}"
+        trainer_env = {CONTROLLER_ENV: f"{self.host}:{self.controller.address[1]}", RUN_DIR_ENV: str(self.run_dir),
+                       "OMP_NUM_THREADS": str(self.config.training.num_threads), "HF_HUB_OFFLINE": "1"}
+        self.trainer_step = self.launcher.start(StepSpec(
+            name="trainer", argv=trainer_command(self.config, self.run_dir, rendezvous), env=trainer_env,
+            het_group=0, num_nodes=self.config.cluster.actor_num_nodes, tasks_per_node=1,
+            gpus_per_task=self.config.cluster.actor_num_gpus_per_node if self.config.cluster.device == "cuda" else 0,
+            log_path=self.logs / "trainer.log"))
+        run = asyncio.create_task(self.controller.run())
+        while not run.done():
+            await asyncio.wait({run}, timeout=1.0)
+            self._supervise(run)
+        run.result()
+        code = await asyncio.to_thread(self.trainer_step.wait, 120.0)
+        if code != 0:
+            raise RuntimeError(f"the trainer exited with code {code} after the run; see {self.logs / 'trainer.log'}")
+        return EXIT_OK
+
+    def _supervise(self, run: asyncio.Task[object]) -> None:
+        assert self.controller is not None and self.trainer_step is not None
+        code = self.trainer_step.poll()
+        if code is not None and not run.done() and self.controller.channel.failure is None:
+            self.controller.channel.fail(_trainer_exit_error(code, self.logs))
+        for index, step in list(self.engine_steps.items()):
+            engine = self.controller.registry.engines.get(index)
+            if step.poll() is not None and engine is not None and engine.state.value != "failed":
+                asyncio.create_task(self.controller.fleet.fail_engine(index, f"process exited with code {step.poll()}"))
+
+    async def shutdown(self) -> None:
+        """Trainer step -> engines -> router -> controller; nothing left running."""
+        if self.trainer_step is not None:
+            await asyncio.to_thread(self.trainer_step.stop, 15.0)
+        await asyncio.gather(*(asyncio.to_thread(step.stop, 5.0) for step in self.engine_steps.values()))
+        if self.router is not None:
+            await asyncio.to_thread(self.router.stop)
+        if self.controller is not None:
+            await self.controller.close()
+
+
+def _trainer_exit_error(code: int, logs: Path):  # -> TrainerFailed
+    from hpc_rl.controller.trainer_channel import TrainerFailed
+
+    return TrainerFailed(f"the trainer step exited with code {code}; last lines of {logs / 'trainer.log'}:\n"
+                         f"{log_tail(logs / 'trainer.log')}")
+
+
+def setup_logging(run_dir: Path, level: str) -> None:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    file_handler = logging.FileHandler(run_dir / "logs" / "controller.log")
+    file_handler.setFormatter(formatter)
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(formatter)
+    console.setLevel(logging.WARNING)
+    root = logging.getLogger()
+    root.setLevel(level)
+    root.handlers[:] = [file_handler, console]
+
+
+def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> int:
+    """Run the whole job; returns an exit code (see the module docstring)."""
+    driver = Driver(run_dir, launcher, local=local)
+    setup_logging(driver.run_dir, driver.config.logging.log_level)
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await driver.run()
+        except asyncio.CancelledError:
+            print("hpc_rl: interrupted; stopping every process of the run", file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
+        except Exception as error:
+            log.exception("run failed")
+            print(f"hpc_rl: the run failed: {error}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            await driver.shutdown()
+
+    return asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run one hpc_rl job from its run directory (the batch step).")
+    parser.add_argument("--run-dir", required=True, help="run directory with config.resolved.yaml and secret")
+    parser.add_argument("--launcher", choices=("local", "srun"), default="local")
+    args = parser.parse_args(argv)
+    if args.launcher == "srun":
+        from hpc_rl.launch.srun_launcher import SrunStepLauncher
+
+        return run_driver(args.run_dir, SrunStepLauncher(), local=False)
+    return run_driver(args.run_dir, LocalStepLauncher(), local=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

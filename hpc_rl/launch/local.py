@@ -1,0 +1,26 @@
+"""The local executor: the whole run as real processes on this machine (the embedded default).
+
+Owns: what `python -m hpc_rl.submit CONFIG --executor local` does after validation: print where
+the run lives, then run the driver with the local step launcher in this process (controller in
+process; router, engines and torchrun ranks as child process groups), and report how it ended.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.launch.driver import EXIT_OK, run_driver
+from hpc_rl.launch.steps import LocalStepLauncher
+
+
+def run_local(config: RunConfig) -> int:
+    run_dir = Path(config.run_dir)
+    tensorboard = config.logging.tensorboard_dir or str(run_dir / "tensorboard")
+    print(f"hpc_rl: local run in {run_dir}", flush=True)
+    print(f"  logs: {run_dir / 'logs'}/{{controller,router,engine-N,trainer}}.log", flush=True)
+    print(f"  tensorboard --logdir {tensorboard}", flush=True)
+    code = run_driver(run_dir, LocalStepLauncher(), local=True)
+    print(f"hpc_rl: run {'finished' if code == EXIT_OK else f'ended with exit code {code}'}; "
+          f"artifacts in {run_dir}", flush=True)
+    return code

@@ -1,0 +1,130 @@
+"""How the driver starts the job's processes: the `StepLauncher` interface and its local implementation.
+
+Owns: the contract between the driver (which decides WHAT runs: engines, torchrun) and the
+placement back-end (WHERE it runs): `LocalStepLauncher` starts processes on this machine;
+`hpc_rl.launch.srun_launcher.SrunStepLauncher` wraps the same argv in `srun --het-group=...`.
+Every step gets its own log file and process group, so stopping a step leaves no orphan.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(kw_only=True)
+class StepSpec:
+    """One job step: a command, where it runs, and where its output goes."""
+
+    name: str
+    """Unique short name (log file stem, e.g. 'engine-0', 'trainer')."""
+    argv: list[str]
+    """The command (for a multi-task step: what every task runs)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables on top of the driver's."""
+    het_group: int = 0
+    """Het-job component the step runs in (Slurm only)."""
+    num_nodes: int = 1
+    """Nodes of that component the step spans."""
+    tasks_per_node: int = 1
+    """Tasks per node (torchrun: 1 per node; it forks the ranks itself)."""
+    node_index: int | None = None
+    """Pin to the i-th node of the component (engines); None = the first num_nodes nodes."""
+    gpus_per_task: int = 0
+    """GPUs per task (0: none requested)."""
+    overlap: bool = False
+    """Share resources with other steps (colocated engines on the trainer's GPUs)."""
+    log_path: Path | None = None
+    """File receiving stdout+stderr."""
+
+
+class StepHandle(Protocol):
+    """A started step."""
+
+    name: str
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def stop(self, grace_seconds: float = 10.0) -> int | None: ...
+
+
+class StepLauncher(Protocol):
+    """Places steps: locally, or with srun inside a Slurm allocation."""
+
+    def start(self, spec: StepSpec) -> StepHandle: ...
+
+    def node_address(self, het_group: int, node_index: int) -> str:
+        """Host name / address of a node of a component (what servers there are reached at)."""
+        ...
+
+
+class LocalStep:
+    """A step running as a local process group."""
+
+    def __init__(self, name: str, process: subprocess.Popen[bytes]) -> None:
+        self.name = name
+        self.process = process
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.process.wait(timeout)
+
+    def stop(self, grace_seconds: float = 10.0) -> int | None:
+        """SIGTERM the whole process group, then SIGKILL after `grace_seconds`."""
+        if self.process.poll() is not None:
+            return self.process.returncode
+        _signal_group(self.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        # Children of the step (torchrun's ranks) may outlive its leader: kill the group regardless.
+        _signal_group(self.process.pid, signal.SIGKILL)
+        try:
+            return self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class LocalStepLauncher:
+    """Runs every step on this machine (the local executor and tests)."""
+
+    def __init__(self, *, address: str = "127.0.0.1") -> None:
+        self.address = address
+
+    def start(self, spec: StepSpec) -> LocalStep:
+        env = {**os.environ, **spec.env}
+        log = open(spec.log_path, "ab") if spec.log_path else subprocess.DEVNULL
+        try:
+            process = subprocess.Popen(
+                spec.argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            if spec.log_path:
+                log.close()  # the child holds its own descriptor
+        return LocalStep(spec.name, process)
+
+    def node_address(self, het_group: int, node_index: int) -> str:
+        return self.address

@@ -1,0 +1,1 @@
+"""Logging set-up, TensorBoard scalars and the one-line progress report."""

@@ -1,0 +1,55 @@
+"""TensorBoard scalars of a run and the progress line printed per rollout.
+
+Owns: one `SummaryWriter` per process under `<run_dir>/tensorboard` (each process writes its own
+event file; TensorBoard merges them), and formatting a rollout's headline numbers on one line.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+
+class ScalarLog:
+    """`log(metrics, step)` writes every finite numeric metric as a scalar."""
+
+    def __init__(self, log_dir: str | Path | None, *, filename_suffix: str = "") -> None:
+        self._writer = None
+        if log_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            self._writer = SummaryWriter(log_dir=str(log_dir), filename_suffix=filename_suffix)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self._writer is None:
+            return
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                self._writer.add_scalar(name, float(value), step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def progress_line(rollout_id: int, num_rollout: int, metrics: dict[str, Any]) -> str:
+    """`rollout 3/60 | reward 0.42 | resp len 3.1 | gen 1.2s train 0.8s sync 0.1s` (missing parts left out)."""
+    parts = [f"rollout {rollout_id + 1}/{num_rollout}"]
+    if "rollout/reward_mean" in metrics:
+        parts.append(f"reward {metrics['rollout/reward_mean']:.3f}")
+    if "rollout/response_len_mean" in metrics:
+        parts.append(f"resp len {metrics['rollout/response_len_mean']:.1f}")
+    for key, label in (("train/ppo_kl", "ppo_kl"), ("train/pg_loss", "pg_loss")):
+        if key in metrics:
+            parts.append(f"{label} {metrics[key]:.4f}")
+    times = [f"{label} {metrics[key]:.2f}s" for key, label in
+             (("time/rollout", "gen"), ("time/train", "train"), ("time/weight_sync", "sync"), ("time/eval", "eval"))
+             if key in metrics]
+    if times:
+        parts.append(" ".join(times))
+    evals = [f"{k[len('eval/'):]} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/") and k.endswith("/reward_mean")]
+    parts.extend(evals)
+    return " | ".join(parts)
