@@ -48,6 +48,9 @@ from hpc_rl.telemetry.scalars import ScalarLog
 
 log = logging.getLogger(__name__)
 
+CONTROLLER_ADDRESS_FILE = "controller.address"
+"""host:port of the running controller, in the run dir (for `python -m hpc_rl.status`)."""
+
 
 def num_rollouts(config: RunConfig, dataset_size: int) -> int:
     if config.rollout.num_rollout is not None:
@@ -89,6 +92,7 @@ class Controller:
         await self.fleet.start()
         self._build_rollout_stack()
         self._status_task = asyncio.create_task(self._write_status_forever())
+        (self.run_dir / CONTROLLER_ADDRESS_FILE).write_text(f"{self.host}:{self.server.address[1]}\n")
         log.info("controller listening on %s:%d", *self.server.address)
 
     @property

@@ -79,6 +79,9 @@ class RunLoop:
         self.last_metrics: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
         self._boundary_states: dict[int, dict[str, Any]] = {}
+        self.stop_requested = False
+        """Set on a timeout/preemption warning: save at the next rollout boundary and stop (requeue)."""
+        self.stopped_for_requeue = False
 
     # -- state ---------------------------------------------------------------------------------------------
     def controller_state(self, next_rollout_id: int) -> dict[str, Any]:
@@ -215,7 +218,7 @@ class RunLoop:
                 eval_start = time.perf_counter()
                 metrics.update(await self.run_eval(self.state.weight_version))
                 metrics["time/eval"] = time.perf_counter() - eval_start
-            if self._due(self.config.checkpoint.save_interval, rollout_id) or (
+            if self._due(self.config.checkpoint.save_interval, rollout_id) or self.stop_requested or (
                     rollout_id + 1 == self.num_rollout and self.config.checkpoint.save is not None):
                 metrics["time/save"] = await self._save(rollout_id)
             metrics["rollout/weight_version"] = float(self.state.weight_version)
@@ -227,6 +230,13 @@ class RunLoop:
             self.history.append(metrics)
             self.state.next_rollout_id = rollout_id + 1
             self._boundary_states.pop(rollout_id, None)
+            if self.stop_requested and rollout_id + 1 < self.num_rollout:
+                self.stopped_for_requeue = True
+                if next_rollout is not None:
+                    next_rollout.cancel()
+                    await asyncio.gather(next_rollout, return_exceptions=True)
+                self.print(f"stopping after rollout {rollout_id + 1} for requeue (checkpoint saved)")
+                break
         return self.last_metrics
 
     async def stop_trainers(self, reason: str) -> None:

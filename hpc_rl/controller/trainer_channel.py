@@ -48,8 +48,8 @@ class TrainerChannel:
             raise self.failure
         return await self._queues[rank].get()
 
-    async def run(self, make_command: Callable[[int, int], Message], *, timeout_s: float | None = None,
-                  expect_weight_plan: bool = False) -> list[CommandDone]:
+    async def run(self, make_command: Callable[[int, int], Message], *,
+                  timeout_s: float | None = None) -> list[CommandDone]:
         """Send `make_command(rank, seq)` to every rank; wait until all report done (ranks in order)."""
         if self.failure is not None:
             raise self.failure
@@ -59,8 +59,6 @@ class TrainerChannel:
         loop = asyncio.get_running_loop()
         pending = _Pending(seq=seq, done={}, future=loop.create_future())
         self._pending = pending
-        if expect_weight_plan:
-            self._weight_plan = loop.create_future()
         for rank in range(self.world_size):
             self._queues[rank].put_nowait(make_command(rank, seq))
         try:
@@ -68,11 +66,10 @@ class TrainerChannel:
         finally:
             self._pending = None
 
-    async def weight_plan(self, timeout_s: float | None = None) -> WeightPlan:
-        """The bucket plan rank 0 sends during the running sync command."""
-        if self._weight_plan is None:
-            raise RuntimeError("no weight sync is running")
-        return await asyncio.wait_for(asyncio.shield(self._weight_plan), timeout_s)
+    def expect_weight_plan(self) -> asyncio.Future[WeightPlan]:
+        """Call before sending a sync command: the future gets the plan rank 0 sends during it."""
+        self._weight_plan = asyncio.get_running_loop().create_future()
+        return self._weight_plan
 
     def on_weight_plan(self, plan: WeightPlan) -> None:
         if self._weight_plan is None or self._weight_plan.done():

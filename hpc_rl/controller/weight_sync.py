@@ -69,9 +69,10 @@ async def sync_weights(*, version: int, channel: TrainerChannel, engines: list[E
         return SyncWeightsCommand(seq=seq, weight_version=version, new_group=new_group, world_size=world_size,
                                   group_name=group_name, backend=backend, bucket_bytes=bucket_bytes)
 
-    trainer_task = asyncio.create_task(channel.run(command, timeout_s=timeout_s, expect_weight_plan=True))
+    plan_future = channel.expect_weight_plan()
+    trainer_task = asyncio.create_task(channel.run(command, timeout_s=timeout_s))
     try:
-        plan = await channel.weight_plan(timeout_s)
+        plan = await asyncio.wait_for(asyncio.shield(plan_future), timeout_s)
         if new_group:
             if group.members:
                 old_name = f"{group.group_name}_{group.generation - 1}"

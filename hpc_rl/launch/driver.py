@@ -181,7 +181,13 @@ class Driver:
         code = await asyncio.to_thread(self.trainer_step.wait, 120.0)
         if code != 0:
             raise RuntimeError(f"the trainer exited with code {code} after the run; see {self.logs / 'trainer.log'}")
-        return EXIT_OK
+        return EXIT_REQUEUE if self.controller.loop and self.controller.loop.stopped_for_requeue else EXIT_OK
+
+    def request_checkpoint(self) -> None:
+        """USR2 (time limit or preemption ahead): save at the next rollout boundary, then stop for requeue."""
+        if self.controller is not None and self.controller.loop is not None:
+            log.warning("checkpoint-and-requeue requested")
+            self.controller.loop.stop_requested = True
 
     def _supervise(self, run: asyncio.Task[object]) -> None:
         assert self.controller is not None and self.trainer_step is not None
@@ -235,6 +241,7 @@ def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> i
         assert task is not None
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
+        loop.add_signal_handler(signal.SIGUSR2, driver.request_checkpoint)
         try:
             return await driver.run()
         except asyncio.CancelledError:
@@ -245,7 +252,7 @@ def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> i
             print(f"hpc_rl: the run failed: {error}", file=sys.stderr, flush=True)
             return EXIT_FAILED
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2):
                 loop.remove_signal_handler(sig)
             await driver.shutdown()
 

@@ -1,0 +1,54 @@
+"""A trainer rank's connection to the controller: register, ask for the next command, report done.
+
+Owns: the blocking client (trainer ranks are not asyncio programs), the Hello that carries the
+rank's parallel coordinates and, on rank 0, what a loaded checkpoint says about resuming; and the
+three calls of the command loop. No Megatron here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from hpc_rl.protocol import BlockingClient, Hello, load_secret, secret_path
+from hpc_rl.protocol.messages import Ack, CommandDone, Message, NextCommand, WeightPlan
+
+CONTROLLER_ENV = "HPC_RL_CONTROLLER"
+
+
+class ControllerLink:
+    """`next_command()` / `done(seq, metrics)` / `failed(seq, error)` / `send_weight_plan(plan)`."""
+
+    def __init__(self, run_dir: str | Path, *, rank: int, world_size: int, info: dict[str, Any],
+                 address: str | None = None, timeout_s: float | None = None) -> None:
+        address = address or os.environ.get(CONTROLLER_ENV)
+        if not address:
+            raise RuntimeError(f"no controller address: set {CONTROLLER_ENV}=host:port (the driver does)")
+        host, port = address.rsplit(":", 1)
+        self.rank = rank
+        secret = load_secret(secret_path(run_dir))
+        hello = Hello(role="trainer", rank=rank, world_size=world_size, host=socket.gethostname(), pid=os.getpid(),
+                      info=info)
+        # No read timeout: a rank waits in next_command while the rollout runs, for as long as it takes.
+        self.client = BlockingClient(host, int(port), secret, hello=hello, timeout=timeout_s)
+
+    def next_command(self) -> Message:
+        return self.client.request(NextCommand(rank=self.rank))
+
+    def done(self, seq: int, metrics: dict[str, Any] | None = None) -> None:
+        self._expect_ack(self.client.request(CommandDone(rank=self.rank, seq=seq, metrics=metrics or {})))
+
+    def failed(self, seq: int, error: str) -> None:
+        self._expect_ack(self.client.request(CommandDone(rank=self.rank, seq=seq, ok=False, error=error)))
+
+    def send_weight_plan(self, plan: WeightPlan) -> None:
+        self._expect_ack(self.client.request(plan))
+
+    def _expect_ack(self, reply: Message) -> None:
+        if not isinstance(reply, Ack):
+            raise RuntimeError(f"controller answered {reply.TYPE!r} instead of 'ack'")
+
+    def close(self) -> None:
+        self.client.close()
