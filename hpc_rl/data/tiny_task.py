@@ -13,13 +13,14 @@ import json
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 _FIRST_DIGIT = re.compile(r"\d")
 
 
-def tiny_task_rows(count: int, seed: int) -> list[dict[str, object]]:
+def tiny_task_rows(count: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for _ in range(count):
         digit = str(rng.randrange(10))
         rows.append({"prompt": [{"role": "user", "content": f"copy {digit}"}], "label": digit})

@@ -1,0 +1,173 @@
+"""Resolve user plug-ins named by import path, and check them before a job runs.
+
+Owns: turning a string such as ``"my_pkg.rewards.score"``, ``"my_pkg.rewards:score"`` or
+``"path/to/file.py:score"`` into a callable, and checking that it can be called the way hpc_rl
+will call it (positional parameter count, optionally names, optionally ``async def``).
+
+Does not own: which plug-in points exist or their expected signatures (the config validator, the
+rollout side and the trainer pass those in). slime resolves plug-ins lazily, so a typo fails hours
+into a job; hpc_rl calls :func:`load_callable` at submit time on the login node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["PluginError", "load_callable", "split_plugin_path"]
+
+
+class PluginError(ValueError):
+    """A plug-in path that cannot be imported, is not callable, or has the wrong signature."""
+
+
+def split_plugin_path(path: str) -> tuple[str, str]:
+    """Split a plug-in path into ``(module_or_file, attribute)``.
+
+    ``"a.b.fn"`` -> ``("a.b", "fn")``; ``"a.b:fn"`` -> ``("a.b", "fn")``;
+    ``"dir/file.py:fn"`` -> ``("dir/file.py", "fn")``. The attribute may be dotted (``"mod:Cls.method"``).
+    """
+    text = path.strip()
+    if not text:
+        raise PluginError("plug-in path is empty: expected 'package.module.function' or 'file.py:function'")
+    if ":" in text:
+        # rsplit keeps Windows drive letters ("C:\\x.py:fn") in the file part.
+        target, _, attr = text.rpartition(":")
+        if not target or not attr:
+            raise PluginError(f"plug-in path {path!r}: expected 'module:function' or 'file.py:function'")
+        return target, attr
+    if text.endswith(".py"):
+        raise PluginError(
+            f"plug-in path {path!r}: a file path needs the function name, e.g. '{text}:my_function'"
+        )
+    module, _, attr = text.rpartition(".")
+    if not module:
+        raise PluginError(f"plug-in path {path!r}: expected a dotted path 'package.module.function'")
+    return module, attr
+
+
+def _import_file(file_path: str, original: str, base_dir: str | None) -> Any:
+    resolved = file_path if os.path.isabs(file_path) else os.path.join(base_dir or os.getcwd(), file_path)
+    resolved = os.path.abspath(resolved)
+    if not os.path.isfile(resolved):
+        raise PluginError(f"plug-in path {original!r}: file {resolved} does not exist")
+    # A stable, unique module name so two files called rewards.py do not collide.
+    digest = hashlib.sha1(resolved.encode()).hexdigest()[:12]
+    name = f"hpc_rl_plugin_{os.path.splitext(os.path.basename(resolved))[0]}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise PluginError(f"plug-in path {original!r}: cannot load {resolved} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise PluginError(f"plug-in path {original!r}: importing {resolved} failed: {exc!r}") from exc
+    return module
+
+
+def _import_module(module_name: str, original: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise PluginError(
+            f"plug-in path {original!r}: module {module_name!r} not found ({exc}); "
+            "check the spelling and that its package is on PYTHONPATH (or use 'file.py:function')"
+        ) from exc
+    except Exception as exc:
+        raise PluginError(
+            f"plug-in path {original!r}: importing module {module_name!r} failed: {exc!r}"
+        ) from exc
+
+
+def _positional_capacity(fn: Callable[..., Any]) -> tuple[int, float, list[str]]:
+    """(required positional count, max positional count (inf with *args), positional names)."""
+    sig = inspect.signature(fn)
+    required = 0
+    maximum: float = 0
+    names: list[str] = []
+    for p in sig.parameters.values():
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+            maximum += 1
+            if p.default is inspect.Parameter.empty:
+                required += 1
+        elif p.kind is inspect.Parameter.VAR_POSITIONAL:
+            maximum = float("inf")
+        elif p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty:
+            raise PluginError(f"has a required keyword-only parameter {p.name!r} that hpc_rl never passes")
+    return required, maximum, names
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    # A callable instance is async when its __call__ is.
+    call = None if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__dict__.get("__call__")
+    return inspect.iscoroutinefunction(fn) or (call is not None and inspect.iscoroutinefunction(call))
+
+
+def load_callable(
+    path: str,
+    expected_params: Sequence[str] | None = None,
+    *,
+    check_names: bool = False,
+    require_async: bool | None = None,
+    base_dir: str | None = None,
+    what: str = "plug-in",
+) -> Callable[..., Any]:
+    """Import the callable named by ``path`` and check it can be called as ``fn(*expected_params)``.
+
+    path: ``"pkg.mod.fn"``, ``"pkg.mod:fn"`` or ``"file.py:fn"`` (relative files resolve against
+        ``base_dir``, default the current directory).
+    expected_params: the positional arguments hpc_rl will pass, e.g. ``["args", "sample"]``. The
+        function must accept exactly that many positionally: at most that many required, and room
+        for all of them (extra parameters with defaults, or ``*args``, are fine). ``None`` skips it.
+    check_names: also require the leading positional parameter names to equal ``expected_params``.
+    require_async: True -> must be ``async def``; False -> must not be; None -> either.
+    what: the plug-in's role for error messages, e.g. ``"--custom-rm-path"``.
+
+    Raises :class:`PluginError` naming the path and the problem.
+    """
+    target, attr = split_plugin_path(path)
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        obj: Any = _import_file(target, path, base_dir)
+    else:
+        obj = _import_module(target, path)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise PluginError(f"{what} {path!r}: {target!r} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise PluginError(f"{what} {path!r}: {attr!r} is a {type(obj).__name__}, not a callable")
+
+    if expected_params is not None:
+        n = len(expected_params)
+        try:
+            required, maximum, names = _positional_capacity(obj)
+        except PluginError as exc:
+            raise PluginError(f"{what} {path!r}: {exc}") from None
+        except (TypeError, ValueError):
+            required, maximum, names = 0, float("inf"), []  # builtins without a signature: trust them
+        wanted = f"({', '.join(expected_params)})"
+        if required > n or maximum < n:
+            raise PluginError(
+                f"{what} {path!r}: hpc_rl calls it with {n} positional argument(s) {wanted}, but it takes "
+                f"{required} required and at most {maximum if maximum != float('inf') else 'any'} positional "
+                f"parameter(s) {tuple(names)}; change its signature to {attr}{wanted}"
+            )
+        if check_names and names[:n] != list(expected_params):
+            raise PluginError(
+                f"{what} {path!r}: parameters are named {tuple(names[:n])}, expected {tuple(expected_params)}"
+            )
+    if require_async is not None and _is_async(obj) != require_async:
+        kind = "an 'async def' function" if require_async else "a plain (non-async) function"
+        raise PluginError(f"{what} {path!r}: must be {kind}")
+    return obj

@@ -1,0 +1,289 @@
+"""Messages over asyncio streams: ``read_message``/``write_message`` and ``Connection`` (request/reply
+matched by ids, plus unsolicited messages in both directions), and ``connect`` for async clients.
+
+Owns turning messages into frames and back, request ids, and what a client does with a server's
+rejection. The server side (handshake, isolation of bad peers) is server.py; the blocking client for
+non-async code (torchrun ranks) is blocking.py.
+
+Frame header of a message: ``{"type", "v", "fields", "arrays", "id", "reply_to"}``; ``id`` numbers the
+frames a side sends on a connection (from 1); a reply carries the request's ``id`` in ``reply_to``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from hpc_rl.protocol.arrays import decode_arrays, encode_arrays
+from hpc_rl.protocol.errors import (
+    HandshakeError,
+    MalformedFrameError,
+    PeerClosedError,
+    ProtocolError,
+    RemoteError,
+)
+from hpc_rl.protocol.framing import DEFAULT_MAX_FRAME_BYTES, Buffer, read_frame, write_frame
+from hpc_rl.protocol.messages import ErrorReply, Hello, Message, Welcome, decode_message, encode_message
+from hpc_rl.protocol.secret import Secret
+
+log = logging.getLogger("hpc_rl.protocol")
+
+STREAM_BUFFER_BYTES = 1 << 20
+_WHY_CLOSED_WAIT_S = 0.5
+
+
+@dataclass
+class Envelope:
+    """A received message with its frame ids."""
+
+    message: Message
+    id: int
+    reply_to: int | None = None
+
+
+def message_frame(
+    msg: Message, *, id: int = 0, reply_to: int | None = None
+) -> tuple[dict[str, Any], list[Buffer]]:
+    """(frame header, payload buffers) of a message."""
+    header, arrays = encode_message(msg)
+    descriptors, parts = encode_arrays(arrays)
+    header.update(arrays=descriptors, id=id, reply_to=reply_to)
+    return header, [*parts]
+
+
+def envelope_from_frame(header: dict[str, Any], payload: memoryview) -> Envelope:
+    """The message a verified frame carries."""
+    msg_id, reply_to = header.get("id", 0), header.get("reply_to")
+    if not isinstance(msg_id, int) or not (reply_to is None or isinstance(reply_to, int)):
+        raise MalformedFrameError(f"bad frame ids: id={msg_id!r} reply_to={reply_to!r}")
+    message = decode_message(header, decode_arrays(header.get("arrays", []), payload))
+    return Envelope(message=message, id=msg_id, reply_to=reply_to)
+
+
+async def read_envelope(
+    reader: asyncio.StreamReader, secret: Secret, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> Envelope:
+    """Read one message with its ids."""
+    header, payload = await read_frame(reader, secret, max_frame_bytes)
+    return envelope_from_frame(header, payload)
+
+
+async def read_message(
+    reader: asyncio.StreamReader, secret: Secret, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> Message:
+    """Read one authenticated message (arrays are zero-copy views of the received frame)."""
+    return (await read_envelope(reader, secret, max_frame_bytes)).message
+
+
+async def write_message(
+    writer: asyncio.StreamWriter, secret: Secret, msg: Message, *, id: int = 0, reply_to: int | None = None
+) -> None:
+    """Write one message as an authenticated frame."""
+    header, parts = message_frame(msg, id=id, reply_to=reply_to)
+    await write_frame(writer, secret, header, parts)
+
+
+class Connection:
+    """One authenticated stream: send, request (await the matching reply), receive unsolicited messages.
+
+    ``request``/``recv`` start a background reader on first use; until then ``read_envelope`` reads
+    directly (the server's handshake does). ``drain`` waits for the socket buffer to be empty (write
+    buffer limit 0), so a caller may reuse an array's memory as soon as ``send`` returns.
+    """
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        secret: Secret,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        self.reader, self.writer, self.secret = reader, writer, secret
+        self.max_frame_bytes = max_frame_bytes
+        peer = writer.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.hello: Hello | None = None
+        """The peer's Hello (set by the server after the handshake)."""
+        self.welcome: Welcome | None = None
+        """The server's Welcome (set by ``connect``)."""
+        self._next_id = 1
+        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._inbox: asyncio.Queue[Envelope | BaseException] = asyncio.Queue()
+        self._error: BaseException | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._write_lock = asyncio.Lock()
+        writer.transport.set_write_buffer_limits(high=0)
+        sock = writer.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    async def read_envelope(self, max_frame_bytes: int | None = None) -> Envelope:
+        """Read the next frame directly (only before the background reader is started)."""
+        assert self._reader_task is None, "read_envelope() after the background reader started; use recv()"
+        return await read_envelope(self.reader, self.secret, max_frame_bytes or self.max_frame_bytes)
+
+    async def send(self, msg: Message, *, reply_to: int | None = None) -> int:
+        """Send a message; return its id (what a reply to it will carry in ``reply_to``)."""
+        if self._error is not None:
+            raise self._closed_error()
+        async with self._write_lock:
+            msg_id = self._next_id
+            self._next_id += 1
+            try:
+                await write_message(self.writer, self.secret, msg, id=msg_id, reply_to=reply_to)
+            except OSError as e:
+                raise PeerClosedError(
+                    f"connection to {self.peer} lost while sending {msg.TYPE!r}: {e}"
+                ) from None
+        return msg_id
+
+    async def reply(self, to: Envelope, msg: Message) -> int:
+        """Answer a received request."""
+        return await self.send(msg, reply_to=to.id)
+
+    async def request(self, msg: Message, *, timeout: float | None = None) -> Message:
+        """Send ``msg`` and return the peer's reply; raise ``RemoteError`` if the peer answers ErrorReply."""
+        self._start_reader()
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        async with self._write_lock:  # register before the reply can possibly arrive
+            msg_id = self._next_id
+            self._next_id += 1
+            self._pending[msg_id] = future
+            try:
+                if self._error is not None:
+                    raise self._closed_error()
+                await write_message(self.writer, self.secret, msg, id=msg_id)
+            except OSError as e:  # the peer closed on us mid-write; its ErrorReply may say why
+                why = await self._why_closed(future, f"lost while sending {msg.TYPE!r}: {e}")
+                self._pending.pop(msg_id, None)
+                raise why from None
+            except BaseException:
+                self._pending.pop(msg_id, None)
+                raise
+        try:
+            reply = await asyncio.wait_for(future, timeout)
+        finally:
+            self._pending.pop(msg_id, None)
+        if isinstance(reply, ErrorReply):
+            raise RemoteError(f"{self.peer} answered {msg.TYPE!r} with an error: {reply.message}")
+        return reply
+
+    async def _why_closed(self, future: asyncio.Future[Message], what: str) -> ProtocolError:
+        try:
+            await asyncio.wait_for(asyncio.shield(future), _WHY_CLOSED_WAIT_S)
+        except ProtocolError as e:
+            return e
+        except (TimeoutError, OSError):
+            pass
+        return PeerClosedError(f"connection to {self.peer} {what}")
+
+    async def recv(self) -> Envelope:
+        """The next message that is not a reply to one of our requests."""
+        self._start_reader()
+        item = await self._inbox.get()
+        if isinstance(item, BaseException):
+            self._inbox.put_nowait(item)  # every later recv() raises too
+            raise item
+        return item
+
+    @property
+    def reader_active(self) -> bool:
+        """True while the background reader owns the stream."""
+        return self._reader_task is not None and not self._reader_task.done()
+
+    def _closed_error(self) -> BaseException:
+        err = self._error
+        return (
+            err
+            if isinstance(err, ProtocolError)
+            else PeerClosedError(f"connection to {self.peer} is closed: {err}")
+        )
+
+    def _start_reader(self) -> None:
+        if self._reader_task is None:
+            self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                env = await read_envelope(self.reader, self.secret, self.max_frame_bytes)
+                if env.reply_to is not None:
+                    future = self._pending.get(env.reply_to)
+                    if future is not None and not future.done():
+                        future.set_result(env.message)
+                    else:
+                        log.debug("dropping a reply from %s to unknown request %s", self.peer, env.reply_to)
+                    continue
+                self._inbox.put_nowait(env)
+                if isinstance(env.message, ErrorReply):  # unsolicited: the peer is closing on us, say why
+                    self._fail(RemoteError(f"{self.peer} rejected this connection: {env.message.message}"))
+        except (ProtocolError, OSError, asyncio.IncompleteReadError) as e:
+            self._fail(e)
+        except Exception as e:  # a bug while decoding: fail loudly rather than leave requests hanging
+            log.exception("internal error reading from %s", self.peer)
+            self._fail(ProtocolError(f"internal error reading from {self.peer}: {type(e).__name__}: {e}"))
+        except asyncio.CancelledError:
+            self._fail(PeerClosedError(f"connection to {self.peer} was closed locally"))
+            raise
+
+    def _fail(self, err: BaseException) -> None:
+        if self._error is None or isinstance(err, RemoteError):
+            self._error = err
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(self._closed_error())
+        self._inbox.put_nowait(self._closed_error())
+
+    async def close(self) -> None:
+        """Close the stream and stop the reader; pending requests fail with ``PeerClosedError``."""
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader_task
+        elif self._error is None:
+            self._fail(PeerClosedError(f"connection to {self.peer} was closed locally"))
+        self.writer.close()
+        try:
+            await self.writer.wait_closed()
+        except (OSError, ConnectionError):
+            pass
+
+
+def default_hello(role: str = "status") -> Hello:
+    """A Hello naming this process (host, pid) in the given role."""
+    return Hello(role=role, host=socket.gethostname(), pid=os.getpid())  # type: ignore[arg-type]
+
+
+async def connect(
+    host: str,
+    port: int,
+    secret: Secret,
+    hello: Hello | None = None,
+    *,
+    timeout: float = 30.0,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> Connection:
+    """Open an authenticated connection: send Hello, wait for Welcome (``conn.welcome``)."""
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(host, port, limit=STREAM_BUFFER_BYTES), timeout
+    )
+    conn = Connection(reader, writer, secret, max_frame_bytes=max_frame_bytes)
+    try:
+        reply = await conn.request(hello or default_hello(), timeout=timeout)
+    except TimeoutError:
+        await conn.close()
+        raise HandshakeError(f"no Welcome from {host}:{port} within {timeout} s") from None
+    except BaseException:
+        await conn.close()
+        raise
+    if not isinstance(reply, Welcome):
+        await conn.close()
+        raise HandshakeError(f"{host}:{port} answered Hello with {reply.TYPE!r}, not 'welcome'")
+    conn.welcome = reply
+    return conn

@@ -1,0 +1,393 @@
+"""The controller's message types: the ONE module where they live, as versioned dataclasses.
+
+Owns the message classes, the registry (type name -> class) and the conversion between a message and
+(a JSON header, a list of arrays). It does not own bytes on the wire (framing.py, arrays.py) or
+connections (connection.py).
+
+Adding a message is a ~5-line affair::
+
+    @dataclass(kw_only=True)
+    class AbortRequests(Message):
+        TYPE: ClassVar[str] = "abort_requests"
+        VERSION: ClassVar[int] = 1
+        request_ids: list[str]
+
+Fields may be JSON values (None, bool, int, float, str, lists, dicts with str keys) and numpy arrays /
+CPU torch tensors, also nested in lists and dicts; arrays travel as raw bytes in the frame's payload.
+Bump ``VERSION`` when a field changes meaning or is removed; both sides must then run the same code.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from hpc_rl.protocol.arrays import is_array
+from hpc_rl.protocol.errors import FieldMismatchError, MalformedFrameError, ProtocolError, UnknownMessageError
+
+ARRAY_REF = "$a"
+"""Key of the placeholder ``{"$a": index}`` that stands for an array inside the JSON fields."""
+
+REGISTRY: dict[str, type[Message]] = {}
+"""Every message class, by its ``TYPE``."""
+
+
+@dataclass(kw_only=True)
+class Message:
+    """Base of all messages; subclasses set ``TYPE`` (unique wire name) and ``VERSION``."""
+
+    TYPE: ClassVar[str] = ""
+    VERSION: ClassVar[int] = 1
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.TYPE:
+            raise TypeError(f"message class {cls.__name__} must set TYPE")
+        if cls.TYPE in REGISTRY and REGISTRY[cls.TYPE].__qualname__ != cls.__qualname__:
+            raise TypeError(
+                f"message TYPE {cls.TYPE!r} of {cls.__name__} is already used by {REGISTRY[cls.TYPE].__name__}"
+            )
+        REGISTRY[cls.TYPE] = cls
+
+
+# --- the messages ---------------------------------------------------------------------------------------
+
+Role = Literal["trainer", "engine", "status", "launcher"]
+
+
+@dataclass(kw_only=True)
+class Hello(Message):
+    """First frame of every connection: who is calling."""
+
+    TYPE: ClassVar[str] = "hello"
+    VERSION: ClassVar[int] = 1
+    role: Role
+    rank: int = 0
+    world_size: int = 1
+    host: str = ""
+    pid: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Welcome(Message):
+    """The server's answer to a valid Hello."""
+
+    TYPE: ClassVar[str] = "welcome"
+    VERSION: ClassVar[int] = 1
+    connection_id: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class ErrorReply(Message):
+    """A request failed (or the connection is being closed for a protocol error): why."""
+
+    TYPE: ClassVar[str] = "error"
+    VERSION: ClassVar[int] = 1
+    message: str
+
+
+@dataclass(kw_only=True)
+class Ping(Message):
+    TYPE: ClassVar[str] = "ping"
+    VERSION: ClassVar[int] = 1
+    payload: str = ""
+
+
+@dataclass(kw_only=True)
+class Pong(Message):
+    TYPE: ClassVar[str] = "pong"
+    VERSION: ClassVar[int] = 1
+    payload: str = ""
+
+
+@dataclass(kw_only=True)
+class StatusRequest(Message):
+    TYPE: ClassVar[str] = "status_request"
+    VERSION: ClassVar[int] = 1
+
+
+@dataclass(kw_only=True)
+class StatusReply(Message):
+    TYPE: ClassVar[str] = "status_reply"
+    VERSION: ClassVar[int] = 1
+    status: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Shutdown(Message):
+    """Ask the peer to stop (the controller to its trainers/engines, or an operator to the controller)."""
+
+    TYPE: ClassVar[str] = "shutdown"
+    VERSION: ClassVar[int] = 1
+    reason: str = ""
+
+
+@dataclass(kw_only=True)
+class Arrays(Message):
+    """Generic named arrays plus JSON metadata (tests, benchmarks, ad-hoc tensors)."""
+
+    TYPE: ClassVar[str] = "arrays"
+    VERSION: ClassVar[int] = 1
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+# --- the run: controller <-> trainer ranks ---------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class NextCommand(Message):
+    """Trainer rank -> controller: "what do I do next?"; answered by one of the commands below."""
+
+    TYPE: ClassVar[str] = "next_command"
+    VERSION: ClassVar[int] = 1
+    rank: int
+
+
+@dataclass(kw_only=True)
+class TrainCommand(Message):
+    """Train on this rank's share of rollout `rollout_id` (flat arrays, see controller.train_batches)."""
+
+    TYPE: ClassVar[str] = "train"
+    VERSION: ClassVar[int] = 1
+    seq: int
+    rollout_id: int
+    batch: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class SyncWeightsCommand(Message):
+    """Send the current weights to the engines as `weight_version` (rank 0 broadcasts)."""
+
+    TYPE: ClassVar[str] = "sync_weights"
+    VERSION: ClassVar[int] = 1
+    seq: int
+    weight_version: int
+    new_group: bool
+    world_size: int
+    group_name: str
+    backend: str
+    bucket_bytes: int
+
+
+@dataclass(kw_only=True)
+class WeightPlan(Message):
+    """Trainer rank 0 -> controller during a sync: where to meet and the buckets it will broadcast."""
+
+    TYPE: ClassVar[str] = "weight_plan"
+    VERSION: ClassVar[int] = 1
+    weight_version: int
+    master_address: str
+    master_port: int
+    buckets: list[dict[str, Any]]
+    """Per bucket: names, dtypes, shapes (lists, in broadcast order) and num_bytes."""
+    load_format: str | None = None
+
+
+@dataclass(kw_only=True)
+class SaveCommand(Message):
+    """Save a checkpoint after rollout `rollout_id`, with the controller's state inside it."""
+
+    TYPE: ClassVar[str] = "save"
+    VERSION: ClassVar[int] = 1
+    seq: int
+    rollout_id: int
+    controller_state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class StopCommand(Message):
+    """Leave the command loop and exit cleanly."""
+
+    TYPE: ClassVar[str] = "stop"
+    VERSION: ClassVar[int] = 1
+    seq: int
+    reason: str = ""
+
+
+@dataclass(kw_only=True)
+class CommandDone(Message):
+    """Trainer rank -> controller: a command finished (or failed, with the error)."""
+
+    TYPE: ClassVar[str] = "command_done"
+    VERSION: ClassVar[int] = 1
+    rank: int
+    seq: int
+    ok: bool = True
+    error: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Ack(Message):
+    """A request was accepted (nothing else to say)."""
+
+    TYPE: ClassVar[str] = "ack"
+    VERSION: ClassVar[int] = 1
+
+
+# --- encoding -------------------------------------------------------------------------------------------
+
+
+def _encode_value(value: Any, arrays: list[Any], where: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if is_array(value):
+        arrays.append(value)
+        return {ARRAY_REF: len(arrays) - 1}
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_encode_value(v, arrays, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if ARRAY_REF in value:
+            raise FieldMismatchError(f"{where}: dict key {ARRAY_REF!r} is reserved for array references")
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise FieldMismatchError(f"{where}: dict keys must be str, got {k!r}")
+            out[k] = _encode_value(v, arrays, f"{where}[{k!r}]")
+        return out
+    raise FieldMismatchError(
+        f"{where}: cannot send a {type(value).__name__}; allowed are None, bool, int, float, str, lists, "
+        "dicts with str keys, numpy arrays and CPU torch tensors"
+    )
+
+
+def _decode_value(value: Any, arrays: list[Any], where: str) -> Any:
+    if isinstance(value, list):
+        return [_decode_value(v, arrays, where) for v in value]
+    if isinstance(value, dict):
+        if ARRAY_REF in value:
+            index = value[ARRAY_REF]
+            if len(value) != 1 or not isinstance(index, int) or not 0 <= index < len(arrays):
+                raise MalformedFrameError(
+                    f"{where}: bad array reference {value!r} ({len(arrays)} arrays sent)"
+                )
+            return arrays[index]
+        return {k: _decode_value(v, arrays, where) for k, v in value.items()}
+    return value
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type[Message]) -> dict[str, Any]:
+    if cls not in _HINTS:
+        try:
+            _HINTS[cls] = typing.get_type_hints(cls)
+        except Exception:  # noqa: BLE001  (an unresolvable annotation: skip type checks for the class)
+            _HINTS[cls] = {}
+    return _HINTS[cls]
+
+
+def _type_error(value: Any, hint: Any) -> str | None:
+    """Why ``value`` does not fit ``hint`` (outer types and container elements), or None if it fits."""
+    origin = typing.get_origin(hint)
+    if hint is Any or isinstance(hint, typing.TypeVar):
+        return None
+    if origin is typing.Union or origin is types.UnionType:
+        errors = [_type_error(value, h) for h in typing.get_args(hint)]
+        return None if any(e is None for e in errors) else f"{value!r:.80} is none of {hint}"
+    if origin is Literal:
+        return (
+            None if value in typing.get_args(hint) else f"{value!r:.80} is not one of {typing.get_args(hint)}"
+        )
+    if hint is type(None):
+        return None if value is None else f"expected None, got {type(value).__name__}"
+    if hint is np.ndarray:
+        return None if is_array(value) else f"expected an array, got {type(value).__name__}"
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return None if ok else f"expected float, got {type(value).__name__}"
+    if hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return None if ok else f"expected int, got {type(value).__name__}"
+    if hint in (bool, str):
+        return None if isinstance(value, hint) else f"expected {hint.__name__}, got {type(value).__name__}"
+    if origin in (list, tuple) or hint in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return f"expected a list, got {type(value).__name__}"
+        args = typing.get_args(hint)
+        if len(args) == 1 or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
+            for i, v in enumerate(value):
+                if (err := _type_error(v, args[0])) is not None:
+                    return f"item {i}: {err}"
+        return None
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            return f"expected a dict, got {type(value).__name__}"
+        args = typing.get_args(hint)
+        if len(args) == 2:
+            for k, v in value.items():
+                if (err := _type_error(v, args[1])) is not None:
+                    return f"key {k!r}: {err}"
+        return None
+    return None  # other annotations (custom classes): not checked
+
+
+def _check_fields(cls: type[Message], values: dict[str, Any]) -> None:
+    hints = _hints(cls)
+    for name, value in values.items():
+        if name in hints and (err := _type_error(value, hints[name])) is not None:
+            raise FieldMismatchError(f"{cls.__name__}.{name}: {err}")
+
+
+def encode_message(msg: Message) -> tuple[dict[str, Any], list[Any]]:
+    """(header dict with type, version and JSON fields; arrays referenced from the fields, in order)."""
+    cls = type(msg)
+    if REGISTRY.get(cls.TYPE) is not cls:
+        raise UnknownMessageError(f"{cls.__name__} is not a registered message class")
+    values = {f.name: getattr(msg, f.name) for f in fields(msg)}
+    _check_fields(cls, values)
+    arrays: list[Any] = []
+    encoded = {name: _encode_value(v, arrays, f"{cls.__name__}.{name}") for name, v in values.items()}
+    return {"type": cls.TYPE, "v": cls.VERSION, "fields": encoded}, arrays
+
+
+def decode_message(header: dict[str, Any], arrays: list[Any]) -> Message:
+    """The message a header (and its decoded arrays) describes; clear errors for unknown or bad ones."""
+    type_name, version, raw = header.get("type"), header.get("v"), header.get("fields")
+    cls = REGISTRY.get(type_name) if isinstance(type_name, str) else None
+    if cls is None:
+        raise UnknownMessageError(
+            f"unknown message type {type_name!r}; this side knows {', '.join(sorted(REGISTRY))} "
+            "(are both sides running the same hpc_rl version?)"
+        )
+    if version != cls.VERSION:
+        raise UnknownMessageError(
+            f"message {type_name!r} version mismatch: the peer sent v{version}, this side speaks v{cls.VERSION}"
+        )
+    if not isinstance(raw, dict):
+        raise MalformedFrameError(f"message {type_name!r}: 'fields' must be an object")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    missing = sorted(
+        n for n, f in known.items() if n not in raw and f.default is MISSING and f.default_factory is MISSING
+    )
+    if unknown or missing:
+        raise FieldMismatchError(
+            f"message {type_name!r} v{version} does not match {cls.__name__}: "
+            f"unknown fields {unknown}, missing fields {missing}"
+        )
+    values = {n: _decode_value(v, arrays, f"{cls.__name__}.{n}") for n, v in raw.items()}
+    _check_fields(cls, values)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:  # a __post_init__ invariant of the class
+        raise FieldMismatchError(f"message {type_name!r}: {e}") from None
+
+
+def message_class(type_name: str) -> type[Message]:
+    """The registered class of a wire type name."""
+    try:
+        return REGISTRY[type_name]
+    except KeyError:
+        raise ProtocolError(f"unknown message type {type_name!r}") from None

@@ -1,0 +1,192 @@
+"""Rewards for the controller: `await reward_group(spec, samples)` -> one float per sample.
+
+Owns: `RewardSpec` (what to score with: rm type, custom function path, reward server URL, group
+mode, the opaque `args` handed to custom functions), the dispatch per sample (custom function >
+per-sample `metadata["rm_type"]` > `spec.rm_type`), the group-mode call of a custom function, the
+HTTP session for `remote_rm`, and `RewardError`: any failure is raised with the sample's `index`
+and the rm type in its message, never turned into a silent 0.
+
+    reward_group(spec, samples)
+      custom_rm_path and group_rm -> await fn(args, samples)          one call, len checked
+      otherwise, concurrently for each sample:
+        custom_rm_path            -> await fn(args, sample)
+        remote_rm                 -> POST {prompt, response, label} with retries (remote.py)
+        deepscaler|dapo|math|f1   -> score(...) directly (sync, cheap; scoring.py)
+
+It does not write `sample.reward`; the caller does, so a failed group leaves samples untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from hpc_rl.data.samples import Sample
+from hpc_rl.rewards.plugins import RewardFunction, load_reward_function
+from hpc_rl.rewards.remote import RetryPolicy, post_for_reward, reward_payload
+from hpc_rl.rewards.scoring import REMOTE_RM, check_rm_type, resolve_rm_type, score, split_boxed_prefix
+
+
+class RewardError(RuntimeError):
+    """A reward could not be computed; names the sample(s) and the rm type."""
+
+    def __init__(self, message: str, *, indices: Sequence[int], rm_type: str) -> None:
+        super().__init__(message)
+        self.indices = list(indices)
+        self.rm_type = rm_type
+
+
+@dataclass(kw_only=True)
+class RewardSpec:
+    """How samples are scored (slime's `--rm-type`, `--custom-rm-path`, `--rm-url`, `--group-rm`)."""
+
+    rm_type: str | None = None
+    """deepscaler | dapo | math | f1 | remote_rm (rule types also as boxed_<type>)."""
+    custom_rm_path: str | None = None
+    """`pkg.module.fn` or `path/to/file.py:fn`; when set it replaces `rm_type`."""
+    rm_url: str | None = None
+    """Reward server URL for remote_rm."""
+    group_rm: bool = False
+    """Call the custom function once per group with the list of samples."""
+    reward_key: str | None = None
+    """When a custom function or the server returns an object, the key holding the reward."""
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    """remote_rm retry policy."""
+    remote_timeout_s: float = 120.0
+    """Total timeout of one remote_rm request."""
+    args: Any = None
+    """Passed as-is as the first argument of custom functions (slime passes its args namespace)."""
+
+    def __post_init__(self) -> None:
+        if self.custom_rm_path is None:
+            if self.group_rm:
+                raise ValueError("group_rm needs custom_rm_path (rule and remote rewards are per sample)")
+            if self.rm_type is None:
+                raise ValueError("set rm_type or custom_rm_path")
+            check_rm_type(self.rm_type)
+            if split_boxed_prefix(self.rm_type)[1] == REMOTE_RM and not self.rm_url:
+                raise ValueError("rm_type remote_rm needs rm_url")
+
+    @property
+    def label(self) -> str:
+        """How this spec names itself in error messages."""
+        if self.custom_rm_path is not None:
+            mode = "group" if self.group_rm else "per sample"
+            return f"custom_rm_path {self.custom_rm_path!r} ({mode})"
+        return f"rm_type {self.rm_type!r}"
+
+    def validate(self) -> None:
+        """Import and check the custom function now (submit time) rather than mid-run."""
+        if self.custom_rm_path is not None:
+            load_reward_function(self.custom_rm_path, group=self.group_rm)
+
+
+def _as_reward(value: Any, reward_key: str | None, source: str) -> float:
+    if isinstance(value, dict):
+        if reward_key is None:
+            raise TypeError(
+                f"{source} returned an object with keys {sorted(value)}; set reward_key to pick one"
+            )
+        if reward_key not in value:
+            raise KeyError(f"{source} returned an object without {reward_key!r} (keys {sorted(value)})")
+        value = value[reward_key]
+    if isinstance(value, (int, float)):
+        return float(value)
+    raise TypeError(f"{source} returned {value!r} ({type(value).__name__}), not a number")
+
+
+async def _reward_one(spec: RewardSpec, sample: Sample, session: aiohttp.ClientSession | None) -> float:
+    if spec.custom_rm_path is not None:
+        function: RewardFunction = load_reward_function(spec.custom_rm_path, group=False)
+        return _as_reward(await function(spec.args, sample), spec.reward_key, spec.custom_rm_path)
+    rm_type = resolve_rm_type(spec.rm_type, sample.metadata)
+    if split_boxed_prefix(rm_type)[1] == REMOTE_RM:
+        if session is None or not spec.rm_url:
+            raise ValueError("remote_rm needs rm_url")
+        payload = reward_payload(sample.prompt, sample.response_text, sample.label)
+        return _as_reward(
+            await post_for_reward(session, spec.rm_url, payload, spec.retry), spec.reward_key, spec.rm_url
+        )
+    return score(rm_type, sample.response_text, sample.label, sample.metadata)
+
+
+def _sample_rm_type(spec: RewardSpec, sample: Sample) -> str:
+    if spec.custom_rm_path is not None:
+        return spec.label
+    override = sample.metadata.get("rm_type") if sample.metadata else None
+    return f"rm_type {(override or spec.rm_type)!r}"
+
+
+async def _guarded(spec: RewardSpec, sample: Sample, session: aiohttp.ClientSession | None) -> float:
+    try:
+        return await _reward_one(spec, sample, session)
+    except Exception as error:
+        what = _sample_rm_type(spec, sample)
+        raise RewardError(
+            f"reward failed for sample index {sample.index} ({what}): {type(error).__name__}: {error}",
+            indices=[sample.index],
+            rm_type=what,
+        ) from error
+
+
+def _needs_session(spec: RewardSpec, samples: Sequence[Sample]) -> bool:
+    if spec.custom_rm_path is not None:
+        return False
+    for sample in samples:
+        override = sample.metadata.get("rm_type") if sample.metadata else None
+        chosen = override or spec.rm_type
+        if isinstance(chosen, str) and split_boxed_prefix(chosen.strip())[1] == REMOTE_RM:
+            return True
+    return False
+
+
+async def _reward_custom_group(spec: RewardSpec, samples: list[Sample]) -> list[float]:
+    assert spec.custom_rm_path is not None
+    indices = [s.index for s in samples]
+    try:
+        function = load_reward_function(spec.custom_rm_path, group=True)
+        rewards = await function(spec.args, samples)
+        if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
+            got = f"{len(rewards)} values" if isinstance(rewards, (list, tuple)) else repr(rewards)
+            raise ValueError(f"expected a list of {len(samples)} rewards (one per sample), got {got}")
+        return [_as_reward(value, spec.reward_key, spec.custom_rm_path) for value in rewards]
+    except Exception as error:
+        raise RewardError(
+            f"reward failed for samples with index {indices} ({spec.label}): {type(error).__name__}: {error}",
+            indices=indices,
+            rm_type=spec.label,
+        ) from error
+
+
+async def reward_group(spec: RewardSpec, samples: Sequence[Sample]) -> list[float]:
+    """One reward per sample, in order. If any fails: RewardError naming every failed sample."""
+    samples = list(samples)
+    if not samples:
+        return []
+    if spec.custom_rm_path is not None and spec.group_rm:
+        return await _reward_custom_group(spec, samples)
+    if _needs_session(spec, samples):
+        timeout = aiohttp.ClientTimeout(total=spec.remote_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            results = await asyncio.gather(
+                *(_guarded(spec, s, session) for s in samples), return_exceptions=True
+            )
+    else:
+        results = await asyncio.gather(*(_guarded(spec, s, None) for s in samples), return_exceptions=True)
+    # gather(return_exceptions=True) let every task finish, so nothing is left running on failure.
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        first = failures[0]
+        if len(failures) == 1 or not isinstance(first, RewardError):
+            raise first
+        indices = [i for f in failures if isinstance(f, RewardError) for i in f.indices]
+        raise RewardError(
+            f"{first} (and {len(failures) - 1} more sample(s) failed; indices {indices})",
+            indices=indices,
+            rm_type=first.rm_type,
+        ) from first.__cause__
+    return [r for r in results if not isinstance(r, BaseException)]

@@ -1,0 +1,111 @@
+"""Is a given math answer equal to the ground truth? The mathd and sympy checks slime's graders use.
+
+Owns: `equal_mathd` (normalised strings equal), `equal_under_sympy` (normalise, split tuples and
+intervals, compare element-wise: unreduced fractions must match exactly, an integer never equals a
+non-integer, everything else must simplify to a zero difference) and `answers_match` (either).
+It does not extract answers from responses (see `boxed_answer`) nor normalise strings itself (see
+`math_normalize`).
+
+sympy only sees expressions with at most two distinct letters and no `^{`, `^(`, `^12`, `^2^`
+(slime's guards against hanging or evaluating arbitrary text); a parse or simplify failure means
+"not equal", never an error.
+"""
+
+from __future__ import annotations
+
+import re
+
+import sympy
+from sympy.parsing import sympy_parser
+
+from hpc_rl.rewards.math_normalize import (
+    is_integer_string,
+    normalize_for_sympy,
+    normalize_mathd,
+    strip_thousands_commas,
+)
+
+_FORBIDDEN_SUBSTRINGS = ("^{", "^(")
+_FORBIDDEN_PATTERNS = (re.compile(r"\^[0-9]+\^"), re.compile(r"\^[0-9][0-9]+"))
+_BRACKETS = "()[]"
+# `.?` is any character, as in slime: `3./4` and `3/4x` also count as fractions.
+_FRACTION = re.compile(r"^-?[0-9]+.?/0*[1-9][0-9]*.?$")
+_TRANSFORMATIONS = sympy_parser.standard_transformations + (sympy_parser.implicit_multiplication_application,)
+
+
+def _distinct_letters(expr: str) -> int:
+    expr = expr.replace("sqrt", "").replace("frac", "")
+    return len({char for char in expr if char.isalpha()})
+
+
+def _safe_for_sympy(expr: str) -> bool:
+    if _distinct_letters(expr) > 2:
+        return False
+    if any(bad in expr for bad in _FORBIDDEN_SUBSTRINGS):
+        return False
+    return not any(pattern.search(expr) for pattern in _FORBIDDEN_PATTERNS)
+
+
+def sympy_difference_is_zero(ground_truth: str, given: str) -> bool:
+    """True when sympy simplifies `(ground_truth)-(given)` to 0 (both already normalised)."""
+    difference = f"({ground_truth})-({given})"
+    if not _safe_for_sympy(difference):
+        return False
+    try:
+        parsed = sympy_parser.parse_expr(difference.replace("^", "**"), transformations=_TRANSFORMATIONS)
+        return bool(sympy.simplify(parsed) == 0)
+    except Exception:  # noqa: BLE001 -- sympy raises many types on odd text; slime treats all as unequal
+        return False
+
+
+def split_tuple(expr: str) -> list[str]:
+    """Elements of a tuple or interval `(a, b]`; anything else is one element. Empty -> []."""
+    expr = strip_thousands_commas(expr)
+    if not expr:
+        return []
+    is_bracketed = (
+        len(expr) > 2
+        and expr[0] in _BRACKETS
+        and expr[-1] in _BRACKETS
+        and not any(char in expr[1:-1] for char in _BRACKETS)
+    )
+    if not is_bracketed:
+        return [expr]
+    return [element.strip() for element in expr[1:-1].split(",")]
+
+
+def _elements_equal(ground_truth: str, given: str) -> bool:
+    if _FRACTION.search(ground_truth) and _FRACTION.search(given):
+        return ground_truth == given  # `2/4` must not be accepted for `1/2`
+    if is_integer_string(ground_truth) != is_integer_string(given):
+        return False  # an integer answer needs an integer, not something that simplifies to it
+    return sympy_difference_is_zero(ground_truth, given)
+
+
+def equal_under_sympy(given: str | None, ground_truth: str | None) -> bool:
+    """slime's `grade_answer_sympy`: normalise both, then compare tuples/intervals element-wise."""
+    truth = normalize_for_sympy(ground_truth)
+    answer = normalize_for_sympy(given)
+    if truth is None or answer is None:
+        return False
+    if truth == answer:
+        return True
+    if not answer:
+        return False
+    truth_elements = split_tuple(truth)
+    answer_elements = split_tuple(answer)
+    if len(truth_elements) > 1 and (truth[0] != answer[0] or truth[-1] != answer[-1]):
+        return False  # `(1,2]` vs `[1,2]`: the brackets must match
+    if len(truth_elements) != len(answer_elements):
+        return False
+    return all(_elements_equal(t, a) for t, a in zip(truth_elements, answer_elements))
+
+
+def equal_mathd(given: str | None, ground_truth: str | None) -> bool:
+    """slime's `grade_answer_mathd`: the MATH-normalised strings are equal."""
+    return normalize_mathd(ground_truth) == normalize_mathd(given)
+
+
+def answers_match(given: str, ground_truth: str | None) -> bool:
+    """The grade both deepscaler and math use: mathd match, else sympy match."""
+    return equal_mathd(given, ground_truth) or equal_under_sympy(given, ground_truth)

@@ -1,0 +1,245 @@
+"""Rewards -> per-token advantages and returns, as pure torch functions (slime's estimators).
+
+Owns: group reward normalisation (GRPO, Dr.GRPO, GSPO, CISPO, REINFORCE++-baseline), the
+per-token advantages of grpo/gspo/cispo, REINFORCE++ discounted returns, REINFORCE++-baseline,
+PPO's token rewards and GAE(gamma, lambda), masked whitening (``--normalize-advantages``) and the
+:func:`compute_advantages` dispatcher.
+
+Does not own: the KL between policy and reference (``losses.approx_kl``), collectives (whitening
+takes an optional ``all_reduce`` hook; the DP(+CP) group is the caller's), or context-parallel
+gathering (every function here sees each sample's FULL response).
+
+Per-sample tensors are 1-D over the sample's response tokens; ``loss_masks`` mark trained tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "compute_advantages",
+    "gae_advantages_and_returns",
+    "group_normalized_rewards",
+    "grpo_advantages",
+    "load_custom_advantage_function",
+    "masked_whiten",
+    "ppo_token_rewards",
+    "reinforce_plus_plus_baseline_advantages",
+    "reinforce_plus_plus_returns",
+]
+
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+_STD_NORMALIZED = ("grpo", "gspo", "cispo")
+_MEAN_CENTERED = (*_STD_NORMALIZED, "reinforce_plus_plus_baseline")
+GROUP_STD_EPS = 1e-6
+
+
+def group_normalized_rewards(
+    rewards: Tensor | Sequence[float],
+    n_samples_per_prompt: int,
+    estimator: str = "grpo",
+    std_normalization: bool = True,
+) -> Tensor:
+    """Normalise scalar rewards within each prompt group of ``n_samples_per_prompt`` consecutive samples.
+
+    grpo/gspo/cispo: r~ = (r - mean_g) / (std_g + 1e-6), std_g = unbiased (n - 1) std; the division
+    is skipped with ``std_normalization=False`` (Dr.GRPO, ``--disable-grpo-std-normalization``) or
+    when n == 1 (a one-sample std is undefined; r~ is then 0).
+    reinforce_plus_plus_baseline: r~ = r - mean_g only.
+    Other estimators (ppo, reinforce_plus_plus): rewards returned unchanged (as float32).
+    ``--disable-rewards-normalization`` = do not call this.
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}")
+    if estimator not in _MEAN_CENTERED:
+        return r.clone()
+    if n_samples_per_prompt < 1 or r.numel() % n_samples_per_prompt != 0:
+        raise ValueError(
+            f"{r.numel()} rewards cannot be split into groups of n_samples_per_prompt={n_samples_per_prompt}"
+        )
+    groups = r.view(-1, n_samples_per_prompt)
+    centered = groups - groups.mean(dim=1, keepdim=True)
+    if estimator in _STD_NORMALIZED and std_normalization and n_samples_per_prompt > 1:
+        centered = centered / (groups.std(dim=1, keepdim=True) + GROUP_STD_EPS)
+    return centered.flatten()
+
+
+def grpo_advantages(rewards: Tensor | Sequence[float], response_lengths: Sequence[int]) -> list[Tensor]:
+    """grpo/gspo/cispo: A_t = r~_i on every response token of sample i (KL is not folded in)."""
+    r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    return [torch.full((int(n),), float(r[i])) for i, n in enumerate(response_lengths)]
+
+
+def reinforce_plus_plus_returns(
+    rewards: Tensor | Sequence[float],
+    kl: Sequence[Tensor],
+    loss_masks: Sequence[Tensor],
+    kl_coef: float,
+    gamma: float,
+) -> list[Tensor]:
+    """REINFORCE++: G_t = sum_{s >= t} gamma^(s - t) * rew_s, with rew_s = -kl_coef * kl_s, plus the
+    scalar reward r on the LAST token whose loss mask is 1. Advantage = G (before whitening).
+
+    Raises if a sample has no trained token.
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    out = []
+    for i, (k, m) in enumerate(zip(kl, loss_masks, strict=True)):
+        token_rewards = -kl_coef * k.float()
+        nz = torch.nonzero(m, as_tuple=True)[0]
+        if nz.numel() == 0:
+            raise ValueError(f"sample {i} has an all-zero loss mask; REINFORCE++ needs a last trained token")
+        token_rewards[nz[-1]] += r[i]
+        returns = torch.empty_like(token_rewards)
+        running = torch.zeros((), dtype=token_rewards.dtype)
+        for t in range(token_rewards.numel() - 1, -1, -1):
+            running = token_rewards[t] + gamma * running
+            returns[t] = running
+        out.append(returns)
+    return out
+
+
+def reinforce_plus_plus_baseline_advantages(
+    centered_rewards: Tensor | Sequence[float], kl: Sequence[Tensor], kl_coef: float
+) -> list[Tensor]:
+    """REINFORCE++-baseline: A_t = (r - mean_group) - kl_coef * kl_t.
+
+    ``centered_rewards`` are already group-mean-centred (group_normalized_rewards with
+    estimator="reinforce_plus_plus_baseline"); no discounting.
+    """
+    r = torch.as_tensor(centered_rewards, dtype=torch.float32).flatten()
+    return [float(r[i]) - kl_coef * k.float() for i, k in enumerate(kl)]
+
+
+def ppo_token_rewards(
+    rewards: Tensor | Sequence[float], kl: Sequence[Tensor], kl_coef: float
+) -> list[Tensor]:
+    """PPO token rewards: rew_t = -kl_coef * kl_t, plus r on the response's LAST token (index -1,
+    regardless of the loss mask, as slime does; REINFORCE++ instead uses the last trained token)."""
+    r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    out = []
+    for i, k in enumerate(kl):
+        tr = -kl_coef * k.float()
+        if tr.numel():
+            tr[-1] += r[i]
+        out.append(tr)
+    return out
+
+
+def gae_advantages_and_returns(
+    token_rewards: Sequence[Tensor], values: Sequence[Tensor], gamma: float, lambd: float
+) -> tuple[list[Tensor], list[Tensor]]:
+    """GAE(gamma, lambda) per sample, with V after the last token = 0.
+
+    delta_t = rew_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lambda * A_{t+1};
+    returns_t = A_t + V_t. Computed without gradient (advantages and returns are targets).
+    """
+    advs, rets = [], []
+    with torch.no_grad():
+        for rew, v in zip(token_rewards, values, strict=True):
+            rew = rew.float()
+            v = v.float()
+            next_v = torch.cat([v[1:], v.new_zeros(1)]) if v.numel() else v
+            delta = rew + gamma * next_v - v
+            adv = torch.empty_like(delta)
+            acc = torch.zeros((), dtype=delta.dtype)
+            for t in range(delta.numel() - 1, -1, -1):
+                acc = delta[t] + gamma * lambd * acc
+                adv[t] = acc
+            advs.append(adv)
+            rets.append(adv + v)
+    return advs, rets
+
+
+def masked_whiten(
+    values: Tensor,
+    mask: Tensor,
+    *,
+    all_reduce: Callable[[Tensor], Tensor] | None = None,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+) -> Tensor:
+    """Whiten ``values`` with the mean/variance of the masked entries (``--normalize-advantages``).
+
+    S1 = sum m x, S2 = sum m x^2, N = sum m (summed over ranks by ``all_reduce``, which receives the
+    float32 tensor [S1, S2, N] and returns its sum over the DP(+CP) group; None = this rank only).
+    mean = S1/N; var = S2/N - mean^2, times N/(N-1) when N >= 2 (unbiased);
+    out = (x - mean) / sqrt(var + eps), plus mean again if ``shift_mean`` is False.
+    Every entry is transformed (masked-out ones too). Raises if N == 0 after the reduction.
+    """
+    x = values.float()
+    m = mask.to(torch.float32)
+    stats = torch.stack([(x * m).sum(), (x.square() * m).sum(), m.sum()])
+    if all_reduce is not None:
+        stats = all_reduce(stats)
+    s1, s2, n = (float(v) for v in stats)
+    if n == 0:
+        raise ValueError("masked_whiten: the mask selects no token (on any rank)")
+    mean = s1 / n
+    var = s2 / n - mean * mean
+    if n >= 2:
+        var = var * n / (n - 1)
+    out = (x - mean) * torch.rsqrt(torch.tensor(var + eps))
+    return out if shift_mean else out + mean
+
+
+def compute_advantages(
+    estimator: str,
+    *,
+    rewards: Tensor | Sequence[float],
+    loss_masks: Sequence[Tensor],
+    kl: Sequence[Tensor] | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    values: Sequence[Tensor] | None = None,
+    normalize_advantages: bool = False,
+    all_reduce: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Per-sample (advantages, returns) for one of slime's estimators.
+
+    ``rewards`` are the scalars AFTER :func:`group_normalized_rewards` (the rollout side normalises;
+    REINFORCE++-baseline expects centred rewards). ``kl`` is the per-token KL(pi_old || pi_ref)
+    used for reward shaping (``--kl-coef``, estimator ``--kl-loss-type``); None -> zeros.
+      grpo/gspo/cispo: A = returns = r~ broadcast;  reinforce_plus_plus: A = returns = G;
+      reinforce_plus_plus_baseline: A = returns = r~ - kl_coef * kl;
+      ppo: GAE on ppo_token_rewards with ``values`` (returns = A + V).
+    ``normalize_advantages`` then whitens A over all trained tokens (see :func:`masked_whiten`).
+    """
+    if kl is None:
+        kl = [torch.zeros(m.numel()) for m in loss_masks]
+    if estimator in _STD_NORMALIZED:
+        advantages = grpo_advantages(rewards, [m.numel() for m in loss_masks])
+        returns = advantages
+    elif estimator == "reinforce_plus_plus":
+        advantages = reinforce_plus_plus_returns(rewards, kl, loss_masks, kl_coef, gamma)
+        returns = advantages
+    elif estimator == "reinforce_plus_plus_baseline":
+        advantages = reinforce_plus_plus_baseline_advantages(rewards, kl, kl_coef)
+        returns = advantages
+    elif estimator == "ppo":
+        if values is None:
+            raise ValueError("estimator 'ppo' needs the critic's values")
+        advantages, returns = gae_advantages_and_returns(
+            ppo_token_rewards(rewards, kl, kl_coef), values, gamma, lambd
+        )
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}")
+
+    if normalize_advantages and advantages:
+        flat = masked_whiten(torch.cat(advantages), torch.cat(list(loss_masks)), all_reduce=all_reduce)
+        advantages = list(flat.split([a.numel() for a in advantages]))
+    return advantages, returns
+
+
+def load_custom_advantage_function(path: str) -> Callable[..., object]:
+    """Load ``--custom-advantage-function-path``: slime's ``fn(args, rollout_data)``, which fills
+    ``rollout_data["advantages"]`` and ``rollout_data["returns"]``."""
+    from hpc_rl.plugins import load_callable
+
+    return load_callable(path, ["args", "rollout_data"], what="--custom-advantage-function-path")

@@ -1,0 +1,446 @@
+"""Policy-gradient losses, KL estimators, entropy and loss reduction, as pure torch functions.
+
+Owns: the per-token formulas slime uses (PPO clip with clip-higher and dual clip, GSPO, CISPO,
+REINFORCE, TIS, KL estimators k1/k2/k3/low_var_kl, entropy), the reducers ("sum of sample means" and
+per-token sums), the scale that makes a step's gradient independent of micro-batching, and
+:func:`policy_loss_and_metrics`, which assembles the total loss of one micro-batch.
+
+Does not own: computing log-probs through Megatron (vocab-parallel gather, context parallelism),
+all-reduces, or advantages (see ``advantages.py``). Everything here runs on plain tensors, so users
+can call it from custom losses and tests run without processes.
+
+Conventions (slime's): ``log_probs`` = current policy, ``old_log_probs`` = policy that produced the
+advantages' data (recomputed by the trainer, or the rollout's with ``--use-rollout-logprobs``),
+``ppo_kl = old_log_probs - log_probs`` (so ``ratio = exp(-ppo_kl)``). Losses are to be minimised.
+Per-token tensors of a micro-batch are 1-D: the samples' response tokens concatenated; the
+per-sample ``loss_masks`` (1 = trained token) give each sample's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "KL_TYPES",
+    "POLICY_LOSS_TYPES",
+    "PolicyLossConfig",
+    "approx_kl",
+    "cispo_loss",
+    "clipped_surrogate",
+    "entropy_from_logits",
+    "gspo_policy_loss",
+    "gspo_ppo_kl",
+    "load_custom_loss_function",
+    "log_probs_from_logits",
+    "masked_token_mean",
+    "policy_loss",
+    "policy_loss_and_metrics",
+    "policy_loss_type_for",
+    "reinforce_loss",
+    "step_loss_scale",
+    "sum_of_sample_mean",
+    "sum_of_tokens",
+    "tis_weights",
+]
+
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+POLICY_LOSS_TYPES = ("ppo", "gspo", "cispo", "reinforce")
+PerSample = Sequence[Tensor]
+
+
+# ---------------------------------------------------------------------------------------------
+# KL and entropy
+# ---------------------------------------------------------------------------------------------
+
+
+def approx_kl(
+    log_probs: Tensor, ref_log_probs: Tensor, kl_type: str, importance_ratio: Tensor | None = None
+) -> Tensor:
+    """Per-token KL(pi || pi_ref) estimate (Schulman's k1/k2/k3), computed in float32.
+
+    With ``d = log_probs - ref_log_probs``:
+      k1 = d;  k2 = d^2 / 2;  k3 = low_var_kl = exp(-d) - (-d) - 1  (>= 0, unbiased, low variance).
+    ``importance_ratio`` (pi/pi_old, slime's ``--use-unbiased-kl``) multiplies the estimate.
+    Only ``low_var_kl`` is then clamped to [-10, 10]; ``k3`` is the same formula unclamped (as in slime).
+    No clamp is applied to the log-ratio itself.
+    """
+    d = log_probs.float() - ref_log_probs.float()
+    if kl_type == "k1":
+        kl = d
+    elif kl_type == "k2":
+        kl = 0.5 * d.square()
+    elif kl_type in ("k3", "low_var_kl"):
+        kl = torch.expm1(-d) + d  # exp(-d) - 1 + d, without cancellation near d = 0
+    else:
+        raise ValueError(f"unknown kl_type {kl_type!r}; expected one of {KL_TYPES}")
+    if importance_ratio is not None:
+        kl = importance_ratio * kl
+    if kl_type == "low_var_kl":
+        kl = kl.clamp(-10.0, 10.0)
+    return kl
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Per-position entropy of softmax(logits) over the last dim: H = -sum_v p_v log p_v.
+
+    Stable for large logits (via log_softmax). With a vocab-parallel (TP-sharded) last dim this is
+    NOT the entropy: the caller must all-reduce max, sum-exp and sum(p*z) over the TP group
+    (H = max + log(sum exp(z - max)) - sum(p * z)), as Megatron trainers do.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def log_probs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log p(token) under softmax(logits): ``log_softmax(logits)[..., token]`` (no TP sharding)."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy-gradient losses (per token)
+# ---------------------------------------------------------------------------------------------
+
+
+def clipped_surrogate(
+    ppo_kl: Tensor,
+    advantages: Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+    eps_clip_c: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """PPO clipped surrogate from the log-ratio ``ppo_kl = logp_old - logp``; returns (loss, clipfrac).
+
+    ratio = exp(-ppo_kl);  L = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high));
+    clipfrac = 1.0 where the clipped term is strictly larger (the clip is active), else 0.0.
+    Dual clip (eps_clip_c > 1): where A < 0, L = min(L, -eps_clip_c * A) (bounds the loss of very
+    large ratios on negative advantages).
+    """
+    ratio = torch.exp(-ppo_kl)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clipfrac = (clipped > unclipped).float()
+    if eps_clip_c is not None:
+        if not eps_clip_c > 1.0:
+            raise ValueError(f"eps_clip_c (dual clip) must be > 1.0, got {eps_clip_c}")
+        loss = torch.where(advantages < 0, torch.minimum(loss, -eps_clip_c * advantages), loss)
+    return loss, clipfrac
+
+
+def policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+    eps_clip_c: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-token PPO loss and clipfrac with ratio = exp(log_probs - old_log_probs).
+
+    L_t = max(-A_t * r_t, -A_t * clip(r_t, 1 - eps_clip, 1 + eps_clip_high)); dual clip for A_t < 0
+    when ``eps_clip_c`` is given: L_t = min(L_t, -eps_clip_c * A_t). See :func:`clipped_surrogate`.
+    """
+    return clipped_surrogate(old_log_probs - log_probs, advantages, eps_clip, eps_clip_high, eps_clip_c)
+
+
+def gspo_ppo_kl(log_probs: PerSample, old_log_probs: PerSample, loss_masks: PerSample) -> Tensor:
+    """GSPO's sequence-level log-ratio, broadcast to tokens and concatenated.
+
+    For sample i: s_i = sum_t m_t (logp_old - logp)_t / max(sum_t m_t, 1), repeated on each of its
+    tokens (the negative log of the geometric-mean sequence ratio). Needs each sample's FULL
+    response: with context parallelism the caller gathers the sequence first.
+    """
+    parts = []
+    for lp, old, m in zip(log_probs, old_log_probs, loss_masks, strict=True):
+        m = m.to(lp.dtype)
+        s = ((old - lp) * m).sum() / m.sum().clamp_min(1)
+        parts.append(s.expand_as(lp))
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def gspo_policy_loss(
+    log_probs: PerSample,
+    old_log_probs: PerSample,
+    advantages: Tensor,
+    loss_masks: PerSample,
+    eps_clip: float,
+    eps_clip_high: float,
+    eps_clip_c: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """GSPO: the PPO clipped surrogate on the sequence-level ratio exp(-s_i) (see :func:`gspo_ppo_kl`).
+
+    ``advantages`` is the concatenated per-token tensor; returns concatenated (loss, clipfrac).
+    """
+    return clipped_surrogate(
+        gspo_ppo_kl(log_probs, old_log_probs, loss_masks), advantages, eps_clip, eps_clip_high, eps_clip_c
+    )
+
+
+def cispo_loss(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, eps_clip: float, eps_clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """CISPO (MiniMax-M1): L_t = -stopgrad(clip(r_t, 1 - eps_clip, 1 + eps_clip_high)) * A_t * logp_t.
+
+    The gradient flows only through ``log_probs`` (so clipped tokens still get one, scaled by the
+    truncated ratio). clipfrac = 1.0 where the clip changed the ratio. Canonical CISPO has no lower
+    bound: pass ``eps_clip >= 1``.
+    """
+    ratio = torch.exp(log_probs - old_log_probs)
+    truncated = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    loss = -truncated.detach() * advantages * log_probs
+    return loss, (truncated != ratio).float()
+
+
+def reinforce_loss(log_probs: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor]:
+    """Plain policy gradient: L_t = -stopgrad(A_t) * logp_t; clipfrac is all zeros."""
+    return -advantages.detach() * log_probs, torch.zeros_like(log_probs)
+
+
+def tis_weights(
+    old_log_probs: Tensor, rollout_log_probs: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance sampling for the train/inference mismatch.
+
+    w_t = clamp(exp(logp_old - logp_rollout), clip_low, clip_high), with no gradient (the policy
+    loss is multiplied by it). Per-token metrics: ``tis`` (unclamped ratio), ``tis_clipfrac``
+    (1.0 where clamped), ``tis_abs`` = |ratio - 1|.
+    """
+    with torch.no_grad():
+        ratio = torch.exp(old_log_probs.float() - rollout_log_probs.float())
+        w = ratio.clamp(clip_low, clip_high)
+        metrics = {"tis": ratio, "tis_clipfrac": (w != ratio).float(), "tis_abs": (ratio - 1.0).abs()}
+    return w, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Reduction
+# ---------------------------------------------------------------------------------------------
+
+
+def _split(values: Tensor | PerSample, loss_masks: PerSample) -> Sequence[Tensor]:
+    if isinstance(values, Tensor):
+        lengths = [int(m.numel()) for m in loss_masks]
+        if values.numel() != sum(lengths):
+            raise ValueError(f"values have {values.numel()} tokens but the loss masks cover {sum(lengths)}")
+        return values.split(lengths)
+    return values
+
+
+def sum_of_sample_mean(values: Tensor | PerSample, loss_masks: PerSample) -> Tensor:
+    """Sum over samples of each sample's masked mean: sum_i (sum_t m_it x_it) / max(sum_t m_it, 1).
+
+    ``values``: the concatenated per-token tensor of the micro-batch (split by the masks' lengths)
+    or a list of per-sample tensors. This is slime's default reduction; dividing the step's total by
+    ``global_batch_size`` (see :func:`step_loss_scale`) gives the mean over samples.
+    """
+    parts = _split(values, loss_masks)
+    total = None
+    for x, m in zip(parts, loss_masks, strict=True):
+        m = m.to(x.dtype)
+        term = (x * m).sum() / m.sum().clamp_min(1)
+        total = term if total is None else total + term
+    if total is None:
+        return torch.zeros(())
+    return total
+
+
+def sum_of_tokens(values: Tensor | PerSample, loss_masks: PerSample) -> Tensor:
+    """Masked sum over all tokens: sum_i sum_t m_it x_it (``--calculate-per-token-loss``).
+
+    Divide the step's total by the step's total trained-token count (summed over micro-batches and
+    DP ranks) to get the per-token mean.
+    """
+    parts = _split(values, loss_masks)
+    total = None
+    for x, m in zip(parts, loss_masks, strict=True):
+        term = (x * m.to(x.dtype)).sum()
+        total = term if total is None else total + term
+    return torch.zeros(()) if total is None else total
+
+
+def masked_token_mean(values: Tensor | PerSample, loss_masks: PerSample) -> Tensor:
+    """Mean over the trained tokens of ONE micro-batch: sum_of_tokens / max(total mask, 1)."""
+    count = sum(float(m.sum()) for m in loss_masks)
+    return sum_of_tokens(values, loss_masks) / max(count, 1.0)
+
+
+def step_loss_scale(global_batch_size: int, *, dp_size: int = 1, num_microbatches: int = 1) -> float:
+    """Factor for each micro-batch's sum-of-sample-means loss so a step's gradient = mean over samples.
+
+    Summing ``sum_of_sample_mean(...) / global_batch_size`` over every micro-batch of every DP rank
+    gives (1/B) * sum over the B samples of their per-sample mean losses, whatever the
+    micro-batching: each sample's term appears exactly once. Two framework corrections:
+      * ``dp_size``: DDP averages (not sums) gradients over DP ranks, so multiply back by dp_size
+        (use the DP size *with* context parallel if CP ranks also average).
+      * ``num_microbatches``: Megatron's pipeline schedule divides each micro-batch's loss by the
+        number of micro-batches; multiply back by it.
+    scale = num_microbatches * dp_size / global_batch_size.
+    """
+    if global_batch_size <= 0:
+        raise ValueError(f"global_batch_size must be > 0, got {global_batch_size}")
+    return num_microbatches * dp_size / global_batch_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Total loss of one micro-batch
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class PolicyLossConfig:
+    """The knobs of slime's policy loss (one field per flag; names follow slime's flags)."""
+
+    policy_loss_type: Literal["ppo", "gspo", "cispo", "reinforce"] = "ppo"
+    """Per-token loss: ppo (clip), gspo (sequence ratio), cispo, reinforce. See policy_loss_type_for."""
+    eps_clip: float = 0.2
+    """--eps-clip: lower clip, ratio >= 1 - eps_clip."""
+    eps_clip_high: float | None = None
+    """--eps-clip-high: upper clip, ratio <= 1 + eps_clip_high; None -> eps_clip."""
+    eps_clip_c: float | None = None
+    """--eps-clip-c: dual-clip bound (> 1) for negative advantages; None -> off."""
+    entropy_coef: float = 0.0
+    """--entropy-coef: loss -= entropy_coef * entropy."""
+    use_kl_loss: bool = False
+    """--use-kl-loss: add kl_loss_coef * KL(pi || pi_ref) (needs ref_log_probs)."""
+    kl_loss_coef: float = 0.0
+    """--kl-loss-coef."""
+    kl_loss_type: str = "k1"
+    """--kl-loss-type: k1, k2, k3 or low_var_kl."""
+    use_unbiased_kl: bool = False
+    """--use-unbiased-kl: weight the KL estimate by exp(logp - logp_old)."""
+    use_tis: bool = False
+    """--use-tis: multiply the pg loss by clamp(exp(logp_old - logp_rollout), tis_clip_low, tis_clip)."""
+    tis_clip: float = 2.0
+    """--tis-clip: upper TIS clamp."""
+    tis_clip_low: float = 0.0
+    """--tis-clip-low: lower TIS clamp."""
+    calculate_per_token_loss: bool = False
+    """--calculate-per-token-loss: reduce with sum_of_tokens instead of sum_of_sample_mean."""
+
+    def __post_init__(self) -> None:
+        if self.policy_loss_type not in POLICY_LOSS_TYPES:
+            raise ValueError(f"policy_loss_type {self.policy_loss_type!r} not in {POLICY_LOSS_TYPES}")
+        if self.kl_loss_type not in KL_TYPES:
+            raise ValueError(f"kl_loss_type {self.kl_loss_type!r} not in {KL_TYPES}")
+        if self.eps_clip_c is not None and not self.eps_clip_c > 1.0:
+            raise ValueError(f"eps_clip_c must be > 1.0 (dual clip), got {self.eps_clip_c}")
+        if self.tis_clip_low > self.tis_clip:
+            raise ValueError(f"tis_clip_low ({self.tis_clip_low}) > tis_clip ({self.tis_clip})")
+
+    @property
+    def clip_high(self) -> float:
+        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+
+def policy_loss_type_for(advantage_estimator: str, *, cispo: bool = False) -> str:
+    """slime's mapping: gspo -> "gspo"; cispo -> "cispo"; everything else -> "ppo"."""
+    if cispo or advantage_estimator == "cispo":
+        return "cispo"
+    return "gspo" if advantage_estimator == "gspo" else "ppo"
+
+
+def policy_loss_and_metrics(
+    config: PolicyLossConfig,
+    *,
+    log_probs: PerSample,
+    old_log_probs: PerSample | None,
+    advantages: PerSample,
+    loss_masks: PerSample,
+    entropy: PerSample | None = None,
+    ref_log_probs: PerSample | None = None,
+    rollout_log_probs: PerSample | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Total loss of one micro-batch and its metrics, from per-sample tensors.
+
+    loss = R(pg_loss) - entropy_coef * R(entropy) + kl_loss_coef * R(KL(logp, logp_ref))
+    where R is :func:`sum_of_sample_mean` (or :func:`sum_of_tokens` with calculate_per_token_loss)
+    over this micro-batch's samples. The caller multiplies ``loss`` by :func:`step_loss_scale` (or
+    divides per-token sums by the step's token count) before backward.
+
+    ``old_log_probs=None`` means on-policy (logp_old = logp.detach()). With ``use_tis``,
+    ``rollout_log_probs`` is required and w = clamp(exp(logp_old - logp_rollout)) multiplies pg_loss.
+
+    Metrics are detached and reduced with the same R, so they are SUMS over this micro-batch's
+    samples: divide the step's sum by global_batch_size (or tokens) to log means. Keys (slime's):
+    loss, pg_loss, pg_clipfrac, ppo_kl (= R(logp_old - logp)), entropy_loss, kl_loss (with
+    use_kl_loss), ois, tis, tis_clipfrac, tis_abs (with use_tis), train_rollout_logprob_abs_diff
+    (= R|logp_old - logp_rollout|, whenever rollout_log_probs is given).
+    """
+    reduce: Callable[[Tensor | PerSample, PerSample], Tensor] = (
+        sum_of_tokens if config.calculate_per_token_loss else sum_of_sample_mean
+    )
+    if old_log_probs is None:
+        old_log_probs = [lp.detach() for lp in log_probs]
+    lp = torch.cat(list(log_probs))
+    old = torch.cat(list(old_log_probs))
+    adv = torch.cat(list(advantages))
+
+    if config.policy_loss_type == "gspo":
+        ppo_kl = gspo_ppo_kl(log_probs, old_log_probs, loss_masks)
+        pg, clipfrac = clipped_surrogate(ppo_kl, adv, config.eps_clip, config.clip_high, config.eps_clip_c)
+    else:
+        ppo_kl = old - lp
+        if config.policy_loss_type == "cispo":
+            pg, clipfrac = cispo_loss(lp, old, adv, config.eps_clip, config.clip_high)
+        elif config.policy_loss_type == "reinforce":
+            pg, clipfrac = reinforce_loss(lp, adv)
+        else:
+            pg, clipfrac = clipped_surrogate(
+                ppo_kl, adv, config.eps_clip, config.clip_high, config.eps_clip_c
+            )
+
+    metrics: dict[str, Tensor] = {}
+    rollout = torch.cat(list(rollout_log_probs)) if rollout_log_probs else None
+    if config.use_tis:
+        if rollout is None:
+            raise ValueError("use_tis needs rollout_log_probs (the inference engine's log-probs)")
+        w, tis_metrics = tis_weights(old.detach(), rollout, config.tis_clip_low, config.tis_clip)
+        pg = pg * w
+        metrics["ois"] = reduce(torch.exp(-ppo_kl.detach()), loss_masks)
+        for key, value in tis_metrics.items():
+            metrics[key] = reduce(value, loss_masks)
+
+    pg_loss = reduce(pg, loss_masks)
+    loss = pg_loss
+    entropy_loss = reduce(torch.cat(list(entropy)), loss_masks) if entropy is not None else None
+    if entropy_loss is not None:
+        loss = loss - config.entropy_coef * entropy_loss
+
+    if config.use_kl_loss:
+        if ref_log_probs is None:
+            raise ValueError("use_kl_loss needs ref_log_probs")
+        ref = torch.cat(list(ref_log_probs))
+        with_grad = config.kl_loss_coef != 0.0
+        kl_lp = lp if with_grad else lp.detach()
+        ratio = torch.exp(kl_lp - old) if config.use_unbiased_kl else None
+        kl_loss = reduce(approx_kl(kl_lp, ref, config.kl_loss_type, ratio), loss_masks)
+        if with_grad:
+            loss = loss + config.kl_loss_coef * kl_loss
+        metrics["kl_loss"] = kl_loss.detach()
+
+    if rollout is not None:
+        metrics["train_rollout_logprob_abs_diff"] = reduce((old.detach() - rollout).abs(), loss_masks)
+
+    head = {
+        "loss": loss.detach(),
+        "pg_loss": pg_loss.detach(),
+        "pg_clipfrac": reduce(clipfrac, loss_masks).detach(),
+        "ppo_kl": reduce(ppo_kl.detach(), loss_masks),
+    }
+    if entropy_loss is not None:
+        head["entropy_loss"] = entropy_loss.detach()
+    return loss, {**head, **metrics}
+
+
+def load_custom_loss_function(path: str) -> Callable[..., object]:
+    """Load ``--custom-loss-function-path``: slime's signature ``fn(args, batch, logits, sum_of_sample_mean)``."""
+    from hpc_rl.plugins import load_callable
+
+    return load_callable(
+        path, ["args", "batch", "logits", "sum_of_sample_mean"], what="--custom-loss-function-path"
+    )
