@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False), end="")
         print(f"# executor: {executor}")
         print(topology.describe())
+        if executor == "slurm":
+            from hpc_rl.launch.slurm_submit import render_slurm_dry_run
+
+            print(render_slurm_dry_run(assign_run_dir(config)))
         print("dry run: the config is valid; nothing was started or submitted.")
         return 0
     config = assign_run_dir(config)

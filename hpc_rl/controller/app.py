@@ -91,6 +91,9 @@ class Controller:
         await self.server.start(self.host, self.port)
         await self.fleet.start()
         self._build_rollout_stack()
+        assert self.client is not None
+        await self.client.start()
+        self.fleet.on_serving = self.client.wake_waiters
         self._status_task = asyncio.create_task(self._write_status_forever())
         (self.run_dir / CONTROLLER_ADDRESS_FILE).write_text(f"{self.host}:{self.server.address[1]}\n")
         log.info("controller listening on %s:%d", *self.server.address)
@@ -151,7 +154,13 @@ class Controller:
     async def run(self) -> dict[str, Any]:
         """Wait for everyone, resume if a checkpoint says so, run every rollout, stop the trainers."""
         assert self.loop is not None
-        await self.registry.wait_ready(self.config.controller.registration_timeout)
+        ready = asyncio.create_task(self.registry.wait_ready(self.config.controller.registration_timeout))
+        while not ready.done():  # a trainer step that dies before registering must not leave us waiting
+            await asyncio.wait({ready}, timeout=1.0)
+            if self.channel.failure is not None and not ready.done():
+                ready.cancel()
+                raise self.channel.failure
+        ready.result()
         resume = self.registry.trainers[0].info.get("resume") if 0 in self.registry.trainers else None
         if resume and resume.get("controller_state"):
             self.loop.restore(resume["controller_state"])

@@ -54,6 +54,8 @@ class EngineFleet:
         self._monitor: asyncio.Task[None] | None = None
         self._restarts: set[asyncio.Task[None]] = set()
         self.events: list[dict[str, Any]] = []
+        self.on_serving: Callable[[], Awaitable[None]] | None = None
+        """Called after an engine joined the router (the rollout client wakes requests waiting for one)."""
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession()
@@ -78,6 +80,7 @@ class EngineFleet:
         if serving:
             await self._router_call("add_worker", url)
             self.registry.set_engine_state(engine_index, EngineState.SERVING)
+            await self._notify_serving()
         else:
             self.engine_waiting.set()
 
@@ -88,8 +91,13 @@ class EngineFleet:
                 await self._router_call("add_worker", engine.url)
                 self.registry.set_engine_state(index, EngineState.SERVING)
                 self._event("serving", index, engine.url)
+                await self._notify_serving()
         if not any(e.state == EngineState.STARTING for e in self.registry.engines.values()):
             self.engine_waiting.clear()
+
+    async def _notify_serving(self) -> None:
+        if self.on_serving is not None:
+            await self.on_serving()
 
     async def _router_call(self, method: str, url: str) -> None:
         """Router calls block (they wait for the router to apply them): run them off the event loop."""

@@ -23,9 +23,11 @@ version) is what a checkpoint stores, so a resumed run replays the same data ord
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from hpc_rl.config.schema import RunConfig
@@ -49,6 +51,20 @@ class LoopState:
 
     next_rollout_id: int = 0
     weight_version: int = 0
+
+
+def trainer_summary(reported: dict[str, Any]) -> dict[str, Any]:
+    """A rollout's train metrics: the last optimizer step's, plus the first step's ppo_kl / kl_loss
+    (the first-step sanity checks: both are exactly 0 when weights = rollout weights = reference)."""
+    steps = reported.get("steps") or []
+    summary = {k: v for k, v in reported.items() if k != "steps"}
+    if steps:
+        summary.update(steps[-1])
+        for key in ("ppo_kl", "kl_loss"):
+            if key in steps[0]:
+                summary[f"first_step_{key}"] = steps[0][key]
+        summary["num_steps"] = len(steps)
+    return summary
 
 
 class RunLoop:
@@ -163,7 +179,7 @@ class RunLoop:
                 meta={"weight_version": self.state.weight_version, "num_rollout": self.num_rollout}))
         finally:
             self.trainer_busy = False
-        metrics = {f"train/{k}" if "/" not in k else k: v for k, v in merge_metrics(done).items()}
+        metrics = {f"train/{k}" if "/" not in k else k: v for k, v in trainer_summary(merge_metrics(done)).items()}
         metrics["time/train"] = time.perf_counter() - start
         return metrics
 
@@ -225,6 +241,7 @@ class RunLoop:
             metrics["rollout/buffer_size"] = float(len(self.scheduler.buffer))
             metrics["time/step"] = time.perf_counter() - start
             self.scalars.log(metrics, rollout_id + 1)
+            self._append_record(rollout_id, metrics, result)
             self.print(progress_line(rollout_id, self.num_rollout, metrics))
             self.last_metrics = metrics
             self.history.append(metrics)
@@ -238,6 +255,18 @@ class RunLoop:
                 self.print(f"stopping after rollout {rollout_id + 1} for requeue (checkpoint saved)")
                 break
         return self.last_metrics
+
+    def _append_record(self, rollout_id: int, metrics: dict[str, Any], result: RolloutResult) -> None:
+        """One JSON line per rollout in <run_dir>/rollouts.jsonl: metrics and which samples were trained."""
+        samples = [s for g in result.groups for s in g]
+        record = {"rollout_id": rollout_id, "metrics": metrics,
+                  "sample_indices": [s.index for s in samples],
+                  "data_rows": [s.metadata.get("data_row") for g in result.groups for s in g[:1]],
+                  "start_rollout_ids": [s.metadata.get("start_rollout_id") for g in result.groups for s in g[:1]],
+                  "weight_versions_first_token": [min(s.weight_versions) if s.weight_versions else None
+                                                  for s in samples]}
+        with open(Path(self.config.run_dir) / "rollouts.jsonl", "a") as handle:
+            handle.write(json.dumps(record, default=float) + "\n")
 
     async def stop_trainers(self, reason: str) -> None:
         if self.channel.failure is None:

@@ -84,7 +84,7 @@ def trainer_command(config: RunConfig, run_dir: Path, rendezvous: str) -> list[s
             f"--nnodes={config.cluster.actor_num_nodes}",
             f"--nproc-per-node={config.cluster.actor_num_gpus_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={os.environ.get('SLURM_JOB_ID', 'local')}",
-            "--max-restarts=0", "-m", "hpc_rl.training", "--run-dir", str(run_dir)]
+            "--max-restarts=0", "-m", "hpc_rl.training", str(run_dir)]
 
 
 async def _wait_healthy(url: str, step: StepHandle, timeout_s: float, log_path: Path) -> None:

@@ -31,9 +31,11 @@ def init_weight_update_group(
 ) -> dist.ProcessGroup:
     """Join (or, as rank 0, host) the weight-update group; blocks until all `world_size` ranks joined."""
     timeout = timedelta(seconds=timeout_seconds)
-    init_method = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The TCPStore is built directly, not through `rendezvous("tcp://...")`: under torchrun that
+    # handler (TORCHELASTIC_USE_AGENT_STORE) makes every rank, rank 0 included, a client of the
+    # agent's store, so the trainer would never host the group. The raw store is the same either way.
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout,
+                          wait_for_workers=False)
     prefixed = dist.PrefixStore(group_name, store)
     group, _ = c10d._new_process_group_helper(
         world_size, rank, [], backend, prefixed, group_name=group_name, timeout=timeout

@@ -1,0 +1,122 @@
+"""Child processes for engines and routers: start with a log file, stop without orphans.
+
+Owns: starting a command in its own process group (`start_new_session`) with stdout+stderr in a
+log file, stopping the whole group (SIGTERM, then SIGKILL after a grace period), reading a log's
+tail for error messages, polling an HTTP endpoint until it answers, and finding a free port.
+A `ChildProcess` also stops its group when the parent exits normally (atexit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free on `host` (bind to 0); racy by nature, so use it at once."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def log_tail(path: str | Path, lines: int = 40) -> str:
+    """The last `lines` lines of a log file ('' if it does not exist)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class ChildProcessFailed(RuntimeError):
+    """A child process failed to start, died, or never became ready; the message has its log tail."""
+
+
+class ChildProcess:
+    """One command in its own process group, logging to `log_path`."""
+
+    def __init__(self, command: Sequence[str], *, log_path: str | Path, env: Mapping[str, str] | None = None,
+                 name: str = "child") -> None:
+        self.command = list(command)
+        self.log_path = Path(log_path)
+        self.env = dict(env) if env is not None else None
+        self.name = name
+        self.popen: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.env, start_new_session=True,
+            )
+        atexit.register(self.stop)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, grace_seconds: float = 5.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after `grace_seconds`; return the exit code."""
+        if self.popen is None:
+            return None
+        atexit.unregister(self.stop)
+        group = self.popen.pid  # == the process group id (start_new_session)
+        if self.popen.poll() is None:
+            _signal_group(group, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace_seconds)
+            except subprocess.TimeoutExpired:
+                _signal_group(group, signal.SIGKILL)
+                self.popen.wait(timeout=grace_seconds)
+        _signal_group(group, signal.SIGKILL)  # grandchildren left in the group
+        return self.popen.returncode
+
+    def failure(self, what: str) -> ChildProcessFailed:
+        exited = self.popen is not None and self.popen.poll() is not None
+        state = f"exited with code {self.popen.returncode}" if exited else "is still running"
+        return ChildProcessFailed(
+            f"{self.name} {what}; it {state}. Command: {' '.join(self.command)}\n"
+            f"Last lines of {self.log_path}:\n{log_tail(self.log_path)}"
+        )
+
+
+def _signal_group(group: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(group, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def http_ok(url: str, *, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> bool:
+    """True when GET `url` answers 200."""
+    request = urllib.request.Request(url, headers=dict(headers or {}))
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def wait_until(ready: Callable[[], bool], *, process: ChildProcess, timeout: float, what: str,
+               interval: float = 0.2) -> None:
+    """Poll `ready` until true; raise with the log tail on timeout or if the process dies."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        if not process.alive():
+            raise process.failure(f"died before {what}")
+        time.sleep(interval)
+    raise process.failure(f"was not {what} after {timeout:.0f} s")

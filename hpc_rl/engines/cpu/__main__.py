@@ -1,0 +1,65 @@
+"""Command line of the CPU engine: parse flags, load the model, serve until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hpc_rl.engines.cpu",
+                                     description="SGLang-compatible HTTP engine on torch CPU")
+    parser.add_argument("--model-path", required=True, help="local HF checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--api-key", default=None, help="Bearer key required on admin endpoints")
+    parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument("--context-length", type=int, default=None,
+                        help="default: the model's max_position_embeddings")
+    parser.add_argument("--weight-version", default="default", help="initial weight version label")
+    parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads (1 on shared cores)")
+    parser.add_argument("--attn-implementation", default="eager", choices=["eager", "sdpa"])
+    parser.add_argument("--random-seed", type=int, default=None)
+    parser.add_argument("--log-level", default="warning")
+    return parser
+
+
+def _drop_http2_probe(record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return "PRI/Upgrade" not in str(error)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # sglang-router probes each worker for HTTP/2 once at registration; aiohttp logs that as an error.
+    logging.getLogger("aiohttp.server").addFilter(_drop_http2_probe)
+    torch.set_num_threads(args.num_threads)
+    if args.random_seed is not None:
+        torch.manual_seed(args.random_seed)
+
+    from aiohttp import web
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpc_rl.engines.cpu.scheduler import Scheduler
+    from hpc_rl.engines.cpu.server import EngineInfo, EngineServer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_path, dtype=torch.float32, attn_implementation=args.attn_implementation
+    ).eval()
+    context_length = args.context_length or int(getattr(model.config, "max_position_embeddings", 4096))
+    scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
+                          context_length=context_length, weight_version=args.weight_version)
+    info = EngineInfo(model_path=args.model_path, host=args.host, port=args.port, api_key=args.api_key,
+                      max_running_requests=args.max_running_requests, context_length=context_length,
+                      architectures=list(model.config.architectures or []), model_type=model.config.model_type)
+    scheduler.start()
+    app = EngineServer(scheduler, info).build_app()
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=1.0)
+
+
+if __name__ == "__main__":
+    main()

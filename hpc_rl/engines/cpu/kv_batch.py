@@ -1,0 +1,125 @@
+"""The running batch's KV cache for the CPU engine: prefill, one decode step, join, leave.
+
+Owns: a left-padded, batched KV cache over a transformers causal LM (one tensor per layer for
+keys and values, [rows, kv_heads, time, head_dim]) with its attention mask, and the model calls
+that grow it. Rows are requests; the scheduler decides which rows exist. No sampling, no HTTP.
+
+Continuous batching: newcomers are prefilled together (left-padded), then their cache is joined
+to the running one by padding the shorter cache on the left; finished rows are dropped by
+index; columns that no row uses any more are trimmed. Position ids are per row (count of real
+tokens), so padding never shifts RoPE, and masked columns add exactly zero attention weight: a
+row's logits equal an unpadded forward pass of the same tokens within float tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass
+class KvBatch:
+    """Keys/values per layer and the [rows, time] mask of real (1) vs padding (0) columns."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    mask: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.mask.shape[0])
+
+    def select(self, indices: list[int]) -> KvBatch:
+        """The rows at `indices` (in that order), with now-unused leading columns trimmed."""
+        index = torch.tensor(indices, dtype=torch.long)
+        batch = KvBatch(
+            keys=[k.index_select(0, index) for k in self.keys],
+            values=[v.index_select(0, index) for v in self.values],
+            mask=self.mask.index_select(0, index),
+        )
+        return batch.trimmed()
+
+    def trimmed(self) -> KvBatch:
+        used = self.mask.any(dim=0).nonzero()
+        start = int(used[0]) if used.numel() else self.mask.shape[1]
+        if start == 0:
+            return self
+        return KvBatch(
+            keys=[k[:, :, start:].contiguous() for k in self.keys],
+            values=[v[:, :, start:].contiguous() for v in self.values],
+            mask=self.mask[:, start:].contiguous(),
+        )
+
+
+def _left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def join(running: KvBatch | None, newcomers: KvBatch) -> KvBatch:
+    """One batch with `running`'s rows first, then `newcomers`' rows."""
+    if running is None or running.rows == 0:
+        return newcomers
+    length = max(running.mask.shape[1], newcomers.mask.shape[1])
+    return KvBatch(
+        keys=[torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)]) for a, b in
+              zip(running.keys, newcomers.keys)],
+        values=[torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)]) for a, b in
+                zip(running.values, newcomers.values)],
+        mask=torch.cat([_left_pad(running.mask, length, 1), _left_pad(newcomers.mask, length, 1)]),
+    )
+
+
+def _cache_tensors(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+
+
+@torch.inference_mode()
+def prefill(
+    model: PreTrainedModel, sequences: list[list[int]], full_logits: bool = False
+) -> tuple[KvBatch, torch.Tensor, list[torch.Tensor] | None]:
+    """Run the sequences (left-padded together); return their cache, last-position logits [B, V]
+    and, with `full_logits`, each sequence's logits at every one of its positions [len, V]."""
+    length = max(len(seq) for seq in sequences)
+    pad_id = 0
+    input_ids = torch.tensor([[pad_id] * (length - len(s)) + list(s) for s in sequences], dtype=torch.long)
+    mask = torch.tensor([[0] * (length - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=DynamicCache(),
+        use_cache=True,
+        logits_to_keep=0 if full_logits else 1,
+    )
+    keys, values = _cache_tensors(out.past_key_values)
+    logits = out.logits.float()
+    per_sequence = None
+    if full_logits:
+        per_sequence = [logits[row, length - len(seq):] for row, seq in enumerate(sequences)]
+    return KvBatch(keys=keys, values=values, mask=mask), logits[:, -1], per_sequence
+
+
+@torch.inference_mode()
+def decode_step(model: PreTrainedModel, batch: KvBatch, tokens: torch.Tensor) -> tuple[KvBatch, torch.Tensor]:
+    """Feed one token per row ([B]); return the grown batch and next-token logits [B, V]."""
+    positions = batch.mask.sum(dim=1, keepdim=True)
+    mask = torch.cat([batch.mask, torch.ones(batch.rows, 1, dtype=batch.mask.dtype)], dim=1)
+    cache = DynamicCache(ddp_cache_data=list(zip(batch.keys, batch.values)))
+    out = model(
+        input_ids=tokens.view(-1, 1),
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    keys, values = _cache_tensors(out.past_key_values)
+    return KvBatch(keys=keys, values=values, mask=mask), out.logits[:, -1].float()

@@ -1,0 +1,179 @@
+"""Sampling for the CPU engine: request sampling params, next-token choice, logprobs, stop rules.
+
+Owns: parsing SGLang's `sampling_params` (unknown keys are a 400, as in SGLang), choosing the next
+token for a batch of rows, and the logprob each row reports. No model, no HTTP, no threads.
+
+Logprobs follow SGLang 0.5.23's default: the log-softmax of the logits divided by the temperature
+(before top-k/top-p/min-p filtering). With `SGLANG_RETURN_ORIGINAL_LOGPROB=1` in the engine's
+environment they are the log-softmax of the raw logits instead, as in SGLang. Greedy
+(`temperature` < 1e-5) is SGLang's "temperature 1, top_k 1", so its logprobs are always raw.
+At temperature 1 (the RL default) both equal a plain forward pass of the model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+_SAMPLING_EPS = 1e-5
+
+# Keys SGLang accepts in sampling_params; those we do not implement must keep their neutral value.
+_NEUTRAL_KEYS: dict[str, object] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "custom_params": None,
+}
+_IGNORED_KEYS = {"spaces_between_special_tokens", "stream_interval", "skip_special_tokens", "no_stop_trim"}
+
+
+def return_original_logprob() -> bool:
+    """SGLang's switch: logprobs of the raw model distribution instead of the tempered one."""
+    return os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in {"1", "true", "yes"}
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """The sampling params of one request, validated."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS or self.top_k == 1
+
+
+def parse_sampling_params(raw: dict | None) -> SamplingParams:
+    """Validate a request's `sampling_params`; ValueError (-> HTTP 400) names the bad key."""
+    raw = dict(raw or {})
+    params = SamplingParams()
+    for key, value in raw.items():
+        if value is None and key not in ("stop", "stop_token_ids"):
+            continue
+        if key in _NEUTRAL_KEYS:
+            if value != _NEUTRAL_KEYS[key]:
+                raise ValueError(f"sampling_params.{key}={value!r} is not supported by the CPU engine")
+        elif key == "n":
+            if value != 1:
+                raise ValueError("sampling_params.n > 1 is not supported: send one request per sample")
+        elif key in ("max_new_tokens", "min_new_tokens", "top_k"):
+            setattr(params, key, int(value))
+        elif key in ("temperature", "top_p", "min_p"):
+            setattr(params, key, float(value))
+        elif key == "stop":
+            params.stop = [value] if isinstance(value, str) else list(value or [])
+        elif key == "stop_token_ids":
+            params.stop_token_ids = [int(token) for token in value or []]
+        elif key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            setattr(params, key, bool(value))
+        elif key == "sampling_seed":
+            params.sampling_seed = int(value)
+        elif key in _IGNORED_KEYS:
+            continue
+        else:
+            raise ValueError(f"unknown sampling_params key {key!r}")
+    if params.max_new_tokens < 0:
+        raise ValueError("sampling_params.max_new_tokens must be >= 0")
+    if params.temperature < 0:
+        raise ValueError("sampling_params.temperature must be >= 0")
+    if not 0 < params.top_p <= 1:
+        raise ValueError("sampling_params.top_p must be in (0, 1]")
+    if params.top_k == 0 or params.top_k < -1:
+        raise ValueError("sampling_params.top_k must be -1 (off) or >= 1")
+    if not 0 <= params.min_p <= 1:
+        raise ValueError("sampling_params.min_p must be in [0, 1]")
+    return params
+
+
+def sample_next_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    banned_token_ids: list[list[int]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token and its logprob for each row of `logits` [B, V] (float32).
+
+    `banned_token_ids[i]` are masked out before anything else (min_new_tokens holding back stops),
+    as SGLang's penalizer does, so they also shape the reported logprobs.
+    """
+    logits = logits.float().clone()
+    for row, banned in enumerate(banned_token_ids):
+        if banned:
+            logits[row, banned] = float("-inf")
+    temperatures = torch.tensor(
+        [1.0 if p.greedy else p.temperature for p in params], dtype=logits.dtype
+    ).unsqueeze(1)
+    tempered = torch.log_softmax(logits / temperatures, dim=-1)
+    raw = tempered if all(p.greedy or p.temperature == 1.0 for p in params) else torch.log_softmax(logits, -1)
+    reported = raw if return_original_logprob() else tempered
+
+    tokens = logits.argmax(dim=-1)
+    sampled = [row for row, p in enumerate(params) if not p.greedy]
+    if sampled:
+        tokens[sampled] = _sample_rows(tempered[sampled], [params[r] for r in sampled],
+                                       [generators[r] for r in sampled])
+    logprobs = reported.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens, logprobs
+
+
+def _sample_rows(logprobs: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Top-k/top-p/min-p filtered sampling for the rows of `logprobs` (vectorized over rows)."""
+    sorted_probs, sorted_ids = logprobs.exp().sort(dim=-1, descending=True)
+    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
+        vocab = sorted_probs.shape[1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
+        top_p = torch.tensor([p.top_p for p in params], dtype=sorted_probs.dtype).unsqueeze(1)
+        min_p = torch.tensor([p.min_p for p in params], dtype=sorted_probs.dtype).unsqueeze(1)
+        rank = torch.arange(vocab).unsqueeze(0)
+        keep = (rank < top_k) & ((sorted_probs.cumsum(1) - sorted_probs) <= top_p)
+        keep &= sorted_probs >= sorted_probs[:, :1] * min_p
+        keep[:, 0] = True
+        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    choice = torch.empty(len(params), dtype=torch.long)
+    shared = [row for row, generator in enumerate(generators) if generator is None]
+    if shared:
+        choice[shared] = torch.multinomial(sorted_probs[shared], 1).squeeze(1)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            choice[row] = torch.multinomial(sorted_probs[row], 1, generator=generator)[0]
+    return sorted_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """A per-request RNG when `sampling_seed` is set (reproducible samples), else None (global RNG)."""
+    if params.sampling_seed is None:
+        return None
+    generator = torch.Generator()
+    generator.manual_seed(params.sampling_seed)
+    return generator
+
+
+def find_stop_string(text: str, stops: list[str]) -> tuple[str, int] | None:
+    """The first stop string found in `text` and where it starts, or None."""
+    best: tuple[str, int] | None = None
+    for stop in stops:
+        if not stop:
+            continue
+        at = text.find(stop)
+        if at >= 0 and (best is None or at < best[1]):
+            best = (stop, at)
+    return best

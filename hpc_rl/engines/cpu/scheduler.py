@@ -1,0 +1,270 @@
+"""The CPU engine's scheduler thread: continuous batching, pause/abort, and weight swaps.
+
+Owns: the waiting queue, the running batch (rows of `kv_batch.KvBatch`, one per request), the
+pause state, the released-memory tags and the weight version. One thread runs the model; HTTP
+handlers talk to it only through `submit` (a generation request) and `call` (a function run on
+the scheduler thread between two steps), both returning futures. So a weight update or an abort
+never lands in the middle of a forward pass.
+
+    loop:  run queued calls -> if runnable: admit newcomers (prefill, first token, join batch)
+                                            -> one decode step for every running row
+                                            -> finished rows answer their futures, leave the batch
+           else: sleep until submit/call wakes it
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from hpc_rl.engines.cpu import kv_batch
+from hpc_rl.engines.cpu.requests import GenerationRequest, render_response
+from hpc_rl.engines.cpu.sampling import find_stop_string, sample_next_tokens
+
+ABORT_MESSAGE = "Aborted by AbortReq."
+
+
+class EngineStateError(RuntimeError):
+    """A control call SGLang would crash or refuse on; the HTTP layer answers 400 with the reason."""
+
+
+class Scheduler:
+    """Runs generation for one model on its own thread (see the module docstring)."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer, *, max_running_requests: int,
+                 context_length: int, weight_version: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_running_requests = max_running_requests
+        self.context_length = context_length
+        self.weight_version = weight_version
+        self.paused = False
+        self.released_tags: set[str] = set()
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self._waiting: collections.deque[GenerationRequest] = collections.deque()
+        self._running: list[GenerationRequest] = []
+        self._batch: kv_batch.KvBatch | None = None
+        self._inbox: collections.deque[tuple[Callable[[], Any] | None, concurrent.futures.Future | None,
+                                             GenerationRequest | None]] = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
+
+    # ---- called from other threads -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
+        """Queue a request; its future resolves with the SGLang response dict."""
+        self._inbox.append((None, None, request))
+        self._wake.set()
+        return request.future
+
+    def call(self, function: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `function` on the scheduler thread between steps; the future holds its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.append((function, future, None))
+        self._wake.set()
+        return future
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- scheduler-thread operations (run them through `call`) --------------------------------
+    def abort(self, rid: str | None, abort_all: bool) -> None:
+        """Finish matching requests with finish_reason abort and their partial output."""
+        keep_waiting = collections.deque()
+        for request in self._waiting:
+            if abort_all or request.rid == rid:
+                self._finish(request, {"type": "abort", "message": ABORT_MESSAGE})
+            else:
+                keep_waiting.append(request)
+        self._waiting = keep_waiting
+        survivors = []
+        for index, request in enumerate(self._running):
+            if abort_all or request.rid == rid:
+                self._finish(request, {"type": "abort", "message": ABORT_MESSAGE})
+            else:
+                survivors.append(index)
+        self._keep_rows(survivors)
+
+    def pause(self, mode: str) -> None:
+        """abort: end everything in flight; retract: back to the queue, KV recomputed on continue.
+
+        in_place is treated like retract: the CPU engine keeps no KV across a pause. (SGLang's
+        in_place keeps it, and then flush_cache and weight updates fail; the outputs are the same.)
+        """
+        if mode == "abort":
+            self.abort(None, abort_all=True)
+        elif mode in ("retract", "in_place"):
+            self._waiting.extendleft(reversed(self._running))
+            self._running = []
+            self._batch = None
+        else:
+            raise EngineStateError(f"unknown pause mode {mode!r}: use abort, retract or in_place")
+        self.paused = True
+
+    def resume_generation(self) -> None:
+        self.paused = False
+
+    def flush_cache(self) -> None:
+        if self._running:
+            raise EngineStateError("Flush cache failed.")
+
+    def release_memory(self, tags: list[str]) -> None:
+        if self._running:
+            raise EngineStateError(
+                "release_memory_occupation while requests are running (SGLang crashes here): "
+                "call /pause_generation first"
+            )
+        already = sorted(set(tags) & self.released_tags)
+        if already:
+            raise EngineStateError(f"memory tags {already} are already released")
+        self.released_tags |= set(tags)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        missing = sorted(set(tags) - self.released_tags)
+        if missing:
+            raise EngineStateError(
+                f"resume_memory_occupation of tags {missing} that were not released (SGLang crashes here)"
+            )
+        self.released_tags -= set(tags)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stopping:
+            self._wake.clear()
+            if not self.run_iteration():
+                self._wake.wait()
+        for request in list(self._waiting) + self._running:
+            self._finish(request, {"type": "abort", "message": "Engine shut down."})
+
+    def run_iteration(self) -> bool:
+        """Run queued calls, then one admit+decode step if allowed; False when there was nothing to do.
+        The thread's loop body; tests call it directly to drive the scheduler step by step."""
+        self._drain_inbox()
+        if self.paused or self.released_tags or not (self._waiting or self._running):
+            return False
+        self._step()
+        return True
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            function, future, request = self._inbox.popleft()
+            if request is not None:
+                self._waiting.append(request)
+                continue
+            try:
+                future.set_result(function())
+            except BaseException as error:  # noqa: BLE001 - handed to the HTTP handler
+                future.set_exception(error)
+
+    def _step(self) -> None:
+        free = self.max_running_requests - len(self._running)
+        if free > 0 and self._waiting:
+            newcomers = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+            self._admit(newcomers)
+        if self._running:
+            tokens = torch.tensor([request.output_ids[-1] for request in self._running], dtype=torch.long)
+            self._batch, logits = kv_batch.decode_step(self.model, self._batch, tokens)
+            self._sample_and_retire(list(range(len(self._running))), logits)
+
+    def _admit(self, newcomers: list[GenerationRequest]) -> None:
+        wants_input_logprobs = any(
+            r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None for r in newcomers
+        )
+        batch, last_logits, full_logits = kv_batch.prefill(
+            self.model, [r.context for r in newcomers], full_logits=wants_input_logprobs
+        )
+        if full_logits is not None:
+            for request, logits in zip(newcomers, full_logits):
+                if request.return_logprob and request.logprob_start_len >= 0 and request.input_logprobs is None:
+                    logprobs = torch.log_softmax(logits[: len(request.input_ids) - 1], dim=-1)
+                    targets = torch.tensor(request.input_ids[1:], dtype=torch.long).unsqueeze(1)
+                    request.input_logprobs = [None] + logprobs.gather(1, targets).squeeze(1).tolist()
+        zero_budget = [i for i, r in enumerate(newcomers) if r.params.max_new_tokens == 0]
+        for index in zero_budget:
+            self._finish(newcomers[index], {"type": "length", "length": 0})
+        live = [i for i in range(len(newcomers)) if i not in zero_budget]
+        if not live:
+            return
+        if len(live) < len(newcomers):
+            batch, last_logits = batch.select(live), last_logits[live]
+            newcomers = [newcomers[i] for i in live]
+        first_row = len(self._running)
+        self._running.extend(newcomers)
+        self._batch = kv_batch.join(self._batch, batch)
+        self._sample_and_retire(list(range(first_row, len(self._running))), last_logits)
+
+    def _sample_and_retire(self, rows: list[int], logits: torch.Tensor) -> None:
+        """Sample one token for each of `rows` of the running batch; drop rows that finished."""
+        requests = [self._running[row] for row in rows]
+        banned = [self._banned_tokens(request) for request in requests]
+        tokens, logprobs = sample_next_tokens(
+            logits, [r.params for r in requests], [r.generator for r in requests], banned
+        )
+        finished_rows = set()
+        for row, request, token, logprob in zip(rows, requests, tokens.tolist(), logprobs.tolist()):
+            request.append(token, logprob, self.weight_version)
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+                finished_rows.add(row)
+        if finished_rows:
+            self._keep_rows([i for i in range(len(self._running)) if i not in finished_rows])
+
+    def _keep_rows(self, indices: list[int]) -> None:
+        if len(indices) == len(self._running):
+            return
+        self._running = [self._running[i] for i in indices]
+        self._batch = self._batch.select(indices) if indices and self._batch is not None else None
+
+    def _banned_tokens(self, request: GenerationRequest) -> list[int]:
+        if len(request.output_ids) >= request.params.min_new_tokens:
+            return []
+        banned = list(request.params.stop_token_ids)
+        if not request.params.ignore_eos:
+            banned.extend(self.eos_token_ids)
+        return banned
+
+    def _finish_reason(self, request: GenerationRequest, token: int) -> dict | None:
+        params = request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return {"type": "stop", "matched": token}
+        if params.stop and len(request.output_ids) >= params.min_new_tokens:
+            text = self.tokenizer.decode(request.output_ids, skip_special_tokens=params.skip_special_tokens)
+            found = find_stop_string(text, params.stop)
+            if found is not None:
+                request.text_end = found[1]
+                return {"type": "stop", "matched": found[0]}
+        if len(request.output_ids) >= params.max_new_tokens:
+            return {"type": "length", "length": len(request.output_ids)}
+        if len(request.context) >= self.context_length:
+            return {"type": "length", "length": len(request.output_ids)}
+        return None
+
+    def _finish(self, request: GenerationRequest, reason: dict) -> None:
+        request.finish_reason = reason
+        if not request.future.done():
+            request.future.set_result(
+                render_response(request, tokenizer=self.tokenizer, weight_version=self.weight_version)
+            )

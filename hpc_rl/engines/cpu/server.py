@@ -1,0 +1,308 @@
+"""SGLang's HTTP API on aiohttp, served by the CPU engine's scheduler.
+
+Owns: routes, request/response JSON shapes, the api-key check and the weight-update session
+(`/begin_weight_update` ... `/end_weight_update`, required as in SGLang 0.5.23). Model work happens
+on the scheduler thread (`Scheduler.call`); the blocking group rendezvous runs in a worker thread,
+so the server stays responsive while the trainer and the other engines join.
+
+Authentication: with an api key, every admin endpoint (abort, pause/continue, flush, memory,
+weights) needs `Authorization: Bearer <key>`. `/health*` is always open, and so are the endpoints
+the router uses (`/generate`, `/server_info`, `/model_info` and their `/get_*` aliases).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from hpc_rl.engines.cpu.requests import RequestError, parse_generate_body
+from hpc_rl.engines.cpu.scheduler import EngineStateError, Scheduler
+from hpc_rl.engines.cpu.weight_sync import (
+    WeightUpdateGroups,
+    load_from_disk,
+    load_named,
+    named_tensors,
+    receive_bucket,
+)
+
+log = logging.getLogger(__name__)
+
+CPU_ENGINE_VERSION = "0.5.23+hpc_rl.cpu"
+OPEN_PATHS = {"/generate", "/server_info", "/get_server_info", "/model_info", "/get_model_info"}
+ALL_MEMORY_TAGS = ["weights", "kv_cache", "cuda_graph"]
+
+
+@dataclass(kw_only=True)
+class EngineInfo:
+    """What `/server_info` and `/model_info` report."""
+
+    model_path: str
+    host: str
+    port: int
+    api_key: str | None
+    max_running_requests: int
+    context_length: int
+    architectures: list[str] = field(default_factory=list)
+    model_type: str = ""
+
+
+def _ok(message: str = "Success") -> web.Response:
+    return web.json_response({"success": True, "message": message})
+
+
+def _fail(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=status)
+
+
+async def _json_body(request: web.Request) -> dict:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except json.JSONDecodeError as error:
+        raise web.HTTPBadRequest(text=json.dumps({"error": f"invalid JSON: {error}"}),
+                                 content_type="application/json") from None
+    return body if isinstance(body, dict) else {}
+
+
+class EngineServer:
+    """The aiohttp application around one `Scheduler`."""
+
+    def __init__(self, scheduler: Scheduler, info: EngineInfo) -> None:
+        self.scheduler = scheduler
+        self.info = info
+        self.groups = WeightUpdateGroups()
+        self.in_weight_update = False
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth], client_max_size=1 << 30)
+        get_post = [
+            ("/health", self.health), ("/health_generate", self.health),
+            ("/server_info", self.server_info), ("/get_server_info", self.server_info),
+            ("/model_info", self.model_info), ("/get_model_info", self.model_info),
+            ("/get_weights_by_name", self.get_weights_by_name),
+        ]
+        for path, handler in get_post:
+            app.router.add_get(path, handler)
+            app.router.add_post(path, handler)
+        posts = [
+            ("/generate", self.generate), ("/abort_request", self.abort_request),
+            ("/pause_generation", self.pause_generation), ("/continue_generation", self.continue_generation),
+            ("/flush_cache", self.flush_cache),
+            ("/init_weights_update_group", self.init_weights_update_group),
+            ("/destroy_weights_update_group", self.destroy_weights_update_group),
+            ("/begin_weight_update", self.begin_weight_update), ("/end_weight_update", self.end_weight_update),
+            ("/update_weights_from_distributed", self.update_weights_from_distributed),
+            ("/update_weights_from_disk", self.update_weights_from_disk),
+            ("/update_weight_version", self.update_weight_version),
+            ("/release_memory_occupation", self.release_memory_occupation),
+            ("/resume_memory_occupation", self.resume_memory_occupation),
+        ]
+        for path, handler in posts:
+            app.router.add_post(path, handler)
+        app.router.add_get("/flush_cache", self.flush_cache)
+        app.on_shutdown.append(self._on_shutdown)
+        return app
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        await asyncio.to_thread(self.scheduler.stop)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        key = self.info.api_key
+        path = request.path.rstrip("/") or "/"
+        guarded = bool(key) and not path.startswith("/health") and path not in OPEN_PATHS
+        if guarded and request.headers.get("Authorization", "") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    async def _on_scheduler(self, function) -> Any:
+        return await asyncio.wrap_future(self.scheduler.call(function))
+
+    async def _control(self, function, message: str = "Success") -> web.Response:
+        try:
+            await self._on_scheduler(function)
+        except EngineStateError as error:
+            return _fail(str(error))
+        return _ok(message)
+
+    # ---- info ----------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        info = self.info
+        return web.json_response({
+            "model_path": info.model_path, "tokenizer_path": info.model_path, "served_model_name": info.model_path,
+            "host": info.host, "port": info.port, "tp_size": 1, "dp_size": 1, "pp_size": 1,
+            "max_running_requests": info.max_running_requests, "context_length": info.context_length,
+            "device": "cpu", "dtype": "float32", "skip_tokenizer_init": False, "version": CPU_ENGINE_VERSION,
+            "engine": "hpc_rl.engines.cpu", "weight_version": self.scheduler.weight_version,
+            "internal_states": [{"num_running_reqs": self.scheduler.num_running,
+                                 "num_waiting_reqs": self.scheduler.num_waiting}],
+        })
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.info.model_path, "tokenizer_path": self.info.model_path,
+            "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": self.scheduler.weight_version, "has_image_understanding": False,
+            "has_audio_understanding": False, "model_type": self.info.model_type,
+            "architectures": self.info.architectures,
+        })
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if body.get("stream"):
+            return web.json_response({"error": "stream=true is not supported by the CPU engine"}, status=400)
+        try:
+            gen = parse_generate_body(body, tokenizer=self.scheduler.tokenizer,
+                                      context_length=self.info.context_length)
+        except RequestError as error:
+            payload = {"error": {"message": str(error)}} if error.semantic else {"error": str(error)}
+            return web.json_response(payload, status=400)
+        future = self.scheduler.submit(gen)
+        try:
+            result = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # client went away: abort it, as SGLang does
+            self.scheduler.call(lambda: self.scheduler.abort(gen.rid, abort_all=False))
+            raise
+        return web.json_response(result)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
+        await self._on_scheduler(lambda: self.scheduler.abort(rid, abort_all))
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        mode = (await _json_body(request)).get("mode", "abort")
+        return await self._control(lambda: self.scheduler.pause(mode), "Generation paused successfully.")
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        return await self._control(self.scheduler.resume_generation, "Generation continued successfully.")
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        try:
+            await self._on_scheduler(self.scheduler.flush_cache)
+        except EngineStateError as error:
+            return web.Response(status=400, text=str(error))
+        return web.Response(status=200, text="Cache flushed.")
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = (await _json_body(request)).get("tags") or ALL_MEMORY_TAGS
+        return await self._control(lambda: self.scheduler.release_memory(list(tags)))
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = (await _json_body(request)).get("tags") or ALL_MEMORY_TAGS
+        return await self._control(lambda: self.scheduler.resume_memory(list(tags)))
+
+    # ---- weights -------------------------------------------------------------------------------
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        try:
+            await asyncio.to_thread(
+                self.groups.init, master_address=body["master_address"], master_port=int(body["master_port"]),
+                rank_offset=int(body["rank_offset"]), world_size=int(body["world_size"]),
+                group_name=body.get("group_name", "weight_update_group"), backend=body.get("backend", "gloo"),
+            )
+        except (KeyError, ValueError, RuntimeError) as error:
+            return _fail(f"Failed to init the weight update group: {error!r}")
+        return _ok("Succeeded to initialize custom process group.")
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        name = (await _json_body(request)).get("group_name", "weight_update_group")
+        try:
+            await asyncio.to_thread(self.groups.destroy, name)
+        except KeyError as error:
+            return _fail(str(error))
+        return _ok("Succeeded to destroy custom process group.")
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        if self.in_weight_update:
+            return _fail("a weight update session is already open: call /end_weight_update first")
+        self.in_weight_update = True
+        return _ok()
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        if not self.in_weight_update:
+            return _fail("no weight update session is open: call /begin_weight_update first")
+        self.in_weight_update = False
+        return _ok()
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if not self.in_weight_update:
+            return _fail("update_weights_from_distributed outside a session: call /begin_weight_update first")
+        names, dtypes, shapes = body.get("names", []), body.get("dtypes", []), body.get("shapes", [])
+        group_name = body.get("group_name", "weight_update_group")
+        version = body.get("weight_version")
+
+        def work() -> None:
+            if body.get("abort_all_requests"):
+                self.scheduler.abort(None, abort_all=True)
+            received = receive_bucket(self.groups.get(group_name), names, dtypes, shapes, body.get("load_format"))
+            load_named(self.scheduler.model, received)
+            if version is not None:
+                self.scheduler.weight_version = str(version)
+
+        try:
+            await self._on_scheduler(work)
+        except (KeyError, ValueError, RuntimeError) as error:
+            return _fail(f"Failed to update parameter online: {error}")
+        return _ok("Succeeded to update parameter online.")
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        model_path, version = body.get("model_path"), body.get("weight_version")
+
+        def work() -> None:
+            if body.get("abort_all_requests"):
+                self.scheduler.abort(None, abort_all=True)
+            load_from_disk(self.scheduler.model, model_path)
+            self.info.model_path = model_path
+            if version is not None:
+                self.scheduler.weight_version = str(version)
+
+        try:
+            await self._on_scheduler(work)
+        except (OSError, KeyError, ValueError, RuntimeError, TypeError) as error:
+            return _fail(f"Failed to update weights from disk: {error}")
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                  "num_paused_requests": 0})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        version = body.get("new_version")
+        if version is None:
+            return _fail("new_version is required")
+
+        def work() -> None:
+            if body.get("abort_all_requests", True):
+                self.scheduler.abort(None, abort_all=True)
+            self.scheduler.weight_version = str(version)
+
+        await self._on_scheduler(work)
+        return _ok(f"Weight version updated to {version}")
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = dict(request.query) if request.method == "GET" else await _json_body(request)
+        name, truncate = body.get("name"), int(body.get("truncate_size", 100))
+
+        def work() -> list:
+            tensor = named_tensors(self.scheduler.model).get(name)
+            if tensor is None:
+                raise KeyError(name)
+            return tensor.detach()[:truncate].tolist()
+
+        try:
+            return web.json_response(await self._on_scheduler(work))
+        except KeyError:
+            return web.json_response({"error": {"message": f"unknown parameter name {name!r}"}}, status=400)

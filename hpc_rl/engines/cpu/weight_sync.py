@@ -1,0 +1,110 @@
+"""Weight loading for the CPU engine: by HF name, from a broadcast, from disk, and read-back.
+
+Owns: the engine's weight-update groups (joined through `hpc_rl.weights.process_group`), receiving
+one bucket from trainer rank 0 (per tensor, or one `flattened_bucket` laid out by
+`hpc_rl.engines.bucket_layout`), and copying tensors into the model by HF parameter name. The
+scheduler decides when these run (between decode steps); this module never touches requests.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+from hpc_rl.engines.bucket_layout import compute_layout, dtype_from_name, unpack_bucket
+from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
+
+
+def named_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by HF name, tied aliases included (e.g. `lm_head.weight`)."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(dict(model.named_buffers(remove_duplicate=False)))
+    return tensors
+
+
+@torch.no_grad()
+def load_named(model: PreTrainedModel, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy each tensor into the model's tensor of that name (dtype converted); all names checked first."""
+    targets = named_tensors(model)
+    unknown = [name for name, _ in weights if name not in targets]
+    if unknown:
+        raise KeyError(f"unknown parameter names (not in the model): {unknown[:5]}")
+    for name, tensor in weights:
+        target = targets[name]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")
+    for name, tensor in weights:
+        targets[name].copy_(tensor)
+
+
+def load_from_disk(model: PreTrainedModel, model_path: str) -> None:
+    """Load every safetensors file of an HF checkpoint directory into the model by name."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_path}")
+    weights: list[tuple[str, torch.Tensor]] = []
+    for file in files:
+        weights.extend(load_file(str(file)).items())
+    load_named(model, weights)
+
+
+class WeightUpdateGroups:
+    """The live weight-update groups of this engine, by name (one live group per name, as SGLang)."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._lock = threading.Lock()
+
+    def init(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+             group_name: str, backend: str) -> None:
+        """Join as rank `rank_offset` (an engine of TP 1); blocks until all ranks joined."""
+        with self._lock:
+            if group_name in self._groups:
+                raise ValueError(f"weight update group {group_name!r} already exists: destroy it first")
+        if backend == "nccl":
+            backend = "gloo"  # the CPU engine has no NCCL; the trainer side must use gloo too
+        group = init_weight_update_group(
+            master_address=master_address, master_port=master_port, rank=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend,
+        )
+        with self._lock:
+            self._groups[group_name] = group
+
+    def get(self, group_name: str) -> dist.ProcessGroup:
+        with self._lock:
+            if group_name not in self._groups:
+                raise KeyError(f"weight update group {group_name!r} does not exist: call /init_weights_update_group")
+            return self._groups[group_name]
+
+    def destroy(self, group_name: str) -> None:
+        with self._lock:
+            group = self._groups.pop(group_name, None)
+        if group is None:
+            raise KeyError(f"weight update group {group_name!r} does not exist")
+        destroy_weight_update_group(group)
+
+
+def receive_bucket(
+    group: dist.ProcessGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
+    load_format: str | None,
+) -> list[tuple[str, torch.Tensor]]:
+    """Receive one bucket broadcast by rank 0: one tensor per name, or one flattened uint8 tensor."""
+    if load_format == "flattened_bucket":
+        layout = compute_layout(names, dtypes, shapes)
+        buffer = torch.empty(layout.total_bytes, dtype=torch.uint8)
+        dist.broadcast(buffer, src=0, group=group)
+        return unpack_bucket(buffer, layout)
+    if load_format not in (None, "auto", "direct"):
+        raise ValueError(f"load_format {load_format!r} is not supported (null or 'flattened_bucket')")
+    received = []
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        tensor = torch.empty(tuple(shape), dtype=dtype_from_name(dtype))
+        dist.broadcast(tensor, src=0, group=group)
+        received.append((name, tensor))
+    return received

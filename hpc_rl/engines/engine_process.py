@@ -1,0 +1,88 @@
+"""Engine processes behind one small interface: start(), url, wait_healthy(timeout), stop().
+
+Owns: launching one rollout engine as a child process, either hpc_rl's CPU engine
+(`python -m hpc_rl.engines.cpu`) or real SGLang (`sglang.launch_server`, GPU nodes), and waiting
+until its `/health` answers 200, with the engine's log tail in the error when it does not.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from hpc_rl.engines.child_process import ChildProcess, free_port, http_ok, wait_until
+from hpc_rl.engines.sglang_launch import SglangLaunchSpec, build_sglang_command, build_sglang_env
+
+
+class EngineProcess(Protocol):
+    """What the launcher and the tests need from an engine process."""
+
+    @property
+    def url(self) -> str: ...
+
+    def start(self) -> None: ...
+
+    def wait_healthy(self, timeout: float) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class _HttpEngineProcess:
+    def __init__(self, command: list[str], *, host: str, port: int, log_path: str | Path,
+                 env: Mapping[str, str], name: str) -> None:
+        self.host, self.port = host, port
+        self.process = ChildProcess(command, log_path=log_path, env=env, name=name)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self.process.start()
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Block until GET /health is 200; ChildProcessFailed (with the log tail) otherwise."""
+        wait_until(lambda: http_ok(f"{self.url}/health"), process=self.process, timeout=timeout,
+                   what=f"healthy at {self.url}/health")
+
+    def stop(self) -> None:
+        self.process.stop()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+class CpuEngineProcess(_HttpEngineProcess):
+    """hpc_rl's CPU engine serving `model_path` (tests, laptops, CI)."""
+
+    def __init__(self, model_path: str | Path, *, log_path: str | Path, host: str = "127.0.0.1",
+                 port: int | None = None, api_key: str | None = None, max_running_requests: int = 64,
+                 weight_version: str = "default", num_threads: int = 1, extra_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
+        port = port or free_port(host)
+        command = [
+            sys.executable, "-m", "hpc_rl.engines.cpu", "--model-path", str(model_path),
+            "--host", host, "--port", str(port), "--max-running-requests", str(max_running_requests),
+            "--weight-version", weight_version, "--num-threads", str(num_threads), *extra_args,
+        ]
+        if api_key:
+            command += ["--api-key", api_key]
+        environment = build_sglang_env(os.environ if env is None else env)
+        super().__init__(command, host=host, port=port, log_path=log_path, env=environment, name="CPU engine")
+
+
+class SglangEngineProcess(_HttpEngineProcess):
+    """A real SGLang server (`sglang.launch_server`) on a GPU node."""
+
+    def __init__(self, spec: SglangLaunchSpec, *, log_path: str | Path,
+                 env: Mapping[str, str] | None = None) -> None:
+        environment = build_sglang_env(os.environ, env)
+        super().__init__(build_sglang_command(spec), host=spec.host, port=spec.port, log_path=log_path,
+                         env=environment, name="SGLang engine")

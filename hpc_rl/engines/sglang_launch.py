@@ -1,0 +1,106 @@
+"""The `sglang.launch_server` command line and environment for one engine (GPU nodes). Pure.
+
+Owns: rendering an engine's command from the rollout config (`hf_checkpoint`,
+`rollout_num_gpus_per_engine` -> `--tp-size`, host/port, every `sglang_*` option passed through)
+and the environment SGLang needs under hpc_rl. Starting the process is `engine_process`'s job.
+
+Option rendering (keys may carry the `sglang_` prefix of the config; it is dropped):
+    {"mem_fraction_static": 0.7}  -> --mem-fraction-static 0.7
+    {"cuda_graph_bs": [1, 2, 4]}  -> --cuda-graph-bs 1 2 4
+    {"enable_memory_saver": True} -> --enable-memory-saver        (False / None: omitted)
+    {"json_model_override_args": {...}} -> --json-model-override-args '<json>'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Flags hpc_rl sets itself: a pass-through option may not override them.
+RESERVED_OPTIONS = frozenset({"model_path", "tp_size", "tensor_parallel_size", "host", "port", "api_key"})
+
+ENGINE_ENV = {
+    # The router health-checks /health; with generation enabled a paused engine fails it (-> 503).
+    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
+    # NCCL's cuMem allocator breaks weight-update groups across processes.
+    "NCCL_CUMEM_ENABLE": "0",
+    # A local checkpoint path must never turn into a hub lookup.
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+@dataclass(kw_only=True)
+class SglangLaunchSpec:
+    """One SGLang engine: model, parallelism, address and pass-through options."""
+
+    hf_checkpoint: str
+    """Local HF checkpoint directory served by the engine (also its tokenizer)."""
+    host: str
+    """Address the engine's HTTP server binds (the node's address, reachable by the router)."""
+    port: int
+    """HTTP port of the engine."""
+    rollout_num_gpus_per_engine: int = 1
+    """GPUs per engine: SGLang's tensor-parallel size."""
+    api_key: str | None = None
+    """Bearer key for the engine's endpoints (SGLang `--api-key`); `/health` stays open."""
+    sglang_options: dict[str, Any] = field(default_factory=dict)
+    """Every other SGLang server flag, by its python name (see the module docstring)."""
+    python: str = sys.executable
+    """Interpreter that has the `sglang` package."""
+
+    def __post_init__(self) -> None:
+        if self.rollout_num_gpus_per_engine < 1:
+            raise ValueError(f"rollout_num_gpus_per_engine must be >= 1, got {self.rollout_num_gpus_per_engine}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port {self.port} is out of range")
+        clashes = sorted(_option_name(key) for key in self.sglang_options if _option_name(key) in RESERVED_OPTIONS)
+        if clashes:
+            raise ValueError(
+                f"sglang options {clashes} are set by hpc_rl (hf_checkpoint, rollout_num_gpus_per_engine, "
+                "host, port, api_key): remove them from the sglang_* options"
+            )
+
+
+def _option_name(key: str) -> str:
+    return key.removeprefix("sglang_")
+
+
+def render_option(key: str, value: Any) -> list[str]:
+    """Command-line words for one pass-through option (see the module docstring)."""
+    flag = "--" + _option_name(key).replace("_", "-")
+    if value is None or value is False:
+        return []
+    if value is True:
+        return [flag]
+    if isinstance(value, (list, tuple)):
+        return [flag, *(str(item) for item in value)]
+    if isinstance(value, dict):
+        return [flag, json.dumps(value)]
+    return [flag, str(value)]
+
+
+def build_sglang_command(spec: SglangLaunchSpec) -> list[str]:
+    """The full `python -m sglang.launch_server ...` argv for `spec`."""
+    command = [
+        spec.python, "-m", "sglang.launch_server",
+        "--model-path", spec.hf_checkpoint,
+        "--tp-size", str(spec.rollout_num_gpus_per_engine),
+        "--host", spec.host,
+        "--port", str(spec.port),
+    ]
+    if spec.api_key:
+        command += ["--api-key", spec.api_key]
+    for key in sorted(spec.sglang_options):
+        command += render_option(key, spec.sglang_options[key])
+    return command
+
+
+def build_sglang_env(base: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (usually os.environ) plus hpc_rl's engine variables, then `extra` on top."""
+    env = dict(base)
+    env.update(ENGINE_ENV)
+    env.update(extra or {})
+    return env

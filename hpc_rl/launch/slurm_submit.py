@@ -1,0 +1,161 @@
+"""Submitting a run as one heterogeneous Slurm job through submitit, and `--dry-run` for Slurm.
+
+Owns: building the `HetSlurmExecutor` from the config (options rendered by `sbatch_render`, submitit's
+folder inside the run dir), submitting `HetJobDriver`, recording the job id in the run dir, printing
+where everything goes, and `--wait` (block until the job ends, exit with its status). Called by
+`hpc_rl.submit` after validation and after `config.resolved.yaml` is written.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from submitit.core.utils import FailedJobError, UncompletedJobError
+
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.launch.sbatch_render import render_batch_script, submitit_folder, submitit_parameters
+from hpc_rl.launch.slurm_status import JOB_ID_FILE, record_job_id
+from hpc_rl.launch.srun_launcher import srun_argv
+from hpc_rl.launch.steps import StepSpec
+from hpc_rl.launch.submitit_het import (
+    DEFAULT_DRIVER,
+    HetJobDriver,
+    HetSlurmExecutor,
+    HetSlurmJob,
+    exec_python,
+)
+from hpc_rl.launch.topology import JobTopology, plan_topology
+from hpc_rl.protocol.secret import create_secret, secret_path
+
+EXIT_OK, EXIT_FAILED, EXIT_NOT_FINISHED, EXIT_INTERRUPTED = 0, 1, 3, 130
+
+
+def make_executor(config: RunConfig, topology: JobTopology) -> HetSlurmExecutor:
+    """A submitit executor whose batch script is `render_batch_script(config, topology, ...)`."""
+    executor = HetSlurmExecutor(submitit_folder(config.run_dir), max_num_timeout=config.slurm.max_num_timeout)
+    executor.update_parameters(**submitit_parameters(config, topology))
+    return executor
+
+
+def submit_job(config: RunConfig, *, driver: str = DEFAULT_DRIVER) -> HetSlurmJob:
+    """Submit the run in `config.run_dir` (already holding config.resolved.yaml); returns the job."""
+    run_dir = Path(config.run_dir)
+    if not secret_path(run_dir).exists():
+        create_secret(secret_path(run_dir))
+    topology = plan_topology(config.cluster)
+    executor = make_executor(config, topology)
+    job = executor.submit(HetJobDriver(str(run_dir), driver, config.slurm.cpus_per_task))
+    record_job_id(run_dir, job.job_id)
+    return job  # type: ignore[return-value]
+
+
+def submission_summary(config: RunConfig, job: HetSlurmJob) -> str:
+    run_dir = Path(config.run_dir)
+    tensorboard = config.logging.tensorboard_dir or str(run_dir / "tensorboard")
+    return "\n".join([
+        f"submitted Slurm job {job.job_id} ({config.logging.run_name})",
+        f"  run dir:      {run_dir}",
+        f"  driver log:   {job.paths.stdout}  (stderr: {job.paths.stderr})",
+        f"  step logs:    {run_dir / 'logs'}/{{controller,router,engine-<i>,trainer}}.log",
+        f"  job id file:  {run_dir / JOB_ID_FILE}",
+        f"  status:       python -m hpc_rl.status {run_dir}",
+        f"  cancel:       scancel {job.job_id}",
+        f"  tensorboard:  tensorboard --logdir {tensorboard}",
+    ])
+
+
+ACTIVE_STATES = ("", "UNKNOWN", "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING",
+                 "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED", "STAGE_OUT", "SIGNALING")
+UNFINISHED_STATES = ("CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "DEADLINE", "BOOT_FAIL", "OUT_OF_MEMORY")
+
+
+def final_state(job: HetSlurmJob, *, timeout: float = 20.0) -> str:
+    """Slurm's final state of the job (the result file can appear before Slurm has finished the job)."""
+    deadline = time.monotonic() + timeout
+    state = "UNKNOWN"
+    while time.monotonic() < deadline:
+        state = job.watcher.get_state(job.job_id, mode="force").split(" ")[0]
+        if state.upper() not in ACTIVE_STATES:
+            return state
+        time.sleep(1.0)
+    return state
+
+
+def wait_for_job(job: HetSlurmJob, *, poll_seconds: float = 2.0, out=sys.stderr) -> int:  # type: ignore[no-untyped-def]
+    """Block until the job ends (requeues included); 0 only when Slurm says COMPLETED and the driver succeeded."""
+    last_state = ""
+    try:
+        while not job.done():
+            state = job.state
+            if state != last_state:
+                print(f"job {job.job_id}: {state}", file=out, flush=True)
+                last_state = state
+            time.sleep(poll_seconds)
+        state = final_state(job)
+    except KeyboardInterrupt:
+        print(f"\nstopped waiting; job {job.job_id} keeps running (scancel {job.job_id} stops it)", file=out)
+        return EXIT_INTERRUPTED
+    if state.upper().startswith(UNFINISHED_STATES):
+        print(f"job {job.job_id}: {state}: ended before the run finished; log: {job.paths.stderr}", file=out)
+        return EXIT_NOT_FINISHED
+    try:
+        job.result()
+    except FailedJobError as error:
+        errors = [line for line in str(error).splitlines() if "Error:" in line and not line.startswith(" ")]
+        print(f"job {job.job_id}: {state}: {errors[-1] if errors else 'the driver failed'}; log: {job.paths.stderr}",
+              file=out)
+        return EXIT_FAILED
+    except UncompletedJobError as error:
+        print(f"job {job.job_id}: {state}: ended before the run finished ({str(error).splitlines()[0]})", file=out)
+        return EXIT_NOT_FINISHED
+    print(f"job {job.job_id}: {state}", file=out)
+    return EXIT_OK if state.upper() in ("COMPLETED", "UNKNOWN") else EXIT_FAILED
+
+
+def submit_slurm(config: RunConfig, wait: bool = False) -> int:
+    """`python -m hpc_rl.submit ... --executor slurm`: submit, print the summary, optionally wait."""
+    job = submit_job(config)
+    print(submission_summary(config, job), flush=True)
+    return wait_for_job(job) if wait else EXIT_OK
+
+
+def planned_steps(config: RunConfig, topology: JobTopology, run_dir: Path) -> list[StepSpec]:
+    """The steps the driver starts, with their argv (for `--dry-run`; the driver builds the same)."""
+    from hpc_rl.launch import driver
+
+    device_gpus = config.cluster.device == "cuda"
+    ports = driver.PortPlan.for_job(topology, local=False)
+    steps = []
+    for placement in topology.engines:
+        host = f"<node {placement.node_index} of het group {placement.het_group}>"
+        steps.append(StepSpec(
+            name=f"engine-{placement.engine_index}",
+            argv=driver.engine_command(config, placement, host, ports.engines[placement.engine_index]),
+            het_group=placement.het_group, node_index=placement.node_index,
+            gpus_per_task=len(placement.gpu_ids) if device_gpus else 0, overlap=topology.colocate,
+            log_path=run_dir / "logs" / f"engine-{placement.engine_index}.log"))
+    steps.append(StepSpec(
+        name="trainer", argv=driver.trainer_command(config, run_dir, f"<first trainer node>:{ports.rendezvous}"),
+        het_group=0, num_nodes=config.cluster.actor_num_nodes,
+        gpus_per_task=config.cluster.actor_num_gpus_per_node if device_gpus else 0,
+        log_path=run_dir / "logs" / "trainer.log"))
+    return steps
+
+
+def render_slurm_dry_run(config: RunConfig) -> str:
+    """The exact sbatch script submitit would submit, then the srun command of every step."""
+    topology = plan_topology(config.cluster)
+    run_dir = Path(config.run_dir or "<run_dir>")
+    folder = submitit_folder(run_dir)
+    lines = [f"# sbatch script (submitted through submitit; written to {folder}/)",
+             render_batch_script(config, topology, folder=folder, python=exec_python()).rstrip("\n"),
+             "", "# job steps the driver starts inside the allocation (ports shift by job id % 400 * 50)"]
+    het_job = len(topology.groups) > 1
+    for spec in planned_steps(config, topology, run_dir):
+        nodelist = [f"<node {spec.node_index} of het group {spec.het_group}>"] if spec.node_index is not None else None
+        argv = srun_argv(spec, het_job=het_job, nodelist=nodelist, cpus_per_task=config.slurm.cpus_per_task)
+        lines.append(f"# {spec.name} -> {spec.log_path}")
+        lines.append(" ".join(argv))
+    return "\n".join(lines) + "\n"

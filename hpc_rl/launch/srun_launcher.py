@@ -1,0 +1,177 @@
+"""Placing job steps with `srun` inside a (heterogeneous) Slurm allocation: `SrunStepLauncher`.
+
+Owns: turning a `StepSpec` into an `srun` command line (`srun_argv`, pure), starting it as its own
+process group with its own log (the `StepLauncher` protocol of `hpc_rl.launch.steps`), stopping it
+without leaving tasks behind, and the node names of each het component
+(`SLURM_JOB_NODELIST_HET_GROUP_<g>` expanded by `scontrol show hostnames`). It does not decide what
+runs (the driver does) nor what the allocation is (`sbatch_render`).
+
+Facts behind the flags (measured on Slurm 22.05, notes/slurm.md and tests/slurm):
+- srun inside the batch step inherits SLURM_NTASKS / SLURM_GPUS_PER_NODE of the allocation, so every
+  step states `--ntasks` and, when it wants GPUs, `--gpus-per-node` explicitly.
+- Without `--exact` a step takes every CPU of its nodes and sibling steps on the same node queue up
+  behind it ("step creation temporarily disabled"): engines pinned to a node use `--exact` (their own
+  GPUs, their own CPUs); colocated engines use `--overlap` (they share the trainer's GPUs on purpose).
+- `--het-group` is only valid in a het job (SLURM_HET_SIZE set); colocated runs are plain jobs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from hpc_rl.launch.steps import StepSpec, _signal_group
+
+
+def srun_argv(
+    spec: StepSpec,
+    *,
+    het_job: bool,
+    nodelist: list[str] | None = None,
+    cpus_per_task: int | None = None,
+) -> list[str]:
+    """The full `srun ... -- argv` command of a step (`nodelist`: the nodes it is pinned to)."""
+    argv = ["srun"]
+    if het_job:
+        argv.append(f"--het-group={spec.het_group}")
+    argv += [
+        f"--job-name={spec.name}",
+        f"--nodes={spec.num_nodes}",
+        f"--ntasks={spec.num_nodes * spec.tasks_per_node}",
+        f"--ntasks-per-node={spec.tasks_per_node}",
+    ]
+    if nodelist:
+        argv.append(f"--nodelist={','.join(nodelist)}")
+    if spec.gpus_per_task and not spec.overlap:
+        argv.append(f"--gpus-per-node={spec.gpus_per_task * spec.tasks_per_node}")
+    if spec.overlap:
+        argv.append("--overlap")
+    elif spec.node_index is not None:
+        argv.append("--exact")
+        if cpus_per_task:
+            argv.append(f"--cpus-per-task={cpus_per_task}")
+    if spec.num_nodes * spec.tasks_per_node > 1:
+        argv.append("--label")
+    argv += ["--kill-on-bad-exit=1", "--unbuffered", "--"]
+    return argv + list(spec.argv)
+
+
+def expand_hostnames(nodelist: str) -> list[str]:
+    """'node[1-2],gpu07' -> ['node1', 'node2', 'gpu07'] (Slurm's own expansion)."""
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True, text=True, timeout=30,
+    )
+    return out.stdout.split()
+
+
+class SrunStep:
+    """A step started through srun; `stop` ends its tasks on every node, not only the local srun."""
+
+    def __init__(self, name: str, process: subprocess.Popen[bytes], job_id: str | None) -> None:
+        self.name = name
+        self.process = process
+        self.job_id = job_id
+        """The id of the step's component (a het component has its own: `SLURM_JOB_ID_HET_GROUP_<g>`)."""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.process.wait(timeout)
+
+    def stop(self, grace_seconds: float = 10.0) -> int | None:
+        """SIGTERM to srun (it forwards it to every task), then kill srun and scancel the step."""
+        if self.process.poll() is not None:
+            return self.process.returncode
+        _signal_group(self.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        while time.monotonic() < deadline and self.process.poll() is None:
+            time.sleep(0.05)
+        if self.process.poll() is None:
+            self._cancel_step()
+        _signal_group(self.process.pid, signal.SIGKILL)
+        try:
+            return self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _cancel_step(self) -> None:
+        """srun did not end in time: have slurmctld kill the step's tasks (found by the step's name)."""
+        if not self.job_id:
+            return
+        listing = subprocess.run(
+            ["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], check=False, capture_output=True, text=True, timeout=30,
+        )
+        for line in listing.stdout.splitlines():
+            step_id, _, step_name = line.strip().partition(" ")
+            if step_name == self.name:
+                subprocess.run(["scancel", "--signal=KILL", step_id], check=False, capture_output=True, timeout=30)
+
+
+class SrunStepLauncher:
+    """Runs each step with `srun` in the current Slurm allocation (the driver is the batch step)."""
+
+    def __init__(self, *, environ: Mapping[str, str] | None = None, cpus_per_task: int | None = None) -> None:
+        self.environ = dict(os.environ if environ is None else environ)
+        if "SLURM_JOB_ID" not in self.environ:
+            raise RuntimeError("SrunStepLauncher needs a Slurm allocation (SLURM_JOB_ID is not set)")
+        self.het_job = "SLURM_HET_SIZE" in self.environ
+        self.cpus_per_task = cpus_per_task
+        self._hostnames: dict[int, list[str]] = {}
+
+    @property
+    def job_id(self) -> str:
+        return self.environ["SLURM_JOB_ID"]
+
+    def hostnames(self, het_group: int) -> list[str]:
+        """Every node of a het component, in Slurm's order."""
+        if het_group not in self._hostnames:
+            key = f"SLURM_JOB_NODELIST_HET_GROUP_{het_group}" if self.het_job else "SLURM_JOB_NODELIST"
+            if key not in self.environ:
+                raise RuntimeError(f"het group {het_group} is not part of this job ({key} is not set)")
+            self._hostnames[het_group] = expand_hostnames(self.environ[key])
+        return self._hostnames[het_group]
+
+    def node_address(self, het_group: int, node_index: int) -> str:
+        """The node's IP address (servers such as sglang-router bind and are reached by address, not name)."""
+        nodes = self.hostnames(het_group)
+        if not 0 <= node_index < len(nodes):
+            raise IndexError(f"het group {het_group} has {len(nodes)} node(s); node {node_index} asked for")
+        try:
+            return socket.gethostbyname(nodes[node_index])
+        except OSError:
+            return nodes[node_index]
+
+    def command(self, spec: StepSpec) -> list[str]:
+        """The srun command line this launcher runs for `spec`."""
+        nodelist = None
+        if spec.node_index is not None:
+            nodes = self.hostnames(spec.het_group)
+            nodelist = nodes[spec.node_index:spec.node_index + spec.num_nodes]
+        return srun_argv(spec, het_job=self.het_job, nodelist=nodelist, cpus_per_task=self.cpus_per_task)
+
+    def start(self, spec: StepSpec) -> SrunStep:
+        env = {**self.environ, **spec.env}
+        argv = self.command(spec)
+        if spec.log_path:
+            Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
+        log = open(spec.log_path, "ab") if spec.log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            process = subprocess.Popen(
+                argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            if spec.log_path:
+                log.close()  # srun holds its own descriptor
+        component_job_id = self.environ.get(f"SLURM_JOB_ID_HET_GROUP_{spec.het_group}", self.job_id)
+        return SrunStep(spec.name, process, component_job_id if self.het_job else self.job_id)

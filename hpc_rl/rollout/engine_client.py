@@ -1,0 +1,219 @@
+"""HTTP client of the generation engines (SGLang or hpc_rl's CPU engine), through sglang-router or direct.
+
+Owns: the aiohttp session, the per-engine concurrency limit (`sglang.server_concurrency`), sending one
+`/generate` and classifying its outcome (answer, HTTP error, or a *transport* failure: connection
+refused/reset, timeout, 5xx), the rid -> engine map of requests in flight, and the control calls that
+the router does not route (`/abort_request`), which go to every engine URL of an `EngineDirectory`
+(the engine list can change at run time: engines die, restart, get added).
+
+Does not own: what a request contains or how a sample is resumed (generate.py), retry policy decisions
+(generate.py), weight updates and pause/continue (the weights/engines side).
+
+Routing: with `router_url` every /generate goes to the router (cache-aware routing keeps a GRPO group on
+one engine) and the engine that serves a rid is unknown, so an abort of one rid is sent to every engine
+(SGLang answers 200 for unknown rids). Without a router the client picks the least-loaded engine itself
+and knows the engine of each rid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import aiohttp
+
+if TYPE_CHECKING:
+    from typing import Self  # 3.11+; annotations only
+
+
+class EngineDirectory(Protocol):
+    """Where the engines are right now (the controller's registry implements this)."""
+
+    def engine_urls(self) -> list[str]:
+        """Base URLs (``http://host:port``) of the engines that are up."""
+        ...
+
+
+class StaticEngineDirectory:
+    """An `EngineDirectory` backed by a mutable list (tests, benchmarks, a fixed set of engines)."""
+
+    def __init__(self, urls: list[str] | None = None) -> None:
+        self.urls: list[str] = list(urls or [])
+
+    def engine_urls(self) -> list[str]:
+        return list(self.urls)
+
+
+class TransportError(RuntimeError):
+    """The request did not get an answer from a live engine (the sample must be resubmitted)."""
+
+
+class EngineHTTPError(RuntimeError):
+    """The engine answered 4xx: the request itself is wrong (retrying will not help)."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"engine answered HTTP {status}: {body[:500]}")
+        self.status = status
+
+
+@dataclass(kw_only=True)
+class GenerateAnswer:
+    """A 200 answer of /generate and which engine served it (None: the router chose)."""
+
+    body: dict[str, Any]
+    engine_url: str | None
+
+
+class EngineClient:
+    """Sends /generate (limited to `per_engine_concurrency` x engines in flight) and fans out aborts."""
+
+    def __init__(self, directory: EngineDirectory, *, router_url: str | None = None,
+                 per_engine_concurrency: int = 512, request_timeout_s: float = 600.0,
+                 control_timeout_s: float = 10.0) -> None:
+        self.directory = directory
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self.per_engine_concurrency = per_engine_concurrency
+        self.request_timeout_s = request_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.in_flight: dict[str, str | None] = {}
+        """rid -> engine URL serving it (None when routed by the router)."""
+        self._per_engine: dict[str, int] = {}
+        self._failed_at: dict[str, float] = {}
+        self.failure_cooldown_s = 5.0
+        self.waiter_poll_s = 2.0
+        """Direct mode: an engine that just failed a request is picked only when no other is free."""
+        self._slots = asyncio.Condition()
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    async def start(self) -> Self:
+        if self._session is None:
+            # No client-side connection cap: the concurrency limit below is the one that matters.
+            connector = aiohttp.TCPConnector(limit=0, force_close=False)
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("EngineClient is not started: use 'async with EngineClient(...)' or await start()")
+        return self._session
+
+    # -- concurrency ---------------------------------------------------------------------------------
+    def capacity(self) -> int:
+        """Requests allowed in flight now: the per-engine limit times the engines that are up."""
+        return self.per_engine_concurrency * max(1, len(self.directory.engine_urls()))
+
+    def _pick_engine(self) -> str | None:
+        """Direct mode: the least-loaded engine below its limit, avoiding engines that failed in the last
+        `failure_cooldown_s`; None if all are full (or none is up)."""
+        now = asyncio.get_running_loop().time()
+        candidates = [(now - self._failed_at.get(url, -1e9) < self.failure_cooldown_s, self._per_engine.get(url, 0), url)
+                      for url in self.directory.engine_urls()]
+        candidates = [c for c in candidates if c[1] < self.per_engine_concurrency]
+        return min(candidates)[2] if candidates else None
+
+    async def _acquire(self, rid: str, stopped: asyncio.Event | None) -> str | None:
+        """Wait for a slot; returns the engine (direct mode) or None (router). Raises StopGeneration."""
+        async with self._slots:
+            while True:
+                if stopped is not None and stopped.is_set():
+                    raise StopGeneration()
+                if self.router_url is not None:
+                    if len(self.in_flight) < self.capacity():
+                        self.in_flight[rid] = None
+                        return None
+                else:
+                    engine = self._pick_engine()
+                    if engine is not None:
+                        self.in_flight[rid] = engine
+                        self._per_engine[engine] = self._per_engine.get(engine, 0) + 1
+                        return engine
+                try:
+                    # Woken one at a time per released slot (no thundering herd with thousands queued),
+                    # all at once by wake_waiters(); the timeout is only a safety net.
+                    await asyncio.wait_for(self._slots.wait(), timeout=self.waiter_poll_s)
+                except TimeoutError:
+                    pass
+
+    async def _release(self, rid: str) -> None:
+        async with self._slots:
+            engine = self.in_flight.pop(rid, None)
+            if engine is not None:
+                self._per_engine[engine] -= 1
+            self._slots.notify(1)
+
+    async def wake_waiters(self) -> None:
+        """Re-check every queued request now: after a stop, or when engines were added to the directory."""
+        async with self._slots:
+            self._slots.notify_all()
+
+    # -- requests ------------------------------------------------------------------------------------
+    async def generate(self, payload: dict[str, Any], *, stopped: asyncio.Event | None = None) -> GenerateAnswer:
+        """POST one /generate (payload must carry its `rid`). Raises TransportError / EngineHTTPError,
+        or StopGeneration if `stopped` was set before a slot was free (nothing was sent then)."""
+        rid = payload["rid"]
+        engine = await self._acquire(rid, stopped)
+        base = self.router_url if engine is None else engine
+        try:
+            if base is None:
+                raise TransportError("no router URL and no engine is up")
+            timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+            try:
+                async with self.session.post(f"{base}/generate", json=payload, timeout=timeout) as response:
+                    text = await response.text()
+                    if response.status >= 500:
+                        raise TransportError(f"{base} answered HTTP {response.status}: {text[:300]}")
+                    if response.status != 200:
+                        raise EngineHTTPError(response.status, text)
+                    try:
+                        body = await response.json(content_type=None)
+                    except ValueError as error:
+                        raise TransportError(f"{base} answered a body that is not JSON: {error}") from None
+                    return GenerateAnswer(body=body, engine_url=engine)
+            except (TimeoutError, aiohttp.ClientError, ConnectionError) as error:
+                raise TransportError(f"{base}/generate failed: {type(error).__name__}: {error}") from None
+        except TransportError:
+            if engine is not None:
+                self._failed_at[engine] = asyncio.get_running_loop().time()
+            raise
+        finally:
+            await self._release(rid)
+
+    async def _post_control(self, url: str, path: str, body: dict[str, Any]) -> bool:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.control_timeout_s)
+            async with self.session.post(f"{url}{path}", json=body, timeout=timeout) as response:
+                await response.read()
+                return response.status == 200
+        except (TimeoutError, aiohttp.ClientError, ConnectionError):
+            return False  # a dead engine has nothing to abort
+
+    async def abort(self, rid: str) -> None:
+        """Abort one request: on its engine if known, else on every engine (unknown rids are no-ops)."""
+        engine = self.in_flight.get(rid)
+        urls = [engine] if engine else self.directory.engine_urls()
+        await asyncio.gather(*(self._post_control(u, "/abort_request", {"rid": rid}) for u in urls))
+
+    async def abort_all(self) -> int:
+        """`/abort_request {"abort_all": true}` on every engine; returns how many engines said 200."""
+        urls = self.directory.engine_urls()
+        results = await asyncio.gather(
+            *(self._post_control(u, "/abort_request", {"rid": "", "abort_all": True}) for u in urls))
+        return sum(results)
+
+
+class StopGeneration(Exception):
+    """Raised inside generation when its session was stopped before a request could be sent."""

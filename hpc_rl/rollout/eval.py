@@ -1,0 +1,97 @@
+"""Eval rollouts: every prompt of each `eval_prompt_data` dataset, `n_samples_per_eval_prompt` samples each.
+
+Owns: loading the eval datasets, generating them with the eval sampling overrides (no dynamic
+sampling, no buffer, nothing aborted), scoring per prompt group, and the metrics
+
+    eval/<name>/reward_mean        mean reward over all samples
+    eval/<name>/pass@1             mean over prompts of the share of samples with reward > 0
+    eval/<name>/response_len_mean  mean response tokens
+    eval/<name>/truncated_ratio    share of samples that hit the length limit
+    eval/<name>/failed_samples     samples whose generation failed (scored as reward 0, not correct)
+
+Runs in its own `GenerationSession`, so it can overlap a training rollout: if that rollout's abort_all
+hits eval requests, they come back aborted and are resumed (not lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptRecord, make_group
+from hpc_rl.data.samples import Group, SampleStatus
+from hpc_rl.rollout.engine_client import EngineClient
+from hpc_rl.rollout.generate import (
+    GenerateFn,
+    GenerationSession,
+    RetryPolicy,
+    SamplingParams,
+    default_generate,
+    run_generate,
+)
+from hpc_rl.rollout.scheduler import RewardFn
+
+
+def load_eval_datasets(evaluation: Any, keys: DataKeys) -> list[tuple[str, list[PromptRecord]]]:
+    """(name, records) for each `EvalConfig.eval_prompt_data` entry."""
+    return [(d.name, PromptDataset.load(d.path, keys).records) for d in evaluation.eval_prompt_data]
+
+
+async def _eval_group(group: Group, fn: GenerateFn, args: Any, params: SamplingParams,
+                      session: GenerationSession, reward_fn: RewardFn) -> None:
+    await asyncio.gather(*(run_generate(fn, args, s, params, session) for s in group))
+    scored = [s for s in group if s.status is not SampleStatus.FAILED]
+    rewards = await reward_fn(scored) if scored else []
+    for sample, reward in zip(scored, rewards):
+        sample.reward = float(reward)
+    for sample in group:
+        if sample.status is SampleStatus.FAILED:
+            sample.reward = 0.0
+
+
+def eval_metrics(name: str, groups: list[Group]) -> dict[str, float]:
+    """The per-dataset metrics from scored groups."""
+    samples = [s for g in groups for s in g]
+    if not samples:
+        return {}
+    prefix = f"eval/{name}/"
+    return {
+        prefix + "reward_mean": sum(float(s.reward or 0.0) for s in samples) / len(samples),
+        prefix + "pass@1": sum(sum((s.reward or 0.0) > 0 for s in g) / len(g) for g in groups) / len(groups),
+        prefix + "response_len_mean": sum(s.response_length for s in samples) / len(samples),
+        prefix + "truncated_ratio": sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
+        prefix + "failed_samples": float(sum(s.status is SampleStatus.FAILED for s in samples)),
+        prefix + "num_samples": float(len(samples)),
+    }
+
+
+async def run_eval(*, client: EngineClient, datasets: list[tuple[str, list[PromptRecord]]], encoder: PromptEncoder,
+                   reward_fn: RewardFn, n_samples: int, sampling_params: SamplingParams, args: Any = None,
+                   generate_fn: GenerateFn = default_generate, weight_version: int = 0,
+                   max_context_len: int | None = None, retry: RetryPolicy | None = None) -> dict[str, float]:
+    """Generate and score every dataset (all concurrently, limited by the client); return the metrics."""
+    session = GenerationSession(client, weight_version=weight_version, retry=retry, max_context_len=max_context_len)
+    per_dataset: list[tuple[str, list[Group]]] = []
+    next_index = 0
+    for name, records in datasets:
+        groups = []
+        for row, record in enumerate(records):
+            groups.append(make_group(record, group_index=row, first_sample_index=next_index, n_samples=n_samples,
+                                     prompt_token_ids=encoder(record.prompt, record.metadata)))
+            next_index += n_samples
+        per_dataset.append((name, groups))
+    tasks = [asyncio.create_task(_eval_group(g, generate_fn, args, sampling_params, session, reward_fn))
+             for _, groups in per_dataset for g in groups]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        if any(not t.done() for t in tasks):  # cancelled or a reward error: leave the engines clean
+            await session.stop()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    metrics: dict[str, float] = {}
+    for name, groups in per_dataset:
+        metrics.update(eval_metrics(name, groups))
+    metrics.update(session.metrics.as_dict(prefix="eval/"))
+    return metrics

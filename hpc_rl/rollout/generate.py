@@ -1,0 +1,307 @@
+"""Generation of one sample: `/generate` requests, resume of partial samples, retries, custom functions.
+
+Owns:
+- `GenerationSession`: one batch of generation (a rollout or an eval) over a shared `EngineClient`:
+  its stop flag, its rids in flight, its request counters, the weight version to assume when an
+  engine does not report one, and `stop()` (abort on every engine until none of its requests runs).
+- `generate_turn(sample, sampling_params)`: continue a sample by one engine call. It sends
+  prompt + already generated tokens with `max_new_tokens` reduced by what the sample has (and capped
+  by `max_context_len`), appends tokens, logprobs and per-token weight versions, and sets the status.
+  Transport failures (an engine died) keep the tokens, back off, and resubmit the rest; after
+  `RetryPolicy.max_transport_retries` consecutive failures the sample is FAILED with the error in
+  `metadata["error"]`. An abort the session did not ask for (engine paused for a weight update) is
+  resumed the same way: the sample keeps the tokens of the old policy, tagged with its version.
+- Custom generate functions (`rollout.custom_generate_function_path`), slime's signature:
+
+      async def generate(args, sample: Sample, sampling_params: dict) -> Sample
+
+  `args` is `hpc_rl.config.plugin_args(run_config)`; `sampling_params` is a fresh dict of SGLang
+  sampling params (max_new_tokens = the whole response budget). The function calls
+  `await generate_turn(sample, params)` for each model turn (it finds the session through a context
+  variable, so aborts, retries and weight versions work) and `append_tool_tokens(...)` for tool output
+  (loss_mask 0). It returns the sample with `status` set. See examples/two_turn_tool_generate.py.
+
+Does not own: HTTP details (engine_client.py), rewards, groups, filters (scheduler.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hpc_rl.data.samples import Sample, SampleStatus
+from hpc_rl.rollout.engine_client import EngineClient, EngineHTTPError, StopGeneration, TransportError
+from hpc_rl.rollout.metrics import GenerationMetrics
+
+SamplingParams = dict[str, Any]
+GenerateFn = Callable[[Any, Sample, SamplingParams], Awaitable[Sample]]
+"""`async fn(args, sample, sampling_params) -> Sample` (slime's custom generate signature)."""
+
+
+@dataclass(kw_only=True)
+class RetryPolicy:
+    """How hard a sample tries before it is FAILED."""
+
+    max_transport_retries: int = 5
+    """Consecutive transport failures (no answer) tolerated per sample."""
+    base_delay_s: float = 0.5
+    """First back-off; doubles per consecutive failure."""
+    max_delay_s: float = 10.0
+    max_unrequested_aborts: int = 50
+    """Aborts the session did not ask for, in a row without a new token, before the sample fails."""
+
+
+def rollout_sampling_params(rollout: Any) -> SamplingParams:
+    """SGLang sampling params from a `RolloutConfig` (only fields the router forwards; None left out)."""
+    params: SamplingParams = {
+        "max_new_tokens": rollout.rollout_max_response_len,
+        "temperature": rollout.rollout_temperature,
+        "top_p": rollout.rollout_top_p,
+        "top_k": rollout.rollout_top_k,
+    }
+    if rollout.rollout_stop:
+        params["stop"] = list(rollout.rollout_stop)
+    if rollout.rollout_stop_token_ids:
+        params["stop_token_ids"] = list(rollout.rollout_stop_token_ids)
+    return params
+
+
+def eval_sampling_params(rollout: Any, evaluation: Any) -> SamplingParams:
+    """Rollout params with the `EvalConfig` overrides (eval_max_response_len, eval_temperature, ...)."""
+    params = rollout_sampling_params(rollout)
+    overrides = {"max_new_tokens": evaluation.eval_max_response_len, "temperature": evaluation.eval_temperature,
+                 "top_p": evaluation.eval_top_p, "top_k": evaluation.eval_top_k}
+    params.update({k: v for k, v in overrides.items() if v is not None})
+    return params
+
+
+def version_to_int(value: Any, fallback: int) -> int:
+    """SGLang reports versions as strings ("default" before any update, then what the trainer sent)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return fallback
+
+
+def parse_weight_versions(meta_info: dict[str, Any], n_tokens: int, fallback: int) -> list[int]:
+    """Per output token, the weight version that produced it.
+
+    `meta_info.weight_versions` = spans `[{"version", "start", "end"}]` over this request's output tokens
+    (end exclusive); else the single `meta_info.weight_version`; tokens no span covers, and versions
+    that are not integers ("default"), get `fallback` (the version the controller believes is loaded).
+    """
+    single = version_to_int(meta_info.get("weight_version"), fallback)
+    versions = [single] * n_tokens
+    for span in meta_info.get("weight_versions") or []:
+        try:
+            start, end = int(span["start"]), int(span["end"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        version = version_to_int(span.get("version"), fallback)
+        for position in range(max(0, start), min(n_tokens, end)):
+            versions[position] = version
+    return versions
+
+
+class GenerationSession:
+    """One batch of generation over a shared client: stop flag, own rids in flight, counters."""
+
+    def __init__(self, client: EngineClient, *, weight_version: int = 0, retry: RetryPolicy | None = None,
+                 max_context_len: int | None = None, return_logprob: bool = True) -> None:
+        self.client = client
+        self.weight_version = weight_version
+        """Assumed version of tokens whose engine reports none (the controller updates it after a sync)."""
+        self.retry = retry or RetryPolicy()
+        self.max_context_len = max_context_len
+        self.return_logprob = return_logprob
+        self.stopped = asyncio.Event()
+        self.in_flight: set[str] = set()
+        self.metrics = GenerationMetrics()
+        self._changed = asyncio.Event()
+
+    async def stop(self, *, timeout_s: float = 60.0, abort_every_s: float = 0.2) -> bool:
+        """No new requests; abort on every engine until none of this session's requests is in flight.
+
+        Re-aborts every `abort_every_s`: a request that reached an engine just after an abort_all is
+        caught by the next one. Returns False if requests were still in flight after `timeout_s`.
+        """
+        self.stopped.set()
+        await self.client.wake_waiters()  # queued requests see the flag and give up at once
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.in_flight and loop.time() < deadline:
+            await self.client.abort_all()
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=abort_every_s)
+            except TimeoutError:
+                pass
+        return not self.in_flight
+
+    def _done(self, rid: str) -> None:
+        self.in_flight.discard(rid)
+        self._changed.set()
+
+    async def _sleep_unless_stopped(self, delay_s: float) -> None:
+        try:
+            await asyncio.wait_for(self.stopped.wait(), timeout=delay_s)
+        except TimeoutError:
+            pass
+
+
+_SESSION: contextvars.ContextVar[GenerationSession] = contextvars.ContextVar("hpc_rl_generation_session")
+
+
+def current_session() -> GenerationSession:
+    """The session of the running generation task (set by the scheduler / eval around each call)."""
+    try:
+        return _SESSION.get()
+    except LookupError:
+        raise RuntimeError("generate_turn called outside a rollout: no GenerationSession is active "
+                           "(call it from a custom generate function run by the rollout scheduler)") from None
+
+
+def response_budget(sample: Sample, sampling_params: SamplingParams, max_context_len: int | None) -> int:
+    """New tokens this sample may still generate: max_new_tokens minus what it has, within the context."""
+    budget = int(sampling_params.get("max_new_tokens", 128)) - sample.response_length
+    if max_context_len is not None:
+        budget = min(budget, max_context_len - sample.total_length)
+    return budget
+
+
+def _append(sample: Sample, token_ids: list[int], logprobs: list[float], versions: list[int],
+            text: str, trained: bool) -> None:
+    if sample.loss_mask is not None or not trained:
+        if sample.loss_mask is None:
+            sample.loss_mask = [1] * sample.response_length
+        sample.loss_mask.extend([1 if trained else 0] * len(token_ids))
+    sample.response_token_ids.extend(token_ids)
+    sample.response_logprobs.extend(logprobs)
+    sample.weight_versions.extend(versions)
+    sample.response_text += text
+
+
+def append_tool_tokens(sample: Sample, token_ids: list[int], text: str, *, weight_version: int | None = None) -> None:
+    """Append tokens the model did not generate (tool output): logprob 0.0, loss_mask 0."""
+    version = current_session().weight_version if weight_version is None else weight_version
+    _append(sample, list(token_ids), [0.0] * len(token_ids), [version] * len(token_ids), text, trained=False)
+
+
+def _finish(sample: Sample, status: SampleStatus, error: str | None = None) -> Sample:
+    sample.status = status
+    if error is not None:
+        sample.metadata["error"] = error
+    return sample
+
+
+async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
+                        session: GenerationSession | None = None) -> Sample:
+    """Continue `sample` until the engine stops (stop/length), the session stops, or it fails."""
+    session = session or current_session()
+    metrics, retry = session.metrics, session.retry
+    transport_failures = 0
+    unrequested_aborts = 0
+    while True:
+        budget = response_budget(sample, sampling_params, session.max_context_len)
+        if budget <= 0:
+            return _finish(sample, SampleStatus.TRUNCATED)
+        if session.stopped.is_set():
+            return _finish(sample, SampleStatus.ABORTED)
+        rid = f"s{sample.index}-{uuid.uuid4().hex[:12]}"
+        sample.rid = rid
+        payload = {
+            "rid": rid,
+            "input_ids": sample.prompt_token_ids + sample.response_token_ids,
+            "sampling_params": {**sampling_params, "max_new_tokens": budget},
+            "return_logprob": session.return_logprob,
+        }
+        session.in_flight.add(rid)
+        metrics.requests_sent += 1
+        try:
+            answer = await session.client.generate(payload, stopped=session.stopped)
+        except StopGeneration:
+            metrics.requests_sent -= 1  # never left the client
+            return _finish(sample, SampleStatus.ABORTED)
+        except EngineHTTPError as error:
+            metrics.requests_http_failed += 1
+            metrics.samples_failed += 1
+            return _finish(sample, SampleStatus.FAILED, str(error))
+        except TransportError as error:
+            metrics.requests_transport_failed += 1
+            transport_failures += 1
+            await session.client.abort(rid)  # it may still run somewhere (a timeout, not a death)
+            if transport_failures > retry.max_transport_retries:
+                metrics.samples_failed += 1
+                return _finish(sample, SampleStatus.FAILED,
+                               f"{transport_failures} transport failures in a row, last: {error}")
+            metrics.requests_retried += 1
+            delay = min(retry.max_delay_s, retry.base_delay_s * 2 ** (transport_failures - 1))
+            await session._sleep_unless_stopped(delay)
+            continue
+        finally:
+            session._done(rid)
+        transport_failures = 0
+        body = answer.body
+        meta = body.get("meta_info") or {}
+        token_ids = [int(t) for t in body.get("output_ids") or []]
+        logprobs = [float(x[0]) if x and x[0] is not None else 0.0 for x in meta.get("output_token_logprobs") or []]
+        logprobs = (logprobs + [0.0] * len(token_ids))[:len(token_ids)]
+        versions = parse_weight_versions(meta, len(token_ids), session.weight_version)
+        _append(sample, token_ids, logprobs, versions, str(body.get("text") or ""), trained=True)
+        metrics.generated_tokens += len(token_ids)
+        finish = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) \
+            else meta.get("finish_reason")
+        if finish == "abort":
+            metrics.requests_aborted += 1
+            if session.stopped.is_set():
+                return _finish(sample, SampleStatus.ABORTED)
+            # Not ours: the engine was paused (weight update) or preempted. Resume with the new policy.
+            unrequested_aborts = 0 if token_ids else unrequested_aborts + 1
+            if unrequested_aborts > retry.max_unrequested_aborts:
+                metrics.samples_failed += 1
+                return _finish(sample, SampleStatus.FAILED,
+                               f"aborted {unrequested_aborts} times in a row without progress: {meta.get('finish_reason')}")
+            metrics.requests_resumed += 1
+            await session._sleep_unless_stopped(min(retry.max_delay_s, 0.05 * (1 + unrequested_aborts)))
+            continue
+        metrics.requests_finished += 1
+        return _finish(sample, SampleStatus.TRUNCATED if finish == "length" else SampleStatus.COMPLETED)
+
+
+async def default_generate(args: Any, sample: Sample, sampling_params: SamplingParams) -> Sample:
+    """The built-in single-turn generate function."""
+    return await generate_turn(sample, sampling_params)
+
+
+def load_generate_function(path: str | None) -> GenerateFn:
+    """`custom_generate_function_path` resolved and signature-checked; None -> `default_generate`."""
+    if path is None:
+        return default_generate
+    from hpc_rl.plugins import load_callable
+
+    return load_callable(path, ["args", "sample", "sampling_params"], require_async=True,
+                         what="rollout.custom_generate_function_path")
+
+
+async def run_generate(fn: GenerateFn, args: Any, sample: Sample, sampling_params: SamplingParams,
+                       session: GenerationSession) -> Sample:
+    """Call a generate function inside `session`; its exceptions make the sample FAILED, not the run."""
+    token = _SESSION.set(session)
+    try:
+        result = await fn(args, sample, dict(sampling_params))
+        if not isinstance(result, Sample):
+            raise TypeError(f"generate function returned {type(result).__name__}, expected Sample")
+        if result.status is SampleStatus.PENDING:
+            result.status = SampleStatus.ABORTED if session.stopped.is_set() else SampleStatus.COMPLETED
+        return result
+    except StopGeneration:
+        return _finish(sample, SampleStatus.ABORTED)
+    except Exception as error:  # noqa: BLE001 - a user's function must not kill the rollout
+        session.metrics.samples_failed += 1
+        return _finish(sample, SampleStatus.FAILED, f"generate function raised {type(error).__name__}: {error}")
+    finally:
+        _SESSION.reset(token)

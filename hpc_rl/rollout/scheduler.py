@@ -1,0 +1,325 @@
+"""The rollout scheduler: prompt groups -> generation -> rewards -> dynamic sampling -> partial buffer.
+
+Owns one rollout step, `await RolloutScheduler.run(rollout_id, weight_version)`:
+
+    groups in:  partial buffer first (buffer filter, default FIFO; stale samples reset), then the
+                prompt source (next_records -> encode -> make_group); first wave = over_sampling_batch_size
+    per group:  generate every unfinished sample concurrently (generate fn, via GenerationSession)
+                -> as soon as the whole group is generated: reward_fn(group) (concurrently with others)
+    as groups finish:  failed sample -> drop("failed"); filter(args, group) -> keep | drop(reason);
+                refill exactly the missing groups: rollout_batch_size - kept - in flight
+    when kept == rollout_batch_size:
+                session.stop(): abort_all on every engine until none of our requests runs;
+                cancel reward calls still running (never wait on a slow reward);
+                unfinished groups -> partial buffer with start_rollout_id (partial_rollout) or dropped
+    out:        RolloutResult(groups: exactly rollout_batch_size, metrics)
+
+Async mode: `run` may be called for rollout k+1 while the trainer trains rollout k; weights can be
+updated under it (the engines pause with abort: requests come back aborted, are resumed, and every
+token carries the version that generated it). Call `set_weight_version(v)` after each sync. The
+staleness rule is in partial_buffer.py. One `run` at a time per scheduler.
+
+Also owns the scheduler's checkpoint: buffer, group/sample index counters, prompt cursor.
+Does not own: HTTP (engine_client.py), a sample's generation (generate.py), reward rules (hpc_rl.rewards).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpc_rl.data.prompts import PromptEncoder, PromptSource, make_group
+from hpc_rl.data.samples import Group, Sample, SampleStatus
+from hpc_rl.rollout.engine_client import EngineClient
+from hpc_rl.rollout.filters import GroupFilter, filter_verdict, load_buffer_filter, load_group_filter
+from hpc_rl.rollout.generate import (
+    GenerateFn,
+    GenerationSession,
+    RetryPolicy,
+    SamplingParams,
+    default_generate,
+    load_generate_function,
+    rollout_sampling_params,
+    run_generate,
+)
+from hpc_rl.rollout.metrics import RolloutMetrics
+from hpc_rl.rollout.partial_buffer import (
+    FINISHED,
+    PartialRolloutBuffer,
+    mask_offpolicy,
+    reset_sample,
+    violates_staleness,
+)
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[list[Sample]], Awaitable[list[float]]]
+"""Scores one group: one float per sample, in order (e.g. a partial of `hpc_rl.rewards.reward_group`)."""
+
+
+@dataclass
+class RolloutResult:
+    groups: list[Group]
+    """Exactly `rollout_batch_size` kept groups, generated and scored."""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class SchedulerSettings:
+    """The rollout config fields the scheduler reads."""
+
+    rollout_batch_size: int
+    n_samples_per_prompt: int
+    over_sampling_batch_size: int | None = None
+    partial_rollout: bool = False
+    mask_offpolicy_in_partial_rollout: bool = False
+    max_staleness: int | None = None
+    max_context_len: int | None = None
+    max_dropped_per_kept: int = 100
+    """Give up (raise) when the filter dropped this many groups per group wanted: the filter or reward is broken."""
+
+    @classmethod
+    def from_config(cls, rollout: Any) -> SchedulerSettings:
+        return cls(rollout_batch_size=rollout.rollout_batch_size, n_samples_per_prompt=rollout.n_samples_per_prompt,
+                   over_sampling_batch_size=rollout.over_sampling_batch_size,
+                   partial_rollout=rollout.partial_rollout,
+                   mask_offpolicy_in_partial_rollout=rollout.mask_offpolicy_in_partial_rollout,
+                   max_staleness=rollout.max_staleness, max_context_len=rollout.rollout_max_context_len)
+
+
+class _GroupRun:
+    """One group's task and whether it is being scored (those are cancelled, not awaited, on stop)."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.scoring = False
+        self.task: asyncio.Task[str] | None = None
+
+
+class RolloutScheduler:
+    """Runs rollout steps over a shared `EngineClient`; keeps the partial buffer between them."""
+
+    def __init__(self, *, settings: SchedulerSettings, client: EngineClient, source: PromptSource,
+                 encoder: PromptEncoder, reward_fn: RewardFn, sampling_params: SamplingParams, args: Any = None,
+                 group_filter: GroupFilter | None = None, buffer: PartialRolloutBuffer | None = None,
+                 generate_fn: GenerateFn = default_generate, retry: RetryPolicy | None = None,
+                 stop_timeout_s: float = 60.0) -> None:
+        self.settings = settings
+        self.client = client
+        self.source = source
+        self.encoder = encoder
+        self.reward_fn = reward_fn
+        self.sampling_params = dict(sampling_params)
+        self.args = args
+        self.group_filter = group_filter
+        self.buffer = buffer if buffer is not None else PartialRolloutBuffer(args=args)
+        self.generate_fn = generate_fn
+        self.retry = retry or RetryPolicy()
+        self.stop_timeout_s = stop_timeout_s
+        self.next_group_index = 0
+        self.next_sample_index = 0
+        self.weight_version = 0
+        self._session: GenerationSession | None = None
+        self._running = False
+
+    @classmethod
+    def from_config(cls, config: Any, *, client: EngineClient, source: PromptSource, encoder: PromptEncoder,
+                    reward_fn: RewardFn, **overrides: Any) -> RolloutScheduler:
+        """Everything from a `RunConfig` (plug-ins resolved here: a bad path fails before generation)."""
+        from hpc_rl.config import plugin_args
+
+        args = plugin_args(config)
+        rollout = config.rollout
+        kwargs: dict[str, Any] = {
+            "settings": SchedulerSettings.from_config(rollout), "client": client, "source": source,
+            "encoder": encoder, "reward_fn": reward_fn, "sampling_params": rollout_sampling_params(rollout),
+            "args": args, "group_filter": load_group_filter(rollout.dynamic_sampling_filter_path),
+            "buffer": PartialRolloutBuffer(load_buffer_filter(rollout.buffer_filter_path), args=args),
+            "generate_fn": load_generate_function(rollout.custom_generate_function_path)}
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def set_weight_version(self, version: int) -> None:
+        """The engines now serve `version` (call after each weight sync, also during a run)."""
+        self.weight_version = version
+        if self._session is not None:
+            self._session.weight_version = version
+
+    # -- groups in -----------------------------------------------------------------------------------
+    def _next_groups(self, rollout_id: int, count: int, metrics: RolloutMetrics) -> list[Group]:
+        groups = self.buffer.take(rollout_id, count) if count > 0 else []
+        metrics.groups_from_buffer += len(groups)
+        for group in groups:
+            for sample in group:
+                if violates_staleness(sample, self.weight_version, self.settings.max_staleness):
+                    metrics.wasted_tokens += reset_sample(sample)
+                    metrics.samples_stale_reset += 1
+        n = self.settings.n_samples_per_prompt
+        for record in self.source.next_records(count - len(groups)) if count > len(groups) else []:
+            groups.append(make_group(record, group_index=self.next_group_index,
+                                     first_sample_index=self.next_sample_index, n_samples=n,
+                                     prompt_token_ids=self.encoder(record.prompt, record.metadata)))
+            self.next_group_index += 1
+            self.next_sample_index += n
+        metrics.groups_submitted += len(groups)
+        return groups
+
+    async def _process_group(self, run: _GroupRun, session: GenerationSession) -> str:
+        """'scored' | 'failed' | 'unfinished' (the session stopped before the group was generated)."""
+        todo = [s for s in run.group if s.status not in FINISHED]
+        await asyncio.gather(*(run_generate(self.generate_fn, self.args, s, self.sampling_params, session)
+                               for s in todo))
+        failed = [s for s in run.group if s.status is SampleStatus.FAILED]
+        if failed:
+            log.warning("group %d dropped: sample %d failed: %s", run.group[0].group_index, failed[0].index,
+                        failed[0].metadata.get("error", "no error recorded"))
+            return "failed"
+        if session.stopped.is_set() or any(s.status not in FINISHED for s in run.group):
+            return "unfinished"
+        run.scoring = True
+        rewards = await self.reward_fn(run.group)
+        if len(rewards) != len(run.group):
+            raise ValueError(f"reward function returned {len(rewards)} rewards for a group of {len(run.group)}")
+        for sample, reward in zip(run.group, rewards):
+            sample.reward = float(reward)
+        return "scored"
+
+    def _drop(self, group: Group, reason: str, metrics: RolloutMetrics) -> None:
+        metrics.groups_dropped[reason] += 1
+        metrics.wasted_tokens += sum(s.response_length for s in group)
+
+    # -- one rollout ---------------------------------------------------------------------------------
+    async def run(self, rollout_id: int, weight_version: int | None = None) -> RolloutResult:
+        """Exactly `rollout_batch_size` kept, scored groups (see the module docstring)."""
+        if self._running:
+            raise RuntimeError("RolloutScheduler.run is already running: one rollout at a time")
+        self._running = True
+        started = time.monotonic()
+        if weight_version is not None:
+            self.weight_version = weight_version
+        settings = self.settings
+        target = settings.rollout_batch_size
+        metrics = RolloutMetrics()
+        session = GenerationSession(self.client, weight_version=self.weight_version, retry=self.retry,
+                                    max_context_len=settings.max_context_len)
+        self._session = session
+        kept: list[Group] = []
+        surplus: list[Group] = []
+        runs: dict[asyncio.Task[str], _GroupRun] = {}
+        finished: asyncio.Queue[asyncio.Task[str]] = asyncio.Queue()
+        first_wave = True
+        failed = True
+        try:
+            while len(kept) < target:
+                missing = target - len(kept) - len(runs)
+                if first_wave:
+                    missing = max(missing, settings.over_sampling_batch_size or target)
+                    first_wave = False
+                for group in self._next_groups(rollout_id, missing, metrics):
+                    run = _GroupRun(group)
+                    run.task = asyncio.create_task(self._process_group(run, session))
+                    run.task.add_done_callback(finished.put_nowait)
+                    runs[run.task] = run
+                # A queue of finished tasks, not asyncio.wait over all of them: O(1) per group.
+                done = [await finished.get()]
+                while not finished.empty():
+                    done.append(finished.get_nowait())
+                for task in done:
+                    outcome = task.result()  # a reward error propagates; the group stays in `runs`
+                    group = runs.pop(task).group
+                    if outcome == "failed":
+                        self._drop(group, "failed", metrics)
+                    elif len(kept) >= target:
+                        surplus.append(group)
+                    else:
+                        keep, reason = (True, None) if self.group_filter is None else \
+                            filter_verdict(self.group_filter(self.args, group))
+                        if keep:
+                            kept.append(group)
+                        else:
+                            self._drop(group, reason or "filter", metrics)
+                dropped = sum(metrics.groups_dropped.values())
+                if dropped > settings.max_dropped_per_kept * target:
+                    raise RuntimeError(
+                        f"rollout {rollout_id}: {dropped} groups dropped for {len(kept)} kept "
+                        f"({dict(metrics.groups_dropped)}); check the dynamic sampling filter and the reward")
+            failed = False
+        finally:
+            leftovers = await self._stop(session, runs, metrics)
+            self._session = None
+            self._running = False
+            self._settle(leftovers + surplus + (kept if failed else []), rollout_id, metrics)
+        self._finish_kept(kept, metrics)
+        metrics.buffer_size = len(self.buffer)
+        metrics.wall_time_s = time.monotonic() - started
+        out = {**metrics.as_dict(), **session.metrics.as_dict(), **_sample_stats(kept, self.weight_version)}
+        return RolloutResult(groups=kept, metrics=out)
+
+    async def _stop(self, session: GenerationSession, runs: dict[asyncio.Task[str], _GroupRun],
+                    metrics: RolloutMetrics) -> list[Group]:
+        """Abort what runs, cancel rewards in progress, wait for generation tasks; return their groups."""
+        if not await session.stop(timeout_s=self.stop_timeout_s):
+            log.warning("requests %s still in flight %.0f s after abort_all", sorted(session.in_flight),
+                        self.stop_timeout_s)
+        for run in runs.values():
+            if run.scoring:
+                run.task.cancel()  # type: ignore[union-attr]
+        if runs:
+            _, pending = await asyncio.wait(list(runs), timeout=self.stop_timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+        return [run.group for run in runs.values()]
+
+    def _settle(self, groups: list[Group], rollout_id: int, metrics: RolloutMetrics) -> None:
+        """Unfinished (or surplus) groups: to the buffer with partial_rollout, else dropped."""
+        for group in groups:
+            if any(s.status is SampleStatus.FAILED for s in group):
+                self._drop(group, "failed", metrics)
+            elif self.settings.partial_rollout:
+                self.buffer.add([group], rollout_id)
+                metrics.groups_to_buffer += 1
+            else:
+                self._drop(group, "unfinished", metrics)
+
+    def _finish_kept(self, kept: list[Group], metrics: RolloutMetrics) -> None:
+        metrics.groups_kept = len(kept)
+        for group in kept:
+            for sample in group:
+                if self.settings.mask_offpolicy_in_partial_rollout:
+                    mask_offpolicy(sample, self.weight_version)
+                metrics.kept_response_tokens += sample.response_length
+
+    # -- checkpoint ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able: buffer, index counters, prompt cursor (take it between runs)."""
+        return {"version": 1, "next_group_index": self.next_group_index,
+                "next_sample_index": self.next_sample_index, "weight_version": self.weight_version,
+                "buffer": self.buffer.state_dict(), "prompt_source": self.source.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"rollout scheduler checkpoint has version {state.get('version')!r}, expected 1")
+        self.next_group_index = state["next_group_index"]
+        self.next_sample_index = state["next_sample_index"]
+        self.weight_version = state["weight_version"]
+        self.buffer.load_state_dict(state["buffer"])
+        self.source.load_state_dict(state["prompt_source"])
+
+
+def _sample_stats(groups: list[Group], current_version: int) -> dict[str, float]:
+    samples = [s for g in groups for s in g]
+    if not samples:
+        return {}
+    lags = [current_version - min(s.weight_versions) for s in samples if s.weight_versions]
+    return {
+        "rollout/reward_mean": sum(float(s.reward or 0.0) for s in samples) / len(samples),
+        "rollout/response_len_mean": sum(s.response_length for s in samples) / len(samples),
+        "rollout/truncated_ratio": sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
+        "rollout/resumed_partial_samples": float(sum("start_rollout_id" in s.metadata for s in samples)),
+        "rollout/staleness_max": float(max(lags)) if lags else 0.0,
+    }

@@ -1,0 +1,72 @@
+"""torchrun entry of a trainer rank: `python -m hpc_rl.training [CONFIG] [--batches-file F]`.
+
+    torchrun --nproc-per-node 2 -m hpc_rl.training run_dir/config.resolved.yaml          # with a controller
+    torchrun --nproc-per-node 1 -m hpc_rl.training cfg.yaml --batches-file rollouts.jsonl # without one
+
+CONFIG is a resolved config file or run dir (default: $HPC_RL_CONFIG). Reads it, joins the trainer
+world (gloo on CPU), builds actor and reference model (resuming from `checkpoint.load` when it
+holds a checkpoint), then runs the command loop: commands come from the controller (address in
+$HPC_RL_CONTROLLER) or, with --batches-file, from a JSONL of rollouts. Rank 0 writes TensorBoard
+scalars to `logging.tensorboard_dir` (default <run_dir>/tensorboard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+CONFIG_ENV = "HPC_RL_CONFIG"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hpc_rl.training", description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default=os.environ.get(CONFIG_ENV), help=f"(default: ${CONFIG_ENV})")
+    parser.add_argument("--batches-file", help="JSONL, one rollout per line: {\"samples\": [...]}")
+    parser.add_argument("--num-rollouts", type=int, default=None, help="with --batches-file: stop after this many")
+    args = parser.parse_args(argv)
+    if not args.config:
+        parser.error(f"no config: pass the resolved config path or set {CONFIG_ENV}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
+
+    from hpc_rl.config.loading import load_resolved_config
+    from hpc_rl.config.model import ModelArchitecture
+    from hpc_rl.telemetry.scalars import ScalarLog
+    from hpc_rl.training.actor import build_trainer
+    from hpc_rl.training.commands import BatchFileCommands, JsonlBatchSource, TrainerCommands
+    from hpc_rl.training.parallel import init_parallel, shutdown_parallel
+
+    config = load_resolved_config(args.config)
+    arch = ModelArchitecture.from_yaml(config.model)
+    info = init_parallel(config.training, device=config.cluster.device)
+    parts = build_trainer(arch=arch, training=config.training, algorithm=config.algorithm,
+                          optimizer_config=config.optimizer, checkpoints=config.checkpoint, info=info,
+                          model_file=config.model)
+    config_path = Path(args.config).resolve()
+    run_dir = Path(config.run_dir) if config.run_dir else (config_path if config_path.is_dir() else config_path.parent)
+    save_dir = config.checkpoint.save or str(run_dir / "checkpoints")
+    resumed = parts.resumed
+    if args.batches_file:
+        start = resumed.rollout_id + 1 if resumed else 0
+        source = BatchFileCommands(JsonlBatchSource(args.batches_file, dp_rank=info.dp_rank, dp_size=info.dp_size),
+                                   start_rollout=start, num_rollouts=args.num_rollouts, save_dir=save_dir,
+                                   save_interval=config.checkpoint.save_interval)
+    else:
+        from hpc_rl.training.controller_link import ControllerLink
+
+        hello = {"tp_rank": info.tp_rank, "tp_size": info.tp_size, "dp_rank": info.dp_rank, "dp_size": info.dp_size}
+        if info.rank == 0 and resumed is not None:
+            hello["resume"] = {"rollout_id": resumed.rollout_id, "controller_state": resumed.controller_state}
+        source = ControllerLink(run_dir, rank=info.rank, world_size=info.world_size, info=hello)
+    tensorboard = config.logging.tensorboard_dir or str(run_dir / "tensorboard")
+    scalars = ScalarLog(tensorboard if info.rank == 0 else None, filename_suffix=".trainer")
+    try:
+        TrainerCommands(parts, arch=arch, info=info, source=source, save_dir=save_dir, scalars=scalars).run()
+    finally:
+        scalars.close()
+        shutdown_parallel()
+
+
+if __name__ == "__main__":
+    main()

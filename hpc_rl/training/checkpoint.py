@@ -1,0 +1,169 @@
+"""Trainer checkpoints in Megatron's torch_dist format, saved atomically, reshardable on load.
+
+Owns the layout (Megatron's conventions, so Megatron/slime tools find their way around)::
+
+    <save>/latest_checkpointed_iteration.txt      "5"  (written last, by rename: the commit point)
+    <save>/iter_0000005/                           torch_dist: model + AdamW state (sharded tensors)
+    <save>/iter_0000005/hpc_rl_state.json          rollout_id, optimizer steps, controller state
+    <save>/iter_0000005/rng/rank_00000.pt          per-rank torch RNG state
+
+Every rank writes into `iter_XXXXXXX.tmp/`; after a barrier rank 0 renames it and then replaces the
+tracker file, so a crash at any point leaves the previous checkpoint loadable. The iteration number
+is the rollout id. A directory without `hpc_rl_state.json` (what the HF converter writes) holds
+weights only: loading it starts a fresh run. Does not own HF loading (`hpc_rl.weights.hf_import`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpc_rl.training.optimizer import ActorOptimizer
+
+TRACKER = "latest_checkpointed_iteration.txt"
+STATE_FILE = "hpc_rl_state.json"
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    """The committed iteration of a checkpoint root, or None when there is none."""
+    tracker = Path(root) / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if text == "release":
+        return 0
+    return int(text)
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """A torch_dist directory from a checkpoint root (via the tracker), an iter dir, or a plain dir."""
+    path = Path(path)
+    iteration = latest_iteration(path)
+    if iteration is not None:
+        return iteration_dir(path, iteration)
+    if (path / ".metadata").exists() or (path / "metadata.json").exists():
+        return path
+    raise FileNotFoundError(f"{path}: no {TRACKER} and not a torch_dist checkpoint directory")
+
+
+@dataclass(kw_only=True)
+class TrainerState:
+    """The JSON part of a checkpoint."""
+
+    rollout_id: int
+    optimizer_steps: int = 0
+    controller_state: dict[str, Any] = field(default_factory=dict)
+
+
+def _sharded(model: torch.nn.Module, optimizer: ActorOptimizer | None, *, is_loading: bool = False) -> dict[str, Any]:
+    model_sd = model.sharded_state_dict()
+    state: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state(model_sd, is_loading=is_loading)
+    return state
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def _save_atomically(root: Path, iteration: int, sharded: dict[str, Any],
+                     write_extras: Callable[[Path], None] | None = None) -> Path:
+    """Collective: torch_dist save into iter_X.tmp, then (rank 0) rename + tracker replace."""
+    from megatron.core import dist_checkpointing
+
+    final = iteration_dir(root, iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a crash during an earlier save
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(sharded, str(tmp))
+    if write_extras is not None:
+        write_extras(tmp)
+    dist.barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        tracker_tmp = root / (TRACKER + ".tmp")
+        tracker_tmp.write_text(str(iteration))
+        os.replace(tracker_tmp, root / TRACKER)
+    dist.barrier()
+    return final
+
+
+def save_checkpoint(root: str | Path, model: torch.nn.Module, optimizer: ActorOptimizer,
+                    state: TrainerState) -> Path:
+    """Collective: every trainer rank calls it. Returns the committed iteration directory."""
+    rank = dist.get_rank()
+    state.optimizer_steps = optimizer.steps_done
+
+    def extras(tmp: Path) -> None:
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save({"torch": torch.get_rng_state()}, tmp / "rng" / f"rank_{rank:05d}.pt")
+        if rank == 0:
+            (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1, sort_keys=True))
+
+    return _save_atomically(Path(root), state.rollout_id, _sharded(_unwrap(model), optimizer), extras)
+
+
+def save_model_weights(root: str | Path, model: torch.nn.Module, iteration: int = 0) -> Path:
+    """Collective: weights only (what the HF converter writes; loading it starts a fresh run)."""
+    return _save_atomically(Path(root), iteration, _sharded(_unwrap(model), None))
+
+
+def _load_model_state(model: torch.nn.Module, state: dict[str, Any], directory: Path) -> None:
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing:
+        raise KeyError(f"{directory}: checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def load_model_weights(path: str | Path, model: torch.nn.Module) -> Path:
+    """Load model weights only (the reference model, or a converted checkpoint) at any TP size."""
+    from megatron.core import dist_checkpointing
+
+    directory = resolve_checkpoint_dir(path)
+    inner = _unwrap(model)
+    loaded = dist_checkpointing.load({"model": inner.sharded_state_dict()}, str(directory))
+    _load_model_state(inner, loaded["model"], directory)
+    return directory
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: ActorOptimizer) -> TrainerState | None:
+    """Resume: weights, AdamW state and trainer state (RNG: `restore_rng_state`). Weights-only dirs return None."""
+    from megatron.core import dist_checkpointing
+
+    directory = resolve_checkpoint_dir(path)
+    state_file = directory / STATE_FILE
+    if not state_file.is_file():
+        load_model_weights(directory, model)
+        return None
+    state = TrainerState(**json.loads(state_file.read_text()))
+    inner = _unwrap(model)
+    loaded = dist_checkpointing.load(_sharded(inner, optimizer, is_loading=True), str(directory))
+    _load_model_state(inner, loaded["model"], directory)
+    optimizer.restore(loaded["optimizer"], state.optimizer_steps)
+    return state
+
+
+def restore_rng_state(path: str | Path) -> None:
+    """Set this rank's torch RNG to the saved one; call it after every model is built (init draws)."""
+    rng_file = resolve_checkpoint_dir(path) / "rng" / f"rank_{dist.get_rank():05d}.pt"
+    if rng_file.is_file():
+        torch.set_rng_state(torch.load(rng_file)["torch"])

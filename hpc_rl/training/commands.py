@@ -1,0 +1,198 @@
+"""The trainer's command loop: what a rank does for each controller command.
+
+Owns `TrainerCommands.run()`: ask the command source for the next command, run it, report done
+(or the error), until `StopCommand`. Every rank runs the loop and receives every command (its own
+share for `TrainCommand`), so collectives line up. Commands are `hpc_rl.protocol.messages` types:
+
+    TrainCommand(rollout_id, batch arrays)  -> RolloutTrainer.train_rollout, metrics to TensorBoard
+    SyncWeightsCommand(version, group, ...) -> WeightPlan from rank 0, then the bucket broadcasts
+    SaveCommand(rollout_id, controller_state) -> checkpoint.save_checkpoint
+    StopCommand                              -> leave
+
+A command source is anything with `next_command()`, `done(seq, metrics)`, `failed(seq, error)`
+and `send_weight_plan(plan)`: `ControllerLink` (the real controller) or `BatchFileCommands`
+(a JSONL file of rollouts, for runs and tests before/without a controller).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.protocol.messages import (
+    Message,
+    SaveCommand,
+    StopCommand,
+    SyncWeightsCommand,
+    TrainCommand,
+    WeightPlan,
+)
+from hpc_rl.telemetry.scalars import ScalarLog
+from hpc_rl.training import checkpoint
+from hpc_rl.training.actor import TrainerParts
+from hpc_rl.training.local_ranks import free_port
+from hpc_rl.training.parallel import ParallelInfo
+from hpc_rl.training.train_batch import TrainBatch, read_batches_file
+from hpc_rl.weights.sender import LOAD_FORMAT, WeightSender
+
+log = logging.getLogger(__name__)
+SYNC_ADDRESS_ENV = "HPC_RL_WEIGHT_SYNC_ADDRESS"
+"""Address engines use to reach trainer rank 0 for weight sync (default: this host's name resolved)."""
+
+
+class CommandSource(Protocol):
+    def next_command(self) -> Message: ...
+    def done(self, seq: int, metrics: dict[str, Any] | None = None) -> None: ...
+    def failed(self, seq: int, error: str) -> None: ...
+    def send_weight_plan(self, plan: WeightPlan) -> None: ...
+
+
+class RolloutBatchSource(Protocol):
+    """Where a rank's share of rollout `rollout_id` comes from (None: no more rollouts)."""
+
+    def next_batch(self, rollout_id: int) -> TrainBatch | None: ...
+
+
+class JsonlBatchSource:
+    """Rollout i = line i of a JSONL file ({"samples": [...]}); each DP rank takes a contiguous share."""
+
+    def __init__(self, path: str | Path, *, dp_rank: int, dp_size: int) -> None:
+        self.batches = list(read_batches_file(path))
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    def next_batch(self, rollout_id: int) -> TrainBatch | None:
+        if rollout_id >= len(self.batches):
+            return None
+        batch = self.batches[rollout_id]
+        if len(batch) % self.dp_size:
+            raise ValueError(f"rollout {rollout_id}: {len(batch)} samples do not split over {self.dp_size} DP ranks")
+        share = len(batch) // self.dp_size
+        return batch.select(range(self.dp_rank * share, (self.dp_rank + 1) * share))
+
+
+class BatchFileCommands:
+    """A command source without a controller: train on each rollout, save every `save_interval`."""
+
+    def __init__(self, source: RolloutBatchSource, *, start_rollout: int, num_rollouts: int | None,
+                 save_dir: str | None, save_interval: int | None, controller_state: dict | None = None) -> None:
+        self._commands = self._generate(source, start_rollout, num_rollouts, save_dir, save_interval,
+                                        controller_state or {})
+        self.finished: list[tuple[int, dict[str, Any]]] = []
+
+    @staticmethod
+    def _generate(source: RolloutBatchSource, start: int, count: int | None, save_dir: str | None,
+                  interval: int | None, state: dict) -> Iterator[Message]:
+        seq = 0
+        rollout_id = start
+        while count is None or rollout_id < start + count:
+            batch = source.next_batch(rollout_id)
+            if batch is None:
+                break
+            yield TrainCommand(seq=seq, rollout_id=rollout_id, batch=batch.to_arrays())
+            seq += 1
+            if save_dir and interval and (rollout_id + 1) % interval == 0:
+                yield SaveCommand(seq=seq, rollout_id=rollout_id, controller_state={**state, "next_rollout": rollout_id + 1})
+                seq += 1
+            rollout_id += 1
+        yield StopCommand(seq=seq, reason="batches file exhausted")
+
+    def next_command(self) -> Message:
+        return next(self._commands)
+
+    def done(self, seq: int, metrics: dict[str, Any] | None = None) -> None:
+        self.finished.append((seq, metrics or {}))
+
+    def failed(self, seq: int, error: str) -> None:
+        raise RuntimeError(f"command {seq} failed:\n{error}")
+
+    def send_weight_plan(self, plan: WeightPlan) -> None:
+        raise RuntimeError("a batches file run has no engines to sync weights to")
+
+
+class TrainerCommands:
+    """Runs commands on one trainer rank until Stop."""
+
+    def __init__(self, parts: TrainerParts, *, arch: ModelArchitecture, info: ParallelInfo, source: CommandSource,
+                 save_dir: str | None, scalars: ScalarLog | None = None) -> None:
+        self.parts, self.arch, self.info, self.source = parts, arch, info, source
+        self.save_dir, self.scalars = save_dir, scalars
+        self.sender: WeightSender | None = None
+        self.group_address: tuple[str, int] | None = None
+
+    def run(self) -> None:
+        while True:
+            command = self.source.next_command()
+            if isinstance(command, StopCommand):
+                self.source.done(command.seq)
+                break
+            try:
+                metrics = self.execute(command)
+            except Exception:  # reported to the controller, which decides; then re-raised
+                self.source.failed(command.seq, traceback.format_exc())
+                raise
+            self.source.done(command.seq, metrics)
+        if self.sender is not None:
+            self.sender.close()
+
+    def execute(self, command: Message) -> dict[str, Any]:
+        if isinstance(command, TrainCommand):
+            return self.train(command)
+        if isinstance(command, SyncWeightsCommand):
+            return self.sync_weights(command)
+        if isinstance(command, SaveCommand):
+            root = self.save_dir or ""
+            if not root:
+                raise ValueError("SaveCommand but checkpoint.save is not set")
+            path = checkpoint.save_checkpoint(root, self.parts.actor, self.parts.optimizer, checkpoint.TrainerState(
+                rollout_id=command.rollout_id, controller_state=command.controller_state))
+            return {"checkpoint": str(path)}
+        raise ValueError(f"unknown trainer command {type(command).__name__}")
+
+    def train(self, command: TrainCommand) -> dict[str, Any]:
+        batch = TrainBatch.from_arrays(command.batch, command.meta)
+        steps = self.parts.trainer.train_rollout(batch)
+        if self.info.rank == 0:
+            for offset, metrics in enumerate(steps):
+                step = self.parts.optimizer.steps_done - len(steps) + offset
+                if self.scalars is not None:
+                    self.scalars.log({f"train/{k}": v for k, v in metrics.items()}, step)
+                log.info("rollout %d step %d: %s", command.rollout_id, step,
+                         " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+        return {"steps": steps, "rollout_id": command.rollout_id}
+
+    def sync_weights(self, command: SyncWeightsCommand) -> dict[str, Any]:
+        if self.sender is None or self.sender.bucket_bytes != command.bucket_bytes:
+            from megatron.core import parallel_state
+
+            tp_group = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
+            dtype = torch.bfloat16 if not self.info.on_cpu else None
+            if self.sender is not None:
+                self.sender.close()
+                self.group_address = None
+            self.sender = WeightSender(self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size,
+                                       dp_rank=self.info.dp_rank, rank=self.info.rank,
+                                       bucket_bytes=command.bucket_bytes, dtype=dtype)
+        plan = self.sender.plan_buckets()
+        if self.info.rank == 0:
+            if command.new_group or self.group_address is None:
+                address = os.environ.get(SYNC_ADDRESS_ENV) or socket.gethostbyname(socket.gethostname())
+                self.group_address = (address, free_port())
+            address, port = self.group_address
+            self.source.send_weight_plan(WeightPlan(
+                weight_version=command.weight_version, master_address=address, master_port=port,
+                buckets=[b.to_dict() for b in plan], load_format=LOAD_FORMAT))
+            if command.new_group or self.sender.group is None:
+                self.sender.connect(address, port, command.world_size, group_name=command.group_name,
+                                    backend=command.backend)
+        for index in range(len(plan)):
+            self.sender.send_bucket(index)
+        self.sender.finish()
+        return {"buckets": len(plan), "bytes": sum(b.num_bytes for b in plan)}

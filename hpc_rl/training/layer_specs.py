@@ -1,0 +1,114 @@
+"""Megatron layer specs for the model families hpc_rl supports (Qwen3, GLM4, Llama).
+
+Owns: choosing the Transformer Engine spec (when TE is importable) or Megatron's local spec (CPU),
+the RMSNorm that works with sequence parallel (Megatron's torch norm wrapper refuses SP), and GLM4's
+"sandwich" norms (a norm on the attention output and on the MLP output, before each residual add),
+which Megatron's TransformerLayer has no slot for: they are small subclasses of `SelfAttention` and
+`MLP` that normalise their own output. Does not own the TransformerConfig (`model_provider`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+)
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from hpc_rl.config.model import ModelArchitecture
+
+POST_ATTENTION_NORM = "post_self_attn_layernorm"
+POST_MLP_NORM = "post_mlp_layernorm"
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports (then the fused TE spec is used; GPU only)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - TE raises more than ImportError when CUDA libraries are missing
+        return False
+    return torch.cuda.is_available()
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """`torch.nn.RMSNorm` with Megatron's constructor; marks its weight for SP grad all-reduce.
+
+    Under sequence parallel each TP rank normalises its own slice of tokens, so the weight's
+    gradient is partial per rank; `finalize_model_grads` sums grads of params flagged
+    `sequence_parallel`.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
+def _post_norm(config: TransformerConfig) -> torch.nn.Module:
+    return SequenceParallelRMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+
+
+def _normalise_output(norm: torch.nn.Module, result: Any) -> Any:
+    output, bias = result[0], result[1]
+    if bias is not None:  # fold the deferred bias in: the norm must see the full output
+        output = output + bias
+    return (norm(output), None, *result[2:])
+
+
+class PostNormSelfAttention(SelfAttention):
+    """SelfAttention whose output goes through `post_self_attn_layernorm` (GLM4)."""
+
+    def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        setattr(self, POST_ATTENTION_NORM, _post_norm(config))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _normalise_output(getattr(self, POST_ATTENTION_NORM), super().forward(*args, **kwargs))
+
+
+class PostNormMLP(MLP):
+    """MLP whose output goes through `post_mlp_layernorm` (GLM4)."""
+
+    def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        setattr(self, POST_MLP_NORM, _post_norm(config))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _normalise_output(getattr(self, POST_MLP_NORM), super().forward(*args, **kwargs))
+
+
+def _replace_norms(spec: ModuleSpec, norm: type) -> None:
+    sub = spec.submodules
+    for field in ("input_layernorm", "pre_mlp_layernorm"):
+        current = getattr(sub, field)
+        if isinstance(current, type) and current.__name__ != "IdentityOp":
+            setattr(sub, field, norm)
+    attention = sub.self_attention.submodules
+    for field in ("q_layernorm", "k_layernorm"):
+        current = getattr(attention, field, None)
+        if isinstance(current, type) and current.__name__ != "IdentityOp":
+            setattr(attention, field, norm)
+
+
+def build_block_spec(arch: ModelArchitecture, *, use_te: bool | None = None) -> TransformerBlockSubmodules:
+    """Layer spec (as block submodules, so the final norm is ours too) for `arch`."""
+    use_te = transformer_engine_available() if use_te is None else use_te
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
+        final_norm: type = TENorm
+    else:
+        layer = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+        _replace_norms(layer, SequenceParallelRMSNorm)
+        final_norm = SequenceParallelRMSNorm
+    if arch.post_sublayer_norms:
+        layer.submodules.self_attention.module = PostNormSelfAttention
+        layer.submodules.mlp.module = PostNormMLP
+    return TransformerBlockSubmodules(layer_specs=[layer] * arch.num_layers, layer_norm=final_norm)

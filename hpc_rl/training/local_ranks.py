@@ -1,0 +1,80 @@
+"""Run a function on N local trainer ranks (spawned processes, env:// rendezvous), like torchrun.
+
+Owns: spawning, free-port selection, collecting each rank's return value, and killing every rank
+when one fails or the deadline passes. For tests, benchmarks and single-node tools; production
+ranks come from torchrun under srun.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port the OS reports free on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        # Plain pickle bytes: tensors sent through an mp queue would share memory by file
+        # descriptor, which dies with this process before the parent reads it.
+        results.put((rank, True, pickle.dumps(fn(*args))))
+    except BaseException:  # noqa: BLE001 - report every failure, including SystemExit from argparse
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """Call `fn(*args)` in `world_size` fresh processes; return their results in rank order.
+
+    `fn` must be importable (module level). Raises RuntimeError with the failing rank's traceback.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_rank_main, args=(fn, r, world_size, port, args, results), daemon=False)
+             for r in range(world_size)]  # not daemonic: dist_checkpointing spawns helpers
+    for proc in procs:
+        proc.start()
+    collected: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(collected) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish "
+                                   f"within {timeout:.0f} s")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in collected]
+                if dead:
+                    raise RuntimeError(f"rank(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            collected[rank] = pickle.loads(value)
+        for proc in procs:
+            proc.join(timeout=30)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+    return [collected[r] for r in range(world_size)]

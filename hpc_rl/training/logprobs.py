@@ -1,0 +1,90 @@
+"""Per-token log-probs and entropy from vocab-parallel logits (TP-sharded last dim).
+
+Owns: the numerically stable softmax statistics across TP ranks (max, sum-exp and the target logit
+all-reduced; backward is the identity on each rank's shard, as in Megatron's vocab-parallel cross
+entropy), masking of the padded vocabulary rows, and slicing each sample's response positions out
+of a right-padded [b, s] batch. At TP=1 this equals `log_softmax(logits)[target]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+_MASKED = -1e30  # finite, so 0 * masked stays 0 in the entropy sum
+
+
+def _sum_over_tp(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group is None or dist.get_world_size(group) == 1:
+        return tensor
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(tensor, group=group)
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) and (optionally) entropy, per position; `logits` [..., V_local], `targets` [...].
+
+    Vocabulary entries >= `vocab_size` (Megatron's padding) get probability 0.
+    """
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    logits = logits.float()
+    part = logits.shape[-1]
+    start = tp_rank * part
+    if start + part > vocab_size:
+        padded = torch.arange(start, start + part, device=logits.device) >= vocab_size
+        logits = logits.masked_fill(padded, _MASKED)
+    maximum = logits.detach().max(dim=-1, keepdim=True).values
+    if tp_size > 1:
+        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits - maximum
+    log_sum_exp = _sum_over_tp(shifted.exp().sum(dim=-1), tp_group).log()
+    local = targets.long() - start
+    in_shard = (local >= 0) & (local < part)
+    target_logit = shifted.gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
+    target_logit = _sum_over_tp(target_logit * in_shard, tp_group)
+    log_probs = target_logit - log_sum_exp
+    entropy = None
+    if with_entropy:
+        probs = torch.exp(shifted - log_sum_exp.unsqueeze(-1))
+        entropy = log_sum_exp - _sum_over_tp((probs * shifted).sum(dim=-1), tp_group)
+    return log_probs, entropy
+
+
+def response_slices(total_lengths: Sequence[int], response_lengths: Sequence[int]) -> list[slice]:
+    """For each sample, the positions of shifted per-position values that score its response tokens.
+
+    Position t of the shifted values scores token t + 1, so response tokens [L - r, L) are scored at
+    positions [L - r - 1, L - 1).
+    """
+    return [slice(length - r - 1, length - 1) for length, r in zip(total_lengths, response_lengths)]
+
+
+def response_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    total_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    *,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None = None,
+    with_entropy: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Per-sample response log-probs (and entropies) from [b, s, V_local] logits of right-padded tokens."""
+    log_probs, entropy = vocab_parallel_logprobs(
+        logits[:, :-1], tokens[:, 1:], vocab_size=vocab_size, tp_group=tp_group, with_entropy=with_entropy
+    )
+    slices = response_slices(total_lengths, response_lengths)
+    per_sample = [log_probs[row, where] for row, where in enumerate(slices)]
+    per_entropy = None if entropy is None else [entropy[row, where] for row, where in enumerate(slices)]
+    return per_sample, per_entropy

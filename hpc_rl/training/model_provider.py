@@ -1,0 +1,118 @@
+"""Build a Megatron `GPTModel` from a model architecture file (`configs/models/*.yaml`).
+
+Owns: `ModelArchitecture` + parallel sizes -> `TransformerConfig` (float32 and fusions off on CPU,
+bf16 on GPU), the padded vocabulary size, and `build_gpt_model`. Does not own weights (see
+`hpc_rl.weights.hf_import` / `hpc_rl.training.checkpoint`) or process groups (`parallel`).
+
+Vocabulary padding: the embedding is padded to a multiple of `VOCAB_PAD_MULTIPLE` that does not
+depend on TP (unlike Megatron's `128 * tp`), so torch_dist checkpoints reshard between TP sizes.
+The padded logits are masked out when log-probs are computed (`hpc_rl.training.logprobs`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.config.schema import TrainingConfig
+from hpc_rl.training.cpu_switch import cpu_fusion_overrides, cuda_available
+from hpc_rl.training.layer_specs import build_block_spec
+
+VOCAB_PAD_MULTIPLE = 128
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int = 1, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
+    """Vocab rows of the Megatron embedding: a multiple of `multiple` (and of tp_size)."""
+    step = multiple * tp_size // math.gcd(multiple, tp_size)
+    return -(-vocab_size // step) * step
+
+
+def transformer_config(
+    arch: ModelArchitecture,
+    training: TrainingConfig,
+    *,
+    params_dtype: torch.dtype | None = None,
+) -> TransformerConfig:
+    """The TransformerConfig for `arch` under the `training` section's parallelism."""
+    on_cpu = not cuda_available()
+    dtype = params_dtype or (torch.float32 if on_cpu else torch.bfloat16)
+    extra = cpu_fusion_overrides() if on_cpu else {}
+    recompute = {}
+    if training.recompute_granularity:
+        recompute = {
+            "recompute_granularity": training.recompute_granularity,
+            "recompute_method": training.recompute_method,
+            "recompute_num_layers": training.recompute_num_layers,
+        }
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_epsilon,
+        qk_layernorm=arch.qk_layernorm,
+        add_qkv_bias=arch.add_qkv_bias,
+        add_bias_linear=arch.add_bias_linear,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        rotary_interleaved=arch.rotary_interleaved,
+        tensor_model_parallel_size=training.tensor_model_parallel_size,
+        sequence_parallel=training.sequence_parallel and training.tensor_model_parallel_size > 1,
+        pipeline_model_parallel_size=training.pipeline_model_parallel_size,
+        context_parallel_size=training.context_parallel_size,
+        calculate_per_token_loss=training.calculate_per_token_loss,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        **recompute,
+        **extra,
+    )
+
+
+def build_gpt_model(
+    arch: ModelArchitecture,
+    training: TrainingConfig,
+    *,
+    params_dtype: torch.dtype | None = None,
+    use_te: bool | None = None,
+) -> GPTModel:
+    """A GPTModel for this rank (one chunk; PP=1), with vocab-parallel (unsharded-by-us) logits."""
+    config = transformer_config(arch, training, params_dtype=params_dtype)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=build_block_spec(arch, use_te=use_te),
+        vocab_size=padded_vocab_size(arch.vocab_size, training.tensor_model_parallel_size),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=arch.rotary_percent,
+        rotary_base=int(arch.rotary_base),
+    )
+    if not cuda_available():
+        model = model.to(torch.float32 if params_dtype is None else params_dtype)
+    return model
+
+
+def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean [1, 1, s, s] mask, True = masked (Megatron's default mask hard-codes CUDA)."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), 1)[None, None]
+
+
+def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Vocab-parallel logits [b, s, V_padded / tp] for right-padded `tokens` [b, s]."""
+    batch, seq_len = tokens.shape
+    position_ids = torch.arange(seq_len, device=tokens.device).unsqueeze(0).expand(batch, -1)
+    return model(tokens, position_ids, causal_mask(seq_len, tokens.device))

@@ -1,0 +1,151 @@
+"""The actor's optimizer: Megatron DDP + AdamW, the learning-rate schedule, gradient clipping.
+
+Owns: wrapping the model in Megatron's `DistributedDataParallel` (grads land in `param.main_grad`
+buffers and are reduced over DP by `finalize_model_grads`, which also sums the SP / q-k norm grads
+over TP), and one optimizer step. On CPU Megatron's optimizer does not run (hard-coded CUDA), so a
+plain `torch.optim.AdamW` steps on `main_grad` with the clipping norm computed over unique shards
+(notes/megatron-cpu.md). On GPU the same interface wraps Megatron's optimizer (not run here).
+The schedule follows Megatron's `OptimizerParamScheduler` (linear warmup from 0, then constant,
+linear or cosine decay to `min_lr`). Does not own checkpointing of this state (`checkpoint`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpc_rl.config.schema import OptimizerConfig
+
+
+def learning_rate(config: OptimizerConfig, steps_done: int) -> float:
+    """lr for the optimizer step that follows `steps_done` completed steps (Megatron's formula)."""
+    if config.lr_warmup_iters > 0 and steps_done <= config.lr_warmup_iters:
+        return config.lr * steps_done / config.lr_warmup_iters
+    if config.lr_decay_style == "constant" or not config.lr_decay_iters:
+        return config.lr
+    decay_steps = max(config.lr_decay_iters - config.lr_warmup_iters, 1)
+    progress = min(max(steps_done - config.lr_warmup_iters, 0) / decay_steps, 1.0)
+    if config.lr_decay_style == "linear":
+        coefficient = 1.0 - progress
+    elif config.lr_decay_style == "cosine":
+        coefficient = 0.5 * (math.cos(math.pi * progress) + 1.0)
+    else:
+        raise ValueError(f"optimizer.lr_decay_style {config.lr_decay_style!r}: use constant, linear or cosine")
+    return config.min_lr + (config.lr - config.min_lr) * coefficient
+
+
+def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False) -> torch.nn.Module:
+    """Megatron DDP around `model` (fp32 grad buffers; sharded optimizer state on GPU)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=distributed_optimizer,
+                                               use_distributed_optimizer=distributed_optimizer)
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    lr: float
+    skipped: bool
+
+
+class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the same interface
+    """AdamW over a DDP-wrapped model's `main_grad`s; `step()` after the micro-batches' backward."""
+
+    def __init__(self, ddp_model: torch.nn.Module, config: OptimizerConfig) -> None:
+        if config.optimizer not in ("adam", "adamw"):
+            raise ValueError(f"optimizer.optimizer {config.optimizer!r}: only adam is supported")
+        self.ddp_model = ddp_model
+        self.config = config
+        self.params = [p for p in ddp_model.parameters() if p.requires_grad]
+        decay = [p for p in self.params if p.dim() >= 2]
+        no_decay = [p for p in self.params if p.dim() < 2]  # norms and biases, as Megatron
+        self.torch_optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=learning_rate(config, 0), betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+        )
+        self.steps_done = 0
+
+    def ordered_params(self) -> list[torch.nn.Parameter]:
+        """Parameters in the optimizer's state-id order."""
+        return [p for group in self.torch_optimizer.param_groups for p in group["params"]]
+
+    def zero_grad(self) -> None:
+        self.ddp_model.zero_grad_buffer()
+        for param in self.params:
+            param.grad = None
+
+    def grad_norm(self) -> float:
+        """L2 norm of all gradients, each TP-duplicated parameter counted once."""
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        squares = torch.zeros((), dtype=torch.float64)
+        for param in self.params:
+            if param_is_not_tensor_parallel_duplicate(param):
+                squares += param.main_grad.double().square().sum()
+        group = parallel_state.get_model_parallel_group()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(squares, group=group)
+        return float(squares.sqrt())
+
+    def step(self) -> StepResult:
+        """Finish the grad reduction, clip, and step; then zero the grad buffers."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp_model])
+        norm = self.grad_norm()
+        lr = learning_rate(self.config, self.steps_done)
+        skipped = not math.isfinite(norm)
+        if not skipped:
+            scale = self.config.clip_grad / (norm + 1e-6) if self.config.clip_grad > 0 else 1.0
+            for param in self.params:
+                grad = param.main_grad
+                if scale < 1.0:
+                    grad.mul_(scale)
+                param.grad = grad.to(param.dtype)
+            for group in self.torch_optimizer.param_groups:
+                group["lr"] = lr
+            self.torch_optimizer.step()
+            self.steps_done += 1
+        self.zero_grad()
+        return StepResult(grad_norm=norm, lr=lr, skipped=skipped)
+
+    def sharded_state(self, model_sharded_state_dict: dict[str, Any], *, is_loading: bool = False) -> dict[str, Any]:
+        """AdamW's moments as sharded tensors shaped like their parameters (reshardable); the step
+        count lives in the checkpoint's JSON (it is the same for every parameter)."""
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            optim_state_to_sharding_state,
+        )
+
+        self.ensure_state()
+        state = self.torch_optimizer.state_dict()
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.ordered_params())
+        optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+        return state
+
+    @torch.no_grad()
+    def restore(self, loaded: dict[str, Any], steps_done: int) -> None:
+        """Copy a loaded `sharded_state` into the live state tensors."""
+        params = self.ordered_params()
+        for param_id, entries in loaded["state"].items():
+            target = self.torch_optimizer.state[params[param_id]]
+            for key, value in entries.items():
+                target[key].copy_(value)
+            target["step"] = torch.tensor(float(steps_done))
+        self.steps_done = steps_done
+
+    def ensure_state(self) -> None:
+        """Create AdamW's state tensors (zeros) so a checkpoint can be loaded into them in place."""
+        for param in self.ordered_params():
+            state = self.torch_optimizer.state[param]
+            if not state:
+                state["step"] = torch.tensor(float(self.steps_done))
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)

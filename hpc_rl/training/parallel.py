@@ -1,0 +1,89 @@
+"""Process groups for trainer ranks: torch.distributed world + Megatron's model-parallel state.
+
+Owns: `init_parallel` (gloo on CPU, nccl on GPU; then `initialize_model_parallel` with the
+`training` section's TP/PP/CP/EP sizes; then the RNG seeds) and `ParallelInfo`, the few ranks and
+groups the step, the exporter and checkpoints ask for. Does not own the weight-update group to the
+engines (`hpc_rl.weights.process_group`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hpc_rl.config.schema import TrainingConfig
+from hpc_rl.training.cpu_switch import apply_cpu_switches, seed_megatron_rng
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """This rank's place in the trainer world."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    on_cpu: bool
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
+
+
+def init_parallel(training: TrainingConfig, *, device: str = "cpu") -> ParallelInfo:
+    """Join the torchrun world (env:// rendezvous) and build Megatron's groups; idempotent per process."""
+    from megatron.core import parallel_state
+
+    on_cpu = device == "cpu" or not torch.cuda.is_available()
+    if on_cpu:
+        apply_cpu_switches()
+    torch.set_num_threads(max(1, int(getattr(training, "num_threads", 1) or 1)))
+    if not dist.is_initialized():
+        if not on_cpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="gloo" if on_cpu else "nccl")
+    if training.pipeline_model_parallel_size != 1 or training.context_parallel_size != 1:
+        # The model provider builds one chunk without PP hooks and the step has no CP split yet.
+        raise NotImplementedError(
+            "training.pipeline_model_parallel_size and context_parallel_size must be 1 for now "
+            f"(got {training.pipeline_model_parallel_size}, {training.context_parallel_size})"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=training.tensor_model_parallel_size,
+            pipeline_model_parallel_size=training.pipeline_model_parallel_size,
+            context_parallel_size=training.context_parallel_size,
+            expert_model_parallel_size=training.expert_model_parallel_size,
+            expert_tensor_parallel_size=training.expert_tensor_parallel_size,
+        )
+    seed_megatron_rng(training.seed)
+    return current_parallel_info(on_cpu=on_cpu)
+
+
+def current_parallel_info(*, on_cpu: bool | None = None) -> ParallelInfo:
+    """Ranks and sizes of the already-initialised groups."""
+    from megatron.core import parallel_state
+
+    return ParallelInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        on_cpu=(not torch.cuda.is_available()) if on_cpu is None else on_cpu,
+    )
+
+
+def shutdown_parallel() -> None:
+    """Destroy Megatron's groups and the default group (end of a run or a test)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,190 @@
+"""One rollout's training on a trainer rank: ref/old log-probs, advantages, loss, optimizer steps.
+
+Owns: splitting a `TrainBatch` into `num_steps_per_rollout` steps and each step into micro-batches
+(fixed `micro_batch_size`, or token-packed with `use_dynamic_batch_size`, with the same count on
+every DP rank), the forward passes, the loss scale that makes a step's gradient independent of the
+micro-batching, and the step's metrics. The formulas are `losses` / `advantages`' (pure), the
+micro-batch packing is `batching`'s, log-probs under TP are `logprobs`'.
+
+Old log-probs (and ref log-probs) are computed for the whole rollout before its first update, on
+the same micro-batches the training pass uses, so on the first step logp_old == logp bit for bit
+(ppo_kl == 0 exactly) and, with ref == actor weights, the KL term is exactly 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.config.schema import AlgorithmConfig, TrainingConfig
+from hpc_rl.training.advantages import compute_advantages
+from hpc_rl.training.batching import equalize_microbatch_count, pack_microbatches
+from hpc_rl.training.logprobs import response_logprobs
+from hpc_rl.training.losses import PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for
+from hpc_rl.training.model_provider import causal_mask
+from hpc_rl.training.optimizer import ActorOptimizer
+from hpc_rl.training.parallel import ParallelInfo
+from hpc_rl.training.train_batch import TrainBatch
+
+
+def policy_loss_config(algorithm: AlgorithmConfig, training: TrainingConfig) -> PolicyLossConfig:
+    """The loss knobs from the `algorithm` section."""
+    return PolicyLossConfig(
+        policy_loss_type=policy_loss_type_for(algorithm.advantage_estimator),
+        eps_clip=algorithm.eps_clip, eps_clip_high=algorithm.eps_clip_high, eps_clip_c=algorithm.eps_clip_c,
+        entropy_coef=algorithm.entropy_coef, use_kl_loss=algorithm.use_kl_loss,
+        kl_loss_coef=algorithm.kl_loss_coef, kl_loss_type=algorithm.kl_loss_type, use_tis=algorithm.use_tis,
+        tis_clip=algorithm.tis_clip, tis_clip_low=algorithm.tis_clip_low,
+        calculate_per_token_loss=training.calculate_per_token_loss,
+    )
+
+
+@dataclass
+class MicroBatch:
+    """Indices into the rollout's samples, and the padded token tensor they form."""
+
+    indices: list[int]
+    tokens: torch.Tensor
+
+
+class RolloutTrainer:
+    """`train_rollout(batch)` -> one metrics dict per optimizer step."""
+
+    def __init__(self, *, actor: torch.nn.Module, optimizer: ActorOptimizer, ref_model: torch.nn.Module | None,
+                 arch: ModelArchitecture, training: TrainingConfig, algorithm: AlgorithmConfig,
+                 info: ParallelInfo) -> None:
+        from megatron.core import parallel_state
+
+        self.actor, self.optimizer, self.ref_model = actor, optimizer, ref_model
+        self.arch, self.training, self.algorithm, self.info = arch, training, algorithm, info
+        self.loss_config = policy_loss_config(algorithm, training)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group() if info.tp_size > 1 else None
+        self.dp_group = parallel_state.get_data_parallel_group()
+        if algorithm.use_kl_loss and ref_model is None:
+            raise ValueError("algorithm.use_kl_loss needs a reference model (checkpoint.ref_load)")
+
+    # ------------------------------------------------------------------ micro-batches
+
+    def _step_microbatches(self, batch: TrainBatch, step_indices: Sequence[int]) -> list[MicroBatch]:
+        lengths = [batch.total_lengths[i] for i in step_indices]
+        if self.training.use_dynamic_batch_size:
+            if not self.training.max_tokens_per_gpu:
+                raise ValueError("training.use_dynamic_batch_size needs training.max_tokens_per_gpu")
+            bins = pack_microbatches(lengths, self.training.max_tokens_per_gpu)
+            count = torch.tensor(len(bins), device=self.info.device)
+            if self.info.dp_size > 1:
+                dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
+            bins = equalize_microbatch_count(bins, int(count), lengths)
+        else:
+            size = self.training.micro_batch_size
+            bins = [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
+        multiple = self.info.tp_size if self.training.sequence_parallel else 1
+        out = []
+        for local in bins:
+            indices = [step_indices[i] for i in local]
+            tokens = batch.select(indices).padded_tokens()
+            pad = (-tokens.shape[1]) % multiple
+            if pad:
+                tokens = torch.nn.functional.pad(tokens, (0, pad))
+            out.append(MicroBatch(indices=indices, tokens=tokens.to(self.info.device)))
+        return out
+
+    def _forward(self, model: torch.nn.Module, micro: MicroBatch, batch: TrainBatch, *, with_entropy: bool):
+        tokens = micro.tokens
+        seq = tokens.shape[1]
+        positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], -1)
+        logits = model(tokens, positions, causal_mask(seq, tokens.device))
+        return response_logprobs(
+            logits, tokens, [batch.total_lengths[i] for i in micro.indices],
+            [batch.response_lengths[i] for i in micro.indices], vocab_size=self.arch.vocab_size,
+            tp_group=self.tp_group, with_entropy=with_entropy)
+
+    @torch.no_grad()
+    def _logprobs(self, model: torch.nn.Module, micros: list[MicroBatch], batch: TrainBatch) -> dict[int, torch.Tensor]:
+        out: dict[int, torch.Tensor] = {}
+        for micro in micros:
+            values, _ = self._forward(model, micro, batch, with_entropy=False)
+            out.update(zip(micro.indices, values))
+        return out
+
+    # ------------------------------------------------------------------ the rollout
+
+    def train_rollout(self, batch: TrainBatch) -> list[dict[str, float]]:
+        steps = self.training.num_steps_per_rollout
+        if len(batch) == 0 or len(batch) % steps:
+            raise ValueError(f"{len(batch)} samples do not split into num_steps_per_rollout={steps} steps")
+        per_step = len(batch) // steps
+        plan = [self._step_microbatches(batch, range(s * per_step, (s + 1) * per_step)) for s in range(steps)]
+        device = self.info.device
+        masks = [torch.as_tensor(m, dtype=torch.float32, device=device) for m in batch.loss_masks]
+        all_micros = [m for step in plan for m in step]
+
+        ref = self._logprobs(self.ref_model, all_micros, batch) if self.ref_model is not None else None
+        if self.algorithm.use_rollout_logprobs:
+            if batch.rollout_logprobs is None:
+                raise ValueError("algorithm.use_rollout_logprobs is set but the batch has no rollout log-probs")
+            old = {i: torch.as_tensor(lp, dtype=torch.float32, device=device)
+                   for i, lp in enumerate(batch.rollout_logprobs)}
+        else:
+            old = self._logprobs(self.actor, all_micros, batch)
+        kl = None
+        if ref is not None:
+            kl = [approx_kl(old[i], ref[i], self.algorithm.kl_loss_type) for i in range(len(batch))]
+        advantages, _ = compute_advantages(
+            self.algorithm.advantage_estimator, rewards=batch.rewards, loss_masks=masks, kl=kl,
+            kl_coef=self.algorithm.kl_coef, gamma=self.algorithm.gamma, lambd=self.algorithm.lambd,
+            normalize_advantages=self.algorithm.normalize_advantages,
+            all_reduce=self._dp_sum if self.info.dp_size > 1 else None)
+        advantages = [a.to(device) for a in advantages]
+        rollout = ([torch.as_tensor(lp, dtype=torch.float32, device=device) for lp in batch.rollout_logprobs]
+                   if batch.rollout_logprobs is not None else None)
+        return [self._train_step(batch, micros, masks, old, ref, advantages, rollout) for micros in plan]
+
+    def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, group=self.dp_group)
+        return tensor
+
+    def _train_step(self, batch: TrainBatch, micros: list[MicroBatch], masks: list[torch.Tensor],
+                    old: dict[int, torch.Tensor], ref: dict[int, torch.Tensor] | None,
+                    advantages: list[torch.Tensor], rollout: list[torch.Tensor] | None) -> dict[str, float]:
+        start = time.perf_counter()
+        samples = sum(len(m.indices) for m in micros)
+        tokens_here = sum(batch.total_lengths[i] for m in micros for i in m.indices)
+        counts = torch.tensor([float(samples), float(tokens_here),
+                               float(sum(float(masks[i].sum()) for m in micros for i in m.indices))],
+                              device=self.info.device)
+        if self.info.dp_size > 1:
+            dist.all_reduce(counts, group=self.dp_group)
+        global_samples, global_tokens, global_trained = (float(x) for x in counts)
+        # DDP averages gradients over DP, so multiply back by dp_size (see losses.step_loss_scale).
+        denominator = global_trained if self.loss_config.calculate_per_token_loss else global_samples
+        scale = self.info.dp_size / max(denominator, 1.0)
+        sums: dict[str, float] = {}
+        self.actor.train()
+        for micro in micros:
+            idx = micro.indices
+            log_probs, entropy = self._forward(self.actor, micro, batch, with_entropy=True)
+            loss, metrics = policy_loss_and_metrics(
+                self.loss_config, log_probs=log_probs, old_log_probs=[old[i] for i in idx],
+                advantages=[advantages[i] for i in idx], loss_masks=[masks[i] for i in idx], entropy=entropy,
+                ref_log_probs=[ref[i] for i in idx] if ref is not None else None,
+                rollout_log_probs=[rollout[i] for i in idx] if rollout is not None else None)
+            (loss * scale).backward()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        result = self.optimizer.step()
+        names = sorted(sums)
+        totals = torch.tensor([sums[k] for k in names], dtype=torch.float64, device=self.info.device)
+        if self.info.dp_size > 1:
+            dist.all_reduce(totals, group=self.dp_group)
+        seconds = time.perf_counter() - start
+        out = {k: float(v) / max(denominator, 1.0) for k, v in zip(names, totals)}
+        out.update({"grad_norm": result.grad_norm, "lr": result.lr, "step_time": seconds,
+                    "tokens_per_second": global_tokens / seconds, "samples": global_samples,
+                    "skipped": float(result.skipped)})
+        return out

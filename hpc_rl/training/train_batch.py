@@ -1,0 +1,134 @@
+"""`TrainBatch`: one DP rank's share of a rollout, as the trainer consumes it.
+
+Owns: the per-sample view (token ids, prompt/response lengths, loss masks, normalised rewards,
+rollout log-probs) and its conversion from/to the flat numpy arrays the controller sends in a
+`TrainCommand` (`hpc_rl.controller.train_batches.pack_samples`: concatenated tokens plus per-sample
+lengths) and from JSONL rows (the `--batches-file` used before a controller exists).
+`rewards` are already group-normalised (the rollout side does it: it sees whole groups).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(kw_only=True)
+class TrainBatch:
+    """Samples of one rollout for this DP rank; all lists have one entry per sample."""
+
+    tokens: list[list[int]]
+    """Prompt + response token ids of each sample."""
+    response_lengths: list[int]
+    """Number of response tokens at the end of each sample."""
+    loss_masks: list[list[int]]
+    """Per response token: 1 = trained, 0 = ignored (tool output, off-policy partial tokens)."""
+    rewards: list[float]
+    """Per sample, after group normalisation (= the GRPO advantage of every response token)."""
+    rollout_logprobs: list[list[float]] | None = None
+    """Per response token, the engine's log-prob of the sampled token (None if not returned)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        for name in ("response_lengths", "loss_masks", "rewards"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"TrainBatch.{name} has {len(getattr(self, name))} entries for {n} samples")
+        for i, (toks, r, mask) in enumerate(zip(self.tokens, self.response_lengths, self.loss_masks)):
+            if not 0 <= r < len(toks) or len(mask) != r:
+                raise ValueError(f"sample {i}: response length {r} and loss mask {len(mask)} must be equal and "
+                                 f"below the token count {len(toks)} (at least one prompt token)")
+        if self.rollout_logprobs is not None:
+            for i, (lp, r) in enumerate(zip(self.rollout_logprobs, self.response_lengths)):
+                if len(lp) != r:
+                    raise ValueError(f"sample {i}: {len(lp)} rollout log-probs for {r} response tokens")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def total_lengths(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+    def select(self, indices: Sequence[int]) -> TrainBatch:
+        """The samples at `indices`, in that order."""
+        return TrainBatch(
+            tokens=[self.tokens[i] for i in indices],
+            response_lengths=[self.response_lengths[i] for i in indices],
+            loss_masks=[self.loss_masks[i] for i in indices],
+            rewards=[self.rewards[i] for i in indices],
+            rollout_logprobs=None if self.rollout_logprobs is None else [self.rollout_logprobs[i] for i in indices],
+            meta=dict(self.meta),
+        )
+
+    def padded_tokens(self) -> torch.Tensor:
+        """[b, s_max] int64, right-padded with 0 (padding sits after every real token: causal-safe)."""
+        width = max(self.total_lengths)
+        out = torch.zeros((len(self), width), dtype=torch.long)
+        for row, toks in enumerate(self.tokens):
+            out[row, : len(toks)] = torch.as_tensor(toks, dtype=torch.long)
+        return out
+
+    # ------------------------------------------------------------------ wire formats
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray], meta: dict[str, Any] | None = None) -> TrainBatch:
+        """From `pack_samples`' flat arrays (tokens, prompt_lengths, response_lengths, loss_masks, ...)."""
+        prompt = arrays["prompt_lengths"].astype(np.int64).tolist()
+        response = arrays["response_lengths"].astype(np.int64).tolist()
+        tokens, masks, logprobs = [], [], []
+        flat_logprobs = arrays.get("rollout_logprobs")
+        t_off = r_off = 0
+        for p, r in zip(prompt, response):
+            tokens.append(arrays["tokens"][t_off : t_off + p + r].astype(np.int64).tolist())
+            masks.append(arrays["loss_masks"][r_off : r_off + r].astype(np.int64).tolist())
+            if flat_logprobs is not None and len(flat_logprobs):
+                logprobs.append(flat_logprobs[r_off : r_off + r].astype(np.float64).tolist())
+            t_off += p + r
+            r_off += r
+        return cls(tokens=tokens, response_lengths=response, loss_masks=masks,
+                   rewards=arrays["rewards"].astype(np.float64).tolist(),
+                   rollout_logprobs=logprobs if logprobs else None, meta=dict(meta or {}))
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """The flat-array form (inverse of `from_arrays`)."""
+        prompt = [len(t) - r for t, r in zip(self.tokens, self.response_lengths)]
+        out = {
+            "tokens": np.array([t for toks in self.tokens for t in toks], dtype=np.int64),
+            "prompt_lengths": np.array(prompt, dtype=np.int32),
+            "response_lengths": np.array(self.response_lengths, dtype=np.int32),
+            "loss_masks": np.array([m for mask in self.loss_masks for m in mask], dtype=np.uint8),
+            "rewards": np.array(self.rewards, dtype=np.float32),
+        }
+        if self.rollout_logprobs is not None:
+            out["rollout_logprobs"] = np.array([x for lp in self.rollout_logprobs for x in lp], dtype=np.float32)
+        return out
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Mapping[str, Any]]) -> TrainBatch:
+        """From JSON rows {"tokens", "response_length", "reward", optional "loss_mask", "rollout_logprobs"}."""
+        masks = [list(row.get("loss_mask") or [1] * int(row["response_length"])) for row in rows]
+        has_lp = all(row.get("rollout_logprobs") is not None for row in rows)
+        return cls(tokens=[list(map(int, row["tokens"])) for row in rows],
+                   response_lengths=[int(row["response_length"]) for row in rows], loss_masks=masks,
+                   rewards=[float(row["reward"]) for row in rows],
+                   rollout_logprobs=[list(map(float, row["rollout_logprobs"])) for row in rows] if has_lp else None)
+
+
+def read_batches_file(path: str | Path) -> Iterator[TrainBatch]:
+    """A JSONL file where each line is one rollout: {"samples": [row, ...]} (rows as in `from_rows`)."""
+    with open(path) as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                yield TrainBatch.from_rows(record["samples"])
+            except (KeyError, ValueError, TypeError) as error:
+                raise ValueError(f"{path}:{number}: bad rollout batch: {error}") from error

@@ -1,0 +1,107 @@
+"""Checkpoint conversion HF <-> Megatron torch_dist (the logic behind tools/convert_*.py).
+
+Owns: HF safetensors -> torch_dist (run on any number of TP ranks; the result reshards on load
+because torch_dist stores global tensors and our vocab padding does not depend on TP), and
+torch_dist -> HF safetensors on one CPU process, with config.json, tokenizer and generation files
+copied from the original HF directory. The architecture file is checked against config.json
+before anything is converted. Bit-exact both ways: only reshuffles, no arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from hpc_rl.config.model import ModelArchitecture
+
+COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "tokenizer.model",
+                "added_tokens.json")
+MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def ensure_process_group() -> None:
+    """Join torchrun's world, or make a one-rank gloo world when started as a plain script."""
+    import torch.distributed as dist
+
+    from hpc_rl.training.local_ranks import free_port
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(free_port())})
+
+
+def hf_to_torch_dist(hf_dir: str | Path, model_file: str | Path, save_dir: str | Path, *,
+                     tensor_parallel_size: int = 1) -> Path:
+    """Collective over the world's ranks: write `save_dir/iter_0000000` (+ tracker). Returns it."""
+    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.training.checkpoint import save_model_weights
+    from hpc_rl.training.model_provider import build_gpt_model
+    from hpc_rl.training.parallel import init_parallel
+    from hpc_rl.weights.hf_import import check_architecture, load_hf_into_model
+
+    arch = ModelArchitecture.from_yaml(model_file)
+    check_architecture(arch, hf_dir, model_file)
+    ensure_process_group()
+    info = init_parallel(TrainingConfig(tensor_model_parallel_size=tensor_parallel_size), device="cpu")
+    model = build_gpt_model(arch, TrainingConfig(tensor_model_parallel_size=tensor_parallel_size))
+    load_hf_into_model(model, hf_dir, arch, tp_rank=info.tp_rank, tp_size=info.tp_size, model_file=model_file)
+    return save_model_weights(save_dir, model, iteration=0)
+
+
+def write_hf_checkpoint(state: dict, output_dir: str | Path, reference_dir: str | Path | None) -> Path:
+    """Save tensors as safetensors (sharded with an index above 5 GiB) and copy the side files."""
+    from safetensors.torch import save_file
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    shards: list[dict] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > MAX_SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(output_dir / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for index, shard in enumerate(shards, 1):
+            filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(output_dir / filename), metadata={"format": "pt"})
+            weight_map.update({name: filename for name in shard})
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        (output_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    if reference_dir is not None:
+        for name in COPIED_FILES:
+            if (Path(reference_dir) / name).is_file():
+                shutil.copy2(Path(reference_dir) / name, output_dir / name)
+    return output_dir
+
+
+def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: str | Path, *,
+                     hf_reference: str | Path | None = None) -> Path:
+    """One CPU process: load torch_dist at TP=1 and write an HF directory."""
+    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.training.checkpoint import load_model_weights
+    from hpc_rl.training.model_provider import build_gpt_model
+    from hpc_rl.training.parallel import init_parallel
+    from hpc_rl.weights.export import export_hf_state_dict
+    from hpc_rl.weights.hf_import import check_architecture
+
+    arch = ModelArchitecture.from_yaml(model_file)
+    if hf_reference is not None:
+        check_architecture(arch, hf_reference, model_file)
+    ensure_process_group()
+    init_parallel(TrainingConfig(), device="cpu")
+    model = build_gpt_model(arch, TrainingConfig())
+    load_model_weights(load_dir, model)
+    state = {name: tensor.clone() for name, tensor in export_hf_state_dict(model, arch)}
+    return write_hf_checkpoint(state, output_dir, hf_reference)

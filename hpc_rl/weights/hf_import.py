@@ -1,0 +1,110 @@
+"""Read HuggingFace checkpoints into a (possibly TP-sharded) Megatron model.
+
+Owns: reading `*.safetensors` (single file or sharded with an index) into an HF state dict, checking
+the architecture file against `config.json` first (a wrong rotary base trains silently wrong), and
+copying each rank's shards into the model's parameters. The name/layout logic is `hf_mapping`'s.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hpc_rl.config.model import ModelArchitecture, architecture_mismatches, load_hf_config
+from hpc_rl.weights import hf_mapping
+
+
+def is_hf_checkpoint(path: str | Path) -> bool:
+    """True for a directory holding config.json and safetensors weights (not a torch_dist tree)."""
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def check_architecture(arch: ModelArchitecture, hf_dir: str | Path, model_file: str | Path | None = None) -> None:
+    """Raise a readable error when the model file disagrees with the checkpoint's config.json."""
+    problems = architecture_mismatches(arch, load_hf_config(hf_dir))
+    if problems:
+        where = f"model file {model_file}" if model_file else "the model architecture"
+        raise ValueError(
+            f"{where} does not match {Path(hf_dir) / 'config.json'}:\n  " + "\n  ".join(problems)
+            + "\nFix the model file (configs/models/*.yaml) or point at the right checkpoint."
+        )
+
+
+class HFTensorReader:
+    """Lazy access to the tensors of an HF safetensors checkpoint (sharded or not), by name.
+
+    Each rank reads only the tensors it needs, one at a time, so loading a 9B model on 8 ranks of
+    a node does not hold 8 full copies in host memory.
+    """
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        hf_dir = Path(hf_dir)
+        index = hf_dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.file_of = {name: hf_dir / file for name, file in weight_map.items()}
+        else:
+            paths = sorted(hf_dir.glob("*.safetensors"))
+            if not paths:
+                raise FileNotFoundError(f"{hf_dir}: no *.safetensors files")
+            self.file_of = {}
+            for path in paths:
+                with safe_open(str(path), framework="pt") as handle:
+                    self.file_of.update({name: path for name in handle.keys()})  # noqa: SIM118 - not a dict
+        self._handles: dict[Path, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def keys(self) -> list[str]:
+        return list(self.file_of)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path = self.file_of[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path].get_tensor(name)  # type: ignore[attr-defined]
+
+
+def read_hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors checkpoint, on CPU (small models and tests)."""
+    reader = HFTensorReader(hf_dir)
+    return {name: reader[name] for name in reader.file_of}
+
+
+@torch.no_grad()
+def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path, arch: ModelArchitecture,
+                       *, tp_rank: int, tp_size: int, model_file: str | Path | None = None) -> None:
+    """Copy an HF checkpoint into this rank's Megatron parameters (every parameter must be covered)."""
+    check_architecture(arch, hf_dir, model_file)
+    load_hf_state_into_model(model, HFTensorReader(hf_dir), arch, tp_rank=tp_rank, tp_size=tp_size)
+
+
+@torch.no_grad()
+def load_hf_state_into_model(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor] | HFTensorReader,
+                             arch: ModelArchitecture, *, tp_rank: int, tp_size: int) -> None:
+    """Like `load_hf_into_model` from a state dict or reader; one Megatron parameter at a time."""
+    params = {hf_mapping.canonical_name(n): p for n, p in model.named_parameters()}
+    padded = params["embedding.word_embeddings.weight"].shape[0] * tp_size
+    covered = set()
+    for name, hf_names in hf_mapping.name_map(arch):
+        missing = [n for n in hf_names if n not in hf_state]
+        if missing:
+            raise KeyError(f"HF checkpoint lacks {', '.join(missing)} (needed for {name})")
+        if name not in params:
+            raise KeyError(f"the Megatron model has no parameter {name} (architecture file vs model spec?)")
+        full = hf_mapping.to_megatron(name, [hf_state[n] for n in hf_names], arch, padded_vocab=padded)
+        piece = hf_mapping.shard(name, full, tp_rank, tp_size)
+        param = params[name]
+        if piece.shape != param.shape:
+            raise ValueError(f"{name}: HF gives shard {tuple(piece.shape)}, model has {tuple(param.shape)}")
+        param.copy_(piece.to(param.dtype))
+        covered.add(name)
+    unset = set(params) - covered
+    if unset:
+        raise KeyError(f"parameters not covered by the HF mapping: {sorted(unset)}")

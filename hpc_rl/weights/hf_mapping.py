@@ -1,0 +1,248 @@
+"""HF <-> Megatron parameter names and layouts: pure functions on names and tensors.
+
+Owns: the canonical Megatron name of every parameter (Transformer-Engine style, as in torch_dist
+checkpoints: `self_attention.linear_qkv.layer_norm_weight` for the input norm), its HF names, the
+layout conversions, and tensor-parallel sharding of full tensors. Used by the converters, the HF
+loader and the weight exporter alike. No Megatron import, no processes.
+
+Layout facts (notes/megatron-cpu.md):
+  * `linear_qkv` rows are grouped per KV head: for each query group, its q heads, then its k head,
+    then its v head. Chunking the grouped tensor along rows gives correct TP shards.
+  * `linear_fc1` is [gate; up]; under TP each rank holds [gate_r; up_r], so shard gate and up apart.
+  * Row-parallel (`linear_proj`, `linear_fc2`) shard on columns; embedding/output on (padded) rows.
+  * Norms (input, pre-MLP, q/k, final, GLM4 post norms) are replicated.
+  * Tied embeddings: Megatron has no `output_layer.weight`; HF may still list `lm_head.weight`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hpc_rl.config.model import ModelArchitecture
+
+# Megatron local-spec names -> canonical (TE-style) names.
+_LOCAL_TO_CANONICAL = {
+    ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
+    ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
+}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def canonical_name(name: str) -> str:
+    """Strip DDP/`module.` prefixes and rename local-spec norms to the TE-style checkpoint names."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    for local, canonical in _LOCAL_TO_CANONICAL.items():
+        if name.endswith(local):
+            return name[: -len(local)] + canonical
+    return name
+
+
+def local_spec_name(name: str) -> str:
+    """The inverse of `canonical_name` for models built with Megatron's local spec."""
+    for local, canonical in _LOCAL_TO_CANONICAL.items():
+        if name.endswith(canonical):
+            return name[: -len(canonical)] + local
+    return name
+
+
+def _layer_suffixes(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
+    """(Megatron suffix, HF suffixes) of one decoder layer, in export order."""
+    fc1_hf = ["mlp.gate_up_proj.weight"] if arch.family == "glm4" else ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
+    rows: list[tuple[str, list[str]]] = [
+        ("self_attention.linear_qkv.layer_norm_weight", ["input_layernorm.weight"]),
+        ("self_attention.linear_qkv.weight", ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                              "self_attn.v_proj.weight"]),
+    ]
+    if arch.add_qkv_bias or arch.add_bias_linear:
+        rows.append(("self_attention.linear_qkv.bias", ["self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                                        "self_attn.v_proj.bias"]))
+    if arch.qk_layernorm:
+        rows.append(("self_attention.q_layernorm.weight", ["self_attn.q_norm.weight"]))
+        rows.append(("self_attention.k_layernorm.weight", ["self_attn.k_norm.weight"]))
+    rows.append(("self_attention.linear_proj.weight", ["self_attn.o_proj.weight"]))
+    if arch.add_bias_linear:
+        rows.append(("self_attention.linear_proj.bias", ["self_attn.o_proj.bias"]))
+    if arch.post_sublayer_norms:
+        rows.append(("self_attention.post_self_attn_layernorm.weight", ["post_self_attn_layernorm.weight"]))
+    rows.append(("mlp.linear_fc1.layer_norm_weight", ["post_attention_layernorm.weight"]))
+    rows.append(("mlp.linear_fc1.weight", fc1_hf))
+    if arch.add_bias_linear:
+        rows.append(("mlp.linear_fc1.bias", [s.replace(".weight", ".bias") for s in fc1_hf]))
+    rows.append(("mlp.linear_fc2.weight", ["mlp.down_proj.weight"]))
+    if arch.add_bias_linear:
+        rows.append(("mlp.linear_fc2.bias", ["mlp.down_proj.bias"]))
+    if arch.post_sublayer_norms:
+        rows.append(("mlp.post_mlp_layernorm.weight", ["post_mlp_layernorm.weight"]))
+    return rows
+
+
+def name_map(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
+    """Every Megatron parameter (canonical name) with its HF names, in a stable export order."""
+    rows: list[tuple[str, list[str]]] = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"])]
+    for layer in range(arch.num_layers):
+        for suffix, hf_suffixes in _layer_suffixes(arch):
+            rows.append((f"decoder.layers.{layer}.{suffix}", [f"model.layers.{layer}.{s}" for s in hf_suffixes]))
+    rows.append(("decoder.final_layernorm.weight", ["model.norm.weight"]))
+    if not arch.tie_word_embeddings:
+        rows.append(("output_layer.weight", ["lm_head.weight"]))
+    return rows
+
+
+def hf_names_of(megatron_name: str, arch: ModelArchitecture) -> list[str]:
+    """HF names produced by one canonical Megatron parameter."""
+    match = _LAYER.match(megatron_name)
+    if match:
+        layer, suffix = match.groups()
+        for mine, hf_suffixes in _layer_suffixes(arch):
+            if mine == suffix:
+                return [f"model.layers.{layer}.{s}" for s in hf_suffixes]
+    else:
+        top = {"embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
+               "decoder.final_layernorm.weight": ["model.norm.weight"]}
+        if not arch.tie_word_embeddings:
+            top["output_layer.weight"] = ["lm_head.weight"]
+        if megatron_name in top:
+            return top[megatron_name]
+    raise KeyError(f"{megatron_name!r} has no HF counterpart for family {arch.family!r}")
+
+
+# ----------------------------------------------------------------------------- layouts (full tensors)
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] == rows:
+        return tensor
+    if tensor.shape[0] > rows:
+        raise ValueError(f"cannot pad {tuple(tensor.shape)} down to {rows} rows")
+    pad = tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))
+    return torch.cat([tensor, pad], dim=0)
+
+
+def _qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArchitecture) -> torch.Tensor:
+    groups, dim = arch.num_query_groups, arch.kv_channels
+    per_group = arch.num_attention_heads // groups
+    tail = q.shape[1:]
+    grouped = torch.cat(
+        [q.reshape(groups, per_group * dim, *tail), k.reshape(groups, dim, *tail), v.reshape(groups, dim, *tail)],
+        dim=1,
+    )
+    return grouped.reshape(-1, *tail)
+
+
+def _qkv_to_hf(qkv: torch.Tensor, arch: ModelArchitecture) -> list[torch.Tensor]:
+    groups, dim = arch.num_query_groups, arch.kv_channels
+    per_group = arch.num_attention_heads // groups
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(groups, (per_group + 2) * dim, *tail)
+    q, k, v = grouped.split([per_group * dim, dim, dim], dim=1)
+    return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
+
+
+def to_megatron(megatron_name: str, hf_tensors: Sequence[torch.Tensor], arch: ModelArchitecture,
+                *, padded_vocab: int | None = None) -> torch.Tensor:
+    """The full (unsharded) Megatron tensor from its HF tensors (in `hf_names_of` order)."""
+    if megatron_name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        return _qkv_to_megatron(*hf_tensors, arch)
+    if megatron_name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+        return hf_tensors[0] if len(hf_tensors) == 1 else torch.cat(list(hf_tensors), dim=0)
+    (tensor,) = hf_tensors
+    if megatron_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return _pad_rows(tensor, padded_vocab or tensor.shape[0])
+    return tensor
+
+
+def to_hf(megatron_name: str, full: torch.Tensor, arch: ModelArchitecture) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs from one full Megatron tensor (views where possible, no copies)."""
+    names = hf_names_of(megatron_name, arch)
+    if megatron_name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        return list(zip(names, _qkv_to_hf(full, arch)))
+    if (megatron_name.endswith(("linear_fc1.weight", "linear_fc1.bias"))) and len(names) == 2:
+        return list(zip(names, full.chunk(2, dim=0)))
+    if megatron_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return [(names[0], full[: arch.vocab_size])]
+    return [(names[0], full)]
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """How a parameter is split over TP ranks: `dim` (None = replicated), `gated` = [gate_r; up_r]."""
+
+    dim: int | None
+    gated: bool = False
+
+
+def tp_split(megatron_name: str) -> TPSplit:
+    """The TP layout of a canonical Megatron parameter."""
+    name = canonical_name(megatron_name)
+    if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+        return TPSplit(dim=0, gated=True)
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")):
+        return TPSplit(dim=0)
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return TPSplit(dim=1)
+    return TPSplit(dim=None)
+
+
+def shard(megatron_name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's shard of a full Megatron tensor."""
+    split = tp_split(megatron_name)
+    if split.dim is None or tp_size == 1:
+        return full
+    if split.gated:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], dim=0)
+    if full.shape[split.dim] % tp_size:
+        raise ValueError(f"{megatron_name}: dim {split.dim} of {tuple(full.shape)} does not divide by TP={tp_size}")
+    return full.chunk(tp_size, dim=split.dim)[tp_rank]
+
+
+def unshard(megatron_name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The full tensor from all TP ranks' shards (in rank order)."""
+    split = tp_split(megatron_name)
+    if split.dim is None or len(shards) == 1:
+        return shards[0]
+    if split.gated:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(shards), dim=split.dim)
+
+
+# ----------------------------------------------------------------------------- whole state dicts
+
+
+def hf_to_megatron_state(hf_state: Mapping[str, torch.Tensor], arch: ModelArchitecture,
+                         *, padded_vocab: int | None = None) -> dict[str, torch.Tensor]:
+    """Every full Megatron tensor (canonical names) from an HF state dict; missing names raise."""
+    out: dict[str, torch.Tensor] = {}
+    for megatron_name, hf_names in name_map(arch):
+        missing = [n for n in hf_names if n not in hf_state]
+        if missing:
+            raise KeyError(f"HF checkpoint lacks {', '.join(missing)} (needed for {megatron_name})")
+        out[megatron_name] = to_megatron(megatron_name, [hf_state[n] for n in hf_names], arch,
+                                         padded_vocab=padded_vocab)
+    return out
+
+
+def megatron_to_hf_state(megatron_state: Mapping[str, torch.Tensor], arch: ModelArchitecture) -> dict[str, torch.Tensor]:
+    """An HF state dict from full Megatron tensors (canonical or local-spec names)."""
+    by_canonical = {canonical_name(k): v for k, v in megatron_state.items()}
+    out: dict[str, torch.Tensor] = {}
+    for megatron_name, _ in name_map(arch):
+        if megatron_name not in by_canonical:
+            raise KeyError(f"Megatron state lacks {megatron_name}")
+        out.update(to_hf(megatron_name, by_canonical[megatron_name], arch))
+    return out
+
+
+def hf_param_shapes(arch: ModelArchitecture, megatron_name: str, full_shape: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
+    """HF names and shapes that `to_hf` yields for a Megatron tensor of `full_shape` (no data touched)."""
+    meta = torch.empty(tuple(full_shape), device="meta")
+    return [(name, tuple(t.shape)) for name, t in to_hf(megatron_name, meta, arch)]

@@ -1,0 +1,220 @@
+"""Trainer side of a weight update: plan buckets, then broadcast them to the engines.
+
+Owns: `WeightSender` (the object a trainer rank keeps across syncs) and `broadcast_buckets` (the
+same for any named-tensor stream: benchmarks, tools). Buckets hold whole Megatron parameters (all
+the HF tensors one parameter maps to), up to `bucket_bytes`; each is broadcast from rank 0 as one
+uint8 tensor in SGLang's `flattened_bucket` layout (`hpc_rl.engines.bucket_layout`), into a buffer
+reused across buckets and syncs (fresh memory is 5x slower to fill: notes/cpu-baselines.md).
+
+Protocol (driven by the controller, `hpc_rl.controller.weight_sync`)::
+
+    every rank:  plan = sender.plan_buckets()          # metadata only; rank 0 sends it as WeightPlan
+    rank 0:      sender.connect(addr, port, world_size, group_name, backend)   # blocks until engines join
+    every rank:  for i in range(len(plan)): sender.send_bucket(i)   # TP ranks of DP rank 0 gather
+    rank 0:      sender.close()                        # when the engine set changes / at exit
+
+Every rank of the first TP group (DP rank 0) takes part in each gather; other DP ranks return at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.engines.bucket_layout import dtype_name, pack_bucket
+from hpc_rl.weights import hf_mapping
+from hpc_rl.weights.export import export_param, full_shape, named_megatron_params
+from hpc_rl.weights.process_group import (
+    DEFAULT_GROUP_NAME,
+    destroy_weight_update_group,
+    init_weight_update_group,
+)
+
+LOAD_FORMAT = "flattened_bucket"
+
+
+@dataclass(frozen=True)
+class BucketMeta:
+    """One broadcast: the `/update_weights_from_distributed` fields, plus its Megatron sources."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    num_bytes: int
+    megatron_names: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """The WeightPlan entry (names, dtypes, shapes, num_bytes)."""
+        return {"names": self.names, "dtypes": self.dtypes, "shapes": self.shapes, "num_bytes": self.num_bytes}
+
+
+def _plan(entries: Iterable[tuple[str, list[tuple[str, tuple[int, ...]]]]], dtype: torch.dtype,
+          bucket_bytes: int) -> list[BucketMeta]:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buckets: list[BucketMeta] = []
+    current: dict[str, list] = {"names": [], "shapes": [], "sources": []}
+    size = 0
+
+    def flush() -> None:
+        nonlocal size
+        if current["names"]:
+            buckets.append(BucketMeta(names=current["names"], dtypes=[dtype_name(dtype)] * len(current["names"]),
+                                      shapes=current["shapes"], num_bytes=size, megatron_names=current["sources"]))
+        current.update(names=[], shapes=[], sources=[])
+        size = 0
+
+    for source, hf_entries in entries:
+        nbytes = sum(itemsize * int(torch.Size(shape).numel()) for _, shape in hf_entries)
+        if size and size + nbytes > bucket_bytes:
+            flush()
+        current["sources"].append(source)
+        for name, shape in hf_entries:
+            current["names"].append(name)
+            current["shapes"].append(list(shape))
+        size += nbytes
+    flush()
+    return buckets
+
+
+class _PipelinedBroadcaster:
+    """Two reused uint8 buffers: bucket i+1 is packed while bucket i is still being broadcast.
+
+    gloo (and NCCL) run an async broadcast on their own thread/stream, so the copy into the other
+    buffer overlaps the transfer; `wait()` before a buffer is refilled and at the end of a sync.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.pending: list[Any] = [None, None]
+        self.turn = 0
+
+    def send(self, named: list[tuple[str, torch.Tensor]], nbytes: int, group: dist.ProcessGroup,
+             capacity: int) -> list[str]:
+        slot = self.turn
+        self.turn ^= 1
+        if self.pending[slot] is not None:
+            self.pending[slot].wait()
+            self.pending[slot] = None
+        buffer = self.buffers[slot]
+        if buffer is None or buffer.numel() < nbytes:
+            device = named[0][1].device if named else "cpu"
+            buffer = self.buffers[slot] = torch.empty(max(nbytes, capacity), dtype=torch.uint8, device=device)
+        packed, layout = pack_bucket(named, out=buffer)
+        self.pending[slot] = dist.broadcast(packed, src=0, group=group, async_op=True)
+        return layout.request_fields()["names"]
+
+    def wait(self) -> None:
+        for slot, work in enumerate(self.pending):
+            if work is not None:
+                work.wait()
+                self.pending[slot] = None
+
+
+class WeightSender:
+    """Broadcasts a Megatron model's weights, HF-named and unsharded, from trainer rank 0."""
+
+    def __init__(self, model: torch.nn.Module, arch: ModelArchitecture, *, tp_group: dist.ProcessGroup | None,
+                 tp_size: int, dp_rank: int, rank: int, bucket_bytes: int, dtype: torch.dtype | None = None) -> None:
+        self.params = named_megatron_params(model)
+        self.arch, self.tp_group, self.tp_size = arch, tp_group, tp_size
+        self.dp_rank, self.rank, self.bucket_bytes = dp_rank, rank, bucket_bytes
+        self.dtype = dtype or next(iter(self.params.values())).dtype
+        self.group: dist.ProcessGroup | None = None
+        self._broadcaster = _PipelinedBroadcaster()
+        self._plan: list[BucketMeta] | None = None
+
+    def plan_buckets(self) -> list[BucketMeta]:
+        """The buckets' metadata (pure: no communication). The same on every rank."""
+        if self._plan is None:
+            entries = []
+            for megatron_name, _ in hf_mapping.name_map(self.arch):
+                local = self.params[megatron_name]
+                shape = full_shape(megatron_name, local.shape, self.tp_size)
+                entries.append((megatron_name, hf_mapping.hf_param_shapes(self.arch, megatron_name, shape)))
+            self._plan = _plan(entries, self.dtype, self.bucket_bytes)
+        return self._plan
+
+    def connect(self, master_address: str, master_port: int, world_size: int, *,
+                group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo") -> None:
+        """Rank 0 hosts the weight-update group (rank 0 of `world_size`); other ranks do nothing."""
+        if self.rank != 0:
+            return
+        self.close()
+        self.group = init_weight_update_group(master_address=master_address, master_port=master_port, rank=0,
+                                              world_size=world_size, group_name=group_name, backend=backend)
+
+    def send_bucket(self, index: int) -> None:
+        """Gather (TP ranks of DP rank 0), pack, and broadcast bucket `index` (rank 0)."""
+        if self.dp_rank != 0:
+            return
+        meta = self.plan_buckets()[index]
+        named: list[tuple[str, torch.Tensor]] = []
+        for source in meta.megatron_names:
+            named.extend(export_param(source, self.params[source], self.arch, self.tp_group))
+        if self.rank != 0:
+            return
+        if self.group is None:
+            raise RuntimeError("send_bucket before connect(): rank 0 has no weight-update group")
+        named = [(name, tensor.to(self.dtype)) for name, tensor in named]
+        capacity = max(b.num_bytes for b in self.plan_buckets())
+        names = self._broadcaster.send(named, meta.num_bytes, self.group, capacity)
+        if names != meta.names:
+            raise RuntimeError(f"bucket {index}: packed names differ from the announced plan")
+
+    def finish(self) -> None:
+        """Wait until the last broadcasts completed (end of a sync; buffers may then be refilled)."""
+        self._broadcaster.wait()
+
+    def send_all(self) -> list[BucketMeta]:
+        """Every bucket in order (for callers that drive the engines themselves, e.g. tests)."""
+        plan = self.plan_buckets()
+        for index in range(len(plan)):
+            self.send_bucket(index)
+        self.finish()
+        return plan
+
+    def close(self) -> None:
+        self.finish()
+        if self.group is not None:
+            destroy_weight_update_group(self.group)
+            self.group = None
+
+
+def broadcast_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup,
+                      bucket_bytes: int, *, broadcaster: _PipelinedBroadcaster | None = None) -> list[BucketMeta]:
+    """Pack a stream of tensors into buckets of <= `bucket_bytes` and broadcast each from rank 0.
+
+    Pipelined (pack the next bucket while the previous one is on the wire) into two reused buffers;
+    pass the same `broadcaster` to later calls to keep reusing them. Tensors should share one dtype
+    (mixed dtypes need `order_for_alignment` per bucket). Receivers must know the metas in advance
+    to size their buffers: use `WeightSender.plan_buckets` for models.
+    """
+    broadcaster = broadcaster or _PipelinedBroadcaster()
+    metas: list[BucketMeta] = []
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal size
+        if not pending:
+            return
+        names = broadcaster.send(pending, size, group, bucket_bytes)
+        metas.append(BucketMeta(names=names, dtypes=[dtype_name(t.dtype) for _, t in pending],
+                                shapes=[list(t.shape) for _, t in pending], num_bytes=size))
+        pending.clear()
+        size = 0
+
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > bucket_bytes:
+            flush()
+        pending.append((name, tensor))
+        size += nbytes
+    flush()
+    broadcaster.wait()
+    return metas
