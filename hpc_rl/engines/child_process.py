@@ -60,7 +60,7 @@ class ChildProcess:
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.env, start_new_session=True,
+                env=self.env, start_new_session=True, preexec_fn=die_with_parent,
             )
         atexit.register(self.stop)
 
@@ -90,6 +90,19 @@ class ChildProcess:
             f"{self.name} {what}; it {state}. Command: {' '.join(self.command)}\n"
             f"Last lines of {self.log_path}:\n{log_tail(self.log_path)}"
         )
+
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGTERM it when its parent dies, even by SIGKILL (Linux prctl).
+
+    Children run in their own session (so a stop can signal the whole group); this keeps a killed
+    driver from leaving them behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _signal_group(group: int, sig: signal.Signals) -> None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from hpc_rl.engines.child_process import die_with_parent
+
 
 @dataclass(kw_only=True)
 class StepSpec:
@@ -119,7 +121,7 @@ class LocalStepLauncher:
         try:
             process = subprocess.Popen(
                 spec.argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=die_with_parent,
             )
         finally:
             if spec.log_path:

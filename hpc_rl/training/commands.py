@@ -169,17 +169,15 @@ class TrainerCommands:
         return {"steps": steps, "rollout_id": command.rollout_id}
 
     def sync_weights(self, command: SyncWeightsCommand) -> dict[str, Any]:
-        if self.sender is None or self.sender.bucket_bytes != command.bucket_bytes:
+        if self.sender is None:
             from megatron.core import parallel_state
 
             tp_group = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
             dtype = torch.bfloat16 if not self.info.on_cpu else None
-            if self.sender is not None:
-                self.sender.close()
-                self.group_address = None
             self.sender = WeightSender(self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size,
                                        dp_rank=self.info.dp_rank, rank=self.info.rank,
                                        bucket_bytes=command.bucket_bytes, dtype=dtype)
+        self.sender.set_bucket_bytes(command.bucket_bytes)
         plan = self.sender.plan_buckets()
         if self.info.rank == 0:
             if command.new_group or self.group_address is None:
@@ -189,7 +187,7 @@ class TrainerCommands:
             self.source.send_weight_plan(WeightPlan(
                 weight_version=command.weight_version, master_address=address, master_port=port,
                 buckets=[b.to_dict() for b in plan], load_format=LOAD_FORMAT))
-            if command.new_group or self.sender.group is None:
+            if command.new_group:  # else the engines are still in the group built last time
                 self.sender.connect(address, port, command.world_size, group_name=command.group_name,
                                     backend=command.backend)
         for index in range(len(plan)):

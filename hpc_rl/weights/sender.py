@@ -128,6 +128,11 @@ class WeightSender:
         self._broadcaster = _PipelinedBroadcaster()
         self._plan: list[BucketMeta] | None = None
 
+    def set_bucket_bytes(self, bucket_bytes: int) -> None:
+        """Change the bucket size for the next sync (the group and buffers are kept)."""
+        if bucket_bytes != self.bucket_bytes:
+            self.bucket_bytes, self._plan = bucket_bytes, None
+
     def plan_buckets(self) -> list[BucketMeta]:
         """The buckets' metadata (pure: no communication). The same on every rank."""
         if self._plan is None:

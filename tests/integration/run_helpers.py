@@ -1,0 +1,67 @@
+"""Helpers for tests that run whole local runs: start `python -m hpc_rl.submit`, read what a run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def submit_argv(run_dir: Path, *flags: str, config: str = "configs/tiny_cpu.yaml") -> list[str]:
+    return [sys.executable, "-m", "hpc_rl.submit", config, "--executor", "local", "--run-dir", str(run_dir), *flags]
+
+
+def start_run(run_dir: Path, *flags: str) -> subprocess.Popen[str]:
+    """A local run in the background (its own session, so the test can signal it like a terminal would)."""
+    log = open(run_dir.parent / f"{run_dir.name}.out", "w")
+    return subprocess.Popen(submit_argv(run_dir, *flags), cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def run_to_end(run_dir: Path, *flags: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(submit_argv(run_dir, *flags), cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "rollouts.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that mention `text` (e.g. a run dir or a port)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{pid}: {cmdline[:200]}")
+    return found
+
+
+def interrupt(process: subprocess.Popen[str], timeout_s: float = 60) -> int:
+    """Ctrl-C the run (SIGINT to its process group) and wait for it to finish shutting down."""
+    os.killpg(process.pid, signal.SIGINT)
+    return process.wait(timeout_s)

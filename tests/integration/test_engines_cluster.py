@@ -1,0 +1,256 @@
+"""Integration: 2 CPU engines behind sglang-router on loopback, real processes.
+
+Covers routing of concurrent requests with exact logprobs, workers added/removed at run time,
+abort/pause semantics and misuse answers on an engine, and a weight update over gloo from a test
+"trainer rank 0" process following SGLang's protocol (pause, init group, begin, update per tensor
+and as a flattened bucket, end, continue). Tests share one cluster and run in file order; the
+weight update is last because it changes the engines' weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from hpc_rl.engines.bucket_layout import order_for_alignment
+from hpc_rl.engines.child_process import free_port
+from hpc_rl.engines.engine_process import CpuEngineProcess
+from hpc_rl.engines.router import RouterProcess
+from hpc_rl.tiny_model import TinyModelSpec, make_tiny_model
+
+pytestmark = pytest.mark.slow
+API_KEY = "test-admin-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    engines = [CpuEngineProcess(model_dir, log_path=logs / f"engine{i}.log", api_key=API_KEY) for i in range(2)]
+    router = RouterProcess(log_path=logs / "router.log", policy="cache_aware")
+    started = []
+    try:
+        for process in (*engines, router):
+            process.start()
+            started.append(process)
+        router.wait_listening(60)
+        for engine in engines:
+            engine.wait_healthy(120)
+            router.add_worker(engine.url)
+        router.wait_ready(30)
+        yield engines, router
+    finally:
+        with ThreadPoolExecutor(len(started) or 1) as pool:  # stop in parallel: each takes ~1-2 s
+            list(pool.map(lambda process: process.stop(), started))
+
+
+def load_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def forward_logprobs(model, prompt: list[int], output: list[int]) -> list[float]:
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([prompt + output])).logits[0].float(), -1)
+    return [float(logprobs[len(prompt) - 1 + i, token]) for i, token in enumerate(output)]
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None):
+    async with session.post(url, json=body, headers=headers) as response:
+        text = await response.text()
+        try:
+            import json
+
+            return response.status, json.loads(text)
+        except ValueError:
+            return response.status, text
+
+
+def generate_body(rid: str, prompt: list[int], max_new_tokens: int, **sampling) -> dict:
+    return {"rid": rid, "input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, **sampling}}
+
+
+def test_router_serves_64_concurrent_requests_with_forward_pass_logprobs(cluster, model_dir):
+    _, router = cluster
+    prompts = [[5 + (i % 7), 12 + (i % 5), 6, 9 + (i % 3)] for i in range(64)]
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*[
+                post(session, f"{router.url}/generate", generate_body(f"req-{i}", p, 12 + i % 5, ignore_eos=True))
+                for i, p in enumerate(prompts)])
+
+    results = asyncio.run(scenario())
+    model = load_model(model_dir)
+    worst = 0.0
+    for i, (status, body) in enumerate(results):
+        assert status == 200, body
+        output = body["output_ids"]
+        assert len(output) == 12 + i % 5 and body["meta_info"]["id"] == f"req-{i}"
+        got = [entry[0] for entry in body["meta_info"]["output_token_logprobs"]]
+        worst = max(worst, max(abs(a - b) for a, b in zip(got, forward_logprobs(model, prompts[i], output))))
+    assert worst < 1e-4
+
+
+def test_router_removes_and_adds_workers_at_run_time(cluster):
+    engines, router = cluster
+    router.remove_worker(engines[1].url)
+    assert router.worker_urls() == [engines[0].url]
+    router.add_worker(engines[1].url)
+    assert sorted(router.worker_urls()) == sorted(e.url for e in engines)
+
+
+def test_abort_pause_and_misuse_on_one_engine(cluster):
+    engine = cluster[0][0].url
+    long = {"ignore_eos": True}
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            tasks = [asyncio.create_task(post(session, f"{engine}/generate", generate_body(rid, [5, 6], 480, **long)))
+                     for rid in ("a1", "a2", "a3")]
+            await asyncio.sleep(0.5)
+            # misuse while requests run
+            status, body = await post(session, f"{engine}/release_memory_occupation", {"tags": None}, AUTH)
+            assert status == 400 and "pause" in body["message"]
+            status, _ = await post(session, f"{engine}/abort_request", {"rid": "a2"})
+            assert status == 401  # admin endpoint without the key
+            assert (await post(session, f"{engine}/abort_request", {"rid": "a2"}, AUTH))[0] == 200
+            status, body = await tasks[1]
+            assert status == 200 and body["meta_info"]["finish_reason"]["type"] == "abort"
+            assert 0 < len(body["output_ids"]) < 480
+            assert not tasks[0].done()
+            assert (await post(session, f"{engine}/abort_request", {"abort_all": True}, AUTH))[0] == 200
+            for task in (tasks[0], tasks[2]):
+                status, body = await task
+                assert body["meta_info"]["finish_reason"]["type"] == "abort"
+                assert len(body["meta_info"]["output_token_logprobs"]) == len(body["output_ids"])
+
+            # pause(abort) mid-generation, then requests wait until continue
+            running = asyncio.create_task(post(session, f"{engine}/generate", generate_body("p1", [7], 480, **long)))
+            await asyncio.sleep(0.5)
+            assert (await post(session, f"{engine}/pause_generation", {"mode": "abort"}, AUTH))[0] == 200
+            status, body = await running
+            assert body["meta_info"]["finish_reason"]["type"] == "abort"
+            waiting = asyncio.create_task(post(session, f"{engine}/generate", generate_body("p2", [7], 4)))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()
+            status, body = await post(session, f"{engine}/resume_memory_occupation", {"tags": ["weights"]}, AUTH)
+            assert status == 400 and "not released" in body["message"]
+            status, body = await post(session, f"{engine}/update_weights_from_distributed",
+                                      {"names": [], "dtypes": [], "shapes": []}, AUTH)
+            assert status == 400 and "begin_weight_update" in body["message"]
+            assert (await post(session, f"{engine}/continue_generation", {}, AUTH))[0] == 200
+            status, body = await waiting
+            assert status == 200 and body["meta_info"]["finish_reason"]["type"] == "length"
+
+    asyncio.run(scenario())
+
+
+def _trainer_rank0(master_port: int, world_size: int, checkpoint: str, per_tensor: list[str],
+                   bucket: list[str]) -> None:
+    """A stand-in for trainer rank 0: joins the group and broadcasts the new weights."""
+    from safetensors.torch import load_file
+
+    from hpc_rl.engines.bucket_layout import pack_bucket
+    from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
+
+    torch.set_num_threads(1)
+    weights = load_file(str(Path(checkpoint) / "model.safetensors"))
+    group = init_weight_update_group(master_address="127.0.0.1", master_port=master_port, rank=0,
+                                     world_size=world_size, timeout_seconds=120)
+    for name in per_tensor:
+        torch.distributed.broadcast(weights[name].contiguous(), src=0, group=group)
+    buffer, _ = pack_bucket([(name, weights[name]) for name in bucket])
+    torch.distributed.broadcast(buffer, src=0, group=group)
+    destroy_weight_update_group(group)
+
+
+def test_weight_update_over_gloo_changes_outputs(cluster, model_dir, tmp_path):
+    engines, _ = cluster
+    urls = [engine.url for engine in engines]
+    new_dir = make_tiny_model(tmp_path / "new", TinyModelSpec(seed=1))
+    new_model, old_model = load_model(new_dir), load_model(model_dir)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(new_dir / "model.safetensors"))
+    names = [name for name, _ in order_for_alignment(sorted(tensors.items()))]
+    per_tensor, bucket = names[: len(names) // 2], names[len(names) // 2:]
+    fields = lambda subset: {"names": subset, "dtypes": [str(tensors[n].dtype).removeprefix("torch.") for n in subset],
+                             "shapes": [list(tensors[n].shape) for n in subset], "group_name": "weight_update_group"}
+    master_port = free_port()
+    trainer = multiprocessing.get_context("spawn").Process(
+        target=_trainer_rank0, args=(master_port, 3, str(new_dir), per_tensor, bucket), daemon=True)
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            # a request in flight across the update: retracted, then finished by the new weights
+            spanning = asyncio.create_task(post(session, f"{urls[0]}/generate",
+                                                generate_body("span", [5, 6], 480, ignore_eos=True)))
+            await asyncio.sleep(0.4)
+            for url in urls:
+                assert (await post(session, f"{url}/pause_generation", {"mode": "retract"}, AUTH))[0] == 200
+            trainer.start()
+            init = [post(session, f"{url}/init_weights_update_group",
+                         {"master_address": "127.0.0.1", "master_port": master_port, "rank_offset": 1 + i,
+                          "world_size": 3, "group_name": "weight_update_group", "backend": "gloo"}, AUTH)
+                    for i, url in enumerate(urls)]
+            assert all(status == 200 for status, _ in await asyncio.gather(*init))
+            for url in urls:
+                assert (await post(session, f"{url}/begin_weight_update", {}, AUTH))[0] == 200
+
+            async def update(url: str) -> None:
+                status, body = await post(session, f"{url}/update_weights_from_distributed",
+                                          {**fields(per_tensor), "flush_cache": True}, AUTH)
+                assert status == 200, body
+                status, body = await post(session, f"{url}/update_weights_from_distributed",
+                                          {**fields(bucket), "flush_cache": True, "weight_version": "1",
+                                           "load_format": "flattened_bucket"}, AUTH)
+                assert status == 200, body
+
+            await asyncio.gather(*(update(url) for url in urls))
+            for url in urls:
+                assert (await post(session, f"{url}/end_weight_update", {}, AUTH))[0] == 200
+                assert (await post(session, f"{url}/continue_generation", {}, AUTH))[0] == 200
+                async with session.get(f"{url}/model_info") as response:
+                    assert (await response.json())["weight_version"] == "1"
+            _, spanned = await spanning
+            greedy = [await post(session, f"{url}/generate", generate_body(f"g{i}", [5, 6, 7], 10, temperature=0))
+                      for i, url in enumerate(urls)]
+            for url in urls:
+                assert (await post(session, f"{url}/destroy_weights_update_group",
+                                   {"group_name": "weight_update_group"}, AUTH))[0] == 200
+            return spanned, greedy
+
+    try:
+        spanned, greedy = asyncio.run(scenario())
+        trainer.join(60)
+        assert trainer.exitcode == 0
+    finally:
+        if trainer.is_alive():
+            trainer.kill()
+    versions = [span["version"] for span in spanned["meta_info"]["weight_versions"]]
+    assert versions == ["default", "1"] and spanned["meta_info"]["weight_version"] == "1"
+    with torch.no_grad():
+        expected = new_model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=10, do_sample=False,
+                                      attention_mask=torch.ones(1, 3, dtype=torch.long))[0, 3:].tolist()
+    for status, body in greedy:
+        assert status == 200 and body["output_ids"][: len(expected)] == expected[: len(body["output_ids"])]
+        assert body["meta_info"]["weight_version"] == "1"
+        assert body["meta_info"]["weight_versions"] == [{"version": "1", "start": 0, "end": len(body["output_ids"])}]
+        got = [entry[0] for entry in body["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got, forward_logprobs(new_model, [5, 6, 7], body["output_ids"]))) < 1e-4
+        old = forward_logprobs(old_model, [5, 6, 7], body["output_ids"])
+        assert max(abs(a - b) for a, b in zip(got, old)) > 1e-3

@@ -1,0 +1,58 @@
+"""Unit tests of child-process handling: log tails in errors, no orphans after stop."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from hpc_rl.engines.child_process import ChildProcess, ChildProcessFailed, free_port, http_ok, wait_until
+from hpc_rl.engines.engine_process import _HttpEngineProcess
+
+
+def test_dead_engine_error_shows_log_tail(tmp_path):
+    command = [sys.executable, "-c", "print('CUDA out of memory, simulated'); raise SystemExit(3)"]
+    engine = _HttpEngineProcess(command, host="127.0.0.1", port=free_port(), log_path=tmp_path / "e.log",
+                                env=os.environ, name="fake engine")
+    engine.start()
+    try:
+        with pytest.raises(ChildProcessFailed, match="(?s)exited with code 3.*CUDA out of memory, simulated"):
+            engine.wait_healthy(timeout=20)
+    finally:
+        engine.stop()
+
+
+def test_timeout_error_and_stop_kills_the_whole_group(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(p.pid)); print('waiting', flush=True); "
+              "time.sleep(60)")
+    process = ChildProcess([sys.executable, "-c", script], log_path=tmp_path / "c.log", name="sleeper")
+    process.start()
+    try:
+        with pytest.raises(ChildProcessFailed, match="(?s)was not ready after 1 s.*still running"):
+            wait_until(lambda: pid_file.exists() and False, process=process, timeout=1, what="ready")
+        deadline = time.monotonic() + 10
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        process.stop(grace_seconds=2)
+    grandchild = int(pid_file.read_text())
+    time.sleep(0.2)
+    assert not _running(grandchild)
+    assert not process.alive()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for the container's init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_http_ok_is_false_on_a_closed_port():
+    assert not http_ok(f"http://127.0.0.1:{free_port()}/health", timeout=0.5)

@@ -1,0 +1,152 @@
+"""Unit tests of the engines' pure parts: bucket layout, sampling params, SGLang/router commands."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpc_rl.engines.bucket_layout import (
+    compute_layout,
+    dtype_from_name,
+    order_for_alignment,
+    pack_bucket,
+    unpack_bucket,
+)
+from hpc_rl.engines.cpu.sampling import (
+    SamplingParams,
+    find_stop_string,
+    parse_sampling_params,
+    sample_next_tokens,
+)
+from hpc_rl.engines.router import build_router_command
+from hpc_rl.engines.sglang_launch import SglangLaunchSpec, build_sglang_command, build_sglang_env
+
+
+# ---- bucket layout ---------------------------------------------------------------------------------
+def test_layout_offsets_are_cumulative_like_sglang():
+    layout = compute_layout(["a", "b", "c"], ["float32", "bfloat16", "bfloat16"], [[2, 3], [5], [1]])
+    assert [slot.offset for slot in layout.slots] == [0, 24, 34]
+    assert layout.total_bytes == 36
+    assert layout.request_fields() == {
+        "names": ["a", "b", "c"], "dtypes": ["float32", "bfloat16", "bfloat16"], "shapes": [[2, 3], [5], [1]],
+    }
+
+
+def test_layout_refuses_misaligned_tensor():
+    with pytest.raises(ValueError, match="order_for_alignment"):
+        compute_layout(["small", "big"], ["bfloat16", "float32"], [[3], [2]])
+
+
+def test_pack_unpack_roundtrip_mixed_dtypes_and_buffer_reuse():
+    named = [("h", torch.randn(3, dtype=torch.bfloat16)), ("f", torch.randn(2, 5)),
+             ("i", torch.arange(7, dtype=torch.int64)), ("e", torch.randn(0))]
+    ordered = order_for_alignment(named)
+    assert [name for name, _ in ordered] == ["i", "f", "e", "h"]
+    reusable = torch.empty(1024, dtype=torch.uint8)
+    buffer, layout = pack_bucket(ordered, out=reusable)
+    assert buffer.data_ptr() == reusable.data_ptr() and buffer.numel() == layout.total_bytes
+    receiver = compute_layout(**{k: v for k, v in zip(("names", "dtypes", "shapes"),
+                                                      layout.request_fields().values())})
+    for (name, original), (got_name, got) in zip(ordered, unpack_bucket(buffer.clone(), receiver)):
+        assert name == got_name and got.dtype == original.dtype and torch.equal(got, original)
+
+
+def test_dtype_names():
+    assert dtype_from_name("bfloat16") is torch.bfloat16
+    assert dtype_from_name("torch.float16") is torch.float16
+    with pytest.raises(ValueError):
+        dtype_from_name("float7")
+
+
+# ---- sampling ---------------------------------------------------------------------------------------
+def test_sampling_params_validation():
+    params = parse_sampling_params({"max_new_tokens": 4, "temperature": 0, "stop": "x", "n": 1,
+                                    "skip_special_tokens": False, "frequency_penalty": 0.0})
+    assert params.greedy and params.stop == ["x"] and params.max_new_tokens == 4
+    with pytest.raises(ValueError, match="unknown sampling_params key"):
+        parse_sampling_params({"temprature": 1.0})
+    with pytest.raises(ValueError, match="top_p"):
+        parse_sampling_params({"top_p": 0})
+    with pytest.raises(ValueError, match="not supported"):
+        parse_sampling_params({"repetition_penalty": 1.2})
+
+
+def test_logprobs_are_tempered_by_default_and_raw_with_sglang_env(monkeypatch):
+    torch.manual_seed(0)
+    logits = torch.randn(2, 11)
+    params = [SamplingParams(temperature=0.5), SamplingParams(temperature=0.0)]
+    tokens, logprobs = sample_next_tokens(logits, params, [None, None], [[], []])
+    expected = torch.log_softmax(logits[0] / 0.5, -1)[tokens[0]]
+    assert torch.allclose(logprobs[0], expected)
+    assert tokens[1] == logits[1].argmax()
+    assert torch.allclose(logprobs[1], torch.log_softmax(logits[1], -1)[tokens[1]])
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    tokens, logprobs = sample_next_tokens(logits, params, [None, None], [[], []])
+    assert torch.allclose(logprobs[0], torch.log_softmax(logits[0], -1)[tokens[0]])
+
+
+def test_top_k_top_p_restrict_support_and_seed_is_reproducible():
+    logits = torch.tensor([[5.0, 4.0, 3.0, -9.0, -9.0]])
+    params = SamplingParams(top_k=2, sampling_seed=7)
+    seen = set()
+    for _ in range(50):
+        generator = torch.Generator().manual_seed(int(torch.randint(0, 10_000, ())))
+        token, _ = sample_next_tokens(logits, [params], [generator], [[]])
+        seen.add(int(token))
+    assert seen <= {0, 1}
+    first = [int(sample_next_tokens(logits, [SamplingParams()], [torch.Generator().manual_seed(3)], [[]])[0])
+             for _ in range(3)]
+    assert len(set(first)) == 1
+    only_top = SamplingParams(top_p=0.5)
+    assert all(int(sample_next_tokens(logits, [only_top], [None], [[]])[0]) == 0 for _ in range(20))
+
+
+def test_banned_tokens_are_never_sampled():
+    logits = torch.tensor([[9.0, 0.0, 0.0]])
+    token, logprob = sample_next_tokens(logits, [SamplingParams(temperature=0)], [None], [[0]])
+    assert int(token) != 0 and torch.isfinite(logprob).all()
+
+
+def test_find_stop_string_returns_earliest():
+    assert find_stop_string("a b = 3 : 4", ["4", "="]) == ("=", 4)
+    assert find_stop_string("abc", ["x", ""]) is None
+
+
+# ---- commands ---------------------------------------------------------------------------------------
+def test_sglang_command_renders_every_option():
+    spec = SglangLaunchSpec(
+        hf_checkpoint="/ckpt/qwen3", host="10.0.0.5", port=15000, rollout_num_gpus_per_engine=4, api_key="s3",
+        sglang_options={"mem_fraction_static": 0.7, "cuda_graph_bs": [1, 2, 4], "enable_memory_saver": True,
+                        "sglang_disable_radix_cache": False, "json_model_override_args": {"a": 1},
+                        "log_level": None},
+        python="python",
+    )
+    assert build_sglang_command(spec) == [
+        "python", "-m", "sglang.launch_server", "--model-path", "/ckpt/qwen3", "--tp-size", "4",
+        "--host", "10.0.0.5", "--port", "15000", "--api-key", "s3",
+        "--cuda-graph-bs", "1", "2", "4", "--enable-memory-saver", "--json-model-override-args", '{"a": 1}',
+        "--mem-fraction-static", "0.7",
+    ]
+
+
+def test_sglang_command_rejects_overriding_hpc_rl_flags():
+    with pytest.raises(ValueError, match="set by hpc_rl"):
+        SglangLaunchSpec(hf_checkpoint="/c", host="h", port=1, sglang_options={"sglang_tp_size": 2})
+
+
+def test_sglang_env():
+    env = build_sglang_env({"PATH": "/bin", "NCCL_CUMEM_ENABLE": "1"}, {"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
+    assert env["NCCL_CUMEM_ENABLE"] == "0" and env["PATH"] == "/bin" and env["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def test_router_command():
+    command = build_router_command(host="127.0.0.1", port=3000, prometheus_port=3001, policy="round_robin",
+                                   worker_urls=["http://a:1"], python="python")
+    assert command == [
+        "python", "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", "3000",
+        "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", "3001",
+        "--disable-retries", "--log-level", "warn", "--worker-urls", "http://a:1",
+    ]
+    with pytest.raises(ValueError):
+        build_router_command(host="h", port=1, prometheus_port=2, policy="fastest")

@@ -1,0 +1,140 @@
+"""Golden files of what Slurm is asked for, per reference recipe (pure: no Slurm needed).
+
+tests/unit/golden/<recipe>.sbatch is the batch script submitit submits for the recipe;
+slurm/<recipe>.sbatch is the standalone script for `sbatch` users. After an intended change:
+HPC_RL_UPDATE_GOLDEN=1 pytest tests/unit/test_slurm_render.py  (then review the diff).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from hpc_rl.config import load_config
+from hpc_rl.launch.sbatch_render import (
+    component_options,
+    parse_extra_sbatch,
+    render_batch_script,
+    render_standalone_script,
+    submitit_parameters,
+    time_to_minutes,
+)
+from hpc_rl.launch.slurm_status import job_state, parse_sacct, parse_squeue
+from hpc_rl.launch.srun_launcher import srun_argv
+from hpc_rl.launch.steps import StepSpec
+from hpc_rl.launch.submitit_het import HetSlurmInfoWatcher
+from hpc_rl.launch.topology import plan_topology
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+RECIPES = ["qwen3_4b_grpo", "glm_z1_9b_grpo", "qwen3_4b_grpo_4nodes"]
+UPDATE = os.environ.get("HPC_RL_UPDATE_GOLDEN") == "1"
+
+
+def _check(path: Path, text: str) -> None:
+    if UPDATE:
+        path.write_text(text)
+    assert path.exists(), f"missing golden file {path}; run with HPC_RL_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"{path} differs from the rendering (HPC_RL_UPDATE_GOLDEN=1 to accept)"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_submitit_batch_script_golden(recipe: str) -> None:
+    config = load_config([REPO / "configs" / f"{recipe}.yaml"])
+    text = render_batch_script(config, plan_topology(config.cluster), folder="/RUN_DIR/submitit",
+                               python="exec /usr/bin/python3")
+    _check(GOLDEN / f"{recipe}.sbatch", text)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_standalone_script_golden(recipe: str) -> None:
+    config = load_config([REPO / "configs" / f"{recipe}.yaml"])
+    text = render_standalone_script(config, plan_topology(config.cluster), config_path=f"configs/{recipe}.yaml",
+                                    script_path=f"slurm/{recipe}.sbatch")
+    _check(REPO / "slurm" / f"{recipe}.sbatch", text)
+
+
+def test_het_components_and_submitit_fixes() -> None:
+    config = load_config([REPO / "configs" / "qwen3_4b_grpo_4nodes.yaml"],
+                         ["--set", "slurm.rollout_partition=infer", "--set", "slurm.account=rl",
+                          "--set", "slurm.requeue_signal_seconds=300", "--set", "slurm.mem=0"])
+    topology = plan_topology(config.cluster)
+    trainer, rollout = component_options(config, topology)
+    assert trainer.options["partition"] == "gpu" and rollout.options["partition"] == "infer"
+    assert trainer.options["nodes"] == 2 and rollout.options["nodes"] == 2
+    assert trainer.options["gpus-per-node"] == 8 and rollout.options["ntasks-per-node"] == 4
+    assert rollout.options["account"] == "rl" and rollout.options["mem"] == "0"
+    params = submitit_parameters(config, topology)
+    assert params["nodes"] == 1  # fix 1: submitit counts one task; the real count is below
+    assert params["additional_parameters"]["nodes"] == 2
+    assert params["additional_parameters"]["signal"] == "B:USR2@300"  # fix 3
+    assert params["use_srun"] is False
+    assert params["setup"][0] == "#SBATCH hetjob"
+
+
+def test_colocated_is_a_plain_job() -> None:
+    config = load_config([REPO / "configs" / "qwen3_4b_grpo.yaml"])
+    params = submitit_parameters(config, plan_topology(config.cluster))
+    assert not any(line == "#SBATCH hetjob" for line in params["setup"])
+
+
+def test_cpu_runs_ask_for_no_gpus_and_extra_lines() -> None:
+    config = load_config([REPO / "configs" / "tiny_cpu.yaml"],
+                         ["--set", "slurm.extra_sbatch=['--exclusive', '--reservation=rl']",
+                          "--set", "slurm.setup=['module load foo']"])
+    for component in component_options(config, plan_topology(config.cluster)):
+        assert "gpus-per-node" not in component.options
+        assert component.options["exclusive"] is True and component.options["reservation"] == "rl"
+    text = render_batch_script(config, plan_topology(config.cluster), folder="/R/submitit", python="exec python")
+    assert "#SBATCH --exclusive\n" in text and "module load foo\n" in text
+    assert text.index("#SBATCH hetjob") < text.index("module load foo")
+
+
+@pytest.mark.parametrize("value,minutes", [("30", 30), ("04:00:00", 240), ("1-12:00:00", 2160), ("90:30", 91),
+                                           ("2-0", 2880), ("00:00:20", 1)])
+def test_time_to_minutes(value: str, minutes: int) -> None:
+    assert time_to_minutes(value) == minutes
+
+
+def test_bad_time_and_extra_lines_say_where() -> None:
+    with pytest.raises(ValueError, match="slurm.time"):
+        time_to_minutes("4h")
+    with pytest.raises(ValueError, match="slurm.extra_sbatch"):
+        parse_extra_sbatch(["exclusive"])
+
+
+def test_srun_argv_pins_engines_and_states_task_counts() -> None:
+    engine = StepSpec(name="engine-1", argv=["serve"], het_group=1, node_index=0, gpus_per_task=2)
+    assert srun_argv(engine, het_job=True, nodelist=["node3"], cpus_per_task=8) == [
+        "srun", "--het-group=1", "--job-name=engine-1", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1",
+        "--nodelist=node3", "--gpus-per-node=2", "--exact", "--cpus-per-task=8", "--kill-on-bad-exit=1",
+        "--unbuffered", "--", "serve"]
+    trainer = StepSpec(name="trainer", argv=["torchrun"], num_nodes=2)
+    argv = srun_argv(trainer, het_job=False)
+    assert "--het-group=0" not in argv and "--ntasks=2" in argv and "--label" in argv and "--exact" not in argv
+    colocated = StepSpec(name="engine-0", argv=["serve"], node_index=0, gpus_per_task=2, overlap=True)
+    argv = srun_argv(colocated, het_job=False, nodelist=["node1"])
+    assert "--overlap" in argv and not any(a.startswith("--gpus") for a in argv)
+
+
+SACCT = """JobID|State|NodeList
+12+0|RUNNING|node[1-2]
+12+0.batch|RUNNING|node1
+12+1|RUNNING|node3
+13|CANCELLED by 0|node1
+"""
+
+
+def test_watcher_maps_het_leader_component() -> None:
+    info = HetSlurmInfoWatcher().read_info(SACCT)
+    assert info["12"]["State"] == "RUNNING" and info["12+1"]["NodeList"] == "node3"
+    assert info["13"]["State"].startswith("CANCELLED")
+
+
+def test_status_parsing() -> None:
+    states = parse_sacct(SACCT.replace("NodeList", "NodeList|Elapsed|ExitCode").replace("node[1-2]", "node[1-2]|00:01|0:0"))
+    assert [s.job_id for s in states] == ["12+0", "12+1", "13"] and job_state(states) == "RUNNING"
+    assert job_state(parse_squeue("7+1|PENDING||0:00\n7+0|PENDING||0:00\n")) == "PENDING"
+    assert job_state([]) == "UNKNOWN"
