@@ -61,6 +61,15 @@ class EngineFleet:
         self.session = aiohttp.ClientSession()
         self._monitor = asyncio.create_task(self._monitor_loop(), name="engine-health")
 
+    async def stop_monitoring(self) -> None:
+        """No more health checks or restarts (the driver is about to stop the engines on purpose)."""
+        tasks = [t for t in [self._monitor, *self._restarts] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._monitor = None
+        self._restarts.clear()
+
     async def close(self) -> None:
         for task in [self._monitor, *self._restarts]:
             if task is not None:

@@ -201,6 +201,8 @@ class Driver:
 
     async def shutdown(self) -> None:
         """Trainer step -> engines -> router -> controller; nothing left running."""
+        if self.controller is not None:
+            await self.controller.fleet.stop_monitoring()
         if self.trainer_step is not None:
             await asyncio.to_thread(self.trainer_step.stop, 15.0)
         await asyncio.gather(*(asyncio.to_thread(step.stop, 5.0) for step in self.engine_steps.values()))

@@ -98,7 +98,7 @@ def _engine_pids(run_dir: Path) -> dict[int, int]:
 
 def test_engine_killed_mid_rollout_loses_no_sample(tmp_path: Path) -> None:
     run_dir = tmp_path / "kill-engine"
-    process = start_run(run_dir, "--num-rollout", "5", "--rollout-num-gpus", "2", "--rollout-max-response-len", "48",
+    process = start_run(run_dir, "--num-rollout", "30", "--rollout-num-gpus", "2", "--rollout-max-response-len", "48",
                         "--eval-interval", "100",
                         "--set", "controller.engine_health_interval=1")
     try:
@@ -111,7 +111,7 @@ def test_engine_killed_mid_rollout_loses_no_sample(tmp_path: Path) -> None:
         if process.poll() is None:
             interrupt(process)
     rows = records(run_dir)
-    assert [r["rollout_id"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["rollout_id"] for r in rows] == list(range(30))
     every = [i for r in rows for i in r["sample_indices"]]
     assert all(len(r["sample_indices"]) == 128 for r in rows)
     assert len(every) == len(set(every)), "a sample was trained twice"
@@ -120,8 +120,8 @@ def test_engine_killed_mid_rollout_loses_no_sample(tmp_path: Path) -> None:
     assert events[:4] == ["failed", "restarting", "restarted", "serving"], events
     assert status["components"]["engines"]["0"]["restarts"] == 1
     # The restarted engine got the weights that were current when it came back, before serving.
-    assert rows[-1]["metrics"]["rollout/weight_version"] == 5.0
-    assert killed_during <= 4
+    assert rows[-1]["metrics"]["rollout/weight_version"] == 30.0
+    assert killed_during <= 3
     assert processes_mentioning(str(run_dir)) == []
 
 
@@ -151,9 +151,11 @@ def test_resume_continues_rollout_ids_and_data_order(tmp_path: Path) -> None:
     resumed = records(second)
     assert [r["rollout_id"] for r in resumed] == list(range(saved + 1, 6))
     for row in resumed:
+        # Which prompts (and sample ids) each rollout trains on is fixed by the data cursor; within a
+        # rollout, groups are listed in the order they finished generating, which timing decides.
         twin = expected[row["rollout_id"]]
-        assert row["data_rows"] == twin["data_rows"], f"data order differs at rollout {row['rollout_id']}"
-        assert row["sample_indices"] == twin["sample_indices"]
+        assert sorted(row["data_rows"]) == sorted(twin["data_rows"]), f"data differs at rollout {row['rollout_id']}"
+        assert sorted(row["sample_indices"]) == sorted(twin["sample_indices"])
 
 
 def test_dead_trainer_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
