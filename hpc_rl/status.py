@@ -42,14 +42,10 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
         status = json.loads(saved.read_text()) if saved.is_file() else {}
         source = "status.json (controller not running)" if status else "nothing yet"
     status["source"] = source
-    try:
-        from hpc_rl.launch.slurm_status import slurm_job_status
-    except ImportError:
-        slurm_job_status = None  # type: ignore[assignment]
-    if slurm_job_status is not None:
-        slurm = slurm_job_status(run_dir)
-        if slurm:
-            status["slurm"] = slurm
+    from hpc_rl.launch.slurm_status import describe_slurm_status, read_job_id
+
+    if read_job_id(run_dir) is not None:
+        status["slurm"] = describe_slurm_status(run_dir)
     return status
 
 
@@ -68,7 +64,7 @@ def format_status(status: dict[str, Any]) -> str:
         extra = f", restarts {engine['restarts']}" if engine.get("restarts") else ""
         lines.append(f"engine {index}: {engine['state']} at {engine['url']}{extra}")
     if status.get("slurm"):
-        lines.append(f"slurm: {json.dumps(status['slurm'])}")
+        lines.append(f"slurm: {status['slurm']}")
     if status.get("last_error"):
         lines.append(f"last error: {status['last_error']}")
     return "\n".join(lines)

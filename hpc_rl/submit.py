@@ -92,6 +92,12 @@ def assign_run_dir(config: RunConfig) -> RunConfig:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         config.run_dir = str(Path("runs") / f"{config.logging.run_name}-{stamp}")
     config.run_dir = str(Path(config.run_dir).resolve())
+    # As in slime recipes, the actor resumes from where it saves: a requeued or resubmitted job
+    # continues from its latest checkpoint (an empty save dir means: start from ref_load/hf_checkpoint).
+    if config.checkpoint.save is None:
+        config.checkpoint.save = str(Path(config.run_dir) / "checkpoints")
+    if config.checkpoint.load is None:
+        config.checkpoint.load = config.checkpoint.save
     return config
 
 

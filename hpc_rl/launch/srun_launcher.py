@@ -18,14 +18,12 @@ Facts behind the flags (measured on Slurm 22.05, notes/slurm.md and tests/slurm)
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from hpc_rl.launch.steps import StepSpec, _signal_group
+from hpc_rl.launch.steps import LocalStep, StepSpec
 
 
 def srun_argv(
@@ -69,40 +67,17 @@ def expand_hostnames(nodelist: str) -> list[str]:
     return out.stdout.split()
 
 
-class SrunStep:
-    """A step started through srun; `stop` ends its tasks on every node, not only the local srun."""
+class SrunStep(LocalStep):
+    """A step started through srun; `stop` ends its tasks on every node, not only the local srun
+    (SIGTERM to srun forwards to every task; if srun hangs on, slurmctld cancels the step)."""
 
     def __init__(self, name: str, process: subprocess.Popen[bytes], job_id: str | None) -> None:
-        self.name = name
-        self.process = process
+        super().__init__(name, process)
         self.job_id = job_id
         """The id of the step's component (a het component has its own: `SLURM_JOB_ID_HET_GROUP_<g>`)."""
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def poll(self) -> int | None:
-        return self.process.poll()
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self.process.wait(timeout)
-
-    def stop(self, grace_seconds: float = 10.0) -> int | None:
-        """SIGTERM to srun (it forwards it to every task), then kill srun and scancel the step."""
-        if self.process.poll() is not None:
-            return self.process.returncode
-        _signal_group(self.process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_seconds
-        while time.monotonic() < deadline and self.process.poll() is None:
-            time.sleep(0.05)
-        if self.process.poll() is None:
-            self._cancel_step()
-        _signal_group(self.process.pid, signal.SIGKILL)
-        try:
-            return self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            return None
+    def on_stop_timeout(self) -> None:
+        self._cancel_step()
 
     def _cancel_step(self) -> None:
         """srun did not end in time: have slurmctld kill the step's tasks (found by the step's name)."""

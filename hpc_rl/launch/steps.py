@@ -90,16 +90,19 @@ class LocalStep:
             return self.process.returncode
         _signal_group(self.process.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_seconds
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                break
+        while time.monotonic() < deadline and self.process.poll() is None:
             time.sleep(0.05)
+        if self.process.poll() is None:
+            self.on_stop_timeout()
         # Children of the step (torchrun's ranks) may outlive its leader: kill the group regardless.
         _signal_group(self.process.pid, signal.SIGKILL)
         try:
             return self.process.wait(5)
         except subprocess.TimeoutExpired:
             return None
+
+    def on_stop_timeout(self) -> None:
+        """The leader ignored SIGTERM for the grace period (subclasses add cleanup; SIGKILL follows)."""
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

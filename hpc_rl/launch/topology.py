@@ -97,17 +97,22 @@ def plan_topology(cluster: ClusterConfig, *, base_port: int = DEFAULT_BASE_PORT)
     if engine_tp > gpus_per_node:
         raise ValueError(f"an engine of {engine_tp} GPUs does not fit on a node of {gpus_per_node}")
     trainer_world = cluster.trainer_world_size
-    engines: list[EnginePlacement] = []
     engine_port = base_port + 10
-    if cluster.colocate:
-        engines_per_node = max(1, cluster.actor_num_gpus_per_node // engine_tp)
+
+    def place(engines_per_node: int, het_group: int) -> list[EnginePlacement]:
+        """Engines fill nodes in order, each on the next `engine_tp` GPUs of its node."""
+        placed = []
         for index in range(num_engines):
             node, slot = divmod(index, engines_per_node)
-            engines.append(EnginePlacement(
-                engine_index=index, het_group=0, node_index=node,
+            placed.append(EnginePlacement(
+                engine_index=index, het_group=het_group, node_index=node,
                 gpu_ids=tuple(range(slot * engine_tp, (slot + 1) * engine_tp)),
                 port=engine_port + PORTS_PER_ENGINE * index, weight_group_rank_offset=1 + index * engine_tp,
             ))
+        return placed
+
+    if cluster.colocate:
+        engines = place(max(1, cluster.actor_num_gpus_per_node // engine_tp), het_group=0)
         groups: tuple[HetGroup, ...] = (HetGroup(
             index=0, role="trainer+rollout", num_nodes=cluster.actor_num_nodes,
             gpus_per_node=cluster.actor_num_gpus_per_node, tasks_per_node=cluster.actor_num_gpus_per_node,
@@ -115,13 +120,7 @@ def plan_topology(cluster: ClusterConfig, *, base_port: int = DEFAULT_BASE_PORT)
     else:
         engines_per_node = gpus_per_node // engine_tp
         rollout_nodes = math.ceil(num_engines / engines_per_node)
-        for index in range(num_engines):
-            node, slot = divmod(index, engines_per_node)
-            engines.append(EnginePlacement(
-                engine_index=index, het_group=1, node_index=node,
-                gpu_ids=tuple(range(slot * engine_tp, (slot + 1) * engine_tp)),
-                port=engine_port + PORTS_PER_ENGINE * index, weight_group_rank_offset=1 + index * engine_tp,
-            ))
+        engines = place(engines_per_node, het_group=1)
         groups = (
             HetGroup(index=0, role="trainer", num_nodes=cluster.actor_num_nodes,
                      gpus_per_node=cluster.actor_num_gpus_per_node, tasks_per_node=cluster.actor_num_gpus_per_node),

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import time
 from pathlib import Path
 

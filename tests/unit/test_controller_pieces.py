@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from hpc_rl.controller.registry import EngineInfo, EngineState, Registry, RegistrationTimeout, TrainerInfo
+from hpc_rl.controller.registry import EngineInfo, Registry, RegistrationTimeout, TrainerInfo
 from hpc_rl.controller.train_batches import RewardShaping, normalized_rewards, split_for_data_parallel, unpack_samples
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.controller.weight_sync import WeightGroupState, rank_offsets, sync_weights
