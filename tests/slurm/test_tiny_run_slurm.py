@@ -50,7 +50,7 @@ def test_scancel_mid_run_leaves_no_process(run_dir: Path) -> None:
 
 def test_time_limit_checkpoint_requeue_resume(run_dir: Path) -> None:
     """A 2-minute limit: USR2 -> save at a rollout boundary -> requeue -> resume -> all rollouts done once."""
-    num_rollout = 400
+    num_rollout = 150
     process = submit(run_dir, "--num-rollout", str(num_rollout), "--rollout-max-response-len", "24",
                      "--eval-interval", "1000", "--save", str(run_dir / "ckpt"),
                      "--set", "slurm.time=2", "--set", "slurm.requeue_signal_seconds=50")
