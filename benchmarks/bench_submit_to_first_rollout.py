@@ -6,8 +6,9 @@
 Phases, from timestamps the run leaves in its run dir (no instrumentation of the code under test):
   queue          submit -> the batch step starts (submitit's "Starting with" line in the driver log)
   process start  batch step -> the first engine step is launched (its log file appears)
-  model load     engine step launched -> engine registered with the controller (controller.log)
-  registration   engine registered -> the first rollout done (first "weights v" push or rollout line)
+  model load     engine step launched -> engine 0 healthy and registered with the controller (controller.log)
+  registration   engine registered -> every trainer rank registered too (models built and loaded)
+  first rollout  everyone registered -> the first rollout generated
 The job is cancelled once the first rollout is seen (or after --timeout seconds).
 """
 
@@ -28,8 +29,9 @@ from hpc_rl.launch.slurm_submit import submit_job
 
 STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
 DRIVER_START = re.compile(STAMP + r".*Starting with")
-ENGINE_REGISTERED = re.compile(STAMP + r".*engine 0: (registered|healthy|ready)")
-FIRST_ROLLOUT = re.compile(STAMP + r".*(rollout 0 |rollout 1 |weights v1 pushed)")
+ENGINE_REGISTERED = re.compile(STAMP + r".*engine 0 registered at")
+ALL_REGISTERED = re.compile(STAMP + r".*all components registered")
+FIRST_ROLLOUT = re.compile(STAMP + r".*rollout 0 generated")
 
 
 def _first(path: Path, pattern: re.Pattern[str]) -> float | None:
@@ -66,6 +68,7 @@ def main(argv: list[str]) -> int:
                 "driver": _first(driver_log, DRIVER_START),
                 "engine_step": engine_log.stat().st_ctime if engine_log.exists() else None,
                 "registered": _first(controller_log, ENGINE_REGISTERED),
+                "all_registered": _first(controller_log, ALL_REGISTERED),
                 "first_rollout": _first(controller_log, FIRST_ROLLOUT),
             }
             if marks["first_rollout"] is not None or job.done():
@@ -75,7 +78,8 @@ def main(argv: list[str]) -> int:
         subprocess.run(["scancel", job.job_id], check=False)
     order = [("queue", submitted, marks.get("driver")), ("process start", marks.get("driver"), marks.get("engine_step")),
              ("model load", marks.get("engine_step"), marks.get("registered")),
-             ("registration", marks.get("registered"), marks.get("first_rollout"))]
+             ("registration", marks.get("registered"), marks.get("all_registered")),
+             ("first rollout", marks.get("all_registered"), marks.get("first_rollout"))]
     print(f"submit-to-first-rollout on the local cluster (job {job.job_id}, run dir {run_dir}):")
     for name, begin, end in order:
         value = f"{end - begin:7.2f} s" if begin is not None and end is not None else "    n/a"

@@ -150,6 +150,7 @@ class Controller:
     async def register_engine(self, engine_index: int, url: str, *, tp_size: int = 1) -> None:
         """The driver started engine `engine_index` and it answers /health at `url`."""
         await self.fleet.register(engine_index, url, tp_size=tp_size, serving=True)
+        log.info("engine %d registered at %s", engine_index, url)
 
     async def run(self) -> dict[str, Any]:
         """Wait for everyone, resume if a checkpoint says so, run every rollout, stop the trainers."""
@@ -161,6 +162,8 @@ class Controller:
                 ready.cancel()
                 raise self.channel.failure
         ready.result()
+        log.info("all components registered: %d trainer rank(s), %d engine(s)", len(self.registry.trainers),
+                 len(self.registry.engines))
         resume = self.registry.trainers[0].info.get("resume") if 0 in self.registry.trainers else None
         if resume and resume.get("controller_state"):
             self.loop.restore(resume["controller_state"])

@@ -211,6 +211,7 @@ class RunLoop:
                 next_rollout = asyncio.create_task(self._rollout(rollout_id))
             result = await next_rollout
             next_rollout = None
+            log.info("rollout %d generated in %.2f s", rollout_id, time.perf_counter() - start)
             metrics.update(result.metrics)
             metrics["time/rollout"] = time.perf_counter() - start
             if overlap and rollout_id + 1 < self.num_rollout:

@@ -135,14 +135,19 @@ def test_without_partial_rollout_unfinished_groups_are_dropped() -> None:
 
 def test_slow_reward_is_not_waited_for() -> None:
     cancelled: list[int] = []
+    slow_reward_started = asyncio.Event()
 
     async def reward(samples: list[Sample]) -> list[float]:
         if row(samples[0]) >= 2:
+            slow_reward_started.set()
             try:
                 await asyncio.sleep(60)
             except asyncio.CancelledError:
                 cancelled.append(row(samples[0]))
                 raise
+        else:
+            # The batch fills only once a slow reward is running, so there is one to cancel.
+            await asyncio.wait_for(slow_reward_started.wait(), 10)
         return [float(k % 2) for k in range(len(samples))]
 
     async def body(h: Harness) -> None:
