@@ -119,6 +119,10 @@ def test_abort_pause_and_misuse_on_one_engine(cluster):
 
     async def scenario():
         async with aiohttp.ClientSession() as session:
+            # 29 filler requests share the batch, so each decode step is slow enough (~10 ms) that the
+            # three requests under test are surely still running when they are aborted, even on an idle box.
+            fillers = [asyncio.create_task(post(session, f"{engine}/generate", generate_body(f"f{i}", [5], 480, **long)))
+                       for i in range(29)]
             tasks = [asyncio.create_task(post(session, f"{engine}/generate", generate_body(rid, [5, 6], 480, **long)))
                      for rid in ("a1", "a2", "a3")]
             await asyncio.sleep(0.5)
@@ -127,24 +131,28 @@ def test_abort_pause_and_misuse_on_one_engine(cluster):
             assert status == 400 and "pause" in body["message"]
             status, _ = await post(session, f"{engine}/abort_request", {"rid": "a2"})
             assert status == 401  # admin endpoint without the key
+            # Abort one by rid, then the rest at once (awaiting in between would let them finish on an idle box).
             assert (await post(session, f"{engine}/abort_request", {"rid": "a2"}, AUTH))[0] == 200
+            assert not tasks[0].done()
+            assert (await post(session, f"{engine}/abort_request", {"abort_all": True}, AUTH))[0] == 200
             status, body = await tasks[1]
             assert status == 200 and body["meta_info"]["finish_reason"]["type"] == "abort"
             assert 0 < len(body["output_ids"]) < 480
-            assert not tasks[0].done()
-            assert (await post(session, f"{engine}/abort_request", {"abort_all": True}, AUTH))[0] == 200
-            for task in (tasks[0], tasks[2]):
+            for task in (tasks[0], tasks[2], *fillers):
                 status, body = await task
                 assert body["meta_info"]["finish_reason"]["type"] == "abort"
                 assert len(body["meta_info"]["output_token_logprobs"]) == len(body["output_ids"])
 
             # pause(abort) mid-generation, then requests wait until continue
+            fillers = [asyncio.create_task(post(session, f"{engine}/generate", generate_body(f"g{i}", [5], 480, **long)))
+                       for i in range(29)]
             running = asyncio.create_task(post(session, f"{engine}/generate", generate_body("p1", [7], 480, **long)))
             await asyncio.sleep(0.5)
             assert (await post(session, f"{engine}/pause_generation", {"mode": "abort"}, AUTH))[0] == 200
-            status, body = await running
-            assert body["meta_info"]["finish_reason"]["type"] == "abort"
-            waiting = asyncio.create_task(post(session, f"{engine}/generate", generate_body("p2", [7], 4)))
+            for task in (running, *fillers):
+                status, body = await task
+                assert body["meta_info"]["finish_reason"]["type"] == "abort"
+            waiting = asyncio.create_task(post(session, f"{engine}/generate", generate_body("p2", [7], 4, **long)))
             await asyncio.sleep(0.5)
             assert not waiting.done()
             status, body = await post(session, f"{engine}/resume_memory_occupation", {"tags": ["weights"]}, AUTH)

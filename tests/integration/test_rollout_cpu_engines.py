@@ -139,6 +139,21 @@ def test_dynamic_sampling_abort_and_partial_resume(cluster: SimpleNamespace) -> 
     asyncio.run(main())
 
 
+async def _until_running(url: str, timeout_s: float = 60.0) -> None:
+    """Until the engine reports a running request in /server_info (loaded machines start slowly)."""
+    import aiohttp
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while asyncio.get_running_loop().time() < deadline:
+            async with session.get(f"{url}/server_info") as response:
+                states = (await response.json())["internal_states"]
+            if states[0]["num_running_reqs"] > 0:
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{url} never ran a request")
+
+
 def test_engine_death_loses_no_sample(cluster: SimpleNamespace) -> None:
     """An engine crashes mid-rollout and is removed (as the controller's registry would): no sample lost.
 
@@ -161,7 +176,7 @@ def test_engine_death_loses_no_sample(cluster: SimpleNamespace) -> None:
                                            partial_rollout=False, retry=retry)
                 scheduler.sampling_params = {"max_new_tokens": 300, "temperature": 1.0, "ignore_eos": True}
                 run = asyncio.create_task(scheduler.run(rollout_id=0))
-                await asyncio.sleep(0.5)
+                await _until_running(extra.url)  # the victim surely has work when it dies
                 os.killpg(extra.process.pid, signal.SIGKILL)  # a crash, not a clean shutdown
                 directory.urls.remove(extra.url)
                 await asyncio.to_thread(router.remove_worker, extra.url)
