@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     write_resolved_config(config, run_dir)
     submitted = time.time()
     job = submit_job(config)
-    driver_log = Path(job.paths.stderr)
+    driver_log = Path(job.paths.stdout)  # submitit's "Starting with ..." line goes to the .out file
     controller_log = run_dir / "logs" / "controller.log"
     engine_log = run_dir / "logs" / "engine-0.log"
     marks: dict[str, float | None] = {}
