@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from hpc_rl.training.local_ranks import free_port
+from hpc_rl.engines.child_process import free_port
 
 
 def make_tensors(total_bytes: int, count: int = 400) -> list[tuple[str, torch.Tensor]]:

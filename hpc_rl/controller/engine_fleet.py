@@ -71,10 +71,7 @@ class EngineFleet:
         self._restarts.clear()
 
     async def close(self) -> None:
-        for task in [self._monitor, *self._restarts]:
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in [self._monitor, *self._restarts] if t is not None), return_exceptions=True)
+        await self.stop_monitoring()
         if self.session is not None:
             await self.session.close()
 
@@ -160,5 +157,4 @@ class EngineFleet:
                 self.fatal = error
             return
         await self.register(engine_index, url, tp_size=engine.tp_size, serving=False)
-        self.registry.engines[engine_index].restarts = engine.restarts
         self._event("restarted", engine_index, url)

@@ -56,12 +56,7 @@ class ChildProcess:
         return self.popen.pid if self.popen else None
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.popen = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.env, start_new_session=True, preexec_fn=die_with_parent,
-            )
+        self.popen = start_process_group(self.command, env=self.env, log_path=self.log_path)
         atexit.register(self.stop)
 
     def alive(self) -> bool:
@@ -72,16 +67,7 @@ class ChildProcess:
         if self.popen is None:
             return None
         atexit.unregister(self.stop)
-        group = self.popen.pid  # == the process group id (start_new_session)
-        if self.popen.poll() is None:
-            _signal_group(group, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=grace_seconds)
-            except subprocess.TimeoutExpired:
-                _signal_group(group, signal.SIGKILL)
-                self.popen.wait(timeout=grace_seconds)
-        _signal_group(group, signal.SIGKILL)  # grandchildren left in the group
-        return self.popen.returncode
+        return stop_process_group(self.popen, grace_seconds)
 
     def failure(self, what: str) -> ChildProcessFailed:
         exited = self.popen is not None and self.popen.poll() is not None
@@ -105,11 +91,48 @@ def die_with_parent() -> None:
         pass
 
 
-def _signal_group(group: int, sig: signal.Signals) -> None:
+def signal_group(group: int, sig: signal.Signals) -> None:
+    """Signal a process group; a group that is already gone is not an error."""
     try:
         os.killpg(group, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def start_process_group(command: Sequence[str], *, env: Mapping[str, str] | None, log_path: str | Path | None,
+                        tie_to_parent: bool = True) -> subprocess.Popen:
+    """Start `command` as the leader of a new session (so stopping it reaches its children), stdout and
+    stderr appended to `log_path` (None: discarded); with `tie_to_parent`, it dies with this process."""
+    if log_path is not None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        return subprocess.Popen(
+            list(command), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=dict(env) if env is not None else None, start_new_session=True,
+            preexec_fn=die_with_parent if tie_to_parent else None,
+        )
+    finally:
+        if log_path is not None:
+            log.close()  # the child holds its own descriptor
+
+
+def stop_process_group(popen: subprocess.Popen, grace_seconds: float,
+                       on_timeout: Callable[[], None] | None = None) -> int | None:
+    """SIGTERM the group of `popen`, wait `grace_seconds` (then `on_timeout()`), SIGKILL whatever is
+    left of the group (children may outlive their leader), and return the leader's exit code."""
+    if popen.poll() is None:
+        signal_group(popen.pid, signal.SIGTERM)
+        try:
+            popen.wait(timeout=grace_seconds)
+        except subprocess.TimeoutExpired:
+            if on_timeout is not None:
+                on_timeout()
+    signal_group(popen.pid, signal.SIGKILL)
+    try:
+        return popen.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def http_ok(url: str, *, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> bool:

@@ -30,6 +30,20 @@ class EngineProcess(Protocol):
     def stop(self) -> None: ...
 
 
+def cpu_engine_command(model_path: str | Path, *, host: str, port: int, max_running_requests: int = 64,
+                       weight_version: str = "default", num_threads: int = 1, api_key: str | None = None,
+                       extra_args: Sequence[str] = ()) -> list[str]:
+    """argv of `python -m hpc_rl.engines.cpu` (the driver's engine steps and CpuEngineProcess)."""
+    command = [
+        sys.executable, "-m", "hpc_rl.engines.cpu", "--model-path", str(model_path),
+        "--host", host, "--port", str(port), "--max-running-requests", str(max_running_requests),
+        "--weight-version", weight_version, "--num-threads", str(num_threads), *extra_args,
+    ]
+    if api_key:
+        command += ["--api-key", api_key]
+    return command
+
+
 class _HttpEngineProcess:
     def __init__(self, command: list[str], *, host: str, port: int, log_path: str | Path,
                  env: Mapping[str, str], name: str) -> None:
@@ -67,13 +81,9 @@ class CpuEngineProcess(_HttpEngineProcess):
                  weight_version: str = "default", num_threads: int = 1, extra_args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None) -> None:
         port = port or free_port(host)
-        command = [
-            sys.executable, "-m", "hpc_rl.engines.cpu", "--model-path", str(model_path),
-            "--host", host, "--port", str(port), "--max-running-requests", str(max_running_requests),
-            "--weight-version", weight_version, "--num-threads", str(num_threads), *extra_args,
-        ]
-        if api_key:
-            command += ["--api-key", api_key]
+        command = cpu_engine_command(model_path, host=host, port=port, max_running_requests=max_running_requests,
+                                     weight_version=weight_version, num_threads=num_threads, api_key=api_key,
+                                     extra_args=extra_args)
         environment = build_sglang_env(os.environ if env is None else env)
         super().__init__(command, host=host, port=port, log_path=log_path, env=environment, name="CPU engine")
 

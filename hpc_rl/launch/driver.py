@@ -18,7 +18,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -26,7 +25,8 @@ from pathlib import Path
 
 from hpc_rl.config import RunConfig, load_resolved_config
 from hpc_rl.controller.app import Controller
-from hpc_rl.engines.child_process import log_tail
+from hpc_rl.engines.child_process import free_port, log_tail
+from hpc_rl.engines.engine_process import cpu_engine_command
 from hpc_rl.engines.router import RouterProcess
 from hpc_rl.engines.sglang_launch import SglangLaunchSpec, build_sglang_command, build_sglang_env
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
@@ -38,12 +38,6 @@ log = logging.getLogger("hpc_rl.driver")
 EXIT_OK, EXIT_FAILED, EXIT_REQUEUE, EXIT_INTERRUPTED = 0, 1, 3, 130
 CONTROLLER_ENV = "HPC_RL_CONTROLLER"
 RUN_DIR_ENV = "HPC_RL_RUN_DIR"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -69,9 +63,8 @@ class PortPlan:
 def engine_command(config: RunConfig, placement: EnginePlacement, host: str, port: int) -> list[str]:
     """The engine step's argv: hpc_rl's CPU engine (device cpu) or sglang.launch_server."""
     if config.cluster.device == "cpu":
-        return [sys.executable, "-m", "hpc_rl.engines.cpu", "--model-path", config.checkpoint.hf_checkpoint,
-                "--host", host, "--port", str(port), "--max-running-requests", str(config.sglang.server_concurrency),
-                "--weight-version", "0", "--num-threads", "1"]
+        return cpu_engine_command(config.checkpoint.hf_checkpoint, host=host, port=port,
+                                  max_running_requests=config.sglang.server_concurrency, weight_version="0")
     spec = SglangLaunchSpec(hf_checkpoint=config.checkpoint.hf_checkpoint, host=host, port=port,
                             rollout_num_gpus_per_engine=config.cluster.rollout_num_gpus_per_engine,
                             sglang_options=config.sglang.server_options())

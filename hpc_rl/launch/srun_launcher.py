@@ -21,8 +21,8 @@ import os
 import socket
 import subprocess
 from collections.abc import Mapping
-from pathlib import Path
 
+from hpc_rl.engines.child_process import start_process_group
 from hpc_rl.launch.steps import LocalStep, StepSpec
 
 
@@ -135,18 +135,8 @@ class SrunStepLauncher:
         return srun_argv(spec, het_job=self.het_job, nodelist=nodelist, cpus_per_task=self.cpus_per_task)
 
     def start(self, spec: StepSpec) -> SrunStep:
-        env = {**self.environ, **spec.env}
-        argv = self.command(spec)
-        if spec.log_path:
-            Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
-        log = open(spec.log_path, "ab") if spec.log_path else subprocess.DEVNULL  # noqa: SIM115
-        try:
-            process = subprocess.Popen(
-                argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        finally:
-            if spec.log_path:
-                log.close()  # srun holds its own descriptor
+        # srun itself is the step's leader here; it forwards signals to the tasks on every node.
+        process = start_process_group(self.command(spec), env={**self.environ, **spec.env}, log_path=spec.log_path,
+                                      tie_to_parent=False)
         component_job_id = self.environ.get(f"SLURM_JOB_ID_HET_GROUP_{spec.het_group}", self.job_id)
         return SrunStep(spec.name, process, component_job_id if self.het_job else self.job_id)

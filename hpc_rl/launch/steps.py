@@ -9,14 +9,12 @@ Every step gets its own log file and process group, so stopping a step leaves no
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from hpc_rl.engines.child_process import die_with_parent
+from hpc_rl.engines.child_process import start_process_group, stop_process_group
 
 
 @dataclass(kw_only=True)
@@ -86,30 +84,10 @@ class LocalStep:
 
     def stop(self, grace_seconds: float = 10.0) -> int | None:
         """SIGTERM the whole process group, then SIGKILL after `grace_seconds`."""
-        if self.process.poll() is not None:
-            return self.process.returncode
-        _signal_group(self.process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_seconds
-        while time.monotonic() < deadline and self.process.poll() is None:
-            time.sleep(0.05)
-        if self.process.poll() is None:
-            self.on_stop_timeout()
-        # Children of the step (torchrun's ranks) may outlive its leader: kill the group regardless.
-        _signal_group(self.process.pid, signal.SIGKILL)
-        try:
-            return self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            return None
+        return stop_process_group(self.process, grace_seconds, on_timeout=self.on_stop_timeout)
 
     def on_stop_timeout(self) -> None:
         """The leader ignored SIGTERM for the grace period (subclasses add cleanup; SIGKILL follows)."""
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class LocalStepLauncher:
@@ -119,16 +97,7 @@ class LocalStepLauncher:
         self.address = address
 
     def start(self, spec: StepSpec) -> LocalStep:
-        env = {**os.environ, **spec.env}
-        log = open(spec.log_path, "ab") if spec.log_path else subprocess.DEVNULL
-        try:
-            process = subprocess.Popen(
-                spec.argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=die_with_parent,
-            )
-        finally:
-            if spec.log_path:
-                log.close()  # the child holds its own descriptor
+        process = start_process_group(spec.argv, env={**os.environ, **spec.env}, log_path=spec.log_path)
         return LocalStep(spec.name, process)
 
     def node_address(self, het_group: int, node_index: int) -> str:

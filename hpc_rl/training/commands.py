@@ -38,7 +38,7 @@ from hpc_rl.protocol.messages import (
 from hpc_rl.telemetry.scalars import ScalarLog
 from hpc_rl.training import checkpoint
 from hpc_rl.training.actor import TrainerParts
-from hpc_rl.training.local_ranks import free_port
+from hpc_rl.engines.child_process import free_port
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.train_batch import TrainBatch, read_batches_file
 from hpc_rl.weights.sender import LOAD_FORMAT, WeightSender

@@ -11,18 +11,12 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-
-def free_port() -> int:
-    """A TCP port the OS reports free on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from hpc_rl.engines.child_process import free_port
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
