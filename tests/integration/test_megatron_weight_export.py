@@ -119,7 +119,8 @@ def receiver(hf_dir: str, plan_file: str, results: mp.Queue) -> None:
         assert all("lm_head" in name for name in missing), missing  # tied embeddings
         model.tie_weights()
         with torch.no_grad():
-            results.put(("ok", model.eval()(TOKENS).logits))
+            # numpy, not a torch tensor: torch shares tensors through a file descriptor that dies with this process
+            results.put(("ok", model.eval()(TOKENS).logits.numpy()))
     except BaseException as error:  # noqa: BLE001 - reported to the test
         import traceback
 
@@ -143,4 +144,4 @@ def test_weight_export_reproduces_trainer_logits(tmp_path: Path) -> None:
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
-    assert (trainer_logits - received).abs().max().item() < 1e-4
+    assert (trainer_logits - torch.from_numpy(received)).abs().max().item() < 1e-4
