@@ -166,6 +166,8 @@ class TrainingConfig:
     """uniform | block (with full recompute)."""
     recompute_num_layers: int | None = None
     """Layers per recompute unit."""
+    qkv_format: str = "thd"
+    """Micro-batch layout: thd (samples packed into one row, no padding) | bshd (one right-padded row each)."""
     calculate_per_token_loss: bool = False
     """Average the loss over all tokens of a step instead of summing per-sample means."""
     seed: int = 1234
@@ -178,6 +180,8 @@ class TrainingConfig:
             raise ValueError("training.sequence_parallel needs tensor_model_parallel_size > 1")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(f"training.recompute_granularity: {self.recompute_granularity!r} is not full|selective")
+        if self.qkv_format not in ("thd", "bshd"):
+            raise ValueError(f"training.qkv_format: {self.qkv_format!r} is not thd|bshd")
 
     @property
     def model_parallel_size(self) -> int:

@@ -1,5 +1,7 @@
 """hpc_rl's controller protocol: versioned message dataclasses over length-prefixed, HMAC-authenticated
-frames; arrays as raw bytes with dtype and shape; never Python object serialization. Nothing else lives here.
+frames, each MAC bound to its connection's nonce, direction and frame number (no replay, reordering or
+reflection); arrays as raw bytes with dtype and shape; never Python object serialization. Nothing else
+lives here.
 
 Modules: errors (the ProtocolError family), secret (the per-job 0600 key file), framing (bytes on the
 wire), arrays (array payloads), messages (THE message types), connection (async streams, request/reply),
@@ -31,6 +33,7 @@ from hpc_rl.protocol.messages import (
     Message,
     Ping,
     Pong,
+    ServerHello,
     Shutdown,
     StatusReply,
     StatusRequest,
@@ -65,6 +68,7 @@ __all__ = [
     "RemoteError",
     "Secret",
     "Server",
+    "ServerHello",
     "Shutdown",
     "StatusReply",
     "StatusRequest",

@@ -1,8 +1,9 @@
 """A blocking client over a plain socket, for code that is not async (the torchrun trainer ranks).
 
-Owns the synchronous twin of ``connect``/``Connection.request``: handshake on construction, then
-``request(msg) -> reply``; messages the server pushes unasked wait in ``inbox`` for ``recv()``.
-Thread-safe: one request at a time per client.
+Owns the synchronous twin of ``connect``/``Connection.request``: handshake on construction (read the
+server hello, bind both frame counters to its nonce, Hello -> Welcome), then ``request(msg) -> reply``;
+messages the server pushes unasked wait in ``inbox`` for ``recv()``. Thread-safe: one request at a time
+per client.
 """
 
 from __future__ import annotations
@@ -12,9 +13,22 @@ import socket
 import threading
 from typing import NoReturn, Self
 
-from hpc_rl.protocol.connection import Envelope, default_hello, envelope_from_frame, message_frame
+from hpc_rl.protocol.connection import (
+    Envelope,
+    default_hello,
+    envelope_from_frame,
+    message_frame,
+    nonce_of_server_hello,
+)
 from hpc_rl.protocol.errors import HandshakeError, PeerClosedError, ProtocolError, RemoteError
-from hpc_rl.protocol.framing import DEFAULT_MAX_FRAME_BYTES, recv_frame, send_frame
+from hpc_rl.protocol.framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    HANDSHAKE_MAX_FRAME_BYTES,
+    FrameCounter,
+    recv_frame,
+    send_frame,
+    session_counters,
+)
 from hpc_rl.protocol.messages import ErrorReply, Hello, Message, Welcome
 from hpc_rl.protocol.secret import Secret
 
@@ -40,6 +54,12 @@ class BlockingClient:
         self._sock = socket.create_connection((host, port), timeout=timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
+            try:
+                server_hello = self._receive(FrameCounter.server_hello(), HANDSHAKE_MAX_FRAME_BYTES)
+            except TimeoutError:
+                raise HandshakeError(f"no server hello from {self.peer} within {timeout} s") from None
+            self.nonce = nonce_of_server_hello(server_hello, self.peer)
+            self._outgoing, self._incoming = session_counters(self.nonce, server=False)
             reply = self.request(hello or default_hello("trainer"))
         except TimeoutError:
             self.close()
@@ -61,11 +81,13 @@ class BlockingClient:
         msg_id = self._next_id
         self._next_id += 1
         header, parts = message_frame(msg, id=msg_id, reply_to=reply_to)
-        send_frame(self._sock, self.secret, header, parts)
+        send_frame(self._sock, self.secret, self._outgoing, header, parts)
         return msg_id
 
-    def _receive(self) -> Envelope:
-        header, payload = recv_frame(self._sock, self.secret, self.max_frame_bytes)
+    def _receive(self, counter: FrameCounter | None = None, max_frame_bytes: int | None = None) -> Envelope:
+        """The next frame from the server (of ``counter``'s direction: the session's unless told)."""
+        counter = counter or self._incoming
+        header, payload = recv_frame(self._sock, self.secret, counter, max_frame_bytes or self.max_frame_bytes)
         return envelope_from_frame(header, payload)
 
     def request(self, msg: Message) -> Message:

@@ -1,12 +1,24 @@
 """Messages over asyncio streams: ``read_message``/``write_message`` and ``Connection`` (request/reply
 matched by ids, plus unsolicited messages in both directions), and ``connect`` for async clients.
 
-Owns turning messages into frames and back, request ids, and what a client does with a server's
-rejection. The server side (handshake, isolation of bad peers) is server.py; the blocking client for
-non-async code (torchrun ranks) is blocking.py.
+Owns turning messages into frames and back, request ids, a connection's frame counters (see framing.py)
+and what a client does with a server's rejection. The server side (handshake, isolation of bad peers) is
+server.py; the blocking client for non-async code (torchrun ranks) is blocking.py.
+
+A connection opens with the server's ``ServerHello`` (a fresh nonce), then the client's ``Hello`` and the
+server's ``Welcome``::
+
+    client                                   server
+      │ <──── ServerHello(nonce)   [server hello binding]
+      │ ────> Hello                [nonce, client->server #0]
+      │ <──── Welcome              [nonce, server->client #0]
+      │ ────> request              [nonce, client->server #1]  ... and so on, each side counting
+
+Only the server brings freshness: a client talking to an impostor that answers on the controller's
+address with a recorded server stream cannot tell (that impostor needs the address, not the secret).
 
 Frame header of a message: ``{"type", "v", "fields", "arrays", "id", "reply_to"}``; ``id`` numbers the
-frames a side sends on a connection (from 1); a reply carries the request's ``id`` in ``reply_to``.
+messages a side sends on a connection (from 1); a reply carries the request's ``id`` in ``reply_to``.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +40,25 @@ from hpc_rl.protocol.errors import (
     ProtocolError,
     RemoteError,
 )
-from hpc_rl.protocol.framing import DEFAULT_MAX_FRAME_BYTES, Buffer, read_frame, write_frame
-from hpc_rl.protocol.messages import ErrorReply, Hello, Message, Welcome, decode_message, encode_message
+from hpc_rl.protocol.framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    HANDSHAKE_MAX_FRAME_BYTES,
+    NONCE_BYTES,
+    Buffer,
+    FrameCounter,
+    read_frame,
+    session_counters,
+    write_frame,
+)
+from hpc_rl.protocol.messages import (
+    ErrorReply,
+    Hello,
+    Message,
+    ServerHello,
+    Welcome,
+    decode_message,
+    encode_message,
+)
 from hpc_rl.protocol.secret import Secret
 
 log = logging.getLogger("hpc_rl.protocol")
@@ -65,35 +95,64 @@ def envelope_from_frame(header: dict[str, Any], payload: memoryview) -> Envelope
     return Envelope(message=message, id=msg_id, reply_to=reply_to)
 
 
+def nonce_of_server_hello(env: Envelope, peer: str) -> bytes:
+    """The connection nonce a client reads from the server's first frame."""
+    if not isinstance(env.message, ServerHello):
+        raise HandshakeError(
+            f"{peer} opened with {env.message.TYPE!r}, not 'server_hello' (an older hpc_rl controller?)"
+        )
+    try:
+        nonce = bytes.fromhex(env.message.nonce)
+    except ValueError:
+        nonce = b""
+    if len(nonce) != NONCE_BYTES:
+        raise HandshakeError(f"{peer} sent a server hello whose nonce is not {NONCE_BYTES} bytes of hex")
+    return nonce
+
+
 async def read_envelope(
-    reader: asyncio.StreamReader, secret: Secret, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    reader: asyncio.StreamReader,
+    secret: Secret,
+    counter: FrameCounter,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 ) -> Envelope:
-    """Read one message with its ids."""
-    header, payload = await read_frame(reader, secret, max_frame_bytes)
+    """Read the next message of ``counter``'s direction, with its ids."""
+    header, payload = await read_frame(reader, secret, counter, max_frame_bytes)
     return envelope_from_frame(header, payload)
 
 
 async def read_message(
-    reader: asyncio.StreamReader, secret: Secret, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    reader: asyncio.StreamReader,
+    secret: Secret,
+    counter: FrameCounter,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 ) -> Message:
     """Read one authenticated message (arrays are zero-copy views of the received frame)."""
-    return (await read_envelope(reader, secret, max_frame_bytes)).message
+    return (await read_envelope(reader, secret, counter, max_frame_bytes)).message
 
 
 async def write_message(
-    writer: asyncio.StreamWriter, secret: Secret, msg: Message, *, id: int = 0, reply_to: int | None = None
+    writer: asyncio.StreamWriter,
+    secret: Secret,
+    counter: FrameCounter,
+    msg: Message,
+    *,
+    id: int = 0,
+    reply_to: int | None = None,
 ) -> None:
-    """Write one message as an authenticated frame."""
+    """Write one message as the next authenticated frame of ``counter``'s direction."""
     header, parts = message_frame(msg, id=id, reply_to=reply_to)
-    await write_frame(writer, secret, header, parts)
+    await write_frame(writer, secret, counter, header, parts)
 
 
 class Connection:
     """One authenticated stream: send, request (await the matching reply), receive unsolicited messages.
 
-    ``request``/``recv`` start a background reader on first use; until then ``read_envelope`` reads
-    directly (the server's handshake does). ``drain`` waits for the socket buffer to be empty (write
-    buffer limit 0), so a caller may reuse an array's memory as soon as ``send`` returns.
+    Nothing but the server hello travels until ``send_server_hello`` (server) or ``read_server_hello``
+    (client) has bound the connection to its nonce. ``request``/``recv`` start a background reader on
+    first use; until then ``read_envelope`` reads directly (the server's handshake does). ``drain`` waits
+    for the socket buffer to be empty (write buffer limit 0), so a caller may reuse an array's memory as
+    soon as ``send`` returns.
     """
 
     def __init__(
@@ -112,6 +171,10 @@ class Connection:
         """The peer's Hello (set by the server after the handshake)."""
         self.welcome: Welcome | None = None
         """The server's Welcome (set by ``connect``)."""
+        self.nonce: bytes | None = None
+        """This connection's nonce, once the server hello was sent or read."""
+        self._outgoing: FrameCounter | None = None
+        self._incoming: FrameCounter | None = None
         self._next_id = 1
         self._pending: dict[int, asyncio.Future[Message]] = {}
         self._inbox: asyncio.Queue[Envelope | BaseException] = asyncio.Queue()
@@ -123,10 +186,34 @@ class Connection:
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
+    async def send_server_hello(self) -> None:
+        """Server side, first thing on a connection: send a fresh nonce and bind the connection to it."""
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        async with self._write_lock:
+            hello = ServerHello(nonce=nonce.hex())
+            await write_message(self.writer, self.secret, FrameCounter.server_hello(), hello)
+            self._bind(nonce, server=True)
+
+    async def read_server_hello(self) -> None:
+        """Client side, first thing on a connection: read the server's nonce and bind the connection to it."""
+        counter = FrameCounter.server_hello()
+        env = await read_envelope(self.reader, self.secret, counter, HANDSHAKE_MAX_FRAME_BYTES)
+        self._bind(nonce_of_server_hello(env, self.peer), server=False)
+
+    def _bind(self, nonce: bytes, *, server: bool) -> None:
+        self.nonce = nonce
+        self._outgoing, self._incoming = session_counters(nonce, server=server)
+
+    def _counter(self, counter: FrameCounter | None) -> FrameCounter:
+        if counter is None:
+            raise HandshakeError(f"connection to {self.peer} used before its server hello")
+        return counter
+
     async def read_envelope(self, max_frame_bytes: int | None = None) -> Envelope:
         """Read the next frame directly (only before the background reader is started)."""
         assert self._reader_task is None, "read_envelope() after the background reader started; use recv()"
-        return await read_envelope(self.reader, self.secret, max_frame_bytes or self.max_frame_bytes)
+        counter = self._counter(self._incoming)
+        return await read_envelope(self.reader, self.secret, counter, max_frame_bytes or self.max_frame_bytes)
 
     async def send(self, msg: Message, *, reply_to: int | None = None) -> int:
         """Send a message; return its id (what a reply to it will carry in ``reply_to``)."""
@@ -136,12 +223,27 @@ class Connection:
             msg_id = self._next_id
             self._next_id += 1
             try:
-                await write_message(self.writer, self.secret, msg, id=msg_id, reply_to=reply_to)
+                await self._write(msg, msg_id, reply_to)
             except OSError as e:
                 raise PeerClosedError(
                     f"connection to {self.peer} lost while sending {msg.TYPE!r}: {e}"
                 ) from None
         return msg_id
+
+    async def send_final(self, msg: Message) -> None:
+        """Send ``msg`` even on a failed connection (the server's reason for closing it); a no-op before
+        the server hello, when the peer could not verify it anyway."""
+        if self._outgoing is None:
+            return
+        async with self._write_lock:
+            msg_id = self._next_id
+            self._next_id += 1
+            await self._write(msg, msg_id, None)
+
+    async def _write(self, msg: Message, msg_id: int, reply_to: int | None) -> None:
+        """Write one frame; the caller holds the write lock, so frame numbers follow the wire order."""
+        counter = self._counter(self._outgoing)
+        await write_message(self.writer, self.secret, counter, msg, id=msg_id, reply_to=reply_to)
 
     async def reply(self, to: Envelope, msg: Message) -> int:
         """Answer a received request."""
@@ -158,7 +260,7 @@ class Connection:
             try:
                 if self._error is not None:
                     raise self._closed_error()
-                await write_message(self.writer, self.secret, msg, id=msg_id)
+                await self._write(msg, msg_id, None)
             except OSError as e:  # the peer closed on us mid-write; its ErrorReply may say why
                 why = await self._why_closed(future, f"lost while sending {msg.TYPE!r}: {e}")
                 self._pending.pop(msg_id, None)
@@ -211,8 +313,9 @@ class Connection:
 
     async def _read_loop(self) -> None:
         try:
+            counter = self._counter(self._incoming)
             while True:
-                env = await read_envelope(self.reader, self.secret, self.max_frame_bytes)
+                env = await read_envelope(self.reader, self.secret, counter, self.max_frame_bytes)
                 if env.reply_to is not None:
                     future = self._pending.get(env.reply_to)
                     if future is not None and not future.done():
@@ -269,12 +372,17 @@ async def connect(
     timeout: float = 30.0,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 ) -> Connection:
-    """Open an authenticated connection: send Hello, wait for Welcome (``conn.welcome``)."""
+    """Open an authenticated connection: read the server hello, send Hello, wait for Welcome
+    (``conn.welcome``)."""
     reader, writer = await asyncio.wait_for(
         asyncio.open_connection(host, port, limit=STREAM_BUFFER_BYTES), timeout
     )
     conn = Connection(reader, writer, secret, max_frame_bytes=max_frame_bytes)
     try:
+        try:
+            await asyncio.wait_for(conn.read_server_hello(), timeout)
+        except TimeoutError:
+            raise HandshakeError(f"no server hello from {host}:{port} within {timeout} s") from None
         reply = await conn.request(hello or default_hello(), timeout=timeout)
     except TimeoutError:
         await conn.close()

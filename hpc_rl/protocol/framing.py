@@ -1,13 +1,26 @@
-"""Wire framing: length-prefixed, versioned, HMAC-authenticated frames; reading them from asyncio streams
-and from blocking sockets.
+"""Wire framing: length-prefixed, versioned, HMAC-authenticated frames bound to their place in their
+connection; reading them from asyncio streams and from blocking sockets.
 
-Owns the byte layout and its checks, nothing about message types or arrays::
+Owns the byte layout, its checks and the per-direction frame counters, nothing about message types or
+arrays::
 
     prefix   20 bytes  "!4sHHIQ": magic b"HRLP", frame format version u16, flags u16,
                        header length u32, payload length u64
     header   JSON (utf-8) object: message type, ids, fields, array descriptors
     payload  raw bytes of the message's arrays (laid out by arrays.py)
-    mac      32 bytes  HMAC-SHA256(job secret, prefix + header + payload)
+    mac      32 bytes  HMAC-SHA256(job secret, prefix + header + payload + binding)
+
+    binding  41 bytes  "!32sBQ", never sent (both sides know it): connection nonce, direction u8
+                       (0 server hello, 1 client->server, 2 server->client), frame number u64
+
+A connection starts with the server's hello: a frame bound to (32 zero bytes, 0, 0) whose message carries
+a fresh random 32-byte nonce. From then on each direction numbers its frames from 0 and binds frame n
+to (nonce, direction, n). A frame captured on one connection fails the MAC check on any other (another
+nonce); re-sent or reordered on its own connection it fails (another number); sent back to its sender
+it fails (another direction). On a failed check the receiver tries the nearby bindings of the same
+connection (cheap: the HMAC of prefix + header + payload is computed once), so the error says "replayed"
+or "reflected" when it can. The server's hello itself can be replayed to a client, but only by whoever
+answers on the controller's address; see connection.py.
 
 The prefix is checked (magic, version, flags, declared size against the receiver's limit) before a single
 byte of the body is read or allocated; the MAC is checked before the header is parsed, so an
@@ -17,6 +30,7 @@ unauthenticated peer never reaches the JSON parser.
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 import hmac
 import json
@@ -37,9 +51,12 @@ from hpc_rl.protocol.errors import (
 from hpc_rl.protocol.secret import Secret
 
 MAGIC = b"HRLP"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""v2: every MAC is bound to (connection nonce, direction, frame number); the server speaks first."""
 PREFIX = struct.Struct("!4sHHIQ")
 MAC_BYTES = 32
+NONCE_BYTES = 32
+BINDING = struct.Struct("!32sBQ")
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 """Largest frame (prefix + header + payload + MAC) a receiver accepts unless told otherwise: 1 GiB."""
 HANDSHAKE_MAX_FRAME_BYTES = 1 << 20
@@ -48,10 +65,64 @@ can make the server allocate)."""
 
 Buffer = bytes | bytearray | memoryview
 _CHUNK = 1 << 20
+_DIAGNOSIS_WINDOW = 256
+"""How many frame numbers either side of the expected one a failed MAC check tries, to name the cause."""
 
 
-def frame_chunks(secret: Secret, header: dict[str, Any], payload: Sequence[Buffer] = ()) -> list[Buffer]:
-    """Encode one frame as a list of buffers to write in order (array bytes are not copied)."""
+class Direction(enum.IntEnum):
+    """Which way a frame travels; part of what its MAC is bound to."""
+
+    SERVER_HELLO = 0
+    CLIENT_TO_SERVER = 1
+    SERVER_TO_CLIENT = 2
+
+    def describe(self) -> str:
+        return {0: "server hello", 1: "client->server", 2: "server->client"}[self.value]
+
+
+class FrameCounter:
+    """One direction of one connection: the nonce and direction its frames' MACs are bound to, and the
+    number of the next frame (from 0). Senders and receivers each keep one per direction and advance it
+    once per frame, so a frame verifies only at its own place in its own connection."""
+
+    __slots__ = ("direction", "next_number", "nonce")
+
+    def __init__(self, nonce: bytes, direction: Direction) -> None:
+        if len(nonce) != NONCE_BYTES:
+            raise ValueError(f"a connection nonce is {NONCE_BYTES} bytes, got {len(nonce)}")
+        self.nonce, self.direction, self.next_number = nonce, direction, 0
+
+    @classmethod
+    def server_hello(cls) -> FrameCounter:
+        """The binding of a connection's first server frame, sent before any nonce exists."""
+        return cls(bytes(NONCE_BYTES), Direction.SERVER_HELLO)
+
+    def binding(self, number: int | None = None, direction: Direction | None = None) -> bytes:
+        """The 41 bytes frame ``number`` (default: the next one) of this connection is bound to."""
+        number = self.next_number if number is None else number
+        return BINDING.pack(self.nonce, direction or self.direction, number)
+
+    def take(self) -> bytes:
+        """The binding of the next frame; the counter moves past it."""
+        binding = self.binding()
+        self.next_number += 1
+        return binding
+
+
+def session_counters(nonce: bytes, *, server: bool) -> tuple[FrameCounter, FrameCounter]:
+    """(outgoing, incoming) counters of one side of the connection whose server hello carried ``nonce``."""
+    to_server = FrameCounter(nonce, Direction.CLIENT_TO_SERVER)
+    to_client = FrameCounter(nonce, Direction.SERVER_TO_CLIENT)
+    return (to_client, to_server) if server else (to_server, to_client)
+
+
+def frame_chunks(
+    secret: Secret, counter: FrameCounter, header: dict[str, Any], payload: Sequence[Buffer] = ()
+) -> list[Buffer]:
+    """Encode the next frame of ``counter``'s direction as buffers to write in order (arrays not copied).
+
+    Advances ``counter``: the frames must reach the wire in the order this is called.
+    """
     header_bytes = json.dumps(header, separators=(",", ":"), allow_nan=True).encode("utf-8")
     payload_len = sum(memoryview(p).nbytes for p in payload)
     prefix = PREFIX.pack(MAGIC, PROTOCOL_VERSION, 0, len(header_bytes), payload_len)
@@ -59,13 +130,16 @@ def frame_chunks(secret: Secret, header: dict[str, Any], payload: Sequence[Buffe
     mac.update(header_bytes)
     for part in payload:
         mac.update(part)
+    mac.update(counter.take())
     return [prefix, header_bytes, *payload, mac.digest()]
 
 
-def encode_frame(secret: Secret, header: dict[str, Any], payload: Sequence[Buffer] = ()) -> bytes:
-    """One frame as a single bytes object (convenient for small frames and tests)."""
+def encode_frame(
+    secret: Secret, counter: FrameCounter, header: dict[str, Any], payload: Sequence[Buffer] = ()
+) -> bytes:
+    """One frame as a single bytes object (convenient for small frames and tests); advances ``counter``."""
     return b"".join(
-        bytes(c) if isinstance(c, memoryview) else c for c in frame_chunks(secret, header, payload)
+        bytes(c) if isinstance(c, memoryview) else c for c in frame_chunks(secret, counter, header, payload)
     )
 
 
@@ -96,16 +170,19 @@ def parse_prefix(prefix: bytes, max_frame_bytes: int) -> tuple[int, int]:
 
 
 def open_frame(
-    secret: Secret, prefix: bytes, body: bytearray, header_len: int
+    secret: Secret, counter: FrameCounter, prefix: bytes, body: bytearray, header_len: int
 ) -> tuple[dict[str, Any], memoryview]:
-    """Verify the MAC of ``prefix + body`` and parse the header; return (header, payload view into body)."""
+    """Verify the MAC of ``prefix + body`` as the next frame of ``counter`` (advanced only if it verifies)
+    and parse the header; return (header, payload view into body)."""
     view = memoryview(body)
-    mac = hmac.new(secret.key, prefix, hashlib.sha256)
-    mac.update(view[:-MAC_BYTES])
-    if not hmac.compare_digest(mac.digest(), view[-MAC_BYTES:]):
-        raise BadMacError(
-            f"bad MAC: the peer does not hold this job's secret ({secret.origin}), or the frame was altered"
-        )
+    unbound = hmac.new(secret.key, prefix, hashlib.sha256)
+    unbound.update(view[:-MAC_BYTES])
+    mac = unbound.copy()
+    mac.update(counter.binding())
+    tag = view[-MAC_BYTES:]
+    if not hmac.compare_digest(mac.digest(), tag):
+        raise _bad_mac_error(secret, counter, unbound, bytes(tag))
+    counter.next_number += 1
     try:
         header = json.loads(view[:header_len].tobytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -115,10 +192,46 @@ def open_frame(
     return header, view[header_len:-MAC_BYTES]
 
 
+def _bad_mac_error(secret: Secret, counter: FrameCounter, unbound: hmac.HMAC, tag: bytes) -> BadMacError:
+    """Why a frame failed: replayed/reordered or reflected within this connection if a nearby binding of
+    it verifies, else a wrong secret, altered bytes, or a frame from another connection."""
+
+    def verifies(binding: bytes) -> bool:
+        mac = unbound.copy()
+        mac.update(binding)
+        return hmac.compare_digest(mac.digest(), tag)
+
+    expected, here = counter.next_number, counter.direction
+    if here is not Direction.SERVER_HELLO:
+        numbers = range(max(0, expected - _DIAGNOSIS_WINDOW), expected + _DIAGNOSIS_WINDOW)
+        for number in numbers:
+            if number != expected and verifies(counter.binding(number)):
+                return BadMacError(
+                    f"bad MAC: replayed or reordered frame: it is frame #{number} of this connection's "
+                    f"{here.describe()} stream, but #{expected} was due"
+                )
+        back = Direction.SERVER_TO_CLIENT if here is Direction.CLIENT_TO_SERVER else Direction.CLIENT_TO_SERVER
+        for number in numbers:
+            if verifies(counter.binding(number, back)):
+                return BadMacError(
+                    f"bad MAC: reflected frame: it is frame #{number} of this connection's "
+                    f"{back.describe()} stream, sent back to where it came from"
+                )
+        if verifies(FrameCounter.server_hello().binding()):
+            return BadMacError(f"bad MAC: a server hello where {here.describe()} frame #{expected} was due")
+    return BadMacError(
+        f"bad MAC: the peer does not hold this job's secret ({secret.origin}), or the frame was altered "
+        "or replayed from another connection"
+    )
+
+
 async def read_frame(
-    reader: asyncio.StreamReader, secret: Secret, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    reader: asyncio.StreamReader,
+    secret: Secret,
+    counter: FrameCounter,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 ) -> tuple[dict[str, Any], memoryview]:
-    """Read one authenticated frame from an asyncio stream; return (header, payload)."""
+    """Read the next authenticated frame of ``counter``'s direction from an asyncio stream."""
     try:
         prefix = await reader.readexactly(PREFIX.size)
     except asyncio.IncompleteReadError as e:
@@ -141,14 +254,19 @@ async def read_frame(
             )
         view[got : got + len(chunk)] = chunk
         got += len(chunk)
-    return open_frame(secret, prefix, body, header_len)
+    return open_frame(secret, counter, prefix, body, header_len)
 
 
 async def write_frame(
-    writer: asyncio.StreamWriter, secret: Secret, header: dict[str, Any], payload: Sequence[Buffer] = ()
+    writer: asyncio.StreamWriter,
+    secret: Secret,
+    counter: FrameCounter,
+    header: dict[str, Any],
+    payload: Sequence[Buffer] = (),
 ) -> None:
-    """Write one frame and wait for the transport to accept it (see ``Connection`` for flushing)."""
-    for chunk in _coalesce(frame_chunks(secret, header, payload)):
+    """Write the next frame of ``counter``'s direction and wait for the transport to accept it (see
+    ``Connection`` for flushing)."""
+    for chunk in _coalesce(frame_chunks(secret, counter, header, payload)):
         writer.write(chunk)
     await writer.drain()
 
@@ -184,7 +302,10 @@ def _recv_exactly_into(sock: socket.socket, view: memoryview, what: str) -> None
 
 
 def recv_frame(
-    sock: socket.socket, secret: Secret, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    sock: socket.socket,
+    secret: Secret,
+    counter: FrameCounter,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 ) -> tuple[dict[str, Any], memoryview]:
     """Blocking twin of ``read_frame`` for a plain socket (reads straight into the frame's buffer)."""
     prefix = bytearray(PREFIX.size)
@@ -192,12 +313,16 @@ def recv_frame(
     header_len, payload_len = parse_prefix(bytes(prefix), max_frame_bytes)
     body = bytearray(header_len + payload_len + MAC_BYTES)
     _recv_exactly_into(sock, memoryview(body), "body")
-    return open_frame(secret, bytes(prefix), body, header_len)
+    return open_frame(secret, counter, bytes(prefix), body, header_len)
 
 
 def send_frame(
-    sock: socket.socket, secret: Secret, header: dict[str, Any], payload: Sequence[Buffer] = ()
+    sock: socket.socket,
+    secret: Secret,
+    counter: FrameCounter,
+    header: dict[str, Any],
+    payload: Sequence[Buffer] = (),
 ) -> None:
     """Blocking twin of ``write_frame``."""
-    for chunk in _coalesce(frame_chunks(secret, header, payload)):
+    for chunk in _coalesce(frame_chunks(secret, counter, header, payload)):
         sock.sendall(chunk)

@@ -60,8 +60,19 @@ Role = Literal["trainer", "engine", "status", "launcher"]
 
 
 @dataclass(kw_only=True)
+class ServerHello(Message):
+    """The server's first frame on every connection: the fresh nonce every later frame's MAC is bound to
+    (see framing.py)."""
+
+    TYPE: ClassVar[str] = "server_hello"
+    VERSION: ClassVar[int] = 1
+    nonce: str
+    """32 random bytes, hex (checked by the client: connection.nonce_of_server_hello)."""
+
+
+@dataclass(kw_only=True)
 class Hello(Message):
-    """First frame of every connection: who is calling."""
+    """The client's first frame on every connection (after the server's hello): who is calling."""
 
     TYPE: ClassVar[str] = "hello"
     VERSION: ClassVar[int] = 1

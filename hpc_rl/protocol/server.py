@@ -2,12 +2,14 @@
 
 Owns the server side of a connection's life; not what the messages mean (the controller's handler does).
 
-    accept ──> first frame within handshake_timeout, at most HANDSHAKE_MAX_FRAME_BYTES,
+    accept ──> ServerHello(fresh nonce); every later frame's MAC is bound to it (framing.py)
+           ──> first frame within handshake_timeout, at most HANDSHAKE_MAX_FRAME_BYTES,
                valid MAC, a Hello, accepted by on_hello? ──no──> warn, ErrorReply, close THIS connection
                  │yes
                  ├─> Welcome(connection_id)
                  └─> loop: message ─> handler(conn, envelope) ─> reply (if not None)
                        ProtocolError  ─> warn, ErrorReply, close this connection
+                       (bad MAC: wrong secret, altered, replayed, reordered or reflected frame)
                        handler raises ─> ErrorReply to that request, keep serving
                        peer closes    ─> info log
 
@@ -25,7 +27,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Self
 
-from hpc_rl.protocol.connection import STREAM_BUFFER_BYTES, Connection, Envelope, write_message
+from hpc_rl.protocol.connection import STREAM_BUFFER_BYTES, Connection, Envelope
 from hpc_rl.protocol.errors import HandshakeError, PeerClosedError, ProtocolError
 from hpc_rl.protocol.framing import DEFAULT_MAX_FRAME_BYTES, HANDSHAKE_MAX_FRAME_BYTES
 from hpc_rl.protocol.messages import ErrorReply, Hello, Message, Welcome
@@ -142,9 +144,7 @@ class Server:
 
     async def _handshake(self, conn: Connection, conn_id: int) -> Hello:
         try:
-            env = await asyncio.wait_for(
-                conn.read_envelope(HANDSHAKE_MAX_FRAME_BYTES), self.handshake_timeout
-            )
+            env = await asyncio.wait_for(self._server_hello_then_hello(conn), self.handshake_timeout)
         except TimeoutError:
             raise HandshakeError(f"no Hello within {self.handshake_timeout} s of connecting") from None
         except PeerClosedError:
@@ -155,6 +155,11 @@ class Server:
         info = await self.on_hello(conn, env.message) if self.on_hello is not None else None
         await conn.send(Welcome(connection_id=conn_id, info=info or {}), reply_to=env.id)
         return env.message
+
+    @staticmethod
+    async def _server_hello_then_hello(conn: Connection) -> Envelope:
+        await conn.send_server_hello()
+        return await conn.read_envelope(HANDSHAKE_MAX_FRAME_BYTES)
 
     async def _serve_connection(self, conn: Connection) -> None:
         while True:
@@ -172,9 +177,7 @@ class Server:
     async def _reject(self, conn: Connection, reason: str) -> None:
         """Best effort: tell the peer why, then close; linger briefly so the reason is not lost to a RST."""
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                write_message(conn.writer, self.secret, ErrorReply(message=reason)), _REJECT_LINGER_S
-            )
+            await asyncio.wait_for(conn.send_final(ErrorReply(message=reason)), _REJECT_LINGER_S)
             if conn.writer.can_write_eof():
                 conn.writer.write_eof()
             if not conn.reader_active:  # discard what the peer still sends, up to a bound

@@ -1,7 +1,9 @@
 """Megatron layer specs for the model families hpc_rl supports (Qwen3, GLM4, Llama).
 
 Owns: choosing the Transformer Engine spec (when TE is importable) or Megatron's local spec (CPU),
-the RMSNorm that works with sequence parallel (Megatron's torch norm wrapper refuses SP), and GLM4's
+the RMSNorm that works with sequence parallel (Megatron's torch norm wrapper refuses SP), the
+local attention that accepts packed (THD) micro-batches (Megatron's refuses them; TE has real THD
+kernels, this one runs Megatron's own attention once per sequence: correct, not fast), and GLM4's
 "sandwich" norms (a norm on the attention output and on the MLP output, before each residual add),
 which Megatron's TransformerLayer has no slot for: they are small subclasses of `SelfAttention` and
 `MLP` that normalise their own output. Does not own the TransformerConfig (`model_provider`).
@@ -16,6 +18,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
 )
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -47,6 +50,34 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
+class PackedSequenceAttention(DotProductAttention):
+    """Megatron's local core attention, plus THD: each packed sequence attends causally to itself only.
+
+    With `packed_seq_params` (qkv_format "thd") SelfAttention hands over q/k/v as [T, heads, dim];
+    each `cu_seqlens` span runs through the parent's [s, b=1, heads, dim] path with a causal mask,
+    and the spans' outputs are concatenated back to [T, 1, hidden]. Without it: the parent unchanged.
+    """
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias)
+        cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+        if cu_seqlens is None:
+            cu_seqlens = packed_seq_params.cu_seqlens_q
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        outputs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end == start:
+                continue
+            mask = torch.triu(torch.ones(end - start, end - start, dtype=torch.bool, device=query.device), 1)
+            outputs.append(super().forward(query[start:end].unsqueeze(1), key[start:end].unsqueeze(1),
+                                           value[start:end].unsqueeze(1), mask[None, None],
+                                           attn_mask_type=attn_mask_type, attention_bias=attention_bias))
+        return torch.cat(outputs, dim=0)
 
 
 def _post_norm(config: TransformerConfig) -> torch.nn.Module:
@@ -107,6 +138,7 @@ def build_block_spec(arch: ModelArchitecture, *, use_te: bool | None = None) -> 
     else:
         layer = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
         _replace_norms(layer, SequenceParallelRMSNorm)
+        layer.submodules.self_attention.submodules.core_attention = PackedSequenceAttention
         final_norm = SequenceParallelRMSNorm
     if arch.post_sublayer_norms:
         layer.submodules.self_attention.module = PostNormSelfAttention

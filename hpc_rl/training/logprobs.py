@@ -2,13 +2,11 @@
 
 Owns: the numerically stable softmax statistics across TP ranks (max, sum-exp and the target logit
 all-reduced; backward is the identity on each rank's shard, as in Megatron's vocab-parallel cross
-entropy), masking of the padded vocabulary rows, and slicing each sample's response positions out
-of a right-padded [b, s] batch. At TP=1 this equals `log_softmax(logits)[target]`.
+entropy), masking of the padded vocabulary rows. Which positions belong to which sample is
+`micro_batches`'. At TP=1 this equals `log_softmax(logits)[target]`.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,32 +57,3 @@ def vocab_parallel_logprobs(
         probs = torch.exp(shifted - log_sum_exp.unsqueeze(-1))
         entropy = log_sum_exp - _sum_over_tp((probs * shifted).sum(dim=-1), tp_group)
     return log_probs, entropy
-
-
-def response_slices(total_lengths: Sequence[int], response_lengths: Sequence[int]) -> list[slice]:
-    """For each sample, the positions of shifted per-position values that score its response tokens.
-
-    Position t of the shifted values scores token t + 1, so response tokens [L - r, L) are scored at
-    positions [L - r - 1, L - 1).
-    """
-    return [slice(length - r - 1, length - 1) for length, r in zip(total_lengths, response_lengths)]
-
-
-def response_logprobs(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    total_lengths: Sequence[int],
-    response_lengths: Sequence[int],
-    *,
-    vocab_size: int,
-    tp_group: dist.ProcessGroup | None = None,
-    with_entropy: bool = False,
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """Per-sample response log-probs (and entropies) from [b, s, V_local] logits of right-padded tokens."""
-    log_probs, entropy = vocab_parallel_logprobs(
-        logits[:, :-1], tokens[:, 1:], vocab_size=vocab_size, tp_group=tp_group, with_entropy=with_entropy
-    )
-    slices = response_slices(total_lengths, response_lengths)
-    per_sample = [log_probs[row, where] for row, where in enumerate(slices)]
-    per_entropy = None if entropy is None else [entropy[row, where] for row, where in enumerate(slices)]
-    return per_sample, per_entropy

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,9 +23,8 @@ from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import AlgorithmConfig, TrainingConfig
 from hpc_rl.training.advantages import compute_advantages
 from hpc_rl.training.batching import equalize_microbatch_count, pack_microbatches
-from hpc_rl.training.logprobs import response_logprobs
 from hpc_rl.training.losses import PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for
-from hpc_rl.training.model_provider import causal_mask
+from hpc_rl.training.micro_batches import MicroBatch, build_microbatch
 from hpc_rl.training.optimizer import ActorOptimizer
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.train_batch import TrainBatch
@@ -42,14 +40,6 @@ def policy_loss_config(algorithm: AlgorithmConfig, training: TrainingConfig) -> 
         tis_clip=algorithm.tis_clip, tis_clip_low=algorithm.tis_clip_low,
         calculate_per_token_loss=training.calculate_per_token_loss,
     )
-
-
-@dataclass
-class MicroBatch:
-    """Indices into the rollout's samples, and the padded token tensor they form."""
-
-    indices: list[int]
-    tokens: torch.Tensor
 
 
 class RolloutTrainer:
@@ -87,28 +77,21 @@ class RolloutTrainer:
         out = []
         for local in bins:
             indices = [step_indices[i] for i in local]
-            tokens = batch.select(indices).padded_tokens()
-            pad = (-tokens.shape[1]) % multiple
-            if pad:
-                tokens = torch.nn.functional.pad(tokens, (0, pad))
-            out.append(MicroBatch(indices=indices, tokens=tokens.to(self.info.device)))
+            out.append(build_microbatch([batch.tokens[i] for i in indices],
+                                        [batch.response_lengths[i] for i in indices], indices,
+                                        qkv_format=self.training.qkv_format, pad_multiple=multiple,
+                                        device=self.info.device))
         return out
 
-    def _forward(self, model: torch.nn.Module, micro: MicroBatch, batch: TrainBatch, *, with_entropy: bool):
-        tokens = micro.tokens
-        seq = tokens.shape[1]
-        positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], -1)
-        logits = model(tokens, positions, causal_mask(seq, tokens.device))
-        return response_logprobs(
-            logits, tokens, [batch.total_lengths[i] for i in micro.indices],
-            [batch.response_lengths[i] for i in micro.indices], vocab_size=self.arch.vocab_size,
-            tp_group=self.tp_group, with_entropy=with_entropy)
+    def _forward(self, model: torch.nn.Module, micro: MicroBatch, *, with_entropy: bool):
+        return micro.response_logprobs(micro.forward(model), vocab_size=self.arch.vocab_size,
+                                       tp_group=self.tp_group, with_entropy=with_entropy)
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, micros: list[MicroBatch], batch: TrainBatch) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
         for micro in micros:
-            values, _ = self._forward(model, micro, batch, with_entropy=False)
+            values, _ = self._forward(model, micro, with_entropy=False)
             out.update(zip(micro.indices, values))
         return out
 
@@ -168,7 +151,7 @@ class RolloutTrainer:
         self.actor.train()
         for micro in micros:
             idx = micro.indices
-            log_probs, entropy = self._forward(self.actor, micro, batch, with_entropy=True)
+            log_probs, entropy = self._forward(self.actor, micro, with_entropy=True)
             loss, metrics = policy_loss_and_metrics(
                 self.loss_config, log_probs=log_probs, old_log_probs=[old[i] for i in idx],
                 advantages=[advantages[i] for i in idx], loss_masks=[masks[i] for i in idx], entropy=entropy,

@@ -67,14 +67,6 @@ class TrainBatch:
             meta=dict(self.meta),
         )
 
-    def padded_tokens(self) -> torch.Tensor:
-        """[b, s_max] int64, right-padded with 0 (padding sits after every real token: causal-safe)."""
-        width = max(self.total_lengths)
-        out = torch.zeros((len(self), width), dtype=torch.long)
-        for row, toks in enumerate(self.tokens):
-            out[row, : len(toks)] = torch.as_tensor(toks, dtype=torch.long)
-        return out
-
     # ------------------------------------------------------------------ wire formats
 
     @classmethod

@@ -1,6 +1,7 @@
 """HF transformers vs Megatron GPTModel logits on the same weights, at TP=2 with sequence parallel:
 tiny Qwen3 (head dim 16 and 32), Llama and GLM4 (sandwich norms, QKV bias, half-dim interleaved
-rotary); plus vocab-parallel log-probs equal to HF's log_softmax. (TP=1 is checked in
+rotary); plus vocab-parallel log-probs equal to HF's log_softmax, and the same log-probs from a
+packed (THD) micro-batch of sequences of different lengths. (TP=1 is checked in
 test_trainer_step, in the same process as the trainer sanity checks, to save a process start.)"""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from hpc_rl.training.local_ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 TOKENS = torch.tensor([[3, 5, 7, 11, 13, 17, 19, 2, 4, 6, 8, 10], [1, 4, 9, 16, 23, 0, 8, 6, 5, 3, 2, 1]])
+PACKED = [TOKENS[0].tolist(), TOKENS[1, :7].tolist(), [2, 9, 4, 21]]  # 23 tokens: padded to 24 for SP
 
 
 def tiny_models(root: Path) -> list[tuple[str, str, dict]]:
@@ -61,6 +63,7 @@ def megatron_rank(models: list[tuple[str, str, dict]]) -> dict | None:
     from hpc_rl.config.model import ModelArchitecture
     from hpc_rl.config.schema import TrainingConfig
     from hpc_rl.training.logprobs import vocab_parallel_logprobs
+    from hpc_rl.training.micro_batches import build_microbatch
     from hpc_rl.training.model_provider import build_gpt_model, forward_logits
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
     from hpc_rl.weights.hf_import import load_hf_into_model
@@ -78,9 +81,11 @@ def megatron_rank(models: list[tuple[str, str, dict]]) -> dict | None:
             local = forward_logits(model, TOKENS)
             log_probs, entropy = vocab_parallel_logprobs(local[:, :-1], TOKENS[:, 1:], vocab_size=arch.vocab_size,
                                                          tp_group=group, with_entropy=True)
+            micro = build_microbatch(PACKED, [len(t) - 1 for t in PACKED], [0, 1, 2], qkv_format="thd", pad_multiple=2)
+            packed, _ = micro.response_logprobs(micro.forward(model), vocab_size=arch.vocab_size, tp_group=group)
         shards = [torch.empty_like(local) for _ in range(info.tp_size)]
         dist.all_gather(shards, local.contiguous(), group=group)
-        out[name] = (torch.cat(shards, dim=-1)[..., : arch.vocab_size], log_probs, entropy)
+        out[name] = (torch.cat(shards, dim=-1)[..., : arch.vocab_size], log_probs, entropy, packed)
     rank = info.rank
     shutdown_parallel()
     return out if rank == 0 else None
@@ -95,10 +100,15 @@ def test_megatron_logits_match_hf_at_tp2_sp(tmp_path: Path) -> None:
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             reference = hf(TOKENS).logits
-        logits, log_probs, entropy = ours[name]
+        logits, log_probs, entropy, packed = ours[name]
         assert logits.shape == reference.shape, name
         assert (logits - reference).abs().max().item() < 1e-4, name
         ref_logp = torch.log_softmax(reference[:, :-1], -1).gather(-1, TOKENS[:, 1:, None]).squeeze(-1)
         assert (log_probs - ref_logp).abs().max().item() < 1e-4, name
         ref_entropy = -(torch.log_softmax(reference[:, :-1], -1).exp() * torch.log_softmax(reference[:, :-1], -1)).sum(-1)
         assert (entropy - ref_entropy).abs().max().item() < 1e-4, name
+        for sequence, got in zip(PACKED, packed):
+            ids = torch.tensor([sequence])
+            with torch.no_grad():
+                expected = torch.log_softmax(hf(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            assert (got - expected).abs().max().item() < 1e-4, (name, len(sequence))

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hpc_rl.config.schema import OptimizerConfig
-from hpc_rl.training.logprobs import response_logprobs, response_slices, vocab_parallel_logprobs
+from hpc_rl.training.logprobs import vocab_parallel_logprobs
+from hpc_rl.training.micro_batches import build_microbatch
 from hpc_rl.training.optimizer import learning_rate
 from hpc_rl.training.train_batch import TrainBatch, read_batches_file
 
@@ -69,19 +70,35 @@ def test_batches_file_errors_name_the_line(tmp_path: Path) -> None:
 
 
 def test_response_positions_and_padded_vocab() -> None:
-    assert response_slices([5, 3], [2, 1]) == [slice(2, 4), slice(1, 2)]
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 8)
     logits[..., 6:] = 50.0  # padded vocab rows must not count, however large
-    tokens = torch.tensor([[1, 2, 3, 4, 5], [0, 1, 2, 0, 0]])
-    per_sample, entropy = response_logprobs(logits, tokens, [5, 3], [2, 1], vocab_size=6, with_entropy=True)
+    micro = build_microbatch([[1, 2, 3, 4, 5], [0, 1, 2]], [2, 1], [0, 1], qkv_format="bshd")
+    assert micro.tokens.tolist() == [[1, 2, 3, 4, 5], [0, 1, 2, 0, 0]]
+    per_sample, entropy = micro.response_logprobs(logits, vocab_size=6, with_entropy=True)
     reference = torch.log_softmax(logits[..., :6], -1)
     assert torch.allclose(per_sample[0], reference[0, [2, 3], [4, 5]])
     assert torch.allclose(per_sample[1], reference[1, [1], [2]])
     ref_entropy = -(reference.exp() * reference).sum(-1)
     assert torch.allclose(entropy[0], ref_entropy[0, 2:4])
-    lp, _ = vocab_parallel_logprobs(logits, tokens, vocab_size=8)
-    assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1))
+    lp, _ = vocab_parallel_logprobs(logits, micro.tokens, vocab_size=8)
+    assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(-1, micro.tokens[..., None]).squeeze(-1))
+
+
+def test_packed_microbatch_layout_and_response_positions() -> None:
+    micro = build_microbatch([[1, 2, 3, 4, 5], [6, 7, 8]], [2, 1], [4, 9], qkv_format="thd", pad_multiple=3)
+    assert micro.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 0]]  # 8 tokens padded to 9
+    assert micro.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0]]  # the pad is its own sequence
+    assert micro.packed_seq_params.cu_seqlens_q.tolist() == [0, 5, 8, 9] and micro.attention_mask is None
+    assert micro.starts == [0, 5] and micro.indices == [4, 9]
+    torch.manual_seed(0)
+    logits = torch.randn(1, 9, 10)
+    per_sample, _ = micro.response_logprobs(logits, vocab_size=10)
+    reference = torch.log_softmax(logits[0], -1)
+    assert torch.allclose(per_sample[0], reference[[2, 3], [4, 5]])  # tokens 4, 5 scored at 2, 3
+    assert torch.allclose(per_sample[1], reference[[6], [8]])  # token 8 (last of sample 2) scored at 6
+    with pytest.raises(ValueError, match="qkv_format"):
+        build_microbatch([[1, 2]], [1], [0], qkv_format="sbhd")
 
 
 def test_batch_file_commands_train_save_stop() -> None:

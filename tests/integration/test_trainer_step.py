@@ -1,4 +1,5 @@
-"""Trainer sanity on real gloo ranks: first-step ppo_kl == 0 and KL == 0, micro-batching invariance,
+"""Trainer sanity on real gloo ranks: first-step ppo_kl == 0 and KL == 0, micro-batching invariance
+(fixed-size packed THD vs token-packed padded micro-batches: same loss and gradients),
 checkpoint save -> process exit -> resume equality, and an interrupted save leaving the previous
 checkpoint loadable."""
 
@@ -80,8 +81,9 @@ def first_step_and_invariance_rank(hf_dir: str) -> dict:
     real_step = parts.optimizer.step
     parts.optimizer.step = record_instead_of_step
     fixed = parts.trainer.train_rollout(batch)[0]
+    # token-packed micro-batches in the padded layout vs fixed-size ones packed (THD): same loss and grads
     dynamic_training = type(parts.trainer.training)(global_batch_size=8, use_dynamic_batch_size=True,
-                                                    max_tokens_per_gpu=20)
+                                                    max_tokens_per_gpu=20, qkv_format="bshd")
     dynamic = RolloutTrainer(actor=parts.actor, optimizer=parts.optimizer, ref_model=parts.ref_model,
                              arch=parts.trainer.arch, training=dynamic_training, algorithm=parts.trainer.algorithm,
                              info=info)

@@ -44,15 +44,20 @@ from hpc_rl.protocol.messages import (
 from hpc_rl.protocol.secret import Secret
 
 SECRET = Secret(key=b"s" * 32, origin="/run/test/secret")
+NONCE = bytes(range(32))
+
+
+def sender() -> framing.FrameCounter:
+    return framing.FrameCounter(NONCE, framing.Direction.CLIENT_TO_SERVER)
 
 
 def wire_round_trip(msg: Message, secret: Secret = SECRET) -> Message:
     """Encode to frame bytes and decode them again, as a receiver would."""
     header, parts = message_frame(msg, id=7)
-    data = bytearray(framing.encode_frame(secret, header, parts))
+    data = bytearray(framing.encode_frame(secret, sender(), header, parts))
     header_len, _ = framing.parse_prefix(bytes(data[: framing.PREFIX.size]), framing.DEFAULT_MAX_FRAME_BYTES)
     h, payload = framing.open_frame(
-        secret, bytes(data[: framing.PREFIX.size]), data[framing.PREFIX.size :], header_len
+        secret, sender(), bytes(data[: framing.PREFIX.size]), data[framing.PREFIX.size :], header_len
     )
     return envelope_from_frame(h, payload).message
 
@@ -231,15 +236,19 @@ def test_adding_a_message_is_five_lines() -> None:
         REGISTRY.pop("test_only_abort", None)
 
 
-def _frame(secret: Secret = SECRET) -> bytes:
+def _frame(secret: Secret = SECRET, counter: framing.FrameCounter | None = None) -> bytes:
     header, parts = message_frame(Ping(payload="hi"), id=1)
-    return framing.encode_frame(secret, header, parts)
+    return framing.encode_frame(secret, counter or sender(), header, parts)
 
 
-def _open(data: bytes, max_frame_bytes: int = framing.DEFAULT_MAX_FRAME_BYTES) -> None:
+def _open(
+    data: bytes,
+    max_frame_bytes: int = framing.DEFAULT_MAX_FRAME_BYTES,
+    counter: framing.FrameCounter | None = None,
+) -> None:
     prefix = data[: framing.PREFIX.size]
     header_len, _ = framing.parse_prefix(prefix, max_frame_bytes)
-    framing.open_frame(SECRET, prefix, bytearray(data[framing.PREFIX.size :]), header_len)
+    framing.open_frame(SECRET, counter or sender(), prefix, bytearray(data[framing.PREFIX.size :]), header_len)
 
 
 def test_framing_checks() -> None:
@@ -253,8 +262,9 @@ def test_framing_checks() -> None:
         _open(bytes(tampered))
     with pytest.raises(BadMagicError, match="looks like HTTP"):
         _open(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    wrong_version = struct.pack("!4sH", framing.MAGIC, 2) + good[6:]
-    with pytest.raises(VersionMismatchError, match="peer sent frame format v2, this side speaks v1"):
+    v = framing.PROTOCOL_VERSION
+    wrong_version = struct.pack("!4sH", framing.MAGIC, v + 1) + good[6:]
+    with pytest.raises(VersionMismatchError, match=f"peer sent frame format v{v + 1}, this side speaks v{v}"):
         _open(wrong_version)
     with pytest.raises(FrameTooLargeError, match="exceeds the limit of 64 bytes"):
         _open(good, max_frame_bytes=64)
@@ -267,3 +277,33 @@ def test_no_pickle_in_the_protocol_package() -> None:
     package = pathlib.Path(framing.__file__).parent
     offenders = [p.name for p in package.rglob("*.py") if "pickle" in p.read_text()]
     assert offenders == []
+
+
+def test_mac_is_bound_to_nonce_direction_and_frame_number() -> None:
+    """A frame verifies only as the frame it was sent as; the error names replays and reflections."""
+    out = sender()
+    frames = [_frame(counter=out) for _ in range(3)]
+    receiver = sender()
+    for data in frames:
+        _open(data, counter=receiver)
+    assert receiver.next_number == 3
+    with pytest.raises(BadMacError, match=r"replayed or reordered frame: it is frame #1 of this connection's "
+                       r"client->server stream, but #3 was due"):
+        _open(frames[1], counter=receiver)
+    assert receiver.next_number == 3  # a rejected frame does not move the counter
+    skipped = sender()
+    with pytest.raises(BadMacError, match="it is frame #1 .* but #0 was due"):
+        _open(frames[1], counter=skipped)
+    other_nonce = framing.FrameCounter(bytes(32), framing.Direction.CLIENT_TO_SERVER)
+    with pytest.raises(BadMacError, match="replayed from another connection"):
+        _open(frames[0], counter=other_nonce)
+    back = framing.FrameCounter(NONCE, framing.Direction.SERVER_TO_CLIENT)
+    with pytest.raises(BadMacError, match=r"reflected frame: it is frame #0 of this connection's client->server"):
+        _open(frames[0], counter=back)
+    with pytest.raises(BadMacError, match="a server hello where client->server frame #0 was due"):
+        _open(_frame(counter=framing.FrameCounter.server_hello()))
+    outgoing, incoming = framing.session_counters(NONCE, server=True)
+    assert (outgoing.direction, incoming.direction) == (
+        framing.Direction.SERVER_TO_CLIENT,
+        framing.Direction.CLIENT_TO_SERVER,
+    )

@@ -16,7 +16,17 @@ from hpc_rl.protocol import framing
 from hpc_rl.protocol.blocking import BlockingClient
 from hpc_rl.protocol.connection import Connection, Envelope, connect, message_frame, read_envelope
 from hpc_rl.protocol.errors import BadMacError, HandshakeError, PeerClosedError, ProtocolError, RemoteError
-from hpc_rl.protocol.messages import Arrays, ErrorReply, Hello, Message, Ping, Pong, Shutdown, StatusRequest
+from hpc_rl.protocol.messages import (
+    Arrays,
+    ErrorReply,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    ServerHello,
+    Shutdown,
+    StatusRequest,
+)
 from hpc_rl.protocol.secret import Secret
 from hpc_rl.protocol.server import Server, serve
 
@@ -44,15 +54,21 @@ def run_with_server(scenario: Callable[[Server], Awaitable[None]], **options: ob
     asyncio.run(main())
 
 
-async def raw_attempt(port: int, data: bytes, *, eof: bool = True) -> str | None:
-    """Send raw bytes; return the server's ErrorReply text (None if none arrived) and check it closed."""
+async def raw_attempt(
+    port: int, make: Callable[[framing.FrameCounter], bytes], *, eof: bool = True
+) -> str | None:
+    """Read the server hello, send ``make(counter of this connection's client->server frames)``; return
+    the server's ErrorReply text (None if none arrived) and check it closed."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(data)
+    server_hello = await read_envelope(reader, SECRET, framing.FrameCounter.server_hello())
+    assert isinstance(server_hello.message, ServerHello)
+    outgoing, incoming = framing.session_counters(bytes.fromhex(server_hello.message.nonce), server=False)
+    writer.write(make(outgoing))
     if eof:
         writer.write_eof()
     await writer.drain()
     try:
-        env = await read_envelope(reader, SECRET)
+        env = await read_envelope(reader, SECRET, incoming)
         assert env.reply_to is None
         assert isinstance(env.message, ErrorReply)
         text: str | None = env.message.message
@@ -77,34 +93,35 @@ async def wait_until(condition: Callable[[], bool], timeout: float = 3.0) -> Non
         await asyncio.sleep(0.01)
 
 
-def frame_bytes(msg: Message, secret: Secret = SECRET, id: int = 1) -> bytes:
+def frame_bytes(msg: Message, counter: framing.FrameCounter, secret: Secret = SECRET, id: int = 1) -> bytes:
     header, parts = message_frame(msg, id=id)
-    return framing.encode_frame(secret, header, parts)
+    return framing.encode_frame(secret, counter, header, parts)
 
 
 HELLO = Hello(role="trainer", rank=0, world_size=2, host="h", pid=1)
+V = framing.PROTOCOL_VERSION
 
-BAD_PEERS: dict[str, tuple[Callable[[], bytes], str]] = {
-    "garbage": (lambda: bytes(range(256)) * 4, "not an hpc_rl frame"),
-    "http": (lambda: b"GET /generate HTTP/1.1\r\nHost: x\r\n\r\n", "looks like HTTP"),
+BAD_PEERS: dict[str, tuple[Callable[[framing.FrameCounter], bytes], str]] = {
+    "garbage": (lambda c: bytes(range(256)) * 4, "not an hpc_rl frame"),
+    "http": (lambda c: b"GET /generate HTTP/1.1\r\nHost: x\r\n\r\n", "looks like HTTP"),
     "wrong_version": (
-        lambda: struct.pack("!4sH", framing.MAGIC, framing.PROTOCOL_VERSION + 1) + frame_bytes(HELLO)[6:],
-        "protocol version mismatch: the peer sent frame format v2, this side speaks v1",
+        lambda c: struct.pack("!4sH", framing.MAGIC, V + 1) + frame_bytes(HELLO, c)[6:],
+        f"protocol version mismatch: the peer sent frame format v{V + 1}, this side speaks v{V}",
     ),
     "oversized": (
-        lambda: framing.PREFIX.pack(framing.MAGIC, framing.PROTOCOL_VERSION, 0, 100, 1 << 40) + b"x" * 1000,
+        lambda c: framing.PREFIX.pack(framing.MAGIC, V, 0, 100, 1 << 40) + b"x" * 1000,
         "rejected before reading it",
     ),
     "first_frame_not_hello": (
-        lambda: frame_bytes(Ping(payload="sneaky")),
+        lambda c: frame_bytes(Ping(payload="sneaky"), c),
         "first message must be 'hello', got 'ping'",
     ),
     "wrong_secret": (
-        lambda: frame_bytes(HELLO, WRONG),
+        lambda c: frame_bytes(HELLO, c, WRONG),
         "bad MAC: the peer does not hold this job's secret (/run/job/secret)",
     ),
-    "truncated": (lambda: frame_bytes(HELLO)[:-10], "connection closed after"),
-    "truncated_prefix": (lambda: frame_bytes(HELLO)[:7], "7 of the 20 bytes of a frame prefix"),
+    "truncated": (lambda c: frame_bytes(HELLO, c)[:-10], "connection closed after"),
+    "truncated_prefix": (lambda c: frame_bytes(HELLO, c)[:7], "7 of the 20 bytes of a frame prefix"),
 }
 
 
@@ -115,7 +132,7 @@ def test_bad_peer_rejected_and_server_unaffected(case: str, caplog: pytest.LogCa
     async def scenario(server: Server) -> None:
         good = await connect("127.0.0.1", server.port, SECRET, HELLO)
         assert await good.request(Ping(payload="before")) == Pong(payload="before")
-        text = await raw_attempt(server.port, make())
+        text = await raw_attempt(server.port, make)
         assert text is not None and expected in text
         await assert_still_serving(good, server)
         await wait_until(lambda: len(server.connections) == 1)  # only the good one is left
@@ -129,7 +146,7 @@ def test_bad_peer_rejected_and_server_unaffected(case: str, caplog: pytest.LogCa
 def test_silent_client_times_out_at_handshake(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario(server: Server) -> None:
         good = await connect("127.0.0.1", server.port, SECRET, HELLO)
-        text = await raw_attempt(server.port, b"", eof=False)  # connects, says nothing
+        text = await raw_attempt(server.port, lambda c: b"", eof=False)  # connects, says nothing
         assert text is not None and "no Hello within 0.3 s" in text
         await assert_still_serving(good, server)
         await good.close()
