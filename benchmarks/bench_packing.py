@@ -3,7 +3,8 @@
 Prints, per scenario: micro-batches produced by first-fit vs the lower bound
 ceil(total_tokens / max_tokens), after equalising to a multiple of the DP size, and the imbalance
 of the Karmarkar-Karp assignment of micro-batches to DP ranks (max rank load / mean rank load - 1),
-against round-robin assignment. Pure Python, no torch; runs in a few seconds.
+against round-robin assignment, and how many token slots the same micro-batches would compute if
+right-padded (bshd: rows x longest) instead of packed (thd: exactly the real tokens). Pure Python, no torch; runs in a few seconds.
 
     python benchmarks/bench_packing.py
 """
@@ -50,10 +51,12 @@ def run(name: str, lengths: list[int], max_tokens: int, dp: int) -> None:
     kk_loads = [sum(tokens[j] for j in p) for p in kk]
     rr_loads = [sum(tokens[j] for j in p) for p in rr]
     fill = sum(lengths) / (len(bins) * max_tokens)
+    padded_slots = sum(len(b) * max(lengths[i] for i in b) for b in bins)
     print(
         f"{name:<34} n={len(lengths):>5} tok={sum(lengths):>9} | mb={len(bins):>4} bound={bound:>4} "
         f"({len(bins) - bound:+d}, fill {fill:5.1%}) eq->{len(bins_eq):>4} | dp={dp} imbalance "
-        f"KK {imbalance(kk_loads):6.2%} RR {imbalance(rr_loads):6.2%} | {dt * 1e3:7.1f} ms"
+        f"KK {imbalance(kk_loads):6.2%} RR {imbalance(rr_loads):6.2%} | bshd/thd slots "
+        f"{padded_slots / sum(lengths):4.2f}x | {dt * 1e3:7.1f} ms"
     )
 
 
