@@ -55,10 +55,14 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 class PackedSequenceAttention(DotProductAttention):
     """Megatron's local core attention, plus THD: each packed sequence attends causally to itself only.
 
-    With `packed_seq_params` (qkv_format "thd") SelfAttention hands over q/k/v as [T, heads, dim];
-    each `cu_seqlens` span runs through the parent's [s, b=1, heads, dim] path with a causal mask,
-    and the spans' outputs are concatenated back to [T, 1, hidden]. Without it: the parent unchanged.
+    With `packed_seq_params` (qkv_format "thd") SelfAttention hands over q/k/v as [T, heads, dim].
+    Up to `BLOCK_MASK_MAX_TOKENS` packed tokens run as one [T, 1, heads, dim] call with a
+    block-diagonal causal mask (one kernel, no Python loop; masked scores are exactly 0 after the
+    softmax, so the result equals per-sequence attention); longer rows run each `cu_seqlens` span
+    separately so memory stays linear in the number of sequences. Without it: the parent unchanged.
     """
+
+    BLOCK_MASK_MAX_TOKENS = 2048
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
@@ -68,6 +72,12 @@ class PackedSequenceAttention(DotProductAttention):
         cu_seqlens = packed_seq_params.cu_seqlens_q_padded
         if cu_seqlens is None:
             cu_seqlens = packed_seq_params.cu_seqlens_q
+        cu_seqlens = cu_seqlens.to(query.device)
+        total = query.shape[0]
+        if total <= self.BLOCK_MASK_MAX_TOKENS:
+            return super().forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1),
+                                   packed_causal_mask(cu_seqlens, total)[None, None],
+                                   attn_mask_type=attn_mask_type, attention_bias=attention_bias)
         bounds = [int(b) for b in cu_seqlens.tolist()]
         outputs = []
         for start, end in zip(bounds[:-1], bounds[1:]):
@@ -78,6 +88,13 @@ class PackedSequenceAttention(DotProductAttention):
                                            value[start:end].unsqueeze(1), mask[None, None],
                                            attn_mask_type=attn_mask_type, attention_bias=attention_bias))
         return torch.cat(outputs, dim=0)
+
+
+def packed_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[T, T] bool, True = masked: a key is visible iff it is in the query's sequence and not after it."""
+    positions = torch.arange(total, device=cu_seqlens.device)
+    sequence = torch.searchsorted(cu_seqlens[1:].to(torch.long), positions, right=True)
+    return (positions[None, :] > positions[:, None]) | (sequence[None, :] != sequence[:, None])
 
 
 def _post_norm(config: TransformerConfig) -> torch.nn.Module:

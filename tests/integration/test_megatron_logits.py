@@ -62,6 +62,7 @@ def megatron_rank(models: list[tuple[str, str, dict]]) -> dict | None:
 
     from hpc_rl.config.model import ModelArchitecture
     from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.training.layer_specs import PackedSequenceAttention
     from hpc_rl.training.logprobs import vocab_parallel_logprobs
     from hpc_rl.training.micro_batches import build_microbatch
     from hpc_rl.training.model_provider import build_gpt_model, forward_logits
@@ -72,6 +73,7 @@ def megatron_rank(models: list[tuple[str, str, dict]]) -> dict | None:
     info = init_parallel(training, device="cpu")
     group = parallel_state.get_tensor_model_parallel_group()
     out: dict = {}
+    block_mask_max = PackedSequenceAttention.BLOCK_MASK_MAX_TOKENS
     for name, hf_dir, fields in models:
         arch = ModelArchitecture(**fields)
         model = build_gpt_model(arch, training)
@@ -83,9 +85,12 @@ def megatron_rank(models: list[tuple[str, str, dict]]) -> dict | None:
                                                          tp_group=group, with_entropy=True)
             micro = build_microbatch(PACKED, [len(t) - 1 for t in PACKED], [0, 1, 2], qkv_format="thd", pad_multiple=2)
             packed, _ = micro.response_logprobs(micro.forward(model), vocab_size=arch.vocab_size, tp_group=group)
+            PackedSequenceAttention.BLOCK_MASK_MAX_TOKENS = 0  # the per-sequence path for long rows
+            looped, _ = micro.response_logprobs(micro.forward(model), vocab_size=arch.vocab_size, tp_group=group)
+            PackedSequenceAttention.BLOCK_MASK_MAX_TOKENS = block_mask_max
         shards = [torch.empty_like(local) for _ in range(info.tp_size)]
         dist.all_gather(shards, local.contiguous(), group=group)
-        out[name] = (torch.cat(shards, dim=-1)[..., : arch.vocab_size], log_probs, entropy, packed)
+        out[name] = (torch.cat(shards, dim=-1)[..., : arch.vocab_size], log_probs, entropy, packed + looped)
     rank = info.rank
     shutdown_parallel()
     return out if rank == 0 else None
@@ -107,7 +112,7 @@ def test_megatron_logits_match_hf_at_tp2_sp(tmp_path: Path) -> None:
         assert (log_probs - ref_logp).abs().max().item() < 1e-4, name
         ref_entropy = -(torch.log_softmax(reference[:, :-1], -1).exp() * torch.log_softmax(reference[:, :-1], -1)).sum(-1)
         assert (entropy - ref_entropy).abs().max().item() < 1e-4, name
-        for sequence, got in zip(PACKED, packed):
+        for sequence, got in zip(PACKED + PACKED, packed):
             ids = torch.tensor([sequence])
             with torch.no_grad():
                 expected = torch.log_softmax(hf(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
