@@ -1,4 +1,4 @@
-"""Trainer throughput on CPU: tokens/s of GRPO steps of a tiny Qwen3 at TP=1, TP=2 (+SP) and DP=2.
+"""Trainer throughput on CPU: tokens/s of GRPO steps of a tiny Qwen3 at TP=1, TP=2 (+SP), DP=2, CP=2 and PP=2.
 
 Each layout starts its own gloo ranks (hpc_rl.training.local_ranks), builds actor + reference
 model from a tiny HF checkpoint, and trains rollouts of random samples (KL loss on, entropy on).
@@ -21,14 +21,16 @@ from pathlib import Path
 from hpc_rl.training.local_ranks import run_ranks
 
 
-def train_rank(hf_dir: str, arch_fields: dict, tp: int, sp: bool, args: argparse.Namespace) -> dict | None:
+def train_rank(hf_dir: str, arch_fields: dict, tp: int, sp: bool, args: argparse.Namespace,
+               cp: int = 1, pp: int = 1) -> dict | None:
     from hpc_rl.config.model import ModelArchitecture
     from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
     from hpc_rl.training.train_batch import TrainBatch
 
-    training = TrainingConfig(tensor_model_parallel_size=tp, sequence_parallel=sp,
+    training = TrainingConfig(tensor_model_parallel_size=tp, sequence_parallel=sp, context_parallel_size=cp,
+                              pipeline_model_parallel_size=pp,
                               global_batch_size=args.samples, micro_batch_size=args.micro_batch_size)
     info = init_parallel(training)
     parts = build_trainer(arch=ModelArchitecture(**arch_fields), training=training,
@@ -78,9 +80,10 @@ def main() -> None:
                     "qk_layernorm": True, "max_position_embeddings": spec.max_position_embeddings}
         print(f"tiny Qwen3 hidden {args.hidden_size}, {args.samples} samples x <= {args.length} tokens per step, "
               f"micro-batch {args.micro_batch_size}, median of {args.rollouts} steps")
-        for label, world, tp, sp in (("TP=1", 1, 1, False), ("TP=2", 2, 2, False), ("TP=2 +SP", 2, 2, True),
-                                     ("DP=2", 2, 1, False)):
-            result = run_ranks(train_rank, world, hf_dir, arch, tp, sp, args, timeout=600)[0]
+        for label, world, tp, sp, *cp_pp in (("TP=1", 1, 1, False), ("TP=2", 2, 2, False),
+                                             ("TP=2 +SP", 2, 2, True), ("DP=2", 2, 1, False),
+                                             ("CP=2", 2, 1, False, 2), ("PP=2", 2, 1, False, 1, 2)):
+            result = run_ranks(train_rank, world, hf_dir, arch, tp, sp, args, *cp_pp, timeout=600)[0]
             print(f"  {label:<9} {result['tokens_per_second']:9.0f} tokens/s  step {result['step_time'] * 1e3:7.1f} ms"
                   f"  rollout (with ref/old log-probs) {result['rollout_time'] * 1e3:7.1f} ms")
 

@@ -182,6 +182,8 @@ class TrainingConfig:
             raise ValueError(f"training.recompute_granularity: {self.recompute_granularity!r} is not full|selective")
         if self.qkv_format not in ("thd", "bshd"):
             raise ValueError(f"training.qkv_format: {self.qkv_format!r} is not thd|bshd")
+        if self.context_parallel_size > 1 and self.qkv_format != "thd":
+            raise ValueError("training.context_parallel_size > 1 splits packed sequences: set qkv_format: thd")
 
     @property
     def model_parallel_size(self) -> int:

@@ -162,7 +162,8 @@ def _model_problems(config: RunConfig) -> list[Problem]:
     if arch.num_layers % config.training.pipeline_model_parallel_size:
         problems.append(Problem(
             "training.pipeline_model_parallel_size",
-            f"PP {config.training.pipeline_model_parallel_size} does not divide {arch.num_layers} layers",
+            f"PP {config.training.pipeline_model_parallel_size} does not divide the model's num_layers "
+            f"({arch.num_layers}, {model_path}): every pipeline stage holds num_layers / PP layers",
         ))
     hf_config = Path(config.checkpoint.hf_checkpoint) / "config.json" if config.checkpoint.hf_checkpoint else None
     if hf_config is not None and hf_config.is_file():

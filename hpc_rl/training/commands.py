@@ -173,10 +173,12 @@ class TrainerCommands:
             from megatron.core import parallel_state
 
             tp_group = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
+            pp_group = parallel_state.get_pipeline_model_parallel_group() if self.info.pp_size > 1 else None
             dtype = torch.bfloat16 if not self.info.on_cpu else None
             self.sender = WeightSender(self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size,
                                        dp_rank=self.info.dp_rank, rank=self.info.rank,
-                                       bucket_bytes=command.bucket_bytes, dtype=dtype)
+                                       bucket_bytes=command.bucket_bytes, dtype=dtype, pp_group=pp_group,
+                                       pp_rank=self.info.pp_rank, pp_size=self.info.pp_size)
         self.sender.set_bucket_bytes(command.bucket_bytes)
         plan = self.sender.plan_buckets()
         if self.info.rank == 0:

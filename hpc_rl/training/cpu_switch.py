@@ -4,12 +4,17 @@ Owns: the process-wide switches from notes/megatron-cpu.md that no Megatron conf
 `torch.cuda.current_device()` -> `torch.device("cpu")` (RoPE, attention buffers, SP and DDP buffers
 call it unconditionally) and `torch.cuda.synchronize()` -> no-op (dist_checkpointing calls it).
 They are applied once, and only when CUDA is absent, so a GPU process is never touched.
+One more is scoped, not process-wide: `tensor_cuda_is_identity()`, for building a pipeline stage
+whose output layer shares the first stage's embedding (Megatron moves that weight with `.cuda()`
+before all-reducing it over the embedding group, LanguageModule.setup_embeddings_and_output_layer).
 Also owns the CPU-safe RNG set-up and the fusion switches every CPU `TransformerConfig` needs.
 Does not own process groups (`hpc_rl.training.parallel`) or model building.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -32,6 +37,20 @@ def apply_cpu_switches() -> bool:
         torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
         _applied = True
     return True
+
+
+@contextmanager
+def tensor_cuda_is_identity() -> Iterator[None]:
+    """Within the block, `tensor.cuda()` returns the tensor itself on a CPU-only build (else no-op)."""
+    if cuda_available():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
 
 
 def cpu_fusion_overrides() -> dict[str, Any]:

@@ -11,6 +11,7 @@ which Megatron's TransformerLayer has no slot for: they are small subclasses of 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.training.context_parallel import context_parallel_attention
 
 POST_ATTENTION_NORM = "post_self_attn_layernorm"
 POST_MLP_NORM = "post_mlp_layernorm"
@@ -60,9 +62,24 @@ class PackedSequenceAttention(DotProductAttention):
     block-diagonal causal mask (one kernel, no Python loop; masked scores are exactly 0 after the
     softmax, so the result equals per-sequence attention); longer rows run each `cu_seqlens` span
     separately so memory stays linear in the number of sequences. Without it: the parent unchanged.
+    Under context parallelism (CP group of size > 1; THD only) the rows are this rank's chunks of
+    each sequence and `context_parallel.context_parallel_attention` runs them over the CP group's
+    gathered K/V (the CPU twin of TE's CP attention; the parent refuses CP, so it is built with CP=1).
     """
 
     BLOCK_MASK_MAX_TOKENS = 2048
+
+    def __init__(self, config: TransformerConfig, *args: Any, pg_collection: Any = None, **kwargs: Any) -> None:
+        cp_group = getattr(pg_collection, "cp", None)
+        if config.context_parallel_size > 1:
+            if cp_group is None:
+                from megatron.core import parallel_state
+
+                cp_group = parallel_state.get_context_parallel_group()
+            config = copy.copy(config)
+            config.context_parallel_size = 1
+        super().__init__(config, *args, pg_collection=pg_collection, **kwargs)
+        self.cp_group = cp_group
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
@@ -73,6 +90,14 @@ class PackedSequenceAttention(DotProductAttention):
         if cu_seqlens is None:
             cu_seqlens = packed_seq_params.cu_seqlens_q
         cu_seqlens = cu_seqlens.to(query.device)
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                return DotProductAttention.forward(self, q, k, v, mask, attn_mask_type=attn_mask_type,
+                                                   attention_bias=attention_bias)
+
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            return context_parallel_attention(attend, query, key, value, lengths, self.cp_group,
+                                              block_mask_max_tokens=self.BLOCK_MASK_MAX_TOKENS)
         total = query.shape[0]
         if total <= self.BLOCK_MASK_MAX_TOKENS:
             return super().forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1),
@@ -143,8 +168,13 @@ def _replace_norms(spec: ModuleSpec, norm: type) -> None:
             setattr(attention, field, norm)
 
 
-def build_block_spec(arch: ModelArchitecture, *, use_te: bool | None = None) -> TransformerBlockSubmodules:
-    """Layer spec (as block submodules, so the final norm is ours too) for `arch`."""
+def build_block_spec(arch: ModelArchitecture, *, use_te: bool | None = None,
+                     num_layers: int | None = None) -> TransformerBlockSubmodules:
+    """Layer spec (as block submodules, so the final norm is ours too) for `arch`.
+
+    `num_layers`: how many layers this pipeline stage builds (default: all of them); Megatron takes a
+    block spec's layer list as this stage's layers and numbers them from the stage's offset.
+    """
     use_te = transformer_engine_available() if use_te is None else use_te
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
@@ -160,4 +190,5 @@ def build_block_spec(arch: ModelArchitecture, *, use_te: bool | None = None) -> 
     if arch.post_sublayer_norms:
         layer.submodules.self_attention.module = PostNormSelfAttention
         layer.submodules.mlp.module = PostNormMLP
-    return TransformerBlockSubmodules(layer_specs=[layer] * arch.num_layers, layer_norm=final_norm)
+    count = arch.num_layers if num_layers is None else num_layers
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=final_norm)

@@ -14,6 +14,16 @@ row, which is what makes token-budget micro-batches (`max_tokens_per_gpu`) cheap
 
 Padded ("bshd"): one row per sample, right-padded with token 0 and a causal mask; padding sits
 after every real token, so it never changes a real token's output.
+
+Context parallel (CP > 1, packed only): each sample is padded to a multiple of 2*CP and this CP
+rank holds two of its 2*CP chunks (`context_parallel`'s layout); `PackedSeqParams` carries the real
+`cu_seqlens` and the global `cu_seqlens_padded`, as TE's THD+CP kernels and Megatron's rotary expect.
+The next-token target of each local position is sliced with it (position t scores token t + 1,
+which may sit in a chunk another rank holds). Per-position log-probs are then all-gathered over CP
+(backward: this rank's slice only), so every CP rank reads the same per-sample log-probs and
+computes the same loss, and the losses stay the CP=1 code. Gathering [T] floats is cheap next to
+the attention's K/V exchange, and unlike summing partial per-sample sums over CP it keeps
+sequence-level terms (GSPO's ratio, per-sample means, metrics) exact without touching `losses`.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hpc_rl.training.context_parallel import ContextParallelSplit, gather_with_local_grad, split_packed
 from hpc_rl.training.logprobs import vocab_parallel_logprobs
 from hpc_rl.training.model_provider import causal_mask
 
@@ -45,7 +56,13 @@ class MicroBatch:
     packed_seq_params: object | None
     """Megatron `PackedSeqParams` (thd) or None (bshd)."""
     starts: list[int]
-    """Where each sample starts in the packed row (all 0 when padded: one row each)."""
+    """Where each sample starts in the packed row (all 0 when padded: one row each); under CP, in
+    the global padded packed row."""
+    context_parallel: ContextParallelSplit | None = None
+    """This CP rank's part of the packed row (None without CP)."""
+    targets: torch.Tensor | None = None
+    """[1, T_local] next-token id of each local position (CP only)."""
+    cp_group: dist.ProcessGroup | None = None
 
     @property
     def packed(self) -> bool:
@@ -62,8 +79,11 @@ class MicroBatch:
         Shifted position t scores token t + 1, so a sample starting at `o` with length L and r
         response tokens is scored at positions [o + L - r - 1, o + L - 1).
         """
-        log_probs, entropy = vocab_parallel_logprobs(logits[:, :-1], self.tokens[:, 1:], vocab_size=vocab_size,
-                                                     tp_group=tp_group, with_entropy=with_entropy)
+        if self.context_parallel is not None:
+            log_probs, entropy = self._gathered_logprobs(logits, vocab_size, tp_group, with_entropy)
+        else:
+            log_probs, entropy = vocab_parallel_logprobs(logits[:, :-1], self.tokens[:, 1:], vocab_size=vocab_size,
+                                                         tp_group=tp_group, with_entropy=with_entropy)
         rows = [0] * len(self.indices) if self.packed else list(range(len(self.indices)))
         slices = [slice(o + length - r - 1, o + length - 1)
                   for o, length, r in zip(self.starts, self.total_lengths, self.response_lengths)]
@@ -71,14 +91,32 @@ class MicroBatch:
         per_entropy = None if entropy is None else [entropy[row, where] for row, where in zip(rows, slices)]
         return per_sample, per_entropy
 
+    def _gathered_logprobs(self, logits: torch.Tensor, vocab_size: int, tp_group: dist.ProcessGroup | None,
+                           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[1, T_padded] log-probs (entropies) of the whole packed row, in global order, on every CP rank."""
+        split, targets, group = self.context_parallel, self.targets, self.cp_group
+        assert split is not None and targets is not None and group is not None
+        log_probs, entropy = vocab_parallel_logprobs(logits, targets, vocab_size=vocab_size, tp_group=tp_group,
+                                                     with_entropy=with_entropy)
+
+        def to_global(values: torch.Tensor) -> torch.Tensor:
+            return gather_with_local_grad(values[0], group).index_select(0, split.order).unsqueeze(0)
+
+        return to_global(log_probs), None if entropy is None else to_global(entropy)
+
 
 def build_microbatch(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], indices: Sequence[int], *,
                      qkv_format: str = "thd", pad_multiple: int = 1,
-                     device: torch.device | str = "cpu") -> MicroBatch:
-    """The model inputs for these samples; the sequence dim is a multiple of `pad_multiple` (TP with SP)."""
+                     device: torch.device | str = "cpu", cp_group: dist.ProcessGroup | None = None) -> MicroBatch:
+    """The model inputs for these samples; the (local) sequence dim is a multiple of `pad_multiple` (TP
+    with SP). With a CP group of size > 1: this CP rank's part of the packed layout."""
     if qkv_format not in QKV_FORMATS:
         raise ValueError(f"training.qkv_format: {qkv_format!r} is not one of {', '.join(QKV_FORMATS)}")
     lengths = [len(t) for t in tokens]
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        if qkv_format != "thd":
+            raise ValueError(f"training.qkv_format: {qkv_format!r} with context_parallel_size > 1; use thd")
+        return _build_context_parallel(tokens, response_lengths, indices, pad_multiple, device, cp_group)
     if qkv_format == "bshd":
         width = max(lengths)
         width += (-width) % pad_multiple
@@ -108,3 +146,31 @@ def build_microbatch(tokens: Sequence[Sequence[int]], response_lengths: Sequence
     return MicroBatch(indices=list(indices), total_lengths=lengths, response_lengths=list(response_lengths),
                       tokens=ids.unsqueeze(0).to(device), position_ids=positions.unsqueeze(0).to(device),
                       attention_mask=None, packed_seq_params=params, starts=starts[:-1])
+
+
+def _build_context_parallel(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], indices: Sequence[int],
+                            pad_multiple: int, device: torch.device | str, cp_group: dist.ProcessGroup) -> MicroBatch:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lengths = [len(t) for t in tokens]
+    split = split_packed(lengths, dist.get_world_size(cp_group), dist.get_rank(cp_group), pad_multiple=pad_multiple,
+                         device=device)
+    starts = split.starts
+    row = torch.zeros(sum(split.padded_lengths) + 1, dtype=torch.long)  # + 1: the last position's "next token"
+    positions = torch.zeros(sum(split.padded_lengths), dtype=torch.long)
+    for start, toks in zip(starts, tokens):
+        row[start: start + len(toks)] = torch.as_tensor(toks, dtype=torch.long)
+    for start, padded in zip(starts, split.padded_lengths):
+        positions[start: start + padded] = torch.arange(padded)
+    row, positions = row.to(device), positions.to(device)
+    local = split.rows
+    cu_seqlens = torch.tensor(split.cu_seqlens, dtype=torch.int32, device=device)
+    cu_seqlens_padded = torch.tensor(split.cu_seqlens_padded, dtype=torch.int32, device=device)
+    longest = max(split.padded_lengths)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    return MicroBatch(indices=list(indices), total_lengths=lengths, response_lengths=list(response_lengths),
+                      tokens=row[local].unsqueeze(0), position_ids=positions[local].unsqueeze(0), attention_mask=None,
+                      packed_seq_params=params, starts=starts[: len(lengths)], context_parallel=split,
+                      targets=row[local + 1].unsqueeze(0), cp_group=cp_group)

@@ -1,8 +1,13 @@
 """Build a Megatron `GPTModel` from a model architecture file (`configs/models/*.yaml`).
 
 Owns: `ModelArchitecture` + parallel sizes -> `TransformerConfig` (float32 and fusions off on CPU,
-bf16 on GPU), the padded vocabulary size, and `build_gpt_model`. Does not own weights (see
-`hpc_rl.weights.hf_import` / `hpc_rl.training.checkpoint`) or process groups (`parallel`).
+bf16 on GPU), the padded vocabulary size, and `build_gpt_model`, which builds this rank's pipeline
+stage: the embedding on the first stage, the final norm and output layer on the last, and the
+layers Megatron assigns to the stage (an even split; `num_layers` must divide by PP). With tied
+embeddings and PP > 1 the last stage holds a copy of the embedding as its output layer, made equal
+to the first stage's at build time and kept equal by `finalize_model_grads` (embedding group).
+Does not own weights (see `hpc_rl.weights.hf_import` / `hpc_rl.training.checkpoint`), process
+groups (`parallel`) or running the stages (`pipeline`).
 
 Vocabulary padding: the embedding is padded to a multiple of `VOCAB_PAD_MULTIPLE` that does not
 depend on TP (unlike Megatron's `128 * tp`), so torch_dist checkpoints reshard between TP sizes.
@@ -20,7 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import TrainingConfig
-from hpc_rl.training.cpu_switch import cpu_fusion_overrides, cuda_available
+from hpc_rl.training.cpu_switch import cpu_fusion_overrides, cuda_available, tensor_cuda_is_identity
 from hpc_rl.training.layer_specs import build_block_spec
 
 VOCAB_PAD_MULTIPLE = 128
@@ -69,6 +74,7 @@ def transformer_config(
         tensor_model_parallel_size=training.tensor_model_parallel_size,
         sequence_parallel=training.sequence_parallel and training.tensor_model_parallel_size > 1,
         pipeline_model_parallel_size=training.pipeline_model_parallel_size,
+        pipeline_dtype=dtype,
         context_parallel_size=training.context_parallel_size,
         calculate_per_token_loss=training.calculate_per_token_loss,
         params_dtype=dtype,
@@ -86,21 +92,37 @@ def build_gpt_model(
     params_dtype: torch.dtype | None = None,
     use_te: bool | None = None,
 ) -> GPTModel:
-    """A GPTModel for this rank (one chunk; PP=1), with vocab-parallel (unsharded-by-us) logits."""
+    """This rank's pipeline stage of the GPTModel, with vocab-parallel logits on the last stage.
+
+    Needs Megatron's groups (`parallel.init_parallel`) when pipeline_model_parallel_size > 1.
+    """
+    pipeline = training.pipeline_model_parallel_size
+    if arch.num_layers % pipeline:
+        raise ValueError(f"training.pipeline_model_parallel_size={pipeline} does not divide the model's "
+                         f"num_layers={arch.num_layers}: pick a PP size that divides it")
     config = transformer_config(arch, training, params_dtype=params_dtype)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=build_block_spec(arch, use_te=use_te),
-        vocab_size=padded_vocab_size(arch.vocab_size, training.tensor_model_parallel_size),
-        max_sequence_length=arch.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
-        parallel_output=True,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=arch.rotary_percent,
-        rotary_base=int(arch.rotary_base),
-    )
+    first, last, layers = True, True, arch.num_layers
+    if pipeline > 1:
+        from megatron.core import parallel_state
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        layers = get_num_layers_to_build(config)
+    with tensor_cuda_is_identity():  # the tied output layer's init all-reduce (PP > 1) calls .cuda()
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=build_block_spec(arch, use_te=use_te, num_layers=layers),
+            vocab_size=padded_vocab_size(arch.vocab_size, training.tensor_model_parallel_size),
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=first,
+            post_process=last,
+            parallel_output=True,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=arch.rotary_percent,
+            rotary_base=int(arch.rotary_base),
+        )
     if not cuda_available():
         model = model.to(torch.float32 if params_dtype is None else params_dtype)
     return model
@@ -112,7 +134,8 @@ def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tenso
 
 
 def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Vocab-parallel logits [b, s, V_padded / tp] for right-padded `tokens` [b, s]."""
+    """Vocab-parallel logits [b, s, V_padded / tp] for right-padded `tokens` [b, s] (PP=1 only;
+    under PP use `pipeline.PipelineSchedule.forward_only`)."""
     batch, seq_len = tokens.shape
     position_ids = torch.arange(seq_len, device=tokens.device).unsqueeze(0).expand(batch, -1)
     return model(tokens, position_ids, causal_mask(seq_len, tokens.device))

@@ -2,8 +2,9 @@
 
 Owns: wrapping the model in Megatron's `DistributedDataParallel` (grads land in `param.main_grad`
 buffers and are reduced over DP by `finalize_model_grads`, which also sums the SP / q-k norm grads
-over TP), and one optimizer step. On CPU Megatron's optimizer does not run (hard-coded CUDA), so a
-plain `torch.optim.AdamW` steps on `main_grad` with the clipping norm computed over unique shards
+over TP and a tied embedding's over the first and last pipeline stages), and one optimizer step.
+On CPU Megatron's optimizer does not run (hard-coded CUDA), so a plain `torch.optim.AdamW` steps on
+`main_grad` with the clipping norm computed over unique shards of every TP and PP rank
 (notes/megatron-cpu.md). On GPU the same interface wraps Megatron's optimizer (not run here).
 The schedule follows Megatron's `OptimizerParamScheduler` (linear warmup from 0, then constant,
 linear or cosine decay to `min_lr`). Does not own checkpointing of this state (`checkpoint`).
@@ -81,13 +82,16 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
             param.grad = None
 
     def grad_norm(self) -> float:
-        """L2 norm of all gradients, each TP-duplicated parameter counted once."""
+        """L2 norm of all gradients over every TP and PP rank, each parameter counted once: TP
+        duplicates (norms) on one TP rank, the tied embedding on the first stage only (the last
+        stage's output-layer copy is marked `shared` by Megatron)."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
 
         squares = torch.zeros((), dtype=torch.float64)
         for param in self.params:
-            if param_is_not_tensor_parallel_duplicate(param):
+            if param_is_not_tensor_parallel_duplicate(param) and param_is_not_shared(param):
                 squares += param.main_grad.double().square().sum()
         group = parallel_state.get_model_parallel_group()
         if dist.get_world_size(group) > 1:

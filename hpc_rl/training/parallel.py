@@ -3,7 +3,8 @@
 Owns: `init_parallel` (gloo on CPU, nccl on GPU; then `initialize_model_parallel` with the
 `training` section's TP/PP/CP/EP sizes; then the RNG seeds) and `ParallelInfo`, the few ranks and
 groups the step, the exporter and checkpoints ask for. Does not own the weight-update group to the
-engines (`hpc_rl.weights.process_group`).
+engines (`hpc_rl.weights.process_group`), the pipeline schedule (`hpc_rl.training.pipeline`) or the
+CP sequence split (`hpc_rl.training.context_parallel`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,20 @@ class ParallelInfo:
     dp_rank: int
     dp_size: int
     on_cpu: bool
+    pp_rank: int = 0
+    pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        """This rank holds the embedding (pipeline stage 0)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank holds the output layer: it computes logits, log-probs, the loss and metrics."""
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def device(self) -> torch.device:
@@ -47,12 +62,6 @@ def init_parallel(training: TrainingConfig, *, device: str = "cpu") -> ParallelI
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend="gloo" if on_cpu else "nccl")
-    if training.pipeline_model_parallel_size != 1 or training.context_parallel_size != 1:
-        # The model provider builds one chunk without PP hooks and the step has no CP split yet.
-        raise NotImplementedError(
-            "training.pipeline_model_parallel_size and context_parallel_size must be 1 for now "
-            f"(got {training.pipeline_model_parallel_size}, {training.context_parallel_size})"
-        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=training.tensor_model_parallel_size,
@@ -76,6 +85,10 @@ def current_parallel_info(*, on_cpu: bool | None = None) -> ParallelInfo:
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        cp_size=parallel_state.get_context_parallel_world_size(),
         on_cpu=(not torch.cuda.is_available()) if on_cpu is None else on_cpu,
     )
 

@@ -4,7 +4,14 @@ Owns: splitting a `TrainBatch` into `num_steps_per_rollout` steps and each step 
 (fixed `micro_batch_size`, or token-packed with `use_dynamic_batch_size`, with the same count on
 every DP rank), the forward passes, the loss scale that makes a step's gradient independent of the
 micro-batching, and the step's metrics. The formulas are `losses` / `advantages`' (pure), the
-micro-batch packing is `batching`'s, log-probs under TP are `logprobs`'.
+micro-batch packing is `batching`'s, log-probs under TP are `logprobs`', running micro-batches
+through pipeline stages is `pipeline`'s.
+
+Pipeline parallel: every stage builds the same micro-batches (it has the tokens), but only the last
+stage sees logits, so the per-sample results live there: ref/old log-probs, KL, advantages, the
+loss and its metrics are computed on the last stage only; the other stages run their chunk's
+forward and backward. After the optimizer step the last stage broadcasts the step's metrics over
+the pipeline group, so every rank (global rank 0 included, which reports them) returns the same.
 
 Old log-probs (and ref log-probs) are computed for the whole rollout before its first update, on
 the same micro-batches the training pass uses, so on the first step logp_old == logp bit for bit
@@ -23,10 +30,12 @@ from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import AlgorithmConfig, TrainingConfig
 from hpc_rl.training.advantages import compute_advantages
 from hpc_rl.training.batching import equalize_microbatch_count, pack_microbatches
+from hpc_rl.training.json_collectives import broadcast_json
 from hpc_rl.training.losses import PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for
 from hpc_rl.training.micro_batches import MicroBatch, build_microbatch
 from hpc_rl.training.optimizer import ActorOptimizer
 from hpc_rl.training.parallel import ParallelInfo
+from hpc_rl.training.pipeline import PipelineSchedule
 from hpc_rl.training.train_batch import TrainBatch
 
 
@@ -54,7 +63,10 @@ class RolloutTrainer:
         self.arch, self.training, self.algorithm, self.info = arch, training, algorithm, info
         self.loss_config = policy_loss_config(algorithm, training)
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if info.tp_size > 1 else None
+        self.cp_group = parallel_state.get_context_parallel_group() if info.cp_size > 1 else None
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group() if info.pp_size > 1 else None
+        self.pipeline = PipelineSchedule.for_model(actor, device=info.device)
         if algorithm.use_kl_loss and ref_model is None:
             raise ValueError("algorithm.use_kl_loss needs a reference model (checkpoint.ref_load)")
 
@@ -65,7 +77,8 @@ class RolloutTrainer:
         if self.training.use_dynamic_batch_size:
             if not self.training.max_tokens_per_gpu:
                 raise ValueError("training.use_dynamic_batch_size needs training.max_tokens_per_gpu")
-            bins = pack_microbatches(lengths, self.training.max_tokens_per_gpu)
+            # max_tokens_per_gpu counts one GPU's tokens: a CP group holds cp_size times that (slime's rule)
+            bins = pack_microbatches(lengths, self.training.max_tokens_per_gpu * self.info.cp_size)
             count = torch.tensor(len(bins), device=self.info.device)
             if self.info.dp_size > 1:
                 dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
@@ -80,18 +93,19 @@ class RolloutTrainer:
             out.append(build_microbatch([batch.tokens[i] for i in indices],
                                         [batch.response_lengths[i] for i in indices], indices,
                                         qkv_format=self.training.qkv_format, pad_multiple=multiple,
-                                        device=self.info.device))
+                                        device=self.info.device, cp_group=self.cp_group))
         return out
 
-    def _forward(self, model: torch.nn.Module, micro: MicroBatch, *, with_entropy: bool):
-        return micro.response_logprobs(micro.forward(model), vocab_size=self.arch.vocab_size,
-                                       tp_group=self.tp_group, with_entropy=with_entropy)
+    def _response_logprobs(self, micro: MicroBatch, logits: torch.Tensor, *, with_entropy: bool):
+        return micro.response_logprobs(logits, vocab_size=self.arch.vocab_size, tp_group=self.tp_group,
+                                       with_entropy=with_entropy)
 
     @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, micros: list[MicroBatch], batch: TrainBatch) -> dict[int, torch.Tensor]:
+    def _logprobs(self, model: torch.nn.Module, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        """Per-sample response log-probs, by batch index; empty on stages other than the last."""
         out: dict[int, torch.Tensor] = {}
-        for micro in micros:
-            values, _ = self._forward(model, micro, with_entropy=False)
+        for micro, values in zip(micros, self.pipeline.forward_only(
+                model, micros, lambda m, logits: self._response_logprobs(m, logits, with_entropy=False)[0])):
             out.update(zip(micro.indices, values))
         return out
 
@@ -107,14 +121,16 @@ class RolloutTrainer:
         masks = [torch.as_tensor(m, dtype=torch.float32, device=device) for m in batch.loss_masks]
         all_micros = [m for step in plan for m in step]
 
-        ref = self._logprobs(self.ref_model, all_micros, batch) if self.ref_model is not None else None
+        ref = self._logprobs(self.ref_model, all_micros) if self.ref_model is not None else None
         if self.algorithm.use_rollout_logprobs:
             if batch.rollout_logprobs is None:
                 raise ValueError("algorithm.use_rollout_logprobs is set but the batch has no rollout log-probs")
             old = {i: torch.as_tensor(lp, dtype=torch.float32, device=device)
                    for i, lp in enumerate(batch.rollout_logprobs)}
         else:
-            old = self._logprobs(self.actor, all_micros, batch)
+            old = self._logprobs(self.actor, all_micros)
+        if not self.info.is_last_stage:  # log-probs, advantages and the loss live on the last stage
+            return [self._train_step(batch, micros, masks, old, ref, [], None) for micros in plan]
         kl = None
         if ref is not None:
             kl = [approx_kl(old[i], ref[i], self.algorithm.kl_loss_type) for i in range(len(batch))]
@@ -145,28 +161,39 @@ class RolloutTrainer:
             dist.all_reduce(counts, group=self.dp_group)
         global_samples, global_tokens, global_trained = (float(x) for x in counts)
         # DDP averages gradients over DP, so multiply back by dp_size (see losses.step_loss_scale).
+        # Under CP it averages over DP x CP, while each CP rank's grads are its share of one sum (every
+        # CP rank computes the same loss; micro_batches' log-prob gather back-propagates only the local
+        # slice): multiply back by cp_size too.
         denominator = global_trained if self.loss_config.calculate_per_token_loss else global_samples
-        scale = self.info.dp_size / max(denominator, 1.0)
+        scale = self.info.dp_size * self.info.cp_size / max(denominator, 1.0)
         sums: dict[str, float] = {}
-        self.actor.train()
-        for micro in micros:
+
+        def micro_loss(micro: MicroBatch, logits: torch.Tensor) -> torch.Tensor:  # last stage only
             idx = micro.indices
-            log_probs, entropy = self._forward(self.actor, micro, with_entropy=True)
+            log_probs, entropy = self._response_logprobs(micro, logits, with_entropy=True)
             loss, metrics = policy_loss_and_metrics(
                 self.loss_config, log_probs=log_probs, old_log_probs=[old[i] for i in idx],
                 advantages=[advantages[i] for i in idx], loss_masks=[masks[i] for i in idx], entropy=entropy,
                 ref_log_probs=[ref[i] for i in idx] if ref is not None else None,
                 rollout_log_probs=[rollout[i] for i in idx] if rollout is not None else None)
-            (loss * scale).backward()
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
+            return loss * scale
+
+        self.actor.train()
+        self.pipeline.forward_backward(self.actor, micros, micro_loss)
         result = self.optimizer.step()
-        names = sorted(sums)
-        totals = torch.tensor([sums[k] for k in names], dtype=torch.float64, device=self.info.device)
-        if self.info.dp_size > 1:
-            dist.all_reduce(totals, group=self.dp_group)
+        out: dict[str, float] = {}
+        if self.info.is_last_stage:
+            names = sorted(sums)
+            totals = torch.tensor([sums[k] for k in names], dtype=torch.float64, device=self.info.device)
+            if self.info.dp_size > 1:
+                dist.all_reduce(totals, group=self.dp_group)
+            out = {k: float(v) / max(denominator, 1.0) for k, v in zip(names, totals)}
+        if self.pp_group is not None:  # the loss metrics to every stage (rank 0 reports them)
+            out = dict(broadcast_json(out, src=dist.get_global_rank(self.pp_group, self.info.pp_size - 1),
+                                      group=self.pp_group, device=self.info.device))
         seconds = time.perf_counter() - start
-        out = {k: float(v) / max(denominator, 1.0) for k, v in zip(names, totals)}
         out.update({"grad_norm": result.grad_norm, "lr": result.lr, "step_time": seconds,
                     "tokens_per_second": global_tokens / seconds, "samples": global_samples,
                     "skipped": float(result.skipped)})

@@ -1,7 +1,8 @@
 """Checkpoint conversion HF <-> Megatron torch_dist (the logic behind tools/convert_*.py).
 
-Owns: HF safetensors -> torch_dist (run on any number of TP ranks; the result reshards on load
-because torch_dist stores global tensors and our vocab padding does not depend on TP), and
+Owns: HF safetensors -> torch_dist (run on any number of TP x PP ranks; the result reshards on load
+because torch_dist stores global tensors, layers under global indices, and our vocab padding does
+not depend on TP), and
 torch_dist -> HF safetensors on one CPU process, with config.json, tokenizer and generation files
 copied from the original HF directory. The architecture file is checked against config.json
 before anything is converted. Bit-exact both ways: only reshuffles, no arithmetic.
@@ -36,7 +37,7 @@ def ensure_process_group() -> None:
 
 
 def hf_to_torch_dist(hf_dir: str | Path, model_file: str | Path, save_dir: str | Path, *,
-                     tensor_parallel_size: int = 1) -> Path:
+                     tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> Path:
     """Collective over the world's ranks: write `save_dir/iter_0000000` (+ tracker). Returns it."""
     from hpc_rl.config.schema import TrainingConfig
     from hpc_rl.training.checkpoint import save_model_weights
@@ -47,8 +48,10 @@ def hf_to_torch_dist(hf_dir: str | Path, model_file: str | Path, save_dir: str |
     arch = ModelArchitecture.from_yaml(model_file)
     check_architecture(arch, hf_dir, model_file)
     ensure_process_group()
-    info = init_parallel(TrainingConfig(tensor_model_parallel_size=tensor_parallel_size), device="cpu")
-    model = build_gpt_model(arch, TrainingConfig(tensor_model_parallel_size=tensor_parallel_size))
+    training = TrainingConfig(tensor_model_parallel_size=tensor_parallel_size,
+                              pipeline_model_parallel_size=pipeline_parallel_size)
+    info = init_parallel(training, device="cpu")
+    model = build_gpt_model(arch, training)
     load_hf_into_model(model, hf_dir, arch, tp_rank=info.tp_rank, tp_size=info.tp_size, model_file=model_file)
     return save_model_weights(save_dir, model, iteration=0)
 
@@ -88,7 +91,7 @@ def write_hf_checkpoint(state: dict, output_dir: str | Path, reference_dir: str 
 
 def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: str | Path, *,
                      hf_reference: str | Path | None = None) -> Path:
-    """One CPU process: load torch_dist at TP=1 and write an HF directory."""
+    """One CPU process: load torch_dist (saved at any TP/PP) at TP=1, PP=1 and write an HF directory."""
     from hpc_rl.config.schema import TrainingConfig
     from hpc_rl.training.checkpoint import load_model_weights
     from hpc_rl.training.model_provider import build_gpt_model

@@ -3,7 +3,9 @@
 Owns: gathering one parameter's TP shards (all-gather on the TP group), undoing the TP layout
 (`hf_mapping.unshard`) and mapping to HF names/layouts (`hf_mapping.to_hf`), one Megatron parameter
 at a time so at most one full tensor per parameter is alive. Also the shapes a parameter will have
-after the gather, without gathering (for planning buckets). Does not broadcast (`sender`).
+after the gather, without gathering (for planning buckets). Names are global: under pipeline
+parallelism a stage's layers carry their global index (`stage`). Does not broadcast, nor move
+tensors between pipeline stages (`sender`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import torch.distributed as dist
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.weights import hf_mapping
+from hpc_rl.weights.stage import global_named_params, stage_layout, stage_name_map
 
 
 def named_megatron_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """This rank's parameters under canonical names (DDP/`module.` prefixes stripped)."""
-    return {hf_mapping.canonical_name(name): param for name, param in model.named_parameters()}
+    """This rank's parameters under global canonical names (DDP/`module.` prefixes stripped)."""
+    return global_named_params(model)
 
 
 def full_shape(megatron_name: str, local_shape: torch.Size | tuple[int, ...], tp_size: int) -> tuple[int, ...]:
@@ -48,7 +51,8 @@ def export_param(megatron_name: str, local: torch.Tensor, arch: ModelArchitectur
 
 def export_hf_state_dict(model: torch.nn.Module, arch: ModelArchitecture,
                          tp_group: dist.ProcessGroup | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every HF tensor in `hf_mapping.name_map` order; all TP ranks must iterate it together."""
+    """Every HF tensor this pipeline stage holds (all of them at PP=1), in `hf_mapping.name_map`
+    order; all TP ranks of the stage must iterate it together."""
     params = named_megatron_params(model)
-    for megatron_name, _ in hf_mapping.name_map(arch):
+    for megatron_name, _ in stage_name_map(arch, stage_layout(model)):
         yield from export_param(megatron_name, params[megatron_name], arch, tp_group)

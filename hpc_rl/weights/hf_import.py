@@ -2,7 +2,9 @@
 
 Owns: reading `*.safetensors` (single file or sharded with an index) into an HF state dict, checking
 the architecture file against `config.json` first (a wrong rotary base trains silently wrong), and
-copying each rank's shards into the model's parameters. The name/layout logic is `hf_mapping`'s.
+copying each rank's shards into the model's parameters: under pipeline parallelism only the
+global layers (and ends) this rank's stage holds, and a tied output layer on the last stage from
+the HF embedding. The name/layout logic is `hf_mapping`'s, the stage's slice is `stage`'s.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from safetensors import safe_open
 
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches, load_hf_config
 from hpc_rl.weights import hf_mapping
+from hpc_rl.weights.stage import EMBEDDING, OUTPUT_LAYER, global_named_params, stage_layout, stage_name_map
 
 
 def is_hf_checkpoint(path: str | Path) -> bool:
@@ -89,10 +92,11 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path, arch: ModelAr
 def load_hf_state_into_model(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor] | HFTensorReader,
                              arch: ModelArchitecture, *, tp_rank: int, tp_size: int) -> None:
     """Like `load_hf_into_model` from a state dict or reader; one Megatron parameter at a time."""
-    params = {hf_mapping.canonical_name(n): p for n, p in model.named_parameters()}
-    padded = params["embedding.word_embeddings.weight"].shape[0] * tp_size
+    params = global_named_params(model)
+    vocab_param = params.get(EMBEDDING, params.get(OUTPUT_LAYER))
+    padded = vocab_param.shape[0] * tp_size if vocab_param is not None else None
     covered = set()
-    for name, hf_names in hf_mapping.name_map(arch):
+    for name, hf_names in stage_name_map(arch, stage_layout(model), with_tied_output=True):
         missing = [n for n in hf_names if n not in hf_state]
         if missing:
             raise KeyError(f"HF checkpoint lacks {', '.join(missing)} (needed for {name})")

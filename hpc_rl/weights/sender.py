@@ -14,6 +14,13 @@ Protocol (driven by the controller, `hpc_rl.controller.weight_sync`)::
     rank 0:      sender.close()                        # when the engine set changes / at exit
 
 Every rank of the first TP group (DP rank 0) takes part in each gather; other DP ranks return at once.
+
+Pipeline parallel: rank 0 (stage 0) holds only its stage's parameters. `plan_buckets` then gathers
+each stage's (name, full shape, dtype) over the pipeline group once per sender, so every rank plans
+the same buckets over the whole model; in `send_bucket` the stage that owns a parameter gathers it
+over its TP group and its TP rank 0 sends the full tensor to rank 0 (p2p on the pipeline group,
+gloo or NCCL), which maps it to HF names and packs it. At PP=1 nothing of this runs: no metadata
+exchange, no extra copy.
 """
 
 from __future__ import annotations
@@ -26,14 +33,16 @@ import torch
 import torch.distributed as dist
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.engines.bucket_layout import dtype_name, pack_bucket
+from hpc_rl.engines.bucket_layout import dtype_from_name, dtype_name, pack_bucket
+from hpc_rl.training.json_collectives import all_gather_json
 from hpc_rl.weights import hf_mapping
-from hpc_rl.weights.export import export_param, full_shape, named_megatron_params
+from hpc_rl.weights.export import export_param, full_shape, gather_full, named_megatron_params
 from hpc_rl.weights.process_group import (
     DEFAULT_GROUP_NAME,
     destroy_weight_update_group,
     init_weight_update_group,
 )
+from hpc_rl.weights.stage import stage_layout, stage_name_map
 
 LOAD_FORMAT = "flattened_bucket"
 
@@ -119,14 +128,23 @@ class WeightSender:
     """Broadcasts a Megatron model's weights, HF-named and unsharded, from trainer rank 0."""
 
     def __init__(self, model: torch.nn.Module, arch: ModelArchitecture, *, tp_group: dist.ProcessGroup | None,
-                 tp_size: int, dp_rank: int, rank: int, bucket_bytes: int, dtype: torch.dtype | None = None) -> None:
+                 tp_size: int, dp_rank: int, rank: int, bucket_bytes: int, dtype: torch.dtype | None = None,
+                 pp_group: dist.ProcessGroup | None = None, pp_rank: int = 0, pp_size: int = 1) -> None:
         self.params = named_megatron_params(model)
         self.arch, self.tp_group, self.tp_size = arch, tp_group, tp_size
         self.dp_rank, self.rank, self.bucket_bytes = dp_rank, rank, bucket_bytes
+        self.pp_group, self.pp_rank, self.pp_size = pp_group, pp_rank, pp_size
+        if pp_size > 1 and pp_group is None:
+            raise ValueError("pipeline_model_parallel_size > 1 needs the pipeline group")
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self.dtype = dtype or next(iter(self.params.values())).dtype
+        self._model = model
+        self._comm_device = next(iter(self.params.values())).device  # NCCL needs CUDA tensors, gloo CPU ones
         self.group: dist.ProcessGroup | None = None
         self._broadcaster = _PipelinedBroadcaster()
         self._plan: list[BucketMeta] | None = None
+        self._sources: dict[str, tuple[int, tuple[int, ...], str]] | None = None
+        """Megatron name -> (owning pipeline stage, full shape, dtype name), over the whole model."""
 
     def set_bucket_bytes(self, bucket_bytes: int) -> None:
         """Change the bucket size for the next sync (the group and buffers are kept)."""
@@ -134,15 +152,33 @@ class WeightSender:
             self.bucket_bytes, self._plan = bucket_bytes, None
 
     def plan_buckets(self) -> list[BucketMeta]:
-        """The buckets' metadata (pure: no communication). The same on every rank."""
+        """The buckets' metadata, the same on every rank. No communication at PP=1; under PP the
+        first call is a collective over the pipeline group (every rank calls it, as the loop does)."""
         if self._plan is None:
+            sources = self._source_metadata()
             entries = []
             for megatron_name, _ in hf_mapping.name_map(self.arch):
-                local = self.params[megatron_name]
-                shape = full_shape(megatron_name, local.shape, self.tp_size)
+                if megatron_name not in sources:
+                    raise KeyError(f"no pipeline stage holds {megatron_name}")
+                shape = sources[megatron_name][1]
                 entries.append((megatron_name, hf_mapping.hf_param_shapes(self.arch, megatron_name, shape)))
             self._plan = _plan(entries, self.dtype, self.bucket_bytes)
         return self._plan
+
+    def _source_metadata(self) -> dict[str, tuple[int, tuple[int, ...], str]]:
+        if self._sources is None:
+            if self.pp_size == 1:
+                names = [name for name, _ in hf_mapping.name_map(self.arch)]
+            else:
+                names = [name for name, _ in stage_name_map(self.arch, stage_layout(self._model))]
+            local = {name: (self.pp_rank, full_shape(name, self.params[name].shape, self.tp_size),
+                            dtype_name(self.params[name].dtype)) for name in names}
+            if self.pp_size > 1:
+                stages = all_gather_json(local, group=self.pp_group, device=self._comm_device)
+                local = {name: (int(owner), tuple(shape), dtype)
+                         for stage in stages for name, (owner, shape, dtype) in stage.items()}
+            self._sources = local
+        return self._sources
 
     def connect(self, master_address: str, master_port: int, world_size: int, *,
                 group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo") -> None:
@@ -160,7 +196,10 @@ class WeightSender:
         meta = self.plan_buckets()[index]
         named: list[tuple[str, torch.Tensor]] = []
         for source in meta.megatron_names:
-            named.extend(export_param(source, self.params[source], self.arch, self.tp_group))
+            if self.pp_size == 1:
+                named.extend(export_param(source, self.params[source], self.arch, self.tp_group))
+            else:
+                named.extend(self._from_pipeline(source))
         if self.rank != 0:
             return
         if self.group is None:
@@ -170,6 +209,25 @@ class WeightSender:
         names = self._broadcaster.send(named, meta.num_bytes, self.group, capacity)
         if names != meta.names:
             raise RuntimeError(f"bucket {index}: packed names differ from the announced plan")
+
+    def _from_pipeline(self, source: str) -> list[tuple[str, torch.Tensor]]:
+        """Under PP: the HF tensors of `source` on rank 0 (empty elsewhere); the owning stage's TP
+        group gathers it and its TP rank 0 sends it to stage 0, where rank 0 receives it."""
+        owner, shape, dtype = self._source_metadata()[source]
+        assert self.pp_group is not None
+        if owner == self.pp_rank:
+            full = gather_full(source, self.params[source], self.tp_group)
+            if owner == 0:
+                return hf_mapping.to_hf(source, full, self.arch)
+            if self.tp_rank == 0:
+                dist.send(full.contiguous(), dst=dist.get_global_rank(self.pp_group, 0), group=self.pp_group)
+            return []
+        if self.rank != 0:
+            return []
+        device = next(iter(self.params.values())).device
+        full = torch.empty(shape, dtype=dtype_from_name(dtype), device=device)
+        dist.recv(full, src=dist.get_global_rank(self.pp_group, owner), group=self.pp_group)
+        return hf_mapping.to_hf(source, full, self.arch)
 
     def finish(self) -> None:
         """Wait until the last broadcasts completed (end of a sync; buffers may then be refilled)."""

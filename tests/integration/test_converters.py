@@ -1,4 +1,4 @@
-"""HF -> torch_dist (written by 2 TP ranks) -> HF (one process, the CLI) is bit-exact."""
+"""HF -> torch_dist (written by 2 TP ranks, or 2 PP stages) -> HF (one process, the CLI) is bit-exact."""
 
 from __future__ import annotations
 
@@ -17,21 +17,22 @@ ROOT = Path(__file__).resolve().parents[2]
 ARCH_FILE = str(ROOT / "configs/models/tiny_qwen3.yaml")
 
 
-def convert_rank(hf_dir: str, save_dir: str) -> str:
+def convert_rank(hf_dir: str, save_dir: str, tp: int, pp: int) -> str:
     from hpc_rl.training.parallel import shutdown_parallel
     from hpc_rl.weights.convert import hf_to_torch_dist
 
-    out = hf_to_torch_dist(hf_dir, ARCH_FILE, save_dir, tensor_parallel_size=2)
+    out = hf_to_torch_dist(hf_dir, ARCH_FILE, save_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     shutdown_parallel()
     return str(out)
 
 
-def test_hf_torch_dist_hf_round_trip_is_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_hf_torch_dist_hf_round_trip_is_exact(tmp_path: Path, tp: int, pp: int) -> None:
     from hpc_rl.tiny_model import make_tiny_model
 
     hf_dir = make_tiny_model(tmp_path / "hf")
     save_dir = tmp_path / "torch_dist"
-    written = run_ranks(convert_rank, 2, str(hf_dir), str(save_dir))[0]
+    written = run_ranks(convert_rank, 2, str(hf_dir), str(save_dir), tp, pp)[0]
     assert Path(written) == save_dir / "iter_0000000"
     assert (save_dir / "latest_checkpointed_iteration.txt").read_text() == "0"
     out_dir = tmp_path / "hf_back"

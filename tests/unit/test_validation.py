@@ -58,6 +58,11 @@ def test_tp_must_divide_kv_heads() -> None:
     assert "TP 4 does not divide the model's 2 KV heads" in text
 
 
+def test_pp_must_divide_layers() -> None:
+    text = problems_for(["--actor-num-gpus-per-node", "3", "--pipeline-model-parallel-size", "3"])
+    assert "training.pipeline_model_parallel_size: PP 3 does not divide the model's num_layers (2" in text
+
+
 def test_missing_files_and_no_check_files() -> None:
     flags = ["--prompt-data", "/nonexistent/train.jsonl", "--hf-checkpoint", "/nonexistent/model"]
     text = problems_for(flags)

@@ -1,0 +1,112 @@
+"""Which part of the global model a pipeline stage holds, under global parameter names.
+
+Owns: `StageLayout` (first global layer, layer count, whether the stage holds the embedding and
+the output side), reading it off a built Megatron model (Megatron numbers a stage's layers
+globally in `layer_number` while its module names count from 0), renaming a stage's parameters to
+global canonical names (`decoder.layers.<local>.` -> `decoder.layers.<offset + local>.`), and the
+slice of `hf_mapping.name_map` a stage holds. With PP=1 the layout is the whole model and every
+name is unchanged. Pure, except `stage_layout`, which only reads attributes (no Megatron import).
+
+Tied embeddings under PP: the last stage's `output_layer.weight` is a copy of the first stage's
+embedding (Megatron keeps them equal). It is loaded from the HF embedding (`with_tied_output`) but
+never exported: the engines get the embedding once, from the first stage.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.weights import hf_mapping
+
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """The global layers [layer_offset, layer_offset + num_layers) and the ends a stage holds."""
+
+    layer_offset: int
+    num_layers: int
+    first: bool
+    """Holds the embedding."""
+    last: bool
+    """Holds the final norm and the output layer."""
+
+    @classmethod
+    def whole(cls, num_layers: int) -> StageLayout:
+        return cls(layer_offset=0, num_layers=num_layers, first=True, last=True)
+
+    def holds_layer(self, layer: int) -> bool:
+        return self.layer_offset <= layer < self.layer_offset + self.num_layers
+
+
+def even_stage_layout(num_layers: int, pp_size: int, pp_rank: int) -> StageLayout:
+    """Megatron's default split: `num_layers / pp_size` consecutive layers per stage."""
+    if num_layers % pp_size:
+        raise ValueError(f"pipeline_model_parallel_size={pp_size} does not divide num_layers={num_layers}")
+    per_stage = num_layers // pp_size
+    return StageLayout(layer_offset=pp_rank * per_stage, num_layers=per_stage, first=pp_rank == 0,
+                       last=pp_rank == pp_size - 1)
+
+
+def _unwrap(model: torch.nn.Module) -> Any:
+    inner: Any = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return inner
+
+
+def stage_layout(model: torch.nn.Module) -> StageLayout:
+    """The layout of a built (possibly DDP-wrapped) Megatron GPTModel stage."""
+    inner = _unwrap(model)
+    layers = list(inner.decoder.layers)
+    offset = int(layers[0].layer_number) - 1 if layers else 0
+    return StageLayout(layer_offset=offset, num_layers=len(layers), first=bool(inner.pre_process),
+                       last=bool(inner.post_process))
+
+
+def global_name(local_name: str, layer_offset: int) -> str:
+    """A stage's parameter name with its layer index made global (other names unchanged)."""
+    match = _LOCAL_LAYER.match(local_name)
+    if not match or layer_offset == 0:
+        return local_name
+    return f"decoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}"
+
+
+def global_named_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """This stage's parameters under global canonical names (DDP/`module.` prefixes stripped)."""
+    named = [(hf_mapping.canonical_name(name), param) for name, param in model.named_parameters()]
+    if not any(_LOCAL_LAYER.match(name) for name, _ in named):
+        return dict(named)
+    offset = stage_layout(model).layer_offset
+    return {global_name(name, offset): param for name, param in named}
+
+
+def stage_name_map(arch: ModelArchitecture, layout: StageLayout, *,
+                   with_tied_output: bool = False) -> list[tuple[str, list[str]]]:
+    """The `hf_mapping.name_map` rows this stage holds, in export order.
+
+    `with_tied_output`: also the last stage's copy of a tied embedding (for loading; PP > 1 only,
+    since with one stage Megatron uses the embedding itself as the output layer).
+    """
+    rows = []
+    for name, hf_names in hf_mapping.name_map(arch):
+        match = _LOCAL_LAYER.match(name)
+        if match:
+            keep = layout.holds_layer(int(match.group(1)))
+        elif name == EMBEDDING:
+            keep = layout.first
+        else:  # final norm, untied output layer
+            keep = layout.last
+        if keep:
+            rows.append((name, hf_names))
+    if with_tied_output and arch.tie_word_embeddings and layout.last and not layout.first:
+        rows.append((OUTPUT_LAYER, hf_mapping.hf_names_of(EMBEDDING, arch)))
+    return rows
