@@ -34,6 +34,7 @@ from hpc_rl.config.schema import RunConfig
 from hpc_rl.controller.engine_fleet import EngineFleet, RestartFn, RouterMembership
 from hpc_rl.controller.registry import Registry, TrainerInfo
 from hpc_rl.controller.run_loop import RunLoop
+from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptSource, make_prompt_encoder
 from hpc_rl.launch.topology import plan_topology
@@ -118,7 +119,8 @@ class Controller:
         source = PromptSource(dataset, shuffle=rollout.rollout_shuffle, seed=rollout.rollout_seed)
         self.client = EngineClient(self.registry, router_url=self.router_url,
                                    per_engine_concurrency=config.sglang.server_concurrency,
-                                   request_timeout_s=config.controller.engine_request_timeout)
+                                   request_timeout_s=config.controller.engine_request_timeout,
+                                   api_key=self.fleet.api_key)
         args = plugin_args(config)
         spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,
                           group_rm=rollout.group_rm, args=args)
@@ -155,12 +157,16 @@ class Controller:
     async def run(self) -> dict[str, Any]:
         """Wait for everyone, resume if a checkpoint says so, run every rollout, stop the trainers."""
         assert self.loop is not None
-        ready = asyncio.create_task(self.registry.wait_ready(self.config.controller.registration_timeout))
-        while not ready.done():  # a trainer step that dies before registering must not leave us waiting
-            await asyncio.wait({ready}, timeout=1.0)
-            if self.channel.failure is not None and not ready.done():
-                ready.cancel()
-                raise self.channel.failure
+        ready = asyncio.create_task(self.registry.wait_ready(self.config.controller.registration_timeout),
+                                    name="wait for registrations")
+        try:
+            while not ready.done():  # a trainer step that dies before registering must not leave us waiting
+                await asyncio.wait({ready}, timeout=1.0)
+                if self.channel.failure is not None and not ready.done():
+                    raise self.channel.failure
+        finally:
+            if not ready.done():  # failed or cancelled while waiting (a done `ready` is read just below)
+                await stop_task(ready, "waiting for registrations")
         ready.result()
         log.info("all components registered: %d trainer rank(s), %d engine(s)", len(self.registry.trainers),
                  len(self.registry.engines))
@@ -171,7 +177,7 @@ class Controller:
                      self.loop.state.weight_version)
         try:
             metrics = await self.loop.run(resumed=bool(resume))
-        except BaseException as error:
+        except Exception as error:  # (a cancellation is a stop, not an error of the run)
             self.last_error = f"{type(error).__name__}: {error}"
             raise
         self.stopping = True

@@ -18,6 +18,7 @@ import aiohttp
 
 from hpc_rl.controller.engine_admin import EngineAdmin
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
+from hpc_rl.controller.stopping import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +63,13 @@ class EngineFleet:
         self._monitor = asyncio.create_task(self._monitor_loop(), name="engine-health")
 
     async def stop_monitoring(self) -> None:
-        """No more health checks or restarts (the driver is about to stop the engines on purpose)."""
+        """No more health checks or restarts (the driver is about to stop the engines on purpose). An
+        error the health task or a restart ended with is logged (once) rather than dropped."""
         tasks = [t for t in [self._monitor, *self._restarts] if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         self._monitor = None
         self._restarts.clear()
+        for task in tasks:
+            await stop_task(task, task.get_name(), timeout_s=30.0)
 
     async def close(self) -> None:
         await self.stop_monitoring()

@@ -33,6 +33,7 @@ from typing import Any, Callable
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.controller.engine_fleet import EngineFleet
 from hpc_rl.controller.registry import EngineState, Registry
+from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.train_batches import RewardShaping, split_for_data_parallel
 from hpc_rl.controller.trainer_channel import TrainerChannel, merge_metrics
 from hpc_rl.controller.weight_sync import WeightGroupState, sync_weights
@@ -98,6 +99,8 @@ class RunLoop:
         self.stop_requested = False
         """Set on a timeout/preemption warning: save at the next rollout boundary and stop (requeue)."""
         self.stopped_for_requeue = False
+        self._ahead: asyncio.Task[RolloutResult] | None = None
+        """Async mode: the next rollout, started while the trainer works on the current one."""
 
     # -- state ---------------------------------------------------------------------------------------------
     def controller_state(self, next_rollout_id: int) -> dict[str, Any]:
@@ -120,23 +123,31 @@ class RunLoop:
             raise self.channel.failure
 
     async def _rollout(self, rollout_id: int) -> RolloutResult:
+        """One rollout, watching the engines meanwhile. However this ends (result, engine or trainer
+        failure, cancellation), the scheduler's task has ended too and its outcome was read."""
         self._boundary_states[rollout_id] = self.scheduler.state_dict()
-        run = asyncio.create_task(self.scheduler.run(rollout_id, self.state.weight_version))
-        while True:
-            waiting = asyncio.create_task(self.fleet.engine_waiting.wait())
-            done, _ = await asyncio.wait({run, waiting}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-            waiting.cancel()
-            if run in done:
-                return run.result()
-            try:
+        run = asyncio.create_task(self.scheduler.run(rollout_id, self.state.weight_version),
+                                  name=f"rollout {rollout_id} generation")
+        outcome_read = False
+        try:
+            while True:
+                waiting = asyncio.create_task(self.fleet.engine_waiting.wait())
+                try:
+                    done, _ = await asyncio.wait({run, waiting}, timeout=1.0,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiting.cancel()
+                if run in done:
+                    outcome_read = True
+                    return run.result()
                 self._check_engines()
-            except BaseException:
-                run.cancel()
-                await asyncio.gather(run, return_exceptions=True)
-                raise
-            if self.fleet.engine_waiting.is_set() and not self.trainer_busy and not self.config.rollout.async_rollout:
-                # A restarted engine: give it the current weights now, so the rollout can use it.
-                await self.sync_weights(self.state.weight_version, reason="engine restarted")
+                if (self.fleet.engine_waiting.is_set() and not self.trainer_busy
+                        and not self.config.rollout.async_rollout):
+                    # A restarted engine: give it the current weights now, so the rollout can use it.
+                    await self.sync_weights(self.state.weight_version, reason="engine restarted")
+        finally:
+            if not outcome_read:
+                await stop_task(run, f"rollout {rollout_id} generation")
 
     async def _engines_call(self, method: str, *args: Any, engines: list[int] | None = None) -> None:
         indices = engines if engines is not None else [e.engine_index for e in self.registry.live_engines()]
@@ -194,6 +205,16 @@ class RunLoop:
 
     # -- the loop ------------------------------------------------------------------------------------------
     async def run(self, *, resumed: bool) -> dict[str, Any]:
+        """Every rollout from `state.next_rollout_id` on. However this ends (done, requeue, error,
+        cancellation), a rollout started ahead (async mode) has been stopped and its outcome read."""
+        try:
+            return await self._run(resumed)
+        finally:
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:
+                await stop_task(ahead, "a rollout started ahead of training")
+
+    async def _run(self, resumed: bool) -> dict[str, Any]:
         start_id = self.state.next_rollout_id
         if resumed and start_id > 0:
             await self.sync_weights(self.state.weight_version, reason="resumed from a checkpoint")
@@ -203,19 +224,23 @@ class RunLoop:
             self.print(progress_line(-1, self.num_rollout, metrics).replace("rollout 0/", "eval before training /"))
         colocate = self.config.cluster.colocate
         overlap = self.config.rollout.async_rollout
-        next_rollout: asyncio.Task[RolloutResult] | None = None
         for rollout_id in range(start_id, self.num_rollout):
             metrics: dict[str, Any] = {}
             start = time.perf_counter()
-            if next_rollout is None:
-                next_rollout = asyncio.create_task(self._rollout(rollout_id))
-            result = await next_rollout
-            next_rollout = None
+            if self._ahead is None:
+                self._ahead = asyncio.create_task(self._rollout(rollout_id), name=f"rollout {rollout_id}")
+            current = self._ahead
+            try:
+                result = await current
+            finally:
+                if current.done():  # its outcome is read here; one still unwinding is left to run()
+                    self._ahead = None
             log.info("rollout %d generated in %.2f s", rollout_id, time.perf_counter() - start)
             metrics.update(result.metrics)
             metrics["time/rollout"] = time.perf_counter() - start
             if overlap and rollout_id + 1 < self.num_rollout:
-                next_rollout = asyncio.create_task(self._rollout(rollout_id + 1))
+                self._ahead = asyncio.create_task(self._rollout(rollout_id + 1),
+                                                  name=f"rollout {rollout_id + 1} (ahead)")
             released = colocate and not overlap
             if released:
                 await self._engines_call("pause", "retract")
@@ -250,9 +275,9 @@ class RunLoop:
             self._boundary_states.pop(rollout_id, None)
             if self.stop_requested and rollout_id + 1 < self.num_rollout:
                 self.stopped_for_requeue = True
-                if next_rollout is not None:
-                    next_rollout.cancel()
-                    await asyncio.gather(next_rollout, return_exceptions=True)
+                ahead, self._ahead = self._ahead, None
+                if ahead is not None:
+                    await stop_task(ahead, "a rollout started ahead of training")
                 self.print(f"stopping after rollout {rollout_id + 1} for requeue (checkpoint saved)")
                 break
         return self.last_metrics

@@ -15,7 +15,9 @@ Owns the SGLang protocol sequence on the engine side and its interleaving with t
                                     <--  CommandDone from every rank
 
 The group is rebuilt only when the set of engines changed (a restarted engine joins a new group).
-Pausing and resuming generation around the sync is the caller's (the loop knows the mode).
+Pausing and resuming generation around the sync is the caller's (the loop knows the mode). However a
+sync ends (done, engine or trainer error, cancellation), the trainer-side task has ended and its
+outcome was read, and the weight-plan future is settled, so nothing is left for asyncio to complain about.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 from hpc_rl.controller.engine_admin import EngineAdmin, EngineAdminError
 from hpc_rl.controller.registry import EngineInfo
+from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel
 from hpc_rl.protocol.messages import SyncWeightsCommand
 from hpc_rl.weights.process_group import DEFAULT_GROUP_NAME
@@ -70,7 +73,9 @@ async def sync_weights(*, version: int, channel: TrainerChannel, engines: list[E
                                   group_name=group_name, backend=backend, bucket_bytes=bucket_bytes)
 
     plan_future = channel.expect_weight_plan()
-    trainer_task = asyncio.create_task(channel.run(command, timeout_s=timeout_s))
+    what = f"the trainer side of weight sync v{version}"
+    trainer_task = asyncio.create_task(channel.run(command, timeout_s=timeout_s), name=what)
+    trainer_outcome_read = False
     try:
         plan = await asyncio.wait_for(asyncio.shield(plan_future), timeout_s)
         if new_group:
@@ -95,11 +100,20 @@ async def sync_weights(*, version: int, channel: TrainerChannel, engines: list[E
                     load_format=plan.load_format)
                 for e in engines))
         await asyncio.gather(*(admins[e.engine_index].end_weight_update() for e in engines))
+        trainer_outcome_read = True
         await trainer_task
     except (EngineAdminError, asyncio.TimeoutError):
         group.members = []  # rebuild next time
-        trainer_task.cancel()
         raise
+    finally:
+        if not plan_future.done():
+            plan_future.cancel()  # no plan is coming that anyone would read
+        elif not plan_future.cancelled():
+            plan_future.exception()  # read it: a trainer failure there reaches the loop via the channel
+        if not trainer_outcome_read:
+            error = await stop_task(trainer_task, what, log_error=False)
+            if error is not None and error is not channel.failure:  # the loop reports a trainer failure
+                log.warning("%s failed too: %s: %s", what, type(error).__name__, error)
     seconds = time.perf_counter() - start
     total_bytes = sum(int(b.get("num_bytes", 0)) for b in plan.buckets)
     log.info("weights v%d -> %d engine(s): %d bucket(s), %.1f MB in %.2f s%s", version, len(engines),

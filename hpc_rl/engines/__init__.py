@@ -5,3 +5,7 @@ SglangEngineProcess), `router` (RouterProcess), `child_process` (process groups,
 `bucket_layout` (flattened weight buckets, shared with the trainer), `cpu/` (the CPU engine).
 The only part of hpc_rl that knows SGLang's server; nothing here imports Megatron.
 """
+
+API_KEY_ENV = "HPC_RL_ENGINE_API_KEY"
+"""Environment variable that hands the job's engine key to the CPU engine and to the router launcher:
+unlike argv, another user cannot read a process's environment (`ps` shows argv)."""

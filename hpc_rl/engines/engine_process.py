@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from hpc_rl.engines import API_KEY_ENV
 from hpc_rl.engines.child_process import ChildProcess, free_port, http_ok, wait_until
 from hpc_rl.engines.sglang_launch import SglangLaunchSpec, build_sglang_command, build_sglang_env
 
@@ -31,17 +32,15 @@ class EngineProcess(Protocol):
 
 
 def cpu_engine_command(model_path: str | Path, *, host: str, port: int, max_running_requests: int = 64,
-                       weight_version: str = "default", num_threads: int = 1, api_key: str | None = None,
+                       weight_version: str = "default", num_threads: int = 1,
                        extra_args: Sequence[str] = ()) -> list[str]:
-    """argv of `python -m hpc_rl.engines.cpu` (the driver's engine steps and CpuEngineProcess)."""
-    command = [
+    """argv of `python -m hpc_rl.engines.cpu` (the driver's engine steps and CpuEngineProcess). The api
+    key is not on it: it travels in the environment (`API_KEY_ENV`)."""
+    return [
         sys.executable, "-m", "hpc_rl.engines.cpu", "--model-path", str(model_path),
         "--host", host, "--port", str(port), "--max-running-requests", str(max_running_requests),
         "--weight-version", weight_version, "--num-threads", str(num_threads), *extra_args,
     ]
-    if api_key:
-        command += ["--api-key", api_key]
-    return command
 
 
 class _HttpEngineProcess:
@@ -82,9 +81,11 @@ class CpuEngineProcess(_HttpEngineProcess):
                  env: Mapping[str, str] | None = None) -> None:
         port = port or free_port(host)
         command = cpu_engine_command(model_path, host=host, port=port, max_running_requests=max_running_requests,
-                                     weight_version=weight_version, num_threads=num_threads, api_key=api_key,
-                                     extra_args=extra_args)
+                                     weight_version=weight_version, num_threads=num_threads, extra_args=extra_args)
         environment = build_sglang_env(os.environ if env is None else env)
+        environment.pop(API_KEY_ENV, None)
+        if api_key:
+            environment[API_KEY_ENV] = api_key
         super().__init__(command, host=host, port=port, log_path=log_path, env=environment, name="CPU engine")
 
 

@@ -5,6 +5,15 @@ Owns: the `sglang_router.launch_router` command (bound to a given host, its own 
 `/readiness`, and adding/removing/listing workers through `POST|GET|DELETE /workers` (0.3.2's API;
 `/add_worker` and friends are 404 there). Not routed by the router, so not here: abort, pause and
 weight updates, which the controller sends to each engine directly.
+
+The job's engine key (`api_key`), as sglang-router 0.3.2 handles it (measured):
+- `--api-key K` guards the router's own endpoints (`/generate`, `/workers`...: 401 without
+  `Authorization: Bearer K`; `/liveness`, `/readiness`, `/health` stay open). It is NOT sent to workers.
+- A worker added with `POST /workers {"url", "api_key": K}` gets `Authorization: Bearer K` on
+  `/server_info`, `/model_info` (registration) and every routed `/generate`; `/health` goes unsigned.
+  (Without it, the router forwards the client's own Authorization header on `/generate` only.)
+- `--api-key` exists only on the command line, which `ps` shows: with a key, the router runs through
+  `python -m hpc_rl.engines.router` (`main` below), which reads it from `API_KEY_ENV`.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from hpc_rl.engines import API_KEY_ENV
 from hpc_rl.engines.child_process import ChildProcess, ChildProcessFailed, free_port, http_ok, wait_until
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
@@ -25,12 +35,15 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 def build_router_command(*, host: str, port: int, prometheus_port: int, policy: str = "cache_aware",
                          worker_urls: Sequence[str] = (), request_timeout_secs: int | None = None,
-                         extra_args: Sequence[str] = (), python: str = sys.executable) -> list[str]:
-    """argv of `python -m sglang_router.launch_router` as hpc_rl runs it."""
+                         extra_args: Sequence[str] = (), python: str = sys.executable,
+                         key_from_env: bool = False) -> list[str]:
+    """argv of `python -m sglang_router.launch_router` as hpc_rl runs it; with `key_from_env`, of
+    `python -m hpc_rl.engines.router` (same flags, plus the api key read from `API_KEY_ENV`)."""
     if policy not in ROUTER_POLICIES:
         raise ValueError(f"router policy {policy!r} is not one of {ROUTER_POLICIES}")
+    module = "hpc_rl.engines.router" if key_from_env else "sglang_router.launch_router"
     command = [
-        python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+        python, "-m", module, "--host", host, "--port", str(port),
         "--policy", policy, "--prometheus-host", host, "--prometheus-port", str(prometheus_port),
         "--disable-retries", "--log-level", "warn",
     ]
@@ -41,9 +54,13 @@ def build_router_command(*, host: str, port: int, prometheus_port: int, policy: 
     return command + list(extra_args)
 
 
-def _request(method: str, url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, object]:
+def _request(method: str, url: str, body: dict | None = None, timeout: float = 10.0,
+             api_key: str | None = None) -> tuple[int, object]:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             raw = response.read()
@@ -57,21 +74,30 @@ def _request(method: str, url: str, body: dict | None = None, timeout: float = 1
 
 
 class RouterProcess:
-    """One sglang-router: start/stop, and workers added or removed at run time."""
+    """One sglang-router: start/stop, and workers added or removed at run time.
+
+    With `api_key` (the job's engine key), the router demands it from its clients and presents it to
+    every worker added through `add_worker` (see the module docstring)."""
 
     def __init__(self, *, log_path: str | Path, host: str = "127.0.0.1", port: int | None = None,
                  prometheus_port: int | None = None, policy: str = "cache_aware",
                  worker_urls: Sequence[str] = (), request_timeout_secs: int | None = None,
-                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 api_key: str | None = None) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.prometheus_port = prometheus_port or free_port(host)
+        self.api_key = api_key
         command = build_router_command(
             host=host, port=self.port, prometheus_port=self.prometheus_port, policy=policy,
             worker_urls=worker_urls, request_timeout_secs=request_timeout_secs, extra_args=extra_args,
+            key_from_env=bool(api_key),
         )
         environment = dict(os.environ if env is None else env)
         environment["HF_HUB_OFFLINE"] = "1"  # it loads each worker's tokenizer from model_path
+        environment.pop(API_KEY_ENV, None)
+        if api_key:
+            environment[API_KEY_ENV] = api_key
         self.process = ChildProcess(command, log_path=log_path, env=environment, name="sglang-router")
 
     @property
@@ -83,7 +109,7 @@ class RouterProcess:
 
     def wait_listening(self, timeout: float = 30.0) -> None:
         """Until the router answers HTTP at all (it listens before any worker is healthy)."""
-        wait_until(lambda: http_ok(f"{self.url}/workers") or http_ok(f"{self.url}/liveness"),
+        wait_until(lambda: http_ok(f"{self.url}/liveness") or http_ok(f"{self.url}/workers"),
                    process=self.process, timeout=timeout, what=f"listening at {self.url}")
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -96,7 +122,7 @@ class RouterProcess:
 
     def list_workers(self) -> list[dict]:
         """The registered workers as the router reports them (dicts with at least `url`)."""
-        status, body = _request("GET", f"{self.url}/workers")
+        status, body = _request("GET", f"{self.url}/workers", api_key=self.api_key)
         if status != 200:
             raise self.process.failure(f"answered {status} to GET /workers: {body}")
         workers = body.get("workers", []) if isinstance(body, dict) else body
@@ -106,8 +132,10 @@ class RouterProcess:
         return [worker.get("url", "") for worker in self.list_workers()]
 
     def add_worker(self, url: str, *, wait: bool = True, timeout: float = 60.0) -> None:
-        """Register an engine (202, asynchronous); with `wait`, until it is listed."""
-        status, body = _request("POST", f"{self.url}/workers", {"url": url})
+        """Register an engine (202, asynchronous; with the router's key for that worker); with `wait`,
+        until it is listed."""
+        request = {"url": url, "api_key": self.api_key} if self.api_key else {"url": url}
+        status, body = _request("POST", f"{self.url}/workers", request, api_key=self.api_key)
         if status not in (200, 201, 202):
             raise self.process.failure(f"refused worker {url} ({status}: {body})")
         if wait:
@@ -119,7 +147,7 @@ class RouterProcess:
             if worker.get("url") == url:
                 worker_id = worker.get("id") or worker.get("worker_id") or url
                 quoted = urllib.parse.quote(str(worker_id), safe="")
-                status, body = _request("DELETE", f"{self.url}/workers/{quoted}")
+                status, body = _request("DELETE", f"{self.url}/workers/{quoted}", api_key=self.api_key)
                 if status not in (200, 202, 204):
                     raise self.process.failure(f"refused to remove worker {url} ({status}: {body})")
                 break
@@ -144,3 +172,17 @@ class RouterProcess:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m hpc_rl.engines.router ARGS`: sglang-router with `launch_router`'s ARGS, guarded by the
+    key in `API_KEY_ENV` (so the key is in no command line)."""
+    from sglang_router.launch_router import launch_router, parse_router_args  # type: ignore[import-untyped]
+
+    router_args = parse_router_args(list(sys.argv[1:] if argv is None else argv))
+    router_args.api_key = os.environ.get(API_KEY_ENV) or None
+    launch_router(router_args)
+
+
+if __name__ == "__main__":
+    main()

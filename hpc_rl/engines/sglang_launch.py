@@ -1,8 +1,15 @@
 """The `sglang.launch_server` command line and environment for one engine (GPU nodes). Pure.
 
 Owns: rendering an engine's command from the rollout config (`hf_checkpoint`,
-`rollout_num_gpus_per_engine` -> `--tp-size`, host/port, every `sglang_*` option passed through)
-and the environment SGLang needs under hpc_rl. Starting the process is `engine_process`'s job.
+`rollout_num_gpus_per_engine` -> `--tp-size`, host/port, every `sglang_*` option passed through),
+the environment SGLang needs under hpc_rl, and the 0600 file that carries the api key. Starting the
+process is `engine_process`'s job.
+
+The api key: SGLang 0.5.23 reads `--api-key` from its command line only (no environment variable), and
+argv is world-readable (`ps`). So the key goes in a 0600 YAML file passed as `--config FILE` (SGLang's
+own "read CLI options from a config file"). SGLang still logs its server args, key included, at info
+level at start (engine.py `_server_args_for_logging` redacts watermark keys only): the driver creates
+engine logs 0600.
 
 Option rendering (keys may carry the `sglang_` prefix of the config; it is dropped):
     {"mem_fraction_static": 0.7}  -> --mem-fraction-static 0.7
@@ -14,13 +21,16 @@ Option rendering (keys may carry the `sglang_` prefix of the config; it is dropp
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 # Flags hpc_rl sets itself: a pass-through option may not override them.
-RESERVED_OPTIONS = frozenset({"model_path", "tp_size", "tensor_parallel_size", "host", "port", "api_key"})
+RESERVED_OPTIONS = frozenset(
+    {"model_path", "tp_size", "tensor_parallel_size", "host", "port", "api_key", "config"}
+)
 
 ENGINE_ENV = {
     # The router health-checks /health; with generation enabled a paused engine fails it (-> 503).
@@ -45,7 +55,9 @@ class SglangLaunchSpec:
     rollout_num_gpus_per_engine: int = 1
     """GPUs per engine: SGLang's tensor-parallel size."""
     api_key: str | None = None
-    """Bearer key for the engine's endpoints (SGLang `--api-key`); `/health` stays open."""
+    """Bearer key for the engine's endpoints (SGLang `--api-key`, on the command line: tests only)."""
+    api_key_file: str | None = None
+    """0600 YAML file holding the key (`write_api_key_file`), passed as `--config`: keeps it off argv."""
     sglang_options: dict[str, Any] = field(default_factory=dict)
     """Every other SGLang server flag, by its python name (see the module docstring)."""
     python: str = sys.executable
@@ -60,7 +72,7 @@ class SglangLaunchSpec:
         if clashes:
             raise ValueError(
                 f"sglang options {clashes} are set by hpc_rl (hf_checkpoint, rollout_num_gpus_per_engine, "
-                "host, port, api_key): remove them from the sglang_* options"
+                "host, port, api_key, config): remove them from the sglang_* options"
             )
 
 
@@ -93,6 +105,8 @@ def build_sglang_command(spec: SglangLaunchSpec) -> list[str]:
     ]
     if spec.api_key:
         command += ["--api-key", spec.api_key]
+    if spec.api_key_file:
+        command += ["--config", spec.api_key_file]
     for key in sorted(spec.sglang_options):
         command += render_option(key, spec.sglang_options[key])
     return command
@@ -104,3 +118,14 @@ def build_sglang_env(base: Mapping[str, str], extra: Mapping[str, str] | None = 
     env.update(ENGINE_ENV)
     env.update(extra or {})
     return env
+
+
+def write_api_key_file(path: str | os.PathLike[str], api_key: str) -> None:
+    """Write `api-key: <key>` for SGLang's `--config`, readable by the owner only (mode 0600 from the
+    start: the file is created that way, never widened; an existing file is rewritten in place)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, f"api-key: {json.dumps(api_key)}\n".encode())  # SGLang passes keys on as `--<key>`
+    finally:
+        os.close(fd)

@@ -4,9 +4,24 @@ Owns: reading `<run_dir>/config.resolved.yaml` and the secret, per-component log
 `<run_dir>/logs/`, starting sglang-router, one engine step per `EnginePlacement` (CPU engine or
 SGLang), the torchrun trainer step (c10d rendezvous on the first trainer node), registering engines
 with the controller, supervising the steps (a dead engine goes to the fleet's failure path and is
-restarted; a dead trainer ends the run with its log tail), and the shutdown order:
-trainer step -> engines -> router -> controller. The same code runs locally (`LocalStepLauncher`)
-and inside a Slurm allocation (`SrunStepLauncher`); only the launcher differs.
+restarted; a dead trainer ends the run with its log tail), and the shutdown order. The same code runs
+locally (`LocalStepLauncher`) and inside a Slurm allocation (`SrunStepLauncher`); only the launcher differs.
+
+Shutdown (success, failure, SIGINT/SIGTERM/scancel alike), every task the driver started is either
+awaited or cancelled on purpose, so asyncio never reports an exception "never retrieved":
+
+    signal ──> controller.stopping (a trainer or engine that now disconnects is not a failure)
+           ──> cancel the main task ──> shutdown():
+                 health checks and restarts off ──> cancel the controller's run task and wait for it
+                 (its rollout aborts, its weight sync unwinds; an error it ends with is logged once)
+                 ──> pending engine-failure tasks ──> trainer step ──> engines ──> router
+                 ──> Controller.close()
+
+The job's engine key (derived from the secret: `engine_api_key`) guards every engine endpoint but
+/health and the router's own endpoints; the controller presents it on each call. It never goes on a
+command line (`ps` shows those) nor into hpc_rl's logs: engines and the router get it in their
+environment (`API_KEY_ENV`), SGLang (which reads no variable for it) in a 0600 `--config` file of the
+run dir; SGLang logs it itself at start, so SGLang engine logs are created 0600.
 
 Exit codes: 0 done, 1 failed, 3 stopped for checkpoint-and-requeue (USR2), 130 interrupted.
 """
@@ -22,22 +37,32 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hpc_rl.config import RunConfig, load_resolved_config
 from hpc_rl.controller.app import Controller
+from hpc_rl.controller.stopping import log_task_error, stop_task
+from hpc_rl.engines import API_KEY_ENV
 from hpc_rl.engines.child_process import free_port, log_tail
 from hpc_rl.engines.engine_process import cpu_engine_command
 from hpc_rl.engines.router import RouterProcess
-from hpc_rl.engines.sglang_launch import SglangLaunchSpec, build_sglang_command, build_sglang_env
+from hpc_rl.engines.sglang_launch import (
+    SglangLaunchSpec,
+    build_sglang_command,
+    build_sglang_env,
+    write_api_key_file,
+)
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
 from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
-from hpc_rl.protocol.secret import load_secret, secret_path
+from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
 
 log = logging.getLogger("hpc_rl.driver")
 
 EXIT_OK, EXIT_FAILED, EXIT_REQUEUE, EXIT_INTERRUPTED = 0, 1, 3, 130
 CONTROLLER_ENV = "HPC_RL_CONTROLLER"
 RUN_DIR_ENV = "HPC_RL_RUN_DIR"
+SGLANG_API_KEY_FILE = "sglang_api_key.yaml"
+"""In the run dir, 0600: the engine key for SGLang's `--config` (written by the driver)."""
 
 
 @dataclass
@@ -60,13 +85,20 @@ class PortPlan:
                    [e.port + offset for e in topology.engines])
 
 
+def sglang_api_key_path(config: RunConfig) -> Path:
+    """Where SGLang engines read the engine key from (`--config`)."""
+    return Path(config.run_dir or "<run_dir>") / SGLANG_API_KEY_FILE
+
+
 def engine_command(config: RunConfig, placement: EnginePlacement, host: str, port: int) -> list[str]:
-    """The engine step's argv: hpc_rl's CPU engine (device cpu) or sglang.launch_server."""
+    """The engine step's argv: hpc_rl's CPU engine (device cpu; key in `API_KEY_ENV`) or
+    sglang.launch_server (key in the run dir's `SGLANG_API_KEY_FILE`). No key on either."""
     if config.cluster.device == "cpu":
         return cpu_engine_command(config.checkpoint.hf_checkpoint, host=host, port=port,
                                   max_running_requests=config.sglang.server_concurrency, weight_version="0")
     spec = SglangLaunchSpec(hf_checkpoint=config.checkpoint.hf_checkpoint, host=host, port=port,
                             rollout_num_gpus_per_engine=config.cluster.rollout_num_gpus_per_engine,
+                            api_key_file=str(sglang_api_key_path(config)),
                             sglang_options=config.sglang.server_options())
     return build_sglang_command(spec)
 
@@ -80,11 +112,17 @@ def trainer_command(config: RunConfig, run_dir: Path, rendezvous: str) -> list[s
             "--max-restarts=0", "-m", "hpc_rl.training", str(run_dir)]
 
 
-async def _wait_healthy(url: str, step: StepHandle, timeout_s: float, log_path: Path) -> None:
+def _create_private(path: Path) -> None:
+    """Create `path` (if missing) readable by its owner only, before anything is written to it."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+    os.chmod(path, 0o600)
+
+
+async def _wait_healthy(url: str, step: StepHandle, timeout_s: float, log_path: Path, api_key: str) -> None:
     import aiohttp
 
     deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {api_key}"}) as session:
         while time.monotonic() < deadline:
             if step.poll() is not None:
                 raise RuntimeError(f"{step.name} exited with code {step.poll()} before it was healthy; "
@@ -118,6 +156,11 @@ class Driver:
         self.router: RouterProcess | None = None
         self.controller: Controller | None = None
         self.requeue_requested = False
+        self.run_task: asyncio.Task[dict[str, object]] | None = None
+        """The controller's run while `run` waits on it; if `run` is interrupted, `shutdown` stops it."""
+        self._engine_failures: dict[int, asyncio.Task[None]] = {}
+        self.engine_key = ""
+        """The job's engine api key (set in `run` from the secret). Never log it."""
 
     # -- engines -------------------------------------------------------------------------------------------
     async def start_engine(self, index: int) -> str:
@@ -126,6 +169,10 @@ class Driver:
         port = self.ports.engines[index]
         log_path = self.logs / f"engine-{index}.log"
         env = build_sglang_env({}, {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+        env[API_KEY_ENV] = self.engine_key  # in the environment: `ps` shows argv, not this
+        if self.config.cluster.device == "cuda":
+            write_api_key_file(sglang_api_key_path(self.config), self.engine_key)
+            _create_private(log_path)  # SGLang logs its server args, the key among them
         if self.config.cluster.device == "cuda" and not self.local:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, placement.gpu_ids))
         step = self.launcher.start(StepSpec(
@@ -135,7 +182,7 @@ class Driver:
             overlap=self.topology.colocate, log_path=log_path))
         self.engine_steps[index] = step
         url = f"http://{host}:{port}"
-        await _wait_healthy(url, step, 600.0, log_path)
+        await _wait_healthy(url, step, 600.0, log_path, self.engine_key)
         return url
 
     async def restart_engine(self, index: int) -> str:
@@ -147,13 +194,15 @@ class Driver:
     # -- the run -------------------------------------------------------------------------------------------
     async def run(self) -> int:
         secret = load_secret(secret_path(self.run_dir))
+        self.engine_key = engine_api_key(secret)
         self.router = RouterProcess(log_path=self.logs / "router.log", host=self.host, port=self.ports.router,
                                     prometheus_port=self.ports.router_metrics,
-                                    policy=self.config.sglang.router_policy)
+                                    policy=self.config.sglang.router_policy, api_key=self.engine_key)
         self.router.start()
         await asyncio.to_thread(self.router.wait_listening, 60.0)
         self.controller = Controller(self.config, secret=secret, router=self.router, router_url=self.router.url,
-                                     restart_engine=self.restart_engine, host=self.host, port=self.ports.controller)
+                                     restart_engine=self.restart_engine, host=self.host, port=self.ports.controller,
+                                     api_key=self.engine_key)
         await self.controller.start()
         urls = await asyncio.gather(*(self.start_engine(i) for i in range(len(self.topology.engines))))
         for index, url in enumerate(urls):
@@ -166,10 +215,11 @@ class Driver:
             het_group=0, num_nodes=self.config.cluster.actor_num_nodes, tasks_per_node=1,
             gpus_per_task=self.config.cluster.actor_num_gpus_per_node if self.config.cluster.device == "cuda" else 0,
             log_path=self.logs / "trainer.log"))
-        run = asyncio.create_task(self.controller.run())
+        run = self.run_task = asyncio.create_task(self.controller.run(), name="controller-run")
         while not run.done():
             await asyncio.wait({run}, timeout=1.0)
             self._supervise(run)
+        self.run_task = None  # its outcome is ours now: raised from here, not left to shutdown()
         run.result()
         code = await asyncio.to_thread(self.trainer_step.wait, 120.0)
         if code != 0:
@@ -182,20 +232,38 @@ class Driver:
             log.warning("checkpoint-and-requeue requested")
             self.controller.loop.stop_requested = True
 
-    def _supervise(self, run: asyncio.Task[object]) -> None:
+    def note_stopping(self) -> None:
+        """A stop was asked for (signal): from now on a component that goes away is not a failure."""
+        if self.controller is not None:
+            self.controller.stopping = True
+
+    def _supervise(self, run: asyncio.Task[Any]) -> None:
         assert self.controller is not None and self.trainer_step is not None
         code = self.trainer_step.poll()
         if code is not None and not run.done() and self.controller.channel.failure is None:
             self.controller.channel.fail(_trainer_exit_error(code, self.logs))
+        for index, task in list(self._engine_failures.items()):
+            if task.done():
+                del self._engine_failures[index]
+                log_task_error(task)
         for index, step in list(self.engine_steps.items()):
             engine = self.controller.registry.engines.get(index)
-            if step.poll() is not None and engine is not None and engine.state.value != "failed":
-                asyncio.create_task(self.controller.fleet.fail_engine(index, f"process exited with code {step.poll()}"))
+            if (step.poll() is not None and engine is not None and engine.state.value != "failed"
+                    and index not in self._engine_failures):
+                reason = f"process exited with code {step.poll()}"
+                self._engine_failures[index] = asyncio.create_task(
+                    self.controller.fleet.fail_engine(index, reason), name=f"fail engine {index}")
 
     async def shutdown(self) -> None:
-        """Trainer step -> engines -> router -> controller; nothing left running."""
+        """Stop every task and process of the run, in the order of the module docstring."""
+        self.note_stopping()
         if self.controller is not None:
             await self.controller.fleet.stop_monitoring()
+        if self.run_task is not None:
+            await stop_task(self.run_task, "the controller's run", timeout_s=60.0)
+        for task in self._engine_failures.values():
+            await stop_task(task, task.get_name(), timeout_s=30.0)
+        self._engine_failures.clear()
         if self.trainer_step is not None:
             await asyncio.to_thread(self.trainer_step.stop, 15.0)
         await asyncio.gather(*(asyncio.to_thread(step.stop, 5.0) for step in self.engine_steps.values()))
@@ -234,12 +302,17 @@ def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> i
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
+        def interrupt() -> None:
+            driver.note_stopping()
+            task.cancel()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
+            loop.add_signal_handler(sig, interrupt)
         loop.add_signal_handler(signal.SIGUSR2, driver.request_checkpoint)
         try:
             return await driver.run()
         except asyncio.CancelledError:
+            log.info("interrupted by a signal; stopping every process of the run")
             print("hpc_rl: interrupted; stopping every process of the run", file=sys.stderr, flush=True)
             return EXIT_INTERRUPTED
         except Exception as error:

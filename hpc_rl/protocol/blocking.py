@@ -87,7 +87,8 @@ class BlockingClient:
     def _receive(self, counter: FrameCounter | None = None, max_frame_bytes: int | None = None) -> Envelope:
         """The next frame from the server (of ``counter``'s direction: the session's unless told)."""
         counter = counter or self._incoming
-        header, payload = recv_frame(self._sock, self.secret, counter, max_frame_bytes or self.max_frame_bytes)
+        limit = max_frame_bytes or self.max_frame_bytes
+        header, payload = recv_frame(self._sock, self.secret, counter, limit)
         return envelope_from_frame(header, payload)
 
     def request(self, msg: Message) -> Message:

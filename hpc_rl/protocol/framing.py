@@ -100,7 +100,7 @@ class FrameCounter:
     def binding(self, number: int | None = None, direction: Direction | None = None) -> bytes:
         """The 41 bytes frame ``number`` (default: the next one) of this connection is bound to."""
         number = self.next_number if number is None else number
-        return BINDING.pack(self.nonce, direction or self.direction, number)
+        return BINDING.pack(self.nonce, self.direction if direction is None else direction, number)
 
     def take(self) -> bytes:
         """The binding of the next frame; the counter moves past it."""
@@ -210,7 +210,7 @@ def _bad_mac_error(secret: Secret, counter: FrameCounter, unbound: hmac.HMAC, ta
                     f"bad MAC: replayed or reordered frame: it is frame #{number} of this connection's "
                     f"{here.describe()} stream, but #{expected} was due"
                 )
-        back = Direction.SERVER_TO_CLIENT if here is Direction.CLIENT_TO_SERVER else Direction.CLIENT_TO_SERVER
+        back = Direction(3 - here)  # client->server <-> server->client
         for number in numbers:
             if verifies(counter.binding(number, back)):
                 return BadMacError(

@@ -1,11 +1,15 @@
 """The per-job secret: a random 32-byte key in a 0600 file in the run dir, shared by every process of a job.
 
 Owns creating it (atomically, never silently overwriting), loading it (refusing files that others can
-read) and the ``Secret`` value passed to the framing layer. It does not own where the run dir is.
+read), the ``Secret`` value passed to the framing layer, and the keys derived from it for other services
+(``engine_api_key``: the Bearer key of the job's engines and router). It does not own where the run dir
+is, nor how a derived key reaches the process that needs it (the driver hands it over).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import secrets
 import stat
@@ -99,3 +103,18 @@ def load_secret(path: str | os.PathLike[str]) -> Secret:
     if len(key) != SECRET_BYTES:
         raise ValueError(f"secret file {path} holds {len(key)} bytes, expected {SECRET_BYTES}")
     return Secret(key=key, origin=str(path))
+
+
+ENGINE_API_KEY_PURPOSE = b"engine-api-key"
+
+
+def derive_key(secret: Secret, purpose: bytes) -> str:
+    """A key for one purpose, as hex: HMAC-SHA256(job secret, purpose). It reveals nothing about the secret
+    or about keys for other purposes, and every process holding the secret derives the same one. (A frame
+    MAC is an HMAC of bytes that start with the magic b"HRLP" and are longer: never equal to a derived key.)"""
+    return hmac.new(secret.key, purpose, hashlib.sha256).hexdigest()
+
+
+def engine_api_key(secret: Secret) -> str:
+    """The job's engine API key (SGLang's ``--api-key``, ``Authorization: Bearer <key>``). Never log it."""
+    return derive_key(secret, ENGINE_API_KEY_PURPOSE)

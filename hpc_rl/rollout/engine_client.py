@@ -1,6 +1,7 @@
 """HTTP client of the generation engines (SGLang or hpc_rl's CPU engine), through sglang-router or direct.
 
-Owns: the aiohttp session, the per-engine concurrency limit (`sglang.server_concurrency`), sending one
+Owns: the aiohttp session (with the job's engine key as `Authorization: Bearer`, which the router and
+the engines both demand), the per-engine concurrency limit (`sglang.server_concurrency`), sending one
 `/generate` and classifying its outcome (answer, HTTP error, or a *transport* failure: connection
 refused/reset, timeout, 5xx), the rid -> engine map of requests in flight, and the control calls that
 the router does not route (`/abort_request`), which go to every engine URL of an `EngineDirectory`
@@ -70,8 +71,9 @@ class EngineClient:
 
     def __init__(self, directory: EngineDirectory, *, router_url: str | None = None,
                  per_engine_concurrency: int = 512, request_timeout_s: float = 600.0,
-                 control_timeout_s: float = 10.0) -> None:
+                 control_timeout_s: float = 10.0, api_key: str | None = None) -> None:
         self.directory = directory
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.router_url = router_url.rstrip("/") if router_url else None
         self.per_engine_concurrency = per_engine_concurrency
         self.request_timeout_s = request_timeout_s
@@ -91,7 +93,7 @@ class EngineClient:
         if self._session is None:
             # No client-side connection cap: the concurrency limit below is the one that matters.
             connector = aiohttp.TCPConnector(limit=0, force_close=False)
-            self._session = aiohttp.ClientSession(connector=connector)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
         return self
 
     async def close(self) -> None:

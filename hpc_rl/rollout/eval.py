@@ -89,7 +89,7 @@ async def run_eval(*, client: EngineClient, datasets: list[tuple[str, list[Promp
             await session.stop()
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)  # read every outcome (the first error is raised)
     metrics: dict[str, float] = {}
     for name, groups in per_dataset:
         metrics.update(eval_metrics(name, groups))

@@ -38,7 +38,7 @@ def model_dir(tmp_path_factory) -> Path:
 def cluster(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     engines = [CpuEngineProcess(model_dir, log_path=logs / f"engine{i}.log", api_key=API_KEY) for i in range(2)]
-    router = RouterProcess(log_path=logs / "router.log", policy="cache_aware")
+    router = RouterProcess(log_path=logs / "router.log", policy="cache_aware", api_key=API_KEY)
     started = []
     try:
         for process in (*engines, router):
@@ -88,7 +88,7 @@ def test_router_serves_64_concurrent_requests_with_forward_pass_logprobs(cluster
     prompts = [[5 + (i % 7), 12 + (i % 5), 6, 9 + (i % 3)] for i in range(64)]
 
     async def scenario():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=AUTH) as session:
             return await asyncio.gather(*[
                 post(session, f"{router.url}/generate", generate_body(f"req-{i}", p, 12 + i % 5, ignore_eos=True))
                 for i, p in enumerate(prompts)])
@@ -105,6 +105,28 @@ def test_router_serves_64_concurrent_requests_with_forward_pass_logprobs(cluster
     assert worst < 1e-4
 
 
+def test_the_key_is_required_by_engines_and_router_and_the_router_presents_it(cluster):
+    """Engines demand the key on /generate as SGLang does; the router demands it of its clients and
+    presents it to the workers it was given (POST /workers {"url", "api_key"}), so routed requests pass."""
+    engines, router = cluster
+    body = generate_body("auth-1", [5, 6], 2, ignore_eos=True)
+
+    async def scenario():
+        async with aiohttp.ClientSession() as anonymous:
+            assert (await post(anonymous, f"{engines[0].url}/generate", body))[0] == 401
+            assert (await post(anonymous, f"{engines[0].url}/pause_generation", {}))[0] == 401
+            assert (await post(anonymous, f"{router.url}/generate", body))[0] == 401
+            wrong = {"Authorization": "Bearer not-the-key"}
+            assert (await post(anonymous, f"{router.url}/generate", body, wrong))[0] == 401
+            async with anonymous.get(f"{engines[0].url}/health") as response:
+                assert response.status == 200
+            status, answer = await post(anonymous, f"{router.url}/generate", body, AUTH)
+            assert status == 200 and len(answer["output_ids"]) == 2, answer
+
+    asyncio.run(scenario())
+    assert sorted(router.worker_urls()) == sorted(e.url for e in engines)
+
+
 def test_router_removes_and_adds_workers_at_run_time(cluster):
     engines, router = cluster
     router.remove_worker(engines[1].url)
@@ -118,7 +140,7 @@ def test_abort_pause_and_misuse_on_one_engine(cluster):
     long = {"ignore_eos": True}
 
     async def scenario():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=AUTH) as session:
             # 29 filler requests share the batch, so each decode step is slow enough (~10 ms) that the
             # three requests under test are surely still running when they are aborted, even on an idle box.
             fillers = [asyncio.create_task(post(session, f"{engine}/generate", generate_body(f"f{i}", [5], 480, **long)))
@@ -129,8 +151,8 @@ def test_abort_pause_and_misuse_on_one_engine(cluster):
             # misuse while requests run
             status, body = await post(session, f"{engine}/release_memory_occupation", {"tags": None}, AUTH)
             assert status == 400 and "pause" in body["message"]
-            status, _ = await post(session, f"{engine}/abort_request", {"rid": "a2"})
-            assert status == 401  # admin endpoint without the key
+            status, _ = await post(session, f"{engine}/abort_request", {"rid": "a2"}, {"Authorization": "Bearer x"})
+            assert status == 401  # admin endpoint with a wrong key
             # Abort one by rid, then the rest at once (awaiting in between would let them finish on an idle box).
             assert (await post(session, f"{engine}/abort_request", {"rid": "a2"}, AUTH))[0] == 200
             assert not tasks[0].done()
@@ -203,7 +225,7 @@ def test_weight_update_over_gloo_changes_outputs(cluster, model_dir, tmp_path):
         target=_trainer_rank0, args=(master_port, 3, str(new_dir), per_tensor, bucket), daemon=True)
 
     async def scenario():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=AUTH) as session:
             # a request in flight across the update: retracted, then finished by the new weights
             spanning = asyncio.create_task(post(session, f"{urls[0]}/generate",
                                                 generate_body("span", [5, 6], 480, ignore_eos=True)))

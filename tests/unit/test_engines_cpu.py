@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
@@ -190,12 +191,19 @@ def test_http_layer_auth_sessions_and_errors(model, tokenizer, tmp_path):
         auth = {"Authorization": "Bearer key"}
         try:
             assert (await client.get("/health")).status == 200
+            assert (await client.get("/health_generate")).status == 200
             assert (await client.post("/pause_generation", json={})).status == 401
-            response = await client.post("/generate", json={"input_ids": [5, 6], "return_logprob": True,
-                                                            "sampling_params": {"max_new_tokens": 3}})
+            wrong = {"Authorization": "Bearer kex"}
+            assert (await client.post("/pause_generation", json={}, headers=wrong)).status == 401
+            generate = {"input_ids": [5, 6], "return_logprob": True,
+                        "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+            for path in ("/generate", "/server_info", "/model_info"):  # as SGLang: all but /health* need it
+                assert (await client.post(path, json=generate)).status == 401, path
+            response = await client.post("/generate", json=generate, headers={"Authorization": "bearer key"})
             body = await response.json()
             assert response.status == 200 and len(body["meta_info"]["output_token_logprobs"]) == 3
-            bad = await client.post("/generate", json={"input_ids": [5], "sampling_params": {"nope": 1}})
+            bad = await client.post("/generate", json={"input_ids": [5], "sampling_params": {"nope": 1}},
+                                    headers=auth)
             assert bad.status == 400 and "nope" in (await bad.json())["error"]
             update = {"names": [], "dtypes": [], "shapes": [], "group_name": "g"}
             assert (await client.post("/update_weights_from_distributed", json=update, headers=auth)).status == 400
@@ -205,17 +213,59 @@ def test_http_layer_auth_sessions_and_errors(model, tokenizer, tmp_path):
             assert (await client.post("/end_weight_update", json={}, headers=auth)).status == 200
             missing = await client.post("/resume_memory_occupation", json={"tags": ["weights"]}, headers=auth)
             assert missing.status == 400 and "not released" in (await missing.json())["message"]
-            info_body = await (await client.get("/model_info")).json()
+            info_body = await (await client.get("/model_info", headers=auth)).json()
             assert info_body["weight_version"] == "v0"
             model.save_pretrained(checkpoint)
             disk = await client.post("/update_weights_from_disk",
                                      json={"model_path": str(checkpoint), "weight_version": "disk-1"}, headers=auth)
             assert disk.status == 200, await disk.text()
-            assert (await (await client.get("/model_info")).json())["weight_version"] == "disk-1"
+            assert (await (await client.get("/model_info", headers=auth)).json())["weight_version"] == "disk-1"
             weights = await client.post("/get_weights_by_name", json={"name": "lm_head.weight", "truncate_size": 2},
                                         headers=auth)
             assert len(await weights.json()) == 2
         finally:
             await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_admin_calls_need_the_job_engine_key(model, tokenizer):
+    """The engine key derived from the job secret: without it an admin call (pause) or a /generate gets
+    401; with it (EngineAdmin / EngineClient given the key, as the controller is) they succeed."""
+    from hpc_rl.controller.engine_admin import EngineAdmin, EngineAdminError
+    from hpc_rl.protocol.secret import Secret, engine_api_key
+    from hpc_rl.rollout.engine_client import EngineClient, EngineHTTPError, StaticEngineDirectory
+
+    key = engine_api_key(Secret(key=b"j" * 32))
+
+    async def scenario() -> None:
+        scheduler = Scheduler(model, tokenizer, max_running_requests=4, context_length=256, weight_version="v0")
+        info = EngineInfo(model_path="/m", host="127.0.0.1", port=1, api_key=key, max_running_requests=4,
+                          context_length=256)
+        scheduler.start()
+        server = TestServer(EngineServer(scheduler, info).build_app())
+        await server.start_server()
+        url = str(server.make_url("")).rstrip("/")
+        body = {"rid": "k1", "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+        try:
+            async with aiohttp.ClientSession() as session:
+                without, wrong = EngineAdmin(url, session), EngineAdmin(url, session, api_key=key[::-1])
+                for admin in (without, wrong):
+                    with pytest.raises(EngineAdminError, match="pause_generation answered HTTP 401"):
+                        await admin.pause("abort")
+                    assert await admin.healthy()  # /health stays open (probes)
+                admin = EngineAdmin(url, session, api_key=key)
+                await admin.pause("abort")
+                await admin.resume_generation()
+                assert (await admin.model_info())["weight_version"] == "v0"
+            async with EngineClient(StaticEngineDirectory([url])) as client:
+                with pytest.raises(EngineHTTPError, match="HTTP 401"):
+                    await client.generate(dict(body))
+            async with EngineClient(StaticEngineDirectory([url]), api_key=key) as client:
+                answer = await client.generate(dict(body))
+                assert len(answer.body["output_ids"]) == 2
+                assert await client.abort_all() == 1
+        finally:
+            await server.close()
 
     asyncio.run(scenario())

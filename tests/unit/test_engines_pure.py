@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import stat
+import sys
+
 import pytest
 import torch
 
@@ -18,8 +22,15 @@ from hpc_rl.engines.cpu.sampling import (
     parse_sampling_params,
     sample_next_tokens,
 )
-from hpc_rl.engines.router import build_router_command
-from hpc_rl.engines.sglang_launch import SglangLaunchSpec, build_sglang_command, build_sglang_env
+from hpc_rl.engines import API_KEY_ENV
+from hpc_rl.engines.engine_process import CpuEngineProcess
+from hpc_rl.engines.router import RouterProcess, build_router_command
+from hpc_rl.engines.sglang_launch import (
+    SglangLaunchSpec,
+    build_sglang_command,
+    build_sglang_env,
+    write_api_key_file,
+)
 
 
 # ---- bucket layout ---------------------------------------------------------------------------------
@@ -150,3 +161,74 @@ def test_router_command():
     ]
     with pytest.raises(ValueError):
         build_router_command(host="h", port=1, prometheus_port=2, policy="fastest")
+
+
+# ---- the engine key stays off command lines ------------------------------------------------------------
+KEY = "f00d" * 16
+
+
+def test_cpu_engine_gets_its_key_in_the_environment(tmp_path):
+    engine = CpuEngineProcess("/m", log_path=tmp_path / "e.log", port=1234, api_key=KEY,
+                              env={"PATH": "/bin", API_KEY_ENV: "inherited"})
+    assert not any(KEY in word for word in engine.process.command)
+    assert engine.process.env is not None and engine.process.env[API_KEY_ENV] == KEY
+    open_engine = CpuEngineProcess("/m", log_path=tmp_path / "e.log", port=1234, env={API_KEY_ENV: "inherited"})
+    assert open_engine.process.env is not None and API_KEY_ENV not in open_engine.process.env
+
+
+def test_cpu_engine_reads_the_key_from_the_environment():
+    from hpc_rl.engines.cpu.__main__ import build_parser, resolve_api_key
+
+    parse = build_parser().parse_args
+    assert resolve_api_key(parse(["--model-path", "/m"]), {API_KEY_ENV: KEY}) == KEY
+    assert resolve_api_key(parse(["--model-path", "/m"]), {API_KEY_ENV: ""}) is None
+    assert resolve_api_key(parse(["--model-path", "/m", "--api-key", "flag"]), {API_KEY_ENV: KEY}) == "flag"
+
+
+def test_sglang_key_goes_in_a_private_config_file(tmp_path):
+    path = tmp_path / "sglang_api_key.yaml"
+    write_api_key_file(path, KEY)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_text() == f'api-key: "{KEY}"\n'  # SGLang's --config turns key `api-key` into --api-key
+    spec = SglangLaunchSpec(hf_checkpoint="/c", host="h", port=1, api_key_file=str(path), python="python")
+    command = build_sglang_command(spec)
+    assert command[-2:] == ["--config", str(path)] and not any(KEY in word for word in command)
+    with pytest.raises(ValueError, match="set by hpc_rl"):
+        SglangLaunchSpec(hf_checkpoint="/c", host="h", port=1, sglang_options={"config": "/mine.yaml"})
+
+
+def test_router_with_a_key_runs_through_the_env_launcher(tmp_path, monkeypatch):
+    router = RouterProcess(log_path=tmp_path / "r.log", port=3000, prometheus_port=3001, api_key=KEY)
+    command = router.process.command
+    assert command[1:3] == ["-m", "hpc_rl.engines.router"] and not any(KEY in word for word in command)
+    assert router.process.env is not None and router.process.env[API_KEY_ENV] == KEY
+    plain = RouterProcess(log_path=tmp_path / "r.log", port=3000, prometheus_port=3001)
+    assert plain.process.command[1:3] == ["-m", "sglang_router.launch_router"]
+
+    import sglang_router.launch_router as launch_module
+
+    from hpc_rl.engines import router as router_module
+
+    launched = []
+    monkeypatch.setattr(launch_module, "launch_router", launched.append)
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    router_module.main(command[3:])
+    (args,) = launched
+    assert args.api_key == KEY and args.port == 3000 and args.disable_retries
+
+
+def test_driver_engine_commands_carry_no_key(tmp_path):
+    from hpc_rl.config import load_config
+    from hpc_rl.launch.driver import engine_command, sglang_api_key_path
+    from hpc_rl.launch.topology import plan_topology
+
+    config = load_config(["configs/tiny_cpu.yaml"])
+    config.run_dir = str(tmp_path)
+    placement = plan_topology(config.cluster).engines[0]
+    cpu = engine_command(config, placement, "127.0.0.1", 5000)
+    assert cpu[:3] == [sys.executable, "-m", "hpc_rl.engines.cpu"] and "--api-key" not in cpu
+    config.cluster.device = "cuda"
+    gpu = engine_command(config, placement, "10.0.0.1", 5000)
+    assert "--api-key" not in gpu and gpu[gpu.index("--config") + 1] == str(tmp_path / "sglang_api_key.yaml")
+    assert sglang_api_key_path(config) == tmp_path / "sglang_api_key.yaml"
+    assert os.path.basename(gpu[gpu.index("--config") + 1]).endswith(".yaml")  # SGLang insists

@@ -20,18 +20,36 @@ from hpc_rl.protocol.server import Server
 from tests.unit.test_protocol_server import HELLO, SECRET, assert_still_serving, run_with_server, wait_until
 
 
+class TappedConnection:
+    """One proxied connection: the frames seen each way, and the writers to inject more."""
+
+    def __init__(self, client_writer: asyncio.StreamWriter, server_writer: asyncio.StreamWriter) -> None:
+        self.to_server: list[bytes] = []
+        self.to_client: list[bytes] = []
+        self.client_writer, self.server_writer = client_writer, server_writer
+
+    async def inject_to_server(self, frame: bytes) -> None:
+        self.server_writer.write(frame)
+        await self.server_writer.drain()
+
+    async def inject_to_client(self, frame: bytes) -> None:
+        self.client_writer.write(frame)
+        await self.client_writer.drain()
+
+
 class FrameTap:
     """A TCP proxy in front of the server that records every frame per direction, whole, and can inject
-    recorded frames into either direction of the live connection (one client at a time)."""
+    recorded frames into either direction of a live connection (``tap.last``: the newest one)."""
 
     def __init__(self, server_port: int) -> None:
         self.server_port = server_port
-        self.to_server: list[bytes] = []
-        self.to_client: list[bytes] = []
-        self._client_writer: asyncio.StreamWriter | None = None
-        self._server_writer: asyncio.StreamWriter | None = None
+        self.connections: list[TappedConnection] = []
         self._listener: asyncio.base_events.Server | None = None
         self._pumps: list[asyncio.Task[None]] = []
+
+    @property
+    def last(self) -> TappedConnection:
+        return self.connections[-1]
 
     async def start(self) -> int:
         self._listener = await asyncio.start_server(self._on_client, "127.0.0.1", 0)
@@ -39,10 +57,11 @@ class FrameTap:
 
     async def _on_client(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
         s_reader, s_writer = await asyncio.open_connection("127.0.0.1", self.server_port)
-        self._client_writer, self._server_writer = c_writer, s_writer
+        tapped = TappedConnection(c_writer, s_writer)
+        self.connections.append(tapped)
         self._pumps += [
-            asyncio.create_task(self._pump(c_reader, s_writer, self.to_server)),
-            asyncio.create_task(self._pump(s_reader, c_writer, self.to_client)),
+            asyncio.create_task(self._pump(c_reader, s_writer, tapped.to_server)),
+            asyncio.create_task(self._pump(s_reader, c_writer, tapped.to_client)),
         ]
 
     @staticmethod
@@ -58,23 +77,13 @@ class FrameTap:
         with contextlib.suppress(OSError):
             writer.close()
 
-    async def inject_to_server(self, frame: bytes) -> None:
-        assert self._server_writer is not None
-        self._server_writer.write(frame)
-        await self._server_writer.drain()
-
-    async def inject_to_client(self, frame: bytes) -> None:
-        assert self._client_writer is not None
-        self._client_writer.write(frame)
-        await self._client_writer.drain()
-
     async def close(self) -> None:
         for task in self._pumps:
             task.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)
-        for writer in (self._client_writer, self._server_writer):
-            if writer is not None:
-                writer.close()
+        for tapped in self.connections:
+            tapped.client_writer.close()
+            tapped.server_writer.close()
         if self._listener is not None:
             self._listener.close()
             await self._listener.wait_closed()
@@ -112,11 +121,11 @@ def test_captured_frames_replayed_on_a_new_connection_are_rejected() -> None:
         victim = await connect("127.0.0.1", port, SECRET, HELLO)
         assert await victim.request(Ping(payload="secret work")) == Pong(payload="secret work")
         await victim.close()
-        assert len(tap.to_server) == 2  # Hello, Ping
+        assert len(tap.last.to_server) == 2  # Hello, Ping
         good = await connect("127.0.0.1", server.port, SECRET, HELLO)
-        text = await send_raw_and_read_rejection(server.port, tap.to_server)
+        text = await send_raw_and_read_rejection(server.port, tap.last.to_server)
         assert "bad MAC" in text and "replayed from another connection" in text
-        text = await send_raw_and_read_rejection(server.port, tap.to_server[1:])  # skipping the Hello
+        text = await send_raw_and_read_rejection(server.port, tap.last.to_server[1:])  # skipping the Hello
         assert "bad MAC" in text
         await assert_still_serving(good, server)
         await good.close()
@@ -129,9 +138,13 @@ def test_frame_resent_on_its_own_connection_is_rejected() -> None:
         good = await connect("127.0.0.1", server.port, SECRET, HELLO)
         victim = await connect("127.0.0.1", port, SECRET, HELLO)
         assert await victim.request(Ping(payload="once")) == Pong(payload="once")
-        await tap.inject_to_server(tap.to_server[1])  # the Ping again: client->server frame #1 where #2 is due
-        with pytest.raises(RemoteError, match=r"replayed or reordered frame: it is frame #1 of this "
-                           r"connection's client->server stream, but #2 was due"):
+        # the Ping again: client->server frame #1 where #2 is due
+        await tap.last.inject_to_server(tap.last.to_server[1])
+        with pytest.raises(
+            RemoteError,
+            match=r"replayed or reordered frame: it is frame #1 of this "
+            r"connection's client->server stream, but #2 was due",
+        ):
             await victim.request(Ping(payload="twice"))
         await wait_until(lambda: len(server.connections) == 1)
         await assert_still_serving(good, server)
@@ -146,10 +159,14 @@ def test_server_frame_reflected_to_the_server_is_rejected() -> None:
         good = await connect("127.0.0.1", server.port, SECRET, HELLO)
         victim = await connect("127.0.0.1", port, SECRET, HELLO)
         assert await victim.request(Ping(payload="p")) == Pong(payload="p")
-        assert len(tap.to_client) == 3  # ServerHello, Welcome, Pong
-        await tap.inject_to_server(tap.to_client[2])  # the Pong (server->client #1), sent back to the server
-        with pytest.raises(RemoteError, match=r"reflected frame: it is frame #1 of this connection's "
-                           r"server->client stream"):
+        assert len(tap.last.to_client) == 3  # ServerHello, Welcome, Pong
+        # the Pong (server->client #1), sent back to the server
+        await tap.last.inject_to_server(tap.last.to_client[2])
+        with pytest.raises(
+            RemoteError,
+            match=r"reflected frame: it is frame #1 of this connection's "
+            r"server->client stream",
+        ):
             await victim.request(Ping(payload="q"))
         await wait_until(lambda: len(server.connections) == 1)
         await assert_still_serving(good, server)
@@ -163,9 +180,12 @@ def test_client_frame_reflected_to_the_async_client_is_rejected() -> None:
     async def scenario(server: Server, tap: FrameTap, port: int) -> None:
         victim = await connect("127.0.0.1", port, SECRET, HELLO)
         assert await victim.request(Ping(payload="p")) == Pong(payload="p")
-        await tap.inject_to_client(tap.to_server[1])  # the client's own Ping (client->server #1)
-        with pytest.raises(BadMacError, match=r"reflected frame: it is frame #1 of this connection's "
-                           r"client->server stream"):
+        await tap.last.inject_to_client(tap.last.to_server[1])  # the client's own Ping (client->server #1)
+        with pytest.raises(
+            BadMacError,
+            match=r"reflected frame: it is frame #1 of this connection's "
+            r"client->server stream",
+        ):
             await victim.recv()
         with pytest.raises(ProtocolError):
             await victim.request(Ping(payload="after"))
@@ -179,23 +199,21 @@ def test_blocking_client_rejects_replayed_and_reflected_frames() -> None:
         loop = asyncio.get_running_loop()
 
         def inject_to_client(frame: bytes) -> None:  # from the client's thread, into the tap's loop
-            asyncio.run_coroutine_threadsafe(tap.inject_to_client(frame), loop).result(5)
+            asyncio.run_coroutine_threadsafe(tap.last.inject_to_client(frame), loop).result(5)
 
         def replayed() -> None:
             with BlockingClient("127.0.0.1", port, SECRET, hello=HELLO, timeout=5) as client:
                 assert client.request(Ping(payload="a")) == Pong(payload="a")
-                inject_to_client(tap.to_client[-1])  # the Pong again (server->client #1, #2 is due)
-                with pytest.raises(BadMacError, match="it is frame #1 .*server->client stream, but #2 was due"):
+                inject_to_client(tap.last.to_client[-1])  # the Pong again (server->client #1, #2 is due)
+                with pytest.raises(BadMacError, match="frame #1 .*server->client stream, but #2 was due"):
                     client.request(Ping(payload="b"))
 
         await asyncio.to_thread(replayed)
-        tap.to_server.clear()
-        tap.to_client.clear()
 
         def reflected() -> None:
             with BlockingClient("127.0.0.1", port, SECRET, hello=HELLO, timeout=5) as client:
                 assert client.request(Ping(payload="c")) == Pong(payload="c")
-                inject_to_client(tap.to_server[0])  # its own Hello (client->server #0)
+                inject_to_client(tap.last.to_server[0])  # its own Hello (client->server #0)
                 with pytest.raises(BadMacError, match="reflected frame: it is frame #0 .*client->server"):
                     client.request(Ping(payload="d"))
 

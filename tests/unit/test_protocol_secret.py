@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rl.protocol.secret import SECRET_BYTES, create_secret, load_secret, secret_path
+from hpc_rl.protocol.secret import (
+    SECRET_BYTES,
+    Secret,
+    create_secret,
+    derive_key,
+    engine_api_key,
+    load_secret,
+    secret_path,
+)
 
 
 def test_create_then_load(tmp_path: Path) -> None:
@@ -61,3 +69,11 @@ def test_load_errors_name_the_file(tmp_path: Path) -> None:
     bad.write_text("ab" * 8)
     with pytest.raises(ValueError, match="holds 8 bytes, expected 32"):
         load_secret(bad)
+
+
+def test_engine_api_key_is_derived_per_job_and_per_purpose() -> None:
+    job, other_job = Secret(key=b"a" * 32), Secret(key=b"b" * 32)
+    key = engine_api_key(job)
+    assert key == engine_api_key(Secret(key=b"a" * 32)) and len(key) == 64 and int(key, 16) >= 0
+    assert key != engine_api_key(other_job) and key != derive_key(job, b"something-else")
+    assert job.key.hex() not in key

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+from collections.abc import Mapping
 
 import torch
+
+from hpc_rl.engines import API_KEY_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,7 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-path", required=True, help="local HF checkpoint directory")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--api-key", default=None, help="Bearer key required on admin endpoints")
+    parser.add_argument("--api-key", default=None,
+                        help=f"Bearer key required on every endpoint but /health*; prefer ${API_KEY_ENV}, "
+                             "which `ps` does not show (default: that variable, else no key)")
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--context-length", type=int, default=None,
                         help="default: the model's max_position_embeddings")
@@ -26,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str | None:
+    """`--api-key`, else `$HPC_RL_ENGINE_API_KEY` (how the driver hands it over), else no key."""
+    return args.api_key or environ.get(API_KEY_ENV) or None
+
+
 def _drop_http2_probe(record: logging.LogRecord) -> bool:
     error = record.exc_info[1] if record.exc_info else None
     return "PRI/Upgrade" not in str(error)
@@ -33,6 +44,7 @@ def _drop_http2_probe(record: logging.LogRecord) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    api_key = resolve_api_key(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # sglang-router probes each worker for HTTP/2 once at registration; aiohttp logs that as an error.
     logging.getLogger("aiohttp.server").addFilter(_drop_http2_probe)
@@ -53,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     context_length = args.context_length or int(getattr(model.config, "max_position_embeddings", 4096))
     scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
                           context_length=context_length, weight_version=args.weight_version)
-    info = EngineInfo(model_path=args.model_path, host=args.host, port=args.port, api_key=args.api_key,
+    info = EngineInfo(model_path=args.model_path, host=args.host, port=args.port, api_key=api_key,
                       max_running_requests=args.max_running_requests, context_length=context_length,
                       architectures=list(model.config.architectures or []), model_type=model.config.model_type)
     scheduler.start()

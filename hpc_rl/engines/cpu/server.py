@@ -5,9 +5,10 @@ Owns: routes, request/response JSON shapes, the api-key check and the weight-upd
 on the scheduler thread (`Scheduler.call`); the blocking group rendezvous runs in a worker thread,
 so the server stays responsive while the trainer and the other engines join.
 
-Authentication: with an api key, every admin endpoint (abort, pause/continue, flush, memory,
-weights) needs `Authorization: Bearer <key>`. `/health*` is always open, and so are the endpoints
-the router uses (`/generate`, `/server_info`, `/model_info` and their `/get_*` aliases).
+Authentication, as SGLang 0.5.23's `--api-key` (srt/utils/auth.py): with a key, every endpoint needs
+`Authorization: Bearer <key>` (401 otherwise), `/generate` and the info endpoints included; only
+`/health*`, `/ready*`, `/metrics*` and OPTIONS stay open. sglang-router sends the key to a worker when
+it was added with `POST /workers {"url", "api_key"}` (hpc_rl.engines.router).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +35,8 @@ from hpc_rl.engines.cpu.weight_sync import (
 log = logging.getLogger(__name__)
 
 CPU_ENGINE_VERSION = "0.5.23+hpc_rl.cpu"
-OPEN_PATHS = {"/generate", "/server_info", "/get_server_info", "/model_info", "/get_model_info"}
+OPEN_PATH_PREFIXES = ("/health", "/ready", "/metrics")
+"""Served without the api key (probes), as in SGLang."""
 ALL_MEMORY_TAGS = ["weights", "kv_cache", "cuda_graph"]
 
 
@@ -116,10 +119,10 @@ class EngineServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
         key = self.info.api_key
-        path = request.path.rstrip("/") or "/"
-        guarded = bool(key) and not path.startswith("/health") and path not in OPEN_PATHS
-        if guarded and request.headers.get("Authorization", "") != f"Bearer {key}":
-            return web.json_response({"error": "Unauthorized"}, status=401)
+        if key and request.method != "OPTIONS" and not request.path.startswith(OPEN_PATH_PREFIXES):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), key.encode()):
+                return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
     async def _on_scheduler(self, function) -> Any:
