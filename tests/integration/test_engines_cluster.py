@@ -229,9 +229,16 @@ def test_weight_update_over_gloo_changes_outputs(cluster, model_dir, tmp_path):
             # a request in flight across the update: retracted, then finished by the new weights
             spanning = asyncio.create_task(post(session, f"{urls[0]}/generate",
                                                 generate_body("span", [5, 6], 480, ignore_eos=True)))
-            await asyncio.sleep(0.4)
+            # pause as soon as it runs (a fixed sleep raced a fast idle machine: all 480 tokens came first)
+            while True:
+                async with session.get(f"{urls[0]}/server_info") as response:
+                    if (await response.json())["internal_states"][0]["num_running_reqs"] >= 1:
+                        break
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.03)  # a few tokens from the old weights (480 take ~0.4 s on an idle machine)
             for url in urls:
                 assert (await post(session, f"{url}/pause_generation", {"mode": "retract"}, AUTH))[0] == 200
+            assert not spanning.done()
             trainer.start()
             init = [post(session, f"{url}/init_weights_update_group",
                          {"master_address": "127.0.0.1", "master_port": master_port, "rank_offset": 1 + i,
