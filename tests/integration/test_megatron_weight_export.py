@@ -127,7 +127,9 @@ def receiver(hf_dir: str, plan_file: str, results: mp.Queue) -> None:
         results.put(("error", f"{error}\n{traceback.format_exc()}"))
 
 
-def test_weight_export_reproduces_trainer_logits(tmp_path: Path) -> None:
+def export_and_receive(trainer_fn, world_size: int, logits_rank: int, tmp_path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `trainer_fn(hf_dir, plan_file)` on `world_size` ranks next to a receiver process; return the
+    trainer's logits (from rank `logits_rank`) and the receiver's rebuilt model's logits."""
     from hpc_rl.tiny_model import make_tiny_model
 
     hf_dir = str(make_tiny_model(tmp_path / "hf"))
@@ -137,11 +139,16 @@ def test_weight_export_reproduces_trainer_logits(tmp_path: Path) -> None:
     proc = context.Process(target=receiver, args=(hf_dir, plan_file, results))
     proc.start()
     try:
-        trainer_logits = run_ranks(trainer_rank, 2, hf_dir, plan_file, timeout=240)[0]
+        trainer_logits = run_ranks(trainer_fn, world_size, hf_dir, plan_file, timeout=240)[logits_rank]
         status, received = results.get(timeout=120)
         assert status == "ok", received
     finally:
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
-    assert (trainer_logits - torch.from_numpy(received)).abs().max().item() < 1e-4
+    return trainer_logits, torch.from_numpy(received)
+
+
+def test_weight_export_reproduces_trainer_logits(tmp_path: Path) -> None:
+    trainer_logits, received = export_and_receive(trainer_rank, 2, 0, tmp_path)
+    assert (trainer_logits - received).abs().max().item() < 1e-4

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 from hpc_rl.training.local_ranks import run_ranks
 from tests.integration.test_megatron_logits import PACKED, TOKENS, tiny_models
 from tests.integration.test_megatron_weight_export import TOKENS as EXPORT_TOKENS
-from tests.integration.test_megatron_weight_export import FakeControllerCommands, receiver
+from tests.integration.test_megatron_weight_export import FakeControllerCommands, export_and_receive
 from tests.integration.test_trainer_step import ARCH_FILE, make_batch
 
 pytestmark = pytest.mark.slow
@@ -245,20 +244,5 @@ def export_trainer_rank(hf_dir: str, plan_file: str):
 
 
 def test_pp2_weight_export_reproduces_trainer_logits(tmp_path: Path) -> None:
-    from hpc_rl.tiny_model import make_tiny_model
-
-    hf_dir = str(make_tiny_model(tmp_path / "hf"))
-    plan_file = str(tmp_path / "plan.json")
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    proc = context.Process(target=receiver, args=(hf_dir, plan_file, results))
-    proc.start()
-    try:
-        trainer_logits = run_ranks(export_trainer_rank, 2, hf_dir, plan_file, timeout=240)[1]  # the last stage
-        status, received = results.get(timeout=120)
-        assert status == "ok", received
-    finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-    assert (trainer_logits - torch.from_numpy(received)).abs().max().item() < 1e-4
+    trainer_logits, received = export_and_receive(export_trainer_rank, 2, 1, tmp_path)  # logits on the last stage
+    assert (trainer_logits - received).abs().max().item() < 1e-4
