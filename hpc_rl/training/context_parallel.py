@@ -202,6 +202,18 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torc
 """(query [sq, 1, heads, d], key [sk, 1, groups, d], value, mask [1, 1, sq, sk] True = masked) -> [sq, 1, hidden]."""
 
 
+def packed_causal_mask(sequence_ends: torch.Tensor, total: int,
+                       query_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """[Q, T] bool, True = masked, over a packed row of `total` keys whose sequences end at
+    `sequence_ends` (cumulative lengths): a key is visible iff it is in the query's sequence and not
+    after it. Queries are all T positions, or `query_positions` (a CP rank's rows, by global position).
+    """
+    positions = torch.arange(total, device=sequence_ends.device)
+    sequence = torch.searchsorted(sequence_ends, positions, right=True)
+    queries = positions if query_positions is None else query_positions
+    return (positions[None, :] > queries[:, None]) | (sequence[None, :] != sequence[queries][:, None])
+
+
 def context_parallel_attention(attend: Attend, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                padded_lengths: Sequence[int], group: dist.ProcessGroup, *,
                                block_mask_max_tokens: int = 2048) -> torch.Tensor:
@@ -223,10 +235,7 @@ def context_parallel_attention(attend: Attend, query: torch.Tensor, key: torch.T
     both = both.index_select(0, order)  # [T_padded, 2, groups, d] in global order
     total = both.shape[0]
     if total <= block_mask_max_tokens:
-        bounds = torch.tensor(padded, dtype=torch.long, device=device).cumsum(0)
-        positions = torch.arange(total, device=device)
-        sequence = torch.searchsorted(bounds, positions, right=True)
-        mask = (positions[None, :] > rows[:, None]) | (sequence[None, :] != sequence[rows][:, None])
+        mask = packed_causal_mask(torch.tensor(padded, dtype=torch.long, device=device).cumsum(0), total, rows)
         return attend(query.unsqueeze(1), both[:, 0].unsqueeze(1).contiguous(), both[:, 1].unsqueeze(1).contiguous(),
                       mask[None, None])
     outputs = []

@@ -3,7 +3,8 @@
 Owns: choosing the Transformer Engine spec (when TE is importable) or Megatron's local spec (CPU),
 the RMSNorm that works with sequence parallel (Megatron's torch norm wrapper refuses SP), the
 local attention that accepts packed (THD) micro-batches (Megatron's refuses them; TE has real THD
-kernels, this one runs Megatron's own attention once per sequence: correct, not fast), and GLM4's
+kernels, this one runs Megatron's own attention under a block-diagonal causal mask: correct, not
+fast), and GLM4's
 "sandwich" norms (a norm on the attention output and on the MLP output, before each residual add),
 which Megatron's TransformerLayer has no slot for: they are small subclasses of `SelfAttention` and
 `MLP` that normalise their own output. Does not own the TransformerConfig (`model_provider`).
@@ -26,7 +27,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.training.context_parallel import context_parallel_attention
+from hpc_rl.training.context_parallel import context_parallel_attention, packed_causal_mask
 
 POST_ATTENTION_NORM = "post_self_attn_layernorm"
 POST_MLP_NORM = "post_mlp_layernorm"
@@ -101,7 +102,7 @@ class PackedSequenceAttention(DotProductAttention):
         total = query.shape[0]
         if total <= self.BLOCK_MASK_MAX_TOKENS:
             return super().forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1),
-                                   packed_causal_mask(cu_seqlens, total)[None, None],
+                                   packed_causal_mask(cu_seqlens[1:].to(torch.long), total)[None, None],
                                    attn_mask_type=attn_mask_type, attention_bias=attention_bias)
         bounds = [int(b) for b in cu_seqlens.tolist()]
         outputs = []
@@ -113,13 +114,6 @@ class PackedSequenceAttention(DotProductAttention):
                                            value[start:end].unsqueeze(1), mask[None, None],
                                            attn_mask_type=attn_mask_type, attention_bias=attention_bias))
         return torch.cat(outputs, dim=0)
-
-
-def packed_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """[T, T] bool, True = masked: a key is visible iff it is in the query's sequence and not after it."""
-    positions = torch.arange(total, device=cu_seqlens.device)
-    sequence = torch.searchsorted(cu_seqlens[1:].to(torch.long), positions, right=True)
-    return (positions[None, :] > positions[:, None]) | (sequence[None, :] != sequence[:, None])
 
 
 def _post_norm(config: TransformerConfig) -> torch.nn.Module:
