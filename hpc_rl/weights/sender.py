@@ -167,10 +167,7 @@ class WeightSender:
 
     def _source_metadata(self) -> dict[str, tuple[int, tuple[int, ...], str]]:
         if self._sources is None:
-            if self.pp_size == 1:
-                names = [name for name, _ in hf_mapping.name_map(self.arch)]
-            else:
-                names = [name for name, _ in stage_name_map(self.arch, stage_layout(self._model))]
+            names = [name for name, _ in stage_name_map(self.arch, stage_layout(self._model))]  # all at PP=1
             local = {name: (self.pp_rank, full_shape(name, self.params[name].shape, self.tp_size),
                             dtype_name(self.params[name].dtype)) for name in names}
             if self.pp_size > 1:
@@ -224,8 +221,7 @@ class WeightSender:
             return []
         if self.rank != 0:
             return []
-        device = next(iter(self.params.values())).device
-        full = torch.empty(shape, dtype=dtype_from_name(dtype), device=device)
+        full = torch.empty(shape, dtype=dtype_from_name(dtype), device=self._comm_device)
         dist.recv(full, src=dist.get_global_rank(self.pp_group, owner), group=self.pp_group)
         return hf_mapping.to_hf(source, full, self.arch)
 
