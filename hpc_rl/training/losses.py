@@ -276,7 +276,8 @@ def step_loss_scale(global_batch_size: int, *, dp_size: int = 1, num_microbatche
     gives (1/B) * sum over the B samples of their per-sample mean losses, whatever the
     micro-batching: each sample's term appears exactly once. Two framework corrections:
       * ``dp_size``: DDP averages (not sums) gradients over DP ranks, so multiply back by dp_size
-        (use the DP size *with* context parallel if CP ranks also average).
+        (use the DP size *with* context parallel if CP ranks also average; with Megatron's
+        ``calculate_per_token_loss`` DDP sums: pass 1, see ``optimizer.grad_sum_loss_multiplier``).
       * ``num_microbatches``: Megatron's pipeline schedule divides each micro-batch's loss by the
         number of micro-batches; multiply back by it.
     scale = num_microbatches * dp_size / global_batch_size.

@@ -48,6 +48,24 @@ def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False) -> 
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
 
+def grad_sum_loss_multiplier(ddp_model: torch.nn.Module) -> int:
+    """What each rank's loss must be multiplied by so that Megatron DDP's gradient reduction over the
+    DP x CP group gives the plain SUM of every rank's gradient.
+
+    megatron-core 0.16.1 (`DistributedDataParallel.__init__`, `ParamAndGradBuffer`): with
+    `TransformerConfig.calculate_per_token_loss` the buckets' `gradient_scaling_factor` is 1 and the
+    collective is a SUM (Megatron expects the loss normalised by the global token count, which
+    `finalize_model_grads(num_tokens=...)` would apply afterwards; the step here divides by it up
+    front instead). Without the flag the reduction AVERAGES over DP x CP (pre-scaled by 1/size then
+    summed, or AVG in the collective with `average_in_collective`), so the loss carries that size.
+    """
+    from megatron.core import parallel_state
+
+    if ddp_model.config.calculate_per_token_loss:
+        return 1
+    return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+
+
 @dataclass
 class StepResult:
     grad_norm: float

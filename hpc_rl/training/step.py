@@ -33,7 +33,7 @@ from hpc_rl.training.batching import equalize_microbatch_count, pack_microbatche
 from hpc_rl.training.json_collectives import broadcast_json
 from hpc_rl.training.losses import PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for
 from hpc_rl.training.micro_batches import MicroBatch, build_microbatch
-from hpc_rl.training.optimizer import ActorOptimizer
+from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.pipeline import PipelineSchedule
 from hpc_rl.training.train_batch import TrainBatch
@@ -67,6 +67,7 @@ class RolloutTrainer:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group() if info.pp_size > 1 else None
         self.pipeline = PipelineSchedule.for_model(actor, device=info.device)
+        self.grad_sum_multiplier = grad_sum_loss_multiplier(actor)
         if algorithm.use_kl_loss and ref_model is None:
             raise ValueError("algorithm.use_kl_loss needs a reference model (checkpoint.ref_load)")
 
@@ -160,12 +161,13 @@ class RolloutTrainer:
         if self.info.dp_size > 1:
             dist.all_reduce(counts, group=self.dp_group)
         global_samples, global_tokens, global_trained = (float(x) for x in counts)
-        # DDP averages gradients over DP, so multiply back by dp_size (see losses.step_loss_scale).
-        # Under CP it averages over DP x CP, while each CP rank's grads are its share of one sum (every
-        # CP rank computes the same loss; micro_batches' log-prob gather back-propagates only the local
-        # slice): multiply back by cp_size too.
+        # The step's gradient is the sum over DP ranks of their micro-batch gradients, and under CP each
+        # CP rank's gradient is its share of one sum (every CP rank computes the same loss;
+        # micro_batches' log-prob gather back-propagates only the local slice), divided by the global
+        # denominator. DDP sums or averages over DP x CP depending on calculate_per_token_loss in the
+        # model's TransformerConfig: the multiplier undoes an average.
         denominator = global_trained if self.loss_config.calculate_per_token_loss else global_samples
-        scale = self.info.dp_size * self.info.cp_size / max(denominator, 1.0)
+        scale = self.grad_sum_multiplier / max(denominator, 1.0)
         sums: dict[str, float] = {}
 
         def micro_loss(micro: MicroBatch, logits: torch.Tensor) -> torch.Tensor:  # last stage only

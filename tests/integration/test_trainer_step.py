@@ -35,22 +35,32 @@ def make_batch(seed: int, n: int = 8):
 
 
 def _parts(hf_dir: str, *, tp: int = 1, load: str | None = None, **training_overrides):
-    from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
-    from hpc_rl.training.actor import build_trainer
     from hpc_rl.training.parallel import init_parallel
 
-    training = TrainingConfig(tensor_model_parallel_size=tp, global_batch_size=8, micro_batch_size=2,
-                              **training_overrides)
+    training = _training(tp=tp, **training_overrides)
     info = init_parallel(training, device="cpu")
+    return _build_parts(hf_dir, training, info, load=load), info
+
+
+def _training(*, tp: int = 1, **overrides):
+    from hpc_rl.config.schema import TrainingConfig
+
+    return TrainingConfig(tensor_model_parallel_size=tp, global_batch_size=8, micro_batch_size=2, **overrides)
+
+
+def _build_parts(hf_dir: str, training, info, *, load: str | None = None):
+    """Actor, reference, optimizer and trainer in the already-initialised groups."""
+    from hpc_rl.config.model import ModelArchitecture
+    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig
+    from hpc_rl.training.actor import build_trainer
+
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", entropy_coef=0.01,
                                 eps_clip=0.2, eps_clip_high=0.28)
     optimizer = OptimizerConfig(lr=1e-3, clip_grad=1.0, weight_decay=0.01, lr_warmup_iters=0)
     checkpoints = CheckpointConfig(hf_checkpoint=hf_dir, ref_load=hf_dir, load=load)
     arch = ModelArchitecture.from_yaml(ARCH_FILE)
-    parts = build_trainer(arch=arch, training=training, algorithm=algorithm, optimizer_config=optimizer,
-                          checkpoints=checkpoints, info=info, model_file=ARCH_FILE)
-    return parts, info
+    return build_trainer(arch=arch, training=training, algorithm=algorithm, optimizer_config=optimizer,
+                         checkpoints=checkpoints, info=info, model_file=ARCH_FILE)
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
