@@ -61,6 +61,7 @@ log = logging.getLogger("hpc_rl.driver")
 EXIT_OK, EXIT_FAILED, EXIT_REQUEUE, EXIT_INTERRUPTED = 0, 1, 3, 130
 CONTROLLER_ENV = "HPC_RL_CONTROLLER"
 RUN_DIR_ENV = "HPC_RL_RUN_DIR"
+TRAINER_NODE_ADDRESSES_ENV = "HPC_RL_TRAINER_NODE_ADDRESSES"  # read by hpc_rl.training.sync_address
 SGLANG_API_KEY_FILE = "sglang_api_key.yaml"
 """In the run dir, 0600: the engine key for SGLang's `--config` (written by the driver)."""
 
@@ -209,7 +210,10 @@ class Driver:
             await self.controller.register_engine(index, url, tp_size=self.config.cluster.rollout_num_gpus_per_engine)
         rendezvous = f"{self.host}:{self.ports.rendezvous}"
         trainer_env = {CONTROLLER_ENV: f"{self.host}:{self.controller.address[1]}", RUN_DIR_ENV: str(self.run_dir),
-                       "OMP_NUM_THREADS": str(self.config.training.num_threads), "HF_HUB_OFFLINE": "1"}
+                       "OMP_NUM_THREADS": str(self.config.training.num_threads), "HF_HUB_OFFLINE": "1",
+                       # trainer rank 0 advertises its node's address for the weight group (training.sync_address)
+                       TRAINER_NODE_ADDRESSES_ENV: ",".join(self.launcher.node_address(0, node)
+                                                            for node in range(self.config.cluster.actor_num_nodes))}
         self.trainer_step = self.launcher.start(StepSpec(
             name="trainer", argv=trainer_command(self.config, self.run_dir, rendezvous), env=trainer_env,
             het_group=0, num_nodes=self.config.cluster.actor_num_nodes, tasks_per_node=1,

@@ -52,13 +52,14 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
                   optimizer_config: OptimizerConfig, checkpoints: CheckpointConfig, info: ParallelInfo,
                   model_file: str | Path | None = None) -> TrainerParts:
     """Actor + optimizer (+ reference model when the KL loss or KL shaping needs one), loaded."""
+    device = "cpu" if info.on_cpu else "cuda"  # cluster.device, as init_parallel checked it
     if info.on_cpu:
         actor = wrap_ddp(build_gpt_model(arch, training))
         optimizer: ActorOptimizer = ActorOptimizer(actor, optimizer_config)
     else:  # Megatron's optimizer (GPU only; see optimizer_gpu)
         from hpc_rl.training.optimizer_gpu import MegatronActorOptimizer
 
-        actor = wrap_ddp(build_gpt_model(arch, training), distributed_optimizer=True)
+        actor = wrap_ddp(build_gpt_model(arch, training, device=device), distributed_optimizer=True)
         optimizer = MegatronActorOptimizer(actor, optimizer_config, params_dtype=actor.config.params_dtype)  # type: ignore[assignment]
     resumed = None
     if _has_checkpoint(checkpoints.load) and not is_hf_checkpoint(checkpoints.load):
@@ -75,7 +76,7 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
         ref_source = next((p for p in (checkpoints.ref_load, checkpoints.hf_checkpoint) if _has_checkpoint(p)), None)
         if ref_source is None:
             raise FileNotFoundError("the KL term needs reference weights: set checkpoint.ref_load")
-        ref_model = build_gpt_model(arch, training)
+        ref_model = build_gpt_model(arch, training, device=device)
         load_weights(ref_model, ref_source, arch, info, model_file=model_file)
         ref_model.eval()
         for param in ref_model.parameters():

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,12 +39,11 @@ from hpc_rl.training import checkpoint
 from hpc_rl.training.actor import TrainerParts
 from hpc_rl.engines.child_process import free_port
 from hpc_rl.training.parallel import ParallelInfo
+from hpc_rl.training.sync_address import weight_sync_address
 from hpc_rl.training.train_batch import TrainBatch, read_batches_file
 from hpc_rl.weights.sender import LOAD_FORMAT, WeightSender
 
 log = logging.getLogger(__name__)
-SYNC_ADDRESS_ENV = "HPC_RL_WEIGHT_SYNC_ADDRESS"
-"""Address engines use to reach trainer rank 0 for weight sync (default: this host's name resolved)."""
 
 
 class CommandSource(Protocol):
@@ -183,7 +181,7 @@ class TrainerCommands:
         plan = self.sender.plan_buckets()
         if self.info.rank == 0:
             if command.new_group or self.group_address is None:
-                address = os.environ.get(SYNC_ADDRESS_ENV) or socket.gethostbyname(socket.gethostname())
+                address = weight_sync_address(os.environ)
                 self.group_address = (address, free_port())
             address, port = self.group_address
             self.source.send_weight_plan(WeightPlan(

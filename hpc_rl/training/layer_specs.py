@@ -1,6 +1,6 @@
 """Megatron layer specs for the model families hpc_rl supports (Qwen3, GLM4, Llama).
 
-Owns: choosing the Transformer Engine spec (when TE is importable) or Megatron's local spec (CPU),
+Owns: choosing the Transformer Engine spec (`cluster.device: cuda`) or Megatron's local spec (cpu),
 the RMSNorm that works with sequence parallel (Megatron's torch norm wrapper refuses SP), the
 local attention that accepts packed (THD) micro-batches (Megatron's refuses them; TE has real THD
 kernels, this one runs Megatron's own attention under a block-diagonal causal mask: correct, not
@@ -33,13 +33,19 @@ POST_ATTENTION_NORM = "post_self_attn_layernorm"
 POST_MLP_NORM = "post_mlp_layernorm"
 
 
-def transformer_engine_available() -> bool:
-    """True when Transformer Engine imports (then the fused TE spec is used; GPU only)."""
+def use_transformer_engine(device: str) -> bool:
+    """`cluster.device` -> layer spec: cuda uses Transformer Engine's (and needs it), cpu the local one."""
+    if device == "cpu":
+        return False
+    if device != "cuda":
+        raise ValueError(f"cluster.device {device!r}: use cpu or cuda")
     try:
         import transformer_engine  # noqa: F401
-    except Exception:  # noqa: BLE001 - TE raises more than ImportError when CUDA libraries are missing
-        return False
-    return torch.cuda.is_available()
+    except Exception as error:  # noqa: BLE001 - TE raises more than ImportError when CUDA libraries are missing
+        raise RuntimeError(f"cluster.device is cuda, so the trainer builds Transformer Engine layers, but "
+                           f"`import transformer_engine` failed ({type(error).__name__}: {error}): install "
+                           f"transformer-engine[pytorch] for this torch/CUDA, or set cluster.device: cpu") from error
+    return True
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
@@ -162,14 +168,13 @@ def _replace_norms(spec: ModuleSpec, norm: type) -> None:
             setattr(attention, field, norm)
 
 
-def build_block_spec(arch: ModelArchitecture, *, use_te: bool | None = None,
+def build_block_spec(arch: ModelArchitecture, *, use_te: bool = False,
                      num_layers: int | None = None) -> TransformerBlockSubmodules:
     """Layer spec (as block submodules, so the final norm is ours too) for `arch`.
 
     `num_layers`: how many layers this pipeline stage builds (default: all of them); Megatron takes a
     block spec's layer list as this stage's layers and numbers them from the stage's offset.
     """
-    use_te = transformer_engine_available() if use_te is None else use_te
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec

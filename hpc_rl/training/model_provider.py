@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import TrainingConfig
 from hpc_rl.training.cpu_switch import cpu_fusion_overrides, cuda_available, tensor_cuda_is_identity
-from hpc_rl.training.layer_specs import build_block_spec
+from hpc_rl.training.layer_specs import build_block_spec, use_transformer_engine
 
 VOCAB_PAD_MULTIPLE = 128
 
@@ -90,10 +90,12 @@ def build_gpt_model(
     training: TrainingConfig,
     *,
     params_dtype: torch.dtype | None = None,
-    use_te: bool | None = None,
+    device: str = "cpu",
 ) -> GPTModel:
     """This rank's pipeline stage of the GPTModel, with vocab-parallel logits on the last stage.
 
+    `device` is `cluster.device`: cuda builds Transformer Engine layers (and fails if TE is missing),
+    cpu Megatron's local ones.
     Needs Megatron's groups (`parallel.init_parallel`) when pipeline_model_parallel_size > 1.
     """
     pipeline = training.pipeline_model_parallel_size
@@ -112,7 +114,7 @@ def build_gpt_model(
     with tensor_cuda_is_identity():  # the tied output layer's init all-reduce (PP > 1) calls .cuda()
         model = GPTModel(
             config=config,
-            transformer_layer_spec=build_block_spec(arch, use_te=use_te, num_layers=layers),
+            transformer_layer_spec=build_block_spec(arch, use_te=use_transformer_engine(device), num_layers=layers),
             vocab_size=padded_vocab_size(arch.vocab_size, training.tensor_model_parallel_size),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=first,

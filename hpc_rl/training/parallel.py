@@ -10,6 +10,7 @@ CP sequence split (`hpc_rl.training.context_parallel`).
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -50,13 +51,43 @@ class ParallelInfo:
         return torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
 
 
+TRAINER_NCCL_ENV = {
+    # The weight-update group is one NCCL communicator shared with the engines, which run with
+    # cuMem off (engines.sglang_launch.ENGINE_ENV, as slime does): both ends must agree. NCCL reads it
+    # once, at its first communicator in the process, so it is set before init_process_group.
+    "NCCL_CUMEM_ENABLE": "0",
+}
+
+
+def trainer_runs_on_cpu(device: str) -> bool:
+    """`cluster.device` -> CPU or GPU trainer; `cuda` without a visible GPU is an error, not a fallback."""
+    if device == "cpu":
+        return True
+    if device != "cuda":
+        raise ValueError(f"cluster.device {device!r}: use cpu or cuda")
+    if not torch.cuda.is_available():
+        raise RuntimeError("cluster.device is cuda but this trainer rank sees no GPU (torch.cuda.is_available() "
+                           "is False): check the job's GPUs / CUDA_VISIBLE_DEVICES, or set cluster.device: cpu")
+    return False
+
+
+def apply_trainer_nccl_env(environ: MutableMapping[str, str]) -> dict[str, str]:
+    """Set `TRAINER_NCCL_ENV` in `environ` (a GPU trainer, before its first NCCL call); returns what it
+    changed. A different user value is overridden: the engines' end of the weight group is fixed."""
+    changed = {key: value for key, value in TRAINER_NCCL_ENV.items() if environ.get(key) != value}
+    environ.update(changed)
+    return changed
+
+
 def init_parallel(training: TrainingConfig, *, device: str = "cpu") -> ParallelInfo:
     """Join the torchrun world (env:// rendezvous) and build Megatron's groups; idempotent per process."""
     from megatron.core import parallel_state
 
-    on_cpu = device == "cpu" or not torch.cuda.is_available()
+    on_cpu = trainer_runs_on_cpu(device)
     if on_cpu:
         apply_cpu_switches()
+    else:
+        apply_trainer_nccl_env(os.environ)
     torch.set_num_threads(max(1, int(getattr(training, "num_threads", 1) or 1)))
     if not dist.is_initialized():
         if not on_cpu:

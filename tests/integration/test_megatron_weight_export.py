@@ -59,11 +59,12 @@ def trainer_rank(hf_dir: str, plan_file: str) -> torch.Tensor | None:
     from hpc_rl.config.model import ModelArchitecture
     from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training.actor import build_trainer
-    from hpc_rl.training.commands import SYNC_ADDRESS_ENV, TrainerCommands
+    from hpc_rl.training.commands import TrainerCommands
     from hpc_rl.training.model_provider import forward_logits
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
+    from hpc_rl.training.sync_address import TRAINER_NODE_ADDRESSES_ENV
 
-    os.environ[SYNC_ADDRESS_ENV] = "127.0.0.1"
+    os.environ[TRAINER_NODE_ADDRESSES_ENV] = "127.0.0.1"  # as the driver passes it
     training = TrainingConfig(tensor_model_parallel_size=2, sequence_parallel=True)
     info = init_parallel(training)
     arch = ModelArchitecture.from_yaml(ARCH_FILE)
