@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 tools/convert_hf_to_torch_dist.py ... --tensor-model-parallel-size 2
 
 Writes OUT_DIR/iter_0000000 and OUT_DIR/latest_checkpointed_iteration.txt; loadable at any TP and
-PP size as checkpoint.ref_load / checkpoint.load. Logic: hpc_rl.weights.convert.
+PP size as checkpoint.ref_load / checkpoint.load. Logic: hpc_rl.training.convert.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from hpc_rl.training.parallel import shutdown_parallel
-    from hpc_rl.weights.convert import hf_to_torch_dist
+    from hpc_rl.training.convert import hf_to_torch_dist
 
     out = hf_to_torch_dist(args.hf_checkpoint, args.model, args.save,
                            tensor_parallel_size=args.tensor_model_parallel_size,

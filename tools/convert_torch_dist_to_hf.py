@@ -5,7 +5,7 @@
 
 CKPT_DIR is a checkpoint root (with latest_checkpointed_iteration.txt) or one iter_XXXXXXX dir.
 --hf-reference: config.json, tokenizer and generation files are copied from there (and config.json
-is checked against the model file). Logic: hpc_rl.weights.convert.
+is checked against the model file). Logic: hpc_rl.training.convert.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from hpc_rl.training.parallel import shutdown_parallel
-    from hpc_rl.weights.convert import torch_dist_to_hf
+    from hpc_rl.training.convert import torch_dist_to_hf
 
     out = torch_dist_to_hf(args.load, args.model, args.output, hf_reference=args.hf_reference)
     shutdown_parallel()

@@ -30,7 +30,7 @@ from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import AlgorithmConfig, TrainingConfig
 from hpc_rl.training.advantages import compute_advantages
 from hpc_rl.training.batching import equalize_microbatch_count, pack_microbatches
-from hpc_rl.training.json_collectives import broadcast_json
+from hpc_rl.weights.json_collectives import broadcast_json
 from hpc_rl.training.losses import PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for
 from hpc_rl.training.micro_batches import MicroBatch, build_microbatch
 from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.engines.bucket_layout import dtype_from_name, dtype_name, pack_bucket
-from hpc_rl.training.json_collectives import all_gather_json
+from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights import hf_mapping
 from hpc_rl.weights.export import export_param, full_shape, gather_full, named_megatron_params
 from hpc_rl.weights.process_group import (

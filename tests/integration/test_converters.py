@@ -19,7 +19,7 @@ ARCH_FILE = str(ROOT / "configs/models/tiny_qwen3.yaml")
 
 def convert_rank(hf_dir: str, save_dir: str, tp: int, pp: int) -> str:
     from hpc_rl.training.parallel import shutdown_parallel
-    from hpc_rl.weights.convert import hf_to_torch_dist
+    from hpc_rl.training.convert import hf_to_torch_dist
 
     out = hf_to_torch_dist(hf_dir, ARCH_FILE, save_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     shutdown_parallel()

@@ -4,7 +4,8 @@ Owns: `broadcast_json` and `all_gather_json`, for the few pieces of metadata tra
 (a step's metrics from the last pipeline stage, the parameter names/shapes each stage holds).
 torch's `*_object` collectives pickle, and nothing pickled crosses the network in hpc_rl; these
 send the UTF-8 JSON bytes with their length first. Values must be JSON-serialisable (tuples come
-back as lists).
+back as lists). It sits in `weights/` (below `training/`) because the weight sender gathers
+parameter metadata with it; the trainer's step uses it too.
 """
 
 from __future__ import annotations
