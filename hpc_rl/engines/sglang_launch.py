@@ -32,6 +32,17 @@ RESERVED_OPTIONS = frozenset(
     {"model_path", "tp_size", "tensor_parallel_size", "host", "port", "api_key", "config"}
 )
 
+SGLANG_ON_CPU_OPTIONS: dict[str, Any] = {
+    # Real SGLang 0.5.23 on a CPU node (measured: tools/install_sglang_cpu.sh, tests -m sglang_cpu).
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "sampling_backend": "pytorch",
+    "grammar_backend": "none",
+}
+SGLANG_ON_CPU_ENV = {"SGLANG_DISABLE_TELEMETRY": "1"}
+SGLANG_PYTHON_ENV = "HPC_RL_SGLANG_PYTHON"
+"""Interpreter that has `sglang` when it is not this one (e.g. the venv of tools/install_sglang_cpu.sh)."""
+
 ENGINE_ENV = {
     # The router health-checks /health; with generation enabled a paused engine fails it (-> 503).
     "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
