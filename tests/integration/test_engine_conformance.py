@@ -91,11 +91,15 @@ def test_logprobs_equal_a_forward_pass(engine, tiny_model_dir):
 
 def test_prompt_plus_max_new_tokens_over_the_context_is_a_400(engine):
     context = 512  # max_position_embeddings of assets/tiny_qwen3
-    fits = generate(engine, {"input_ids": [9] * (context - 2), "sampling_params": greedy(2, ignore_eos=True)})
+    fits = generate(engine, {"input_ids": [9] * 500, "sampling_params": greedy(12, ignore_eos=True)})
     assert fits.status_code == 200, fits.text
-    over = generate(engine, {"input_ids": [9] * (context - 2), "sampling_params": greedy(3)})
+    assert len(fits.json()["output_ids"]) == context - 2 - 500  # capped silently to max_req_len - input - 1
+    over = generate(engine, {"input_ids": [9] * 500, "sampling_params": greedy(13)})
     assert over.status_code == 400
     assert over.json()["error"]["message"].startswith("Requested token count exceeds the model's maximum context")
+    assert generate(engine, {"input_ids": [9] * 505, "sampling_params": greedy(1)}).status_code == 200
+    long = generate(engine, {"input_ids": [9] * 506, "sampling_params": greedy(1)})
+    assert long.status_code == 400 and "exceeds the maximum allowed length" in long.json()["error"]["message"]
 
 
 def test_ignore_eos_ignores_stop_token_ids(engine):

@@ -40,13 +40,16 @@ def test_a_matched_stop_token_is_trimmed_from_text_but_kept_in_output_ids(tokeni
 
 
 def test_prompt_plus_max_new_tokens_over_the_context_is_a_400_as_in_sglang(tokenizer):
-    fits = parse_generate_body({"input_ids": [1] * 60, "sampling_params": {"max_new_tokens": 4}},
+    fits = parse_generate_body({"input_ids": [1] * 50, "sampling_params": {"max_new_tokens": 14}},
                                tokenizer=tokenizer, context_length=64)
-    assert fits.requests[0].params.max_new_tokens == 4  # exactly the context is allowed
+    assert fits.requests[0].params.max_new_tokens == 12  # exactly the context passes, capped to 64 - 2 - 50
     with pytest.raises(RequestError, match="Requested token count exceeds the model's maximum context length") as over:
-        parse_generate_body({"input_ids": [1] * 60, "sampling_params": {"max_new_tokens": 5}},
+        parse_generate_body({"input_ids": [1] * 50, "sampling_params": {"max_new_tokens": 15}},
                             tokenizer=tokenizer, context_length=64)
     assert over.value.body() == {"error": {"message": str(over.value)}}
+    with pytest.raises(RequestError, match=r"Input length \(58 tokens\) exceeds the maximum allowed length \(58"):
+        parse_generate_body({"input_ids": [1] * 58, "sampling_params": {"max_new_tokens": 1}},
+                            tokenizer=tokenizer, context_length=64)
 
 
 def test_ignore_eos_also_ignores_stop_token_ids(scheduler):
@@ -155,3 +158,17 @@ def test_http_error_and_control_bodies_are_sglangs(model, tokenizer):
                                                          "err_type": None}
 
     _serve(model, tokenizer, scenario)
+
+
+def test_the_rollout_client_clips_max_new_tokens_to_the_context(tmp_path):
+    """SGLang answers 400 to prompt + max_new_tokens over the context; the client asks for what fits."""
+    from hpc_rl.rollout.engine_client import clip_to_context, engine_context_length
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 64}')
+    context = engine_context_length(tmp_path)
+    assert context == 64 and engine_context_length(tmp_path, {"context_length": 32}) == 32
+    payload = {"rid": "r", "input_ids": [1] * 60, "sampling_params": {"max_new_tokens": 10, "temperature": 1.0}}
+    clipped = clip_to_context(payload, context)
+    assert clipped["sampling_params"] == {"max_new_tokens": 4, "temperature": 1.0}
+    assert payload["sampling_params"]["max_new_tokens"] == 10  # the caller's payload is left alone
+    assert clip_to_context({**payload, "input_ids": [1] * 10}, context)["sampling_params"]["max_new_tokens"] == 10

@@ -11,7 +11,8 @@ SGLang behaviour reproduced here (srt/managers/io_struct.py, tokenizer_manager.p
   `return_logprob`, `logprob_start_len` a single value or one per item. `input_ids` win over `text`.
 - `len(prompt) >= context` -> 400 "The input ... is longer than the model's context length";
   `len(prompt) + max_new_tokens > context` -> 400 "Requested token count exceeds the model's maximum
-  context length ..." (no silent truncation).
+  context length ..."; `len(prompt) >= context - 6` -> 400 "Input length ... exceeds the maximum allowed
+  length" (the scheduler's check); then max_new_tokens is capped to `context - 2 - len(prompt)`.
 - `text` is decoded in the context of the prompt's last 5 tokens (SGLang's incremental detokenizer
   starts at `read_offset - 5`), so a leading space survives; a matched stop token is trimmed from the
   text (kept in `output_ids`), a matched stop string cut off (both unless `no_stop_trim`).
@@ -135,8 +136,14 @@ def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
     return [list(tokenizer.encode(str(item), add_special_tokens=False)) for item in texts], batched
 
 
+def max_request_len(context_length: int) -> int:
+    """SGLang's `max_req_len` (tp_worker): context - 1 (its KV pool bound does not apply here)."""
+    return context_length - 1
+
+
 def check_context(input_ids: list[int], max_new_tokens: int | None, context_length: int) -> None:
-    """SGLang's length validation (tokenizer_manager `_validate_one_request`), without auto-truncation."""
+    """SGLang's length validation without auto-truncation: the tokenizer manager's
+    (`_validate_one_request`), then the scheduler's (`validate_input_length`, prompt < max_req_len - 5)."""
     if len(input_ids) >= context_length:
         raise RequestError(
             f"The input ({len(input_ids)} tokens) is longer than the model's context length "
@@ -147,6 +154,16 @@ def check_context(input_ids: list[int], max_new_tokens: int | None, context_leng
             f"You requested a total of {max_new_tokens + len(input_ids)} tokens: {len(input_ids)} tokens from "
             f"the input messages and {max_new_tokens} tokens for the completion. Please reduce the number of "
             "tokens in the input messages or the completion to fit within the limit.", semantic=True)
+    max_input = max_request_len(context_length) - 5
+    if len(input_ids) >= max_input:
+        raise RequestError(
+            f"Input length ({len(input_ids)} tokens) exceeds the maximum allowed length ({max_input} tokens). "
+            "Use a shorter input or enable --allow-auto-truncate.", semantic=True)
+
+
+def capped_max_new_tokens(input_len: int, max_new_tokens: int, context_length: int) -> int:
+    """SGLang's scheduler silently caps max_new_tokens to `max_req_len - input - 1` (init_req_max_new_tokens)."""
+    return max(0, min(max_new_tokens, max_request_len(context_length) - input_len - 1))
 
 
 def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedGenerate:
@@ -168,6 +185,7 @@ def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedG
         except ValueError as error:
             raise RequestError(str(error)) from None
         check_context(prompt, raw_params[index].get("max_new_tokens"), context_length)
+        params.max_new_tokens = capped_max_new_tokens(len(prompt), params.max_new_tokens, context_length)
         requests.append(GenerationRequest(
             rid=rids[index], input_ids=prompt, params=params, return_logprob=bool(return_logprob[index]),
             logprob_start_len=int(start_lens[index]), generator=make_generator(params)))
