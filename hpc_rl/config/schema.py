@@ -125,6 +125,10 @@ class RolloutConfig:
     async_rollout: bool = False
     """Generate rollout k+1 while training on rollout k (bounded by max_staleness)."""
 
+    engine: str = "auto"
+    """Rollout engine: sglang (real SGLang, on cuda or cpu), cpu (hpc_rl's CPU engine, cluster.device cpu)
+    or auto (sglang on cuda, cpu on cpu)."""
+
     def __post_init__(self) -> None:
         if self.rm_type is not None and self.rm_type not in RM_TYPES:
             raise ValueError(f"rollout.rm_type: {self.rm_type!r} is not one of {', '.join(RM_TYPES)}")

@@ -15,6 +15,7 @@ from pathlib import Path
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.data.prompts import DataError, DataKeys, iter_rows, row_to_record
+from hpc_rl.engines.sglang_launch import engine_problems
 from hpc_rl.plugins import PluginError, load_callable
 
 ROWS_CHECKED = 5
@@ -234,6 +235,8 @@ def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Pro
     for dataset in config.eval.eval_prompt_data:
         problems += _data_problems(dataset.path, keys, f"eval.eval_prompt_data[{dataset.name}]")
     problems += _plugin_problems(config)
+    problems += [Problem(field, message) for field, message in engine_problems(
+        config.rollout.engine, config.cluster.device, config.sglang.server_options()).items()]
     return problems
 
 

@@ -44,6 +44,7 @@ from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextComm
                                       StatusRequest, WeightPlan)
 from hpc_rl.rewards.group import RewardSpec, reward_group
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
+from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
 from hpc_rl.telemetry.scalars import ScalarLog
 
@@ -120,7 +121,9 @@ class Controller:
         self.client = EngineClient(self.registry, router_url=self.router_url,
                                    per_engine_concurrency=config.sglang.server_concurrency,
                                    request_timeout_s=config.controller.engine_request_timeout,
-                                   api_key=self.fleet.api_key)
+                                   api_key=self.fleet.api_key,
+                                   context_length=engine_context_length(config.checkpoint.hf_checkpoint,
+                                                                        config.sglang.server_options()))
         args = plugin_args(config)
         spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,
                           group_rm=rollout.group_rm, args=args)

@@ -27,10 +27,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpc_rl.engines.sglang_options import option_problems, renamed_options
+
 # Flags hpc_rl sets itself: a pass-through option may not override them.
 RESERVED_OPTIONS = frozenset(
     {"model_path", "tp_size", "tensor_parallel_size", "host", "port", "api_key", "config"}
 )
+
+SGLANG_ON_CPU_OPTIONS: dict[str, Any] = {
+    # Real SGLang 0.5.23 on a CPU node (measured: tools/install_sglang_cpu.sh, tests -m sglang_cpu).
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "sampling_backend": "pytorch",
+    "grammar_backend": "none",
+}
+SGLANG_ON_CPU_ENV = {"SGLANG_DISABLE_TELEMETRY": "1"}
+SGLANG_PYTHON_ENV = "HPC_RL_SGLANG_PYTHON"
+"""Interpreter that has `sglang` when it is not this one (e.g. the venv of tools/install_sglang_cpu.sh)."""
 
 ENGINE_ENV = {
     # The router health-checks /health; with generation enabled a paused engine fails it (-> 503).
@@ -78,6 +91,37 @@ class SglangLaunchSpec:
 
 def _option_name(key: str) -> str:
     return key.removeprefix("sglang_")
+
+
+ENGINE_KINDS = ("auto", "sglang", "cpu")
+
+
+def engine_kind(engine: str, device: str) -> str:
+    """The rollout engine to launch: `sglang` (real SGLang, on cuda or cpu) or `cpu` (hpc_rl's CPU engine).
+    `auto` keeps the historical pairing: sglang on cuda, the CPU engine on cpu."""
+    if engine == "auto":
+        return "sglang" if device == "cuda" else "cpu"
+    return engine
+
+
+def engine_problems(engine: str, device: str, sglang_options: Mapping[str, Any]) -> dict[str, str]:
+    """config field -> problem, for the engine choice and (when SGLang runs) every sglang option."""
+    if engine not in ENGINE_KINDS:
+        return {"rollout.engine": f"{engine!r} must be one of {', '.join(ENGINE_KINDS)}"}
+    kind = engine_kind(engine, device)
+    if kind == "cpu" and device == "cuda":
+        return {"rollout.engine": "the CPU engine joins weight updates with gloo on CPU tensors, while "
+                                  "cluster.device cuda broadcasts over NCCL: use engine sglang (or auto) on cuda"}
+    if kind == "cpu":
+        return {}
+    return {f"sglang.{key}": problem for key, problem in option_problems(sglang_options).items()}
+
+
+def sglang_device_options(device: str, sglang_options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options of one SGLang engine: slime names mapped to the pinned SGLang's, and on a CPU node the
+    backends that run there (`SGLANG_ON_CPU_OPTIONS`) unless the config sets them."""
+    options = renamed_options(sglang_options)
+    return {**SGLANG_ON_CPU_OPTIONS, **options} if device == "cpu" else options
 
 
 def render_option(key: str, value: Any) -> list[str]:

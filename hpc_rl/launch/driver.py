@@ -47,9 +47,13 @@ from hpc_rl.engines.child_process import free_port, log_tail
 from hpc_rl.engines.engine_process import cpu_engine_command
 from hpc_rl.engines.router import RouterProcess
 from hpc_rl.engines.sglang_launch import (
+    SGLANG_ON_CPU_ENV,
+    SGLANG_PYTHON_ENV,
     SglangLaunchSpec,
     build_sglang_command,
     build_sglang_env,
+    engine_kind,
+    sglang_device_options,
     write_api_key_file,
 )
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
@@ -94,13 +98,14 @@ def sglang_api_key_path(config: RunConfig) -> Path:
 def engine_command(config: RunConfig, placement: EnginePlacement, host: str, port: int) -> list[str]:
     """The engine step's argv: hpc_rl's CPU engine (device cpu; key in `API_KEY_ENV`) or
     sglang.launch_server (key in the run dir's `SGLANG_API_KEY_FILE`). No key on either."""
-    if config.cluster.device == "cpu":
+    if engine_kind(config.rollout.engine, config.cluster.device) == "cpu":
         return cpu_engine_command(config.checkpoint.hf_checkpoint, host=host, port=port,
                                   max_running_requests=config.sglang.server_concurrency, weight_version="0")
     spec = SglangLaunchSpec(hf_checkpoint=config.checkpoint.hf_checkpoint, host=host, port=port,
                             rollout_num_gpus_per_engine=config.cluster.rollout_num_gpus_per_engine,
                             api_key_file=str(sglang_api_key_path(config)),
-                            sglang_options=config.sglang.server_options())
+                            sglang_options=sglang_device_options(config.cluster.device, config.sglang.server_options()),
+                            python=os.environ.get(SGLANG_PYTHON_ENV) or sys.executable)
     return build_sglang_command(spec)
 
 
@@ -171,7 +176,8 @@ class Driver:
         log_path = self.logs / f"engine-{index}.log"
         env = build_sglang_env({}, {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
         env[API_KEY_ENV] = self.engine_key  # in the environment: `ps` shows argv, not this
-        if self.config.cluster.device == "cuda":
+        if engine_kind(self.config.rollout.engine, self.config.cluster.device) == "sglang":
+            env.update(SGLANG_ON_CPU_ENV if self.config.cluster.device == "cpu" else {})
             write_api_key_file(sglang_api_key_path(self.config), self.engine_key)
             _create_private(log_path)  # SGLang logs its server args, the key among them
         if self.config.cluster.device == "cuda" and not self.local:

@@ -19,13 +19,45 @@ and knows the engine of each rid.
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
 if TYPE_CHECKING:
     from typing import Self  # 3.11+; annotations only
+
+
+def engine_context_length(hf_checkpoint: str | Path, sglang_options: Mapping[str, Any] | None = None) -> int | None:
+    """The engines' context length, as they derive it: SGLang's `context_length` option if set, else the
+    checkpoint's `max_position_embeddings` (config.json; None if neither is known)."""
+    options = sglang_options or {}
+    explicit = options.get("context_length", options.get("sglang_context_length"))
+    if explicit:
+        return int(explicit)
+    try:
+        config = json.loads((Path(hf_checkpoint) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def clip_to_context(payload: dict[str, Any], context_length: int | None) -> dict[str, Any]:
+    """`payload` with `max_new_tokens` lowered so prompt + new tokens fit the context (slime's clip with
+    `rollout_max_context_len`): SGLang answers 400 "Requested token count exceeds the model's maximum
+    context length" instead of generating less. Unchanged without a known context or `input_ids`."""
+    input_ids = payload.get("input_ids")
+    params = payload.get("sampling_params")
+    if not context_length or not isinstance(input_ids, list) or not isinstance(params, dict):
+        return payload
+    budget = max(0, context_length - len(input_ids))
+    if int(params.get("max_new_tokens", 128)) <= budget:
+        return payload
+    return {**payload, "sampling_params": {**params, "max_new_tokens": budget}}
 
 
 class EngineDirectory(Protocol):
@@ -71,8 +103,11 @@ class EngineClient:
 
     def __init__(self, directory: EngineDirectory, *, router_url: str | None = None,
                  per_engine_concurrency: int = 512, request_timeout_s: float = 600.0,
-                 control_timeout_s: float = 10.0, api_key: str | None = None) -> None:
+                 control_timeout_s: float = 10.0, api_key: str | None = None,
+                 context_length: int | None = None) -> None:
         self.directory = directory
+        self.context_length = context_length
+        """The engines' context length (`engine_context_length`): max_new_tokens is clipped to it."""
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.router_url = router_url.rstrip("/") if router_url else None
         self.per_engine_concurrency = per_engine_concurrency
@@ -167,6 +202,7 @@ class EngineClient:
         """POST one /generate (payload must carry its `rid`). Raises TransportError / EngineHTTPError,
         or StopGeneration if `stopped` was set before a slot was free (nothing was sent then)."""
         rid = payload["rid"]
+        payload = clip_to_context(payload, self.context_length)
         engine = await self._acquire(rid, stopped)
         base = self.router_url if engine is None else engine
         try:

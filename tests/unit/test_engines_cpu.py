@@ -170,10 +170,14 @@ def test_memory_misuse_is_refused(scheduler):
 
 
 def test_generate_body_validation(tokenizer):
-    request = parse_generate_body({"text": "add 1 + 2 =", "rid": "q"}, tokenizer=tokenizer, context_length=64)
-    assert request.rid == "q" and len(request.input_ids) == 5
-    for body, match in [({"input_ids": [1], "text": "a"}, "exactly one"), ({"rid": ["a"], "input_ids": [1]}, "list"),
+    parsed = parse_generate_body({"text": "add 1 + 2 =", "rid": "q"}, tokenizer=tokenizer, context_length=64)
+    request, = parsed.requests
+    assert request.rid == "q" and len(request.input_ids) == 5 and not parsed.batched
+    ids_win = parse_generate_body({"input_ids": [1], "text": "a"}, tokenizer=tokenizer, context_length=64)
+    assert ids_win.requests[0].input_ids == [1]  # as SGLang: ids win over text
+    for body, match in [({"rid": "x"}, "Either text, input_ids"), ({"rid": ["a"], "input_ids": [1]}, "rid"),
                         ({"input_ids": [1] * 70}, "context length"),
+                        ({"input_ids": [[1], [2]], "rid": ["a"]}, "mismatch"),
                         ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "bogus")]:
         with pytest.raises(ValueError, match=match):
             parse_generate_body(body, tokenizer=tokenizer, context_length=64)

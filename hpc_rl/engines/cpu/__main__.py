@@ -42,6 +42,14 @@ def _drop_http2_probe(record: logging.LogRecord) -> bool:
     return "PRI/Upgrade" not in str(error)
 
 
+def exit_on_scheduler_death(error: BaseException) -> None:
+    """A dead scheduler ends the process (exit 1), as SGLang's does: /health must not stay 200 while
+    every request would hang. The router and the controller then see a dead engine and act on it."""
+    logging.getLogger("hpc_rl.engines.cpu").critical("scheduler died (%r): exiting", error)
+    logging.shutdown()
+    os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     api_key = resolve_api_key(args)
@@ -64,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     ).eval()
     context_length = args.context_length or int(getattr(model.config, "max_position_embeddings", 4096))
     scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
-                          context_length=context_length, weight_version=args.weight_version)
+                          context_length=context_length, weight_version=args.weight_version,
+                          on_fatal=exit_on_scheduler_death)
     info = EngineInfo(model_path=args.model_path, host=args.host, port=args.port, api_key=api_key,
                       max_running_requests=args.max_running_requests, context_length=context_length,
                       architectures=list(model.config.architectures or []), model_type=model.config.model_type)

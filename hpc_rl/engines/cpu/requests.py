@@ -1,8 +1,23 @@
 """One generation request inside the CPU engine, and the SGLang response it turns into.
 
-Owns: `GenerationRequest` (parsed `/generate` body plus the tokens, logprobs and weight-version
-spans produced so far) and rendering it as SGLang's response (`text`, `output_ids`, `meta_info`).
-No model calls, no HTTP.
+Owns: `GenerationRequest` (a parsed `/generate` request plus the tokens, logprobs and weight-version
+spans produced so far), parsing a `/generate` body (single or batched, as SGLang 0.5.23 normalizes it)
+and rendering a request as SGLang's response (`text`, `output_ids`, `meta_info`). No model calls, no
+HTTP.
+
+SGLang behaviour reproduced here (srt/managers/io_struct.py, tokenizer_manager.py, detokenizer_manager.py):
+- batch: `input_ids` a list of lists or `text` a list -> one request per item, answered as a list;
+  `rid` a list (same length) or a string (`"<rid>_<i>"`) or absent; `sampling_params`,
+  `return_logprob`, `logprob_start_len` a single value or one per item. `input_ids` win over `text`.
+- `len(prompt) >= context` -> 400 "The input ... is longer than the model's context length";
+  `len(prompt) + max_new_tokens > context` -> 400 "Requested token count exceeds the model's maximum
+  context length ..."; `len(prompt) >= context - 6` -> 400 "Input length ... exceeds the maximum allowed
+  length" (the scheduler's check); then max_new_tokens is capped to `context - 2 - len(prompt)`.
+- `text` is decoded in the context of the prompt's last 5 tokens (SGLang's incremental detokenizer
+  starts at `read_offset - 5`), so a leading space survives; a matched stop token is trimmed from the
+  text (kept in `output_ids`), a matched stop string cut off (both unless `no_stop_trim`).
+- `weight_versions` spans; with no output token `[{"version": v, "start": 0, "end": 0}]`.
+- `cached_tokens` is always 0: the CPU engine has no prefix (radix) cache, every prompt is prefilled.
 """
 
 from __future__ import annotations
@@ -10,19 +25,29 @@ from __future__ import annotations
 import concurrent.futures
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from hpc_rl.engines.cpu.sampling import SamplingParams, make_generator, parse_sampling_params
 
+DETOKENIZE_CONTEXT_TOKENS = 5
+"""SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens decoded before the output."""
+ABORT_MESSAGE = "Aborted"
+
 
 class RequestError(ValueError):
-    """A request SGLang would reject with 400; `semantic` selects `{"error": {"message": ...}}`."""
+    """A request SGLang would reject with 400; `semantic` selects `{"error": {"message": ...}}`
+    (SGLang's ValueError path) over `{"error": "..."}` (its schema check)."""
 
     def __init__(self, message: str, *, semantic: bool = False) -> None:
         super().__init__(message)
         self.semantic = semantic
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self)}} if self.semantic else {"error": str(self)}
 
 
 @dataclass(kw_only=True)
@@ -37,12 +62,13 @@ class GenerationRequest:
     created: float = field(default_factory=time.perf_counter)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     generator: torch.Generator | None = None
+    on_progress: Callable[[GenerationRequest], None] | None = None
+    """Called on the scheduler thread after each token of an unfinished request (streaming)."""
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     weight_versions: list[dict] = field(default_factory=list)
     finish_reason: dict | None = None
-    text_end: int | None = None  # where a matched stop string starts in the decoded text
 
     def append(self, token: int, logprob: float, weight_version: str) -> None:
         """Record one generated token and the weight version that produced it."""
@@ -59,58 +85,151 @@ class GenerationRequest:
         return self.input_ids + self.output_ids
 
 
-def parse_generate_body(body: dict, *, tokenizer, context_length: int) -> GenerationRequest:
-    """Validate a `/generate` body (single request) as SGLang does; RequestError on misuse."""
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
-    if ("text" in body) == ("input_ids" in body):
-        raise RequestError("exactly one of `text` or `input_ids` must be given")
-    for key in ("text", "input_ids", "rid", "sampling_params"):
-        value = body.get(key)
-        if key == "input_ids" and isinstance(value, list) and value and isinstance(value[0], list):
-            raise RequestError("batched input_ids are not supported by the CPU engine: one request per sample")
-        if key != "input_ids" and isinstance(value, list):
-            raise RequestError(f"a list for `{key}` (batch request) is not supported: one request per sample")
-    if "text" in body:
-        input_ids = list(tokenizer.encode(body["text"], add_special_tokens=False))
-    else:
-        input_ids = [int(token) for token in body["input_ids"]]
-    if not input_ids:
-        raise RequestError("the prompt is empty", semantic=True)
-    try:
-        params = parse_sampling_params(body.get("sampling_params"))
-    except ValueError as error:
-        raise RequestError(str(error)) from None
+@dataclass(kw_only=True)
+class ParsedGenerate:
+    """A `/generate` body as requests: one (`batched` False) or a list answered by a list."""
+
+    requests: list[GenerationRequest]
+    batched: bool
+    stream: bool
+
+
+def _per_item(body: dict, key: str, count: int, default: Any) -> list[Any]:
+    value = body.get(key)
+    if isinstance(value, list) and key != "stop":
+        if len(value) != count:
+            raise RequestError(f"The length of {key} ({len(value)}) should be equal to the batch size ({count}).",
+                               semantic=True)
+        return value
+    return [default if value is None else value] * count
+
+
+def _rids(rid: Any, count: int, batched: bool) -> list[str]:
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(count)]
+    if isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(count)] if batched else [rid]
+    if isinstance(rid, list) and batched:
+        if len(rid) != count:
+            raise RequestError("The specified rids length mismatch with the batch_size for batch processing.",
+                               semantic=True)
+        return [str(item) for item in rid]
+    raise RequestError("The rid should be a string or a list of strings.", semantic=True)
+
+
+def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
+    if body.get("input_ids") is not None:  # ids win over text, as in SGLang
+        ids = body["input_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise RequestError("input_ids cannot be empty.", semantic=True)
+        batched = isinstance(ids[0], list)
+        prompts = ids if batched else [ids]
+        try:
+            return [[int(token) for token in prompt] for prompt in prompts], batched
+        except (TypeError, ValueError):
+            raise RequestError("input_ids must be a list of integers or a list of lists of integers") from None
+    text = body.get("text")
+    if text is None:
+        raise RequestError("Either text, input_ids or input_embeds should be provided.", semantic=True)
+    batched = isinstance(text, list)
+    texts = text if batched else [text]
+    return [list(tokenizer.encode(str(item), add_special_tokens=False)) for item in texts], batched
+
+
+def max_request_len(context_length: int) -> int:
+    """SGLang's `max_req_len` (tp_worker): context - 1 (its KV pool bound does not apply here)."""
+    return context_length - 1
+
+
+def check_context(input_ids: list[int], max_new_tokens: int | None, context_length: int) -> None:
+    """SGLang's length validation without auto-truncation: the tokenizer manager's
+    (`_validate_one_request`), then the scheduler's (`validate_input_length`, prompt < max_req_len - 5)."""
     if len(input_ids) >= context_length:
         raise RequestError(
             f"The input ({len(input_ids)} tokens) is longer than the model's context length "
-            f"({context_length} tokens).",
-            semantic=True,
-        )
-    return GenerationRequest(
-        rid=str(body.get("rid") or uuid.uuid4().hex),
-        input_ids=input_ids,
-        params=params,
-        return_logprob=bool(body.get("return_logprob", False)),
-        logprob_start_len=int(body.get("logprob_start_len", -1) if body.get("logprob_start_len") is not None
-                              else -1),
-        generator=make_generator(params),
-    )
+            f"({context_length} tokens).", semantic=True)
+    if max_new_tokens is not None and max_new_tokens + len(input_ids) > context_length:
+        raise RequestError(
+            f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+            f"You requested a total of {max_new_tokens + len(input_ids)} tokens: {len(input_ids)} tokens from "
+            f"the input messages and {max_new_tokens} tokens for the completion. Please reduce the number of "
+            "tokens in the input messages or the completion to fit within the limit.", semantic=True)
+    max_input = max_request_len(context_length) - 5
+    if len(input_ids) >= max_input:
+        raise RequestError(
+            f"Input length ({len(input_ids)} tokens) exceeds the maximum allowed length ({max_input} tokens). "
+            "Use a shorter input or enable --allow-auto-truncate.", semantic=True)
+
+
+def capped_max_new_tokens(input_len: int, max_new_tokens: int, context_length: int) -> int:
+    """SGLang's scheduler silently caps max_new_tokens to `max_req_len - input - 1` (init_req_max_new_tokens)."""
+    return max(0, min(max_new_tokens, max_request_len(context_length) - input_len - 1))
+
+
+def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedGenerate:
+    """Validate a `/generate` body (single or batched) as SGLang does; RequestError on misuse."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    prompts, batched = _prompts(body, tokenizer)
+    count = len(prompts)
+    rids = _rids(body.get("rid"), count, batched)
+    raw_params = _per_item(body, "sampling_params", count, {})
+    return_logprob = _per_item(body, "return_logprob", count, False)
+    start_lens = _per_item(body, "logprob_start_len", count, -1)
+    requests = []
+    for index, prompt in enumerate(prompts):
+        if not isinstance(raw_params[index], dict):
+            raise RequestError("sampling_params must be an object (or a list of objects for a batch)")
+        try:
+            params = parse_sampling_params(raw_params[index])
+        except ValueError as error:
+            raise RequestError(str(error)) from None
+        check_context(prompt, raw_params[index].get("max_new_tokens"), context_length)
+        params.max_new_tokens = capped_max_new_tokens(len(prompt), params.max_new_tokens, context_length)
+        requests.append(GenerationRequest(
+            rid=rids[index], input_ids=prompt, params=params, return_logprob=bool(return_logprob[index]),
+            logprob_start_len=int(start_lens[index]), generator=make_generator(params)))
+    return ParsedGenerate(requests=requests, batched=batched, stream=bool(body.get("stream", False)))
+
+
+def decode_in_context(tokenizer, prompt_ids: list[int], output_ids: list[int], skip_special_tokens: bool) -> str:
+    """The output's text as SGLang's detokenizer gives it: decoded after the prompt's last tokens and
+    with their text removed, so word-initial spaces ("▁answer" -> " answer") are kept."""
+    context = prompt_ids[-DETOKENIZE_CONTEXT_TOKENS:]
+    if not context:
+        return tokenizer.decode(output_ids, skip_special_tokens=skip_special_tokens)
+    prefix = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(context + output_ids, skip_special_tokens=skip_special_tokens)
+    return full[len(prefix):] if full.startswith(prefix) else full
+
+
+def response_text(request: GenerationRequest, tokenizer) -> str:
+    """`text` of the response: in context, with the matched stop token or stop string trimmed."""
+    params = request.params
+    output = request.output_ids
+    matched = (request.finish_reason or {}).get("matched")
+    if isinstance(matched, int) and output and not params.no_stop_trim:
+        output = output[:-1]
+    text = decode_in_context(tokenizer, request.input_ids, output, params.skip_special_tokens)
+    if isinstance(matched, str):
+        at = text.find(matched)
+        if at >= 0:
+            text = text[: at + len(matched)] if params.no_stop_trim else text[:at]
+    return text
 
 
 def render_response(request: GenerationRequest, *, tokenizer, weight_version: str) -> dict:
-    """SGLang's single-request `/generate` response for a finished request."""
-    text = tokenizer.decode(request.output_ids, skip_special_tokens=request.params.skip_special_tokens)
-    if request.text_end is not None and not request.params.no_stop_trim:
-        text = text[: request.text_end]
+    """SGLang's single-request `/generate` response (also each streamed chunk, finish_reason None)."""
+    spans = [dict(span) for span in request.weight_versions] or [
+        {"version": weight_version, "start": 0, "end": 0}]
     meta: dict = {
         "id": request.rid,
         "finish_reason": request.finish_reason,
         "prompt_tokens": len(request.input_ids),
         "completion_tokens": len(request.output_ids),
         "cached_tokens": 0,
-        "weight_version": weight_version,
-        "weight_versions": [dict(span) for span in request.weight_versions],
+        "weight_version": spans[-1]["version"],
+        "weight_versions": spans,
         "e2e_latency": time.perf_counter() - request.created,
     }
     if request.return_logprob:
@@ -125,4 +244,9 @@ def render_response(request: GenerationRequest, *, tokenizer, weight_version: st
             ]
         else:
             meta["input_token_logprobs"] = []
-    return {"text": text, "output_ids": list(request.output_ids), "meta_info": meta}
+    return {"text": response_text(request, tokenizer), "output_ids": list(request.output_ids), "meta_info": meta}
+
+
+def abort_reason(message: str = ABORT_MESSAGE) -> dict:
+    """SGLang's FINISH_ABORT.to_json()."""
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -24,21 +25,27 @@ import torch
 from transformers import PreTrainedModel
 
 from hpc_rl.engines.cpu import kv_batch
-from hpc_rl.engines.cpu.requests import GenerationRequest, render_response
+from hpc_rl.engines.cpu.requests import GenerationRequest, abort_reason, decode_in_context, render_response
 from hpc_rl.engines.cpu.sampling import find_stop_string, sample_next_tokens
 
-ABORT_MESSAGE = "Aborted by AbortReq."
+log = logging.getLogger(__name__)
 
 
 class EngineStateError(RuntimeError):
     """A control call SGLang would crash or refuse on; the HTTP layer answers 400 with the reason."""
 
 
+class SchedulerDied(RuntimeError):
+    """The scheduler thread ended on an error (e.g. an out-of-vocabulary input id): nothing runs any more.
+    SGLang's process exits here; `python -m hpc_rl.engines.cpu` exits too (`on_fatal`)."""
+
+
 class Scheduler:
     """Runs generation for one model on its own thread (see the module docstring)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer, *, max_running_requests: int,
-                 context_length: int, weight_version: str) -> None:
+                 context_length: int, weight_version: str,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_running_requests = max_running_requests
@@ -51,11 +58,16 @@ class Scheduler:
         self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._running: list[GenerationRequest] = []
+        self._admitting: list[GenerationRequest] = []
         self._batch: kv_batch.KvBatch | None = None
         self._inbox: collections.deque[tuple[Callable[[], Any] | None, concurrent.futures.Future | None,
                                              GenerationRequest | None]] = collections.deque()
         self._wake = threading.Event()
         self._stopping = False
+        self.died: BaseException | None = None
+        """Why the scheduler thread ended, if it did on an error (then every request fails at once)."""
+        self.on_fatal = on_fatal
+        """Called on the dying thread after the error (the engine process exits there; tests: None)."""
         self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
 
     # ---- called from other threads -------------------------------------------------------------
@@ -69,6 +81,9 @@ class Scheduler:
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
         """Queue a request; its future resolves with the SGLang response dict."""
+        if self.died is not None:
+            request.future.set_exception(SchedulerDied(f"the engine's scheduler died: {self.died!r}"))
+            return request.future
         self._inbox.append((None, None, request))
         self._wake.set()
         return request.future
@@ -76,6 +91,9 @@ class Scheduler:
     def call(self, function: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `function` on the scheduler thread between steps; the future holds its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        if self.died is not None:
+            future.set_exception(SchedulerDied(f"the engine's scheduler died: {self.died!r}"))
+            return future
         self._inbox.append((function, future, None))
         self._wake.set()
         return future
@@ -94,14 +112,14 @@ class Scheduler:
         keep_waiting = collections.deque()
         for request in self._waiting:
             if abort_all or request.rid == rid:
-                self._finish(request, {"type": "abort", "message": ABORT_MESSAGE})
+                self._finish(request, abort_reason())
             else:
                 keep_waiting.append(request)
         self._waiting = keep_waiting
         survivors = []
         for index, request in enumerate(self._running):
             if abort_all or request.rid == rid:
-                self._finish(request, {"type": "abort", "message": ABORT_MESSAGE})
+                self._finish(request, abort_reason())
             else:
                 survivors.append(index)
         self._keep_rows(survivors)
@@ -151,12 +169,37 @@ class Scheduler:
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
-        while not self._stopping:
-            self._wake.clear()
-            if not self.run_iteration():
-                self._wake.wait()
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                if not self.run_iteration():
+                    self._wake.wait()
+        except BaseException as error:  # noqa: BLE001 - a dead scheduler must end the engine, never hang it
+            self._die(error)
+            return
         for request in list(self._waiting) + self._running:
-            self._finish(request, {"type": "abort", "message": "Engine shut down."})
+            self._finish(request, abort_reason("Engine shut down."))
+
+    def _die(self, error: BaseException) -> None:
+        """Fail every queued, running and future request and call `on_fatal` (SGLang's process exits on
+        the same errors: an out-of-vocabulary id, a failing forward pass)."""
+        self.died = error
+        log.critical("CPU engine scheduler died: %r", error, exc_info=error)
+        failure = SchedulerDied(f"the engine's scheduler died: {error!r}")
+        pending = list(self._waiting) + self._running + self._admitting
+        while self._inbox:
+            function, future, request = self._inbox.popleft()
+            pending.extend([request] if request is not None else [])
+            if future is not None and not future.done():
+                future.set_exception(failure)
+        for request in pending:
+            if not request.future.done():
+                request.future.set_exception(failure)
+        self._waiting.clear()
+        self._running = []
+        self._batch = None
+        if self.on_fatal is not None:
+            self.on_fatal(error)
 
     def run_iteration(self) -> bool:
         """Run queued calls, then one admit+decode step if allowed; False when there was nothing to do.
@@ -181,8 +224,9 @@ class Scheduler:
     def _step(self) -> None:
         free = self.max_running_requests - len(self._running)
         if free > 0 and self._waiting:
-            newcomers = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-            self._admit(newcomers)
+            self._admitting = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+            self._admit(self._admitting)
+            self._admitting = []
         if self._running:
             tokens = torch.tensor([request.output_ids[-1] for request in self._running], dtype=torch.long)
             self._batch, logits = kv_batch.decode_step(self.model, self._batch, tokens)
@@ -229,6 +273,8 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason)
                 finished_rows.add(row)
+            elif request.on_progress is not None:
+                request.on_progress(request)
         if finished_rows:
             self._keep_rows([i for i in range(len(self._running)) if i not in finished_rows])
 
@@ -241,21 +287,21 @@ class Scheduler:
     def _banned_tokens(self, request: GenerationRequest) -> list[int]:
         if len(request.output_ids) >= request.params.min_new_tokens:
             return []
-        banned = list(request.params.stop_token_ids)
-        if not request.params.ignore_eos:
-            banned.extend(self.eos_token_ids)
-        return banned
+        # SGLang's min_new_tokens penalizer holds back stop ids and EOS, with or without ignore_eos.
+        return [*request.params.stop_token_ids, *self.eos_token_ids]
 
     def _finish_reason(self, request: GenerationRequest, token: int) -> dict | None:
+        """SGLang's order (schedule_batch `update_finish_state`): stop string, then stop token / EOS
+        (none of them with `ignore_eos`, which also ignores `stop_token_ids`), then length."""
         params = request.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return {"type": "stop", "matched": token}
         if params.stop and len(request.output_ids) >= params.min_new_tokens:
-            text = self.tokenizer.decode(request.output_ids, skip_special_tokens=params.skip_special_tokens)
+            text = decode_in_context(self.tokenizer, request.input_ids, request.output_ids,
+                                     params.skip_special_tokens)
             found = find_stop_string(text, params.stop)
             if found is not None:
-                request.text_end = found[1]
                 return {"type": "stop", "matched": found[0]}
+        if not params.ignore_eos and (token in params.stop_token_ids or token in self.eos_token_ids):
+            return {"type": "stop", "matched": token}
         if len(request.output_ids) >= params.max_new_tokens:
             return {"type": "length", "length": len(request.output_ids)}
         if len(request.context) >= self.context_length:

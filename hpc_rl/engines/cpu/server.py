@@ -20,10 +20,11 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from aiohttp import web
 
-from hpc_rl.engines.cpu.requests import RequestError, parse_generate_body
-from hpc_rl.engines.cpu.scheduler import EngineStateError, Scheduler
+from hpc_rl.engines.cpu.requests import GenerationRequest, RequestError, parse_generate_body, render_response
+from hpc_rl.engines.cpu.scheduler import EngineStateError, Scheduler, SchedulerDied
 from hpc_rl.engines.cpu.weight_sync import (
     WeightUpdateGroups,
     load_from_disk,
@@ -55,22 +56,48 @@ class EngineInfo:
 
 
 def _ok(message: str = "Success") -> web.Response:
-    return web.json_response({"success": True, "message": message})
+    return json_response({"success": True, "message": message})
 
 
 def _fail(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"success": False, "message": message}, status=status)
+    return json_response({"success": False, "message": message}, status=status)
+
+
+def _validation_error(message: str) -> web.Response:
+    """SGLang's 400 for a body its pydantic model rejects (the legacy `ErrorResponse` shape)."""
+    return json_response({"object": "error", "message": message, "type": "Bad Request", "param": None,
+                          "code": 400}, status=400)
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+async def _read_json(request: web.Request) -> Any:
+    if not request.can_read_body:
+        return {}
+    raw = await request.read()
+    try:
+        return orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError as error:
+        raise web.HTTPBadRequest(text=json.dumps({"error": f"invalid JSON: {error}"}),
+                                 content_type="application/json") from None
 
 
 async def _json_body(request: web.Request) -> dict:
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except json.JSONDecodeError as error:
-        raise web.HTTPBadRequest(text=json.dumps({"error": f"invalid JSON: {error}"}),
-                                 content_type="application/json") from None
+    body = await _read_json(request)
     return body if isinstance(body, dict) else {}
+
+
+@web.middleware
+async def sglang_http_errors(request: web.Request, handler) -> web.StreamResponse:
+    """404/405 as FastAPI answers them in SGLang: JSON `{"detail": "Not Found"}`."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return json_response({"detail": "Method Not Allowed"}, status=405)
 
 
 class EngineServer:
@@ -84,7 +111,7 @@ class EngineServer:
 
     # ---- plumbing ------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth], client_max_size=1 << 30)
+        app = web.Application(middlewares=[sglang_http_errors, self._auth], client_max_size=1 << 30)
         get_post = [
             ("/health", self.health), ("/health_generate", self.health),
             ("/server_info", self.server_info), ("/get_server_info", self.server_info),
@@ -122,7 +149,7 @@ class EngineServer:
         if key and request.method != "OPTIONS" and not request.path.startswith(OPEN_PATH_PREFIXES):
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), key.encode()):
-                return web.json_response({"error": "Unauthorized"}, status=401)
+                return json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
     async def _on_scheduler(self, function) -> Any:
@@ -141,7 +168,7 @@ class EngineServer:
 
     async def server_info(self, request: web.Request) -> web.Response:
         info = self.info
-        return web.json_response({
+        return json_response({
             "model_path": info.model_path, "tokenizer_path": info.model_path, "served_model_name": info.model_path,
             "host": info.host, "port": info.port, "tp_size": 1, "dp_size": 1, "pp_size": 1,
             "max_running_requests": info.max_running_requests, "context_length": info.context_length,
@@ -152,7 +179,7 @@ class EngineServer:
         })
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({
+        return json_response({
             "model_path": self.info.model_path, "tokenizer_path": self.info.model_path,
             "is_generation": True, "preferred_sampling_params": None,
             "weight_version": self.scheduler.weight_version, "has_image_understanding": False,
@@ -161,23 +188,70 @@ class EngineServer:
         })
 
     # ---- generation ----------------------------------------------------------------------------
-    async def generate(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        if body.get("stream"):
-            return web.json_response({"error": "stream=true is not supported by the CPU engine"}, status=400)
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await _read_json(request)
         try:
-            gen = parse_generate_body(body, tokenizer=self.scheduler.tokenizer,
-                                      context_length=self.info.context_length)
+            parsed = parse_generate_body(body, tokenizer=self.scheduler.tokenizer,
+                                         context_length=self.info.context_length)
         except RequestError as error:
-            payload = {"error": {"message": str(error)}} if error.semantic else {"error": str(error)}
-            return web.json_response(payload, status=400)
-        future = self.scheduler.submit(gen)
+            return json_response(error.body(), status=400)
+        if parsed.stream:
+            if parsed.batched:
+                return json_response({"error": {"message": "stream=true with a batch is not supported by the "
+                                                           "CPU engine: stream one request at a time"}}, status=400)
+            return await self._stream(request, parsed.requests[0])
+        futures = [self.scheduler.submit(gen) for gen in parsed.requests]
         try:
-            result = await asyncio.wrap_future(future)
-        except asyncio.CancelledError:  # client went away: abort it, as SGLang does
-            self.scheduler.call(lambda: self.scheduler.abort(gen.rid, abort_all=False))
+            results = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
+        except asyncio.CancelledError:  # client went away: abort them, as SGLang does
+            self._abort_requests(parsed.requests)
             raise
-        return web.json_response(result)
+        except SchedulerDied as error:
+            return json_response({"error": {"message": str(error)}}, status=500)
+        return json_response(results if parsed.batched else results[0])
+
+    def _abort_requests(self, requests: list[GenerationRequest]) -> None:
+        rids = [gen.rid for gen in requests if not gen.future.done()]
+        if rids:
+            self.scheduler.call(lambda: [self.scheduler.abort(rid, abort_all=False) for rid in rids])
+
+    async def _stream(self, request: web.Request, gen: GenerationRequest) -> web.StreamResponse:
+        """SSE as SGLang: one `data: <json>` event per token (cumulative text and ids, finish_reason null
+        until the last), then `data: [DONE]`."""
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[dict] = asyncio.Queue()
+        tokenizer, scheduler = self.scheduler.tokenizer, self.scheduler
+
+        def progress(current: GenerationRequest) -> None:  # scheduler thread
+            chunk = render_response(current, tokenizer=tokenizer, weight_version=scheduler.weight_version)
+            loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+
+        gen.on_progress = progress
+        future = asyncio.wrap_future(self.scheduler.submit(gen))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            while True:
+                getter = asyncio.ensure_future(chunks.get())
+                await asyncio.wait([getter, future], return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    await response.write(b"data: " + orjson.dumps(getter.result()) + b"\n\n")
+                    continue
+                getter.cancel()
+                while not chunks.empty():
+                    await response.write(b"data: " + orjson.dumps(chunks.get_nowait()) + b"\n\n")
+                try:
+                    final = future.result()
+                except SchedulerDied as error:
+                    final = {"error": {"message": str(error)}}
+                await response.write(b"data: " + orjson.dumps(final) + b"\n\n")
+                break
+            await response.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            self._abort_requests([gen])
+            raise
+        await response.write_eof()
+        return response
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -187,10 +261,15 @@ class EngineServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         mode = (await _json_body(request)).get("mode", "abort")
-        return await self._control(lambda: self.scheduler.pause(mode), "Generation paused successfully.")
+        if mode not in ("abort", "retract", "in_place"):
+            return _validation_error(f"1 validation error for PauseGenerationReqInput\nmode\n  Input should be "
+                                     f"'abort', 'retract' or 'in_place' [input_value={mode!r}]")
+        await self._on_scheduler(lambda: self.scheduler.pause(mode))
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        return await self._control(self.scheduler.resume_generation, "Generation continued successfully.")
+        await self._on_scheduler(self.scheduler.resume_generation)
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         try:
@@ -278,7 +357,7 @@ class EngineServer:
             await self._on_scheduler(work)
         except (OSError, KeyError, ValueError, RuntimeError, TypeError) as error:
             return _fail(f"Failed to update weights from disk: {error}")
-        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+        return json_response({"success": True, "message": "Succeeded to update model weights.",
                                   "num_paused_requests": 0})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
@@ -306,6 +385,6 @@ class EngineServer:
             return tensor.detach()[:truncate].tolist()
 
         try:
-            return web.json_response(await self._on_scheduler(work))
+            return json_response(await self._on_scheduler(work))
         except KeyError:
-            return web.json_response({"error": {"message": f"unknown parameter name {name!r}"}}, status=400)
+            return json_response({"error": {"message": f"unknown parameter name {name!r}"}}, status=400)
