@@ -19,28 +19,70 @@ from hpc_rl.protocol import BlockingClient, Hello, load_secret, secret_path
 from hpc_rl.protocol.messages import StatusReply, StatusRequest
 
 
-def live_status(run_dir: Path, timeout_s: float = 5.0) -> dict[str, Any] | None:
-    """The running controller's status, or None when it does not answer."""
+class StatusUnavailable(Exception):
+    """The live controller could not be asked; the message says why (shown next to the fallback)."""
+
+
+def read_controller_address(run_dir: Path) -> tuple[str, int] | None:
+    """(host, port) from `<run_dir>/controller.address`; None when there is none (not started or ended)."""
     address_file = run_dir / CONTROLLER_ADDRESS_FILE
-    if not address_file.is_file():
-        return None
-    host, port = address_file.read_text().strip().rsplit(":", 1)
     try:
-        with BlockingClient(host, int(port), load_secret(secret_path(run_dir)), hello=Hello(role="status"),
+        text = address_file.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as error:
+        raise StatusUnavailable(f"cannot read {address_file}: {error}") from None
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise StatusUnavailable(f"{address_file} holds {text[:80]!r}, not host:port")
+    return host, int(port)
+
+
+def live_status(run_dir: Path, timeout_s: float = 5.0) -> dict[str, Any] | None:
+    """The running controller's status; None when no controller address is recorded; StatusUnavailable
+    (saying why) when one is recorded but asking it failed in any way."""
+    address = read_controller_address(run_dir)
+    if address is None:
+        return None
+    host, port = address
+    try:
+        with BlockingClient(host, port, load_secret(secret_path(run_dir)), hello=Hello(role="status"),
                             timeout=timeout_s) as client:
             reply = client.request(StatusRequest())
-    except (OSError, RuntimeError, ValueError):
-        return None
-    return reply.status if isinstance(reply, StatusReply) else None
+    except Exception as error:  # noqa: BLE001 - any failure to ask means: show the saved status instead
+        raise StatusUnavailable(f"controller at {host}:{port} did not answer ({type(error).__name__}: "
+                                f"{error})") from None
+    if not isinstance(reply, StatusReply):
+        raise StatusUnavailable(f"controller at {host}:{port} answered {reply.TYPE!r}, not a status reply")
+    return reply.status
+
+
+def saved_status(run_dir: Path) -> tuple[dict[str, Any], str]:
+    """(the last status.json, how it was read); a missing or unreadable file gives an empty status."""
+    saved = run_dir / "status.json"
+    try:
+        status = json.loads(saved.read_text())
+    except FileNotFoundError:
+        return {}, "nothing yet (no status.json)"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return {}, f"{saved} is unreadable ({type(error).__name__}: {error})"
+    if not isinstance(status, dict):
+        return {}, f"{saved} is unreadable (a JSON {type(status).__name__}, not an object)"
+    ended = status.get("state") not in (None, "running")
+    return status, "status.json (run ended)" if ended else "status.json (controller not running)"
 
 
 def collect_status(run_dir: Path) -> dict[str, Any]:
-    status = live_status(run_dir)
+    why_not_live = ""
+    try:
+        status = live_status(run_dir)
+    except StatusUnavailable as error:
+        status, why_not_live = None, str(error)
     source = "controller (live)"
     if status is None:
-        saved = run_dir / "status.json"
-        status = json.loads(saved.read_text()) if saved.is_file() else {}
-        source = "status.json (controller not running)" if status else "nothing yet"
+        status, source = saved_status(run_dir)
+        if why_not_live:
+            source += f"; {why_not_live}"
     status["source"] = source
     from hpc_rl.launch.slurm_status import describe_slurm_status, read_job_id
 
@@ -51,6 +93,8 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
 
 def format_status(status: dict[str, Any]) -> str:
     lines = [f"run dir: {status.get('run_dir', '?')}   (source: {status['source']})"]
+    if status.get("state"):
+        lines.append(f"run: {status['state']}")
     if "rollout_id" in status:
         lines.append(f"rollout {status['rollout_id']}/{status.get('num_rollout', '?')}, weight version "
                      f"{status.get('weight_version')}, partial buffer {status.get('buffer_size')} group(s)")

@@ -85,6 +85,8 @@ class Controller:
         self.stopping = False
         self.started_at = time.time()
         self.last_error = ""
+        self.outcome = "running"
+        """'running' until the run ends: then 'finished', 'failed' or 'stopped' (what status.json keeps)."""
         self._status_task: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -182,17 +184,22 @@ class Controller:
             metrics = await self.loop.run(resumed=bool(resume))
         except Exception as error:  # (a cancellation is a stop, not an error of the run)
             self.last_error = f"{type(error).__name__}: {error}"
+            self.outcome = "failed"
             raise
         self.stopping = True
         await self.loop.stop_trainers("run complete")
+        self.outcome = "finished"
         return metrics
 
     async def close(self) -> None:
         self.stopping = True
+        if self.outcome == "running":  # closed without an outcome: interrupted or failed before the loop
+            self.outcome = "failed" if self.last_error or self.channel.failure else "stopped"
         if self._status_task is not None:
             self._status_task.cancel()
             await asyncio.gather(self._status_task, return_exceptions=True)
-        self.write_status()
+        self.write_status()  # the final one: the run has ended, nothing is serving any more
+        (self.run_dir / CONTROLLER_ADDRESS_FILE).unlink(missing_ok=True)
         await self.fleet.close()
         if self.client is not None:
             await self.client.close()
@@ -238,10 +245,12 @@ class Controller:
 
     # -- status --------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
+        """JSON-able (str keys only: it travels in a StatusReply and lands in status.json)."""
         loop = self.loop
         last = loop.last_metrics if loop else {}
         return {
             "run_dir": str(self.run_dir),
+            "state": self.outcome,
             "controller": {"address": f"{self.host}:{self.address[1] if self.server else 0}",
                            "uptime_s": round(time.time() - self.started_at, 1)},
             "rollout_id": loop.state.next_rollout_id if loop else 0,
@@ -252,11 +261,21 @@ class Controller:
             "reward_mean": last.get("rollout/reward_mean"),
             "samples_per_second": (self.config.rollout.rollout_batch_size * self.config.rollout.n_samples_per_prompt
                                    / last["time/step"]) if last.get("time/step") else None,
-            "components": self.registry.snapshot(),
+            "components": self._components(),
             "engine_events": self.fleet.events[-20:],
             "last_error": self.last_error or (str(self.channel.failure) if self.channel.failure else ""),
             "updated_at": time.time(),
         }
+
+    def _components(self) -> dict[str, dict[str, Any]]:
+        """Trainer ranks and engines by str(rank/index); once the run ended, engines are 'stopped'."""
+        snapshot = self.registry.snapshot()
+        components = {kind: {str(key): dict(value) for key, value in members.items()}
+                      for kind, members in snapshot.items()}
+        if self.outcome != "running":
+            for engine in components.get("engines", {}).values():
+                engine["state"] = "stopped"
+        return components
 
     def write_status(self) -> None:
         path = self.run_dir / "status.json"

@@ -56,6 +56,7 @@ from hpc_rl.engines.sglang_launch import (
     sglang_device_options,
     write_api_key_file,
 )
+from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
 from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
 from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
@@ -109,9 +110,14 @@ def engine_command(config: RunConfig, placement: EnginePlacement, host: str, por
     return build_sglang_command(spec)
 
 
-def trainer_command(config: RunConfig, run_dir: Path, rendezvous: str) -> list[str]:
-    """torchrun over every trainer node (one torchrun per node; it forks the ranks)."""
-    return [sys.executable, "-m", "torch.distributed.run",
+WEIGHT_SYNC_ADDRESS_ENV = "HPC_RL_WEIGHT_SYNC_ADDRESS"
+"""= hpc_rl.training.sync_address.SYNC_ADDRESS_ENV (not imported: it would load torch into the driver)."""
+
+
+def trainer_command(config: RunConfig, run_dir: Path, rendezvous: str, *, local: bool = False) -> list[str]:
+    """torchrun over every trainer node (one torchrun per node; it forks the ranks); in a local run its
+    stores listen on loopback only (bound_torchrun, with STORE_ADDRESS_ENV set by the driver)."""
+    return [sys.executable, "-m", "hpc_rl.launch.bound_torchrun", *(["--local-addr=127.0.0.1"] if local else []),
             f"--nnodes={config.cluster.actor_num_nodes}",
             f"--nproc-per-node={config.cluster.actor_num_gpus_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={os.environ.get('SLURM_JOB_ID', 'local')}",
@@ -202,7 +208,8 @@ class Driver:
     async def run(self) -> int:
         secret = load_secret(secret_path(self.run_dir))
         self.engine_key = engine_api_key(secret)
-        self.router = RouterProcess(log_path=self.logs / "router.log", host=self.host, port=self.ports.router,
+        # Loopback: its only client is this process's controller (its /v1/models answers without the key).
+        self.router = RouterProcess(log_path=self.logs / "router.log", host="127.0.0.1", port=self.ports.router,
                                     prometheus_port=self.ports.router_metrics,
                                     policy=self.config.sglang.router_policy, api_key=self.engine_key)
         self.router.start()
@@ -220,8 +227,11 @@ class Driver:
                        # trainer rank 0 advertises its node's address for the weight group (training.sync_address)
                        TRAINER_NODE_ADDRESSES_ENV: ",".join(self.launcher.node_address(0, node)
                                                             for node in range(self.config.cluster.actor_num_nodes))}
+        if self.local:  # every store of the trainer on loopback (see the README's "What listens")
+            trainer_env.update({STORE_ADDRESS_ENV: "127.0.0.1", WEIGHT_SYNC_ADDRESS_ENV: "127.0.0.1"})
         self.trainer_step = self.launcher.start(StepSpec(
-            name="trainer", argv=trainer_command(self.config, self.run_dir, rendezvous), env=trainer_env,
+            name="trainer", argv=trainer_command(self.config, self.run_dir, rendezvous, local=self.local),
+            env=trainer_env,
             het_group=0, num_nodes=self.config.cluster.actor_num_nodes, tasks_per_node=1,
             gpus_per_task=self.config.cluster.actor_num_gpus_per_node if self.config.cluster.device == "cuda" else 0,
             log_path=self.logs / "trainer.log"))

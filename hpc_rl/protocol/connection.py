@@ -209,11 +209,14 @@ class Connection:
             raise HandshakeError(f"connection to {self.peer} used before its server hello")
         return counter
 
-    async def read_envelope(self, max_frame_bytes: int | None = None) -> Envelope:
-        """Read the next frame directly (only before the background reader is started)."""
+    async def read_envelope(self, max_frame_bytes: int | None = None, *, grow_with_input: bool = False) -> Envelope:
+        """Read the next frame directly (only before the background reader is started); with
+        `grow_with_input` (an unauthenticated peer) its buffer grows with what arrives (see read_frame)."""
         assert self._reader_task is None, "read_envelope() after the background reader started; use recv()"
         counter = self._counter(self._incoming)
-        return await read_envelope(self.reader, self.secret, counter, max_frame_bytes or self.max_frame_bytes)
+        header, payload = await read_frame(self.reader, self.secret, counter,
+                                           max_frame_bytes or self.max_frame_bytes, grow_with_input=grow_with_input)
+        return envelope_from_frame(header, payload)
 
     async def send(self, msg: Message, *, reply_to: int | None = None) -> int:
         """Send a message; return its id (what a reply to it will carry in ``reply_to``)."""

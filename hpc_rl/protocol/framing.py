@@ -23,7 +23,8 @@ or "reflected" when it can. The server's hello itself can be replayed to a clien
 answers on the controller's address; see connection.py.
 
 The prefix is checked (magic, version, flags, declared size against the receiver's limit) before a single
-byte of the body is read or allocated; the MAC is checked before the header is parsed, so an
+byte of the body is read or allocated (and for a peer not yet authenticated the body's buffer grows only
+with the bytes it actually sends); the MAC is checked before the header is parsed, so an
 unauthenticated peer never reaches the JSON parser.
 """
 
@@ -230,8 +231,14 @@ async def read_frame(
     secret: Secret,
     counter: FrameCounter,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    *,
+    grow_with_input: bool = False,
 ) -> tuple[dict[str, Any], memoryview]:
-    """Read the next authenticated frame of ``counter``'s direction from an asyncio stream."""
+    """Read the next authenticated frame of ``counter``'s direction from an asyncio stream.
+
+    The body's buffer is allocated at the declared size before it is read (no copies for big frames),
+    or, with ``grow_with_input`` (a peer not authenticated yet), grows with the bytes that actually
+    arrive: a stranger who declares a big frame and sends nothing makes the reader allocate nothing."""
     try:
         prefix = await reader.readexactly(PREFIX.size)
     except asyncio.IncompleteReadError as e:
@@ -242,8 +249,7 @@ async def read_frame(
         ) from None
     header_len, payload_len = parse_prefix(prefix, max_frame_bytes)
     size = header_len + payload_len + MAC_BYTES
-    body = bytearray(size)
-    view = memoryview(body)
+    body = bytearray() if grow_with_input else bytearray(size)
     got = 0
     while got < size:  # chunked: the stream's own buffer stays small even for a 1 GiB frame
         chunk = await reader.read(min(size - got, _CHUNK))
@@ -252,7 +258,10 @@ async def read_frame(
                 f"connection closed after {got} of the {size} body bytes of a frame "
                 f"(header {header_len}, payload {payload_len})"
             )
-        view[got : got + len(chunk)] = chunk
+        if grow_with_input:
+            body += chunk
+        else:
+            body[got : got + len(chunk)] = chunk
         got += len(chunk)
     return open_frame(secret, counter, prefix, body, header_len)
 

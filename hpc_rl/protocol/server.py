@@ -2,9 +2,12 @@
 
 Owns the server side of a connection's life; not what the messages mean (the controller's handler does).
 
-    accept ──> ServerHello(fresh nonce); every later frame's MAC is bound to it (framing.py)
-           ──> first frame within handshake_timeout, at most HANDSHAKE_MAX_FRAME_BYTES,
-               valid MAC, a Hello, accepted by on_hello? ──no──> warn, ErrorReply, close THIS connection
+    accept ──> more than max_unauthenticated connections handshaking? ──> drop the OLDEST of them
+           ──> ServerHello(fresh nonce); every later frame's MAC is bound to it (framing.py)
+           ──> first frame within handshake_timeout, at most HANDSHAKE_MAX_FRAME_BYTES (its buffer grows
+               with the bytes that arrive, not with the size the stranger declares),
+               valid MAC, a Hello, accepted by on_hello? ──no──> ErrorReply (no file paths: the peer is
+               unauthenticated), close THIS connection, warn (rate-limited: RejectionLog)
                  │yes
                  ├─> Welcome(connection_id)
                  └─> loop: message ─> handler(conn, envelope) ─> reply (if not None)
@@ -12,6 +15,10 @@ Owns the server side of a connection's life; not what the messages mean (the con
                        (bad MAC: wrong secret, altered, replayed, reordered or reflected frame)
                        handler raises ─> ErrorReply to that request, keep serving
                        peer closes    ─> info log
+
+What a stranger can make the server hold is bounded: max_unauthenticated x (HANDSHAKE_MAX_FRAME_BYTES +
+the stream buffer), for at most handshake_timeout each. Dropping the oldest (not refusing the newest)
+keeps a flood from locking the job's own processes out: their handshake takes milliseconds.
 
 Every other connection is untouched by what happens on one of them. Messages of one connection are
 handled one at a time, in order; a handler that wants concurrency starts a task and answers later with
@@ -31,6 +38,7 @@ from hpc_rl.protocol.connection import STREAM_BUFFER_BYTES, Connection, Envelope
 from hpc_rl.protocol.errors import HandshakeError, PeerClosedError, ProtocolError
 from hpc_rl.protocol.framing import DEFAULT_MAX_FRAME_BYTES, HANDSHAKE_MAX_FRAME_BYTES
 from hpc_rl.protocol.messages import ErrorReply, Hello, Message, Welcome
+from hpc_rl.protocol.rejections import RejectionLog
 from hpc_rl.protocol.secret import Secret
 
 log = logging.getLogger("hpc_rl.protocol")
@@ -56,12 +64,17 @@ class Server:
         on_close: CloseHook | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         handshake_timeout: float = 5.0,
+        max_unauthenticated: int = 32,
     ) -> None:
         self.secret, self.handler = secret, handler
         self.on_hello, self.on_close = on_hello, on_close
         self.max_frame_bytes = max_frame_bytes
         self.handshake_timeout = handshake_timeout
+        self.max_unauthenticated = max_unauthenticated
+        self.rejections = RejectionLog(log)
         self.connections: dict[int, Connection] = {}
+        self._handshaking: dict[int, asyncio.Task[None]] = {}
+        """Connections not authenticated yet, oldest first."""
         self._ids = itertools.count(1)
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -87,6 +100,7 @@ class Server:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.rejections.flush()
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -103,8 +117,12 @@ class Server:
         conn = Connection(reader, writer, self.secret, max_frame_bytes=self.max_frame_bytes)
         conn_id = next(self._ids)
         error: BaseException | None = None
+        self._admit(conn_id, task)
         try:
-            hello = await self._handshake(conn, conn_id)
+            try:
+                hello = await self._handshake(conn, conn_id)
+            finally:
+                self._handshaking.pop(conn_id, None)
             self.connections[conn_id] = conn
             log.info(
                 "connection %d from %s: %s rank %s/%s (host %s pid %s)",
@@ -122,13 +140,20 @@ class Server:
             log.info("connection %d from %s closed by the peer", conn_id, conn.peer)
         except ProtocolError as e:
             error = e
-            log.warning("rejecting connection %d from %s: %s", conn_id, conn.peer, e)
-            await self._reject(conn, str(e))
+            if conn.hello is None:  # a stranger: no file paths in the reply, no flood of warnings
+                self.rejections.refused(conn.peer, str(e))
+                await self._reject(conn, self._public_reason(str(e)))
+            else:
+                log.warning("rejecting connection %d from %s: %s", conn_id, conn.peer, e)
+                await self._reject(conn, str(e))
         except (OSError, asyncio.IncompleteReadError) as e:
             error = e
             log.info("connection %d from %s lost: %s", conn_id, conn.peer, e)
         except asyncio.CancelledError:
             error = PeerClosedError("server closing")
+            if conn.hello is None and self._server is not None and self._server.is_serving():
+                self.rejections.refused(conn.peer, f"dropped while authenticating: more than "
+                                                   f"{self.max_unauthenticated} connections authenticating at once")
         except Exception as e:  # a bug in a hook: keep the server alive, tell the log
             error = e
             log.exception("connection %d from %s: internal error", conn_id, conn.peer)
@@ -141,6 +166,16 @@ class Server:
                 with contextlib.suppress(Exception):
                     await self.on_close(conn, error)
             self._tasks.discard(task)
+
+    def _admit(self, conn_id: int, task: asyncio.Task[None]) -> None:
+        """Count a new unauthenticated connection; over the limit, drop the oldest one still handshaking."""
+        while len(self._handshaking) >= self.max_unauthenticated:
+            self._handshaking.pop(next(iter(self._handshaking))).cancel()
+        self._handshaking[conn_id] = task
+
+    def _public_reason(self, reason: str) -> str:
+        """What an unauthenticated peer is told: the reason without where the job's secret lives."""
+        return reason.replace(f" ({self.secret.origin})", "").replace(self.secret.origin, "<the job's secret>")
 
     async def _handshake(self, conn: Connection, conn_id: int) -> Hello:
         try:
@@ -159,7 +194,7 @@ class Server:
     @staticmethod
     async def _server_hello_then_hello(conn: Connection) -> Envelope:
         await conn.send_server_hello()
-        return await conn.read_envelope(HANDSHAKE_MAX_FRAME_BYTES)
+        return await conn.read_envelope(HANDSHAKE_MAX_FRAME_BYTES, grow_with_input=True)
 
     async def _serve_connection(self, conn: Connection) -> None:
         while True:

@@ -11,6 +11,12 @@ Owns:
   `RetryPolicy.max_transport_retries` consecutive failures the sample is FAILED with the error in
   `metadata["error"]`. An abort the session did not ask for (engine paused for a weight update) is
   resumed the same way: the sample keeps the tokens of the old policy, tagged with its version.
+- What no retry fixes ends the run (`RunEndingGenerationError`, raised through the scheduler):
+  `RequestRejected`, the engine refused a request as invalid (a 4xx other than 401/403 authentication,
+  408 and 429, which are retried like transport failures), e.g. a negative temperature, with the
+  engine's own message; `NoWorkersAvailable`, the router answered 503 `no_available_workers` for
+  `RetryPolicy.no_workers_timeout_s` while the controller counted engines serving (the router's
+  circuit breaker has shut them all out; restarts, when no engine is serving, do not count).
 - Custom generate functions (`rollout.custom_generate_function_path`), slime's signature:
 
       async def generate(args, sample: Sample, sampling_params: dict) -> Sample
@@ -28,13 +34,16 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from hpc_rl.data.samples import Sample, SampleStatus
-from hpc_rl.rollout.engine_client import EngineClient, EngineHTTPError, StopGeneration, TransportError
+from hpc_rl.rollout.engine_client import (EngineClient, EngineHTTPError, GenerateAnswer, StopGeneration,
+                                          TransportError)
 from hpc_rl.rollout.metrics import GenerationMetrics
 
 SamplingParams = dict[str, Any]
@@ -53,6 +62,48 @@ class RetryPolicy:
     max_delay_s: float = 10.0
     max_unrequested_aborts: int = 50
     """Aborts the session did not ask for, in a row without a new token, before the sample fails."""
+    no_workers_timeout_s: float = 120.0
+    """How long the router may answer `no_available_workers` while engines serve before the run ends."""
+
+
+class RunEndingGenerationError(RuntimeError):
+    """Generation cannot succeed by retrying: the rollout stops and the run ends with this message."""
+
+
+class RequestRejected(RunEndingGenerationError):
+    """The engine refused a request as invalid (HTTP 4xx); the message quotes the engine."""
+
+    def __init__(self, status: int, engine_message: str, sampling_params: SamplingParams) -> None:
+        super().__init__(
+            f"the engine rejected a generation request as invalid (HTTP {status}): {engine_message} "
+            f"(sampling_params {sampling_params}); every request would fail the same way: fix the value "
+            "(rollout.rollout_* / eval.eval_* in the config, or the custom generate function) and rerun")
+        self.status = status
+
+
+class NoWorkersAvailable(RunEndingGenerationError):
+    """The router has had no worker to send requests to for too long while engines were up."""
+
+
+RETRIED_CLIENT_STATUSES = frozenset({408, 429})
+"""4xx answers that are about the moment, not the request: retried like transport failures."""
+AUTH_STATUSES = frozenset({401, 403})
+"""4xx answers about the key: the sample fails (the engine restarted with another key?), the run goes on."""
+NO_WORKERS_CODE = "no_available_workers"
+"""sglang-router 0.3.2's error code (503) when every worker is unhealthy or its circuit is open."""
+
+
+def engine_error_message(body: str) -> str:
+    """The engine's own words from an error body: SGLang's {"error": "..."}, {"error": {"message": ...}},
+    FastAPI's {"detail": ...}, or the raw text."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return body.strip()[:500]
+    error = parsed.get("error", parsed.get("detail", parsed)) if isinstance(parsed, dict) else parsed
+    if isinstance(error, dict) and "message" in error:
+        error = error["message"]
+    return str(error)[:500]
 
 
 def rollout_sampling_params(rollout: Any) -> SamplingParams:
@@ -119,6 +170,8 @@ class GenerationSession:
         self.max_context_len = max_context_len
         self.return_logprob = return_logprob
         self.stopped = asyncio.Event()
+        self.no_workers_since: float | None = None
+        """When the router began answering `no_available_workers` with engines serving (None: it is not)."""
         self.in_flight: set[str] = set()
         self.metrics = GenerationMetrics()
         self._changed = asyncio.Event()
@@ -141,6 +194,22 @@ class GenerationSession:
             except TimeoutError:
                 pass
         return not self.in_flight
+
+    def note_no_workers(self, error: TransportError) -> None:
+        """The router said it has no worker: raise NoWorkersAvailable once that has lasted too long while
+        the controller counts engines serving (while none serves, engines are restarting: not counted)."""
+        now = time.monotonic()
+        if not self.client.directory.engine_urls():
+            self.no_workers_since = None
+            return
+        if self.no_workers_since is None:
+            self.no_workers_since = now
+        elif now - self.no_workers_since > self.retry.no_workers_timeout_s:
+            serving = ", ".join(self.client.directory.engine_urls())
+            raise NoWorkersAvailable(
+                f"the router has answered '{NO_WORKERS_CODE}' for {now - self.no_workers_since:.0f} s while "
+                f"engine(s) {serving} were up: its circuit breaker or health checks shut every worker out "
+                f"(last answer: {error}); see logs/router.log and logs/engine-*.log")
 
     def _done(self, rid: str) -> None:
         self.in_flight.discard(rid)
@@ -221,6 +290,7 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
         }
         session.in_flight.add(rid)
         metrics.requests_sent += 1
+        answer: GenerateAnswer | None = None
         try:
             answer = await session.client.generate(payload, stopped=session.stopped)
         except StopGeneration:
@@ -228,22 +298,32 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
             return _finish(sample, SampleStatus.ABORTED)
         except EngineHTTPError as error:
             metrics.requests_http_failed += 1
-            metrics.samples_failed += 1
-            return _finish(sample, SampleStatus.FAILED, str(error))
+            if error.status in AUTH_STATUSES:
+                metrics.samples_failed += 1
+                return _finish(sample, SampleStatus.FAILED, str(error))
+            if error.status not in RETRIED_CLIENT_STATUSES:
+                raise RequestRejected(error.status, engine_error_message(str(error).partition(": ")[2]),
+                                      payload["sampling_params"]) from None
+            failure: Exception = error
         except TransportError as error:
             metrics.requests_transport_failed += 1
+            failure = error
+            if NO_WORKERS_CODE in str(error):
+                session.note_no_workers(error)
+        finally:
+            session._done(rid)
+        if answer is None:  # a failure worth retrying: transport, 408, 429
             transport_failures += 1
             await session.client.abort(rid)  # it may still run somewhere (a timeout, not a death)
             if transport_failures > retry.max_transport_retries:
                 metrics.samples_failed += 1
                 return _finish(sample, SampleStatus.FAILED,
-                               f"{transport_failures} transport failures in a row, last: {error}")
+                               f"{transport_failures} transport failures in a row, last: {failure}")
             metrics.requests_retried += 1
             delay = min(retry.max_delay_s, retry.base_delay_s * 2 ** (transport_failures - 1))
             await session._sleep_unless_stopped(delay)
             continue
-        finally:
-            session._done(rid)
+        session.no_workers_since = None
         transport_failures = 0
         body = answer.body
         meta = body.get("meta_info") or {}
@@ -289,7 +369,8 @@ def load_generate_function(path: str | None) -> GenerateFn:
 
 async def run_generate(fn: GenerateFn, args: Any, sample: Sample, sampling_params: SamplingParams,
                        session: GenerationSession) -> Sample:
-    """Call a generate function inside `session`; its exceptions make the sample FAILED, not the run."""
+    """Call a generate function inside `session`; its exceptions make the sample FAILED, not the run,
+    except a `RunEndingGenerationError` (raised on, through the scheduler, to end the run)."""
     token = _SESSION.set(session)
     try:
         result = await fn(args, sample, dict(sampling_params))
@@ -300,6 +381,8 @@ async def run_generate(fn: GenerateFn, args: Any, sample: Sample, sampling_param
         return result
     except StopGeneration:
         return _finish(sample, SampleStatus.ABORTED)
+    except RunEndingGenerationError:
+        raise  # no retry can help: the rollout stops and the run ends with this message
     except Exception as error:  # noqa: BLE001 - a user's function must not kill the rollout
         session.metrics.samples_failed += 1
         return _finish(sample, SampleStatus.FAILED, f"generate function raised {type(error).__name__}: {error}")

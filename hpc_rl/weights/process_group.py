@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from hpc_rl.weights.bound_store import bound_tcp_store
+
 DEFAULT_GROUP_NAME = "weight_update_group"
 
 
@@ -34,8 +36,9 @@ def init_weight_update_group(
     # The TCPStore is built directly, not through `rendezvous("tcp://...")`: under torchrun that
     # handler (TORCHELASTIC_USE_AGENT_STORE) makes every rank, rank 0 included, a client of the
     # agent's store, so the trainer would never host the group. The raw store is the same either way.
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout,
-                          wait_for_workers=False)
+    # Rank 0 hosts it on `master_address` only (torch alone would listen on every interface, unauthenticated).
+    store = (bound_tcp_store(master_address, master_port, world_size, timeout=timeout) if rank == 0 else
+             dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout))
     prefixed = dist.PrefixStore(group_name, store)
     group, _ = c10d._new_process_group_helper(
         world_size, rank, [], backend, prefixed, group_name=group_name, timeout=timeout

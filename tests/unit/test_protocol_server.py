@@ -118,7 +118,7 @@ BAD_PEERS: dict[str, tuple[Callable[[framing.FrameCounter], bytes], str]] = {
     ),
     "wrong_secret": (
         lambda c: frame_bytes(HELLO, c, WRONG),
-        "bad MAC: the peer does not hold this job's secret (/run/job/secret)",
+        "bad MAC: the peer does not hold this job's secret",
     ),
     "truncated": (lambda c: frame_bytes(HELLO, c)[:-10], "connection closed after"),
     "truncated_prefix": (lambda c: frame_bytes(HELLO, c)[:7], "7 of the 20 bytes of a frame prefix"),

@@ -27,6 +27,8 @@ class FakeSglangEngine:
         self.natural_length = natural_length
         self.weight_version = "default"
         self.fail_next = 0
+        self.fail_with: tuple[int, dict[str, Any]] = (500, {"error": "injected failure"})
+        """(status, JSON body) of the next `fail_next` answers."""
         self.running: dict[str, asyncio.Event] = {}
         self.rids_seen: list[str] = []
         self.abort_calls = 0
@@ -67,7 +69,8 @@ class FakeSglangEngine:
         self.rids_seen.append(rid)
         if self.fail_next > 0:
             self.fail_next -= 1
-            return web.json_response({"error": "injected failure"}, status=500)
+            status, error_body = self.fail_with
+            return web.json_response(error_body, status=status)
         await self._resume.wait()
         input_ids: list[int] = body["input_ids"]
         max_new = int(body["sampling_params"].get("max_new_tokens", 128))

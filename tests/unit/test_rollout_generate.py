@@ -15,6 +15,8 @@ from hpc_rl.plugins import PluginError
 from hpc_rl.rollout.engine_client import EngineClient, StaticEngineDirectory
 from hpc_rl.rollout.generate import (
     GenerationSession,
+    NoWorkersAvailable,
+    RequestRejected,
     RetryPolicy,
     append_tool_tokens,
     generate_turn,
@@ -194,3 +196,52 @@ def test_custom_generate_function_by_path() -> None:
         assert failed.status is SampleStatus.FAILED and "boom" in failed.metadata["error"]
 
     asyncio.run(with_engines(1, body, natural_length=lambda ids: 100))
+
+
+def test_an_invalid_request_ends_the_run_with_the_engines_message() -> None:
+    async def body(engines: list[FakeSglangEngine], client: EngineClient) -> None:
+        session = GenerationSession(client, retry=FAST_RETRY)
+        engines[0].fail_next = 1
+        engines[0].fail_with = (400, {"error": {"message": "sampling_params.temperature must be >= 0"}})
+        with pytest.raises(RequestRejected, match=r"HTTP 400\): sampling_params.temperature must be >= 0 "
+                                                  r"\(sampling_params \{'temperature': -3"):
+            await run_generate(load_generate_function(None), None, make_sample(0),
+                               {"temperature": -3, "max_new_tokens": 10}, session)
+        assert len(engines[0].rids_seen) == 1  # not retried (the old code: the sample failed, the run went on)
+        assert accounted(session)
+
+    asyncio.run(with_engines(1, body))
+
+
+@pytest.mark.parametrize("status", [408, 429])
+def test_busy_answers_are_retried_not_run_ending(status: int) -> None:
+    async def body(engines: list[FakeSglangEngine], client: EngineClient) -> None:
+        session = GenerationSession(client, retry=FAST_RETRY)
+        engines[0].fail_next = 2
+        engines[0].fail_with = (status, {"error": "busy"})
+        done = await generate_turn(make_sample(0), {"max_new_tokens": 10}, session=session)
+        assert done.status is SampleStatus.COMPLETED and session.metrics.requests_retried == 2
+
+    asyncio.run(with_engines(1, body))
+
+
+def test_a_router_without_workers_ends_the_run_after_the_bound() -> None:
+    no_workers = (503, {"error": {"type": "Service Unavailable", "code": "no_available_workers",
+                                  "message": "No available workers (all circuits open or unhealthy)"}})
+    patient = RetryPolicy(max_transport_retries=1000, base_delay_s=0.01, max_delay_s=0.01,
+                          no_workers_timeout_s=0.3)
+
+    async def body(engines: list[FakeSglangEngine], client: EngineClient) -> None:
+        router = engines[0]  # plays the router: every answer is sglang-router's 503
+        router.fail_next, router.fail_with = 10**6, no_workers
+        session = GenerationSession(client, retry=patient)
+        with pytest.raises(NoWorkersAvailable, match=r"answered 'no_available_workers' for \d+ s while engine"):
+            await asyncio.wait_for(generate_turn(make_sample(0), {"max_new_tokens": 10}, session=session), 30)
+        # While the controller counts no engine serving (restarting), the same answers are only retried.
+        client.directory.urls.clear()
+        restarting = GenerationSession(client, retry=RetryPolicy(max_transport_retries=30, base_delay_s=0.02,
+                                                                 max_delay_s=0.02, no_workers_timeout_s=0.1))
+        failed = await generate_turn(make_sample(1), {"max_new_tokens": 10}, session=restarting)
+        assert failed.status is SampleStatus.FAILED and restarting.no_workers_since is None
+
+    asyncio.run(with_engines(1, body))

@@ -1,0 +1,50 @@
+"""`python -m hpc_rl.launch.bound_torchrun ARGS`: torchrun (same ARGS) whose stores listen on one address.
+
+Owns narrowing torchrun's two TCPStore servers, the c10d rendezvous store (at `--rdzv-endpoint`) and the
+store it shares with its worker ranks, to the address in `STORE_ADDRESS_ENV` (the driver sets 127.0.0.1
+for a local run). torch gives neither a bind address: they would listen on every interface without
+authentication (see `hpc_rl.weights.bound_store`). Without the variable this is plain torchrun (a
+multi-node trainer needs its stores reachable from the other nodes; see the README's "What listens").
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+STORE_ADDRESS_ENV = "HPC_RL_STORE_ADDRESS"
+
+
+def _bind_store_servers(address: str) -> None:
+    """Every TCPStore server torchrun creates in this process listens on `address` only."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    from hpc_rl.weights.bound_store import listening_socket
+
+    class AddressBoundTCPStore(dist.TCPStore):  # a subclass, so torch's isinstance checks still hold
+        def __init__(self, host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
+                     timeout: timedelta = timedelta(seconds=300), wait_for_workers: bool = True,
+                     multi_tenant: bool = False, master_listen_fd: int | None = None,
+                     use_libuv: bool = True) -> None:
+            if is_master and master_listen_fd is None:
+                sock = listening_socket(address, port)
+                port, master_listen_fd = sock.getsockname()[1], sock.detach()
+            super().__init__(host_name, port, world_size, is_master, timeout, wait_for_workers, multi_tenant,
+                             master_listen_fd, use_libuv)
+
+    dist.TCPStore = AddressBoundTCPStore  # type: ignore[misc]  (dynamic_rendezvous reads dist.TCPStore)
+    c10d_rendezvous_backend.TCPStore = AddressBoundTCPStore  # type: ignore[misc]  (imported by name there)
+
+
+def main() -> None:
+    address = os.environ.get(STORE_ADDRESS_ENV)
+    if address:
+        _bind_store_servers(address)
+    from torch.distributed.run import main as torchrun_main
+
+    torchrun_main()
+
+
+if __name__ == "__main__":
+    main()
