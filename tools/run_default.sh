@@ -4,7 +4,8 @@
 # (e.g. --num-rollout 20, --run-dir DIR, --executor slurm to send it to a cluster instead).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source tools/setup_env.sh || exit 1
+source tools/setup_env.sh
+hpc_rl_setup || exit 1
 executor=(--executor local)
 for arg in "$@"; do [[ "$arg" == --executor* ]] && executor=(); done
 exec python -m hpc_rl.submit configs/tiny_cpu.yaml "${executor[@]}" "$@"

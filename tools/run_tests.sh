@@ -5,7 +5,8 @@
 # cluster is up (tools/local_slurm.sh up starts one; .ci/run does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source tools/setup_env.sh test || exit 1
+source tools/setup_env.sh
+hpc_rl_setup test || exit 1
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 
 run() {  # pytest, with "no tests collected" (exit 5) not counted as a failure

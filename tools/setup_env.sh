@@ -1,6 +1,7 @@
-# Set-up shared by README's two commands (tools/run_default.sh, tools/run_tests.sh): source it.
+# Set-up shared by README's two commands (tools/run_default.sh, tools/run_tests.sh).
 #
-#   source tools/setup_env.sh [EXTRA ...]     # e.g. `test`: also the test requirements
+#   source tools/setup_env.sh && hpc_rl_setup [EXTRA ...]   # e.g. `test`: also the test requirements
+#   bash tools/setup_env.sh [EXTRA ...]                     # only install (a venv it makes stays in ./.venv)
 #
 # Installs only what is missing, then leaves `python` (on PATH) ready to run hpc_rl from this checkout:
 #   1. a quick check of setup.cfg's requirements against the interpreter's installed metadata
@@ -68,4 +69,7 @@ hpc_rl_setup() {  # hpc_rl_setup EXTRA...
   fi
 }
 
-hpc_rl_setup "$@"
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then  # executed, not sourced
+  set -euo pipefail
+  hpc_rl_setup "$@"
+fi
