@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The test command of README.md: fast unit tests first, then the slow integration tests
-# (real controller, router, CPU engines, torchrun ranks), then the Slurm tests when a cluster is up.
+# The test command of README.md: set up what is missing (tools/setup_env.sh: torch's CPU wheel, then
+# hpc_rl[test], into a venv it creates when none is active), then fast unit tests, then the slow
+# integration tests (real controller, router, CPU engines, torchrun ranks), then the Slurm tests when a
+# cluster is up (tools/local_slurm.sh up starts one; .ci/run does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source tools/setup_env.sh
+hpc_rl_setup test || exit 1
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 
 run() {  # pytest, with "no tests collected" (exit 5) not counted as a failure
@@ -11,13 +15,23 @@ run() {  # pytest, with "no tests collected" (exit 5) not counted as a failure
   if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then exit "$code"; fi
 }
 
-echo "== unit tests"
-run -q -m "not slow and not slurm" tests --timeout=300
-echo "== integration tests (slow: real processes)"
-run -q -m "slow and not slurm" tests --timeout=900
-if [ "${HPC_RL_SLURM_TESTS:-auto}" != "0" ] && command -v sinfo >/dev/null 2>&1 && sinfo -h >/dev/null 2>&1; then
-  echo "== Slurm tests (local cluster)"
-  run -q -m slurm tests --timeout=1200
-else
-  echo "== Slurm tests skipped: no reachable Slurm cluster (tools/local_slurm.sh up starts one)"
-fi
+stages=("$@")  # unit | slow | slurm, any of them (default: all three, in that order)
+[ "${#stages[@]}" -gt 0 ] || stages=(unit slow slurm)
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    unit)
+      echo "== unit tests"
+      run -q -m "not slow and not slurm" tests --timeout=300 ;;
+    slow)
+      echo "== integration tests (slow: real processes)"
+      run -q -m "slow and not slurm" tests --timeout=900 ;;
+    slurm)
+      if [ "${HPC_RL_SLURM_TESTS:-auto}" != "0" ] && command -v sinfo >/dev/null 2>&1 && sinfo -h >/dev/null 2>&1; then
+        echo "== Slurm tests (local cluster)"
+        run -q -m slurm tests --timeout=1200
+      else
+        echo "== Slurm tests skipped: no reachable Slurm cluster (tools/local_slurm.sh up starts one)"
+      fi ;;
+    *) echo "usage: $0 [unit] [slow] [slurm]" >&2; exit 2 ;;
+  esac
+done

@@ -9,7 +9,7 @@ import pytest
 
 from hpc_rl.data.prompts import (DataError, DataKeys, PromptDataset, PromptSource, make_group,
                                  make_prompt_encoder)
-from tests.conftest import SHARED_DATA
+from tests.conftest import TEST_DATA
 
 
 def write_rows(path: Path, rows: list[object]) -> Path:
@@ -18,7 +18,7 @@ def write_rows(path: Path, rows: list[object]) -> Path:
 
 
 def test_dapo_sample_loads_with_chat_prompts() -> None:
-    dataset = PromptDataset.load(SHARED_DATA / "dapo_math_17k_sample.jsonl", DataKeys())
+    dataset = PromptDataset.load(TEST_DATA / "dapo_math_17k_sample.jsonl", DataKeys())
     assert len(dataset) == 55
     assert dataset.records[0].prompt[0]["role"] == "user"
     assert dataset.records[0].label == "34"
@@ -83,7 +83,7 @@ def test_chat_template_and_groups(tiny_model_dir: Path) -> None:
     encode = make_prompt_encoder(tokenizer, apply_chat_template=True)
     ids = encode([{"role": "user", "content": "copy 7"}], {})
     assert tokenizer.decode(ids) == "<|im_start|> user copy 7 <|im_end|> <|im_start|> assistant"
-    dataset = PromptDataset.load(SHARED_DATA / "aime_2024.jsonl", DataKeys())
+    dataset = PromptDataset.load(TEST_DATA / "aime_2024_head5.jsonl", DataKeys())
     group = make_group(dataset.records[3], group_index=5, first_sample_index=40, n_samples=4, prompt_token_ids=ids)
     assert [s.index for s in group] == [40, 41, 42, 43]
     assert all(s.group_index == 5 and s.label == dataset.records[3].label for s in group)
