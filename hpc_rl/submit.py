@@ -9,6 +9,7 @@ resolved config and the job topology.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import time
@@ -18,12 +19,13 @@ from pathlib import Path
 import yaml
 
 from hpc_rl.config import ConfigError, RunConfig, load_config, write_resolved_config
+from hpc_rl.config.typing_rules import ConfigErrors
 from hpc_rl.config.loading import config_to_dict
 from hpc_rl.config.validation import ValidationFailed, validate
 from hpc_rl.launch.topology import plan_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
 
-USAGE = """usage: python -m hpc_rl.submit CONFIG.yaml [CONFIG.yaml ...] [options] [--flag value ...]
+USAGE = """usage: python -m hpc_rl.submit [CONFIG.yaml ...] [options] [--flag value ...]
 
 options:
   --dry-run            validate, print the resolved config and the job topology, submit nothing
@@ -31,6 +33,7 @@ options:
   --executor E         slurm | local (default: slurm when `srun` is on PATH, else local)
   --wait               block until the job ends; exit with its status
   --run-dir DIR        where every artifact of the run goes (default: runs/<run_name>-<timestamp>)
+  --config FILE        a YAML config file (also given as bare CONFIG.yaml arguments; optional)
   -h, --help           this text
 
 Any other flag sets a config field with slime's name: --rollout-batch-size 32, --colocate,
@@ -52,18 +55,39 @@ class SubmitOptions:
     wait: bool = False
 
 
+_VALUELESS_OPTIONS = ("--dry-run", "--no-check-files", "--wait")
+
+
+def _is_config_file(token: str) -> bool:
+    return not token.startswith("-")
+
+
 def parse_submit_args(argv: list[str]) -> SubmitOptions:
+    """Split argv into config files, the submit command's own options and config flags.
+
+    A config file is any bare token at the start, after one of submit's valueless options
+    (`--dry-run CONFIG` works), or after `--config`. Config files are optional: slime's flags alone
+    are a complete config.
+    """
     options = SubmitOptions()
     i = 0
-    while i < len(argv) and not argv[i].startswith("-"):
-        options.config_files.append(argv[i])
-        i += 1
     while i < len(argv):
         token = argv[i]
         if token in ("-h", "--help"):
-            print(USAGE)
+            from hpc_rl.config.help_text import submit_help
+
+            print(submit_help(USAGE))
             raise SystemExit(0)
-        if token == "--dry-run":
+        if token == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config takes a YAML file")
+            options.config_files.append(argv[i + 1])
+            i += 2
+            continue
+        if _is_config_file(token) and (i == 0 or argv[i - 1] in _VALUELESS_OPTIONS
+                                       or argv[i - 1] in options.config_files):
+            options.config_files.append(token)
+        elif token == "--dry-run":
             options.dry_run = True
         elif token == "--no-check-files":
             options.check_files = False
@@ -78,8 +102,9 @@ def parse_submit_args(argv: list[str]) -> SubmitOptions:
         else:
             options.config_flags.append(token)
         i += 1
-    if not options.config_files:
-        raise ConfigError("no config file given; e.g. python -m hpc_rl.submit configs/tiny_cpu.yaml")
+    if not options.config_files and not options.config_flags:
+        raise ConfigError("no config given: a YAML file (e.g. python -m hpc_rl.submit configs/tiny_cpu.yaml), "
+                          "slime's flags, or both")
     return options
 
 
@@ -101,13 +126,46 @@ def assign_run_dir(config: RunConfig) -> RunConfig:
     return config
 
 
+MODEL_FILE_NAME = "model.yaml"
+
+
+def write_model_file(config: RunConfig) -> RunConfig:
+    """An architecture given by Megatron's model flags becomes `<run_dir>/model.yaml`, the file every
+    process reads (`config.model`), so trainer, converters and weight sync see one architecture."""
+    if config.model_args is not None:
+        path = Path(config.run_dir) / MODEL_FILE_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(config.model_args.to_dict(), sort_keys=False))
+        config.model = str(path)
+    return config
+
+
+class _StderrNotes(logging.Handler):
+    """Prints the config loader's notes (e.g. a slime plug-in path mapped to hpc_rl's) on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"hpc_rl.submit: {record.getMessage()}", file=sys.stderr)
+
+
+def _show_config_notes() -> None:
+    notes = logging.getLogger("hpc_rl.config")
+    if not any(isinstance(h, _StderrNotes) for h in notes.handlers):
+        notes.addHandler(_StderrNotes())
+        notes.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _show_config_notes()
     try:
         options = parse_submit_args(argv)
         config = load_config(options.config_files, options.config_flags)
         validate(config, check_files=options.check_files)
         topology = plan_topology(config.cluster)
+    except ConfigErrors as errors:
+        print(f"hpc_rl.submit: the config has {len(errors.messages)} problem(s); nothing was submitted:", file=sys.stderr)
+        print("\n".join(f"  - {m}" for m in errors.messages), file=sys.stderr)
+        return EXIT_INVALID
     except ValidationFailed as failure:
         print(f"hpc_rl.submit: the config has {len(failure.problems)} problem(s); nothing was submitted:",
               file=sys.stderr)
@@ -128,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             print(render_slurm_dry_run(assign_run_dir(config)))
         print("dry run: the config is valid; nothing was started or submitted.")
         return 0
-    config = assign_run_dir(config)
+    config = write_model_file(assign_run_dir(config))
     write_resolved_config(config, config.run_dir)
     create_secret(secret_path(config.run_dir), overwrite=True)
     if executor == "local":

@@ -2,208 +2,42 @@
 
 Owns: reading YAML with line numbers (so errors say file:line), the flat slime-style key index
 (`rollout_batch_size` finds `rollout.rollout_batch_size`), slime's kebab-case CLI flags
-(`--rollout-batch-size 32`, `--colocate`, `--eval-prompt-data aime /p`, `--sglang-X v`),
-`--set section.key=value`, and writing/reading `<run_dir>/config.resolved.yaml`.
-Cross-field validation is `hpc_rl.config.validation`'s job.
+(`--rollout-batch-size 32`, `--colocate`, `--eval-prompt-data aime /p`, `--sglang-X v`), Megatron's
+model flags (`--num-layers 36 ...`, into `model_args`), `--set section.key=value`, slime's derived
+values (`num_steps_per_rollout`, colocated `rollout_num_gpus`), and writing/reading
+`<run_dir>/config.resolved.yaml`. Every problem is reported in one pass (`ConfigErrors`). What
+slime's other flags do here is `hpc_rl.config.slime_flags`; cross-field validation is
+`hpc_rl.config.validation`'s job.
 """
-
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import typing
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from hpc_rl.config.megatron_model import architecture_from_flags
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.schema import EvalDataset, RunConfig, SGLangConfig
-from hpc_rl.config.typing_rules import ConfigError, coerce_value, parse_cli_scalar
+from hpc_rl.config.schema import EvalDataset, RunConfig
+from hpc_rl.config.settings_sources import (
+    MEGATRON_PREFIX, MODEL_ARGS_FIELD, TOP_LEVEL_FIELDS, Setting, parse_cli_settings, read_yaml_settings, section_types,
+)
+from hpc_rl.config.settings_sources import _field_hint as field_hint
+from hpc_rl.config.slime_flags import PLUGIN_PATH_FIELDS, SLIME_PLUGIN_PATHS, SLIME_RM_MODULES
+from hpc_rl.config.typing_rules import ConfigError, ConfigErrors, coerce_value
 
-TOP_LEVEL_FIELDS = ("model", "run_dir")
 RESOLVED_CONFIG_NAME = "config.resolved.yaml"
+log = logging.getLogger(__name__)
+
+__all__ = ["ConfigError", "ConfigErrors", "Setting", "build_config", "load_config", "load_resolved_config",
+           "parse_cli_settings", "read_yaml_settings", "write_resolved_config"]
 
 
-def _section_types() -> dict[str, type]:
-    hints = typing.get_type_hints(RunConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig) if f.name not in TOP_LEVEL_FIELDS}
-
-
-SECTION_TYPES = _section_types()
-
-
-def _build_flat_index() -> dict[str, str]:
-    """flat field name -> 'section.field'; names present in two sections must be qualified."""
-    index: dict[str, str] = {}
-    seen_twice: set[str] = set()
-    for section, section_type in SECTION_TYPES.items():
-        for f in dataclasses.fields(section_type):
-            if f.name in index:
-                seen_twice.add(f.name)
-            index[f.name] = f"{section}.{f.name}"
-    for name in seen_twice:
-        del index[name]
-    for name in TOP_LEVEL_FIELDS:
-        index[name] = name
-    return index
-
-
-FLAT_INDEX = _build_flat_index()
-# slime spells the SGLang section's own fields with a `sglang_` prefix.
-for _f in dataclasses.fields(SGLangConfig):
-    if _f.name != "extra_args":
-        FLAT_INDEX[f"sglang_{_f.name}"] = f"sglang.{_f.name}"
-
-
-@dataclasses.dataclass
-class Setting:
-    """One value from one source, with where it came from (for error messages)."""
-
-    path: str
-    value: Any
-    where: str
-
-
-def _resolve_key(key: str, where: str) -> str:
-    if "." in key:
-        section, name = key.split(".", 1)
-        if section not in SECTION_TYPES:
-            raise ConfigError(f"{where}: unknown section {section!r}; sections: {', '.join(SECTION_TYPES)}")
-        names = {f.name for f in dataclasses.fields(SECTION_TYPES[section])}
-        if name not in names:
-            hint = difflib.get_close_matches(name, names, n=1)
-            raise ConfigError(
-                f"{where}: {section} has no field {name!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
-            )
-        return key
-    if key in FLAT_INDEX:
-        return FLAT_INDEX[key]
-    if key.startswith("sglang_"):
-        return f"sglang.extra_args.{key[len('sglang_'):]}"
-    if key in {f.name for f in dataclasses.fields(ModelArchitecture)}:
-        raise ConfigError(f"{where}: {key!r} is a model-architecture field: set it in the model file (`model:`)")
-    hint = difflib.get_close_matches(key, list(FLAT_INDEX), n=1)
-    raise ConfigError(f"{where}: unknown setting {key!r}" + (f"; did you mean {hint[0]!r}?" if hint else ""))
-
-
-def _construct(node: yaml.Node) -> Any:
-    loader = yaml.SafeLoader("")
-    try:
-        return loader.construct_object(node, deep=True)
-    finally:
-        loader.dispose()
-
-
-def read_yaml_settings(path: str | Path) -> list[Setting]:
-    """Settings of one YAML config file, each with its file:line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
-    try:
-        root = yaml.compose(path.read_text())
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {error}") from error
-    if root is None:
-        return []
-    if not isinstance(root, yaml.MappingNode):
-        raise ConfigError(f"{path}:{root.start_mark.line + 1}: the top level must be a mapping of settings")
-    settings: list[Setting] = []
-    for key_node, value_node in root.value:
-        key = key_node.value
-        where = f"{path}:{key_node.start_mark.line + 1}"
-        if key in SECTION_TYPES and isinstance(value_node, yaml.MappingNode):
-            for sub_key_node, sub_value_node in value_node.value:
-                sub_where = f"{path}:{sub_key_node.start_mark.line + 1}"
-                if key == "sglang" and sub_key_node.value == "extra_args":
-                    for extra_key, extra_value in (_construct(sub_value_node) or {}).items():
-                        settings.append(Setting(f"sglang.extra_args.{extra_key}", extra_value, sub_where))
-                    continue
-                full = _resolve_key(f"{key}.{sub_key_node.value}", sub_where)
-                settings.append(Setting(full, _construct(sub_value_node), sub_where))
-        else:
-            settings.append(Setting(_resolve_key(key, where), _construct(value_node), where))
-    return settings
-
-
-def _field_hint(path: str) -> Any:
-    if path in TOP_LEVEL_FIELDS:
-        return str
-    section, name = path.split(".", 1)
-    return typing.get_type_hints(SECTION_TYPES[section])[name]
-
-
-def _is_bool_flag(path: str) -> bool:
-    if path.startswith("sglang.extra_args."):
-        return False
-    hint = _field_hint(path)
-    return hint is bool
-
-
-def _is_list_field(path: str) -> bool:
-    if path.startswith("sglang.extra_args."):
-        return False
-    hint = _field_hint(path)
-    for candidate in (hint, *typing.get_args(hint)):
-        if typing.get_origin(candidate) is list:
-            return True
-    return False
-
-
-def parse_cli_settings(argv: list[str]) -> list[Setting]:
-    """slime-style flags and `--set a.b=v` into settings (in order: later wins)."""
-    settings: list[Setting] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if not token.startswith("--"):
-            raise ConfigError(f"command line: unexpected argument {token!r} (flags start with --)")
-        if token == "--set":
-            if i + 1 >= len(argv) or "=" not in argv[i + 1]:
-                raise ConfigError("command line: --set takes section.key=value")
-            key, raw = argv[i + 1].split("=", 1)
-            path = _resolve_key(key.replace("-", "_"), f"--set {key}")
-            settings.append(Setting(path, parse_cli_scalar(raw), f"--set {key}"))
-            i += 2
-            continue
-        flag = token[2:]
-        if "=" in flag:
-            flag, inline = flag.split("=", 1)
-            values: list[str] = [inline]
-        else:
-            values = []
-            j = i + 1
-            while j < len(argv) and not argv[j].startswith("--"):
-                values.append(argv[j])
-                j += 1
-        i += 1 + (0 if "=" in token else len(values))
-        name = flag.replace("-", "_")
-        negated = name.startswith("no_") and name[3:] in FLAT_INDEX
-        path = _resolve_key(name[3:] if negated else name, token)
-        where = f"command line {token}"
-        if _is_bool_flag(path):
-            if negated:
-                value: Any = False
-                if values:
-                    raise ConfigError(f"{where}: takes no value")
-            elif not values:
-                value = True
-            elif len(values) == 1:
-                value = values[0]
-            else:
-                raise ConfigError(f"{where}: takes at most one value (true/false)")
-        elif path == "eval.eval_prompt_data":
-            value = values
-        elif _is_list_field(path):
-            value = [parse_cli_scalar(v) for v in values]
-        elif len(values) == 1:
-            value = parse_cli_scalar(values[0])
-        elif not values and path.startswith("sglang.extra_args."):
-            value = True
-        else:
-            raise ConfigError(f"{where}: takes exactly one value, got {len(values)}")
-        settings.append(Setting(path, value, where))
-    return settings
+def _messages(error: ConfigError) -> list[str]:
+    return error.messages if isinstance(error, ConfigErrors) else [str(error)]
 
 
 def _eval_datasets(value: Any, where: str) -> list[EvalDataset]:
@@ -219,45 +53,150 @@ def _eval_datasets(value: Any, where: str) -> list[EvalDataset]:
     raise ConfigError(f"{where}: eval_prompt_data takes name/path pairs")
 
 
+def _slime_plugin_path(path: str, value: Any, raw: dict[str, dict[str, Any]], where: str) -> Any:
+    """slime's plug-in import paths -> hpc_rl's equivalents, with one log line each."""
+    if not isinstance(value, str) or not value.startswith("slime."):
+        return value
+    flag = "--" + path.split(".")[1].replace("_", "-")
+    module = value.rpartition(".")[0]
+    if value in SLIME_PLUGIN_PATHS:
+        target = SLIME_PLUGIN_PATHS[value]
+        log.info("%s %s is slime's; hpc_rl uses %s", flag, value, target or "its built-in default")
+        return target
+    if path == "rollout.custom_rm_path" and module in SLIME_RM_MODULES:
+        rm_type = SLIME_RM_MODULES[module]
+        log.info("%s %s is slime's %s reward; hpc_rl uses rm_type %s", flag, value, rm_type, rm_type)
+        raw["rollout"]["rm_type"] = rm_type
+        return None
+    raise ConfigError(f"{where}: {flag} {value}: a slime module hpc_rl has no equivalent for; "
+                      f"port the function into your own module and give its path")
+
+
+def _apply_setting(setting: Setting, raw: dict[str, dict[str, Any]], top: dict[str, Any]) -> None:
+    if setting.path in TOP_LEVEL_FIELDS:
+        top[setting.path] = coerce_value(setting.value, str, f"{setting.where}: {setting.path}")
+        return
+    if setting.path == MODEL_ARGS_FIELD:
+        top[MODEL_ARGS_FIELD] = coerce_value(setting.value, ModelArchitecture | None, f"{setting.where}: model_args")
+        return
+    if setting.path.startswith(MEGATRON_PREFIX):
+        raw.setdefault("megatron", {})[setting.path[len(MEGATRON_PREFIX):]] = setting.value
+        return
+    parts = setting.path.split(".")
+    if parts[:2] == ["sglang", "extra_args"]:
+        raw["sglang"].setdefault("extra_args", {})[parts[2]] = setting.value
+        return
+    section, name = parts
+    where = f"{setting.where}: {setting.path}"
+    if setting.path == "eval.eval_prompt_data":
+        raw[section][name] = _eval_datasets(setting.value, where)
+    elif setting.path == "sglang.extra_args":
+        raw[section].setdefault(name, {}).update(coerce_value(setting.value, dict[str, Any], where))
+    else:
+        value = coerce_value(setting.value, field_hint(setting.path), where)
+        raw[section][name] = _slime_plugin_path(setting.path, value, raw, where) if setting.path in PLUGIN_PATH_FIELDS \
+            else value
+
+
+def _given_or_default(raw: dict[str, dict[str, Any]], section: str, name: str) -> Any:
+    if name in raw[section]:
+        return raw[section][name]
+    return next(f.default for f in dataclasses.fields(section_types()[section]) if f.name == name)
+
+
+def _derive_slime_values(raw: dict[str, dict[str, Any]]) -> None:
+    """What slime derives when a value is not given: the batch split, colocated GPUs, offload."""
+    training, cluster = raw["training"], raw["cluster"]
+    samples = _given_or_default(raw, "rollout", "rollout_batch_size") * _given_or_default(
+        raw, "rollout", "n_samples_per_prompt")
+    steps, batch = training.get("num_steps_per_rollout"), training.get("global_batch_size")
+    if batch is None and steps is None:
+        training["global_batch_size"], training["num_steps_per_rollout"] = samples, 1
+    elif batch is None and steps:
+        training["global_batch_size"] = samples // steps
+    elif steps is None and batch and samples % batch == 0 and samples >= batch:
+        training["num_steps_per_rollout"] = samples // batch
+    colocate = bool(_given_or_default(raw, "cluster", "colocate"))
+    if colocate and cluster.get("rollout_num_gpus") is None:
+        cluster["rollout_num_gpus"] = (_given_or_default(raw, "cluster", "actor_num_nodes")
+                                       * _given_or_default(raw, "cluster", "actor_num_gpus_per_node"))
+    if training.get("offload_train") is None:
+        training["offload_train"] = colocate
+
+
+def _hf_config(raw: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    checkpoint = raw["checkpoint"].get("hf_checkpoint")
+    path = Path(checkpoint) / "config.json" if checkpoint else None
+    try:
+        return json.loads(path.read_text()) if path is not None and path.is_file() else None
+    except (OSError, json.JSONDecodeError):
+        return None  # validation reports an unreadable config.json
+
+
+def _model_args(raw: dict[str, dict[str, Any]], top: dict[str, Any], problems: list[str]) -> ModelArchitecture | None:
+    flags = raw.pop("megatron", {})
+    if not flags:
+        return top.get(MODEL_ARGS_FIELD)
+    base = dataclasses.asdict(top[MODEL_ARGS_FIELD]) if top.get(MODEL_ARGS_FIELD) else None
+    if base is None and top.get("model") and Path(top["model"]).is_file():
+        try:
+            base = ModelArchitecture.from_yaml(top["model"]).to_dict()
+        except ValueError as error:
+            problems.append(str(error))
+            return None
+    arch, arch_problems = architecture_from_flags(flags, base=base, hf_config=_hf_config(raw))
+    problems += [f"model flags: {p}" for p in arch_problems]
+    return arch
+
+
 def build_config(settings: list[Setting]) -> RunConfig:
     """Defaults, then `settings` in order (later wins); each section is constructed once from the
-    explicit values, so derived defaults (over_sampling_batch_size, eps_clip_high) follow them."""
-    raw: dict[str, dict[str, Any]] = {name: {} for name in SECTION_TYPES}
+    explicit values, so derived defaults (over_sampling_batch_size, eps_clip_high, slime's batch split)
+    follow them. Raises ConfigErrors listing every problem."""
+    raw: dict[str, dict[str, Any]] = {name: {} for name in section_types()}
     top: dict[str, Any] = {}
     wheres: dict[str, str] = {}
+    problems: list[str] = []
     for setting in settings:
         wheres[setting.path] = setting.where
-        if setting.path in TOP_LEVEL_FIELDS:
-            top[setting.path] = coerce_value(setting.value, str, setting.where)
-            continue
-        parts = setting.path.split(".")
-        if parts[:2] == ["sglang", "extra_args"]:
-            raw["sglang"].setdefault("extra_args", {})[parts[2]] = setting.value
-            continue
-        section, name = parts
-        if setting.path == "eval.eval_prompt_data":
-            raw[section][name] = _eval_datasets(setting.value, setting.where)
-        elif setting.path == "sglang.extra_args":
-            raw[section].setdefault(name, {}).update(coerce_value(setting.value, dict[str, Any], setting.where))
-        else:
-            raw[section][name] = coerce_value(setting.value, _field_hint(setting.path), setting.where)
+        try:
+            _apply_setting(setting, raw, top)
+        except ConfigError as error:
+            problems += _messages(error)
+    top[MODEL_ARGS_FIELD] = _model_args(raw, top, problems)
+    _derive_slime_values(raw)
     sections: dict[str, Any] = {}
-    for name, section_type in SECTION_TYPES.items():
+    for name, section_type in section_types().items():
         try:
             sections[name] = section_type(**raw[name])
         except (ValueError, TypeError) as error:
             origin = next((w for p, w in wheres.items() if p.startswith(name + ".")), "defaults")
-            raise ConfigError(f"{error} (set at {origin})") from error
+            problems.append(f"{error} (set at {origin})")
+    if problems:
+        raise ConfigErrors(problems)
     return RunConfig(**top, **sections)
 
 
 def load_config(config_files: list[str | Path], cli_args: list[str] | None = None) -> RunConfig:
-    """defaults < each YAML file in order < CLI flags. Raises ConfigError with file:line or flag."""
+    """defaults < each YAML file in order < CLI flags. Raises ConfigErrors with every file:line or flag."""
     settings: list[Setting] = []
+    problems: list[str] = []
     for path in config_files:
-        settings.extend(read_yaml_settings(path))
-    settings.extend(parse_cli_settings(cli_args or []))
-    return build_config(settings)
+        try:
+            settings.extend(read_yaml_settings(path))
+        except ConfigError as error:
+            problems += _messages(error)
+    try:
+        settings.extend(parse_cli_settings(cli_args or []))
+    except ConfigError as error:
+        problems += _messages(error)
+    try:
+        config = build_config(settings)
+    except ConfigError as error:
+        problems += _messages(error)
+    if problems:
+        raise ConfigErrors(problems)
+    return config
 
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpc_rl.config.model import ModelArchitecture
+
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 RM_TYPES = ("deepscaler", "dapo", "math", "f1", "remote_rm", "tiny_task")
@@ -116,6 +118,8 @@ class RolloutConfig:
     """Import path of `fn(args, rollout_id, buffer, num_samples) -> list[list[Sample]]` (default: FIFO)."""
     custom_generate_function_path: str | None = None
     """Import path of `async fn(args, sample, sampling_params) -> Sample` (multi-turn, tools)."""
+    max_turns: int | None = None
+    """Turn limit handed to custom_generate_function_path as `args.max_turns` (needs that path)."""
     update_weights_interval: int = 1
     """Sync weights to the engines every this many rollouts."""
     update_weight_buffer_size: int = 512 * 1024**2
@@ -150,8 +154,6 @@ class TrainingConfig:
     """Pack micro-batches by tokens up to max_tokens_per_gpu."""
     max_tokens_per_gpu: int | None = None
     """Token cap per micro-batch per GPU (x context parallel size) with dynamic batch size."""
-    balance_data: bool = False
-    """Assign micro-batches to DP ranks by Karmarkar-Karp on token counts."""
     tensor_model_parallel_size: int = 1
     """TP size."""
     sequence_parallel: bool = False
@@ -178,6 +180,9 @@ class TrainingConfig:
     """Trainer RNG seed."""
     num_threads: int = 1
     """torch intra-op threads per rank on CPU (1 is fastest with several processes per core)."""
+    offload_train: bool = False
+    """Colocated: move the trainer's weights, gradients and optimizer state off the GPU while engines
+    generate (slime's --offload-train / --offload; on by default when colocated, as in slime)."""
 
     def __post_init__(self) -> None:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
@@ -425,7 +430,10 @@ class RunConfig:
     """One complete run: every section plus the model architecture file."""
 
     model: str = ""
-    """Path of the model architecture file (configs/models/*.yaml)."""
+    """Path of the model architecture file (configs/models/*.yaml); optional with Megatron's model flags."""
+    model_args: ModelArchitecture | None = None
+    """The architecture from Megatron's model flags (slime's MODEL_ARGS: --num-layers 36 ...), on top of
+    the model file when both are given; written to <run_dir>/model.yaml at submit."""
     run_dir: str = ""
     """Directory of every artifact of the run (default: runs/<run_name>-<timestamp>)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -18,6 +18,15 @@ class ConfigError(ValueError):
     """A config problem a user can fix; the message says where and what to do."""
 
 
+class ConfigErrors(ConfigError):
+    """Several config problems found in one pass; `messages` holds one line each."""
+
+    def __init__(self, messages: list[str]) -> None:
+        self.messages = messages
+        super().__init__("\n".join(messages) if len(messages) == 1 else
+                         "\n".join(f"  - {m}" for m in messages))
+
+
 def _is_optional(hint: Any) -> tuple[bool, Any]:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):

@@ -137,16 +137,26 @@ def _topology_problems(config: RunConfig) -> list[Problem]:
     return problems
 
 
-def _model_problems(config: RunConfig) -> list[Problem]:
+def _architecture(config: RunConfig) -> tuple[ModelArchitecture | None, str, list[Problem]]:
+    """The run's architecture (model flags first, else the model file), a name for messages, problems."""
+    if config.model_args is not None:
+        return config.model_args, "the model flags", []
     if not config.model:
-        return [Problem("model", "no model architecture file; set model: configs/models/<name>.yaml")]
+        return None, "", [Problem("model", "no model architecture: give Megatron's model flags (slime's MODEL_ARGS, "
+                                           "e.g. --num-layers 36 ...) or model: configs/models/<name>.yaml")]
     model_path = Path(config.model)
     if not model_path.is_file():
-        return [Problem("model", f"model file {model_path} not found")]
+        return None, "", [Problem("model", f"model file {model_path} not found")]
     try:
-        arch = ModelArchitecture.from_yaml(model_path)
+        return ModelArchitecture.from_yaml(model_path), str(model_path), []
     except ValueError as error:
-        return [Problem("model", str(error))]
+        return None, "", [Problem("model", str(error))]
+
+
+def _model_problems(config: RunConfig) -> list[Problem]:
+    arch, model_path, found = _architecture(config)
+    if arch is None:
+        return found
     problems = []
     tp = config.training.tensor_model_parallel_size
     if arch.num_query_groups % tp:
@@ -173,7 +183,7 @@ def _model_problems(config: RunConfig) -> list[Problem]:
         except json.JSONDecodeError as error:
             return problems + [Problem(str(hf_config), f"not valid JSON: {error}")]
         for mismatch in architecture_mismatches(arch, hf):
-            problems.append(Problem("model", f"{model_path} disagrees with {hf_config}: {mismatch}"))
+            problems.append(Problem("model", f"{model_path} and {hf_config} disagree: {mismatch}"))
     return problems
 
 

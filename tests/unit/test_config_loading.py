@@ -22,7 +22,8 @@ def test_precedence_defaults_yaml_cli(tmp_path: Path) -> None:
     config = load_config([first, second], ["--n-samples-per-prompt", "3"])
     assert config.rollout.rollout_batch_size == 6
     assert config.rollout.n_samples_per_prompt == 3
-    assert config.training.global_batch_size == 64  # default untouched
+    assert config.training.global_batch_size == 18  # slime: rollout_batch_size * n_samples_per_prompt, one step
+    assert config.training.num_steps_per_rollout == 1
 
 
 def test_slime_flags_verbatim() -> None:
@@ -58,7 +59,7 @@ def test_unknown_key_names_file_and_line(tmp_path: Path) -> None:
 
 def test_wrong_type_names_file_and_line(tmp_path: Path) -> None:
     path = write(tmp_path, "model: m.yaml\nglobal_batch_size: many\n")
-    with pytest.raises(ConfigError, match=rf"{path}:2: 'many' is not an integer"):
+    with pytest.raises(ConfigError, match=rf"{path}:2: training.global_batch_size: 'many' is not an integer"):
         load_config([path])
 
 
@@ -67,9 +68,10 @@ def test_unknown_cli_flag_suggests() -> None:
         load_config([], ["--n-sample-per-prompt", "8"])
 
 
-def test_architecture_flag_points_to_model_file() -> None:
-    with pytest.raises(ConfigError, match="model-architecture field: set it in the model file"):
-        load_config([], ["--num-layers", "36"])
+def test_incomplete_model_flags_say_what_is_missing() -> None:
+    with pytest.raises(ConfigError, match="model flags without --hidden-size, --ffn-hidden-size"):
+        load_config([], ["--num-layers", "36", "--swiglu", "--normalization", "RMSNorm",
+                         "--use-rotary-position-embeddings", "--num-attention-heads", "4", "--vocab-size", "10"])
 
 
 def test_section_invariant_reports_origin(tmp_path: Path) -> None:

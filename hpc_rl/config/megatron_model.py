@@ -1,0 +1,137 @@
+"""A `ModelArchitecture` from Megatron's model flags (slime's `MODEL_ARGS`), with Megatron's defaults.
+
+Owns: reading `--num-layers 36 --hidden-size 2560 ... --spec slime_plugins.models.glm4 get_glm_spec`
+the way Megatron does (a missing `--untie-embeddings-and-output-weights` means tied, a missing
+`--disable-bias-linear` means biases, no `--group-query-attention` means one KV head per query head),
+refusing what hpc_rl cannot build with the reason, and overriding a model file's fields when both are
+given (as `MODEL_ARGS+=(--rotary-base 10000)` does in slime). The HF config.json check is
+`hpc_rl.config.validation`'s (the same check model files get).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpc_rl.config.model import ModelArchitecture
+
+GLM4_SPEC = ("slime_plugins.models.glm4", "get_glm_spec")
+HF_MODEL_TYPE_FAMILY = {"qwen3": "qwen3", "glm4": "glm4", "llama": "llama"}
+DEFAULT_MAX_POSITION_EMBEDDINGS = 4096
+
+
+def _family(flags: dict[str, Any], problems: list[str]) -> str:
+    spec = flags.get("spec")
+    if spec is not None:
+        if tuple(spec) == GLM4_SPEC:
+            return "glm4"
+        problems.append(f"--spec {' '.join(map(str, spec))}: hpc_rl builds Megatron's GPT layer spec and slime's GLM4 "
+                        f"spec ({' '.join(GLM4_SPEC)}) only")
+        return "llama"
+    return "qwen3" if flags.get("qk_layernorm") else "llama"
+
+
+def _required_behaviour_problems(flags: dict[str, Any], from_scratch: bool) -> list[str]:
+    problems = []
+    normalization = flags.get("normalization")
+    if normalization is not None and normalization != "RMSNorm":
+        problems.append(f"--normalization {normalization}: hpc_rl builds RMSNorm models only")
+    elif normalization is None and from_scratch:
+        problems.append("--normalization: Megatron's default is LayerNorm, which hpc_rl does not build; add --normalization RMSNorm")
+    position = flags.get("position_embedding_type")
+    if position is not None and position != "rope":
+        problems.append(f"--position-embedding-type {position}: hpc_rl builds rotary (rope) models only")
+    elif position is None and from_scratch and not flags.get("use_rotary_position_embeddings"):
+        problems.append("Megatron's default position embedding is learned_absolute, which hpc_rl does not build; "
+                        "add --use-rotary-position-embeddings")
+    if from_scratch and not flags.get("swiglu"):
+        problems.append("Megatron's default MLP is GeLU, which hpc_rl does not build; add --swiglu")
+    if bool(flags.get("post_self_attn_layernorm")) != bool(flags.get("post_mlp_layernorm")):
+        problems.append("--post-self-attn-layernorm and --post-mlp-layernorm come together (GLM4's sandwich norms); "
+                        "hpc_rl does not build one without the other")
+    if "num_query_groups" in flags and not flags.get("group_query_attention") and from_scratch:
+        problems.append("--num-query-groups without --group-query-attention: Megatron ignores it and builds one KV head "
+                        "per query head; add --group-query-attention")
+    return problems
+
+
+def _scratch_fields(flags: dict[str, Any], hf_config: dict[str, Any] | None, problems: list[str]) -> dict[str, Any]:
+    """Megatron's defaults for every field the flags leave out."""
+    missing = [name for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+               if name not in flags]
+    vocab = flags.get("vocab_size", (hf_config or {}).get("vocab_size"))
+    if vocab is None:
+        missing.append("vocab_size")
+    if missing:
+        problems.append("model flags without " + ", ".join("--" + m.replace("_", "-") for m in missing)
+                        + " (slime's scripts/models/*.sh give them all)")
+        return {}
+    heads = flags["num_attention_heads"]
+    position_limit = flags.get("max_position_embeddings", flags.get("seq_length"))
+    if position_limit is None:
+        position_limit = (hf_config or {}).get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS)
+    return {
+        "family": _family(flags, problems),
+        "num_layers": flags["num_layers"],
+        "hidden_size": flags["hidden_size"],
+        "ffn_hidden_size": flags["ffn_hidden_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": flags.get("num_query_groups", heads) if flags.get("group_query_attention") else heads,
+        "kv_channels": flags.get("kv_channels", flags["hidden_size"] // heads),
+        "vocab_size": vocab,
+        "rotary_base": flags.get("rotary_base", 10000.0),
+        "rotary_percent": flags.get("rotary_percent", 1.0),
+        "rotary_interleaved": bool(flags.get("rotary_interleaved")),
+        "norm_epsilon": flags.get("norm_epsilon", 1e-5),
+        "tie_word_embeddings": not flags.get("untie_embeddings_and_output_weights"),
+        "qk_layernorm": bool(flags.get("qk_layernorm")),
+        "add_qkv_bias": bool(flags.get("add_qkv_bias")),
+        "add_bias_linear": not flags.get("disable_bias_linear"),
+        "post_sublayer_norms": bool(flags.get("post_self_attn_layernorm")),
+        "max_position_embeddings": position_limit,
+    }
+
+
+_DIRECT = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+           "vocab_size", "norm_epsilon", "rotary_base", "rotary_percent", "max_position_embeddings")
+
+
+def _overridden_fields(flags: dict[str, Any], base: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """A model file's fields with the given flags applied on top."""
+    fields = dict(base)
+    fields.update({name: flags[name] for name in _DIRECT if name in flags})
+    if "seq_length" in flags and "max_position_embeddings" not in flags:
+        fields["max_position_embeddings"] = flags["seq_length"]
+    switches = {"rotary_interleaved": "rotary_interleaved", "qk_layernorm": "qk_layernorm",
+                "add_qkv_bias": "add_qkv_bias", "post_self_attn_layernorm": "post_sublayer_norms"}
+    fields.update({field: True for flag, field in switches.items() if flags.get(flag)})
+    if flags.get("untie_embeddings_and_output_weights"):
+        fields["tie_word_embeddings"] = False
+    if flags.get("disable_bias_linear"):
+        fields["add_bias_linear"] = False
+    if "spec" in flags:
+        fields["family"] = _family(flags, problems)
+    return fields
+
+
+def architecture_from_flags(
+    flags: dict[str, Any],
+    *,
+    base: dict[str, Any] | None = None,
+    hf_config: dict[str, Any] | None = None,
+) -> tuple[ModelArchitecture | None, list[str]]:
+    """The architecture the Megatron flags describe (on top of `base`, a model file's fields, if any).
+
+    Returns (architecture, []) or (None, problems); each problem names the flag and what to do.
+    """
+    problems = _required_behaviour_problems(flags, from_scratch=base is None)
+    fields = _scratch_fields(flags, hf_config, problems) if base is None else _overridden_fields(flags, base, problems)
+    hf_type = (hf_config or {}).get("model_type")
+    if fields and hf_type in HF_MODEL_TYPE_FAMILY and HF_MODEL_TYPE_FAMILY[hf_type] != fields["family"]:
+        hint = " (add --spec slime_plugins.models.glm4 get_glm_spec)" if hf_type == "glm4" else ""
+        problems.append(f"the flags describe a {fields['family']} model but config.json says model_type {hf_type!r}{hint}")
+    if problems or not fields:
+        return None, problems
+    try:
+        return ModelArchitecture(**fields), []
+    except (TypeError, ValueError) as error:
+        return None, [f"model flags: {error}"]

@@ -1,0 +1,28 @@
+"""The seed launch lines of issue 10 (stored in tests/unit/data/slime_launch_lines) as argv lists."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+LINES_DIR = Path(__file__).resolve().parent / "data" / "slime_launch_lines"
+
+
+def flags_of(file_name: str) -> list[str]:
+    """One file's flags as bash would expand ${X_ARGS[@]} (comments dropped)."""
+    return shlex.split((LINES_DIR / file_name).read_text(), comments=True)
+
+
+def seeds() -> dict[str, dict[str, Any]]:
+    return yaml.safe_load((LINES_DIR / "seeds.yaml").read_text())
+
+
+def seed_argv(name: str) -> list[str]:
+    seed = seeds()[name]
+    argv = shlex.split(seed["head"])
+    for file_name in seed["files"]:
+        argv += flags_of(file_name)
+    return argv

@@ -1,0 +1,150 @@
+"""Issue 10: a slime user's launch line moves over unchanged (no YAML), with slime's semantics."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hpc_rl.config import ConfigError, load_config
+from hpc_rl.config.validation import collect_problems
+from hpc_rl.submit import main, write_model_file
+from tests.unit.slime_lines import flags_of, seed_argv, seeds
+
+QWEN3_4B = flags_of("qwen3_4B_model_args.txt")
+TINY = flags_of("tiny_qwen3_model_args.txt")
+
+
+def resolved_from_dry_run(output: str) -> dict[str, Any]:
+    text = output.split("# resolved config\n", 1)[1].split("# executor:", 1)[0]
+    return yaml.safe_load(text)
+
+
+@pytest.mark.parametrize("name", sorted(seeds()))
+def test_seed_line_dry_runs_without_yaml(name: str, in_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([*seed_argv(name), "--dry-run", "--no-check-files", "--executor", "local"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    resolved = resolved_from_dry_run(out)
+    expect = seeds()[name]["expect"]
+    arch, cluster, training = resolved["model_args"], resolved["cluster"], resolved["training"]
+    assert (arch["num_layers"], arch["hidden_size"], arch["family"]) == (
+        expect["num_layers"], expect["hidden_size"], expect["family"])
+    assert cluster["actor_num_nodes"] * cluster["actor_num_gpus_per_node"] == expect["trainer_gpus"]
+    assert (cluster["rollout_num_gpus"], cluster["colocate"]) == (expect["rollout_num_gpus"], expect["colocate"])
+    assert (training["tensor_model_parallel_size"], training["context_parallel_size"]) == (expect["tp"], expect["cp"])
+    assert training["max_tokens_per_gpu"] == expect["max_tokens_per_gpu"]
+    assert training["num_steps_per_rollout"] == expect["num_steps_per_rollout"]
+    assert resolved["eval"]["eval_top_p"] == expect["eval_top_p"]
+    for key in ("over_sampling_batch_size", "partial_rollout", "dynamic_sampling_filter_path", "buffer_filter_path"):
+        if key in expect:
+            assert resolved["rollout"][key] == expect[key]
+    if "dynamic_sampling_filter_path" in expect:
+        assert "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std is slime's; hpc_rl uses" in err
+
+
+def test_glm_spec_means_glm4_with_its_architecture() -> None:
+    arch = load_config([], seed_argv("glm_z1_9b_4_4")).model_args
+    assert arch is not None
+    assert (arch.family, arch.num_query_groups, arch.rotary_percent, arch.rotary_interleaved) == ("glm4", 2, 0.5, True)
+    assert (arch.add_qkv_bias, arch.add_bias_linear, arch.post_sublayer_norms, arch.tie_word_embeddings) == (
+        True, False, True, False)
+
+
+def test_qwen3_flags_use_megatron_defaults_for_what_they_leave_out() -> None:
+    arch = load_config([], QWEN3_4B).model_args
+    assert arch is not None
+    assert arch.tie_word_embeddings is True  # no --untie-embeddings-and-output-weights
+    assert (arch.family, arch.kv_channels, arch.rotary_base, arch.norm_epsilon) == ("qwen3", 128, 1e6, 1e-6)
+
+
+def test_flags_override_a_model_file(in_repo: Path) -> None:
+    arch = load_config([], ["--model", "configs/models/qwen3_4B.yaml", "--rotary-base", "10000"]).model_args
+    assert arch is not None and arch.rotary_base == 10000 and arch.num_layers == 36
+
+
+def test_model_flags_are_checked_against_hf_config(in_repo: Path) -> None:
+    config = load_config([], [*TINY, "--rotary-base", "10000", "--hf-checkpoint", "assets/tiny_qwen3"])
+    problems = [str(p) for p in collect_problems(config, check_files=False)]
+    assert any("the model flags and assets/tiny_qwen3/config.json disagree: rotary_base" in p for p in problems)
+
+
+@pytest.mark.parametrize(("flags", "reason"), [
+    (["--num-experts", "64"], "dense decoder models only"),
+    (["--normalization", "LayerNorm"], "RMSNorm models only"),
+    (["--spec", "my_plugins.models", "get_spec"], "GLM4 spec"),
+    (["--post-self-attn-layernorm"], "come together"),
+    (["--multi-latent-attention"], "multi-latent attention"),
+])
+def test_unbuildable_model_flags_are_refused_with_the_reason(flags: list[str], reason: str) -> None:
+    with pytest.raises(ConfigError, match=reason):
+        load_config([], [*QWEN3_4B, *flags])
+
+
+def test_colocate_sets_rollout_gpus_to_the_trainers() -> None:
+    config = load_config([], ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4", "--colocate"])
+    assert config.cluster.rollout_num_gpus == 8
+    explicit = load_config([], ["--actor-num-gpus-per-node", "4", "--colocate", "--rollout-num-gpus", "2"])
+    assert explicit.cluster.rollout_num_gpus == 2  # given: kept, and validation reports the mismatch
+
+
+@pytest.mark.parametrize(("flags", "steps", "batch"), [
+    (["--global-batch-size", "64"], 4, 64),
+    (["--num-steps-per-rollout", "2"], 2, 128),
+    ([], 1, 256),
+])
+def test_num_steps_per_rollout_derived_as_slime(flags: list[str], steps: int, batch: int) -> None:
+    config = load_config([], ["--rollout-batch-size", "32", "--n-samples-per-prompt", "8", *flags])
+    assert (config.training.num_steps_per_rollout, config.training.global_batch_size) == (steps, batch)
+
+
+def test_misc_args_accepted_and_other_values_refused() -> None:
+    load_config([], flags_of("misc_args.txt") + ["--bf16", "--use-tensorboard", "--balance-data"])
+    with pytest.raises(ConfigError, match=r"--attention-dropout 0.1 is refused: hpc_rl trains without dropout"):
+        load_config([], ["--attention-dropout", "0.1"])
+    with pytest.raises(ConfigError, match=r"--attention-backend 'fused' is refused"):
+        load_config([], ["--attention-backend", "fused"])
+
+
+def test_refused_flags_all_reported_with_what_to_do() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config([], ["--use-wandb", "--wandb-project", "p", "--debug-rollout-only", "--finetune"])
+    text = str(caught.value)
+    assert "--use-wandb is refused: wandb is not built in" in text and "wandb sync --sync-tensorboard" in text
+    assert "--wandb-project is refused" in text and "--debug-rollout-only is refused" in text
+    assert "--finetune is refused" in text and "--ref-load" in text
+
+
+def test_aliases_async_and_offload() -> None:
+    config = load_config([], ["--train-async", "--offload"])
+    assert config.rollout.async_rollout is True and config.training.offload_train is True
+    colocated = load_config([], ["--colocate", "--actor-num-gpus-per-node", "2"])
+    assert colocated.training.offload_train is True  # slime: colocated offloads the trainer by default
+    assert load_config([], ["--colocate", "--no-offload-train"]).training.offload_train is False
+
+
+def test_slime_plugin_paths_map_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="hpc_rl.config"):
+        config = load_config([], [
+            "--buffer-filter-path", "slime.rollout.filter_hub.buffer_filters.pop_first",
+            "--custom-rm-path", "slime.rollout.rm_hub.math_dapo_utils.compute_score",
+            "--custom-generate-function-path", "slime.rollout.sglang_rollout.generate",
+        ])
+    assert config.rollout.buffer_filter_path == "hpc_rl.rollout.filters.pop_first"
+    assert (config.rollout.custom_rm_path, config.rollout.rm_type) == (None, "dapo")
+    assert config.rollout.custom_generate_function_path is None
+    assert len([r for r in caplog.records if "is slime's" in r.getMessage()]) == 3
+    with pytest.raises(ConfigError, match="slime module hpc_rl has no equivalent"):
+        load_config([], ["--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func"])
+
+
+def test_model_flags_become_the_run_model_file(tmp_path: Path) -> None:
+    config = load_config([], [*TINY, "--run-dir", str(tmp_path)])
+    write_model_file(config)
+    assert config.model == str(tmp_path / "model.yaml")
+    from hpc_rl.config.model import ModelArchitecture
+
+    assert ModelArchitecture.from_yaml(config.model) == config.model_args
