@@ -1,7 +1,8 @@
 """Resolve user plug-ins named by import path, and check them before a job runs.
 
 Owns: turning a string such as ``"my_pkg.rewards.score"``, ``"my_pkg.rewards:score"`` or
-``"path/to/file.py:score"`` into a callable, and checking that it can be called the way hpc_rl
+``"path/to/file.py:score"``, ``"path/to/file.py.score"`` (or ``"my_rewards.score"`` naming ./my_rewards.py
+when no such module is importable) into a callable, and checking that it can be called the way hpc_rl
 will call it (positional parameter count, optionally names, optionally ``async def``).
 
 Does not own: which plug-in points exist or their expected signatures (the config validator, the
@@ -42,6 +43,9 @@ def split_plugin_path(path: str) -> tuple[str, str]:
         if not target or not attr:
             raise PluginError(f"plug-in path {path!r}: expected 'module:function' or 'file.py:function'")
         return target, attr
+    if ".py." in text:  # slime-style "path/to/file.py.function"
+        target, _, attr = text.rpartition(".py.")
+        return f"{target}.py", attr
     if text.endswith(".py"):
         raise PluginError(
             f"plug-in path {path!r}: a file path needs the function name, e.g. '{text}:my_function'"
@@ -69,16 +73,37 @@ def _import_file(file_path: str, original: str, base_dir: str | None) -> Any:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except ModuleNotFoundError as exc:
+        del sys.modules[name]
+        raise PluginError(f"plug-in path {original!r}: {resolved} imports {exc.name!r}, which is not installed; "
+                          f"install it where the job runs") from exc
     except Exception as exc:
         del sys.modules[name]
         raise PluginError(f"plug-in path {original!r}: importing {resolved} failed: {exc!r}") from exc
     return module
 
 
-def _import_module(module_name: str, original: str) -> Any:
+def _module_file(module_name: str, base_dir: str | None) -> str | None:
+    """`a.b` -> `<base_dir or cwd>/a/b.py` when that file exists (slime users run from their repo
+    root, where `my_rewards.score` names ./my_rewards.py)."""
+    candidate = os.path.join(base_dir or os.getcwd(), *module_name.split(".")) + ".py"
+    return candidate if os.path.isfile(candidate) else None
+
+
+def _import_module(module_name: str, original: str, base_dir: str | None = None) -> Any:
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        is_the_plugin = module_name == missing or module_name.startswith(missing + ".")
+        if not is_the_plugin:
+            raise PluginError(
+                f"plug-in path {original!r}: module {module_name!r} was found but imports {missing!r}, which is not "
+                f"installed; install it where the job runs"
+            ) from exc
+        file_path = _module_file(module_name, base_dir)
+        if file_path is not None:
+            return _import_file(file_path, original, base_dir)
         raise PluginError(
             f"plug-in path {original!r}: module {module_name!r} not found ({exc}); "
             "check the spelling and that its package is on PYTHONPATH (or use 'file.py:function')"
@@ -140,7 +165,7 @@ def load_callable(
     if target.endswith(".py") or os.sep in target or "/" in target:
         obj: Any = _import_file(target, path, base_dir)
     else:
-        obj = _import_module(target, path)
+        obj = _import_module(target, path, base_dir)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise PluginError(f"{what} {path!r}: {target!r} has no attribute {part!r}")

@@ -95,3 +95,20 @@ def test_import_error_inside_plugin_is_reported(tmp_path: Path) -> None:
     bad.write_text("raise RuntimeError('boom')\n")
     with pytest.raises(PluginError, match="boom"):
         load_callable(f"{bad}:fn")
+
+
+def test_slime_file_forms(tmp_path: Path) -> None:
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "my_rm.py").write_text("async def score(args, sample):\n    return 1.0\n")
+    by_file = load_callable("rewards/my_rm.py.score", ["args", "sample"], require_async=True, base_dir=str(tmp_path))
+    by_module = load_callable("rewards.my_rm.score", ["args", "sample"], require_async=True, base_dir=str(tmp_path))
+    assert by_file is by_module
+
+
+def test_missing_dependency_is_not_reported_as_a_missing_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "needs_dep.py").write_text("import hpc_rl_no_such_dependency\n\ndef f(args, sample):\n    pass\n")
+    with pytest.raises(PluginError, match="imports 'hpc_rl_no_such_dependency', which is not installed"):
+        load_callable("needs_dep.py:f", base_dir=str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError, match="'needs_dep' was found but imports 'hpc_rl_no_such_dependency'"):
+        load_callable("needs_dep.f")
