@@ -23,7 +23,8 @@ from hpc_rl.config.megatron_model import architecture_from_flags
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import EvalDataset, RunConfig
 from hpc_rl.config.settings_sources import (
-    MEGATRON_PREFIX, MODEL_ARGS_FIELD, TOP_LEVEL_FIELDS, Setting, parse_cli_settings, read_yaml_settings, section_types,
+    MEGATRON_PREFIX, MODEL_ARGS_FIELD, TOP_LEVEL_FIELDS, Setting, cli_settings_and_problems, parse_cli_settings,
+    read_yaml_settings, section_types, yaml_settings_and_problems,
 )
 from hpc_rl.config.settings_sources import _field_hint as field_hint
 from hpc_rl.config.slime_flags import PLUGIN_PATH_FIELDS, SLIME_PLUGIN_PATHS, SLIME_RM_MODULES
@@ -183,11 +184,16 @@ def load_config(config_files: list[str | Path], cli_args: list[str] | None = Non
     problems: list[str] = []
     for path in config_files:
         try:
-            settings.extend(read_yaml_settings(path))
+            file_settings, file_problems = yaml_settings_and_problems(path)
         except ConfigError as error:
             problems += _messages(error)
+            continue
+        settings += file_settings
+        problems += file_problems
     try:
-        settings.extend(parse_cli_settings(cli_args or []))
+        cli_settings, cli_problems = cli_settings_and_problems(cli_args or [])
+        settings += cli_settings
+        problems += cli_problems
     except ConfigError as error:
         problems += _messages(error)
     try:

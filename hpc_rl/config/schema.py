@@ -91,8 +91,6 @@ class RolloutConfig:
     """Samples per prompt (the GRPO group size)."""
     rollout_max_response_len: int = 1024
     """Maximum new tokens per sample."""
-    rollout_max_prompt_len: int | None = None
-    """Prompts longer than this (in tokens) are dropped at load time (None: keep all)."""
     rollout_max_context_len: int | None = None
     """Maximum prompt + response tokens (None: no extra limit)."""
     rollout_temperature: float = 1.0
@@ -239,10 +237,6 @@ class AlgorithmConfig:
     """Discount (REINFORCE++, PPO)."""
     lambd: float = 1.0
     """GAE lambda (PPO)."""
-    custom_loss_path: str | None = None
-    """Import path of a custom policy loss."""
-    custom_advantage_path: str | None = None
-    """Import path of a custom advantage function."""
 
     def __post_init__(self) -> None:
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:

@@ -156,7 +156,15 @@ def _yaml_section(path: Path, key: str, value_node: yaml.MappingNode, problems: 
 
 
 def read_yaml_settings(path: str | Path) -> list[Setting]:
-    """Settings of one YAML config file, each with its file:line (every bad key reported)."""
+    """Settings of one YAML config file, each with its file:line; ConfigErrors lists every bad key."""
+    settings, problems = yaml_settings_and_problems(path)
+    if problems:
+        raise ConfigErrors(problems)
+    return settings
+
+
+def yaml_settings_and_problems(path: str | Path) -> tuple[list[Setting], list[str]]:
+    """The good settings of one YAML file and a message per bad key (so later checks still run)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
@@ -165,7 +173,7 @@ def read_yaml_settings(path: str | Path) -> list[Setting]:
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {error}") from error
     if root is None:
-        return []
+        return [], []
     if not isinstance(root, yaml.MappingNode):
         raise ConfigError(f"{path}:{root.start_mark.line + 1}: the top level must be a mapping of settings")
     settings: list[Setting] = []
@@ -184,9 +192,7 @@ def read_yaml_settings(path: str | Path) -> list[Setting]:
             settings += special if special is not None else [Setting(resolve_key(key, where), _construct(value_node), where)]
         except ConfigError as error:
             problems.append(str(error))
-    if problems:
-        raise ConfigErrors(problems)
-    return settings
+    return settings, problems
 
 
 def _tokens(argv: list[str]) -> list[tuple[str, list[str]]]:
@@ -267,7 +273,15 @@ def _one_flag(token: str, values: list[str]) -> list[Setting]:
 
 
 def parse_cli_settings(argv: list[str]) -> list[Setting]:
-    """slime-style flags and `--set a.b=v` into settings (in order: later wins); every bad flag reported."""
+    """slime-style flags and `--set a.b=v` into settings (in order: later wins); ConfigErrors lists every bad flag."""
+    settings, problems = cli_settings_and_problems(argv)
+    if problems:
+        raise ConfigErrors(problems)
+    return settings
+
+
+def cli_settings_and_problems(argv: list[str]) -> tuple[list[Setting], list[str]]:
+    """The good settings of a command line and a message per bad flag."""
     settings: list[Setting] = []
     problems: list[str] = []
     for token, values in _tokens(argv):
@@ -275,7 +289,5 @@ def parse_cli_settings(argv: list[str]) -> list[Setting]:
             settings += _one_flag(token, values)
         except ConfigError as error:
             problems.append(str(error))
-    if problems:
-        raise ConfigErrors(problems)
-    return settings
+    return settings, problems
 

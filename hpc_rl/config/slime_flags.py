@@ -84,6 +84,7 @@ COMPAT_FLAGS: dict[str, CompatFlag] = {
     "balance_data": CompatFlag(
         (True,), "hpc_rl always balances the DP ranks' token counts (Karmarkar-Karp), as --balance-data does"),
     "use_tensorboard": CompatFlag((True,), "TensorBoard is always written (logging.tensorboard_dir)"),
+    "loss_type": CompatFlag(("policy_loss",), "hpc_rl trains the policy loss of advantage_estimator"),
     "use_distributed_optimizer": CompatFlag((True,), "hpc_rl always uses Megatron's distributed optimizer on GPU"),
     "train_backend": CompatFlag(("megatron",), "hpc_rl trains with Megatron-core only"),
     "rollout_function_path": CompatFlag(
@@ -118,6 +119,13 @@ REFUSED_FLAGS: dict[str, str] = {
     "finetune": ("not offered: to start at iteration 0 from a checkpoint's weights, give it as --ref-load (or convert it "
                  "with tools/convert_torch_dist_to_hf.py for --hf-checkpoint) and leave --load empty"),
     "num_data_workers": "not needed: the controller streams the prompt file itself; there are no data workers to size",
+    "rollout_max_prompt_len": ("not applied: hpc_rl does not drop over-long prompts when it loads the data; filter "
+                               "the prompt file beforehand (rollout_max_context_len bounds prompt + response)"),
+    **{name: ("not offered: hpc_rl's trainer has no custom loss or advantage hook; the loss and advantages are those "
+              "of --advantage-estimator (grpo, gspo, cispo, reinforce_plus_plus, reinforce_plus_plus_baseline, ppo) "
+              "with the --eps-clip*/--use-kl-loss/--use-tis terms")
+       for name in ("custom_loss_function_path", "custom_advantage_function_path",
+                    "custom_pg_loss_reducer_function_path", "custom_loss_path", "custom_advantage_path")},
     "offload_rollout": "not needed: colocated engines always release their memory during training",
     "no_offload_rollout": "not offered: colocated engines must release their memory for the trainer",
 }

@@ -1,9 +1,9 @@
 """Submit-time validation of a whole `RunConfig`: every problem in one pass, before anything is queued.
 
 Owns: cross-section rules (batch arithmetic, GPU topology, parallel sizes vs the model), file
-existence (skippable with `--no-check-files` for rendering a job away from the cluster's
-filesystem), the first rows of the prompt data, plug-in import + signature checks, and the model
-file vs the HF checkpoint's config.json. Each problem names the field (or file:line) and the fix.
+checks (`file_checks`, skippable with `--no-check-files` for rendering a job away from the cluster's
+filesystem), single-field ranges (`value_ranges`), plug-in import + signature checks, and the model
+architecture vs the HF checkpoint's config.json. Each problem names the field (or file:line) and the fix.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from pathlib import Path
 
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
 from hpc_rl.config.schema import RunConfig
-from hpc_rl.data.prompts import DataError, DataKeys, iter_rows, row_to_record
+from hpc_rl.config.file_checks import path_problems, prompt_file_problems
+from hpc_rl.config.value_ranges import range_problems
 from hpc_rl.engines.sglang_launch import engine_problems
 from hpc_rl.plugins import PluginError, load_callable
-
-ROWS_CHECKED = 5
 
 # plug-in field -> (section, expected positional parameters, async?)
 PLUGIN_SIGNATURES: dict[str, tuple[str, list[str], bool | None]] = {
@@ -26,8 +25,6 @@ PLUGIN_SIGNATURES: dict[str, tuple[str, list[str], bool | None]] = {
     "dynamic_sampling_filter_path": ("rollout", ["args", "samples"], None),
     "buffer_filter_path": ("rollout", ["args", "rollout_id", "buffer", "num_samples"], None),
     "custom_generate_function_path": ("rollout", ["args", "sample", "sampling_params"], True),
-    "custom_loss_path": ("algorithm", [], None),
-    "custom_advantage_path": ("algorithm", [], None),
 }
 
 
@@ -187,38 +184,6 @@ def _model_problems(config: RunConfig) -> list[Problem]:
     return problems
 
 
-def _file_problems(config: RunConfig) -> list[Problem]:
-    problems = []
-    required = {"rollout.prompt_data": config.rollout.prompt_data, "checkpoint.hf_checkpoint": config.checkpoint.hf_checkpoint}
-    for where, value in required.items():
-        if not value:
-            problems.append(Problem(where, "is empty; give a path"))
-        elif not Path(value).exists():
-            problems.append(Problem(where, f"{value} does not exist (use --no-check-files to render the job elsewhere)"))
-    if config.checkpoint.ref_load and not Path(config.checkpoint.ref_load).exists():
-        problems.append(Problem("checkpoint.ref_load", f"{config.checkpoint.ref_load} does not exist"))
-    for dataset in config.eval.eval_prompt_data:
-        if not Path(dataset.path).exists():
-            problems.append(Problem(f"eval.eval_prompt_data[{dataset.name}]", f"{dataset.path} does not exist"))
-    return problems
-
-
-def _data_problems(path: str, keys: DataKeys, where: str) -> list[Problem]:
-    if not path or not Path(path).is_file():
-        return []
-    problems = []
-    try:
-        for count, (row_where, row) in enumerate(iter_rows(path)):
-            if count >= ROWS_CHECKED:
-                break
-            if isinstance(row, DataError):
-                raise row
-            row_to_record(row, count, keys, row_where)
-    except DataError as error:
-        problems.append(Problem(where, str(error)))
-    return problems
-
-
 def _plugin_problems(config: RunConfig) -> list[Problem]:
     problems = []
     for name, (section, params, is_async) in PLUGIN_SIGNATURES.items():
@@ -234,16 +199,33 @@ def _plugin_problems(config: RunConfig) -> list[Problem]:
     return problems
 
 
+def _single_field_problems(config: RunConfig) -> list[Problem]:
+    problems = [Problem(p.field, p.message) for p in range_problems(config)]
+    training, rollout = config.training, config.rollout
+    if training.expert_model_parallel_size != 1:
+        problems.append(Problem("training.expert_model_parallel_size",
+                                f"{training.expert_model_parallel_size}: hpc_rl builds dense models (no experts to "
+                                f"shard); set 1"))
+    if training.expert_tensor_parallel_size not in (None, 1):
+        problems.append(Problem("training.expert_tensor_parallel_size",
+                                f"{training.expert_tensor_parallel_size}: hpc_rl builds dense models (no experts); "
+                                f"set 1 or leave it out"))
+    if rollout.max_turns is not None and not rollout.custom_generate_function_path:
+        problems.append(Problem("rollout.max_turns", "is read by a custom generate function only; set "
+                                                     "custom_generate_function_path or drop max_turns"))
+    if training.offload_train and not config.cluster.colocate:
+        problems.append(Problem("training.offload_train", "offloads the trainer while colocated engines generate; "
+                                                          "this run is not colocated: drop --offload/--offload-train"))
+    return problems
+
+
 def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Problem]:
-    """Every problem found in `config` (empty list = valid)."""
-    problems = _batch_problems(config) + _topology_problems(config) + _model_problems(config)
+    """Every problem found in `config` (empty list = valid). With check_files, every line of the
+    prompt files is checked too (not a sample of them)."""
+    problems = (_single_field_problems(config) + _batch_problems(config) + _topology_problems(config)
+                + _model_problems(config))
     if check_files:
-        problems += _file_problems(config)
-    keys = DataKeys(input_key=config.rollout.input_key, label_key=config.rollout.label_key,
-                    metadata_key=config.rollout.metadata_key, tool_key=config.rollout.tool_key)
-    problems += _data_problems(config.rollout.prompt_data, keys, "rollout.prompt_data")
-    for dataset in config.eval.eval_prompt_data:
-        problems += _data_problems(dataset.path, keys, f"eval.eval_prompt_data[{dataset.name}]")
+        problems += [Problem(p.field, p.message) for p in path_problems(config) + prompt_file_problems(config)]
     problems += _plugin_problems(config)
     problems += [Problem(field, message) for field, message in engine_problems(
         config.rollout.engine, config.cluster.device, config.sglang.server_options()).items()]

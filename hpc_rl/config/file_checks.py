@@ -1,0 +1,101 @@
+"""Submit-time checks of the files a run reads: paths exist, the HF directory holds a model, and
+every line of the prompt files parses, before anything is queued.
+
+Owns: what makes an HF checkpoint usable (config.json, weights, a tokenizer) and the whole-file scan
+of prompt data (every line: valid JSON, the input key holding a prompt, the label key present), with
+the first few bad lines quoted and the count of the rest. `--no-check-files` skips all of it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.data.prompts import DataError, DataKeys, iter_rows, row_to_record
+
+BAD_LINES_QUOTED = 3
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+class FileProblem(NamedTuple):
+    field: str
+    message: str
+
+
+def hf_checkpoint_problems(path: str) -> list[FileProblem]:
+    """An HF directory needs config.json, weight files and a tokenizer (engines and the trainer read all three)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        return [FileProblem("checkpoint.hf_checkpoint", f"{path} is not a directory")]
+    missing = []
+    if not (directory / "config.json").is_file():
+        missing.append("config.json")
+    if not any(next(directory.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or *.bin)")
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        missing.append(f"a tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    if not missing:
+        return []
+    return [FileProblem("checkpoint.hf_checkpoint",
+                        f"{path} is not a HuggingFace model directory: no {', no '.join(missing)}; point it at the "
+                        f"directory `huggingface-cli download` wrote")]
+
+
+def data_file_problems(path: str, keys: DataKeys, field: str, *, skip_bad_lines: bool) -> list[FileProblem]:
+    """Every row of a prompt file checked; the first bad lines quoted, the rest counted.
+    With skip_bad_lines, bad lines are allowed but a file with no usable prompt is not."""
+    if not path or not Path(path).is_file():
+        return []
+    bad: list[str] = []
+    good = 0
+    try:
+        for index, (where, row) in enumerate(iter_rows(path)):
+            try:
+                if isinstance(row, DataError):
+                    raise row
+                row_to_record(row, index, keys, where)
+                good += 1
+            except DataError as error:
+                bad.append(str(error))
+    except (DataError, OSError, ValueError) as error:
+        return [FileProblem(field, f"{path}: cannot be read: {error}")]
+    if not good:
+        reason = f"; {len(bad)} bad row(s), the first: {bad[0]}" if bad else " (the file is empty)"
+        return [FileProblem(field, f"{path} has no usable prompt{reason}")]
+    if bad and not skip_bad_lines:
+        quoted = "; ".join(bad[:BAD_LINES_QUOTED])
+        more = f" (and {len(bad) - BAD_LINES_QUOTED} more)" if len(bad) > BAD_LINES_QUOTED else ""
+        return [FileProblem(field, f"{len(bad)} bad row(s) of {len(bad) + good} (whole file checked): {quoted}{more}; "
+                                   f"fix them or set skip_bad_lines: true")]
+    return []
+
+
+def path_problems(config: RunConfig) -> list[FileProblem]:
+    problems = []
+    required = {"rollout.prompt_data": config.rollout.prompt_data, "checkpoint.hf_checkpoint": config.checkpoint.hf_checkpoint}
+    for field, value in required.items():
+        if not value:
+            problems.append(FileProblem(field, "is empty; give a path"))
+        elif not Path(value).exists():
+            problems.append(FileProblem(field, f"{value} does not exist (use --no-check-files to render the job elsewhere)"))
+        elif field == "checkpoint.hf_checkpoint":
+            problems += hf_checkpoint_problems(value)
+    if config.checkpoint.ref_load and not Path(config.checkpoint.ref_load).exists():
+        problems.append(FileProblem("checkpoint.ref_load", f"{config.checkpoint.ref_load} does not exist"))
+    for dataset in config.eval.eval_prompt_data:
+        if not Path(dataset.path).exists():
+            problems.append(FileProblem(f"eval.eval_prompt_data[{dataset.name}]", f"{dataset.path} does not exist"))
+    return problems
+
+
+def prompt_file_problems(config: RunConfig) -> list[FileProblem]:
+    rollout = config.rollout
+    keys = DataKeys(input_key=rollout.input_key, label_key=rollout.label_key, metadata_key=rollout.metadata_key,
+                    tool_key=rollout.tool_key)
+    problems = data_file_problems(rollout.prompt_data, keys, "rollout.prompt_data", skip_bad_lines=rollout.skip_bad_lines)
+    for dataset in config.eval.eval_prompt_data:
+        problems += data_file_problems(dataset.path, keys, f"eval.eval_prompt_data[{dataset.name}]",
+                                       skip_bad_lines=rollout.skip_bad_lines)
+    return problems

@@ -1,0 +1,83 @@
+"""Value ranges of single fields, checked at submit time: a batch of 0 or an lr of -1 never queues.
+
+Owns: the table of which fields must be >= 1, >= 0, > 0 or within [0, 1], and the sampling-parameter
+rules SGLang itself enforces (temperature >= 0, top_p in (0, 1], top_k -1 or >= 1), for the training
+and the eval sampling alike. Each problem names the field, the value and the allowed range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+from hpc_rl.config.schema import RunConfig
+
+
+class RangeProblem(NamedTuple):
+    field: str
+    message: str
+
+
+def _at_least(low: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v >= low), f">= {low:g}"
+
+
+_POSITIVE = ((lambda v: v > 0), "> 0")
+_UNIT = ((lambda v: 0 <= v <= 1), "within [0, 1]")
+_BETA = ((lambda v: 0 <= v < 1), "within [0, 1)")
+
+# field path -> (test, allowed range); None values (not set) are not checked.
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{path: _at_least(1) for path in (
+        "cluster.actor_num_nodes", "cluster.actor_num_gpus_per_node", "cluster.rollout_num_gpus_per_engine",
+        "cluster.num_gpus_per_node", "rollout.num_rollout", "rollout.num_epoch", "rollout.rollout_batch_size",
+        "rollout.n_samples_per_prompt", "rollout.rollout_max_response_len", "rollout.rollout_max_context_len",
+        "rollout.over_sampling_batch_size", "rollout.max_turns", "rollout.update_weights_interval",
+        "rollout.update_weight_buffer_size", "training.global_batch_size", "training.num_steps_per_rollout",
+        "training.micro_batch_size", "training.max_tokens_per_gpu", "training.tensor_model_parallel_size",
+        "training.pipeline_model_parallel_size", "training.context_parallel_size", "training.recompute_num_layers",
+        "training.num_threads", "checkpoint.save_interval", "eval.eval_interval", "eval.n_samples_per_eval_prompt",
+        "eval.eval_max_response_len", "sglang.server_concurrency", "slurm.cpus_per_task")},
+    **{path: _at_least(0) for path in (
+        "cluster.rollout_num_gpus", "rollout.max_staleness", "algorithm.kl_loss_coef", "algorithm.kl_coef",
+        "algorithm.tis_clip_low", "optimizer.min_lr", "optimizer.lr_warmup_iters", "optimizer.lr_decay_iters",
+        "optimizer.weight_decay", "optimizer.clip_grad", "controller.max_engine_restarts",
+        "slurm.requeue_signal_seconds", "slurm.max_num_timeout")},
+    **{path: _POSITIVE for path in (
+        "optimizer.lr", "optimizer.adam_eps", "algorithm.eps_clip", "algorithm.eps_clip_high", "algorithm.tis_clip",
+        "controller.registration_timeout", "controller.engine_health_interval", "controller.engine_request_timeout")},
+    **{path: _UNIT for path in ("algorithm.gamma", "algorithm.lambd", "sglang.mem_fraction_static")},
+    **{path: _BETA for path in ("optimizer.adam_beta1", "optimizer.adam_beta2")},
+}
+
+# (temperature, top_p, top_k) field paths of each sampling setting.
+SAMPLING_FIELDS = (
+    ("rollout.rollout_temperature", "rollout.rollout_top_p", "rollout.rollout_top_k"),
+    ("eval.eval_temperature", "eval.eval_top_p", "eval.eval_top_k"),
+)
+
+
+def _value(config: RunConfig, path: str) -> Any:
+    section, name = path.split(".")
+    return getattr(getattr(config, section), name)
+
+
+def _sampling_problems(config: RunConfig) -> Iterator[RangeProblem]:
+    for temperature_path, top_p_path, top_k_path in SAMPLING_FIELDS:
+        temperature, top_p, top_k = (_value(config, p) for p in (temperature_path, top_p_path, top_k_path))
+        if temperature is not None and temperature < 0:
+            yield RangeProblem(temperature_path, f"{temperature} must be >= 0 (0: greedy); SGLang rejects it")
+        if top_p is not None and not 0 < top_p <= 1:
+            yield RangeProblem(top_p_path, f"{top_p} must be within (0, 1]; SGLang rejects it")
+        if top_k is not None and top_k != -1 and top_k < 1:
+            yield RangeProblem(top_k_path, f"{top_k} must be -1 (off) or >= 1; SGLang rejects it")
+
+
+def range_problems(config: RunConfig) -> list[RangeProblem]:
+    """Every field outside its allowed range, and every sampling value SGLang would refuse."""
+    problems = []
+    for path, (test, allowed) in RANGES.items():
+        value = _value(config, path)
+        if value is not None and not isinstance(value, bool) and not test(value):
+            problems.append(RangeProblem(path, f"{value} is out of range: must be {allowed}"))
+    return problems + list(_sampling_problems(config))

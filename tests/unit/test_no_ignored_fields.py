@@ -1,0 +1,48 @@
+"""Issue 10 item 5: no config field is accepted and ignored.
+
+Every field of every section must be read by name somewhere in hpc_rl outside `hpc_rl/config/` (the
+config package only loads, derives and checks values), or be listed below with what reads it. A new
+field that nothing reads fails this test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from hpc_rl.config.schema import RunConfig
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hpc_rl"
+
+# Fields read other than by `.name` outside hpc_rl/config/, with what reads them.
+READ_ELSEWHERE = {
+    "model_args": "hpc_rl/submit.py writes it to <run_dir>/model.yaml, the `model` file every process reads",
+    "max_turns": "custom generate functions read args.max_turns (plugin_args); validation requires that plug-in",
+    "global_batch_size": "sets num_steps_per_rollout (derived as slime does in config/loading.py; validation checks "
+                         "rollout_batch_size * n_samples_per_prompt == global_batch_size * num_steps_per_rollout)",
+    "extra_args": "read through SGLangConfig.server_options() (launch/driver.py passes them to every engine)",
+    "offload_train": "the colocated trainer offload (hpc_rl/training/offload, colocated helper) reads it",
+}
+
+
+def _sources_outside_config() -> str:
+    return "\n".join(p.read_text() for p in PACKAGE.rglob("*.py") if "config" not in p.relative_to(PACKAGE).parts[:1])
+
+
+def _all_fields() -> list[tuple[str, str]]:
+    fields = []
+    for top in dataclasses.fields(RunConfig):
+        if dataclasses.is_dataclass(top.type) or top.name not in ("model", "run_dir", "model_args"):
+            section_type = RunConfig.__dataclass_fields__[top.name].default_factory  # type: ignore[misc]
+            fields += [(top.name, f.name) for f in dataclasses.fields(section_type())]
+        else:
+            fields.append(("", top.name))
+    return fields
+
+
+def test_every_field_is_read_somewhere() -> None:
+    source = _sources_outside_config()
+    unread = [f"{section}.{name}" if section else name for section, name in _all_fields()
+              if name not in READ_ELSEWHERE and not re.search(rf"(\.{name}\b|[\"']{name}[\"'])", source)]
+    assert not unread, f"config fields accepted but never read outside hpc_rl/config/: {unread}"
