@@ -1,31 +1,49 @@
-"""HF safetensors -> Megatron torch_dist. Run as a script (one rank) or under torchrun (TP x PP ranks):
+"""HF safetensors -> Megatron torch_dist, with slime's command line. One rank, or torchrun (TP x PP ranks):
 
-    python tools/convert_hf_to_torch_dist.py --hf-checkpoint HF_DIR --model configs/models/qwen3_4B.yaml \
-        --save OUT_DIR [--tensor-model-parallel-size N] [--pipeline-model-parallel-size M]
+    python tools/convert_hf_to_torch_dist.py ${MODEL_ARGS[@]} --hf-checkpoint HF_DIR --save OUT_DIR
+    python tools/convert_hf_to_torch_dist.py --model configs/models/qwen3_4B.yaml --hf-checkpoint HF_DIR --save OUT_DIR
     torchrun --nproc-per-node 2 tools/convert_hf_to_torch_dist.py ... --tensor-model-parallel-size 2
 
-Writes OUT_DIR/iter_0000000 and OUT_DIR/latest_checkpointed_iteration.txt; loadable at any TP and
-PP size as checkpoint.ref_load / checkpoint.load. Logic: hpc_rl.training.convert.
+MODEL_ARGS are Megatron's model flags as in slime's scripts/models/*.sh (they may also override a
+--model file's fields). The architecture is checked against HF_DIR/config.json and written to
+OUT_DIR/model.yaml. Writes OUT_DIR/iter_0000000 and OUT_DIR/latest_checkpointed_iteration.txt;
+loadable at any TP and PP size as checkpoint.ref_load / checkpoint.load. Logic: hpc_rl.training.convert.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--hf-checkpoint", required=True, help="HF directory (config.json + *.safetensors)")
-    parser.add_argument("--model", required=True, help="architecture file, configs/models/*.yaml")
     parser.add_argument("--save", required=True, help="output checkpoint root")
+    parser.add_argument("--model", default=None, help="architecture file, configs/models/*.yaml (or give MODEL_ARGS)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    args = parser.parse_args(argv)
+    args, model_flags = parser.parse_known_args(argv)
+
+    import yaml
+
+    from hpc_rl.config.megatron_model import architecture_from_argv
+
+    try:
+        arch, unused = architecture_from_argv(model_flags, hf_dir=args.hf_checkpoint, base_file=args.model)
+    except ValueError as error:
+        raise SystemExit(f"convert_hf_to_torch_dist: the model flags have problems:\n{error}") from None
+    if unused:
+        print(f"convert_hf_to_torch_dist: not used for conversion: {', '.join(unused)}", file=sys.stderr)
+    model_file = Path(args.save) / "model.yaml"
+    model_file.parent.mkdir(parents=True, exist_ok=True)
+    model_file.write_text(yaml.safe_dump(arch.to_dict(), sort_keys=False))
 
     from hpc_rl.training.parallel import shutdown_parallel
     from hpc_rl.training.convert import hf_to_torch_dist
 
-    out = hf_to_torch_dist(args.hf_checkpoint, args.model, args.save,
+    out = hf_to_torch_dist(args.hf_checkpoint, str(model_file), args.save,
                            tensor_parallel_size=args.tensor_model_parallel_size,
                            pipeline_parallel_size=args.pipeline_model_parallel_size)
     shutdown_parallel()

@@ -1,30 +1,63 @@
-"""Megatron torch_dist -> HF safetensors, on one CPU process (no GPU needed):
+"""Megatron torch_dist -> HF safetensors on one CPU process (no GPU needed), with slime's command line:
 
-    python tools/convert_torch_dist_to_hf.py --load CKPT_DIR --model configs/models/qwen3_4B.yaml \
-        --output HF_OUT [--hf-reference ORIGINAL_HF_DIR]
+    python tools/convert_torch_dist_to_hf.py --input-dir CKPT/iter_0000020 --output-dir HF_OUT --origin-hf-dir HF_DIR
+    python tools/convert_torch_dist_to_hf.py ${MODEL_ARGS[@]} --input-dir CKPT --output-dir HF_OUT --origin-hf-dir HF_DIR
 
-CKPT_DIR is a checkpoint root (with latest_checkpointed_iteration.txt) or one iter_XXXXXXX dir.
---hf-reference: config.json, tokenizer and generation files are copied from there (and config.json
-is checked against the model file). Logic: hpc_rl.training.convert.
+The architecture comes from MODEL_ARGS (Megatron's model flags), --model FILE, or the model.yaml that
+tools/convert_hf_to_torch_dist.py and hpc_rl.submit write beside checkpoints (looked up in the input
+dir and the two above it). --origin-hf-dir: config.json, tokenizer and generation files are copied
+from there (and config.json is checked against the architecture). The older spellings --load,
+--output and --hf-reference still work. Logic: hpc_rl.training.convert.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+MODEL_FILE_NAME = "model.yaml"
+
+
+def _model_file_beside(checkpoint: str) -> str | None:
+    start = Path(checkpoint).resolve()
+    for directory in (start, start.parent, start.parent.parent):
+        if (directory / MODEL_FILE_NAME).is_file():
+            return str(directory / MODEL_FILE_NAME)
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--load", required=True, help="torch_dist checkpoint root or iteration directory")
-    parser.add_argument("--model", required=True, help="architecture file, configs/models/*.yaml")
-    parser.add_argument("--output", required=True, help="HF directory to write")
-    parser.add_argument("--hf-reference", default=None, help="original HF dir: config.json + tokenizer to copy")
-    args = parser.parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--input-dir", "--load", dest="input_dir", required=True,
+                        help="torch_dist checkpoint root or iteration directory")
+    parser.add_argument("--output-dir", "--output", dest="output_dir", required=True, help="HF directory to write")
+    parser.add_argument("--origin-hf-dir", "--hf-reference", dest="origin_hf_dir", default=None,
+                        help="original HF dir: config.json + tokenizer to copy")
+    parser.add_argument("--model", default=None, help="architecture file (or give MODEL_ARGS)")
+    args, model_flags = parser.parse_known_args(argv)
+
+    import yaml
+
+    from hpc_rl.config.megatron_model import architecture_from_argv
+
+    base_file = args.model or (None if model_flags else _model_file_beside(args.input_dir))
+    try:
+        arch, unused = architecture_from_argv(model_flags, hf_dir=args.origin_hf_dir, base_file=base_file)
+    except ValueError as error:
+        raise SystemExit(f"convert_torch_dist_to_hf: {error}\n  (looked for {MODEL_FILE_NAME} beside "
+                         f"{args.input_dir})") from None
+    if unused:
+        print(f"convert_torch_dist_to_hf: not used for conversion: {', '.join(unused)}", file=sys.stderr)
 
     from hpc_rl.training.parallel import shutdown_parallel
     from hpc_rl.training.convert import torch_dist_to_hf
 
-    out = torch_dist_to_hf(args.load, args.model, args.output, hf_reference=args.hf_reference)
+    with tempfile.TemporaryDirectory() as scratch:
+        model_file = Path(scratch) / MODEL_FILE_NAME
+        model_file.write_text(yaml.safe_dump(arch.to_dict(), sort_keys=False))
+        out = torch_dist_to_hf(args.input_dir, str(model_file), args.output_dir, hf_reference=args.origin_hf_dir)
     shutdown_parallel()
     print(out)
 

@@ -135,3 +135,30 @@ def architecture_from_flags(
         return ModelArchitecture(**fields), []
     except (TypeError, ValueError) as error:
         return None, [f"model flags: {error}"]
+
+
+def architecture_from_argv(argv: list[str], *, hf_dir: str | None = None,
+                           base_file: str | None = None) -> tuple[ModelArchitecture, list[str]]:
+    """The architecture in a converter's command line (slime's `${MODEL_ARGS[@]}`), on top of
+    `base_file` if given. Returns it and the flags that are not about the model (callers say they are
+    not used). Raises ValueError listing every problem."""
+    import json
+    from pathlib import Path
+
+    from hpc_rl.config.settings_sources import MEGATRON_PREFIX, cli_settings_and_problems
+
+    settings, problems = cli_settings_and_problems(argv)
+    flags = {s.path[len(MEGATRON_PREFIX):]: s.value for s in settings if s.path.startswith(MEGATRON_PREFIX)}
+    other = [s.where for s in settings if not s.path.startswith(MEGATRON_PREFIX)]
+    config_path = Path(hf_dir) / "config.json" if hf_dir else None
+    hf_config = json.loads(config_path.read_text()) if config_path is not None and config_path.is_file() else None
+    base = ModelArchitecture.from_yaml(base_file).to_dict() if base_file else None
+    if not flags and base is None:
+        problems.append("no architecture: give Megatron's model flags (slime's ${MODEL_ARGS[@]}) or --model FILE")
+    arch = ModelArchitecture(**base) if base is not None and not flags else None
+    if flags:
+        arch, arch_problems = architecture_from_flags(flags, base=base, hf_config=hf_config)
+        problems += arch_problems
+    if problems or arch is None:
+        raise ValueError("\n".join(f"  - {p}" for p in problems))
+    return arch, other

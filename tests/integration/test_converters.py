@@ -46,3 +46,34 @@ def test_hf_torch_dist_hf_round_trip_is_exact(tmp_path: Path, tp: int, pp: int) 
         assert tensor.dtype == original[name].dtype and torch.equal(tensor, original[name]), name
     for side_file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (out_dir / side_file).read_bytes() == (hf_dir / side_file).read_bytes()
+
+
+def test_slime_command_lines_round_trip(tmp_path: Path) -> None:
+    """`convert_hf_to_torch_dist.py ${MODEL_ARGS[@]} --hf-checkpoint X --save Y` and slime's reverse line."""
+    from tests.unit.slime_lines import flags_of
+
+    model_args = flags_of("tiny_qwen3_model_args.txt")
+    hf_dir = ROOT / "assets" / "tiny_qwen3"
+    save_dir, out_dir = tmp_path / "torch_dist", tmp_path / "hf_back"
+    forward = subprocess.run([sys.executable, str(ROOT / "tools/convert_hf_to_torch_dist.py"), *model_args,
+                              "--hf-checkpoint", str(hf_dir), "--save", str(save_dir)],
+                             capture_output=True, text=True, timeout=300)
+    assert forward.returncode == 0, forward.stderr
+    assert (save_dir / "model.yaml").is_file() and (save_dir / "latest_checkpointed_iteration.txt").is_file()
+    reverse = subprocess.run([sys.executable, str(ROOT / "tools/convert_torch_dist_to_hf.py"),
+                              "--input-dir", str(save_dir / "iter_0000000"), "--output-dir", str(out_dir),
+                              "--origin-hf-dir", str(hf_dir)], capture_output=True, text=True, timeout=300)
+    assert reverse.returncode == 0, reverse.stderr
+    original, back = load_file(str(hf_dir / "model.safetensors")), load_file(str(out_dir / "model.safetensors"))
+    for name, tensor in back.items():
+        assert torch.equal(tensor, original[name]), name
+
+
+def test_converter_refuses_flags_that_disagree_with_config_json(tmp_path: Path) -> None:
+    from tests.unit.slime_lines import flags_of
+
+    result = subprocess.run([sys.executable, str(ROOT / "tools/convert_hf_to_torch_dist.py"),
+                             *flags_of("tiny_qwen3_model_args.txt"), "--rotary-base", "10000",
+                             "--hf-checkpoint", str(ROOT / "assets" / "tiny_qwen3"), "--save", str(tmp_path / "o")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "rotary_base" in result.stderr
