@@ -388,7 +388,10 @@ class SlurmConfig:
     constraint: str | None = None
     """--constraint."""
     cpus_per_task: int | None = None
-    """--cpus-per-task for each task."""
+    """--cpus-per-task for every task of every component (overrides cpus_per_gpu)."""
+    cpus_per_gpu: int = 8
+    """GPU runs: CPUs per GPU of a task (trainer rank: this; engine: this x its GPUs); the driver,
+    router and reward grading use what the trainer ranks leave on the first node. CPU runs: 1 per task."""
     mem: str | None = None
     """--mem per node."""
     gres_per_node: bool = True

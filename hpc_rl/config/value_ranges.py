@@ -36,7 +36,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "rollout.update_weight_buffer_size", "training.global_batch_size", "training.num_steps_per_rollout",
         "training.micro_batch_size", "training.max_tokens_per_gpu", "training.tensor_model_parallel_size",
         "training.pipeline_model_parallel_size", "training.context_parallel_size", "training.recompute_num_layers",
-        "training.num_threads", "checkpoint.save_interval", "eval.eval_interval", "eval.n_samples_per_eval_prompt",
+        "training.num_threads", "slurm.cpus_per_gpu", "checkpoint.save_interval", "eval.eval_interval", "eval.n_samples_per_eval_prompt",
         "eval.eval_max_response_len", "sglang.server_concurrency", "slurm.cpus_per_task")},
     **{path: _at_least(0) for path in (
         "cluster.rollout_num_gpus", "rollout.max_staleness", "algorithm.kl_loss_coef", "algorithm.kl_coef",

@@ -83,6 +83,19 @@ def _rollout_tasks_per_node(topology: JobTopology, group: HetGroup) -> int:
     return max(per_node.values(), default=1)
 
 
+def component_cpus_per_task(config: RunConfig, group: HetGroup) -> int | None:
+    """--cpus-per-task of one component: slurm.cpus_per_task if set; on GPU runs cpus_per_gpu per GPU
+    of a task (a trainer rank has one, an engine rollout_num_gpus_per_engine); None (Slurm's 1) on CPU
+    runs. The srun steps of that component should pass the same value (srun does not always inherit it)."""
+    slurm, cluster = config.slurm, config.cluster
+    if slurm.cpus_per_task:
+        return slurm.cpus_per_task
+    if cluster.device != "cuda":
+        return None
+    gpus_per_task = cluster.rollout_num_gpus_per_engine if group.role == "rollout" else 1
+    return slurm.cpus_per_gpu * gpus_per_task
+
+
 def component_options(config: RunConfig, topology: JobTopology) -> list[ComponentOptions]:
     """One option set per het component (group 0 = trainer [+ colocated engines], 1 = rollout)."""
     slurm = config.slurm
@@ -98,8 +111,9 @@ def component_options(config: RunConfig, topology: JobTopology) -> list[Componen
         options["nodes"] = group.num_nodes
         tasks = _rollout_tasks_per_node(topology, group) if group.role == "rollout" else group.tasks_per_node
         options["ntasks-per-node"] = max(1, tasks)
-        if slurm.cpus_per_task:
-            options["cpus-per-task"] = slurm.cpus_per_task
+        cpus = component_cpus_per_task(config, group)
+        if cpus:
+            options["cpus-per-task"] = cpus
         if use_gpus and group.gpus_per_node:
             options["gpus-per-node"] = group.gpus_per_node
         if slurm.mem:

@@ -29,7 +29,7 @@ from hpc_rl.launch.topology import plan_topology
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
-RECIPES = ["qwen3_4b_grpo", "glm_z1_9b_grpo", "qwen3_4b_grpo_4nodes"]
+RECIPES = ["qwen3_4b_grpo", "glm_z1_9b_grpo", "qwen3_4b_grpo_4nodes", "qwen3_4b_grpo_4nodes_decoupled"]
 UPDATE = os.environ.get("HPC_RL_UPDATE_GOLDEN") == "1"
 
 
@@ -57,7 +57,7 @@ def test_standalone_script_golden(recipe: str) -> None:
 
 
 def test_het_components_and_submitit_fixes() -> None:
-    config = load_config([REPO / "configs" / "qwen3_4b_grpo_4nodes.yaml"],
+    config = load_config([REPO / "configs" / "qwen3_4b_grpo_4nodes_decoupled.yaml"],
                          ["--set", "slurm.rollout_partition=infer", "--set", "slurm.account=rl",
                           "--set", "slurm.requeue_signal_seconds=300", "--set", "slurm.mem=0"])
     topology = plan_topology(config.cluster)
@@ -138,3 +138,16 @@ def test_status_parsing() -> None:
     assert [s.job_id for s in states] == ["12+0", "12+1", "13"] and job_state(states) == "RUNNING"
     assert job_state(parse_squeue("7+1|PENDING||0:00\n7+0|PENDING||0:00\n")) == "PENDING"
     assert job_state([]) == "UNKNOWN"
+
+
+def test_cpus_per_task_per_component_by_default_and_overridable() -> None:
+    config = load_config([REPO / "configs" / "glm_z1_9b_grpo.yaml"])
+    trainer, rollout = component_options(config, plan_topology(config.cluster))
+    assert trainer.options["cpus-per-task"] == 8 and rollout.options["cpus-per-task"] == 16  # engines: TP2
+    config = load_config([REPO / "configs" / "glm_z1_9b_grpo.yaml"], ["--set", "slurm.cpus_per_gpu=4"])
+    trainer, rollout = component_options(config, plan_topology(config.cluster))
+    assert (trainer.options["cpus-per-task"], rollout.options["cpus-per-task"]) == (4, 8)
+    config = load_config([REPO / "configs" / "glm_z1_9b_grpo.yaml"], ["--set", "slurm.cpus_per_task=6"])
+    assert {c.options["cpus-per-task"] for c in component_options(config, plan_topology(config.cluster))} == {6}
+    tiny = load_config([REPO / "configs" / "tiny_cpu.yaml"])
+    assert all("cpus-per-task" not in c.options for c in component_options(tiny, plan_topology(tiny.cluster)))
