@@ -96,6 +96,13 @@ def component_cpus_per_task(config: RunConfig, group: HetGroup) -> int | None:
     return slurm.cpus_per_gpu * gpus_per_task
 
 
+def engine_cpus_per_task(config: RunConfig, topology: JobTopology) -> int | None:
+    """--cpus-per-task of an engine's srun step (pinned with --exact, so it gets only what it asks for):
+    the CPUs its component gives each task."""
+    group = next((g for g in topology.groups if g.role == "rollout"), topology.groups[0])
+    return component_cpus_per_task(config, group)
+
+
 def component_options(config: RunConfig, topology: JobTopology) -> list[ComponentOptions]:
     """One option set per het component (group 0 = trainer [+ colocated engines], 1 = rollout)."""
     slurm = config.slurm

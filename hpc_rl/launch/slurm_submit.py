@@ -15,7 +15,7 @@ from pathlib import Path
 from submitit.core.utils import FailedJobError, UncompletedJobError
 
 from hpc_rl.config.schema import RunConfig
-from hpc_rl.launch.sbatch_render import render_batch_script, submitit_folder, submitit_parameters
+from hpc_rl.launch.sbatch_render import engine_cpus_per_task, render_batch_script, submitit_folder, submitit_parameters
 from hpc_rl.launch.slurm_status import JOB_ID_FILE, record_job_id
 from hpc_rl.launch.srun_launcher import srun_argv
 from hpc_rl.launch.steps import StepSpec
@@ -46,7 +46,7 @@ def submit_job(config: RunConfig, *, driver: str = DEFAULT_DRIVER) -> HetSlurmJo
         create_secret(secret_path(run_dir))
     topology = plan_topology(config.cluster)
     executor = make_executor(config, topology)
-    job = executor.submit(HetJobDriver(str(run_dir), driver, config.slurm.cpus_per_task))
+    job = executor.submit(HetJobDriver(str(run_dir), driver, engine_cpus_per_task(config, topology)))
     record_job_id(run_dir, job.job_id)
     return job  # type: ignore[return-value]
 
@@ -155,7 +155,7 @@ def render_slurm_dry_run(config: RunConfig) -> str:
     het_job = len(topology.groups) > 1
     for spec in planned_steps(config, topology, run_dir):
         nodelist = [f"<node {spec.node_index} of het group {spec.het_group}>"] if spec.node_index is not None else None
-        argv = srun_argv(spec, het_job=het_job, nodelist=nodelist, cpus_per_task=config.slurm.cpus_per_task)
+        argv = srun_argv(spec, het_job=het_job, nodelist=nodelist, cpus_per_task=engine_cpus_per_task(config, topology))
         lines.append(f"# {spec.name} -> {spec.log_path}")
         lines.append(" ".join(argv))
     return "\n".join(lines) + "\n"

@@ -90,3 +90,14 @@ def test_resolved_config_round_trip(tmp_path: Path) -> None:
 def test_eval_pairs_must_be_even() -> None:
     with pytest.raises(ConfigError, match="name/path pairs, got an odd count"):
         load_config([], ["--eval-prompt-data", "aime"])
+
+
+def test_importing_the_config_changes_no_state() -> None:
+    """Issue 13 item 5: the flat key index is built on first use, not at import."""
+    import subprocess
+    import sys
+
+    code = ("import hpc_rl.config.loading, hpc_rl.config.settings_sources as s; "
+            "print(s.flat_index.cache_info().currsize)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "0"

@@ -151,3 +151,11 @@ def test_cpus_per_task_per_component_by_default_and_overridable() -> None:
     assert {c.options["cpus-per-task"] for c in component_options(config, plan_topology(config.cluster))} == {6}
     tiny = load_config([REPO / "configs" / "tiny_cpu.yaml"])
     assert all("cpus-per-task" not in c.options for c in component_options(tiny, plan_topology(tiny.cluster)))
+
+
+def test_engine_steps_get_their_components_cpus_in_the_dry_run(in_repo: Path) -> None:
+    from hpc_rl.launch.slurm_submit import render_slurm_dry_run
+
+    config = load_config([REPO / "configs" / "glm_z1_9b_grpo.yaml"], ["--run-dir", "/RUN"])
+    engine_lines = [line for line in render_slurm_dry_run(config).splitlines() if "--job-name=engine-" in line]
+    assert len(engine_lines) == 2 and all("--cpus-per-task=16" in line for line in engine_lines)
