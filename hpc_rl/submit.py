@@ -126,20 +126,6 @@ def assign_run_dir(config: RunConfig) -> RunConfig:
     return config
 
 
-MODEL_FILE_NAME = "model.yaml"
-
-
-def write_model_file(config: RunConfig) -> RunConfig:
-    """An architecture given by Megatron's model flags becomes `<run_dir>/model.yaml`, the file every
-    process reads (`config.model`), so trainer, converters and weight sync see one architecture."""
-    if config.model_args is not None:
-        path = Path(config.run_dir) / MODEL_FILE_NAME
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(config.model_args.to_dict(), sort_keys=False))
-        config.model = str(path)
-    return config
-
-
 class _StderrNotes(logging.Handler):
     """Prints the config loader's notes (e.g. a slime plug-in path mapped to hpc_rl's) on stderr."""
 
@@ -186,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             print(render_slurm_dry_run(assign_run_dir(config)))
         print("dry run: the config is valid; nothing was started or submitted.")
         return 0
-    config = write_model_file(assign_run_dir(config))
+    config = assign_run_dir(config)
     write_resolved_config(config, config.run_dir)
     create_secret(secret_path(config.run_dir), overwrite=True)
     if executor == "local":

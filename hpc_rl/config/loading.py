@@ -209,8 +209,24 @@ def config_to_dict(config: RunConfig) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+MODEL_FILE_NAME = "model.yaml"
+
+
+def write_model_file(config: RunConfig, run_dir: str | Path) -> None:
+    """An architecture given by Megatron's model flags becomes `<run_dir>/model.yaml` and `config.model`
+    points at it: every process (trainer, weight sync, converters) reads one architecture file."""
+    if config.model_args is None:
+        return
+    path = Path(run_dir) / MODEL_FILE_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config.model_args.to_dict(), sort_keys=False))
+    config.model = str(path)
+
+
 def write_resolved_config(config: RunConfig, run_dir: str | Path) -> Path:
-    """Write `<run_dir>/config.resolved.yaml` (every field, explicit); every process reads it."""
+    """Write `<run_dir>/config.resolved.yaml` (every field, explicit); every process reads it.
+    With model flags, `<run_dir>/model.yaml` too (and `config.model` is set to it)."""
+    write_model_file(config, run_dir)
     path = Path(run_dir) / RESOLVED_CONFIG_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False)

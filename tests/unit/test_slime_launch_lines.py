@@ -11,7 +11,8 @@ import yaml
 
 from hpc_rl.config import ConfigError, load_config
 from hpc_rl.config.validation import collect_problems
-from hpc_rl.submit import main, write_model_file
+from hpc_rl.config.loading import load_resolved_config, write_resolved_config
+from hpc_rl.submit import main
 from tests.unit.slime_lines import flags_of, seed_argv, seeds
 
 QWEN3_4B = flags_of("qwen3_4B_model_args.txt")
@@ -143,8 +144,9 @@ def test_slime_plugin_paths_map_with_one_log_line(caplog: pytest.LogCaptureFixtu
 
 def test_model_flags_become_the_run_model_file(tmp_path: Path) -> None:
     config = load_config([], [*TINY, "--run-dir", str(tmp_path)])
-    write_model_file(config)
+    write_resolved_config(config, tmp_path)
     assert config.model == str(tmp_path / "model.yaml")
     from hpc_rl.config.model import ModelArchitecture
 
     assert ModelArchitecture.from_yaml(config.model) == config.model_args
+    assert load_resolved_config(tmp_path) == config  # every process reads the same architecture back
