@@ -150,3 +150,43 @@ def test_model_flags_become_the_run_model_file(tmp_path: Path) -> None:
 
     assert ModelArchitecture.from_yaml(config.model) == config.model_args
     assert load_resolved_config(tmp_path) == config  # every process reads the same architecture back
+
+
+RECIPE_OF_SEED = {
+    "qwen3_4b_colocated_8": "configs/qwen3_4b_grpo.yaml",
+    "qwen3_4b_colocated_8_dynamic_partial": "configs/qwen3_4b_grpo_dynamic.yaml",
+    "glm_z1_9b_4_4": "configs/glm_z1_9b_grpo.yaml",
+}
+SAME_FIELDS = (
+    "cluster.actor_num_nodes", "cluster.actor_num_gpus_per_node", "cluster.rollout_num_gpus",
+    "cluster.rollout_num_gpus_per_engine", "cluster.colocate", "rollout.rm_type", "rollout.num_rollout",
+    "rollout.rollout_batch_size", "rollout.n_samples_per_prompt", "rollout.rollout_max_response_len",
+    "rollout.rollout_temperature", "rollout.over_sampling_batch_size", "rollout.dynamic_sampling_filter_path",
+    "rollout.partial_rollout", "training.global_batch_size", "training.num_steps_per_rollout",
+    "training.tensor_model_parallel_size", "training.sequence_parallel", "training.context_parallel_size",
+    "training.max_tokens_per_gpu", "training.recompute_granularity", "training.offload_train", "algorithm",
+    "optimizer", "eval.eval_interval", "eval.n_samples_per_eval_prompt", "eval.eval_max_response_len",
+    "eval.eval_top_p", "sglang.mem_fraction_static",
+)
+ARCH_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "kv_channels", "vocab_size", "rotary_base", "rotary_percent", "rotary_interleaved", "norm_epsilon",
+               "tie_word_embeddings", "qk_layernorm", "add_qkv_bias", "add_bias_linear", "post_sublayer_norms")
+
+
+def _field(config: Any, path: str) -> Any:
+    for part in path.split("."):
+        config = getattr(config, part)
+    return config
+
+
+@pytest.mark.parametrize("seed", sorted(RECIPE_OF_SEED))
+def test_yaml_recipes_are_the_seed_lines(seed: str, in_repo: Path) -> None:
+    """The shipped recipes hold the seed's numbers (eval_top_p 1, GLM without a memory fraction, ...)."""
+    from hpc_rl.config.model import ModelArchitecture
+
+    from_line, from_yaml = load_config([], seed_argv(seed)), load_config([RECIPE_OF_SEED[seed]])
+    for path in SAME_FIELDS:
+        assert _field(from_yaml, path) == _field(from_line, path), path
+    file_arch = ModelArchitecture.from_yaml(from_yaml.model)
+    for name in ARCH_FIELDS:
+        assert getattr(file_arch, name) == getattr(from_line.model_args, name), name

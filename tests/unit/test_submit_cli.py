@@ -42,3 +42,18 @@ def test_module_entry_point(in_repo: Path) -> None:
                              "--no-check-files"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "het group 0 [trainer+rollout]: 1 node(s) x 8 GPU(s)" in result.stdout
+
+
+def test_help_lists_every_field_with_flag_type_default_and_meaning(capsys: pytest.CaptureFixture[str]) -> None:
+    from hpc_rl.config.help_text import field_rows
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    rows = field_rows()
+    assert len(rows) > 100
+    for path, flag, kind, default, meaning in rows:
+        assert meaning, f"{path} has no docstring in the schema"
+        assert f"{flag:<44} {path} ({kind}, default {default})" in text and meaning in text
+    assert "--rollout-batch-size" in text and "--swiglu" in text and "--use-wandb: wandb is not built in" in text
