@@ -13,9 +13,11 @@ loss and its metrics are computed on the last stage only; the other stages run t
 forward and backward. After the optimizer step the last stage broadcasts the step's metrics over
 the pipeline group, so every rank (global rank 0 included, which reports them) returns the same.
 
-Old log-probs (and ref log-probs) are computed for the whole rollout before its first update, on
-the same micro-batches the training pass uses, so on the first step logp_old == logp bit for bit
-(ppo_kl == 0 exactly) and, with ref == actor weights, the KL term is exactly 0.
+Ref log-probs are computed for the whole rollout before its first update, on the same micro-batches
+the training pass uses, so with ref == actor weights the KL term is exactly 0. Old log-probs come
+from the training pass itself (detached) when there is one optimizer step per rollout and no KL
+reward shaping (`old_logprobs_need_own_pass`), else from their own pass before the first update on
+the same micro-batches: either way logp_old == logp bit for bit on the first step (ppo_kl == 0).
 """
 
 from __future__ import annotations
@@ -51,12 +53,30 @@ def policy_loss_config(algorithm: AlgorithmConfig, training: TrainingConfig) -> 
     )
 
 
+def old_logprobs_need_own_pass(training: TrainingConfig, algorithm: AlgorithmConfig, *, has_ref: bool) -> bool:
+    """Whether the old log-probs need a forward pass of their own before the first update.
+
+    Old log-probs are the actor's at the weights the rollout's training starts from (slime
+    recomputes them; the engine's are `rollout_log_probs`, compared by TIS), whatever policy
+    generated the samples: async or partial (off-policy) samples do not change that. With one
+    optimizer step per rollout, the training pass runs at exactly those weights on the same
+    micro-batches, so its log-probs, detached, ARE the old log-probs (ratio 1, ppo_kl 0, the same
+    gradient). A separate pass is needed only when (a) later steps follow an update
+    (`num_steps_per_rollout` > 1), or (b) something needs them before the loss: KL reward shaping
+    (`kl_coef` != 0 with a reference) enters the advantages, which are computed first.
+    `use_rollout_logprobs` takes them from the engine instead (no pass either way).
+    """
+    if algorithm.use_rollout_logprobs:
+        return False
+    return training.num_steps_per_rollout > 1 or (has_ref and algorithm.kl_coef != 0.0)
+
+
 class RolloutTrainer:
     """`train_rollout(batch)` -> one metrics dict per optimizer step."""
 
     def __init__(self, *, actor: torch.nn.Module, optimizer: ActorOptimizer, ref_model: torch.nn.Module | None,
                  arch: ModelArchitecture, training: TrainingConfig, algorithm: AlgorithmConfig,
-                 info: ParallelInfo) -> None:
+                 info: ParallelInfo, separate_old_logprob_pass: bool | None = None) -> None:
         from megatron.core import parallel_state
 
         self.actor, self.optimizer, self.ref_model = actor, optimizer, ref_model
@@ -68,6 +88,9 @@ class RolloutTrainer:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group() if info.pp_size > 1 else None
         self.pipeline = PipelineSchedule.for_model(actor, device=info.device)
         self.grad_sum_multiplier = grad_sum_loss_multiplier(actor)
+        self.separate_old_logprob_pass = (old_logprobs_need_own_pass(training, algorithm, has_ref=ref_model is not None)
+                                          if separate_old_logprob_pass is None else separate_old_logprob_pass)
+        """False: the old log-probs are the training pass's own, detached (see old_logprobs_need_own_pass)."""
         if algorithm.use_kl_loss and ref_model is None:
             raise ValueError("algorithm.use_kl_loss needs a reference model (checkpoint.ref_load)")
 
@@ -128,12 +151,14 @@ class RolloutTrainer:
                 raise ValueError("algorithm.use_rollout_logprobs is set but the batch has no rollout log-probs")
             old = {i: torch.as_tensor(lp, dtype=torch.float32, device=device)
                    for i, lp in enumerate(batch.rollout_logprobs)}
-        else:
+        elif self.separate_old_logprob_pass:
             old = self._logprobs(self.actor, all_micros)
+        else:
+            old = None  # the training pass's own log-probs, detached (losses: old_log_probs=None)
         if not self.info.is_last_stage:  # log-probs, advantages and the loss live on the last stage
             return [self._train_step(batch, micros, masks, old, ref, [], None) for micros in plan]
         kl = None
-        if ref is not None:
+        if ref is not None and old is not None:
             kl = [approx_kl(old[i], ref[i], self.algorithm.kl_loss_type) for i in range(len(batch))]
         advantages, _ = compute_advantages(
             self.algorithm.advantage_estimator, rewards=batch.rewards, loss_masks=masks, kl=kl,
@@ -150,7 +175,7 @@ class RolloutTrainer:
         return tensor
 
     def _train_step(self, batch: TrainBatch, micros: list[MicroBatch], masks: list[torch.Tensor],
-                    old: dict[int, torch.Tensor], ref: dict[int, torch.Tensor] | None,
+                    old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
                     advantages: list[torch.Tensor], rollout: list[torch.Tensor] | None) -> dict[str, float]:
         start = time.perf_counter()
         samples = sum(len(m.indices) for m in micros)
@@ -174,7 +199,7 @@ class RolloutTrainer:
             idx = micro.indices
             log_probs, entropy = self._response_logprobs(micro, logits, with_entropy=True)
             loss, metrics = policy_loss_and_metrics(
-                self.loss_config, log_probs=log_probs, old_log_probs=[old[i] for i in idx],
+                self.loss_config, log_probs=log_probs, old_log_probs=[old[i] for i in idx] if old is not None else None,
                 advantages=[advantages[i] for i in idx], loss_masks=[masks[i] for i in idx], entropy=entropy,
                 ref_log_probs=[ref[i] for i in idx] if ref is not None else None,
                 rollout_log_probs=[rollout[i] for i in idx] if rollout is not None else None)

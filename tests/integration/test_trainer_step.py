@@ -104,7 +104,17 @@ def first_step_and_invariance_rank(hf_dir: str) -> dict:
         per_token.append(RolloutTrainer(actor=parts.actor, optimizer=parts.optimizer, ref_model=parts.ref_model,
                                         arch=parts.trainer.arch, training=training,
                                         algorithm=parts.trainer.algorithm, info=info).train_rollout(batch)[0])
+    # the old log-probs from their own forward pass (before PR: always) vs the training pass's own
+    separate = RolloutTrainer(actor=parts.actor, optimizer=parts.optimizer, ref_model=parts.ref_model,
+                              arch=parts.trainer.arch, training=parts.trainer.training,
+                              algorithm=parts.trainer.algorithm, info=info, separate_old_logprob_pass=True)
+    separate_metrics = separate.train_rollout(batch)[0]
     parts.optimizer.step = real_step
+    timing = ("step_time", "tokens_per_second")
+    same_metrics = {k: v for k, v in separate_metrics.items() if k not in timing} == {
+        k: v for k, v in fixed.items() if k not in timing}
+    fused_is_exact = (not parts.trainer.separate_old_logprob_pass and same_metrics
+                      and all(torch.equal(recorded[4][n], recorded[0][n]) for n in recorded[0]))
     token_grad_diff = max((recorded[2][n] - recorded[3][n]).abs().max().item() for n in recorded[2])
     grad_diff = max((recorded[0][n] - recorded[1][n]).abs().max().item() for n in recorded[0])
     grad_scale = max(recorded[0][n].abs().max().item() for n in recorded[0])
@@ -113,7 +123,7 @@ def first_step_and_invariance_rank(hf_dir: str) -> dict:
     shutdown_parallel()
     return {"fixed": fixed, "dynamic": dyn, "grad_diff": grad_diff, "grad_scale": grad_scale,
             "real": real, "second": second, "tp1_logits": tp1_logits, "per_token": per_token,
-            "token_grad_diff": token_grad_diff}
+            "token_grad_diff": token_grad_diff, "fused_is_exact": fused_is_exact}
 
 
 def test_first_step_kl_zero_and_microbatch_invariance(tmp_path: Path) -> None:
@@ -138,6 +148,8 @@ def test_first_step_kl_zero_and_microbatch_invariance(tmp_path: Path) -> None:
     assert out["real"]["grad_norm"] > 0 and out["real"]["lr"] == pytest.approx(1e-3)
     assert out["second"]["kl_loss"] > 0  # the actor moved away from the reference
     assert out["real"]["train_rollout_logprob_abs_diff"] > 0
+    # old log-probs from the training pass: the same metrics and bit-identical gradients as their own pass
+    assert out["fused_is_exact"]
 
 
 def train_then_save_rank(hf_dir: str, save_dir: str, resume: bool, tp: int = 1) -> dict:
