@@ -170,8 +170,9 @@ class TrainingConfig:
     """uniform | block (with full recompute)."""
     recompute_num_layers: int | None = None
     """Layers per recompute unit."""
-    qkv_format: str = "thd"
-    """Micro-batch layout: thd (samples packed into one row, no padding) | bshd (one right-padded row each)."""
+    qkv_format: str = "auto"
+    """Micro-batch layout: thd (samples packed into one row, no padding) | bshd (one right-padded row each) |
+    auto (by shape: thd on GPU and under CP; on CPU bshd for short rows that padding does not double)."""
     calculate_per_token_loss: bool = False
     """Average the loss over all tokens of a step instead of summing per-sample means."""
     seed: int = 1234
@@ -187,9 +188,9 @@ class TrainingConfig:
             raise ValueError("training.sequence_parallel needs tensor_model_parallel_size > 1")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(f"training.recompute_granularity: {self.recompute_granularity!r} is not full|selective")
-        if self.qkv_format not in ("thd", "bshd"):
-            raise ValueError(f"training.qkv_format: {self.qkv_format!r} is not thd|bshd")
-        if self.context_parallel_size > 1 and self.qkv_format != "thd":
+        if self.qkv_format not in ("thd", "bshd", "auto"):
+            raise ValueError(f"training.qkv_format: {self.qkv_format!r} is not thd|bshd|auto")
+        if self.context_parallel_size > 1 and self.qkv_format == "bshd":
             raise ValueError("training.context_parallel_size > 1 splits packed sequences: set qkv_format: thd")
 
     @property

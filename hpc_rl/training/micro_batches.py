@@ -15,6 +15,8 @@ row, which is what makes token-budget micro-batches (`max_tokens_per_gpu`) cheap
 Padded ("bshd"): one row per sample, right-padded with token 0 and a causal mask; padding sits
 after every real token, so it never changes a real token's output.
 
+`auto` (the default) picks one of the two per micro-batch by its shape: `choose_qkv_format`.
+
 Context parallel (CP > 1, packed only): each sample is padded to a multiple of 2*CP and this CP
 rank holds two of its 2*CP chunks (`context_parallel`'s layout); `PackedSeqParams` carries the real
 `cu_seqlens` and the global `cu_seqlens_padded`, as TE's THD+CP kernels and Megatron's rotary expect.
@@ -35,10 +37,34 @@ import torch
 import torch.distributed as dist
 
 from hpc_rl.training.context_parallel import ContextParallelSplit, gather_with_local_grad, split_packed
+from hpc_rl.training.layer_specs import PackedSequenceAttention
 from hpc_rl.training.logprobs import vocab_parallel_logprobs
 from hpc_rl.training.model_provider import causal_mask
 
 QKV_FORMATS = ("thd", "bshd")
+PADDING_LIMIT = 2.0
+"""`auto` on CPU pads (bshd) while the padded tokens are at most this many times the real ones."""
+
+
+def choose_qkv_format(configured: str, lengths: Sequence[int], *, on_cpu: bool, cp_size: int = 1) -> str:
+    """The layout of one micro-batch: `training.qkv_format`, or for `auto` the cheaper one by shape.
+
+    `auto`: packed (thd) under CP (it splits packed rows) and on GPU (Transformer Engine's THD
+    kernels cost what the real tokens cost, as in slime). On CPU, a packed row of up to
+    `PackedSequenceAttention.BLOCK_MASK_MAX_TOKENS` tokens runs one attention under a block-diagonal
+    mask, quadratic in the whole row's length; padded rows (bshd) beat it unless padding would more
+    than double the tokens (lengths far apart). Longer packed rows run attention per sequence, which
+    beats padding. Measured by benchmarks/bench_train_layout.py (the tiny run's shape: bshd; 16
+    samples of 16..256 tokens: thd).
+    """
+    if configured != "auto":
+        return configured
+    if cp_size > 1 or not on_cpu:
+        return "thd"
+    total = sum(lengths)
+    if total > PackedSequenceAttention.BLOCK_MASK_MAX_TOKENS:
+        return "thd"
+    return "bshd" if len(lengths) * max(lengths) <= PADDING_LIMIT * total else "thd"
 
 
 @dataclass

@@ -34,7 +34,7 @@ from hpc_rl.training.advantages import compute_advantages
 from hpc_rl.training.batching import equalize_microbatch_count, pack_microbatches
 from hpc_rl.weights.json_collectives import broadcast_json
 from hpc_rl.training.losses import PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for
-from hpc_rl.training.micro_batches import MicroBatch, build_microbatch
+from hpc_rl.training.micro_batches import MicroBatch, build_microbatch, choose_qkv_format
 from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.pipeline import PipelineSchedule
@@ -114,9 +114,11 @@ class RolloutTrainer:
         out = []
         for local in bins:
             indices = [step_indices[i] for i in local]
+            layout = choose_qkv_format(self.training.qkv_format, [lengths[i] for i in local], on_cpu=self.info.on_cpu,
+                                       cp_size=self.info.cp_size)
             out.append(build_microbatch([batch.tokens[i] for i in indices],
                                         [batch.response_lengths[i] for i in indices], indices,
-                                        qkv_format=self.training.qkv_format, pad_multiple=multiple,
+                                        qkv_format=layout, pad_multiple=multiple,
                                         device=self.info.device, cp_group=self.cp_group))
         return out
 

@@ -45,6 +45,7 @@ def _parts(hf_dir: str, *, tp: int = 1, load: str | None = None, **training_over
 def _training(*, tp: int = 1, **overrides):
     from hpc_rl.config.schema import TrainingConfig
 
+    overrides = {"qkv_format": "thd", **overrides}  # the packed path unless a test says otherwise
     return TrainingConfig(tensor_model_parallel_size=tp, global_batch_size=8, micro_batch_size=2, **overrides)
 
 

@@ -1,10 +1,12 @@
-"""When the old log-probs need their own forward pass (issue 11: no redundant forward pass)."""
+"""Trainer speed levers (issue 11): when the old log-probs need their own forward pass, and the
+micro-batch layout `auto` picks by shape."""
 
 from __future__ import annotations
 
 import pytest
 
 from hpc_rl.config.schema import AlgorithmConfig, TrainingConfig
+from hpc_rl.training.micro_batches import choose_qkv_format
 from hpc_rl.training.step import old_logprobs_need_own_pass
 
 
@@ -21,3 +23,20 @@ def test_own_pass_only_when_needed(steps: int, kl_coef: float, has_ref: bool, ro
     training = TrainingConfig(num_steps_per_rollout=steps, global_batch_size=8)
     algorithm = AlgorithmConfig(kl_coef=kl_coef, use_rollout_logprobs=rollout_logprobs)
     assert old_logprobs_need_own_pass(training, algorithm, has_ref=has_ref) is own_pass
+
+
+def test_auto_layout_by_shape() -> None:
+    tiny_run = [11, 10, 11, 9] * 32  # 7 prompt + <= 4 response tokens (configs/tiny_cpu.yaml)
+    assert choose_qkv_format("auto", tiny_run, on_cpu=True) == "bshd"
+    assert choose_qkv_format("auto", [400, 12, 9, 30], on_cpu=True) == "thd"  # padding would be 3.5x the tokens
+    assert choose_qkv_format("auto", [128, 256] * 8, on_cpu=True) == "thd"  # 3072 tokens: per-sequence attention
+    assert choose_qkv_format("auto", tiny_run, on_cpu=False) == "thd"  # TE's THD kernels on GPU
+    assert choose_qkv_format("auto", tiny_run, on_cpu=True, cp_size=2) == "thd"  # CP splits packed rows
+    assert choose_qkv_format("thd", tiny_run, on_cpu=True) == "thd"  # an explicit choice stands
+    assert choose_qkv_format("bshd", [400, 12], on_cpu=True) == "bshd"
+
+
+def test_auto_is_the_default_and_refused_nowhere() -> None:
+    assert TrainingConfig().qkv_format == "auto"
+    with pytest.raises(ValueError, match="thd|bshd|auto"):
+        TrainingConfig(qkv_format="sbhd")
