@@ -6,9 +6,9 @@ Runs on the tiny Qwen3 (written to a temp dir), one torch thread on both sides:
      (no HTTP), and `model.generate` on a batch of B in this process;
   2. end to end at batch 32 x 64 tokens and at the RL shape (128 samples x 4 tokens), median of
      `--repeats`: one request per sample through the router (today's rollout path) and straight to the
-     engine, the whole batch as one batched-`input_ids` request, one batched request per GRPO group
-     of 8, and `model.generate` on the batch (the issue-11 target: engine end to end >= HF generate);
-     the router refuses batched bodies (printed as its status);
+     engine, the whole batch as one batched-`input_ids` request through the router and straight to the
+     engine, one batched request per GRPO group of 8, and `model.generate` on the batch (the issue-11 target: engine end to end >= HF generate);
+     sglang-router 0.3.2 passes a batched `input_ids` body through (a list of answers comes back);
   3. latency of one-token requests sent sequentially straight to the engine vs through the router:
      p50/p99 of each and the router's added p50/p99.
 Bounded runtime (a few minutes on 2 shared cores). Usage: python benchmarks/bench_cpu_engine.py
@@ -116,33 +116,27 @@ async def end_to_end_seconds(url: str, samples: int, new_tokens: int, per_reques
     return elapsed
 
 
-async def router_batch_status(router_url: str) -> int:
-    async with aiohttp.ClientSession() as session:
-        body = {"input_ids": [PROMPT, PROMPT], "sampling_params": {"max_new_tokens": 1}}
-        async with session.post(f"{router_url}/generate", json=body) as response:
-            await response.read()
-            return response.status
-
-
 def hf_generate_seconds(model, samples: int, new_tokens: int) -> float:
     return samples * new_tokens / transformers_throughput(model, samples, new_tokens)
 
 
 def end_to_end_table(model, engine_url: str, router_url: str, repeats: int) -> None:
     print(f"\nend to end, wall ms (median of {repeats}); HF generate = model.generate on the whole batch")
-    columns = ["router 1/req", "direct 1/req", "batch 1 req", "batch per 8", "HF generate", "best/HF"]
+    columns = ["router 1/req", "direct 1/req", "router batch", "batch 1 req", "batch per 8", "HF generate",
+               "best/HF"]
     print(f"{'shape':>10} " + " ".join(f"{c:>13}" for c in columns))
     for samples, new_tokens in ((32, 64), (128, 4)):
-        runs = {c: [] for c in columns[:5]}
+        runs = {c: [] for c in columns[:-1]}
         for _ in range(repeats):  # interleaved, so load drift hits every variant alike
             runs["router 1/req"].append(asyncio.run(end_to_end_seconds(router_url, samples, new_tokens, 1)))
             runs["direct 1/req"].append(asyncio.run(end_to_end_seconds(engine_url, samples, new_tokens, 1)))
+            runs["router batch"].append(asyncio.run(end_to_end_seconds(router_url, samples, new_tokens, samples)))
             runs["batch 1 req"].append(asyncio.run(end_to_end_seconds(engine_url, samples, new_tokens, samples)))
             runs["batch per 8"].append(asyncio.run(end_to_end_seconds(engine_url, samples, new_tokens, 8)))
             runs["HF generate"].append(hf_generate_seconds(model, samples, new_tokens))
         medians = {c: statistics.median(v) * 1e3 for c, v in runs.items()}
         best = min(v for c, v in medians.items() if c != "HF generate")
-        print(f"{f'{samples}x{new_tokens}':>10} " + " ".join(f"{medians[c]:>13.1f}" for c in columns[:5])
+        print(f"{f'{samples}x{new_tokens}':>10} " + " ".join(f"{medians[c]:>13.1f}" for c in columns[:-1])
               + f" {best / medians['HF generate']:>13.2f}")
 
 
@@ -187,7 +181,6 @@ def main() -> None:
                 print(f"{batch:>5} {ours:>12.0f} {core:>12.0f} {theirs:>12.0f} {ours / theirs:>8.2f}")
 
             end_to_end_table(model, engine.url, router.url, args.repeats)
-            print(f"router with a batched body: HTTP {asyncio.run(router_batch_status(router.url))}")
 
             direct, routed = asyncio.run(latencies(engine.url, router.url, args.latency_requests))
             print(f"\none-token /generate latency, {args.latency_requests} sequential requests each, alternating (ms)")

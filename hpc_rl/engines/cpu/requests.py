@@ -23,6 +23,7 @@ SGLang behaviour reproduced here (srt/managers/io_struct.py, tokenizer_manager.p
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -106,7 +107,8 @@ def _per_item(body: dict, key: str, count: int, default: Any) -> list[Any]:
 
 def _rids(rid: Any, count: int, batched: bool) -> list[str]:
     if rid is None:
-        return [uuid.uuid4().hex for _ in range(count)]
+        base = uuid.uuid4().hex
+        return [base] if not batched else [f"{base}_{i}" for i in range(count)]
     if isinstance(rid, str):
         return [f"{rid}_{i}" for i in range(count)] if batched else [rid]
     if isinstance(rid, list) and batched:
@@ -177,14 +179,18 @@ def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedG
     return_logprob = _per_item(body, "return_logprob", count, False)
     start_lens = _per_item(body, "logprob_start_len", count, -1)
     requests = []
+    parsed: dict[int, SamplingParams] = {}  # a batch usually shares one sampling_params object: parse it once
     for index, prompt in enumerate(prompts):
-        if not isinstance(raw_params[index], dict):
+        raw = raw_params[index]
+        if not isinstance(raw, dict):
             raise RequestError("sampling_params must be an object (or a list of objects for a batch)")
-        try:
-            params = parse_sampling_params(raw_params[index])
-        except ValueError as error:
-            raise RequestError(str(error)) from None
-        check_context(prompt, raw_params[index].get("max_new_tokens"), context_length)
+        if id(raw) not in parsed:
+            try:
+                parsed[id(raw)] = parse_sampling_params(raw)
+            except ValueError as error:
+                raise RequestError(str(error)) from None
+        check_context(prompt, raw.get("max_new_tokens"), context_length)
+        params = dataclasses.replace(parsed[id(raw)])
         params.max_new_tokens = capped_max_new_tokens(len(prompt), params.max_new_tokens, context_length)
         requests.append(GenerationRequest(
             rid=rids[index], input_ids=prompt, params=params, return_logprob=bool(return_logprob[index]),

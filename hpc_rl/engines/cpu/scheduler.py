@@ -313,7 +313,7 @@ class Scheduler:
             return {"type": "stop", "matched": token}
         if len(request.output_ids) >= params.max_new_tokens:
             return {"type": "length", "length": len(request.output_ids)}
-        if len(request.context) >= self.context_length:
+        if len(request.input_ids) + len(request.output_ids) >= self.context_length:
             return {"type": "length", "length": len(request.output_ids)}
         return None
 
