@@ -60,6 +60,23 @@ def clip_to_context(payload: dict[str, Any], context_length: int | None) -> dict
     return {**payload, "sampling_params": {**params, "max_new_tokens": budget}}
 
 
+def longest_served_prompt(context_length: int) -> int:
+    """SGLang 0.5.23's scheduler refuses (400) prompts of `max_req_len - 5 = context - 6` tokens or more."""
+    return context_length - 7
+
+
+def context_full_answer(payload: dict[str, Any], context_length: int | None) -> dict[str, Any] | None:
+    """The answer for a prompt the engines would refuse for its length (a resumed sample that filled the
+    context): no new token, finish_reason length, as slime truncates such a sample without a request.
+    None when the request can be served."""
+    input_ids = payload.get("input_ids")
+    if not context_length or not isinstance(input_ids, list) or len(input_ids) <= longest_served_prompt(context_length):
+        return None
+    return {"text": "", "output_ids": [], "meta_info": {
+        "id": payload.get("rid"), "finish_reason": {"type": "length", "length": 0},
+        "prompt_tokens": len(input_ids), "completion_tokens": 0, "cached_tokens": 0}}
+
+
 class EngineDirectory(Protocol):
     """Where the engines are right now (the controller's registry implements this)."""
 
@@ -203,6 +220,9 @@ class EngineClient:
         or StopGeneration if `stopped` was set before a slot was free (nothing was sent then)."""
         rid = payload["rid"]
         payload = clip_to_context(payload, self.context_length)
+        full = context_full_answer(payload, self.context_length)
+        if full is not None:
+            return GenerateAnswer(body=full, engine_url=None)
         engine = await self._acquire(rid, stopped)
         base = self.router_url if engine is None else engine
         try:

@@ -172,3 +172,22 @@ def test_the_rollout_client_clips_max_new_tokens_to_the_context(tmp_path):
     assert clipped["sampling_params"] == {"max_new_tokens": 4, "temperature": 1.0}
     assert payload["sampling_params"]["max_new_tokens"] == 10  # the caller's payload is left alone
     assert clip_to_context({**payload, "input_ids": [1] * 10}, context)["sampling_params"]["max_new_tokens"] == 10
+
+
+def test_a_sample_that_filled_the_context_ends_as_length_without_a_request(model, tokenizer):
+    """SGLang refuses prompts of context - 6 tokens or more with a 400; the client answers them itself as a
+    length finish (slime truncates such samples), and what it still sends is served."""
+    from hpc_rl.rollout.engine_client import EngineClient, StaticEngineDirectory
+
+    async def scenario(client: TestClient) -> None:
+        url = str(client.make_url("")).rstrip("/")
+        async with EngineClient(StaticEngineDirectory([url]), context_length=256) as engine:
+            served = await engine.generate({"rid": "a", "input_ids": [5] * 249,
+                                            "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}})
+            assert served.engine_url == url and len(served.body["output_ids"]) == 256 - 2 - 249
+            full = await engine.generate({"rid": "b", "input_ids": [5] * 250, "sampling_params": {"max_new_tokens": 5}})
+            assert full.engine_url is None and full.body["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+        refused = await client.post("/generate", json={"input_ids": [5] * 250, "sampling_params": {"max_new_tokens": 5}})
+        assert refused.status == 400  # what the client avoided
+
+    _serve(model, tokenizer, scenario)

@@ -23,6 +23,7 @@ SGLang behaviour reproduced here (srt/managers/io_struct.py, tokenizer_manager.p
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -106,7 +107,8 @@ def _per_item(body: dict, key: str, count: int, default: Any) -> list[Any]:
 
 def _rids(rid: Any, count: int, batched: bool) -> list[str]:
     if rid is None:
-        return [uuid.uuid4().hex for _ in range(count)]
+        base = uuid.uuid4().hex
+        return [base] if not batched else [f"{base}_{i}" for i in range(count)]
     if isinstance(rid, str):
         return [f"{rid}_{i}" for i in range(count)] if batched else [rid]
     if isinstance(rid, list) and batched:
@@ -177,14 +179,18 @@ def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedG
     return_logprob = _per_item(body, "return_logprob", count, False)
     start_lens = _per_item(body, "logprob_start_len", count, -1)
     requests = []
+    parsed: dict[int, SamplingParams] = {}  # a batch usually shares one sampling_params object: parse it once
     for index, prompt in enumerate(prompts):
-        if not isinstance(raw_params[index], dict):
+        raw = raw_params[index]
+        if not isinstance(raw, dict):
             raise RequestError("sampling_params must be an object (or a list of objects for a batch)")
-        try:
-            params = parse_sampling_params(raw_params[index])
-        except ValueError as error:
-            raise RequestError(str(error)) from None
-        check_context(prompt, raw_params[index].get("max_new_tokens"), context_length)
+        if id(raw) not in parsed:
+            try:
+                parsed[id(raw)] = parse_sampling_params(raw)
+            except ValueError as error:
+                raise RequestError(str(error)) from None
+        check_context(prompt, raw.get("max_new_tokens"), context_length)
+        params = dataclasses.replace(parsed[id(raw)])
         params.max_new_tokens = capped_max_new_tokens(len(prompt), params.max_new_tokens, context_length)
         requests.append(GenerationRequest(
             rid=rids[index], input_ids=prompt, params=params, return_logprob=bool(return_logprob[index]),
@@ -203,14 +209,38 @@ def decode_in_context(tokenizer, prompt_ids: list[int], output_ids: list[int], s
     return full[len(prefix):] if full.startswith(prefix) else full
 
 
+def _decoded_output(request: GenerationRequest) -> list[int]:
+    """The output ids that make the text: without a matched stop token (unless no_stop_trim)."""
+    matched = (request.finish_reason or {}).get("matched")
+    if isinstance(matched, int) and request.output_ids and not request.params.no_stop_trim:
+        return request.output_ids[:-1]
+    return request.output_ids
+
+
+def response_texts(requests: list[GenerationRequest], tokenizer) -> list[str]:
+    """`text` of each response (as `response_text`), decoded in two batch calls when the requests agree
+    on skip_special_tokens (every request of an RL rollout does)."""
+    skips = {request.params.skip_special_tokens for request in requests}
+    if len(requests) < 2 or len(skips) != 1:
+        return [response_text(request, tokenizer) for request in requests]
+    contexts = [request.input_ids[-DETOKENIZE_CONTEXT_TOKENS:] for request in requests]
+    decoded = tokenizer.batch_decode(contexts + [c + _decoded_output(r) for c, r in zip(contexts, requests)],
+                                     skip_special_tokens=skips.pop())
+    prefixes, fulls = decoded[:len(requests)], decoded[len(requests):]
+    return [_trim_stop_string(request, full[len(prefix):] if full.startswith(prefix) else full)
+            for request, prefix, full in zip(requests, prefixes, fulls)]
+
+
 def response_text(request: GenerationRequest, tokenizer) -> str:
     """`text` of the response: in context, with the matched stop token or stop string trimmed."""
     params = request.params
-    output = request.output_ids
+    text = decode_in_context(tokenizer, request.input_ids, _decoded_output(request), params.skip_special_tokens)
+    return _trim_stop_string(request, text)
+
+
+def _trim_stop_string(request: GenerationRequest, text: str) -> str:
     matched = (request.finish_reason or {}).get("matched")
-    if isinstance(matched, int) and output and not params.no_stop_trim:
-        output = output[:-1]
-    text = decode_in_context(tokenizer, request.input_ids, output, params.skip_special_tokens)
+    params = request.params
     if isinstance(matched, str):
         at = text.find(matched)
         if at >= 0:
@@ -218,8 +248,9 @@ def response_text(request: GenerationRequest, tokenizer) -> str:
     return text
 
 
-def render_response(request: GenerationRequest, *, tokenizer, weight_version: str) -> dict:
-    """SGLang's single-request `/generate` response (also each streamed chunk, finish_reason None)."""
+def render_response(request: GenerationRequest, *, tokenizer, weight_version: str, text: str | None = None) -> dict:
+    """SGLang's single-request `/generate` response (also each streamed chunk, finish_reason None);
+    `text` when it was already decoded (`response_texts`)."""
     spans = [dict(span) for span in request.weight_versions] or [
         {"version": weight_version, "start": 0, "end": 0}]
     meta: dict = {
@@ -244,7 +275,9 @@ def render_response(request: GenerationRequest, *, tokenizer, weight_version: st
             ]
         else:
             meta["input_token_logprobs"] = []
-    return {"text": response_text(request, tokenizer), "output_ids": list(request.output_ids), "meta_info": meta}
+    if text is None:
+        text = response_text(request, tokenizer)
+    return {"text": text, "output_ids": list(request.output_ids), "meta_info": meta}
 
 
 def abort_reason(message: str = ABORT_MESSAGE) -> dict:

@@ -114,14 +114,17 @@ def sample_next_tokens(
     `banned_token_ids[i]` are masked out before anything else (min_new_tokens holding back stops),
     as SGLang's penalizer does, so they also shape the reported logprobs.
     """
-    logits = logits.float().clone()
-    for row, banned in enumerate(banned_token_ids):
-        if banned:
-            logits[row, banned] = float("-inf")
-    temperatures = torch.tensor(
-        [1.0 if p.greedy else p.temperature for p in params], dtype=logits.dtype
-    ).unsqueeze(1)
-    tempered = torch.log_softmax(logits / temperatures, dim=-1)
+    logits = logits.float()
+    if any(banned_token_ids):
+        logits = logits.clone()
+        for row, banned in enumerate(banned_token_ids):
+            if banned:
+                logits[row, banned] = float("-inf")
+    temperatures = [1.0 if p.greedy else p.temperature for p in params]
+    if all(t == 1.0 for t in temperatures):
+        tempered = torch.log_softmax(logits, dim=-1)
+    else:
+        tempered = torch.log_softmax(logits / torch.tensor(temperatures, dtype=logits.dtype).unsqueeze(1), dim=-1)
     raw = tempered if all(p.greedy or p.temperature == 1.0 for p in params) else torch.log_softmax(logits, -1)
     reported = raw if return_original_logprob() else tempered
 
@@ -136,26 +139,35 @@ def sample_next_tokens(
 
 def _sample_rows(logprobs: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Top-k/top-p/min-p filtered sampling for the rows of `logprobs` (vectorized over rows)."""
-    sorted_probs, sorted_ids = logprobs.exp().sort(dim=-1, descending=True)
-    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):
-        vocab = sorted_probs.shape[1]
+    """Top-k/top-p/min-p filtered sampling for the rows of `logprobs` (vectorized over rows).
+
+    Without any filter (the RL default) rows sample from the full distribution directly: no sort over
+    the vocabulary (151k columns for Qwen), one multinomial call for all rows without a seed."""
+    filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params)
+    if filtered:
+        probs, sorted_ids = logprobs.exp().sort(dim=-1, descending=True)
+        vocab = probs.shape[1]
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
-        top_p = torch.tensor([p.top_p for p in params], dtype=sorted_probs.dtype).unsqueeze(1)
-        min_p = torch.tensor([p.min_p for p in params], dtype=sorted_probs.dtype).unsqueeze(1)
+        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
         rank = torch.arange(vocab).unsqueeze(0)
-        keep = (rank < top_k) & ((sorted_probs.cumsum(1) - sorted_probs) <= top_p)
-        keep &= sorted_probs >= sorted_probs[:, :1] * min_p
+        keep = (rank < top_k) & ((probs.cumsum(1) - probs) <= top_p)
+        keep &= probs >= probs[:, :1] * min_p
         keep[:, 0] = True
-        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-    choice = torch.empty(len(params), dtype=torch.long)
-    shared = [row for row, generator in enumerate(generators) if generator is None]
-    if shared:
-        choice[shared] = torch.multinomial(sorted_probs[shared], 1).squeeze(1)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            choice[row] = torch.multinomial(sorted_probs[row], 1, generator=generator)[0]
-    return sorted_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    else:
+        probs, sorted_ids = logprobs.exp(), None
+    seeded = [row for row, generator in enumerate(generators) if generator is not None]
+    if not seeded:
+        choice = torch.multinomial(probs, 1).squeeze(1)
+    else:
+        choice = torch.empty(len(params), dtype=torch.long)
+        shared = [row for row, generator in enumerate(generators) if generator is None]
+        if shared:
+            choice[shared] = torch.multinomial(probs[shared], 1).squeeze(1)
+        for row in seeded:
+            choice[row] = torch.multinomial(probs[row], 1, generator=generators[row])[0]
+    return choice if sorted_ids is None else sorted_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

@@ -25,7 +25,13 @@ import torch
 from transformers import PreTrainedModel
 
 from hpc_rl.engines.cpu import kv_batch
-from hpc_rl.engines.cpu.requests import GenerationRequest, abort_reason, decode_in_context, render_response
+from hpc_rl.engines.cpu.requests import (
+    GenerationRequest,
+    abort_reason,
+    decode_in_context,
+    render_response,
+    response_texts,
+)
 from hpc_rl.engines.cpu.sampling import find_stop_string, sample_next_tokens
 
 log = logging.getLogger(__name__)
@@ -267,14 +273,17 @@ class Scheduler:
             logits, [r.params for r in requests], [r.generator for r in requests], banned
         )
         finished_rows = set()
+        finished = []
         for row, request, token, logprob in zip(rows, requests, tokens.tolist(), logprobs.tolist()):
             request.append(token, logprob, self.weight_version)
             reason = self._finish_reason(request, token)
             if reason is not None:
-                self._finish(request, reason)
+                request.finish_reason = reason
+                finished.append(request)
                 finished_rows.add(row)
             elif request.on_progress is not None:
                 request.on_progress(request)
+        self._answer(finished)
         if finished_rows:
             self._keep_rows([i for i in range(len(self._running)) if i not in finished_rows])
 
@@ -304,13 +313,17 @@ class Scheduler:
             return {"type": "stop", "matched": token}
         if len(request.output_ids) >= params.max_new_tokens:
             return {"type": "length", "length": len(request.output_ids)}
-        if len(request.context) >= self.context_length:
+        if len(request.input_ids) + len(request.output_ids) >= self.context_length:
             return {"type": "length", "length": len(request.output_ids)}
         return None
 
     def _finish(self, request: GenerationRequest, reason: dict) -> None:
         request.finish_reason = reason
-        if not request.future.done():
-            request.future.set_result(
-                render_response(request, tokenizer=self.tokenizer, weight_version=self.weight_version)
-            )
+        self._answer([request])
+
+    def _answer(self, finished: list[GenerationRequest]) -> None:
+        """Resolve the futures of finished requests (texts decoded in one batch)."""
+        finished = [request for request in finished if not request.future.done()]
+        for request, text in zip(finished, response_texts(finished, self.tokenizer)):
+            request.future.set_result(render_response(request, tokenizer=self.tokenizer,
+                                                      weight_version=self.weight_version, text=text))

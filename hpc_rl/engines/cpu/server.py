@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,15 +201,34 @@ class EngineServer:
                 return json_response({"error": {"message": "stream=true with a batch is not supported by the "
                                                            "CPU engine: stream one request at a time"}}, status=400)
             return await self._stream(request, parsed.requests[0])
-        futures = [self.scheduler.submit(gen) for gen in parsed.requests]
         try:
-            results = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
+            results = await self._run_all(parsed.requests)
         except asyncio.CancelledError:  # client went away: abort them, as SGLang does
             self._abort_requests(parsed.requests)
             raise
         except SchedulerDied as error:
             return json_response({"error": {"message": str(error)}}, status=500)
         return json_response(results if parsed.batched else results[0])
+
+    async def _run_all(self, requests: list[GenerationRequest]) -> list[dict]:
+        """Submit `requests` and wait for all of them with one asyncio future (a batch of 128 would
+        otherwise cost 128 wrapped futures and a gather on the event loop)."""
+        loop = asyncio.get_running_loop()
+        all_done: asyncio.Future[None] = loop.create_future()
+        remaining = [len(requests)]
+        lock = threading.Lock()
+
+        def one_done(_: object) -> None:  # on the scheduler thread
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                loop.call_soon_threadsafe(lambda: all_done.done() or all_done.set_result(None))
+
+        for gen in requests:
+            self.scheduler.submit(gen).add_done_callback(one_done)
+        await all_done
+        return [gen.future.result() for gen in requests]
 
     def _abort_requests(self, requests: list[GenerationRequest]) -> None:
         rids = [gen.rid for gen in requests if not gen.future.done()]
