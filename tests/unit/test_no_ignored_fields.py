@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "hpc_rl"
 
 # Fields read other than by `.name` outside hpc_rl/config/, with what reads them.
 READ_ELSEWHERE = {
-    "model_args": "hpc_rl/submit.py writes it to <run_dir>/model.yaml, the `model` file every process reads",
+    "model_args": "write_resolved_config writes it to <run_dir>/model.yaml, the `model` file every process reads",
     "max_turns": "custom generate functions read args.max_turns (plugin_args); validation requires that plug-in",
     "global_batch_size": "sets num_steps_per_rollout (derived as slime does in config/loading.py; validation checks "
                          "rollout_batch_size * n_samples_per_prompt == global_batch_size * num_steps_per_rollout)",
