@@ -353,9 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launcher", choices=("local", "srun"), default="local")
     args = parser.parse_args(argv)
     if args.launcher == "srun":
+        from hpc_rl.launch.sbatch_render import engine_cpus_per_task
         from hpc_rl.launch.srun_launcher import SrunStepLauncher
 
-        return run_driver(args.run_dir, SrunStepLauncher(), local=False)
+        config = load_resolved_config(args.run_dir)  # engines' srun steps get their component's CPUs
+        cpus = engine_cpus_per_task(config, plan_topology(config.cluster))
+        return run_driver(args.run_dir, SrunStepLauncher(cpus_per_task=cpus), local=False)
     return run_driver(args.run_dir, LocalStepLauncher(), local=True)
 
 

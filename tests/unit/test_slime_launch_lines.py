@@ -125,6 +125,8 @@ def test_aliases_async_and_offload() -> None:
     colocated = load_config([], ["--colocate", "--actor-num-gpus-per-node", "2"])
     assert colocated.training.offload_train is True  # slime: colocated offloads the trainer by default
     assert load_config([], ["--colocate", "--no-offload-train"]).training.offload_train is False
+    assert load_config([], ["--async"]).rollout.async_rollout is True
+    assert load_config([], ["--tb-project-name", "slime-dev"]).logging.run_name == "slime-dev"
 
 
 def test_slime_plugin_paths_map_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:

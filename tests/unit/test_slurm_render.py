@@ -159,3 +159,22 @@ def test_engine_steps_get_their_components_cpus_in_the_dry_run(in_repo: Path) ->
     config = load_config([REPO / "configs" / "glm_z1_9b_grpo.yaml"], ["--run-dir", "/RUN"])
     engine_lines = [line for line in render_slurm_dry_run(config).splitlines() if "--job-name=engine-" in line]
     assert len(engine_lines) == 2 and all("--cpus-per-task=16" in line for line in engine_lines)
+
+
+def test_standalone_driver_passes_the_engine_cpus_to_srun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m hpc_rl.launch.driver --launcher srun` (the sbatch path) used to drop cpus_per_task."""
+    from hpc_rl.config import write_resolved_config
+    from hpc_rl.launch import driver
+
+    config = load_config([REPO / "configs" / "glm_z1_9b_grpo.yaml"])
+    write_resolved_config(config, tmp_path)
+    seen = {}
+
+    def fake_run_driver(run_dir: str, launcher: object, *, local: bool) -> int:
+        seen["cpus"] = getattr(launcher, "cpus_per_task")
+        return 0
+
+    monkeypatch.setattr(driver, "run_driver", fake_run_driver)
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    assert driver.main(["--run-dir", str(tmp_path), "--launcher", "srun"]) == 0
+    assert seen["cpus"] == 16
