@@ -46,6 +46,7 @@ from hpc_rl.rewards.group import RewardSpec, reward_group
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
 from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
+from hpc_rl.telemetry.run_files import describe_write_error, write_text_atomically
 from hpc_rl.telemetry.scalars import ScalarLog
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class Controller:
         self.outcome = "running"
         """'running' until the run ends: then 'finished', 'failed' or 'stopped' (what status.json keeps)."""
         self._status_task: asyncio.Task[None] | None = None
+        self._status_write_failing = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -278,13 +280,19 @@ class Controller:
         return components
 
     def write_status(self) -> None:
+        """status.json, whole or not at all; a failure (a full disk) is warned about once, not every 2 s."""
         path = self.run_dir / "status.json"
-        tmp = path.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps(self.status(), indent=1, default=str))
-            tmp.replace(path)
+            write_text_atomically(path, json.dumps(self.status(), indent=1, default=str))
         except OSError as error:
-            log.warning("cannot write %s: %s", path, error)
+            if not self._status_write_failing:
+                log.warning("status.json not updated: %s (retrying every 2 s; said once)",
+                            describe_write_error(error, path))
+            self._status_write_failing = True
+            return
+        if self._status_write_failing:
+            log.warning("status.json is written again")
+        self._status_write_failing = False
 
     async def _write_status_forever(self) -> None:
         while True:

@@ -60,6 +60,7 @@ from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
 from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
 from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
+from hpc_rl.telemetry.run_files import RunLogFileHandler
 
 log = logging.getLogger("hpc_rl.driver")
 
@@ -303,7 +304,7 @@ def _trainer_exit_error(code: int, logs: Path):  # -> TrainerFailed
 def setup_logging(run_dir: Path, level: str) -> None:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    file_handler = logging.FileHandler(run_dir / "logs" / "controller.log")
+    file_handler = RunLogFileHandler(run_dir / "logs" / "controller.log")  # a full disk: one line, not one per record
     file_handler.setFormatter(formatter)
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(formatter)
