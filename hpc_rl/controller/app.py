@@ -46,7 +46,8 @@ from hpc_rl.rewards.group import RewardSpec, reward_group
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
 from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
-from hpc_rl.telemetry.run_files import describe_write_error, write_text_atomically
+from hpc_rl.telemetry.run_files import (ROLLOUT_RECORDS, describe_write_error, drop_rollout_records_from,
+                                        write_text_atomically)
 from hpc_rl.telemetry.scalars import ScalarLog
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class Controller:
         scheduler = RolloutScheduler.from_config(config, client=self.client, source=source, encoder=encoder,
                                                  reward_fn=reward_fn)
         eval_fn = None
-        if config.eval.eval_prompt_data:
+        if config.eval.eval_prompt_data and config.eval.eval_interval:  # no interval: no eval at all
             datasets = load_eval_datasets(config.eval, keys)
             generate_fn = load_generate_function(rollout.custom_generate_function_path)
 
@@ -180,8 +181,17 @@ class Controller:
         resume = self.registry.trainers[0].info.get("resume") if 0 in self.registry.trainers else None
         if resume and resume.get("controller_state"):
             self.loop.restore(resume["controller_state"])
-            log.info("resuming at rollout %d (weight version %d)", self.loop.state.next_rollout_id,
-                     self.loop.state.weight_version)
+            next_id = self.loop.state.next_rollout_id
+            log.info("resuming at rollout %d (weight version %d)", next_id, self.loop.state.weight_version)
+            dropped = drop_rollout_records_from(self.run_dir / ROLLOUT_RECORDS, next_id)
+            if dropped:
+                log.warning("%s: dropped %d record(s) of rollouts >= %d, written after the checkpoint by the "
+                            "attempt that was stopped (those rollouts are redone now)", ROLLOUT_RECORDS, dropped,
+                            next_id)
+            if next_id >= self.loop.num_rollout:
+                print(f"hpc_rl: nothing to do: the checkpoint in {self.config.checkpoint.load} is already at "
+                      f"rollout {next_id} of {self.loop.num_rollout} (this run finished before); raise "
+                      "num_rollout to train further, or use a new --run-dir for a new run", flush=True)
         try:
             metrics = await self.loop.run(resumed=bool(resume))
         except Exception as error:  # (a cancellation is a stop, not an error of the run)

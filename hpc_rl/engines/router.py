@@ -105,6 +105,12 @@ class RouterProcess:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
+        self.process.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.process.log_path, "a") as log:  # at warn level a healthy router logs nothing at all
+            log.write(f"hpc_rl: sglang-router at {self.url} (prometheus {self.host}:{self.prometheus_port}), "
+                      f"policy and flags: {' '.join(self.process.command[3:])}; "
+                      f"{'clients and workers need the job key' if self.api_key else 'no api key'}; "
+                      "log level warn: only its problems follow\n")
         self.process.start()
 
     def wait_listening(self, timeout: float = 30.0) -> None:

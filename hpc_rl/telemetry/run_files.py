@@ -2,7 +2,8 @@
 says so once instead of once per line.
 
 Owns `describe_write_error` ("no space left on <dir>" for ENOSPC/EDQUOT, else the OS's words),
-`write_text_atomically` (a temporary file renamed into place; the temporary file never stays behind) and
+`write_text_atomically` (a temporary file renamed into place; the temporary file never stays behind),
+`drop_rollout_records_from` (a resumed run forgets the `rollouts.jsonl` lines of the rollouts it redoes) and
 `RunLogFileHandler` (a FileHandler that, when its file cannot be written, prints ONE line on stderr and
 drops file output until a write succeeds again; Python's own prints "--- Logging error ---" and a
 traceback for every record).
@@ -11,12 +12,15 @@ traceback for every record).
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import TextIO
 
+ROLLOUT_RECORDS = "rollouts.jsonl"
+"""One JSON line per finished rollout, in the run dir (written by the run loop)."""
 _DISK_FULL = {errno.ENOSPC: "no space left on", errno.EDQUOT: "disk quota exceeded on"}
 
 
@@ -38,6 +42,30 @@ def write_text_atomically(path: str | Path, text: str) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def drop_rollout_records_from(path: str | Path, first_redone: int) -> int:
+    """Remove the records of rollouts >= `first_redone` (written after the checkpoint a run resumes from,
+    by the attempt that was stopped: they are redone). Returns how many were removed. Lines that are
+    not records (a line cut short by the stop) go too."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept: list[str] = []
+    dropped = 0
+    for line in path.read_text().splitlines():
+        try:
+            rollout_id = json.loads(line)["rollout_id"]
+        except (ValueError, KeyError, TypeError):
+            dropped += bool(line.strip())
+            continue
+        if isinstance(rollout_id, int) and rollout_id < first_redone:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        write_text_atomically(path, "".join(line + "\n" for line in kept))
+    return dropped
 
 
 class RunLogFileHandler(logging.FileHandler):

@@ -56,3 +56,36 @@ def test_a_full_disk_while_checkpointing_is_named_and_the_last_checkpoint_kept(t
         print(output[-1500:])
     finally:
         subprocess.run(["umount", str(full)], check=False)
+
+
+def test_run_records_agree_and_rerunning_a_finished_run_dir_says_nothing_was_done(tmp_path: Path) -> None:
+    from tests.integration.test_run_local import tensorboard_scalars
+
+    run_dir = tmp_path / "records"
+    flags = ("--num-rollout", "2", "--set", "eval.eval_interval=null")
+    first = run_to_end(run_dir, *flags, timeout_s=600)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "eval" not in first.stdout  # eval_interval null: no eval, not even before training (old: one ran)
+    assert not tensorboard_scalars(run_dir, "eval/tiny_copy/reward_mean")
+    # Both count finished rollouts (old: train/* from the trainer started at 0, rollout/* at 1); the trainer's
+    # per-optimizer-step train/* and the controller's per-rollout train/* summary land on the same steps.
+    assert tensorboard_steps(run_dir, "rollout/reward_mean") == sorted(set(tensorboard_steps(run_dir, "train/pg_loss")))
+    assert tensorboard_steps(run_dir, "rollout/reward_mean") == [1, 2]
+    assert (run_dir / "logs/router.log").read_text().startswith("hpc_rl: sglang-router at http://127.0.0.1:")
+
+    again = run_to_end(run_dir, *flags, timeout_s=600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "nothing to do: the checkpoint in" in again.stdout and "is already at rollout 2 of 2" in again.stdout
+    assert [json.loads(line)["rollout_id"] for line in (run_dir / "rollouts.jsonl").read_text().splitlines()] == [0, 1]
+
+
+def tensorboard_steps(run_dir: Path, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps: list[int] = []
+    for events in (run_dir / "tensorboard").glob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        if tag in accumulator.Tags().get("scalars", []):
+            steps += [event.step for event in accumulator.Scalars(tag)]
+    return sorted(steps)
