@@ -121,7 +121,8 @@ class Controller:
                         metadata_key=rollout.metadata_key, tool_key=rollout.tool_key)
         dataset = PromptDataset.load(rollout.prompt_data, keys, skip_bad_lines=rollout.skip_bad_lines)
         if dataset.skipped_lines:
-            log.warning("%s: skipped %d bad line(s) (skip_bad_lines)", rollout.prompt_data, dataset.skipped_lines)
+            log.warning("%s: skipped %d bad line(s) (skip_bad_lines):\n%s", rollout.prompt_data,
+                        dataset.skipped_lines, dataset.describe_skipped())
         source = PromptSource(dataset, shuffle=rollout.rollout_shuffle, seed=rollout.rollout_seed)
         self.client = EngineClient(self.registry, router_url=self.router_url,
                                    per_engine_concurrency=config.sglang.server_concurrency,
