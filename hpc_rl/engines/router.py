@@ -14,6 +14,10 @@ The job's engine key (`api_key`), as sglang-router 0.3.2 handles it (measured):
   (Without it, the router forwards the client's own Authorization header on `/generate` only.)
 - `--api-key` exists only on the command line, which `ps` shows: with a key, the router runs through
   `python -m hpc_rl.engines.router` (`main` below), which reads it from `API_KEY_ENV`.
+- Open without the key (measured): `/v1/models` (the model path once a worker is registered),
+  `/get_server_info`, `/get_model_info`, `/health_generate`, `/engine_metrics`, and the Prometheus
+  port. No flag closes them, so the driver binds the router to 127.0.0.1 (its one client, the
+  controller, runs in the same process): they answer the first node only.
 """
 
 from __future__ import annotations
