@@ -111,10 +111,6 @@ def engine_command(config: RunConfig, placement: EnginePlacement, host: str, por
     return build_sglang_command(spec)
 
 
-WEIGHT_SYNC_ADDRESS_ENV = "HPC_RL_WEIGHT_SYNC_ADDRESS"
-"""= hpc_rl.training.sync_address.SYNC_ADDRESS_ENV (not imported: it would load torch into the driver)."""
-
-
 def trainer_command(config: RunConfig, run_dir: Path, rendezvous: str, *, local: bool = False) -> list[str]:
     """torchrun over every trainer node (one torchrun per node; it forks the ranks); in a local run its
     stores listen on loopback only (bound_torchrun, with STORE_ADDRESS_ENV set by the driver)."""
@@ -229,7 +225,7 @@ class Driver:
                        TRAINER_NODE_ADDRESSES_ENV: ",".join(self.launcher.node_address(0, node)
                                                             for node in range(self.config.cluster.actor_num_nodes))}
         if self.local:  # every store of the trainer on loopback (see the README's "What listens")
-            trainer_env.update({STORE_ADDRESS_ENV: "127.0.0.1", WEIGHT_SYNC_ADDRESS_ENV: "127.0.0.1"})
+            trainer_env[STORE_ADDRESS_ENV] = "127.0.0.1"
         self.trainer_step = self.launcher.start(StepSpec(
             name="trainer", argv=trainer_command(self.config, self.run_dir, rendezvous, local=self.local),
             env=trainer_env,
