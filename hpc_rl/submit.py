@@ -30,7 +30,7 @@ USAGE = """usage: python -m hpc_rl.submit [CONFIG.yaml ...] [options] [--flag va
 options:
   --dry-run            validate, print the resolved config and the job topology, submit nothing
   --no-check-files     skip only the file-existence checks (render a job away from the cluster's data)
-  --executor E         slurm | local (default: slurm when `srun` is on PATH, else local)
+  --executor E         slurm | local (default: slurm for a cuda config when `srun` is on PATH, else local)
   --wait               block until the job ends; exit with its status
   --run-dir DIR        where every artifact of the run goes (default: runs/<run_name>-<timestamp>)
   --config FILE        a YAML config file (also given as bare CONFIG.yaml arguments; optional)
@@ -108,8 +108,10 @@ def parse_submit_args(argv: list[str]) -> SubmitOptions:
     return options
 
 
-def default_executor() -> str:
-    return "slurm" if shutil.which("srun") else "local"
+def default_executor(config: RunConfig) -> str:
+    """Without --executor: Slurm for a GPU config where `srun` exists, else this machine (a CPU config,
+    such as the embedded default, runs locally even on a login node; `--executor slurm` sends it)."""
+    return "slurm" if config.cluster.device == "cuda" and shutil.which("srun") else "local"
 
 
 def assign_run_dir(config: RunConfig) -> RunConfig:
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as error:
         print(f"hpc_rl.submit: {error}", file=sys.stderr)
         return EXIT_INVALID
-    executor = options.executor or default_executor()
+    executor = options.executor or default_executor(config)
     if options.dry_run:
         print("# resolved config")
         print(yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False), end="")

@@ -46,6 +46,8 @@ from hpc_rl.rewards.group import RewardSpec, reward_group
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
 from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
+from hpc_rl.telemetry.run_files import (ROLLOUT_RECORDS, describe_write_error, drop_rollout_records_from,
+                                        write_text_atomically)
 from hpc_rl.telemetry.scalars import ScalarLog
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,7 @@ class Controller:
         self.outcome = "running"
         """'running' until the run ends: then 'finished', 'failed' or 'stopped' (what status.json keeps)."""
         self._status_task: asyncio.Task[None] | None = None
+        self._status_write_failing = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -118,7 +121,8 @@ class Controller:
                         metadata_key=rollout.metadata_key, tool_key=rollout.tool_key)
         dataset = PromptDataset.load(rollout.prompt_data, keys, skip_bad_lines=rollout.skip_bad_lines)
         if dataset.skipped_lines:
-            log.warning("%s: skipped %d bad line(s) (skip_bad_lines)", rollout.prompt_data, dataset.skipped_lines)
+            log.warning("%s: skipped %d bad line(s) (skip_bad_lines):\n%s", rollout.prompt_data,
+                        dataset.skipped_lines, dataset.describe_skipped())
         source = PromptSource(dataset, shuffle=rollout.rollout_shuffle, seed=rollout.rollout_seed)
         self.client = EngineClient(self.registry, router_url=self.router_url,
                                    per_engine_concurrency=config.sglang.server_concurrency,
@@ -136,7 +140,7 @@ class Controller:
         scheduler = RolloutScheduler.from_config(config, client=self.client, source=source, encoder=encoder,
                                                  reward_fn=reward_fn)
         eval_fn = None
-        if config.eval.eval_prompt_data:
+        if config.eval.eval_prompt_data and config.eval.eval_interval:  # no interval: no eval at all
             datasets = load_eval_datasets(config.eval, keys)
             generate_fn = load_generate_function(rollout.custom_generate_function_path)
 
@@ -178,8 +182,17 @@ class Controller:
         resume = self.registry.trainers[0].info.get("resume") if 0 in self.registry.trainers else None
         if resume and resume.get("controller_state"):
             self.loop.restore(resume["controller_state"])
-            log.info("resuming at rollout %d (weight version %d)", self.loop.state.next_rollout_id,
-                     self.loop.state.weight_version)
+            next_id = self.loop.state.next_rollout_id
+            log.info("resuming at rollout %d (weight version %d)", next_id, self.loop.state.weight_version)
+            dropped = drop_rollout_records_from(self.run_dir / ROLLOUT_RECORDS, next_id)
+            if dropped:
+                log.warning("%s: dropped %d record(s) of rollouts >= %d, written after the checkpoint by the "
+                            "attempt that was stopped (those rollouts are redone now)", ROLLOUT_RECORDS, dropped,
+                            next_id)
+            if next_id >= self.loop.num_rollout:
+                print(f"hpc_rl: nothing to do: the checkpoint in {self.config.checkpoint.load} is already at "
+                      f"rollout {next_id} of {self.loop.num_rollout} (this run finished before); raise "
+                      "num_rollout to train further, or use a new --run-dir for a new run", flush=True)
         try:
             metrics = await self.loop.run(resumed=bool(resume))
         except Exception as error:  # (a cancellation is a stop, not an error of the run)
@@ -278,13 +291,19 @@ class Controller:
         return components
 
     def write_status(self) -> None:
+        """status.json, whole or not at all; a failure (a full disk) is warned about once, not every 2 s."""
         path = self.run_dir / "status.json"
-        tmp = path.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps(self.status(), indent=1, default=str))
-            tmp.replace(path)
+            write_text_atomically(path, json.dumps(self.status(), indent=1, default=str))
         except OSError as error:
-            log.warning("cannot write %s: %s", path, error)
+            if not self._status_write_failing:
+                log.warning("status.json not updated: %s (retrying every 2 s; said once)",
+                            describe_write_error(error, path))
+            self._status_write_failing = True
+            return
+        if self._status_write_failing:
+            log.warning("status.json is written again")
+        self._status_write_failing = False
 
     async def _write_status_forever(self) -> None:
         while True:

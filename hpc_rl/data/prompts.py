@@ -118,13 +118,25 @@ class PromptDataset:
 
     path: str
     records: list[PromptRecord]
-    skipped_lines: int = 0
+    skipped: list[str] = field(default_factory=list)
+    """Why each skipped line was skipped ("file:line: reason"), in file order (skip_bad_lines)."""
+
+    @property
+    def skipped_lines(self) -> int:
+        return len(self.skipped)
+
+    def describe_skipped(self, shown: int = 20) -> str:
+        """The skipped lines, one per line (the first `shown`, then how many more)."""
+        lines = self.skipped[:shown]
+        if len(self.skipped) > shown:
+            lines.append(f"... and {len(self.skipped) - shown} more")
+        return "\n".join(f"  {line}" for line in lines)
 
     @classmethod
     def load(cls, path: str | Path, keys: DataKeys, *, skip_bad_lines: bool = False,
              limit: int | None = None) -> "PromptDataset":
         records: list[PromptRecord] = []
-        skipped = 0
+        skipped: list[str] = []
         for where, row in iter_rows(path):
             try:
                 if isinstance(row, DataError):
@@ -133,12 +145,12 @@ class PromptDataset:
             except DataError as error:
                 if not skip_bad_lines:
                     raise DataError(f"{error} (set rollout.skip_bad_lines to skip bad lines)") from None
-                skipped += 1
+                skipped.append(str(error))
             if limit is not None and len(records) >= limit:
                 break
         if not records:
             raise DataError(f"{path}: no usable rows")
-        return cls(path=str(path), records=records, skipped_lines=skipped)
+        return cls(path=str(path), records=records, skipped=skipped)
 
     def __len__(self) -> int:
         return len(self.records)

@@ -14,6 +14,10 @@ The job's engine key (`api_key`), as sglang-router 0.3.2 handles it (measured):
   (Without it, the router forwards the client's own Authorization header on `/generate` only.)
 - `--api-key` exists only on the command line, which `ps` shows: with a key, the router runs through
   `python -m hpc_rl.engines.router` (`main` below), which reads it from `API_KEY_ENV`.
+- Open without the key (measured): `/v1/models` (the model path once a worker is registered),
+  `/get_server_info`, `/get_model_info`, `/health_generate`, `/engine_metrics`, and the Prometheus
+  port. No flag closes them, so the driver binds the router to 127.0.0.1 (its one client, the
+  controller, runs in the same process): they answer the first node only.
 """
 
 from __future__ import annotations
@@ -105,6 +109,12 @@ class RouterProcess:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
+        self.process.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.process.log_path, "a") as log:  # at warn level a healthy router logs nothing at all
+            log.write(f"hpc_rl: sglang-router at {self.url} (prometheus {self.host}:{self.prometheus_port}), "
+                      f"policy and flags: {' '.join(self.process.command[3:])}; "
+                      f"{'clients and workers need the job key' if self.api_key else 'no api key'}; "
+                      "log level warn: only its problems follow\n")
         self.process.start()
 
     def wait_listening(self, timeout: float = 30.0) -> None:

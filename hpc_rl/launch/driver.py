@@ -60,6 +60,7 @@ from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
 from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
 from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
+from hpc_rl.telemetry.run_files import RunLogFileHandler
 
 log = logging.getLogger("hpc_rl.driver")
 
@@ -108,10 +109,6 @@ def engine_command(config: RunConfig, placement: EnginePlacement, host: str, por
                             sglang_options=sglang_device_options(config.cluster.device, config.sglang.server_options()),
                             python=os.environ.get(SGLANG_PYTHON_ENV) or sys.executable)
     return build_sglang_command(spec)
-
-
-WEIGHT_SYNC_ADDRESS_ENV = "HPC_RL_WEIGHT_SYNC_ADDRESS"
-"""= hpc_rl.training.sync_address.SYNC_ADDRESS_ENV (not imported: it would load torch into the driver)."""
 
 
 def trainer_command(config: RunConfig, run_dir: Path, rendezvous: str, *, local: bool = False) -> list[str]:
@@ -228,7 +225,7 @@ class Driver:
                        TRAINER_NODE_ADDRESSES_ENV: ",".join(self.launcher.node_address(0, node)
                                                             for node in range(self.config.cluster.actor_num_nodes))}
         if self.local:  # every store of the trainer on loopback (see the README's "What listens")
-            trainer_env.update({STORE_ADDRESS_ENV: "127.0.0.1", WEIGHT_SYNC_ADDRESS_ENV: "127.0.0.1"})
+            trainer_env[STORE_ADDRESS_ENV] = "127.0.0.1"
         self.trainer_step = self.launcher.start(StepSpec(
             name="trainer", argv=trainer_command(self.config, self.run_dir, rendezvous, local=self.local),
             env=trainer_env,
@@ -303,7 +300,7 @@ def _trainer_exit_error(code: int, logs: Path):  # -> TrainerFailed
 def setup_logging(run_dir: Path, level: str) -> None:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    file_handler = logging.FileHandler(run_dir / "logs" / "controller.log")
+    file_handler = RunLogFileHandler(run_dir / "logs" / "controller.log")  # a full disk: one line, not one per record
     file_handler.setFormatter(formatter)
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(formatter)

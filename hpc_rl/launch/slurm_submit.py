@@ -149,7 +149,7 @@ def render_slurm_dry_run(config: RunConfig) -> str:
     topology = plan_topology(config.cluster)
     run_dir = Path(config.run_dir or "<run_dir>")
     folder = submitit_folder(run_dir)
-    lines = [f"# sbatch script (submitted through submitit; written to {folder}/)",
+    lines = [f"# sbatch script submitit would write to {folder}/ and submit (a dry run writes nothing)",
              render_batch_script(config, topology, folder=folder, python=exec_python()).rstrip("\n"),
              "", "# job steps the driver starts inside the allocation (ports shift by job id % 400 * 50)"]
     het_job = len(topology.groups) > 1

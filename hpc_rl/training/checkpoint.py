@@ -8,13 +8,17 @@ Owns the layout (Megatron's conventions, so Megatron/slime tools find their way 
     <save>/iter_0000005/rng/rank_00000.pt          per-rank torch RNG state
 
 Every rank writes into `iter_XXXXXXX.tmp/`; after a barrier rank 0 renames it and then replaces the
-tracker file, so a crash at any point leaves the previous checkpoint loadable. The iteration number
+tracker file, so a crash at any point leaves the previous checkpoint loadable. A save that fails (a full
+disk, a quota) raises `CheckpointSaveFailed` on the ranks that saw it, saying "no space left on <path>"
+when that is the cause (torch reports a full disk as "unexpected pos 704 vs 598", or as a
+CheckpointException that is not even an Exception), after rank 0 removed the partial files. The iteration number
 is the rollout id. A directory without `hpc_rl_state.json` (what the HF converter writes) holds
 weights only: loading it starts a fresh run. Does not own HF loading (`hpc_rl.weights.hf_import`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -30,6 +34,70 @@ from hpc_rl.training.optimizer import ActorOptimizer
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "hpc_rl_state.json"
+LOW_SPACE_BYTES = 16 << 20
+"""A failed save with less than this free on the checkpoint's file system is reported as a full disk."""
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded")
+
+
+class CheckpointSaveFailed(RuntimeError):
+    """A checkpoint could not be saved; its partial files are gone and the previous checkpoint is kept."""
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """Bytes available to this user on the file system holding `path` (or its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def _committed_iteration(root: Path) -> int | None:
+    """The tracker's iteration, None when there is no readable tracker (never raises: used on error paths)."""
+    try:
+        return latest_iteration(root)
+    except (OSError, ValueError):
+        return None
+
+
+def _text(error: BaseException) -> str:
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001 - torch's CheckpointException.__str__ can itself fail
+        return repr(error.args)[:300]
+
+
+def _looks_like_full_disk(error: BaseException) -> bool:
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _DISK_FULL_ERRNOS:
+            return True
+        if any(words in _text(current) for words in _DISK_FULL_WORDS):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def describe_save_failure(root: Path, iteration: int, error: BaseException) -> str:
+    """What went wrong, in the user's terms: a full disk by name, and what is left to resume from."""
+    free = free_bytes(root)
+    previous = _committed_iteration(root)
+    kept = (f"the previous checkpoint {iteration_dir(root, previous)} is kept and loadable" if previous is not None
+            else "there is no earlier checkpoint")
+    free_text = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
+    if _looks_like_full_disk(error) or (free is not None and free < LOW_SPACE_BYTES):
+        return (f"no space left on {root} ({free_text}) while saving checkpoint {iteration_dir(root, iteration).name}; "
+                f"its partial files were removed and {kept}. Free space there (or set checkpoint.save to a "
+                "larger file system) and resume the run.")
+    first_line = (_text(error).strip().splitlines() or [""])[0][:300]
+    return (f"saving checkpoint {iteration_dir(root, iteration).name} in {root} failed ({type(error).__name__}: "
+            f"{first_line}; {free_text}); its partial files were removed and {kept}")
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
@@ -81,7 +149,25 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def _save_atomically(root: Path, iteration: int, sharded: dict[str, Any],
                      write_extras: Callable[[Path], None] | None = None) -> Path:
-    """Collective: torch_dist save into iter_X.tmp, then (rank 0) rename + tracker replace."""
+    """Collective: torch_dist save into iter_X.tmp, then (rank 0) rename + tracker replace. A failure is
+    a CheckpointSaveFailed (partial files removed by rank 0, the tracker still on the previous one)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    try:
+        return _write_and_commit(root, iteration, sharded, write_extras)
+    except (Exception, CheckpointException) as error:
+        message = describe_save_failure(root, iteration, error)
+        if dist.get_rank() == 0:
+            final = iteration_dir(root, iteration)
+            shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
+            (root / (TRACKER + ".tmp")).unlink(missing_ok=True)
+            if _committed_iteration(root) != iteration:  # renamed but not committed: not a checkpoint
+                shutil.rmtree(final, ignore_errors=True)
+        raise CheckpointSaveFailed(message) from error
+
+
+def _write_and_commit(root: Path, iteration: int, sharded: dict[str, Any],
+                      write_extras: Callable[[Path], None] | None) -> Path:
     from megatron.core import dist_checkpointing
 
     final = iteration_dir(root, iteration)

@@ -159,7 +159,7 @@ class TrainerCommands:
         steps = self.parts.trainer.train_rollout(batch)
         if self.info.rank == 0:
             for offset, metrics in enumerate(steps):
-                step = self.parts.optimizer.steps_done - len(steps) + offset
+                step = self.parts.optimizer.steps_done - len(steps) + offset + 1  # steps done, as rollout/* counts rollouts
                 if self.scalars is not None:
                     self.scalars.log({f"train/{k}": v for k, v in metrics.items()}, step)
                 log.info("rollout %d step %d: %s", command.rollout_id, step,

@@ -42,6 +42,8 @@ def test_bad_lines_skipped_on_request_are_counted(tmp_path: Path) -> None:
                                             {"prompt": "c", "label": 3}])
     dataset = PromptDataset.load(path, DataKeys(), skip_bad_lines=True)
     assert len(dataset) == 2 and dataset.skipped_lines == 2
+    listed = dataset.describe_skipped().splitlines()  # old code: only a count
+    assert listed[0].startswith(f"  {path}:2: not valid JSON") and listed[1].startswith(f"  {path}:3: ")
 
 
 def test_parquet(tmp_path: Path) -> None:

@@ -1,0 +1,104 @@
+"""Writing a run's own files when the disk may be full: what the error is called, and a log handler that
+says so once instead of once per line.
+
+Owns `describe_write_error` ("no space left on <dir>" for ENOSPC/EDQUOT, else the OS's words),
+`write_text_atomically` (a temporary file renamed into place; the temporary file never stays behind),
+`drop_rollout_records_from` (a resumed run forgets the `rollouts.jsonl` lines of the rollouts it redoes) and
+`RunLogFileHandler` (a FileHandler that, when its file cannot be written, prints ONE line on stderr and
+drops file output until a write succeeds again; Python's own prints "--- Logging error ---" and a
+traceback for every record).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import TextIO
+
+ROLLOUT_RECORDS = "rollouts.jsonl"
+"""One JSON line per finished rollout, in the run dir (written by the run loop)."""
+_DISK_FULL = {errno.ENOSPC: "no space left on", errno.EDQUOT: "disk quota exceeded on"}
+
+
+def describe_write_error(error: OSError, path: str | Path) -> str:
+    """e.g. "no space left on /scratch/run (writing status.json)"; other errors as the OS says them."""
+    path = Path(path)
+    if error.errno in _DISK_FULL:
+        return f"{_DISK_FULL[error.errno]} {path.parent} (writing {path.name})"
+    return f"cannot write {path}: {error.strerror or error}"
+
+
+def write_text_atomically(path: str | Path, text: str) -> None:
+    """`path` holds `text` completely or keeps its old content; raises OSError (nothing left behind)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def drop_rollout_records_from(path: str | Path, first_redone: int) -> int:
+    """Remove the records of rollouts >= `first_redone` (written after the checkpoint a run resumes from,
+    by the attempt that was stopped: they are redone). Returns how many were removed. Lines that are
+    not records (a line cut short by the stop) go too."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept: list[str] = []
+    dropped = 0
+    for line in path.read_text().splitlines():
+        try:
+            rollout_id = json.loads(line)["rollout_id"]
+        except (ValueError, KeyError, TypeError):
+            dropped += bool(line.strip())
+            continue
+        if isinstance(rollout_id, int) and rollout_id < first_redone:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        write_text_atomically(path, "".join(line + "\n" for line in kept))
+    return dropped
+
+
+class RunLogFileHandler(logging.FileHandler):
+    """A run's log file that survives a full disk: one line on `console` when writing fails, one when it
+    works again, nothing per record in between."""
+
+    def __init__(self, filename: str | Path, console: TextIO | None = None) -> None:
+        super().__init__(filename)
+        self.console = console
+        self.failing = False
+        """True from a failed write until one succeeds."""
+        self.dropped = 0
+        self._failed_now = False
+
+    def _say(self, text: str) -> None:
+        print(f"hpc_rl: log file {self.baseFilename}: {text}", file=self.console or sys.stderr, flush=True)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._failed_now = False
+        super().emit(record)  # calls handleError on a failed write
+        if self.failing and not self._failed_now:
+            self.failing = False
+            self._say(f"written again ({self.dropped} line(s) were lost)")
+            self.dropped = 0
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            super().handleError(record)
+            return
+        self._failed_now = True
+        self.dropped += 1
+        if not self.failing:
+            self.failing = True
+            self._say(f"{describe_write_error(error, self.baseFilename)}; its lines are lost until it can be "
+                      "written again")
