@@ -44,6 +44,9 @@ class EngineInfo:
     state: EngineState = EngineState.STARTING
     restarts: int = 0
     last_error: str = ""
+    incarnation: int = 0
+    """Which registration this is (set by the registry, unique in the run): a restarted engine reuses
+    its index and URL, so only this tells the new process from the one the weight group was built with."""
 
 
 class Registry:
@@ -55,6 +58,7 @@ class Registry:
         self.trainers: dict[int, TrainerInfo] = {}
         self.engines: dict[int, EngineInfo] = {}
         self._changed = asyncio.Event()
+        self._registrations = 0
 
     def add_trainer(self, trainer: TrainerInfo) -> None:
         if trainer.world_size != self.trainer_world_size:
@@ -71,6 +75,9 @@ class Registry:
         self._changed.set()
 
     def add_engine(self, engine: EngineInfo) -> None:
+        """Register (or re-register, after a restart) an engine; it gets a new `incarnation`."""
+        self._registrations += 1
+        engine.incarnation = self._registrations
         self.engines[engine.engine_index] = engine
         self._changed.set()
 

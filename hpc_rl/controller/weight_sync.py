@@ -14,7 +14,8 @@ Owns the SGLang protocol sequence on the engine side and its interleaving with t
     end ------------------------------------------------------------>  /end_weight_update
                                     <--  CommandDone from every rank
 
-The group is rebuilt only when the set of engines changed (a restarted engine joins a new group).
+The group is rebuilt only when the set of engine processes changed: a restarted engine (same index and
+URL, new incarnation) joins a new group, whether or not a sync happened while it was down.
 Pausing and resuming generation around the sync is the caller's (the loop knows the mode). However a
 sync ends (done, engine or trainer error, cancellation), the trainer-side task has ended and its
 outcome was read, and the weight-plan future is settled, so nothing is left for asyncio to complain about.
@@ -41,7 +42,9 @@ log = logging.getLogger(__name__)
 class WeightGroupState:
     """Which engines the live weight-update group was built with."""
 
-    members: list[tuple[int, str]] = field(default_factory=list)
+    members: list[tuple[int, str, int]] = field(default_factory=list)
+    """(engine index, URL, incarnation) of each member: a restarted engine (same index and URL, new
+    process) is a new member, so the group is rebuilt even when no sync happened while it was down."""
     group_name: str = DEFAULT_GROUP_NAME
     generation: int = 0
 
@@ -61,7 +64,7 @@ async def sync_weights(*, version: int, channel: TrainerChannel, engines: list[E
                        bucket_bytes: int, timeout_s: float = 600.0) -> dict[str, float]:
     """Push the trainer's current weights to `engines` as `version`; returns timing metrics."""
     start = time.perf_counter()
-    members = [(e.engine_index, e.url) for e in engines]
+    members = [(e.engine_index, e.url, e.incarnation) for e in engines]
     new_group = members != group.members
     offsets, world_size = rank_offsets(engines)
     if new_group:
@@ -81,7 +84,7 @@ async def sync_weights(*, version: int, channel: TrainerChannel, engines: list[E
         if new_group:
             if group.members:
                 old_name = f"{group.group_name}_{group.generation - 1}"
-                await asyncio.gather(*(admins[i].destroy_weight_group(old_name) for i, _ in group.members
+                await asyncio.gather(*(admins[i].destroy_weight_group(old_name) for i, _, _ in group.members
                                        if i in admins), return_exceptions=True)
             await asyncio.gather(*(
                 admins[e.engine_index].init_weight_group(

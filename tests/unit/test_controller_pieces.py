@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from hpc_rl.controller.registry import EngineInfo, Registry, RegistrationTimeout, TrainerInfo
+from hpc_rl.controller.registry import EngineInfo, EngineState, Registry, RegistrationTimeout, TrainerInfo
 from hpc_rl.controller.train_batches import RewardShaping, normalized_rewards, split_for_data_parallel, unpack_samples
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.controller.weight_sync import WeightGroupState, rank_offsets, sync_weights
@@ -164,5 +164,43 @@ def test_weight_sync_sequence_and_group_reuse() -> None:
         assert ("trainer", "sync new_group=False") in calls
         assert not any("init" in c for _, c in calls)  # same engines: the group is reused
         await rank
+
+    asyncio.run(scenario())
+
+
+def test_restarted_engine_rejoins_the_group_without_a_sync_while_it_was_down() -> None:
+    """Engine 0 dies after a sync and comes back at the same URL before the next one (several rollouts,
+    no sync due meanwhile): the next sync must build a new group that the new process joins."""
+    async def scenario() -> None:
+        calls: list[tuple[str, str]] = []
+        channel = TrainerChannel(1)
+        registry = Registry(trainer_world_size=1, num_engines=2)
+        for index, url in enumerate(["http://a", "http://b"]):
+            registry.add_engine(EngineInfo(engine_index=index, url=url))
+        admins = {0: FakeEngineAdmin("e0", calls), 1: FakeEngineAdmin("e1", calls)}
+        group = WeightGroupState()
+        new_groups: list[bool] = []
+
+        async def fake_rank0() -> None:
+            for _ in range(2):
+                command = await channel.next_command(0)
+                new_groups.append(command.new_group)
+                channel.on_weight_plan(WeightPlan(weight_version=command.weight_version, master_address="127.0.0.1",
+                                                  master_port=1234, buckets=[
+                                                      {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]]}]))
+                channel.on_done(CommandDone(rank=0, seq=command.seq))
+
+        rank = asyncio.create_task(fake_rank0())
+        await sync_weights(version=1, channel=channel, engines=registry.live_engines(), admins=admins, group=group,
+                           backend="gloo", bucket_bytes=10)
+        registry.set_engine_state(0, EngineState.FAILED, "killed")
+        # ... rollouts go on with engine 1 only; no sync is due; the restart of engine 0 lands at the same URL:
+        registry.add_engine(EngineInfo(engine_index=0, url="http://a", restarts=1))
+        calls.clear()
+        await sync_weights(version=1, channel=channel, engines=registry.live_engines(), admins=admins, group=group,
+                           backend="gloo", bucket_bytes=10)
+        await rank
+        assert new_groups == [True, True]
+        assert ("e0", "init rank_offset=1 world=3") in calls and ("e1", "init rank_offset=2 world=3") in calls
 
     asyncio.run(scenario())
