@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads (1 on shared cores)")
     parser.add_argument("--attn-implementation", default="eager", choices=["eager", "sdpa"])
     parser.add_argument("--random-seed", type=int, default=None)
+    parser.add_argument("--enable-memory-saver", action="store_true",
+                        help="as SGLang's flag: releasing the `weights` tag discards them (colocated mode)")
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     context_length = args.context_length or int(getattr(model.config, "max_position_embeddings", 4096))
     scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
                           context_length=context_length, weight_version=args.weight_version,
-                          on_fatal=exit_on_scheduler_death)
+                          on_fatal=exit_on_scheduler_death, memory_saver=args.enable_memory_saver)
     info = EngineInfo(model_path=args.model_path, host=args.host, port=args.port, api_key=api_key,
                       max_running_requests=args.max_running_requests, context_length=context_length,
                       architectures=list(model.config.architectures or []), model_type=model.config.model_type)

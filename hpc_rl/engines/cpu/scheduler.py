@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hpc_rl.engines.cpu import kv_batch
+from hpc_rl.engines.cpu.memory_occupation import MemoryOccupation, MemoryTagError, WeightsNotLoaded
 from hpc_rl.engines.cpu.requests import (
     GenerationRequest,
     abort_reason,
@@ -51,14 +52,16 @@ class Scheduler:
 
     def __init__(self, model: PreTrainedModel, tokenizer, *, max_running_requests: int,
                  context_length: int, weight_version: str,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 memory_saver: bool = False) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_running_requests = max_running_requests
         self.context_length = context_length
         self.weight_version = weight_version
         self.paused = False
-        self.released_tags: set[str] = set()
+        self.memory = MemoryOccupation(model, memory_saver=memory_saver)
+        """Released memory tags; with the memory saver, released weights are discarded as in SGLang."""
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -154,23 +157,31 @@ class Scheduler:
             raise EngineStateError("Flush cache failed.")
 
     def release_memory(self, tags: list[str]) -> None:
-        if self._running:
-            raise EngineStateError(
-                "release_memory_occupation while requests are running (SGLang crashes here): "
-                "call /pause_generation first"
-            )
-        already = sorted(set(tags) & self.released_tags)
-        if already:
-            raise EngineStateError(f"memory tags {already} are already released")
-        self.released_tags |= set(tags)
+        try:
+            self.memory.release(tags, requests_running=bool(self._running))
+        except MemoryTagError as error:
+            raise EngineStateError(str(error)) from None
 
     def resume_memory(self, tags: list[str]) -> None:
-        missing = sorted(set(tags) - self.released_tags)
-        if missing:
-            raise EngineStateError(
-                f"resume_memory_occupation of tags {missing} that were not released (SGLang crashes here)"
-            )
-        self.released_tags -= set(tags)
+        try:
+            self.memory.resume(tags)
+        except MemoryTagError as error:
+            raise EngineStateError(str(error)) from None
+
+    @property
+    def released_tags(self) -> set[str]:
+        return self.memory.released_tags
+
+    def _refuse_waiting_if_weights_discarded(self) -> bool:
+        """Fail every waiting request (a clear error, never garbage) while discarded weights were not reloaded."""
+        refusal = self.memory.generation_refusal() if self._waiting else None
+        if refusal is None:
+            return False
+        while self._waiting:
+            request = self._waiting.popleft()
+            if not request.future.done():
+                request.future.set_exception(WeightsNotLoaded(refusal))
+        return True
 
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -212,6 +223,8 @@ class Scheduler:
         The thread's loop body; tests call it directly to drive the scheduler step by step."""
         self._drain_inbox()
         if self.paused or self.released_tags or not (self._waiting or self._running):
+            return False
+        if self._refuse_waiting_if_weights_discarded():
             return False
         self._step()
         return True

@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from hpc_rl.engines.cpu.memory_occupation import WeightsNotLoaded
 from hpc_rl.engines.cpu.requests import GenerationRequest, RequestError, parse_generate_body, render_response
 from hpc_rl.engines.cpu.scheduler import EngineStateError, Scheduler, SchedulerDied
 from hpc_rl.engines.cpu.weight_sync import (
@@ -31,6 +32,7 @@ from hpc_rl.engines.cpu.weight_sync import (
     load_from_disk,
     load_named,
     named_tensors,
+    read_tensor_share,
     receive_bucket,
 )
 
@@ -131,6 +133,7 @@ class EngineServer:
             ("/begin_weight_update", self.begin_weight_update), ("/end_weight_update", self.end_weight_update),
             ("/update_weights_from_distributed", self.update_weights_from_distributed),
             ("/update_weights_from_disk", self.update_weights_from_disk),
+            ("/update_weights_from_tensor", self.update_weights_from_tensor),
             ("/update_weight_version", self.update_weight_version),
             ("/release_memory_occupation", self.release_memory_occupation),
             ("/resume_memory_occupation", self.resume_memory_occupation),
@@ -206,7 +209,7 @@ class EngineServer:
         except asyncio.CancelledError:  # client went away: abort them, as SGLang does
             self._abort_requests(parsed.requests)
             raise
-        except SchedulerDied as error:
+        except (SchedulerDied, WeightsNotLoaded) as error:  # a dead scheduler; weights resumed, not reloaded
             return json_response({"error": {"message": str(error)}}, status=500)
         return json_response(results if parsed.batched else results[0])
 
@@ -262,7 +265,7 @@ class EngineServer:
                     await response.write(b"data: " + orjson.dumps(chunks.get_nowait()) + b"\n\n")
                 try:
                     final = future.result()
-                except SchedulerDied as error:
+                except (SchedulerDied, WeightsNotLoaded) as error:
                     final = {"error": {"message": str(error)}}
                 await response.write(b"data: " + orjson.dumps(final) + b"\n\n")
                 break
@@ -360,6 +363,31 @@ class EngineServer:
         except (KeyError, ValueError, RuntimeError) as error:
             return _fail(f"Failed to update parameter online: {error}")
         return _ok("Succeeded to update parameter online.")
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """Colocated mode (SGLang's body; the CPU twin's share is a shared-memory descriptor, never a pickle).
+        As SGLang 0.5.23: inside a begin/end session; entry [tp_rank] is this engine's (TP 1: [0])."""
+        body = await _json_body(request)
+        if not self.in_weight_update:
+            return _fail("update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
+        shares, version = body.get("serialized_named_tensors"), body.get("weight_version")
+        if not isinstance(shares, list) or not shares:
+            return _fail("serialized_named_tensors must be a non-empty list (one entry per engine TP rank)")
+        if body.get("load_format") not in (None, "direct"):
+            return _fail(f"load_format {body.get('load_format')!r} is not supported by the CPU engine (null)")
+
+        def work() -> None:
+            if body.get("abort_all_requests"):
+                self.scheduler.abort(None, abort_all=True)
+            load_named(self.scheduler.model, read_tensor_share(shares[0]))
+            if version is not None:
+                self.scheduler.weight_version = str(version)
+
+        try:
+            await self._on_scheduler(work)
+        except (KeyError, ValueError, RuntimeError) as error:
+            return _fail(f"Failed to update weights from tensor: {error}")
+        return _ok("Success" + (f" Weight version updated to {version}." if version is not None else ""))
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _json_body(request)

@@ -1,8 +1,9 @@
-"""Weight loading for the CPU engine: by HF name, from a broadcast, from disk, and read-back.
+"""Weight loading for the CPU engine: by HF name, from a broadcast, from shared memory, from disk.
 
 Owns: the engine's weight-update groups (joined through `hpc_rl.weights.process_group`), receiving
 one bucket from trainer rank 0 (per tensor, or one `flattened_bucket` laid out by
-`hpc_rl.engines.bucket_layout`), and copying tensors into the model by HF parameter name. The
+`hpc_rl.engines.bucket_layout`), reading a colocated share from shared memory
+(`hpc_rl.weights.colocated`), and copying tensors into the model by HF parameter name. The
 scheduler decides when these run (between decode steps); this module never touches requests.
 """
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from hpc_rl.engines.bucket_layout import compute_layout, dtype_from_name, unpack_bucket
+from hpc_rl.weights.colocated import read_shared_memory_bucket
 from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
 
 
@@ -39,6 +41,12 @@ def load_named(model: PreTrainedModel, weights: list[tuple[str, torch.Tensor]]) 
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")
     for name, tensor in weights:
         targets[name].copy_(tensor)
+
+
+def read_tensor_share(payload: str) -> list[tuple[str, torch.Tensor]]:
+    """This engine's share of an `/update_weights_from_tensor` body: a shared-memory descriptor (the
+    CPU twin of SGLang's CUDA IPC handles; a pickle is refused with PayloadError, a ValueError)."""
+    return read_shared_memory_bucket(payload)
 
 
 def load_from_disk(model: PreTrainedModel, model_path: str) -> None:
