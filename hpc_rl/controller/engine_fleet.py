@@ -129,13 +129,16 @@ class EngineFleet:
         engine = self.registry.engines[engine_index]
         if engine.state == EngineState.FAILED:
             return
-        if engine.state == EngineState.SERVING:
+        was_serving = engine.state == EngineState.SERVING
+        # FAILED before the first await: a second report of the same failure (the driver saw the process
+        # exit, the health check timed out) must not start a second restart.
+        self.registry.set_engine_state(engine_index, EngineState.FAILED, reason)
+        self._event("failed", engine_index, reason)
+        if was_serving:
             try:
                 await self._router_call("remove_worker", engine.url)
             except Exception as error:  # the router may already have dropped it
                 log.warning("removing %s from the router: %s", engine.url, error)
-        self.registry.set_engine_state(engine_index, EngineState.FAILED, reason)
-        self._event("failed", engine_index, reason)
         if self.restart is None or engine.restarts >= self.max_restarts:
             if not self.registry.live_engines():
                 self.fatal = RuntimeError(f"every engine failed; engine {engine_index}: {reason} "

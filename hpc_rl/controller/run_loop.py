@@ -3,8 +3,9 @@
 Sync mode, per rollout k:
 
     [engines serve v=k]  rollout k (scheduler) ──> train k on every rank ──> v=k+1 ──> sync ──> eval/save
-                                                   (colocated: pause, release memory first;
-                                                    resume weights, sync, resume kv cache, continue)
+                                                   (colocated: hpc_rl.controller.colocated moves memory
+                                                    around training, saves before the trainer offloads,
+                                                    and syncs through /update_weights_from_tensor)
 Async mode (overlap generation of k+1 with training of k; sync every update_weights_interval):
 
     rollout k ──┬─> train k ──> v=k+1 ──> sync (engines pause with abort, in-flight samples resume
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpc_rl.config.schema import RunConfig
+from hpc_rl.controller.colocated import KV_TAGS, TRAINER_TAGS, WEIGHTS_TAG, ColocatedMemory, push_weights_colocated
 from hpc_rl.controller.engine_fleet import EngineFleet
 from hpc_rl.controller.registry import EngineState, Registry
 from hpc_rl.controller.stopping import stop_task
@@ -42,8 +44,6 @@ from hpc_rl.rollout.scheduler import RolloutResult, RolloutScheduler
 from hpc_rl.telemetry.scalars import ScalarLog, progress_line
 
 log = logging.getLogger(__name__)
-
-COLOCATED_RELEASE_TAGS = ["kv_cache", "weights"]
 
 
 @dataclass
@@ -92,6 +92,10 @@ class RunLoop:
             disabled=config.algorithm.disable_rewards_normalization,
         )
         self.backend = "gloo" if config.cluster.device == "cpu" else "nccl"
+        self.colocated = ColocatedMemory(channel, self._engines_call,
+                                         timeout_s=config.controller.engine_request_timeout) \
+            if config.cluster.colocate else None
+        """Colocated mode: the trainer's offload state and the memory moves (None: decoupled)."""
         self.trainer_busy = False
         self.last_metrics: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
@@ -164,18 +168,62 @@ class RunLoop:
         waiting = [e.engine_index for e in engines if e.state == EngineState.STARTING]
         pause_mode = "abort" if self.config.rollout.async_rollout else "retract"
         await self._engines_call("pause", pause_mode)
-        engines = self.registry.live_engines()
-        metrics = await sync_weights(version=version, channel=self.channel, engines=engines,
-                                     admins=self.fleet.admins, group=self.group, backend=self.backend,
-                                     bucket_bytes=self.config.rollout.update_weight_buffer_size,
-                                     timeout_s=self.config.controller.engine_request_timeout)
-        self.state.weight_version = version
-        self.scheduler.set_weight_version(version)
-        await self.fleet.mark_serving(waiting)
+        metrics = await self._push_weights(version)
+        await self._now_serving(version, waiting)
         await self._engines_call("resume_generation")
         if reason:
             log.info("weights v%d pushed (%s)", version, reason)
         metrics["time/weight_sync"] = time.perf_counter() - start
+        return metrics
+
+    async def _push_weights(self, version: int) -> dict[str, float]:
+        """The trainer's weights to every live (paused) engine: a broadcast group (decoupled) or, colocated,
+        each trainer rank to the engine on its GPUs (the trainer's weights onloaded for it if need be)."""
+        engines = self.registry.live_engines()
+        timeout_s = self.config.controller.engine_request_timeout
+        bucket_bytes = self.config.rollout.update_weight_buffer_size
+        if self.colocated is None:
+            return await sync_weights(version=version, channel=self.channel, engines=engines,
+                                      admins=self.fleet.admins, group=self.group, backend=self.backend,
+                                      bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        was_offloaded = WEIGHTS_TAG in self.colocated.trainer_offloaded
+        await self.colocated.trainer("onload", [WEIGHTS_TAG])
+        metrics = await push_weights_colocated(
+            version=version, channel=self.channel, engines=engines, admins=self.fleet.admins,
+            num_engines=self.config.cluster.num_engines,
+            engine_tp_size=self.config.cluster.rollout_num_gpus_per_engine, bucket_bytes=bucket_bytes,
+            timeout_s=timeout_s)
+        if was_offloaded:
+            await self.colocated.trainer("offload", [WEIGHTS_TAG])
+        return metrics
+
+    async def _now_serving(self, version: int, waiting: list[int]) -> None:
+        self.state.weight_version = version
+        self.scheduler.set_weight_version(version)
+        await self.fleet.mark_serving(waiting)
+
+    async def _colocated_after_train(self, rollout_id: int, new_version: int, *, sync_due: bool,
+                                     save_due: bool) -> dict[str, Any]:
+        """Colocated, sync mode (see hpc_rl.controller.colocated): save while the trainer holds everything,
+        free grads and optimizer state, reload the engines' released weights with the new version, free
+        the trainer's weights, give the engines their KV cache back and let them generate."""
+        assert self.colocated is not None
+        metrics: dict[str, Any] = {}
+        start = time.perf_counter()
+        if save_due:
+            metrics["time/save"] = await self._save(rollout_id, weight_version=new_version if sync_due else None)
+        metrics.update(await self.colocated.trainer("offload", ["grads", "optimizer"]))
+        if sync_due:
+            waiting = [e.engine_index for e in self.registry.live_engines() if e.state == EngineState.STARTING]
+            await self._engines_call("resume_memory", [WEIGHTS_TAG])
+            metrics.update(await self._push_weights(new_version))
+            await self._now_serving(new_version, waiting)
+        else:
+            self.state.weight_version = new_version  # trainer moved on; engines keep the older version
+        await self.colocated.trainer("offload", [WEIGHTS_TAG])
+        await self._engines_call("resume_memory", KV_TAGS)
+        await self._engines_call("resume_generation")
+        metrics["time/colocated_after_train"] = time.perf_counter() - start
         return metrics
 
     async def _train(self, rollout_id: int, result: RolloutResult) -> dict[str, Any]:
@@ -194,11 +242,17 @@ class RunLoop:
         metrics["time/train"] = time.perf_counter() - start
         return metrics
 
-    async def _save(self, rollout_id: int) -> float:
+    async def _save(self, rollout_id: int, *, weight_version: int | None = None) -> float:
         start = time.perf_counter()
         state = self.controller_state(rollout_id + 1)
+        if weight_version is not None:  # colocated saves before the sync that makes it current
+            state["weight_version"] = weight_version
         await self.channel.run(lambda rank, seq: SaveCommand(seq=seq, rollout_id=rollout_id, controller_state=state))
         return time.perf_counter() - start
+
+    def _save_due(self, rollout_id: int) -> bool:
+        return self._due(self.config.checkpoint.save_interval, rollout_id) or self.stop_requested or (
+            rollout_id + 1 == self.num_rollout and self.config.checkpoint.save is not None)
 
     def _due(self, interval: int | None, rollout_id: int) -> bool:
         return bool(interval) and (rollout_id + 1) % interval == 0  # type: ignore[operator]
@@ -216,6 +270,8 @@ class RunLoop:
 
     async def _run(self, resumed: bool) -> dict[str, Any]:
         start_id = self.state.next_rollout_id
+        if self.colocated is not None and not self.config.rollout.async_rollout:
+            await self.colocated.trainer("offload", TRAINER_TAGS)  # generation first: the engines get the GPUs
         if resumed and start_id > 0:
             await self.sync_weights(self.state.weight_version, reason="resumed from a checkpoint")
         if self.run_eval is not None and start_id == 0 and not self.config.eval.skip_eval_before_train:
@@ -242,26 +298,29 @@ class RunLoop:
                 self._ahead = asyncio.create_task(self._rollout(rollout_id + 1),
                                                   name=f"rollout {rollout_id + 1} (ahead)")
             released = colocate and not overlap
+            sync_due = self._due(self.config.rollout.update_weights_interval, rollout_id) or \
+                rollout_id + 1 == self.num_rollout
+            saved = False
             if released:
-                await self._engines_call("pause", "retract")
-                await self._engines_call("release_memory", COLOCATED_RELEASE_TAGS)
+                assert self.colocated is not None
+                metrics.update(await self.colocated.before_train(sync_due))
             metrics.update(await self._train(rollout_id, result))
-            if released:
-                await self._engines_call("resume_memory", ["weights"])
             new_version = self.state.weight_version + 1
-            if self._due(self.config.rollout.update_weights_interval, rollout_id) or rollout_id + 1 == self.num_rollout:
+            if released:
+                saved = self._save_due(rollout_id)  # now, while the trainer holds its whole state
+                metrics.update(await self._colocated_after_train(rollout_id, new_version, sync_due=sync_due,
+                                                                 save_due=saved))
+            elif sync_due:
                 metrics.update(await self.sync_weights(new_version))
             else:
                 self.state.weight_version = new_version  # trainer moved on; engines keep the older version
-            if released:
-                await self._engines_call("resume_memory", ["kv_cache"])
-                await self._engines_call("resume_generation")
             if self.run_eval is not None and self._due(self.config.eval.eval_interval, rollout_id):
                 eval_start = time.perf_counter()
                 metrics.update(await self.run_eval(self.state.weight_version))
                 metrics["time/eval"] = time.perf_counter() - eval_start
-            if self._due(self.config.checkpoint.save_interval, rollout_id) or self.stop_requested or (
-                    rollout_id + 1 == self.num_rollout and self.config.checkpoint.save is not None):
+            if not saved and self._save_due(rollout_id):
+                if self.colocated is not None and self.colocated.trainer_offloaded:  # stop asked after the save point
+                    await self.colocated.trainer("onload", TRAINER_TAGS)
                 metrics["time/save"] = await self._save(rollout_id)
             metrics["rollout/weight_version"] = float(self.state.weight_version)
             metrics["rollout/buffer_size"] = float(len(self.scheduler.buffer))

@@ -75,6 +75,8 @@ class SglangLaunchSpec:
     """Every other SGLang server flag, by its python name (see the module docstring)."""
     python: str = sys.executable
     """Interpreter that has the `sglang` package."""
+    colocated: bool = False
+    """Engine on the trainer's GPUs: `--enable-memory-saver`, so releasing memory really frees it."""
 
     def __post_init__(self) -> None:
         if self.rollout_num_gpus_per_engine < 1:
@@ -153,6 +155,8 @@ def build_sglang_command(spec: SglangLaunchSpec) -> list[str]:
         command += ["--config", spec.api_key_file]
     for key in sorted(spec.sglang_options):
         command += render_option(key, spec.sglang_options[key])
+    if spec.colocated and "--enable-memory-saver" not in command:
+        command.append("--enable-memory-saver")
     return command
 
 

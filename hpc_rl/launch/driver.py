@@ -61,6 +61,7 @@ from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, Ste
 from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
 from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
 from hpc_rl.telemetry.run_files import RunLogFileHandler
+from hpc_rl.weights.device_identity import DEVICE_ID_ENV, device_identity
 
 log = logging.getLogger("hpc_rl.driver")
 
@@ -102,12 +103,14 @@ def engine_command(config: RunConfig, placement: EnginePlacement, host: str, por
     sglang.launch_server (key in the run dir's `SGLANG_API_KEY_FILE`). No key on either."""
     if engine_kind(config.rollout.engine, config.cluster.device) == "cpu":
         return cpu_engine_command(config.checkpoint.hf_checkpoint, host=host, port=port,
-                                  max_running_requests=config.sglang.server_concurrency, weight_version="0")
+                                  max_running_requests=config.sglang.server_concurrency, weight_version="0",
+                                  extra_args=["--enable-memory-saver"] if config.cluster.colocate else [])
     spec = SglangLaunchSpec(hf_checkpoint=config.checkpoint.hf_checkpoint, host=host, port=port,
                             rollout_num_gpus_per_engine=config.cluster.rollout_num_gpus_per_engine,
                             api_key_file=str(sglang_api_key_path(config)),
                             sglang_options=sglang_device_options(config.cluster.device, config.sglang.server_options()),
-                            python=os.environ.get(SGLANG_PYTHON_ENV) or sys.executable)
+                            python=os.environ.get(SGLANG_PYTHON_ENV) or sys.executable,
+                            colocated=config.cluster.colocate)
     return build_sglang_command(spec)
 
 
@@ -179,6 +182,8 @@ class Driver:
         log_path = self.logs / f"engine-{index}.log"
         env = build_sglang_env({}, {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
         env[API_KEY_ENV] = self.engine_key  # in the environment: `ps` shows argv, not this
+        env[DEVICE_ID_ENV] = device_identity(het_group=placement.het_group, node_index=placement.node_index,
+                                             gpu_index=placement.gpu_ids[0])  # weight groups refuse duplicates
         if engine_kind(self.config.rollout.engine, self.config.cluster.device) == "sglang":
             env.update(SGLANG_ON_CPU_ENV if self.config.cluster.device == "cpu" else {})
             write_api_key_file(sglang_api_key_path(self.config), self.engine_key)

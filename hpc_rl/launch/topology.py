@@ -77,7 +77,11 @@ class JobTopology:
                 f"    engine {engine.engine_index}: het group {engine.het_group}, node {engine.node_index}, "
                 f"GPUs {list(engine.gpu_ids)}, port {engine.port}, weight-group rank {engine.weight_group_rank_offset}"
             )
-        lines.append(f"  weight-update (NCCL) world size: {self.weight_update_world_size}")
+        if self.colocate:
+            lines.append("  weights: /update_weights_from_tensor per bucket from each trainer rank to the engine on its "
+                         "GPUs (CUDA IPC; no weight-update group); engines run with --enable-memory-saver")
+        else:
+            lines.append(f"  weight-update (NCCL) world size: {self.weight_update_world_size}")
         lines.append(
             f"  ports: controller {self.controller_port}, router {self.router_port} (metrics {self.router_metrics_port})"
         )

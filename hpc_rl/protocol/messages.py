@@ -189,6 +189,34 @@ class SyncWeightsCommand(Message):
 
 
 @dataclass(kw_only=True)
+class ColocatedSyncCommand(Message):
+    """Colocated mode: every rank sends the current weights to the engine on its own GPUs, per bucket,
+    through `/update_weights_from_tensor` (no weight-update group; the controller opens the session)."""
+
+    TYPE: ClassVar[str] = "colocated_sync"
+    VERSION: ClassVar[int] = 1
+    seq: int
+    weight_version: int
+    engine_urls: list[str]
+    """By engine index; "" for an engine that is down (its ranks still take part in the TP gathers)."""
+    engine_tp_size: int
+    bucket_bytes: int
+
+
+@dataclass(kw_only=True)
+class TrainerMemoryCommand(Message):
+    """Colocated mode: `offload` trainer state off the device (the engines need it) or `onload` it back."""
+
+    TYPE: ClassVar[str] = "trainer_memory"
+    VERSION: ClassVar[int] = 1
+    seq: int
+    action: str
+    """offload | onload"""
+    tags: list[str]
+    """weights, grads, optimizer (hpc_rl.training.offload)."""
+
+
+@dataclass(kw_only=True)
 class WeightPlan(Message):
     """Trainer rank 0 -> controller during a sync: where to meet and the buckets it will broadcast."""
 

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     config_path = Path(args.config).resolve()
     run_dir = Path(config.run_dir) if config.run_dir else (config_path if config_path.is_dir() else config_path.parent)
     save_dir = config.checkpoint.save or str(run_dir / "checkpoints")
+    engine_key = None
     resumed = parts.resumed
     if args.batches_file:
         start = resumed.rollout_id + 1 if resumed else 0
@@ -59,13 +60,22 @@ def main(argv: list[str] | None = None) -> None:
         if info.rank == 0 and resumed is not None:
             hello["resume"] = {"rollout_id": resumed.rollout_id, "controller_state": resumed.controller_state}
         source = ControllerLink(run_dir, rank=info.rank, world_size=info.world_size, info=hello)
+        engine_key = _engine_key(run_dir)
     tensorboard = config.logging.tensorboard_dir or str(run_dir / "tensorboard")
     scalars = ScalarLog(tensorboard if info.rank == 0 else None, filename_suffix=".trainer")
     try:
-        TrainerCommands(parts, arch=arch, info=info, source=source, save_dir=save_dir, scalars=scalars).run()
+        TrainerCommands(parts, arch=arch, info=info, source=source, save_dir=save_dir, scalars=scalars,
+                        engine_api_key=engine_key).run()
     finally:
         scalars.close()
         shutdown_parallel()
+
+
+def _engine_key(run_dir: Path) -> str:
+    """The job's engine key (colocated ranks post weights to their engine), derived from the job secret."""
+    from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
+
+    return engine_api_key(load_secret(secret_path(run_dir)))
 
 
 if __name__ == "__main__":

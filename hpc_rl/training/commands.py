@@ -7,6 +7,8 @@ share for `TrainCommand`), so collectives line up. Commands are `hpc_rl.protocol
     TrainCommand(rollout_id, batch arrays)  -> RolloutTrainer.train_rollout, metrics to TensorBoard
     SyncWeightsCommand(version, group, ...) -> WeightPlan from rank 0, then the bucket broadcasts
     SaveCommand(rollout_id, controller_state) -> checkpoint.save_checkpoint
+    TrainerMemoryCommand(action, tags)       -> colocated: offload/onload (hpc_rl.training.offload)
+    ColocatedSyncCommand(version, engine_urls) -> colocated: /update_weights_from_tensor per bucket
     StopCommand                              -> leave
 
 A command source is anything with `next_command()`, `done(seq, metrics)`, `failed(seq, error)`
@@ -27,17 +29,20 @@ import torch
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.protocol.messages import (
+    ColocatedSyncCommand,
     Message,
     SaveCommand,
     StopCommand,
     SyncWeightsCommand,
     TrainCommand,
+    TrainerMemoryCommand,
     WeightPlan,
 )
 from hpc_rl.telemetry.scalars import ScalarLog
 from hpc_rl.training import checkpoint
 from hpc_rl.training.actor import TrainerParts
 from hpc_rl.engines.child_process import free_port
+from hpc_rl.training.offload import TrainerOffload
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.sync_address import weight_sync_address
 from hpc_rl.training.train_batch import TrainBatch, read_batches_file
@@ -119,10 +124,14 @@ class TrainerCommands:
     """Runs commands on one trainer rank until Stop."""
 
     def __init__(self, parts: TrainerParts, *, arch: ModelArchitecture, info: ParallelInfo, source: CommandSource,
-                 save_dir: str | None, scalars: ScalarLog | None = None) -> None:
+                 save_dir: str | None, scalars: ScalarLog | None = None, engine_api_key: str | None = None) -> None:
         self.parts, self.arch, self.info, self.source = parts, arch, info, source
         self.save_dir, self.scalars = save_dir, scalars
         self.sender: WeightSender | None = None
+        self.engine_api_key = engine_api_key
+        """Colocated mode: this rank posts its weights to its engine itself (derived from the job secret)."""
+        self.offload = TrainerOffload(models=[parts.actor, parts.ref_model], optimizer=parts.optimizer)
+        self.colocated_sender = None
         self.group_address: tuple[str, int] | None = None
 
     def run(self) -> None:
@@ -141,6 +150,11 @@ class TrainerCommands:
             self.sender.close()
 
     def execute(self, command: Message) -> dict[str, Any]:
+        if isinstance(command, TrainerMemoryCommand):
+            return self.memory(command)
+        if isinstance(command, ColocatedSyncCommand):
+            return self.colocated_sync(command)
+        self.offload.require_onloaded(type(command).__name__)
         if isinstance(command, TrainCommand):
             return self.train(command)
         if isinstance(command, SyncWeightsCommand):
@@ -165,6 +179,32 @@ class TrainerCommands:
                 log.info("rollout %d step %d: %s", command.rollout_id, step,
                          " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
         return {"steps": steps, "rollout_id": command.rollout_id}
+
+    def memory(self, command: TrainerMemoryCommand) -> dict[str, Any]:
+        if command.action == "offload":
+            return self.offload.offload(command.tags)
+        if command.action == "onload":
+            return self.offload.onload(command.tags)
+        raise ValueError(f"trainer memory action {command.action!r}: use offload or onload")
+
+    def colocated_sync(self, command: ColocatedSyncCommand) -> dict[str, Any]:
+        if "weights" in self.offload.offloaded_tags:
+            self.offload.require_onloaded("a colocated weight update")
+        if self.colocated_sender is None:
+            from megatron.core import parallel_state
+
+            from hpc_rl.weights.colocated_sender import ColocatedWeightSender
+
+            tp_group = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
+            self.colocated_sender = ColocatedWeightSender(
+                self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size, rank=self.info.rank,
+                world_size=self.info.world_size, engine_tp_size=command.engine_tp_size,
+                bucket_bytes=command.bucket_bytes, dtype=None if self.info.on_cpu else torch.bfloat16,
+                api_key=self.engine_api_key, pp_size=self.info.pp_size)
+        index = self.colocated_sender.engine_index
+        url = command.engine_urls[index] if index < len(command.engine_urls) else ""
+        return self.colocated_sender.sync(version=command.weight_version, engine_url=url,
+                                          bucket_bytes=command.bucket_bytes)
 
     def sync_weights(self, command: SyncWeightsCommand) -> dict[str, Any]:
         if self.sender is None:

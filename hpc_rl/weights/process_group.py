@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from hpc_rl.weights.bound_store import bound_tcp_store
+from hpc_rl.weights.device_identity import own_device_identity, publish_device, refuse_duplicate_devices
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 
@@ -30,8 +31,10 @@ def init_weight_update_group(
     group_name: str = DEFAULT_GROUP_NAME,
     backend: str = "gloo",
     timeout_seconds: float = 600.0,
+    device_id: str | None = None,
 ) -> dist.ProcessGroup:
-    """Join (or, as rank 0, host) the weight-update group; blocks until all `world_size` ranks joined."""
+    """Join (or, as rank 0, host) the weight-update group; blocks until all `world_size` ranks joined.
+    Two members on one device (`device_id`, default `own_device_identity()`) are refused, as NCCL does."""
     timeout = timedelta(seconds=timeout_seconds)
     # The TCPStore is built directly, not through `rendezvous("tcp://...")`: under torchrun that
     # handler (TORCHELASTIC_USE_AGENT_STORE) makes every rank, rank 0 included, a client of the
@@ -40,11 +43,17 @@ def init_weight_update_group(
     store = (bound_tcp_store(master_address, master_port, world_size, timeout=timeout) if rank == 0 else
              dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout))
     prefixed = dist.PrefixStore(group_name, store)
+    publish_device(prefixed, rank, device_id or own_device_identity())
     group, _ = c10d._new_process_group_helper(
         world_size, rank, [], backend, prefixed, group_name=group_name, timeout=timeout
     )
     # Ranks of this group are its own (0..world_size-1): collectives take src=0 = the trainer.
     c10d._world.pg_group_ranks[group] = {index: index for index in range(world_size)}
+    try:
+        refuse_duplicate_devices(prefixed, rank, world_size)
+    except Exception:
+        dist.destroy_process_group(group)
+        raise
     return group
 
 

@@ -204,3 +204,47 @@ def test_restarted_engine_rejoins_the_group_without_a_sync_while_it_was_down() -
         assert ("e0", "init rank_offset=1 world=3") in calls and ("e1", "init rank_offset=2 world=3") in calls
 
     asyncio.run(scenario())
+
+
+class SlowRouterForTest:
+    """A fake of sglang-router membership whose removal takes a while (it runs in a thread, as the real one)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def add_worker(self, url: str) -> None:
+        self.calls.append(("add", url))
+
+    def remove_worker(self, url: str) -> None:
+        import time
+
+        time.sleep(0.2)
+        self.calls.append(("remove", url))
+
+
+def test_one_failure_reported_twice_restarts_the_engine_once() -> None:
+    """The driver sees the process exit while the health check times out: one restart, not two."""
+    from hpc_rl.controller.engine_fleet import EngineFleet
+
+    async def scenario() -> None:
+        restarts: list[int] = []
+
+        async def restart(index: int) -> str:
+            restarts.append(index)
+            return "http://a"
+
+        registry = Registry(trainer_world_size=1, num_engines=1)
+        router = SlowRouterForTest()
+        fleet = EngineFleet(registry, router, api_key=None, restart=restart, max_restarts=3, health_interval_s=3600)
+        await fleet.start()
+        try:
+            await fleet.register(0, "http://a", serving=True)
+            await asyncio.gather(fleet.fail_engine(0, "process exited"), fleet.fail_engine(0, "health check failed"))
+            await asyncio.sleep(0.1)
+            assert restarts == [0]
+            assert [e["event"] for e in fleet.events] == ["failed", "restarting", "restarted"]
+            assert router.calls.count(("remove", "http://a")) == 1
+        finally:
+            await fleet.close()
+
+    asyncio.run(scenario())

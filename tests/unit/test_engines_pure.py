@@ -232,3 +232,12 @@ def test_driver_engine_commands_carry_no_key(tmp_path):
     assert "--api-key" not in gpu and gpu[gpu.index("--config") + 1] == str(tmp_path / "sglang_api_key.yaml")
     assert sglang_api_key_path(config) == tmp_path / "sglang_api_key.yaml"
     assert os.path.basename(gpu[gpu.index("--config") + 1]).endswith(".yaml")  # SGLang insists
+
+
+def test_colocated_sglang_engine_gets_the_memory_saver_once():
+    spec = SglangLaunchSpec(hf_checkpoint="/m", host="h", port=1234, colocated=True)
+    assert build_sglang_command(spec)[-1] == "--enable-memory-saver"
+    spec = SglangLaunchSpec(hf_checkpoint="/m", host="h", port=1234, colocated=True,
+                            sglang_options={"enable_memory_saver": True})
+    assert build_sglang_command(spec).count("--enable-memory-saver") == 1
+    assert "--enable-memory-saver" not in build_sglang_command(SglangLaunchSpec(hf_checkpoint="/m", host="h", port=1))

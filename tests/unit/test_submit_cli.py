@@ -17,7 +17,17 @@ RECIPES = sorted(p.name for p in (Path(__file__).resolve().parents[2] / "configs
 def test_every_recipe_dry_runs(recipe: str, in_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([f"configs/{recipe}", "--dry-run", "--no-check-files"]) == 0
     out = capsys.readouterr().out
-    assert "# resolved config" in out and "job topology" in out and "weight-update (NCCL) world size" in out
+    assert "# resolved config" in out and "job topology" in out
+    assert ("weight-update (NCCL) world size" in out) != ("/update_weights_from_tensor" in out)
+
+
+def test_colocated_recipe_renders_memory_saver_and_tensor_update(in_repo: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["configs/qwen3_4b_grpo.yaml", "--dry-run", "--no-check-files"]) == 0
+    out = capsys.readouterr().out
+    engines = [line for line in out.splitlines() if "sglang.launch_server" in line]
+    assert len(engines) == 4 and all(line.endswith("--enable-memory-saver") for line in engines)
+    assert "no weight-update group" in out and "weight-update (NCCL) world size" not in out
 
 
 def test_tiny_dry_run_with_every_check(in_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,143 @@
+"""Trainer memory offload for colocated mode: hand the device memory to the engines during generation.
+
+Owns: `TrainerOffload`, which moves a trainer rank's state off its device and back, by tag:
+
+    weights    actor parameters (and the reference model's): copied to host memory, then freed
+    grads      DDP gradient buffers (`param.main_grad`): freed without a copy, zeroed on onload
+               (every optimizer step starts from zeroed grad buffers, so nothing is lost)
+    optimizer  optimizer state (Adam moments, fp32 main params on GPU): copied to host, then freed
+
+It works on storages, not tensors: every view (Megatron's params and grads are views into contiguous
+buffers) keeps pointing at the same storage, which is resized to 0 bytes on offload and back to its size
+on onload, then refilled. This is the trick torch FSDP uses to free parameter memory; slime gets the same
+effect from torch_memory_saver (unmapping the physical pages, keeping the addresses). On CUDA, freed
+blocks go back to the driver (`torch.cuda.empty_cache`) so SGLang can map them, and host copies are
+pinned. On CPU the same calls run (host -> host copies): the order is what the twin tests, and
+`require_onloaded` turns a use of offloaded state into a clear error (on a GPU it would read freed memory).
+
+Colocated order (the controller drives it, `hpc_rl.controller.colocated`):
+    generation: offloaded ──> onload all ──> train ──> [save] ──> offload grads, optimizer
+    ──> weight update to the engines (reads the weights) ──> offload weights ──> engines resume KV cache
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+OFFLOAD_TAGS = ("weights", "grads", "optimizer")
+
+
+class OffloadedStateError(RuntimeError):
+    """Trainer state used while it is offloaded (a colocated ordering bug)."""
+
+
+@dataclass
+class _Offloaded:
+    storage: torch.UntypedStorage
+    nbytes: int
+    host_copy: torch.Tensor | None
+    """None: the content is dropped (grads) and zeroed on onload."""
+
+
+def _optimizers(optimizer: object) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside hpc_rl's optimizer wrappers and Megatron's (chained ones included)."""
+    found: list[torch.optim.Optimizer] = []
+    stack, seen = [optimizer], set()
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, torch.optim.Optimizer):
+            found.append(current)
+            continue
+        for attribute in ("torch_optimizer", "optimizer", "chained_optimizers"):
+            value = getattr(current, attribute, None)
+            stack.extend(value if isinstance(value, list) else [value])
+    return found
+
+
+def optimizer_tensors(optimizer: object) -> list[torch.Tensor]:
+    """Optimizer state tensors and the params the torch optimizer owns (fp32 main params on GPU)."""
+    tensors: list[torch.Tensor] = []
+    for torch_optimizer in _optimizers(optimizer):
+        for state in torch_optimizer.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        for group in torch_optimizer.param_groups:
+            tensors.extend(group["params"])
+    return tensors
+
+
+class TrainerOffload:
+    """Offload/onload of one trainer rank's model, reference model, grads and optimizer state."""
+
+    def __init__(self, *, models: Iterable[torch.nn.Module], optimizer: object) -> None:
+        self.models = [m for m in models if m is not None]
+        self.optimizer = optimizer
+        self._offloaded: dict[str, list[_Offloaded]] = {}
+
+    # ---- what belongs to which tag -------------------------------------------------------------------
+    def _tensors(self, tag: str) -> list[torch.Tensor]:
+        params = [p for model in self.models for p in model.parameters()]
+        if tag == "weights":
+            return params
+        if tag == "grads":
+            return [p.main_grad for p in params if getattr(p, "main_grad", None) is not None]
+        if tag == "optimizer":
+            weights = {p.untyped_storage().data_ptr() for p in params}
+            return [t for t in optimizer_tensors(self.optimizer) if t.untyped_storage().data_ptr() not in weights]
+        raise ValueError(f"unknown offload tag {tag!r}: use {list(OFFLOAD_TAGS)}")
+
+    @property
+    def offloaded_tags(self) -> list[str]:
+        return sorted(self._offloaded)
+
+    def require_onloaded(self, what: str) -> None:
+        if self._offloaded:
+            raise OffloadedStateError(f"{what} while trainer state {self.offloaded_tags} is offloaded: the "
+                                      "controller must onload it first (colocated order)")
+
+    # ---- the two moves -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def offload(self, tags: Iterable[str]) -> dict[str, float]:
+        start, moved = time.perf_counter(), 0
+        owned = {ptr for entries in self._offloaded.values() for ptr in (e.storage.data_ptr() for e in entries)}
+        for tag in tags:
+            if tag in self._offloaded:
+                raise OffloadedStateError(f"trainer state {tag!r} is already offloaded")
+            entries, seen = [], set(owned)
+            for tensor in self._tensors(tag):
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() in seen or storage.nbytes() == 0:
+                    continue
+                seen.add(storage.data_ptr())
+                host = None
+                if tag != "grads":
+                    host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+                    host.untyped_storage().copy_(storage, non_blocking=False)
+                entries.append(_Offloaded(storage=storage, nbytes=storage.nbytes(), host_copy=host))
+                moved += storage.nbytes()
+            for entry in entries:
+                entry.storage.resize_(0)
+            self._offloaded[tag] = entries
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # GPU only: hand the freed blocks to the driver (SGLang maps them)
+        return {"offload/bytes": float(moved), "offload/seconds": time.perf_counter() - start}
+
+    @torch.no_grad()
+    def onload(self, tags: Iterable[str] | None = None) -> dict[str, float]:
+        start, moved = time.perf_counter(), 0
+        for tag in list(tags) if tags is not None else list(self._offloaded):
+            for entry in self._offloaded.pop(tag, []):
+                entry.storage.resize_(entry.nbytes)
+                if entry.host_copy is None:
+                    entry.storage.fill_(0)
+                else:
+                    entry.storage.copy_(entry.host_copy.untyped_storage(), non_blocking=False)
+                moved += entry.nbytes
+        return {"onload/bytes": float(moved), "onload/seconds": time.perf_counter() - start}
