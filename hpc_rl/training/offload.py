@@ -79,6 +79,8 @@ class TrainerOffload:
         self.models = [m for m in models if m is not None]
         self.optimizer = optimizer
         self._offloaded: dict[str, list[_Offloaded]] = {}
+        self._host_buffers: dict[str, list[torch.Tensor]] = {}
+        """Host copies kept across cycles (pinned memory is slow to allocate), by tag, in storage order."""
 
     # ---- what belongs to which tag -------------------------------------------------------------------
     def _tensors(self, tag: str) -> list[torch.Tensor]:
@@ -117,7 +119,7 @@ class TrainerOffload:
                 seen.add(storage.data_ptr())
                 host = None
                 if tag != "grads":
-                    host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+                    host = self._host_buffer(tag, len(entries), storage)
                     host.untyped_storage().copy_(storage, non_blocking=False)
                 entries.append(_Offloaded(storage=storage, nbytes=storage.nbytes(), host_copy=host))
                 moved += storage.nbytes()
@@ -128,6 +130,15 @@ class TrainerOffload:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # GPU only: hand the freed blocks to the driver (SGLang maps them)
         return {"offload/bytes": float(moved), "offload/seconds": time.perf_counter() - start}
+
+    def _host_buffer(self, tag: str, index: int, storage: torch.UntypedStorage) -> torch.Tensor:
+        buffers = self._host_buffers.setdefault(tag, [])
+        if index < len(buffers) and buffers[index].numel() == storage.nbytes():
+            return buffers[index]
+        buffer = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+        del buffers[index:]
+        buffers.append(buffer)
+        return buffer
 
     @torch.no_grad()
     def onload(self, tags: Iterable[str] | None = None) -> dict[str, float]:
