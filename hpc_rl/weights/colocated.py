@@ -89,12 +89,19 @@ class SharedMemoryBucket:
 def write_shared_memory_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]],
                                directory: str = SHARED_MEMORY_DIR) -> SharedMemoryBucket:
     """Pack the tensors (CPU) into a new 0600 file in shared memory; return it and its descriptor."""
+    named = [(n, t.detach().cpu()) for n, t in named_tensors]
+    layout = compute_layout([n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named])
     handle, name = tempfile.mkstemp(prefix=SHARED_MEMORY_PREFIX, dir=directory)
     path = Path(name)
     try:
-        packed, layout = pack_bucket([(n, t.detach().cpu().contiguous()) for n, t in named_tensors])
-        with os.fdopen(handle, "wb") as file:
-            file.write(packed.numpy().tobytes())
+        try:
+            os.ftruncate(handle, layout.total_bytes)
+        finally:
+            os.close(handle)
+        if layout.total_bytes:  # pack straight into the mapped file: one copy
+            mapped = torch.from_file(name, shared=True, size=layout.total_bytes, dtype=torch.uint8)
+            pack_bucket(named, out=mapped)
+            del mapped
     except BaseException:
         path.unlink(missing_ok=True)
         raise
