@@ -32,6 +32,7 @@ from hpc_rl.rollout import (
     load_generate_function,
     run_eval,
 )
+from hpc_rl.rollout.engine_client import engine_context_length
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +110,9 @@ def test_dynamic_sampling_abort_and_partial_resume(cluster: SimpleNamespace) -> 
 
     async def main() -> None:
         directory = StaticEngineDirectory([e.url for e in cluster.engines])
-        async with EngineClient(directory, router_url=cluster.router.url, per_engine_concurrency=16) as client:
+        # 2000 new tokens exceed the context (a 400 from SGLang and the CPU engine): the client clips them.
+        async with EngineClient(directory, router_url=cluster.router.url, per_engine_concurrency=16,
+                                context_length=engine_context_length(cluster.model)) as client:
             scheduler = make_scheduler(client, cluster.model, generate_fn=per_row_generate, group_filter=odd_rows_only)
             first = await scheduler.run(rollout_id=0, weight_version=0)
             assert sorted(row(g[0]) for g in first.groups) == [1, 3]
