@@ -58,6 +58,7 @@ from hpc_rl.engines.sglang_launch import (
 )
 from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
+from hpc_rl.launch.trainer_exit import describe_trainer_exit
 from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
 from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
 from hpc_rl.telemetry.run_files import RunLogFileHandler
@@ -165,6 +166,10 @@ class Driver:
         self.router: RouterProcess | None = None
         self.controller: Controller | None = None
         self.requeue_requested = False
+        self.failure: Exception | None = None
+        """What ended the run, when it failed (run_driver decides on a restart from it)."""
+        self.restarts: list[dict[str, Any]] = []
+        """Earlier attempts of this job that failed and were restarted (shown in status.json)."""
         self.run_task: asyncio.Task[dict[str, object]] | None = None
         """The controller's run while `run` waits on it; if `run` is interrupted, `shutdown` stops it."""
         self._engine_failures: dict[int, asyncio.Task[None]] = {}
@@ -214,7 +219,9 @@ class Driver:
         self.controller = Controller(self.config, secret=secret, router=self.router, router_url=self.router.url,
                                      restart_engine=self.restart_engine, host=self.host, port=self.ports.controller,
                                      api_key=self.engine_key)
+        self.controller.restarts = self.restarts
         await self.controller.start()
+        self._apply_requeue_request()
         urls = await asyncio.gather(*(self.start_engine(i) for i in range(len(self.topology.engines))))
         for index, url in enumerate(urls):
             await self.controller.register_engine(index, url, tp_size=self.config.cluster.rollout_num_gpus_per_engine)
@@ -237,16 +244,47 @@ class Driver:
             await asyncio.wait({run}, timeout=1.0)
             self._supervise(run)
         self.run_task = None  # its outcome is ours now: raised from here, not left to shutdown()
-        run.result()
+        try:
+            run.result()
+        except Exception as error:
+            if _is_trainer_failure(error):
+                raise _trainer_failed(await self.explain_trainer_failure(str(error))) from error
+            raise
         code = await asyncio.to_thread(self.trainer_step.wait, 120.0)
         if code != 0:
             raise RuntimeError(f"the trainer exited with code {code} after the run; see {self.logs / 'trainer.log'}")
         return EXIT_REQUEUE if self.controller.loop and self.controller.loop.stopped_for_requeue else EXIT_OK
 
+    async def explain_trainer_failure(self, seen_by_controller: str, wait_s: float = 30.0) -> str:
+        """Which rank died and how (torchrun's report, once the step has exited: it stops the other
+        ranks first), then what the controller saw."""
+        step = self.trainer_step
+        if step is None:
+            return seen_by_controller
+        deadline = time.monotonic() + wait_s
+        while step.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        how = describe_trainer_exit(step.poll(), self.logs / "trainer.log", self.trainer_node_names())
+        return f"{how}; the controller saw: {seen_by_controller}; log: {self.logs / 'trainer.log'}"
+
+    def trainer_node_names(self) -> list[str] | None:
+        hostnames = getattr(self.launcher, "hostnames", None)
+        if hostnames is None:
+            return None
+        try:
+            return list(hostnames(0))
+        except (RuntimeError, OSError, ValueError):
+            return None
+
     def request_checkpoint(self) -> None:
-        """USR2 (time limit or preemption ahead): save at the next rollout boundary, then stop for requeue."""
-        if self.controller is not None and self.controller.loop is not None:
-            log.warning("checkpoint-and-requeue requested")
+        """USR2 (time limit or preemption ahead): save at the next rollout boundary, then stop for requeue.
+        A USR2 that arrives before the controller's loop exists (Slurm may signal early) is kept for it."""
+        log.warning("checkpoint-and-requeue requested")
+        self.requeue_requested = True
+        self._apply_requeue_request()
+
+    def _apply_requeue_request(self) -> None:
+        if self.requeue_requested and self.controller is not None and self.controller.loop is not None:
             self.controller.loop.stop_requested = True
 
     def note_stopping(self) -> None:
@@ -258,7 +296,9 @@ class Driver:
         assert self.controller is not None and self.trainer_step is not None
         code = self.trainer_step.poll()
         if code is not None and not run.done() and self.controller.channel.failure is None:
-            self.controller.channel.fail(_trainer_exit_error(code, self.logs))
+            self.controller.channel.fail(_trainer_failed(
+                f"{describe_trainer_exit(code, self.logs / 'trainer.log', self.trainer_node_names())}; "
+                f"last lines of {self.logs / 'trainer.log'}:\n{log_tail(self.logs / 'trainer.log')}"))
         for index, task in list(self._engine_failures.items()):
             if task.done():
                 del self._engine_failures[index]
@@ -290,11 +330,16 @@ class Driver:
             await self.controller.close()
 
 
-def _trainer_exit_error(code: int, logs: Path):  # -> TrainerFailed
+def _trainer_failed(message: str):  # -> TrainerFailed
     from hpc_rl.controller.trainer_channel import TrainerFailed
 
-    return TrainerFailed(f"the trainer step exited with code {code}; last lines of {logs / 'trainer.log'}:\n"
-                         f"{log_tail(logs / 'trainer.log')}")
+    return TrainerFailed(message)
+
+
+def _is_trainer_failure(error: BaseException) -> bool:
+    from hpc_rl.controller.trainer_channel import TrainerFailed
+
+    return isinstance(error, TrainerFailed)
 
 
 def setup_logging(run_dir: Path, level: str) -> None:
@@ -311,37 +356,59 @@ def setup_logging(run_dir: Path, level: str) -> None:
 
 
 def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> int:
-    """Run the whole job; returns an exit code (see the module docstring)."""
-    driver = Driver(run_dir, launcher, local=local)
-    setup_logging(driver.run_dir, driver.config.logging.log_level)
+    """Run the whole job; returns an exit code (see the module docstring).
 
-    async def main() -> int:
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        def interrupt() -> None:
-            driver.note_stopping()
-            task.cancel()
+    A run that fails because a trainer rank died starts again from the last checkpoint, up to
+    `controller.max_restarts` times (every process of the failed attempt is stopped first); each
+    restart is printed, logged and listed in status.json under "restarts"."""
+    restarts: list[dict[str, Any]] = []
+    while True:
+        driver = Driver(run_dir, launcher, local=local)
+        if not restarts:
+            setup_logging(driver.run_dir, driver.config.logging.log_level)
+        driver.restarts = restarts
+        code = asyncio.run(_drive(driver))
+        limit = driver.config.controller.max_restarts
+        if code != EXIT_FAILED or driver.failure is None or not _is_trainer_failure(driver.failure):
+            return code
+        if len(restarts) >= limit:
+            if limit:
+                print(f"hpc_rl: no restart left (controller.max_restarts={limit} used)", file=sys.stderr, flush=True)
+            return code
+        restarts.append({"at": time.time(), "reason": str(driver.failure).split("\n")[0]})
+        message = (f"restarting from the last checkpoint (restart {len(restarts)} of {limit}) after: "
+                   f"{restarts[-1]['reason']}")
+        log.warning(message)
+        print(f"hpc_rl: {message}", file=sys.stderr, flush=True)
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, interrupt)
-        loop.add_signal_handler(signal.SIGUSR2, driver.request_checkpoint)
-        try:
-            return await driver.run()
-        except asyncio.CancelledError:
-            log.info("interrupted by a signal; stopping every process of the run")
-            print("hpc_rl: interrupted; stopping every process of the run", file=sys.stderr, flush=True)
-            return EXIT_INTERRUPTED
-        except Exception as error:
-            log.exception("run failed")
-            print(f"hpc_rl: the run failed: {error}", file=sys.stderr, flush=True)
-            return EXIT_FAILED
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2):
-                loop.remove_signal_handler(sig)
-            await driver.shutdown()
 
-    return asyncio.run(main())
+async def _drive(driver: Driver) -> int:
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+
+    def interrupt() -> None:
+        driver.note_stopping()
+        task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupt)
+    loop.add_signal_handler(signal.SIGUSR2, driver.request_checkpoint)
+    try:
+        return await driver.run()
+    except asyncio.CancelledError:
+        log.info("interrupted by a signal; stopping every process of the run")
+        print("hpc_rl: interrupted; stopping every process of the run", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except Exception as error:
+        driver.failure = error
+        log.exception("run failed")
+        print(f"hpc_rl: the run failed: {error}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2):
+            loop.remove_signal_handler(sig)
+        await driver.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,141 @@
+"""Fault scenarios on the local Slurm cluster, measured the same way by the tests and the reliability report.
+
+Each scenario submits the embedded default as a real het job (trainer ranks on 2 virtual nodes, the
+CPU engine on a third), injects one fault into a live run, waits for the job to end, and returns a
+`FaultOutcome`: samples lost and duplicated (from rollouts.jsonl: every rollout's trained sample
+indices), time from the fault to the next completed rollout, the job's exit, and the processes of
+the run left behind. `tests/slurm/test_faults_slurm.py` asserts on it; `benchmarks/bench_faults.py`
+prints the table.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.integration.run_helpers import processes_mentioning, records, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class FaultOutcome:
+    fault: str
+    exit_code: int
+    output: str
+    num_rollout: int
+    rollout_ids: list[int]
+    samples_lost: int
+    samples_duplicated: int
+    recover_seconds: float | None
+    """From the fault to the next rollout completed after it (None: none completed)."""
+    left_behind: list[str] = field(default_factory=list)
+    status: str = ""
+
+    def row(self) -> str:
+        recover = "-" if self.recover_seconds is None else f"{self.recover_seconds:.1f}"
+        return (f"| {self.fault} | {self.exit_code} | {len(set(self.rollout_ids))}/{self.num_rollout} | "
+                f"{self.samples_lost} | {self.samples_duplicated} | {recover} | {len(self.left_behind)} |")
+
+
+TABLE_HEADER = ("| fault | exit | rollouts done | samples lost | samples duplicated | recover s | processes left |\n"
+                "|---|---|---|---|---|---|---|")
+
+
+def submit(run_dir: Path, num_rollout: int, *flags: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "hpc_rl.submit", "configs/tiny_cpu.yaml", "--executor", "slurm",
+            "--run-dir", str(run_dir), "--actor-num-nodes", "2", "--num-rollout", str(num_rollout),
+            "--rollout-max-response-len", "24", "--eval-interval", "100000",
+            "--save", str(run_dir / "ckpt"), "--save-interval", "1", *flags, "--wait"]
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def pids_of(run_dir: Path, marker: str, environ: dict[str, str] | None = None) -> list[int]:
+    """Live processes whose command line has the run dir and `marker` (and the given environment)."""
+    found = []
+    for line in processes_mentioning(str(run_dir)):
+        pid_text, _, cmdline = line.partition(": ")
+        if marker not in cmdline:
+            continue
+        pid = int(pid_text)
+        if environ:
+            try:
+                env = dict(item.split("=", 1) for item in
+                           Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in item)
+            except OSError:
+                continue
+            if any(env.get(key) != value for key, value in environ.items()):
+                continue
+        found.append(pid)
+    return found
+
+
+def trainer_rank_pid(run_dir: Path, rank: int) -> int:
+    """The trainer rank's own process (torchrun's child, not torchrun or srun)."""
+    pids = [pid for pid in pids_of(run_dir, "-m hpc_rl.training", {"RANK": str(rank)})
+            if "torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+    assert len(pids) == 1, f"expected one process of trainer rank {rank}, found {pids}"
+    return pids[0]
+
+
+def measure(fault: str, run_dir: Path, process: subprocess.Popen[str], num_rollout: int, fault_at: float,
+            timeout_s: float = 600) -> FaultOutcome:
+    """Wait for the submit process (--wait) to end, then read what the run wrote."""
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            job_id = run_dir / "slurm_job_id"
+            if job_id.exists():
+                subprocess.run(["scancel", job_id.read_text().strip()], check=False)
+    rows = records(run_dir)
+    ids = [r["rollout_id"] for r in rows]
+    indices = Counter(i for r in rows for i in r["sample_indices"])
+    per_rollout = max((len(r["sample_indices"]) for r in rows), default=0)
+    missing_rollouts = set(range(num_rollout)) - set(ids)
+    recover = _first_rollout_after(run_dir, fault_at)
+    wait_for(lambda: processes_mentioning(str(run_dir)) == [], 60, "every process of the job to end")
+    status = subprocess.run([sys.executable, "-m", "hpc_rl.status", str(run_dir)], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    return FaultOutcome(fault=fault, exit_code=process.returncode, output=output, num_rollout=num_rollout,
+                        rollout_ids=ids, samples_lost=len(missing_rollouts) * per_rollout,
+                        samples_duplicated=sum(n - 1 for n in indices.values() if n > 1),
+                        recover_seconds=recover, left_behind=processes_mentioning(str(run_dir)),
+                        status=status.stdout + status.stderr)
+
+
+def _first_rollout_after(run_dir: Path, fault_at: float) -> float | None:
+    """Seconds from the fault to the first rollout record written after it (times from the controller log)."""
+    log = run_dir / "logs" / "controller.log"
+    if not log.exists():
+        return None
+    for line in log.read_text(errors="replace").splitlines():
+        if " generated in " not in line:
+            continue
+        try:
+            stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        except ValueError:
+            continue
+        if stamp > fault_at:
+            return stamp - fault_at
+    return None
+
+
+def kill_trainer_rank(run_dir: Path, *, rank: int = 1, max_restarts: int = 1, num_rollout: int = 5,
+                      after_rollouts: int = 2) -> FaultOutcome:
+    """SIGKILL one trainer rank after `after_rollouts` rollouts; the run restarts from its last checkpoint."""
+    process = submit(run_dir, num_rollout, "--set", f"controller.max_restarts={max_restarts}")
+    wait_for(lambda: len(records(run_dir)) >= after_rollouts or process.poll() is not None, 600,
+             f"{after_rollouts} rollouts")
+    pid = trainer_rank_pid(run_dir, rank)
+    fault_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return measure(f"trainer rank {rank} SIGKILL, max_restarts={max_restarts}", run_dir, process, num_rollout, fault_at)
