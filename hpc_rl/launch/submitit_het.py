@@ -5,8 +5,9 @@ Owns the three fixes of notes/slurm.md on top of submitit 1.5.4 (which has no he
     by `sbatch_render` through `additional_parameters` and `setup` (`#SBATCH hetjob` + component 1);
 (2) `HetSlurmInfoWatcher` maps sacct's `ID+0` (the het leader's first component) to `ID`, so
     `job.state`, `job.done()` and `job.wait()` see RUNNING / COMPLETED / CANCELLED / TIMEOUT;
-(3) the batch script runs `exec <python>` and asks for `--signal=B:USR2@<s>`, so the driver itself
-    receives the time-limit / preemption warning.
+(3) the batch script runs `exec <python>` (through `hpc_rl.launch.batch_guard`, which forwards every
+    signal to the driver and notices a driver that dies) and asks for `--signal=B:USR2@<s>`, so the
+    driver receives the time-limit / preemption warning.
 Checkpoint-and-requeue stays submitit's: `HetJobDriver.checkpoint` returns the submission to re-run;
 the USR2 handler is only deferred until the driver has saved (see `HetJobDriver.__call__`).
 """
@@ -60,6 +61,14 @@ class HetSlurmExecutor(SlurmExecutor):
 def exec_python(executable: str | None = None) -> str:
     """`exec <python>`: the batch shell is replaced by the driver, so `B:USR2` reaches it."""
     return f"exec {shlex.quote(executable or sys.executable)}"
+
+
+def guarded_python(run_dir: str | Path, executable: str | None = None) -> str:
+    """`exec <python> -m hpc_rl.launch.batch_guard RUN_DIR -- <python>`: the batch step's process is the
+    guard (it gets Slurm's signals and forwards them); the driver is its child, so a driver that dies is
+    noticed and the job requeued or ended (see `hpc_rl.launch.batch_guard`)."""
+    python = shlex.quote(executable or sys.executable)
+    return f"exec {python} -m hpc_rl.launch.batch_guard {shlex.quote(str(run_dir))} -- {python}"
 
 
 def _resolve(path: str) -> Callable[..., Any]:

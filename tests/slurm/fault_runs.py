@@ -139,3 +139,52 @@ def kill_trainer_rank(run_dir: Path, *, rank: int = 1, max_restarts: int = 1, nu
     fault_at = time.time()
     os.kill(pid, signal.SIGKILL)
     return measure(f"trainer rank {rank} SIGKILL, max_restarts={max_restarts}", run_dir, process, num_rollout, fault_at)
+
+
+def job_state(job_id: str) -> str:
+    """'PENDING None', 'RUNNING None', ... of the job's first component ('' once Slurm has forgotten it)."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True, timeout=30)
+    return out.stdout.splitlines()[0].strip() if out.stdout.strip() else ""
+
+
+def let_requeued_job_finish(job_id: str, *, time_limit_minutes: int | None = None) -> None:
+    """Once the job is requeued: optionally give it a longer limit, and start it without backfill's delay.
+
+    Slurm 22.05 leaves a requeued het job PENDING (reason None) ~100 s after its BeginTime
+    (cred_expire + 1 = 11 s) before backfill looks at it again; an update of its start time makes it
+    look at once. A longer limit makes the next allocation's length independent of machine speed.
+    """
+    wait_for(lambda: job_state(job_id).startswith("PENDING"), 300, "the job to be requeued")
+    if time_limit_minutes is not None:
+        subprocess.run(["scontrol", "update", f"jobid={job_id}", f"timelimit={time_limit_minutes}"], check=True,
+                       timeout=30)
+    wait_for(lambda: job_state(job_id) != "PENDING BeginTime", 60, "the requeued job's begin time")
+    deadline = time.monotonic() + 60
+    while job_state(job_id).startswith("PENDING") and time.monotonic() < deadline:
+        subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False, timeout=30,
+                       capture_output=True)
+        time.sleep(3)
+
+
+def driver_pid(run_dir: Path) -> int:
+    """The driver (submitit's _submit running HetJobDriver: the controller is in it), not the batch guard."""
+    pids = [pid for pid in pids_of(run_dir, "-m submitit.core._submit")
+            if "batch_guard" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+    assert len(pids) == 1, f"expected one driver process, found {pids}"
+    return pids[0]
+
+
+def kill_controller(run_dir: Path, *, max_restarts: int = 1, num_rollout: int = 5,
+                    after_rollouts: int = 2) -> FaultOutcome:
+    """SIGKILL the driver (the controller's process) after `after_rollouts` rollouts; the batch guard
+    requeues the job (max_restarts > 0), which resumes from its last checkpoint."""
+    process = submit(run_dir, num_rollout, "--set", f"controller.max_restarts={max_restarts}")
+    wait_for(lambda: len(records(run_dir)) >= after_rollouts or process.poll() is not None, 600,
+             f"{after_rollouts} rollouts")
+    pid = driver_pid(run_dir)
+    fault_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    if max_restarts:
+        let_requeued_job_finish((run_dir / "slurm_job_id").read_text().strip())
+    return measure(f"controller (driver) SIGKILL, max_restarts={max_restarts}", run_dir, process, num_rollout,
+                   fault_at)

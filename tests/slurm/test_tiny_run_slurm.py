@@ -8,13 +8,13 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.integration.run_helpers import processes_mentioning, records, wait_for
+from tests.slurm.fault_runs import let_requeued_job_finish
 
 pytestmark = pytest.mark.slurm
 
@@ -64,29 +64,6 @@ def set_num_rollout(run_dir: Path, num_rollout: int) -> None:
     path.write_text(yaml.safe_dump(resolved, sort_keys=False))
 
 
-def job_state(job_id: str) -> str:
-    """'PENDING None', 'RUNNING None', ... of the job's first component ('' once Slurm has forgotten it)."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True, timeout=30)
-    return out.stdout.splitlines()[0].strip() if out.stdout.strip() else ""
-
-
-def let_requeued_job_finish(job_id: str) -> None:
-    """Give the requeued job a long limit and start it without the backfill delay.
-
-    Slurm 22.05 leaves a requeued het job PENDING (reason None) ~100 s after its BeginTime
-    (cred_expire + 1 = 11 s) before backfill looks at it again; an update of its start time makes it
-    look at once. The longer limit makes the second allocation's length independent of machine speed.
-    """
-    wait_for(lambda: job_state(job_id).startswith("PENDING"), 120, "the job to be requeued")
-    subprocess.run(["scontrol", "update", f"jobid={job_id}", "timelimit=15"], check=True, timeout=30)
-    wait_for(lambda: job_state(job_id) != "PENDING BeginTime", 60, "the requeued job's begin time")
-    deadline = time.monotonic() + 60
-    while job_state(job_id).startswith("PENDING") and time.monotonic() < deadline:
-        subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False, timeout=30,
-                       capture_output=True)
-        time.sleep(3)
-
-
 def test_time_limit_checkpoint_requeue_resume(run_dir: Path) -> None:
     """A 2-minute limit: USR2 -> save at a rollout boundary -> requeue -> resume -> all rollouts done once.
 
@@ -106,7 +83,7 @@ def test_time_limit_checkpoint_requeue_resume(run_dir: Path) -> None:
         first_allocation = int(match.group(1))
         num_rollout = first_allocation + 3
         set_num_rollout(run_dir, num_rollout)
-        let_requeued_job_finish((run_dir / "slurm_job_id").read_text().strip())
+        let_requeued_job_finish((run_dir / "slurm_job_id").read_text().strip(), time_limit_minutes=15)
         output, _ = process.communicate(timeout=600)
     finally:
         if process.poll() is None:
