@@ -20,12 +20,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.slurm.fault_runs import TABLE_HEADER, FaultOutcome, kill_trainer_rank  # noqa: E402
+from tests.slurm.fault_runs import TABLE_HEADER, FaultOutcome, kill_controller, kill_trainer_rank  # noqa: E402
 
 SCENARIOS: dict[str, Callable[[Path], FaultOutcome]] = {
     "trainer-rank-restart": lambda run_dir: kill_trainer_rank(run_dir, rank=1, max_restarts=1, num_rollout=5),
     "trainer-rank-no-restart": lambda run_dir: kill_trainer_rank(run_dir, rank=0, max_restarts=0, num_rollout=30,
                                                                  after_rollouts=1),
+    "controller-requeue": lambda run_dir: kill_controller(run_dir, max_restarts=1, num_rollout=5),
+    "controller-no-restart": lambda run_dir: kill_controller(run_dir, max_restarts=0, num_rollout=30,
+                                                             after_rollouts=1),
 }
 
 

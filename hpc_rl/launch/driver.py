@@ -33,6 +33,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -73,9 +74,16 @@ SGLANG_API_KEY_FILE = "sglang_api_key.yaml"
 """In the run dir, 0600: the engine key for SGLang's `--config` (written by the driver)."""
 
 
+JOB_PORT_SLOTS = 300
+"""Slurm jobs whose ids differ by less than this never share a planned port (15000 + slot * 50 stays
+below 30000, under Linux's ephemeral range, where free_port's replacements come from)."""
+
+
 @dataclass
 class PortPlan:
-    """Ports of this job's servers: free ones locally; topology ports + a per-job offset on Slurm."""
+    """Ports of this job's servers: free ones locally; on Slurm the topology's ports shifted by the job's
+    slot (job id % JOB_PORT_SLOTS, 50 ports each), and any of those found in use on the driver's own node
+    (a port squatter, another program) replaced by a free one before anything binds."""
 
     controller: int
     router: int
@@ -87,10 +95,43 @@ class PortPlan:
     def for_job(cls, topology: JobTopology, *, local: bool) -> "PortPlan":
         if local:
             return cls(free_port(), free_port(), free_port(), free_port(), [free_port() for _ in topology.engines])
-        offset = (int(os.environ.get("SLURM_JOB_ID", "0")) % 400) * 50
+        offset = (int(os.environ.get("SLURM_JOB_ID", "0")) % JOB_PORT_SLOTS) * 50
         return cls(topology.controller_port + offset, topology.router_port + offset,
                    topology.router_metrics_port + offset, topology.rendezvous_port + offset,
                    [e.port + offset for e in topology.engines])
+
+    def avoiding_busy(self, host: str, engine_hosts: list[str]) -> "PortPlan":
+        """This plan with each port that is in use on `host` replaced by a free one (engines only when
+        they run on `host`: a remote node's ports cannot be probed from here; see Driver.start_engine)."""
+
+        def checked(name: str, port: int) -> int:
+            if not port_in_use(host, port):
+                return port
+            replacement = free_port(host)
+            log.warning("port %d on %s (%s) is in use; using %d instead", port, host, name, replacement)
+            return replacement
+
+        return PortPlan(checked("controller", self.controller), checked("router", self.router),
+                        checked("router metrics", self.router_metrics), checked("rendezvous", self.rendezvous),
+                        [checked(f"engine {i}", port) if engine_hosts[i] == host else port
+                         for i, port in enumerate(self.engines)])
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether binding `host:port` fails now (something listens there, or binds it without SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def bind_failed(log_text: str) -> bool:
+    """A server's log says its port was taken (Python, aiohttp, Rust and SGLang wordings)."""
+    text = log_text.lower()
+    return "address already in use" in text or "errno 98" in text or "eaddrinuse" in text
 
 
 def sglang_api_key_path(config: RunConfig) -> Path:
@@ -161,6 +202,9 @@ class Driver:
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.host = launcher.node_address(0, 0)
+        if not local:
+            engine_hosts = [launcher.node_address(e.het_group, e.node_index) for e in self.topology.engines]
+            self.ports = self.ports.avoiding_busy(self.host, engine_hosts)
         self.engine_steps: dict[int, StepHandle] = {}
         self.trainer_step: StepHandle | None = None
         self.router: RouterProcess | None = None
@@ -177,7 +221,7 @@ class Driver:
         """The job's engine api key (set in `run` from the secret). Never log it."""
 
     # -- engines -------------------------------------------------------------------------------------------
-    async def start_engine(self, index: int) -> str:
+    async def start_engine(self, index: int, *, retry_on_bind_failure: int = 2) -> str:
         placement = self.topology.engines[index]
         host = self.launcher.node_address(placement.het_group, placement.node_index)
         port = self.ports.engines[index]
@@ -197,7 +241,15 @@ class Driver:
             overlap=self.topology.colocate, log_path=log_path))
         self.engine_steps[index] = step
         url = f"http://{host}:{port}"
-        await _wait_healthy(url, step, 600.0, log_path, self.engine_key)
+        try:
+            await _wait_healthy(url, step, 600.0, log_path, self.engine_key)
+        except RuntimeError:
+            if step.poll() is None or not bind_failed(log_tail(log_path)) or retry_on_bind_failure <= 0:
+                raise
+            self.ports.engines[index] = free_port(host if host == self.host else "0.0.0.0")
+            log.warning("engine %d could not bind port %d on %s; retrying on port %d", index, port, host,
+                        self.ports.engines[index])
+            return await self.start_engine(index, retry_on_bind_failure=retry_on_bind_failure - 1)
         return url
 
     async def restart_engine(self, index: int) -> str:
@@ -248,7 +300,9 @@ class Driver:
             run.result()
         except Exception as error:
             if _is_trainer_failure(error):
-                raise _trainer_failed(await self.explain_trainer_failure(str(error))) from error
+                explained = _trainer_failed(await self.explain_trainer_failure(str(error)))
+                self.controller.last_error = f"TrainerFailed: {explained}"  # what status.json shows
+                raise explained from error
             raise
         code = await asyncio.to_thread(self.trainer_step.wait, 120.0)
         if code != 0:

@@ -152,7 +152,7 @@ def render_slurm_dry_run(config: RunConfig) -> str:
     folder = submitit_folder(run_dir)
     lines = [f"# sbatch script submitit would write to {folder}/ and submit (a dry run writes nothing)",
              render_batch_script(config, topology, folder=folder, python=guarded_python(run_dir)).rstrip("\n"),
-             "", "# job steps the driver starts inside the allocation (ports shift by job id % 400 * 50)"]
+             "", "# job steps the driver starts inside the allocation (ports shift by job id % 300 * 50; any in use on the driver's node are replaced)"]
     het_job = len(topology.groups) > 1
     for spec in planned_steps(config, topology, run_dir):
         nodelist = [f"<node {spec.node_index} of het group {spec.het_group}>"] if spec.node_index is not None else None

@@ -76,6 +76,17 @@ def _resolve(path: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module_name), attribute)  # type: ignore[no-any-return]
 
 
+def _last_error(run_dir: str) -> str:
+    """': <the run's last error>' from its status.json (what `--wait` then prints), or ''."""
+    import json
+
+    try:
+        error = json.loads((Path(run_dir) / "status.json").read_text()).get("last_error") or ""
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f": {str(error).splitlines()[0]}" if error else ""
+
+
 @dataclass
 class HetJobDriver:
     """The callable submitit runs in the batch step: the driver of the run in `run_dir`.
@@ -114,7 +125,7 @@ class HetJobDriver:
         if wants_requeue and callable(submitit_handler):
             submitit_handler(signal.SIGUSR2, None)  # checkpoint() + scontrol requeue + exit; or raises
         if code != 0:
-            raise RuntimeError(f"the driver of {self.run_dir} exited with status {code}")
+            raise RuntimeError(f"the driver of {self.run_dir} exited with status {code}{_last_error(self.run_dir)}")
         return code
 
     def checkpoint(self) -> DelayedSubmission:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -102,7 +103,9 @@ def measure(fault: str, run_dir: Path, process: subprocess.Popen[str], num_rollo
     per_rollout = max((len(r["sample_indices"]) for r in rows), default=0)
     missing_rollouts = set(range(num_rollout)) - set(ids)
     recover = _first_rollout_after(run_dir, fault_at)
-    wait_for(lambda: processes_mentioning(str(run_dir)) == [], 60, "every process of the job to end")
+    deadline = time.monotonic() + 60  # Slurm's KillWait is 5 s: what is still alive after 60 s was left behind
+    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
     status = subprocess.run([sys.executable, "-m", "hpc_rl.status", str(run_dir)], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
     return FaultOutcome(fault=fault, exit_code=process.returncode, output=output, num_rollout=num_rollout,
@@ -188,3 +191,45 @@ def kill_controller(run_dir: Path, *, max_restarts: int = 1, num_rollout: int = 
         let_requeued_job_finish((run_dir / "slurm_job_id").read_text().strip())
     return measure(f"controller (driver) SIGKILL, max_restarts={max_restarts}", run_dir, process, num_rollout,
                    fault_at)
+
+
+def planned_ports(job_id: str) -> list[int]:
+    """The controller, router and engine-0 ports the driver of `job_id` plans (before replacing busy ones)."""
+    from hpc_rl.launch.driver import JOB_PORT_SLOTS
+    from hpc_rl.launch.topology import DEFAULT_BASE_PORT
+
+    base = DEFAULT_BASE_PORT + (int(job_id) % JOB_PORT_SLOTS) * 50
+    return [base, base + 1, base + 10]
+
+
+def two_jobs_and_a_port_squatter(run_dir: Path, *, num_rollout: int = 4) -> list[FaultOutcome]:
+    """Two jobs on the same nodes at once, with a squatter listening on ports each one plans to use.
+
+    Both are submitted held back (--begin=now+300), the squatter binds their planned ports, then both
+    are released together (the test does not race the jobs' start-up)."""
+    run_dirs = [run_dir / "job-a", run_dir / "job-b"]
+    processes = []
+    for path in run_dirs:
+        path.mkdir()
+        processes.append(submit(path, num_rollout, "--set", 'slurm.extra_sbatch=["--begin=now+300"]'))
+    wait_for(lambda: all((p / "slurm_job_id").exists() for p in run_dirs), 120, "both submissions")
+    job_ids = [(p / "slurm_job_id").read_text().strip() for p in run_dirs]
+    squatters = []
+    try:
+        for port in [port for job_id in job_ids for port in planned_ports(job_id)]:
+            squatter = socket.socket()
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            squatters.append(squatter)
+        fault_at = time.time()
+        for job_id in job_ids:
+            subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=True, timeout=30)
+        wait_for(lambda: all(job_state(j).startswith("RUNNING") for j in job_ids), 180, "both jobs running at once")
+        return [measure(f"two jobs at once + port squatter ({path.name})", path, process, num_rollout, fault_at)
+                for path, process in zip(run_dirs, processes)]
+    finally:
+        for squatter in squatters:
+            squatter.close()
+        for process in processes:
+            if process.poll() is None:
+                process.kill()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.fault_runs import kill_controller, kill_trainer_rank
+from tests.slurm.fault_runs import kill_controller, kill_trainer_rank, two_jobs_and_a_port_squatter
 
 pytestmark = pytest.mark.slurm
 
@@ -42,3 +42,13 @@ def test_controller_killed_the_job_is_requeued_and_resumes(run_dir: Path) -> Non
     controller_log = (run_dir / "logs" / "controller.log").read_text()
     assert "the driver (controller) was killed by SIGKILL; requeuing job" in controller_log
     assert "resuming at rollout" in controller_log
+
+
+def test_two_jobs_share_the_nodes_and_a_port_squatter_is_avoided(run_dir: Path) -> None:
+    outcomes = two_jobs_and_a_port_squatter(run_dir, num_rollout=4)
+    for outcome, name in zip(outcomes, ("job-a", "job-b")):
+        assert outcome.exit_code == 0, outcome.output[-3000:]
+        assert outcome.rollout_ids == list(range(4))
+        assert (outcome.samples_lost, outcome.samples_duplicated) == (0, 0)
+        assert outcome.left_behind == []
+        assert "is in use; using" in (run_dir / name / "logs" / "controller.log").read_text()
