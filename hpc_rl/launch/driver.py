@@ -104,15 +104,17 @@ class PortPlan:
         """This plan with each port that is in use on `host` replaced by a free one (engines only when
         they run on `host`: a remote node's ports cannot be probed from here; see Driver.start_engine)."""
 
-        def checked(name: str, port: int) -> int:
-            if not port_in_use(host, port):
+        def checked(name: str, port: int, on: str = host) -> int:
+            if not port_in_use(on, port):
                 return port
-            replacement = free_port(host)
-            log.warning("port %d on %s (%s) is in use; using %d instead", port, host, name, replacement)
+            replacement = free_port(on)
+            log.warning("port %d on %s (%s) is in use; using %d instead", port, on, name, replacement)
             return replacement
 
-        return PortPlan(checked("controller", self.controller), checked("router", self.router),
-                        checked("router metrics", self.router_metrics), checked("rendezvous", self.rendezvous),
+        # the router listens on loopback (its only client is the controller in this process)
+        return PortPlan(checked("controller", self.controller), checked("router", self.router, "127.0.0.1"),
+                        checked("router metrics", self.router_metrics, "127.0.0.1"),
+                        checked("rendezvous", self.rendezvous),
                         [checked(f"engine {i}", port) if engine_hosts[i] == host else port
                          for i, port in enumerate(self.engines)])
 
