@@ -421,6 +421,8 @@ class ControllerConfig:
     """Seconds before a generate request is considered hung."""
     max_engine_restarts: int = 3
     """Restarts of a failed engine before the run fails."""
+    max_restarts: int = 0
+    """Restarts of the whole run from its last checkpoint after a trainer rank dies (0: fail at once)."""
 
 
 @dataclass(kw_only=True)

@@ -89,6 +89,8 @@ class Controller:
         self.last_error = ""
         self.outcome = "running"
         """'running' until the run ends: then 'finished', 'failed' or 'stopped' (what status.json keeps)."""
+        self.restarts: list[dict[str, Any]] = []
+        """Earlier attempts of this job that failed and were restarted by the driver (max_restarts)."""
         self._status_task: asyncio.Task[None] | None = None
         self._status_write_failing = False
 
@@ -277,6 +279,7 @@ class Controller:
             "components": self._components(),
             "engine_events": self.fleet.events[-20:],
             "last_error": self.last_error or (str(self.channel.failure) if self.channel.failure else ""),
+            "restarts": self.restarts,
             "updated_at": time.time(),
         }
 

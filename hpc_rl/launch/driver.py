@@ -33,6 +33,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from hpc_rl.engines.sglang_launch import (
 )
 from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
+from hpc_rl.launch.trainer_exit import describe_trainer_exit
 from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
 from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
 from hpc_rl.telemetry.run_files import RunLogFileHandler
@@ -73,9 +75,16 @@ SGLANG_API_KEY_FILE = "sglang_api_key.yaml"
 """In the run dir, 0600: the engine key for SGLang's `--config` (written by the driver)."""
 
 
+JOB_PORT_SLOTS = 300
+"""Slurm jobs whose ids differ by less than this never share a planned port (15000 + slot * 50 stays
+below 30000, under Linux's ephemeral range, where free_port's replacements come from)."""
+
+
 @dataclass
 class PortPlan:
-    """Ports of this job's servers: free ones locally; topology ports + a per-job offset on Slurm."""
+    """Ports of this job's servers: free ones locally; on Slurm the topology's ports shifted by the job's
+    slot (job id % JOB_PORT_SLOTS, 50 ports each), and any of those found in use on the driver's own node
+    (a port squatter, another program) replaced by a free one before anything binds."""
 
     controller: int
     router: int
@@ -87,10 +96,45 @@ class PortPlan:
     def for_job(cls, topology: JobTopology, *, local: bool) -> "PortPlan":
         if local:
             return cls(free_port(), free_port(), free_port(), free_port(), [free_port() for _ in topology.engines])
-        offset = (int(os.environ.get("SLURM_JOB_ID", "0")) % 400) * 50
+        offset = (int(os.environ.get("SLURM_JOB_ID", "0")) % JOB_PORT_SLOTS) * 50
         return cls(topology.controller_port + offset, topology.router_port + offset,
                    topology.router_metrics_port + offset, topology.rendezvous_port + offset,
                    [e.port + offset for e in topology.engines])
+
+    def avoiding_busy(self, host: str, engine_hosts: list[str]) -> "PortPlan":
+        """This plan with each port that is in use on `host` replaced by a free one (engines only when
+        they run on `host`: a remote node's ports cannot be probed from here; see Driver.start_engine)."""
+
+        def checked(name: str, port: int, on: str = host) -> int:
+            if not port_in_use(on, port):
+                return port
+            replacement = free_port(on)
+            log.warning("port %d on %s (%s) is in use; using %d instead", port, on, name, replacement)
+            return replacement
+
+        # the router listens on loopback (its only client is the controller in this process)
+        return PortPlan(checked("controller", self.controller), checked("router", self.router, "127.0.0.1"),
+                        checked("router metrics", self.router_metrics, "127.0.0.1"),
+                        checked("rendezvous", self.rendezvous),
+                        [checked(f"engine {i}", port) if engine_hosts[i] == host else port
+                         for i, port in enumerate(self.engines)])
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether binding `host:port` fails now (something listens there, or binds it without SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def bind_failed(log_text: str) -> bool:
+    """A server's log says its port was taken (Python, aiohttp, Rust and SGLang wordings)."""
+    text = log_text.lower()
+    return "address already in use" in text or "errno 98" in text or "eaddrinuse" in text
 
 
 def sglang_api_key_path(config: RunConfig) -> Path:
@@ -163,11 +207,18 @@ class Driver:
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.host = launcher.node_address(0, 0)
+        if not local:
+            engine_hosts = [launcher.node_address(e.het_group, e.node_index) for e in self.topology.engines]
+            self.ports = self.ports.avoiding_busy(self.host, engine_hosts)
         self.engine_steps: dict[int, StepHandle] = {}
         self.trainer_step: StepHandle | None = None
         self.router: RouterProcess | None = None
         self.controller: Controller | None = None
         self.requeue_requested = False
+        self.failure: Exception | None = None
+        """What ended the run, when it failed (run_driver decides on a restart from it)."""
+        self.restarts: list[dict[str, Any]] = []
+        """Earlier attempts of this job that failed and were restarted (shown in status.json)."""
         self.run_task: asyncio.Task[dict[str, object]] | None = None
         """The controller's run while `run` waits on it; if `run` is interrupted, `shutdown` stops it."""
         self._engine_failures: dict[int, asyncio.Task[None]] = {}
@@ -175,7 +226,7 @@ class Driver:
         """The job's engine api key (set in `run` from the secret). Never log it."""
 
     # -- engines -------------------------------------------------------------------------------------------
-    async def start_engine(self, index: int) -> str:
+    async def start_engine(self, index: int, *, retry_on_bind_failure: int = 2) -> str:
         placement = self.topology.engines[index]
         host = self.launcher.node_address(placement.het_group, placement.node_index)
         port = self.ports.engines[index]
@@ -197,7 +248,15 @@ class Driver:
             overlap=self.topology.colocate, log_path=log_path))
         self.engine_steps[index] = step
         url = f"http://{host}:{port}"
-        await _wait_healthy(url, step, 600.0, log_path, self.engine_key)
+        try:
+            await _wait_healthy(url, step, 600.0, log_path, self.engine_key)
+        except RuntimeError:
+            if step.poll() is None or not bind_failed(log_tail(log_path)) or retry_on_bind_failure <= 0:
+                raise
+            self.ports.engines[index] = free_port(host if host == self.host else "0.0.0.0")
+            log.warning("engine %d could not bind port %d on %s; retrying on port %d", index, port, host,
+                        self.ports.engines[index])
+            return await self.start_engine(index, retry_on_bind_failure=retry_on_bind_failure - 1)
         return url
 
     async def restart_engine(self, index: int) -> str:
@@ -219,7 +278,9 @@ class Driver:
         self.controller = Controller(self.config, secret=secret, router=self.router, router_url=self.router.url,
                                      restart_engine=self.restart_engine, host=self.host, port=self.ports.controller,
                                      api_key=self.engine_key)
+        self.controller.restarts = self.restarts
         await self.controller.start()
+        self._apply_requeue_request()
         urls = await asyncio.gather(*(self.start_engine(i) for i in range(len(self.topology.engines))))
         for index, url in enumerate(urls):
             await self.controller.register_engine(index, url, tp_size=self.config.cluster.rollout_num_gpus_per_engine)
@@ -242,16 +303,49 @@ class Driver:
             await asyncio.wait({run}, timeout=1.0)
             self._supervise(run)
         self.run_task = None  # its outcome is ours now: raised from here, not left to shutdown()
-        run.result()
+        try:
+            run.result()
+        except Exception as error:
+            if _is_trainer_failure(error):
+                explained = _trainer_failed(await self.explain_trainer_failure(str(error)))
+                self.controller.last_error = f"TrainerFailed: {explained}"  # what status.json shows
+                raise explained from error
+            raise
         code = await asyncio.to_thread(self.trainer_step.wait, 120.0)
         if code != 0:
             raise RuntimeError(f"the trainer exited with code {code} after the run; see {self.logs / 'trainer.log'}")
         return EXIT_REQUEUE if self.controller.loop and self.controller.loop.stopped_for_requeue else EXIT_OK
 
+    async def explain_trainer_failure(self, seen_by_controller: str, wait_s: float = 30.0) -> str:
+        """Which rank died and how (torchrun's report, once the step has exited: it stops the other
+        ranks first), then what the controller saw."""
+        step = self.trainer_step
+        if step is None:
+            return seen_by_controller
+        deadline = time.monotonic() + wait_s
+        while step.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        how = describe_trainer_exit(step.poll(), self.logs / "trainer.log", self.trainer_node_names())
+        return f"{how}; the controller saw: {seen_by_controller}; log: {self.logs / 'trainer.log'}"
+
+    def trainer_node_names(self) -> list[str] | None:
+        hostnames = getattr(self.launcher, "hostnames", None)
+        if hostnames is None:
+            return None
+        try:
+            return list(hostnames(0))
+        except (RuntimeError, OSError, ValueError):
+            return None
+
     def request_checkpoint(self) -> None:
-        """USR2 (time limit or preemption ahead): save at the next rollout boundary, then stop for requeue."""
-        if self.controller is not None and self.controller.loop is not None:
-            log.warning("checkpoint-and-requeue requested")
+        """USR2 (time limit or preemption ahead): save at the next rollout boundary, then stop for requeue.
+        A USR2 that arrives before the controller's loop exists (Slurm may signal early) is kept for it."""
+        log.warning("checkpoint-and-requeue requested")
+        self.requeue_requested = True
+        self._apply_requeue_request()
+
+    def _apply_requeue_request(self) -> None:
+        if self.requeue_requested and self.controller is not None and self.controller.loop is not None:
             self.controller.loop.stop_requested = True
 
     def note_stopping(self) -> None:
@@ -263,7 +357,9 @@ class Driver:
         assert self.controller is not None and self.trainer_step is not None
         code = self.trainer_step.poll()
         if code is not None and not run.done() and self.controller.channel.failure is None:
-            self.controller.channel.fail(_trainer_exit_error(code, self.logs))
+            self.controller.channel.fail(_trainer_failed(
+                f"{describe_trainer_exit(code, self.logs / 'trainer.log', self.trainer_node_names())}; "
+                f"last lines of {self.logs / 'trainer.log'}:\n{log_tail(self.logs / 'trainer.log')}"))
         for index, task in list(self._engine_failures.items()):
             if task.done():
                 del self._engine_failures[index]
@@ -295,11 +391,16 @@ class Driver:
             await self.controller.close()
 
 
-def _trainer_exit_error(code: int, logs: Path):  # -> TrainerFailed
+def _trainer_failed(message: str):  # -> TrainerFailed
     from hpc_rl.controller.trainer_channel import TrainerFailed
 
-    return TrainerFailed(f"the trainer step exited with code {code}; last lines of {logs / 'trainer.log'}:\n"
-                         f"{log_tail(logs / 'trainer.log')}")
+    return TrainerFailed(message)
+
+
+def _is_trainer_failure(error: BaseException) -> bool:
+    from hpc_rl.controller.trainer_channel import TrainerFailed
+
+    return isinstance(error, TrainerFailed)
 
 
 def setup_logging(run_dir: Path, level: str) -> None:
@@ -316,37 +417,59 @@ def setup_logging(run_dir: Path, level: str) -> None:
 
 
 def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> int:
-    """Run the whole job; returns an exit code (see the module docstring)."""
-    driver = Driver(run_dir, launcher, local=local)
-    setup_logging(driver.run_dir, driver.config.logging.log_level)
+    """Run the whole job; returns an exit code (see the module docstring).
 
-    async def main() -> int:
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        def interrupt() -> None:
-            driver.note_stopping()
-            task.cancel()
+    A run that fails because a trainer rank died starts again from the last checkpoint, up to
+    `controller.max_restarts` times (every process of the failed attempt is stopped first); each
+    restart is printed, logged and listed in status.json under "restarts"."""
+    restarts: list[dict[str, Any]] = []
+    while True:
+        driver = Driver(run_dir, launcher, local=local)
+        if not restarts:
+            setup_logging(driver.run_dir, driver.config.logging.log_level)
+        driver.restarts = restarts
+        code = asyncio.run(_drive(driver))
+        limit = driver.config.controller.max_restarts
+        if code != EXIT_FAILED or driver.failure is None or not _is_trainer_failure(driver.failure):
+            return code
+        if len(restarts) >= limit:
+            if limit:
+                print(f"hpc_rl: no restart left (controller.max_restarts={limit} used)", file=sys.stderr, flush=True)
+            return code
+        restarts.append({"at": time.time(), "reason": str(driver.failure).split("\n")[0]})
+        message = (f"restarting from the last checkpoint (restart {len(restarts)} of {limit}) after: "
+                   f"{restarts[-1]['reason']}")
+        log.warning(message)
+        print(f"hpc_rl: {message}", file=sys.stderr, flush=True)
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, interrupt)
-        loop.add_signal_handler(signal.SIGUSR2, driver.request_checkpoint)
-        try:
-            return await driver.run()
-        except asyncio.CancelledError:
-            log.info("interrupted by a signal; stopping every process of the run")
-            print("hpc_rl: interrupted; stopping every process of the run", file=sys.stderr, flush=True)
-            return EXIT_INTERRUPTED
-        except Exception as error:
-            log.exception("run failed")
-            print(f"hpc_rl: the run failed: {error}", file=sys.stderr, flush=True)
-            return EXIT_FAILED
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2):
-                loop.remove_signal_handler(sig)
-            await driver.shutdown()
 
-    return asyncio.run(main())
+async def _drive(driver: Driver) -> int:
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+
+    def interrupt() -> None:
+        driver.note_stopping()
+        task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupt)
+    loop.add_signal_handler(signal.SIGUSR2, driver.request_checkpoint)
+    try:
+        return await driver.run()
+    except asyncio.CancelledError:
+        log.info("interrupted by a signal; stopping every process of the run")
+        print("hpc_rl: interrupted; stopping every process of the run", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except Exception as error:
+        driver.failure = error
+        log.exception("run failed")
+        print(f"hpc_rl: the run failed: {error}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2):
+            loop.remove_signal_handler(sig)
+        await driver.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

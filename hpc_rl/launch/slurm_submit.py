@@ -24,7 +24,7 @@ from hpc_rl.launch.submitit_het import (
     HetJobDriver,
     HetSlurmExecutor,
     HetSlurmJob,
-    exec_python,
+    guarded_python,
 )
 from hpc_rl.launch.topology import JobTopology, plan_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
@@ -34,7 +34,8 @@ EXIT_OK, EXIT_FAILED, EXIT_NOT_FINISHED, EXIT_INTERRUPTED = 0, 1, 3, 130
 
 def make_executor(config: RunConfig, topology: JobTopology) -> HetSlurmExecutor:
     """A submitit executor whose batch script is `render_batch_script(config, topology, ...)`."""
-    executor = HetSlurmExecutor(submitit_folder(config.run_dir), max_num_timeout=config.slurm.max_num_timeout)
+    executor = HetSlurmExecutor(submitit_folder(config.run_dir), max_num_timeout=config.slurm.max_num_timeout,
+                                python=guarded_python(config.run_dir))
     executor.update_parameters(**submitit_parameters(config, topology))
     return executor
 
@@ -150,8 +151,8 @@ def render_slurm_dry_run(config: RunConfig) -> str:
     run_dir = Path(config.run_dir or "<run_dir>")
     folder = submitit_folder(run_dir)
     lines = [f"# sbatch script submitit would write to {folder}/ and submit (a dry run writes nothing)",
-             render_batch_script(config, topology, folder=folder, python=exec_python()).rstrip("\n"),
-             "", "# job steps the driver starts inside the allocation (ports shift by job id % 400 * 50)"]
+             render_batch_script(config, topology, folder=folder, python=guarded_python(run_dir)).rstrip("\n"),
+             "", "# job steps the driver starts inside the allocation (ports shift by job id % 300 * 50; any in use on the driver's node are replaced)"]
     het_job = len(topology.groups) > 1
     for spec in planned_steps(config, topology, run_dir):
         nodelist = [f"<node {spec.node_index} of het group {spec.het_group}>"] if spec.node_index is not None else None

@@ -5,8 +5,9 @@ Owns the three fixes of notes/slurm.md on top of submitit 1.5.4 (which has no he
     by `sbatch_render` through `additional_parameters` and `setup` (`#SBATCH hetjob` + component 1);
 (2) `HetSlurmInfoWatcher` maps sacct's `ID+0` (the het leader's first component) to `ID`, so
     `job.state`, `job.done()` and `job.wait()` see RUNNING / COMPLETED / CANCELLED / TIMEOUT;
-(3) the batch script runs `exec <python>` and asks for `--signal=B:USR2@<s>`, so the driver itself
-    receives the time-limit / preemption warning.
+(3) the batch script runs `exec <python>` (through `hpc_rl.launch.batch_guard`, which forwards every
+    signal to the driver and notices a driver that dies) and asks for `--signal=B:USR2@<s>`, so the
+    driver receives the time-limit / preemption warning.
 Checkpoint-and-requeue stays submitit's: `HetJobDriver.checkpoint` returns the submission to re-run;
 the USR2 handler is only deferred until the driver has saved (see `HetJobDriver.__call__`).
 """
@@ -62,9 +63,28 @@ def exec_python(executable: str | None = None) -> str:
     return f"exec {shlex.quote(executable or sys.executable)}"
 
 
+def guarded_python(run_dir: str | Path, executable: str | None = None) -> str:
+    """`exec <python> -m hpc_rl.launch.batch_guard RUN_DIR -- <python>`: the batch step's process is the
+    guard (it gets Slurm's signals and forwards them); the driver is its child, so a driver that dies is
+    noticed and the job requeued or ended (see `hpc_rl.launch.batch_guard`)."""
+    python = shlex.quote(executable or sys.executable)
+    return f"exec {python} -m hpc_rl.launch.batch_guard {shlex.quote(str(run_dir))} -- {python}"
+
+
 def _resolve(path: str) -> Callable[..., Any]:
     module_name, _, attribute = path.partition(":")
     return getattr(importlib.import_module(module_name), attribute)  # type: ignore[no-any-return]
+
+
+def _last_error(run_dir: str) -> str:
+    """': <the run's last error>' from its status.json (what `--wait` then prints), or ''."""
+    import json
+
+    try:
+        error = json.loads((Path(run_dir) / "status.json").read_text()).get("last_error") or ""
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f": {str(error).splitlines()[0]}" if error else ""
 
 
 @dataclass
@@ -105,7 +125,7 @@ class HetJobDriver:
         if wants_requeue and callable(submitit_handler):
             submitit_handler(signal.SIGUSR2, None)  # checkpoint() + scontrol requeue + exit; or raises
         if code != 0:
-            raise RuntimeError(f"the driver of {self.run_dir} exited with status {code}")
+            raise RuntimeError(f"the driver of {self.run_dir} exited with status {code}{_last_error(self.run_dir)}")
         return code
 
     def checkpoint(self) -> DelayedSubmission:

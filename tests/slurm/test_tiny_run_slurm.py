@@ -5,17 +5,21 @@ Decoupled: trainer ranks on 2 virtual nodes (het group 0), the CPU engine on a t
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.integration.run_helpers import processes_mentioning, records, wait_for
+from tests.slurm.fault_runs import let_requeued_job_finish
 
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
+STOPPED_FOR_REQUEUE = re.compile(r"stopping after rollout (\d+) for requeue")
 
 
 def submit(run_dir: Path, *flags: str, wait: bool = True) -> subprocess.Popen[str]:
@@ -48,16 +52,47 @@ def test_scancel_mid_run_leaves_no_process(run_dir: Path) -> None:
     wait_for(lambda: processes_mentioning(str(run_dir)) == [], 90, "every process of the job to end")
 
 
+def submitit_logs(run_dir: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out"))
+
+
+def set_num_rollout(run_dir: Path, num_rollout: int) -> None:
+    """Change the run's length in its resolved config (what a requeued job reads when it starts again)."""
+    path = run_dir / "config.resolved.yaml"
+    resolved = yaml.safe_load(path.read_text())
+    resolved["rollout"]["num_rollout"] = num_rollout
+    path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+
+
 def test_time_limit_checkpoint_requeue_resume(run_dir: Path) -> None:
-    """A 2-minute limit: USR2 -> save at a rollout boundary -> requeue -> resume -> all rollouts done once."""
-    num_rollout = 150
-    process = submit(run_dir, "--num-rollout", str(num_rollout), "--rollout-max-response-len", "24",
-                     "--eval-interval", "1000", "--save", str(run_dir / "ckpt"),
+    """A 2-minute limit: USR2 -> save at a rollout boundary -> requeue -> resume -> all rollouts done once.
+
+    What it proves does not depend on the machine's speed: the run asks for far more rollouts than an
+    allocation can do; once the first allocation has stopped for requeue after rollout k (the time
+    limit's USR2), the run is shortened to k + 3 and the requeued job gets a 15-minute limit before it
+    starts, so the second allocation resumes at k and finishes.
+    """
+    process = submit(run_dir, "--num-rollout", "100000", "--rollout-max-response-len", "24",
+                     "--eval-interval", "100000", "--save", str(run_dir / "ckpt"),
                      "--set", "slurm.time=2", "--set", "slurm.requeue_signal_seconds=50")
-    output, _ = process.communicate(timeout=900)
+    try:
+        wait_for(lambda: STOPPED_FOR_REQUEUE.search(submitit_logs(run_dir)) or process.poll() is not None, 600,
+                 "the first allocation to stop for requeue")
+        match = STOPPED_FOR_REQUEUE.search(submitit_logs(run_dir))
+        assert match, f"the job ended without stopping for requeue:\n{submitit_logs(run_dir)[-3000:]}"
+        first_allocation = int(match.group(1))
+        num_rollout = first_allocation + 3
+        set_num_rollout(run_dir, num_rollout)
+        let_requeued_job_finish((run_dir / "slurm_job_id").read_text().strip(), time_limit_minutes=15)
+        output, _ = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            subprocess.run(["scancel", (run_dir / "slurm_job_id").read_text().strip()], check=False)
     assert process.returncode == 0, output[-3000:]
-    rows = records(run_dir)
-    ids = [r["rollout_id"] for r in rows]
+    ids = [r["rollout_id"] for r in records(run_dir)]
+    assert first_allocation >= 1
     assert sorted(set(ids)) == list(range(num_rollout)), "rollouts missing"
     assert len(ids) == num_rollout, "a rollout ran twice"
-    assert "stopping after rollout" in "".join(p.read_text() for p in (run_dir / "submitit").glob("*_log.out"))
+    assert f"resuming at rollout {first_allocation}" in (run_dir / "logs" / "controller.log").read_text()
+    assert len(STOPPED_FOR_REQUEUE.findall(submitit_logs(run_dir))) == 1

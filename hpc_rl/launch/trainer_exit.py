@@ -1,0 +1,80 @@
+"""What ended the trainer step, in one sentence: which rank, on which node, which signal or exit code.
+
+Owns: reading torchrun's failure report from the trainer step's log and the step's own exit code.
+When a rank fails, torchrun (with `--max-restarts=0`) stops the other ranks and prints a
+"Root Cause (first observed failure):" block with `rank`, `host` and `exitcode` (negative: killed by
+that signal). Under `srun --label` each line starts with the task's label (`1: `), which is the index of
+the trainer node the torchrun ran on; the driver passes the node names so the sentence can name it.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT_CAUSE = "Root Cause (first observed failure):"
+_FIELD = re.compile(r"^(?:(\d+):\s?)?\s*(rank|exitcode|host)\s*:\s*(.*?)\s*$")
+_LABEL = re.compile(r"^(\d+):")
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """torchrun's root cause: the first rank that failed."""
+
+    rank: int | None
+    exitcode: int | None
+    task_label: int | None
+    """srun's task label of the torchrun that reported it (the trainer node index), if labelled."""
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def exit_phrase(code: int) -> str:
+    """'was killed by signal 9 (SIGKILL)' for a negative code, 'exited with code 3' otherwise."""
+    if code < 0:
+        return f"was killed by signal {-code} ({signal_name(-code)})"
+    if code > 128 and code - 128 < 65:  # a shell or srun reports a signal death as 128 + N
+        return f"exited with code {code} (128 + {code - 128}: {signal_name(code - 128)})"
+    return f"exited with code {code}"
+
+
+def root_cause(log_text: str) -> RankFailure | None:
+    """The last root-cause block of torchrun's report in `log_text`, or None."""
+    start = log_text.rfind(ROOT_CAUSE)
+    if start < 0:
+        return None
+    first_line = log_text.rfind("\n", 0, start) + 1
+    label_match = _LABEL.match(log_text[first_line:start])
+    fields: dict[str, str] = {}
+    for line in log_text[start:].splitlines()[1:12]:
+        match = _FIELD.match(line)
+        if match and match.group(2) not in fields:
+            fields[match.group(2)] = match.group(3)
+    rank = re.match(r"-?\d+", fields.get("rank", ""))
+    code = re.match(r"-?\d+", fields.get("exitcode", ""))
+    return RankFailure(rank=int(rank.group()) if rank else None, exitcode=int(code.group()) if code else None,
+                       task_label=int(label_match.group(1)) if label_match else None)
+
+
+def describe_trainer_exit(step_code: int | None, log_path: Path, node_names: list[str] | None = None) -> str:
+    """One sentence on how the trainer step ended, e.g.
+    'trainer rank 1 (on node2) was killed by signal 9 (SIGKILL); the trainer step exited with code 1'."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        text = ""
+    step = "the trainer step is still running" if step_code is None else f"the trainer step {exit_phrase(step_code)}"
+    failure = root_cause(text)
+    if failure is None or failure.rank is None or failure.exitcode is None:
+        return f"{step} (torchrun named no failed rank; see {log_path})"
+    where = ""
+    if failure.task_label is not None and node_names and 0 <= failure.task_label < len(node_names):
+        where = f" (on {node_names[failure.task_label]})"
+    return f"trainer rank {failure.rank}{where} {exit_phrase(failure.exitcode)}; {step}"

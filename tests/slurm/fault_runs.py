@@ -1,0 +1,240 @@
+"""Fault scenarios on the local Slurm cluster, measured the same way by the tests and the reliability report.
+
+Each scenario submits the embedded default as a real het job (trainer ranks on 2 virtual nodes, the
+CPU engine on a third), injects one fault into a live run, waits for the job to end, and returns a
+`FaultOutcome`: samples lost and duplicated (from rollouts.jsonl: every rollout's trained sample
+indices), time from the fault to the next completed rollout, the job's exit, and the processes of
+the run left behind. `tests/slurm/test_faults_slurm.py` asserts on it; `benchmarks/bench_faults.py`
+prints the table.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.integration.run_helpers import processes_mentioning, records, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class FaultOutcome:
+    fault: str
+    exit_code: int
+    output: str
+    num_rollout: int
+    rollout_ids: list[int]
+    samples_lost: int
+    samples_duplicated: int
+    recover_seconds: float | None
+    """From the fault to the next rollout completed after it (None: none completed)."""
+    left_behind: list[str] = field(default_factory=list)
+    status: str = ""
+
+    def row(self) -> str:
+        recover = "-" if self.recover_seconds is None else f"{self.recover_seconds:.1f}"
+        return (f"| {self.fault} | {self.exit_code} | {len(set(self.rollout_ids))}/{self.num_rollout} | "
+                f"{self.samples_lost} | {self.samples_duplicated} | {recover} | {len(self.left_behind)} |")
+
+
+TABLE_HEADER = ("| fault | exit | rollouts done | samples lost | samples duplicated | recover s | processes left |\n"
+                "|---|---|---|---|---|---|---|")
+
+
+def submit(run_dir: Path, num_rollout: int, *flags: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "hpc_rl.submit", "configs/tiny_cpu.yaml", "--executor", "slurm",
+            "--run-dir", str(run_dir), "--actor-num-nodes", "2", "--num-rollout", str(num_rollout),
+            "--rollout-max-response-len", "24", "--eval-interval", "100000",
+            "--save", str(run_dir / "ckpt"), "--save-interval", "1", *flags, "--wait"]
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def pids_of(run_dir: Path, marker: str, environ: dict[str, str] | None = None) -> list[int]:
+    """Live processes whose command line has the run dir and `marker` (and the given environment)."""
+    found = []
+    for line in processes_mentioning(str(run_dir)):
+        pid_text, _, cmdline = line.partition(": ")
+        if marker not in cmdline:
+            continue
+        pid = int(pid_text)
+        if environ:
+            try:
+                env = dict(item.split("=", 1) for item in
+                           Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in item)
+            except OSError:
+                continue
+            if any(env.get(key) != value for key, value in environ.items()):
+                continue
+        found.append(pid)
+    return found
+
+
+def trainer_rank_pid(run_dir: Path, rank: int) -> int:
+    """The trainer rank's own process (torchrun's child, not torchrun or srun)."""
+    pids = [pid for pid in pids_of(run_dir, "-m hpc_rl.training", {"RANK": str(rank)})
+            if not any(agent in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                       for agent in ("torch.distributed.run", "bound_torchrun"))]
+    assert len(pids) == 1, f"expected one process of trainer rank {rank}, found {pids}"
+    return pids[0]
+
+
+def measure(fault: str, run_dir: Path, process: subprocess.Popen[str], num_rollout: int, fault_at: float,
+            timeout_s: float = 600) -> FaultOutcome:
+    """Wait for the submit process (--wait) to end, then read what the run wrote."""
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            job_id = run_dir / "slurm_job_id"
+            if job_id.exists():
+                subprocess.run(["scancel", job_id.read_text().strip()], check=False)
+    rows = records(run_dir)
+    ids = [r["rollout_id"] for r in rows]
+    indices = Counter(i for r in rows for i in r["sample_indices"])
+    per_rollout = max((len(r["sample_indices"]) for r in rows), default=0)
+    missing_rollouts = set(range(num_rollout)) - set(ids)
+    recover = _first_rollout_after(run_dir, fault_at)
+    deadline = time.monotonic() + 60  # Slurm's KillWait is 5 s: what is still alive after 60 s was left behind
+    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    try:  # what a user would see (slow to start on a loaded machine: it is reported, not asserted, here)
+        status = subprocess.run([sys.executable, "-m", "hpc_rl.status", str(run_dir)], cwd=REPO, capture_output=True,
+                                text=True, timeout=300)
+        status_text = status.stdout + status.stderr
+    except subprocess.TimeoutExpired:
+        status_text = "python -m hpc_rl.status did not answer within 300 s"
+    return FaultOutcome(fault=fault, exit_code=process.returncode, output=output, num_rollout=num_rollout,
+                        rollout_ids=ids, samples_lost=len(missing_rollouts) * per_rollout,
+                        samples_duplicated=sum(n - 1 for n in indices.values() if n > 1),
+                        recover_seconds=recover, left_behind=processes_mentioning(str(run_dir)),
+                        status=status_text)
+
+
+def _first_rollout_after(run_dir: Path, fault_at: float) -> float | None:
+    """Seconds from the fault to the first rollout record written after it (times from the controller log)."""
+    log = run_dir / "logs" / "controller.log"
+    if not log.exists():
+        return None
+    for line in log.read_text(errors="replace").splitlines():
+        if " generated in " not in line:
+            continue
+        try:
+            stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        except ValueError:
+            continue
+        if stamp > fault_at:
+            return stamp - fault_at
+    return None
+
+
+def kill_trainer_rank(run_dir: Path, *, rank: int = 1, max_restarts: int = 1, num_rollout: int = 5,
+                      after_rollouts: int = 2) -> FaultOutcome:
+    """SIGKILL one trainer rank after `after_rollouts` rollouts; the run restarts from its last checkpoint."""
+    process = submit(run_dir, num_rollout, "--set", f"controller.max_restarts={max_restarts}")
+    wait_for(lambda: len(records(run_dir)) >= after_rollouts or process.poll() is not None, 600,
+             f"{after_rollouts} rollouts")
+    pid = trainer_rank_pid(run_dir, rank)
+    fault_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return measure(f"trainer rank {rank} SIGKILL, max_restarts={max_restarts}", run_dir, process, num_rollout, fault_at)
+
+
+def job_state(job_id: str) -> str:
+    """'PENDING None', 'RUNNING None', ... of the job's first component ('' once Slurm has forgotten it)."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True, timeout=30)
+    return out.stdout.splitlines()[0].strip() if out.stdout.strip() else ""
+
+
+def let_requeued_job_finish(job_id: str, *, time_limit_minutes: int | None = None) -> None:
+    """Once the job is requeued: optionally give it a longer limit, and start it without backfill's delay.
+
+    Slurm 22.05 leaves a requeued het job PENDING (reason None) ~100 s after its BeginTime
+    (cred_expire + 1 = 11 s) before backfill looks at it again; an update of its start time makes it
+    look at once. A longer limit makes the next allocation's length independent of machine speed.
+    """
+    wait_for(lambda: job_state(job_id).startswith("PENDING"), 300, "the job to be requeued")
+    if time_limit_minutes is not None:
+        subprocess.run(["scontrol", "update", f"jobid={job_id}", f"timelimit={time_limit_minutes}"], check=True,
+                       timeout=30)
+    wait_for(lambda: job_state(job_id) != "PENDING BeginTime", 60, "the requeued job's begin time")
+    deadline = time.monotonic() + 60
+    while job_state(job_id).startswith("PENDING") and time.monotonic() < deadline:
+        subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False, timeout=30,
+                       capture_output=True)
+        time.sleep(3)
+
+
+def driver_pid(run_dir: Path) -> int:
+    """The driver (submitit's _submit running HetJobDriver: the controller is in it), not the batch guard."""
+    pids = [pid for pid in pids_of(run_dir, "-m submitit.core._submit")
+            if "batch_guard" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+    assert len(pids) == 1, f"expected one driver process, found {pids}"
+    return pids[0]
+
+
+def kill_controller(run_dir: Path, *, max_restarts: int = 1, num_rollout: int = 5,
+                    after_rollouts: int = 2) -> FaultOutcome:
+    """SIGKILL the driver (the controller's process) after `after_rollouts` rollouts; the batch guard
+    requeues the job (max_restarts > 0), which resumes from its last checkpoint."""
+    process = submit(run_dir, num_rollout, "--set", f"controller.max_restarts={max_restarts}")
+    wait_for(lambda: len(records(run_dir)) >= after_rollouts or process.poll() is not None, 600,
+             f"{after_rollouts} rollouts")
+    pid = driver_pid(run_dir)
+    fault_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    if max_restarts:
+        let_requeued_job_finish((run_dir / "slurm_job_id").read_text().strip())
+    return measure(f"controller (driver) SIGKILL, max_restarts={max_restarts}", run_dir, process, num_rollout,
+                   fault_at)
+
+
+def planned_ports(job_id: str) -> list[int]:
+    """The controller, router and engine-0 ports the driver of `job_id` plans (before replacing busy ones)."""
+    from hpc_rl.launch.driver import JOB_PORT_SLOTS
+    from hpc_rl.launch.topology import DEFAULT_BASE_PORT
+
+    base = DEFAULT_BASE_PORT + (int(job_id) % JOB_PORT_SLOTS) * 50
+    return [base, base + 1, base + 10]
+
+
+def two_jobs_and_a_port_squatter(run_dir: Path, *, num_rollout: int = 4) -> list[FaultOutcome]:
+    """Two jobs on the same nodes at once, with a squatter listening on ports each one plans to use.
+
+    Both are submitted held back (--begin=now+300), the squatter binds their planned ports, then both
+    are released together (the test does not race the jobs' start-up)."""
+    run_dirs = [run_dir / "job-a", run_dir / "job-b"]
+    processes = []
+    for path in run_dirs:
+        path.mkdir()
+        processes.append(submit(path, num_rollout, "--set", 'slurm.extra_sbatch=["--begin=now+300"]'))
+    wait_for(lambda: all((p / "slurm_job_id").exists() for p in run_dirs), 120, "both submissions")
+    job_ids = [(p / "slurm_job_id").read_text().strip() for p in run_dirs]
+    squatters = []
+    try:
+        for port in [port for job_id in job_ids for port in planned_ports(job_id)]:
+            squatter = socket.socket()
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            squatters.append(squatter)
+        fault_at = time.time()
+        for job_id in job_ids:
+            subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=True, timeout=30)
+        wait_for(lambda: all(job_state(j).startswith("RUNNING") for j in job_ids), 180, "both jobs running at once")
+        return [measure(f"two jobs at once + port squatter ({path.name})", path, process, num_rollout, fault_at)
+                for path, process in zip(run_dirs, processes)]
+    finally:
+        for squatter in squatters:
+            squatter.close()
+        for process in processes:
+            if process.poll() is None:
+                process.kill()

@@ -1,0 +1,54 @@
+"""The Slurm port plan: per-job slots, and ports in use on the driver's node replaced before anything binds."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from hpc_rl.config.schema import ClusterConfig
+from hpc_rl.launch.driver import JOB_PORT_SLOTS, PortPlan, bind_failed, port_in_use
+from hpc_rl.launch.topology import plan_topology
+
+
+def slurm_plan(monkeypatch: pytest.MonkeyPatch, job_id: int) -> PortPlan:
+    monkeypatch.setenv("SLURM_JOB_ID", str(job_id))
+    return PortPlan.for_job(plan_topology(ClusterConfig(actor_num_nodes=2, rollout_num_gpus=2)), local=False)
+
+
+def ports(plan: PortPlan) -> set[int]:
+    return {plan.controller, plan.router, plan.router_metrics, plan.rendezvous, *plan.engines}
+
+
+def test_neighbouring_jobs_share_no_port_and_stay_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    plans = [slurm_plan(monkeypatch, job_id) for job_id in range(1, JOB_PORT_SLOTS + 1)]
+    for a, b in zip(plans, plans[1:]):
+        assert not ports(a) & ports(b)
+    assert max(max(ports(p)) for p in plans) < 32768
+
+
+def test_a_squatted_port_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = slurm_plan(monkeypatch, 7)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", plan.controller))
+        squatter.listen()
+        assert port_in_use("127.0.0.1", plan.controller)
+        moved = plan.avoiding_busy("127.0.0.1", ["127.0.0.1"] * len(plan.engines))
+    assert moved.controller != plan.controller
+    assert (moved.router, moved.rendezvous, moved.engines) == (plan.router, plan.rendezvous, plan.engines)
+
+
+def test_remote_engine_ports_are_left_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = slurm_plan(monkeypatch, 9)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", plan.engines[0]))
+        squatter.listen()
+        assert plan.avoiding_busy("127.0.0.1", ["10.0.0.2"] * len(plan.engines)).engines == plan.engines
+        assert plan.avoiding_busy("127.0.0.1", ["127.0.0.1"] * len(plan.engines)).engines[0] != plan.engines[0]
+
+
+def test_bind_failure_wordings() -> None:
+    assert bind_failed("OSError: [Errno 98] error while attempting to bind on address ('127.0.0.1', 15010): "
+                       "address already in use")
+    assert bind_failed("Error: Os { code: 98, kind: AddrInUse, message: \"Address already in use\" }")
+    assert not bind_failed("RuntimeError: CUDA out of memory")
