@@ -127,7 +127,7 @@ def build_config(run_dir: Path, engines: int, mode: str, args: argparse.Namespac
             handle.write(json.dumps({"prompt": f"add {row % 10} + {row // 10 % 10} =", "label": "1"}) + "\n")
     config = load_config([RECIPE])
     n = config.rollout.n_samples_per_prompt
-    groups = max(1, args.samples_per_engine * engines // n)
+    groups = max(1, min(args.samples_per_engine * engines, args.max_samples_per_rollout) // n)
     cluster = config.cluster
     cluster.colocate = False
     cluster.rollout_num_gpus = engines * cluster.rollout_num_gpus_per_engine
@@ -190,24 +190,28 @@ async def router_latency(session: aiohttp.ClientSession, router_url: str, engine
 
 
 async def abort_all_latency(controller: Controller, session: aiohttp.ClientSession, sim_url: str,
-                            engines: int, fill: int, model: EngineModel) -> float:
+                            engines: int, fill: int, model: EngineModel, result: ModeResult) -> float:
     """Fill every engine with `fill` long requests (through the router), then time abort_all until all returned."""
     client = controller.client
     assert client is not None
     stopped = asyncio.Event()
 
     async def one(index: int) -> None:
-        payload = {"rid": f"fill-{index}", "input_ids": [1, 2, 3],
+        payload = {"rid": f"fill-{index}", "input_ids": [index % 9973, index // 9973, 3],
                    "sampling_params": {"max_new_tokens": model.max_wire_response_len, "ignore_eos": True},
                    "return_logprob": True}
         await client.generate(payload, stopped=stopped)
 
     tasks = [asyncio.create_task(one(i)) for i in range(engines * fill)]
     deadline = time.monotonic() + 120
-    while (await fleet_stats(session, sim_url))["running"] < engines * fill * 0.95:
+    while True:
+        stats = await fleet_stats(session, sim_url)
+        if stats["running"] + stats["waiting"] >= engines * fill * 0.95:
+            break
         if time.monotonic() > deadline or all(t.done() for t in tasks):
             raise RuntimeError("abort-all probe: the engines never held the fill requests")
         await asyncio.sleep(0.2)
+    result.extra["abort_probe_running"] = stats["running"]
     start = time.perf_counter()
     await client.abort_all()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -239,14 +243,19 @@ def sync_critical_path_s(model: EngineModel, buckets: int) -> float:
     return 2 * model.pause_s + (2 + buckets) * model.weight_call_s
 
 
+def time_scale_ms(args: argparse.Namespace, engines: int) -> float:
+    return args.time_scale_ms if args.time_scale_ms is not None else 20.0 * max(1.0, engines / 64)
+
+
 async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path) -> ModeResult:
     result = ModeResult(engines=engines, mode=mode)
+    scale_ms = time_scale_ms(args, engines)
     run_dir = work / f"n{engines}-{mode}"
     run_dir.mkdir(parents=True, exist_ok=True)
     secret = create_secret(secret_path(run_dir))
     key = engine_api_key(secret)
-    overrides = [f"time_scale_ms={args.time_scale_ms}", f"token_scale={args.token_scale}"]
-    model = EngineModel.from_yaml(SIM_PARAMS, time_scale_ms=args.time_scale_ms, token_scale=args.token_scale)
+    overrides = [f"time_scale_ms={scale_ms}", f"token_scale={args.token_scale}"]
+    model = EngineModel.from_yaml(SIM_PARAMS, time_scale_ms=scale_ms, token_scale=args.token_scale)
     config = build_config(run_dir, engines, mode, args, model)
     log_handler = logging.FileHandler(run_dir / "controller.log")
     log_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -283,7 +292,7 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
         trainer = subprocess.Popen(
             [sys.executable, "-m", "hpc_rl.sim.trainer", str(run_dir), "--world-size", str(world), "--dp-size", str(dp),
              "--model", config.model, "--train-gpu-s-per-sample", str(args.train_gpu_s_per_sample),
-             "--trainer-gpus", str(trainer_gpus), "--time-scale-ms", str(args.time_scale_ms)],
+             "--trainer-gpus", str(trainer_gpus), "--time-scale-ms", str(scale_ms)],
             env={**os.environ, CONTROLLER_ENV: f"127.0.0.1:{controller.address[1]}", "PYTHONPATH": str(REPO)},
             stdout=open(run_dir / "trainer.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as session:
@@ -318,14 +327,15 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             syncs = [m["time/weight_sync"] for m in history[1:] if "time/weight_sync" in m] or \
                 [m["time/weight_sync"] - model.real_seconds(model.init_group_s) for m in history if "time/weight_sync" in m]
             result.sync_orchestration_s = max(0.0, statistics.median(syncs) - engine_side) if syncs else float("nan")
-            result.extra = {"sim_s": sim_elapsed, "run_real_s": run_real, "cpu_s": cpu, "buckets": buckets,
+            result.extra = {"time_scale_ms": scale_ms, "sim_s": sim_elapsed, "run_real_s": run_real, "cpu_s": cpu, "buckets": buckets,
                             "sync_wall_s": statistics.median(syncs) if syncs else None,
                             "rollout_real_s": [round(m.get("time/rollout", 0), 2) for m in history],
                             "groups_dropped": sum(m.get("rollout/groups_dropped", 0) for m in history)}
             phase("run_done")
             result.router_p50_ms, result.router_p99_ms = await router_latency(session, router.url, urls[0])
             phase("router_probe_done")
-            result.abort_all_s = await abort_all_latency(controller, session, urls[0], engines, args.abort_fill, model)
+            result.abort_all_s = await abort_all_latency(controller, session, urls[0], engines, args.abort_fill, model,
+                                                       result)
             phase("abort_probe_done")
         result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     finally:
@@ -388,7 +398,7 @@ def goals(results: list[ModeResult]) -> list[str]:
 async def main_async(args: argparse.Namespace) -> list[ModeResult]:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_scale-"))
     results = []
-    print(f"bench_scale: work dir {work}; time scale {args.time_scale_ms} real ms per simulated s; "
+    print(f"bench_scale: work dir {work}; time scale {args.time_scale_ms or '20 x max(1, N/64)'} real ms per simulated s; "
           f"token scale {args.token_scale}; load average {os.getloadavg()[0]:.1f}", flush=True)
     print(HEADER, flush=True)
     for engines in args.engines:
@@ -409,10 +419,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", type=int, nargs="+", default=[8, 64, 256, 1024])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--rollouts", type=int, default=3)
+    parser.add_argument("--rollouts", type=int, default=2)
     parser.add_argument("--samples-per-engine", type=int, default=16,
                         help="rollout batch = this x N samples (the recipe: 256 samples on 4 engines = 64)")
-    parser.add_argument("--time-scale-ms", type=float, default=20.0, help="real ms per simulated second")
+    parser.add_argument("--max-samples-per-rollout", type=int, default=2048,
+                        help="cap on the rollout batch (so N=1,024 runs in minutes on 2 cores)")
+    parser.add_argument("--time-scale-ms", type=float, default=None,
+                        help="real ms per simulated second (default: 20 x max(1, N/64): the controller's real "
+                             "sample rate stays within one loaded core)")
     parser.add_argument("--token-scale", type=int, default=32, help="simulated tokens per token on the wire")
     parser.add_argument("--train-gpu-s-per-sample", type=float, default=0.94,
                         help="stand-in trainer: GPU-seconds per sample (Qwen3-4B, ~3.4k-token samples: ~30 s "
