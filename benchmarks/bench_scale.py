@@ -15,6 +15,9 @@ per prompt, 8k max response, deepscaler reward, TP2 engines) with the rollout ba
   rt p50/p99  router added latency (router minus direct, ms, 1-token requests at concurrency 8)
   abort    abort-all latency (s) with every engine holding `--abort-fill` requests
   sync     weight-sync orchestration (s): the sync's wall time minus the engines' simulated call times
+  syncCPU  the controller's CPU seconds in that sync (what a dedicated core would need)
+  cpu%     controller CPU / real time during the run (high: the controller, not the GPUs, set the pace)
+  load     the machine's load average (other jobs share its 2 cores)
   lost/dup samples lost or duplicated between the scheduler and the trainer (must be 0)
   abort tok simulated tokens cut by surplus aborts; wasted: the scheduler's wasted tokens (drops, resets)
 
@@ -80,6 +83,9 @@ class ModeResult:
     router_p99_ms: float = 0.0
     abort_all_s: float = 0.0
     sync_orchestration_s: float = 0.0
+    sync_cpu_s: float = 0.0
+    """Controller CPU seconds in one steady-state weight sync."""
+    abort_all_cpu_s: float = 0.0
     lost: int = 0
     duplicated: int = 0
     abort_tokens: int = 0
@@ -89,6 +95,9 @@ class ModeResult:
     register_s: float = 0.0
     wall_s: float = 0.0
     real_time_factor: float = 0.0
+    """Controller CPU / real time during the run: near 1 (or the machine's share) = controller-bound."""
+    load_average: float = 0.0
+    """The machine's 1-minute load average at the end of the run (2 cores here, shared)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -99,7 +108,7 @@ def start_sim_engines(count: int, work: Path, key: str, overrides: list[str]) ->
             "--urls-file", str(urls_file), "--model-path", str(TOKENIZER)]
     for item in overrides:
         argv += ["--set", item]
-    env = {**os.environ, API_KEY_ENV: key, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, API_KEY_ENV: key, "PYTHONPATH": str(REPO)}  # "" = no key
     process = subprocess.Popen(argv, env=env, stdout=open(work / "sim.log", "w"), stderr=subprocess.STDOUT,
                                start_new_session=True)
     deadline = time.monotonic() + 120
@@ -162,6 +171,10 @@ async def fleet_stats(session: aiohttp.ClientSession, url: str) -> dict[str, Any
         return await response.json()
 
 
+class ProbeFailed(RuntimeError):
+    """A probe could not set up its measurement (reported in the table as nan, with the reason)."""
+
+
 # -- probes ------------------------------------------------------------------------------------------
 async def router_latency(session: aiohttp.ClientSession, router_url: str, engine_url: str,
                          requests: int = 200, concurrency: int = 8) -> tuple[float, float]:
@@ -209,13 +222,51 @@ async def abort_all_latency(controller: Controller, session: aiohttp.ClientSessi
         if stats["running"] + stats["waiting"] >= engines * fill * 0.95:
             break
         if time.monotonic() > deadline or all(t.done() for t in tasks):
-            raise RuntimeError("abort-all probe: the engines never held the fill requests")
+            errors = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
+            stopped.set()
+            await client.abort_all()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise ProbeFailed(f"the engines held {stats['running'] + stats['waiting']} of {len(tasks)} fill requests"
+                              + (f"; first error: {errors[0]!r}" if errors else ""))
         await asyncio.sleep(0.2)
     result.extra["abort_probe_running"] = stats["running"]
     start = time.perf_counter()
     await client.abort_all()
     await asyncio.gather(*tasks, return_exceptions=True)
     return time.perf_counter() - start
+
+
+def launch_worker_args(urls: list[str], key: str, run_dir: Path) -> list[str]:
+    """`--worker-urls` for the router's command line. A router started with workers presents no key to
+    them (0.3.2 sends the key only to workers added by POST /workers), so these engines run keyless."""
+    return ["--worker-urls", *urls]
+
+
+def wait_router_workers(router: RouterProcess, engines: int, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(router.list_workers()) < engines:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the router lists {len(router.list_workers())} of {engines} workers")
+        time.sleep(1.0)
+
+
+def instrument_sync(controller: Controller) -> list[float]:
+    """Record the controller's CPU seconds in each weight sync (machine-load independent, unlike wall time;
+    in async mode the rollout running meanwhile is counted too)."""
+    loop = controller.loop
+    assert loop is not None
+    original = loop.sync_weights
+    spent: list[float] = []
+
+    async def timed(version: int, *, reason: str = "") -> dict[str, float]:
+        start = time.process_time()
+        try:
+            return await original(version, reason=reason)
+        finally:
+            spent.append(time.process_time() - start)
+
+    loop.sync_weights = timed  # type: ignore[method-assign]
+    return spent
 
 
 # -- one (N, mode) -----------------------------------------------------------------------------------
@@ -262,7 +313,11 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
     logging.getLogger().addHandler(log_handler)
     logging.getLogger().setLevel(logging.INFO)
     sim = trainer = None
-    router = RouterProcess(log_path=run_dir / "router.log", policy=config.sglang.router_policy, api_key=key)
+    # Registration through the router's API (what the driver does) costs O(N^2) (each add waits until
+    # GET /workers lists it): measured up to --api-registration-max engines; beyond, the engines are
+    # given to the router at launch and the controller does no membership calls (see docs/scaling.md).
+    via_api = engines <= args.api_registration_max
+    router: RouterProcess | None = None
     controller: Controller | None = None
     wall = time.perf_counter()
     phases: dict[str, float] = {}
@@ -271,20 +326,26 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
         phases[name] = round(time.perf_counter() - wall, 2)
 
     try:
-        sim, urls = start_sim_engines(engines, run_dir, key, overrides)
+        sim, urls = start_sim_engines(engines, run_dir, key if via_api else "", overrides)
         phase("sim_started")
+        router = RouterProcess(log_path=run_dir / "router.log", policy=config.sglang.router_policy, api_key=key,
+                               extra_args=[] if via_api else launch_worker_args(urls, key, run_dir))
         router.start()
         await asyncio.to_thread(router.wait_listening, 60.0)
         phase("router_listening")
-        controller = Controller(config, secret=secret, router=router, router_url=router.url, api_key=key)
+        controller = Controller(config, secret=secret, router=router if via_api else None, router_url=router.url,
+                                api_key=key)
         await controller.start()
         phase("controller_started")
         assert controller.loop is not None
         controller.loop.print = lambda line: None
+        sync_cpu = instrument_sync(controller)
         start = time.perf_counter()
         await asyncio.gather(*(controller.register_engine(i, url, tp_size=config.cluster.rollout_num_gpus_per_engine)
                                for i, url in enumerate(urls)))
-        result.register_s = time.perf_counter() - start
+        result.register_s = time.perf_counter() - start if via_api else float("nan")
+        if not via_api:
+            await asyncio.to_thread(wait_router_workers, router, engines)
         phase("registered")
         world = config.cluster.trainer_world_size
         dp = world // config.training.tensor_model_parallel_size
@@ -319,6 +380,7 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             result.generated_samples = int(sum(m.get("rollout/groups_submitted", 0) for m in history) * n)
             result.cpu_s_per_1k = 1000 * cpu / max(1, result.generated_samples)
             result.real_time_factor = cpu / run_real
+            result.load_average = os.getloadavg()[0]
             result.abort_tokens = int(after["aborted_tokens"] - before["aborted_tokens"]) * args.token_scale
             result.wasted_tokens = int(sum(m.get("rollout/wasted_tokens", 0) for m in history)) * args.token_scale
             arch = ModelArchitecture.from_yaml(config.model)
@@ -327,6 +389,7 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             syncs = [m["time/weight_sync"] for m in history[1:] if "time/weight_sync" in m] or \
                 [m["time/weight_sync"] - model.real_seconds(model.init_group_s) for m in history if "time/weight_sync" in m]
             result.sync_orchestration_s = max(0.0, statistics.median(syncs) - engine_side) if syncs else float("nan")
+            result.sync_cpu_s = statistics.median(sync_cpu[1:] or sync_cpu) if sync_cpu else float("nan")
             result.extra = {"time_scale_ms": scale_ms, "sim_s": sim_elapsed, "run_real_s": run_real, "cpu_s": cpu, "buckets": buckets,
                             "sync_wall_s": statistics.median(syncs) if syncs else None,
                             "rollout_real_s": [round(m.get("time/rollout", 0), 2) for m in history],
@@ -334,8 +397,14 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             phase("run_done")
             result.router_p50_ms, result.router_p99_ms = await router_latency(session, router.url, urls[0])
             phase("router_probe_done")
-            result.abort_all_s = await abort_all_latency(controller, session, urls[0], engines, args.abort_fill, model,
-                                                       result)
+            abort_cpu = time.process_time()
+            try:
+                result.abort_all_s = await abort_all_latency(controller, session, urls[0], engines, args.abort_fill,
+                                                             model, result)
+            except ProbeFailed as error:
+                result.abort_all_s = float("nan")
+                result.extra["abort_probe_failed"] = str(error)
+            result.abort_all_cpu_s = time.process_time() - abort_cpu  # fill + abort: an upper bound
             phase("abort_probe_done")
         result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     finally:
@@ -344,7 +413,8 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             await controller.fleet.stop_monitoring()
         stop(trainer)
         stop(sim)
-        await asyncio.to_thread(router.stop)
+        if router is not None:
+            await asyncio.to_thread(router.stop)
         if controller is not None:
             await controller.close()
     phase("stopped")
@@ -356,14 +426,15 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
 
 # -- report ------------------------------------------------------------------------------------------
 HEADER = (f"{'N':>5} {'mode':<8} {'busy':>5} {'smp/s':>7} {'cpu/1k':>7} {'rss MB':>7} {'rt p50':>7} {'rt p99':>7} "
-          f"{'abort s':>8} {'sync s':>7} {'lost':>5} {'dup':>4} {'abort tok':>10} {'wasted':>10} {'reg s':>6} {'wall s':>7}")
+          f"{'abort s':>8} {'sync s':>7} {'syncCPU':>7} {'lost':>5} {'dup':>4} {'abort tok':>10} {'wasted':>10} {'reg s':>6} {'cpu%':>5} "
+          f"{'load':>5} {'wall s':>7}")
 
 
 def row(r: ModeResult) -> str:
     return (f"{r.engines:>5} {r.mode:<8} {r.busy:>5.2f} {r.samples_per_sim_s:>7.1f} {r.cpu_s_per_1k:>7.2f} "
             f"{r.peak_rss_mb:>7.0f} {r.router_p50_ms:>7.2f} {r.router_p99_ms:>7.2f} {r.abort_all_s:>8.3f} "
-            f"{r.sync_orchestration_s:>7.3f} {r.lost:>5} {r.duplicated:>4} {r.abort_tokens:>10} {r.wasted_tokens:>10} "
-            f"{r.register_s:>6.1f} {r.wall_s:>7.1f}")
+            f"{r.sync_orchestration_s:>7.3f} {r.sync_cpu_s:>7.3f} {r.lost:>5} {r.duplicated:>4} {r.abort_tokens:>10} {r.wasted_tokens:>10} "
+            f"{r.register_s:>6.1f} {100 * r.real_time_factor:>5.0f} {r.load_average:>5.1f} {r.wall_s:>7.1f}")
 
 
 def goals(results: list[ModeResult]) -> list[str]:
@@ -378,8 +449,9 @@ def goals(results: list[ModeResult]) -> list[str]:
     sync = max(r.sync_orchestration_s for r in at_max)
     lines.append(f"abort-all at N={biggest}: {abort:.3f} s (goal < {GOAL_ABORT_S} s at 1,024: "
                  f"{'met' if abort < GOAL_ABORT_S else 'NOT met'})")
-    lines.append(f"weight-sync orchestration at N={biggest}: {sync:.3f} s (goal < {GOAL_SYNC_S} s at 1,024: "
-                 f"{'met' if sync < GOAL_SYNC_S else 'NOT met'})")
+    sync_cpu = max(r.sync_cpu_s for r in at_max)
+    lines.append(f"weight-sync orchestration at N={biggest}: {sync:.3f} s wall, {sync_cpu:.3f} controller CPU s "
+                 f"(goal < {GOAL_SYNC_S} s at 1,024: {'met' if sync < GOAL_SYNC_S else 'NOT met'})")
     lost = sum(r.lost + r.duplicated for r in results)
     lines.append(f"samples lost or duplicated: {lost} (goal 0: {'met' if lost == 0 else 'NOT met'})")
     by_n: dict[int, dict[str, ModeResult]] = {}
@@ -431,6 +503,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-gpu-s-per-sample", type=float, default=0.94,
                         help="stand-in trainer: GPU-seconds per sample (Qwen3-4B, ~3.4k-token samples: ~30 s "
                              "for 256 samples on 8 H100s)")
+    parser.add_argument("--api-registration-max", type=int, default=256,
+                        help="register engines through the router's API (as the driver) up to this N; beyond, "
+                             "at the router's launch")
     parser.add_argument("--abort-fill", type=int, default=8, help="requests per engine before the abort-all probe")
     parser.add_argument("--work-dir", default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
