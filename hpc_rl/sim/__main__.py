@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 from pathlib import Path
@@ -56,8 +57,16 @@ async def serve(args: argparse.Namespace, model: EngineModel) -> None:
     await server.stop()
 
 
+def _drop_http2_probe(record: logging.LogRecord) -> bool:
+    """sglang-router probes each worker for HTTP/2 at registration; aiohttp logs that as an error."""
+    error = record.exc_info[1] if record.exc_info else None
+    return "PRI/Upgrade" not in str(error)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(_drop_http2_probe)
     model = EngineModel.from_yaml(args.params, **parse_overrides(args.set))
     asyncio.run(serve(args, model))
 
