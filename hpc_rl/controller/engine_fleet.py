@@ -59,7 +59,8 @@ class EngineFleet:
         """Called after an engine joined the router (the rollout client wakes requests waiting for one)."""
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession()
+        # No connection cap: the default (100) makes every call to engine 101+ open a new connection.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self._monitor = asyncio.create_task(self._monitor_loop(), name="engine-health")
 
     async def stop_monitoring(self) -> None:

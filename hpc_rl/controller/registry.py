@@ -59,6 +59,8 @@ class Registry:
         self.engines: dict[int, EngineInfo] = {}
         self._changed = asyncio.Event()
         self._registrations = 0
+        self._serving_urls: tuple[str, ...] | None = None
+        """engine_urls() cache: the rollout client reads it per request (O(N) to rebuild at 1,024 engines)."""
 
     def add_trainer(self, trainer: TrainerInfo) -> None:
         if trainer.world_size != self.trainer_world_size:
@@ -79,11 +81,13 @@ class Registry:
         self._registrations += 1
         engine.incarnation = self._registrations
         self.engines[engine.engine_index] = engine
+        self._serving_urls = None
         self._changed.set()
 
     def set_engine_state(self, engine_index: int, state: EngineState, error: str = "") -> None:
         engine = self.engines[engine_index]
         engine.state = state
+        self._serving_urls = None
         if error:
             engine.last_error = error
         self._changed.set()
@@ -96,8 +100,10 @@ class Registry:
         return [e for _, e in sorted(self.engines.items()) if e.state != EngineState.FAILED]
 
     def engine_urls(self) -> list[str]:
-        """EngineDirectory: base URLs of the engines serving now."""
-        return [e.url for e in self.serving_engines()]
+        """EngineDirectory: base URLs of the engines serving now (rebuilt only after a change)."""
+        if self._serving_urls is None:
+            self._serving_urls = tuple(e.url for e in self.serving_engines())
+        return list(self._serving_urls)
 
     def missing(self) -> list[str]:
         missing = [f"trainer rank {r}" for r in range(self.trainer_world_size) if r not in self.trainers]

@@ -197,3 +197,16 @@ def test_bad_labels_raise() -> None:
 def test_tiny_task_is_a_rule_type() -> None:
     assert score("tiny_task", "it is 7, then 3", "7") == 1.0
     assert score("tiny_task", "no digits", "7") == 0.0
+
+
+def test_integer_answers_are_compared_without_sympy(monkeypatch):
+    """Two plain integers are equal or not without a sympy call (~6 ms each on the controller's loop)."""
+    from hpc_rl.rewards import math_equivalence
+
+    def no_sympy(*args, **kwargs):
+        raise AssertionError("sympy called for two plain integers")
+
+    monkeypatch.setattr(math_equivalence, "sympy_difference_is_zero", no_sympy)
+    assert not math_equivalence.answers_match("0", "1")
+    assert not math_equivalence.answers_match("-12", "12")
+    assert math_equivalence.answers_match("0042", "42")
