@@ -39,6 +39,8 @@ class FaultOutcome:
     """From the fault to the next rollout completed after it (None: none completed)."""
     left_behind: list[str] = field(default_factory=list)
     status: str = ""
+    fault_node: str = ""
+    """The virtual node the killed process ran on (SLURMD_NODENAME), when known."""
 
     def row(self) -> str:
         recover = "-" if self.recover_seconds is None else f"{self.recover_seconds:.1f}"
@@ -102,7 +104,10 @@ def measure(fault: str, run_dir: Path, process: subprocess.Popen[str], num_rollo
     ids = [r["rollout_id"] for r in rows]
     indices = Counter(i for r in rows for i in r["sample_indices"])
     per_rollout = max((len(r["sample_indices"]) for r in rows), default=0)
-    missing_rollouts = set(range(num_rollout)) - set(ids)
+    # lost: a rollout missing below one that was recorded, or missing from a run that says it finished
+    # (a failed run's rollouts after the failure were not run, not lost: "rollouts done" shows them)
+    expected = range(num_rollout) if process.returncode == 0 else range(max(ids, default=-1) + 1)
+    missing_rollouts = set(expected) - set(ids)
     recover = _first_rollout_after(run_dir, fault_at)
     deadline = time.monotonic() + 60  # Slurm's KillWait is 5 s: what is still alive after 60 s was left behind
     while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
@@ -151,9 +156,21 @@ def kill_trainer_rank(run_dir: Path, *, rank: int = 1, max_restarts: int = 1, nu
     wait_for(lambda: len(records(run_dir)) >= after_rollouts or process.poll() is not None, 600,
              f"{after_rollouts} rollouts")
     pid = trainer_rank_pid(run_dir, rank)
+    node = node_of(pid)
     fault_at = time.time()
     os.kill(pid, signal.SIGKILL)
-    return measure(f"trainer rank {rank} SIGKILL, max_restarts={max_restarts}", run_dir, process, num_rollout, fault_at)
+    outcome = measure(f"trainer rank {rank} SIGKILL, max_restarts={max_restarts}", run_dir, process, num_rollout,
+                      fault_at)
+    outcome.fault_node = node
+    return outcome
+
+
+def node_of(pid: int) -> str:
+    """The virtual node a job step's process runs on (torchrun may put rank 0 on either trainer node)."""
+    for item in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0"):
+        if item.startswith("SLURMD_NODENAME="):
+            return item.partition("=")[2]
+    return ""
 
 
 def job_state(job_id: str) -> str:
