@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.training.json_collectives import all_gather_json
+from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights.colocated import serialize_share, update_weights_from_tensor_body
 from hpc_rl.weights.export import export_param, named_megatron_params
 from hpc_rl.weights.sender import WeightSender
