@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpc_rl.controller.app import CONTROLLER_ADDRESS_FILE
+from hpc_rl.controller.address import CONTROLLER_ADDRESS_FILE
 from hpc_rl.protocol import BlockingClient, Hello, load_secret, secret_path
 from hpc_rl.protocol.messages import StatusReply, StatusRequest
 

@@ -1,6 +1,7 @@
 """The controller process: one asyncio TCP server that ties trainer ranks, engines and the router together.
 
-    driver ──starts──> Controller.start(): TCP server (job secret), engine health task, rollout stack
+    driver ──starts──> Controller.start(): TCP server (job secret), engine health task; the rollout stack
+       │                 (tokenizer, prompts, scheduler) builds in the background: ready() waits for it
        │                 │
        │   trainer ranks ├─ Hello(trainer, rank, dp_rank, resume info) ──> registry
        │   (torchrun)    ├─ NextCommand ──> TrainCommand | SyncWeightsCommand | SaveCommand | StopCommand
@@ -31,13 +32,14 @@ from typing import Any
 
 from hpc_rl.config import plugin_args
 from hpc_rl.config.schema import RunConfig
+from hpc_rl.controller.address import CONTROLLER_ADDRESS_FILE, write_controller_address
 from hpc_rl.controller.engine_fleet import EngineFleet, RestartFn, RouterMembership
 from hpc_rl.controller.registry import Registry, TrainerInfo
 from hpc_rl.controller.run_loop import RunLoop
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
+from hpc_rl.data.prompt_tokenizer import load_prompt_tokenizer
 from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptSource, make_prompt_encoder
-from hpc_rl.launch.topology import plan_topology
 from hpc_rl.protocol import Connection, Envelope, Secret, Server
 from hpc_rl.protocol.errors import ProtocolError
 from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, StatusReply,
@@ -52,8 +54,7 @@ from hpc_rl.telemetry.scalars import ScalarLog
 
 log = logging.getLogger(__name__)
 
-CONTROLLER_ADDRESS_FILE = "controller.address"
-"""host:port of the running controller, in the run dir (for `python -m hpc_rl.status`)."""
+__all__ = ["CONTROLLER_ADDRESS_FILE", "Controller", "num_rollouts"]
 
 
 def num_rollouts(config: RunConfig, dataset_size: int) -> int:
@@ -73,9 +74,8 @@ class Controller:
         self.run_dir = Path(config.run_dir)
         self.secret = secret
         self.host, self.port = host, port
-        topology = plan_topology(config.cluster)
         self.registry = Registry(trainer_world_size=config.cluster.trainer_world_size,
-                                 num_engines=len(topology.engines))
+                                 num_engines=config.cluster.num_engines)
         self.channel = TrainerChannel(config.cluster.trainer_world_size)
         self.fleet = EngineFleet(self.registry, router, api_key=api_key, restart=restart_engine,
                                  max_restarts=config.controller.max_engine_restarts,
@@ -93,19 +93,30 @@ class Controller:
         """Earlier attempts of this job that failed and were restarted by the driver (max_restarts)."""
         self._status_task: asyncio.Task[None] | None = None
         self._status_write_failing = False
+        self._rollout_stack: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
+        """Listen at once; build the rollout stack (tokenizer, prompts: seconds) in the background, so
+        that it overlaps the engines' and trainers' start-up. `ready()` waits for it."""
         self.server = Server(self.secret, self._handle, on_hello=self._on_hello, on_close=self._on_close)
         await self.server.start(self.host, self.port)
         await self.fleet.start()
-        self._build_rollout_stack()
+        self._rollout_stack = asyncio.create_task(self._start_rollout_stack(), name="build the rollout stack")
+        self._status_task = asyncio.create_task(self._write_status_forever())
+        write_controller_address(self.run_dir, self.host, self.server.address[1])
+        log.info("controller listening on %s:%d", *self.server.address)
+
+    async def ready(self) -> None:
+        """The rollout stack is built (raises what building it raised: a bad prompt file, say)."""
+        assert self._rollout_stack is not None, "start() first"
+        await asyncio.shield(self._rollout_stack)
+
+    async def _start_rollout_stack(self) -> None:
+        await asyncio.to_thread(self._build_rollout_stack)
         assert self.client is not None
         await self.client.start()
         self.fleet.on_serving = self.client.wake_waiters
-        self._status_task = asyncio.create_task(self._write_status_forever())
-        (self.run_dir / CONTROLLER_ADDRESS_FILE).write_text(f"{self.host}:{self.server.address[1]}\n")
-        log.info("controller listening on %s:%d", *self.server.address)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -113,11 +124,9 @@ class Controller:
         return self.server.address
 
     def _build_rollout_stack(self) -> None:
-        from transformers import AutoTokenizer
-
         config = self.config
         rollout = config.rollout
-        tokenizer = AutoTokenizer.from_pretrained(config.checkpoint.hf_checkpoint)
+        tokenizer = load_prompt_tokenizer(config.checkpoint.hf_checkpoint)
         encoder = make_prompt_encoder(tokenizer, apply_chat_template=rollout.apply_chat_template)
         keys = DataKeys(input_key=rollout.input_key, label_key=rollout.label_key,
                         metadata_key=rollout.metadata_key, tool_key=rollout.tool_key)
@@ -162,11 +171,13 @@ class Controller:
 
     async def register_engine(self, engine_index: int, url: str, *, tp_size: int = 1) -> None:
         """The driver started engine `engine_index` and it answers /health at `url`."""
+        await self.ready()
         await self.fleet.register(engine_index, url, tp_size=tp_size, serving=True)
         log.info("engine %d registered at %s", engine_index, url)
 
     async def run(self) -> dict[str, Any]:
         """Wait for everyone, resume if a checkpoint says so, run every rollout, stop the trainers."""
+        await self.ready()
         assert self.loop is not None
         ready = asyncio.create_task(self.registry.wait_ready(self.config.controller.registration_timeout),
                                     name="wait for registrations")
@@ -210,9 +221,11 @@ class Controller:
         self.stopping = True
         if self.outcome == "running":  # closed without an outcome: interrupted or failed before the loop
             self.outcome = "failed" if self.last_error or self.channel.failure else "stopped"
-        if self._status_task is not None:
-            self._status_task.cancel()
-            await asyncio.gather(self._status_task, return_exceptions=True)
+        for task in (self._status_task, self._rollout_stack):
+            if task is not None and not task.done():
+                task.cancel()
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
         self.write_status()  # the final one: the run has ended, nothing is serving any more
         (self.run_dir / CONTROLLER_ADDRESS_FILE).unlink(missing_ok=True)
         await self.fleet.close()

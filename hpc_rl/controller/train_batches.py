@@ -1,23 +1,47 @@
 """From a rollout's groups to each data-parallel rank's share, as flat arrays for the wire.
 
 Owns: group reward normalisation (the rollout-side part of GRPO/GSPO/CISPO/REINFORCE++-baseline:
-it needs whole groups, which the DP split breaks up), the token-balanced DP split (Karmarkar-Karp
-with equal counts), and packing a list of samples into flat numpy arrays (concatenated tokens plus
-per-sample lengths). Advantages per token, KL and losses are the trainer's.
+it needs whole groups, which the DP split breaks up; this is its only home), the token-balanced DP
+split (Karmarkar-Karp with equal counts, `training.batching`'s pure-Python one), and packing a list
+of samples into flat numpy arrays (concatenated tokens plus per-sample lengths). Advantages per
+token, KL and losses are the trainer's. numpy only: the controller never imports torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from collections.abc import Sequence
+
 import numpy as np
-import torch
 
 from hpc_rl.data.samples import Group, Sample
-from hpc_rl.training.advantages import group_normalized_rewards
 from hpc_rl.training.batching import balanced_partitions
 
-NORMALIZED_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline")
+STD_NORMALIZED_ESTIMATORS = ("grpo", "gspo", "cispo")
+NORMALIZED_ESTIMATORS = (*STD_NORMALIZED_ESTIMATORS, "reinforce_plus_plus_baseline")
+GROUP_STD_EPS = 1e-6
+
+
+def group_normalized_rewards(rewards: Sequence[float], n_samples_per_prompt: int, estimator: str = "grpo",
+                             std_normalization: bool = True) -> np.ndarray:
+    """Normalise scalar rewards within each group of `n_samples_per_prompt` consecutive samples.
+
+    grpo/gspo/cispo: r~ = (r - mean_g) / (std_g + 1e-6), std_g the unbiased (n - 1) std; the division
+    is skipped with `std_normalization=False` (Dr.GRPO, `--disable-grpo-std-normalization`) or when
+    n == 1 (a one-sample std is undefined; r~ is then 0). reinforce_plus_plus_baseline: r - mean_g.
+    Other estimators: rewards unchanged. Computed in float64, returned as float32 (the wire dtype).
+    """
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1)
+    if estimator not in NORMALIZED_ESTIMATORS:
+        return r.astype(np.float32)
+    if n_samples_per_prompt < 1 or r.size % n_samples_per_prompt:
+        raise ValueError(f"{r.size} rewards cannot be split into groups of n_samples_per_prompt={n_samples_per_prompt}")
+    groups = r.reshape(-1, n_samples_per_prompt)
+    centered = groups - groups.mean(axis=1, keepdims=True)
+    if estimator in STD_NORMALIZED_ESTIMATORS and std_normalization and n_samples_per_prompt > 1:
+        centered = centered / (groups.std(axis=1, ddof=1, keepdims=True) + GROUP_STD_EPS)
+    return centered.reshape(-1).astype(np.float32)
 
 
 @dataclass(kw_only=True)
@@ -38,10 +62,9 @@ def normalized_rewards(groups: list[Group], shaping: RewardShaping) -> list[floa
     sizes = {len(g) for g in groups}
     if len(sizes) != 1:
         raise ValueError(f"groups of unequal sizes {sorted(sizes)} cannot be normalised together")
-    values = group_normalized_rewards(torch.tensor(raw, dtype=torch.float64), sizes.pop(),
-                                      estimator=shaping.advantage_estimator,
+    values = group_normalized_rewards(raw, sizes.pop(), estimator=shaping.advantage_estimator,
                                       std_normalization=shaping.std_normalization)
-    return [float(v) for v in values]
+    return values.tolist()
 
 
 def pack_samples(samples: list[Sample], rewards: list[float]) -> dict[str, np.ndarray]:
@@ -82,18 +105,3 @@ def split_for_data_parallel(groups: list[Group], shaping: RewardShaping, dp_size
         list(range(len(samples)))]
     return [pack_samples([samples[i] for i in sorted(part)], [rewards[i] for i in sorted(part)]) for part in parts]
 
-
-def unpack_samples(batch: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-    """The inverse view of `pack_samples` (per sample: tokens, response slice, mask, logprobs)."""
-    out = []
-    token_offset = response_offset = 0
-    for p, r in zip(batch["prompt_lengths"].tolist(), batch["response_lengths"].tolist()):
-        out.append({
-            "tokens": batch["tokens"][token_offset:token_offset + p + r],
-            "prompt_length": p,
-            "loss_mask": batch["loss_masks"][response_offset:response_offset + r],
-            "rollout_logprobs": batch["rollout_logprobs"][response_offset:response_offset + r],
-        })
-        token_offset += p + r
-        response_offset += r
-    return out

@@ -33,7 +33,7 @@ from hpc_rl.controller.registry import EngineInfo
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel
 from hpc_rl.protocol.messages import SyncWeightsCommand
-from hpc_rl.weights.process_group import DEFAULT_GROUP_NAME
+from hpc_rl.weights import DEFAULT_GROUP_NAME
 
 log = logging.getLogger(__name__)
 

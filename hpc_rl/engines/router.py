@@ -186,12 +186,20 @@ class RouterProcess:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m hpc_rl.engines.router ARGS`: sglang-router with `launch_router`'s ARGS, guarded by the
-    key in `API_KEY_ENV` (so the key is in no command line)."""
-    from sglang_router.launch_router import launch_router, parse_router_args  # type: ignore[import-untyped]
+    key in `API_KEY_ENV` (so the key is in no command line). The Rust router is started through its
+    public `Router.from_args`, not `launch_router`, whose module also imports the Python mini load
+    balancer (fastapi, uvicorn: 40 MB more resident in a process that only forwards requests)."""
+    import argparse
 
-    router_args = parse_router_args(list(sys.argv[1:] if argv is None else argv))
+    from sglang_router.router import Router  # type: ignore[import-untyped]
+    from sglang_router.router_args import RouterArgs  # type: ignore[import-untyped]
+
+    parser = argparse.ArgumentParser(prog="python -m hpc_rl.engines.router")
+    RouterArgs.add_cli_args(parser, use_router_prefix=False)
+    router_args = RouterArgs.from_cli_args(parser.parse_args(list(sys.argv[1:] if argv is None else argv)),
+                                           use_router_prefix=False)
     router_args.api_key = os.environ.get(API_KEY_ENV) or None
-    launch_router(router_args)
+    Router.from_args(router_args).start()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ Grades match slime's `rm_hub` on the same (response, label) pairs; tests pin the
 from hpc_rl.rewards.dapo import DapoResult, dapo_grade
 from hpc_rl.rewards.group import RewardError, RewardSpec, reward_group
 from hpc_rl.rewards.plugins import PluginError, load_reward_function
-from hpc_rl.rewards.remote import RemoteRewardError, RetryPolicy
+from hpc_rl.retry_policy import RetryPolicy
+from hpc_rl.rewards.remote import REMOTE_RM_RETRY, RemoteRewardError
 from hpc_rl.rewards.scoring import RM_TYPES, UnknownRewardType, check_rm_type, score
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "DapoResult",
     "PluginError",
     "RemoteRewardError",
+    "REMOTE_RM_RETRY",
     "RetryPolicy",
     "RewardError",
     "RewardSpec",

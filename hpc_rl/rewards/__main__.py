@@ -10,6 +10,7 @@ so the CLI grades exactly what a training run would.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import json
 import sys
@@ -20,7 +21,7 @@ from typing import Any
 
 from hpc_rl.data.samples import Sample
 from hpc_rl.rewards.group import RewardError, RewardSpec, reward_group
-from hpc_rl.rewards.remote import RetryPolicy
+from hpc_rl.rewards.remote import REMOTE_RM_RETRY
 from hpc_rl.rewards.scoring import RM_TYPES
 
 _BATCH = 64
@@ -133,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rm_url=args.rm_url,
             group_rm=args.group_rm,
             reward_key=args.reward_key,
-            retry=RetryPolicy(max_retries=args.max_retries),
+            retry=dataclasses.replace(REMOTE_RM_RETRY, max_transport_retries=args.max_retries - 1),
             args=args,
         )
         spec.validate()

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from hpc_rl.data.samples import Sample
 from hpc_rl.rewards.plugins import RewardFunction, load_reward_function
-from hpc_rl.rewards.remote import RetryPolicy, post_for_reward, reward_payload
+from hpc_rl.retry_policy import RetryPolicy
+from hpc_rl.rewards.remote import REMOTE_RM_RETRY, post_for_reward, reward_payload
 from hpc_rl.rewards.scoring import REMOTE_RM, check_rm_type, resolve_rm_type, score, split_boxed_prefix
 
 
@@ -54,7 +55,7 @@ class RewardSpec:
     """Call the custom function once per group with the list of samples."""
     reward_key: str | None = None
     """When a custom function or the server returns an object, the key holding the reward."""
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    retry: RetryPolicy = REMOTE_RM_RETRY
     """remote_rm retry policy."""
     remote_timeout_s: float = 120.0
     """Total timeout of one remote_rm request."""

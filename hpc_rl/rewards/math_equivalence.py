@@ -13,10 +13,9 @@ sympy only sees expressions with at most two distinct letters and no `^{`, `^(`,
 
 from __future__ import annotations
 
+import functools
 import re
-
-import sympy
-from sympy.parsing import sympy_parser
+from typing import Any
 
 from hpc_rl.rewards.math_normalize import (
     is_integer_string,
@@ -31,7 +30,6 @@ _BRACKETS = "()[]"
 # `.?` is any character, as in slime: `3./4` and `3/4x` also count as fractions.
 _FRACTION = re.compile(r"^-?[0-9]+.?/0*[1-9][0-9]*.?$")
 _PLAIN_INTEGER = re.compile(r"^-?[0-9]+$")
-_TRANSFORMATIONS = sympy_parser.standard_transformations + (sympy_parser.implicit_multiplication_application,)
 
 
 def _distinct_letters(expr: str) -> int:
@@ -47,13 +45,25 @@ def _safe_for_sympy(expr: str) -> bool:
     return not any(pattern.search(expr) for pattern in _FORBIDDEN_PATTERNS)
 
 
+@functools.cache
+def _sympy() -> tuple[Any, Any, tuple[Any, ...]]:
+    """sympy, its parser and the transformations, imported on first use (a 40 MB, seconds-long
+    import the controller does not pay unless a math reward meets a non-trivial answer)."""
+    import sympy
+    from sympy.parsing import sympy_parser
+
+    return sympy, sympy_parser, (*sympy_parser.standard_transformations,
+                                 sympy_parser.implicit_multiplication_application)
+
+
 def sympy_difference_is_zero(ground_truth: str, given: str) -> bool:
     """True when sympy simplifies `(ground_truth)-(given)` to 0 (both already normalised)."""
     difference = f"({ground_truth})-({given})"
     if not _safe_for_sympy(difference):
         return False
     try:
-        parsed = sympy_parser.parse_expr(difference.replace("^", "**"), transformations=_TRANSFORMATIONS)
+        sympy, sympy_parser, transformations = _sympy()
+        parsed = sympy_parser.parse_expr(difference.replace("^", "**"), transformations=transformations)
         return bool(sympy.simplify(parsed) == 0)
     except Exception:  # noqa: BLE001 -- sympy raises many types on odd text; slime treats all as unequal
         return False

@@ -38,10 +38,10 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from hpc_rl.data.samples import Sample, SampleStatus
+from hpc_rl.retry_policy import RetryPolicy
 from hpc_rl.rollout.engine_client import (EngineClient, EngineHTTPError, GenerateAnswer, StopGeneration,
                                           TransportError)
 from hpc_rl.rollout.metrics import GenerationMetrics
@@ -49,21 +49,6 @@ from hpc_rl.rollout.metrics import GenerationMetrics
 SamplingParams = dict[str, Any]
 GenerateFn = Callable[[Any, Sample, SamplingParams], Awaitable[Sample]]
 """`async fn(args, sample, sampling_params) -> Sample` (slime's custom generate signature)."""
-
-
-@dataclass(kw_only=True)
-class RetryPolicy:
-    """How hard a sample tries before it is FAILED."""
-
-    max_transport_retries: int = 5
-    """Consecutive transport failures (no answer) tolerated per sample."""
-    base_delay_s: float = 0.5
-    """First back-off; doubles per consecutive failure."""
-    max_delay_s: float = 10.0
-    max_unrequested_aborts: int = 50
-    """Aborts the session did not ask for, in a row without a new token, before the sample fails."""
-    no_workers_timeout_s: float = 120.0
-    """How long the router may answer `no_available_workers` while engines serve before the run ends."""
 
 
 class RunEndingGenerationError(RuntimeError):

@@ -1,7 +1,8 @@
 """TensorBoard scalars of a run and the progress line printed per rollout.
 
-Owns: one `SummaryWriter` per process under `<run_dir>/tensorboard` (each process writes its own
-event file; TensorBoard merges them), and formatting a rollout's headline numbers on one line.
+Owns: one TensorBoard event file per process under `<run_dir>/tensorboard` (each process writes its
+own; TensorBoard merges them; written by `event_file`, without torch), and formatting a rollout's
+headline numbers on one line.
 """
 
 from __future__ import annotations
@@ -10,17 +11,16 @@ import math
 from pathlib import Path
 from typing import Any
 
+from hpc_rl.telemetry.event_file import ScalarEventFile
+
 
 class ScalarLog:
     """`log(metrics, step)` writes every finite numeric metric as a scalar."""
 
     def __init__(self, log_dir: str | Path | None, *, filename_suffix: str = "") -> None:
-        self._writer = None
+        self._writer: ScalarEventFile | None = None
         if log_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(log_dir=str(log_dir), filename_suffix=filename_suffix)
+            self._writer = ScalarEventFile(log_dir, filename_suffix=filename_suffix)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self._writer is None:

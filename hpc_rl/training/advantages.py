@@ -1,11 +1,12 @@
 """Rewards -> per-token advantages and returns, as pure torch functions (slime's estimators).
 
-Owns: group reward normalisation (GRPO, Dr.GRPO, GSPO, CISPO, REINFORCE++-baseline), the
-per-token advantages of grpo/gspo/cispo, REINFORCE++ discounted returns, REINFORCE++-baseline,
+Owns: the per-token advantages of grpo/gspo/cispo, REINFORCE++ discounted returns, REINFORCE++-baseline,
 PPO's token rewards and GAE(gamma, lambda), masked whitening (``--normalize-advantages``) and the
 :func:`compute_advantages` dispatcher.
 
-Does not own: the KL between policy and reference (``losses.approx_kl``), collectives (whitening
+Does not own: group reward normalisation (GRPO, Dr.GRPO, REINFORCE++-baseline: the controller's
+``controller.train_batches.group_normalized_rewards``, which needs whole groups), the KL between
+policy and reference (``losses.approx_kl``), collectives (whitening
 takes an optional ``all_reduce`` hook; the DP(+CP) group is the caller's), or context-parallel
 gathering (every function here sees each sample's FULL response).
 
@@ -23,7 +24,6 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "compute_advantages",
     "gae_advantages_and_returns",
-    "group_normalized_rewards",
     "grpo_advantages",
     "load_custom_advantage_function",
     "masked_whiten",
@@ -34,39 +34,6 @@ __all__ = [
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 _STD_NORMALIZED = ("grpo", "gspo", "cispo")
-_MEAN_CENTERED = (*_STD_NORMALIZED, "reinforce_plus_plus_baseline")
-GROUP_STD_EPS = 1e-6
-
-
-def group_normalized_rewards(
-    rewards: Tensor | Sequence[float],
-    n_samples_per_prompt: int,
-    estimator: str = "grpo",
-    std_normalization: bool = True,
-) -> Tensor:
-    """Normalise scalar rewards within each prompt group of ``n_samples_per_prompt`` consecutive samples.
-
-    grpo/gspo/cispo: r~ = (r - mean_g) / (std_g + 1e-6), std_g = unbiased (n - 1) std; the division
-    is skipped with ``std_normalization=False`` (Dr.GRPO, ``--disable-grpo-std-normalization``) or
-    when n == 1 (a one-sample std is undefined; r~ is then 0).
-    reinforce_plus_plus_baseline: r~ = r - mean_g only.
-    Other estimators (ppo, reinforce_plus_plus): rewards returned unchanged (as float32).
-    ``--disable-rewards-normalization`` = do not call this.
-    """
-    r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}")
-    if estimator not in _MEAN_CENTERED:
-        return r.clone()
-    if n_samples_per_prompt < 1 or r.numel() % n_samples_per_prompt != 0:
-        raise ValueError(
-            f"{r.numel()} rewards cannot be split into groups of n_samples_per_prompt={n_samples_per_prompt}"
-        )
-    groups = r.view(-1, n_samples_per_prompt)
-    centered = groups - groups.mean(dim=1, keepdim=True)
-    if estimator in _STD_NORMALIZED and std_normalization and n_samples_per_prompt > 1:
-        centered = centered / (groups.std(dim=1, keepdim=True) + GROUP_STD_EPS)
-    return centered.flatten()
 
 
 def grpo_advantages(rewards: Tensor | Sequence[float], response_lengths: Sequence[int]) -> list[Tensor]:
@@ -109,8 +76,8 @@ def reinforce_plus_plus_baseline_advantages(
 ) -> list[Tensor]:
     """REINFORCE++-baseline: A_t = (r - mean_group) - kl_coef * kl_t.
 
-    ``centered_rewards`` are already group-mean-centred (group_normalized_rewards with
-    estimator="reinforce_plus_plus_baseline"); no discounting.
+    ``centered_rewards`` are already group-mean-centred (the controller's ``group_normalized_rewards``
+    with estimator="reinforce_plus_plus_baseline"); no discounting.
     """
     r = torch.as_tensor(centered_rewards, dtype=torch.float32).flatten()
     return [float(r[i]) - kl_coef * k.float() for i, k in enumerate(kl)]
@@ -203,7 +170,7 @@ def compute_advantages(
 ) -> tuple[list[Tensor], list[Tensor]]:
     """Per-sample (advantages, returns) for one of slime's estimators.
 
-    ``rewards`` are the scalars AFTER :func:`group_normalized_rewards` (the rollout side normalises;
+    ``rewards`` are the scalars AFTER the controller's group normalisation (the rollout side normalises;
     REINFORCE++-baseline expects centred rewards). ``kl`` is the per-token KL(pi_old || pi_ref)
     used for reward shaping (``--kl-coef``, estimator ``--kl-loss-type``); None -> zeros.
       grpo/gspo/cispo: A = returns = r~ broadcast;  reinforce_plus_plus: A = returns = G;

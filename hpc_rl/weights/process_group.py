@@ -16,10 +16,9 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from hpc_rl.weights import DEFAULT_GROUP_NAME
 from hpc_rl.weights.bound_store import bound_tcp_store
 from hpc_rl.weights.device_identity import own_device_identity, publish_device, refuse_duplicate_devices
-
-DEFAULT_GROUP_NAME = "weight_update_group"
 
 
 def init_weight_update_group(

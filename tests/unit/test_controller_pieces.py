@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry, RegistrationTimeout, TrainerInfo
-from hpc_rl.controller.train_batches import RewardShaping, normalized_rewards, split_for_data_parallel, unpack_samples
+from hpc_rl.controller.train_batches import (RewardShaping, group_normalized_rewards, normalized_rewards,
+                                             split_for_data_parallel)
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.controller.weight_sync import WeightGroupState, rank_offsets, sync_weights
 from hpc_rl.data.samples import Sample
@@ -28,6 +29,33 @@ def make_groups(rewards: list[list[float]], response_len=lambda i: 2 + i % 3) ->
             index += 1
         groups.append(group)
     return groups
+
+def close(values: np.ndarray, expected: list[float], tol: float = 1e-5) -> None:
+    assert values.dtype == np.float32
+    np.testing.assert_allclose(values, np.array(expected, dtype=np.float32), atol=tol, rtol=tol)
+
+
+def test_grpo_group_normalisation_hand_values() -> None:
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    # group 1: mean 0.5, centred +-0.5, unbiased std sqrt(1/3) = 0.5773503 -> 0.5 / 0.5773513 = 0.8660239
+    # group 2: all equal -> 0 (not NaN: 0 / (0 + 1e-6))
+    a = 0.8660239
+    for est in ("grpo", "gspo", "cispo"):
+        close(group_normalized_rewards(rewards, 4, est), [a, -a, -a, a, 0, 0, 0, 0])
+
+
+def test_dr_grpo_and_baseline_only_centre() -> None:
+    rewards = [1.0, 0.0, 0.0, 3.0]
+    close(group_normalized_rewards(rewards, 2, "grpo", std_normalization=False), [0.5, -0.5, -1.5, 1.5])
+    close(group_normalized_rewards(rewards, 2, "reinforce_plus_plus_baseline"), [0.5, -0.5, -1.5, 1.5])
+
+
+def test_single_sample_groups_and_unnormalised_estimators() -> None:
+    close(group_normalized_rewards([3.0, -1.0], 1, "grpo"), [0.0, 0.0])
+    close(group_normalized_rewards([3.0, -1.0], 1, "ppo"), [3.0, -1.0])
+    close(group_normalized_rewards([3.0, -1.0], 2, "reinforce_plus_plus"), [3.0, -1.0])
+    with pytest.raises(ValueError, match="groups"):
+        group_normalized_rewards([1.0, 2.0, 3.0], 2, "grpo")
 
 
 def test_grpo_normalisation_by_hand() -> None:
@@ -52,8 +80,8 @@ def test_dp_split_keeps_every_sample_once_and_balances() -> None:
     assert [len(p["sample_indices"]) for p in parts] == [8, 8]
     tokens = [int(p["prompt_lengths"].sum() + p["response_lengths"].sum()) for p in parts]
     assert abs(tokens[0] - tokens[1]) <= 11
-    sample = unpack_samples(parts[0])[0]
-    assert sample["prompt_length"] == 3 and len(sample["loss_mask"]) == len(sample["rollout_logprobs"])
+    assert parts[0]["prompt_lengths"].tolist() == [3] * 8
+    assert len(parts[0]["loss_masks"]) == len(parts[0]["rollout_logprobs"]) == int(parts[0]["response_lengths"].sum())
     assert parts[0]["tokens"].dtype == np.int64
 
 

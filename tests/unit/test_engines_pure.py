@@ -205,12 +205,20 @@ def test_router_with_a_key_runs_through_the_env_launcher(tmp_path, monkeypatch):
     plain = RouterProcess(log_path=tmp_path / "r.log", port=3000, prometheus_port=3001)
     assert plain.process.command[1:3] == ["-m", "sglang_router.launch_router"]
 
-    import sglang_router.launch_router as launch_module
+    import sglang_router.router as rust_router_module
 
     from hpc_rl.engines import router as router_module
 
     launched = []
-    monkeypatch.setattr(launch_module, "launch_router", launched.append)
+
+    class FakeRouter:  # stands in for the Rust router: records the args it would have started with
+        def __init__(self, args) -> None:
+            self.args = args
+
+        def start(self) -> None:
+            launched.append(self.args)
+
+    monkeypatch.setattr(rust_router_module.Router, "from_args", staticmethod(FakeRouter))
     monkeypatch.setenv(API_KEY_ENV, KEY)
     router_module.main(command[3:])
     (args,) = launched

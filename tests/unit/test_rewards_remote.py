@@ -8,9 +8,9 @@ from typing import Any
 from aiohttp import web
 
 from hpc_rl.data.samples import Sample
-from hpc_rl.rewards import RetryPolicy, RewardError, RewardSpec, reward_group
+from hpc_rl.rewards import REMOTE_RM_RETRY, RetryPolicy, RewardError, RewardSpec, reward_group
 
-FAST = RetryPolicy(max_retries=3, backoff_base_s=0.01, backoff_cap_s=0.05)
+FAST = RetryPolicy(max_transport_retries=2, base_delay_s=0.01, max_delay_s=0.05, jitter_s=0.01)
 
 
 class FlakyRewardServer:
@@ -110,8 +110,9 @@ def test_unreachable_server() -> None:
 
 
 def test_backoff_doubles_and_caps() -> None:
-    policy = RetryPolicy(backoff_base_s=1.0, backoff_cap_s=30.0)
-    delays = [policy.delay_s(attempt) for attempt in range(7)]
+    policy = REMOTE_RM_RETRY
+    assert policy.max_attempts == 10  # slime's
+    delays = [policy.delay_s(failures) for failures in range(1, 8)]
     for attempt, delay in enumerate(delays):
         base = min(2**attempt, 30)
         assert base <= delay <= base + 1.0
