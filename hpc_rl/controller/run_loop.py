@@ -38,7 +38,7 @@ from hpc_rl.controller.registry import EngineState, Registry
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.train_batches import RewardShaping, split_for_data_parallel
 from hpc_rl.controller.trainer_channel import TrainerChannel, merge_metrics
-from hpc_rl.controller.weight_sync import WeightGroupState, sync_weights
+from hpc_rl.controller.weight_sync import WeightGroupState, push_weights_to_engines
 from hpc_rl.protocol.messages import SaveCommand, StopCommand, TrainCommand
 from hpc_rl.rollout.scheduler import RolloutResult, RolloutScheduler
 from hpc_rl.telemetry.scalars import ScalarLog, progress_line
@@ -183,9 +183,9 @@ class RunLoop:
         timeout_s = self.config.controller.engine_request_timeout
         bucket_bytes = self.config.rollout.update_weight_buffer_size
         if self.colocated is None:
-            return await sync_weights(version=version, channel=self.channel, engines=engines,
-                                      admins=self.fleet.admins, group=self.group, backend=self.backend,
-                                      bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+            return await push_weights_to_engines(version=version, channel=self.channel, engines=engines,
+                                                 admins=self.fleet.admins, group=self.group, backend=self.backend,
+                                                 bucket_bytes=bucket_bytes, timeout_s=timeout_s)
         was_offloaded = WEIGHTS_TAG in self.colocated.trainer_offloaded
         await self.colocated.trainer("onload", [WEIGHTS_TAG])
         metrics = await push_weights_colocated(

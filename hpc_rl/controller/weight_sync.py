@@ -59,9 +59,9 @@ def rank_offsets(engines: list[EngineInfo]) -> tuple[dict[int, int], int]:
     return offsets, next_rank
 
 
-async def sync_weights(*, version: int, channel: TrainerChannel, engines: list[EngineInfo],
-                       admins: dict[int, EngineAdmin], group: WeightGroupState, backend: str,
-                       bucket_bytes: int, timeout_s: float = 600.0) -> dict[str, float]:
+async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engines: list[EngineInfo],
+                                  admins: dict[int, EngineAdmin], group: WeightGroupState, backend: str,
+                                  bucket_bytes: int, timeout_s: float = 600.0) -> dict[str, float]:
     """Push the trainer's current weights to `engines` as `version`; returns timing metrics."""
     start = time.perf_counter()
     members = [(e.engine_index, e.url, e.incarnation) for e in engines]

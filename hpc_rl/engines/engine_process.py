@@ -1,8 +1,9 @@
-"""Engine processes behind one small interface: start(), url, wait_healthy(timeout), stop().
+"""hpc_rl's CPU engine as a child process: start(), url, wait_healthy(timeout), stop().
 
-Owns: launching one rollout engine as a child process, either hpc_rl's CPU engine
-(`python -m hpc_rl.engines.cpu`) or real SGLang (`sglang.launch_server`, GPU nodes), and waiting
-until its `/health` answers 200, with the engine's log tail in the error when it does not.
+Owns: the CPU engine's command line (`python -m hpc_rl.engines.cpu`, also the driver's engine step),
+launching it as a child process for tests, benchmarks and examples, and waiting until its `/health`
+answers 200, with the engine's log tail in the error when it does not. (Real SGLang engines are
+started by the driver as steps: `sglang_launch`.)
 """
 
 from __future__ import annotations
@@ -11,24 +12,10 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
 
 from hpc_rl.engines import API_KEY_ENV
 from hpc_rl.engines.child_process import ChildProcess, free_port, http_ok, wait_until
-from hpc_rl.engines.sglang_launch import SglangLaunchSpec, build_sglang_command, build_sglang_env
-
-
-class EngineProcess(Protocol):
-    """What the launcher and the tests need from an engine process."""
-
-    @property
-    def url(self) -> str: ...
-
-    def start(self) -> None: ...
-
-    def wait_healthy(self, timeout: float) -> None: ...
-
-    def stop(self) -> None: ...
+from hpc_rl.engines.sglang_launch import build_sglang_env
 
 
 def cpu_engine_command(model_path: str | Path, *, host: str, port: int, max_running_requests: int = 64,
@@ -87,13 +74,3 @@ class CpuEngineProcess(_HttpEngineProcess):
         if api_key:
             environment[API_KEY_ENV] = api_key
         super().__init__(command, host=host, port=port, log_path=log_path, env=environment, name="CPU engine")
-
-
-class SglangEngineProcess(_HttpEngineProcess):
-    """A real SGLang server (`sglang.launch_server`) on a GPU node."""
-
-    def __init__(self, spec: SglangLaunchSpec, *, log_path: str | Path,
-                 env: Mapping[str, str] | None = None) -> None:
-        environment = build_sglang_env(os.environ, env)
-        super().__init__(build_sglang_command(spec), host=spec.host, port=spec.port, log_path=log_path,
-                         env=environment, name="SGLang engine")

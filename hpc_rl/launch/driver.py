@@ -281,23 +281,14 @@ class Driver:
         self.controller.restarts = self.restarts
         await self.controller.start()
         self._apply_requeue_request()
+        if not self.topology.colocate:  # trainer ranks load while the engines do (issue 11); colocated
+            self._start_trainer()       # ranks wait: SGLang sizes its KV cache from the GPU memory then free
         urls = await asyncio.gather(*(self.start_engine(i) for i in range(len(self.topology.engines))))
         for index, url in enumerate(urls):
             await self.controller.register_engine(index, url, tp_size=self.config.cluster.rollout_num_gpus_per_engine)
-        rendezvous = f"{self.host}:{self.ports.rendezvous}"
-        trainer_env = {CONTROLLER_ENV: f"{self.host}:{self.controller.address[1]}", RUN_DIR_ENV: str(self.run_dir),
-                       "OMP_NUM_THREADS": str(self.config.training.num_threads), "HF_HUB_OFFLINE": "1",
-                       # trainer rank 0 advertises its node's address for the weight group (training.sync_address)
-                       TRAINER_NODE_ADDRESSES_ENV: ",".join(self.launcher.node_address(0, node)
-                                                            for node in range(self.config.cluster.actor_num_nodes))}
-        if self.local:  # every store of the trainer on loopback (see the README's "What listens")
-            trainer_env[STORE_ADDRESS_ENV] = "127.0.0.1"
-        self.trainer_step = self.launcher.start(StepSpec(
-            name="trainer", argv=trainer_command(self.config, self.run_dir, rendezvous, local=self.local),
-            env=trainer_env,
-            het_group=0, num_nodes=self.config.cluster.actor_num_nodes, tasks_per_node=1,
-            gpus_per_task=self.config.cluster.actor_num_gpus_per_node if self.config.cluster.device == "cuda" else 0,
-            log_path=self.logs / "trainer.log"))
+        if self.trainer_step is None:
+            self._start_trainer()
+        assert self.trainer_step is not None
         run = self.run_task = asyncio.create_task(self.controller.run(), name="controller-run")
         while not run.done():
             await asyncio.wait({run}, timeout=1.0)
@@ -315,6 +306,23 @@ class Driver:
         if code != 0:
             raise RuntimeError(f"the trainer exited with code {code} after the run; see {self.logs / 'trainer.log'}")
         return EXIT_REQUEUE if self.controller.loop and self.controller.loop.stopped_for_requeue else EXIT_OK
+
+    def _start_trainer(self) -> None:
+        assert self.controller is not None
+        rendezvous = f"{self.host}:{self.ports.rendezvous}"
+        trainer_env = {CONTROLLER_ENV: f"{self.host}:{self.controller.address[1]}", RUN_DIR_ENV: str(self.run_dir),
+                       "OMP_NUM_THREADS": str(self.config.training.num_threads), "HF_HUB_OFFLINE": "1",
+                       # trainer rank 0 advertises its node's address for the weight group (training.sync_address)
+                       TRAINER_NODE_ADDRESSES_ENV: ",".join(self.launcher.node_address(0, node)
+                                                            for node in range(self.config.cluster.actor_num_nodes))}
+        if self.local:  # every store of the trainer on loopback (see the README's "What listens")
+            trainer_env[STORE_ADDRESS_ENV] = "127.0.0.1"
+        self.trainer_step = self.launcher.start(StepSpec(
+            name="trainer", argv=trainer_command(self.config, self.run_dir, rendezvous, local=self.local),
+            env=trainer_env,
+            het_group=0, num_nodes=self.config.cluster.actor_num_nodes, tasks_per_node=1,
+            gpus_per_task=self.config.cluster.actor_num_gpus_per_node if self.config.cluster.device == "cuda" else 0,
+            log_path=self.logs / "trainer.log"))
 
     async def explain_trainer_failure(self, seen_by_controller: str, wait_s: float = 30.0) -> str:
         """Which rank died and how (torchrun's report, once the step has exited: it stops the other

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from submitit.slurm.slurm import _make_sbatch_string
+import submitit
 
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.launch.topology import HetGroup, JobTopology
@@ -187,6 +187,24 @@ def render_batch_script(config: RunConfig, topology: JobTopology, *, folder: str
     """The batch script submitit writes for this run (`python` is the `exec <python>` prefix)."""
     parameters = submitit_parameters(config, topology)
     command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    return submitit_sbatch_text(command=command, folder=folder, parameters=parameters)
+
+
+SUBMITIT_RENDERER_VERSIONS = ("1.5.",)
+"""submitit releases whose private sbatch renderer hpc_rl has checked (golden tests)."""
+
+
+def submitit_sbatch_text(*, command: str, folder: str | Path, parameters: dict[str, Any]) -> str:
+    """submitit's own sbatch text, so `--dry-run` prints what is submitted. submitit has no public
+    renderer (its executor writes the file itself), so this is the one place that calls the private
+    `submitit.slurm.slurm._make_sbatch_string`, and only on the versions checked."""
+    version = submitit.__version__
+    if not version.startswith(SUBMITIT_RENDERER_VERSIONS):
+        raise RuntimeError(f"submitit {version} is not one hpc_rl renders sbatch scripts with "
+                           f"({', '.join(v + '*' for v in SUBMITIT_RENDERER_VERSIONS)}): install one of those "
+                           "(pip install 'submitit>=1.5,<1.6'), or check its _make_sbatch_string and add it")
+    from submitit.slurm.slurm import _make_sbatch_string
+
     return _make_sbatch_string(command=command, folder=folder, **parameters)
 
 

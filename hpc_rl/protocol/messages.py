@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from hpc_rl.protocol.arrays import is_array
-from hpc_rl.protocol.errors import FieldMismatchError, MalformedFrameError, ProtocolError, UnknownMessageError
+from hpc_rl.protocol.errors import FieldMismatchError, MalformedFrameError, UnknownMessageError
 
 ARRAY_REF = "$a"
 """Key of the placeholder ``{"$a": index}`` that stands for an array inside the JSON fields."""
@@ -422,11 +422,3 @@ def decode_message(header: dict[str, Any], arrays: list[Any]) -> Message:
         return cls(**values)
     except (TypeError, ValueError) as e:  # a __post_init__ invariant of the class
         raise FieldMismatchError(f"message {type_name!r}: {e}") from None
-
-
-def message_class(type_name: str) -> type[Message]:
-    """The registered class of a wire type name."""
-    try:
-        return REGISTRY[type_name]
-    except KeyError:
-        raise ProtocolError(f"unknown message type {type_name!r}") from None

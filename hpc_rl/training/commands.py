@@ -158,7 +158,7 @@ class TrainerCommands:
         if isinstance(command, TrainCommand):
             return self.train(command)
         if isinstance(command, SyncWeightsCommand):
-            return self.sync_weights(command)
+            return self.send_weights(command)
         if isinstance(command, SaveCommand):
             root = self.save_dir or ""
             if not root:
@@ -206,7 +206,7 @@ class TrainerCommands:
         return self.colocated_sender.sync(version=command.weight_version, engine_url=url,
                                           bucket_bytes=command.bucket_bytes)
 
-    def sync_weights(self, command: SyncWeightsCommand) -> dict[str, Any]:
+    def send_weights(self, command: SyncWeightsCommand) -> dict[str, Any]:
         if self.sender is None:
             from megatron.core import parallel_state
 

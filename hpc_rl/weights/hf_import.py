@@ -74,12 +74,6 @@ class HFTensorReader:
         return self._handles[path].get_tensor(name)  # type: ignore[attr-defined]
 
 
-def read_hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF safetensors checkpoint, on CPU (small models and tests)."""
-    reader = HFTensorReader(hf_dir)
-    return {name: reader[name] for name in reader.file_of}
-
-
 @torch.no_grad()
 def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path, arch: ModelArchitecture,
                        *, tp_rank: int, tp_size: int, model_file: str | Path | None = None) -> None:

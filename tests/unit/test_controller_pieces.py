@@ -12,7 +12,7 @@ from hpc_rl.controller.registry import EngineInfo, EngineState, Registry, Regist
 from hpc_rl.controller.train_batches import (RewardShaping, group_normalized_rewards, normalized_rewards,
                                              split_for_data_parallel)
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
-from hpc_rl.controller.weight_sync import WeightGroupState, rank_offsets, sync_weights
+from hpc_rl.controller.weight_sync import WeightGroupState, push_weights_to_engines, rank_offsets
 from hpc_rl.data.samples import Sample
 from hpc_rl.protocol.messages import CommandDone, StopCommand, SyncWeightsCommand, WeightPlan
 
@@ -178,8 +178,8 @@ def test_weight_sync_sequence_and_group_reuse() -> None:
                 channel.on_done(CommandDone(rank=0, seq=command.seq))
 
         rank = asyncio.create_task(fake_rank0())
-        await sync_weights(version=1, channel=channel, engines=engines, admins=admins, group=group, backend="gloo",
-                           bucket_bytes=10)
+        await push_weights_to_engines(version=1, channel=channel, engines=engines, admins=admins, group=group,
+                                      backend="gloo", bucket_bytes=10)
         first = list(calls)
         assert first[0] == ("trainer", "sync new_group=True")
         assert ("e0", "init rank_offset=1 world=3") in first and ("e1", "init rank_offset=2 world=3") in first
@@ -187,8 +187,8 @@ def test_weight_sync_sequence_and_group_reuse() -> None:
         assert e0 == ["init rank_offset=1 world=3", "begin", "update ['a'] version=None",
                       "update ['b'] version=1", "end"]
         calls.clear()
-        await sync_weights(version=2, channel=channel, engines=engines, admins=admins, group=group, backend="gloo",
-                           bucket_bytes=10)
+        await push_weights_to_engines(version=2, channel=channel, engines=engines, admins=admins, group=group,
+                                      backend="gloo", bucket_bytes=10)
         assert ("trainer", "sync new_group=False") in calls
         assert not any("init" in c for _, c in calls)  # same engines: the group is reused
         await rank
@@ -219,14 +219,14 @@ def test_restarted_engine_rejoins_the_group_without_a_sync_while_it_was_down() -
                 channel.on_done(CommandDone(rank=0, seq=command.seq))
 
         rank = asyncio.create_task(fake_rank0())
-        await sync_weights(version=1, channel=channel, engines=registry.live_engines(), admins=admins, group=group,
-                           backend="gloo", bucket_bytes=10)
+        await push_weights_to_engines(version=1, channel=channel, engines=registry.live_engines(), admins=admins,
+                                      group=group, backend="gloo", bucket_bytes=10)
         registry.set_engine_state(0, EngineState.FAILED, "killed")
         # ... rollouts go on with engine 1 only; no sync is due; the restart of engine 0 lands at the same URL:
         registry.add_engine(EngineInfo(engine_index=0, url="http://a", restarts=1))
         calls.clear()
-        await sync_weights(version=1, channel=channel, engines=registry.live_engines(), admins=admins, group=group,
-                           backend="gloo", bucket_bytes=10)
+        await push_weights_to_engines(version=1, channel=channel, engines=registry.live_engines(), admins=admins,
+                                      group=group, backend="gloo", bucket_bytes=10)
         await rank
         assert new_groups == [True, True]
         assert ("e0", "init rank_offset=1 world=3") in calls and ("e1", "init rank_offset=2 world=3") in calls

@@ -17,7 +17,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from hpc_rl.engines.cpu.requests import GenerationRequest, parse_generate_body
 from hpc_rl.engines.cpu.sampling import make_generator, parse_sampling_params
 from hpc_rl.engines.cpu.scheduler import EngineStateError, Scheduler
-from hpc_rl.engines.cpu.server import EngineInfo, EngineServer
+from hpc_rl.engines.cpu.server import EngineServer, ServerInfo
 from hpc_rl.tiny_model import TINY_VOCAB, build_tokenizer
 
 EOS = TINY_VOCAB.index("<|im_end|>")
@@ -187,7 +187,7 @@ def test_http_layer_auth_sessions_and_errors(model, tokenizer, tmp_path):
     checkpoint = tmp_path / "ckpt"
     async def scenario() -> None:
         scheduler = Scheduler(model, tokenizer, max_running_requests=4, context_length=256, weight_version="v0")
-        info = EngineInfo(model_path="/m", host="127.0.0.1", port=1, api_key="key", max_running_requests=4,
+        info = ServerInfo(model_path="/m", host="127.0.0.1", port=1, api_key="key", max_running_requests=4,
                           context_length=256)
         scheduler.start()
         client = TestClient(TestServer(EngineServer(scheduler, info).build_app()))
@@ -244,7 +244,7 @@ def test_admin_calls_need_the_job_engine_key(model, tokenizer):
 
     async def scenario() -> None:
         scheduler = Scheduler(model, tokenizer, max_running_requests=4, context_length=256, weight_version="v0")
-        info = EngineInfo(model_path="/m", host="127.0.0.1", port=1, api_key=key, max_running_requests=4,
+        info = ServerInfo(model_path="/m", host="127.0.0.1", port=1, api_key=key, max_running_requests=4,
                           context_length=256)
         scheduler.start()
         server = TestServer(EngineServer(scheduler, info).build_app())

@@ -178,3 +178,14 @@ def test_standalone_driver_passes_the_engine_cpus_to_srun(tmp_path: Path, monkey
     monkeypatch.setenv("SLURM_JOB_ID", "1")
     assert driver.main(["--run-dir", str(tmp_path), "--launcher", "srun"]) == 0
     assert seen["cpus"] == 16
+
+
+def test_private_submitit_renderer_only_on_checked_versions(monkeypatch):
+    import submitit
+
+    from hpc_rl.launch.sbatch_render import submitit_sbatch_text
+
+    assert submitit.__version__.startswith("1.5.")  # the installed one renders (the golden tests above)
+    monkeypatch.setattr(submitit, "__version__", "2.0.0")
+    with pytest.raises(RuntimeError, match=r"submitit 2\.0\.0 is not one hpc_rl renders"):
+        submitit_sbatch_text(command="true", folder="/R/submitit", parameters={})

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hpc_rl.engines.cpu.scheduler import Scheduler
-    from hpc_rl.engines.cpu.server import EngineInfo, EngineServer
+    from hpc_rl.engines.cpu.server import EngineServer, ServerInfo
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     model = AutoModelForCausalLM.from_pretrained(
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
                           context_length=context_length, weight_version=args.weight_version,
                           on_fatal=exit_on_scheduler_death, memory_saver=args.enable_memory_saver)
-    info = EngineInfo(model_path=args.model_path, host=args.host, port=args.port, api_key=api_key,
+    info = ServerInfo(model_path=args.model_path, host=args.host, port=args.port, api_key=api_key,
                       max_running_requests=args.max_running_requests, context_length=context_length,
                       architectures=list(model.config.architectures or []), model_type=model.config.model_type)
     scheduler.start()

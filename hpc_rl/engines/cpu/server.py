@@ -45,7 +45,7 @@ ALL_MEMORY_TAGS = ["weights", "kv_cache", "cuda_graph"]
 
 
 @dataclass(kw_only=True)
-class EngineInfo:
+class ServerInfo:
     """What `/server_info` and `/model_info` report."""
 
     model_path: str
@@ -106,7 +106,7 @@ async def sglang_http_errors(request: web.Request, handler) -> web.StreamRespons
 class EngineServer:
     """The aiohttp application around one `Scheduler`."""
 
-    def __init__(self, scheduler: Scheduler, info: EngineInfo) -> None:
+    def __init__(self, scheduler: Scheduler, info: ServerInfo) -> None:
         self.scheduler = scheduler
         self.info = info
         self.groups = WeightUpdateGroups()
