@@ -412,6 +412,8 @@ def _is_trainer_failure(error: BaseException) -> bool:
 
 
 def setup_logging(run_dir: Path, level: str) -> None:
+    """hpc_rl's records to `logs/controller.log` (warnings also to stderr), through the `hpc_rl` logger:
+    the root logger and its handlers stay the application's (a library user keeps theirs). Idempotent."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     file_handler = RunLogFileHandler(run_dir / "logs" / "controller.log")  # a full disk: one line, not one per record
@@ -419,9 +421,14 @@ def setup_logging(run_dir: Path, level: str) -> None:
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(formatter)
     console.setLevel(logging.WARNING)
-    root = logging.getLogger()
-    root.setLevel(level)
-    root.handlers[:] = [file_handler, console]
+    package = logging.getLogger("hpc_rl")
+    for handler in [h for h in package.handlers if getattr(h, "hpc_rl_run_log", False)]:
+        package.removeHandler(handler)
+        handler.close()
+    for handler in (file_handler, console):
+        handler.hpc_rl_run_log = True  # type: ignore[attr-defined]
+        package.addHandler(handler)
+    package.setLevel(level)
 
 
 def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> int:
