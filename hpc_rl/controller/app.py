@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_rl.config import plugin_args
-from hpc_rl.config.schema import RunConfig
+from hpc_rl.config.schema import RolloutConfig, RunConfig
 from hpc_rl.controller.address import CONTROLLER_ADDRESS_FILE, write_controller_address
 from hpc_rl.controller.engine_fleet import EngineFleet, RestartFn, RouterMembership
 from hpc_rl.controller.registry import Registry, TrainerInfo
@@ -57,11 +57,12 @@ log = logging.getLogger(__name__)
 __all__ = ["CONTROLLER_ADDRESS_FILE", "Controller", "num_rollouts"]
 
 
-def num_rollouts(config: RunConfig, dataset_size: int) -> int:
-    if config.rollout.num_rollout is not None:
-        return config.rollout.num_rollout
-    epochs = config.rollout.num_epoch or 1
-    return max(1, epochs * dataset_size // config.rollout.rollout_batch_size)
+def num_rollouts(rollout: RolloutConfig, dataset_size: int) -> int:
+    """`num_rollout`, else `num_epoch` (default 1) passes over the prompts."""
+    if rollout.num_rollout is not None:
+        return rollout.num_rollout
+    epochs = rollout.num_epoch or 1
+    return max(1, epochs * dataset_size // rollout.rollout_batch_size)
 
 
 class Controller:
@@ -166,7 +167,7 @@ class Controller:
         tensorboard_dir = config.logging.tensorboard_dir or str(self.run_dir / "tensorboard")
         self.loop = RunLoop(config=config, registry=self.registry, channel=self.channel, fleet=self.fleet,
                             scheduler=scheduler, scalars=ScalarLog(tensorboard_dir, filename_suffix=".controller"),
-                            num_rollout=num_rollouts(config, len(dataset)), run_eval=eval_fn,
+                            num_rollout=num_rollouts(rollout, len(dataset)), run_eval=eval_fn,
                             print_fn=lambda line: print(line, flush=True))
 
     async def register_engine(self, engine_index: int, url: str, *, tp_size: int = 1) -> None:
