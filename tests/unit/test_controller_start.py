@@ -1,0 +1,49 @@
+"""The controller listens before its rollout stack is built, and `ready()` reports what building it raised."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hpc_rl.config import load_config
+from hpc_rl.controller.app import Controller
+from hpc_rl.data.prompts import DataError
+from hpc_rl.protocol.secret import create_secret
+
+
+def make_controller(tmp_path, in_repo, prompt_data: str) -> Controller:
+    config = load_config([in_repo / "configs" / "tiny_cpu.yaml"])
+    config.run_dir = str(tmp_path)
+    config.rollout.prompt_data = prompt_data
+    config.eval.eval_prompt_data = []
+    return Controller(config, secret=create_secret(tmp_path / "secret"), router=None, router_url=None)
+
+
+def test_listens_first_then_reports_a_bad_prompt_file_from_ready(tmp_path, in_repo) -> None:
+    async def scenario() -> None:
+        controller = make_controller(tmp_path, in_repo, str(tmp_path / "missing.jsonl"))
+        try:
+            await controller.start()
+            assert (tmp_path / "controller.address").read_text().strip().endswith(f":{controller.address[1]}")
+            with pytest.raises(DataError, match="missing.jsonl"):
+                await controller.ready()
+            with pytest.raises(DataError):  # every waiter sees it, not only the first
+                await controller.register_engine(0, "http://127.0.0.1:1")
+        finally:
+            await controller.close()
+
+    asyncio.run(scenario())
+
+
+def test_ready_builds_the_loop(tmp_path, in_repo) -> None:
+    async def scenario() -> None:
+        controller = make_controller(tmp_path, in_repo, str(in_repo / "data" / "tiny_copy_train.jsonl"))
+        try:
+            await controller.start()
+            await controller.ready()
+            assert controller.loop is not None and controller.loop.num_rollout == 100
+        finally:
+            await controller.close()
+
+    asyncio.run(scenario())
