@@ -32,6 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny_cpu.yaml"
 WINDOW, GAIN = 20, 0.3
+STEP_MARK = "bench_vs_trl step "
+"""Prefix of the TRL child's per-step lines (TRL prints its own dicts on stdout too)."""
 PROGRESS = re.compile(r"^rollout (\d+)/\d+ \| reward ([-0-9.]+)")
 
 
@@ -80,8 +82,8 @@ def run_trl(steps: int) -> dict[str, object]:
     assert process.stdout is not None
     rewards, times = [], []
     for line in process.stdout:
-        if line.startswith("{"):
-            rewards.append(float(json.loads(line)["reward"]))
+        if line.startswith(STEP_MARK):
+            rewards.append(float(json.loads(line[len(STEP_MARK):])["reward"]))
             times.append(time.perf_counter() - start)
     if process.wait() != 0:
         raise RuntimeError("the TRL run failed (see its output above)")
@@ -112,7 +114,7 @@ def trl_child(steps: int) -> None:
     class PrintReward(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001 -- TRL's signature
             if logs and "reward" in logs:
-                print(json.dumps({"step": state.global_step, "reward": logs["reward"]}), flush=True)
+                print(STEP_MARK + json.dumps({"step": state.global_step, "reward": logs["reward"]}), flush=True)
 
     batch = rollout.rollout_batch_size * rollout.n_samples_per_prompt
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,9 +1,9 @@
-"""hpc_rl's CPU engine as a child process: start(), url, wait_healthy(timeout), stop().
+"""Engine processes for tests, benchmarks and examples: start(), url, wait_healthy(timeout), stop().
 
 Owns: the CPU engine's command line (`python -m hpc_rl.engines.cpu`, also the driver's engine step),
-launching it as a child process for tests, benchmarks and examples, and waiting until its `/health`
-answers 200, with the engine's log tail in the error when it does not. (Real SGLang engines are
-started by the driver as steps: `sglang_launch`.)
+launching it or real SGLang (`sglang.launch_server`) as a child process, and waiting until its
+`/health` answers 200, with the engine's log tail in the error when it does not. (In a run the
+driver starts engines as steps.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hpc_rl.engines import API_KEY_ENV
 from hpc_rl.engines.child_process import ChildProcess, free_port, http_ok, wait_until
-from hpc_rl.engines.sglang_launch import build_sglang_env
+from hpc_rl.engines.sglang_launch import SglangLaunchSpec, build_sglang_command, build_sglang_env
 
 
 def cpu_engine_command(model_path: str | Path, *, host: str, port: int, max_running_requests: int = 64,
@@ -74,3 +74,13 @@ class CpuEngineProcess(_HttpEngineProcess):
         if api_key:
             environment[API_KEY_ENV] = api_key
         super().__init__(command, host=host, port=port, log_path=log_path, env=environment, name="CPU engine")
+
+
+class SglangEngineProcess(_HttpEngineProcess):
+    """A real SGLang server (`sglang.launch_server`): the conformance tests run it on CPU."""
+
+    def __init__(self, spec: SglangLaunchSpec, *, log_path: str | Path,
+                 env: Mapping[str, str] | None = None) -> None:
+        environment = build_sglang_env(os.environ, env)
+        super().__init__(build_sglang_command(spec), host=spec.host, port=spec.port, log_path=log_path,
+                         env=environment, name="SGLang engine")
