@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from hpc_rl.engines.cpu.requests import GenerationRequest, RequestError, parse_generate_body, render_response
 from hpc_rl.engines.cpu.sampling import parse_sampling_params
 from hpc_rl.engines.cpu.scheduler import Scheduler, SchedulerDied
-from hpc_rl.engines.cpu.server import EngineInfo, EngineServer
+from hpc_rl.engines.cpu.server import EngineServer, ServerInfo
 from hpc_rl.tiny_model import TINY_VOCAB
 from tests.unit.test_engines_cpu import drive, make_request, model, scheduler, tokenizer  # noqa: F401 - fixtures
 
@@ -92,7 +92,7 @@ def test_a_dead_scheduler_fails_every_request_instead_of_hanging(model, tokenize
 def _serve(model, tokenizer, scenario) -> None:
     async def run() -> None:
         scheduler = Scheduler(model, tokenizer, max_running_requests=8, context_length=256, weight_version="v0")
-        info = EngineInfo(model_path="/m", host="127.0.0.1", port=1, api_key=None, max_running_requests=8,
+        info = ServerInfo(model_path="/m", host="127.0.0.1", port=1, api_key=None, max_running_requests=8,
                           context_length=256)
         scheduler.start()
         client = TestClient(TestServer(EngineServer(scheduler, info).build_app()))
