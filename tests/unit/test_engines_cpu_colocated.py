@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hpc_rl.engines.cpu.scheduler import EngineStateError, Scheduler
-from hpc_rl.engines.cpu.server import EngineInfo, EngineServer
+from hpc_rl.engines.cpu.server import EngineServer, ServerInfo
 from hpc_rl.engines.cpu.weight_sync import named_tensors
 from hpc_rl.tiny_model import TINY_VOCAB, build_tokenizer
 from hpc_rl.weights.colocated import serialize_named_tensors, update_weights_from_tensor_body, write_shared_memory_bucket
@@ -62,7 +62,7 @@ def test_bare_resume_refuses_generation_and_a_reload_through_shared_memory_serve
     tokenizer = build_tokenizer()
     scheduler = Scheduler(served, tokenizer, max_running_requests=4, context_length=256, weight_version="0",
                           memory_saver=True)
-    info = EngineInfo(model_path="tiny", host="127.0.0.1", port=0, api_key=None, max_running_requests=4,
+    info = ServerInfo(model_path="tiny", host="127.0.0.1", port=0, api_key=None, max_running_requests=4,
                       context_length=256)
     prompt = [5, 6, 7]
     generate = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0.0},
