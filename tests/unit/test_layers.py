@@ -2,7 +2,7 @@
 
     4  launch, submit, status            start processes, talk to Slurm and to a running controller
     3  controller                        the asyncio control plane; never imports torch or transformers
-    2  training, engines, weights, tiny_model   torch processes: trainer ranks, engines, the weight path
+    2  training, engines, weights, tiny_model, sim   trainer ranks, engines, the weight path (sim: simulated ones)
     1  rollout, rewards                  generation client, sampling, buffers, reward functions
     0  config, data, protocol, plugins, telemetry, retry_policy   what every process shares
 
@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "hpc_rl"
 TIERS = {
     "config": 0, "data": 0, "protocol": 0, "plugins": 0, "telemetry": 0, "retry_policy": 0,
     "rollout": 1, "rewards": 1,
-    "training": 2, "engines": 2, "weights": 2, "tiny_model": 2,
+    "training": 2, "engines": 2, "weights": 2, "tiny_model": 2, "sim": 2,
     "controller": 3,
     "launch": 4, "submit": 4, "status": 4,
 }
