@@ -90,7 +90,7 @@ def full_tmpfs(tmp_path: Path):
     except OSError:
         pass  # full now
     yield mount
-    subprocess.run(["umount", str(mount)], check=False)
+    subprocess.run(["umount", "--lazy", str(mount)], check=False)  # lazy: a closed controller may still hold a log file there
 
 
 def test_status_file_on_a_full_disk_leaves_no_temporary_file(full_tmpfs: Path) -> None:
