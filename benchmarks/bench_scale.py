@@ -336,6 +336,7 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
         controller = Controller(config, secret=secret, router=router if via_api else None, router_url=router.url,
                                 api_key=key)
         await controller.start()
+        await controller.ready()  # the rollout stack (and the loop) is built in the background
         phase("controller_started")
         assert controller.loop is not None
         controller.loop.print = lambda line: None

@@ -45,7 +45,7 @@ def test_torchrun_entry_trains_from_a_batches_file(tmp_path: Path) -> None:
          "-m", "hpc_rl.training", str(config_path), "--batches-file", str(batches)],
         cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "rollout 1 step 1" in result.stderr
+    assert "rollout 1 step 2" in result.stderr  # train/* steps count optimizer steps done (as rollout/* counts rollouts)
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "1"
     state = json.loads((tmp_path / "ckpt" / "iter_0000001" / "hpc_rl_state.json").read_text())
     assert state["rollout_id"] == 1 and state["optimizer_steps"] == 2
