@@ -438,10 +438,10 @@ def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> i
     `controller.max_restarts` times (every process of the failed attempt is stopped first); each
     restart is printed, logged and listed in status.json under "restarts"."""
     restarts: list[dict[str, Any]] = []
+    # before the first Driver: its constructor already logs (ports found in use on the node)
+    setup_logging(Path(run_dir).resolve(), load_resolved_config(Path(run_dir).resolve()).logging.log_level)
     while True:
         driver = Driver(run_dir, launcher, local=local)
-        if not restarts:
-            setup_logging(driver.run_dir, driver.config.logging.log_level)
         driver.restarts = restarts
         code = asyncio.run(_drive(driver))
         limit = driver.config.controller.max_restarts
