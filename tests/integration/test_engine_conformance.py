@@ -156,16 +156,22 @@ def test_error_and_control_bodies(engine):
 
 
 def test_abort_returns_partial_output_with_sglangs_reason(engine):
-    result: dict = {}
-    body = {"rid": "to-abort", "input_ids": [9, 15], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
-    thread = threading.Thread(target=lambda: result.update(generate(engine, body).json()))
-    thread.start()
-    time.sleep(1.0)
-    assert requests.post(f"{engine.url}/abort_request", json={"rid": "to-abort"}, timeout=30).status_code == 200
-    thread.join(timeout=120)
-    reason = result["meta_info"]["finish_reason"]
+    """Aborts once the first token has streamed back, so the request is running (never a fixed sleep:
+    a quiet machine decodes the whole budget within one)."""
+    budget = 500  # as long as the tiny model's 512-token context allows
+    body = {"rid": "to-abort", "input_ids": [9, 15], "stream": True,
+            "sampling_params": {"max_new_tokens": budget, "ignore_eos": True}}
+    with requests.post(f"{engine.url}/generate", json=body, stream=True, timeout=120) as response:
+        events = response.iter_lines()
+        first = next(line for line in events if line)
+        assert first.startswith(b"data: ")
+        aborted = requests.post(f"{engine.url}/abort_request", json={"rid": "to-abort"}, timeout=30)
+        assert aborted.status_code == 200
+        rest = [line for line in events if line]
+    chunks = [orjson.loads(event[len(b"data: "):]) for event in [first, *rest] if event != b"data: [DONE]"]
+    reason = chunks[-1]["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and reason["message"] == "Aborted"
-    assert len(result["output_ids"]) < 400
+    assert len(chunks[-1]["output_ids"]) < budget
 
 
 def test_an_out_of_vocabulary_id_ends_the_engine_process(engine):
