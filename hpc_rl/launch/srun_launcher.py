@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from hpc_rl.engines.child_process import start_process_group
 from hpc_rl.launch.steps import LocalStep, StepSpec
@@ -117,14 +117,20 @@ class SrunStepLauncher:
         return self._hostnames[het_group]
 
     def node_address(self, het_group: int, node_index: int) -> str:
-        """The node's IP address (servers such as sglang-router bind and are reached by address, not name)."""
+        """The node's IP address (servers such as sglang-router bind and are reached by address, not name).
+
+        A name that resolves to loopback (Debian maps a host's own name to 127.0.1.1) is replaced by
+        this host's address toward the job's other nodes when any of them resolves elsewhere."""
         nodes = self.hostnames(het_group)
         if not 0 <= node_index < len(nodes):
             raise IndexError(f"het group {het_group} has {len(nodes)} node(s); node {node_index} asked for")
-        try:
-            return socket.gethostbyname(nodes[node_index])
-        except OSError:
-            return nodes[node_index]
+        every_node = [name for group in self._het_groups() for name in self.hostnames(group)]
+        return reachable_address(nodes[node_index], every_node)
+
+    def _het_groups(self) -> list[int]:
+        if not self.het_job:
+            return [0]
+        return list(range(int(self.environ["SLURM_HET_SIZE"])))
 
     def command(self, spec: StepSpec) -> list[str]:
         """The srun command line this launcher runs for `spec`."""
@@ -140,3 +146,39 @@ class SrunStepLauncher:
                                       tie_to_parent=False)
         component_job_id = self.environ.get(f"SLURM_JOB_ID_HET_GROUP_{spec.het_group}", self.job_id)
         return SrunStep(spec.name, process, component_job_id if self.het_job else self.job_id)
+
+
+def resolve(name: str) -> str:
+    """`name`'s IPv4 address, or the name itself when it does not resolve."""
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return name
+
+
+def route_source(peer: str) -> str:
+    """This host's address on the route to `peer` (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer, 9))
+        return probe.getsockname()[0]
+
+
+def reachable_address(node: str, job_nodes: list[str], *, resolver: Callable[[str], str] | None = None,
+                      source_toward: Callable[[str], str] | None = None) -> str:
+    """The address other nodes of the job reach `node` at.
+
+    Loopback stays loopback only when every node of the job resolves to loopback (one machine, as on
+    the local test cluster); otherwise a loopback answer can only be this host's own name, and the
+    address of its interface toward another node is used instead."""
+    resolver = resolver or resolve
+    source_toward = source_toward or route_source
+    address = resolver(node)
+    if not address.startswith("127."):
+        return address
+    remote = [peer for peer in (resolver(name) for name in job_nodes) if not peer.startswith("127.")]
+    if not remote:
+        return address
+    try:
+        return source_toward(remote[0])
+    except OSError:
+        return address

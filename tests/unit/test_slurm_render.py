@@ -22,7 +22,7 @@ from hpc_rl.launch.sbatch_render import (
     time_to_minutes,
 )
 from hpc_rl.launch.slurm_status import job_state, parse_sacct, parse_squeue
-from hpc_rl.launch.srun_launcher import srun_argv
+from hpc_rl.launch.srun_launcher import reachable_address, srun_argv
 from hpc_rl.launch.steps import StepSpec
 from hpc_rl.launch.submitit_het import HetSlurmInfoWatcher
 from hpc_rl.launch.topology import plan_topology
@@ -189,3 +189,35 @@ def test_private_submitit_renderer_only_on_checked_versions(monkeypatch):
     monkeypatch.setattr(submitit, "__version__", "2.0.0")
     with pytest.raises(RuntimeError, match=r"submitit 2\.0\.0 is not one hpc_rl renders"):
         submitit_sbatch_text(command="true", folder="/R/submitit", parameters={})
+
+
+def test_a_node_name_mapped_to_loopback_is_replaced_by_its_address_toward_the_other_nodes() -> None:
+    """Debian's /etc/hosts maps a host's own name to 127.0.1.1: a router bound there is unreachable."""
+    fake_dns = {"gpu01": "127.0.1.1", "gpu02": "10.0.0.12", "gpu03": "10.0.0.13"}
+    asked: list[str] = []
+
+    def fake_route_source(peer: str) -> str:
+        asked.append(peer)
+        return "10.0.0.11"
+
+    job = ["gpu01", "gpu02", "gpu03"]
+    assert reachable_address("gpu01", job, resolver=fake_dns.__getitem__, source_toward=fake_route_source) == "10.0.0.11"
+    assert asked == ["10.0.0.12"]
+    assert reachable_address("gpu02", job, resolver=fake_dns.__getitem__, source_toward=fake_route_source) == "10.0.0.12"
+
+
+def test_loopback_stays_when_the_whole_job_is_on_one_machine() -> None:
+    one_machine = {"node1": "127.0.0.1", "node2": "127.0.0.1"}
+    assert reachable_address("node1", ["node1", "node2"], resolver=one_machine.__getitem__,
+                             source_toward=lambda peer: pytest.fail("no route lookup on one machine")) == "127.0.0.1"
+
+
+def test_the_launcher_never_hands_out_a_loopback_address_in_a_multi_node_job(monkeypatch) -> None:
+    import hpc_rl.launch.srun_launcher as srun_launcher
+
+    fake_dns = {"gpu01": "127.0.1.1", "gpu02": "10.0.0.12"}
+    monkeypatch.setattr(srun_launcher, "expand_hostnames", lambda nodelist: ["gpu01", "gpu02"])
+    monkeypatch.setattr(srun_launcher, "resolve", fake_dns.__getitem__)
+    monkeypatch.setattr(srun_launcher, "route_source", lambda peer: "10.0.0.11")
+    launcher = srun_launcher.SrunStepLauncher(environ={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu[01-02]"})
+    assert [launcher.node_address(0, 0), launcher.node_address(0, 1)] == ["10.0.0.11", "10.0.0.12"]
