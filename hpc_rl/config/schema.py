@@ -183,7 +183,8 @@ class TrainingConfig:
     """torch intra-op threads per rank on CPU (1 is fastest with several processes per core)."""
     offload_train: bool = False
     """Colocated: move the trainer's weights, gradients and optimizer state off the GPU while engines
-    generate (slime's --offload-train / --offload; on by default when colocated, as in slime)."""
+    generate (slime's --offload-train / --offload; on by default when colocated, as in slime). False
+    (--no-offload-train): they stay on the GPU beside the engines' KV cache. Decoupled runs refuse it."""
 
     def __post_init__(self) -> None:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:

@@ -20,7 +20,7 @@ from tests.integration.run_helpers import processes_mentioning, records, wait_fo
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
-TINY_FLAGS = "--colocate --num-rollout 2 --rollout-batch-size 4 --global-batch-size 32 --eval-interval 1000"
+TINY_FLAGS = "--colocate --num-rollout 2 --rollout-batch-size 4 --global-batch-size 32"
 
 
 def sacct_states(job_id: str) -> dict[str, str]:
