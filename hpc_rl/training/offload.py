@@ -26,6 +26,7 @@ Colocated order (the controller drives it, `hpc_rl.controller.colocated`):
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 OFFLOAD_TAGS = ("weights", "grads", "optimizer")
+log = logging.getLogger(__name__)
 
 
 class OffloadedStateError(RuntimeError):
@@ -84,6 +86,7 @@ class TrainerOffload:
         self.optimizer = optimizer
         self.enabled = enabled
         """False: offload/onload move nothing (the state stays on the device; see the module docstring)."""
+        self._told_kept = False
         self._offloaded: dict[str, list[_Offloaded]] = {}
         self._host_buffers: dict[str, list[torch.Tensor]] = {}
         """Host copies kept across cycles (pinned memory is slow to allocate), by tag, in storage order."""
@@ -116,6 +119,10 @@ class TrainerOffload:
         if not self.enabled:
             for tag in tags:
                 self._tensors(tag)  # an unknown tag is still an error
+            if not self._told_kept:
+                log.info("training.offload_train is false: the trainer keeps its weights, grads and optimizer "
+                         "state on the device while the engines generate")
+                self._told_kept = True
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             return {"offload/bytes": 0.0, "offload/seconds": time.perf_counter() - start}
