@@ -7,7 +7,7 @@ per-optimizer-step train/* scalars stay in TensorBoard), so one run has one writ
 processes, and the offline run dir holds the whole run.
 
 Mode: `logging.wandb_mode` if given, else $WANDB_MODE, else online when this node opens a TCP connection
-to the W&B host within 3 s and offline when it cannot (compute nodes often have no outside network;
+to the W&B host within 3 s (name lookup included) and offline when it cannot (compute nodes often have no outside network;
 a run never waits on, or fails for, an unreachable server). An offline run is uploaded afterwards with
 `wandb sync <wandb_dir>/wandb/offline-run-*`. The run id is `logging.wandb_run_id` or derived from the
 run dir, so a requeued or restarted run (same run dir) continues the same W&B run (`resume="allow"`).
@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -37,14 +38,23 @@ PROBE_TIMEOUT_S = 3.0
 
 
 def host_reachable(host_url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether a TCP connection to the W&B server opens from this node."""
+    """Whether a TCP connection to the W&B server opens from this node within `timeout_s`, name lookup
+    included (a node without network may wait on DNS far longer than the connect timeout)."""
     parsed = urlparse(host_url if "://" in host_url else f"https://{host_url}")
     port = parsed.port or (80 if parsed.scheme == "http" else 443)
-    try:
-        with socket.create_connection((parsed.hostname or "", port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
+    answer: list[bool] = []
+
+    def probe() -> None:
+        try:
+            with socket.create_connection((parsed.hostname or "", port), timeout=timeout_s):
+                answer.append(True)
+        except OSError:
+            answer.append(False)
+
+    thread = threading.Thread(target=probe, name="wandb host probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return bool(answer and answer[0])
 
 
 def choose_mode(configured: str | None, host_url: str) -> tuple[str, str]:
