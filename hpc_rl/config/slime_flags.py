@@ -3,8 +3,9 @@
 Owns: the tables that let a slime launch line move over unchanged: Megatron's model flags
 (`MODEL_ARGS`, turned into a `ModelArchitecture` by `hpc_rl.config.megatron_model`), flags accepted
 because they state what hpc_rl always does (`MISC_ARGS`: no dropout, fp32 gradient reduction, ...),
-aliases (`--train-async`, `--offload`, `--custom-loss-path`), flags refused with the reason and what to use instead, and
-slime's plug-in import paths -> hpc_rl's equivalents. Knows nothing about YAML or argv parsing.
+aliases (`--train-async`, `--offload`, `--custom-loss-path`), flags refused with the reason and what to
+use instead, and slime's plug-in import paths -> hpc_rl's equivalents. Knows nothing about YAML or argv
+parsing.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ per-optimizer-step train/* scalars stay in TensorBoard), so one run has one writ
 processes, and the offline run dir holds the whole run.
 
 Mode: `logging.wandb_mode` if given, else $WANDB_MODE, else online when this node opens a TCP connection
-to the W&B host within 3 s (name lookup included) and offline when it cannot (compute nodes often have no outside network;
-a run never waits on, or fails for, an unreachable server). An offline run is uploaded afterwards with
+to the W&B host within 3 s (name lookup included) and offline when it cannot (compute nodes often have
+no outside network; a run never waits on, or fails for, an unreachable server). An offline run is uploaded afterwards with
 `wandb sync <wandb_dir>/wandb/offline-run-*`. The run id is `logging.wandb_run_id` or derived from the
 run dir, so a requeued or restarted run (same run dir) continues the same W&B run (`resume="allow"`).
 
@@ -118,4 +118,4 @@ class WandbScalars:
         import wandb
 
         self.run.finish()
-        wandb.teardown()  # wandb 0.31 writes an offline run's file only when its service stops (measured: 7 bytes after finish())
+        wandb.teardown()  # wandb 0.31 writes an offline run's file when its service stops (7 bytes after finish())
