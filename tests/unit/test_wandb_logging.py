@@ -146,3 +146,21 @@ def test_offline_run_holds_the_controllers_scalars(tmp_path: Path, monkeypatch: 
     assert "secret-key-not-logged" not in run_files[0].read_bytes().decode("latin-1")
     assert json.loads(config_values["logging"])["wandb_project"] == "hpc-rl-test"  # the config, without the key
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))  # TensorBoard stays
+
+
+def test_seed_line_with_slimes_wandb_args_dry_runs(in_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """run-qwen3-4B.sh's WANDB_ARGS switched on: the line moves over (or, without wandb, says which extra)."""
+    import importlib.util
+
+    from hpc_rl.submit import main
+    from tests.unit.slime_lines import seed_argv
+
+    wandb_args = ["--use-wandb", "--wandb-project", "slime-dev", "--wandb-group", "qwen3-4B-test", "--wandb-key", "k"]
+    code = main([*seed_argv("qwen3_4b_colocated_8"), *wandb_args, "--dry-run", "--no-check-files", "--executor",
+                 "local"])
+    out, err = capsys.readouterr()
+    if importlib.util.find_spec("wandb") is None:
+        assert code == 2 and "pip install 'hpc_rl[wandb]'" in err
+        return
+    assert code == 0, err
+    assert "use_wandb: true" in out and "wandb_project: slime-dev" in out and "wandb_group: qwen3-4B-test" in out
