@@ -133,6 +133,15 @@ def _positional_capacity(fn: Callable[..., Any]) -> tuple[int, float, list[str]]
     return required, maximum, names
 
 
+def _defined_at(fn: Callable[..., Any]) -> str:
+    """' (defined at file.py:LINE)' for a Python function or callable instance; '' when unknown."""
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__dict__.get("__call__", fn)
+    try:
+        return f" (defined at {inspect.getsourcefile(target)}:{inspect.getsourcelines(target)[1]})"
+    except (TypeError, OSError):
+        return ""
+
+
 def _is_async(fn: Callable[..., Any]) -> bool:
     # A callable instance is async when its __call__ is.
     call = None if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__dict__.get("__call__")
@@ -186,13 +195,14 @@ def load_callable(
             raise PluginError(
                 f"{what} {path!r}: hpc_rl calls it with {n} positional argument(s) {wanted}, but it takes "
                 f"{required} required and at most {maximum if maximum != float('inf') else 'any'} positional "
-                f"parameter(s) {tuple(names)}; change its signature to {attr}{wanted}"
+                f"parameter(s) {tuple(names)}; change its signature to {attr}{wanted}{_defined_at(obj)}"
             )
         if check_names and names[:n] != list(expected_params):
             raise PluginError(
                 f"{what} {path!r}: parameters are named {tuple(names[:n])}, expected {tuple(expected_params)}"
+                f"{_defined_at(obj)}"
             )
     if require_async is not None and _is_async(obj) != require_async:
         kind = "an 'async def' function" if require_async else "a plain (non-async) function"
-        raise PluginError(f"{what} {path!r}: must be {kind}")
+        raise PluginError(f"{what} {path!r}: must be {kind}{_defined_at(obj)}")
     return obj

@@ -16,6 +16,8 @@ from hpc_rl.config.model import ModelArchitecture
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 RM_TYPES = ("deepscaler", "dapo", "math", "f1", "remote_rm", "tiny_task")
+LOSS_TYPES = ("policy_loss", "custom_loss")
+WANDB_MODES = ("online", "offline", "disabled")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
@@ -181,7 +183,8 @@ class TrainingConfig:
     """torch intra-op threads per rank on CPU (1 is fastest with several processes per core)."""
     offload_train: bool = False
     """Colocated: move the trainer's weights, gradients and optimizer state off the GPU while engines
-    generate (slime's --offload-train / --offload; on by default when colocated, as in slime)."""
+    generate (slime's --offload-train / --offload; on by default when colocated, as in slime). False
+    (--no-offload-train): they stay on the GPU beside the engines' KV cache. Decoupled runs refuse it."""
 
     def __post_init__(self) -> None:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
@@ -238,8 +241,19 @@ class AlgorithmConfig:
     """Discount (REINFORCE++, PPO)."""
     lambd: float = 1.0
     """GAE lambda (PPO)."""
+    loss_type: str = "policy_loss"
+    """policy_loss (the loss of advantage_estimator) | custom_loss (custom_loss_function_path's)."""
+    custom_loss_function_path: str | None = None
+    """With loss_type custom_loss: import path of slime's `fn(args, batch, logits, sum_of_sample_mean) ->
+    (loss, metrics)`, called per micro-batch on the trainer (batch keys: hpc_rl.training.custom_hooks)."""
+    custom_advantage_function_path: str | None = None
+    """Import path of slime's `fn(args, rollout_data)` that sets rollout_data["advantages"] and ["returns"]
+    (per-sample token tensors) in place of advantage_estimator's; called on the trainer per rollout."""
 
     def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"algorithm.loss_type: {self.loss_type!r} is not one of {', '.join(LOSS_TYPES)} "
+                             f"(slime's sft_loss and value_loss are not offered)")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
                 f"algorithm.advantage_estimator: {self.advantage_estimator!r} is not one of "
@@ -362,7 +376,7 @@ class SGLangConfig:
 
 @dataclass(kw_only=True)
 class LoggingConfig:
-    """Run naming and TensorBoard."""
+    """Run naming, TensorBoard and (optionally) Weights & Biases."""
 
     run_name: str = "hpc_rl"
     """Name of the run (run dir and TensorBoard)."""
@@ -370,6 +384,30 @@ class LoggingConfig:
     """TensorBoard event dir (default: <run_dir>/tensorboard)."""
     log_level: str = "INFO"
     """Python log level of every component."""
+    use_wandb: bool = False
+    """Also log the controller's per-rollout scalars to Weights & Biases (needs `pip install 'hpc_rl[wandb]'`)."""
+    wandb_mode: str | None = None
+    """online | offline | disabled (None: $WANDB_MODE, else online if the first node reaches the wandb host,
+    else offline; an offline run is uploaded later with `wandb sync <wandb_dir>/wandb/offline-run-*`)."""
+    wandb_project: str | None = None
+    """W&B project (None: wandb's default)."""
+    wandb_team: str | None = None
+    """W&B entity (team or user)."""
+    wandb_group: str | None = None
+    """W&B run group (None: run_name)."""
+    wandb_key: str | None = None
+    """W&B API key for `wandb.login` (None: $WANDB_API_KEY or ~/.netrc; a key here is written into
+    config.resolved.yaml)."""
+    wandb_host: str | None = None
+    """W&B server URL (None: https://api.wandb.ai)."""
+    wandb_dir: str | None = None
+    """Directory of the wandb files (default: <run_dir>/wandb)."""
+    wandb_run_id: str | None = None
+    """W&B run id (None: derived from the run dir, so a requeued or resumed run continues the same W&B run)."""
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"logging.wandb_mode: {self.wandb_mode!r} is not one of {', '.join(WANDB_MODES)}")
 
 
 @dataclass(kw_only=True)

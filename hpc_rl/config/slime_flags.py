@@ -3,8 +3,9 @@
 Owns: the tables that let a slime launch line move over unchanged: Megatron's model flags
 (`MODEL_ARGS`, turned into a `ModelArchitecture` by `hpc_rl.config.megatron_model`), flags accepted
 because they state what hpc_rl always does (`MISC_ARGS`: no dropout, fp32 gradient reduction, ...),
-aliases (`--train-async`, `--offload`), flags refused with the reason and what to use instead, and
-slime's plug-in import paths -> hpc_rl's equivalents. Knows nothing about YAML or argv parsing.
+aliases (`--train-async`, `--offload`, `--custom-loss-path`), flags refused with the reason and what to
+use instead, and slime's plug-in import paths -> hpc_rl's equivalents. Knows nothing about YAML or argv
+parsing.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ COMPAT_FLAGS: dict[str, CompatFlag] = {
     "balance_data": CompatFlag(
         (True,), "hpc_rl always balances the DP ranks' token counts (Karmarkar-Karp), as --balance-data does"),
     "use_tensorboard": CompatFlag((True,), "TensorBoard is always written (logging.tensorboard_dir)"),
-    "loss_type": CompatFlag(("policy_loss",), "hpc_rl trains the policy loss of advantage_estimator"),
+    "disable_wandb_random_suffix": CompatFlag(
+        (True,), "hpc_rl never adds a random suffix to the W&B group (--wandb-group, default: the run name)"),
     "use_distributed_optimizer": CompatFlag((True,), "hpc_rl always uses Megatron's distributed optimizer on GPU"),
     "train_backend": CompatFlag(("megatron",), "hpc_rl trains with Megatron-core only"),
     "rollout_function_path": CompatFlag(
@@ -99,15 +101,15 @@ ALIASES: dict[str, str] = {
     "offload": "training.offload_train",
     "tb_project_name": "logging.run_name",
     "model_file": "model",
+    "custom_loss_path": "algorithm.custom_loss_function_path",
+    "custom_advantage_path": "algorithm.custom_advantage_function_path",
 }
 
-_WANDB = ("wandb is not built in: hpc_rl writes TensorBoard event files to logging.tensorboard_dir; "
-          "upload them with `wandb sync --sync-tensorboard <run_dir>/tensorboard` (works after an offline run); "
-          "drop the --wandb-* flags")
 REFUSED_FLAGS: dict[str, str] = {
-    **{name: _WANDB for name in ("use_wandb", "wandb_project", "wandb_group", "wandb_key", "wandb_host",
-                                 "wandb_team", "wandb_mode", "wandb_dir", "wandb_run_id", "wandb_run_name",
-                                 "wandb_always_use_train_step", "wandb_random_suffix")},
+    "wandb_always_use_train_step": ("not offered: W&B gets the controller's per-rollout scalars against rollout/step "
+                                    "(train/* of each rollout's last optimizer step); every optimizer step's train/* "
+                                    "is in TensorBoard (logging.tensorboard_dir)"),
+    "wandb_random_suffix": "not offered: the W&B group is --wandb-group (default: the run name), without a suffix",
     "debug_rollout_only": ("not offered: to try rollouts and rewards without training, score a file with "
                            "`python -m hpc_rl.rewards` or run with --num-rollout 1"),
     "debug_train_only": "not offered: a run always generates its own rollouts (hpc_rl has no engine-less mode)",
@@ -121,11 +123,10 @@ REFUSED_FLAGS: dict[str, str] = {
     "num_data_workers": "not needed: the controller streams the prompt file itself; there are no data workers to size",
     "rollout_max_prompt_len": ("not applied: hpc_rl does not drop over-long prompts when it loads the data; filter "
                                "the prompt file beforehand (rollout_max_context_len bounds prompt + response)"),
-    **{name: ("not offered: hpc_rl's trainer has no custom loss or advantage hook; the loss and advantages are those "
-              "of --advantage-estimator (grpo, gspo, cispo, reinforce_plus_plus, reinforce_plus_plus_baseline, ppo) "
-              "with the --eps-clip*/--use-kl-loss/--use-tis terms")
-       for name in ("custom_loss_function_path", "custom_advantage_function_path",
-                    "custom_pg_loss_reducer_function_path", "custom_loss_path", "custom_advantage_path")},
+    "custom_pg_loss_reducer_function_path": (
+        "not offered: the policy loss is reduced by sum_of_sample_mean (or per token with "
+        "--calculate-per-token-loss); for another reduction write the whole loss as --loss-type custom_loss "
+        "--custom-loss-function-path, which receives sum_of_sample_mean and may ignore it"),
     "offload_rollout": "not needed: colocated engines always release their memory during training",
     "no_offload_rollout": "not offered: colocated engines must release their memory for the trainer",
 }

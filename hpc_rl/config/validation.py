@@ -8,6 +8,7 @@ architecture vs the HF checkpoint's config.json. Each problem names the field (o
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,11 @@ PLUGIN_SIGNATURES: dict[str, tuple[str, list[str], bool | None]] = {
     "dynamic_sampling_filter_path": ("rollout", ["args", "samples"], None),
     "buffer_filter_path": ("rollout", ["args", "rollout_id", "buffer", "num_samples"], None),
     "custom_generate_function_path": ("rollout", ["args", "sample", "sampling_params"], True),
+    "custom_loss_function_path": ("algorithm", ["args", "batch", "logits", "sum_of_sample_mean"], False),
+    "custom_advantage_function_path": ("algorithm", ["args", "rollout_data"], False),
 }
+WANDB_SETTINGS = ("wandb_mode", "wandb_project", "wandb_team", "wandb_group", "wandb_key", "wandb_host", "wandb_dir",
+                  "wandb_run_id")
 
 
 @dataclass(frozen=True)
@@ -225,10 +230,31 @@ def _single_field_problems(config: RunConfig) -> list[Problem]:
     if rollout.max_turns is not None and not rollout.custom_generate_function_path:
         problems.append(Problem("rollout.max_turns", "is read by a custom generate function only; set "
                                                      "custom_generate_function_path or drop max_turns"))
+    algorithm = config.algorithm
+    if algorithm.loss_type == "custom_loss" and not algorithm.custom_loss_function_path:
+        problems.append(Problem("algorithm.loss_type", "custom_loss needs custom_loss_function_path "
+                                                       "(--custom-loss-function-path module.fn)"))
+    if algorithm.custom_loss_function_path and algorithm.loss_type != "custom_loss":
+        problems.append(Problem("algorithm.custom_loss_function_path",
+                                f"is called only with loss_type custom_loss (loss_type is {algorithm.loss_type!r}; "
+                                f"slime would ignore the path silently): add --loss-type custom_loss or drop the path"))
+    problems += _wandb_problems(config)
     if training.offload_train and not config.cluster.colocate:
         problems.append(Problem("training.offload_train", "offloads the trainer while colocated engines generate; "
                                                           "this run is not colocated: drop --offload/--offload-train"))
     return problems
+
+
+def _wandb_problems(config: RunConfig) -> list[Problem]:
+    logging_config = config.logging
+    if not logging_config.use_wandb:
+        given = [name for name in WANDB_SETTINGS if getattr(logging_config, name) is not None]
+        return [Problem(f"logging.{name}", "is read only with use_wandb: add --use-wandb or drop it") for name in given]
+    if importlib.util.find_spec("wandb") is None:
+        return [Problem("logging.use_wandb", "needs the wandb package, which is not installed here: "
+                                             "pip install 'hpc_rl[wandb]' (from a checkout: pip install -e '.[wandb]') "
+                                             "where the job runs, or drop --use-wandb")]
+    return []
 
 
 def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Problem]:

@@ -166,7 +166,8 @@ class Controller:
 
         tensorboard_dir = config.logging.tensorboard_dir or str(self.run_dir / "tensorboard")
         self.loop = RunLoop(config=config, registry=self.registry, channel=self.channel, fleet=self.fleet,
-                            scheduler=scheduler, scalars=ScalarLog(tensorboard_dir, filename_suffix=".controller"),
+                            scheduler=scheduler,
+                            scalars=ScalarLog.for_controller(tensorboard_dir, config, run_dir=self.run_dir),
                             num_rollout=num_rollouts(rollout, len(dataset)), run_eval=eval_fn,
                             print_fn=lambda line: print(line, flush=True))
 

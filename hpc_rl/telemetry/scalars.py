@@ -1,28 +1,47 @@
 """TensorBoard scalars of a run and the progress line printed per rollout.
 
 Owns: one TensorBoard event file per process under `<run_dir>/tensorboard` (each process writes its
-own; TensorBoard merges them; written by `event_file`, without torch), and formatting a rollout's
-headline numbers on one line.
+own; TensorBoard merges them; written by `event_file`, without torch), which writers the controller's
+scalars go to (TensorBoard always, W&B too with `logging.use_wandb`: `wandb_scalars`), and formatting a
+rollout's headline numbers on one line.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_rl.telemetry.event_file import ScalarEventFile
 
+if TYPE_CHECKING:
+    from hpc_rl.config.schema import RunConfig
+    from hpc_rl.telemetry.wandb_scalars import WandbScalars
+
 
 class ScalarLog:
-    """`log(metrics, step)` writes every finite numeric metric as a scalar."""
+    """`log(metrics, step)` writes every finite numeric metric as a scalar (TensorBoard, and W&B if given)."""
 
-    def __init__(self, log_dir: str | Path | None, *, filename_suffix: str = "") -> None:
+    def __init__(self, log_dir: str | Path | None, *, filename_suffix: str = "",
+                 wandb: WandbScalars | None = None) -> None:
         self._writer: ScalarEventFile | None = None
         if log_dir is not None:
             self._writer = ScalarEventFile(log_dir, filename_suffix=filename_suffix)
+        self._wandb = wandb
+
+    @classmethod
+    def for_controller(cls, log_dir: str | Path, config: RunConfig, *, run_dir: str | Path) -> ScalarLog:
+        """The controller's scalars: TensorBoard, plus the run's W&B run when `logging.use_wandb` is set."""
+        wandb = None
+        if config.logging.use_wandb:
+            from hpc_rl.telemetry.wandb_scalars import WandbScalars
+
+            wandb = WandbScalars.open(config, run_dir)
+        return cls(log_dir, filename_suffix=".controller", wandb=wandb)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self._wandb is not None:
+            self._wandb.log(metrics, step)
         if self._writer is None:
             return
         for name, value in metrics.items():
@@ -33,6 +52,9 @@ class ScalarLog:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 def progress_line(rollout_id: int, num_rollout: int, metrics: dict[str, Any]) -> str:

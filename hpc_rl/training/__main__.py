@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from hpc_rl.config.loading import load_resolved_config
     from hpc_rl.config.model import ModelArchitecture
+    from hpc_rl.config.plugin_args import plugin_args
     from hpc_rl.telemetry.scalars import ScalarLog
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.training.commands import BatchFileCommands, JsonlBatchSource, TrainerCommands
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     info = init_parallel(config.training, device=config.cluster.device)
     parts = build_trainer(arch=arch, training=config.training, algorithm=config.algorithm,
                           optimizer_config=config.optimizer, checkpoints=config.checkpoint, info=info,
-                          model_file=config.model)
+                          model_file=config.model, plugin_args=plugin_args(config))
     config_path = Path(args.config).resolve()
     run_dir = Path(config.run_dir) if config.run_dir else (config_path if config_path.is_dir() else config_path.parent)
     save_dir = config.checkpoint.save or str(run_dir / "checkpoints")
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     scalars = ScalarLog(tensorboard if info.rank == 0 else None, filename_suffix=".trainer")
     try:
         TrainerCommands(parts, arch=arch, info=info, source=source, save_dir=save_dir, scalars=scalars,
-                        engine_api_key=engine_key).run()
+                        engine_api_key=engine_key, offload_train=config.training.offload_train).run()
     finally:
         scalars.close()
         shutdown_parallel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -50,8 +51,9 @@ class TrainerParts:
 
 def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorithm: AlgorithmConfig,
                   optimizer_config: OptimizerConfig, checkpoints: CheckpointConfig, info: ParallelInfo,
-                  model_file: str | Path | None = None) -> TrainerParts:
-    """Actor + optimizer (+ reference model when the KL loss or KL shaping needs one), loaded."""
+                  model_file: str | Path | None = None, plugin_args: SimpleNamespace | None = None) -> TrainerParts:
+    """Actor + optimizer (+ reference model when the KL loss or KL shaping needs one), loaded.
+    `plugin_args`: the run's flat config for custom loss/advantage functions (default: these sections')."""
     device = "cpu" if info.on_cpu else "cuda"  # cluster.device, as init_parallel checked it
     if info.on_cpu:
         actor = wrap_ddp(build_gpt_model(arch, training))
@@ -84,5 +86,5 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
     if resumed is not None:
         checkpoint.restore_rng_state(checkpoints.load)
     trainer = RolloutTrainer(actor=actor, optimizer=optimizer, ref_model=ref_model, arch=arch, training=training,
-                             algorithm=algorithm, info=info)
+                             algorithm=algorithm, info=info, plugin_args=plugin_args)
     return TrainerParts(actor=actor, optimizer=optimizer, ref_model=ref_model, trainer=trainer, resumed=resumed)

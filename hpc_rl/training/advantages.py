@@ -25,7 +25,6 @@ __all__ = [
     "compute_advantages",
     "gae_advantages_and_returns",
     "grpo_advantages",
-    "load_custom_advantage_function",
     "masked_whiten",
     "ppo_token_rewards",
     "reinforce_plus_plus_baseline_advantages",
@@ -203,10 +202,3 @@ def compute_advantages(
         advantages = list(flat.split([a.numel() for a in advantages]))
     return advantages, returns
 
-
-def load_custom_advantage_function(path: str) -> Callable[..., object]:
-    """Load ``--custom-advantage-function-path``: slime's ``fn(args, rollout_data)``, which fills
-    ``rollout_data["advantages"]`` and ``rollout_data["returns"]``."""
-    from hpc_rl.plugins import load_callable
-
-    return load_callable(path, ["args", "rollout_data"], what="--custom-advantage-function-path")

@@ -35,7 +35,6 @@ __all__ = [
     "entropy_from_logits",
     "gspo_policy_loss",
     "gspo_ppo_kl",
-    "load_custom_loss_function",
     "log_probs_from_logits",
     "masked_token_mean",
     "policy_loss",
@@ -437,11 +436,3 @@ def policy_loss_and_metrics(
         head["entropy_loss"] = entropy_loss.detach()
     return loss, {**head, **metrics}
 
-
-def load_custom_loss_function(path: str) -> Callable[..., object]:
-    """Load ``--custom-loss-function-path``: slime's signature ``fn(args, batch, logits, sum_of_sample_mean)``."""
-    from hpc_rl.plugins import load_callable
-
-    return load_callable(
-        path, ["args", "batch", "logits", "sum_of_sample_mean"], what="--custom-loss-function-path"
-    )

@@ -15,6 +15,10 @@ blocks go back to the driver (`torch.cuda.empty_cache`) so SGLang can map them, 
 pinned. On CPU the same calls run (host -> host copies): the order is what the twin tests, and
 `require_onloaded` turns a use of offloaded state into a clear error (on a GPU it would read freed memory).
 
+With `training.offload_train: false` (slime's `--no-offload-train`) the same commands keep everything on the
+device: an offload only hands the allocator's cached, unused blocks back to the driver (slime's clear_memory),
+so the engines' KV cache must fit beside the whole trainer (size `--sglang-mem-fraction-static` for that).
+
 Colocated order (the controller drives it, `hpc_rl.controller.colocated`):
     generation: offloaded ──> onload all ──> train ──> [save] ──> offload grads, optimizer
     ──> weight update to the engines (reads the weights) ──> offload weights ──> engines resume KV cache
@@ -22,6 +26,7 @@ Colocated order (the controller drives it, `hpc_rl.controller.colocated`):
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 OFFLOAD_TAGS = ("weights", "grads", "optimizer")
+log = logging.getLogger(__name__)
 
 
 class OffloadedStateError(RuntimeError):
@@ -75,9 +81,12 @@ def optimizer_tensors(optimizer: object) -> list[torch.Tensor]:
 class TrainerOffload:
     """Offload/onload of one trainer rank's model, reference model, grads and optimizer state."""
 
-    def __init__(self, *, models: Iterable[torch.nn.Module], optimizer: object) -> None:
+    def __init__(self, *, models: Iterable[torch.nn.Module], optimizer: object, enabled: bool = True) -> None:
         self.models = [m for m in models if m is not None]
         self.optimizer = optimizer
+        self.enabled = enabled
+        """False: offload/onload move nothing (the state stays on the device; see the module docstring)."""
+        self._told_kept = False
         self._offloaded: dict[str, list[_Offloaded]] = {}
         self._host_buffers: dict[str, list[torch.Tensor]] = {}
         """Host copies kept across cycles (pinned memory is slow to allocate), by tag, in storage order."""
@@ -107,6 +116,16 @@ class TrainerOffload:
     @torch.no_grad()
     def offload(self, tags: Iterable[str]) -> dict[str, float]:
         start, moved = time.perf_counter(), 0
+        if not self.enabled:
+            for tag in tags:
+                self._tensors(tag)  # an unknown tag is still an error
+            if not self._told_kept:
+                log.info("training.offload_train is false: the trainer keeps its weights, grads and optimizer "
+                         "state on the device while the engines generate")
+                self._told_kept = True
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return {"offload/bytes": 0.0, "offload/seconds": time.perf_counter() - start}
         owned = {ptr for entries in self._offloaded.values() for ptr in (e.storage.data_ptr() for e in entries)}
         for tag in tags:
             if tag in self._offloaded:

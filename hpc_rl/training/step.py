@@ -3,7 +3,8 @@
 Owns: splitting a `TrainBatch` into `num_steps_per_rollout` steps and each step into micro-batches
 (fixed `micro_batch_size`, or token-packed with `use_dynamic_batch_size`, with the same count on
 every DP rank), the forward passes, the loss scale that makes a step's gradient independent of the
-micro-batching, and the step's metrics. The formulas are `losses` / `advantages`' (pure), the
+micro-batching, and the step's metrics. The formulas are `losses` / `advantages`' (pure) or, with
+slime's `--custom-loss-function-path` / `--custom-advantage-function-path`, the user's (`custom_hooks`), the
 micro-batch packing is `batching`'s, log-probs under TP are `logprobs`', running micro-batches
 through pipeline stages is `pipeline`'s.
 
@@ -24,16 +25,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import AlgorithmConfig, TrainingConfig
-from hpc_rl.training.advantages import compute_advantages
+from hpc_rl.training.advantages import compute_advantages, masked_whiten
+from hpc_rl.training.custom_hooks import (
+    check_custom_loss_result, load_custom_advantages, load_custom_loss, run_custom_advantages, trainer_args,
+)
 from hpc_rl.training.batching import equalize_microbatch_count, pack_microbatches
 from hpc_rl.weights.json_collectives import broadcast_json
-from hpc_rl.training.losses import PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for
+from hpc_rl.training.losses import (
+    PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for, sum_of_sample_mean, sum_of_tokens,
+)
 from hpc_rl.training.micro_batches import MicroBatch, build_microbatch, choose_qkv_format
 from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
 from hpc_rl.training.parallel import ParallelInfo
@@ -63,12 +71,14 @@ def old_logprobs_need_own_pass(training: TrainingConfig, algorithm: AlgorithmCon
     micro-batches, so its log-probs, detached, ARE the old log-probs (ratio 1, ppo_kl 0, the same
     gradient). A separate pass is needed only when (a) later steps follow an update
     (`num_steps_per_rollout` > 1), or (b) something needs them before the loss: KL reward shaping
-    (`kl_coef` != 0 with a reference) enters the advantages, which are computed first.
+    (`kl_coef` != 0 with a reference) enters the advantages, which are computed first, and a custom
+    advantage function receives them (slime's `rollout_data["log_probs"]`).
     `use_rollout_logprobs` takes them from the engine instead (no pass either way).
     """
     if algorithm.use_rollout_logprobs:
         return False
-    return training.num_steps_per_rollout > 1 or (has_ref and algorithm.kl_coef != 0.0)
+    return (training.num_steps_per_rollout > 1 or (has_ref and algorithm.kl_coef != 0.0)
+            or algorithm.custom_advantage_function_path is not None)
 
 
 class RolloutTrainer:
@@ -76,7 +86,8 @@ class RolloutTrainer:
 
     def __init__(self, *, actor: torch.nn.Module, optimizer: ActorOptimizer, ref_model: torch.nn.Module | None,
                  arch: ModelArchitecture, training: TrainingConfig, algorithm: AlgorithmConfig,
-                 info: ParallelInfo, separate_old_logprob_pass: bool | None = None) -> None:
+                 info: ParallelInfo, separate_old_logprob_pass: bool | None = None,
+                 plugin_args: SimpleNamespace | None = None) -> None:
         from megatron.core import parallel_state
 
         self.actor, self.optimizer, self.ref_model = actor, optimizer, ref_model
@@ -93,6 +104,14 @@ class RolloutTrainer:
         """False: the old log-probs are the training pass's own, detached (see old_logprobs_need_own_pass)."""
         if algorithm.use_kl_loss and ref_model is None:
             raise ValueError("algorithm.use_kl_loss needs a reference model (checkpoint.ref_load)")
+        self.plugin_args = plugin_args if plugin_args is not None else trainer_args(training, algorithm)
+        """slime's flat `args` handed to the custom loss / advantage functions."""
+        self._returns: list[torch.Tensor] = []
+        """The current rollout's returns (a custom loss receives them as batch["returns"])."""
+        self.custom_loss = (load_custom_loss(algorithm.custom_loss_function_path)
+                            if algorithm.loss_type == "custom_loss" and algorithm.custom_loss_function_path else None)
+        self.custom_advantages = (load_custom_advantages(algorithm.custom_advantage_function_path)
+                                  if algorithm.custom_advantage_function_path else None)
 
     # ------------------------------------------------------------------ micro-batches
 
@@ -162,15 +181,59 @@ class RolloutTrainer:
         kl = None
         if ref is not None and old is not None:
             kl = [approx_kl(old[i], ref[i], self.algorithm.kl_loss_type) for i in range(len(batch))]
-        advantages, _ = compute_advantages(
-            self.algorithm.advantage_estimator, rewards=batch.rewards, loss_masks=masks, kl=kl,
-            kl_coef=self.algorithm.kl_coef, gamma=self.algorithm.gamma, lambd=self.algorithm.lambd,
-            normalize_advantages=self.algorithm.normalize_advantages,
-            all_reduce=self._dp_sum if self.info.dp_size > 1 else None)
-        advantages = [a.to(device) for a in advantages]
         rollout = ([torch.as_tensor(lp, dtype=torch.float32, device=device) for lp in batch.rollout_logprobs]
                    if batch.rollout_logprobs is not None else None)
+        if self.custom_advantages is not None:
+            advantages, returns = self._custom_advantages(batch, masks, old, ref, rollout, kl)
+        else:
+            advantages, returns = compute_advantages(
+                self.algorithm.advantage_estimator, rewards=batch.rewards, loss_masks=masks, kl=kl,
+                kl_coef=self.algorithm.kl_coef, gamma=self.algorithm.gamma, lambd=self.algorithm.lambd,
+                normalize_advantages=self.algorithm.normalize_advantages,
+                all_reduce=self._dp_sum if self.info.dp_size > 1 else None)
+        self._returns = [r.to(device) for r in returns]
+        advantages = [a.to(device) for a in advantages]
         return [self._train_step(batch, micros, masks, old, ref, advantages, rollout) for micros in plan]
+
+    def _custom_advantages(self, batch: TrainBatch, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
+                           ref: dict[int, torch.Tensor] | None, rollout: list[torch.Tensor] | None,
+                           kl: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """slime's `custom_advantage_function_path(args, rollout_data)`, then advantage whitening if asked."""
+        n = len(batch)
+        rollout_data: dict[str, Any] = {
+            "rewards": list(batch.rewards), "loss_masks": masks, "response_lengths": list(batch.response_lengths),
+            "total_lengths": list(batch.total_lengths),
+            "log_probs": [old[i] for i in range(n)] if old is not None else None,
+            "ref_log_probs": [ref[i] for i in range(n)] if ref is not None else None,
+            "rollout_log_probs": rollout, "values": None,
+            "kl": kl if kl is not None else [torch.zeros_like(m) for m in masks]}
+        path = self.algorithm.custom_advantage_function_path or ""
+        advantages, returns = run_custom_advantages(self.custom_advantages, path, self.plugin_args, rollout_data, masks)
+        if self.algorithm.normalize_advantages and advantages:
+            flat = masked_whiten(torch.cat(advantages), torch.cat(masks),
+                                 all_reduce=self._dp_sum if self.info.dp_size > 1 else None)
+            advantages = list(flat.split([a.numel() for a in advantages]))
+        return advantages, returns
+
+    def _custom_loss(self, batch: TrainBatch, micro: MicroBatch, logits: torch.Tensor, log_probs: list[torch.Tensor],
+                     entropy: list[torch.Tensor] | None, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
+                     ref: dict[int, torch.Tensor] | None, advantages: list[torch.Tensor],
+                     rollout: list[torch.Tensor] | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's loss from slime's `custom_loss_function_path(args, batch, logits, sum_of_sample_mean)`."""
+        idx = micro.indices
+        micro_masks = [masks[i] for i in idx]
+        reduce = sum_of_tokens if self.loss_config.calculate_per_token_loss else sum_of_sample_mean
+        loss_batch = {
+            "current_log_probs": log_probs, "entropy": entropy,
+            "log_probs": [old[i] for i in idx] if old is not None else [lp.detach() for lp in log_probs],
+            "ref_log_probs": [ref[i] for i in idx] if ref is not None else None,
+            "rollout_log_probs": [rollout[i] for i in idx] if rollout is not None else None,
+            "advantages": [advantages[i] for i in idx], "returns": [self._returns[i] for i in idx],
+            "loss_masks": micro_masks, "rewards": [batch.rewards[i] for i in idx],
+            "response_lengths": list(micro.response_lengths), "total_lengths": list(micro.total_lengths),
+            "unconcat_tokens": [torch.as_tensor(batch.tokens[i], device=self.info.device) for i in idx]}
+        result = self.custom_loss(self.plugin_args, loss_batch, logits, lambda values: reduce(values, micro_masks))
+        return check_custom_loss_result(result, self.algorithm.custom_loss_function_path or "")
 
     def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, group=self.dp_group)
@@ -200,11 +263,16 @@ class RolloutTrainer:
         def micro_loss(micro: MicroBatch, logits: torch.Tensor) -> torch.Tensor:  # last stage only
             idx = micro.indices
             log_probs, entropy = self._response_logprobs(micro, logits, with_entropy=True)
-            loss, metrics = policy_loss_and_metrics(
-                self.loss_config, log_probs=log_probs, old_log_probs=[old[i] for i in idx] if old is not None else None,
-                advantages=[advantages[i] for i in idx], loss_masks=[masks[i] for i in idx], entropy=entropy,
-                ref_log_probs=[ref[i] for i in idx] if ref is not None else None,
-                rollout_log_probs=[rollout[i] for i in idx] if rollout is not None else None)
+            if self.custom_loss is not None:
+                loss, metrics = self._custom_loss(batch, micro, logits, log_probs, entropy, masks, old, ref,
+                                                  advantages, rollout)
+            else:
+                loss, metrics = policy_loss_and_metrics(
+                    self.loss_config, log_probs=log_probs,
+                    old_log_probs=[old[i] for i in idx] if old is not None else None,
+                    advantages=[advantages[i] for i in idx], loss_masks=[masks[i] for i in idx], entropy=entropy,
+                    ref_log_probs=[ref[i] for i in idx] if ref is not None else None,
+                    rollout_log_probs=[rollout[i] for i in idx] if rollout is not None else None)
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             return loss * scale

@@ -22,7 +22,6 @@ READ_ELSEWHERE = {
     "global_batch_size": "sets num_steps_per_rollout (derived as slime does in config/loading.py; validation checks "
                          "rollout_batch_size * n_samples_per_prompt == global_batch_size * num_steps_per_rollout)",
     "extra_args": "read through SGLangConfig.server_options() (launch/driver.py passes them to every engine)",
-    "offload_train": "the colocated trainer offload (hpc_rl/training/offload, colocated helper) reads it",
 }
 
 

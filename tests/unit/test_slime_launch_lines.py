@@ -112,10 +112,10 @@ def test_misc_args_accepted_and_other_values_refused() -> None:
 
 def test_refused_flags_all_reported_with_what_to_do() -> None:
     with pytest.raises(ConfigError) as caught:
-        load_config([], ["--use-wandb", "--wandb-project", "p", "--debug-rollout-only", "--finetune"])
+        load_config([], ["--wandb-always-use-train-step", "--debug-rollout-only", "--finetune"])
     text = str(caught.value)
-    assert "--use-wandb is refused: wandb is not built in" in text and "wandb sync --sync-tensorboard" in text
-    assert "--wandb-project is refused" in text and "--debug-rollout-only is refused" in text
+    assert "--wandb-always-use-train-step is refused" in text and "TensorBoard" in text
+    assert "--debug-rollout-only is refused" in text
     assert "--finetune is refused" in text and "--ref-load" in text
 
 

@@ -66,4 +66,4 @@ def test_help_lists_every_field_with_flag_type_default_and_meaning(capsys: pytes
     for path, flag, kind, default, meaning in rows:
         assert meaning, f"{path} has no docstring in the schema"
         assert f"{flag:<44} {path} ({kind}, default {default})" in text and meaning in text
-    assert "--rollout-batch-size" in text and "--swiglu" in text and "--use-wandb: wandb is not built in" in text
+    assert "--rollout-batch-size" in text and "--swiglu" in text and "--wandb-always-use-train-step: not offered" in text

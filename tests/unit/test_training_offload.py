@@ -73,3 +73,23 @@ def test_round_trip_keeps_training_identical() -> None:
     for got, want in zip(model.parameters(), reference.parameters()):
         assert torch.equal(got, want)
     assert torch.equal(state["exp_avg_sq"], reference_optimizer.torch_optimizer.state[next(reference.parameters())]["exp_avg_sq"])
+
+
+def test_no_offload_train_keeps_the_state_on_the_device() -> None:
+    """training.offload_train false (slime's --no-offload-train): the colocated commands move nothing."""
+    x = torch.randn(3, 4)
+    model = model_with_grad_buffer(0)
+    optimizer = AdamWrapperForTest(model)
+    step(model, optimizer, x)
+    before = [p.detach().clone() for p in model.parameters()]
+    offload = TrainerOffload(models=[model], optimizer=optimizer, enabled=False)
+    moved = offload.offload(["weights", "grads", "optimizer"])
+    assert moved["offload/bytes"] == 0.0 and offload.offloaded_tags == []
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    assert optimizer.torch_optimizer.state[next(model.parameters())]["exp_avg"].untyped_storage().nbytes() > 0
+    offload.require_onloaded("train")  # nothing to onload first
+    assert offload.onload()["onload/bytes"] == 0.0
+    for got, want in zip(model.parameters(), before):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="unknown offload tag"):
+        offload.offload(["kv_cache"])
