@@ -19,9 +19,9 @@ error: a failed batch fails each of its samples, which retry on their own (nothi
 twice). `group=None` or a payload that is not plain token ids is sent alone, as before. An engine that
 answers a batch with a single answer turns batching off for the client (warned once).
 
-Routing: with `router_url` every single /generate goes to the router (cache-aware routing keeps a GRPO group on
-one engine) and the engine that serves a rid is unknown, so an abort of one rid is sent to every engine
-(SGLang answers 200 for unknown rids). Without a router the client picks the least-loaded engine itself
+Routing: with `router_url` every single (unbatched) /generate goes to the router (cache-aware routing
+keeps a GRPO group on one engine) and the engine that serves its rid is unknown, so an abort of one rid
+is sent to every engine (SGLang answers 200 for unknown rids). Without a router the client picks the least-loaded engine itself
 and knows the engine of each rid.
 """
 
