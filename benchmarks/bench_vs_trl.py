@@ -14,7 +14,9 @@ eval every 25 rollouts included); TRL runs in a child process of this script. Ru
   per step   median seconds between reported steps
   to +0.3    until the 20-step rolling mean reward is >= the first window's mean + 0.3 (and that step)
   exit       from the last reported step to the process's exit (hpc_rl: final checkpoint and shutdown)
-hpc_rl's per-step split (generation, train, weight sync) is read from its rollouts.jsonl.
+hpc_rl's per-step split (generation, train, weight sync) is read from its rollouts.jsonl, its start-up
+split (controller listening, engine 0 registered, every trainer rank registered, first rollout) from
+its controller.log.
 Prints each run, then per measure the paired median and the ratio hpc_rl / TRL.
 """
 
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +62,23 @@ def summarize(name: str, rewards: list[float], times: list[float], exited: float
             "exit_after_last_step_s": exited - times[-1] if times else None}
 
 
+STARTUP_MARKS = {"controller_up_s": "controller listening on", "engine_up_s": "engine 0 registered",
+                 "trainer_up_s": "all components registered", "first_rollout_s": "rollout 0 generated"}
+"""hpc_rl's start-up split: seconds after the spawn of `hpc_rl.submit` at which controller.log says these."""
+
+
+def startup_split(controller_log: Path, spawned_at: float) -> dict[str, float]:
+    """When (s after the spawn) the controller listened, engine 0 registered, every trainer rank had
+    registered, and the first rollout was generated (the log's wall-clock stamps)."""
+    found: dict[str, float] = {}
+    for line in controller_log.read_text().splitlines():
+        for key, mark in STARTUP_MARKS.items():
+            if key not in found and mark in line:
+                stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                found[key] = stamp - spawned_at
+    return found
+
+
 def step_split(rollouts_jsonl: Path) -> dict[str, float]:
     """hpc_rl's per-step medians (s) from its rollouts.jsonl: generation, train, weight sync."""
     rows = [json.loads(line)["metrics"] for line in rollouts_jsonl.read_text().splitlines()]
@@ -70,7 +90,7 @@ def run_hpc_rl(steps: int) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         argv = [sys.executable, "-m", "hpc_rl.submit", str(CONFIG), "--executor", "local",
                 "--run-dir", str(Path(tmp) / "run"), "--num-rollout", str(steps)]
-        start = time.perf_counter()
+        start, spawned_at = time.perf_counter(), time.time()
         process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert process.stdout is not None
         rewards, times = [], []
@@ -83,7 +103,8 @@ def run_hpc_rl(steps: int) -> dict[str, object]:
         exited = time.perf_counter() - start
         if code != 0:
             raise RuntimeError(f"hpc_rl run failed with exit code {code}")
-        split = step_split(Path(tmp) / "run" / "rollouts.jsonl")
+        split = {**startup_split(Path(tmp) / "run" / "logs" / "controller.log", spawned_at),
+                 **step_split(Path(tmp) / "run" / "rollouts.jsonl")}
     return {**summarize("hpc_rl", rewards, times, exited), **split}
 
 
@@ -180,6 +201,8 @@ def main(argv: list[str]) -> int:
     ours_split = {key: statistics.median(float(h[key]) for h, _ in pairs) for key in ("gen_s", "train_s", "sync_s")}
     print("  hpc_rl per step (median of the runs' medians): " + "  ".join(f"{k[:-2]} {v:.3f} s"
                                                                          for k, v in ours_split.items()))
+    ups = {key: statistics.median(float(h[key]) for h, _ in pairs if key in h) for key in STARTUP_MARKS}
+    print("  hpc_rl start-up (median s after the spawn): " + "  ".join(f"{k[:-2]} {v:.1f}" for k, v in ups.items()))
     print(f"load average at the end: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
     return 0
 
