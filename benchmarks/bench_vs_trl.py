@@ -13,6 +13,10 @@ eval every 25 rollouts included); TRL runs in a child process of this script. Ru
   start-up   until the first step's reward is reported
   per step   median seconds between reported steps
   to +0.3    until the 20-step rolling mean reward is >= the first window's mean + 0.3 (and that step)
+  exit       from the last reported step to the process's exit (hpc_rl: final checkpoint and shutdown)
+hpc_rl's per-step split (generation, train, weight sync) is read from its rollouts.jsonl, its start-up
+split (controller listening, engine 0 registered, every trainer rank registered, first rollout) from
+its controller.log.
 Prints each run, then per measure the paired median and the ratio hpc_rl / TRL.
 """
 
@@ -27,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,19 +53,44 @@ def time_to_gain(rewards: list[float], times: list[float]) -> tuple[float | None
     return None, None
 
 
-def summarize(name: str, rewards: list[float], times: list[float]) -> dict[str, object]:
+def summarize(name: str, rewards: list[float], times: list[float], exited: float) -> dict[str, object]:
     seconds, step = time_to_gain(rewards, times)
     gaps = [b - a for a, b in zip(times, times[1:])]
     return {"name": name, "steps": len(rewards), "startup_s": times[0] if times else None,
             "per_step_s": statistics.median(gaps) if gaps else None, "to_gain_s": seconds, "to_gain_step": step,
-            "first_window_reward": statistics.fmean(rewards[:WINDOW]) if len(rewards) >= WINDOW else None}
+            "first_window_reward": statistics.fmean(rewards[:WINDOW]) if len(rewards) >= WINDOW else None,
+            "exit_after_last_step_s": exited - times[-1] if times else None}
+
+
+STARTUP_MARKS = {"controller_up_s": "controller listening on", "engine_up_s": "engine 0 registered",
+                 "trainer_up_s": "all components registered", "first_rollout_s": "rollout 0 generated"}
+"""hpc_rl's start-up split: seconds after the spawn of `hpc_rl.submit` at which controller.log says these."""
+
+
+def startup_split(controller_log: Path, spawned_at: float) -> dict[str, float]:
+    """When (s after the spawn) the controller listened, engine 0 registered, every trainer rank had
+    registered, and the first rollout was generated (the log's wall-clock stamps)."""
+    found: dict[str, float] = {}
+    for line in controller_log.read_text().splitlines():
+        for key, mark in STARTUP_MARKS.items():
+            if key not in found and mark in line:
+                stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                found[key] = stamp - spawned_at
+    return found
+
+
+def step_split(rollouts_jsonl: Path) -> dict[str, float]:
+    """hpc_rl's per-step medians (s) from its rollouts.jsonl: generation, train, weight sync."""
+    rows = [json.loads(line)["metrics"] for line in rollouts_jsonl.read_text().splitlines()]
+    return {f"{name}_s": statistics.median(row.get(key, 0.0) for row in rows)
+            for name, key in (("gen", "time/rollout"), ("train", "time/train"), ("sync", "time/weight_sync"))}
 
 
 def run_hpc_rl(steps: int) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         argv = [sys.executable, "-m", "hpc_rl.submit", str(CONFIG), "--executor", "local",
                 "--run-dir", str(Path(tmp) / "run"), "--num-rollout", str(steps)]
-        start = time.perf_counter()
+        start, spawned_at = time.perf_counter(), time.time()
         process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert process.stdout is not None
         rewards, times = [], []
@@ -70,9 +100,12 @@ def run_hpc_rl(steps: int) -> dict[str, object]:
                 rewards.append(float(match.group(2)))
                 times.append(time.perf_counter() - start)
         code = process.wait()
+        exited = time.perf_counter() - start
         if code != 0:
             raise RuntimeError(f"hpc_rl run failed with exit code {code}")
-    return summarize("hpc_rl", rewards, times)
+        split = {**startup_split(Path(tmp) / "run" / "logs" / "controller.log", spawned_at),
+                 **step_split(Path(tmp) / "run" / "rollouts.jsonl")}
+    return {**summarize("hpc_rl", rewards, times, exited), **split}
 
 
 def run_trl(steps: int) -> dict[str, object]:
@@ -87,7 +120,7 @@ def run_trl(steps: int) -> dict[str, object]:
             times.append(time.perf_counter() - start)
     if process.wait() != 0:
         raise RuntimeError("the TRL run failed (see its output above)")
-    return summarize("trl", rewards, times)
+    return summarize("trl", rewards, times, time.perf_counter() - start)
 
 
 def trl_child(steps: int) -> None:
@@ -149,6 +182,7 @@ def main(argv: list[str]) -> int:
         return 2
     os.environ.setdefault("PYTHONPATH", str(REPO))
     pairs = []
+    print(f"load average at start: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}", flush=True)
     for index in range(args.pairs):
         pair = (run_hpc_rl(args.steps), run_trl(args.steps))
         for result in pair:
@@ -157,13 +191,19 @@ def main(argv: list[str]) -> int:
                   flush=True)
         pairs.append(pair)
     print(f"paired medians over {len(pairs)} pair(s) (hpc_rl / TRL):")
-    for key in ("to_gain_s", "to_gain_step", "startup_s", "per_step_s"):
+    for key in ("to_gain_s", "to_gain_step", "startup_s", "per_step_s", "exit_after_last_step_s"):
         ratios = [float(h[key]) / float(t[key]) for h, t in pairs if h[key] and t[key]]  # type: ignore[arg-type]
         ours = [float(h[key]) for h, _ in pairs if h[key] is not None]  # type: ignore[arg-type]
         theirs = [float(t[key]) for _, t in pairs if t[key] is not None]  # type: ignore[arg-type]
         print(f"  {key:14s} hpc_rl {statistics.median(ours) if ours else float('nan'):8.3f}  "
               f"TRL {statistics.median(theirs) if theirs else float('nan'):8.3f}  "
               f"ratio {statistics.median(ratios) if ratios else float('nan'):6.2f}")
+    ours_split = {key: statistics.median(float(h[key]) for h, _ in pairs) for key in ("gen_s", "train_s", "sync_s")}
+    print("  hpc_rl per step (median of the runs' medians): " + "  ".join(f"{k[:-2]} {v:.3f} s"
+                                                                         for k, v in ours_split.items()))
+    ups = {key: statistics.median(float(h[key]) for h, _ in pairs if key in h) for key in STARTUP_MARKS}
+    print("  hpc_rl start-up (median s after the spawn): " + "  ".join(f"{k[:-2]} {v:.1f}" for k, v in ups.items()))
+    print(f"load average at the end: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
     return 0
 
 

@@ -43,7 +43,10 @@ def main() -> None:
         _bind_store_servers(address)
     from torch.distributed.run import main as torchrun_main
 
-    torchrun_main()
+    torchrun_main()  # raises when a rank failed
+    from hpc_rl.engines.child_process import exit_without_teardown
+
+    exit_without_teardown(0)  # every rank is done: skip the agent's teardown (seconds of GC, issue 11)
 
 
 if __name__ == "__main__":

@@ -302,7 +302,9 @@ class Driver:
                 self.controller.last_error = f"TrainerFailed: {explained}"  # what status.json shows
                 raise explained from error
             raise
+        waited = time.perf_counter()
         code = await asyncio.to_thread(self.trainer_step.wait, 120.0)
+        log.info("the trainer exited %.2f s after the run (code %d)", time.perf_counter() - waited, code)
         if code != 0:
             raise RuntimeError(f"the trainer exited with code {code} after the run; see {self.logs / 'trainer.log'}")
         return EXIT_REQUEUE if self.controller.loop and self.controller.loop.stopped_for_requeue else EXIT_OK
@@ -390,6 +392,7 @@ class Driver:
         for task in self._engine_failures.values():
             await stop_task(task, task.get_name(), timeout_s=30.0)
         self._engine_failures.clear()
+        began = time.perf_counter()
         if self.trainer_step is not None:
             await asyncio.to_thread(self.trainer_step.stop, 15.0)
         await asyncio.gather(*(asyncio.to_thread(step.stop, 5.0) for step in self.engine_steps.values()))
@@ -397,6 +400,7 @@ class Driver:
             await asyncio.to_thread(self.router.stop)
         if self.controller is not None:
             await self.controller.close()
+        log.info("every process of the run stopped in %.2f s", time.perf_counter() - began)
 
 
 def _trainer_failed(message: str):  # -> TrainerFailed

@@ -10,9 +10,18 @@ the router does not route (`/abort_request`), which go to every engine URL of an
 Does not own: what a request contains or how a sample is resumed (generate.py), retry policy decisions
 (generate.py), weight updates and pause/continue (the weights/engines side).
 
-Routing: with `router_url` every /generate goes to the router (cache-aware routing keeps a GRPO group on
-one engine) and the engine that serves a rid is unknown, so an abort of one rid is sent to every engine
-(SGLang answers 200 for unknown rids). Without a router the client picks the least-loaded engine itself
+Batching (`batch_requests`, on by default): `generate(payload, group=...)` calls made at the same moment
+(the samples of the groups a rollout submits together) are queued for one event-loop turn and sent as
+batched `/generate` requests (request_batching.py: about one per engine, whole groups, at most
+`per_engine_concurrency` samples each), each straight to the least-loaded engine (no router hop: the
+client balances batches itself and knows each rid's engine). Each caller still gets its own answer or
+error: a failed batch fails each of its samples, which retry on their own (nothing lost, nothing sent
+twice). `group=None` or a payload that is not plain token ids is sent alone, as before. An engine that
+answers a batch with a single answer turns batching off for the client (warned once).
+
+Routing: with `router_url` every single (unbatched) /generate goes to the router (cache-aware routing
+keeps a GRPO group on one engine) and the engine that serves its rid is unknown, so an abort of one rid
+is sent to every engine (SGLang answers 200 for unknown rids). Without a router the client picks the least-loaded engine itself
 and knows the engine of each rid.
 """
 
@@ -20,15 +29,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
+from hpc_rl.rollout.request_batching import BatchAnswerError, batchable, merge_payloads, plan_batches, split_answer
+
 if TYPE_CHECKING:
     from typing import Self  # 3.11+; annotations only
+
+log = logging.getLogger(__name__)
 
 
 def engine_context_length(hf_checkpoint: str | Path, sglang_options: Mapping[str, Any] | None = None) -> int | None:
@@ -115,14 +129,31 @@ class GenerateAnswer:
     engine_url: str | None
 
 
+@dataclass(eq=False)
+class _Queued:
+    """A single request waiting for its batch to be sent."""
+
+    payload: dict[str, Any]
+    group: int | None
+    future: asyncio.Future[GenerateAnswer] = field(repr=False)
+
+
 class EngineClient:
     """Sends /generate (limited to `per_engine_concurrency` x engines in flight) and fans out aborts."""
 
     def __init__(self, directory: EngineDirectory, *, router_url: str | None = None,
                  per_engine_concurrency: int = 512, request_timeout_s: float = 600.0,
                  control_timeout_s: float = 10.0, api_key: str | None = None,
-                 context_length: int | None = None) -> None:
+                 context_length: int | None = None, batch_requests: bool = True) -> None:
         self.directory = directory
+        self.batch_requests = batch_requests
+        """Queue `generate(..., group=...)` calls of one moment into batched requests (module docstring)."""
+        self.http_requests = 0
+        """/generate requests posted (a batch counts once)."""
+        self._queued: dict[tuple[int, int | None], tuple[asyncio.Event | None, list[_Queued]]] = {}
+        self._flush_scheduled = False
+        self._batch_tasks: set[asyncio.Task[None]] = set()
+        self._waiting_batches = 0
         self.context_length = context_length
         """The engines' context length (`engine_context_length`): max_new_tokens is clipped to it."""
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -149,6 +180,10 @@ class EngineClient:
         return self
 
     async def close(self) -> None:
+        for task in list(self._batch_tasks):
+            task.cancel()
+        if self._batch_tasks:
+            await asyncio.gather(*self._batch_tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -170,44 +205,55 @@ class EngineClient:
         """Requests allowed in flight now: the per-engine limit times the engines that are up."""
         return self.per_engine_concurrency * max(1, len(self.directory.engine_urls()))
 
-    def _pick_engine(self) -> str | None:
-        """Direct mode: the least-loaded engine below its limit, avoiding engines that failed in the last
-        `failure_cooldown_s`; None if all are full (or none is up)."""
+    def _pick_engine(self, count: int = 1) -> str | None:
+        """The least-loaded engine with room for `count` more requests (an idle one if `count` is over the
+        limit), avoiding engines that failed in the last `failure_cooldown_s`; None if all are full (or
+        none is up)."""
         now = asyncio.get_running_loop().time()
         candidates = [(now - self._failed_at.get(url, -1e9) < self.failure_cooldown_s, self._per_engine.get(url, 0), url)
                       for url in self.directory.engine_urls()]
-        candidates = [c for c in candidates if c[1] < self.per_engine_concurrency]
+        room = max(1, self.per_engine_concurrency - count + 1)
+        candidates = [c for c in candidates if c[1] < room]
         return min(candidates)[2] if candidates else None
 
-    async def _acquire(self, rid: str, stopped: asyncio.Event | None) -> str | None:
-        """Wait for a slot; returns the engine (direct mode) or None (router). Raises StopGeneration."""
+    async def _acquire(self, rids: list[str], stopped: asyncio.Event | None, *, direct: bool) -> str | None:
+        """Wait for slots for `rids`; returns the engine (direct) or None (the router's request).
+        Raises StopGeneration."""
         async with self._slots:
             while True:
                 if stopped is not None and stopped.is_set():
                     raise StopGeneration()
-                if self.router_url is not None:
-                    if len(self.in_flight) < self.capacity():
-                        self.in_flight[rid] = None
+                fits = not self.in_flight or len(self.in_flight) + len(rids) <= self.capacity()
+                if not direct:
+                    if fits:
+                        self.in_flight.update(dict.fromkeys(rids))
                         return None
                 else:
-                    engine = self._pick_engine()
+                    engine = self._pick_engine(len(rids)) if fits else None
                     if engine is not None:
-                        self.in_flight[rid] = engine
-                        self._per_engine[engine] = self._per_engine.get(engine, 0) + 1
+                        self.in_flight.update(dict.fromkeys(rids, engine))
+                        self._per_engine[engine] = self._per_engine.get(engine, 0) + len(rids)
                         return engine
+                # Woken one at a time per released slot (no thundering herd with thousands queued), all
+                # at once by wake_waiters() or while a batch waits; the timeout is only a safety net.
+                self._waiting_batches += len(rids) > 1
                 try:
-                    # Woken one at a time per released slot (no thundering herd with thousands queued),
-                    # all at once by wake_waiters(); the timeout is only a safety net.
                     await asyncio.wait_for(self._slots.wait(), timeout=self.waiter_poll_s)
                 except TimeoutError:
                     pass
+                finally:
+                    self._waiting_batches -= len(rids) > 1
 
-    async def _release(self, rid: str) -> None:
+    async def _release(self, rids: list[str]) -> None:
         async with self._slots:
-            engine = self.in_flight.pop(rid, None)
-            if engine is not None:
-                self._per_engine[engine] -= 1
-            self._slots.notify(1)
+            for rid in rids:
+                engine = self.in_flight.pop(rid, None)
+                if engine is not None:
+                    self._per_engine[engine] -= 1
+            if len(rids) == 1 and not self._waiting_batches:
+                self._slots.notify(1)
+            else:
+                self._slots.notify_all()
 
     async def wake_waiters(self) -> None:
         """Re-check every queued request now: after a stop, or when engines were added to the directory."""
@@ -215,40 +261,105 @@ class EngineClient:
             self._slots.notify_all()
 
     # -- requests ------------------------------------------------------------------------------------
-    async def generate(self, payload: dict[str, Any], *, stopped: asyncio.Event | None = None) -> GenerateAnswer:
+    async def generate(self, payload: dict[str, Any], *, stopped: asyncio.Event | None = None,
+                       group: int | None = None, across_groups: bool = False) -> GenerateAnswer:
         """POST one /generate (payload must carry its `rid`). Raises TransportError / EngineHTTPError,
-        or StopGeneration if `stopped` was set before a slot was free (nothing was sent then)."""
-        rid = payload["rid"]
+        or StopGeneration if `stopped` was set before a slot was free (nothing was sent then).
+
+        With `group` (and `batch_requests`), the request waits one event-loop turn for others of the same
+        `stopped` (session) and, unless `across_groups`, the same group, and goes out in a batch."""
         payload = clip_to_context(payload, self.context_length)
         full = context_full_answer(payload, self.context_length)
         if full is not None:
             return GenerateAnswer(body=full, engine_url=None)
-        engine = await self._acquire(rid, stopped)
-        base = self.router_url if engine is None else engine
+        if group is None or not self.batch_requests or not batchable(payload):
+            return (await self._send([payload], stopped, direct=self.router_url is None))[0]
+        loop = asyncio.get_running_loop()
+        queued = _Queued(payload=payload, group=group, future=loop.create_future())
+        key = (id(stopped), None if across_groups else group)
+        self._queued.setdefault(key, (stopped, []))[1].append(queued)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        return await queued.future
+
+    def _flush(self) -> None:
+        """Send what was queued this turn: per session (and group), cut by `plan_batches`."""
+        self._flush_scheduled = False
+        queued, self._queued = self._queued, {}
+        engines = len(self.directory.engine_urls())
+        for stopped, items in queued.values():
+            items = [item for item in items if not item.future.done()]  # the caller was cancelled
+            for batch in plan_batches(items, [item.group for item in items], engines=engines,
+                                      max_batch=self.per_engine_concurrency):
+                task = asyncio.create_task(self._send_queued(batch, stopped))
+                self._batch_tasks.add(task)
+                task.add_done_callback(self._batch_tasks.discard)
+
+    async def _send_queued(self, batch: list[_Queued], stopped: asyncio.Event | None) -> None:
+        """Send one planned batch; each caller gets its answer, or the batch's error."""
+        try:
+            answers = await self._send([item.payload for item in batch], stopped,
+                                       direct=len(batch) > 1 or self.router_url is None)
+        except asyncio.CancelledError:
+            for item in batch:
+                item.future.cancel()
+            raise
+        except Exception as error:  # noqa: BLE001 - each sample decides (retry, fail, stop)
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(error)
+            return
+        for item, answer in zip(batch, answers):
+            if not item.future.done():
+                item.future.set_result(answer)
+
+    async def _send(self, payloads: list[dict[str, Any]], stopped: asyncio.Event | None, *,
+                    direct: bool) -> list[GenerateAnswer]:
+        """POST `payloads` as one request (a batched body if more than one) to an engine (`direct`) or
+        the router, within the concurrency limit; one answer per payload."""
+        rids = [payload["rid"] for payload in payloads]
+        engine = await self._acquire(rids, stopped, direct=direct)
+        base = engine if direct else self.router_url
         try:
             if base is None:
                 raise TransportError("no router URL and no engine is up")
-            timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+            body = await self._post_generate(base, payloads[0] if len(payloads) == 1 else merge_payloads(payloads))
+            if len(payloads) == 1:
+                return [GenerateAnswer(body=body, engine_url=engine)]
             try:
-                async with self.session.post(f"{base}/generate", json=payload, timeout=timeout) as response:
-                    text = await response.text()
-                    if response.status >= 500:
-                        raise TransportError(f"{base} answered HTTP {response.status}: {text[:300]}")
-                    if response.status != 200:
-                        raise EngineHTTPError(response.status, text)
-                    try:
-                        body = await response.json(content_type=None)
-                    except ValueError as error:
-                        raise TransportError(f"{base} answered a body that is not JSON: {error}") from None
-                    return GenerateAnswer(body=body, engine_url=engine)
-            except (TimeoutError, aiohttp.ClientError, ConnectionError) as error:
-                raise TransportError(f"{base}/generate failed: {type(error).__name__}: {error}") from None
+                items = split_answer(body, rids)
+            except BatchAnswerError as error:
+                if self.batch_requests:
+                    log.warning("%s: %s; sending one request per sample from now on", base, error)
+                self.batch_requests = False
+                raise TransportError(f"{base}: {error}") from None
+            return [GenerateAnswer(body=item, engine_url=engine) for item in items]
         except TransportError:
             if engine is not None:
                 self._failed_at[engine] = asyncio.get_running_loop().time()
             raise
         finally:
-            await self._release(rid)
+            await self._release(rids)
+
+    async def _post_generate(self, base: str, body: dict[str, Any]) -> Any:
+        """The JSON of a 200 answer of `base`/generate; TransportError (no answer, 5xx, not JSON) or
+        EngineHTTPError (4xx)."""
+        self.http_requests += 1
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+        try:
+            async with self.session.post(f"{base}/generate", json=body, timeout=timeout) as response:
+                text = await response.text()
+                if response.status >= 500:
+                    raise TransportError(f"{base} answered HTTP {response.status}: {text[:300]}")
+                if response.status != 200:
+                    raise EngineHTTPError(response.status, text)
+                try:
+                    return json.loads(text)
+                except ValueError as error:
+                    raise TransportError(f"{base} answered a body that is not JSON: {error}") from None
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as error:
+            raise TransportError(f"{base}/generate failed: {type(error).__name__}: {error}") from None
 
     async def _post_control(self, url: str, path: str, body: dict[str, Any]) -> bool:
         try:

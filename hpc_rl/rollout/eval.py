@@ -70,7 +70,8 @@ async def run_eval(*, client: EngineClient, datasets: list[tuple[str, list[Promp
                    generate_fn: GenerateFn = default_generate, weight_version: int = 0,
                    max_context_len: int | None = None, retry: RetryPolicy | None = None) -> dict[str, float]:
     """Generate and score every dataset (all concurrently, limited by the client); return the metrics."""
-    session = GenerationSession(client, weight_version=weight_version, retry=retry, max_context_len=max_context_len)
+    session = GenerationSession(client, weight_version=weight_version, retry=retry, max_context_len=max_context_len,
+                                batch_across_groups=True)  # every eval group is waited for
     per_dataset: list[tuple[str, list[Group]]] = []
     next_index = 0
     for name, records in datasets:

@@ -9,7 +9,8 @@ Owns:
   by `max_context_len`), appends tokens, logprobs and per-token weight versions, and sets the status.
   Transport failures (an engine died) keep the tokens, back off, and resubmit the rest; after
   `RetryPolicy.max_transport_retries` consecutive failures the sample is FAILED with the error in
-  `metadata["error"]`. An abort the session did not ask for (engine paused for a weight update) is
+  `metadata["error"]`. Samples that call at the same moment share a batched request (engine_client.py;
+  per group unless `batch_across_groups`); each keeps its own rid, answer, retries and failure. An abort the session did not ask for (engine paused for a weight update) is
   resumed the same way: the sample keeps the tokens of the old policy, tagged with its version.
 - What no retry fixes ends the run (`RunEndingGenerationError`, raised through the scheduler):
   `RequestRejected`, the engine refused a request as invalid (a 4xx other than 401/403 authentication,
@@ -147,8 +148,13 @@ class GenerationSession:
     """One batch of generation over a shared client: stop flag, own rids in flight, counters."""
 
     def __init__(self, client: EngineClient, *, weight_version: int = 0, retry: RetryPolicy | None = None,
-                 max_context_len: int | None = None, return_logprob: bool = True) -> None:
+                 max_context_len: int | None = None, return_logprob: bool = True,
+                 batch_across_groups: bool = False) -> None:
         self.client = client
+        self.batch_across_groups = batch_across_groups
+        """Requests of different groups sent at the same moment may share a batched request (True when the
+        caller waits for every group anyway); False: one batched request per group, so a group's answer
+        comes as soon as its own samples are done (dynamic sampling, over-sampling)."""
         self.weight_version = weight_version
         """Assumed version of tokens whose engine reports none (the controller updates it after a sync)."""
         self.retry = retry or RetryPolicy()
@@ -277,7 +283,8 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
         metrics.requests_sent += 1
         answer: GenerateAnswer | None = None
         try:
-            answer = await session.client.generate(payload, stopped=session.stopped)
+            answer = await session.client.generate(payload, stopped=session.stopped, group=sample.group_index,
+                                                   across_groups=session.batch_across_groups)
         except StopGeneration:
             metrics.requests_sent -= 1  # never left the client
             return _finish(sample, SampleStatus.ABORTED)

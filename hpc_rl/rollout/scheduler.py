@@ -204,8 +204,10 @@ class RolloutScheduler:
         settings = self.settings
         target = settings.rollout_batch_size
         metrics = RolloutMetrics()
+        # Without a filter or over-sampling every submitted group is waited for: batch across groups.
+        every_group_needed = self.group_filter is None and (settings.over_sampling_batch_size or target) <= target
         session = GenerationSession(self.client, weight_version=self.weight_version, retry=self.retry,
-                                    max_context_len=settings.max_context_len)
+                                    max_context_len=settings.max_context_len, batch_across_groups=every_group_needed)
         self._session = session
         kept: list[Group] = []
         surplus: list[Group] = []

@@ -3,7 +3,8 @@ installed, real SGLang 0.5.23 on CPU (tools/install_sglang_cpu.sh; marker `sglan
 its venv is absent: `$HPC_RL_SGLANG_VENV`, default ~/.cache/hpc_rl/sglang-cpu-venv).
 
 Each check is a behaviour hpc_rl relies on and that was measured to differ once (issue 9): text decoded
-in the prompt's context, over-context 400, ignore_eos ignoring stop ids, batched input_ids, SSE
+in the prompt's context, over-context 400, ignore_eos ignoring stop ids, batched input_ids (a rid per
+item, one aborted alone, duplicates refused), SSE
 streaming, error and control bodies, 0-token weight_versions, abort reasons, logprobs equal to a
 forward pass. The last check sends an out-of-vocabulary id: SGLang's process exits, and so must the CPU
 engine's (never a live /health with a dead scheduler). Tests run in file order per engine.
@@ -121,6 +122,26 @@ def test_batched_input_ids_answer_a_list_in_order(engine):
     assert isinstance(answers, list)
     assert [a["meta_info"]["id"] for a in answers] == ["batch_0", "batch_1", "batch_2"]
     assert [len(a["output_ids"]) for a in answers] == [1, 2, 3]
+
+
+def test_batched_rid_list_each_item_its_own_request(engine):
+    """How the rollout sends a group (hpc_rl.rollout.request_batching): one rid per item, answered by
+    id; aborting one rid ends that item only (the others run on); duplicate rids are refused (400)."""
+    duplicate = generate(engine, {"input_ids": [[9], [10]], "rid": ["same", "same"],
+                                  "sampling_params": greedy(1)})
+    assert duplicate.status_code == 400 and "Duplicate request IDs" in duplicate.json()["error"]["message"]
+    body = {"input_ids": [[9, 15], [10, 11]], "rid": ["keep-1", "cut-1"],
+            "sampling_params": [greedy(8, ignore_eos=True), greedy(500, ignore_eos=True)]}
+    answer: list = []
+    sender = threading.Thread(target=lambda: answer.append(generate(engine, body)))
+    sender.start()
+    while sender.is_alive():  # until the batch answers: an abort before the item arrives is a no-op
+        requests.post(f"{engine.url}/abort_request", json={"rid": "cut-1"}, timeout=30)
+        sender.join(timeout=0.2)
+    kept, cut = answer[0].json()
+    assert [kept["meta_info"]["id"], cut["meta_info"]["id"]] == ["keep-1", "cut-1"]
+    assert kept["meta_info"]["finish_reason"] == {"type": "length", "length": 8} and len(kept["output_ids"]) == 8
+    assert cut["meta_info"]["finish_reason"]["type"] == "abort" and len(cut["output_ids"]) < 500
 
 
 def test_stream_is_sse_ending_with_done(engine):

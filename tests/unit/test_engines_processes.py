@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +58,36 @@ def _running(pid: int) -> bool:
 
 def test_http_ok_is_false_on_a_closed_port():
     assert not http_ok(f"http://127.0.0.1:{free_port()}/health", timeout=0.5)
+
+
+EXIT_CHILD = """
+import atexit, multiprocessing, os, sys
+from hpc_rl.engines.child_process import exit_without_teardown
+manager = multiprocessing.Manager()  # a child process, as Megatron's checkpoint writer starts one
+print("manager", manager._process.pid)
+atexit.register(lambda: open(sys.argv[1], "w").write("atexit ran"))
+print("buffered line, never flushed by hand", end="")
+exit_without_teardown(3)
+"""
+
+
+def test_exit_without_teardown_runs_exit_handlers_and_leaves_no_child(tmp_path):
+    marker = tmp_path / "marker"
+    done = subprocess.run([sys.executable, "-c", EXIT_CHILD, str(marker)], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert done.returncode == 3, done.stderr
+    assert marker.read_text() == "atexit ran"
+    assert done.stdout.endswith("buffered line, never flushed by hand")
+    manager_pid = int(done.stdout.split()[1])
+    deadline = time.monotonic() + 10
+    while running(manager_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(manager_pid), "the Manager process outlived its parent"
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its reaper."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -2,7 +2,8 @@
 
 A fake for the rollout unit tests (not an engine): tokens are `(len(input_ids) + i) % 50 + 100`,
 one every `token_latency_s`; a request stops ("stop") after `natural_length(input_ids)` tokens or at
-`max_new_tokens` ("length"). /abort_request (rid or abort_all) and /pause_generation {"mode":"abort"}
+`max_new_tokens` ("length"). Batched `input_ids` (a list of lists, one rid each) run each item as its
+own request and answer a list, as SGLang does. /abort_request (rid or abort_all) and /pause_generation {"mode":"abort"}
 end running requests with 200, their partial output and finish_reason abort; while paused, new
 requests wait for /continue_generation. `fail_next` makes the next N /generate calls answer 500, and
 `stop()` kills the server (connection refused). The tests at the bottom check the fake itself.
@@ -31,6 +32,10 @@ class FakeSglangEngine:
         """(status, JSON body) of the next `fail_next` answers."""
         self.running: dict[str, asyncio.Event] = {}
         self.rids_seen: list[str] = []
+        self.requests_seen = 0
+        """/generate requests received (a batch counts once)."""
+        self.batch_sizes: list[int] = []
+        """Items of each batched request received."""
         self.abort_calls = 0
         self.max_running = 0
         self._resume = asyncio.Event()
@@ -65,15 +70,25 @@ class FakeSglangEngine:
 
     async def _generate(self, request: web.Request) -> web.Response:
         body = await request.json()
-        rid = body["rid"]
-        self.rids_seen.append(rid)
+        self.requests_seen += 1
+        batched = isinstance(body["input_ids"][0], list)
+        rids = body["rid"] if batched else [body["rid"]]
+        self.rids_seen.extend(rids)
         if self.fail_next > 0:
             self.fail_next -= 1
             status, error_body = self.fail_with
             return web.json_response(error_body, status=status)
         await self._resume.wait()
-        input_ids: list[int] = body["input_ids"]
-        max_new = int(body["sampling_params"].get("max_new_tokens", 128))
+        prompts = body["input_ids"] if batched else [body["input_ids"]]
+        params = body["sampling_params"]
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if batched:
+            self.batch_sizes.append(len(prompts))
+        answers = await asyncio.gather(*(self._run_one(rid, ids, int(p.get("max_new_tokens", 128)))
+                                         for rid, ids, p in zip(rids, prompts, params, strict=True)))
+        return web.json_response(answers if batched else answers[0])
+
+    async def _run_one(self, rid: str, input_ids: list[int], max_new: int) -> dict[str, Any]:
         natural = self.natural_length(input_ids)
         aborted = asyncio.Event()
         self.running[rid] = aborted
@@ -106,14 +121,14 @@ class FakeSglangEngine:
                 out.append(token)
         finally:
             self.running.pop(rid, None)
-        return web.json_response({
+        return {
             "text": "".join(f" t{t}" for t in out),
             "output_ids": out,
             "meta_info": {"id": rid, "finish_reason": finish, "prompt_tokens": len(input_ids),
                           "completion_tokens": len(out), "weight_version": self.weight_version,
                           "weight_versions": spans,
                           "output_token_logprobs": [[-0.5, t, None] for t in out]},
-        })
+        }
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from hpc_rl.engines import API_KEY_ENV
+from hpc_rl.engines.child_process import exit_without_teardown
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     scheduler.start()
     app = EngineServer(scheduler, info).build_app()
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=1.0)
+    exit_without_teardown(0)  # stopped (SIGTERM), the scheduler has ended: skip seconds of teardown
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ HTTP.
 
 SGLang behaviour reproduced here (srt/managers/io_struct.py, tokenizer_manager.py, detokenizer_manager.py):
 - batch: `input_ids` a list of lists or `text` a list -> one request per item, answered as a list;
-  `rid` a list (same length) or a string (`"<rid>_<i>"`) or absent; `sampling_params`,
+  `rid` a list (same length, no duplicates: 400) or a string (`"<rid>_<i>"`) or absent; each item is
+  its own request (abort one rid, the others run on; its answer says `abort`); `sampling_params`,
   `return_logprob`, `logprob_start_len` a single value or one per item. `input_ids` win over `text`.
 - `len(prompt) >= context` -> 400 "The input ... is longer than the model's context length";
   `len(prompt) + max_new_tokens > context` -> 400 "Requested token count exceeds the model's maximum
@@ -115,7 +116,11 @@ def _rids(rid: Any, count: int, batched: bool) -> list[str]:
         if len(rid) != count:
             raise RequestError("The specified rids length mismatch with the batch_size for batch processing.",
                                semantic=True)
-        return [str(item) for item in rid]
+        rids = [str(item) for item in rid]
+        if len(set(rids)) != len(rids):
+            duplicates = [item for item in dict.fromkeys(rids) if rids.count(item) > 1]
+            raise RequestError(f"Duplicate request IDs detected within the request: {duplicates}", semantic=True)
+        return rids
     raise RequestError("The rid should be a string or a list of strings.", semantic=True)
 
 
