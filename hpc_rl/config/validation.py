@@ -17,15 +17,11 @@ from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.file_checks import path_problems, prompt_file_problems
 from hpc_rl.config.value_ranges import range_problems
 from hpc_rl.engines.sglang_launch import engine_problems
-from hpc_rl.plugins import PluginError, load_callable
+from hpc_rl.plugins import PluginError, load_plugin
 
-# plug-in field -> (section, expected positional parameters, async?)
-PLUGIN_SIGNATURES: dict[str, tuple[str, list[str], bool | None]] = {
-    "custom_rm_path": ("rollout", ["args", "sample"], True),
-    "dynamic_sampling_filter_path": ("rollout", ["args", "samples"], None),
-    "buffer_filter_path": ("rollout", ["args", "rollout_id", "buffer", "num_samples"], None),
-    "custom_generate_function_path": ("rollout", ["args", "sample", "sampling_params"], True),
-}
+ROLLOUT_PLUGINS = {"custom_rm_path": "reward", "dynamic_sampling_filter_path": "dynamic_sampling_filter",
+                   "buffer_filter_path": "buffer_filter", "custom_generate_function_path": "generate"}
+"""Rollout-section field -> its kind in `hpc_rl.plugins.PLUGIN_KINDS` (the signatures' one home)."""
 
 
 @dataclass(frozen=True)
@@ -198,16 +194,16 @@ def _model_problems(config: RunConfig) -> list[Problem]:
 
 def _plugin_problems(config: RunConfig) -> list[Problem]:
     problems = []
-    for name, (section, params, is_async) in PLUGIN_SIGNATURES.items():
-        path = getattr(getattr(config, section), name)
+    for name, kind in ROLLOUT_PLUGINS.items():
+        path = getattr(config.rollout, name)
         if not path:
             continue
-        if name == "custom_rm_path" and config.rollout.group_rm:
-            params = ["args", "samples"]
+        if kind == "reward" and config.rollout.group_rm:
+            kind = "group_reward"
         try:
-            load_callable(path, params or None, require_async=is_async, what=f"{section}.{name}")
+            load_plugin(kind, path)
         except PluginError as error:
-            problems.append(Problem(f"{section}.{name}", str(error)))
+            problems.append(Problem(f"rollout.{name}", str(error)))
     return problems
 
 
