@@ -39,6 +39,7 @@ class Rollouts:
     async def next(self, rollout_id: int) -> RolloutResult:
         """Rollout `rollout_id` (its metrics include time/rollout); async mode starts the next one."""
         start = time.perf_counter()
+        self._boundary_states = {k: v for k, v in self._boundary_states.items() if k >= rollout_id}  # older: saved
         if self._ahead is None:
             self._ahead = asyncio.create_task(self._generate(rollout_id), name=f"rollout {rollout_id}")
         current = self._ahead
@@ -67,10 +68,6 @@ class Rollouts:
     def state_before(self, rollout_id: int) -> dict[str, Any]:
         """The scheduler's state as rollout `rollout_id` started (or now, if it has not started)."""
         return self._boundary_states.get(rollout_id) or self.scheduler.state_dict()
-
-    def finished(self, rollout_id: int) -> None:
-        """Rollout `rollout_id` is recorded: its start state is no longer needed."""
-        self._boundary_states.pop(rollout_id, None)
 
     def restore(self, scheduler_state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(scheduler_state)

@@ -10,7 +10,7 @@ Processes (one Slurm job; `python -m hpc_rl.submit` on the login node submitted 
 One rollout's data path, and the call below that owns each step:
 
     prompts (partial buffer first, then the dataset) ─> router /generate ─> engines ─> tokens, logprobs
-      ─> reward per group ─> dynamic-sampling filter ─> rollout_batch_size groups    rollouts.next
+      ─> rewards, per group ─> dynamic-sampling filter ─> rollout_batch_size groups  rollouts.next
       ─> group-normalised rewards, DP split ─> ranks: loss, optimizer step           trainers.train
       ─> rank 0's buckets ─> every engine serves version k+1 (if due)                weights.after_train
       ─> eval (eval_interval) ─> checkpoint (save_interval) ─> rollouts.jsonl,       evaluate, checkpoints
@@ -60,7 +60,27 @@ class RunLoop:
             if self.evaluate and self.next_rollout_id == 0 and not self.eval_config.skip_eval_before_train:
                 self.recorder.eval_before_training(await self.evaluate(self.weights.version))
             for rollout_id in range(self.next_rollout_id, self.num_rollout):
-                await self.step(rollout_id)
+                start = time.perf_counter()
+                result = await self.rollouts.next(rollout_id)  # generate, score, filter; partial buffer in and out
+                metrics = dict(result.metrics)
+                sync_due = self.weights.sync_due(rollout_id)
+                metrics |= await self.weights.before_train(sync_due)  # colocated: the engines hand over the GPUs
+                metrics |= await self.trainers.train(rollout_id, result.groups, self.weights.version)
+                version = self.weights.version + 1
+                if self.weights.moves_memory:  # colocated: save now, while the trainer holds its whole state
+                    metrics |= await self.checkpoints.save_if_due(rollout_id, version, stopping=self.stop_requested)
+                metrics |= await self.weights.after_train(version, sync_due=sync_due)
+                if self.evaluate and every(self.eval_config.eval_interval, rollout_id):
+                    eval_start = time.perf_counter()
+                    metrics |= await self.evaluate(self.weights.version)
+                    metrics["time/eval"] = time.perf_counter() - eval_start
+                metrics |= await self.checkpoints.save_if_due(rollout_id, self.weights.version,
+                                                              stopping=self.stop_requested)
+                metrics |= {"rollout/weight_version": float(self.weights.version),
+                            "rollout/buffer_size": float(self.rollouts.buffer_size),
+                            "time/step": time.perf_counter() - start}
+                self.recorder.rollout(rollout_id, metrics, result.groups)
+                self.next_rollout_id = rollout_id + 1
                 if self.stop_requested and rollout_id + 1 < self.num_rollout:
                     self.stopped_for_requeue = True
                     self.recorder.print(f"stopping after rollout {rollout_id + 1} for requeue (checkpoint saved)")
@@ -68,28 +88,6 @@ class RunLoop:
         finally:
             await self.rollouts.stop_ahead()
         return self.recorder.last
-
-    async def step(self, rollout_id: int) -> None:
-        start = time.perf_counter()
-        result = await self.rollouts.next(rollout_id)  # generate, score, filter; partial buffer in and out
-        metrics = dict(result.metrics)
-        sync_due = self.weights.sync_due(rollout_id)
-        metrics |= await self.weights.before_train(sync_due)  # colocated: the engines hand over the GPUs
-        metrics |= await self.trainers.train(rollout_id, result.groups, self.weights.version)
-        version = self.weights.version + 1
-        if self.weights.moves_memory:  # colocated: save now, while the trainer holds its whole state
-            metrics |= await self.checkpoints.save_if_due(rollout_id, version, stopping=self.stop_requested)
-        metrics |= await self.weights.after_train(version, sync_due=sync_due)
-        if self.evaluate and every(self.eval_config.eval_interval, rollout_id):
-            eval_start = time.perf_counter()
-            metrics |= await self.evaluate(self.weights.version)
-            metrics["time/eval"] = time.perf_counter() - eval_start
-        metrics |= await self.checkpoints.save_if_due(rollout_id, self.weights.version, stopping=self.stop_requested)
-        metrics |= {"rollout/weight_version": float(self.weights.version),
-                    "rollout/buffer_size": float(self.rollouts.buffer_size), "time/step": time.perf_counter() - start}
-        self.recorder.rollout(rollout_id, metrics, result.groups)
-        self.next_rollout_id = rollout_id + 1
-        self.rollouts.finished(rollout_id)
 
     def restore(self, controller_state: dict[str, Any]) -> None:
         """Continue from a checkpoint's controller state (`Checkpoints.controller_state`)."""
