@@ -49,10 +49,11 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
     "buffer_filter": PluginKind("rollout.buffer_filter_path", ("args", "rollout_id", "buffer", "num_samples"), False),
     # -> the sample, generated
     "generate": PluginKind("rollout.custom_generate_function_path", ("args", "sample", "sampling_params"), True),
-    # -> None: fills rollout_data["advantages"] and ["returns"]
-    "advantage": PluginKind("--custom-advantage-function-path", ("args", "rollout_data"), None),
     # -> (loss, metrics)
-    "loss": PluginKind("--custom-loss-function-path", ("args", "batch", "logits", "sum_of_sample_mean"), None),
+    "loss": PluginKind("algorithm.custom_loss_function_path", ("args", "batch", "logits", "sum_of_sample_mean"),
+                       False),
+    # -> None: fills rollout_data["advantages"] and ["returns"]
+    "advantage": PluginKind("algorithm.custom_advantage_function_path", ("args", "rollout_data"), False),
 }
 """Every plug-in point hpc_rl calls, by kind."""
 

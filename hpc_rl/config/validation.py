@@ -19,9 +19,12 @@ from hpc_rl.config.value_ranges import range_problems
 from hpc_rl.engines.sglang_launch import engine_problems
 from hpc_rl.plugins import PluginError, load_plugin
 
-ROLLOUT_PLUGINS = {"custom_rm_path": "reward", "dynamic_sampling_filter_path": "dynamic_sampling_filter",
-                   "buffer_filter_path": "buffer_filter", "custom_generate_function_path": "generate"}
-"""Rollout-section field -> its kind in `hpc_rl.plugins.PLUGIN_KINDS` (the signatures' one home)."""
+CONFIG_PLUGINS = {"rollout.custom_rm_path": "reward", "rollout.dynamic_sampling_filter_path": "dynamic_sampling_filter",
+                  "rollout.buffer_filter_path": "buffer_filter", "rollout.custom_generate_function_path": "generate",
+                  "algorithm.custom_loss_function_path": "loss",
+                  "algorithm.custom_advantage_function_path": "advantage"}
+"""Config field (section.name) -> its kind in `hpc_rl.plugins.PLUGIN_KINDS` (the signatures' one home).
+A field the schema does not have (yet) is skipped."""
 
 
 @dataclass(frozen=True)
@@ -194,8 +197,9 @@ def _model_problems(config: RunConfig) -> list[Problem]:
 
 def _plugin_problems(config: RunConfig) -> list[Problem]:
     problems = []
-    for name, kind in ROLLOUT_PLUGINS.items():
-        path = getattr(config.rollout, name)
+    for setting, kind in CONFIG_PLUGINS.items():
+        section, name = setting.split(".")
+        path = getattr(getattr(config, section), name, None)
         if not path:
             continue
         if kind == "reward" and config.rollout.group_rm:
@@ -203,7 +207,7 @@ def _plugin_problems(config: RunConfig) -> list[Problem]:
         try:
             load_plugin(kind, path)
         except PluginError as error:
-            problems.append(Problem(f"rollout.{name}", str(error)))
+            problems.append(Problem(setting, str(error)))
     return problems
 
 

@@ -207,6 +207,6 @@ def compute_advantages(
 def load_custom_advantage_function(path: str) -> Callable[..., object]:
     """Load ``--custom-advantage-function-path``: slime's ``fn(args, rollout_data)``, which fills
     ``rollout_data["advantages"]`` and ``rollout_data["returns"]``."""
-    from hpc_rl.plugins import load_plugin
+    from hpc_rl.plugins import load_callable
 
-    return load_plugin("advantage", path)
+    return load_callable(path, ["args", "rollout_data"], what="--custom-advantage-function-path")

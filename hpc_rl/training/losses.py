@@ -440,6 +440,8 @@ def policy_loss_and_metrics(
 
 def load_custom_loss_function(path: str) -> Callable[..., object]:
     """Load ``--custom-loss-function-path``: slime's signature ``fn(args, batch, logits, sum_of_sample_mean)``."""
-    from hpc_rl.plugins import load_plugin
+    from hpc_rl.plugins import load_callable
 
-    return load_plugin("loss", path)
+    return load_callable(
+        path, ["args", "batch", "logits", "sum_of_sample_mean"], what="--custom-loss-function-path"
+    )

@@ -8,17 +8,17 @@ from pathlib import Path
 import pytest
 
 from hpc_rl.config import load_config
-from hpc_rl.config.validation import ROLLOUT_PLUGINS, collect_problems
+from hpc_rl.config.validation import CONFIG_PLUGINS, collect_problems
 from hpc_rl.plugins import PLUGIN_KINDS, PluginError
 from hpc_rl.rewards.plugins import load_reward_function
 from hpc_rl.rollout.filters import load_buffer_filter, load_group_filter
 from hpc_rl.rollout.generate import load_generate_function
 
 LOADERS = {
-    "custom_rm_path": load_reward_function,
-    "dynamic_sampling_filter_path": load_group_filter,
-    "buffer_filter_path": load_buffer_filter,
-    "custom_generate_function_path": load_generate_function,
+    "rollout.custom_rm_path": load_reward_function,
+    "rollout.dynamic_sampling_filter_path": load_group_filter,
+    "rollout.buffer_filter_path": load_buffer_filter,
+    "rollout.custom_generate_function_path": load_generate_function,
 }
 """What the running job calls to load each rollout plug-in."""
 
@@ -40,10 +40,10 @@ def plugin_file(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("flavour", ["plain", "async"])
 def test_validation_and_the_job_agree_on_every_rollout_plugin(in_repo: Path, plugin_file: Path, field: str,
                                                               flavour: str) -> None:
-    kind = ROLLOUT_PLUGINS[field]
+    kind = CONFIG_PLUGINS[field]
     path = f"{plugin_file}:{flavour}_{kind}"
-    config = load_config([in_repo / "configs/tiny_cpu.yaml"], ["--set", f"rollout.{field}={path}"])
-    refused_at_submit = any(p.where == f"rollout.{field}" for p in collect_problems(config, check_files=False))
+    config = load_config([in_repo / "configs/tiny_cpu.yaml"], ["--set", f"{field}={path}"])
+    refused_at_submit = any(p.where == field for p in collect_problems(config, check_files=False))
     try:
         LOADERS[field](path)
         refused_in_the_job = False
