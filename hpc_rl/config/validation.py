@@ -16,7 +16,7 @@ from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.file_checks import path_problems, prompt_file_problems
 from hpc_rl.config.value_ranges import range_problems
-from hpc_rl.engines.sglang_launch import engine_problems
+from hpc_rl.config.sglang_options import engine_problems
 from hpc_rl.plugins import PluginError, load_plugin
 
 CONFIG_PLUGINS = {"rollout.custom_rm_path": "reward", "rollout.dynamic_sampling_filter_path": "dynamic_sampling_filter",

@@ -31,10 +31,7 @@ TIERS = {
 TORCH_STACK = ("torch", "transformers", "megatron", "sglang", "tensorboard")
 """Top-level modules the controller never imports (it runs in the driver, on the login/batch node)."""
 
-KNOWN_UPWARD_IMPORTS = {
-    # SGLang's option check at submit time (engine helper): the option list would belong in a tier-0 module
-    ("hpc_rl.config.validation", "hpc_rl.engines.sglang_launch"),
-}
+KNOWN_UPWARD_IMPORTS: set[tuple[str, str]] = set()
 KNOWN_CYCLES = {
     # training.actor/commands -> weights.sender/hf_import -> training.json_collectives, weights.convert ->
     # training.*; weights.sender -> engines.bucket_layout, engines.cpu.weight_sync -> weights.process_group
