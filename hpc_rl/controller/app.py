@@ -35,7 +35,7 @@ from hpc_rl.config.schema import RunConfig
 from hpc_rl.controller.address import CONTROLLER_ADDRESS_FILE, write_controller_address
 from hpc_rl.controller.engine_fleet import EngineFleet, RestartFn, RouterMembership
 from hpc_rl.controller.registry import Registry, TrainerInfo
-from hpc_rl.controller.rollout_stack import build_rollout_stack, num_rollouts
+from hpc_rl.controller.rollout_stack import build_rollout_stack
 from hpc_rl.controller.run_loop import RunLoop
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
@@ -48,11 +48,13 @@ from hpc_rl.telemetry.run_files import describe_write_error, write_text_atomical
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CONTROLLER_ADDRESS_FILE", "Controller", "num_rollouts"]
+__all__ = ["CONTROLLER_ADDRESS_FILE", "Controller"]
 
 
 class Controller:
-    """One run's controller (see the module docstring for the message flow and shutdown order)."""
+    """One run's controller (see the module docstring for the message flow and shutdown order). It is the
+    composition root: it holds the whole resolved config and hands the parts their sections (the loop's
+    parts through `rollout_stack`)."""
 
     def __init__(self, config: RunConfig, *, secret: Secret, router: RouterMembership | None,
                  router_url: str | None, restart_engine: RestartFn | None = None,
