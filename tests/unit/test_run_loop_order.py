@@ -108,8 +108,10 @@ async def recording_trainer_rank(channel: TrainerChannel, events: list[str]) -> 
         channel.on_done(CommandDone(rank=0, seq=command.seq))
 
 
-def run_mode(tmp_path: Path, *, colocate: bool, async_rollout: bool, num_rollout: int = 2) -> list[str]:
+def run_mode(tmp_path: Path, *, colocate: bool, async_rollout: bool, num_rollout: int = 2,
+             update_weights_interval: int = 1) -> list[str]:
     config = load_config(["configs/tiny_cpu.yaml"], ["--set", f"run_dir={tmp_path}"])
+    config.rollout.update_weights_interval = update_weights_interval
     config.cluster.colocate = colocate
     config.rollout.async_rollout = async_rollout
     config.rollout.n_samples_per_prompt = 2
@@ -168,3 +170,15 @@ def test_async_generates_the_next_rollout_while_training_and_pauses_with_abort(t
     assert events.index("generate 1") < events.index("engine pause(abort)")
     assert "engine pause(retract)" not in events
     assert events[-1] == "trainer save 1 (next 2, v2)" and events.count("generate 1") == 1
+
+
+def test_a_checkpoint_without_a_sync_stores_the_trainers_version_in_every_mode(tmp_path: Path) -> None:
+    """Rollout 0 trains the weights to v1 without a sync (interval 2): its checkpoint says v1, as a decoupled
+    run's does, so a run resumed from it labels the weights as a run that never stopped would. (The
+    colocated loop saved v0 here: a resumed run then counted versions one behind.)"""
+    for colocate in (False, True):
+        (tmp_path / str(colocate)).mkdir()
+        events = run_mode(tmp_path / str(colocate), colocate=colocate, async_rollout=False, num_rollout=2,
+                          update_weights_interval=2)
+        assert [e for e in events if e.startswith("trainer save")] == ["trainer save 0 (next 1, v1)",
+                                                                         "trainer save 1 (next 2, v2)"]
