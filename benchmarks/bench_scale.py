@@ -253,9 +253,9 @@ def wait_router_workers(router: RouterProcess, engines: int, timeout_s: float = 
 def instrument_sync(controller: Controller) -> list[float]:
     """Record the controller's CPU seconds in each weight sync (machine-load independent, unlike wall time;
     in async mode the rollout running meanwhile is counted too)."""
-    loop = controller.loop
-    assert loop is not None
-    original = loop.sync_weights
+    assert controller.loop is not None
+    weights = controller.loop.weights
+    original = weights.sync
     spent: list[float] = []
 
     async def timed(version: int, *, reason: str = "") -> dict[str, float]:
@@ -265,7 +265,7 @@ def instrument_sync(controller: Controller) -> list[float]:
         finally:
             spent.append(time.process_time() - start)
 
-    loop.sync_weights = timed  # type: ignore[method-assign]
+    weights.sync = timed  # type: ignore[method-assign]
     return spent
 
 
@@ -339,7 +339,7 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
         await controller.ready()  # the rollout stack (and the loop) is built in the background
         phase("controller_started")
         assert controller.loop is not None
-        controller.loop.print = lambda line: None
+        controller.loop.recorder.print = lambda line: None
         sync_cpu = instrument_sync(controller)
         start = time.perf_counter()
         await asyncio.gather(*(controller.register_engine(i, url, tp_size=config.cluster.rollout_num_gpus_per_engine)
@@ -372,7 +372,7 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             run_real = time.perf_counter() - run_start
             cpu = time.process_time() - cpu0
             after = await fleet_stats(session, urls[0])
-            history = controller.loop.history
+            history = controller.loop.recorder.history
             sim_elapsed = after["simulated_now"] - before["simulated_now"]
             n = config.rollout.n_samples_per_prompt
             result.busy = (after["busy_s"] - before["busy_s"]) / (engines * sim_elapsed)

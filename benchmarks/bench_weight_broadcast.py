@@ -112,7 +112,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, results: mp.Queue) ->
             timings.setdefault(name, []).append(time.perf_counter() - start)
     dist.destroy_process_group(group)
     if rank == 0:
-        from hpc_rl.engines.bucket_layout import pack_bucket
+        from hpc_rl.weights.bucket_layout import pack_bucket
 
         buffer = torch.empty(max(args.bucket_mib) * 2**20, dtype=torch.uint8)
         chunks = _chunks(tensors, max(args.bucket_mib) * 2**20)

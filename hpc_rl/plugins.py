@@ -5,9 +5,10 @@ Owns: turning a string such as ``"my_pkg.rewards.score"``, ``"my_pkg.rewards:sco
 when no such module is importable) into a callable, and checking that it can be called the way hpc_rl
 will call it (positional parameter count, optionally names, optionally ``async def``).
 
-Does not own: which plug-in points exist or their expected signatures (the config validator, the
-rollout side and the trainer pass those in). slime resolves plug-ins lazily, so a typo fails hours
-into a job; hpc_rl calls :func:`load_callable` at submit time on the login node.
+Also owns which plug-in points exist and how hpc_rl calls each one (`PLUGIN_KINDS`, slime's
+signatures): the config validator at submit time and every loader at run time read that one table
+(`load_plugin`), so what passes validation is what loads in the job. slime resolves plug-ins lazily,
+so a typo fails hours into a job; hpc_rl loads every configured plug-in at submit time on the login node.
 """
 
 from __future__ import annotations
@@ -19,9 +20,48 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PluginError", "load_callable", "split_plugin_path"]
+__all__ = ["PLUGIN_KINDS", "PluginError", "PluginKind", "load_callable", "load_plugin", "split_plugin_path"]
+
+
+@dataclass(frozen=True)
+class PluginKind:
+    """One plug-in point: where its path is set, and how hpc_rl calls what it names."""
+
+    setting: str
+    """The config field (section.name) or flag that names the plug-in; error messages start with it."""
+    params: tuple[str, ...]
+    """The positional arguments hpc_rl passes, in order (slime's names)."""
+    is_async: bool | None
+    """True: must be `async def`; False: must be a plain function; None: either."""
+
+
+PLUGIN_KINDS: dict[str, PluginKind] = {
+    # -> float
+    "reward": PluginKind("rollout.custom_rm_path", ("args", "sample"), True),
+    # -> list[float], one per sample
+    "group_reward": PluginKind("rollout.custom_rm_path (group_rm)", ("args", "samples"), True),
+    # -> bool, or slime's DynamicFilterOutput(keep, reason)
+    "dynamic_sampling_filter": PluginKind("rollout.dynamic_sampling_filter_path", ("args", "samples"), False),
+    # -> the groups taken out of `buffer`
+    "buffer_filter": PluginKind("rollout.buffer_filter_path", ("args", "rollout_id", "buffer", "num_samples"), False),
+    # -> the sample, generated
+    "generate": PluginKind("rollout.custom_generate_function_path", ("args", "sample", "sampling_params"), True),
+    # -> (loss, metrics)
+    "loss": PluginKind("algorithm.custom_loss_function_path", ("args", "batch", "logits", "sum_of_sample_mean"),
+                       False),
+    # -> None: fills rollout_data["advantages"] and ["returns"]
+    "advantage": PluginKind("algorithm.custom_advantage_function_path", ("args", "rollout_data"), False),
+}
+"""Every plug-in point hpc_rl calls, by kind."""
+
+
+def load_plugin(kind: str, path: str, *, base_dir: str | None = None) -> Callable[..., Any]:
+    """The callable `path` names, checked against `PLUGIN_KINDS[kind]` (raises PluginError naming the setting)."""
+    spec = PLUGIN_KINDS[kind]
+    return load_callable(path, list(spec.params), require_async=spec.is_async, base_dir=base_dir, what=spec.setting)
 
 
 class PluginError(ValueError):

@@ -2,7 +2,7 @@
 
 Run it with an interpreter that has the pinned SGLang (e.g. the venv of tools/install_sglang_cpu.sh):
 
-    /path/to/sglang-venv/bin/python tools/list_sglang_options.py      # writes hpc_rl/engines/sglang_options_<ver>.txt
+    /path/to/sglang-venv/bin/python tools/list_sglang_options.py      # writes hpc_rl/config/sglang_options_<ver>.txt
 
 It builds SGLang's own `launch_server` parser (`ServerArgs.add_cli_args`) and writes one line per long
 option: `--name<TAB>flag|value|values` (flag: takes no value; values: one or more). It needs only this
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-OUT_DIR = REPO / "hpc_rl" / "engines"
+OUT_DIR = REPO / "hpc_rl" / "config"
 
 
 def main() -> None:
@@ -24,7 +24,7 @@ def main() -> None:
     from sglang.srt.server_args import ServerArgs
 
     sys.path.insert(0, str(REPO))
-    from hpc_rl.engines.sglang_options import option_kind
+    from hpc_rl.config.sglang_options import option_kind
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)

@@ -17,18 +17,15 @@ from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.file_checks import path_problems, prompt_file_problems
 from hpc_rl.config.value_ranges import range_problems
-from hpc_rl.engines.sglang_launch import engine_problems
-from hpc_rl.plugins import PluginError, load_callable
+from hpc_rl.config.sglang_options import engine_problems
+from hpc_rl.plugins import PluginError, load_plugin
 
-# plug-in field -> (section, expected positional parameters, async?)
-PLUGIN_SIGNATURES: dict[str, tuple[str, list[str], bool | None]] = {
-    "custom_rm_path": ("rollout", ["args", "sample"], True),
-    "dynamic_sampling_filter_path": ("rollout", ["args", "samples"], None),
-    "buffer_filter_path": ("rollout", ["args", "rollout_id", "buffer", "num_samples"], None),
-    "custom_generate_function_path": ("rollout", ["args", "sample", "sampling_params"], True),
-    "custom_loss_function_path": ("algorithm", ["args", "batch", "logits", "sum_of_sample_mean"], False),
-    "custom_advantage_function_path": ("algorithm", ["args", "rollout_data"], False),
-}
+CONFIG_PLUGINS = {"rollout.custom_rm_path": "reward", "rollout.dynamic_sampling_filter_path": "dynamic_sampling_filter",
+                  "rollout.buffer_filter_path": "buffer_filter", "rollout.custom_generate_function_path": "generate",
+                  "algorithm.custom_loss_function_path": "loss",
+                  "algorithm.custom_advantage_function_path": "advantage"}
+"""Config field (section.name) -> its kind in `hpc_rl.plugins.PLUGIN_KINDS` (the signatures' one home).
+A field the schema does not have (yet) is skipped."""
 WANDB_SETTINGS = ("wandb_mode", "wandb_project", "wandb_team", "wandb_group", "wandb_key", "wandb_host", "wandb_dir",
                   "wandb_run_id")
 
@@ -203,16 +200,17 @@ def _model_problems(config: RunConfig) -> list[Problem]:
 
 def _plugin_problems(config: RunConfig) -> list[Problem]:
     problems = []
-    for name, (section, params, is_async) in PLUGIN_SIGNATURES.items():
-        path = getattr(getattr(config, section), name)
+    for setting, kind in CONFIG_PLUGINS.items():
+        section, name = setting.split(".")
+        path = getattr(getattr(config, section), name, None)
         if not path:
             continue
-        if name == "custom_rm_path" and config.rollout.group_rm:
-            params = ["args", "samples"]
+        if kind == "reward" and config.rollout.group_rm:
+            kind = "group_reward"
         try:
-            load_callable(path, params or None, require_async=is_async, what=f"{section}.{name}")
+            load_plugin(kind, path)
         except PluginError as error:
-            problems.append(Problem(f"{section}.{name}", str(error)))
+            problems.append(Problem(setting, str(error)))
     return problems
 
 

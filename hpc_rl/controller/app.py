@@ -12,7 +12,8 @@
        └─ status: `python -m hpc_rl.status` sends StatusRequest; status.json in the run dir too
 
     run():  wait_ready (every rank + engine, or a timeout naming who is missing)
-            -> restore state from trainer rank 0's checkpoint (resume) -> RunLoop.run (run_loop.py)
+            -> restore state from trainer rank 0's checkpoint (resume) -> RunLoop.run (run_loop.py; built
+               by rollout_stack.py, which hands each part its own config sections)
             -> StopCommand to every rank
 
 Shutdown order (success, failure, Ctrl-C alike): the loop stops issuing commands -> trainer ranks
@@ -30,43 +31,30 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_rl.config import plugin_args
-from hpc_rl.config.schema import RolloutConfig, RunConfig
+from hpc_rl.config.schema import RunConfig
 from hpc_rl.controller.address import CONTROLLER_ADDRESS_FILE, write_controller_address
 from hpc_rl.controller.engine_fleet import EngineFleet, RestartFn, RouterMembership
 from hpc_rl.controller.registry import Registry, TrainerInfo
+from hpc_rl.controller.rollout_stack import build_rollout_stack
 from hpc_rl.controller.run_loop import RunLoop
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
-from hpc_rl.data.prompt_tokenizer import load_prompt_tokenizer
-from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptSource, make_prompt_encoder
 from hpc_rl.protocol import Connection, Envelope, Secret, Server
 from hpc_rl.protocol.errors import ProtocolError
 from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, StatusReply,
                                       StatusRequest, WeightPlan)
-from hpc_rl.rewards.group import RewardSpec, reward_group
-from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
-from hpc_rl.rollout.engine_client import engine_context_length
-from hpc_rl.rollout.generate import load_generate_function
-from hpc_rl.telemetry.run_files import (ROLLOUT_RECORDS, describe_write_error, drop_rollout_records_from,
-                                        write_text_atomically)
-from hpc_rl.telemetry.scalars import ScalarLog
+from hpc_rl.rollout import EngineClient
+from hpc_rl.telemetry.run_files import describe_write_error, write_text_atomically
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CONTROLLER_ADDRESS_FILE", "Controller", "num_rollouts"]
-
-
-def num_rollouts(rollout: RolloutConfig, dataset_size: int) -> int:
-    """`num_rollout`, else `num_epoch` (default 1) passes over the prompts."""
-    if rollout.num_rollout is not None:
-        return rollout.num_rollout
-    epochs = rollout.num_epoch or 1
-    return max(1, epochs * dataset_size // rollout.rollout_batch_size)
+__all__ = ["CONTROLLER_ADDRESS_FILE", "Controller"]
 
 
 class Controller:
-    """One run's controller (see the module docstring for the message flow and shutdown order)."""
+    """One run's controller (see the module docstring for the message flow and shutdown order). It is the
+    composition root: it holds the whole resolved config and hands the parts their sections (the loop's
+    parts through `rollout_stack`)."""
 
     def __init__(self, config: RunConfig, *, secret: Secret, router: RouterMembership | None,
                  router_url: str | None, restart_engine: RestartFn | None = None,
@@ -114,8 +102,9 @@ class Controller:
         await asyncio.shield(self._rollout_stack)
 
     async def _start_rollout_stack(self) -> None:
-        await asyncio.to_thread(self._build_rollout_stack)
-        assert self.client is not None
+        stack = await asyncio.to_thread(build_rollout_stack, self.config, registry=self.registry,
+                                        channel=self.channel, fleet=self.fleet, router_url=self.router_url)
+        self.client, self.loop = stack.client, stack.loop
         await self.client.start()
         self.fleet.on_serving = self.client.wake_waiters
 
@@ -123,53 +112,6 @@ class Controller:
     def address(self) -> tuple[str, int]:
         assert self.server is not None
         return self.server.address
-
-    def _build_rollout_stack(self) -> None:
-        config = self.config
-        rollout = config.rollout
-        tokenizer = load_prompt_tokenizer(config.checkpoint.hf_checkpoint)
-        encoder = make_prompt_encoder(tokenizer, apply_chat_template=rollout.apply_chat_template)
-        keys = DataKeys(input_key=rollout.input_key, label_key=rollout.label_key,
-                        metadata_key=rollout.metadata_key, tool_key=rollout.tool_key)
-        dataset = PromptDataset.load(rollout.prompt_data, keys, skip_bad_lines=rollout.skip_bad_lines)
-        if dataset.skipped_lines:
-            log.warning("%s: skipped %d bad line(s) (skip_bad_lines):\n%s", rollout.prompt_data,
-                        dataset.skipped_lines, dataset.describe_skipped())
-        source = PromptSource(dataset, shuffle=rollout.rollout_shuffle, seed=rollout.rollout_seed)
-        self.client = EngineClient(self.registry, router_url=self.router_url,
-                                   per_engine_concurrency=config.sglang.server_concurrency,
-                                   request_timeout_s=config.controller.engine_request_timeout,
-                                   api_key=self.fleet.api_key,
-                                   context_length=engine_context_length(config.checkpoint.hf_checkpoint,
-                                                                        config.sglang.server_options()))
-        args = plugin_args(config)
-        spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,
-                          group_rm=rollout.group_rm, args=args)
-
-        async def reward_fn(samples: list[Any]) -> list[float]:
-            return await reward_group(spec, samples)
-
-        scheduler = RolloutScheduler.from_config(config, client=self.client, source=source, encoder=encoder,
-                                                 reward_fn=reward_fn)
-        eval_fn = None
-        if config.eval.eval_prompt_data and config.eval.eval_interval:  # no interval: no eval at all
-            datasets = load_eval_datasets(config.eval, keys)
-            generate_fn = load_generate_function(rollout.custom_generate_function_path)
-
-            async def eval_fn(weight_version: int) -> dict[str, float]:
-                assert self.client is not None
-                return await run_eval(client=self.client, datasets=datasets, encoder=encoder, reward_fn=reward_fn,
-                                      n_samples=config.eval.n_samples_per_eval_prompt,
-                                      sampling_params=eval_sampling_params(rollout, config.eval), args=args,
-                                      generate_fn=generate_fn, weight_version=weight_version,
-                                      max_context_len=rollout.rollout_max_context_len)
-
-        tensorboard_dir = config.logging.tensorboard_dir or str(self.run_dir / "tensorboard")
-        self.loop = RunLoop(config=config, registry=self.registry, channel=self.channel, fleet=self.fleet,
-                            scheduler=scheduler,
-                            scalars=ScalarLog.for_controller(tensorboard_dir, config, run_dir=self.run_dir),
-                            num_rollout=num_rollouts(rollout, len(dataset)), run_eval=eval_fn,
-                            print_fn=lambda line: print(line, flush=True))
 
     async def register_engine(self, engine_index: int, url: str, *, tp_size: int = 1) -> None:
         """The driver started engine `engine_index` and it answers /health at `url`."""
@@ -197,13 +139,8 @@ class Controller:
         resume = self.registry.trainers[0].info.get("resume") if 0 in self.registry.trainers else None
         if resume and resume.get("controller_state"):
             self.loop.restore(resume["controller_state"])
-            next_id = self.loop.state.next_rollout_id
-            log.info("resuming at rollout %d (weight version %d)", next_id, self.loop.state.weight_version)
-            dropped = drop_rollout_records_from(self.run_dir / ROLLOUT_RECORDS, next_id)
-            if dropped:
-                log.warning("%s: dropped %d record(s) of rollouts >= %d, written after the checkpoint by the "
-                            "attempt that was stopped (those rollouts are redone now)", ROLLOUT_RECORDS, dropped,
-                            next_id)
+            next_id = self.loop.next_rollout_id
+            log.info("resuming at rollout %d (weight version %d)", next_id, self.loop.weights.version)
             if next_id >= self.loop.num_rollout:
                 print(f"hpc_rl: nothing to do: the checkpoint in {self.config.checkpoint.load} is already at "
                       f"rollout {next_id} of {self.loop.num_rollout} (this run finished before); raise "
@@ -215,7 +152,7 @@ class Controller:
             self.outcome = "failed"
             raise
         self.stopping = True
-        await self.loop.stop_trainers("run complete")
+        await self.loop.trainers.stop("run complete")
         self.outcome = "finished"
         return metrics
 
@@ -236,7 +173,7 @@ class Controller:
         if self.server is not None:
             await self.server.close()
         if self.loop is not None:
-            self.loop.scalars.close()
+            self.loop.recorder.close()
 
     # -- protocol ------------------------------------------------------------------------------------------
     async def _on_hello(self, conn: Connection, hello: Hello) -> dict[str, Any] | None:
@@ -277,16 +214,16 @@ class Controller:
     def status(self) -> dict[str, Any]:
         """JSON-able (str keys only: it travels in a StatusReply and lands in status.json)."""
         loop = self.loop
-        last = loop.last_metrics if loop else {}
+        last = loop.recorder.last if loop else {}
         return {
             "run_dir": str(self.run_dir),
             "state": self.outcome,
             "controller": {"address": f"{self.host}:{self.address[1] if self.server else 0}",
                            "uptime_s": round(time.time() - self.started_at, 1)},
-            "rollout_id": loop.state.next_rollout_id if loop else 0,
+            "rollout_id": loop.next_rollout_id if loop else 0,
             "num_rollout": loop.num_rollout if loop else 0,
-            "weight_version": loop.state.weight_version if loop else 0,
-            "buffer_size": len(loop.scheduler.buffer) if loop else 0,
+            "weight_version": loop.weights.version if loop else 0,
+            "buffer_size": loop.rollouts.buffer_size if loop else 0,
             "last_rollout_seconds": last.get("time/step"),
             "reward_mean": last.get("rollout/reward_mean"),
             "samples_per_second": (self.config.rollout.rollout_batch_size * self.config.rollout.n_samples_per_prompt

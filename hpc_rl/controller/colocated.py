@@ -46,7 +46,7 @@ def engine_release_tags(sync_due: bool) -> list[str]:
 
 
 EnginesCall = Callable[..., Awaitable[None]]
-"""RunLoop._engines_call: call an EngineAdmin method on every live engine; failures fail that engine."""
+"""WeightUpdates.engines_call: call an EngineAdmin method on every live engine; failures fail that engine."""
 
 
 class ColocatedMemory:

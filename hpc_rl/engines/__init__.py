@@ -2,7 +2,8 @@
 
 Modules: `sglang_launch` (pure command/env rendering), `engine_process` (CpuEngineProcess,
 SglangEngineProcess), `router` (RouterProcess), `child_process` (process groups, logs, ports),
-`bucket_layout` (flattened weight buckets, shared with the trainer), `cpu/` (the CPU engine).
+`cpu/` (the CPU engine; it reads weight buckets with `hpc_rl.weights.bucket_layout`, the wire format
+the trainer writes).
 The only part of hpc_rl that knows SGLang's server; nothing here imports Megatron.
 """
 

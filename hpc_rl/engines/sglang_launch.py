@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpc_rl.engines.sglang_options import option_problems, renamed_options
+from hpc_rl.config.sglang_options import renamed_options
 
 # Flags hpc_rl sets itself: a pass-through option may not override them.
 RESERVED_OPTIONS = frozenset(
@@ -93,30 +93,6 @@ class SglangLaunchSpec:
 
 def _option_name(key: str) -> str:
     return key.removeprefix("sglang_")
-
-
-ENGINE_KINDS = ("auto", "sglang", "cpu")
-
-
-def engine_kind(engine: str, device: str) -> str:
-    """The rollout engine to launch: `sglang` (real SGLang, on cuda or cpu) or `cpu` (hpc_rl's CPU engine).
-    `auto` keeps the historical pairing: sglang on cuda, the CPU engine on cpu."""
-    if engine == "auto":
-        return "sglang" if device == "cuda" else "cpu"
-    return engine
-
-
-def engine_problems(engine: str, device: str, sglang_options: Mapping[str, Any]) -> dict[str, str]:
-    """config field -> problem, for the engine choice and (when SGLang runs) every sglang option."""
-    if engine not in ENGINE_KINDS:
-        return {"rollout.engine": f"{engine!r} must be one of {', '.join(ENGINE_KINDS)}"}
-    kind = engine_kind(engine, device)
-    if kind == "cpu" and device == "cuda":
-        return {"rollout.engine": "the CPU engine joins weight updates with gloo on CPU tensors, while "
-                                  "cluster.device cuda broadcasts over NCCL: use engine sglang (or auto) on cuda"}
-    if kind == "cpu":
-        return {}
-    return {f"sglang.{key}": problem for key, problem in option_problems(sglang_options).items()}
 
 
 def sglang_device_options(device: str, sglang_options: Mapping[str, Any]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_rl.config import RunConfig, load_resolved_config
+from hpc_rl.config.sglang_options import engine_kind
 from hpc_rl.controller.app import Controller
 from hpc_rl.controller.stopping import log_task_error, stop_task
 from hpc_rl.engines import API_KEY_ENV
@@ -53,7 +54,6 @@ from hpc_rl.engines.sglang_launch import (
     SglangLaunchSpec,
     build_sglang_command,
     build_sglang_env,
-    engine_kind,
     sglang_device_options,
     write_api_key_file,
 )

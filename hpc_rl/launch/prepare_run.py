@@ -13,9 +13,9 @@ from pathlib import Path
 from hpc_rl.config import ConfigError, load_config, write_resolved_config
 from hpc_rl.config.loading import RESOLVED_CONFIG_NAME
 from hpc_rl.config.validation import ValidationFailed, validate
+from hpc_rl.launch.submit_args import EXIT_INVALID, assign_run_dir, parse_submit_args
 from hpc_rl.launch.topology import plan_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
-from hpc_rl.submit import EXIT_INVALID, assign_run_dir, parse_submit_args
 
 
 def prepare_run(argv: list[str]) -> Path:

@@ -3,7 +3,7 @@
 Owns: what a reward plug-in must look like -- `async def fn(args, sample) -> float`, or with
 `group_rm` `async def fn(args, samples) -> list[float]` (slime's signatures) -- and a cache so each
 path is imported once per process. Path resolution (`pkg.module.fn`, `pkg.module:fn`,
-`path/to/file.py:fn`) and the signature checks are the shared `hpc_rl.plugins.load_callable`,
+`path/to/file.py:fn`) and the signatures are the shared `hpc_rl.plugins` (`PLUGIN_KINDS`),
 so the config validator at submit time and the controller at run time agree. Every failure is a
 `PluginError` naming the path and what to fix. It does not call the function.
 """
@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from hpc_rl.plugins import PluginError, load_callable
+from hpc_rl.plugins import PLUGIN_KINDS, PluginError, load_plugin
 
 __all__ = ["PluginError", "RewardFunction", "expected_params", "load_reward_function"]
 
@@ -23,12 +23,11 @@ RewardFunction = Callable[[Any, Any], Coroutine[Any, Any, Any]]
 
 
 def expected_params(group: bool) -> list[str]:
-    """The positional arguments hpc_rl passes (as slime does)."""
-    return ["args", "samples"] if group else ["args", "sample"]
+    """The positional arguments hpc_rl passes (as slime does; `hpc_rl.plugins.PLUGIN_KINDS`)."""
+    return list(PLUGIN_KINDS["group_reward" if group else "reward"].params)
 
 
 @functools.cache
 def load_reward_function(path: str, *, group: bool = False) -> RewardFunction:
     """Import and check a custom reward function (cached per path and mode)."""
-    mode = "custom_rm_path (group_rm)" if group else "custom_rm_path"
-    return load_callable(path, expected_params(group), require_async=True, what=mode)
+    return load_plugin("group_reward" if group else "reward", path)

@@ -71,17 +71,15 @@ def load_group_filter(path: str | None) -> GroupFilter | None:
     """`rollout.dynamic_sampling_filter_path` resolved and checked (None: no dynamic sampling)."""
     if path is None:
         return None
-    from hpc_rl.plugins import load_callable
+    from hpc_rl.plugins import load_plugin
 
-    return load_callable(path, ["args", "samples"], require_async=False,
-                         what="rollout.dynamic_sampling_filter_path")
+    return load_plugin("dynamic_sampling_filter", path)
 
 
 def load_buffer_filter(path: str | None) -> BufferFilter:
     """`rollout.buffer_filter_path` resolved and checked (None: `pop_first`)."""
     if path is None:
         return pop_first
-    from hpc_rl.plugins import load_callable
+    from hpc_rl.plugins import load_plugin
 
-    return load_callable(path, ["args", "rollout_id", "buffer", "num_samples"], require_async=False,
-                         what="rollout.buffer_filter_path")
+    return load_plugin("buffer_filter", path)

@@ -353,10 +353,9 @@ def load_generate_function(path: str | None) -> GenerateFn:
     """`custom_generate_function_path` resolved and signature-checked; None -> `default_generate`."""
     if path is None:
         return default_generate
-    from hpc_rl.plugins import load_callable
+    from hpc_rl.plugins import load_plugin
 
-    return load_callable(path, ["args", "sample", "sampling_params"], require_async=True,
-                         what="rollout.custom_generate_function_path")
+    return load_plugin("generate", path)
 
 
 async def run_generate(fn: GenerateFn, args: Any, sample: Sample, sampling_params: SamplingParams,

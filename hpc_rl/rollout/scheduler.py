@@ -127,13 +127,10 @@ class RolloutScheduler:
         self._running = False
 
     @classmethod
-    def from_config(cls, config: Any, *, client: EngineClient, source: PromptSource, encoder: PromptEncoder,
-                    reward_fn: RewardFn, **overrides: Any) -> RolloutScheduler:
-        """Everything from a `RunConfig` (plug-ins resolved here: a bad path fails before generation)."""
-        from hpc_rl.config import plugin_args
-
-        args = plugin_args(config)
-        rollout = config.rollout
+    def from_config(cls, rollout: Any, *, args: Any, client: EngineClient, source: PromptSource,
+                    encoder: PromptEncoder, reward_fn: RewardFn, **overrides: Any) -> RolloutScheduler:
+        """Everything from the rollout section (`RolloutConfig`); `args` is what plug-ins receive
+        (`hpc_rl.config.plugin_args`). Plug-ins are resolved here: a bad path fails before generation."""
         kwargs: dict[str, Any] = {
             "settings": SchedulerSettings.from_config(rollout), "client": client, "source": source,
             "encoder": encoder, "reward_fn": reward_fn, "sampling_params": rollout_sampling_params(rollout),

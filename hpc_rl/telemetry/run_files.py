@@ -3,7 +3,8 @@ says so once instead of once per line.
 
 Owns `describe_write_error` ("no space left on <dir>" for ENOSPC/EDQUOT, else the OS's words),
 `write_text_atomically` (a temporary file renamed into place; the temporary file never stays behind),
-`drop_rollout_records_from` (a resumed run forgets the `rollouts.jsonl` lines of the rollouts it redoes) and
+`rollouts.jsonl`'s records (`append_rollout_record`; `drop_rollout_records_from`: a resumed run forgets the
+lines of the rollouts it redoes) and
 `RunLogFileHandler` (a FileHandler that, when its file cannot be written, prints ONE line on stderr and
 drops file output until a write succeeds again; Python's own prints "--- Logging error ---" and a
 traceback for every record).
@@ -17,7 +18,9 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
+
+from hpc_rl.data.samples import Group
 
 ROLLOUT_RECORDS = "rollouts.jsonl"
 """One JSON line per finished rollout, in the run dir (written by the run loop)."""
@@ -42,6 +45,20 @@ def write_text_atomically(path: str | Path, text: str) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def append_rollout_record(path: str | Path, rollout_id: int, metrics: dict[str, Any], groups: list[Group]) -> None:
+    """One JSON line: the rollout's metrics and which samples were trained (index, data row and start
+    rollout of each group, the version of each sample's first token)."""
+    samples = [s for g in groups for s in g]
+    record = {"rollout_id": rollout_id, "metrics": metrics,
+              "sample_indices": [s.index for s in samples],
+              "data_rows": [s.metadata.get("data_row") for g in groups for s in g[:1]],
+              "start_rollout_ids": [s.metadata.get("start_rollout_id") for g in groups for s in g[:1]],
+              "weight_versions_first_token": [min(s.weight_versions) if s.weight_versions else None
+                                              for s in samples]}
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record, default=float) + "\n")
 
 
 def drop_rollout_records_from(path: str | Path, first_redone: int) -> int:

@@ -42,10 +42,7 @@ from typing import Any
 
 import torch
 
-from hpc_rl.plugins import load_callable
-
-LOSS_PARAMS = ["args", "batch", "logits", "sum_of_sample_mean"]
-ADVANTAGE_PARAMS = ["args", "rollout_data"]
+from hpc_rl.plugins import load_plugin
 
 
 class CustomHookError(ValueError):
@@ -53,11 +50,11 @@ class CustomHookError(ValueError):
 
 
 def load_custom_loss(path: str) -> Callable[..., Any]:
-    return load_callable(path, LOSS_PARAMS, require_async=False, what="algorithm.custom_loss_function_path")
+    return load_plugin("loss", path)
 
 
 def load_custom_advantages(path: str) -> Callable[..., Any]:
-    return load_callable(path, ADVANTAGE_PARAMS, require_async=False, what="algorithm.custom_advantage_function_path")
+    return load_plugin("advantage", path)
 
 
 def run_custom_advantages(fn: Callable[..., Any], path: str, args: SimpleNamespace, rollout_data: dict[str, Any],

@@ -38,7 +38,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
 from torch.multiprocessing import reductions
 
-from hpc_rl.engines.bucket_layout import compute_layout, dtype_name, pack_bucket, unpack_bucket
+from hpc_rl.weights.bucket_layout import compute_layout, dtype_name, pack_bucket, unpack_bucket
 
 SHARED_MEMORY_FORMAT = "hpc_rl.cpu_shared_memory.v1"
 SHARED_MEMORY_DIR = "/dev/shm"

@@ -3,7 +3,7 @@
 Owns: `WeightSender` (the object a trainer rank keeps across syncs) and `broadcast_buckets` (the
 same for any named-tensor stream: benchmarks, tools). Buckets hold whole Megatron parameters (all
 the HF tensors one parameter maps to), up to `bucket_bytes`; each is broadcast from rank 0 as one
-uint8 tensor in SGLang's `flattened_bucket` layout (`hpc_rl.engines.bucket_layout`), into a buffer
+uint8 tensor in SGLang's `flattened_bucket` layout (`hpc_rl.weights.bucket_layout`), into a buffer
 reused across buckets and syncs (fresh memory is 5x slower to fill: notes/cpu-baselines.md).
 
 Protocol (driven by the controller, `hpc_rl.controller.weight_sync`)::
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.engines.bucket_layout import dtype_from_name, dtype_name, pack_bucket
+from hpc_rl.weights.bucket_layout import dtype_from_name, dtype_name, pack_bucket
 from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights import hf_mapping
 from hpc_rl.weights.export import export_param, full_shape, gather_full, named_megatron_params

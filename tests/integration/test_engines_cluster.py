@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import torch
 
-from hpc_rl.engines.bucket_layout import order_for_alignment
+from hpc_rl.weights.bucket_layout import order_for_alignment
 from hpc_rl.engines.child_process import free_port
 from hpc_rl.engines.engine_process import CpuEngineProcess
 from hpc_rl.engines.router import RouterProcess
@@ -194,7 +194,7 @@ def _trainer_rank0(master_port: int, world_size: int, checkpoint: str, per_tenso
     """A stand-in for trainer rank 0: joins the group and broadcasts the new weights."""
     from safetensors.torch import load_file
 
-    from hpc_rl.engines.bucket_layout import pack_bucket
+    from hpc_rl.weights.bucket_layout import pack_bucket
     from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
 
     torch.set_num_threads(1)

@@ -94,7 +94,7 @@ def receiver(hf_dir: str, plan_file: str, results: mp.Queue) -> None:
         import torch.distributed as dist
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from hpc_rl.engines.bucket_layout import compute_layout, unpack_bucket
+        from hpc_rl.weights.bucket_layout import compute_layout, unpack_bucket
         from hpc_rl.weights.process_group import init_weight_update_group
 
         torch.set_num_threads(1)

@@ -17,7 +17,7 @@ import pytest
 from hpc_rl.config import load_config
 from hpc_rl.controller.engine_admin import EngineAdminError
 from hpc_rl.controller.registry import EngineInfo, Registry, TrainerInfo
-from hpc_rl.controller.run_loop import RunLoop
+from hpc_rl.controller.rollout_stack import assemble_loop
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.controller.weight_sync import WeightGroupState, push_weights_to_engines
@@ -193,8 +193,8 @@ def test_cancelling_the_async_loop_mid_training_stops_the_rollout_ahead(caplog: 
     async def main() -> None:
         registry = Registry(trainer_world_size=1, num_engines=1)
         registry.add_trainer(TrainerInfo(rank=0, world_size=1, host="h", pid=1, info={"dp_rank": 0, "dp_size": 1}))
-        loop = RunLoop(config=config, registry=registry, channel=TrainerChannel(1), fleet=FakeFleet(),  # type: ignore[arg-type]
-                       scheduler=scheduler, scalars=None, num_rollout=3, print_fn=lambda line: None)  # type: ignore[arg-type]
+        loop = assemble_loop(config, scheduler=scheduler, registry=registry, channel=TrainerChannel(1),  # type: ignore[arg-type]
+                             fleet=FakeFleet(), recorder=None, evaluate=None, num_rollout=3)  # type: ignore[arg-type]
         run = asyncio.create_task(loop.run(resumed=False))
         await asyncio.wait_for(scheduler.ahead_started.wait(), 5)  # rollout 1 generates while rollout 0 trains
         run.cancel()  # shutdown (the trainer never answers here)

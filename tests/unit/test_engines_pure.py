@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from hpc_rl.engines.bucket_layout import (
+from hpc_rl.weights.bucket_layout import (
     compute_layout,
     dtype_from_name,
     order_for_alignment,

@@ -6,15 +6,14 @@ from __future__ import annotations
 import pytest
 
 from hpc_rl.config.schema import RunConfig
-from hpc_rl.engines.sglang_launch import (
-    SGLANG_ON_CPU_OPTIONS,
-    SglangLaunchSpec,
-    build_sglang_command,
+from hpc_rl.config.sglang_options import (
+    PINNED_SGLANG_VERSION,
     engine_kind,
     engine_problems,
-    sglang_device_options,
+    option_problems,
+    pinned_options,
 )
-from hpc_rl.engines.sglang_options import PINNED_SGLANG_VERSION, option_problems, pinned_options
+from hpc_rl.engines.sglang_launch import SGLANG_ON_CPU_OPTIONS, SglangLaunchSpec, build_sglang_command, sglang_device_options
 
 PINNED = pinned_options()
 

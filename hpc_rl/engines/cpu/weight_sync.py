@@ -2,7 +2,7 @@
 
 Owns: the engine's weight-update groups (joined through `hpc_rl.weights.process_group`), receiving
 one bucket from trainer rank 0 (per tensor, or one `flattened_bucket` laid out by
-`hpc_rl.engines.bucket_layout`), reading a colocated share from shared memory
+`hpc_rl.weights.bucket_layout`), reading a colocated share from shared memory
 (`hpc_rl.weights.colocated`), and copying tensors into the model by HF parameter name. The
 scheduler decides when these run (between decode steps); this module never touches requests.
 """
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from hpc_rl.engines.bucket_layout import compute_layout, dtype_from_name, unpack_bucket
+from hpc_rl.weights.bucket_layout import compute_layout, dtype_from_name, unpack_bucket
 from hpc_rl.weights.colocated import read_shared_memory_bucket
 from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
 

@@ -1,0 +1,106 @@
+"""Rollouts for the loop, one at a time (sync) or one ahead of training (async), with the engines watched.
+
+Owns when a rollout's generation starts (async mode: rollout k+1 starts as soon as rollout k is
+handed to the trainer), watching the engines and the trainer while one generates (a lost fleet or a
+lost rank ends it; a restarted engine gets the current weights at once in sync mode, when the trainer
+is idle), the scheduler's state at each rollout boundary (what a checkpoint saved after rollout k-1
+stores, although rollout k may already be generating), and stopping a rollout started ahead.
+Not here: one rollout's generation, scoring, filtering and partial buffer (`hpc_rl.rollout.scheduler`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from hpc_rl.controller.engine_fleet import EngineFleet
+from hpc_rl.controller.stopping import stop_task
+from hpc_rl.controller.trainer_channel import TrainerChannel
+from hpc_rl.controller.weight_updates import WeightUpdates
+from hpc_rl.rollout.scheduler import RolloutResult, RolloutScheduler
+
+log = logging.getLogger(__name__)
+
+
+class Rollouts:
+    """`await next(k)`: rollout k's kept groups (exactly rollout_batch_size), generated and scored."""
+
+    def __init__(self, scheduler: RolloutScheduler, *, fleet: EngineFleet, channel: TrainerChannel,
+                 weights: WeightUpdates, overlap: bool, num_rollout: int) -> None:
+        self.scheduler, self.fleet, self.channel, self.weights = scheduler, fleet, channel, weights
+        self.overlap = overlap
+        """Async mode: generate rollout k+1 while the trainer trains on rollout k."""
+        self.num_rollout = num_rollout
+        self._ahead: asyncio.Task[RolloutResult] | None = None
+        self._boundary_states: dict[int, dict[str, Any]] = {}
+
+    async def next(self, rollout_id: int) -> RolloutResult:
+        """Rollout `rollout_id` (its metrics include time/rollout); async mode starts the next one."""
+        start = time.perf_counter()
+        self._boundary_states = {k: v for k, v in self._boundary_states.items() if k >= rollout_id}  # older: saved
+        if self._ahead is None:
+            self._ahead = asyncio.create_task(self._generate(rollout_id), name=f"rollout {rollout_id}")
+        current = self._ahead
+        try:
+            result = await current
+        finally:
+            if current.done():  # its outcome is read here; one still unwinding is left to stop_ahead()
+                self._ahead = None
+        log.info("rollout %d generated in %.2f s", rollout_id, time.perf_counter() - start)
+        result.metrics["time/rollout"] = time.perf_counter() - start
+        if self.overlap and rollout_id + 1 < self.num_rollout:
+            self._ahead = asyncio.create_task(self._generate(rollout_id + 1), name=f"rollout {rollout_id + 1} (ahead)")
+        return result
+
+    async def stop_ahead(self) -> None:
+        """Stop a rollout started ahead of training (if any) and read its outcome."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            await stop_task(ahead, "a rollout started ahead of training")
+
+    @property
+    def buffer_size(self) -> int:
+        return len(self.scheduler.buffer)
+
+    # -- checkpoint --------------------------------------------------------------------------------------
+    def state_before(self, rollout_id: int) -> dict[str, Any]:
+        """The scheduler's state as rollout `rollout_id` started (or now, if it has not started)."""
+        return self._boundary_states.get(rollout_id) or self.scheduler.state_dict()
+
+    def restore(self, scheduler_state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(scheduler_state)
+
+    # -- one rollout, watched ----------------------------------------------------------------------------
+    def _check_engines(self) -> None:
+        if self.fleet.fatal is not None:
+            raise RuntimeError(f"rollout engines lost: {self.fleet.fatal}")
+        if self.channel.failure is not None:
+            raise self.channel.failure
+
+    async def _generate(self, rollout_id: int) -> RolloutResult:
+        """One rollout, watching the engines meanwhile. However this ends (result, engine or trainer
+        failure, cancellation), the scheduler's task has ended too and its outcome was read."""
+        self._boundary_states[rollout_id] = self.scheduler.state_dict()
+        run = asyncio.create_task(self.scheduler.run(rollout_id, self.weights.version),
+                                  name=f"rollout {rollout_id} generation")
+        outcome_read = False
+        try:
+            while True:
+                waiting = asyncio.create_task(self.fleet.engine_waiting.wait())
+                try:
+                    done, _ = await asyncio.wait({run, waiting}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiting.cancel()
+                if run in done:
+                    outcome_read = True
+                    return run.result()
+                self._check_engines()
+                if self.fleet.engine_waiting.is_set() and not self.overlap:
+                    # A restarted engine: give it the current weights now, so the rollout can use it (in sync
+                    # mode the trainer is idle while a rollout generates).
+                    await self.weights.sync(self.weights.version, reason="engine restarted")
+        finally:
+            if not outcome_read:
+                await stop_task(run, f"rollout {rollout_id} generation")

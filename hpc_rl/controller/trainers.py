@@ -1,0 +1,73 @@
+"""What the loop asks of the trainer ranks: train on a rollout, save a checkpoint, stop.
+
+Owns turning a rollout's groups into each data-parallel rank's `TrainCommand` (group-normalised rewards
+and the token-balanced split are `train_batches`'), the train metrics a rollout reports, and the save
+and stop commands. Not here: the command queue, sequence numbers and completion (`trainer_channel`),
+and what the ranks do with a command (`hpc_rl.training`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from hpc_rl.config.schema import AlgorithmConfig
+from hpc_rl.controller.registry import Registry
+from hpc_rl.controller.train_batches import RewardShaping, split_for_data_parallel
+from hpc_rl.controller.trainer_channel import TrainerChannel, merge_metrics
+from hpc_rl.data.samples import Group
+from hpc_rl.protocol.messages import SaveCommand, StopCommand, TrainCommand
+
+
+def reward_shaping(algorithm: AlgorithmConfig, n_samples_per_prompt: int) -> RewardShaping:
+    """The algorithm section's reward-normalisation fields (groups have `n_samples_per_prompt` samples)."""
+    return RewardShaping(advantage_estimator=algorithm.advantage_estimator, n_samples_per_prompt=n_samples_per_prompt,
+                         std_normalization=not algorithm.disable_grpo_std_normalization,
+                         disabled=algorithm.disable_rewards_normalization)
+
+
+def trainer_summary(reported: dict[str, Any]) -> dict[str, Any]:
+    """A rollout's train metrics: the last optimizer step's, plus the first step's ppo_kl / kl_loss
+    (the first-step sanity checks: both are exactly 0 when weights = rollout weights = reference)."""
+    steps = reported.get("steps") or []
+    summary = {k: v for k, v in reported.items() if k != "steps"}
+    if steps:
+        summary.update(steps[-1])
+        for key in ("ppo_kl", "kl_loss"):
+            if key in steps[0]:
+                summary[f"first_step_{key}"] = steps[0][key]
+        summary["num_steps"] = len(steps)
+    return summary
+
+
+class Trainers:
+    """Every trainer rank, as the loop sees them: each call is one collective command, done on every rank."""
+
+    def __init__(self, channel: TrainerChannel, registry: Registry, *, shaping: RewardShaping,
+                 num_rollout: int) -> None:
+        self.channel, self.registry, self.shaping, self.num_rollout = channel, registry, shaping, num_rollout
+
+    async def train(self, rollout_id: int, groups: list[Group], weight_version: int) -> dict[str, Any]:
+        """One rollout's optimizer step(s) on every rank; its metrics (train/..., time/train)."""
+        dp_of = {rank: int(t.info.get("dp_rank", 0)) for rank, t in self.registry.trainers.items()}
+        dp_size = max(1, int(next(iter(self.registry.trainers.values())).info.get("dp_size", 1)))
+        batches = split_for_data_parallel(groups, self.shaping, dp_size)
+        start = time.perf_counter()
+        done = await self.channel.run(lambda rank, seq: TrainCommand(
+            seq=seq, rollout_id=rollout_id, batch=batches[dp_of[rank]],
+            meta={"weight_version": weight_version, "num_rollout": self.num_rollout}))
+        metrics = {f"train/{k}" if "/" not in k else k: v for k, v in trainer_summary(merge_metrics(done)).items()}
+        metrics["time/train"] = time.perf_counter() - start
+        return metrics
+
+    async def save(self, rollout_id: int, controller_state: dict[str, Any]) -> float:
+        """Every rank saves its checkpoint of rollout `rollout_id`, with the controller's state; seconds taken."""
+        start = time.perf_counter()
+        await self.channel.run(lambda rank, seq: SaveCommand(seq=seq, rollout_id=rollout_id,
+                                                             controller_state=controller_state))
+        return time.perf_counter() - start
+
+    async def stop(self, reason: str) -> None:
+        """Tell every rank to exit (skipped when a rank is already lost: no one would answer)."""
+        if self.channel.failure is None:
+            await self.channel.run(lambda rank, seq: StopCommand(seq=seq, reason=reason), timeout_s=120)

@@ -1,0 +1,178 @@
+"""The loop's side of the engines' weights: which version the trainer holds, when a sync is due, and
+each sync's sequence in every mode.
+
+    decoupled (sync or async):  pause (retract | abort) -> push (weight_sync.push_weights_to_engines:
+                                the broadcast group) -> engines serve the version -> continue
+    colocated, async:           the same, pushed through /update_weights_from_tensor (colocated.py)
+    colocated, sync mode:       before_train: the engines hand the GPUs to the trainer; after_train:
+                                the memory moves back with the new weights (order in colocated.py)
+
+Owns the trainer's weight version (what a checkpoint stores and what the next sync publishes), the
+sync interval, calling an admin method on every live engine (a failure fails that engine only), and
+what a starting (restarted) engine needs before it serves. Not here: the per-engine HTTP fan-out and
+the group bookkeeping (`weight_sync`), the colocated memory moves (`colocated`), the trainer's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hpc_rl.config.schema import ClusterConfig, ControllerConfig, RolloutConfig
+from hpc_rl.controller.colocated import KV_TAGS, TRAINER_TAGS, WEIGHTS_TAG, ColocatedMemory, push_weights_colocated
+from hpc_rl.controller.engine_fleet import EngineFleet
+from hpc_rl.controller.registry import EngineState, Registry
+from hpc_rl.controller.trainer_channel import TrainerChannel
+from hpc_rl.controller.weight_sync import WeightGroupState, push_weights_to_engines
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightSyncSettings:
+    """The fields of the cluster, rollout and controller sections that decide how weights reach the engines."""
+
+    backend: str
+    """Collective backend of the weight-update group: gloo on CPU, nccl on GPUs."""
+    colocate: bool
+    async_rollout: bool
+    update_weights_interval: int
+    bucket_bytes: int
+    timeout_s: float
+    num_engines: int
+    engine_tp_size: int
+
+    @classmethod
+    def from_sections(cls, cluster: ClusterConfig, rollout: RolloutConfig,
+                      controller: ControllerConfig) -> WeightSyncSettings:
+        return cls(backend="gloo" if cluster.device == "cpu" else "nccl", colocate=cluster.colocate,
+                   async_rollout=rollout.async_rollout, update_weights_interval=rollout.update_weights_interval,
+                   bucket_bytes=rollout.update_weight_buffer_size, timeout_s=controller.engine_request_timeout,
+                   num_engines=cluster.num_engines, engine_tp_size=cluster.rollout_num_gpus_per_engine)
+
+
+class WeightUpdates:
+    """The trainer's weight version and its way to every live engine."""
+
+    def __init__(self, settings: WeightSyncSettings, *, registry: Registry, fleet: EngineFleet,
+                 channel: TrainerChannel, engines_serve: Callable[[int], None], num_rollout: int) -> None:
+        self.settings, self.registry, self.fleet, self.channel = settings, registry, fleet, channel
+        self.engines_serve = engines_serve
+        """Told the version the engines serve after each sync (the rollout scheduler's `set_weight_version`)."""
+        self.num_rollout = num_rollout
+        self.version = 0
+        """The trainer's weight version: what a checkpoint stores; the engines serve it after the next sync."""
+        self.group = WeightGroupState()
+        self.colocated = ColocatedMemory(channel, self.engines_call, timeout_s=settings.timeout_s) \
+            if settings.colocate else None
+        """Colocated mode: the trainer's offload state and the memory moves (None: decoupled)."""
+        self.moves_memory = settings.colocate and not settings.async_rollout
+        """Colocated sync mode: engines and trainer trade the GPUs around every train step."""
+
+    def restore(self, version: int) -> None:
+        """A resumed run: the checkpoint's trainer holds `version` (the engines get it in `start`)."""
+        self.version = version
+        self.engines_serve(version)
+
+    def sync_due(self, rollout_id: int) -> bool:
+        """Every `update_weights_interval` rollouts, and after the last one."""
+        interval = self.settings.update_weights_interval
+        return bool(interval) and (rollout_id + 1) % interval == 0 or rollout_id + 1 == self.num_rollout
+
+    async def start(self, *, resumed: bool) -> None:
+        """Before the first rollout: colocated sync mode gives the GPUs to the engines (generation comes
+        first); a resumed run pushes the checkpoint's weights (the engines loaded the initial ones)."""
+        if self.moves_memory:
+            assert self.colocated is not None
+            await self.colocated.trainer("offload", TRAINER_TAGS)
+        if resumed:
+            await self.sync(self.version, reason="resumed from a checkpoint")
+
+    async def before_train(self, sync_due: bool) -> dict[str, Any]:
+        """Colocated sync mode: the engines release their memory and the trainer onloads (else nothing)."""
+        if not self.moves_memory:
+            return {}
+        assert self.colocated is not None
+        return await self.colocated.before_train(sync_due)
+
+    async def after_train(self, version: int, *, sync_due: bool) -> dict[str, Any]:
+        """The trainer now holds `version`: push it to the engines if a sync is due."""
+        if self.moves_memory:
+            return await self._colocated_after_train(version, sync_due=sync_due)
+        if sync_due:
+            return await self.sync(version)
+        self.version = version  # trainer moved on; engines keep the older version
+        return {}
+
+    async def sync(self, version: int, *, reason: str = "") -> dict[str, float]:
+        """Push the trainer's weights as `version` to every live engine; waiting engines start serving."""
+        start = time.perf_counter()
+        waiting = self._waiting_engines()
+        await self.engines_call("pause", "abort" if self.settings.async_rollout else "retract")
+        metrics = await self._push(version)
+        await self._now_serving(version, waiting)
+        await self.engines_call("resume_generation")
+        if reason:
+            log.info("weights v%d pushed (%s)", version, reason)
+        metrics["time/weight_sync"] = time.perf_counter() - start
+        return metrics
+
+    async def engines_call(self, method: str, *args: Any, engines: list[int] | None = None) -> None:
+        """`EngineAdmin.method(*args)` on every live engine at once; an engine whose call fails is failed."""
+        indices = engines if engines is not None else [e.engine_index for e in self.registry.live_engines()]
+        results = await asyncio.gather(*(getattr(self.fleet.admins[i], method)(*args) for i in indices),
+                                       return_exceptions=True)
+        for index, result in zip(indices, results):
+            if isinstance(result, BaseException):
+                await self.fleet.fail_engine(index, f"{method} failed: {result}")
+
+    def _waiting_engines(self) -> list[int]:
+        return [e.engine_index for e in self.registry.live_engines() if e.state == EngineState.STARTING]
+
+    async def _push(self, version: int) -> dict[str, float]:
+        """The trainer's weights to every live (paused) engine: a broadcast group (decoupled) or, colocated,
+        each trainer rank to the engine on its GPUs (the trainer's weights onloaded for it if need be)."""
+        engines = self.registry.live_engines()
+        settings = self.settings
+        if self.colocated is None:
+            return await push_weights_to_engines(version=version, channel=self.channel, engines=engines,
+                                                 admins=self.fleet.admins, group=self.group, backend=settings.backend,
+                                                 bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s)
+        was_offloaded = WEIGHTS_TAG in self.colocated.trainer_offloaded
+        await self.colocated.trainer("onload", [WEIGHTS_TAG])
+        metrics = await push_weights_colocated(
+            version=version, channel=self.channel, engines=engines, admins=self.fleet.admins,
+            num_engines=settings.num_engines, engine_tp_size=settings.engine_tp_size,
+            bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s)
+        if was_offloaded:
+            await self.colocated.trainer("offload", [WEIGHTS_TAG])
+        return metrics
+
+    async def _now_serving(self, version: int, waiting: list[int]) -> None:
+        self.version = version
+        self.engines_serve(version)
+        await self.fleet.mark_serving(waiting)
+
+    async def _colocated_after_train(self, version: int, *, sync_due: bool) -> dict[str, Any]:
+        """Colocated, sync mode (see hpc_rl.controller.colocated): free grads and optimizer state, reload the
+        engines' released weights with the new version, free the trainer's weights, give the engines their
+        KV cache back and let them generate. (The loop saved a due checkpoint just before.)"""
+        assert self.colocated is not None
+        start = time.perf_counter()
+        metrics = await self.colocated.trainer("offload", ["grads", "optimizer"])
+        if sync_due:
+            waiting = self._waiting_engines()
+            await self.engines_call("resume_memory", [WEIGHTS_TAG])
+            metrics.update(await self._push(version))
+            await self._now_serving(version, waiting)
+        else:
+            self.version = version  # trainer moved on; engines keep the older version
+        await self.colocated.trainer("offload", [WEIGHTS_TAG])
+        await self.engines_call("resume_memory", KV_TAGS)
+        await self.engines_call("resume_generation")
+        metrics["time/colocated_after_train"] = time.perf_counter() - start
+        return metrics

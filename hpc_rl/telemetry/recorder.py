@@ -1,0 +1,55 @@
+"""What a run leaves behind for each rollout: TensorBoard scalars, a line in `rollouts.jsonl`, the
+progress line on stdout; and the metrics history the controller's status reads.
+
+Owns the order of those three and forgetting the records of rollouts a resumed run redoes. The record's
+format is `run_files.rollout_record`'s; the scalars and the progress line are `scalars`'.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hpc_rl.data.samples import Group
+from hpc_rl.telemetry.run_files import ROLLOUT_RECORDS, append_rollout_record, drop_rollout_records_from
+from hpc_rl.telemetry.scalars import ScalarLog, progress_line
+
+log = logging.getLogger(__name__)
+
+
+class RunRecorder:
+    """One run's per-rollout output; `last` and `history` are the metrics recorded so far."""
+
+    def __init__(self, run_dir: str | Path, scalars: ScalarLog, *, num_rollout: int,
+                 print_fn: Callable[[str], None] = print) -> None:
+        self.records = Path(run_dir) / ROLLOUT_RECORDS
+        self.scalars = scalars
+        self.num_rollout = num_rollout
+        self.print = print_fn
+        self.last: dict[str, Any] = {}
+        self.history: list[dict[str, Any]] = []
+
+    def eval_before_training(self, metrics: dict[str, Any]) -> None:
+        self.scalars.log(metrics, 0)
+        self.print(progress_line(-1, self.num_rollout, metrics).replace("rollout 0/", "eval before training /"))
+
+    def rollout(self, rollout_id: int, metrics: dict[str, Any], groups: list[Group]) -> None:
+        """Rollout `rollout_id` is done: scalars at step rollout_id + 1, its record, its progress line."""
+        self.scalars.log(metrics, rollout_id + 1)
+        append_rollout_record(self.records, rollout_id, metrics, groups)
+        self.print(progress_line(rollout_id, self.num_rollout, metrics))
+        self.last = metrics
+        self.history.append(metrics)
+
+    def forget_from(self, first_redone: int) -> None:
+        """A resumed run redoes rollouts >= `first_redone`: drop their records (the stopped attempt wrote them)."""
+        dropped = drop_rollout_records_from(self.records, first_redone)
+        if dropped:
+            log.warning("%s: dropped %d record(s) of rollouts >= %d, written after the checkpoint by the "
+                        "attempt that was stopped (those rollouts are redone now)", ROLLOUT_RECORDS, dropped,
+                        first_redone)
+
+    def close(self) -> None:
+        self.scalars.close()

@@ -1,0 +1,184 @@
+"""The order in which the run loop drives the trainer and the engines, per mode: the real loop (as the
+controller assembles it) against a recording fake trainer rank, fake engines and a fake scheduler.
+
+These sequences are the loop's contract with SGLang and the trainer (a colocated engine must release its
+memory before the trainer onloads; a checkpoint is written while the trainer holds its whole state; an
+async sync pauses with abort); they were recorded from the loop before its split into parts and are
+the same after it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpc_rl.config import load_config
+from hpc_rl.controller.registry import EngineInfo, EngineState, Registry, TrainerInfo
+from hpc_rl.controller.rollout_stack import assemble_loop
+from hpc_rl.controller.trainer_channel import TrainerChannel
+from hpc_rl.data.samples import Sample
+from hpc_rl.protocol.messages import (ColocatedSyncCommand, CommandDone, SaveCommand, SyncWeightsCommand,
+                                      TrainCommand, TrainerMemoryCommand, WeightPlan)
+from hpc_rl.rollout.scheduler import RolloutResult
+from hpc_rl.telemetry.recorder import RunRecorder
+from hpc_rl.telemetry.scalars import ScalarLog
+
+
+class FakeScheduler:
+    """Each rollout: one group of two scored samples (a fake of rollout.scheduler.RolloutScheduler)."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+        self.buffer: list[Any] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def set_weight_version(self, version: int) -> None:
+        self.events.append(f"engines serve v{version}")
+
+    async def run(self, rollout_id: int, weight_version: int) -> RolloutResult:
+        self.events.append(f"generate {rollout_id}")
+        await asyncio.sleep(0)
+        return RolloutResult(groups=[[Sample(index=2 * rollout_id + i, group_index=rollout_id, prompt="p",
+                                             prompt_token_ids=[1], response_token_ids=[2], response_logprobs=[-0.5],
+                                             weight_versions=[weight_version], reward=float(i))
+                                      for i in range(2)]])
+
+
+class RecordingAdmin:
+    """An engine's admin calls, recorded and answered at once (a fake of controller.engine_admin.EngineAdmin)."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def __getattr__(self, method: str) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> None:
+            shown = ",".join(str(a) if not isinstance(a, list) else "+".join(a) for a in args)
+            self.events.append(f"engine {method}({shown})" if method != "update_weights_from_distributed"
+                               else "engine update bucket")
+        return call
+
+
+class FakeFleet:
+    """What the loop reads of the fleet (a fake of controller.engine_fleet.EngineFleet)."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.engine_waiting = asyncio.Event()
+        self.fatal = None
+        self.admins = {0: RecordingAdmin(events)}
+
+    async def mark_serving(self, indices: list[int]) -> None:
+        pass
+
+    async def fail_engine(self, index: int, reason: str) -> None:
+        raise AssertionError(reason)
+
+
+def describe(command: Any) -> str:
+    if isinstance(command, TrainCommand):
+        return f"trainer train {command.rollout_id}"
+    if isinstance(command, SaveCommand):
+        state = command.controller_state
+        return f"trainer save {command.rollout_id} (next {state['next_rollout_id']}, v{state['weight_version']})"
+    if isinstance(command, SyncWeightsCommand):
+        return f"trainer broadcast v{command.weight_version}"
+    if isinstance(command, ColocatedSyncCommand):
+        return f"trainer send to colocated engines v{command.weight_version}"
+    if isinstance(command, TrainerMemoryCommand):
+        return f"trainer {command.action}({'+'.join(command.tags)})"
+    return f"trainer {type(command).__name__}"
+
+
+async def recording_trainer_rank(channel: TrainerChannel, events: list[str]) -> None:
+    """Rank 0 (the only one): records each command and reports it done; a sync's plan has one bucket."""
+    while True:
+        command = await channel.next_command(0)
+        events.append(describe(command))
+        if isinstance(command, SyncWeightsCommand):
+            channel.on_weight_plan(WeightPlan(weight_version=command.weight_version, master_address="127.0.0.1",
+                                              master_port=1, buckets=[{"names": ["w"], "dtypes": ["float32"],
+                                                                       "shapes": [[1]], "num_bytes": 4}]))
+        await asyncio.sleep(0)
+        channel.on_done(CommandDone(rank=0, seq=command.seq))
+
+
+def run_mode(tmp_path: Path, *, colocate: bool, async_rollout: bool, num_rollout: int = 2,
+             update_weights_interval: int = 1) -> list[str]:
+    config = load_config(["configs/tiny_cpu.yaml"], ["--set", f"run_dir={tmp_path}"])
+    config.rollout.update_weights_interval = update_weights_interval
+    config.cluster.colocate = colocate
+    config.rollout.async_rollout = async_rollout
+    config.rollout.n_samples_per_prompt = 2
+    config.checkpoint.save_interval = 1
+    events: list[str] = []
+
+    async def main() -> None:
+        registry = Registry(trainer_world_size=1, num_engines=1)
+        registry.add_trainer(TrainerInfo(rank=0, world_size=1, host="h", pid=1, info={"dp_rank": 0, "dp_size": 1}))
+        registry.add_engine(EngineInfo(engine_index=0, url="http://e0", state=EngineState.SERVING))
+        channel = TrainerChannel(1)
+        recorder = RunRecorder(tmp_path, ScalarLog(None), num_rollout=num_rollout, print_fn=lambda line: None)
+        loop = assemble_loop(config, scheduler=FakeScheduler(events), registry=registry, channel=channel,  # type: ignore[arg-type]
+                             fleet=FakeFleet(events), recorder=recorder, evaluate=None,  # type: ignore[arg-type]
+                             num_rollout=num_rollout)
+        trainer = asyncio.create_task(recording_trainer_rank(channel, events))
+        try:
+            await loop.run(resumed=False)
+        finally:
+            trainer.cancel()
+
+    asyncio.run(main())
+    return events
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(in_repo: Path) -> None:
+    pass
+
+
+def test_sync_decoupled(tmp_path: Path) -> None:
+    one = ["engine pause(retract)", "trainer broadcast v{v}", "engine init_weight_group()",
+           "engine begin_weight_update()", "engine update bucket", "engine end_weight_update()",
+           "engines serve v{v}", "engine resume_generation()"]
+    expected = ["generate 0", "trainer train 0", *[e.format(v=1) for e in one], "trainer save 0 (next 1, v1)",
+                "generate 1", "trainer train 1", *[e.format(v=2) for e in one if "init_weight" not in e],
+                "trainer save 1 (next 2, v2)"]
+    assert run_mode(tmp_path, colocate=False, async_rollout=False) == expected
+
+
+def test_colocated_sync_trades_the_gpus_and_saves_while_the_trainer_holds_everything(tmp_path: Path) -> None:
+    def step(k: int) -> list[str]:
+        return [f"generate {k}", "engine pause(retract)", "engine release_memory(kv_cache+cuda_graph+weights)",
+                "trainer onload(weights+grads+optimizer)", f"trainer train {k}", f"trainer save {k} (next {k + 1}, v{k + 1})",
+                "trainer offload(grads+optimizer)", "engine resume_memory(weights)", "engine begin_weight_update()",
+                f"trainer send to colocated engines v{k + 1}", "engine end_weight_update()", f"engines serve v{k + 1}",
+                "trainer offload(weights)", "engine resume_memory(kv_cache+cuda_graph)", "engine resume_generation()"]
+    expected = ["trainer offload(weights+grads+optimizer)", *step(0), *step(1)]
+    assert run_mode(tmp_path, colocate=True, async_rollout=False) == expected
+
+
+def test_async_generates_the_next_rollout_while_training_and_pauses_with_abort(tmp_path: Path) -> None:
+    events = run_mode(tmp_path, colocate=False, async_rollout=True)
+    # rollout 1 started before training 0 was done (in sync mode it starts after the engines resume)
+    assert events.index("trainer train 0") < events.index("engine pause(abort)")
+    assert events.index("generate 1") < events.index("engine pause(abort)")
+    assert "engine pause(retract)" not in events
+    assert events[-1] == "trainer save 1 (next 2, v2)" and events.count("generate 1") == 1
+
+
+def test_a_checkpoint_without_a_sync_stores_the_trainers_version_in_every_mode(tmp_path: Path) -> None:
+    """Rollout 0 trains the weights to v1 without a sync (interval 2): its checkpoint says v1, as a decoupled
+    run's does, so a run resumed from it labels the weights as a run that never stopped would. (The
+    colocated loop saved v0 here: a resumed run then counted versions one behind.)"""
+    for colocate in (False, True):
+        (tmp_path / str(colocate)).mkdir()
+        events = run_mode(tmp_path / str(colocate), colocate=colocate, async_rollout=False, num_rollout=2,
+                          update_weights_interval=2)
+        assert [e for e in events if e.startswith("trainer save")] == ["trainer save 0 (next 1, v1)",
+                                                                         "trainer save 1 (next 2, v2)"]
