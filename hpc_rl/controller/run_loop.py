@@ -4,12 +4,13 @@ Processes (one Slurm job; `python -m hpc_rl.submit` on the login node submitted 
 
     driver (first trainer node) ── controller: this loop, asyncio, no torch
         ├── TCP, HMAC'd commands ──> torchrun trainer ranks (Megatron-core: TP/PP/CP/DP)
-        └── HTTP ──> sglang-router ──> SGLang engines (srun steps; colocated: on the trainer's GPUs)
+        └── HTTP ──> SGLang engines (srun steps; colocated: on the trainer's GPUs): batched /generate
+                     straight to an engine, single requests through sglang-router
                                             ^── weights: trainer rank 0 broadcasts (NCCL/gloo group)
 
 One rollout's data path, and the call below that owns each step:
 
-    prompts (partial buffer first, then the dataset) ─> router /generate ─> engines ─> tokens, logprobs
+    prompts (partial buffer first, then the dataset) ─> engines /generate ─> tokens, logprobs
       ─> rewards, per group ─> dynamic-sampling filter ─> rollout_batch_size groups  rollouts.next
       ─> group-normalised rewards, DP split ─> ranks: loss, optimizer step           trainers.train
       ─> rank 0's buckets ─> every engine serves version k+1 (if due)                weights.after_train
