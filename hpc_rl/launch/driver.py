@@ -224,6 +224,9 @@ async def _wait_healthy(url: str, step: StepHandle, timeout_s: float, log_path: 
 class Driver:
     """Starts and supervises one run's processes (see the module docstring)."""
 
+    _node_watch: asyncio.Task[None] | None = None
+    """The node watch task (Slurm only; started in `run`, stopped first in `shutdown`)."""
+
     def __init__(self, run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> None:
         self.run_dir = Path(run_dir).resolve()
         self.config = load_resolved_config(self.run_dir)
@@ -257,7 +260,6 @@ class Driver:
         """The driver requeued the job after losing a node (Slurm now stops this attempt)."""
         self.node_failure: str | None = None
         """A node was lost and the job could not be requeued: the run fails with this."""
-        self._node_watch: asyncio.Task[None] | None = None
 
     # -- engines -------------------------------------------------------------------------------------------
     async def start_engine(self, index: int, *, retry_on_bind_failure: int = ENGINE_BIND_RETRIES,
