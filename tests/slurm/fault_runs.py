@@ -242,6 +242,11 @@ def _parent(pid: int) -> int:
         return -1
 
 
+OLD_STEP_KILL_RETRY_S = 70.0
+"""Slurm 22.05 re-sends a kill that a non-responding node missed ~60 s later, by job and step id; a
+requeued job reuses both, so its attempt must not start steps on that node before (see kill_engine_node)."""
+
+
 def node_processes(node: str) -> list[int]:
     """Every process of a virtual node of the local cluster: its slurmd, the slurmstepd of each step on it
     (found by their sockets in the node's spool directory), every process with SLURMD_NODENAME=<node>,
@@ -334,13 +339,20 @@ def kill_engine_node(run_dir: Path, *, max_restarts: int = 1, num_rollout: int =
             down_at = time.time()
             if max_restarts:
                 wait_for(lambda: job_state(job_id).startswith("PENDING"), 120, "the job to be requeued")
+                requeued_at = time.monotonic()
+                # slurmctld re-sends the kill of the old attempt's steps that the dead node missed ~60 s
+                # later, by job and step id; the requeued attempt reuses both: held until then, it does not
+                # start a step on the returned node that this late kill would hit
+                subprocess.run(["scontrol", "hold", job_id], check=True, capture_output=True, timeout=30)
         finally:
             bring_node_back(node)
     except BaseException:
         _cancel(run_dir, process)
         raise
     if max_restarts:
-        start_pending_job(job_id)  # seen PENDING above; the node is back: it may be running already
+        time.sleep(max(0.0, requeued_at + OLD_STEP_KILL_RETRY_S - time.monotonic()))
+        subprocess.run(["scontrol", "release", job_id], check=True, capture_output=True, timeout=30)
+        start_pending_job(job_id)
     outcome = measure(f"node of engine 0 dies ({node}), max_restarts={max_restarts}", run_dir, process,
                       num_rollout, fault_at)
     outcome.fault_node = node
