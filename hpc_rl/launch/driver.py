@@ -260,6 +260,8 @@ class Driver:
         """The driver requeued the job after losing a node (Slurm now stops this attempt)."""
         self.node_failure: str | None = None
         """A node was lost and the job could not be requeued: the run fails with this."""
+        self._node_check = asyncio.Lock()
+        """One check at a time: an engine restart asking about its node waits for the watch's decision."""
 
     # -- engines -------------------------------------------------------------------------------------------
     async def start_engine(self, index: int, *, retry_on_bind_failure: int = ENGINE_BIND_RETRIES,
@@ -353,7 +355,10 @@ class Driver:
         if self.local:
             return []
         asked = self.job_nodes() if nodes is None else nodes
-        losses = lost_nodes(await asyncio.to_thread(query_node_states, asked))
+        async with self._node_check:
+            return await self._report_losses(lost_nodes(await asyncio.to_thread(query_node_states, asked)))
+
+    async def _report_losses(self, losses: list[NodeLoss]) -> list[NodeLoss]:
         for loss in losses:
             if loss.node not in self.lost:
                 self.lost[loss.node] = loss
