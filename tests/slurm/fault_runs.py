@@ -295,8 +295,10 @@ def only_job_on(node: str, job_id: str) -> bool:
 
 
 def node_state(node: str) -> str:
-    out = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T"], capture_output=True, text=True, timeout=30)
-    return out.stdout.split()[0] if out.stdout.split() else ""
+    """Slurm's full state of a node, lower case, e.g. 'down+completing+not_responding' (sinfo shows one word)."""
+    out = subprocess.run(["scontrol", "show", "node", node, "-o"], capture_output=True, text=True, timeout=30)
+    states = [word.partition("=")[2] for word in out.stdout.split() if word.startswith("State=")]
+    return states[0].lower() if states else ""
 
 
 def bring_node_back(node: str) -> None:
@@ -335,7 +337,7 @@ def kill_engine_node(run_dir: Path, *, max_restarts: int = 1, num_rollout: int =
         fault_at = time.time()
         assert kill_node(node), f"no process of {node} found"
         try:
-            wait_for(lambda: node_state(node).startswith("down"), 120, f"Slurm to mark {node} DOWN")
+            wait_for(lambda: "down" in node_state(node).split("+"), 120, f"Slurm to mark {node} DOWN")
             down_at = time.time()
             if max_restarts:
                 wait_for(lambda: job_state(job_id).startswith("PENDING"), 120, "the job to be requeued")
