@@ -21,6 +21,7 @@ CLUSTER=hpcrl-local
 DB_PORT=3307
 DB_PASS=hpc-rl-local-only
 MARKER="# written by hpc_rl tools/local_slurm.sh"
+CONFIG_CHANGED=0  # set by write_if_changed: running daemons re-read their config (scontrol reconfigure)
 PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server)
 
 log() { echo "local_slurm: $*" >&2; }
@@ -68,6 +69,7 @@ write_if_changed() {  # write_if_changed PATH MODE < content
     die "$path exists and was not written by this script; move it away to use the local cluster"
   fi
   install -m "$mode" "$tmp" "$path"; rm -f "$tmp"
+  CONFIG_CHANGED=1
 }
 
 write_configs() {
@@ -100,6 +102,9 @@ ReturnToService=2
 KillWait=5
 MinJobAge=300
 InactiveLimit=0
+# A dead node (slurmd and its steps killed) is marked DOWN after SlurmdTimeout: 10 s instead of 300 s,
+# so the node-death tests see Slurm's verdict in seconds (slurmctld pings every SlurmdTimeout/3).
+SlurmdTimeout=10
 MailProg=/bin/true
 GresTypes=gpu
 StateSaveLocation=$STATE/ctld
@@ -190,6 +195,9 @@ start_slurm() {
   fi
   if ! alive "$STATE/run/slurmctld.pid"; then
     /usr/sbin/slurmctld -i
+  elif [ "$CONFIG_CHANGED" = 1 ]; then
+    # running jobs keep running: slurmctld and every slurmd re-read slurm.conf
+    scontrol reconfigure && log "configuration changed: scontrol reconfigure"
   fi
   wait_for 30 slurmctld scontrol ping
   for i in $(seq 1 "$NODES"); do

@@ -3,7 +3,7 @@
     driver ──starts──> Controller.start(): TCP server (job secret), engine health task; the rollout stack
        │                 (tokenizer, prompts, scheduler) builds in the background: ready() waits for it
        │                 │
-       │   trainer ranks ├─ Hello(trainer, rank, dp_rank, resume info) ──> registry
+       │   trainer ranks ├─ Hello(trainer, rank, dp_rank) ──> registry; rank 0: ResumeState ──> resume
        │   (torchrun)    ├─ NextCommand ──> TrainCommand | SyncWeightsCommand | SaveCommand | StopCommand
        │                 ├─ WeightPlan (rank 0, during a sync)            (trainer_channel)
        │                 └─ CommandDone(metrics)
@@ -41,8 +41,8 @@ from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.protocol import Connection, Envelope, Secret, Server
 from hpc_rl.protocol.errors import ProtocolError
-from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, StatusReply,
-                                      StatusRequest, WeightPlan)
+from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, ResumeState,
+                                      StatusReply, StatusRequest, WeightPlan)
 from hpc_rl.rollout import EngineClient
 from hpc_rl.telemetry.run_files import describe_write_error, write_text_atomically
 
@@ -83,6 +83,9 @@ class Controller:
         self._status_task: asyncio.Task[None] | None = None
         self._status_write_failing = False
         self._rollout_stack: asyncio.Task[None] | None = None
+        self.resume_state: ResumeState | None = None
+        """What trainer rank 0's checkpoint says about resuming (its ResumeState, after the handshake)."""
+        self._resume_received = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -136,7 +139,7 @@ class Controller:
         ready.result()
         log.info("all components registered: %d trainer rank(s), %d engine(s)", len(self.registry.trainers),
                  len(self.registry.engines))
-        resume = self.registry.trainers[0].info.get("resume") if 0 in self.registry.trainers else None
+        resume = await self._wait_resume_state()
         if resume and resume.get("controller_state"):
             self.loop.restore(resume["controller_state"])
             next_id = self.loop.next_rollout_id
@@ -208,7 +211,38 @@ class Controller:
             return StatusReply(status=self.status())
         if isinstance(message, Ping):
             return Pong(payload=message.payload)
+        if isinstance(message, ResumeState):
+            return self._on_resume_state(conn, message)
         raise ProtocolError(f"unexpected message {message.TYPE!r} from {conn.peer}")
+
+    def _on_resume_state(self, conn: Connection, message: ResumeState) -> Ack:
+        hello = conn.hello
+        if hello is None or hello.role != "trainer" or hello.rank != 0 or message.rank != 0:
+            raise ProtocolError("resume state comes from trainer rank 0 only")
+        if self.resume_state is not None:
+            raise ProtocolError("resume state was already sent")
+        self.resume_state = message
+        self._resume_received.set()
+        return Ack()
+
+    async def _wait_resume_state(self) -> dict[str, Any] | None:
+        """Trainer rank 0's resume state, when its Hello announced one (it follows the handshake)."""
+        trainer = self.registry.trainers.get(0)
+        if trainer is None or not trainer.info.get("resume_follows"):
+            return None
+        deadline = time.monotonic() + self.config.controller.registration_timeout
+        while not self._resume_received.is_set():
+            if self.channel.failure is not None:
+                raise self.channel.failure
+            if time.monotonic() > deadline:
+                raise RuntimeError("trainer rank 0 announced resume state but did not send it within "
+                                   f"{self.config.controller.registration_timeout} s")
+            try:
+                await asyncio.wait_for(self._resume_received.wait(), 1.0)
+            except TimeoutError:
+                pass
+        assert self.resume_state is not None
+        return {"rollout_id": self.resume_state.rollout_id, "controller_state": self.resume_state.controller_state}
 
     # -- status --------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -23,6 +23,12 @@ command line (`ps` shows those) nor into hpc_rl's logs: engines and the router g
 environment (`API_KEY_ENV`), SGLang (which reads no variable for it) in a 0600 `--config` file of the
 run dir; SGLang logs it itself at start, so SGLang engine logs are created 0600.
 
+A node that dies under the job (Slurm only): the driver asks Slurm about the job's nodes every
+NODE_WATCH_INTERVAL_S (`hpc_rl.launch.node_health`); once one is lost (not answering Slurm's pings, or
+DOWN) it names the node and the steps it ran, and requeues the job while `controller.max_restarts`
+allows (the same count as the batch guard's requeues; the requeued job resumes from the last
+checkpoint and its status.json lists the requeue), else the run fails with that message.
+
 Exit codes: 0 done, 1 failed, 3 stopped for checkpoint-and-requeue (USR2), 130 interrupted.
 """
 
@@ -30,10 +36,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -57,7 +65,9 @@ from hpc_rl.engines.sglang_launch import (
     sglang_device_options,
     write_api_key_file,
 )
+from hpc_rl.launch.batch_guard import RESTARTS_FILE, restarts_used
 from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
+from hpc_rl.launch.node_health import NodeLoss, lost_nodes, query_node_states
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
 from hpc_rl.launch.trainer_exit import describe_trainer_exit
 from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
@@ -74,6 +84,13 @@ TRAINER_NODE_ADDRESSES_ENV = "HPC_RL_TRAINER_NODE_ADDRESSES"  # read by hpc_rl.t
 SGLANG_API_KEY_FILE = "sglang_api_key.yaml"
 """In the run dir, 0600: the engine key for SGLang's `--config` (written by the driver)."""
 
+
+ENGINE_BIND_RETRIES = 2
+"""An engine whose port is taken is started again on a free port this many times, then the run fails."""
+NODE_WATCH_INTERVAL_S = 2.0
+"""On Slurm, how often the driver asks whether the job's nodes are alive (one `sinfo` call)."""
+NODE_REQUEUE_WAIT_S = 120.0
+"""After requeuing for a lost node: how long an engine restart waits for Slurm to stop this attempt."""
 
 JOB_PORT_SLOTS = 300
 """Slurm jobs whose ids differ by less than this never share a planned port (15000 + slot * 50 stays
@@ -168,6 +185,16 @@ def trainer_command(config: RunConfig, run_dir: Path, rendezvous: str, *, local:
             "--max-restarts=0", "-m", "hpc_rl.training", str(run_dir)]
 
 
+def _log_since(path: Path, offset: int) -> str:
+    """What a step wrote to its (appended) log since `offset`: the output of this attempt only."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            return handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _create_private(path: Path) -> None:
     """Create `path` (if missing) readable by its owner only, before anything is written to it."""
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
@@ -197,6 +224,9 @@ async def _wait_healthy(url: str, step: StepHandle, timeout_s: float, log_path: 
 class Driver:
     """Starts and supervises one run's processes (see the module docstring)."""
 
+    _node_watch: asyncio.Task[None] | None = None
+    """The node watch task (Slurm only; started in `run`, stopped first in `shutdown`)."""
+
     def __init__(self, run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> None:
         self.run_dir = Path(run_dir).resolve()
         self.config = load_resolved_config(self.run_dir)
@@ -224,13 +254,26 @@ class Driver:
         self._engine_failures: dict[int, asyncio.Task[None]] = {}
         self.engine_key = ""
         """The job's engine api key (set in `run` from the secret). Never log it."""
+        self.lost: dict[str, NodeLoss] = {}
+        """Nodes of the job Slurm reports lost (Slurm only), each reported once."""
+        self.node_requeued = False
+        """The driver requeued the job after losing a node (Slurm now stops this attempt)."""
+        self.node_failure: str | None = None
+        """A node was lost and the job could not be requeued: the run fails with this."""
+        self._node_check = asyncio.Lock()
+        """One check at a time: an engine restart asking about its node waits for the watch's decision."""
 
     # -- engines -------------------------------------------------------------------------------------------
-    async def start_engine(self, index: int, *, retry_on_bind_failure: int = 2) -> str:
+    async def start_engine(self, index: int, *, retry_on_bind_failure: int = ENGINE_BIND_RETRIES,
+                           tried: tuple[int, ...] = ()) -> str:
+        """Start engine `index` and wait until it answers /health; return its URL. An engine that exits
+        because its port is taken (another program bound it after the plan was made; on a remote node the
+        driver cannot probe it) is started again on a free port, at most `retry_on_bind_failure` times."""
         placement = self.topology.engines[index]
         host = self.launcher.node_address(placement.het_group, placement.node_index)
         port = self.ports.engines[index]
         log_path = self.logs / f"engine-{index}.log"
+        log_start = log_path.stat().st_size if log_path.exists() else 0
         env = build_sglang_env({}, {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
         env[API_KEY_ENV] = self.engine_key  # in the environment: `ps` shows argv, not this
         env[DEVICE_ID_ENV] = device_identity(het_group=placement.het_group, node_index=placement.node_index,
@@ -250,20 +293,107 @@ class Driver:
         url = f"http://{host}:{port}"
         try:
             await _wait_healthy(url, step, 600.0, log_path, self.engine_key)
-        except RuntimeError:
-            if step.poll() is None or not bind_failed(log_tail(log_path)) or retry_on_bind_failure <= 0:
+        except RuntimeError as error:
+            if step.poll() is None or not bind_failed(_log_since(log_path, log_start)):
                 raise
+            tried = (*tried, port)
+            if retry_on_bind_failure <= 0:
+                raise RuntimeError(
+                    f"engine {index} could not bind a port on {host}: tried {', '.join(map(str, tried))}, each "
+                    f"in use by another program; giving up after {len(tried)} attempt(s); last lines of "
+                    f"{log_path}:\n{log_tail(log_path, 10)}") from error
             self.ports.engines[index] = free_port(host if host == self.host else "0.0.0.0")
             log.warning("engine %d could not bind port %d on %s; retrying on port %d", index, port, host,
                         self.ports.engines[index])
-            return await self.start_engine(index, retry_on_bind_failure=retry_on_bind_failure - 1)
+            return await self.start_engine(index, retry_on_bind_failure=retry_on_bind_failure - 1, tried=tried)
         return url
 
     async def restart_engine(self, index: int) -> str:
         old = self.engine_steps.get(index)
         if old is not None:
             await asyncio.to_thread(old.stop, 5.0)
+        node = self.node_of_engine(index)
+        if node is not None:  # a step on a dead node waits in srun until Slurm ends the job: do not start one
+            for loss in await self.check_nodes([node]):
+                if self.node_requeued:  # Slurm stops this attempt now (SIGTERM); a restart would only race it
+                    await asyncio.sleep(NODE_REQUEUE_WAIT_S)
+                raise RuntimeError(f"engine {index} is not restarted: {loss.describe(self.steps_on(node))}")
         return await self.start_engine(index)
+
+    # -- nodes (Slurm) -------------------------------------------------------------------------------------
+    def node_of_engine(self, index: int) -> str | None:
+        placement = self.topology.engines[index]
+        nodes = self._hostnames(placement.het_group)
+        return nodes[placement.node_index] if nodes and placement.node_index < len(nodes) else None
+
+    def steps_on(self, node: str) -> list[str]:
+        """The names of this run's steps with a task on `node` ('trainer', 'engine-0', ...)."""
+        steps = [f"engine-{i}" for i in range(len(self.topology.engines)) if self.node_of_engine(i) == node]
+        trainer_nodes = (self._hostnames(0) or [])[:self.config.cluster.actor_num_nodes]
+        if node in trainer_nodes:
+            steps.insert(0, f"trainer (node {trainer_nodes.index(node)} of {len(trainer_nodes)})")
+        if trainer_nodes and node == trainer_nodes[0]:
+            steps.insert(0, "the driver (controller, router)")
+        return steps
+
+    def job_nodes(self) -> list[str]:
+        groups = {0, *(e.het_group for e in self.topology.engines)}
+        return sorted({node for group in groups for node in (self._hostnames(group) or [])})
+
+    def _hostnames(self, het_group: int) -> list[str] | None:
+        hostnames = getattr(self.launcher, "hostnames", None)
+        if hostnames is None or self.local:
+            return None
+        try:
+            return list(hostnames(het_group))
+        except (RuntimeError, OSError, ValueError, subprocess.SubprocessError):
+            return None
+
+    async def check_nodes(self, nodes: list[str] | None = None) -> list[NodeLoss]:
+        """Ask Slurm about the job's nodes (or `nodes`); report each newly lost one (log, stderr,
+        status.json's last_error) and return every lost one asked about."""
+        if self.local:
+            return []
+        asked = self.job_nodes() if nodes is None else nodes
+        async with self._node_check:
+            return await self._report_losses(lost_nodes(await asyncio.to_thread(query_node_states, asked)))
+
+    async def _report_losses(self, losses: list[NodeLoss]) -> list[NodeLoss]:
+        for loss in losses:
+            if loss.node not in self.lost:
+                self.lost[loss.node] = loss
+                message = f"{loss.describe(self.steps_on(loss.node))}; {await self._after_node_loss()}"
+                log.error(message)
+                print(f"hpc_rl: {message}", file=sys.stderr, flush=True)
+                if self.controller is not None:
+                    self.controller.last_error = f"NodeLost: {message}"
+                if not self.node_requeued:
+                    self.node_failure = message
+        return losses
+
+    async def _after_node_loss(self) -> str:
+        """The job lost a node: requeue it while controller.max_restarts allows (counted with the batch
+        guard's requeues), else the run fails. Returns what was done, for the message."""
+        if self.node_requeued:
+            return "the job is already requeued"
+        used, limit = restarts_used(self.run_dir), self.config.controller.max_restarts
+        job_id = os.environ.get("SLURM_JOB_ID", "")
+        if used >= limit or not job_id:
+            return (f"the run fails (no restart left: controller.max_restarts={limit}, used {used}); its last "
+                    "checkpoint is kept: submit again with the same --run-dir to resume")
+        (self.run_dir / RESTARTS_FILE).write_text(f"{used + 1}\n")
+        requeue = await asyncio.to_thread(subprocess.run, ["scontrol", "requeue", job_id], capture_output=True,
+                                          text=True, timeout=60)
+        if requeue.returncode != 0:
+            return f"the run fails (scontrol requeue {job_id} failed: {requeue.stderr.strip() or requeue.returncode})"
+        self.node_requeued = True
+        return (f"requeued job {job_id} to resume from the last checkpoint on healthy nodes (restart {used + 1} "
+                f"of controller.max_restarts={limit})")
+
+    async def _watch_nodes(self) -> None:
+        while True:
+            await asyncio.sleep(NODE_WATCH_INTERVAL_S)
+            await self.check_nodes()
 
     # -- the run -------------------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -280,6 +410,8 @@ class Driver:
                                      api_key=self.engine_key)
         self.controller.restarts = self.restarts
         await self.controller.start()
+        if not self.local:
+            self._node_watch = asyncio.create_task(self._watch_nodes(), name="node-watch")
         self._apply_requeue_request()
         if not self.topology.colocate:  # trainer ranks load while the engines do (issue 11); colocated
             self._start_trainer()       # ranks wait: SGLang sizes its KV cache from the GPU memory then free
@@ -293,6 +425,8 @@ class Driver:
         while not run.done():
             await asyncio.wait({run}, timeout=1.0)
             self._supervise(run)
+            if self.node_failure is not None:
+                raise RuntimeError(self.node_failure)
         self.run_task = None  # its outcome is ours now: raised from here, not left to shutdown()
         try:
             run.result()
@@ -344,7 +478,7 @@ class Driver:
             return None
         try:
             return list(hostnames(0))
-        except (RuntimeError, OSError, ValueError):
+        except (RuntimeError, OSError, ValueError, subprocess.SubprocessError):
             return None
 
     def request_checkpoint(self) -> None:
@@ -385,6 +519,9 @@ class Driver:
     async def shutdown(self) -> None:
         """Stop every task and process of the run, in the order of the module docstring."""
         self.note_stopping()
+        if self._node_watch is not None:
+            await stop_task(self._node_watch, "the node watch", timeout_s=30.0)
+            self._node_watch = None
         if self.controller is not None:
             await self.controller.fleet.stop_monitoring()
         if self.run_task is not None:
@@ -441,7 +578,7 @@ def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> i
     A run that fails because a trainer rank died starts again from the last checkpoint, up to
     `controller.max_restarts` times (every process of the failed attempt is stopped first); each
     restart is printed, logged and listed in status.json under "restarts"."""
-    restarts: list[dict[str, Any]] = []
+    restarts = requeued_attempts(Path(run_dir).resolve())
     # before the first Driver: its constructor already logs (ports found in use on the node)
     setup_logging(Path(run_dir).resolve(), load_resolved_config(Path(run_dir).resolve()).logging.log_level)
     while True:
@@ -462,6 +599,31 @@ def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> i
         print(f"hpc_rl: {message}", file=sys.stderr, flush=True)
 
 
+def requeued_attempts(run_dir: Path) -> list[dict[str, Any]]:
+    """In a job Slurm requeued (SLURM_RESTART_COUNT > 0: a node failed, the time limit came, the driver
+    died): the restarts the last status.json listed, plus one for the attempt that ended before this one,
+    with what it said (so status.json keeps saying what happened). [] in a first attempt."""
+    try:
+        requeues = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        requeues = 0
+    if requeues <= 0:
+        return []
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+        earlier = [r for r in status.get("restarts") or [] if isinstance(r, dict)]
+        last_error, state, at = str(status.get("last_error") or ""), status.get("state"), status.get("updated_at")
+    except (OSError, ValueError, AttributeError):
+        earlier, last_error, state, at = [], "", None, None
+    if last_error:
+        why = last_error.splitlines()[0]
+    elif state == "stopped":
+        why = "the attempt saved and stopped (time limit, preemption or a signal)"
+    else:
+        why = f"the attempt ended without a word (state {state or 'unknown'}: its driver or node died?)"
+    return earlier + [{"at": at or time.time(), "reason": f"job requeued by Slurm (requeue {requeues}) after: {why}"}]
+
+
 async def _drive(driver: Driver) -> int:
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
@@ -479,6 +641,8 @@ async def _drive(driver: Driver) -> int:
     except asyncio.CancelledError:
         log.info("interrupted by a signal; stopping every process of the run")
         print("hpc_rl: interrupted; stopping every process of the run", file=sys.stderr, flush=True)
+        if await driver.check_nodes():  # Slurm ends a job whose node went DOWN: say which one and why
+            log.error("the job is being ended by Slurm because node(s) %s failed", ", ".join(driver.lost))
         return EXIT_INTERRUPTED
     except Exception as error:
         driver.failure = error

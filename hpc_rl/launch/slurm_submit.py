@@ -84,11 +84,32 @@ def final_state(job: HetSlurmJob, *, timeout: float = 20.0) -> str:
     return state
 
 
+REQUEUED_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
+
+
+class RequeueTracker:
+    """Whether a job whose result file exists is still going: an attempt ended (a node failed, the driver
+    was interrupted) and Slurm requeued the job; the earlier attempt's result file is stale until the
+    next attempt ends and writes it again. Once a requeue was seen, wait for a final Slurm state."""
+
+    def __init__(self, job: HetSlurmJob) -> None:
+        self.job = job
+        self.seen_requeue = False
+
+    def still_going(self) -> bool:
+        state = self.job.watcher.get_state(self.job.job_id, mode="force").split(" ")[0].upper()
+        if state in REQUEUED_STATES:
+            self.seen_requeue = True
+            return True
+        return self.seen_requeue and state in ACTIVE_STATES and state not in ("", "UNKNOWN")
+
+
 def wait_for_job(job: HetSlurmJob, *, poll_seconds: float = 2.0, out=sys.stderr) -> int:  # type: ignore[no-untyped-def]
     """Block until the job ends (requeues included); 0 only when Slurm says COMPLETED and the driver succeeded."""
     last_state = ""
+    requeue = RequeueTracker(job)
     try:
-        while not job.done():
+        while not job.done() or requeue.still_going():
             state = job.state
             if state != last_state:
                 print(f"job {job.job_id}: {state}", file=out, flush=True)

@@ -60,9 +60,10 @@ NONCE_BYTES = 32
 BINDING = struct.Struct("!32sBQ")
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 """Largest frame (prefix + header + payload + MAC) a receiver accepts unless told otherwise: 1 GiB."""
-HANDSHAKE_MAX_FRAME_BYTES = 1 << 20
+HANDSHAKE_MAX_FRAME_BYTES = 64 << 10
 """Limit for a connection's first frame, read before the peer is authenticated (bounds what a stranger
-can make the server allocate)."""
+can make the server allocate): 64 KiB, room for a Hello (who is calling) and nothing bulky. State a
+client brings along (a trainer's resume state) goes in a message after the handshake (`ResumeState`)."""
 
 Buffer = bytes | bytearray | memoryview
 _CHUNK = 1 << 20

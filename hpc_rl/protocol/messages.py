@@ -95,6 +95,22 @@ class Welcome(Message):
 
 
 @dataclass(kw_only=True)
+class ResumeState(Message):
+    """Trainer rank 0 -> controller, right after its Welcome, when it loaded a checkpoint: where the run
+    resumes. Never in the Hello: a Hello is read before its MAC is checked, so it stays small
+    (framing.HANDSHAKE_MAX_FRAME_BYTES); this rides an authenticated connection like any request.
+    The Hello announces it (`info["resume_follows"]`), so the controller waits for it before resuming."""
+
+    TYPE: ClassVar[str] = "resume_state"
+    VERSION: ClassVar[int] = 1
+    rank: int
+    rollout_id: int
+    """The last rollout the loaded checkpoint holds."""
+    controller_state: dict[str, Any] = field(default_factory=dict)
+    """What the controller saved with it (`RunLoop.controller_state`)."""
+
+
+@dataclass(kw_only=True)
 class ErrorReply(Message):
     """A request failed (or the connection is being closed for a protocol error): why."""
 

@@ -57,10 +57,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from hpc_rl.training.controller_link import ControllerLink
 
+        from hpc_rl.protocol.messages import ResumeState
+
         hello = {"tp_rank": info.tp_rank, "tp_size": info.tp_size, "dp_rank": info.dp_rank, "dp_size": info.dp_size}
-        if info.rank == 0 and resumed is not None:
-            hello["resume"] = {"rollout_id": resumed.rollout_id, "controller_state": resumed.controller_state}
-        source = ControllerLink(run_dir, rank=info.rank, world_size=info.world_size, info=hello)
+        resume = (ResumeState(rank=0, rollout_id=resumed.rollout_id, controller_state=resumed.controller_state)
+                  if info.rank == 0 and resumed is not None else None)
+        source = ControllerLink(run_dir, rank=info.rank, world_size=info.world_size, info=hello, resume=resume)
         engine_key = _engine_key(run_dir)
     tensorboard = config.logging.tensorboard_dir or str(run_dir / "tensorboard")
     scalars = ScalarLog(tensorboard if info.rank == 0 else None, filename_suffix=".trainer")

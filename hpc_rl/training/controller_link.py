@@ -2,7 +2,8 @@
 
 Owns: the blocking client (trainer ranks are not asyncio programs), the Hello that carries the
 rank's parallel coordinates and, on rank 0, what a loaded checkpoint says about resuming; and the
-three calls of the command loop. No Megatron here.
+three calls of the command loop. Rank 0 sends what a loaded checkpoint says about resuming in a
+`ResumeState` right after the handshake (the Hello, read before authentication, only announces it). No Megatron here.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_rl.protocol import BlockingClient, Hello, load_secret, secret_path
-from hpc_rl.protocol.messages import Ack, CommandDone, Message, NextCommand, WeightPlan
+from hpc_rl.protocol.messages import Ack, CommandDone, Message, NextCommand, ResumeState, WeightPlan
 
 CONTROLLER_ENV = "HPC_RL_CONTROLLER"
 
@@ -22,17 +23,21 @@ class ControllerLink:
     """`next_command()` / `done(seq, metrics)` / `failed(seq, error)` / `send_weight_plan(plan)`."""
 
     def __init__(self, run_dir: str | Path, *, rank: int, world_size: int, info: dict[str, Any],
-                 address: str | None = None, timeout_s: float | None = None) -> None:
+                 address: str | None = None, timeout_s: float | None = None,
+                 resume: ResumeState | None = None) -> None:
         address = address or os.environ.get(CONTROLLER_ENV)
         if not address:
             raise RuntimeError(f"no controller address: set {CONTROLLER_ENV}=host:port (the driver does)")
         host, port = address.rsplit(":", 1)
         self.rank = rank
         secret = load_secret(secret_path(run_dir))
+        # the Hello only announces resume state; the state itself follows once authenticated
         hello = Hello(role="trainer", rank=rank, world_size=world_size, host=socket.gethostname(), pid=os.getpid(),
-                      info=info)
+                      info={**info, "resume_follows": True} if resume is not None else info)
         # No read timeout: a rank waits in next_command while the rollout runs, for as long as it takes.
         self.client = BlockingClient(host, int(port), secret, hello=hello, timeout=timeout_s)
+        if resume is not None:
+            self._expect_ack(self.client.request(resume))
 
     def next_command(self) -> Message:
         return self.client.request(NextCommand(rank=self.rank))

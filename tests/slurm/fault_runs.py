@@ -41,6 +41,10 @@ class FaultOutcome:
     status: str = ""
     fault_node: str = ""
     """The virtual node the killed process ran on (SLURMD_NODENAME), when known."""
+    detected_seconds: float | None = None
+    """Node death: from the kill to the driver's log line naming the lost node."""
+    slurm_down_seconds: float | None = None
+    """Node death: from the kill to Slurm marking the node DOWN."""
 
     def row(self) -> str:
         recover = "-" if self.recover_seconds is None else f"{self.recover_seconds:.1f}"
@@ -190,6 +194,11 @@ def let_requeued_job_finish(job_id: str, *, time_limit_minutes: int | None = Non
     if time_limit_minutes is not None:
         subprocess.run(["scontrol", "update", f"jobid={job_id}", f"timelimit={time_limit_minutes}"], check=True,
                        timeout=30)
+    start_pending_job(job_id)
+
+
+def start_pending_job(job_id: str) -> None:
+    """A requeued job that is (or was) pending: start it once its begin time has passed, without backfill's delay."""
     wait_for(lambda: job_state(job_id) != "PENDING BeginTime", 60, "the requeued job's begin time")
     deadline = time.monotonic() + 60
     while job_state(job_id).startswith("PENDING") and time.monotonic() < deadline:
@@ -220,6 +229,157 @@ def kill_controller(run_dir: Path, *, max_restarts: int = 1, num_rollout: int = 
         let_requeued_job_finish((run_dir / "slurm_job_id").read_text().strip())
     return measure(f"controller (driver) SIGKILL, max_restarts={max_restarts}", run_dir, process, num_rollout,
                    fault_at)
+
+
+SLURM_STATE = Path(os.environ.get("HPC_RL_SLURM_STATE", "/var/lib/hpc-rl-slurm"))
+"""tools/local_slurm.sh's state directory: slurmd pid files (run/slurmd-<node>.pid), spool (spool/<node>/)."""
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+OLD_STEP_KILL_RETRY_S = 70.0
+"""Slurm 22.05 re-sends a kill that a non-responding node missed ~60 s later, by job and step id; a
+requeued job reuses both, so its attempt must not start steps on that node before (see kill_engine_node)."""
+
+
+def node_processes(node: str) -> list[int]:
+    """Every process of a virtual node of the local cluster: its slurmd, the slurmstepd of each step on it
+    (found by their sockets in the node's spool directory), every process with SLURMD_NODENAME=<node>,
+    and all their descendants."""
+    spool = f"{SLURM_STATE / 'spool' / node}/"
+    sockets = {f"socket:[{parts[6]}]" for parts in (line.split() for line in
+               Path("/proc/net/unix").read_text().splitlines()[1:]) if len(parts) >= 8 and parts[7].startswith(spool)}
+    pids: set[int] = set()
+    pid_file = SLURM_STATE / "run" / f"slurmd-{node}.pid"
+    if pid_file.exists():
+        pids.add(int(pid_file.read_text().strip()))
+    everyone = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
+    for pid in everyone:
+        try:
+            if f"SLURMD_NODENAME={node}\0".encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                pids.add(pid)
+            elif any(os.readlink(f"/proc/{pid}/fd/{fd}") in sockets for fd in os.listdir(f"/proc/{pid}/fd")):
+                pids.add(pid)
+        except OSError:
+            continue
+    grown = True
+    while grown:
+        children = {pid for pid in everyone if pid not in pids and _parent(pid) in pids}
+        pids |= children
+        grown = bool(children)
+    return sorted(pids)
+
+
+def kill_node(node: str) -> list[int]:
+    """A node dies: stop every process of it at once (SIGSTOP, so none reacts to another's death), then
+    SIGKILL them. Slurm notices only when its pings go unanswered (SlurmdTimeout in tools/local_slurm.sh)."""
+    pids = node_processes(node)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+    return pids
+
+
+def only_job_on(node: str, job_id: str) -> bool:
+    """Slurm runs nothing on `node` but (a component of) job `job_id`."""
+    out = subprocess.run(["squeue", "-h", "-w", node, "-o", "%i"], capture_output=True, text=True, timeout=30)
+    return all(line.strip().split("+")[0] == job_id for line in out.stdout.splitlines() if line.strip())
+
+
+def node_state(node: str) -> str:
+    """Slurm's full state of a node, lower case, e.g. 'down+completing+not_responding' (sinfo shows one word)."""
+    out = subprocess.run(["scontrol", "show", "node", node, "-o"], capture_output=True, text=True, timeout=30)
+    states = [word.partition("=")[2] for word in out.stdout.split() if word.startswith("State=")]
+    return states[0].lower() if states else ""
+
+
+def bring_node_back(node: str) -> None:
+    """The node is repaired: `tools/local_slurm.sh up` starts its slurmd again (ReturnToService=2 makes it
+    usable once it registers; the script waits until every node is idle or busy)."""
+    subprocess.run(["bash", str(REPO / "tools" / "local_slurm.sh"), "up"], check=True, capture_output=True,
+                   timeout=120)
+
+
+def engine_node(run_dir: Path) -> tuple[int, str]:
+    """The pid and virtual node of engine 0's process (found by the port it registered with)."""
+    import re
+
+    log = (run_dir / "logs" / "controller.log").read_text(errors="replace")
+    port = re.findall(r"engine 0 registered at http://[^:]+:(\d+)", log)[-1]
+    pids = [int(line.partition(": ")[0]) for line in processes_mentioning(f"--port {port}")
+            if "hpc_rl.engines" in line and not line.partition(": ")[2].startswith("srun")]
+    pids = [pid for pid in pids if node_of(pid)]
+    assert len(pids) == 1, f"expected one engine process on port {port}, found {pids}"
+    return pids[0], node_of(pids[0])
+
+
+def kill_engine_node(run_dir: Path, *, max_restarts: int = 1, num_rollout: int = 16,
+                     after_rollouts: int = 2) -> FaultOutcome:
+    """The node running engine 0 (the rollout component's node) dies after `after_rollouts` rollouts:
+    the driver names the node once Slurm finds it not answering, and requeues the job (max_restarts > 0;
+    else the run fails); the node is brought back and the job resumes from its last checkpoint.
+    `fault_node` is the node killed; `detected_seconds` when the driver named it."""
+    process = submit(run_dir, num_rollout, "--set", f"controller.max_restarts={max_restarts}")
+    try:
+        wait_for(lambda: len(records(run_dir)) >= after_rollouts or process.poll() is not None, 600,
+                 f"{after_rollouts} rollouts")
+        _, node = engine_node(run_dir)
+        job_id = (run_dir / "slurm_job_id").read_text().strip()
+        wait_for(lambda: only_job_on(node, job_id), 600, f"{node} to run no other job (their steps would die too)")
+        fault_at = time.time()
+        assert kill_node(node), f"no process of {node} found"
+        try:
+            wait_for(lambda: "down" in node_state(node).split("+"), 120, f"Slurm to mark {node} DOWN")
+            down_at = time.time()
+            if max_restarts:
+                wait_for(lambda: job_state(job_id).startswith("PENDING"), 120, "the job to be requeued")
+                requeued_at = time.monotonic()
+                # slurmctld re-sends the kill of the old attempt's steps that the dead node missed ~60 s
+                # later, by job and step id; the requeued attempt reuses both: held until then, it does not
+                # start a step on the returned node that this late kill would hit
+                subprocess.run(["scontrol", "hold", job_id], check=True, capture_output=True, timeout=30)
+        finally:
+            bring_node_back(node)
+    except BaseException:
+        _cancel(run_dir, process)
+        raise
+    if max_restarts:
+        time.sleep(max(0.0, requeued_at + OLD_STEP_KILL_RETRY_S - time.monotonic()))
+        subprocess.run(["scontrol", "release", job_id], check=True, capture_output=True, timeout=30)
+        start_pending_job(job_id)
+    outcome = measure(f"node of engine 0 dies ({node}), max_restarts={max_restarts}", run_dir, process,
+                      num_rollout, fault_at)
+    outcome.fault_node = node
+    outcome.slurm_down_seconds = down_at - fault_at
+    outcome.detected_seconds = _first_log_after(run_dir, fault_at, f"node {node} is lost")
+    return outcome
+
+
+def _cancel(run_dir: Path, process: subprocess.Popen[str]) -> None:
+    """A scenario that failed half-way: cancel its job, stop its submit process."""
+    job_id = run_dir / "slurm_job_id"
+    if job_id.exists():
+        subprocess.run(["scancel", job_id.read_text().strip()], check=False, timeout=30)
+    if process.poll() is None:
+        process.kill()
+
+
+def _first_log_after(run_dir: Path, fault_at: float, text: str) -> float | None:
+    """Seconds from the fault to the first controller.log line containing `text` (None: none)."""
+    log = run_dir / "logs" / "controller.log"
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        stamp = _log_time(line)
+        if stamp is not None and stamp > fault_at and text in line:
+            return stamp - fault_at
+    return None
 
 
 def planned_ports(job_id: str) -> list[int]:

@@ -6,11 +6,13 @@ runs the variants without restarts).
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
 
-from tests.slurm.fault_runs import kill_controller, kill_trainer_rank, two_jobs_and_a_port_squatter
+from tests.slurm.fault_runs import kill_controller, kill_engine_node, kill_trainer_rank, two_jobs_and_a_port_squatter
 
 pytestmark = pytest.mark.slurm
 
@@ -53,3 +55,25 @@ def test_two_jobs_share_the_nodes_and_a_port_squatter_is_avoided(run_dir: Path) 
         assert (outcome.samples_lost, outcome.samples_duplicated) == (0, 0)
         assert outcome.left_behind == []
         assert "is in use; using" in (run_dir / name / "logs" / "controller.log").read_text()
+
+
+def test_engine_node_dies_the_job_is_requeued_and_resumes(run_dir: Path) -> None:
+    """A node dies (its slurmd and every process on it): the driver names the node and what ran there as
+    soon as Slurm finds it not answering, requeues the job, and the job resumes from its last checkpoint."""
+    outcome = kill_engine_node(run_dir, max_restarts=1, num_rollout=16, after_rollouts=2)
+    assert outcome.exit_code == 0, outcome.output[-3000:]
+    assert outcome.rollout_ids == list(range(16)), "each rollout once, in order"
+    assert (outcome.samples_lost, outcome.samples_duplicated) == (0, 0)
+    assert outcome.left_behind == []
+    node = outcome.fault_node
+    controller_log = (run_dir / "logs" / "controller.log").read_text()
+    assert re.search(rf"node {node} is lost \(Slurm state [a-z]+\*.*\); it ran engine-0; requeued job \d+ to resume "
+                     r"from the last checkpoint on healthy nodes \(restart 1 of controller.max_restarts=1\)",
+                     controller_log), controller_log[-3000:]
+    assert "resuming at rollout" in controller_log
+    assert outcome.slurm_down_seconds is not None and outcome.slurm_down_seconds < 60
+    assert outcome.detected_seconds is not None and outcome.detected_seconds < outcome.slurm_down_seconds + 5, \
+        "named as soon as Slurm finds the node not answering"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "finished"
+    assert any(f"node {node} is lost" in r["reason"] for r in status["restarts"]), status["restarts"]
