@@ -138,6 +138,9 @@ class WeightUpdates:
         each trainer rank to the engine on its GPUs (the trainer's weights onloaded for it if need be)."""
         engines = self.registry.live_engines()
         settings = self.settings
+        if not engines:  # all restarting: each gets the trainer's current version before it serves
+            log.warning("weights v%d not pushed: no engine is up", version)
+            return {}
         if self.colocated is None:
             return await push_weights_to_engines(version=version, channel=self.channel, engines=engines,
                                                  admins=self.fleet.admins, group=self.group, backend=settings.backend,

@@ -109,7 +109,7 @@ async def recording_trainer_rank(channel: TrainerChannel, events: list[str]) -> 
 
 
 def run_mode(tmp_path: Path, *, colocate: bool, async_rollout: bool, num_rollout: int = 2,
-             update_weights_interval: int = 1) -> list[str]:
+             update_weights_interval: int = 1, engine_state: EngineState = EngineState.SERVING) -> list[str]:
     config = load_config(["configs/tiny_cpu.yaml"], ["--set", f"run_dir={tmp_path}"])
     config.rollout.update_weights_interval = update_weights_interval
     config.cluster.colocate = colocate
@@ -121,7 +121,7 @@ def run_mode(tmp_path: Path, *, colocate: bool, async_rollout: bool, num_rollout
     async def main() -> None:
         registry = Registry(trainer_world_size=1, num_engines=1)
         registry.add_trainer(TrainerInfo(rank=0, world_size=1, host="h", pid=1, info={"dp_rank": 0, "dp_size": 1}))
-        registry.add_engine(EngineInfo(engine_index=0, url="http://e0", state=EngineState.SERVING))
+        registry.add_engine(EngineInfo(engine_index=0, url="http://e0", state=engine_state))
         channel = TrainerChannel(1)
         recorder = RunRecorder(tmp_path, ScalarLog(None), num_rollout=num_rollout, print_fn=lambda line: None)
         loop = assemble_loop(config, scheduler=FakeScheduler(events), registry=registry, channel=channel,  # type: ignore[arg-type]
@@ -182,3 +182,10 @@ def test_a_checkpoint_without_a_sync_stores_the_trainers_version_in_every_mode(t
                           update_weights_interval=2)
         assert [e for e in events if e.startswith("trainer save")] == ["trainer save 0 (next 1, v1)",
                                                                          "trainer save 1 (next 2, v2)"]
+
+
+def test_a_sync_with_no_live_engine_pushes_nothing(tmp_path: Path) -> None:
+    """Every engine down (restarting): no broadcast (the trainer would send buckets into a group no engine
+    joined: "send_bucket before connect()"); the trainer's version is what a restarted engine gets."""
+    events = run_mode(tmp_path, colocate=False, async_rollout=False, num_rollout=1, engine_state=EngineState.FAILED)
+    assert events == ["generate 0", "trainer train 0", "engines serve v1", "trainer save 0 (next 1, v1)"]
