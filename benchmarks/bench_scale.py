@@ -506,7 +506,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-gpu-s-per-sample", type=float, default=0.94,
                         help="stand-in trainer: GPU-seconds per sample (Qwen3-4B, ~3.4k-token samples: ~30 s "
                              "for 256 samples on 8 H100s)")
-    parser.add_argument("--api-registration-max", type=int, default=256,
+    parser.add_argument("--api-registration-max", type=int, default=1_000_000,
                         help="register engines through the router's API (as the driver) up to this N; beyond, "
                              "at the router's launch")
     parser.add_argument("--abort-fill", type=int, default=8, help="requests per engine before the abort-all probe")
