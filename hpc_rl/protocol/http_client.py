@@ -26,6 +26,12 @@ DEFAULT_MAX_CONNECTING = 64
 """Connections being opened at once, over all engines."""
 
 
+IDLE_CLOSE_RACE_S = 1.0
+"""A kept-alive connection closed this soon after a write, before any answer, was closed by the engine
+while idle (it never read the request): the request is sent again on a new connection. Later, it is an
+engine that went away while working, and the caller hears of it."""
+
+
 class EngineHTTPTransportError(ConnectionError):
     """The connection failed, was closed, timed out, or answered something that is not HTTP/1.1."""
 
@@ -211,8 +217,9 @@ class EngineConnection:
         """Send (method, path, body) requests back to back (pipelined) and return their (status, body) in
         order; EngineHTTPTransportError at the first that gets no answer (connection refused or closed, no answer
         within `timeout_s`: the connection is dropped then, as a late answer would be matched to the
-        wrong request). A kept-alive connection the engine closed while idle (before answering any of
-        these) is reopened and the requests sent once more: the engine never read them."""
+        wrong request). A kept-alive connection the engine closed while idle (closed within
+        IDLE_CLOSE_RACE_S of the write, before any answer) is reopened and the requests sent once more:
+        the engine never read them."""
         for attempt in (1, 2):
             link = await self._connected()
             reused = link.requests_sent > 0
@@ -221,11 +228,20 @@ class EngineConnection:
             link.waiting.extend(futures)
             link.requests_sent += len(requests)
             assert link.transport is not None
+            sent_at = loop.time()
             link.transport.write(b"".join(encode_request(method, path, self.host_header, self.auth, body)
                                           for method, path, body in requests))
             try:
                 await self._wait_all(link, futures, timeout_s)
                 return [future.result() for future in futures]
+            except asyncio.CancelledError:
+                # Drop the connection: the engine sees the client go away and aborts what it runs (as
+                # SGLang does), and no later answer can be matched to another caller's request.
+                link.fail(EngineHTTPTransportError(f"{self.url}: the caller was cancelled"))
+                for future in futures:
+                    if future.done() and not future.cancelled():
+                        future.exception()
+                raise
             except EngineHTTPTransportError:
                 answered = sum(1 for f in futures if f.done() and not f.cancelled() and f.exception() is None)
                 for future in futures:  # read, so asyncio does not log them as never retrieved
@@ -233,7 +249,8 @@ class EngineConnection:
                         future.exception()
                     else:
                         future.add_done_callback(_read_outcome)
-                if attempt == 1 and reused and not answered and link.closed_early:
+                if (attempt == 1 and reused and not answered and link.closed_early
+                        and loop.time() - sent_at < IDLE_CLOSE_RACE_S):
                     continue
                 raise
         raise AssertionError("unreachable")
