@@ -19,7 +19,9 @@ made (controller.weight_sync, the loop). /generate stays on aiohttp (rollout.eng
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections import deque
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 DEFAULT_MAX_CONNECTING = 64
@@ -142,10 +144,14 @@ class _Link(asyncio.Protocol):
         self.last_answer_at = 0.0
         self.closed_early = False
         """The peer closed while requests waited and none of them had been answered."""
+        self.on_lost: Callable[[_Link], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # small requests go out at once (as aiohttp sets it)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -169,6 +175,8 @@ class _Link(asyncio.Protocol):
             if not future.done():
                 future.set_result(last)
         self.fail(EngineHTTPTransportError(f"{self.url}: connection closed" + (f" ({exc})" if exc else "")))
+        if self.on_lost is not None:
+            self.on_lost(self)
 
     def usable(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
@@ -195,14 +203,16 @@ class EngineConnection:
         self.host_header = f"{self.host}:{self.port}"
         self.auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
         self._connecting = connecting
-        self._links: list[_Link] = []
+        self._links: set[_Link] = set()
+        self._idle: list[_Link] = []
 
     async def _connected(self) -> _Link:
         """An open connection with nothing in flight (a call never queues behind another caller's: a
-        health probe must not wait behind a long weight update), opened if there is none."""
-        self._links = [link for link in self._links if link.usable()]
-        for link in self._links:
-            if not link.waiting:
+        health probe must not wait behind a long weight update), opened if there is none. Idle
+        connections wait in a stack (the router's pool holds one per request in flight: thousands)."""
+        while self._idle:
+            link = self._idle.pop()
+            if link.usable() and not link.waiting:
                 return link
         async with self._connecting:
             loop = asyncio.get_running_loop()
@@ -210,7 +220,8 @@ class EngineConnection:
                 _, link = await loop.create_connection(lambda: _Link(self.url), self.host, self.port)
             except OSError as error:
                 raise EngineHTTPTransportError(f"{self.url}: cannot connect: {error}") from error
-        self._links.append(link)
+        self._links.add(link)
+        link.on_lost = self._links.discard
         return link
 
     async def exchange(self, requests: list[tuple[str, str, bytes | None]], timeout_s: float) -> list[tuple[int, bytes]]:
@@ -233,6 +244,8 @@ class EngineConnection:
                                           for method, path, body in requests))
             try:
                 await self._wait_all(link, futures, timeout_s)
+                if link.usable():
+                    self._idle.append(link)
                 return [future.result() for future in futures]
             except asyncio.CancelledError:
                 # Drop the connection: the engine sees the client go away and aborts what it runs (as
@@ -276,10 +289,11 @@ class EngineConnection:
         return (await self.exchange([(method, path, body)], timeout_s))[0]
 
     def close(self) -> None:
-        for link in self._links:
+        for link in list(self._links):
             if link.transport is not None:
                 link.transport.close()
-        self._links = []
+        self._links.clear()
+        self._idle.clear()
 
 
 def _read_outcome(future: asyncio.Future[tuple[int, bytes]]) -> None:

@@ -316,7 +316,7 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
         transport_failures = 0
         body = answer.body
         meta = body.get("meta_info") or {}
-        token_ids = [int(t) for t in body.get("output_ids") or []]
+        token_ids = list(map(int, body.get("output_ids") or []))
         logprobs = [float(x[0]) if x and x[0] is not None else 0.0 for x in meta.get("output_token_logprobs") or []]
         logprobs = (logprobs + [0.0] * len(token_ids))[:len(token_ids)]
         versions = parse_weight_versions(meta, len(token_ids), session.weight_version)
