@@ -230,9 +230,12 @@ async def abort_all_latency(controller: Controller, session: aiohttp.ClientSessi
                               + (f"; first error: {errors[0]!r}" if errors else ""))
         await asyncio.sleep(0.2)
     result.extra["abort_probe_running"] = stats["running"]
-    start = time.perf_counter()
+    result.extra["abort_probe_held"] = stats["running"] + stats["waiting"]
+    start, cpu = time.perf_counter(), time.process_time()
     await client.abort_all()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    result.extra["abort_fanout_s"] = round(time.perf_counter() - start, 3)  # every engine answered the abort
+    await asyncio.gather(*tasks, return_exceptions=True)  # every aborted request came back
+    result.extra["abort_cpu_s"] = round(time.process_time() - cpu, 3)
     return time.perf_counter() - start
 
 
@@ -250,23 +253,36 @@ def wait_router_workers(router: RouterProcess, engines: int, timeout_s: float = 
         time.sleep(1.0)
 
 
-def instrument_sync(controller: Controller) -> list[float]:
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` so far, from /proc (0 where there is no /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def instrument_sync(controller: Controller, sim_pid: int) -> tuple[list[float], list[float]]:
     """Record the controller's CPU seconds in each weight sync (machine-load independent, unlike wall time;
-    in async mode the rollout running meanwhile is counted too)."""
+    in async mode the rollout running meanwhile is counted too), and the simulated engines' process's:
+    on this machine both share 2 cores, so the sync's wall time is the sum of their work, while on a
+    cluster each engine answers its own calls."""
     loop = controller.loop
     assert loop is not None
     original = loop.sync_weights
     spent: list[float] = []
+    sim_spent: list[float] = []
 
     async def timed(version: int, *, reason: str = "") -> dict[str, float]:
-        start = time.process_time()
+        start, sim_start = time.process_time(), process_cpu_s(sim_pid)
         try:
             return await original(version, reason=reason)
         finally:
             spent.append(time.process_time() - start)
+            sim_spent.append(process_cpu_s(sim_pid) - sim_start)
 
     loop.sync_weights = timed  # type: ignore[method-assign]
-    return spent
+    return spent, sim_spent
 
 
 # -- one (N, mode) -----------------------------------------------------------------------------------
@@ -340,7 +356,7 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
         phase("controller_started")
         assert controller.loop is not None
         controller.loop.print = lambda line: None
-        sync_cpu = instrument_sync(controller)
+        sync_cpu, sim_sync_cpu = instrument_sync(controller, sim.pid)
         start = time.perf_counter()
         await asyncio.gather(*(controller.register_engine(i, url, tp_size=config.cluster.rollout_num_gpus_per_engine)
                                for i, url in enumerate(urls)))
@@ -391,6 +407,8 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
                 [m["time/weight_sync"] - model.real_seconds(model.init_group_s) for m in history if "time/weight_sync" in m]
             result.sync_orchestration_s = max(0.0, statistics.median(syncs) - engine_side) if syncs else float("nan")
             result.sync_cpu_s = statistics.median(sync_cpu[1:] or sync_cpu) if sync_cpu else float("nan")
+            result.extra["sim_sync_cpu_s"] = round(statistics.median(sim_sync_cpu[1:] or sim_sync_cpu), 3) \
+                if sim_sync_cpu else None
             result.extra = {"time_scale_ms": scale_ms, "sim_s": sim_elapsed, "run_real_s": run_real, "cpu_s": cpu, "buckets": buckets,
                             "sync_wall_s": statistics.median(syncs) if syncs else None,
                             "rollout_real_s": [round(m.get("time/rollout", 0), 2) for m in history],
