@@ -407,12 +407,12 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
                 [m["time/weight_sync"] - model.real_seconds(model.init_group_s) for m in history if "time/weight_sync" in m]
             result.sync_orchestration_s = max(0.0, statistics.median(syncs) - engine_side) if syncs else float("nan")
             result.sync_cpu_s = statistics.median(sync_cpu[1:] or sync_cpu) if sync_cpu else float("nan")
-            result.extra["sim_sync_cpu_s"] = round(statistics.median(sim_sync_cpu[1:] or sim_sync_cpu), 3) \
-                if sim_sync_cpu else None
             result.extra = {"time_scale_ms": scale_ms, "sim_s": sim_elapsed, "run_real_s": run_real, "cpu_s": cpu, "buckets": buckets,
                             "sync_wall_s": statistics.median(syncs) if syncs else None,
                             "rollout_real_s": [round(m.get("time/rollout", 0), 2) for m in history],
-                            "groups_dropped": sum(m.get("rollout/groups_dropped", 0) for m in history)}
+                            "groups_dropped": sum(m.get("rollout/groups_dropped", 0) for m in history),
+                            "sim_sync_cpu_s": round(statistics.median(sim_sync_cpu[1:] or sim_sync_cpu), 3)
+                            if sim_sync_cpu else None}
             phase("run_done")
             result.router_p50_ms, result.router_p99_ms = await router_latency(session, router.url, urls[0])
             phase("router_probe_done")

@@ -25,7 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
-from hpc_rl.engines.http_api import OPEN_PATH_PREFIXES, add_sglang_routes, authorized, unauthorized
+from hpc_rl.engines.http_api import OPEN_PATH_PREFIXES, add_sglang_routes, authorized, json_response, unauthorized
 from hpc_rl.engines.http_api import fail as _fail
 from hpc_rl.engines.http_api import json_body as _json_body
 from hpc_rl.engines.http_api import ok as _ok
@@ -109,7 +109,7 @@ class SimFleetServer:
             return unauthorized()
         endpoint = self._endpoint(request)
         if endpoint.dead and not request.path.startswith(OPEN_PATH_PREFIXES[0]):
-            return web.json_response({"error": f"engine is down: {endpoint.dead}"}, status=503)
+            return json_response({"error": f"engine is down: {endpoint.dead}"}, status=503)
         if endpoint.dead:
             return web.Response(status=503, text=endpoint.dead)
         return await handler(request)
@@ -125,7 +125,7 @@ class SimFleetServer:
     async def server_info(self, request: web.Request) -> web.Response:
         endpoint = self._endpoint(request)
         engine = endpoint.engine
-        return web.json_response({
+        return json_response({
             "model_path": self.model_path, "tokenizer_path": self.model_path, "served_model_name": self.model_path,
             "host": self.host, "port": endpoint.port, "tp_size": 1, "dp_size": 1, "pp_size": 1,
             "max_running_requests": self.model.max_running_requests,
@@ -136,7 +136,7 @@ class SimFleetServer:
         })
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({
+        return json_response({
             "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
             "preferred_sampling_params": None, "weight_version": self._endpoint(request).engine.weight_version,
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": "qwen3",
@@ -144,12 +144,12 @@ class SimFleetServer:
         })
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        return web.json_response({"error": {"message": "a simulated engine holds no weights"}}, status=400)
+        return json_response({"error": {"message": "a simulated engine holds no weights"}}, status=400)
 
     async def sim_stats(self, request: web.Request) -> web.Response:
         endpoint = self._endpoint(request)
         endpoint.engine.step()
-        return web.json_response({"port": endpoint.port, "simulated_now": endpoint.engine.clock.now(),
+        return json_response({"port": endpoint.port, "simulated_now": endpoint.engine.clock.now(),
                                   **asdict(endpoint.engine.counters)})
 
     async def sim_fleet_stats(self, request: web.Request) -> web.Response:
@@ -159,7 +159,7 @@ class SimFleetServer:
         now = engines[0].clock.now() if engines else 0.0
         total = {key: sum(getattr(e.counters, key) for e in engines) for key in asdict(engines[0].counters)} \
             if engines else {}
-        return web.json_response({"engines": len(engines), "simulated_now": now, **total,
+        return json_response({"engines": len(engines), "simulated_now": now, **total,
                                   "running": sum(len(e.running) for e in engines),
                                   "waiting": sum(len(e.waiting) for e in engines),
                                   "token_scale": self.model.token_scale})
@@ -169,16 +169,16 @@ class SimFleetServer:
         endpoint = self._endpoint(request)
         body = await _json_body(request)
         if body.get("stream"):
-            return web.json_response({"error": "stream=true is not supported by the simulated engine"}, status=400)
+            return json_response({"error": "stream=true is not supported by the simulated engine"}, status=400)
         params = body.get("sampling_params") or {}
         if not isinstance(params, dict):
-            return web.json_response({"error": "sampling_params must be an object"}, status=400)
+            return json_response({"error": "sampling_params must be an object"}, status=400)
         unknown = sorted(set(params) - SAMPLING_PARAMS)
         if unknown:
-            return web.json_response({"error": f"unknown sampling params: {unknown}"}, status=400)
+            return json_response({"error": f"unknown sampling params: {unknown}"}, status=400)
         input_ids = body.get("input_ids")
         if input_ids is None and body.get("text") is None:
-            return web.json_response({"error": "Either text or input_ids should be provided."}, status=400)
+            return json_response({"error": "Either text or input_ids should be provided."}, status=400)
         input_len = len(input_ids) if isinstance(input_ids, list) else len(str(body.get("text")).split())
         rid = str(body.get("rid") or f"sim-{secrets.token_hex(8)}")
         max_new_tokens = int(params.get("max_new_tokens", 128))
@@ -192,7 +192,7 @@ class SimFleetServer:
         except asyncio.CancelledError:  # the client went away: abort it, as SGLang does
             engine.abort(rid, abort_all=False)
             raise
-        return web.json_response(self._response(rid, input_len, result, bool(body.get("return_logprob"))))
+        return json_response(self._response(rid, input_len, result, bool(body.get("return_logprob"))))
 
     def _response(self, rid: str, input_len: int, result: dict[str, Any], return_logprob: bool) -> dict[str, Any]:
         tokens, finish = result["tokens"], result["finish_type"]
@@ -313,7 +313,7 @@ class SimFleetServer:
         await self._take(self.model.init_group_s)
         if body.get("weight_version") is not None:
             endpoint.engine.set_weight_version(str(body["weight_version"]))
-        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+        return json_response({"success": True, "message": "Succeeded to update model weights.",
                                   "num_paused_requests": 0})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
