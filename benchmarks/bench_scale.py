@@ -209,9 +209,14 @@ async def abort_all_latency(controller: Controller, session: aiohttp.ClientSessi
     assert client is not None
     stopped = asyncio.Event()
 
+    # As long as the context allows (the client clips to it), so that the first fill requests are still
+    # running when the last are placed: at N=1,024 and load ~10, 8,192 requests of one response's length
+    # finished before all were in.
+    fill_tokens = max(model.max_wire_response_len, (client.context_length or 0) - 8)
+
     async def one(index: int) -> None:
         payload = {"rid": f"fill-{index}", "input_ids": [index % 9973, index // 9973, 3],
-                   "sampling_params": {"max_new_tokens": model.max_wire_response_len, "ignore_eos": True},
+                   "sampling_params": {"max_new_tokens": fill_tokens, "ignore_eos": True},
                    "return_logprob": True}
         await client.generate(payload, stopped=stopped)
 
