@@ -1,4 +1,4 @@
-"""Keep-alive, pipelined HTTP/1.1 to engines: the controller's admin calls and the abort fan-out.
+"""Keep-alive, pipelined HTTP/1.1 to engines and the router: admin calls, /generate, /abort_request.
 
 Owns: keep-alive TCP connections per engine (one, unless calls overlap: a call never waits behind
 another caller's; opened on first use, reopened after an error or a close by the engine), requests
@@ -9,11 +9,13 @@ response, and `EngineConnections`: the pool, one entry per engine URL, with a bo
 being opened at once (a fan-out to 1,024 engines must not open 1,024 sockets in one instant against
 their listen backlogs).
 
-Why not aiohttp here: its client costs ~440 us of controller CPU per call (measured against the
+Why not aiohttp: its client cost ~440 us of controller CPU per call here (measured against the
 simulated engines at N=256); a weight sync of Qwen3-4B is 20 calls per engine, 20,480 at 1,024
-engines. This costs ~100 us per single call and ~10 us per pipelined one (benchmarks/bench_scale.py).
+engines. This one costs ~100 us per single call and ~45-70 us per pipelined one (most of it the event
+loop's read per answer). benchmarks/bench_scale.py and docs/scaling.md have the numbers.
 Does not own: what the calls mean (controller.engine_admin, rollout.engine_client) or when they are
-made (controller.weight_sync, the loop). /generate stays on aiohttp (rollout.engine_client).
+made (controller.weight_sync, the loop, the rollout client). Plain HTTP only: engines and the
+router listen on the job's own nodes, as before (no TLS was used with aiohttp either).
 """
 
 from __future__ import annotations
