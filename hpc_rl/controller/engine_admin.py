@@ -11,6 +11,7 @@ Does not own: /generate and /abort_request (hpc_rl.rollout.engine_client), or wh
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,10 @@ class EngineAdmin:
         except EngineHTTPTransportError as error:
             raise EngineAdminError(f"{self.url}{endpoint} failed: {error}") from error
         return _checked(self.url, endpoint, status, answer)
+
+    def answered_within(self, seconds: float) -> bool:
+        """Whether the engine answered an admin call in the last `seconds` (then it is alive: no probe)."""
+        return asyncio.get_running_loop().time() - self.connection.answered_at < seconds
 
     async def healthy(self, timeout_s: float = 5.0) -> bool:
         try:

@@ -207,6 +207,8 @@ class EngineConnection:
         self._connecting = connecting
         self._links: set[_Link] = set()
         self._idle: list[_Link] = []
+        self.answered_at = float("-inf")
+        """Event-loop time of the last exchange this engine answered in full (any status)."""
 
     async def _connected(self) -> _Link:
         """An open connection with nothing in flight (a call never queues behind another caller's: a
@@ -246,6 +248,7 @@ class EngineConnection:
                                           for method, path, body in requests))
             try:
                 await self._wait_all(link, futures, timeout_s)
+                self.answered_at = loop.time()
                 if link.usable():
                     self._idle.append(link)
                 return [future.result() for future in futures]

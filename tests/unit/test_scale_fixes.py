@@ -65,8 +65,13 @@ class SlowProbeAdminForTest:
 
     def __init__(self, index: int) -> None:
         self.index = index
+        self.probed = False
+
+    def answered_within(self, seconds: float) -> bool:
+        return self.index == 5  # engine 5 just answered a weight-update call: no probe needed
 
     async def healthy(self, timeout_s: float) -> bool:
+        self.probed = True
         await asyncio.sleep(0.2)
         return self.index != 3
 
@@ -90,6 +95,7 @@ def test_a_health_round_probes_engines_concurrently() -> None:
             await fleet.close()
         assert took < 2.0, f"40 probes of 0.2 s took {took:.1f} s: not concurrent (sequential: 8 s)"
         assert [e.engine_index for e in registry.engines.values() if e.state == EngineState.FAILED] == [3]
+        assert [i for i, admin in fleet.admins.items() if not admin.probed] == [5]  # type: ignore[attr-defined]
 
     asyncio.run(scenario())
 
