@@ -57,6 +57,18 @@ def _header(head: bytes, name: bytes) -> bytes | None:
     return head[start:head.find(b"\r\n", start)].strip()
 
 
+def _one_whole_response(data: bytes) -> tuple[int, bytes] | None:
+    """(status, body) if `data` is exactly one complete final response with a Content-Length."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0 or not data.startswith(b"HTTP/1."):
+        return None
+    head = data[:end + 2].lower()
+    length = _header(head, b"content-length")
+    if length is None or len(data) != end + 4 + int(length) or int(head[9:12]) < 200:
+        return None
+    return int(head[9:12]), data[end + 4:]
+
+
 class _ResponseParser:
     """Incremental HTTP/1.1 response parser: feed bytes, get (status, body) tuples."""
 
@@ -69,6 +81,10 @@ class _ResponseParser:
         self.body = bytearray()
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        if not self.buffer and self.status is None:
+            whole = _one_whole_response(data)
+            if whole is not None:  # the common case: one read holds one answer
+                return [whole]
         self.buffer += data
         done: list[tuple[int, bytes]] = []
         while True:
