@@ -209,9 +209,14 @@ async def abort_all_latency(controller: Controller, session: aiohttp.ClientSessi
     assert client is not None
     stopped = asyncio.Event()
 
+    # As long as the context allows (the client clips to it), so that the first fill requests are still
+    # running when the last are placed: at N=1,024 and load ~10, 8,192 requests of one response's length
+    # finished before all were in.
+    fill_tokens = max(model.max_wire_response_len, (client.context_length or 0) - 8)
+
     async def one(index: int) -> None:
         payload = {"rid": f"fill-{index}", "input_ids": [index % 9973, index // 9973, 3],
-                   "sampling_params": {"max_new_tokens": model.max_wire_response_len, "ignore_eos": True},
+                   "sampling_params": {"max_new_tokens": fill_tokens, "ignore_eos": True},
                    "return_logprob": True}
         await client.generate(payload, stopped=stopped)
 
@@ -230,9 +235,12 @@ async def abort_all_latency(controller: Controller, session: aiohttp.ClientSessi
                               + (f"; first error: {errors[0]!r}" if errors else ""))
         await asyncio.sleep(0.2)
     result.extra["abort_probe_running"] = stats["running"]
-    start = time.perf_counter()
+    result.extra["abort_probe_held"] = stats["running"] + stats["waiting"]
+    start, cpu = time.perf_counter(), time.process_time()
     await client.abort_all()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    result.extra["abort_fanout_s"] = round(time.perf_counter() - start, 3)  # every engine answered the abort
+    await asyncio.gather(*tasks, return_exceptions=True)  # every aborted request came back
+    result.extra["abort_cpu_s"] = round(time.process_time() - cpu, 3)
     return time.perf_counter() - start
 
 
@@ -250,23 +258,36 @@ def wait_router_workers(router: RouterProcess, engines: int, timeout_s: float = 
         time.sleep(1.0)
 
 
-def instrument_sync(controller: Controller) -> list[float]:
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` so far, from /proc (0 where there is no /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def instrument_sync(controller: Controller, sim_pid: int) -> tuple[list[float], list[float]]:
     """Record the controller's CPU seconds in each weight sync (machine-load independent, unlike wall time;
-    in async mode the rollout running meanwhile is counted too)."""
+    in async mode the rollout running meanwhile is counted too), and the simulated engines' process's:
+    on this machine both share 2 cores, so the sync's wall time is the sum of their work, while on a
+    cluster each engine answers its own calls."""
     assert controller.loop is not None
     weights = controller.loop.weights
     original = weights.sync
     spent: list[float] = []
+    sim_spent: list[float] = []
 
     async def timed(version: int, *, reason: str = "") -> dict[str, float]:
-        start = time.process_time()
+        start, sim_start = time.process_time(), process_cpu_s(sim_pid)
         try:
             return await original(version, reason=reason)
         finally:
             spent.append(time.process_time() - start)
+            sim_spent.append(process_cpu_s(sim_pid) - sim_start)
 
     weights.sync = timed  # type: ignore[method-assign]
-    return spent
+    return spent, sim_spent
 
 
 # -- one (N, mode) -----------------------------------------------------------------------------------
@@ -340,7 +361,7 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
         phase("controller_started")
         assert controller.loop is not None
         controller.loop.recorder.print = lambda line: None
-        sync_cpu = instrument_sync(controller)
+        sync_cpu, sim_sync_cpu = instrument_sync(controller, sim.pid)
         start = time.perf_counter()
         await asyncio.gather(*(controller.register_engine(i, url, tp_size=config.cluster.rollout_num_gpus_per_engine)
                                for i, url in enumerate(urls)))
@@ -394,7 +415,9 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             result.extra = {"time_scale_ms": scale_ms, "sim_s": sim_elapsed, "run_real_s": run_real, "cpu_s": cpu, "buckets": buckets,
                             "sync_wall_s": statistics.median(syncs) if syncs else None,
                             "rollout_real_s": [round(m.get("time/rollout", 0), 2) for m in history],
-                            "groups_dropped": sum(m.get("rollout/groups_dropped", 0) for m in history)}
+                            "groups_dropped": sum(m.get("rollout/groups_dropped", 0) for m in history),
+                            "sim_sync_cpu_s": round(statistics.median(sim_sync_cpu[1:] or sim_sync_cpu), 3)
+                            if sim_sync_cpu else None}
             phase("run_done")
             result.router_p50_ms, result.router_p99_ms = await router_latency(session, router.url, urls[0])
             phase("router_probe_done")
@@ -506,7 +529,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-gpu-s-per-sample", type=float, default=0.94,
                         help="stand-in trainer: GPU-seconds per sample (Qwen3-4B, ~3.4k-token samples: ~30 s "
                              "for 256 samples on 8 H100s)")
-    parser.add_argument("--api-registration-max", type=int, default=256,
+    parser.add_argument("--api-registration-max", type=int, default=1_000_000,
                         help="register engines through the router's API (as the driver) up to this N; beyond, "
                              "at the router's launch")
     parser.add_argument("--abort-fill", type=int, default=8, help="requests per engine before the abort-all probe")

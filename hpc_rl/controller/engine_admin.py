@@ -1,8 +1,10 @@
 """The controller's admin calls on each engine (what sglang-router does not route).
 
 Owns: pause/continue, the weight-update session (init group, begin, update per bucket, end,
-destroy), release/resume of memory (colocated mode), health and model info — one async method per
-SGLang endpoint, with the API key, a timeout, and errors that name the engine and the endpoint.
+destroy; `weight_update` pipelines begin, every bucket and end on one connection), release/resume of
+memory (colocated mode), health and model info — one async method per SGLang endpoint, with the API
+key, a timeout, and errors that name the engine and the endpoint. The HTTP is
+hpc_rl.protocol.http_client's (keep-alive, pipelined, JSON by orjson).
 Does not own: /generate and /abort_request (hpc_rl.rollout.engine_client), or when to call what
 (hpc_rl.controller.weight_sync and the loop).
 """
@@ -10,40 +12,54 @@ Does not own: /generate and /abort_request (hpc_rl.rollout.engine_client), or wh
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
+import orjson
+
+from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
 
 
 class EngineAdminError(RuntimeError):
     """An admin call failed; the message names the engine URL and endpoint."""
 
 
-class EngineAdmin:
-    """Admin endpoints of one engine."""
+@dataclass(frozen=True)
+class BucketUpdate:
+    """One `/update_weights_from_distributed` call of a weight update, encoded once for every engine."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, *, api_key: str | None = None,
-                 timeout_s: float = 600.0) -> None:
+    body: bytes
+
+    @classmethod
+    def of(cls, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+           weight_version: str | None, load_format: str | None) -> BucketUpdate:
+        body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                "flush_cache": True, "load_format": load_format}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return cls(orjson.dumps(body))
+
+
+class EngineAdmin:
+    """Admin endpoints of one engine (its connections come from the controller's `EngineConnections`)."""
+
+    def __init__(self, url: str, connections: EngineConnections, *, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
-        self.session = session
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.connection = connections.to(self.url)
         self.timeout_s = timeout_s
 
     async def _call(self, method: str, endpoint: str, body: dict[str, Any] | None = None,
                     timeout_s: float | None = None) -> Any:
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        encoded = orjson.dumps(body) if body is not None else None
         try:
-            async with self.session.request(method, f"{self.url}{endpoint}", json=body, headers=self.headers,
-                                            timeout=timeout) as response:
-                text = await response.text()
-                if response.status != 200:
-                    raise EngineAdminError(f"{self.url}{endpoint} answered HTTP {response.status}: {text[:500]}")
-                try:
-                    return await response.json(content_type=None)
-                except ValueError:
-                    return text
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
-            raise EngineAdminError(f"{self.url}{endpoint} failed: {type(error).__name__}: {error}") from error
+            status, answer = await self.connection.request(method, endpoint, encoded, timeout_s or self.timeout_s)
+        except EngineHTTPTransportError as error:
+            raise EngineAdminError(f"{self.url}{endpoint} failed: {error}") from error
+        return _checked(self.url, endpoint, status, answer)
+
+    def answered_within(self, seconds: float) -> bool:
+        """Whether the engine answered an admin call in the last `seconds` (then it is alive: no probe)."""
+        return asyncio.get_running_loop().time() - self.connection.answered_at < seconds
 
     async def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
@@ -80,11 +96,31 @@ class EngineAdmin:
     async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str, weight_version: str | None,
                                               load_format: str | None) -> None:
-        body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                                "flush_cache": True, "load_format": load_format}
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        await self._call("POST", "/update_weights_from_distributed", body)
+        bucket = BucketUpdate.of(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+                                 weight_version=weight_version, load_format=load_format)
+        status, answer = (await self._exchange([("POST", "/update_weights_from_distributed", bucket.body)]))[0]
+        _checked(self.url, "/update_weights_from_distributed", status, answer)
+
+    async def weight_update(self, buckets: list[BucketUpdate]) -> None:
+        """begin, every bucket, end: written back to back on one connection (the engine runs them in
+        order, as HTTP/1.1 requires), so the controller spends one write and a parse per call instead of
+        a round trip per call. Raises EngineAdminError naming the first endpoint that failed (the end
+        call is still made, so a failed update does not leave the engine's session open)."""
+        requests: list[tuple[str, str, bytes | None]] = [("POST", "/begin_weight_update", b"{}")]
+        requests += [("POST", "/update_weights_from_distributed", bucket.body) for bucket in buckets]
+        requests.append(("POST", "/end_weight_update", b"{}"))
+        answers = await self._exchange(requests)
+        for index, ((_, endpoint, _), (status, answer)) in enumerate(zip(requests, answers)):
+            if status != 200:  # 200 bodies are not read: only the status matters here
+                what = f"{endpoint} (bucket {index} of {len(buckets)})" if 0 < index <= len(buckets) else endpoint
+                _checked(self.url, what, status, answer)
+
+    async def _exchange(self, requests: list[tuple[str, str, bytes | None]]) -> list[tuple[int, bytes]]:
+        try:
+            return await self.connection.exchange(requests, self.timeout_s)
+        except EngineHTTPTransportError as error:
+            first = requests[0][1] if len(requests) == 1 else f"{requests[0][1]} ... {requests[-1][1]}"
+            raise EngineAdminError(f"{self.url}{first} failed: {error}") from error
 
     async def end_weight_update(self) -> None:
         await self._call("POST", "/end_weight_update", {})
@@ -98,3 +134,13 @@ class EngineAdmin:
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         await self._call("POST", "/update_weights_from_disk", {"model_path": model_path,
                                                                 "weight_version": weight_version})
+
+
+def _checked(url: str, endpoint: str, status: int, answer: bytes) -> Any:
+    """The JSON (or text) of a 200 answer; EngineAdminError naming the engine and endpoint otherwise."""
+    if status != 200:
+        raise EngineAdminError(f"{url}{endpoint} answered HTTP {status}: {answer[:500].decode(errors='replace')}")
+    try:
+        return orjson.loads(answer) if answer else None
+    except orjson.JSONDecodeError:
+        return answer.decode(errors="replace")

@@ -8,10 +8,11 @@ Owns the SGLang protocol sequence on the engine side and its interleaving with t
     [new group] destroy old group ---------------------------------->  /destroy_weights_update_group
                 init group (rank offsets) --------------------------->  /init_weights_update_group
                                          rank 0 joins the group  <==>  (the calls return when all joined)
-    begin ---------------------------------------------------------->  /begin_weight_update
-    per bucket: update (names, dtypes, shapes) --------------------->  /update_weights_from_distributed
+    per engine, pipelined on one connection (one write; the engine runs them in order):
+      begin -------------------------------------------------------->  /begin_weight_update
+      per bucket: update (names, dtypes, shapes) ------------------->  /update_weights_from_distributed
                                          rank 0 broadcasts bucket ==>  (each call returns after its bucket)
-    end ------------------------------------------------------------>  /end_weight_update
+      end ---------------------------------------------------------->  /end_weight_update
                                     <--  CommandDone from every rank
 
 The group is rebuilt only when the set of engine processes changed: a restarted engine (same index and
@@ -28,7 +29,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from hpc_rl.controller.engine_admin import EngineAdmin, EngineAdminError
+from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin, EngineAdminError
 from hpc_rl.controller.registry import EngineInfo
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel
@@ -93,16 +94,14 @@ async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engi
                     backend=backend)
                 for e in engines))
             group.members = members
-        await asyncio.gather(*(admins[e.engine_index].begin_weight_update() for e in engines))
-        for index, bucket in enumerate(plan.buckets):
-            last = index == len(plan.buckets) - 1
-            await asyncio.gather(*(
-                admins[e.engine_index].update_weights_from_distributed(
-                    names=bucket["names"], dtypes=bucket["dtypes"], shapes=bucket["shapes"],
-                    group_name=group_name, weight_version=str(version) if last else None,
-                    load_format=plan.load_format)
-                for e in engines))
-        await asyncio.gather(*(admins[e.engine_index].end_weight_update() for e in engines))
+        buckets = [BucketUpdate.of(names=bucket["names"], dtypes=bucket["dtypes"], shapes=bucket["shapes"],
+                                   group_name=group_name,
+                                   weight_version=str(version) if index == len(plan.buckets) - 1 else None,
+                                   load_format=plan.load_format)
+                   for index, bucket in enumerate(plan.buckets)]
+        # Every engine at once (a bucket's broadcast completes only when every engine has joined it, so
+        # the engines cannot be taken a few at a time), each engine's calls pipelined in order.
+        await asyncio.gather(*(admins[e.engine_index].weight_update(buckets) for e in engines))
         trainer_outcome_read = True
         await trainer_task
     except (EngineAdminError, asyncio.TimeoutError):

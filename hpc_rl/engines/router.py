@@ -4,7 +4,8 @@ Owns: the `sglang_router.launch_router` command (bound to a given host, its own 
 `--disable-retries` so the controller decides retries, warn logging, a policy), waiting on
 `/readiness`, and adding/removing/listing workers through `POST|GET|DELETE /workers` (0.3.2's API;
 `/add_worker` and friends are 404 there). Not routed by the router, so not here: abort, pause and
-weight updates, which the controller sends to each engine directly.
+weight updates, which the controller sends to each engine directly. `add_workers` registers many
+engines with one wait (O(N), not O(N^2)).
 
 The job's engine key (`api_key`), as sglang-router 0.3.2 handles it (measured):
 - `--api-key K` guards the router's own endpoints (`/generate`, `/workers`...: 401 without
@@ -28,7 +29,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from hpc_rl.engines import API_KEY_ENV
@@ -144,12 +145,29 @@ class RouterProcess:
     def add_worker(self, url: str, *, wait: bool = True, timeout: float = 60.0) -> None:
         """Register an engine (202, asynchronous; with the router's key for that worker); with `wait`,
         until it is listed."""
-        request = {"url": url, "api_key": self.api_key} if self.api_key else {"url": url}
-        status, body = _request("POST", f"{self.url}/workers", request, api_key=self.api_key)
-        if status not in (200, 201, 202):
-            raise self.process.failure(f"refused worker {url} ({status}: {body})")
-        if wait:
-            self._wait_for(lambda: url in self.worker_urls(), timeout, f"listing worker {url}")
+        self.add_workers([url], wait=wait, timeout=timeout)
+
+    def add_workers(self, urls: Sequence[str], *, wait: bool = True, timeout: float | None = None) -> None:
+        """Register engines: every POST first (each is answered 202 at once; the router probes the worker
+        in the background), then, with `wait`, one `GET /workers` per poll until all are listed. Adding
+        N engines one by one, each waiting for the full list, costs O(N^2) (measured: 13 s for 256, 415
+        of 1,024 after 80 s); this is N POSTs plus a few lists. `timeout` defaults to 60 s + 0.25 s per
+        engine (the router's own registration probes each worker: HTTP/2, /server_info, /model_info)."""
+        urls = list(urls)
+        for url in urls:
+            request = {"url": url, "api_key": self.api_key} if self.api_key else {"url": url}
+            status, body = _request("POST", f"{self.url}/workers", request, api_key=self.api_key)
+            if status not in (200, 201, 202):
+                raise self.process.failure(f"refused worker {url} ({status}: {body})")
+        if wait and urls:
+            missing = set(urls)
+
+            def all_listed() -> bool:
+                missing.difference_update(self.worker_urls())
+                return not missing
+
+            self._wait_for(all_listed, 60.0 + 0.25 * len(urls) if timeout is None else timeout,
+                           lambda: f"listing {len(missing)} of {len(urls)} added worker(s) (e.g. {min(missing)})")
 
     def remove_worker(self, url: str, *, wait: bool = True, timeout: float = 30.0) -> None:
         """Deregister an engine by URL (the router's DELETE takes its worker id)."""
@@ -164,17 +182,17 @@ class RouterProcess:
         else:
             raise ValueError(f"worker {url} is not registered with the router at {self.url}")
         if wait:
-            self._wait_for(lambda: url not in self.worker_urls(), timeout, f"dropping worker {url}")
+            self._wait_for(lambda: url not in self.worker_urls(), timeout, lambda: f"dropping worker {url}")
 
-    def _wait_for(self, condition, timeout: float, what: str) -> None:
+    def _wait_for(self, condition: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if condition():
                 return
             if not self.process.alive():
-                raise self.process.failure(f"died while {what}")
+                raise self.process.failure(f"died while {what()}")
             time.sleep(0.2)
-        raise ChildProcessFailed(f"sglang-router at {self.url} was not {what} after {timeout:.0f} s")
+        raise ChildProcessFailed(f"sglang-router at {self.url} was not {what()} after {timeout:.0f} s")
 
     def __enter__(self) -> RouterProcess:  # noqa: PYI034
         self.start()

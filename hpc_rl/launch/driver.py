@@ -416,8 +416,8 @@ class Driver:
         if not self.topology.colocate:  # trainer ranks load while the engines do (issue 11); colocated
             self._start_trainer()       # ranks wait: SGLang sizes its KV cache from the GPU memory then free
         urls = await asyncio.gather(*(self.start_engine(i) for i in range(len(self.topology.engines))))
-        for index, url in enumerate(urls):
-            await self.controller.register_engine(index, url, tp_size=self.config.cluster.rollout_num_gpus_per_engine)
+        await asyncio.gather(*(self.controller.register_engine(i, url, tp_size=self.config.cluster.rollout_num_gpus_per_engine)
+                               for i, url in enumerate(urls)))  # together: one batch for the router (engine_fleet)
         if self.trainer_step is None:
             self._start_trainer()
         assert self.trainer_step is not None

@@ -170,8 +170,11 @@ class GenerationSession:
     async def stop(self, *, timeout_s: float = 60.0, abort_every_s: float = 0.2) -> bool:
         """No new requests; abort on every engine until none of this session's requests is in flight.
 
-        Re-aborts every `abort_every_s`: a request that reached an engine just after an abort_all is
-        caught by the next one. Returns False if requests were still in flight after `timeout_s`.
+        One abort_all, then wait while the aborted requests come back; only when none has come back for
+        `abort_every_s` is abort_all sent again (a request that reached its engine just after the abort
+        runs on: the next round catches it). Re-sending on every returning response made a stop with
+        8,192 requests in flight on 1,024 engines a storm of 1,024-call rounds. Returns False if requests
+        were still in flight after `timeout_s`.
         """
         self.stopped.set()
         await self.client.wake_waiters()  # queued requests see the flag and give up at once
@@ -179,11 +182,12 @@ class GenerationSession:
         deadline = loop.time() + timeout_s
         while self.in_flight and loop.time() < deadline:
             await self.client.abort_all()
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout=abort_every_s)
-            except TimeoutError:
-                pass
+            while self.in_flight and loop.time() < deadline:
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=abort_every_s)
+                except TimeoutError:
+                    break  # nothing came back for a while: abort again
         return not self.in_flight
 
     def note_no_workers(self, error: TransportError) -> None:
@@ -319,7 +323,7 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
         transport_failures = 0
         body = answer.body
         meta = body.get("meta_info") or {}
-        token_ids = [int(t) for t in body.get("output_ids") or []]
+        token_ids = list(map(int, body.get("output_ids") or []))
         logprobs = [float(x[0]) if x and x[0] is not None else 0.0 for x in meta.get("output_token_logprobs") or []]
         logprobs = (logprobs + [0.0] * len(token_ids))[:len(token_ids)]
         versions = parse_weight_versions(meta, len(token_ids), session.weight_version)

@@ -1,9 +1,8 @@
 """SGLang's HTTP API for many simulated engines in one process: one aiohttp app, one listening port per
 engine, the engine chosen by the port a request arrived on.
 
-Owns the routes and JSON shapes (those of hpc_rl.engines.cpu.server, which follow SGLang 0.5.23), the
-api-key check (`Authorization: Bearer <key>` on everything but /health*, /ready*, /metrics*), the
-weight-update session (begin ... end, required as in SGLang), and the simulated cost of each control
+Owns the handlers behind SGLang 0.5.23's routes (the route table, the api-key rule and the JSON helpers
+are hpc_rl.engines.http_api's, shared with the CPU engine), the weight-update session (begin ... end, required as in SGLang), and the simulated cost of each control
 call (abort, pause/continue, weight-update calls: `EngineModel`). The group rendezvous and the
 broadcast are NOT done: `/init_weights_update_group` and `/update_weights_from_distributed` only take
 their simulated time (the harness measures the orchestration around them).
@@ -20,18 +19,20 @@ time, tokens, aborts, for the harness.
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from hpc_rl.engines.http_api import OPEN_PATH_PREFIXES, add_sglang_routes, authorized, json_response, unauthorized
+from hpc_rl.engines.http_api import fail as _fail
+from hpc_rl.engines.http_api import json_body as _json_body
+from hpc_rl.engines.http_api import ok as _ok
 from hpc_rl.sim.engine import LoopClock, SimEngine, plan_request, sample_index_of
 from hpc_rl.sim.model import EngineModel
 
 SIM_ENGINE_VERSION = "0.5.23+hpc_rl.sim"
-OPEN_PATH_PREFIXES = ("/health", "/ready", "/metrics")
 SAMPLING_PARAMS = frozenset({
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
     "skip_special_tokens", "no_stop_trim", "min_new_tokens", "n", "sampling_seed", "frequency_penalty",
@@ -52,25 +53,6 @@ class SimEndpoint:
     in_weight_update: bool = False
     released: set[str] = field(default_factory=set)
     dead: str = ""
-
-
-def _ok(message: str = "Success") -> web.Response:
-    return web.json_response({"success": True, "message": message})
-
-
-def _fail(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"success": False, "message": message}, status=status)
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except json.JSONDecodeError as error:
-        raise web.HTTPBadRequest(text=json.dumps({"error": f"invalid JSON: {error}"}),
-                                 content_type="application/json") from None
-    return body if isinstance(body, dict) else {}
 
 
 class SimFleetServer:
@@ -109,28 +91,9 @@ class SimFleetServer:
 
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=1 << 28)
-        for path, handler in [("/health", self.health), ("/health_generate", self.health),
-                              ("/server_info", self.server_info), ("/get_server_info", self.server_info),
-                              ("/model_info", self.model_info), ("/get_model_info", self.model_info),
-                              ("/get_weights_by_name", self.get_weights_by_name),
-                              ("/sim_stats", self.sim_stats), ("/sim_fleet_stats", self.sim_fleet_stats)]:
-            app.router.add_get(path, handler)
-            app.router.add_post(path, handler)
-        for path, handler in [
-            ("/generate", self.generate), ("/abort_request", self.abort_request),
-            ("/pause_generation", self.pause_generation), ("/continue_generation", self.continue_generation),
-            ("/flush_cache", self.flush_cache),
-            ("/init_weights_update_group", self.init_weights_update_group),
-            ("/destroy_weights_update_group", self.destroy_weights_update_group),
-            ("/begin_weight_update", self.begin_weight_update), ("/end_weight_update", self.end_weight_update),
-            ("/update_weights_from_distributed", self.update_weights_from_distributed),
-            ("/update_weights_from_disk", self.update_weights_from_disk),
-            ("/update_weight_version", self.update_weight_version),
-            ("/release_memory_occupation", self.release_memory_occupation),
-            ("/resume_memory_occupation", self.resume_memory_occupation),
-        ]:
-            app.router.add_post(path, handler)
-        app.router.add_get("/flush_cache", self.flush_cache)
+        add_sglang_routes(app, self)
+        app.router.add_get("/sim_stats", self.sim_stats)
+        app.router.add_get("/sim_fleet_stats", self.sim_fleet_stats)
         return app
 
     def _endpoint(self, request: web.Request) -> SimEndpoint:
@@ -142,14 +105,11 @@ class SimFleetServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
-        key = self.api_key
-        if key and request.method != "OPTIONS" and not request.path.startswith(OPEN_PATH_PREFIXES):
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), key.encode()):
-                return web.json_response({"error": "Unauthorized"}, status=401)
+        if not authorized(request, self.api_key):
+            return unauthorized()
         endpoint = self._endpoint(request)
         if endpoint.dead and not request.path.startswith(OPEN_PATH_PREFIXES[0]):
-            return web.json_response({"error": f"engine is down: {endpoint.dead}"}, status=503)
+            return json_response({"error": f"engine is down: {endpoint.dead}"}, status=503)
         if endpoint.dead:
             return web.Response(status=503, text=endpoint.dead)
         return await handler(request)
@@ -165,7 +125,7 @@ class SimFleetServer:
     async def server_info(self, request: web.Request) -> web.Response:
         endpoint = self._endpoint(request)
         engine = endpoint.engine
-        return web.json_response({
+        return json_response({
             "model_path": self.model_path, "tokenizer_path": self.model_path, "served_model_name": self.model_path,
             "host": self.host, "port": endpoint.port, "tp_size": 1, "dp_size": 1, "pp_size": 1,
             "max_running_requests": self.model.max_running_requests,
@@ -176,7 +136,7 @@ class SimFleetServer:
         })
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({
+        return json_response({
             "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
             "preferred_sampling_params": None, "weight_version": self._endpoint(request).engine.weight_version,
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": "qwen3",
@@ -184,12 +144,12 @@ class SimFleetServer:
         })
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        return web.json_response({"error": {"message": "a simulated engine holds no weights"}}, status=400)
+        return json_response({"error": {"message": "a simulated engine holds no weights"}}, status=400)
 
     async def sim_stats(self, request: web.Request) -> web.Response:
         endpoint = self._endpoint(request)
         endpoint.engine.step()
-        return web.json_response({"port": endpoint.port, "simulated_now": endpoint.engine.clock.now(),
+        return json_response({"port": endpoint.port, "simulated_now": endpoint.engine.clock.now(),
                                   **asdict(endpoint.engine.counters)})
 
     async def sim_fleet_stats(self, request: web.Request) -> web.Response:
@@ -199,7 +159,7 @@ class SimFleetServer:
         now = engines[0].clock.now() if engines else 0.0
         total = {key: sum(getattr(e.counters, key) for e in engines) for key in asdict(engines[0].counters)} \
             if engines else {}
-        return web.json_response({"engines": len(engines), "simulated_now": now, **total,
+        return json_response({"engines": len(engines), "simulated_now": now, **total,
                                   "running": sum(len(e.running) for e in engines),
                                   "waiting": sum(len(e.waiting) for e in engines),
                                   "token_scale": self.model.token_scale})
@@ -209,16 +169,16 @@ class SimFleetServer:
         endpoint = self._endpoint(request)
         body = await _json_body(request)
         if body.get("stream"):
-            return web.json_response({"error": "stream=true is not supported by the simulated engine"}, status=400)
+            return json_response({"error": "stream=true is not supported by the simulated engine"}, status=400)
         params = body.get("sampling_params") or {}
         if not isinstance(params, dict):
-            return web.json_response({"error": "sampling_params must be an object"}, status=400)
+            return json_response({"error": "sampling_params must be an object"}, status=400)
         unknown = sorted(set(params) - SAMPLING_PARAMS)
         if unknown:
-            return web.json_response({"error": f"unknown sampling params: {unknown}"}, status=400)
+            return json_response({"error": f"unknown sampling params: {unknown}"}, status=400)
         input_ids = body.get("input_ids")
         if input_ids is None and body.get("text") is None:
-            return web.json_response({"error": "Either text or input_ids should be provided."}, status=400)
+            return json_response({"error": "Either text or input_ids should be provided."}, status=400)
         input_len = len(input_ids) if isinstance(input_ids, list) else len(str(body.get("text")).split())
         rid = str(body.get("rid") or f"sim-{secrets.token_hex(8)}")
         max_new_tokens = int(params.get("max_new_tokens", 128))
@@ -232,7 +192,7 @@ class SimFleetServer:
         except asyncio.CancelledError:  # the client went away: abort it, as SGLang does
             engine.abort(rid, abort_all=False)
             raise
-        return web.json_response(self._response(rid, input_len, result, bool(body.get("return_logprob"))))
+        return json_response(self._response(rid, input_len, result, bool(body.get("return_logprob"))))
 
     def _response(self, rid: str, input_len: int, result: dict[str, Any], return_logprob: bool) -> dict[str, Any]:
         tokens, finish = result["tokens"], result["finish_type"]
@@ -353,7 +313,7 @@ class SimFleetServer:
         await self._take(self.model.init_group_s)
         if body.get("weight_version") is not None:
             endpoint.engine.set_weight_version(str(body["weight_version"]))
-        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+        return json_response({"success": True, "message": "Succeeded to update model weights.",
                                   "num_paused_requests": 0})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import orjson
 import pytest
 
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry, RegistrationTimeout, TrainerInfo
 from hpc_rl.controller.train_batches import (RewardShaping, group_normalized_rewards, normalized_rewards,
                                              split_for_data_parallel)
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
+from hpc_rl.controller.engine_admin import BucketUpdate
 from hpc_rl.controller.weight_sync import WeightGroupState, push_weights_to_engines, rank_offsets
 from hpc_rl.data.samples import Sample
 from hpc_rl.protocol.messages import CommandDone, StopCommand, SyncWeightsCommand, WeightPlan
@@ -157,6 +159,13 @@ class FakeEngineAdmin:
     async def end_weight_update(self) -> None:
         self.calls.append((self.name, "end"))
 
+    async def weight_update(self, buckets: list[BucketUpdate]) -> None:
+        await self.begin_weight_update()
+        for bucket in buckets:
+            body = orjson.loads(bucket.body)
+            await self.update_weights_from_distributed(names=body["names"], weight_version=body.get("weight_version"))
+        await self.end_weight_update()
+
 
 def test_weight_sync_sequence_and_group_reuse() -> None:
     async def scenario() -> None:
@@ -240,8 +249,8 @@ class SlowRouterForTest:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
 
-    def add_worker(self, url: str) -> None:
-        self.calls.append(("add", url))
+    def add_workers(self, urls: list[str]) -> None:
+        self.calls += [("add", url) for url in urls]
 
     def remove_worker(self, url: str) -> None:
         import time

@@ -96,7 +96,7 @@ class FailingEngineAdmin:
     async def init_weight_group(self, **kwargs: object) -> None:
         pass
 
-    async def begin_weight_update(self) -> None:
+    async def weight_update(self, buckets: list) -> None:
         await self.trainer_failed.wait()
         await asyncio.sleep(0.05)  # the trainer side of the sync has ended (with TrainerFailed) by now
         raise EngineAdminError("http://e0/begin_weight_update answered HTTP 500")

@@ -237,6 +237,7 @@ def test_admin_calls_need_the_job_engine_key(model, tokenizer):
     """The engine key derived from the job secret: without it an admin call (pause) or a /generate gets
     401; with it (EngineAdmin / EngineClient given the key, as the controller is) they succeed."""
     from hpc_rl.controller.engine_admin import EngineAdmin, EngineAdminError
+    from hpc_rl.protocol.http_client import EngineConnections
     from hpc_rl.protocol.secret import Secret, engine_api_key
     from hpc_rl.rollout.engine_client import EngineClient, EngineHTTPError, StaticEngineDirectory
 
@@ -252,16 +253,17 @@ def test_admin_calls_need_the_job_engine_key(model, tokenizer):
         url = str(server.make_url("")).rstrip("/")
         body = {"rid": "k1", "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
         try:
-            async with aiohttp.ClientSession() as session:
-                without, wrong = EngineAdmin(url, session), EngineAdmin(url, session, api_key=key[::-1])
-                for admin in (without, wrong):
-                    with pytest.raises(EngineAdminError, match="pause_generation answered HTTP 401"):
-                        await admin.pause("abort")
-                    assert await admin.healthy()  # /health stays open (probes)
-                admin = EngineAdmin(url, session, api_key=key)
-                await admin.pause("abort")
-                await admin.resume_generation()
-                assert (await admin.model_info())["weight_version"] == "v0"
+            pools = [EngineConnections(), EngineConnections(api_key=key[::-1]), EngineConnections(api_key=key)]
+            without, wrong, admin = (EngineAdmin(url, pool) for pool in pools)
+            for refused in (without, wrong):
+                with pytest.raises(EngineAdminError, match="pause_generation answered HTTP 401"):
+                    await refused.pause("abort")
+                assert await refused.healthy()  # /health stays open (probes)
+            await admin.pause("abort")
+            await admin.resume_generation()
+            assert (await admin.model_info())["weight_version"] == "v0"
+            for pool in pools:
+                await pool.close()
             async with EngineClient(StaticEngineDirectory([url])) as client:
                 with pytest.raises(EngineHTTPError, match="HTTP 401"):
                     await client.generate(dict(body))

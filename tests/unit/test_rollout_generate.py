@@ -129,12 +129,10 @@ def test_unrequested_abort_resumes_with_new_version() -> None:
         engine.set_weight_version(0)
         task = asyncio.create_task(generate_turn(make_sample(0), {"max_new_tokens": 100}, session=session))
         await asyncio.sleep(0.08)
-        async with client.session.post(f"{engine.url}/pause_generation", json={"mode": "abort"}):
-            pass
+        await client.connections.to(engine.url).request("POST", "/pause_generation", b'{"mode": "abort"}', 10)
         engine.set_weight_version(1)
         await asyncio.sleep(0.05)
-        async with client.session.post(f"{engine.url}/continue_generation", json={}):
-            pass
+        await client.connections.to(engine.url).request("POST", "/continue_generation", b"{}", 10)
         done = await task
         assert done.status is SampleStatus.COMPLETED and done.response_length == 30
         assert done.weight_versions[0] == 0 and done.weight_versions[-1] == 1

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from hpc_rl.controller.engine_fleet import EngineFleet
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
+from hpc_rl.rollout.generate import GenerationSession
 
 
 def test_engine_urls_are_rebuilt_only_after_a_change(monkeypatch) -> None:
@@ -27,17 +29,115 @@ def test_engine_urls_are_rebuilt_only_after_a_change(monkeypatch) -> None:
     assert registry.engine_urls() == ["http://e0", "http://e1b", "http://e2"]
 
 
-def test_fleet_session_keeps_a_connection_per_engine() -> None:
-    """aiohttp's default cap of 100 connections made every admin call beyond engine 100 reconnect."""
+class CountingRouterForTest:
+    """A fake of sglang-router membership that records each batch it is given."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+
+    def add_workers(self, urls: list[str]) -> None:
+        self.batches.append(list(urls))
+
+    def remove_worker(self, url: str) -> None:
+        pass
+
+
+def test_registrations_made_together_reach_the_router_as_one_batch() -> None:
+    """Each registration used to wait for the router's full worker list on its own: O(N^2) at start-up."""
 
     async def scenario() -> None:
-        fleet = EngineFleet(Registry(trainer_world_size=1, num_engines=1), None, api_key=None, restart=None,
+        router = CountingRouterForTest()
+        fleet = EngineFleet(Registry(trainer_world_size=1, num_engines=50), router, api_key=None, restart=None,
                             max_restarts=0, health_interval_s=3600)
         await fleet.start()
         try:
-            assert fleet.session is not None and fleet.session.connector is not None
-            assert fleet.session.connector.limit == 0
+            await asyncio.gather(*(fleet.register(i, f"http://127.0.0.1:{9000 + i}", serving=True) for i in range(50)))
         finally:
             await fleet.close()
+        assert router.batches == [[f"http://127.0.0.1:{9000 + i}" for i in range(50)]]
+        assert len(fleet.registry.serving_engines()) == 50
+
+    asyncio.run(scenario())
+
+
+class SlowProbeAdminForTest:
+    """A fake of EngineAdmin whose /health takes 0.2 s (a loaded engine); engine 3 does not answer."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.probed = False
+
+    def answered_within(self, seconds: float) -> bool:
+        return self.index == 5  # engine 5 just answered a weight-update call: no probe needed
+
+    async def healthy(self, timeout_s: float) -> bool:
+        self.probed = True
+        await asyncio.sleep(0.2)
+        return self.index != 3
+
+
+def test_a_health_round_probes_engines_concurrently() -> None:
+    """Sequential probes made a round over 1,024 engines take minutes and starved the event loop."""
+
+    async def scenario() -> None:
+        registry = Registry(trainer_world_size=1, num_engines=40)
+        fleet = EngineFleet(registry, None, api_key=None, restart=None, max_restarts=0, health_interval_s=3600,
+                            health_concurrency=16)
+        await fleet.start()
+        try:
+            for index in range(40):
+                registry.add_engine(EngineInfo(engine_index=index, url=f"http://e{index}", state=EngineState.SERVING))
+                fleet.admins[index] = SlowProbeAdminForTest(index)  # type: ignore[assignment]
+            start = time.perf_counter()
+            await fleet.check_health()
+            took = time.perf_counter() - start
+        finally:
+            await fleet.close()
+        assert took < 2.0, f"40 probes of 0.2 s took {took:.1f} s: not concurrent (sequential: 8 s)"
+        assert [e.engine_index for e in registry.engines.values() if e.state == EngineState.FAILED] == [3]
+        assert [i for i, admin in fleet.admins.items() if not admin.probed] == [5]  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+class DrainingClientForTest:
+    """A fake of EngineClient for GenerationSession.stop: counts abort_all rounds."""
+
+    def __init__(self) -> None:
+        self.abort_rounds = 0
+
+    async def wake_waiters(self) -> None:
+        pass
+
+    async def abort_all(self) -> int:
+        self.abort_rounds += 1
+        return 1
+
+
+def test_stop_aborts_once_while_the_aborted_requests_come_back() -> None:
+    """stop() re-sent abort_all to every engine each time one response came back: with thousands in
+    flight on 1,024 engines, a storm of 1,024-call rounds while they drained."""
+
+    async def scenario() -> None:
+        client = DrainingClientForTest()
+        session = GenerationSession(client)  # type: ignore[arg-type]
+        session.in_flight = {f"r{i}" for i in range(200)}
+
+        async def drain() -> None:
+            for rid in sorted(session.in_flight):
+                await asyncio.sleep(0.002)
+                session._done(rid)
+
+        drained = asyncio.create_task(drain())
+        assert await session.stop(timeout_s=10.0, abort_every_s=0.2)
+        await drained
+        assert client.abort_rounds == 1
+
+        late = GenerationSession(client)  # type: ignore[arg-type]
+        late.in_flight = {"missed"}  # reached its engine just after the abort: nothing comes back
+        client.abort_rounds = 0
+        asyncio.get_running_loop().call_later(0.5, late._done, "missed")
+        assert await late.stop(timeout_s=10.0, abort_every_s=0.2)
+        assert client.abort_rounds >= 2  # re-aborted once nothing came back for abort_every_s
 
     asyncio.run(scenario())

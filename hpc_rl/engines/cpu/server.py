@@ -1,7 +1,8 @@
 """SGLang's HTTP API on aiohttp, served by the CPU engine's scheduler.
 
-Owns: routes, request/response JSON shapes, the api-key check and the weight-update session
-(`/begin_weight_update` ... `/end_weight_update`, required as in SGLang 0.5.23). Model work happens
+Owns: the handlers behind SGLang's routes (the route table, the api-key rule and the JSON helpers
+are hpc_rl.engines.http_api's, shared with the simulated engines), request/response JSON shapes, and
+the weight-update session (`/begin_weight_update` ... `/end_weight_update`, required as in SGLang 0.5.23). Model work happens
 on the scheduler thread (`Scheduler.call`); the blocking group rendezvous runs in a worker thread,
 so the server stays responsive while the trainer and the other engines join.
 
@@ -14,9 +15,7 @@ it was added with `POST /workers {"url", "api_key"}` (hpc_rl.engines.router).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import secrets
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,12 +34,16 @@ from hpc_rl.engines.cpu.weight_sync import (
     read_tensor_share,
     receive_bucket,
 )
+from hpc_rl.engines.http_api import add_sglang_routes, authorized, json_response, sglang_http_errors, unauthorized
+from hpc_rl.engines.http_api import fail as _fail
+from hpc_rl.engines.http_api import json_body as _json_body
+from hpc_rl.engines.http_api import ok as _ok
+from hpc_rl.engines.http_api import read_json as _read_json
+from hpc_rl.engines.http_api import validation_error as _validation_error
 
 log = logging.getLogger(__name__)
 
 CPU_ENGINE_VERSION = "0.5.23+hpc_rl.cpu"
-OPEN_PATH_PREFIXES = ("/health", "/ready", "/metrics")
-"""Served without the api key (probes), as in SGLang."""
 ALL_MEMORY_TAGS = ["weights", "kv_cache", "cuda_graph"]
 
 
@@ -58,51 +61,6 @@ class ServerInfo:
     model_type: str = ""
 
 
-def _ok(message: str = "Success") -> web.Response:
-    return json_response({"success": True, "message": message})
-
-
-def _fail(message: str, status: int = 400) -> web.Response:
-    return json_response({"success": False, "message": message}, status=status)
-
-
-def _validation_error(message: str) -> web.Response:
-    """SGLang's 400 for a body its pydantic model rejects (the legacy `ErrorResponse` shape)."""
-    return json_response({"object": "error", "message": message, "type": "Bad Request", "param": None,
-                          "code": 400}, status=400)
-
-
-def json_response(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
-
-
-async def _read_json(request: web.Request) -> Any:
-    if not request.can_read_body:
-        return {}
-    raw = await request.read()
-    try:
-        return orjson.loads(raw) if raw else {}
-    except orjson.JSONDecodeError as error:
-        raise web.HTTPBadRequest(text=json.dumps({"error": f"invalid JSON: {error}"}),
-                                 content_type="application/json") from None
-
-
-async def _json_body(request: web.Request) -> dict:
-    body = await _read_json(request)
-    return body if isinstance(body, dict) else {}
-
-
-@web.middleware
-async def sglang_http_errors(request: web.Request, handler) -> web.StreamResponse:
-    """404/405 as FastAPI answers them in SGLang: JSON `{"detail": "Not Found"}`."""
-    try:
-        return await handler(request)
-    except web.HTTPNotFound:
-        return json_response({"detail": "Not Found"}, status=404)
-    except web.HTTPMethodNotAllowed:
-        return json_response({"detail": "Method Not Allowed"}, status=405)
-
-
 class EngineServer:
     """The aiohttp application around one `Scheduler`."""
 
@@ -115,32 +73,7 @@ class EngineServer:
     # ---- plumbing ------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[sglang_http_errors, self._auth], client_max_size=1 << 30)
-        get_post = [
-            ("/health", self.health), ("/health_generate", self.health),
-            ("/server_info", self.server_info), ("/get_server_info", self.server_info),
-            ("/model_info", self.model_info), ("/get_model_info", self.model_info),
-            ("/get_weights_by_name", self.get_weights_by_name),
-        ]
-        for path, handler in get_post:
-            app.router.add_get(path, handler)
-            app.router.add_post(path, handler)
-        posts = [
-            ("/generate", self.generate), ("/abort_request", self.abort_request),
-            ("/pause_generation", self.pause_generation), ("/continue_generation", self.continue_generation),
-            ("/flush_cache", self.flush_cache),
-            ("/init_weights_update_group", self.init_weights_update_group),
-            ("/destroy_weights_update_group", self.destroy_weights_update_group),
-            ("/begin_weight_update", self.begin_weight_update), ("/end_weight_update", self.end_weight_update),
-            ("/update_weights_from_distributed", self.update_weights_from_distributed),
-            ("/update_weights_from_disk", self.update_weights_from_disk),
-            ("/update_weights_from_tensor", self.update_weights_from_tensor),
-            ("/update_weight_version", self.update_weight_version),
-            ("/release_memory_occupation", self.release_memory_occupation),
-            ("/resume_memory_occupation", self.resume_memory_occupation),
-        ]
-        for path, handler in posts:
-            app.router.add_post(path, handler)
-        app.router.add_get("/flush_cache", self.flush_cache)
+        add_sglang_routes(app, self)
         app.on_shutdown.append(self._on_shutdown)
         return app
 
@@ -149,11 +82,8 @@ class EngineServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
-        key = self.info.api_key
-        if key and request.method != "OPTIONS" and not request.path.startswith(OPEN_PATH_PREFIXES):
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), key.encode()):
-                return json_response({"error": "Unauthorized"}, status=401)
+        if not authorized(request, self.info.api_key):
+            return unauthorized()
         return await handler(request)
 
     async def _on_scheduler(self, function) -> Any:

@@ -1,0 +1,92 @@
+"""The controller's side of a weight sync alone: pause, the pipelined weight update, continue, against N
+simulated engines (hpc_rl.sim in a child process), with no rollout, trainer or router around it.
+
+Prints, per round, the controller's CPU seconds for each step (what a dedicated controller core
+would spend: the goal is < 1 s at 1,024 engines for the whole sync) and the wall time (on one
+machine it includes the simulated engines' own HTTP handling, which a cluster spreads over N hosts).
+
+    python benchmarks/bench_admin_fanout.py --engines 256 1024 [--buckets 16] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin  # noqa: E402
+from hpc_rl.engines import API_KEY_ENV  # noqa: E402
+from hpc_rl.protocol.http_client import EngineConnections  # noqa: E402
+
+SIM_PARAMS = REPO / "configs" / "sim" / "qwen3_4b_h100_tp2.yaml"
+KEY = "bench-admin-fanout-key"
+
+
+def start_engines(count: int, work: Path) -> tuple[subprocess.Popen, list[str]]:
+    urls_file = work / f"urls-{count}.txt"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hpc_rl.sim", "--params", str(SIM_PARAMS), "--count", str(count),
+         "--urls-file", str(urls_file), "--set", "time_scale_ms=1"],
+        env={**os.environ, API_KEY_ENV: KEY, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not urls_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the simulated engines did not start")
+        time.sleep(0.1)
+    return process, urls_file.read_text().split()
+
+
+def qwen3_4b_like_buckets(count: int) -> list[BucketUpdate]:
+    """`count` buckets of 25 tensors each (Qwen3-4B: 398 tensors in 16 buckets of 512 MB)."""
+    return [BucketUpdate.of(names=[f"model.layers.{i}.t{j}.weight" for j in range(25)], dtypes=["bfloat16"] * 25,
+                            shapes=[[2560, 9728]] * 25, group_name="weight_update_group_1",
+                            weight_version="1" if i == count - 1 else None, load_format=None)
+            for i in range(count)]
+
+
+async def rounds(urls: list[str], buckets: list[BucketUpdate], count: int) -> None:
+    pool = EngineConnections(api_key=KEY)
+    admins = [EngineAdmin(url, pool) for url in urls]
+    await asyncio.gather(*(admin.healthy() for admin in admins))  # connections open before timing
+    for index in range(count):
+        cpu, wall = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(admin.pause("retract") for admin in admins))
+        paused = time.process_time()
+        await asyncio.gather(*(admin.weight_update(buckets) for admin in admins))
+        updated = time.process_time()
+        await asyncio.gather(*(admin.resume_generation() for admin in admins))
+        done = time.process_time()
+        print(f"{len(urls):>6} {index:>5} {paused - cpu:>8.3f} {updated - paused:>8.3f} {done - updated:>8.3f} "
+              f"{done - cpu:>8.3f} {time.perf_counter() - wall:>7.2f} {os.getloadavg()[0]:>5.1f}", flush=True)
+    await pool.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--buckets", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    print(f"{'N':>6} {'round':>5} {'pause':>8} {'update':>8} {'continue':>8} {'ctrl CPU':>8} {'wall s':>7} {'load':>5}"
+          f"   (controller CPU s; update = begin + {args.buckets} buckets + end, pipelined per engine)")
+    with tempfile.TemporaryDirectory(prefix="bench_admin_fanout-") as tmp:
+        for count in args.engines:
+            process, urls = start_engines(count, Path(tmp))
+            try:
+                asyncio.run(rounds(urls, qwen3_4b_like_buckets(args.buckets), args.rounds))
+            finally:
+                process.terminate()
+                process.wait(15)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

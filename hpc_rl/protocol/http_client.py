@@ -1,0 +1,351 @@
+"""Keep-alive, pipelined HTTP/1.1 to engines and the router: admin calls, /generate, /abort_request.
+
+Owns: keep-alive TCP connections per engine (one, unless calls overlap: a call never waits behind
+another caller's; opened on first use, reopened after an error or a close by the engine), requests
+written back to back (pipelined: an HTTP/1.1 server answers them in order, as uvicorn under SGLang
+and aiohttp under the CPU and simulated engines do), responses parsed (status; body by
+Content-Length, chunked, or up to the close) and matched to requests in order, a timeout per
+response, and `EngineConnections`: the pool, one entry per engine URL, with a bound on connections
+being opened at once (a fan-out to 1,024 engines must not open 1,024 sockets in one instant against
+their listen backlogs).
+
+Why not aiohttp: its client cost ~440 us of controller CPU per call here (measured against the
+simulated engines at N=256); a weight sync of Qwen3-4B is 20 calls per engine, 20,480 at 1,024
+engines. This one costs ~100 us per single call and ~45-70 us per pipelined one (most of it the event
+loop's read per answer). benchmarks/bench_scale.py and docs/scaling.md have the numbers.
+Does not own: what the calls mean (controller.engine_admin, rollout.engine_client) or when they are
+made (controller.weight_sync, the loop, the rollout client). Plain HTTP only: engines and the
+router listen on the job's own nodes, as before (no TLS was used with aiohttp either).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import deque
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+DEFAULT_MAX_CONNECTING = 64
+"""Connections being opened at once, over all engines."""
+
+
+IDLE_CLOSE_RACE_S = 1.0
+"""A kept-alive connection closed this soon after a write, before any answer, was closed by the engine
+while idle (it never read the request): the request is sent again on a new connection. Later, it is an
+engine that went away while working, and the caller hears of it."""
+
+
+class EngineHTTPTransportError(ConnectionError):
+    """The connection failed, was closed, timed out, or answered something that is not HTTP/1.1."""
+
+
+def encode_request(method: str, path: str, host: str, auth: bytes, body: bytes | None) -> bytes:
+    """One HTTP/1.1 request, keep-alive, with a JSON body (or none)."""
+    head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n".encode() + auth
+    if body is None:
+        return head + b"Content-Length: 0\r\n\r\n"
+    return head + b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+
+
+def _header(head: bytes, name: bytes) -> bytes | None:
+    """The value of header `name` in a lower-cased response head (each line ending in CRLF)."""
+    start = head.find(b"\r\n" + name + b":")
+    if start < 0:
+        return None
+    start += len(name) + 3
+    return head[start:head.find(b"\r\n", start)].strip()
+
+
+def _one_whole_response(data: bytes) -> tuple[int, bytes] | None:
+    """(status, body) if `data` is exactly one complete final response with a Content-Length."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0 or not data.startswith(b"HTTP/1."):
+        return None
+    head = data[:end + 2].lower()
+    length = _header(head, b"content-length")
+    if length is None or len(data) != end + 4 + int(length) or int(head[9:12]) < 200:
+        return None
+    return int(head[9:12]), data[end + 4:]
+
+
+class _ResponseParser:
+    """Incremental HTTP/1.1 response parser: feed bytes, get (status, body) tuples."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.status: int | None = None
+        self.length: int | None = None
+        self.chunked = False
+        self.until_close = False
+        self.body = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        if not self.buffer and self.status is None:
+            whole = _one_whole_response(data)
+            if whole is not None:  # the common case: one read holds one answer
+                return [whole]
+        self.buffer += data
+        done: list[tuple[int, bytes]] = []
+        while True:
+            if self.status is None and not self._head():
+                return done
+            finished = self._chunks() if self.chunked else self._fixed()
+            if not finished:
+                return done
+            done.append((self.status or 0, bytes(self.body)))
+            self.status, self.length, self.chunked, self.body = None, None, False, bytearray()
+
+    def _head(self) -> bool:
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            return False
+        head = bytes(self.buffer[:end + 2]).lower()
+        del self.buffer[:end + 4]
+        if not head.startswith(b"http/1.") or len(head) < 12:
+            raise EngineHTTPTransportError(f"not an HTTP/1.1 response: {head[:80]!r}")
+        status = int(head[9:12])
+        if 100 <= status < 200:  # an interim response: the real one follows
+            return self._head()
+        self.status = status
+        self.chunked = _header(head, b"transfer-encoding") == b"chunked"
+        length = _header(head, b"content-length")
+        if length is not None:
+            self.length = int(length)
+        elif not self.chunked and status not in (204, 304):
+            self.until_close = True
+        return True
+
+    def _fixed(self) -> bool:
+        if self.until_close:
+            return False  # completed by close()
+        need = self.length or 0
+        if len(self.buffer) < need:
+            return False
+        self.body += self.buffer[:need]
+        del self.buffer[:need]
+        return True
+
+    def _chunks(self) -> bool:
+        while True:
+            end = self.buffer.find(b"\r\n")
+            if end < 0:
+                return False
+            size = int(bytes(self.buffer[:end]).split(b";")[0], 16)
+            if size == 0:
+                trailer_end = self.buffer.find(b"\r\n\r\n", end)
+                if trailer_end < 0:
+                    return False
+                del self.buffer[:trailer_end + 4]
+                return True
+            if len(self.buffer) < end + 2 + size + 2:
+                return False
+            self.body += self.buffer[end + 2:end + 2 + size]
+            del self.buffer[:end + 2 + size + 2]
+
+    def close(self) -> tuple[int, bytes] | None:
+        """The peer closed: the body read up to the close, if that is how this response ends."""
+        if self.status is not None and self.until_close:
+            return self.status, bytes(self.body + self.buffer)
+        return None
+
+
+class _Link(asyncio.Protocol):
+    """One TCP connection (a new one after each failure): its parser and the requests awaiting answers."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.transport: asyncio.Transport | None = None
+        self.parser = _ResponseParser()
+        self.waiting: deque[asyncio.Future[tuple[int, bytes]]] = deque()
+        self.requests_sent = 0
+        self.last_answer_at = 0.0
+        self.closed_early = False
+        """The peer closed while requests waited and none of them had been answered."""
+        self.on_lost: Callable[[_Link], None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # small requests go out at once (as aiohttp sets it)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            responses = self.parser.feed(data)
+        except (EngineHTTPTransportError, ValueError) as error:
+            self.fail(EngineHTTPTransportError(f"{self.url}: {error}"))
+            return
+        if responses:
+            self.last_answer_at = asyncio.get_running_loop().time()
+        for response in responses:
+            if self.waiting:
+                future = self.waiting.popleft()
+                if not future.done():
+                    future.set_result(response)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed_early = bool(self.waiting) and self.parser.status is None and not self.parser.buffer
+        last = self.parser.close()
+        if last is not None and self.waiting:
+            future = self.waiting.popleft()
+            if not future.done():
+                future.set_result(last)
+        self.fail(EngineHTTPTransportError(f"{self.url}: connection closed" + (f" ({exc})" if exc else "")))
+        if self.on_lost is not None:
+            self.on_lost(self)
+
+    def usable(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def fail(self, error: Exception) -> None:
+        """Every request waiting on this connection fails; the connection is dropped."""
+        waiting, self.waiting = self.waiting, deque()
+        for future in waiting:
+            if not future.done():
+                future.set_exception(error)
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class EngineConnection:
+    """Admin requests to one engine over keep-alive connections (usually one); `exchange` pipelines."""
+
+    def __init__(self, url: str, *, api_key: str | None, connecting: asyncio.Semaphore) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"engine URL {url!r}: expected http://host:port (engines speak plain HTTP)")
+        self.url = url.rstrip("/")
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.host_header = f"{self.host}:{self.port}"
+        self.auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
+        self._connecting = connecting
+        self._links: set[_Link] = set()
+        self._idle: list[_Link] = []
+        self.answered_at = float("-inf")
+        """Event-loop time of the last exchange this engine answered in full (any status)."""
+
+    async def _connected(self) -> _Link:
+        """An open connection with nothing in flight (a call never queues behind another caller's: a
+        health probe must not wait behind a long weight update), opened if there is none. Idle
+        connections wait in a stack (the router's pool holds one per request in flight: thousands)."""
+        while self._idle:
+            link = self._idle.pop()
+            if link.usable() and not link.waiting:
+                return link
+        async with self._connecting:
+            loop = asyncio.get_running_loop()
+            try:
+                _, link = await loop.create_connection(lambda: _Link(self.url), self.host, self.port)
+            except OSError as error:
+                raise EngineHTTPTransportError(f"{self.url}: cannot connect: {error}") from error
+        self._links.add(link)
+        link.on_lost = self._links.discard
+        return link
+
+    async def exchange(self, requests: list[tuple[str, str, bytes | None]], timeout_s: float) -> list[tuple[int, bytes]]:
+        """Send (method, path, body) requests back to back (pipelined) and return their (status, body) in
+        order; EngineHTTPTransportError at the first that gets no answer (connection refused or closed, no answer
+        within `timeout_s`: the connection is dropped then, as a late answer would be matched to the
+        wrong request). A kept-alive connection the engine closed while idle (closed within
+        IDLE_CLOSE_RACE_S of the write, before any answer) is reopened and the requests sent once more:
+        the engine never read them."""
+        for attempt in (1, 2):
+            link = await self._connected()
+            reused = link.requests_sent > 0
+            loop = asyncio.get_running_loop()
+            futures = [loop.create_future() for _ in requests]
+            link.waiting.extend(futures)
+            link.requests_sent += len(requests)
+            assert link.transport is not None
+            sent_at = loop.time()
+            link.transport.write(b"".join(encode_request(method, path, self.host_header, self.auth, body)
+                                          for method, path, body in requests))
+            try:
+                await self._wait_all(link, futures, timeout_s)
+                self.answered_at = loop.time()
+                if link.usable():
+                    self._idle.append(link)
+                return [future.result() for future in futures]
+            except asyncio.CancelledError:
+                # Drop the connection: the engine sees the client go away and aborts what it runs (as
+                # SGLang does), and no later answer can be matched to another caller's request.
+                link.fail(EngineHTTPTransportError(f"{self.url}: the caller was cancelled"))
+                for future in futures:
+                    if future.done() and not future.cancelled():
+                        future.exception()
+                raise
+            except EngineHTTPTransportError:
+                answered = sum(1 for f in futures if f.done() and not f.cancelled() and f.exception() is None)
+                for future in futures:  # read, so asyncio does not log them as never retrieved
+                    if future.done() and not future.cancelled():
+                        future.exception()
+                    else:
+                        future.add_done_callback(_read_outcome)
+                if (attempt == 1 and reused and not answered and link.closed_early
+                        and loop.time() - sent_at < IDLE_CLOSE_RACE_S):
+                    continue
+                raise
+        raise AssertionError("unreachable")
+
+    async def _wait_all(self, link: _Link, futures: list[asyncio.Future[tuple[int, bytes]]], timeout_s: float) -> None:
+        """Until every answer is in, one wake-up per exchange (not per response); EngineHTTPTransportError
+        when the connection fails or `timeout_s` passes without any answer (the link is dropped then)."""
+        loop = asyncio.get_running_loop()
+        link.last_answer_at = loop.time()
+        last = futures[-1]
+        while not last.done():
+            await asyncio.wait((last,), timeout=max(0.0, link.last_answer_at + timeout_s - loop.time()))
+            if not last.done() and loop.time() - link.last_answer_at >= timeout_s:
+                error = EngineHTTPTransportError(f"{self.url}: no answer within {timeout_s:g} s")
+                link.fail(error)
+                raise error
+        for future in futures:
+            error = future.exception()
+            if error is not None:
+                raise error
+
+    async def request(self, method: str, path: str, body: bytes | None, timeout_s: float) -> tuple[int, bytes]:
+        return (await self.exchange([(method, path, body)], timeout_s))[0]
+
+    def close(self) -> None:
+        for link in list(self._links):
+            if link.transport is not None:
+                link.transport.close()
+        self._links.clear()
+        self._idle.clear()
+
+
+def _read_outcome(future: asyncio.Future[tuple[int, bytes]]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class EngineConnections:
+    """The controller's admin connections: one `EngineConnection` per engine URL."""
+
+    def __init__(self, *, api_key: str | None = None, max_connecting: int = DEFAULT_MAX_CONNECTING) -> None:
+        self.api_key = api_key
+        self._connecting = asyncio.Semaphore(max_connecting)
+        self._connections: dict[str, EngineConnection] = {}
+
+    def to(self, url: str) -> EngineConnection:
+        """The connection to `url` (created on first use)."""
+        url = url.rstrip("/")
+        connection = self._connections.get(url)
+        if connection is None:
+            connection = self._connections[url] = EngineConnection(url, api_key=self.api_key,
+                                                                   connecting=self._connecting)
+        return connection
+
+    def forget(self, url: str) -> None:
+        """Close and drop the connection to `url` (an engine that failed or restarted)."""
+        connection = self._connections.pop(url.rstrip("/"), None)
+        if connection is not None:
+            connection.close()
+
+    async def close(self) -> None:
+        for connection in self._connections.values():
+            connection.close()
+        self._connections.clear()

@@ -1,0 +1,140 @@
+"""hpc_rl.protocol.http_client (keep-alive, pipelined HTTP/1.1 to engines) against real aiohttp servers,
+and the pipelined weight update of EngineAdmin against simulated engines (hpc_rl.sim)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import orjson
+import pytest
+from aiohttp import web
+
+from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin, EngineAdminError
+from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
+from hpc_rl.sim.model import EngineModel
+from hpc_rl.sim.server import SimFleetServer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+async def serve(app: web.Application, **runner_options: object) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None, **runner_options)  # type: ignore[arg-type]
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def echo_app(seen: list[tuple[int, str]]) -> web.Application:
+    """Answers in the order requests arrive; records (connection id, path)."""
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        seen.append((id(request.transport), request.path))
+        if request.path == "/chunked":
+            response = web.StreamResponse()
+            response.enable_chunked_encoding()
+            await response.prepare(request)
+            for part in (b'{"a":', b' 1}'):
+                await response.write(part)
+            await response.write_eof()
+            return response
+        if request.path == "/slow":
+            await asyncio.sleep(1.0)
+        body = await request.read()
+        return web.json_response({"path": request.path, "body": body.decode(), "auth": request.headers.get("Authorization")},
+                                 status=400 if request.path == "/bad" else 200)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", echo)
+    return app
+
+
+def test_pipelined_requests_share_one_connection_and_come_back_in_order() -> None:
+    async def scenario() -> None:
+        seen: list[tuple[int, str]] = []
+        runner, url = await serve(echo_app(seen))
+        pool = EngineConnections(api_key="k")
+        try:
+            answers = await pool.to(url).exchange(
+                [("POST", "/one", b'{"x": 1}'), ("POST", "/bad", b"{}"), ("GET", "/chunked", None),
+                 ("POST", "/three", b"[]")], timeout_s=10)
+            assert [status for status, _ in answers] == [200, 400, 200, 200]
+            first = orjson.loads(answers[0][1])
+            assert first == {"path": "/one", "body": '{"x": 1}', "auth": "Bearer k"}
+            assert orjson.loads(answers[2][1]) == {"a": 1}
+            assert orjson.loads(answers[3][1])["path"] == "/three"
+            assert len({connection for connection, _ in seen}) == 1
+            assert [path for _, path in seen] == ["/one", "/bad", "/chunked", "/three"]
+        finally:
+            await pool.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_an_idle_connection_closed_by_the_engine_is_reopened() -> None:
+    """uvicorn (SGLang) closes idle keep-alive connections after 5 s: the next call must not fail."""
+
+    async def scenario() -> None:
+        seen: list[tuple[int, str]] = []
+        runner, url = await serve(echo_app(seen), keepalive_timeout=0.1)
+        pool = EngineConnections()
+        try:
+            assert (await pool.to(url).request("POST", "/a", b"{}", timeout_s=10))[0] == 200
+            await asyncio.sleep(0.5)  # the server closed the idle connection meanwhile
+            assert (await pool.to(url).request("POST", "/b", b"{}", timeout_s=10))[0] == 200
+            assert len({connection for connection, _ in seen}) == 2
+        finally:
+            await pool.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_a_call_overlapping_a_slow_one_gets_its_own_connection_and_timeouts_name_the_engine() -> None:
+    async def scenario() -> None:
+        seen: list[tuple[int, str]] = []
+        runner, url = await serve(echo_app(seen))
+        pool = EngineConnections()
+        connection = pool.to(url)
+        try:
+            slow = asyncio.create_task(connection.request("POST", "/slow", b"{}", timeout_s=10))
+            await asyncio.sleep(0.1)
+            assert (await connection.request("GET", "/health", None, timeout_s=0.5))[0] == 200  # not behind /slow
+            assert (await slow)[0] == 200
+            with pytest.raises(EngineHTTPTransportError, match=f"{url}: no answer within 0.2 s"):
+                await connection.request("POST", "/slow", b"{}", timeout_s=0.2)
+            assert (await connection.request("POST", "/after", b"{}", timeout_s=10))[0] == 200
+        finally:
+            await pool.close()
+            await runner.cleanup()
+        with pytest.raises(EngineHTTPTransportError, match="cannot connect"):
+            await EngineConnections().to(url).request("GET", "/health", None, timeout_s=5)
+
+    asyncio.run(scenario())
+
+
+def test_weight_update_pipelines_the_session_and_names_the_failing_call() -> None:
+    async def scenario() -> None:
+        model = EngineModel.from_yaml(REPO / "configs" / "sim" / "qwen3_4b_h100_tp2.yaml", time_scale_ms=1)
+        server = SimFleetServer(model, count=2, api_key="k")
+        urls = await server.start()
+        pool = EngineConnections(api_key="k")
+        try:
+            admins = [EngineAdmin(url, pool) for url in urls]
+            buckets = [BucketUpdate.of(names=[f"w{i}"], dtypes=["bfloat16"], shapes=[[4, 4]], group_name="g",
+                                       weight_version="7" if i == 2 else None, load_format=None) for i in range(3)]
+            await asyncio.gather(*(admin.weight_update(buckets) for admin in admins))
+            for admin in admins:
+                assert (await admin.model_info())["weight_version"] == "7"
+            await admins[1].begin_weight_update()  # a session left open: the pipelined begin is refused
+            with pytest.raises(EngineAdminError, match=f"{urls[1]}/begin_weight_update answered HTTP 400"):
+                await admins[1].weight_update(buckets)
+            await admins[1].weight_update(buckets)  # its end call was still made: the session is closed
+        finally:
+            await pool.close()
+            await server.stop()
+
+    asyncio.run(scenario())
