@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
+
 import pytest
 
 from hpc_rl.data.samples import Sample, SampleStatus
@@ -141,8 +143,9 @@ def test_abort_of_one_rid_in_a_batch_resumes_only_that_sample() -> None:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.03)
         victim = samples[2].rid
-        async with client.session.post(f"{fakes[0].url}/abort_request", json={"rid": victim}):
-            pass
+        status, _ = await client.connections.to(fakes[0].url).request(
+            "POST", "/abort_request", orjson.dumps({"rid": victim}), 10.0)
+        assert status == 200
         await asyncio.gather(*tasks)
         assert all(s.status is SampleStatus.TRUNCATED and s.response_length == 30 for s in samples)
         assert session.metrics.requests_resumed == 1 and session.metrics.requests_aborted == 1
