@@ -166,24 +166,48 @@ class SimFleetServer:
 
     # -- generation ------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
+        """One request, or SGLang's batched form (`input_ids` a list of lists, `rid` / `sampling_params` /
+        `return_logprob` one each or one per item): each item runs as its own request, answers in order."""
         endpoint = self._endpoint(request)
         body = await _json_body(request)
         if body.get("stream"):
             return json_response({"error": "stream=true is not supported by the simulated engine"}, status=400)
-        params = body.get("sampling_params") or {}
-        if not isinstance(params, dict):
-            return json_response({"error": "sampling_params must be an object"}, status=400)
-        unknown = sorted(set(params) - SAMPLING_PARAMS)
-        if unknown:
-            return json_response({"error": f"unknown sampling params: {unknown}"}, status=400)
         input_ids = body.get("input_ids")
         if input_ids is None and body.get("text") is None:
             return json_response({"error": "Either text or input_ids should be provided."}, status=400)
-        input_len = len(input_ids) if isinstance(input_ids, list) else len(str(body.get("text")).split())
-        rid = str(body.get("rid") or f"sim-{secrets.token_hex(8)}")
-        max_new_tokens = int(params.get("max_new_tokens", 128))
+        batched = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+        count = len(input_ids) if batched else 1
+
+        def per_item(key: str, default: Any) -> list[Any]:
+            value = body.get(key, default)
+            if batched and (key == "input_ids" or isinstance(value, list)):
+                return list(value)
+            return [value] * count
+
+        rids = per_item("rid", None)
+        if batched and isinstance(body.get("rid"), str):  # SGLang: one string rid becomes <rid>_<i>
+            rids = [f"{body['rid']}_{i}" for i in range(count)]
+        if batched and None not in rids and len(set(map(str, rids))) != len(rids):
+            return json_response({"error": "Duplicate request IDs detected within the request"}, status=400)
+        items = []
+        for ids, rid, params, logprob in zip(per_item("input_ids", None), rids, per_item("sampling_params", {}),
+                                             per_item("return_logprob", False)):
+            params = params or {}
+            if not isinstance(params, dict):
+                return json_response({"error": "sampling_params must be an object"}, status=400)
+            unknown = sorted(set(params) - SAMPLING_PARAMS)
+            if unknown:
+                return json_response({"error": f"unknown sampling params: {unknown}"}, status=400)
+            input_len = len(ids) if isinstance(ids, list) else len(str(body.get("text")).split())
+            items.append((str(rid or f"sim-{secrets.token_hex(8)}"), input_len, params, bool(logprob)))
+        answers = await asyncio.gather(*(self._run_item(endpoint, *item) for item in items))
+        return json_response(answers if batched else answers[0])
+
+    async def _run_item(self, endpoint: Any, rid: str, input_len: int, params: dict[str, Any],
+                        return_logprob: bool) -> dict[str, Any]:
         engine = endpoint.engine
-        sim_request = plan_request(self.model, rid=rid, input_len=input_len, max_new_tokens=max_new_tokens,
+        sim_request = plan_request(self.model, rid=rid, input_len=input_len,
+                                   max_new_tokens=int(params.get("max_new_tokens", 128)),
                                    now=engine.clock.now(), ignore_eos=bool(params.get("ignore_eos")))
         engine.submit(sim_request)
         assert sim_request.done is not None
@@ -192,7 +216,7 @@ class SimFleetServer:
         except asyncio.CancelledError:  # the client went away: abort it, as SGLang does
             engine.abort(rid, abort_all=False)
             raise
-        return json_response(self._response(rid, input_len, result, bool(body.get("return_logprob"))))
+        return self._response(rid, input_len, result, return_logprob)
 
     def _response(self, rid: str, input_len: int, result: dict[str, Any], return_logprob: bool) -> dict[str, Any]:
         tokens, finish = result["tokens"], result["finish_type"]

@@ -138,3 +138,30 @@ def test_weight_update_pipelines_the_session_and_names_the_failing_call() -> Non
             await server.stop()
 
     asyncio.run(scenario())
+
+
+def test_simulated_engines_answer_sglangs_batched_generate_item_by_item() -> None:
+    """The rollout client sends a group as one batched /generate (rid list); the sim answers as SGLang does."""
+    async def scenario() -> None:
+        model = EngineModel.from_yaml(REPO / "configs" / "sim" / "qwen3_4b_h100_tp2.yaml", time_scale_ms=1)
+        server = SimFleetServer(model, count=1, api_key="k")
+        urls = await server.start()
+        pool = EngineConnections(api_key="k")
+        try:
+            engine = pool.to(urls[0])
+            body = {"rid": ["s1-a", "s2-b", "s3-c"], "input_ids": [[1, 2], [3], [4, 5, 6]],
+                    "sampling_params": {"max_new_tokens": 8}, "return_logprob": [True, False, True]}
+            status, raw = await engine.request("POST", "/generate", orjson.dumps(body), 60.0)
+            answers = orjson.loads(raw)
+            assert status == 200 and [a["meta_info"]["id"] for a in answers] == ["s1-a", "s2-b", "s3-c"]
+            assert [a["meta_info"]["prompt_tokens"] for a in answers] == [2, 1, 3]
+            assert all(0 < len(a["output_ids"]) <= 8 for a in answers)
+            assert ["output_token_logprobs" in a["meta_info"] for a in answers] == [True, False, True]
+            duplicate = {**body, "rid": ["x", "x", "y"]}
+            status, raw = await engine.request("POST", "/generate", orjson.dumps(duplicate), 60.0)
+            assert status == 400 and b"Duplicate request IDs" in raw
+        finally:
+            await pool.close()
+            await server.stop()
+
+    asyncio.run(scenario())
