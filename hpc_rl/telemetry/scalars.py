@@ -23,8 +23,10 @@ class ScalarLog:
     """`log(metrics, step)` writes every finite numeric metric as a scalar (TensorBoard, and W&B if given)."""
 
     def __init__(self, log_dir: str | Path | None, *, filename_suffix: str = "",
-                 wandb: WandbScalars | None = None) -> None:
+                 wandb: WandbScalars | None = None, tensorboard_skips: tuple[str, ...] = ()) -> None:
         self._writer: ScalarEventFile | None = None
+        self._tensorboard_skips = tensorboard_skips
+        """Name prefixes another process writes to the same TensorBoard dir (W&B still gets them)."""
         if log_dir is not None:
             self._writer = ScalarEventFile(log_dir, filename_suffix=filename_suffix)
         self._wandb = wandb
@@ -37,7 +39,9 @@ class ScalarLog:
             from hpc_rl.telemetry.wandb_scalars import WandbScalars
 
             wandb = WandbScalars.open(config, run_dir)
-        return cls(log_dir, filename_suffix=".controller", wandb=wandb)
+        # train/* is trainer rank 0's, per optimizer step; the controller's per-rollout summary of it would
+        # put a second series under the same tags on another step axis.
+        return cls(log_dir, filename_suffix=".controller", wandb=wandb, tensorboard_skips=("train/",))
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if self._wandb is not None:
@@ -45,6 +49,8 @@ class ScalarLog:
         if self._writer is None:
             return
         for name, value in metrics.items():
+            if name.startswith(self._tensorboard_skips):
+                continue
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 self._writer.add_scalar(name, float(value), step)
         self._writer.flush()
