@@ -71,7 +71,7 @@ from hpc_rl.launch.node_health import NodeLoss, lost_nodes, query_node_states
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
 from hpc_rl.launch.trainer_exit import describe_trainer_exit
 from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
-from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
+from hpc_rl.protocol.secret import Secret, engine_api_key, load_secret, secret_path
 from hpc_rl.telemetry.run_files import RunLogFileHandler
 from hpc_rl.weights.device_identity import DEVICE_ID_ENV, device_identity
 
@@ -87,6 +87,8 @@ SGLANG_API_KEY_FILE = "sglang_api_key.yaml"
 
 ENGINE_BIND_RETRIES = 2
 """An engine whose port is taken is started again on a free port this many times, then the run fails."""
+ENGINE_HEALTH_POLL_S = 0.1
+"""How often a starting engine's /health is asked (a refused connection until it listens; issue 11)."""
 NODE_WATCH_INTERVAL_S = 2.0
 """On Slurm, how often the driver asks whether the job's nodes are alive (one `sinfo` call)."""
 NODE_REQUEUE_WAIT_S = 120.0
@@ -216,7 +218,7 @@ async def _wait_healthy(url: str, step: StepHandle, timeout_s: float, log_path: 
                         return
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 pass
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(ENGINE_HEALTH_POLL_S)
     raise RuntimeError(f"{step.name} not healthy at {url}/health after {timeout_s:.0f} s; "
                        f"last lines of {log_path}:\n{log_tail(log_path)}")
 
@@ -399,23 +401,19 @@ class Driver:
     async def run(self) -> int:
         secret = load_secret(secret_path(self.run_dir))
         self.engine_key = engine_api_key(secret)
-        # Loopback: its only client is this process's controller (its /v1/models answers without the key).
-        self.router = RouterProcess(log_path=self.logs / "router.log", host="127.0.0.1", port=self.ports.router,
-                                    prometheus_port=self.ports.router_metrics,
-                                    policy=self.config.sglang.router_policy, api_key=self.engine_key)
-        self.router.start()
-        await asyncio.to_thread(self.router.wait_listening, 60.0)
-        self.controller = Controller(self.config, secret=secret, router=self.router, router_url=self.router.url,
-                                     restart_engine=self.restart_engine, host=self.host, port=self.ports.controller,
-                                     api_key=self.engine_key)
-        self.controller.restarts = self.restarts
-        await self.controller.start()
-        if not self.local:
-            self._node_watch = asyncio.create_task(self._watch_nodes(), name="node-watch")
-        self._apply_requeue_request()
-        if not self.topology.colocate:  # trainer ranks load while the engines do (issue 11); colocated
-            self._start_trainer()       # ranks wait: SGLang sizes its KV cache from the GPU memory then free
-        urls = await asyncio.gather(*(self.start_engine(i) for i in range(len(self.topology.engines))))
+        # Engines need neither the router nor the controller until they register: they load (seconds of
+        # imports and the model) while those two come up (issue 11). The tasks run from the first await.
+        starts = [asyncio.create_task(self.start_engine(i), name=f"start engine {i}")
+                  for i in range(len(self.topology.engines))]
+        try:
+            await self._start_control_plane(secret)
+            urls = await asyncio.gather(*starts)
+        except BaseException:  # a failure or a signal: no engine start is left running (shutdown stops the steps)
+            for start in starts:
+                start.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)
+            raise
+        assert self.controller is not None
         await asyncio.gather(*(self.controller.register_engine(i, url, tp_size=self.config.cluster.rollout_num_gpus_per_engine)
                                for i, url in enumerate(urls)))  # together: one batch for the router (engine_fleet)
         if self.trainer_step is None:
@@ -442,6 +440,25 @@ class Driver:
         if code != 0:
             raise RuntimeError(f"the trainer exited with code {code} after the run; see {self.logs / 'trainer.log'}")
         return EXIT_REQUEUE if self.controller.loop and self.controller.loop.stopped_for_requeue else EXIT_OK
+
+    async def _start_control_plane(self, secret: Secret) -> None:
+        """The router, then the controller (listening), then (not colocated) the trainer step."""
+        # Loopback: its only client is this process's controller (its /v1/models answers without the key).
+        self.router = RouterProcess(log_path=self.logs / "router.log", host="127.0.0.1", port=self.ports.router,
+                                    prometheus_port=self.ports.router_metrics,
+                                    policy=self.config.sglang.router_policy, api_key=self.engine_key)
+        self.router.start()
+        await asyncio.to_thread(self.router.wait_listening, 60.0)
+        self.controller = Controller(self.config, secret=secret, router=self.router, router_url=self.router.url,
+                                     restart_engine=self.restart_engine, host=self.host, port=self.ports.controller,
+                                     api_key=self.engine_key)
+        self.controller.restarts = self.restarts
+        await self.controller.start()
+        if not self.local:
+            self._node_watch = asyncio.create_task(self._watch_nodes(), name="node-watch")
+        self._apply_requeue_request()
+        if not self.topology.colocate:  # trainer ranks load while the engines do (issue 11); colocated
+            self._start_trainer()       # ranks wait: SGLang sizes its KV cache from the GPU memory then free
 
     def _start_trainer(self) -> None:
         assert self.controller is not None

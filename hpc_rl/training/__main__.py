@@ -30,13 +30,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"no config: pass the resolved config path or set {CONFIG_ENV}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
 
-    from hpc_rl.config.loading import load_resolved_config
-    from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.plugin_args import plugin_args
-    from hpc_rl.telemetry.scalars import ScalarLog
-    from hpc_rl.training.actor import build_trainer
-    from hpc_rl.training.commands import BatchFileCommands, JsonlBatchSource, TrainerCommands
-    from hpc_rl.training.parallel import init_parallel, shutdown_parallel
+    from hpc_rl.training.cpu_switch import light_megatron_import
+
+    with light_megatron_import():  # seconds of start-up on CPU (issue 11)
+        from hpc_rl.config.loading import load_resolved_config
+        from hpc_rl.config.model import ModelArchitecture
+        from hpc_rl.config.plugin_args import plugin_args
+        from hpc_rl.telemetry.scalars import ScalarLog
+        from hpc_rl.training.actor import build_trainer
+        from hpc_rl.training.commands import BatchFileCommands, JsonlBatchSource, TrainerCommands
+        from hpc_rl.training.parallel import init_parallel, shutdown_parallel
 
     config = load_resolved_config(args.config)
     arch = ModelArchitecture.from_yaml(config.model)

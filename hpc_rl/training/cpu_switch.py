@@ -7,13 +7,17 @@ They are applied once, and only when CUDA is absent, so a GPU process is never t
 One more is scoped, not process-wide: `tensor_cuda_is_identity()`, for building a pipeline stage
 whose output layer shares the first stage's embedding (Megatron moves that weight with `.cuda()`
 before all-reducing it over the embedding group, LanguageModule.setup_embeddings_and_output_layer).
-Also owns the CPU-safe RNG set-up and the fusion switches every CPU `TransformerConfig` needs.
+Also owns the CPU-safe RNG set-up, the fusion switches every CPU `TransformerConfig` needs, and
+`light_megatron_import()`, which keeps importing Megatron on CPU from costing seconds of start-up for
+code it never runs there (issue 11).
 Does not own process groups (`hpc_rl.training.parallel`) or model building.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -51,6 +55,56 @@ def tensor_cuda_is_identity() -> Iterator[None]:
         yield
     finally:
         torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+def deferred_compile(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compile` whose decorator use (`@torch.compile`, `torch.compile(fn, **kw)` on a function)
+    calls `compile_fn` at the function's first call instead of at decoration. torch.compile is lazy
+    itself (it compiles at the first call); only the ~2 s import of dynamo and inductor moves there,
+    and a function never called on CPU (Megatron's fused kernels: fusions are off) never pays it.
+    Anything else (a module, no function) goes to `compile_fn` at once."""
+
+    def compile_later(model: Any = None, **options: Any) -> Any:
+        if model is None:
+            return lambda fn: compile_later(fn, **options)
+        if not callable(model) or isinstance(model, torch.nn.Module) or not hasattr(model, "__code__"):
+            return compile_fn(model, **options)
+        compiled: list[Callable[..., Any]] = []
+
+        @functools.wraps(model)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not compiled:
+                compiled.append(compile_fn(model, **options))
+            return compiled[0](*args, **kwargs)
+
+        return call
+
+    return compile_later
+
+
+@contextmanager
+def light_megatron_import() -> Iterator[None]:
+    """Import Megatron-core within this block (trainer start-up, CPU only; on a GPU it does nothing).
+
+    Megatron binds `jit_fuser = torch.compile` at import and decorates its fused kernels with it, which
+    imports torch dynamo and inductor (~2 s of CPU on this machine kind); within the block torch.compile
+    is `deferred_compile(torch.compile)`, so a kernel compiles at its first call as before. Megatron's
+    dynamic inference context imports wandb only to log from it (~0.8 s; hpc_rl's trainer never builds
+    one): within the block `import wandb` fails as when it is not installed, and works again after."""
+    if cuda_available() or "megatron.core" in sys.modules:
+        yield
+        return
+    original_compile = torch.compile
+    had_wandb = "wandb" in sys.modules
+    torch.compile = deferred_compile(original_compile)  # type: ignore[assignment]
+    if not had_wandb:
+        sys.modules["wandb"] = None  # type: ignore[assignment]  (import raises ImportError)
+    try:
+        yield
+    finally:
+        torch.compile = original_compile  # type: ignore[assignment]
+        if not had_wandb and sys.modules.get("wandb", 0) is None:
+            del sys.modules["wandb"]
 
 
 def cpu_fusion_overrides() -> dict[str, Any]:
