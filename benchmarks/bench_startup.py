@@ -10,6 +10,10 @@ checkout (B) and of BASE (A: same command with PYTHONPATH=BASE) are interleaved 
 it prints each run and the medians per side (and each run's first reward: the engine's sampling is not
 seeded, so rewards differ run to run on either side).
 The load average is printed per run: compare only runs made under the same load.
+
+Measured (2 cores, load 2-5 from other work, 7 interleaved pairs, A = main 8bff09b, B = branch startup):
+rollout 0 generated at median 17.7 s (A) vs 15.6 s (B), paired median difference 2.2 s; in B the trainer
+rank is registered within 0.4 s of engine 0 (in A 2.3-4.1 s after it): the engine is the critical path.
 """
 
 from __future__ import annotations
