@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -86,13 +87,25 @@ def _engine0_events(run_dir: Path) -> list[str]:
     return [e["event"] for e in _status(run_dir).get("engine_events", []) if e["engine"] == 0]
 
 
-def _engine0_pid(run_dir: Path) -> int:
-    port = int(_status(run_dir)["components"]["engines"]["0"]["url"].rsplit(":", 1)[1])
+def _find_engine0_pid(run_dir: Path) -> int | None:
+    url = _status(run_dir).get("components", {}).get("engines", {}).get("0", {}).get("url")
+    if not url:  # status.json not written yet (it may lag the first rollout record)
+        return None
+    port = int(url.rsplit(":", 1)[1])
     for line in processes_mentioning("hpc_rl.engines.cpu"):
         pid, command = line.split(":", 1)
         if f"--port {port} " in command + " ":
             return int(pid)
-    raise AssertionError(f"no CPU engine on port {port}")
+    return None
+
+
+def _engine0_pid(run_dir: Path, timeout_s: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (pid := _find_engine0_pid(run_dir)) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no engine 0 process after {timeout_s} s (status.json: {_status(run_dir)})")
+        time.sleep(0.2)
+    return pid
 
 
 def test_engine_restarted_twice_without_a_sync_in_between_rejoins(tmp_path: Path) -> None:
