@@ -83,9 +83,24 @@ def test_modes_mechanics(tmp_path: Path, mode: str) -> None:
                    for trained_at, row in enumerate(rows[1:], start=1))
 
 
-def _engine_pids(run_dir: Path) -> dict[int, int]:
-    status = json.loads((run_dir / "status.json").read_text())
-    ports = {int(i): int(e["url"].rsplit(":", 1)[1]) for i, e in status["components"]["engines"].items()}
+def _engine_pids(run_dir: Path, count: int = 2, timeout_s: float = 60.0) -> dict[int, int]:
+    """Engine index -> pid, once status.json (which can lag the first rollout record) lists `count` engines
+    and each has a live process."""
+    deadline = time.monotonic() + timeout_s
+    while len(pids := _engine_pids_now(run_dir)) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine processes after {timeout_s} s: {pids}")
+        time.sleep(0.2)
+    return pids
+
+
+def _engine_pids_now(run_dir: Path) -> dict[int, int]:
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    engines = status.get("components", {}).get("engines", {})
+    ports = {int(i): int(e["url"].rsplit(":", 1)[1]) for i, e in engines.items() if e.get("url")}
     pids = {}
     for line in processes_mentioning("hpc_rl.engines.cpu"):
         pid, cmd = line.split(":", 1)
