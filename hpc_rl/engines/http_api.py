@@ -3,7 +3,8 @@
 Owns, torch-free: the route table (path, methods, handler name), the api-key rule as SGLang's
 `--api-key` applies it (srt/utils/auth.py: `Authorization: Bearer <key>` on every endpoint but
 `/health*`, `/ready*`, `/metrics*` and OPTIONS), SGLang's JSON shapes for success, failure and
-validation errors, FastAPI's 404/405 bodies, and reading JSON bodies (orjson).
+validation errors, FastAPI's 404/405 bodies, reading JSON bodies (orjson), and SGLang's rules for a
+batched `/generate` body (`per_item`, `request_ids`; `RequestError` is its 400).
 Does not own: what an endpoint does (hpc_rl.engines.cpu.server on torch, hpc_rl.sim.server in
 simulated time).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import uuid
 from typing import Any
 
 import orjson
@@ -115,3 +117,45 @@ async def sglang_http_errors(request: web.Request, handler) -> web.StreamRespons
         return json_response({"detail": "Not Found"}, status=404)
     except web.HTTPMethodNotAllowed:
         return json_response({"detail": "Method Not Allowed"}, status=405)
+
+
+class RequestError(ValueError):
+    """A request SGLang would reject with 400; `semantic` selects `{"error": {"message": ...}}`
+    (SGLang's ValueError path) over `{"error": "..."}` (its schema check)."""
+
+    def __init__(self, message: str, *, semantic: bool = False) -> None:
+        super().__init__(message)
+        self.semantic = semantic
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self)}} if self.semantic else {"error": str(self)}
+
+
+def per_item(body: dict, key: str, count: int, default: Any) -> list[Any]:
+    """A batched body's `key`, one per item (a list must have one per item; one value is shared)."""
+    value = body.get(key)
+    if isinstance(value, list) and key != "stop":
+        if len(value) != count:
+            raise RequestError(f"The length of {key} ({len(value)}) should be equal to the batch size ({count}).",
+                               semantic=True)
+        return value
+    return [default if value is None else value] * count
+
+
+def request_ids(rid: Any, count: int, batched: bool) -> list[str]:
+    """SGLang's rids: a string becomes <rid>_<i> in a batch, a list needs one unique rid per item."""
+    if rid is None:
+        base = uuid.uuid4().hex
+        return [base] if not batched else [f"{base}_{i}" for i in range(count)]
+    if isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(count)] if batched else [rid]
+    if isinstance(rid, list) and batched:
+        if len(rid) != count:
+            raise RequestError("The specified rids length mismatch with the batch_size for batch processing.",
+                               semantic=True)
+        rids = [str(item) for item in rid]
+        if len(set(rids)) != len(rids):
+            duplicates = [item for item in dict.fromkeys(rids) if rids.count(item) > 1]
+            raise RequestError(f"Duplicate request IDs detected within the request: {duplicates}", semantic=True)
+        return rids
+    raise RequestError("The rid should be a string or a list of strings.", semantic=True)

@@ -19,13 +19,13 @@ time, tokens, aborts, for the harness.
 from __future__ import annotations
 
 import asyncio
-import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from hpc_rl.engines.http_api import OPEN_PATH_PREFIXES, add_sglang_routes, authorized, json_response, unauthorized
+from hpc_rl.engines.http_api import (OPEN_PATH_PREFIXES, RequestError, add_sglang_routes, authorized, json_response,
+                                     per_item, request_ids, unauthorized)
 from hpc_rl.engines.http_api import fail as _fail
 from hpc_rl.engines.http_api import json_body as _json_body
 from hpc_rl.engines.http_api import ok as _ok
@@ -177,21 +177,15 @@ class SimFleetServer:
             return json_response({"error": "Either text or input_ids should be provided."}, status=400)
         batched = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
         count = len(input_ids) if batched else 1
-
-        def per_item(key: str, default: Any) -> list[Any]:
-            value = body.get(key, default)
-            if batched and (key == "input_ids" or isinstance(value, list)):
-                return list(value)
-            return [value] * count
-
-        rids = per_item("rid", None)
-        if batched and isinstance(body.get("rid"), str):  # SGLang: one string rid becomes <rid>_<i>
-            rids = [f"{body['rid']}_{i}" for i in range(count)]
-        if batched and None not in rids and len(set(map(str, rids))) != len(rids):
-            return json_response({"error": "Duplicate request IDs detected within the request"}, status=400)
+        try:
+            rids = request_ids(body.get("rid"), count, batched)
+            items_ids = input_ids if batched else [input_ids]
+            item_params = per_item(body, "sampling_params", count, {})
+            item_logprob = per_item(body, "return_logprob", count, False)
+        except RequestError as error:
+            return json_response(error.body(), status=400)
         items = []
-        for ids, rid, params, logprob in zip(per_item("input_ids", None), rids, per_item("sampling_params", {}),
-                                             per_item("return_logprob", False)):
+        for ids, rid, params, logprob in zip(items_ids, rids, item_params, item_logprob):
             params = params or {}
             if not isinstance(params, dict):
                 return json_response({"error": "sampling_params must be an object"}, status=400)
@@ -199,7 +193,7 @@ class SimFleetServer:
             if unknown:
                 return json_response({"error": f"unknown sampling params: {unknown}"}, status=400)
             input_len = len(ids) if isinstance(ids, list) else len(str(body.get("text")).split())
-            items.append((str(rid or f"sim-{secrets.token_hex(8)}"), input_len, params, bool(logprob)))
+            items.append((rid, input_len, params, bool(logprob)))
         answers = await asyncio.gather(*(self._run_item(endpoint, *item) for item in items))
         return json_response(answers if batched else answers[0])
 

@@ -26,30 +26,18 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from hpc_rl.engines.http_api import RequestError, per_item, request_ids
 from hpc_rl.engines.cpu.sampling import SamplingParams, make_generator, parse_sampling_params
 
 DETOKENIZE_CONTEXT_TOKENS = 5
 """SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens decoded before the output."""
 ABORT_MESSAGE = "Aborted"
-
-
-class RequestError(ValueError):
-    """A request SGLang would reject with 400; `semantic` selects `{"error": {"message": ...}}`
-    (SGLang's ValueError path) over `{"error": "..."}` (its schema check)."""
-
-    def __init__(self, message: str, *, semantic: bool = False) -> None:
-        super().__init__(message)
-        self.semantic = semantic
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self)}} if self.semantic else {"error": str(self)}
 
 
 @dataclass(kw_only=True)
@@ -94,34 +82,6 @@ class ParsedGenerate:
     requests: list[GenerationRequest]
     batched: bool
     stream: bool
-
-
-def _per_item(body: dict, key: str, count: int, default: Any) -> list[Any]:
-    value = body.get(key)
-    if isinstance(value, list) and key != "stop":
-        if len(value) != count:
-            raise RequestError(f"The length of {key} ({len(value)}) should be equal to the batch size ({count}).",
-                               semantic=True)
-        return value
-    return [default if value is None else value] * count
-
-
-def _rids(rid: Any, count: int, batched: bool) -> list[str]:
-    if rid is None:
-        base = uuid.uuid4().hex
-        return [base] if not batched else [f"{base}_{i}" for i in range(count)]
-    if isinstance(rid, str):
-        return [f"{rid}_{i}" for i in range(count)] if batched else [rid]
-    if isinstance(rid, list) and batched:
-        if len(rid) != count:
-            raise RequestError("The specified rids length mismatch with the batch_size for batch processing.",
-                               semantic=True)
-        rids = [str(item) for item in rid]
-        if len(set(rids)) != len(rids):
-            duplicates = [item for item in dict.fromkeys(rids) if rids.count(item) > 1]
-            raise RequestError(f"Duplicate request IDs detected within the request: {duplicates}", semantic=True)
-        return rids
-    raise RequestError("The rid should be a string or a list of strings.", semantic=True)
 
 
 def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
@@ -179,10 +139,10 @@ def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedG
         raise RequestError("request body must be a JSON object")
     prompts, batched = _prompts(body, tokenizer)
     count = len(prompts)
-    rids = _rids(body.get("rid"), count, batched)
-    raw_params = _per_item(body, "sampling_params", count, {})
-    return_logprob = _per_item(body, "return_logprob", count, False)
-    start_lens = _per_item(body, "logprob_start_len", count, -1)
+    rids = request_ids(body.get("rid"), count, batched)
+    raw_params = per_item(body, "sampling_params", count, {})
+    return_logprob = per_item(body, "return_logprob", count, False)
+    start_lens = per_item(body, "logprob_start_len", count, -1)
     requests = []
     parsed: dict[int, SamplingParams] = {}  # a batch usually shares one sampling_params object: parse it once
     for index, prompt in enumerate(prompts):
