@@ -65,3 +65,30 @@ def interrupt(process: subprocess.Popen[str], timeout_s: float = 60) -> int:
     """Ctrl-C the run (SIGINT to its process group) and wait for it to finish shutting down."""
     os.killpg(process.pid, signal.SIGINT)
     return process.wait(timeout_s)
+
+
+def engine_pids(run_dir: Path, count: int = 2, timeout_s: float = 60.0) -> dict[int, int]:
+    """Engine index -> pid, once status.json (which can lag the first rollout record) lists `count` engines
+    and each has a live process."""
+    deadline = time.monotonic() + timeout_s
+    while len(pids := engine_pids_now(run_dir)) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine processes after {timeout_s} s: {pids}")
+        time.sleep(0.2)
+    return pids
+
+
+def engine_pids_now(run_dir: Path) -> dict[int, int]:
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    engines = status.get("components", {}).get("engines", {})
+    ports = {int(i): int(e["url"].rsplit(":", 1)[1]) for i, e in engines.items() if e.get("url")}
+    pids = {}
+    for line in processes_mentioning("hpc_rl.engines.cpu"):
+        pid, cmd = line.split(":", 1)
+        for index, port in ports.items():
+            if f"--port {port} " in cmd + " ":
+                pids[index] = int(pid)
+    return pids

@@ -14,12 +14,11 @@ import json
 import os
 import signal
 import statistics
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.run_helpers import interrupt, processes_mentioning, records, run_to_end, start_run, wait_for
+from tests.integration.run_helpers import engine_pids, interrupt, processes_mentioning, records, run_to_end, start_run, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -87,27 +86,6 @@ def _engine0_events(run_dir: Path) -> list[str]:
     return [e["event"] for e in _status(run_dir).get("engine_events", []) if e["engine"] == 0]
 
 
-def _find_engine0_pid(run_dir: Path) -> int | None:
-    url = _status(run_dir).get("components", {}).get("engines", {}).get("0", {}).get("url")
-    if not url:  # status.json not written yet (it may lag the first rollout record)
-        return None
-    port = int(url.rsplit(":", 1)[1])
-    for line in processes_mentioning("hpc_rl.engines.cpu"):
-        pid, command = line.split(":", 1)
-        if f"--port {port} " in command + " ":
-            return int(pid)
-    return None
-
-
-def _engine0_pid(run_dir: Path, timeout_s: float = 60.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while (pid := _find_engine0_pid(run_dir)) is None:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no engine 0 process after {timeout_s} s (status.json: {_status(run_dir)})")
-        time.sleep(0.2)
-    return pid
-
-
 def test_engine_restarted_twice_without_a_sync_in_between_rejoins(tmp_path: Path) -> None:
     """No sync is ever due (interval > run): the only syncs are the pushes to restarted engines. The second
     restart comes back at the same URL as the first, with the group unchanged since: it must be rebuilt."""
@@ -118,7 +96,7 @@ def test_engine_restarted_twice_without_a_sync_in_between_rejoins(tmp_path: Path
     try:
         wait_for(lambda: len(records(run_dir)) >= 1, 300, "the first rollout")
         for kill in (1, 2):
-            os.kill(_engine0_pid(run_dir), signal.SIGKILL)
+            os.kill(engine_pids(run_dir, count=2)[0], signal.SIGKILL)
             wait_for(lambda: _engine0_events(run_dir).count("serving") == kill, 300, f"engine 0 serving again ({kill})")
         served_after = len(records(run_dir))
         wait_for(lambda: len(records(run_dir)) >= served_after + 3, 300, "three rollouts after the second restart")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.run_helpers import (interrupt, processes_mentioning, records, run_to_end, start_run,
+from tests.integration.run_helpers import (engine_pids, interrupt, processes_mentioning, records, run_to_end, start_run,
                                            wait_for)
 
 pytestmark = pytest.mark.slow
@@ -83,33 +83,6 @@ def test_modes_mechanics(tmp_path: Path, mode: str) -> None:
                    for trained_at, row in enumerate(rows[1:], start=1))
 
 
-def _engine_pids(run_dir: Path, count: int = 2, timeout_s: float = 60.0) -> dict[int, int]:
-    """Engine index -> pid, once status.json (which can lag the first rollout record) lists `count` engines
-    and each has a live process."""
-    deadline = time.monotonic() + timeout_s
-    while len(pids := _engine_pids_now(run_dir)) < count:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"engine processes after {timeout_s} s: {pids}")
-        time.sleep(0.2)
-    return pids
-
-
-def _engine_pids_now(run_dir: Path) -> dict[int, int]:
-    try:
-        status = json.loads((run_dir / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    engines = status.get("components", {}).get("engines", {})
-    ports = {int(i): int(e["url"].rsplit(":", 1)[1]) for i, e in engines.items() if e.get("url")}
-    pids = {}
-    for line in processes_mentioning("hpc_rl.engines.cpu"):
-        pid, cmd = line.split(":", 1)
-        for index, port in ports.items():
-            if f"--port {port} " in cmd + " ":
-                pids[index] = int(pid)
-    return pids
-
-
 def test_engine_killed_mid_rollout_loses_no_sample(tmp_path: Path) -> None:
     run_dir = tmp_path / "kill-engine"
     process = start_run(run_dir, "--num-rollout", "30", "--rollout-num-gpus", "2", "--rollout-max-response-len", "48",
@@ -117,7 +90,7 @@ def test_engine_killed_mid_rollout_loses_no_sample(tmp_path: Path) -> None:
                         "--set", "controller.engine_health_interval=1")
     try:
         wait_for(lambda: len(records(run_dir)) >= 1, 300, "the first rollout")
-        victim = _engine_pids(run_dir)[0]
+        victim = engine_pids(run_dir, count=2)[0]
         os.kill(victim, signal.SIGKILL)
         killed_during = len(records(run_dir))
         assert process.wait(400) == 0, (run_dir.parent / "kill-engine.out").read_text()[-3000:]
