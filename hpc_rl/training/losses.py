@@ -221,13 +221,17 @@ def tis_weights(
 # ---------------------------------------------------------------------------------------------
 
 
-def _split(values: Tensor | PerSample, loss_masks: PerSample) -> Sequence[Tensor]:
-    if isinstance(values, Tensor):
-        lengths = [int(m.numel()) for m in loss_masks]
-        if values.numel() != sum(lengths):
-            raise ValueError(f"values have {values.numel()} tokens but the loss masks cover {sum(lengths)}")
-        return values.split(lengths)
-    return values
+def _segments(values: Tensor | PerSample, loss_masks: PerSample) -> tuple[Tensor, Tensor, Tensor]:
+    """(values, masks) concatenated over samples, and each token's sample index: one tensor op per
+    reduction instead of one per sample (a micro-batch has hundreds of short samples)."""
+    x = values if isinstance(values, Tensor) else torch.cat(list(values))
+    lengths = [int(m.numel()) for m in loss_masks]
+    if x.numel() != sum(lengths):
+        raise ValueError(f"values have {x.numel()} tokens but the loss masks cover {sum(lengths)}")
+    m = torch.cat(list(loss_masks)).to(device=x.device, dtype=x.dtype)
+    sample = torch.repeat_interleave(torch.arange(len(lengths), device=x.device),
+                                     torch.tensor(lengths, device=x.device))
+    return x, m, sample
 
 
 def sum_of_sample_mean(values: Tensor | PerSample, loss_masks: PerSample) -> Tensor:
@@ -237,15 +241,13 @@ def sum_of_sample_mean(values: Tensor | PerSample, loss_masks: PerSample) -> Ten
     or a list of per-sample tensors. This is slime's default reduction; dividing the step's total by
     ``global_batch_size`` (see :func:`step_loss_scale`) gives the mean over samples.
     """
-    parts = _split(values, loss_masks)
-    total = None
-    for x, m in zip(parts, loss_masks, strict=True):
-        m = m.to(x.dtype)
-        term = (x * m).sum() / m.sum().clamp_min(1)
-        total = term if total is None else total + term
-    if total is None:
+    if len(loss_masks) == 0:
         return torch.zeros(())
-    return total
+    x, m, sample = _segments(values, loss_masks)
+    count = len(loss_masks)
+    numerator = torch.zeros(count, dtype=x.dtype, device=x.device).index_add(0, sample, x * m)
+    denominator = torch.zeros(count, dtype=x.dtype, device=x.device).index_add(0, sample, m)
+    return (numerator / denominator.clamp_min(1)).sum()
 
 
 def sum_of_tokens(values: Tensor | PerSample, loss_masks: PerSample) -> Tensor:
@@ -254,17 +256,15 @@ def sum_of_tokens(values: Tensor | PerSample, loss_masks: PerSample) -> Tensor:
     Divide the step's total by the step's total trained-token count (summed over micro-batches and
     DP ranks) to get the per-token mean.
     """
-    parts = _split(values, loss_masks)
-    total = None
-    for x, m in zip(parts, loss_masks, strict=True):
-        term = (x * m.to(x.dtype)).sum()
-        total = term if total is None else total + term
-    return torch.zeros(()) if total is None else total
+    if len(loss_masks) == 0:
+        return torch.zeros(())
+    x, m, _ = _segments(values, loss_masks)
+    return (x * m).sum()
 
 
 def masked_token_mean(values: Tensor | PerSample, loss_masks: PerSample) -> Tensor:
     """Mean over the trained tokens of ONE micro-batch: sum_of_tokens / max(total mask, 1)."""
-    count = sum(float(m.sum()) for m in loss_masks)
+    count = float(torch.cat(list(loss_masks)).sum()) if len(loss_masks) else 0.0
     return sum_of_tokens(values, loss_masks) / max(count, 1.0)
 
 

@@ -107,15 +107,30 @@ class MicroBatch:
         """
         if self.context_parallel is not None:
             log_probs, entropy = self._gathered_logprobs(logits, vocab_size, tp_group, with_entropy)
-        else:
-            log_probs, entropy = vocab_parallel_logprobs(logits[:, :-1], self.tokens[:, 1:], vocab_size=vocab_size,
-                                                         tp_group=tp_group, with_entropy=with_entropy)
-        rows = [0] * len(self.indices) if self.packed else list(range(len(self.indices)))
-        slices = [slice(o + length - r - 1, o + length - 1)
-                  for o, length, r in zip(self.starts, self.total_lengths, self.response_lengths)]
-        per_sample = [log_probs[row, where] for row, where in zip(rows, slices)]
-        per_entropy = None if entropy is None else [entropy[row, where] for row, where in zip(rows, slices)]
+            rows, columns = self._response_positions(log_probs.device)
+            log_probs = log_probs[rows, columns]
+            entropy = None if entropy is None else entropy[rows, columns]
+        else:  # the softmax only where a response token is scored: prompt positions are never used
+            rows, columns = self._response_positions(logits.device)
+            log_probs, entropy = vocab_parallel_logprobs(logits[rows, columns], self.tokens[rows, columns + 1],
+                                                         vocab_size=vocab_size, tp_group=tp_group,
+                                                         with_entropy=with_entropy)
+        per_sample = list(log_probs.split(self.response_lengths))
+        per_entropy = None if entropy is None else list(entropy.split(self.response_lengths))
         return per_sample, per_entropy
+
+    def _response_positions(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, column) of every response token's score, sample after sample: one gather for the
+        whole micro-batch (a slice per sample costs an autograd node each, forward and backward)."""
+        rows: list[int] = []
+        columns: list[int] = []
+        for sample, (start, length, response) in enumerate(zip(self.starts, self.total_lengths,
+                                                               self.response_lengths)):
+            first = start + length - response - 1
+            rows.extend([0 if self.packed else sample] * response)
+            columns.extend(range(first, first + response))
+        return (torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(columns, dtype=torch.long, device=device))
 
     def _gathered_logprobs(self, logits: torch.Tensor, vocab_size: int, tp_group: dist.ProcessGroup | None,
                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

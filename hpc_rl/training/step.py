@@ -246,7 +246,7 @@ class RolloutTrainer:
         samples = sum(len(m.indices) for m in micros)
         tokens_here = sum(batch.total_lengths[i] for m in micros for i in m.indices)
         counts = torch.tensor([float(samples), float(tokens_here),
-                               float(sum(float(masks[i].sum()) for m in micros for i in m.indices))],
+                               float(sum(sum(batch.loss_masks[i]) for m in micros for i in m.indices))],
                               device=self.info.device)
         if self.info.dp_size > 1:
             dist.all_reduce(counts, group=self.dp_group)

@@ -37,6 +37,7 @@ class TrainBatch:
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
+        self._total_lengths = [len(t) for t in self.tokens]
         for name in ("response_lengths", "loss_masks", "rewards"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"TrainBatch.{name} has {len(getattr(self, name))} entries for {n} samples")
@@ -54,7 +55,8 @@ class TrainBatch:
 
     @property
     def total_lengths(self) -> list[int]:
-        return [len(t) for t in self.tokens]
+        """Prompt + response token count of each sample (computed once: the trainer indexes it per sample)."""
+        return self._total_lengths
 
     def select(self, indices: Sequence[int]) -> TrainBatch:
         """The samples at `indices`, in that order."""
