@@ -5,6 +5,10 @@ budget (`REMOTE_RM_RETRY`, slime's; the policy itself is `hpc_rl.retry_policy`'s
 server's JSON answer.
 It does not own the HTTP session (the caller opens one `aiohttp.ClientSession` per batch and
 passes it in) nor the conversion of the answer to a float.
+
+Why aiohttp here and not hpc_rl.protocol.http_client (the one client for engines and the router): the
+reward server is the user's, outside the job, often behind https, a proxy or redirects, which that
+plain-HTTP client does not speak; it is called once per sample, so its client cost does not matter.
 """
 
 from __future__ import annotations
