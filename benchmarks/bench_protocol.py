@@ -108,8 +108,8 @@ def _encoding_only(seconds: float) -> None:
     phase = _Phase("(reference) encode+MAC+verify+decode, small", seconds)
     while phase.more():
         header, parts = message_frame(done, id=1)
-        prefix, *body = frame_chunks(SECRET, sender, header, parts)
-        framed, payload = open_frame(SECRET, receiver, prefix, bytearray(b"".join(body)), len(body[0]))
+        wire = b"".join(frame_chunks(SECRET, sender, header, parts))
+        framed, payload = open_frame(SECRET, receiver, wire[:20], bytearray(wire[20:]), int.from_bytes(wire[8:12]))
         envelope_from_frame(framed, payload)
     phase = _Phase("(reference) json header dumps+loads, small", seconds)
     while phase.more():

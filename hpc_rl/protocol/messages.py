@@ -311,67 +311,78 @@ def _decode_value(value: Any, arrays: list[Any], where: str) -> Any:
     return value
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+Check = typing.Callable[[Any], "str | None"]
+"""Why a value does not fit a field's annotation (outer types and container elements), or None if it fits."""
 
 
-def _hints(cls: type[Message]) -> dict[str, Any]:
-    if cls not in _HINTS:
-        try:
-            _HINTS[cls] = typing.get_type_hints(cls)
-        except Exception:  # noqa: BLE001  (an unresolvable annotation: skip type checks for the class)
-            _HINTS[cls] = {}
-    return _HINTS[cls]
+def _fits(value: Any) -> None:
+    return None
 
 
-def _type_error(value: Any, hint: Any) -> str | None:
-    """Why ``value`` does not fit ``hint`` (outer types and container elements), or None if it fits."""
-    origin = typing.get_origin(hint)
-    if hint is Any or isinstance(hint, typing.TypeVar):
-        return None
+def _plain(test: typing.Callable[[Any], bool], expected: str) -> Check:
+    return lambda value: None if test(value) else f"expected {expected}, got {type(value).__name__}"
+
+
+def _number(kind: type) -> typing.Callable[[Any], bool]:
+    return lambda value: isinstance(value, kind) and not isinstance(value, bool)
+
+
+_PLAIN: dict[Any, Check] = {
+    type(None): _plain(lambda value: value is None, "None"),
+    np.ndarray: _plain(is_array, "an array"),
+    float: _plain(_number((int, float)), "float"),  # type: ignore[arg-type]
+    int: _plain(_number(int), "int"),
+    bool: _plain(lambda value: isinstance(value, bool), "bool"),
+    str: _plain(lambda value: isinstance(value, str), "str"),
+}
+
+
+def _check_of(hint: Any) -> Check:
+    """The check of one annotation, built once per message class (a message is checked on both ends)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in _PLAIN:
+        return _PLAIN[hint]
     if origin is typing.Union or origin is types.UnionType:
-        errors = [_type_error(value, h) for h in typing.get_args(hint)]
-        return None if any(e is None for e in errors) else f"{value!r:.80} is none of {hint}"
+        options = [_check_of(option) for option in args]
+        return lambda value: None if any(c(value) is None for c in options) else f"{value!r:.80} is none of {hint}"
     if origin is Literal:
-        return (
-            None if value in typing.get_args(hint) else f"{value!r:.80} is not one of {typing.get_args(hint)}"
-        )
-    if hint is type(None):
-        return None if value is None else f"expected None, got {type(value).__name__}"
-    if hint is np.ndarray:
-        return None if is_array(value) else f"expected an array, got {type(value).__name__}"
-    if hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return None if ok else f"expected float, got {type(value).__name__}"
-    if hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        return None if ok else f"expected int, got {type(value).__name__}"
-    if hint in (bool, str):
-        return None if isinstance(value, hint) else f"expected {hint.__name__}, got {type(value).__name__}"
+        return lambda value: None if value in args else f"{value!r:.80} is not one of {args}"
     if origin in (list, tuple) or hint in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            return f"expected a list, got {type(value).__name__}"
-        args = typing.get_args(hint)
-        if len(args) == 1 or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
-            for i, v in enumerate(value):
-                if (err := _type_error(v, args[0])) is not None:
-                    return f"item {i}: {err}"
-        return None
+        item = _check_of(args[0]) if len(args) == 1 or (origin is tuple and args[1:] == (Ellipsis,)) else _fits
+
+        def check_list(value: Any) -> str | None:
+            if not isinstance(value, (list, tuple)):
+                return f"expected a list, got {type(value).__name__}"
+            errors = (f"item {i}: {e}" for i, v in enumerate(value) if (e := item(v)) is not None)
+            return None if item is _fits else next(errors, None)
+
+        return check_list
     if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            return f"expected a dict, got {type(value).__name__}"
-        args = typing.get_args(hint)
-        if len(args) == 2:
-            for k, v in value.items():
-                if (err := _type_error(v, args[1])) is not None:
-                    return f"key {k!r}: {err}"
-        return None
-    return None  # other annotations (custom classes): not checked
+        entry = _check_of(args[1]) if len(args) == 2 else _fits
+
+        def check_dict(value: Any) -> str | None:
+            if not isinstance(value, dict):
+                return f"expected a dict, got {type(value).__name__}"
+            errors = (f"key {k!r}: {e}" for k, v in value.items() if (e := entry(v)) is not None)
+            return None if entry is _fits else next(errors, None)
+
+        return check_dict
+    return _fits  # Any, type variables, other annotations (custom classes): not checked
+
+
+_CHECKS: dict[type, dict[str, Check]] = {}
 
 
 def _check_fields(cls: type[Message], values: dict[str, Any]) -> None:
-    hints = _hints(cls)
+    checks = _CHECKS.get(cls)
+    if checks is None:
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # noqa: BLE001  (an unresolvable annotation: skip type checks for the class)
+            hints = {}
+        checks = _CHECKS[cls] = {f.name: _check_of(hints[f.name]) for f in fields(cls) if f.name in hints}
     for name, value in values.items():
-        if name in hints and (err := _type_error(value, hints[name])) is not None:
+        if name in checks and (err := checks[name](value)) is not None:
             raise FieldMismatchError(f"{cls.__name__}.{name}: {err}")
 
 
