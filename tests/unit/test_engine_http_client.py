@@ -139,6 +139,30 @@ def test_request_blocking_for_sync_callers_speaks_the_same_http() -> None:
     asyncio.run(scenario())
 
 
+def test_sync_callers_go_straight_to_the_engines_whatever_the_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Login and batch nodes often set http_proxy for the internet; urllib honoured it, so the router's
+    worker calls and the engines' health polls went to the proxy (no_proxy rarely lists the job's nodes
+    or 127.0.0.1) and failed. Engines and the router are on the job's own nodes: no proxy, ever."""
+    from hpc_rl.engines.child_process import http_ok
+    from hpc_rl.engines.router import _request
+
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+
+    async def scenario() -> None:
+        runner, url = await serve(echo_app([]))
+        try:
+            assert await asyncio.to_thread(http_ok, f"{url}/health")
+            status, body = await asyncio.to_thread(_request, "POST", f"{url}/workers", {"url": "http://e"}, api_key="k")
+            assert status == 200 and body == {"path": "/workers", "body": '{"url": "http://e"}', "auth": "Bearer k"}
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
 def test_weight_update_pipelines_the_session_and_names_the_failing_call() -> None:
     async def scenario() -> None:
         model = EngineModel.from_yaml(REPO / "configs" / "sim" / "qwen3_4b_h100_tp2.yaml", time_scale_ms=1)
