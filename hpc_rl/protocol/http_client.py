@@ -16,7 +16,8 @@ engines. This one costs ~100 us per single call and ~45-70 us per pipelined one 
 loop's read per answer). benchmarks/bench_scale.py and docs/scaling.md have the numbers.
 Does not own: what the calls mean (controller.engine_admin, rollout.engine_client) or when they are
 made (controller.weight_sync, the loop, the rollout client). Plain HTTP only: engines and the
-router listen on the job's own nodes, as before (no TLS was used with aiohttp either). A user's reward
+router listen on the job's own nodes, as before (no TLS was used with aiohttp either), and are
+reached directly whatever http_proxy says (urllib sent the sync calls to the proxy). A user's reward
 server (rewards.remote) is outside the job and may be https: it keeps aiohttp (see there).
 """
 
