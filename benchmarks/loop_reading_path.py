@@ -8,8 +8,8 @@ engines' admin calls and eval are fakes, so what is counted is the controller's 
 loop's `run` to the calls that leave the process (a generation, a trainer command, an engine's admin
 call). Counted: every function defined under hpc_rl/ that Python enters (sys.setprofile 'call'
 events), each once, lambdas and comprehensions left out; and the deepest chain of hpc_rl frames on one
-stack. Prints numbers; asserts nothing. Works on the loop before issue 13's split (RunLoop(config=...))
-and after it (rollout_stack.assemble_loop), so the two can be compared the same way.
+stack. Prints numbers; asserts nothing. The fakes are tests/unit/test_run_loop_order.py's (their
+recordings are ignored here).
 """
 
 from __future__ import annotations
@@ -28,72 +28,14 @@ sys.path.insert(0, str(REPO))
 
 from hpc_rl.config import load_config  # noqa: E402
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry, TrainerInfo  # noqa: E402
+from hpc_rl.controller.rollout_stack import assemble_loop  # noqa: E402
 from hpc_rl.controller.trainer_channel import TrainerChannel  # noqa: E402
-from hpc_rl.data.samples import Sample  # noqa: E402
-from hpc_rl.protocol.messages import CommandDone, SyncWeightsCommand, WeightPlan  # noqa: E402
-from hpc_rl.rollout.scheduler import RolloutResult  # noqa: E402
+from hpc_rl.telemetry.recorder import RunRecorder  # noqa: E402
 from hpc_rl.telemetry.scalars import ScalarLog  # noqa: E402
+from tests.unit.test_run_loop_order import FakeFleet, FakeScheduler, recording_trainer_rank  # noqa: E402
 
 PACKAGE = str(REPO / "hpc_rl")
 SKIPPED = {"<lambda>", "<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>"}
-
-
-class FakeScheduler:
-    """One rollout: a group of two scored samples (a fake of rollout.scheduler.RolloutScheduler)."""
-
-    def __init__(self) -> None:
-        self.buffer: list[Any] = []
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-    def set_weight_version(self, version: int) -> None:
-        pass
-
-    async def run(self, rollout_id: int, weight_version: int) -> RolloutResult:
-        groups = [[Sample(index=i, group_index=0, prompt="p", prompt_token_ids=[1], response_token_ids=[2],
-                          response_logprobs=[-0.5], weight_versions=[weight_version], reward=float(i))
-                   for i in range(2)]]
-        return RolloutResult(groups=groups, metrics={"rollout/reward_mean": 0.5})
-
-
-class FakeAdmin:
-    """An engine's admin calls, all answered at once (a fake of controller.engine_admin.EngineAdmin)."""
-
-    def __getattr__(self, name: str) -> Any:
-        async def call(*args: Any, **kwargs: Any) -> None:
-            return None
-        return call
-
-
-class FakeFleet:
-    """What the loop reads of the fleet (a fake of controller.engine_fleet.EngineFleet)."""
-
-    def __init__(self) -> None:
-        self.engine_waiting = asyncio.Event()
-        self.fatal = None
-        self.admins = {0: FakeAdmin()}
-        self.api_key = None
-
-    async def mark_serving(self, indices: list[int]) -> None:
-        pass
-
-    async def fail_engine(self, index: int, reason: str) -> None:
-        raise RuntimeError(reason)
-
-
-async def fake_trainer_rank(channel: TrainerChannel) -> None:
-    """Rank 0 answers every command at once; during a sync it sends a one-bucket plan first."""
-    while True:
-        command = await channel.next_command(0)
-        if isinstance(command, SyncWeightsCommand):
-            channel.on_weight_plan(WeightPlan(weight_version=command.weight_version, master_address="127.0.0.1",
-                                              master_port=1, buckets=[{"names": ["w"], "dtypes": ["float32"],
-                                                                       "shapes": [[1]], "num_bytes": 4}]))
-        channel.on_done(CommandDone(rank=0, seq=command.seq))
 
 
 async def fake_eval(weight_version: int) -> dict[str, float]:
@@ -101,6 +43,7 @@ async def fake_eval(weight_version: int) -> dict[str, float]:
 
 
 def build_loop(run_dir: Path) -> tuple[Any, TrainerChannel]:
+    """The loop as the controller assembles it, over the fakes, for one rollout with a save and an eval."""
     config = load_config([REPO / "configs/tiny_cpu.yaml"], ["--set", f"run_dir={run_dir}"])
     config.checkpoint.save_interval = 1
     config.eval.eval_interval = 1
@@ -108,18 +51,10 @@ def build_loop(run_dir: Path) -> tuple[Any, TrainerChannel]:
     registry = Registry(trainer_world_size=1, num_engines=1)
     registry.add_trainer(TrainerInfo(rank=0, world_size=1, host="h", pid=1, info={"dp_rank": 0, "dp_size": 1}))
     registry.add_engine(EngineInfo(engine_index=0, url="http://127.0.0.1:9", state=EngineState.SERVING))
-    channel, fleet, scheduler = TrainerChannel(1), FakeFleet(), FakeScheduler()
-    try:
-        from hpc_rl.controller.rollout_stack import assemble_loop  # after issue 13's split
-        from hpc_rl.telemetry.recorder import RunRecorder
-    except ImportError:
-        from hpc_rl.controller.run_loop import RunLoop  # before it
-        return RunLoop(config=config, registry=registry, channel=channel, fleet=fleet, scheduler=scheduler,  # type: ignore[arg-type]
-                       scalars=ScalarLog(None), num_rollout=1, run_eval=fake_eval,
-                       print_fn=lambda line: None), channel
+    channel, ignored = TrainerChannel(1), []
     recorder = RunRecorder(run_dir, ScalarLog(None), num_rollout=1, print_fn=lambda line: None)
-    return assemble_loop(config, scheduler=scheduler, registry=registry, channel=channel, fleet=fleet,  # type: ignore[arg-type]
-                         recorder=recorder, evaluate=fake_eval, num_rollout=1), channel
+    return assemble_loop(config, scheduler=FakeScheduler(ignored), registry=registry, channel=channel,  # type: ignore[arg-type]
+                         fleet=FakeFleet(ignored), recorder=recorder, evaluate=fake_eval, num_rollout=1), channel
 
 
 def hpc_rl_depth(frame: FrameType | None) -> int:
@@ -148,7 +83,7 @@ def main() -> None:
 
     async def scenario(run_dir: Path) -> None:
         loop, channel = build_loop(run_dir)
-        trainer = asyncio.create_task(fake_trainer_rank(channel))
+        trainer = asyncio.create_task(recording_trainer_rank(channel, []))
         sys.setprofile(profile)
         try:
             await loop.run(resumed=False)

@@ -17,11 +17,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
+
+from hpc_rl.protocol.http_client import request_blocking
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -159,13 +159,11 @@ def stop_process_group(popen: subprocess.Popen, grace_seconds: float,
         return None
 
 
-def http_ok(url: str, *, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> bool:
+def http_ok(url: str, *, timeout: float = 2.0, api_key: str | None = None) -> bool:
     """True when GET `url` answers 200."""
-    request = urllib.request.Request(url, headers=dict(headers or {}))
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return request_blocking("GET", url, api_key=api_key, timeout_s=timeout)[0] == 200
+    except ConnectionError:
         return False
 
 

@@ -28,12 +28,12 @@ import os
 import sys
 import time
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from hpc_rl.engines import API_KEY_ENV
 from hpc_rl.engines.child_process import ChildProcess, ChildProcessFailed, free_port, http_ok, wait_until
+from hpc_rl.protocol.http_client import request_blocking
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
@@ -62,16 +62,7 @@ def build_router_command(*, host: str, port: int, prometheus_port: int, policy: 
 def _request(method: str, url: str, body: dict | None = None, timeout: float = 10.0,
              api_key: str | None = None) -> tuple[int, object]:
     data = json.dumps(body).encode() if body is not None else None
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            raw = response.read()
-            status = response.status
-    except urllib.error.HTTPError as error:
-        raw, status = error.read(), error.code
+    status, raw = request_blocking(method, url, data, api_key=api_key, timeout_s=timeout)
     try:
         return status, json.loads(raw) if raw else None
     except json.JSONDecodeError:

@@ -71,6 +71,7 @@ from hpc_rl.launch.node_health import NodeLoss, lost_nodes, query_node_states
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
 from hpc_rl.launch.trainer_exit import describe_trainer_exit
 from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
+from hpc_rl.protocol.http_client import EngineConnection, EngineHTTPTransportError
 from hpc_rl.protocol.secret import Secret, engine_api_key, load_secret, secret_path
 from hpc_rl.telemetry.run_files import RunLogFileHandler
 from hpc_rl.weights.device_identity import DEVICE_ID_ENV, device_identity
@@ -89,6 +90,8 @@ ENGINE_BIND_RETRIES = 2
 """An engine whose port is taken is started again on a free port this many times, then the run fails."""
 ENGINE_HEALTH_POLL_S = 0.1
 """How often a starting engine's /health is asked (a refused connection until it listens; issue 11)."""
+ENGINE_HEALTH_TIMEOUT_S = 2.0
+"""How long one /health poll may take."""
 NODE_WATCH_INTERVAL_S = 2.0
 """On Slurm, how often the driver asks whether the job's nodes are alive (one `sinfo` call)."""
 NODE_REQUEUE_WAIT_S = 120.0
@@ -204,21 +207,21 @@ def _create_private(path: Path) -> None:
 
 
 async def _wait_healthy(url: str, step: StepHandle, timeout_s: float, log_path: Path, api_key: str) -> None:
-    import aiohttp
-
+    engine = EngineConnection(url, api_key=api_key, connecting=asyncio.Semaphore(1))
     deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {api_key}"}) as session:
+    try:
         while time.monotonic() < deadline:
             if step.poll() is not None:
                 raise RuntimeError(f"{step.name} exited with code {step.poll()} before it was healthy; "
                                    f"last lines of {log_path}:\n{log_tail(log_path)}")
             try:
-                async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2)) as response:
-                    if response.status == 200:
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                if (await engine.request("GET", "/health", None, ENGINE_HEALTH_TIMEOUT_S))[0] == 200:
+                    return
+            except EngineHTTPTransportError:
                 pass
             await asyncio.sleep(ENGINE_HEALTH_POLL_S)
+    finally:
+        engine.close()
     raise RuntimeError(f"{step.name} not healthy at {url}/health after {timeout_s:.0f} s; "
                        f"last lines of {log_path}:\n{log_tail(log_path)}")
 

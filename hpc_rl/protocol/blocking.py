@@ -25,8 +25,8 @@ from hpc_rl.protocol.framing import (
     DEFAULT_MAX_FRAME_BYTES,
     HANDSHAKE_MAX_FRAME_BYTES,
     FrameCounter,
+    frame_chunks,
     recv_frame,
-    send_frame,
     session_counters,
 )
 from hpc_rl.protocol.messages import ErrorReply, Hello, Message, Welcome
@@ -81,7 +81,8 @@ class BlockingClient:
         msg_id = self._next_id
         self._next_id += 1
         header, parts = message_frame(msg, id=msg_id, reply_to=reply_to)
-        send_frame(self._sock, self.secret, self._outgoing, header, parts)
+        for chunk in frame_chunks(self.secret, self._outgoing, header, parts):
+            self._sock.sendall(chunk)
         return msg_id
 
     def _receive(self, counter: FrameCounter | None = None, max_frame_bytes: int | None = None) -> Envelope:

@@ -1,5 +1,5 @@
-"""Messages over asyncio streams: ``read_message``/``write_message`` and ``Connection`` (request/reply
-matched by ids, plus unsolicited messages in both directions), and ``connect`` for async clients.
+"""Messages over asyncio streams: ``Connection`` (request/reply matched by ids, plus unsolicited messages
+in both directions), and ``connect`` for async clients.
 
 Owns turning messages into frames and back, request ids, a connection's frame counters (see framing.py)
 and what a client does with a server's rejection. The server side (handshake, isolation of bad peers) is
@@ -46,9 +46,9 @@ from hpc_rl.protocol.framing import (
     NONCE_BYTES,
     Buffer,
     FrameCounter,
+    frame_chunks,
     read_frame,
     session_counters,
-    write_frame,
 )
 from hpc_rl.protocol.messages import (
     ErrorReply,
@@ -121,30 +121,6 @@ async def read_envelope(
     return envelope_from_frame(header, payload)
 
 
-async def read_message(
-    reader: asyncio.StreamReader,
-    secret: Secret,
-    counter: FrameCounter,
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-) -> Message:
-    """Read one authenticated message (arrays are zero-copy views of the received frame)."""
-    return (await read_envelope(reader, secret, counter, max_frame_bytes)).message
-
-
-async def write_message(
-    writer: asyncio.StreamWriter,
-    secret: Secret,
-    counter: FrameCounter,
-    msg: Message,
-    *,
-    id: int = 0,
-    reply_to: int | None = None,
-) -> None:
-    """Write one message as the next authenticated frame of ``counter``'s direction."""
-    header, parts = message_frame(msg, id=id, reply_to=reply_to)
-    await write_frame(writer, secret, counter, header, parts)
-
-
 class Connection:
     """One authenticated stream: send, request (await the matching reply), receive unsolicited messages.
 
@@ -190,8 +166,7 @@ class Connection:
         """Server side, first thing on a connection: send a fresh nonce and bind the connection to it."""
         nonce = secrets.token_bytes(NONCE_BYTES)
         async with self._write_lock:
-            hello = ServerHello(nonce=nonce.hex())
-            await write_message(self.writer, self.secret, FrameCounter.server_hello(), hello)
+            await self._write(ServerHello(nonce=nonce.hex()), 0, None, FrameCounter.server_hello())
             self._bind(nonce, server=True)
 
     async def read_server_hello(self) -> None:
@@ -243,10 +218,13 @@ class Connection:
             self._next_id += 1
             await self._write(msg, msg_id, None)
 
-    async def _write(self, msg: Message, msg_id: int, reply_to: int | None) -> None:
-        """Write one frame; the caller holds the write lock, so frame numbers follow the wire order."""
-        counter = self._counter(self._outgoing)
-        await write_message(self.writer, self.secret, counter, msg, id=msg_id, reply_to=reply_to)
+    async def _write(self, msg: Message, msg_id: int, reply_to: int | None, counter: FrameCounter | None = None) -> None:
+        """Write one frame (of the session's outgoing counter unless told) and wait for the transport to
+        take it; the caller holds the write lock, so frame numbers follow the wire order."""
+        header, parts = message_frame(msg, id=msg_id, reply_to=reply_to)
+        for chunk in frame_chunks(self.secret, counter or self._counter(self._outgoing), header, parts):
+            self.writer.write(chunk)  # one by one: writelines joins (copies) them on Python 3.11
+        await self.writer.drain()
 
     async def reply(self, to: Envelope, msg: Message) -> int:
         """Answer a received request."""

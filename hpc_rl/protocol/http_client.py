@@ -7,7 +7,8 @@ and aiohttp under the CPU and simulated engines do), responses parsed (status; b
 Content-Length, chunked, or up to the close) and matched to requests in order, a timeout per
 response, and `EngineConnections`: the pool, one entry per engine URL, with a bound on connections
 being opened at once (a fan-out to 1,024 engines must not open 1,024 sockets in one instant against
-their listen backlogs).
+their listen backlogs), and `request_blocking`: one call on its own connection for sync code (the
+router's worker registry, health polls of child processes), with the same request and response code.
 
 Why not aiohttp: its client cost ~440 us of controller CPU per call here (measured against the
 simulated engines at N=256); a weight sync of Qwen3-4B is 20 calls per engine, 20,480 at 1,024
@@ -15,7 +16,9 @@ engines. This one costs ~100 us per single call and ~45-70 us per pipelined one 
 loop's read per answer). benchmarks/bench_scale.py and docs/scaling.md have the numbers.
 Does not own: what the calls mean (controller.engine_admin, rollout.engine_client) or when they are
 made (controller.weight_sync, the loop, the rollout client). Plain HTTP only: engines and the
-router listen on the job's own nodes, as before (no TLS was used with aiohttp either).
+router listen on the job's own nodes, as before (no TLS was used with aiohttp either), and are
+reached directly whatever http_proxy says (urllib sent the sync calls to the proxy). A user's reward
+server (rewards.remote) is outside the job and may be https: it keeps aiohttp (see there).
 """
 
 from __future__ import annotations
@@ -209,15 +212,45 @@ class _Link(asyncio.Protocol):
             self.transport.abort()
 
 
+def _address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"engine URL {url!r}: expected http://host:port (engines speak plain HTTP)")
+    return parts.hostname, parts.port or 80
+
+
+def request_blocking(method: str, url: str, body: bytes | None = None, *, api_key: str | None = None,
+                     timeout_s: float = 10.0) -> tuple[int, bytes]:
+    """One request on a new connection, for code that is not async: (status, body).
+    EngineHTTPTransportError when the connection fails, closes before the answer, or `timeout_s`
+    passes on connecting or between two reads."""
+    host, port = _address(url)
+    parts = urlsplit(url)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
+    parser = _ResponseParser()
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.sendall(encode_request(method, path, f"{host}:{port}", auth, body))
+            while True:
+                data = sock.recv(1 << 16)
+                answers = parser.feed(data) if data else [parser.close()]
+                if answers and answers[0] is not None:
+                    return answers[0]
+                if not data:
+                    raise EngineHTTPTransportError(f"{url}: connection closed before the answer")
+    except (OSError, ValueError) as error:
+        if isinstance(error, EngineHTTPTransportError):
+            raise
+        raise EngineHTTPTransportError(f"{method} {url}: {error}") from error
+
+
 class EngineConnection:
     """Admin requests to one engine over keep-alive connections (usually one); `exchange` pipelines."""
 
     def __init__(self, url: str, *, api_key: str | None, connecting: asyncio.Semaphore) -> None:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"engine URL {url!r}: expected http://host:port (engines speak plain HTTP)")
         self.url = url.rstrip("/")
-        self.host, self.port = parts.hostname, parts.port or 80
+        self.host, self.port = _address(url)
         self.host_header = f"{self.host}:{self.port}"
         self.auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
         self._connecting = connecting

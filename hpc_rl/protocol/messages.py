@@ -4,17 +4,17 @@ Owns the message classes, the registry (type name -> class) and the conversion b
 (a JSON header, a list of arrays). It does not own bytes on the wire (framing.py, arrays.py) or
 connections (connection.py).
 
-Adding a message is a ~5-line affair::
+Adding a message is a ~4-line affair::
 
     @dataclass(kw_only=True)
     class AbortRequests(Message):
         TYPE: ClassVar[str] = "abort_requests"
-        VERSION: ClassVar[int] = 1
         request_ids: list[str]
 
 Fields may be JSON values (None, bool, int, float, str, lists, dicts with str keys) and numpy arrays /
 CPU torch tensors, also nested in lists and dicts; arrays travel as raw bytes in the frame's payload.
-Bump ``VERSION`` when a field changes meaning or is removed; both sides must then run the same code.
+Set ``VERSION`` (1 unless set) to 2, 3... when a field changes meaning or is removed; both sides must then
+run the same code.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Message:
 
     TYPE: ClassVar[str] = ""
     VERSION: ClassVar[int] = 1
+    """Set in a subclass only when bumped."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -65,7 +66,6 @@ class ServerHello(Message):
     (see framing.py)."""
 
     TYPE: ClassVar[str] = "server_hello"
-    VERSION: ClassVar[int] = 1
     nonce: str
     """32 random bytes, hex (checked by the client: connection.nonce_of_server_hello)."""
 
@@ -75,7 +75,6 @@ class Hello(Message):
     """The client's first frame on every connection (after the server's hello): who is calling."""
 
     TYPE: ClassVar[str] = "hello"
-    VERSION: ClassVar[int] = 1
     role: Role
     rank: int = 0
     world_size: int = 1
@@ -89,7 +88,6 @@ class Welcome(Message):
     """The server's answer to a valid Hello."""
 
     TYPE: ClassVar[str] = "welcome"
-    VERSION: ClassVar[int] = 1
     connection_id: int
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -102,7 +100,6 @@ class ResumeState(Message):
     The Hello announces it (`info["resume_follows"]`), so the controller waits for it before resuming."""
 
     TYPE: ClassVar[str] = "resume_state"
-    VERSION: ClassVar[int] = 1
     rank: int
     rollout_id: int
     """The last rollout the loaded checkpoint holds."""
@@ -115,34 +112,29 @@ class ErrorReply(Message):
     """A request failed (or the connection is being closed for a protocol error): why."""
 
     TYPE: ClassVar[str] = "error"
-    VERSION: ClassVar[int] = 1
     message: str
 
 
 @dataclass(kw_only=True)
 class Ping(Message):
     TYPE: ClassVar[str] = "ping"
-    VERSION: ClassVar[int] = 1
     payload: str = ""
 
 
 @dataclass(kw_only=True)
 class Pong(Message):
     TYPE: ClassVar[str] = "pong"
-    VERSION: ClassVar[int] = 1
     payload: str = ""
 
 
 @dataclass(kw_only=True)
 class StatusRequest(Message):
     TYPE: ClassVar[str] = "status_request"
-    VERSION: ClassVar[int] = 1
 
 
 @dataclass(kw_only=True)
 class StatusReply(Message):
     TYPE: ClassVar[str] = "status_reply"
-    VERSION: ClassVar[int] = 1
     status: dict[str, Any] = field(default_factory=dict)
 
 
@@ -151,7 +143,6 @@ class Shutdown(Message):
     """Ask the peer to stop (the controller to its trainers/engines, or an operator to the controller)."""
 
     TYPE: ClassVar[str] = "shutdown"
-    VERSION: ClassVar[int] = 1
     reason: str = ""
 
 
@@ -160,7 +151,6 @@ class Arrays(Message):
     """Generic named arrays plus JSON metadata (tests, benchmarks, ad-hoc tensors)."""
 
     TYPE: ClassVar[str] = "arrays"
-    VERSION: ClassVar[int] = 1
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -173,7 +163,6 @@ class NextCommand(Message):
     """Trainer rank -> controller: "what do I do next?"; answered by one of the commands below."""
 
     TYPE: ClassVar[str] = "next_command"
-    VERSION: ClassVar[int] = 1
     rank: int
 
 
@@ -182,7 +171,6 @@ class TrainCommand(Message):
     """Train on this rank's share of rollout `rollout_id` (flat arrays, see controller.train_batches)."""
 
     TYPE: ClassVar[str] = "train"
-    VERSION: ClassVar[int] = 1
     seq: int
     rollout_id: int
     batch: dict[str, np.ndarray]
@@ -194,7 +182,6 @@ class SyncWeightsCommand(Message):
     """Send the current weights to the engines as `weight_version` (rank 0 broadcasts)."""
 
     TYPE: ClassVar[str] = "sync_weights"
-    VERSION: ClassVar[int] = 1
     seq: int
     weight_version: int
     new_group: bool
@@ -210,7 +197,6 @@ class ColocatedSyncCommand(Message):
     through `/update_weights_from_tensor` (no weight-update group; the controller opens the session)."""
 
     TYPE: ClassVar[str] = "colocated_sync"
-    VERSION: ClassVar[int] = 1
     seq: int
     weight_version: int
     engine_urls: list[str]
@@ -224,7 +210,6 @@ class TrainerMemoryCommand(Message):
     """Colocated mode: `offload` trainer state off the device (the engines need it) or `onload` it back."""
 
     TYPE: ClassVar[str] = "trainer_memory"
-    VERSION: ClassVar[int] = 1
     seq: int
     action: str
     """offload | onload"""
@@ -237,7 +222,6 @@ class WeightPlan(Message):
     """Trainer rank 0 -> controller during a sync: where to meet and the buckets it will broadcast."""
 
     TYPE: ClassVar[str] = "weight_plan"
-    VERSION: ClassVar[int] = 1
     weight_version: int
     master_address: str
     master_port: int
@@ -251,7 +235,6 @@ class SaveCommand(Message):
     """Save a checkpoint after rollout `rollout_id`, with the controller's state inside it."""
 
     TYPE: ClassVar[str] = "save"
-    VERSION: ClassVar[int] = 1
     seq: int
     rollout_id: int
     controller_state: dict[str, Any] = field(default_factory=dict)
@@ -262,7 +245,6 @@ class StopCommand(Message):
     """Leave the command loop and exit cleanly."""
 
     TYPE: ClassVar[str] = "stop"
-    VERSION: ClassVar[int] = 1
     seq: int
     reason: str = ""
 
@@ -272,7 +254,6 @@ class CommandDone(Message):
     """Trainer rank -> controller: a command finished (or failed, with the error)."""
 
     TYPE: ClassVar[str] = "command_done"
-    VERSION: ClassVar[int] = 1
     rank: int
     seq: int
     ok: bool = True
@@ -285,7 +266,6 @@ class Ack(Message):
     """A request was accepted (nothing else to say)."""
 
     TYPE: ClassVar[str] = "ack"
-    VERSION: ClassVar[int] = 1
 
 
 # --- encoding -------------------------------------------------------------------------------------------
@@ -331,67 +311,78 @@ def _decode_value(value: Any, arrays: list[Any], where: str) -> Any:
     return value
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+Check = typing.Callable[[Any], "str | None"]
+"""Why a value does not fit a field's annotation (outer types and container elements), or None if it fits."""
 
 
-def _hints(cls: type[Message]) -> dict[str, Any]:
-    if cls not in _HINTS:
-        try:
-            _HINTS[cls] = typing.get_type_hints(cls)
-        except Exception:  # noqa: BLE001  (an unresolvable annotation: skip type checks for the class)
-            _HINTS[cls] = {}
-    return _HINTS[cls]
+def _fits(value: Any) -> None:
+    return None
 
 
-def _type_error(value: Any, hint: Any) -> str | None:
-    """Why ``value`` does not fit ``hint`` (outer types and container elements), or None if it fits."""
-    origin = typing.get_origin(hint)
-    if hint is Any or isinstance(hint, typing.TypeVar):
-        return None
+def _plain(test: typing.Callable[[Any], bool], expected: str) -> Check:
+    return lambda value: None if test(value) else f"expected {expected}, got {type(value).__name__}"
+
+
+def _number(kind: type) -> typing.Callable[[Any], bool]:
+    return lambda value: isinstance(value, kind) and not isinstance(value, bool)
+
+
+_PLAIN: dict[Any, Check] = {
+    type(None): _plain(lambda value: value is None, "None"),
+    np.ndarray: _plain(is_array, "an array"),
+    float: _plain(_number((int, float)), "float"),  # type: ignore[arg-type]
+    int: _plain(_number(int), "int"),
+    bool: _plain(lambda value: isinstance(value, bool), "bool"),
+    str: _plain(lambda value: isinstance(value, str), "str"),
+}
+
+
+def _check_of(hint: Any) -> Check:
+    """The check of one annotation, built once per message class (a message is checked on both ends)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in _PLAIN:
+        return _PLAIN[hint]
     if origin is typing.Union or origin is types.UnionType:
-        errors = [_type_error(value, h) for h in typing.get_args(hint)]
-        return None if any(e is None for e in errors) else f"{value!r:.80} is none of {hint}"
+        options = [_check_of(option) for option in args]
+        return lambda value: None if any(c(value) is None for c in options) else f"{value!r:.80} is none of {hint}"
     if origin is Literal:
-        return (
-            None if value in typing.get_args(hint) else f"{value!r:.80} is not one of {typing.get_args(hint)}"
-        )
-    if hint is type(None):
-        return None if value is None else f"expected None, got {type(value).__name__}"
-    if hint is np.ndarray:
-        return None if is_array(value) else f"expected an array, got {type(value).__name__}"
-    if hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return None if ok else f"expected float, got {type(value).__name__}"
-    if hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        return None if ok else f"expected int, got {type(value).__name__}"
-    if hint in (bool, str):
-        return None if isinstance(value, hint) else f"expected {hint.__name__}, got {type(value).__name__}"
+        return lambda value: None if value in args else f"{value!r:.80} is not one of {args}"
     if origin in (list, tuple) or hint in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            return f"expected a list, got {type(value).__name__}"
-        args = typing.get_args(hint)
-        if len(args) == 1 or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
-            for i, v in enumerate(value):
-                if (err := _type_error(v, args[0])) is not None:
-                    return f"item {i}: {err}"
-        return None
+        item = _check_of(args[0]) if len(args) == 1 or (origin is tuple and args[1:] == (Ellipsis,)) else _fits
+
+        def check_list(value: Any) -> str | None:
+            if not isinstance(value, (list, tuple)):
+                return f"expected a list, got {type(value).__name__}"
+            errors = (f"item {i}: {e}" for i, v in enumerate(value) if (e := item(v)) is not None)
+            return None if item is _fits else next(errors, None)
+
+        return check_list
     if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            return f"expected a dict, got {type(value).__name__}"
-        args = typing.get_args(hint)
-        if len(args) == 2:
-            for k, v in value.items():
-                if (err := _type_error(v, args[1])) is not None:
-                    return f"key {k!r}: {err}"
-        return None
-    return None  # other annotations (custom classes): not checked
+        entry = _check_of(args[1]) if len(args) == 2 else _fits
+
+        def check_dict(value: Any) -> str | None:
+            if not isinstance(value, dict):
+                return f"expected a dict, got {type(value).__name__}"
+            errors = (f"key {k!r}: {e}" for k, v in value.items() if (e := entry(v)) is not None)
+            return None if entry is _fits else next(errors, None)
+
+        return check_dict
+    return _fits  # Any, type variables, other annotations (custom classes): not checked
+
+
+_CHECKS: dict[type, dict[str, Check]] = {}
 
 
 def _check_fields(cls: type[Message], values: dict[str, Any]) -> None:
-    hints = _hints(cls)
+    checks = _CHECKS.get(cls)
+    if checks is None:
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # noqa: BLE001  (an unresolvable annotation: skip type checks for the class)
+            hints = {}
+        checks = _CHECKS[cls] = {f.name: _check_of(hints[f.name]) for f in fields(cls) if f.name in hints}
     for name, value in values.items():
-        if name in hints and (err := _type_error(value, hints[name])) is not None:
+        if name in checks and (err := checks[name](value)) is not None:
             raise FieldMismatchError(f"{cls.__name__}.{name}: {err}")
 
 

@@ -2,9 +2,9 @@
 
 Owns: `RewardSpec` (what to score with: rm type, custom function path, reward server URL, group
 mode, the opaque `args` handed to custom functions), the dispatch per sample (custom function >
-per-sample `metadata["rm_type"]` > `spec.rm_type`), the group-mode call of a custom function, the
-HTTP session for `remote_rm`, and `RewardError`: any failure is raised with the sample's `index`
-and the rm type in its message, never turned into a silent 0.
+per-sample `metadata["rm_type"]` > `spec.rm_type`), the group-mode call of a custom function, when
+a batch opens `remote_rm`'s HTTP session (remote.py's), and `RewardError`: any failure is raised with
+the sample's `index` and the rm type in its message, never turned into a silent 0.
 
     reward_group(spec, samples)
       custom_rm_path and group_rm -> await fn(args, samples)          one call, len checked
@@ -23,12 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from hpc_rl.data.samples import Sample
 from hpc_rl.rewards.plugins import RewardFunction, load_reward_function
 from hpc_rl.retry_policy import RetryPolicy
-from hpc_rl.rewards.remote import REMOTE_RM_RETRY, post_for_reward, reward_payload
+from hpc_rl.rewards.remote import REMOTE_RM_RETRY, RewardSession, post_for_reward, reward_payload, reward_session
 from hpc_rl.rewards.scoring import REMOTE_RM, check_rm_type, resolve_rm_type, score, split_boxed_prefix
 
 
@@ -100,7 +98,7 @@ def _as_reward(value: Any, reward_key: str | None, source: str) -> float:
     raise TypeError(f"{source} returned {value!r} ({type(value).__name__}), not a number")
 
 
-async def _reward_one(spec: RewardSpec, sample: Sample, session: aiohttp.ClientSession | None) -> float:
+async def _reward_one(spec: RewardSpec, sample: Sample, session: RewardSession | None) -> float:
     if spec.custom_rm_path is not None:
         function: RewardFunction = load_reward_function(spec.custom_rm_path, group=False)
         return _as_reward(await function(spec.args, sample), spec.reward_key, spec.custom_rm_path)
@@ -122,7 +120,7 @@ def _sample_rm_type(spec: RewardSpec, sample: Sample) -> str:
     return f"rm_type {(override or spec.rm_type)!r}"
 
 
-async def _guarded(spec: RewardSpec, sample: Sample, session: aiohttp.ClientSession | None) -> float:
+async def _guarded(spec: RewardSpec, sample: Sample, session: RewardSession | None) -> float:
     try:
         return await _reward_one(spec, sample, session)
     except Exception as error:
@@ -171,8 +169,7 @@ async def reward_group(spec: RewardSpec, samples: Sequence[Sample]) -> list[floa
     if spec.custom_rm_path is not None and spec.group_rm:
         return await _reward_custom_group(spec, samples)
     if _needs_session(spec, samples):
-        timeout = aiohttp.ClientTimeout(total=spec.remote_timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with reward_session(spec.remote_timeout_s) as session:
             results = await asyncio.gather(
                 *(_guarded(spec, s, session) for s in samples), return_exceptions=True
             )

@@ -1,10 +1,13 @@
 """The `remote_rm` reward: POST each sample to a reward server, retrying with exponential backoff.
 
 Owns: the request body (`{"prompt", "response", "label"}`, as slime sends it), the default retry
-budget (`REMOTE_RM_RETRY`, slime's; the policy itself is `hpc_rl.retry_policy`'s) and decoding the
-server's JSON answer.
-It does not own the HTTP session (the caller opens one `aiohttp.ClientSession` per batch and
-passes it in) nor the conversion of the answer to a float.
+budget (`REMOTE_RM_RETRY`, slime's; the policy itself is `hpc_rl.retry_policy`'s), decoding the
+server's JSON answer, and the HTTP session (`reward_session`; the caller opens one per batch and passes
+it in), so aiohttp is imported here only. Not the conversion of the answer to a float.
+
+Why aiohttp here and not hpc_rl.protocol.http_client (the one client for engines and the router): the
+reward server is the user's, outside the job, often behind https, a proxy or redirects, which that
+plain-HTTP client does not speak; it is called once per sample, so its client cost does not matter.
 """
 
 from __future__ import annotations
@@ -28,12 +31,20 @@ REMOTE_RM_RETRY = RetryPolicy(max_transport_retries=9, base_delay_s=1.0, max_del
 """slime's: 10 attempts; 1 s, 2 s, 4 s ... capped at 30 s, plus up to 1 s of jitter."""
 
 
+RewardSession = aiohttp.ClientSession
+
+
+def reward_session(timeout_s: float) -> RewardSession:
+    """The session for one batch of `post_for_reward` calls; `timeout_s` bounds each call (all its reads)."""
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+
 def reward_payload(prompt: Any, response: str, label: Any) -> dict[str, Any]:
     return {"prompt": prompt, "response": response, "label": label}
 
 
 async def post_for_reward(
-    session: aiohttp.ClientSession, url: str, payload: dict[str, Any], policy: RetryPolicy = REMOTE_RM_RETRY
+    session: RewardSession, url: str, payload: dict[str, Any], policy: RetryPolicy = REMOTE_RM_RETRY
 ) -> Any:
     """POST `payload` to `url` as JSON and return the decoded JSON answer, retrying on failure.
 

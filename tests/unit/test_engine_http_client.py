@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin, EngineAdminError
-from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
+from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError, request_blocking
 from hpc_rl.sim.model import EngineModel
 from hpc_rl.sim.server import SimFleetServer
 
@@ -112,6 +112,53 @@ def test_a_call_overlapping_a_slow_one_gets_its_own_connection_and_timeouts_name
             await runner.cleanup()
         with pytest.raises(EngineHTTPTransportError, match="cannot connect"):
             await EngineConnections().to(url).request("GET", "/health", None, timeout_s=5)
+
+    asyncio.run(scenario())
+
+
+def test_request_blocking_for_sync_callers_speaks_the_same_http() -> None:
+    """The router's worker registry and child-process health polls (sync code) use `request_blocking`:
+    JSON bodies, the engine key, chunked answers, error statuses, query strings, timeouts, refusals."""
+
+    async def scenario() -> None:
+        runner, url = await serve(echo_app([]))
+        try:
+            status, body = await asyncio.to_thread(request_blocking, "POST", f"{url}/w?x=1", b'{"y": 2}', api_key="k")
+            assert status == 200 and orjson.loads(body) == {"path": "/w", "body": '{"y": 2}', "auth": "Bearer k"}
+            assert await asyncio.to_thread(request_blocking, "GET", f"{url}/chunked") == (200, b'{"a": 1}')
+            assert (await asyncio.to_thread(request_blocking, "DELETE", f"{url}/bad"))[0] == 400
+            with pytest.raises(EngineHTTPTransportError, match="timed out"):
+                await asyncio.to_thread(request_blocking, "GET", f"{url}/slow", timeout_s=0.2)
+        finally:
+            await runner.cleanup()
+        with pytest.raises(EngineHTTPTransportError, match="refused"):
+            request_blocking("GET", f"{url}/health")
+        with pytest.raises(ValueError, match="plain HTTP"):
+            request_blocking("GET", "https://example.com/health")
+
+    asyncio.run(scenario())
+
+
+def test_sync_callers_go_straight_to_the_engines_whatever_the_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Login and batch nodes often set http_proxy for the internet; urllib honoured it, so the router's
+    worker calls and the engines' health polls went to the proxy (no_proxy rarely lists the job's nodes
+    or 127.0.0.1) and failed. Engines and the router are on the job's own nodes: no proxy, ever."""
+    from hpc_rl.engines.child_process import http_ok
+    from hpc_rl.engines.router import _request
+
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+
+    async def scenario() -> None:
+        runner, url = await serve(echo_app([]))
+        try:
+            assert await asyncio.to_thread(http_ok, f"{url}/health")
+            status, body = await asyncio.to_thread(_request, "POST", f"{url}/workers", {"url": "http://e"}, api_key="k")
+            assert status == 200 and body == {"path": "/workers", "body": '{"url": "http://e"}', "auth": "Bearer k"}
+        finally:
+            await runner.cleanup()
 
     asyncio.run(scenario())
 

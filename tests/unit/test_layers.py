@@ -1,7 +1,8 @@
 """The layer order of hpc_rl's packages (README "Where things live"), read from every import statement.
 
     4  launch, submit, status            start processes, talk to Slurm and to a running controller
-    3  controller                        the asyncio control plane; never imports torch or transformers
+    3  controller                        the asyncio control plane; never loads torch; transformers only for
+                                      the prompt tokenizer (data/prompt_tokenizer.py, torch-free)
     2  training, engines, weights, tiny_model, sim   trainer ranks, engines, the weight path (sim: simulated ones)
     1  rollout, rewards                  generation client, sampling, buffers, reward functions
     0  config, data, protocol, plugins, telemetry, retry_policy   what every process shares
@@ -15,6 +16,7 @@ none is left, and the test fails on any new one.
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -139,3 +141,56 @@ def test_control_plane_imports_load_no_torch(module: str) -> None:
              f"print(' '.join(m for m in {TORCH_STACK!r} if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "", f"importing {module} loads {result.stdout.strip()}"
+
+
+BUILD_PROBE = '''
+import asyncio, json, sys, tempfile, traceback
+from pathlib import Path
+
+looked_up_from = {}
+
+class Witness:
+    """Records from which hpc_rl files each library of the torch stack was looked up (an import, lazy ones
+    included, or an availability probe such as transformers' find_spec("torch"))."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name in TORCH_STACK:
+            frames = [f.filename for f in traceback.extract_stack() if "/hpc_rl/" in f.filename]
+            where = frames[-1].split("/hpc_rl/", 1)[1] if frames else "?"
+            looked_up_from.setdefault(name, [])
+            if where not in looked_up_from[name]:
+                looked_up_from[name].append(where)
+        return None
+
+sys.meta_path.insert(0, Witness())
+from hpc_rl.config import load_config
+from hpc_rl.controller.app import Controller
+from hpc_rl.protocol.secret import create_secret
+
+async def build(repo, tmp):
+    config = load_config([repo / "configs" / "tiny_cpu.yaml"])
+    config.run_dir = tmp
+    config.rollout.prompt_data = str(repo / "data" / "tiny_copy_train.jsonl")
+    controller = Controller(config, secret=create_secret(Path(tmp) / "secret"), router=None, router_url=None)
+    try:
+        await controller.start()
+        await controller.ready()  # tokenizer, prompts, engine client, scheduler, the loop
+    finally:
+        await controller.close()
+
+with tempfile.TemporaryDirectory() as tmp:
+    asyncio.run(build(Path(sys.argv[1]), tmp))
+print(json.dumps({name: looked_up_from.get(name) for name in TORCH_STACK if name in sys.modules}))
+'''
+
+
+def test_controller_build_path_loads_no_torch_and_transformers_only_for_the_tokenizer() -> None:
+    """What the controller process loads when it starts and builds its rollout stack (function-level
+    imports included, which the source scan above cannot follow): never torch; transformers only from
+    data/prompt_tokenizer.py, whose `PreTrainedTokenizerFast` path is torch-free (the prompts' chat
+    template is rendered by transformers, as the trainer's and SGLang's are)."""
+    probe = f"TORCH_STACK = {TORCH_STACK!r}\n" + BUILD_PROBE
+    result = subprocess.run([sys.executable, "-c", probe, str(PACKAGE.parent)], capture_output=True, text=True,
+                            check=True)
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert loaded == {"transformers": ["data/prompt_tokenizer.py"]}, loaded

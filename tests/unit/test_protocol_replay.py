@@ -133,41 +133,23 @@ def test_captured_frames_replayed_on_a_new_connection_are_rejected() -> None:
     run_with_tap(scenario)
 
 
-def test_frame_resent_on_its_own_connection_is_rejected() -> None:
+@pytest.mark.parametrize(("stream", "index", "why"), [
+    ("to_server", 1, r"replayed or reordered frame: it is frame #1 of this connection's client->server stream, "
+                     r"but #2 was due"),
+    ("to_client", 2, r"reflected frame: it is frame #1 of this connection's server->client stream"),
+], ids=["ping-resent", "pong-reflected"])
+def test_frame_resent_or_reflected_to_the_server_is_rejected(stream: str, index: int, why: str) -> None:
+    """The Ping again on its own connection (client->server #1 where #2 is due), or the Pong (server->client
+    #1) sent back to the server: the victim's connection is closed with the cause, others keep working."""
+
     async def scenario(server: Server, tap: FrameTap, port: int) -> None:
         good = await connect("127.0.0.1", server.port, SECRET, HELLO)
         victim = await connect("127.0.0.1", port, SECRET, HELLO)
         assert await victim.request(Ping(payload="once")) == Pong(payload="once")
-        # the Ping again: client->server frame #1 where #2 is due
-        await tap.last.inject_to_server(tap.last.to_server[1])
-        with pytest.raises(
-            RemoteError,
-            match=r"replayed or reordered frame: it is frame #1 of this "
-            r"connection's client->server stream, but #2 was due",
-        ):
-            await victim.request(Ping(payload="twice"))
-        await wait_until(lambda: len(server.connections) == 1)
-        await assert_still_serving(good, server)
-        await victim.close()
-        await good.close()
-
-    run_with_tap(scenario)
-
-
-def test_server_frame_reflected_to_the_server_is_rejected() -> None:
-    async def scenario(server: Server, tap: FrameTap, port: int) -> None:
-        good = await connect("127.0.0.1", server.port, SECRET, HELLO)
-        victim = await connect("127.0.0.1", port, SECRET, HELLO)
-        assert await victim.request(Ping(payload="p")) == Pong(payload="p")
         assert len(tap.last.to_client) == 3  # ServerHello, Welcome, Pong
-        # the Pong (server->client #1), sent back to the server
-        await tap.last.inject_to_server(tap.last.to_client[2])
-        with pytest.raises(
-            RemoteError,
-            match=r"reflected frame: it is frame #1 of this connection's "
-            r"server->client stream",
-        ):
-            await victim.request(Ping(payload="q"))
+        await tap.last.inject_to_server(getattr(tap.last, stream)[index])
+        with pytest.raises(RemoteError, match=why):
+            await victim.request(Ping(payload="twice"))
         await wait_until(lambda: len(server.connections) == 1)
         await assert_still_serving(good, server)
         await victim.close()

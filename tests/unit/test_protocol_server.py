@@ -16,17 +16,8 @@ from hpc_rl.protocol import framing
 from hpc_rl.protocol.blocking import BlockingClient
 from hpc_rl.protocol.connection import Connection, Envelope, connect, message_frame, read_envelope
 from hpc_rl.protocol.errors import BadMacError, HandshakeError, PeerClosedError, ProtocolError, RemoteError
-from hpc_rl.protocol.messages import (
-    Arrays,
-    ErrorReply,
-    Hello,
-    Message,
-    Ping,
-    Pong,
-    ServerHello,
-    Shutdown,
-    StatusRequest,
-)
+from hpc_rl.protocol.messages import (Arrays, ErrorReply, Hello, Message, Ping, Pong, ServerHello, Shutdown,
+                                      StatusRequest)
 from hpc_rl.protocol.secret import Secret
 from hpc_rl.protocol.server import Server, serve
 
