@@ -1,7 +1,9 @@
 """Unit tests of the CPU engine in one process: scheduler driven step by step, and the HTTP layer.
 
-The model is the tiny Qwen3 built in memory (no checkpoint on disk); the scheduler is driven with
-`run_iteration()` on the test thread, so aborts and pauses land at known steps.
+The model is the tiny Qwen3 built in memory (no checkpoint on disk), as transformers' module and as the
+engine's own forward (`native_qwen3`) with the same weights: each scheduler test runs on both, checked
+against transformers' plain forward pass. The scheduler is driven with `run_iteration()` on the test
+thread, so aborts and pauses land at known steps.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import torch
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from hpc_rl.engines.cpu.native_qwen3 import NativeQwen3ForCausalLM
 from hpc_rl.engines.cpu.requests import GenerationRequest, parse_generate_body
 from hpc_rl.engines.cpu.sampling import make_generator, parse_sampling_params
 from hpc_rl.engines.cpu.scheduler import EngineStateError, Scheduler
 from hpc_rl.engines.cpu.server import EngineServer, ServerInfo
+from hpc_rl.engines.cpu.weight_sync import load_named
 from hpc_rl.tiny_model import TINY_VOCAB, build_tokenizer
 
 EOS = TINY_VOCAB.index("<|im_end|>")
@@ -29,13 +33,22 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def model():
+def hf_model():
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=len(TINY_VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                          tie_word_embeddings=True, eos_token_id=EOS, pad_token_id=2)
     config._attn_implementation = "eager"
     return Qwen3ForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module", params=["transformers", "native"])
+def model(request, hf_model):
+    if request.param == "transformers":
+        return hf_model
+    native = NativeQwen3ForCausalLM(hf_model.config.to_dict()).eval()
+    load_named(native, list(hf_model.state_dict().items()))
+    return native
 
 
 @pytest.fixture
@@ -64,7 +77,7 @@ def drive(scheduler: Scheduler, futures, max_iterations: int = 1000) -> None:
     raise AssertionError("requests did not finish")
 
 
-def test_continuous_batching_logprobs_match_a_forward_pass(scheduler, model):
+def test_continuous_batching_logprobs_match_a_forward_pass(scheduler, hf_model):
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17]]
     futures = [scheduler.submit(make_request(f"r{i}", p, max_new_tokens=12, ignore_eos=True, sampling_seed=i))
                for i, p in enumerate(prompts[:2])]
@@ -78,7 +91,7 @@ def test_continuous_batching_logprobs_match_a_forward_pass(scheduler, model):
         output = response["output_ids"]
         got = [entry[0] for entry in response["meta_info"]["output_token_logprobs"]]
         assert [entry[1] for entry in response["meta_info"]["output_token_logprobs"]] == output
-        assert max(abs(a - b) for a, b in zip(got, reference_logprobs(model, prompt, output))) < 1e-4
+        assert max(abs(a - b) for a, b in zip(got, reference_logprobs(hf_model, prompt, output))) < 1e-4
         assert response["meta_info"]["finish_reason"] == {"type": "length", "length": len(output)}
         assert response["meta_info"]["weight_versions"] == [{"version": "v0", "start": 0, "end": len(output)}]
 
@@ -108,7 +121,7 @@ def test_abort_by_rid_and_all_return_partial_output(scheduler):
     assert all(f.result()["meta_info"]["finish_reason"]["type"] == "abort" for f in futures)
 
 
-def test_pause_retract_resumes_with_recomputed_kv(scheduler, model):
+def test_pause_retract_resumes_with_recomputed_kv(scheduler, hf_model):
     future = scheduler.submit(make_request("p", [7, 8, 9], max_new_tokens=10, ignore_eos=True))
     for _ in range(4):
         scheduler.run_iteration()
@@ -121,7 +134,7 @@ def test_pause_retract_resumes_with_recomputed_kv(scheduler, model):
     response = future.result()
     assert len(response["output_ids"]) == 10
     got = [entry[0] for entry in response["meta_info"]["output_token_logprobs"]]
-    assert max(abs(a - b) for a, b in zip(got, reference_logprobs(model, [7, 8, 9], response["output_ids"]))) < 1e-4
+    assert max(abs(a - b) for a, b in zip(got, reference_logprobs(hf_model, [7, 8, 9], response["output_ids"]))) < 1e-4
 
 
 def test_pause_abort_ends_in_flight_requests(scheduler):
@@ -183,7 +196,7 @@ def test_generate_body_validation(tokenizer):
             parse_generate_body(body, tokenizer=tokenizer, context_length=64)
 
 
-def test_http_layer_auth_sessions_and_errors(model, tokenizer, tmp_path):
+def test_http_layer_auth_sessions_and_errors(model, hf_model, tokenizer, tmp_path):
     checkpoint = tmp_path / "ckpt"
     async def scenario() -> None:
         scheduler = Scheduler(model, tokenizer, max_running_requests=4, context_length=256, weight_version="v0")
@@ -219,7 +232,7 @@ def test_http_layer_auth_sessions_and_errors(model, tokenizer, tmp_path):
             assert missing.status == 400 and "not released" in (await missing.json())["message"]
             info_body = await (await client.get("/model_info", headers=auth)).json()
             assert info_body["weight_version"] == "v0"
-            model.save_pretrained(checkpoint)
+            hf_model.save_pretrained(checkpoint)
             disk = await client.post("/update_weights_from_disk",
                                      json={"model_path": str(checkpoint), "weight_version": "disk-1"}, headers=auth)
             assert disk.status == 200, await disk.text()

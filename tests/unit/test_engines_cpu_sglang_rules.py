@@ -19,7 +19,7 @@ from hpc_rl.engines.cpu.sampling import parse_sampling_params
 from hpc_rl.engines.cpu.scheduler import Scheduler, SchedulerDied
 from hpc_rl.engines.cpu.server import EngineServer, ServerInfo
 from hpc_rl.tiny_model import TINY_VOCAB
-from tests.unit.test_engines_cpu import drive, make_request, model, scheduler, tokenizer  # noqa: F401 - fixtures
+from tests.unit.test_engines_cpu import drive, hf_model, make_request, model, scheduler, tokenizer  # noqa: F401 - fixtures
 
 ANSWER, THREE = TINY_VOCAB.index("answer"), TINY_VOCAB.index("3")
 

@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weight-version", default="default", help="initial weight version label")
     parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads (1 on shared cores)")
     parser.add_argument("--attn-implementation", default="eager", choices=["eager", "sdpa"])
+    parser.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],
+                        help="auto: the engine's own Qwen3 forward where it applies (no transformers import), "
+                             "else transformers")
     parser.add_argument("--random-seed", type=int, default=None)
     parser.add_argument("--enable-memory-saver", action="store_true",
                         help="as SGLang's flag: releasing the `weights` tag discards them (colocated mode)")
@@ -53,6 +56,22 @@ def exit_on_scheduler_death(error: BaseException) -> None:
     os._exit(1)
 
 
+def load_model(model_path: str, model_impl: str, attn_implementation: str) -> torch.nn.Module:
+    """The engine's model: its own Qwen3 forward (`native`; `auto` picks it where it applies and eager
+    attention is asked for) or transformers' (SGLang's `--model-impl transformers` likewise)."""
+    from hpc_rl.engines.cpu.native_qwen3 import load_native_qwen3, native_support, read_config
+
+    reason = native_support(read_config(model_path))
+    if model_impl == "native" and reason is not None:
+        raise SystemExit(f"--model-impl native: {model_path}: {reason}; use --model-impl transformers")
+    if model_impl == "native" or (model_impl == "auto" and reason is None and attn_implementation == "eager"):
+        return load_native_qwen3(model_path)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                attn_implementation=attn_implementation).eval()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     api_key = resolve_api_key(args)
@@ -64,15 +83,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.manual_seed(args.random_seed)
 
     from aiohttp import web
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hpc_rl.engines.cpu.engine_tokenizer import load_engine_tokenizer
     from hpc_rl.engines.cpu.scheduler import Scheduler
     from hpc_rl.engines.cpu.server import EngineServer, ServerInfo
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model_path, dtype=torch.float32, attn_implementation=args.attn_implementation
-    ).eval()
+    tokenizer = load_engine_tokenizer(args.model_path)
+    model = load_model(args.model_path, args.model_impl, args.attn_implementation)
     context_length = args.context_length or int(getattr(model.config, "max_position_embeddings", 4096))
     scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
                           context_length=context_length, weight_version=args.weight_version,

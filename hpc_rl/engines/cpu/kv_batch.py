@@ -4,6 +4,9 @@ Owns: a left-padded, batched KV cache over a transformers causal LM (one tensor 
 keys and values, [rows, kv_heads, time, head_dim]) with its attention mask, and the model calls
 that grow it. Rows are requests; the scheduler decides which rows exist. No sampling, no HTTP.
 
+The model is the engine's own Qwen3 (`native_qwen3`) or any transformers causal LM (`_forward`
+calls either the same way).
+
 Continuous batching: newcomers are prefilled together (left-padded), then their cache is joined
 to the running one by padding the shorter cache on the left; finished rows are dropped by
 index; columns that no row uses any more are trimmed. Position ids are per row (count of real
@@ -16,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+
+from hpc_rl.engines.cpu.native_qwen3 import NativeQwen3ForCausalLM
 
 
 @dataclass
@@ -76,13 +80,24 @@ def join(running: KvBatch | None, newcomers: KvBatch) -> KvBatch:
     )
 
 
-def _cache_tensors(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+def _forward(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+             past: KvBatch | None, last_only: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """(logits [rows, 1 or length, V], keys, values) of one cached forward call over left-padded rows."""
+    past_pairs = None if past is None else list(zip(past.keys, past.values))
+    if isinstance(model, NativeQwen3ForCausalLM):
+        return model.forward_cached(input_ids, positions, mask, past_pairs, last_only)
+    from transformers import DynamicCache
+
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                past_key_values=DynamicCache() if past_pairs is None else DynamicCache(ddp_cache_data=past_pairs),
+                use_cache=True, logits_to_keep=1 if last_only else 0)
+    layers = out.past_key_values.layers
+    return out.logits, [layer.keys for layer in layers], [layer.values for layer in layers]
 
 
 @torch.inference_mode()
 def prefill(
-    model: PreTrainedModel, sequences: list[list[int]], full_logits: bool = False
+    model: torch.nn.Module, sequences: list[list[int]], full_logits: bool = False
 ) -> tuple[KvBatch, torch.Tensor, list[torch.Tensor] | None]:
     """Run the sequences (left-padded together); return their cache, last-position logits [B, V]
     and, with `full_logits`, each sequence's logits at every one of its positions [len, V]."""
@@ -91,16 +106,8 @@ def prefill(
     input_ids = torch.tensor([[pad_id] * (length - len(s)) + list(s) for s in sequences], dtype=torch.long)
     mask = torch.tensor([[0] * (length - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=DynamicCache(),
-        use_cache=True,
-        logits_to_keep=0 if full_logits else 1,
-    )
-    keys, values = _cache_tensors(out.past_key_values)
-    logits = out.logits.float()
+    logits, keys, values = _forward(model, input_ids, mask, positions, None, last_only=not full_logits)
+    logits = logits.float()
     per_sequence = None
     if full_logits:
         per_sequence = [logits[row, length - len(seq):] for row, seq in enumerate(sequences)]
@@ -108,18 +115,9 @@ def prefill(
 
 
 @torch.inference_mode()
-def decode_step(model: PreTrainedModel, batch: KvBatch, tokens: torch.Tensor) -> tuple[KvBatch, torch.Tensor]:
+def decode_step(model: torch.nn.Module, batch: KvBatch, tokens: torch.Tensor) -> tuple[KvBatch, torch.Tensor]:
     """Feed one token per row ([B]); return the grown batch and next-token logits [B, V]."""
     positions = batch.mask.sum(dim=1, keepdim=True)
     mask = torch.cat([batch.mask, torch.ones(batch.rows, 1, dtype=batch.mask.dtype)], dim=1)
-    cache = DynamicCache(ddp_cache_data=list(zip(batch.keys, batch.values)))
-    out = model(
-        input_ids=tokens.view(-1, 1),
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    keys, values = _cache_tensors(out.past_key_values)
-    return KvBatch(keys=keys, values=values, mask=mask), out.logits[:, -1].float()
+    logits, keys, values = _forward(model, tokens.view(-1, 1), mask, positions, batch, last_only=True)
+    return KvBatch(keys=keys, values=values, mask=mask), logits[:, -1].float()

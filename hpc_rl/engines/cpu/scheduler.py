@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
 
 from hpc_rl.engines.cpu import kv_batch
 from hpc_rl.engines.cpu.memory_occupation import MemoryOccupation, MemoryTagError, WeightsNotLoaded
@@ -50,7 +49,7 @@ class SchedulerDied(RuntimeError):
 class Scheduler:
     """Runs generation for one model on its own thread (see the module docstring)."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer, *, max_running_requests: int,
+    def __init__(self, model: torch.nn.Module, tokenizer, *, max_running_requests: int,
                  context_length: int, weight_version: str,
                  on_fatal: Callable[[BaseException], None] | None = None,
                  memory_saver: bool = False) -> None:

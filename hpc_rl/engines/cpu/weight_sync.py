@@ -14,14 +14,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import PreTrainedModel
 
 from hpc_rl.weights.bucket_layout import compute_layout, dtype_from_name, unpack_bucket
 from hpc_rl.weights.colocated import read_shared_memory_bucket
 from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
 
 
-def named_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer by HF name, tied aliases included (e.g. `lm_head.weight`)."""
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -29,7 +28,7 @@ def named_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_named(model: PreTrainedModel, weights: list[tuple[str, torch.Tensor]]) -> None:
+def load_named(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Copy each tensor into the model's tensor of that name (dtype converted); all names checked first."""
     targets = named_tensors(model)
     unknown = [name for name, _ in weights if name not in targets]
@@ -49,8 +48,9 @@ def read_tensor_share(payload: str) -> list[tuple[str, torch.Tensor]]:
     return read_shared_memory_bucket(payload)
 
 
-def load_from_disk(model: PreTrainedModel, model_path: str) -> None:
-    """Load every safetensors file of an HF checkpoint directory into the model by name."""
+def load_from_disk(model: torch.nn.Module, model_path: str, *, require_all: bool = False) -> None:
+    """Load every safetensors file of an HF checkpoint directory into the model by name; with
+    `require_all`, every parameter of the model must be in it (a model built without initial values)."""
     from safetensors.torch import load_file
 
     files = sorted(Path(model_path).glob("*.safetensors"))
@@ -59,6 +59,12 @@ def load_from_disk(model: PreTrainedModel, model_path: str) -> None:
     weights: list[tuple[str, torch.Tensor]] = []
     for file in files:
         weights.extend(load_file(str(file)).items())
+    if require_all:
+        names = {name for name, _ in weights}
+        missing = [name for name, _ in model.named_parameters() if name not in names]
+        if missing:
+            raise KeyError(f"{model_path}: the checkpoint has no {', '.join(missing[:5])}"
+                           f"{' ...' if len(missing) > 5 else ''}")
     load_named(model, weights)
 
 
