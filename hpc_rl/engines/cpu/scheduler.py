@@ -89,12 +89,18 @@ class Scheduler:
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
         """Queue a request; its future resolves with the SGLang response dict."""
-        if self.died is not None:
-            request.future.set_exception(SchedulerDied(f"the engine's scheduler died: {self.died!r}"))
-            return request.future
-        self._inbox.append((None, None, request))
-        self._wake.set()
+        self.submit_all([request])
         return request.future
+
+    def submit_all(self, requests: list[GenerationRequest]) -> None:
+        """Queue requests together (one batched `/generate`): the scheduler wakes once, after the last, so
+        they are prefilled as one batch rather than cut wherever the thread switch fell."""
+        if self.died is not None:
+            for request in requests:
+                request.future.set_exception(SchedulerDied(f"the engine's scheduler died: {self.died!r}"))
+            return
+        self._inbox.extend([(None, None, request) for request in requests])
+        self._wake.set()
 
     def call(self, function: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `function` on the scheduler thread between steps; the future holds its result."""

@@ -159,7 +159,8 @@ class EngineServer:
                 loop.call_soon_threadsafe(lambda: all_done.done() or all_done.set_result(None))
 
         for gen in requests:
-            self.scheduler.submit(gen).add_done_callback(one_done)
+            gen.future.add_done_callback(one_done)
+        self.scheduler.submit_all(requests)
         await all_done
         return [gen.future.result() for gen in requests]
 
