@@ -38,7 +38,8 @@ _STD_NORMALIZED = ("grpo", "gspo", "cispo")
 def grpo_advantages(rewards: Tensor | Sequence[float], response_lengths: Sequence[int]) -> list[Tensor]:
     """grpo/gspo/cispo: A_t = r~_i on every response token of sample i (KL is not folded in)."""
     r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
-    return [torch.full((int(n),), float(r[i])) for i, n in enumerate(response_lengths)]
+    lengths = [int(n) for n in response_lengths]
+    return list(r.repeat_interleave(torch.tensor(lengths, dtype=torch.long)).split(lengths))
 
 
 def reinforce_plus_plus_returns(
@@ -177,7 +178,7 @@ def compute_advantages(
       ppo: GAE on ppo_token_rewards with ``values`` (returns = A + V).
     ``normalize_advantages`` then whitens A over all trained tokens (see :func:`masked_whiten`).
     """
-    if kl is None:
+    if kl is None and estimator not in _STD_NORMALIZED:  # only the estimators that shape with KL read it
         kl = [torch.zeros(m.numel()) for m in loss_masks]
     if estimator in _STD_NORMALIZED:
         advantages = grpo_advantages(rewards, [m.numel() for m in loss_masks])

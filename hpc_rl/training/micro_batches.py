@@ -161,10 +161,7 @@ def build_microbatch(tokens: Sequence[Sequence[int]], response_lengths: Sequence
     if qkv_format == "bshd":
         width = max(lengths)
         width += (-width) % pad_multiple
-        ids = torch.zeros((len(tokens), width), dtype=torch.long)
-        for row, toks in enumerate(tokens):
-            ids[row, : len(toks)] = torch.as_tensor(toks, dtype=torch.long)
-        ids = ids.to(device)
+        ids = torch.tensor([list(toks) + [0] * (width - len(toks)) for toks in tokens], dtype=torch.long).to(device)
         positions = torch.arange(width, device=device).unsqueeze(0).expand(len(tokens), -1)
         return MicroBatch(indices=list(indices), total_lengths=lengths, response_lengths=list(response_lengths),
                           tokens=ids, position_ids=positions, attention_mask=causal_mask(width, device),
