@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,6 +30,37 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+PLANNED_PORTS_START = 30000
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def planned_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A free port on `host` for a server that binds it seconds later (a local run's plan): drawn between
+    30000 (Slurm jobs' planned ports stay below, see driver.JOB_PORT_SLOTS) and the kernel's ephemeral
+    range, where no outgoing connection can take it meanwhile (a `free_port` port can: a local run once
+    lost its torchrun rendezvous port that way). `free_port` when that window is too small or full."""
+    rng = rng or random.Random()
+    low, _ = ephemeral_port_range()
+    if low - PLANNED_PORTS_START < 100:
+        return free_port(host)
+    for _ in range(200):
+        port = rng.randrange(PLANNED_PORTS_START, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return free_port(host)
 
 
 def log_tail(path: str | Path, lines: int = 40) -> str:

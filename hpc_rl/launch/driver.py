@@ -53,7 +53,7 @@ from hpc_rl.config.sglang_options import engine_kind
 from hpc_rl.controller.app import Controller
 from hpc_rl.controller.stopping import log_task_error, stop_task
 from hpc_rl.engines import API_KEY_ENV
-from hpc_rl.engines.child_process import free_port, log_tail
+from hpc_rl.engines.child_process import free_port, log_tail, planned_port
 from hpc_rl.engines.engine_process import cpu_engine_command
 from hpc_rl.engines.router import RouterProcess
 from hpc_rl.engines.sglang_launch import (
@@ -117,7 +117,8 @@ class PortPlan:
     @classmethod
     def for_job(cls, topology: JobTopology, *, local: bool) -> "PortPlan":
         if local:
-            return cls(free_port(), free_port(), free_port(), free_port(), [free_port() for _ in topology.engines])
+            return cls(planned_port(), planned_port(), planned_port(), planned_port(),
+                       [planned_port() for _ in topology.engines])
         offset = (int(os.environ.get("SLURM_JOB_ID", "0")) % JOB_PORT_SLOTS) * 50
         return cls(topology.controller_port + offset, topology.router_port + offset,
                    topology.router_metrics_port + offset, topology.rendezvous_port + offset,

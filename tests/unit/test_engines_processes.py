@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import time
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rl.engines.child_process import ChildProcess, ChildProcessFailed, free_port, http_ok, wait_until
+from hpc_rl.engines.child_process import (PLANNED_PORTS_START, ChildProcess, ChildProcessFailed, ephemeral_port_range, free_port,
+                                          http_ok, planned_port, wait_until)
 from hpc_rl.engines.engine_process import _HttpEngineProcess
 
 
@@ -91,3 +93,10 @@ def running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def test_planned_ports_stay_out_of_the_ephemeral_range():
+    """Outgoing connections take ports from the ephemeral range: a planned server port must not be there."""
+    low, _ = ephemeral_port_range()
+    ports = {planned_port(rng=random.Random(seed)) for seed in range(20)}
+    assert all(PLANNED_PORTS_START <= port < low for port in ports) and len(ports) > 10
