@@ -409,9 +409,7 @@ class Driver:
         # imports and the model) while those two come up (issue 11). The tasks run from the first await.
         starts = [asyncio.create_task(self.start_engine(i), name=f"start engine {i}")
                   for i in range(len(self.topology.engines))]
-        if not self.topology.colocate:  # trainer ranks import and load meanwhile too; they connect once the
-            self._start_trainer()       # controller listens. Colocated ranks wait: SGLang sizes its KV cache
-        try:                            # from the GPU memory then free
+        try:
             await self._start_control_plane(secret)
             urls = await asyncio.gather(*starts)
         except BaseException:  # a failure or a signal: no engine start is left running (shutdown stops the steps)
@@ -448,7 +446,7 @@ class Driver:
         return EXIT_REQUEUE if self.controller.loop and self.controller.loop.stopped_for_requeue else EXIT_OK
 
     async def _start_control_plane(self, secret: Secret) -> None:
-        """The router, then the controller (listening on the planned port the trainer was given)."""
+        """The router, then the controller (listening), then (not colocated) the trainer step."""
         # Loopback: its only client is this process's controller (its /v1/models answers without the key).
         self.router = RouterProcess(log_path=self.logs / "router.log", host="127.0.0.1", port=self.ports.router,
                                     prometheus_port=self.ports.router_metrics,
@@ -463,10 +461,13 @@ class Driver:
         if not self.local:
             self._node_watch = asyncio.create_task(self._watch_nodes(), name="node-watch")
         self._apply_requeue_request()
+        if not self.topology.colocate:  # trainer ranks load while the engines do (issue 11); colocated
+            self._start_trainer()       # ranks wait: SGLang sizes its KV cache from the GPU memory then free
 
     def _start_trainer(self) -> None:
+        assert self.controller is not None
         rendezvous = f"{self.host}:{self.ports.rendezvous}"
-        trainer_env = {CONTROLLER_ENV: f"{self.host}:{self.ports.controller}", RUN_DIR_ENV: str(self.run_dir),
+        trainer_env = {CONTROLLER_ENV: f"{self.host}:{self.controller.address[1]}", RUN_DIR_ENV: str(self.run_dir),
                        "OMP_NUM_THREADS": str(self.config.training.num_threads), "HF_HUB_OFFLINE": "1",
                        # trainer rank 0 advertises its node's address for the weight group (training.sync_address)
                        TRAINER_NODE_ADDRESSES_ENV: ",".join(self.launcher.node_address(0, node)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,23 +17,6 @@ from hpc_rl.protocol import BlockingClient, Hello, load_secret, secret_path
 from hpc_rl.protocol.messages import Ack, CommandDone, Message, NextCommand, ResumeState, WeightPlan
 
 CONTROLLER_ENV = "HPC_RL_CONTROLLER"
-CONTROLLER_WAIT_S = 120.0
-"""How long a rank retries a refused connection: the driver starts the trainer while the controller is
-still coming up (the ranks import for seconds first; rarely, they are ready before it listens)."""
-
-
-def connect_when_listening(connect: Callable[[], BlockingClient], address: str,
-                           wait_s: float = CONTROLLER_WAIT_S) -> BlockingClient:
-    """`connect()`, retried while the controller's port refuses connections, for up to `wait_s`."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return connect()
-        except ConnectionRefusedError:
-            if time.monotonic() > deadline:
-                raise ConnectionRefusedError(f"the controller at {address} refused connections for {wait_s:.0f} s "
-                                             "(is the driver running? see controller.log)") from None
-            time.sleep(0.05)
 
 
 class ControllerLink:
@@ -54,8 +35,7 @@ class ControllerLink:
         hello = Hello(role="trainer", rank=rank, world_size=world_size, host=socket.gethostname(), pid=os.getpid(),
                       info={**info, "resume_follows": True} if resume is not None else info)
         # No read timeout: a rank waits in next_command while the rollout runs, for as long as it takes.
-        self.client = connect_when_listening(lambda: BlockingClient(host, int(port), secret, hello=hello,
-                                                                    timeout=timeout_s), address)
+        self.client = BlockingClient(host, int(port), secret, hello=hello, timeout=timeout_s)
         if resume is not None:
             self._expect_ack(self.client.request(resume))
 
