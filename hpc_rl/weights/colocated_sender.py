@@ -20,14 +20,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.protocol.http_client import EngineHTTPTransportError, request_blocking
 from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights.colocated import serialize_share, update_weights_from_tensor_body
 from hpc_rl.weights.export import export_param, named_megatron_params
@@ -43,17 +42,14 @@ def colocated_engine_of(rank: int, engine_tp_size: int) -> tuple[int, int]:
 
 def post_update(url: str, body: dict[str, Any], *, api_key: str | None, timeout_s: float) -> None:
     """POST /update_weights_from_tensor; raises RuntimeError with the engine's answer unless it is 200."""
-    request = urllib.request.Request(f"{url.rstrip('/')}/update_weights_from_tensor", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              **({"Authorization": f"Bearer {api_key}"} if api_key else {})})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            response.read()
-    except urllib.error.HTTPError as error:
-        raise RuntimeError(f"{url}/update_weights_from_tensor answered HTTP {error.code}: "
-                           f"{error.read()[:500].decode(errors='replace')}") from None
-    except (urllib.error.URLError, OSError) as error:
-        raise RuntimeError(f"{url}/update_weights_from_tensor failed: {error}") from None
+    target = f"{url.rstrip('/')}/update_weights_from_tensor"
+    try:  # the engine on this node, reached directly (never through $http_proxy, as urllib would)
+        status, answer = request_blocking("POST", target, json.dumps(body).encode(), api_key=api_key,
+                                          timeout_s=timeout_s)
+    except EngineHTTPTransportError as error:
+        raise RuntimeError(f"{target} failed: {error}") from None
+    if status != 200:
+        raise RuntimeError(f"{target} answered HTTP {status}: {answer[:500].decode(errors='replace')}")
 
 
 class ColocatedWeightSender:

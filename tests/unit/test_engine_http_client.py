@@ -141,10 +141,11 @@ def test_request_blocking_for_sync_callers_speaks_the_same_http() -> None:
 
 def test_sync_callers_go_straight_to_the_engines_whatever_the_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Login and batch nodes often set http_proxy for the internet; urllib honoured it, so the router's
-    worker calls and the engines' health polls went to the proxy (no_proxy rarely lists the job's nodes
+    worker calls, the engines' health polls and the colocated weight updates went to the proxy (no_proxy rarely lists the job's nodes
     or 127.0.0.1) and failed. Engines and the router are on the job's own nodes: no proxy, ever."""
     from hpc_rl.engines.child_process import http_ok
     from hpc_rl.engines.router import _request
+    from hpc_rl.weights.colocated_sender import post_update
 
     for name in ("http_proxy", "HTTP_PROXY"):
         monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
@@ -157,6 +158,7 @@ def test_sync_callers_go_straight_to_the_engines_whatever_the_proxy_environment(
             assert await asyncio.to_thread(http_ok, f"{url}/health")
             status, body = await asyncio.to_thread(_request, "POST", f"{url}/workers", {"url": "http://e"}, api_key="k")
             assert status == 200 and body == {"path": "/workers", "body": '{"url": "http://e"}', "auth": "Bearer k"}
+            await asyncio.to_thread(post_update, url, {"flush_cache": False}, api_key="k", timeout_s=5.0)
         finally:
             await runner.cleanup()
 
