@@ -149,11 +149,16 @@ def test_http_error_and_control_bodies_are_sglangs(model, tokenizer):
         resumed = await client.post("/continue_generation", json={})
         assert await resumed.json() == {"message": "Generation continued successfully.", "status": "ok"}
 
+        # Paused, the request cannot finish on its own (a fixed sleep before the abort raced a fast engine):
+        # abort until its answer comes back, then continue.
+        await client.post("/pause_generation", json={"mode": "retract"})
         body = {"rid": "long", "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
         pending = asyncio.ensure_future(client.post("/generate", json=body))
-        await asyncio.sleep(0.3)
-        await client.post("/abort_request", json={"rid": "long"})
-        aborted = await (await pending).json()
+        while not pending.done():
+            await client.post("/abort_request", json={"rid": "long"})
+            await asyncio.wait({pending}, timeout=0.05)
+        aborted = await pending.result().json()
+        await client.post("/continue_generation", json={})
         assert aborted["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
                                                          "err_type": None}
 
