@@ -165,6 +165,26 @@ def _receive_buffer() -> memoryview:
     return buffer
 
 
+class ReadGate:
+    """While shut, a gated exchange's connection reads no more after an answer: later answers wait in the
+    socket and are read together once it opens. For a fan-out whose answers come on every engine at about
+    the same time (a weight update's buckets): its owner keeps it shut while one engine's answers come
+    and opens it at least every few tenths of a second, so an engine's error still shows."""
+
+    def __init__(self) -> None:
+        self.opened: asyncio.Future[None] | None = None
+        """Done when the gate opens; None while it is open."""
+
+    def shut(self) -> None:
+        if self.opened is None:
+            self.opened = asyncio.get_running_loop().create_future()
+
+    def open(self) -> None:
+        opened, self.opened = self.opened, None
+        if opened is not None:
+            opened.set_result(None)
+
+
 class _Link(asyncio.BufferedProtocol):
     """One TCP connection (a new one after each failure): its parser and the requests awaiting answers."""
 
@@ -178,6 +198,9 @@ class _Link(asyncio.BufferedProtocol):
         self.closed_early = False
         """The peer closed while requests waited and none of them had been answered."""
         self.on_lost: Callable[[_Link], None] | None = None
+        self.gate: ReadGate | None = None
+        self.held: asyncio.Future[None] | None = None
+        """The gate's opening this connection waits for to read again (None: reading)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -205,6 +228,17 @@ class _Link(asyncio.BufferedProtocol):
                 future = self.waiting.popleft()
                 if not future.done():
                     future.set_result(response)
+        opened = self.gate.opened if self.gate is not None else None
+        if opened is not None and self.waiting and self.transport is not None:
+            self.held = opened
+            self.transport.pause_reading()
+            opened.add_done_callback(self._read_again)
+
+    def _read_again(self, _: asyncio.Future[None]) -> None:
+        self.held = None
+        if self.usable():
+            assert self.transport is not None
+            self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed_early = bool(self.waiting) and self.parser.status is None and not self.parser.buffer
@@ -265,11 +299,12 @@ class EngineConnection:
         link.on_lost = self._links.discard
         return link
 
-    async def exchange(self, requests: list[tuple[str, str, bytes | None]], timeout_s: float) -> list[tuple[int, bytes]]:
+    async def exchange(self, requests: list[tuple[str, str, bytes | None]], timeout_s: float, *,
+                       gate: ReadGate | None = None) -> list[tuple[int, bytes]]:
         """Send (method, path, body) requests back to back (pipelined) and return their (status, body) in
         order; EngineHTTPTransportError at the first that gets no answer (connection refused or closed, no answer
         within `timeout_s`: the connection is dropped then, as a late answer would be matched to the
-        wrong request). A kept-alive connection the engine closed while idle (closed within
+        wrong request; time held by a shut `gate` does not count). A kept-alive connection the engine closed while idle (closed within
         IDLE_CLOSE_RACE_S of the write, before any answer) is reopened and the requests sent once more:
         the engine never read them."""
         for attempt in (1, 2):
@@ -279,12 +314,14 @@ class EngineConnection:
             futures = [loop.create_future() for _ in requests]
             link.waiting.extend(futures)
             link.requests_sent += len(requests)
+            link.gate = gate
             assert link.transport is not None
             sent_at = loop.time()
             link.transport.write(b"".join(encode_request(method, path, self.host_header, self.auth, body)
                                           for method, path, body in requests))
             try:
                 await self._wait_all(link, futures, timeout_s)
+                link.gate = None
                 self.answered_at = loop.time()
                 if link.usable():
                     self._idle.append(link)
@@ -317,8 +354,12 @@ class EngineConnection:
         link.last_answer_at = loop.time()
         last = futures[-1]
         while not last.done():
+            if link.held is not None:  # answers wait unread until the gate opens: no timeout meanwhile
+                await asyncio.wait((last, link.held))
+                link.last_answer_at = loop.time()
+                continue
             await asyncio.wait((last,), timeout=max(0.0, link.last_answer_at + timeout_s - loop.time()))
-            if not last.done() and loop.time() - link.last_answer_at >= timeout_s:
+            if not last.done() and link.held is None and loop.time() - link.last_answer_at >= timeout_s:
                 error = EngineHTTPTransportError(f"{self.url}: no answer within {timeout_s:g} s")
                 link.fail(error)
                 raise error

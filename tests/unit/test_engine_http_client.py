@@ -11,7 +11,8 @@ import pytest
 from aiohttp import web
 
 from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin, EngineAdminError
-from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
+from hpc_rl.controller.weight_sync import update_every_engine
+from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError, ReadGate
 from hpc_rl.sim.model import EngineModel
 from hpc_rl.sim.server import SimFleetServer
 
@@ -112,6 +113,54 @@ def test_a_call_overlapping_a_slow_one_gets_its_own_connection_and_timeouts_name
             await runner.cleanup()
         with pytest.raises(EngineHTTPTransportError, match="cannot connect"):
             await EngineConnections().to(url).request("GET", "/health", None, timeout_s=5)
+
+    asyncio.run(scenario())
+
+
+def test_a_shut_gate_leaves_answers_unread_without_timing_them_out() -> None:
+    """The weight update's fan-out reads each engine's answers in one go when its ReadGate opens."""
+    async def scenario() -> None:
+        seen: list[tuple[int, str]] = []
+        runner, url = await serve(echo_app(seen))
+        pool = EngineConnections()
+        gate = ReadGate()
+        gate.shut()
+        try:
+            exchange = asyncio.create_task(pool.to(url).exchange(
+                [("POST", "/one", b"{}"), ("POST", "/bad", b"{}"), ("POST", "/three", b"{}")], timeout_s=0.2, gate=gate))
+            await asyncio.sleep(0.5)  # all three answered by now; only the first was read
+            assert len(seen) == 3 and not exchange.done()  # and held time is not a timeout
+            gate.open()
+            answers = await asyncio.wait_for(exchange, 5)
+            assert [status for status, _ in answers] == [200, 400, 200]
+            assert orjson.loads(answers[2][1])["path"] == "/three"
+            assert (await pool.to(url).request("GET", "/after", None, timeout_s=5))[0] == 200  # not gated
+        finally:
+            await pool.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_update_every_engine_names_a_failing_engine_behind_the_gate() -> None:
+    async def scenario() -> None:
+        model = EngineModel.from_yaml(REPO / "configs" / "sim" / "qwen3_4b_h100_tp2.yaml", time_scale_ms=1)
+        server = SimFleetServer(model, count=3, api_key="k")
+        urls = await server.start()
+        pool = EngineConnections(api_key="k")
+        try:
+            admins = [EngineAdmin(url, pool) for url in urls]
+            buckets = [BucketUpdate.of(names=[f"w{i}"], dtypes=["bfloat16"], shapes=[[4, 4]], group_name="g",
+                                       weight_version="3" if i == 3 else None, load_format=None) for i in range(4)]
+            await update_every_engine(admins, buckets)
+            for admin in admins:
+                assert (await admin.model_info())["weight_version"] == "3"
+            await admins[2].begin_weight_update()  # a session left open on a gated engine: its begin is refused
+            with pytest.raises(EngineAdminError, match=f"{urls[2]}/begin_weight_update answered HTTP 400"):
+                await update_every_engine(admins, buckets)
+        finally:
+            await pool.close()
+            await server.stop()
 
     asyncio.run(scenario())
 
