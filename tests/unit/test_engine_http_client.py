@@ -214,3 +214,32 @@ def test_simulated_engines_answer_sglangs_batched_generate_item_by_item() -> Non
             await server.stop()
 
     asyncio.run(scenario())
+
+
+def test_an_engine_busy_with_an_admin_call_is_not_health_probed() -> None:
+    """During a long weight update the health round must not open a second connection to every engine."""
+    async def scenario() -> None:
+        seen: list[tuple[int, str]] = []
+        app = web.Application()
+
+        async def slow_pause(request: web.Request) -> web.Response:
+            seen.append((id(request.transport), request.path))
+            await asyncio.sleep(0.5)
+            return web.json_response({"success": True})
+
+        app.router.add_post("/pause_generation", slow_pause)
+        runner, url = await serve(app)
+        pool = EngineConnections()
+        admin = EngineAdmin(url, pool)
+        try:
+            assert not admin.known_alive(5.0)  # never answered: probe it
+            pause = asyncio.create_task(admin.pause())
+            await asyncio.sleep(0.1)
+            assert admin.known_alive(0.0)  # a call in flight watches the engine
+            await pause
+            assert admin.known_alive(5.0) and not admin.known_alive(0.0)
+        finally:
+            await pool.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
