@@ -203,7 +203,8 @@ async def router_latency(session: aiohttp.ClientSession, router_url: str, engine
 
 
 async def abort_all_latency(controller: Controller, session: aiohttp.ClientSession, sim_url: str,
-                            engines: int, fill: int, model: EngineModel, result: ModeResult) -> float:
+                            engines: int, fill: int, model: EngineModel, result: ModeResult,
+                            other_pids: dict[str, int | None] | None = None) -> float:
     """Fill every engine with `fill` long requests (through the router), then time abort_all until all returned."""
     client = controller.client
     assert client is not None
@@ -236,11 +237,15 @@ async def abort_all_latency(controller: Controller, session: aiohttp.ClientSessi
         await asyncio.sleep(0.2)
     result.extra["abort_probe_running"] = stats["running"]
     result.extra["abort_probe_held"] = stats["running"] + stats["waiting"]
+    others = {name: pid for name, pid in (other_pids or {}).items() if pid}
+    others_cpu = {name: process_cpu_s(pid) for name, pid in others.items()}
     start, cpu = time.perf_counter(), time.process_time()
     await client.abort_all()
     result.extra["abort_fanout_s"] = round(time.perf_counter() - start, 3)  # every engine answered the abort
     await asyncio.gather(*tasks, return_exceptions=True)  # every aborted request came back
     result.extra["abort_cpu_s"] = round(time.process_time() - cpu, 3)
+    for name, pid in others.items():  # the simulated engines and the router share the 2 cores
+        result.extra[f"abort_{name}_cpu_s"] = round(process_cpu_s(pid) - others_cpu[name], 2)
     return time.perf_counter() - start
 
 
@@ -424,7 +429,7 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             abort_cpu = time.process_time()
             try:
                 result.abort_all_s = await abort_all_latency(controller, session, urls[0], engines, args.abort_fill,
-                                                             model, result)
+                                                             model, result, {"sim": sim.pid, "router": router.process.pid})
             except ProbeFailed as error:
                 result.abort_all_s = float("nan")
                 result.extra["abort_probe_failed"] = str(error)

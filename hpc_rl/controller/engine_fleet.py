@@ -156,13 +156,14 @@ class EngineFleet:
             await self.check_health()
 
     async def check_health(self) -> None:
-        """Probe every engine that is not FAILED (and did not answer an admin call in the last interval),
+        """Probe every engine that is not FAILED (and neither answered an admin call in the last interval
+        nor has one in flight),
         `health_concurrency` at a time, and fail those that do not answer: one round costs about one timeout, not one per engine (sequential probes at 10 s
         each let a loaded 1,024-engine round run for minutes)."""
         # An engine that answered an admin call within the interval is alive: during a weight sync that
         # is every engine, and a round of 1,024 probes costs the controller ~0.1 CPU s.
         engines = [e for e in self.registry.engines.values() if e.state != EngineState.FAILED
-                   and not self.admins[e.engine_index].answered_within(self.health_interval_s)]
+                   and not self.admins[e.engine_index].known_alive(self.health_interval_s)]
         limit = asyncio.Semaphore(self.health_concurrency)
 
         async def probe(engine: EngineInfo) -> tuple[EngineInfo, int, bool]:

@@ -33,10 +33,17 @@ from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin, EngineAdmi
 from hpc_rl.controller.registry import EngineInfo
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel
+from hpc_rl.protocol.http_client import ReadGate
 from hpc_rl.protocol.messages import SyncWeightsCommand
 from hpc_rl.weights import DEFAULT_GROUP_NAME
 
 log = logging.getLogger(__name__)
+
+GATE_PERIOD_S = 5.0
+"""During a weight update, the engines other than the first have their answers read at least this often
+(and when the first engine is done): an engine's failure is named at most this late. (A failed engine
+stalls every engine's broadcast anyway; at 1.0 s the 10 s syncs of 1,024 simulated engines read each
+engine ~10 times: 0.58-1.01 controller CPU s per sync against 0.42-0.64 at 5 s, bench_admin_fanout.)"""
 
 
 @dataclass
@@ -58,6 +65,36 @@ def rank_offsets(engines: list[EngineInfo]) -> tuple[dict[int, int], int]:
         offsets[engine.engine_index] = next_rank
         next_rank += engine.tp_size
     return offsets, next_rank
+
+
+async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpdate]) -> None:
+    """Every engine's pipelined update (begin, the buckets, end) at once: a bucket's broadcast completes only
+    when every engine has joined it, so the engines cannot be taken a few at a time. The answers come in
+    waves, each bucket's on every engine together: the first engine's are read as they come, every other
+    engine's wait in its socket (a shut ReadGate) until the first engine is done, or GATE_PERIOD_S has
+    passed, and are then read in one go. That is ~2 reads per engine instead of one per call (18 for
+    Qwen3-4B), the event loop's read being most of the controller's CPU in a sync at 1,024 engines.
+    Raises the first EngineAdminError, naming the engine and the call, as soon as it is read."""
+    if len(admins) < 2:
+        await asyncio.gather(*(admin.weight_update(buckets) for admin in admins))
+        return
+    gate = ReadGate()
+    gate.shut()
+    first = asyncio.ensure_future(admins[0].weight_update(buckets))
+    every = asyncio.gather(first, *(admin.weight_update(buckets, gate=gate) for admin in admins[1:]))
+    try:
+        while not every.done():
+            await asyncio.wait((every, first), timeout=GATE_PERIOD_S, return_when=asyncio.FIRST_COMPLETED)
+            gate.open()  # read what came; shut again until the first engine is done
+            if first.done():
+                break
+            gate.shut()
+        await every
+    except asyncio.CancelledError:
+        every.cancel()
+        raise
+    finally:
+        gate.open()
 
 
 async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engines: list[EngineInfo],
@@ -99,9 +136,7 @@ async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engi
                                    weight_version=str(version) if index == len(plan.buckets) - 1 else None,
                                    load_format=plan.load_format)
                    for index, bucket in enumerate(plan.buckets)]
-        # Every engine at once (a bucket's broadcast completes only when every engine has joined it, so
-        # the engines cannot be taken a few at a time), each engine's calls pipelined in order.
-        await asyncio.gather(*(admins[e.engine_index].weight_update(buckets) for e in engines))
+        await update_every_engine([admins[e.engine_index] for e in engines], buckets)
         trainer_outcome_read = True
         await trainer_task
     except (EngineAdminError, asyncio.TimeoutError):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from collections import deque
 from collections.abc import Callable
 from urllib.parse import urlsplit
@@ -153,7 +154,41 @@ class _ResponseParser:
         return None
 
 
-class _Link(asyncio.Protocol):
+_receive = threading.local()
+
+
+def _receive_buffer() -> memoryview:
+    """This thread's receive buffer, shared by its connections: the event loop reads into it and hands it
+    over in one step (get_buffer, recv_into, buffer_updated). A plain Protocol costs a fresh 256 KiB bytes
+    object per read, which glibc maps and unmaps each time: ~16 us per answer, 0.3 s per weight sync at
+    1,024 engines (benchmarks/bench_admin_fanout.py)."""
+    buffer = getattr(_receive, "buffer", None)
+    if buffer is None:
+        buffer = _receive.buffer = memoryview(bytearray(256 * 1024))
+    return buffer
+
+
+class ReadGate:
+    """While shut, a gated exchange's connection reads no more after an answer: later answers wait in the
+    socket and are read together once it opens. For a fan-out whose answers come on every engine at about
+    the same time (a weight update's buckets): its owner keeps it shut while one engine's answers come
+    and opens it at least every few tenths of a second, so an engine's error still shows."""
+
+    def __init__(self) -> None:
+        self.opened: asyncio.Future[None] | None = None
+        """Done when the gate opens; None while it is open."""
+
+    def shut(self) -> None:
+        if self.opened is None:
+            self.opened = asyncio.get_running_loop().create_future()
+
+    def open(self) -> None:
+        opened, self.opened = self.opened, None
+        if opened is not None:
+            opened.set_result(None)
+
+
+class _Link(asyncio.BufferedProtocol):
     """One TCP connection (a new one after each failure): its parser and the requests awaiting answers."""
 
     def __init__(self, url: str) -> None:
@@ -166,6 +201,9 @@ class _Link(asyncio.Protocol):
         self.closed_early = False
         """The peer closed while requests waited and none of them had been answered."""
         self.on_lost: Callable[[_Link], None] | None = None
+        self.gate: ReadGate | None = None
+        self.held: asyncio.Future[None] | None = None
+        """The gate's opening this connection waits for to read again (None: reading)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -173,6 +211,12 @@ class _Link(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:  # small requests go out at once (as aiohttp sets it)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return _receive_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(bytes(_receive_buffer()[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -187,6 +231,17 @@ class _Link(asyncio.Protocol):
                 future = self.waiting.popleft()
                 if not future.done():
                     future.set_result(response)
+        opened = self.gate.opened if self.gate is not None else None
+        if opened is not None and self.waiting and self.transport is not None:
+            self.held = opened
+            self.transport.pause_reading()
+            opened.add_done_callback(self._read_again)
+
+    def _read_again(self, _: asyncio.Future[None]) -> None:
+        self.held = None
+        if self.usable():
+            assert self.transport is not None
+            self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed_early = bool(self.waiting) and self.parser.status is None and not self.parser.buffer
@@ -277,11 +332,12 @@ class EngineConnection:
         link.on_lost = self._links.discard
         return link
 
-    async def exchange(self, requests: list[tuple[str, str, bytes | None]], timeout_s: float) -> list[tuple[int, bytes]]:
+    async def exchange(self, requests: list[tuple[str, str, bytes | None]], timeout_s: float, *,
+                       gate: ReadGate | None = None) -> list[tuple[int, bytes]]:
         """Send (method, path, body) requests back to back (pipelined) and return their (status, body) in
         order; EngineHTTPTransportError at the first that gets no answer (connection refused or closed, no answer
         within `timeout_s`: the connection is dropped then, as a late answer would be matched to the
-        wrong request). A kept-alive connection the engine closed while idle (closed within
+        wrong request; time held by a shut `gate` does not count). A kept-alive connection the engine closed while idle (closed within
         IDLE_CLOSE_RACE_S of the write, before any answer) is reopened and the requests sent once more:
         the engine never read them."""
         for attempt in (1, 2):
@@ -291,12 +347,14 @@ class EngineConnection:
             futures = [loop.create_future() for _ in requests]
             link.waiting.extend(futures)
             link.requests_sent += len(requests)
+            link.gate = gate
             assert link.transport is not None
             sent_at = loop.time()
             link.transport.write(b"".join(encode_request(method, path, self.host_header, self.auth, body)
                                           for method, path, body in requests))
             try:
                 await self._wait_all(link, futures, timeout_s)
+                link.gate = None
                 self.answered_at = loop.time()
                 if link.usable():
                     self._idle.append(link)
@@ -329,8 +387,12 @@ class EngineConnection:
         link.last_answer_at = loop.time()
         last = futures[-1]
         while not last.done():
+            if link.held is not None:  # answers wait unread until the gate opens: no timeout meanwhile
+                await asyncio.wait((last, link.held))
+                link.last_answer_at = loop.time()
+                continue
             await asyncio.wait((last,), timeout=max(0.0, link.last_answer_at + timeout_s - loop.time()))
-            if not last.done() and loop.time() - link.last_answer_at >= timeout_s:
+            if not last.done() and link.held is None and loop.time() - link.last_answer_at >= timeout_s:
                 error = EngineHTTPTransportError(f"{self.url}: no answer within {timeout_s:g} s")
                 link.fail(error)
                 raise error

@@ -39,6 +39,7 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from operator import itemgetter
 from typing import Any
 
 from hpc_rl.data.samples import Sample, SampleStatus
@@ -122,6 +123,18 @@ def version_to_int(value: Any, fallback: int) -> int:
         return int(value)
     except (TypeError, ValueError):
         return fallback
+
+
+def output_logprobs(entries: list[Any]) -> list[float]:
+    """The logprob of each output token from SGLang's `[logprob, token id, text]` entries (None or a
+    malformed entry: 0.0). The common case is walked in C: this is per token, for every sample."""
+    try:
+        logprobs = list(map(itemgetter(0), entries))
+    except (IndexError, TypeError, KeyError):
+        return [float(x[0]) if x and x[0] is not None else 0.0 for x in entries]
+    if None in logprobs or not all(map(float.__instancecheck__, logprobs)):
+        return [float(x) if x is not None else 0.0 for x in logprobs]
+    return logprobs
 
 
 def parse_weight_versions(meta_info: dict[str, Any], n_tokens: int, fallback: int) -> list[int]:
@@ -324,7 +337,7 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
         body = answer.body
         meta = body.get("meta_info") or {}
         token_ids = list(map(int, body.get("output_ids") or []))
-        logprobs = [float(x[0]) if x and x[0] is not None else 0.0 for x in meta.get("output_token_logprobs") or []]
+        logprobs = output_logprobs(meta.get("output_token_logprobs") or [])
         logprobs = (logprobs + [0.0] * len(token_ids))[:len(token_ids)]
         versions = parse_weight_versions(meta, len(token_ids), session.weight_version)
         _append(sample, token_ids, logprobs, versions, str(body.get("text") or ""), trained=True)

@@ -159,7 +159,7 @@ class FakeEngineAdmin:
     async def end_weight_update(self) -> None:
         self.calls.append((self.name, "end"))
 
-    async def weight_update(self, buckets: list[BucketUpdate]) -> None:
+    async def weight_update(self, buckets: list[BucketUpdate], *, gate: object = None) -> None:
         await self.begin_weight_update()
         for bucket in buckets:
             body = orjson.loads(bucket.body)

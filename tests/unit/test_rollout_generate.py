@@ -243,3 +243,12 @@ def test_a_router_without_workers_ends_the_run_after_the_bound() -> None:
         assert failed.status is SampleStatus.FAILED and restarting.no_workers_since is None
 
     asyncio.run(with_engines(1, body))
+
+
+def test_output_logprobs_reads_sglang_entries_and_zeroes_missing_ones() -> None:
+    from hpc_rl.rollout.generate import output_logprobs
+
+    assert output_logprobs([[-0.5, 11, None], [-1.25, 12, "x"]]) == [-0.5, -1.25]
+    assert output_logprobs([[-0.5, 11, None], [None, 12, None], [-2, 13, None]]) == [-0.5, 0.0, -2.0]
+    assert output_logprobs([[-0.5, 11], []]) == [-0.5, 0.0]  # a malformed entry
+    assert output_logprobs([]) == []

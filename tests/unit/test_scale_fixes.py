@@ -67,7 +67,7 @@ class SlowProbeAdminForTest:
         self.index = index
         self.probed = False
 
-    def answered_within(self, seconds: float) -> bool:
+    def known_alive(self, seconds: float) -> bool:
         return self.index == 5  # engine 5 just answered a weight-update call: no probe needed
 
     async def healthy(self, timeout_s: float) -> bool:
