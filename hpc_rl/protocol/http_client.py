@@ -12,8 +12,10 @@ router's worker registry, health polls of child processes), with the same reques
 
 Why not aiohttp: its client cost ~440 us of controller CPU per call here (measured against the
 simulated engines at N=256); a weight sync of Qwen3-4B is 20 calls per engine, 20,480 at 1,024
-engines. This one costs ~100 us per single call and ~45-70 us per pipelined one (most of it the event
-loop's read per answer). benchmarks/bench_scale.py and docs/scaling.md have the numbers.
+engines. This one costs ~100 us per single call and ~45-70 us per pipelined one (session 4; since then
+each read lands in one reused per-thread buffer, ~16 us less per answer, and a weight update's answers
+can be read in batches through a `ReadGate`). benchmarks/bench_admin_fanout.py, bench_scale.py and
+docs/scaling.md have the current numbers.
 Does not own: what the calls mean (controller.engine_admin, rollout.engine_client) or when they are
 made (controller.weight_sync, the loop, the rollout client). Plain HTTP only: engines and the
 router listen on the job's own nodes, as before (no TLS was used with aiohttp either), and are
