@@ -197,9 +197,28 @@ def let_requeued_job_finish(job_id: str, *, time_limit_minutes: int | None = Non
     start_pending_job(job_id)
 
 
+def job_begin_time(job_id: str) -> datetime.datetime | None:
+    """When the job's first component may start (`scontrol show job`'s EligibleTime: its begin time;
+    None when Slurm gives none)."""
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+    for field_ in out.stdout.split():
+        name, _, value = field_.partition("=")
+        if name == "EligibleTime" and value[:1].isdigit():
+            return datetime.datetime.fromisoformat(value)
+    return None
+
+
 def start_pending_job(job_id: str) -> None:
-    """A requeued job that is (or was) pending: start it once its begin time has passed, without backfill's delay."""
+    """A requeued job that is (or was) pending: start it once its begin time has passed, without backfill's delay.
+
+    The begin time is read, not only the pending reason: right after a requeue the reason can still say
+    None while BeginTime is 11 s ahead (the old attempt's credential expiry); a start forced before it
+    is killed by slurmd ("Job credential revoked", seen once the run's shutdown got fast)."""
     wait_for(lambda: job_state(job_id) != "PENDING BeginTime", 60, "the requeued job's begin time")
+    begin = job_begin_time(job_id)
+    if begin is not None:
+        wait_for(lambda: datetime.datetime.now() >= begin + datetime.timedelta(seconds=1), 60,
+                 "the requeued job's begin time to pass")
     deadline = time.monotonic() + 60
     while job_state(job_id).startswith("PENDING") and time.monotonic() < deadline:
         subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], check=False, timeout=30,
