@@ -144,7 +144,7 @@ def test_control_plane_imports_load_no_torch(module: str) -> None:
 
 
 BUILD_PROBE = '''
-import asyncio, json, sys, tempfile, traceback
+import asyncio, json, os, sys, tempfile, traceback
 from pathlib import Path
 
 looked_up_from = {}
@@ -155,13 +155,15 @@ class Witness:
 
     def find_spec(self, name, path=None, target=None):
         if name in TORCH_STACK:
-            frames = [f.filename for f in traceback.extract_stack() if "/hpc_rl/" in f.filename]
-            where = frames[-1].split("/hpc_rl/", 1)[1] if frames else "?"
+            frames = [os.path.realpath(f.filename) for f in traceback.extract_stack()]
+            frames = [name for name in frames if name.startswith(PACKAGE_DIR)]
+            where = frames[-1][len(PACKAGE_DIR):] if frames else "?"
             looked_up_from.setdefault(name, [])
             if where not in looked_up_from[name]:
                 looked_up_from[name].append(where)
         return None
 
+PACKAGE_DIR = os.path.join(os.path.realpath(sys.argv[1]), "hpc_rl") + os.sep  # the clone may itself be named hpc_rl
 sys.meta_path.insert(0, Witness())
 from hpc_rl.config import load_config
 from hpc_rl.controller.app import Controller
