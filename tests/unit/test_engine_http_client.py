@@ -4,6 +4,8 @@ and the pipelined weight update of EngineAdmin against simulated engines (hpc_rl
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import orjson
@@ -49,6 +51,20 @@ def echo_app(seen: list[tuple[int, str]]) -> web.Application:
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", echo)
     return app
+
+@asynccontextmanager
+async def sim_fleet(count: int) -> AsyncIterator[tuple[list[str], EngineConnections]]:
+    """`count` simulated engines (key "k", 1 real ms per simulated second) and a connection pool to them."""
+    model = EngineModel.from_yaml(REPO / "configs" / "sim" / "qwen3_4b_h100_tp2.yaml", time_scale_ms=1)
+    server = SimFleetServer(model, count=count, api_key="k")
+    urls = await server.start()
+    pool = EngineConnections(api_key="k")
+    try:
+        yield urls, pool
+    finally:
+        await pool.close()
+        await server.stop()
+
 
 
 def test_pipelined_requests_share_one_connection_and_come_back_in_order() -> None:
@@ -167,11 +183,7 @@ def test_sync_callers_go_straight_to_the_engines_whatever_the_proxy_environment(
 
 def test_weight_update_pipelines_the_session_and_names_the_failing_call() -> None:
     async def scenario() -> None:
-        model = EngineModel.from_yaml(REPO / "configs" / "sim" / "qwen3_4b_h100_tp2.yaml", time_scale_ms=1)
-        server = SimFleetServer(model, count=2, api_key="k")
-        urls = await server.start()
-        pool = EngineConnections(api_key="k")
-        try:
+        async with sim_fleet(2) as (urls, pool):
             admins = [EngineAdmin(url, pool) for url in urls]
             buckets = [BucketUpdate.of(names=[f"w{i}"], dtypes=["bfloat16"], shapes=[[4, 4]], group_name="g",
                                        weight_version="7" if i == 2 else None, load_format=None) for i in range(3)]
@@ -182,9 +194,6 @@ def test_weight_update_pipelines_the_session_and_names_the_failing_call() -> Non
             with pytest.raises(EngineAdminError, match=f"{urls[1]}/begin_weight_update answered HTTP 400"):
                 await admins[1].weight_update(buckets)
             await admins[1].weight_update(buckets)  # its end call was still made: the session is closed
-        finally:
-            await pool.close()
-            await server.stop()
 
     asyncio.run(scenario())
 
@@ -192,11 +201,7 @@ def test_weight_update_pipelines_the_session_and_names_the_failing_call() -> Non
 def test_simulated_engines_answer_sglangs_batched_generate_item_by_item() -> None:
     """The rollout client sends a group as one batched /generate (rid list); the sim answers as SGLang does."""
     async def scenario() -> None:
-        model = EngineModel.from_yaml(REPO / "configs" / "sim" / "qwen3_4b_h100_tp2.yaml", time_scale_ms=1)
-        server = SimFleetServer(model, count=1, api_key="k")
-        urls = await server.start()
-        pool = EngineConnections(api_key="k")
-        try:
+        async with sim_fleet(1) as (urls, pool):
             engine = pool.to(urls[0])
             body = {"rid": ["s1-a", "s2-b", "s3-c"], "input_ids": [[1, 2], [3], [4, 5, 6]],
                     "sampling_params": {"max_new_tokens": 8}, "return_logprob": [True, False, True]}
@@ -209,8 +214,5 @@ def test_simulated_engines_answer_sglangs_batched_generate_item_by_item() -> Non
             duplicate = {**body, "rid": ["x", "x", "y"]}
             status, raw = await engine.request("POST", "/generate", orjson.dumps(duplicate), 60.0)
             assert status == 400 and b"Duplicate request IDs" in raw
-        finally:
-            await pool.close()
-            await server.stop()
 
     asyncio.run(scenario())

@@ -1,11 +1,10 @@
 """The weight update's fan-out at scale: http_client.ReadGate (answers read in one go when the gate
 opens), weight_sync.update_every_engine against simulated engines, and no health probe of an engine busy
-with an admin call. The echo server helpers are test_engine_http_client's."""
+with an admin call. The echo server and simulated fleet helpers are test_engine_http_client's."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import orjson
 import pytest
@@ -14,11 +13,7 @@ from aiohttp import web
 from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin, EngineAdminError
 from hpc_rl.controller.weight_sync import update_every_engine
 from hpc_rl.protocol.http_client import EngineConnections, ReadGate
-from hpc_rl.sim.model import EngineModel
-from hpc_rl.sim.server import SimFleetServer
-from tests.unit.test_engine_http_client import echo_app, serve
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.unit.test_engine_http_client import echo_app, serve, sim_fleet
 
 
 def test_a_shut_gate_leaves_answers_unread_without_timing_them_out() -> None:
@@ -48,11 +43,7 @@ def test_a_shut_gate_leaves_answers_unread_without_timing_them_out() -> None:
 
 def test_update_every_engine_names_a_failing_engine_behind_the_gate() -> None:
     async def scenario() -> None:
-        model = EngineModel.from_yaml(REPO / "configs" / "sim" / "qwen3_4b_h100_tp2.yaml", time_scale_ms=1)
-        server = SimFleetServer(model, count=3, api_key="k")
-        urls = await server.start()
-        pool = EngineConnections(api_key="k")
-        try:
+        async with sim_fleet(3) as (urls, pool):
             admins = [EngineAdmin(url, pool) for url in urls]
             buckets = [BucketUpdate.of(names=[f"w{i}"], dtypes=["bfloat16"], shapes=[[4, 4]], group_name="g",
                                        weight_version="3" if i == 3 else None, load_format=None) for i in range(4)]
@@ -62,9 +53,6 @@ def test_update_every_engine_names_a_failing_engine_behind_the_gate() -> None:
             await admins[2].begin_weight_update()  # a session left open on a gated engine: its begin is refused
             with pytest.raises(EngineAdminError, match=f"{urls[2]}/begin_weight_update answered HTTP 400"):
                 await update_every_engine(admins, buckets)
-        finally:
-            await pool.close()
-            await server.stop()
 
     asyncio.run(scenario())
 

@@ -39,13 +39,18 @@ def _token_content(token: Any) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
-def native_tokenizer_support(model_path: str | Path) -> str | None:
-    """None when `EngineTokenizer` answers as transformers would for this checkpoint; else why not."""
+def _tokenizer_config(path: Path) -> dict[str, Any]:
+    config_path = path / "tokenizer_config.json"
+    return json.loads(config_path.read_text()) if config_path.is_file() else {}
+
+
+def native_tokenizer_support(model_path: str | Path, config: dict[str, Any] | None = None) -> str | None:
+    """None when `EngineTokenizer` answers as transformers would for this checkpoint; else why not.
+    `config`: its tokenizer_config.json when already read."""
     path = Path(model_path)
     if not (path / "tokenizer.json").is_file():
         return "no tokenizer.json"
-    config_path = path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = _tokenizer_config(path) if config is None else config
     if config.get("clean_up_tokenization_spaces"):
         return "clean_up_tokenization_spaces is set"
     if config.get("tokenizer_class", "TokenizersBackend") not in PLAIN_FAST_TOKENIZERS:
@@ -58,7 +63,8 @@ def native_tokenizer_support(model_path: str | Path) -> str | None:
 def load_engine_tokenizer(model_path: str | Path) -> Any:
     """`EngineTokenizer` when `native_tokenizer_support` allows it, else transformers' AutoTokenizer."""
     path = Path(model_path)
-    if native_tokenizer_support(path) is not None:
+    config = _tokenizer_config(path)
+    if native_tokenizer_support(path, config) is not None:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(path))
@@ -67,7 +73,5 @@ def load_engine_tokenizer(model_path: str | Path) -> Any:
     backend = Tokenizer.from_file(str(path / "tokenizer.json"))
     backend.no_truncation()
     backend.no_padding()
-    config_path = path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     eos = _token_content(config.get("eos_token"))
     return EngineTokenizer(backend, backend.token_to_id(eos) if eos else None)

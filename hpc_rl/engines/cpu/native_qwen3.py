@@ -183,18 +183,13 @@ class NativeQwen3ForCausalLM(nn.Module):
         self.head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
         self.model = Backbone(config, self.head_dim)
         self.lm_head = Linear(int(config["hidden_size"]), int(config["vocab_size"]), bias=False)
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        self.tie_weights()
+        if config.get("tie_word_embeddings", False):  # lm_head shares the embedding matrix
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inverse_frequencies(config, self.head_dim), persistent=False)
         self.config = SimpleNamespace(model_type=config["model_type"], architectures=config.get("architectures") or [],
                                       max_position_embeddings=config.get("max_position_embeddings"))
         eos = generation_eos if generation_eos is not None else config.get("eos_token_id")
         self.generation_config = SimpleNamespace(eos_token_id=eos)
-
-    def tie_weights(self) -> None:
-        """lm_head shares the embedding matrix when the checkpoint ties them (again after `to_empty`)."""
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = (self.inv_freq[None, :, None].expand(positions.shape[0], -1, 1)
@@ -241,6 +236,6 @@ def load_native_qwen3(model_path: str | Path, dtype: torch.dtype = torch.float32
     path = Path(model_path)
     config = read_config(path)
     model = NativeQwen3ForCausalLM(config, _generation_eos(path)).to(dtype)
-    model.inv_freq = inverse_frequencies(config, model.head_dim)
+    model.inv_freq = inverse_frequencies(config, model.head_dim)  # `.to(dtype)` cast it: RoPE stays float32
     load_from_disk(model, str(path), require_all=True)
     return model.eval()
