@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import time
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.controller.address import CONTROLLER_ADDRESS_FILE, write_controller_address
@@ -291,7 +292,11 @@ class Controller:
         """status.json, whole or not at all; a failure (a full disk) is warned about once, not every 2 s."""
         path = self.run_dir / "status.json"
         try:
-            write_text_atomically(path, json.dumps(self.status(), indent=1, default=str))
+            # orjson: the stdlib encoder took ~40 ms per write at 1,024 engines (1.1 of the controller's
+            # ~7 CPU s in a profiled bench_scale run at N=1,024), every 2 s.
+            text = orjson.dumps(self.status(), default=str,
+                                option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
+            write_text_atomically(path, text)
         except OSError as error:
             if not self._status_write_failing:
                 log.warning("status.json not updated: %s (retrying every 2 s; said once)",

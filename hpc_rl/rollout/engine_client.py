@@ -39,6 +39,7 @@ import orjson
 
 from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
 
+from hpc_rl.rollout.engine_loads import EngineLoads
 from hpc_rl.rollout.request_batching import BatchAnswerError, batchable, merge_payloads, plan_batches, split_answer
 
 if TYPE_CHECKING:
@@ -168,7 +169,8 @@ class EngineClient:
         self.control_timeout_s = control_timeout_s
         self.in_flight: dict[str, str | None] = {}
         """rid -> engine URL serving it (None when routed by the router)."""
-        self._per_engine: dict[str, int] = {}
+        self._loads = EngineLoads()
+        """Requests in flight per engine (direct sends) and the least-loaded pick."""
         self._failed_at: dict[str, float] = {}
         self.failure_cooldown_s = 5.0
         self.waiter_poll_s = 2.0
@@ -219,11 +221,10 @@ class EngineClient:
         limit), avoiding engines that failed in the last `failure_cooldown_s`; None if all are full (or
         none is up)."""
         now = asyncio.get_running_loop().time()
-        candidates = [(now - self._failed_at.get(url, -1e9) < self.failure_cooldown_s, self._per_engine.get(url, 0), url)
-                      for url in self.directory.engine_urls()]
+        failed_at, cooldown = self._failed_at, self.failure_cooldown_s
         room = max(1, self.per_engine_concurrency - count + 1)
-        candidates = [c for c in candidates if c[1] < room]
-        return min(candidates)[2] if candidates else None
+        return self._loads.pick(self.directory.engine_urls(), room,
+                                lambda url: now - failed_at.get(url, -1e9) < cooldown)
 
     async def _acquire(self, rids: list[str], stopped: asyncio.Event | None, *, direct: bool) -> str | None:
         """Wait for slots for `rids`; returns the engine (direct) or None (the router's request).
@@ -241,7 +242,7 @@ class EngineClient:
                     engine = self._pick_engine(len(rids)) if fits else None
                     if engine is not None:
                         self.in_flight.update(dict.fromkeys(rids, engine))
-                        self._per_engine[engine] = self._per_engine.get(engine, 0) + len(rids)
+                        self._loads.change(engine, len(rids))
                         return engine
                 # Woken one at a time per released slot (no thundering herd with thousands queued), all
                 # at once by wake_waiters() or while a batch waits; the timeout is only a safety net.
@@ -258,7 +259,7 @@ class EngineClient:
             for rid in rids:
                 engine = self.in_flight.pop(rid, None)
                 if engine is not None:
-                    self._per_engine[engine] -= 1
+                    self._loads.change(engine, -1)
             if len(rids) == 1 and not self._waiting_batches:
                 self._slots.notify(1)
             else:

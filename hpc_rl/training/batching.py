@@ -112,14 +112,12 @@ class _Part:
 class _State:
     """k partitions kept heaviest-first; the heap pops the state with the largest spread first."""
 
-    __slots__ = ("parts",)
+    __slots__ = ("parts", "spread")
 
     def __init__(self, parts: list[_Part]) -> None:
         self.parts = sorted(parts, key=_Part.key, reverse=True)
-
-    @property
-    def spread(self) -> int:
-        return self.parts[0].total - self.parts[-1].total
+        self.spread = self.parts[0].total - self.parts[-1].total
+        """Heaviest minus lightest sum, kept (the heap compares it ~25 times per item)."""
 
     def __lt__(self, other: _State) -> bool:
         if self.spread != other.spread:
@@ -134,6 +132,7 @@ class _State:
             mine.items.extend(theirs.items)
             mine.total += theirs.total
         self.parts.sort(key=_Part.key, reverse=True)
+        self.spread = self.parts[0].total - self.parts[-1].total
 
 
 def balanced_partitions(lengths: Sequence[int], k: int, equal_size: bool = True) -> list[list[int]]:
