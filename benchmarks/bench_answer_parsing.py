@@ -23,6 +23,7 @@ msgspec is not a dependency of hpc_rl (`pip install msgspec` to print the last t
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -35,6 +36,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import orjson  # noqa: E402
 
+from hpc_rl.controller.app import GC_FIRST_GENERATION  # noqa: E402
 from hpc_rl.rollout.generate import output_logprobs, parse_weight_versions  # noqa: E402
 
 GROUP = 8
@@ -120,6 +122,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[107, 3440])
     parser.add_argument("--repeat", type=int, default=200)
     args = parser.parse_args()
+    gc.set_threshold(GC_FIRST_GENERATION, *gc.get_threshold()[1:])  # as the controller runs
     try:
         decoder = meta_only_decoder()
     except ImportError:
