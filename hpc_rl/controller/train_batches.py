@@ -77,8 +77,11 @@ def pack_samples(samples: list[Sample], rewards: list[float]) -> dict[str, np.nd
     tokens = np.fromiter(chain.from_iterable(part for s in samples for part in (s.prompt_token_ids, s.response_token_ids)),
                          dtype=np.int64, count=int(prompt_lengths.sum() + response_lengths.sum()))
     total_response = int(response_lengths.sum())
-    loss_masks = np.fromiter(chain.from_iterable(s.effective_loss_mask() for s in samples), dtype=np.uint8,
-                             count=total_response)
+    if all(s.loss_mask is None for s in samples):  # the common case: no per-token list to walk
+        loss_masks = np.ones(total_response, dtype=np.uint8)
+    else:
+        loss_masks = np.fromiter(chain.from_iterable(s.effective_loss_mask() for s in samples), dtype=np.uint8,
+                                 count=total_response)
     logprobs = np.fromiter(chain.from_iterable(s.response_logprobs for s in samples), dtype=np.float32,
                            count=sum(len(s.response_logprobs) for s in samples))
     if len(logprobs) != total_response:

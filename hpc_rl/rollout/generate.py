@@ -132,7 +132,7 @@ def output_logprobs(entries: list[Any]) -> list[float]:
         logprobs = list(map(itemgetter(0), entries))
     except (IndexError, TypeError, KeyError):
         return [float(x[0]) if x and x[0] is not None else 0.0 for x in entries]
-    if None in logprobs or not all(map(float.__instancecheck__, logprobs)):
+    if None in logprobs:  # an int (a JSON 0) is left as is: every reader takes numbers
         return [float(x) if x is not None else 0.0 for x in logprobs]
     return logprobs
 
@@ -338,7 +338,8 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
         meta = body.get("meta_info") or {}
         token_ids = list(map(int, body.get("output_ids") or []))
         logprobs = output_logprobs(meta.get("output_token_logprobs") or [])
-        logprobs = (logprobs + [0.0] * len(token_ids))[:len(token_ids)]
+        if len(logprobs) != len(token_ids):  # none asked for, or a malformed answer: pad or cut
+            logprobs = (logprobs + [0.0] * len(token_ids))[:len(token_ids)]
         versions = parse_weight_versions(meta, len(token_ids), session.weight_version)
         _append(sample, token_ids, logprobs, versions, str(body.get("text") or ""), trained=True)
         metrics.generated_tokens += len(token_ids)

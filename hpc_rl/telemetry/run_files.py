@@ -55,7 +55,7 @@ def append_rollout_record(path: str | Path, rollout_id: int, metrics: dict[str, 
               "sample_indices": [s.index for s in samples],
               "data_rows": [s.metadata.get("data_row") for g in groups for s in g[:1]],
               "start_rollout_ids": [s.metadata.get("start_rollout_id") for g in groups for s in g[:1]],
-              "weight_versions_first_token": [min(s.weight_versions) if s.weight_versions else None
+              "weight_versions_first_token": [s.weight_versions[0] if s.weight_versions else None
                                               for s in samples]}
     with open(path, "a") as handle:
         handle.write(json.dumps(record, default=float) + "\n")
