@@ -64,6 +64,8 @@ from hpc_rl.protocol.secret import Secret
 log = logging.getLogger("hpc_rl.protocol")
 
 STREAM_BUFFER_BYTES = 1 << 20
+WRITE_SLICE_BYTES = 1 << 20
+"""Big payloads are handed to the transport in slices of this size (`Connection._write`)."""
 _WHY_CLOSED_WAIT_S = 0.5
 
 
@@ -222,8 +224,17 @@ class Connection:
         """Write one frame (of the session's outgoing counter unless told) and wait for the transport to
         take it; the caller holds the write lock, so frame numbers follow the wire order."""
         header, parts = message_frame(msg, id=msg_id, reply_to=reply_to)
+        transport = self.writer.transport
         for chunk in frame_chunks(self.secret, counter or self._counter(self._outgoing), header, parts):
-            self.writer.write(chunk)  # one by one: writelines joins (copies) them on Python 3.11
+            # One by one (writelines joins, i.e. copies, them on Python 3.11), and big arrays in slices with a
+            # wait while the transport holds more than a slice: what the socket does not take is copied into
+            # the transport's buffer, which otherwise grew to the whole message by repeated reallocation
+            # (1.6 of the controller's 20 CPU s with 3,440-token samples at 256 simulated engines).
+            view = memoryview(chunk).cast("B")
+            for start in range(0, view.nbytes, WRITE_SLICE_BYTES):
+                self.writer.write(view[start:start + WRITE_SLICE_BYTES])
+                if transport.get_write_buffer_size() > WRITE_SLICE_BYTES:
+                    await self.writer.drain()
         await self.writer.drain()
 
     async def reply(self, to: Envelope, msg: Message) -> int:
