@@ -158,6 +158,7 @@ def build_config(run_dir: Path, engines: int, mode: str, args: argparse.Namespac
     rollout.rollout_batch_size = groups
     rollout.over_sampling_batch_size = groups
     rollout.rollout_max_response_len = model.max_wire_response_len
+    rollout.reward_workers = args.reward_workers
     if mode == "async":
         rollout.async_rollout = True
         rollout.max_staleness = 1
@@ -433,7 +434,8 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
                 [m["time/weight_sync"] - model.real_seconds(model.init_group_s) for m in history if "time/weight_sync" in m]
             result.sync_orchestration_s = max(0.0, statistics.median(syncs) - engine_side) if syncs else float("nan")
             result.sync_cpu_s = statistics.median(sync_cpu[1:] or sync_cpu) if sync_cpu else float("nan")
-            result.extra = {"time_scale_ms": scale_ms, "sim_s": sim_elapsed, "run_real_s": run_real, "cpu_s": cpu, "buckets": buckets,
+            result.extra = {"reward_workers": controller.reward_pool.workers if controller.reward_pool else 0,
+                            "time_scale_ms": scale_ms, "sim_s": sim_elapsed, "run_real_s": run_real, "cpu_s": cpu, "buckets": buckets,
                             "sync_wall_s": statistics.median(syncs) if syncs else None,
                             "rollout_real_s": [round(m.get("time/rollout", 0), 2) for m in history],
                             "groups_dropped": sum(m.get("rollout/groups_dropped", 0) for m in history),
@@ -564,6 +566,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="register engines through the router's API (as the driver) up to this N; beyond, "
                              "at the router's launch")
     parser.add_argument("--abort-fill", type=int, default=8, help="requests per engine before the abort-all probe")
+    parser.add_argument("--reward-workers", type=int, default=0,
+                        help="rollout.reward_workers: processes scoring the deepscaler rewards off the controller's loop")
     parser.add_argument("--abort-fill-path", choices=("groups", "router"), default="groups",
                         help="how the abort probe's requests go out: groups = the recipe rollout's batched "
                              "/generate per group of --abort-fill straight to an engine; router = one request "

@@ -83,6 +83,10 @@ class RolloutConfig:
     """custom_rm_path scores a whole group: `async fn(args, samples) -> list[float]`."""
     rm_url: str | None = None
     """URL of the remote reward model (rm_type remote_rm)."""
+    reward_workers: int = 0
+    """Processes that score rule-based rewards (rm_type deepscaler|dapo|math|f1|tiny_task, boxed_ forms)
+    off the controller's event loop; 0: on the loop. For large fleets or sympy-heavy answers
+    (docs/scaling.md). Custom and remote rewards stay on the loop."""
     num_rollout: int | None = None
     """Number of rollout steps (None: derived from num_epoch and the data size)."""
     num_epoch: int | None = None

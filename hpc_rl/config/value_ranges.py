@@ -39,7 +39,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "training.num_threads", "slurm.cpus_per_gpu", "checkpoint.save_interval", "eval.eval_interval", "eval.n_samples_per_eval_prompt",
         "eval.eval_max_response_len", "sglang.server_concurrency", "slurm.cpus_per_task")},
     **{path: _at_least(0) for path in (
-        "cluster.rollout_num_gpus", "rollout.max_staleness", "algorithm.kl_loss_coef", "algorithm.kl_coef",
+        "cluster.rollout_num_gpus", "rollout.max_staleness", "rollout.reward_workers", "algorithm.kl_loss_coef", "algorithm.kl_coef",
         "algorithm.tis_clip_low", "optimizer.min_lr", "optimizer.lr_warmup_iters", "optimizer.lr_decay_iters",
         "optimizer.weight_decay", "optimizer.clip_grad", "controller.max_engine_restarts",
         "slurm.requeue_signal_seconds", "slurm.max_num_timeout")},

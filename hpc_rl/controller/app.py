@@ -43,6 +43,7 @@ from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.protocol import Connection, Envelope, Secret, Server
 from hpc_rl.protocol.errors import ProtocolError
+from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, ResumeState,
                                       StatusReply, StatusRequest, WeightPlan)
 from hpc_rl.rollout import EngineClient
@@ -81,6 +82,8 @@ class Controller:
         self.server: Server | None = None
         self.loop: RunLoop | None = None
         self.client: EngineClient | None = None
+        self.reward_pool: RewardPool | None = None
+        """Worker processes for rule-based rewards (`rollout.reward_workers`), once the stack is built."""
         self.stopping = False
         self.started_at = time.time()
         self.last_error = ""
@@ -117,7 +120,10 @@ class Controller:
         stack = await asyncio.to_thread(build_rollout_stack, self.config, registry=self.registry,
                                         channel=self.channel, fleet=self.fleet, router_url=self.router_url)
         self.client, self.loop = stack.client, stack.loop
+        self.reward_pool = stack.reward_pool
         await self.client.start()
+        if self.reward_pool is not None:
+            await self.reward_pool.start()
         self.fleet.on_serving = self.client.wake_waiters
 
     @property
@@ -182,6 +188,8 @@ class Controller:
         await self.fleet.close()
         if self.client is not None:
             await self.client.close()
+        if self.reward_pool is not None:
+            self.reward_pool.close()
         if self.server is not None:
             await self.server.close()
         if self.loop is not None:

@@ -28,6 +28,7 @@ from hpc_rl.controller.weight_updates import WeightSyncSettings, WeightUpdates
 from hpc_rl.data.prompt_tokenizer import load_prompt_tokenizer
 from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptSource, make_prompt_encoder
 from hpc_rl.rewards.group import RewardSpec, reward_group
+from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
 from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
@@ -50,6 +51,8 @@ def num_rollouts(rollout: RolloutConfig, dataset_size: int) -> int:
 class RolloutStack:
     client: EngineClient
     loop: RunLoop
+    reward_pool: RewardPool | None = None
+    """Started and closed by the controller (`rollout.reward_workers` > 0)."""
 
 
 def load_prompts(rollout: RolloutConfig) -> tuple[PromptDataset, DataKeys]:
@@ -94,8 +97,9 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
                           context_length=engine_context_length(config.checkpoint.hf_checkpoint,
                                                                config.sglang.server_options()))
     args = plugin_args(config)
+    pool = RewardPool(rollout.reward_workers) if rollout.reward_workers and not rollout.custom_rm_path else None
     spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,
-                      group_rm=rollout.group_rm, args=args)
+                      group_rm=rollout.group_rm, args=args, pool=pool)
 
     async def reward_fn(samples: list[Any]) -> list[float]:
         return await reward_group(spec, samples)
@@ -109,7 +113,7 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     loop = assemble_loop(config, scheduler=scheduler, registry=registry, channel=channel, fleet=fleet,
                          recorder=recorder, evaluate=make_evaluate(config, client, keys, encoder, reward_fn, args),
                          num_rollout=num_rollout)
-    return RolloutStack(client=client, loop=loop)
+    return RolloutStack(client=client, loop=loop, reward_pool=pool)
 
 
 def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler, registry: Registry, channel: TrainerChannel,

@@ -11,7 +11,8 @@ the sample's `index` and the rm type in its message, never turned into a silent 
       otherwise, concurrently for each sample:
         custom_rm_path            -> await fn(args, sample)
         remote_rm                 -> POST {prompt, response, label} with retries (remote.py)
-        deepscaler|dapo|math|f1   -> score(...) directly (sync, cheap; scoring.py)
+        deepscaler|dapo|math|f1   -> score(...) directly (sync, cheap; scoring.py), or, with
+                                     `spec.pool`, the whole group in a worker process (pool.py)
 
 It does not write `sample.reward`; the caller does, so a failed group leaves samples untouched.
 """
@@ -25,6 +26,7 @@ from typing import Any
 
 from hpc_rl.data.samples import Sample
 from hpc_rl.rewards.plugins import RewardFunction, load_reward_function
+from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.retry_policy import RetryPolicy
 from hpc_rl.rewards.remote import REMOTE_RM_RETRY, RewardSession, post_for_reward, reward_payload, reward_session
 from hpc_rl.rewards.scoring import REMOTE_RM, check_rm_type, resolve_rm_type, score, split_boxed_prefix
@@ -59,6 +61,8 @@ class RewardSpec:
     """Total timeout of one remote_rm request."""
     args: Any = None
     """Passed as-is as the first argument of custom functions (slime passes its args namespace)."""
+    pool: RewardPool | None = None
+    """Worker processes for rule-based rewards (`rollout.reward_workers`); None: scored on the event loop."""
 
     def __post_init__(self) -> None:
         if self.custom_rm_path is None:
@@ -161,6 +165,29 @@ async def _reward_custom_group(spec: RewardSpec, samples: list[Sample]) -> list[
         ) from error
 
 
+async def _reward_in_pool(spec: RewardSpec, pool: RewardPool, samples: list[Sample]) -> list[float]:
+    """Rule-based rewards of `samples` in the worker processes; failures as `reward_group` raises them."""
+    # The graders read a sample's metadata only for its rm_type override: that is all that is sent.
+    items = [(spec.rm_type, s.response_text, s.label,
+              {"rm_type": s.metadata["rm_type"]} if s.metadata and "rm_type" in s.metadata else None)
+             for s in samples]
+    try:
+        results = await pool.score(items)
+    except Exception as error:  # the pool broke twice, or a label would not pickle
+        raise RewardError(f"reward workers failed for samples {[s.index for s in samples]} "
+                          f"({spec.label}): {type(error).__name__}: {error}",
+                          indices=[s.index for s in samples], rm_type=spec.label) from error
+    failed = [(sample, message) for sample, (ok, message) in zip(samples, results) if not ok]
+    if failed:
+        sample, message = failed[0]
+        what = _sample_rm_type(spec, sample)
+        more = f" (and {len(failed) - 1} more sample(s) failed; indices {[s.index for s, _ in failed]})" \
+            if len(failed) > 1 else ""
+        raise RewardError(f"reward failed for sample index {sample.index} ({what}): {message}{more}",
+                          indices=[s.index for s, _ in failed], rm_type=what)
+    return [float(value) for _, value in results]
+
+
 async def reward_group(spec: RewardSpec, samples: Sequence[Sample]) -> list[float]:
     """One reward per sample, in order. If any fails: RewardError naming every failed sample."""
     samples = list(samples)
@@ -168,6 +195,8 @@ async def reward_group(spec: RewardSpec, samples: Sequence[Sample]) -> list[floa
         return []
     if spec.custom_rm_path is not None and spec.group_rm:
         return await _reward_custom_group(spec, samples)
+    if spec.pool is not None and spec.custom_rm_path is None and not _needs_session(spec, samples):
+        return await _reward_in_pool(spec, spec.pool, samples)
     if _needs_session(spec, samples):
         async with reward_session(spec.remote_timeout_s) as session:
             results = await asyncio.gather(

@@ -29,16 +29,19 @@ def load_bench():
 def test_harness_at_eight_engines_loses_and_duplicates_nothing(tmp_path):
     bench = load_bench()
     args = bench.parse_args(["--engines", "8", "--modes", "sync", "partial", "--rollouts", "2",
-                             "--samples-per-engine", "16", "--abort-fill", "4", "--work-dir", str(tmp_path)])
+                             "--samples-per-engine", "16", "--abort-fill", "4", "--reward-workers", "1",
+                             "--work-dir", str(tmp_path)])
     results = asyncio.run(bench.main_async(args))
     assert [r.mode for r in results] == ["sync", "partial"]
     for result in results:
         assert (result.lost, result.duplicated) == (0, 0)
+        assert result.extra["reward_workers"] == 1  # the controller scored in its reward pool
         assert result.trained_samples == 2 * 16 * 8  # 2 rollouts of 16 groups of 8
         assert 0.0 < result.busy <= 1.0
         assert result.samples_per_sim_s > 0 and result.cpu_s_per_1k > 0
         assert result.abort_all_s > 0 and not math.isnan(result.sync_orchestration_s)
     partial = results[1]
-    assert partial.extra["groups_dropped"] > 0  # the DAPO filter dropped zero-variance groups
+    # The DAPO filter dropped zero-variance groups: rewards came back from the reward worker process.
+    assert partial.extra["groups_dropped"] > 0
     # (How many surplus tokens abort_all cuts depends on how far the controller lags the simulated
     # clock, i.e. on machine load: not asserted.)

@@ -1,0 +1,101 @@
+"""Rule-based rewards in worker processes, off the controller's event loop (`rollout.reward_workers`).
+
+Owns `RewardPool`: a pool of `reward_workers` processes (spawned, so nothing of the controller's event
+loop or sockets is inherited) that score a group's samples with `scoring.score` (deepscaler, dapo,
+math, f1, tiny_task and their boxed_ forms). The controller sends each group's (rm type, response,
+label, metadata) once and gets back, per sample, a reward or the grader's error message, so a failure
+still names its sample (group.py raises the `RewardError`). These are local pipes between processes of
+one job, not the network.
+
+Why: a reward runs on the controller's one event loop otherwise. At 256 simulated engines rewards were
+~10% of the controller's CPU (benchmarks/bench_scale.py, `--reward-workers`), and an answer that falls
+through to sympy costs milliseconds: every other request waits meanwhile.
+
+A worker that dies (killed, out of memory) breaks the pool: it is started again and the group is
+scored once more; a second break is the group's error.
+
+Does not own: which samples go here (group.py: no custom function, no remote_rm), the graders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ScoreItem = tuple[str | None, str, Any, dict[str, Any] | None]
+"""(rm type, response text, label, metadata: at most the sample's rm_type override) of one sample."""
+ScoreResult = tuple[bool, float | str]
+"""(True, reward) or (False, "ErrorType: message")."""
+
+
+def score_items(items: list[ScoreItem]) -> list[ScoreResult]:
+    """Run in a worker: each item's reward, or its error as text (exceptions may not pickle)."""
+    from hpc_rl.rewards.scoring import score
+
+    results: list[ScoreResult] = []
+    for rm_type, response, label, metadata in items:
+        try:
+            results.append((True, score(rm_type, response, label, metadata)))
+        except Exception as error:  # noqa: BLE001 - reported per sample by the caller
+            results.append((False, f"{type(error).__name__}: {error}"))
+    return results
+
+
+def _warm_up() -> None:
+    """Import the graders (sympy included) before the first rollout needs them."""
+    import hpc_rl.rewards.math_equivalence  # noqa: F401
+    import hpc_rl.rewards.scoring  # noqa: F401
+
+
+class RewardPool:
+    """`workers` processes scoring rule-based rewards; `await score(items)` per group."""
+
+    def __init__(self, workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"a reward pool needs at least one worker, got {workers}")
+        self.workers = workers
+        self._executor: ProcessPoolExecutor | None = None
+
+    def _pool(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            self._executor = ProcessPoolExecutor(max_workers=self.workers,
+                                                 mp_context=multiprocessing.get_context("spawn"))
+        return self._executor
+
+    async def start(self) -> None:
+        """Start every worker and load the graders (a few seconds of imports, once)."""
+        loop = asyncio.get_running_loop()
+        pool = self._pool()
+        await asyncio.gather(*(loop.run_in_executor(pool, _warm_up) for _ in range(self.workers)))
+
+    async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool(), score_items, items)
+        except BrokenProcessPool as error:
+            log.warning("a reward worker died (%s); starting the pool again and scoring the group once more", error)
+            self._discard()
+            return await loop.run_in_executor(self._pool(), score_items, items)
+
+    def _discard(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def close(self) -> None:
+        """Stop the workers now (a group being scored is abandoned; a grader stuck in sympy is killed)."""
+        if self._executor is None:
+            return
+        processes = list(getattr(self._executor, "_processes", {}).values())
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor = None
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(timeout=5)
