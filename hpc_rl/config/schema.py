@@ -85,8 +85,9 @@ class RolloutConfig:
     """URL of the remote reward model (rm_type remote_rm)."""
     reward_workers: int = 0
     """Processes that score rule-based rewards (rm_type deepscaler|dapo|math|f1|tiny_task, boxed_ forms)
-    off the controller's event loop; 0: on the loop. For large fleets or sympy-heavy answers
-    (docs/scaling.md). Custom and remote rewards stay on the loop."""
+    off the controller's event loop, on its node; 0: on the loop. Worth it when answers are symbolic
+    (fractions, roots: 1.7 ms of sympy per sample on the loop, 0.15 ms with a pool); integer-only data
+    (DAPO-Math) is cheaper on the loop. Custom and remote rewards stay on the loop."""
     num_rollout: int | None = None
     """Number of rollout steps (None: derived from num_epoch and the data size)."""
     num_epoch: int | None = None
