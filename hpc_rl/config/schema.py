@@ -86,7 +86,7 @@ class RolloutConfig:
     reward_workers: int = 0
     """Processes that score rule-based rewards (rm_type deepscaler|dapo|math|f1|tiny_task, boxed_ forms)
     off the controller's event loop, on its node; 0: on the loop. Worth it when answers are symbolic
-    (fractions, roots: 1.7 ms of sympy per sample on the loop, 0.15 ms with a pool); integer-only data
+    (fractions, roots: 1.5-2.8 ms of sympy per sample on the loop, 0.15 ms with a pool); integer-only data
     (DAPO-Math) is cheaper on the loop. Custom and remote rewards stay on the loop."""
     num_rollout: int | None = None
     """Number of rollout steps (None: derived from num_epoch and the data size)."""

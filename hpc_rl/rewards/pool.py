@@ -8,8 +8,8 @@ still names its sample (group.py raises the `RewardError`). These are local pipe
 one job, not the network.
 
 Why: a reward runs on the controller's one event loop otherwise, and an answer that falls through to
-sympy (deepscaler's `\frac{3}{4}` against `0.75`) costs 1.7 ms per sample there (17 ms the first
-time): every other request waits meanwhile. Measured per sample of a group of 8, controller CPU (its
+sympy costs 1.5-2.8 ms per sample there (deepscaler: `\frac{3}{4}` against `0.75`, `2\sqrt{2}` against
+`\sqrt{8}`; tens of ms for an expression sympy meets the first time): every other request waits. Measured per sample of a group of 8, controller CPU (its
 pool threads included), 2 workers, idle 2-core machine:
 
     answer                  on the loop   in the pool
