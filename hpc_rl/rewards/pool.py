@@ -9,7 +9,8 @@ one job, not the network.
 
 Why: a reward runs on the controller's one event loop otherwise, and an answer that falls through to
 sympy costs 1.5-2.8 ms per sample there (deepscaler: `\frac{3}{4}` against `0.75`, `2\sqrt{2}` against
-`\sqrt{8}`; tens of ms for an expression sympy meets the first time): every other request waits. Measured per sample of a group of 8, controller CPU (its
+`\sqrt{8}`; tens of ms for an expression sympy meets the first time): every other request waits.
+Measured by benchmarks/bench_reward_pool.py per sample of a group of 8, controller CPU (its
 pool threads included), 2 workers, idle 2-core machine:
 
     answer                  on the loop   in the pool
