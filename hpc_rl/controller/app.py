@@ -43,9 +43,9 @@ from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.protocol import Connection, Envelope, Secret, Server
 from hpc_rl.protocol.errors import ProtocolError
-from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, ResumeState,
                                       StatusReply, StatusRequest, WeightPlan)
+from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rollout import EngineClient
 from hpc_rl.telemetry.run_files import describe_write_error, write_text_atomically
 

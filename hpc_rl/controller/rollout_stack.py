@@ -97,7 +97,9 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
                           context_length=engine_context_length(config.checkpoint.hf_checkpoint,
                                                                config.sglang.server_options()))
     args = plugin_args(config)
-    pool = RewardPool(rollout.reward_workers) if rollout.reward_workers and not rollout.custom_rm_path else None
+    # No workers for custom functions (they run on the loop) or remote_rm (an HTTP call, no CPU to offload).
+    rule_rewards = not rollout.custom_rm_path and (rollout.rm_type or "").removeprefix("boxed_") != "remote_rm"
+    pool = RewardPool(rollout.reward_workers) if rollout.reward_workers and rule_rewards else None
     spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,
                       group_rm=rollout.group_rm, args=args, pool=pool)
 
