@@ -29,6 +29,7 @@ from hpc_rl.data.prompt_tokenizer import load_prompt_tokenizer
 from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptSource, make_prompt_encoder
 from hpc_rl.rewards.group import RewardSpec, reward_group
 from hpc_rl.rewards.pool import RewardPool
+from hpc_rl.rewards.scoring import REMOTE_RM, split_boxed_prefix
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
 from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
@@ -98,7 +99,7 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
                                                                config.sglang.server_options()))
     args = plugin_args(config)
     # No workers for custom functions (they run on the loop) or remote_rm (an HTTP call, no CPU to offload).
-    rule_rewards = not rollout.custom_rm_path and (rollout.rm_type or "").removeprefix("boxed_") != "remote_rm"
+    rule_rewards = not rollout.custom_rm_path and split_boxed_prefix((rollout.rm_type or "").strip())[1] != REMOTE_RM
     pool = RewardPool(rollout.reward_workers) if rollout.reward_workers and rule_rewards else None
     spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,
                       group_rm=rollout.group_rm, args=args, pool=pool)

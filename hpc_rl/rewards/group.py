@@ -124,16 +124,31 @@ def _sample_rm_type(spec: RewardSpec, sample: Sample) -> str:
     return f"rm_type {(override or spec.rm_type)!r}"
 
 
+def _sample_failure(spec: RewardSpec, sample: Sample, description: str) -> RewardError:
+    """The error of one sample's reward; `description` is "ErrorType: message"."""
+    what = _sample_rm_type(spec, sample)
+    return RewardError(f"reward failed for sample index {sample.index} ({what}): {description}",
+                       indices=[sample.index], rm_type=what)
+
+
+def _raise_failures(failures: list[BaseException]) -> None:
+    """Raise the first failure, naming every failed sample when there are several."""
+    first = failures[0]
+    if len(failures) == 1 or not isinstance(first, RewardError):
+        raise first
+    indices = [i for f in failures if isinstance(f, RewardError) for i in f.indices]
+    raise RewardError(
+        f"{first} (and {len(failures) - 1} more sample(s) failed; indices {indices})",
+        indices=indices,
+        rm_type=first.rm_type,
+    ) from first.__cause__
+
+
 async def _guarded(spec: RewardSpec, sample: Sample, session: RewardSession | None) -> float:
     try:
         return await _reward_one(spec, sample, session)
     except Exception as error:
-        what = _sample_rm_type(spec, sample)
-        raise RewardError(
-            f"reward failed for sample index {sample.index} ({what}): {type(error).__name__}: {error}",
-            indices=[sample.index],
-            rm_type=what,
-        ) from error
+        raise _sample_failure(spec, sample, f"{type(error).__name__}: {error}") from error
 
 
 def _needs_session(spec: RewardSpec, samples: Sequence[Sample]) -> bool:
@@ -177,14 +192,10 @@ async def _reward_in_pool(spec: RewardSpec, pool: RewardPool, samples: list[Samp
         raise RewardError(f"reward workers failed for samples {[s.index for s in samples]} "
                           f"({spec.label}): {type(error).__name__}: {error}",
                           indices=[s.index for s in samples], rm_type=spec.label) from error
-    failed = [(sample, message) for sample, (ok, message) in zip(samples, results) if not ok]
-    if failed:
-        sample, message = failed[0]
-        what = _sample_rm_type(spec, sample)
-        more = f" (and {len(failed) - 1} more sample(s) failed; indices {[s.index for s, _ in failed]})" \
-            if len(failed) > 1 else ""
-        raise RewardError(f"reward failed for sample index {sample.index} ({what}): {message}{more}",
-                          indices=[s.index for s, _ in failed], rm_type=what)
+    failures: list[BaseException] = [_sample_failure(spec, sample, str(message))
+                                     for sample, (ok, message) in zip(samples, results) if not ok]
+    if failures:
+        _raise_failures(failures)
     return [float(value) for _, value in results]
 
 
@@ -207,13 +218,5 @@ async def reward_group(spec: RewardSpec, samples: Sequence[Sample]) -> list[floa
     # gather(return_exceptions=True) let every task finish, so nothing is left running on failure.
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
-        first = failures[0]
-        if len(failures) == 1 or not isinstance(first, RewardError):
-            raise first
-        indices = [i for f in failures if isinstance(f, RewardError) for i in f.indices]
-        raise RewardError(
-            f"{first} (and {len(failures) - 1} more sample(s) failed; indices {indices})",
-            indices=indices,
-            rm_type=first.rm_type,
-        ) from first.__cause__
+        _raise_failures(failures)
     return [r for r in results if not isinstance(r, BaseException)]

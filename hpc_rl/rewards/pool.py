@@ -57,7 +57,8 @@ def score_items(items: list[ScoreItem]) -> list[ScoreResult]:
 
 
 def _warm_up() -> None:
-    """Import the graders (sympy included) before the first rollout needs them."""
+    """Import the graders before the first rollout needs them (sympy itself is imported by a worker's
+    first symbolic answer, as on the loop: seconds, once per worker, off the controller's loop)."""
     import hpc_rl.rewards.math_equivalence  # noqa: F401
     import hpc_rl.rewards.scoring  # noqa: F401
 
@@ -89,19 +90,14 @@ class RewardPool:
             return await loop.run_in_executor(self._pool(), score_items, items)
         except BrokenProcessPool as error:
             log.warning("a reward worker died (%s); starting the pool again and scoring the group once more", error)
-            self._discard()
+            self.close()
             return await loop.run_in_executor(self._pool(), score_items, items)
-
-    def _discard(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
 
     def close(self) -> None:
         """Stop the workers now (a group being scored is abandoned; a grader stuck in sympy is killed)."""
         if self._executor is None:
             return
-        processes = list(getattr(self._executor, "_processes", {}).values())
+        processes = list((getattr(self._executor, "_processes", None) or {}).values())
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._executor = None
         for process in processes:

@@ -27,9 +27,6 @@ class EngineLoads:
         self._member_list: list[str] = []
         self._heap: list[tuple[int, str]] = []
 
-    def load(self, url: str) -> int:
-        return self.counts.get(url, 0)
-
     def change(self, url: str, delta: int) -> None:
         """`delta` more (or fewer) requests on `url`."""
         count = self.counts.get(url, 0) + delta

@@ -52,6 +52,7 @@ def echo_app(seen: list[tuple[int, str]]) -> web.Application:
     app.router.add_route("*", "/{tail:.*}", echo)
     return app
 
+
 @asynccontextmanager
 async def sim_fleet(count: int) -> AsyncIterator[tuple[list[str], EngineConnections]]:
     """`count` simulated engines (key "k", 1 real ms per simulated second) and a connection pool to them."""
@@ -64,7 +65,6 @@ async def sim_fleet(count: int) -> AsyncIterator[tuple[list[str], EngineConnecti
     finally:
         await pool.close()
         await server.stop()
-
 
 
 def test_pipelined_requests_share_one_connection_and_come_back_in_order() -> None:

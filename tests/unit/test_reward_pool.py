@@ -72,7 +72,7 @@ def test_a_killed_worker_is_replaced_and_the_group_scored(pool: RewardPool) -> N
     assert asyncio.run(reward_group(RewardSpec(rm_type="deepscaler", pool=pool), samples)) == [1.0, 0.0]
 
 
-def test_reward_workers_below_zero_is_refused_at_submit(tmp_path: Path) -> None:
+def test_reward_workers_below_zero_is_refused_at_submit() -> None:
     config = load_config([])
     config.rollout.reward_workers = -1
     with pytest.raises(ValueError, match="rollout.reward_workers"):
