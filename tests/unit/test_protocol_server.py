@@ -288,3 +288,22 @@ def test_blocking_client_refused_by_a_non_hpc_rl_port() -> None:
         asyncio.run(main())
     finally:
         listener.close()
+
+
+def test_a_payload_of_several_write_slices_comes_back_intact() -> None:
+    """Connection._write hands big arrays to the transport in WRITE_SLICE_BYTES slices; both directions of
+    an echo go through it: every byte must arrive, in order (the MAC checks the frame, this the content)."""
+    from hpc_rl.protocol.connection import WRITE_SLICE_BYTES
+
+    values = (np.arange(WRITE_SLICE_BYTES, dtype=np.int64) * 2654435761) % 1_000_003  # 8 MiB, not constant
+    odd = np.arange(WRITE_SLICE_BYTES // 3 + 7, dtype=np.float32)  # ends mid-slice
+
+    async def scenario(server: Server) -> None:
+        client = await connect("127.0.0.1", server.port, SECRET, HELLO)
+        echoed = await client.request(Arrays(arrays={"values": values, "odd": odd}))
+        assert isinstance(echoed, Arrays)
+        np.testing.assert_array_equal(echoed.arrays["values"], values)
+        np.testing.assert_array_equal(echoed.arrays["odd"], odd)
+        await client.close()
+
+    run_with_server(scenario)
