@@ -11,7 +11,7 @@ import pytest
 
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry, RegistrationTimeout, TrainerInfo
 from hpc_rl.controller.train_batches import (RewardShaping, group_normalized_rewards, normalized_rewards,
-                                             split_for_data_parallel)
+                                             pack_samples, split_for_data_parallel)
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.controller.engine_admin import BucketUpdate
 from hpc_rl.controller.weight_sync import WeightGroupState, push_weights_to_engines, rank_offsets
@@ -85,6 +85,16 @@ def test_dp_split_keeps_every_sample_once_and_balances() -> None:
     assert parts[0]["prompt_lengths"].tolist() == [3] * 8
     assert len(parts[0]["loss_masks"]) == len(parts[0]["rollout_logprobs"]) == int(parts[0]["response_lengths"].sum())
     assert parts[0]["tokens"].dtype == np.int64
+
+
+def test_packed_loss_masks_are_ones_unless_a_sample_has_its_own() -> None:
+    def sample(index: int, mask: list[int] | None) -> Sample:
+        return Sample(index=index, group_index=0, prompt="p", prompt_token_ids=[1], response_token_ids=[5, 6, 7],
+                      response_logprobs=[-0.1, -0.2, -0.3], weight_versions=[0, 0, 0], loss_mask=mask)
+
+    assert pack_samples([sample(0, None), sample(1, None)], [0.0, 0.0])["loss_masks"].tolist() == [1] * 6
+    mixed = pack_samples([sample(0, None), sample(1, [1, 0, 1])], [0.0, 0.0])["loss_masks"]
+    assert mixed.tolist() == [1, 1, 1, 1, 0, 1] and mixed.dtype == np.uint8
 
 
 def test_channel_runs_commands_on_every_rank_in_order() -> None:
