@@ -16,7 +16,9 @@ from typing import Any
 
 import yaml
 
-MODEL_FAMILIES = ("qwen3", "glm4", "llama")
+MODEL_FAMILIES = ("qwen3", "glm4", "llama", "qwen3_moe", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 @dataclass(kw_only=True)
@@ -24,7 +26,8 @@ class ModelArchitecture:
     """A decoder-only transformer, in Megatron's terms (names follow Megatron's TransformerConfig)."""
 
     family: str
-    """Mapping family for HF <-> Megatron names: qwen3 | glm4 | llama."""
+    """Mapping family for HF <-> Megatron names: qwen3 | glm4 | llama | qwen3_moe | glm4_moe (the HF
+    model_type of the checkpoint: Qwen3MoeForCausalLM, Glm4MoeForCausalLM)."""
     num_layers: int
     """Number of transformer layers (HF num_hidden_layers)."""
     hidden_size: int
@@ -60,6 +63,49 @@ class ModelArchitecture:
     max_position_embeddings: int = 4096
     """Longest sequence the rotary tables are built for."""
 
+    # Mixture of experts (Megatron's TransformerConfig names; slime's --num-experts is num_moe_experts).
+    # Only what changes the forward's math is architecture; aux-loss, dispatcher and kernel choices are
+    # training settings.
+    num_moe_experts: int | None = None
+    """Routed experts per MoE layer (HF num_experts / n_routed_experts); None: a dense model."""
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of one routed expert (HF moe_intermediate_size)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (HF num_experts_per_tok)."""
+    moe_layer_freq: list[int] | None = None
+    """Per layer: 1 = MoE MLP, 0 = dense MLP of ffn_hidden_size (None: every layer is MoE). slime's
+    `[0]*1+[1]*45` spelling is expanded at parse time; GLM-4.5's first_k_dense_replace and Qwen3-MoE's
+    mlp_only_layers / decoder_sparse_step are this list."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert(s), all shared experts fused (HF n_shared_experts x
+    moe_intermediate_size); None: no shared expert."""
+    moe_router_score_function: str = "softmax"
+    """softmax (Qwen3-MoE) | sigmoid (GLM-4.5, DeepSeek-V3)."""
+    moe_router_pre_softmax: bool = False
+    """softmax over all experts before top-k (HF norm_topk_prob false); false: top-k, then softmax
+    over the chosen (HF norm_topk_prob true). Sigmoid routers normalise the chosen scores when top-k > 1."""
+    moe_router_enable_expert_bias: bool = False
+    """A per-expert bias added to the scores for choosing experts only (HF e_score_correction_bias;
+    aux-loss-free load balancing)."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiplier of the routing weights (HF routed_scaling_factor)."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: expert groups (HF n_group; DeepSeek-V3)."""
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: groups each token may use (HF topk_group)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts is not None
+
+    def moe_layers(self) -> list[bool]:
+        """Per layer: True if its MLP is a MoE layer (all False for a dense model)."""
+        if not self.is_moe:
+            return [False] * self.num_layers
+        if self.moe_layer_freq is None:
+            return [True] * self.num_layers
+        return [bool(flag) for flag in self.moe_layer_freq]
+
     def __post_init__(self) -> None:
         if self.family not in MODEL_FAMILIES:
             raise ValueError(f"family: {self.family!r} is not one of {', '.join(MODEL_FAMILIES)}")
@@ -68,6 +114,20 @@ class ModelArchitecture:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_query_groups ({self.num_query_groups})"
             )
+        if self.family in MOE_FAMILIES and not self.is_moe:
+            raise ValueError(f"family {self.family!r} is a mixture-of-experts family: set num_moe_experts")
+        if self.is_moe:
+            if self.moe_ffn_hidden_size is None:
+                raise ValueError("num_moe_experts is set: set moe_ffn_hidden_size (HF moe_intermediate_size) too")
+            if not 1 <= self.moe_router_topk <= self.num_moe_experts:
+                raise ValueError(f"moe_router_topk ({self.moe_router_topk}) must be in 1..num_moe_experts "
+                                 f"({self.num_moe_experts})")
+            if self.moe_router_score_function not in MOE_SCORE_FUNCTIONS:
+                raise ValueError(f"moe_router_score_function: {self.moe_router_score_function!r} is not one of "
+                                 f"{', '.join(MOE_SCORE_FUNCTIONS)}")
+            if self.moe_layer_freq is not None and len(self.moe_layer_freq) != self.num_layers:
+                raise ValueError(f"moe_layer_freq has {len(self.moe_layer_freq)} entries for {self.num_layers} "
+                                 f"layers: give one 0/1 per layer")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ModelArchitecture":
