@@ -171,6 +171,33 @@ class TrainingConfig:
     """EP size (MoE)."""
     expert_tensor_parallel_size: int | None = None
     """Expert TP size (MoE; default: TP)."""
+    # MoE training settings (Megatron's TransformerConfig names and meanings; the architecture's MoE
+    # fields are hpc_rl.config.model.ModelArchitecture's).
+    moe_token_dispatcher_type: str = "alltoall"
+    """How tokens reach their experts' EP ranks: alltoall | allgather | flex (flex: DeepEP, GPU only)."""
+    moe_grouped_gemm: bool = False
+    """Run a rank's local experts as one grouped GEMM (a GPU kernel choice; same numerics)."""
+    moe_permute_fusion: bool = False
+    """Fused token permutation (a GPU kernel choice; same numerics)."""
+    moe_enable_deepep: bool = False
+    """DeepEP dispatch (GPU only; Megatron: with moe_token_dispatcher_type flex)."""
+    moe_router_dtype: str | None = None
+    """Router logits/probabilities dtype: fp32 | fp64 | None (the model's dtype)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """aux_loss | seq_aux_loss | sinkhorn | none."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (0: off)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the aux-loss-free expert-bias update (with the architecture's moe_router_enable_expert_bias)."""
+    moe_token_drop_policy: str = "probs"
+    """probs | position: which tokens an expert over its capacity drops (with moe_expert_capacity_factor)."""
+    moe_expert_capacity_factor: float | None = None
+    """Tokens an expert takes, as a multiple of the balanced share (None: no dropping)."""
+    use_routing_replay: bool = False
+    """The training forward reuses the experts chosen in the old-log-prob forward (slime's routing replay)."""
+    use_rollout_routing_replay: bool = False
+    """The trainer's routers use the experts the engines chose for each token (SGLang's
+    --enable-return-routed-experts)."""
     recompute_granularity: str | None = None
     """Activation recompute: full | selective | None."""
     recompute_method: str | None = None

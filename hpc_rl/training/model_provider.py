@@ -37,6 +37,39 @@ def padded_vocab_size(vocab_size: int, tp_size: int = 1, multiple: int = VOCAB_P
     return -(-vocab_size // step) * step
 
 
+def moe_config_fields(arch: ModelArchitecture, training: TrainingConfig) -> dict[str, object]:
+    """TransformerConfig's MoE fields for `arch` (empty for a dense model): the architecture's routing
+    math and the `training` section's MoE settings, under Megatron's names."""
+    if not arch.is_moe:
+        return {}
+    return {
+        "num_moe_experts": arch.num_moe_experts,
+        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
+        "moe_router_topk": arch.moe_router_topk,
+        "moe_layer_freq": list(arch.moe_layer_freq) if arch.moe_layer_freq is not None else 1,
+        "moe_shared_expert_intermediate_size": arch.moe_shared_expert_intermediate_size,
+        "moe_router_score_function": arch.moe_router_score_function,
+        "moe_router_pre_softmax": arch.moe_router_pre_softmax,
+        "moe_router_enable_expert_bias": arch.moe_router_enable_expert_bias,
+        "moe_router_topk_scaling_factor": arch.moe_router_topk_scaling_factor,
+        "moe_router_num_groups": arch.moe_router_num_groups,
+        "moe_router_group_topk": arch.moe_router_group_topk,
+        "moe_token_dispatcher_type": training.moe_token_dispatcher_type,
+        "moe_grouped_gemm": training.moe_grouped_gemm,
+        "moe_permute_fusion": training.moe_permute_fusion,
+        "moe_enable_deepep": training.moe_enable_deepep,
+        "moe_router_dtype": training.moe_router_dtype,
+        "moe_router_load_balancing_type": training.moe_router_load_balancing_type,
+        "moe_aux_loss_coeff": training.moe_aux_loss_coeff,
+        "moe_router_bias_update_rate": training.moe_router_bias_update_rate,
+        "moe_token_drop_policy": training.moe_token_drop_policy,
+        "moe_expert_capacity_factor": training.moe_expert_capacity_factor,
+        "moe_enable_routing_replay": training.use_routing_replay or training.use_rollout_routing_replay,
+        "expert_model_parallel_size": training.expert_model_parallel_size,
+        "expert_tensor_parallel_size": training.expert_tensor_parallel_size,
+    }
+
+
 def transformer_config(
     arch: ModelArchitecture,
     training: TrainingConfig,
@@ -81,6 +114,7 @@ def transformer_config(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         **recompute,
+        **moe_config_fields(arch, training),
         **extra,
     )
 
