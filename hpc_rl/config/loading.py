@@ -28,6 +28,7 @@ from hpc_rl.config.settings_sources import (
 )
 from hpc_rl.config.settings_sources import _field_hint as field_hint
 from hpc_rl.config.slime_flags import PLUGIN_PATH_FIELDS, SLIME_PLUGIN_PATHS, SLIME_RM_MODULES
+from hpc_rl.config.training_modes import derive_mode_settings
 from hpc_rl.config.typing_rules import ConfigError, ConfigErrors, coerce_value
 
 RESOLVED_CONFIG_NAME = "config.resolved.yaml"
@@ -165,6 +166,7 @@ def build_config(settings: list[Setting]) -> RunConfig:
         except ConfigError as error:
             problems += _messages(error)
     top[MODEL_ARGS_FIELD] = _model_args(raw, top, problems)
+    problems += derive_mode_settings(raw, lambda section, name: _given_or_default(raw, section, name))
     _derive_slime_values(raw)
     sections: dict[str, Any] = {}
     for name, section_type in section_types().items():

@@ -16,9 +16,14 @@ from hpc_rl.config.model import ModelArchitecture
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 RM_TYPES = ("deepscaler", "dapo", "math", "f1", "remote_rm", "tiny_task")
-LOSS_TYPES = ("policy_loss", "custom_loss")
+LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 WANDB_MODES = ("online", "offline", "disabled")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+SGLANG_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
+SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
+ROLLOUT_FUNCTIONS = (SGLANG_ROLLOUT, SFT_ROLLOUT)
+LOSS_MASK_TYPES = ("qwen", "qwen3")
+OPD_TYPES = ("sglang", "megatron")
 
 
 @dataclass(kw_only=True)
@@ -39,6 +44,12 @@ class ClusterConfig:
     """Engines share the trainer's GPUs; memory is released/resumed around each train step."""
     device: str = "cuda"
     """cuda (NCCL, SGLang) or cpu (gloo, hpc_rl's CPU engine): the single CPU switch."""
+    debug_train_only: bool = False
+    """A trainer-only job (slime's --debug-train-only): no engines and no router, rollout_num_gpus 0; what SFT
+    (rollout_function_path slime.rollout.sft_rollout.generate_rollout) runs, and it sets this itself."""
+    opd_teacher_num_gpus: int = 0
+    """GPUs of the on-policy-distillation teacher engine the job starts (distillation.opd_teacher_hf_checkpoint;
+    its tensor-parallel size, on a het group of its own); 0: no teacher component (1 when that path is set)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
@@ -50,6 +61,8 @@ class ClusterConfig:
 
     @property
     def num_engines(self) -> int:
+        if self.debug_train_only:
+            return 0
         return max(1, self.rollout_num_gpus // max(1, self.rollout_num_gpus_per_engine))
 
 
@@ -137,6 +150,17 @@ class RolloutConfig:
     engine: str = "auto"
     """Rollout engine: sglang (real SGLang, on cuda or cpu), cpu (hpc_rl's CPU engine, cluster.device cpu)
     or auto (sglang on cuda, cpu on cpu)."""
+    # Training modes (SFT): slime's names.
+    rollout_function_path: str = SGLANG_ROLLOUT
+    """slime's rollout function: slime.rollout.sglang_rollout.generate_rollout (generate with the engines) or
+    slime.rollout.sft_rollout.generate_rollout (SFT: the data's chats, loss on the assistant turns, no engines)."""
+    loss_mask_type: str = "qwen"
+    """SFT: how a chat's turns are rendered for their loss masks (slime's --loss-mask-type): qwen (each message
+    rendered by the chat template alone) | qwen3 (each message rendered after a user turn, as in a conversation:
+    Qwen3's template then adds its empty think block). Any chat template works with either (GLM's too)."""
+    custom_reward_post_process_path: str | None = None
+    """slime's reward post-process; hpc_rl runs slime's on-policy-distillation one
+    (slime.rollout.on_policy_distillation.post_process_rewards: teacher log-probs from rm_url, reward 0)."""
 
     def __post_init__(self) -> None:
         if self.rm_type is not None and self.rm_type not in RM_TYPES:
@@ -281,11 +305,13 @@ class AlgorithmConfig:
     custom_advantage_function_path: str | None = None
     """Import path of slime's `fn(args, rollout_data)` that sets rollout_data["advantages"] and ["returns"]
     (per-sample token tensors) in place of advantage_estimator's; called on the trainer per rollout."""
+    disable_compute_advantages_and_returns: bool = False
+    """No advantages, returns, reference or old log-probs (slime's flag; what sft_loss needs, which reads none)."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"algorithm.loss_type: {self.loss_type!r} is not one of {', '.join(LOSS_TYPES)} "
-                             f"(slime's sft_loss and value_loss are not offered)")
+                             f"(slime's value_loss is the critic's own, chosen by advantage_estimator ppo)")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
                 f"algorithm.advantage_estimator: {self.advantage_estimator!r} is not one of "
@@ -313,8 +339,10 @@ class OptimizerConfig:
     """Floor of the decayed learning rate."""
     lr_warmup_iters: int = 0
     """Linear warm-up steps."""
+    lr_warmup_fraction: float | None = None
+    """Warm-up as a fraction of lr_decay_iters (Megatron's; in place of lr_warmup_iters)."""
     lr_decay_iters: int | None = None
-    """Steps of decay (default: all steps of the run)."""
+    """Steps of decay (default: all steps of the run, num_rollout * num_steps_per_rollout, as slime)."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9
@@ -496,6 +524,53 @@ class ControllerConfig:
 
 
 @dataclass(kw_only=True)
+class DistillationConfig:
+    """On-policy distillation (slime's --use-opd): a per-token reverse-KL penalty against a teacher's log-probs,
+    added to the advantages of whatever advantage_estimator computes."""
+
+    use_opd: bool = False
+    """Distil from a teacher on the student's own samples."""
+    opd_type: str | None = None
+    """sglang (teacher log-probs from a teacher SGLang server) | megatron (teacher loaded on the trainer ranks)."""
+    opd_kl_coef: float = 1.0
+    """Weight of the penalty: A_t -= opd_kl_coef * (logp_student_t - logp_teacher_t)."""
+    opd_teacher_load: str | None = None
+    """megatron: the teacher's torch_dist checkpoint (the student's architecture and tokenizer)."""
+    opd_teacher_ckpt_step: int | None = None
+    """megatron: which iteration of opd_teacher_load (default: its latest)."""
+    opd_teacher_hf_checkpoint: str | None = None
+    """sglang: start the teacher as a component of this job, serving this HF directory (its own GPUs, health-
+    checked, behind the job's engine key; cluster.opd_teacher_num_gpus GPUs). Without it, the teacher is
+    slime's --rm-url server."""
+    opd_teacher_url: str | None = None
+    """sglang: /generate URL of a teacher server started outside the job (slime's --rm-url with its OPD reward)."""
+
+    def __post_init__(self) -> None:
+        if self.opd_type is not None and self.opd_type not in OPD_TYPES:
+            raise ValueError(f"distillation.opd_type: {self.opd_type!r} is not one of {', '.join(OPD_TYPES)}")
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    """PPO's critic (advantage_estimator ppo): a value model beside the actor, on the same trainer ranks and
+    parallel layout, with its own optimizer and checkpoints."""
+
+    num_critic_only_steps: int = 0
+    """The first this many rollouts train the critic only (the actor's weights stay)."""
+    value_clip: float = 0.2
+    """Value clipping: the new value moves at most this far from the old one in the clipped term."""
+    megatron_config_path: str | None = None
+    """slime's role file (`megatron: [{role: critic, overrides: {lr: ...}}, {role: actor, ...}]`): read at submit
+    into critic_optimizer / critic_load / critic_save and, for role actor, into the optimizer and checkpoint."""
+    critic_optimizer: dict[str, Any] = field(default_factory=dict)
+    """The critic's optimizer settings that differ from the actor's, by optimizer field name (lr, min_lr, ...)."""
+    critic_load: str | None = None
+    """Critic checkpoint to resume from (default: <checkpoint.load>/critic)."""
+    critic_save: str | None = None
+    """Where critic checkpoints go (default: <checkpoint.save, else run_dir/checkpoints>/critic)."""
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """One complete run: every section plus the model architecture file."""
 
@@ -517,3 +592,5 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)

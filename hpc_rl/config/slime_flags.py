@@ -89,9 +89,6 @@ COMPAT_FLAGS: dict[str, CompatFlag] = {
         (True,), "hpc_rl never adds a random suffix to the W&B group (--wandb-group, default: the run name)"),
     "use_distributed_optimizer": CompatFlag((True,), "hpc_rl always uses Megatron's distributed optimizer on GPU"),
     "train_backend": CompatFlag(("megatron",), "hpc_rl trains with Megatron-core only"),
-    "rollout_function_path": CompatFlag(
-        ("slime.rollout.sglang_rollout.generate_rollout",),
-        "hpc_rl's controller runs slime's default rollout; per-sample logic goes in --custom-generate-function-path"),
 }
 
 # Other spellings of hpc_rl fields: flag name -> field path (value passed through).
@@ -112,7 +109,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "wandb_random_suffix": "not offered: the W&B group is --wandb-group (default: the run name), without a suffix",
     "debug_rollout_only": ("not offered: to try rollouts and rewards without training, score a file with "
                            "`python -m hpc_rl.rewards` or run with --num-rollout 1"),
-    "debug_train_only": "not offered: a run always generates its own rollouts (hpc_rl has no engine-less mode)",
     "save_debug_rollout_data": ("not offered: every rollout's samples are summarised in <run_dir>/rollouts.jsonl; "
                                 "there is no replay format"),
     "load_debug_rollout_data": "not offered: hpc_rl cannot replay saved rollouts; drop the flag",
@@ -140,6 +136,9 @@ SLIME_PLUGIN_PATHS: dict[str, str | None] = {
     "slime.rollout.sglang_rollout.generate": None,
     "slime.rollout.rm_hub.async_rm": None,
     "slime.rollout.rm_hub.batched_async_rm": None,
+    # Training modes: slime's on-policy-distillation reward (teacher log-probs come from the teacher client; the
+    # task reward is slime's post-process's 0.0). hpc_rl.config.training_modes derives the teacher URL.
+    "slime.rollout.on_policy_distillation.reward_func": "hpc_rl.rollout.teacher.distillation_reward",
 }
 # slime reward modules given as --custom-rm-path -> the rm_type that computes the same reward here.
 SLIME_RM_MODULES: dict[str, str] = {

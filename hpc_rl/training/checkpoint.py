@@ -115,6 +115,11 @@ def latest_iteration(root: str | Path) -> int | None:
     return int(text)
 
 
+def iteration_source(path: str | Path, step: int | None) -> Path:
+    """A checkpoint root at a chosen iteration (slime's --opd-teacher-ckpt-step), or the root itself (its latest)."""
+    return iteration_dir(path, step) if step is not None else Path(path)
+
+
 def resolve_checkpoint_dir(path: str | Path) -> Path:
     """A torch_dist directory from a checkpoint root (via the tracker), an iter dir, or a plain dir."""
     path = Path(path)

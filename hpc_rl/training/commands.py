@@ -5,6 +5,7 @@ Owns `TrainerCommands.run()`: ask the command source for the next command, run i
 share for `TrainCommand`), so collectives line up. Commands are `hpc_rl.protocol.messages` types:
 
     TrainCommand(rollout_id, batch arrays)  -> RolloutTrainer.train_rollout, metrics to TensorBoard
+    EvalLossCommand(batch arrays)           -> eval_loss.evaluate_loss (SFT's held-out loss, no update)
     SyncWeightsCommand(version, group, ...) -> WeightPlan from rank 0, then the bucket broadcasts
     SaveCommand(rollout_id, controller_state) -> checkpoint.save_checkpoint
     TrainerMemoryCommand(action, tags)       -> colocated: offload/onload (hpc_rl.training.offload)
@@ -30,6 +31,7 @@ import torch
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.protocol.messages import (
     ColocatedSyncCommand,
+    EvalLossCommand,
     Message,
     SaveCommand,
     StopCommand,
@@ -41,7 +43,9 @@ from hpc_rl.protocol.messages import (
 from hpc_rl.telemetry.scalars import ScalarLog
 from hpc_rl.training import checkpoint
 from hpc_rl.training.actor import TrainerParts
+from hpc_rl.training.eval_loss import evaluate_loss
 from hpc_rl.engines.child_process import free_port
+from hpc_rl.training.critic import critic_save_dir
 from hpc_rl.training.offload import TrainerOffload
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.sync_address import weight_sync_address
@@ -131,8 +135,8 @@ class TrainerCommands:
         self.sender: WeightSender | None = None
         self.engine_api_key = engine_api_key
         """Colocated mode: this rank posts its weights to its engine itself (derived from the job secret)."""
-        self.offload = TrainerOffload(models=[parts.actor, parts.ref_model], optimizer=parts.optimizer,
-                                      enabled=offload_train)
+        self.offload = TrainerOffload(models=[parts.actor, parts.ref_model, parts.teacher_model, parts.critic_model],
+                                      optimizer=[parts.optimizer, parts.critic_optimizer], enabled=offload_train)
         """Colocated: training.offload_train false keeps the state on the device (slime's --no-offload-train)."""
         self.colocated_sender = None
         self.group_address: tuple[str, int] | None = None
@@ -160,6 +164,8 @@ class TrainerCommands:
         self.offload.require_onloaded(type(command).__name__)
         if isinstance(command, TrainCommand):
             return self.train(command)
+        if isinstance(command, EvalLossCommand):
+            return evaluate_loss(self.parts.trainer, TrainBatch.from_arrays(command.batch, command.meta))
         if isinstance(command, SyncWeightsCommand):
             return self.send_weights(command)
         if isinstance(command, SaveCommand):
@@ -168,11 +174,22 @@ class TrainerCommands:
                 raise ValueError("SaveCommand but checkpoint.save is not set")
             path = checkpoint.save_checkpoint(root, self.parts.actor, self.parts.optimizer, checkpoint.TrainerState(
                 rollout_id=command.rollout_id, controller_state=command.controller_state))
-            return {"checkpoint": str(path)}
+            saved = {"checkpoint": str(path)}
+            if self.parts.critic_model is not None and self.parts.critic_optimizer is not None:
+                critic_root = critic_save_dir(self.parts.critic_config, root)
+                saved["critic_checkpoint"] = str(checkpoint.save_checkpoint(
+                    critic_root, self.parts.critic_model, self.parts.critic_optimizer,
+                    checkpoint.TrainerState(rollout_id=command.rollout_id)))
+            return saved
         raise ValueError(f"unknown trainer command {type(command).__name__}")
 
     def train(self, command: TrainCommand) -> dict[str, Any]:
-        batch = TrainBatch.from_arrays(command.batch, command.meta)
+        batch = TrainBatch.from_arrays(command.batch, {**command.meta, "rollout_id": command.rollout_id})
+        if "num_rollout" in command.meta:  # the lr schedule's length (slime: decay over every step of the run)
+            total = int(command.meta["num_rollout"]) * self.parts.trainer.training.num_steps_per_rollout
+            for optimizer in (self.parts.optimizer, self.parts.critic_optimizer):
+                if optimizer is not None:
+                    optimizer.set_run_length(total)
         steps = self.parts.trainer.train_rollout(batch)
         if self.info.rank == 0:
             for offset, metrics in enumerate(steps):

@@ -1,0 +1,91 @@
+"""PPO's critic on a trainer rank: the actor's architecture with a value head, its own optimizer and checkpoints.
+
+Owns: turning a built GPTModel into a value model (slime's: the output layer becomes a Linear(hidden, 1) with
+a bias, initialised normal(0, 0.02) / zeros, the embedding untied from it), building the critic the way slime
+starts one (the actor's initial weights for the body, a fresh head; or the critic's own checkpoint when one
+exists), per-sample values of the response tokens, and where critic checkpoints live
+(`<save>/critic`, resumed from `<load>/critic`, unless critic_save / critic_load say otherwise).
+
+The critic shares the actor's ranks and parallel layout (slime: same GPUs, same topology); it is trained
+before the actor on each rollout, from the same micro-batches (`step.RolloutTrainer`). Not here: the value
+loss (`losses.value_loss`), GAE (`advantages`).
+
+Tensor parallel: the head is replicated on every TP rank and sees the full hidden state (the final norm's
+output is not sharded); under sequence parallelism it runs on this rank's sequence shard and its output is
+gathered, its parameters marked sequence-parallel so their gradients are summed over TP (as slime's
+LinearForLastLayer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_rl.config.schema import CriticConfig, OptimizerConfig
+
+VALUE_HEAD_INIT_STD = 0.02
+CRITIC_DIR = "critic"
+
+
+class ValueHead(torch.nn.Linear):
+    """hidden -> one value per position, in place of GPTModel's output layer (same call signature)."""
+
+    def __init__(self, hidden_size: int, *, sequence_parallel: bool, seed: int) -> None:
+        super().__init__(hidden_size, 1, bias=True)
+        self.sequence_parallel = sequence_parallel
+        generator = torch.Generator().manual_seed(seed)  # every TP/DP rank draws the same head
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(self.weight.shape, generator=generator) * VALUE_HEAD_INIT_STD)
+            self.bias.zero_()
+        if sequence_parallel:
+            self.weight.sequence_parallel = True  # type: ignore[attr-defined]
+            self.bias.sequence_parallel = True  # type: ignore[attr-defined]
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,  # type: ignore[override]
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        values = super().forward(input_).float()
+        if self.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            values = tensor_parallel.gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None
+
+
+def install_value_head(model: torch.nn.Module, *, seed: int) -> torch.nn.Module:
+    """`model` (a GPTModel, not DDP-wrapped) with its output layer replaced by a ValueHead on the last stage."""
+    if getattr(model, "post_process", True):
+        model.output_layer = ValueHead(model.config.hidden_size, sequence_parallel=model.config.sequence_parallel,
+                                       seed=seed)
+    model.share_embeddings_and_output_weights = False  # the head has its own weight, tied to nothing
+    return model
+
+
+def critic_optimizer_config(actor: OptimizerConfig, critic: CriticConfig) -> OptimizerConfig:
+    """The actor's optimizer settings with the critic's overrides (slime: --megatron-config-path role critic)."""
+    return dataclasses.replace(actor, **critic.critic_optimizer)
+
+
+def critic_save_dir(critic: CriticConfig, actor_save_dir: str | None) -> str | None:
+    return critic.critic_save or (str(Path(actor_save_dir) / CRITIC_DIR) if actor_save_dir else None)
+
+
+def critic_load_dir(critic: CriticConfig, actor_load: str | None) -> str | None:
+    return critic.critic_load or (str(Path(actor_load) / CRITIC_DIR) if actor_load else None)
+
+
+def response_values(micro: Any, output: torch.Tensor) -> list[torch.Tensor]:
+    """Per-sample values at the positions that score each response token (the state before it; slime's
+    get_values), from the critic's [b, s, 1] or [1, T, 1] output. Not under context parallelism (refused at
+    submit: the positions would have to be gathered over CP first)."""
+    if micro.context_parallel is not None:
+        raise ValueError("critic values under context parallelism are not built; use context_parallel_size 1")
+    rows, columns = micro.response_positions(output.device)
+    return list(output[rows, columns, 0].float().split(micro.response_lengths))
+
+
+def critic_metrics(prefix: str, metrics: dict[str, Any]) -> dict[str, Any]:
+    """A critic step's metrics under the names slime logs (value_loss, value_clipfrac) and critic/* for the rest."""
+    return {(k if k.startswith("value_") else f"{prefix}{k}"): v for k, v in metrics.items()}
