@@ -535,7 +535,7 @@ class DistillationConfig:
     opd_kl_coef: float = 1.0
     """Weight of the penalty: A_t -= opd_kl_coef * (logp_student_t - logp_teacher_t)."""
     opd_teacher_load: str | None = None
-    """megatron: the teacher's torch_dist checkpoint (the student's architecture and tokenizer)."""
+    """megatron: the teacher's torch_dist checkpoint, or an HF directory (the student's architecture and tokenizer)."""
     opd_teacher_ckpt_step: int | None = None
     """megatron: which iteration of opd_teacher_load (default: its latest)."""
     opd_teacher_hf_checkpoint: str | None = None

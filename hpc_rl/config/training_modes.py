@@ -3,6 +3,8 @@
 Owns what slime's flags for these modes derive when the config is built (`derive_mode_settings`, on the raw
 section dicts, before slime's batch split) and their cross-field rules at submit time (`mode_problems`):
 
+    (any) --sequence-parallel at tensor_model_parallel_size 1 is turned off, as Megatron does (slime's SFT
+          recipe passes both)
     SFT   rollout_function_path slime.rollout.sft_rollout.generate_rollout: a trainer-only job
           (cluster.debug_train_only, rollout_num_gpus 0), one sample per chat (n_samples_per_prompt 1),
           slime's data keys for chats (label_key null, tool_key "tools"), loss_type sft_loss
@@ -19,15 +21,20 @@ Not here: what each mode does at run time (`hpc_rl.rollout.sft`, `hpc_rl.rollout
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import logging
 
 import yaml
 
 from hpc_rl.config.schema import (
     LOSS_MASK_TYPES, ROLLOUT_FUNCTIONS, SFT_ROLLOUT, OptimizerConfig, RunConfig,
 )
+
+log = logging.getLogger(__name__)
 
 SLIME_OPD_REWARD = "slime.rollout.on_policy_distillation.reward_func"
 SLIME_OPD_POST_PROCESS = "slime.rollout.on_policy_distillation.post_process_rewards"
@@ -51,7 +58,11 @@ def is_sft(rollout_function_path: str | None) -> bool:
 
 def derive_mode_settings(raw: dict[str, dict[str, Any]], given: Given) -> list[str]:
     """Fill in what the modes imply and was not given; returns problems (a bad role file)."""
-    rollout, cluster = raw["rollout"], raw["cluster"]
+    rollout, cluster, training = raw["rollout"], raw["cluster"], raw["training"]
+    if training.get("sequence_parallel") and given("training", "tensor_model_parallel_size") == 1:
+        # slime's SFT recipe passes --sequence-parallel at TP 1; Megatron turns it off there (validate_args)
+        log.info("--sequence-parallel with --tensor-model-parallel-size 1: nothing to split; off, as Megatron does")
+        training["sequence_parallel"] = False
     if is_sft(given("rollout", "rollout_function_path")):
         cluster.setdefault("debug_train_only", True)
         rollout.setdefault("n_samples_per_prompt", 1)
@@ -156,8 +167,7 @@ def _sft_problems(config: RunConfig) -> list[tuple[str, str]]:
                                                          f"once per epoch; set 1"))
     if not sft:
         return problems
-    engine_settings = {"cluster.colocate": cluster.colocate, "rollout.async_rollout": rollout.async_rollout,
-                       "rollout.partial_rollout": rollout.partial_rollout,
+    engine_settings = {"cluster.colocate": cluster.colocate, "rollout.partial_rollout": rollout.partial_rollout,
                        "rollout.dynamic_sampling_filter_path": rollout.dynamic_sampling_filter_path,
                        "rollout.custom_generate_function_path": rollout.custom_generate_function_path,
                        "distillation.use_opd": config.distillation.use_opd}
@@ -262,15 +272,11 @@ def _vocabulary(directory: Path) -> dict[str, Any] | None:
     """What makes two tokenizers the same: tokenizer.json's vocabulary and added tokens (else vocab.json)."""
     tokenizer_json = directory / "tokenizer.json"
     if tokenizer_json.is_file():
-        import json
-
         data = json.loads(tokenizer_json.read_text())
         added = sorted((t["id"], t["content"]) for t in data.get("added_tokens") or [])
         return {"vocab": (data.get("model") or {}).get("vocab"), "added": added}
     vocab_json = directory / "vocab.json"
     if vocab_json.is_file():
-        import json
-
         return {"vocab": json.loads(vocab_json.read_text())}
     return None
 
@@ -279,25 +285,31 @@ def _teacher_file_problems(config: RunConfig) -> list[tuple[str, str]]:
     opd = config.distillation
     if opd.opd_type == "megatron" and opd.opd_teacher_load:
         teacher = Path(opd.opd_teacher_load)
+        if (teacher / "config.json").is_file():  # an HF directory (hpc_rl loads those as ref_load too)
+            return _same_tokenizer(teacher, Path(config.checkpoint.hf_checkpoint), "distillation.opd_teacher_load")
         if not ((teacher / "latest_checkpointed_iteration.txt").is_file() or (teacher / ".metadata").is_file()):
-            return [("distillation.opd_teacher_load", f"{teacher} is not a torch_dist checkpoint (no "
-                                                      f"latest_checkpointed_iteration.txt, no .metadata): convert the "
-                                                      f"teacher with tools/convert_hf_to_torch_dist.py")]
-        return []  # same architecture as the student: its vocabulary is checked when the trainer loads it
+            return [("distillation.opd_teacher_load", f"{teacher} is neither a torch_dist checkpoint (no "
+                                                      f"latest_checkpointed_iteration.txt, no .metadata) nor an HF "
+                                                      f"directory: convert it with tools/convert_hf_to_torch_dist.py")]
+        return []  # the student's architecture: a vocabulary that differs fails the load, naming the tensor
     if opd.opd_type != "sglang" or not opd.opd_teacher_hf_checkpoint:
         return []  # a teacher server started outside the job: its tokenizer cannot be read from here
     teacher, student = Path(opd.opd_teacher_hf_checkpoint), Path(config.checkpoint.hf_checkpoint)
     if not (teacher / "config.json").is_file():
         return [("distillation.opd_teacher_hf_checkpoint", f"{teacher} is not an HF model directory (no config.json)")]
+    return _same_tokenizer(teacher, student, "distillation.opd_teacher_hf_checkpoint")
+
+
+def _same_tokenizer(teacher: Path, student: Path, field: str) -> list[tuple[str, str]]:
     try:
         teacher_vocab, student_vocab = _vocabulary(teacher), _vocabulary(student)
     except (OSError, ValueError) as error:
-        return [("distillation.opd_teacher_hf_checkpoint", f"cannot read a tokenizer: {error}")]
+        return [(field, f"cannot read a tokenizer: {error}")]
     if teacher_vocab is None or student_vocab is None:
         which = teacher if teacher_vocab is None else student
-        return [("distillation.opd_teacher_hf_checkpoint", f"{which} has no tokenizer.json or vocab.json to compare")]
+        return [(field, f"{which} has no tokenizer.json or vocab.json to compare")]
     if teacher_vocab != student_vocab:
-        return [("distillation.opd_teacher_hf_checkpoint",
+        return [(field,
                  f"teacher {teacher} and student {student} tokenize differently: the teacher's log-probs are read on "
                  f"the student's token ids, so they must share a tokenizer")]
     return []

@@ -64,13 +64,17 @@ class ScalarLog:
 
 
 def progress_line(rollout_id: int, num_rollout: int, metrics: dict[str, Any]) -> str:
-    """`rollout 3/60 | reward 0.42 | resp len 3.1 | gen 1.2s train 0.8s sync 0.1s` (missing parts left out)."""
+    """`rollout 3/60 | reward 0.42 | resp len 3.1 | gen 1.2s train 0.8s sync 0.1s` (missing parts left out; SFT's
+    loss, PPO's value loss, distillation's KL to the teacher and SFT's eval loss / exact match when present)."""
     parts = [f"rollout {rollout_id + 1}/{num_rollout}"]
     if "rollout/reward_mean" in metrics:
         parts.append(f"reward {metrics['rollout/reward_mean']:.3f}")
     if "rollout/response_len_mean" in metrics:
         parts.append(f"resp len {metrics['rollout/response_len_mean']:.1f}")
-    for key, label in (("train/ppo_kl", "ppo_kl"), ("train/pg_loss", "pg_loss")):
+    shown = (("train/ppo_kl", "ppo_kl"), ("train/pg_loss", "pg_loss"), ("train/value_loss", "value_loss"),
+             ("train/opd_reverse_kl", "opd_kl")) if "train/pg_loss" in metrics else (("train/loss", "loss"),
+                                                                                     ("train/value_loss", "value_loss"))
+    for key, label in shown:
         if key in metrics:
             parts.append(f"{label} {metrics[key]:.4f}")
     times = [f"{label} {metrics[key]:.2f}s" for key, label in
@@ -78,6 +82,7 @@ def progress_line(rollout_id: int, num_rollout: int, metrics: dict[str, Any]) ->
              if key in metrics]
     if times:
         parts.append(" ".join(times))
-    evals = [f"{k[len('eval/'):]} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/") and k.endswith("/reward_mean")]
+    evals = [f"{k[len('eval/'):]} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/")
+             and k.endswith(("/reward_mean", "/loss", "/exact_match"))]
     parts.extend(evals)
     return " | ".join(parts)

@@ -127,8 +127,9 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
     teacher_model = None
     if distillation.use_opd and distillation.opd_type == "megatron":
         teacher_model = build_gpt_model(arch, training, device=device)
-        checkpoint.load_model_weights(checkpoint.iteration_source(distillation.opd_teacher_load or "",
-                                                                  distillation.opd_teacher_ckpt_step), teacher_model)
+        load_weights(teacher_model, checkpoint.iteration_source(distillation.opd_teacher_load or "",
+                                                                distillation.opd_teacher_ckpt_step),
+                     arch, info, model_file=model_file)
         _frozen(teacher_model)
     critic_part = None
     if algorithm.advantage_estimator == "ppo":

@@ -86,6 +86,7 @@ def response_values(micro: Any, output: torch.Tensor) -> list[torch.Tensor]:
     return list(output[rows, columns, 0].float().split(micro.response_lengths))
 
 
-def critic_metrics(prefix: str, metrics: dict[str, Any]) -> dict[str, Any]:
-    """A critic step's metrics under the names slime logs (value_loss, value_clipfrac) and critic/* for the rest."""
-    return {(k if k.startswith("value_") else f"{prefix}{k}"): v for k, v in metrics.items()}
+def critic_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A critic step's metrics: the loss's under slime's names (value_loss, value_clipfrac), the step's as critic_*
+    (critic_grad_norm, critic_lr, ...), beside the actor's step metrics."""
+    return {(k if k.startswith("value_") else f"critic_{k}"): v for k, v in metrics.items()}

@@ -227,13 +227,13 @@ class RolloutTrainer:
                     for micros in plan]
         values, critic_steps = self._train_critic(batch, plan, masks) if self.critic is not None else (None, [])
         if int(batch.meta.get("rollout_id", 0)) < (self.critic.config.num_critic_only_steps if self.critic else 0):
-            return [critic_metrics("critic/", m) for m in critic_steps]  # the actor waits for a trained critic
+            return [critic_metrics(m) for m in critic_steps]  # the actor waits for a trained critic
         advantages = self._advantages(batch, masks, old, ref, rollout, teacher, values)
         actor_steps = [self._train_step(batch, micros, masks,
                                         self._policy_loss(batch, masks, old, ref, advantages, rollout, teacher))
                        for micros in plan]
         for actor_step, critic_step in zip(actor_steps, critic_steps):
-            actor_step.update(critic_metrics("critic/", critic_step))
+            actor_step.update(critic_metrics(critic_step))
         return actor_steps
 
     def _teacher_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor] | None:

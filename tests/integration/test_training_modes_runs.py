@@ -1,0 +1,159 @@
+"""Issue 21: the three training modes' tiny runs learn on this machine, with real processes.
+
+    SFT   configs/tiny_sft_cpu.yaml: a trainer-only job (no engine, no router in the process table at any
+          time); the loss falls; greedy accuracy (exact match) on the held-out chats rises
+    OPD   configs/tiny_opd_cpu.yaml: the teacher is a component of the job (started, serving /generate
+          behind the job's engine key, stopped with the run); the reverse KL to it falls and the student's
+          greedy eval reward rises toward the teacher's (assets/tiny_qwen3_teacher/teacher_eval.json)
+    PPO   configs/tiny_ppo_cpu.yaml: the critic's value loss falls over its critic-only rollouts; the
+          greedy eval reward rises; critic checkpoints are written beside the actor's
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.integration.run_helpers import REPO_ROOT, processes_mentioning, records, submit_argv
+
+pytestmark = pytest.mark.slow
+
+
+def descendants(root_pid: int) -> dict[int, str]:
+    """pid -> command line of every live descendant of `root_pid`."""
+    parents: dict[int, int] = {}
+    lines: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            lines[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace")
+        except OSError:
+            continue
+        parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = {}, [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        for child, parent in parents.items():
+            if parent == pid and child not in found:
+                found[child] = lines.get(child, "")
+                frontier.append(child)
+    return found
+
+
+class ProcessWatch:
+    """Samples the run's process tree every 0.3 s while it runs: every command line ever seen."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process, self.seen = process, {}
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while self.process.poll() is None:
+            self.seen.update(descendants(self.process.pid))
+            time.sleep(0.3)
+
+    def matching(self, *words: str) -> list[str]:
+        return [line for line in self.seen.values() if any(word in line for word in words)]
+
+
+def run(run_dir: Path, config: str, *flags: str, timeout_s: float = 600) -> tuple[str, ProcessWatch]:
+    process = subprocess.Popen(submit_argv(run_dir, *flags, config=config), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    watch = ProcessWatch(process)
+    output, _ = process.communicate(timeout=timeout_s)
+    watch.thread.join(5)
+    assert process.returncode == 0, output[-4000:]
+    return output, watch
+
+
+def metric(rows: list[dict], key: str) -> list[float]:
+    return [r["metrics"][key] for r in rows if key in r["metrics"]]
+
+
+def test_tiny_sft_learns_as_a_trainer_only_job(tmp_path: Path) -> None:
+    run_dir = tmp_path / "sft"
+    output, watch = run(run_dir, "configs/tiny_sft_cpu.yaml")
+    assert watch.matching("hpc_rl.training"), "the trainer never showed up in the process table"
+    assert watch.matching("hpc_rl.engines", "sglang_router", "sglang.launch_server", "launch_router") == []
+    assert not (run_dir / "logs" / "router.log").exists() and not list((run_dir / "logs").glob("engine-*.log"))
+    rows = records(run_dir)
+    losses = metric(rows, "train/loss")
+    assert len(losses) == 64 and max(r["metrics"]["rollout/epoch"] for r in rows) == 1.0  # two epochs of 32
+    assert statistics.mean(losses[-8:]) < 0.5 * statistics.mean(losses[:4]), losses
+    exact = metric(rows, "eval/tiny_copy_chat/exact_match")
+    before = float(output.split("tiny_copy_chat/exact_match ", 1)[1].split()[0])  # the eval before training
+    assert exact[-1] >= 0.8 and exact[-1] - before >= 0.6, (before, exact)
+    assert metric(rows, "eval/tiny_copy_chat/loss")[-1] < 1.0
+    assert processes_mentioning(str(run_dir)) == []
+
+
+def test_tiny_opd_distils_from_a_teacher_started_with_the_job(tmp_path: Path) -> None:
+    run_dir = tmp_path / "opd"
+    teacher_checks: dict[str, object] = {}
+
+    def probe_teacher(watch: ProcessWatch) -> None:
+        while watch.process.poll() is None:
+            lines = watch.matching("tiny_qwen3_teacher")
+            if lines and (run_dir / "rollouts.jsonl").exists():
+                port = lines[0].split("--port ", 1)[1].split()[0]
+                base = f"http://127.0.0.1:{port}"
+                teacher_checks["health"] = urllib.request.urlopen(base + "/health", timeout=10).status
+                try:
+                    urllib.request.urlopen(urllib.request.Request(base + "/generate", data=b"{}", method="POST"),
+                                           timeout=10)
+                except urllib.error.HTTPError as error:
+                    teacher_checks["generate_without_key"] = error.code
+                return
+            time.sleep(0.3)
+
+    process = subprocess.Popen(submit_argv(run_dir, config="configs/tiny_opd_cpu.yaml"), cwd=REPO_ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watch = ProcessWatch(process)
+    prober = threading.Thread(target=probe_teacher, args=(watch,), daemon=True)
+    prober.start()
+    output, _ = process.communicate(timeout=600)
+    prober.join(15)
+    assert process.returncode == 0, output[-4000:]
+    assert len(watch.matching("tiny_qwen3_teacher")) == 1, "one teacher engine, started with the job"
+    assert teacher_checks == {"health": 200, "generate_without_key": 401}, teacher_checks
+    assert "teacher (on-policy distillation) serving" in (run_dir / "logs" / "controller.log").read_text()
+    rows = records(run_dir)
+    kl = metric(rows, "train/opd_reverse_kl")
+    assert len(kl) == len(rows) == 40
+    assert statistics.mean(kl[-8:]) < statistics.mean(kl[:8]) - 0.3, kl
+    teacher = json.loads((REPO_ROOT / "assets/tiny_qwen3_teacher/teacher_eval.json").read_text())["reward_mean"]
+    before = float(output.split("tiny_copy/reward_mean ", 1)[1].split()[0])
+    after = metric(rows, "eval/tiny_copy/reward_mean")[-1]
+    assert after - before >= 0.5 and after >= 0.6 * teacher, (before, after, teacher)
+    sampled = metric(rows, "rollout/reward_mean")
+    assert statistics.mean(sampled[-8:]) > statistics.mean(sampled[:8]) + 0.1, sampled
+    assert processes_mentioning(str(run_dir)) == [] and watch.process.poll() is not None
+    assert not [pid for pid, line in descendants(os.getpid()).items() if "tiny_qwen3_teacher" in line]
+
+
+def test_tiny_ppo_trains_a_critic_and_learns(tmp_path: Path) -> None:
+    run_dir = tmp_path / "ppo"
+    output, _ = run(run_dir, "configs/tiny_ppo_cpu.yaml", "--save", str(tmp_path / "ckpt"))
+    rows = records(run_dir)
+    critic_only = [r for r in rows if "train/pg_loss" not in r["metrics"]]
+    assert [r["rollout_id"] for r in critic_only] == list(range(8))  # num_critic_only_steps
+    value_loss = metric(critic_only, "train/value_loss")  # the first: the fresh head's (before its first step)
+    assert statistics.mean(value_loss[-3:]) < 0.8 * value_loss[0], value_loss
+    assert all("train/critic_grad_norm" in r["metrics"] for r in rows)
+    before = float(output.split("tiny_copy/reward_mean ", 1)[1].split()[0])
+    assert metric(rows, "eval/tiny_copy/reward_mean")[-1] - before >= 0.4, output[-2000:]
+    assert (tmp_path / "ckpt" / "critic" / "latest_checkpointed_iteration.txt").read_text() == str(len(rows) - 1)
+    assert processes_mentioning(str(run_dir)) == []
