@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import logging
 
 import yaml
 
 from hpc_rl.config.schema import (
     LOSS_MASK_TYPES, ROLLOUT_FUNCTIONS, SFT_ROLLOUT, OptimizerConfig, RunConfig,
 )
+from hpc_rl.config.typing_rules import ConfigError, coerce_value
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ OPD_TASK_REWARD = "hpc_rl.rollout.teacher.distillation_reward"
 """What slime's OPD reward function becomes: reward 0 for every sample (slime's post-process returns 0.0)."""
 
 OPTIMIZER_KEYS = frozenset(f.name for f in dataclasses.fields(OptimizerConfig))
+OPTIMIZER_HINTS = typing.get_type_hints(OptimizerConfig)
 SHARED_LAYOUT_KEYS = frozenset({
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "sequence_parallel",
     "expert_model_parallel_size", "expert_tensor_parallel_size"})
@@ -68,8 +70,9 @@ def derive_mode_settings(raw: dict[str, dict[str, Any]], given: Given) -> list[s
         rollout.setdefault("n_samples_per_prompt", 1)
         rollout.setdefault("label_key", None)
         rollout.setdefault("tool_key", "tools")
-    if given("cluster", "debug_train_only"):
-        cluster.setdefault("rollout_num_gpus", 0)
+    if given("cluster", "debug_train_only") and given("cluster", "rollout_num_gpus"):
+        log.info("a trainer-only job (SFT) starts no engine: rollout_num_gpus is 0")
+        cluster["rollout_num_gpus"] = 0
     if given("distillation", "opd_teacher_hf_checkpoint"):
         cluster.setdefault("opd_teacher_num_gpus", 1)
     if given("rollout", "custom_reward_post_process_path") == SLIME_OPD_POST_PROCESS and given("rollout", "rm_url"):
@@ -113,10 +116,16 @@ def apply_role_file(path: str, raw: dict[str, dict[str, Any]]) -> list[str]:
             if key in SHARED_LAYOUT_KEYS:
                 problems.append(f"{where}: actor and critic share one parallel layout (as in slime): set it on the "
                                 f"command line, not per role")
-            elif key in OPTIMIZER_KEYS and role == "actor":
-                raw["optimizer"][key] = value
-            elif key in OPTIMIZER_KEYS:
-                raw["critic"].setdefault("critic_optimizer", {})[key] = value
+            elif key in OPTIMIZER_KEYS:  # YAML reads 1e-5 as a string: typed as the field (slime coerces too)
+                try:
+                    value = coerce_value(value, OPTIMIZER_HINTS[key], where)
+                except ConfigError as error:
+                    problems.append(str(error))
+                    continue
+                if role == "actor":
+                    raw["optimizer"][key] = value
+                else:
+                    raw["critic"].setdefault("critic_optimizer", {})[key] = value
             elif key in ("load", "save"):
                 target = ("checkpoint", key) if role == "actor" else ("critic", f"critic_{key}")
                 raw[target[0]][target[1]] = value

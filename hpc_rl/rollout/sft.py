@@ -70,7 +70,7 @@ class SftRollouts:
 
     async def run(self, rollout_id: int, weight_version: int) -> RolloutResult:
         records = self.source.next_records(self.rollout_batch_size)
-        first, epoch = self.next_sample_index, self.source.epoch
+        first, epoch = self.next_sample_index, self.source.epoch  # the epoch of the rollout's last chat
         self.next_sample_index += len(records)
         samples = await asyncio.to_thread(self._samples, records, first)  # chat templates: ~ms per chat
         trained = [sum(s.loss_mask or ()) for s in samples]

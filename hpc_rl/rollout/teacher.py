@@ -46,6 +46,16 @@ def generate_url(url: str) -> tuple[str, str]:
     return f"{parts.scheme}://{parts.netloc}", path
 
 
+def response_logprobs(result: dict[str, Any], sample: Sample, url: str = "the teacher") -> list[float]:
+    """The teacher's log-probs of `sample`'s response tokens, from one /generate result of its whole token list
+    (`input_token_logprobs` entries are [logprob, token id, ...]; the first token's logprob is None)."""
+    entries = (result.get("meta_info") or {}).get("input_token_logprobs") or []
+    if len(entries) != sample.total_length:
+        raise TeacherError(f"{url}: {len(entries)} input log-probs for sample {sample.index} of "
+                           f"{sample.total_length} tokens")
+    return [float(entry[0]) for entry in entries[len(entries) - sample.response_length:]]
+
+
 class TeacherLogprobs:
     """`await score(samples)`: sets each sample's `teacher_logprobs` (one batched request per call)."""
 
@@ -82,12 +92,7 @@ class TeacherLogprobs:
         if len(results) != len(samples):
             raise TeacherError(f"teacher {self.url} answered {len(results)} results for {len(samples)} samples")
         for sample, result in zip(samples, results):
-            entries = (result.get("meta_info") or {}).get("input_token_logprobs") or []
-            logprobs = [float(entry[0]) for entry in entries[1:]]
-            if len(logprobs) < sample.response_length:
-                raise TeacherError(f"teacher {self.url}: {len(logprobs)} input log-probs for sample {sample.index} of "
-                                   f"{sample.total_length} tokens (response {sample.response_length})")
-            sample.teacher_logprobs = logprobs[len(logprobs) - sample.response_length:]
+            sample.teacher_logprobs = response_logprobs(result, sample, self.url)
 
     def close(self) -> None:
         self.connection.close()
