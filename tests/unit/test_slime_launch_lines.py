@@ -74,7 +74,8 @@ def test_model_flags_are_checked_against_hf_config(in_repo: Path) -> None:
 
 
 @pytest.mark.parametrize(("flags", "reason"), [
-    (["--num-experts", "64"], "dense decoder models only"),
+    (["--num-experts", "64", "--moe-shared-expert-gate"], "gated shared expert"),
+    (["--moe-router-topk", "8"], "without --num-experts: Megatron builds a dense model"),
     (["--normalization", "LayerNorm"], "RMSNorm models only"),
     (["--spec", "my_plugins.models", "get_spec"], "GLM4 spec"),
     (["--post-self-attn-layernorm"], "come together"),
