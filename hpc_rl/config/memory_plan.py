@@ -124,6 +124,8 @@ class MemoryPlan:
     phases: tuple[Phase, ...]
     notes: tuple[str, ...] = field(default=())
     longest_sample: int = 0
+    gpus_per_node: int = 1
+    """Trainer GPUs per node (host memory adds up per node)."""
 
     def problems(self) -> list[tuple[str, str]]:
         """(field, message) for every phase over the GPU's memory and an engine without room for a sample."""
@@ -155,7 +157,8 @@ class MemoryPlan:
                  f"  trainer GPU: {format_count(t.parameters)} parameters{self._split()}; weights {_gib(t.weights)}, "
                  f"reference weights {_gib(t.reference_weights)}, fp32 grads {_gib(t.grads)} GiB",
                  f"    optimizer: {_gib(t.optimizer_on_gpu)} GiB on the GPU, {_gib(t.optimizer_in_host)} GiB in host "
-                 f"memory (without --optimizer-cpu-offload: {_gib(t.optimizer_on_gpu_without_offload)} GiB on the GPU)",
+                 f"memory ({_gib(t.optimizer_in_host * self.gpus_per_node)} GiB per node; without "
+                 f"--optimizer-cpu-offload: {_gib(t.optimizer_on_gpu_without_offload)} GiB on the GPU)",
                  f"    activations at {t.tokens} tokens: {_gib(t.activations_full_recompute)} GiB with full "
                  f"recompute, {_gib(t.activations_no_recompute)} GiB without; logits {_gib(t.logits)} GiB",
                  f"  engine GPU ({e.gpus_per_engine} GPU(s) per engine, attention TP {e.attention_tp}): weights "
@@ -327,7 +330,8 @@ def plan_memory(config: RunConfig, arch: ModelArchitecture) -> MemoryPlan:
     if config.sglang.server_options().get("speculative_algorithm"):
         notes.append("speculative decoding's draft model and its KV cache are not counted")
     return MemoryPlan(gpu=gpu, layout=layout, model=model_share(arch), trainer=trainer, engine=engine,
-                      phases=_phases(config, trainer, engine), notes=tuple(notes), longest_sample=longest)
+                      phases=_phases(config, trainer, engine), notes=tuple(notes), longest_sample=longest,
+                      gpus_per_node=config.cluster.actor_num_gpus_per_node)
 
 
 def plan_summary(config: RunConfig, arch: ModelArchitecture | None) -> str:
