@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.config.model import MOE_FAMILIES, ModelArchitecture
 
 GLM4_SPEC = ("slime_plugins.models.glm4", "get_glm_spec")
 HF_MODEL_TYPE_FAMILY = {"qwen3": "qwen3", "glm4": "glm4", "llama": "llama", "qwen3_moe": "qwen3_moe",
@@ -123,7 +123,7 @@ def _overridden_fields(flags: dict[str, Any], base: dict[str, Any], problems: li
     return fields
 
 
-def _apply_moe_flags(flags: dict[str, Any], fields: dict[str, Any], problems: list[str]) -> None:
+def _apply_moe_flags(flags: dict[str, Any], fields: dict[str, Any], problems: list[str], hf_type: str | None) -> None:
     """The MoE flags on top of `fields`, with Megatron's defaults (moe_ffn_hidden_size: ffn_hidden_size)."""
     given = [flag for flag in MOE_FIELD_OF_FLAG if flag in flags and flags[flag] is not False]
     if not given:
@@ -138,11 +138,14 @@ def _apply_moe_flags(flags: dict[str, Any], fields: dict[str, Any], problems: li
     if "spec" in flags:
         problems.append("--spec with --num-experts: GLM-4.5 MoE models are built from Megatron's own GPT layer spec "
                         "(slime's glm4.5 scripts pass no --spec); drop --spec")
-    fields["family"] = _moe_family(fields, problems)
+    fields["family"] = _moe_family(fields, problems, hf_type)
 
 
-def _moe_family(fields: dict[str, Any], problems: list[str]) -> str:
-    """qwen3_moe (softmax router, q/k norms, no shared expert) or glm4_moe (sigmoid router, shared expert)."""
+def _moe_family(fields: dict[str, Any], problems: list[str], hf_type: str | None) -> str:
+    """config.json's model_type when it is an MoE family (the HF check then compares every field), else from
+    the flags: qwen3_moe (softmax router, q/k norms, no shared expert), glm4_moe (sigmoid router, shared expert)."""
+    if hf_type in MOE_FAMILIES:
+        return hf_type
     sigmoid = fields.get("moe_router_score_function", "softmax") == "sigmoid"
     shared = bool(fields.get("moe_shared_expert_intermediate_size"))
     if sigmoid and shared:
@@ -167,9 +170,9 @@ def architecture_from_flags(
     """
     problems = _required_behaviour_problems(flags, from_scratch=base is None)
     fields = _scratch_fields(flags, hf_config, problems) if base is None else _overridden_fields(flags, base, problems)
-    if fields:
-        _apply_moe_flags(flags, fields, problems)
     hf_type = (hf_config or {}).get("model_type")
+    if fields:
+        _apply_moe_flags(flags, fields, problems, hf_type)
     if fields and hf_type in HF_MODEL_TYPE_FAMILY and HF_MODEL_TYPE_FAMILY[hf_type] != fields["family"]:
         hint = " (add --spec slime_plugins.models.glm4 get_glm_spec)" if hf_type == "glm4" else ""
         problems.append(f"the flags describe a {fields['family']} model but config.json says model_type {hf_type!r}{hint}")

@@ -120,6 +120,9 @@ class ModelArchitecture:
         if self.family in MOE_FAMILIES and not self.is_moe:
             raise ValueError(f"family {self.family!r} is a mixture-of-experts family: set num_moe_experts")
         if self.is_moe:
+            if self.family not in MOE_FAMILIES:
+                raise ValueError(f"family {self.family!r} is dense but num_moe_experts is set: a mixture-of-experts "
+                                 f"model is one of {', '.join(MOE_FAMILIES)}")
             if self.moe_ffn_hidden_size is None:
                 raise ValueError("num_moe_experts is set: set moe_ffn_hidden_size (HF moe_intermediate_size) too")
             if not 1 <= self.moe_router_topk <= self.num_moe_experts:

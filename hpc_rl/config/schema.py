@@ -187,7 +187,7 @@ class TrainingConfig:
     moe_router_dtype: str | None = None
     """Router logits/probabilities dtype: fp32 | fp64 | None (the model's dtype)."""
     moe_router_load_balancing_type: str = "aux_loss"
-    """aux_loss | seq_aux_loss | sinkhorn | none."""
+    """aux_loss | seq_aux_loss | global_aux_loss | sinkhorn | none."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of the load-balancing loss (0: off)."""
     moe_router_bias_update_rate: float = 1e-3

@@ -11,6 +11,7 @@ import pytest
 
 from hpc_rl.config import ConfigError, load_config
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
+from hpc_rl.config.validation import collect_problems
 from hpc_rl.config.moe_layer_freq import LayerFreqError, expand_layer_freq, parse_layer_freq
 from tests.unit.slime_lines import flags_of
 
@@ -135,8 +136,15 @@ def test_dense_file_against_moe_checkpoint_and_back(in_repo: Path) -> None:
 
 
 def test_family_from_config_json_model_type(tmp_path: Path) -> None:
+    """config.json's model_type names the family; the architecture check then reports every field that differs."""
     (tmp_path / "config.json").write_text(json.dumps(hf_config("glm4_5_air")))
-    with pytest.raises(ConfigError, match="describe a qwen3_moe model but config.json says model_type 'glm4_moe'"):
+    config = load_config([], [*QWEN3_30B, "--hf-checkpoint", str(tmp_path)])
+    assert config.model_args is not None and config.model_args.family == "glm4_moe"
+    problems = [str(p) for p in collect_problems(config, check_files=False)]
+    assert any("moe_router_score_function: model file says 'softmax', config.json (glm4_moe) routes with 'sigmoid'"
+               in p for p in problems), problems
+    (tmp_path / "config.json").write_text(json.dumps(hf_config("qwen3_4b")))
+    with pytest.raises(ConfigError, match="describe a qwen3_moe model but config.json says model_type 'qwen3'"):
         load_config([], [*QWEN3_30B, "--hf-checkpoint", str(tmp_path)])
 
 

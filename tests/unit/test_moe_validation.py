@@ -113,3 +113,11 @@ def test_gpu_only_choices_on_cpu_get_one_note_line(capsys: pytest.CaptureFixture
     assert len([line for line in err if "--optimizer-cpu-offload --use-precision-aware-optimizer: Megatron's GPU" in line]) == 1
     config = load_config(["configs/tiny_cpu.yaml"], flags[:-2])
     assert (config.training.moe_grouped_gemm, config.training.moe_permute_fusion) == (True, True)  # kept as given
+
+
+def test_slimes_sglang_moe_options_pass() -> None:
+    """SGLANG_ARGS of slime's docs for Qwen3-30B-A3B (EP8, DP attention) and GLM-4.7's FP8 engines (DeepEP a2a)."""
+    assert problems([RECIPE], ["--sglang-ep-size", "8", "--sglang-enable-dp-attention", "--sglang-dp-size", "8",
+                               "--sglang-moe-dense-tp-size", "1", "--sglang-enable-dp-lm-head",
+                               "--sglang-moe-a2a-backend", "deepep", "--sglang-deepep-mode", "auto"]) == {}
+    assert "is not an option of" in problems([RECIPE], ["--sglang-ep-sise", "8"])["sglang.ep_sise"]

@@ -15,7 +15,7 @@ from hpc_rl.config.memory_plan import plan_summary
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.submit import main
-from tests.unit.slime_lines import flags_of
+from tests.unit.slime_lines import config_field, flags_of
 
 # `python3 train.py` heads of the run scripts, then ${MODEL_ARGS[@]} ${CKPT_ARGS[@]} ... ${MISC_ARGS[@]}.
 QWEN3_30B_LINE = [*shlex.split("--actor-num-nodes 1 --actor-num-gpus-per-node 8 --colocate"),
@@ -89,16 +89,10 @@ RECIPE_FIELDS = (
 )
 
 
-def _field(config: Any, path: str) -> Any:
-    for part in path.split("."):
-        config = getattr(config, part)
-    return config
-
-
 def test_qwen3_30b_recipe_is_slimes_line(in_repo: Path) -> None:
     from_line, from_yaml = load_config([], QWEN3_30B_LINE), load_config(["configs/qwen3_30b_a3b_grpo.yaml"])
     for path in RECIPE_FIELDS:
-        assert _field(from_yaml, path) == _field(from_line, path), path
+        assert config_field(from_yaml, path) == config_field(from_line, path), path
     file_arch, line_arch = ModelArchitecture.from_yaml(from_yaml.model), from_line.model_args
     assert line_arch is not None and file_arch.moe_layers() == line_arch.moe_layers()  # the file leaves out "all MoE"
     assert file_arch.to_dict() == {**line_arch.to_dict(), "max_position_embeddings": 40960, "moe_layer_freq": None}
@@ -117,4 +111,4 @@ def test_glm45_air_recipe_uses_slimes_model_script(in_repo: Path) -> None:
             "training.moe_router_bias_update_rate", "training.moe_router_dtype", "algorithm", "optimizer",
             "eval.eval_max_response_len", "sglang.mem_fraction_static")
     for path in same:
-        assert _field(from_yaml, path) == _field(from_line, path), path
+        assert config_field(from_yaml, path) == config_field(from_line, path), path
