@@ -204,7 +204,10 @@ def _layer_activation_elements(arch: ModelArchitecture, moe: bool) -> int:
 
 def _activations(arch: ModelArchitecture, config: RunConfig, layers: range, tokens: int,
                  in_flight: int) -> tuple[int, int]:
-    """(no recompute, full uniform recompute) bytes of one stage's layers, times micro-batches in flight."""
+    """(no recompute, full recompute) bytes of one stage's layers, times the micro-batches in flight (1F1B:
+    PP - stage). Full recompute keeps each unit's input (uniform: units of recompute_num_layers layers; block:
+    the first recompute_num_layers layers, the others keep everything) plus one unit recomputed in backward.
+    Selective recompute counts as none: with flash attention there is no score matrix left to drop."""
     training = config.training
     tp = training.tensor_model_parallel_size
     moe = arch.moe_layers()
@@ -214,7 +217,11 @@ def _activations(arch: ModelArchitecture, config: RunConfig, layers: range, toke
     if not per_layer:
         return 0, 0
     kept = sum(per_layer) * in_flight
-    recompute = layer_input * math.ceil(len(per_layer) / chunk) * in_flight + max(per_layer) * chunk
+    if training.recompute_method == "block":
+        chunk = min(chunk, len(per_layer))
+        recompute = (layer_input * chunk + sum(per_layer[chunk:])) * in_flight + max(per_layer)
+    else:
+        recompute = layer_input * math.ceil(len(per_layer) / chunk) * in_flight + max(per_layer) * chunk
     return kept, recompute
 
 

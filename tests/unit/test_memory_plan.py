@@ -154,3 +154,12 @@ def test_decoupled_plan_checks_each_side() -> None:
 def test_every_recipe_plan_fits(recipe: str) -> None:
     config = load_config([f"configs/{recipe}"])
     assert [str(p) for p in collect_problems(config, check_files=False)] == []
+
+
+def test_recompute_block_keeps_the_other_layers() -> None:
+    model = arch("qwen3_30B_A3B")
+    layout = ParallelLayout.of(qwen3_30b().training, 8, model)
+    uniform = trainer_memory(qwen3_30b(), model, layout)
+    block_all = trainer_memory(qwen3_30b("--recompute-method", "block", "--recompute-num-layers", "48"), model, layout)
+    block_half = trainer_memory(qwen3_30b("--recompute-method", "block", "--recompute-num-layers", "24"), model, layout)
+    assert uniform.activations == block_all.activations < block_half.activations < uniform.activations_no_recompute
