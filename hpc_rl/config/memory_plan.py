@@ -23,6 +23,7 @@ from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.parallel_layout import ParallelLayout
 from hpc_rl.config.parameter_counts import ParameterShare, format_count, model_share, stage_shares
 from hpc_rl.config.schema import RunConfig
+from hpc_rl.config.sglang_options import attention_dp_size
 
 GIB = 1024**3
 BF16, FP32 = 2, 4
@@ -265,8 +266,7 @@ def _sglang_parallel(config: RunConfig) -> tuple[int, int, int, int]:
     """(GPUs per engine, attention TP, vocabulary TP, dense-MLP TP) from the sglang options slime passes."""
     options = config.sglang.server_options()
     gpus = config.cluster.rollout_num_gpus_per_engine
-    attention_dp = options.get("attn_dp_size") or (options.get("dp_size") or 1 if options.get("enable_dp_attention") else 1)
-    attention_tp = max(1, gpus // max(1, int(attention_dp)))
+    attention_tp = max(1, gpus // attention_dp_size(options))
     vocab_tp = attention_tp if options.get("enable_dp_lm_head") else gpus
     return gpus, attention_tp, vocab_tp, int(options.get("moe_dense_tp_size") or gpus)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.parallel_layout import ParallelLayout, layout_problems
 from hpc_rl.config.schema import RunConfig
-from hpc_rl.config.sglang_options import engine_kind
+from hpc_rl.config.sglang_options import attention_dp_size, engine_kind
 
 DISPATCHERS = ("alltoall", "allgather", "flex")
 ROUTER_DTYPES = (None, "fp32", "fp64")
@@ -99,12 +99,6 @@ def optimizer_problems(config: RunConfig) -> Problems:
     return problems
 
 
-def _engine_attention_dp(options: dict[str, object]) -> int:
-    if options.get("attn_dp_size"):
-        return int(options["attn_dp_size"])  # type: ignore[call-overload]
-    return int(options.get("dp_size") or 1) if options.get("enable_dp_attention") else 1  # type: ignore[call-overload]
-
-
 def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Problems:
     """SGLang's MoE engine options against the engine's GPUs and the model (SGLang checks them at start)."""
     if engine_kind(config.rollout.engine, config.cluster.device) != "sglang":
@@ -117,7 +111,7 @@ def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Pr
             f"{options['dp_size']} without enable_dp_attention starts {options['dp_size']} server replicas of "
             f"{gpus} GPU(s) each, but an engine has rollout_num_gpus_per_engine = {gpus} GPUs: add "
             f"--sglang-enable-dp-attention (attention data parallelism inside the engine) or run more engines")))
-    attention_dp = _engine_attention_dp(options)
+    attention_dp = attention_dp_size(options)
     if gpus % attention_dp:
         problems.append(("sglang.extra_args.dp_size", f"attention DP {attention_dp} does not divide the engine's "
                                                       f"{gpus} GPUs (rollout_num_gpus_per_engine)"))
@@ -129,14 +123,14 @@ def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Pr
         problems.append(("sglang.extra_args.moe_dense_tp_size", f"{dense_tp}: SGLang takes 1 or the engine's TP size "
                                                                 f"({gpus})"))
     ep_key = "ep_size" if "ep_size" in options else "expert_parallel_size"
-    ep = int(options.get(ep_key) or 1)  # type: ignore[call-overload]
+    ep = int(options.get(ep_key) or 1)
     if ep > 1 and arch is not None and not arch.is_moe:
         problems.append((f"sglang.extra_args.{ep_key}", f"{ep}: the model is dense (no experts to split); drop it"))
     elif ep > 1 and arch is not None:
         if gpus % ep:
             problems.append((f"sglang.extra_args.{ep_key}", f"EP {ep} does not divide the engine's {gpus} GPUs "
                                                             f"(rollout_num_gpus_per_engine)"))
-        slots = (arch.num_moe_experts or 0) + int(options.get("ep_num_redundant_experts") or 0)  # type: ignore[call-overload]
+        slots = (arch.num_moe_experts or 0) + int(options.get("ep_num_redundant_experts") or 0)
         if slots % ep:
             problems.append((f"sglang.extra_args.{ep_key}", (
                 f"the model's {arch.num_moe_experts} experts (+ ep_num_redundant_experts) = {slots} do not split "
