@@ -4,7 +4,11 @@ Owns: reading `--num-layers 36 --hidden-size 2560 ... --spec slime_plugins.model
 the way Megatron does (a missing `--untie-embeddings-and-output-weights` means tied, a missing
 `--disable-bias-linear` means biases, no `--group-query-attention` means one KV head per query head),
 refusing what hpc_rl cannot build with the reason, and overriding a model file's fields when both are
-given (as `MODEL_ARGS+=(--rotary-base 10000)` does in slime). The HF config.json check is
+given (as `MODEL_ARGS+=(--rotary-base 10000)` does in slime). The MoE flags (`--num-experts 128
+--moe-ffn-hidden-size 768 --moe-layer-freq [0]*1+[1]*45 ...`) likewise, with Megatron's defaults
+(moe_ffn_hidden_size = ffn_hidden_size, top-2, every layer MoE), and the MoE family: config.json's
+model_type when it names one, else softmax + q/k norms -> qwen3_moe, sigmoid + shared expert -> glm4_moe.
+The HF config.json check is
 `hpc_rl.config.validation`'s (the same check model files get).
 """
 
