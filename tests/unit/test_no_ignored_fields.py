@@ -26,6 +26,7 @@ READ_ELSEWHERE = {
                             "into critic_optimizer / critic_load / critic_save and the actor's optimizer and checkpoint",
     "custom_reward_post_process_path": "slime's OPD post-process, the only one accepted (config/training_modes): with "
                                        "rm_url it sets distillation.opd_teacher_url, which rollout.teacher reads",
+    "gpu_memory_gib": "read by the per-GPU memory plan (config/memory_plan.py) that submit checks and --dry-run prints",
 }
 
 
