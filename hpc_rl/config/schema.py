@@ -44,18 +44,15 @@ class ClusterConfig:
     """Engines share the trainer's GPUs; memory is released/resumed around each train step."""
     device: str = "cuda"
     """cuda (NCCL, SGLang) or cpu (gloo, hpc_rl's CPU engine): the single CPU switch."""
-<<<<<<< HEAD
     debug_train_only: bool = False
     """A trainer-only job (slime's --debug-train-only): no engines and no router, rollout_num_gpus 0; what SFT
     (rollout_function_path slime.rollout.sft_rollout.generate_rollout) runs, and it sets this itself."""
     opd_teacher_num_gpus: int = 0
     """GPUs of the on-policy-distillation teacher engine the job starts (distillation.opd_teacher_hf_checkpoint;
     its tensor-parallel size, on a het group of its own); 0: no teacher component (1 when that path is set)."""
-=======
     gpu_memory_gib: float = 79.6
     """Memory of one GPU in GiB, for the per-GPU memory plan that `--dry-run` prints and submit checks
     (default: an H100 80GB, 81559 MiB as nvidia-smi reports it)."""
->>>>>>> main
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
