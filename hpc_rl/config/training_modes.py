@@ -70,8 +70,10 @@ def derive_mode_settings(raw: dict[str, dict[str, Any]], given: Given) -> list[s
         rollout.setdefault("n_samples_per_prompt", 1)
         rollout.setdefault("label_key", None)
         rollout.setdefault("tool_key", "tools")
-    if given("cluster", "debug_train_only") and given("cluster", "rollout_num_gpus"):
-        log.info("a trainer-only job (SFT) starts no engine: rollout_num_gpus is 0")
+    if given("cluster", "debug_train_only"):
+        if cluster.get("rollout_num_gpus"):
+            log.info("a trainer-only job (SFT) starts no engine: rollout_num_gpus %s is ignored",
+                     cluster["rollout_num_gpus"])
         cluster["rollout_num_gpus"] = 0
     if given("distillation", "opd_teacher_hf_checkpoint"):
         cluster.setdefault("opd_teacher_num_gpus", 1)

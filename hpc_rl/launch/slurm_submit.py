@@ -158,6 +158,14 @@ def planned_steps(config: RunConfig, topology: JobTopology, run_dir: Path) -> li
             het_group=placement.het_group, node_index=placement.node_index,
             gpus_per_task=len(placement.gpu_ids) if device_gpus else 0, overlap=topology.colocate,
             log_path=run_dir / "logs" / f"engine-{placement.engine_index}.log"))
+    if topology.teacher is not None:  # on-policy distillation's teacher engine (its own het group)
+        teacher = topology.teacher
+        steps.append(StepSpec(
+            name="teacher", argv=driver.engine_command(driver.teacher_engine_config(config), teacher,
+                                                       f"<node 0 of het group {teacher.het_group}>",
+                                                       ports.teacher or teacher.port),
+            het_group=teacher.het_group, node_index=teacher.node_index,
+            gpus_per_task=len(teacher.gpu_ids) if device_gpus else 0, log_path=run_dir / "logs" / "teacher.log"))
     steps.append(StepSpec(
         name="trainer", argv=driver.trainer_command(config, run_dir, f"<first trainer node>:{ports.rendezvous}"),
         het_group=0, num_nodes=config.cluster.actor_num_nodes,
