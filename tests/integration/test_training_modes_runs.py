@@ -5,8 +5,11 @@
     OPD   configs/tiny_opd_cpu.yaml: the teacher is a component of the job (started, serving /generate
           behind the job's engine key, stopped with the run); the reverse KL to it falls and the student's
           greedy eval reward rises toward the teacher's (assets/tiny_qwen3_teacher/teacher_eval.json)
-    PPO   configs/tiny_ppo_cpu.yaml: the critic's value loss falls over its critic-only rollouts; the
-          greedy eval reward rises; critic checkpoints are written beside the actor's
+    PPO   configs/tiny_ppo_cpu.yaml, colocated (the critic's state leaves the device with the actor's while the
+          engine generates): the critic's value loss falls (relative to the batch's reward variance) over its
+          critic-only rollouts; the greedy eval reward rises;
+          critic checkpoints are written beside the actor's (the critic fitting a fixed batch, and resuming,
+          is test_training_modes_trainer's)
 """
 
 from __future__ import annotations
@@ -146,13 +149,16 @@ def test_tiny_opd_distils_from_a_teacher_started_with_the_job(tmp_path: Path) ->
 
 def test_tiny_ppo_trains_a_critic_and_learns(tmp_path: Path) -> None:
     run_dir = tmp_path / "ppo"
-    output, _ = run(run_dir, "configs/tiny_ppo_cpu.yaml", "--save", str(tmp_path / "ckpt"))
+    output, _ = run(run_dir, "configs/tiny_ppo_cpu.yaml", "--colocate", "--save", str(tmp_path / "ckpt"))
     rows = records(run_dir)
     critic_only = [r for r in rows if "train/pg_loss" not in r["metrics"]]
     assert [r["rollout_id"] for r in critic_only] == list(range(8))  # num_critic_only_steps
-    value_loss = metric(critic_only, "train/value_loss")  # the first: the fresh head's (before its first step)
-    assert statistics.mean(value_loss[-3:]) < 0.8 * value_loss[0], value_loss
-    assert all("train/critic_grad_norm" in r["metrics"] for r in rows)
+    assert all("train/critic_grad_norm" in r["metrics"] and "train/value_loss" in r["metrics"] for r in rows)
+    # The value loss over the reward's variance p(1 - p) of the same batch (a constant critic at the batch's mean
+    # scores 1 at the first response token): the fresh head's ~1.45 falls to about 1 over the critic-only rollouts.
+    ratios = [r["metrics"]["train/value_loss"] / max(1e-6, r["metrics"]["rollout/reward_mean"] *
+                                                     (1 - r["metrics"]["rollout/reward_mean"])) for r in critic_only]
+    assert statistics.mean(ratios[-3:]) < ratios[0], ratios
     before = float(output.split("tiny_copy/reward_mean ", 1)[1].split()[0])
     assert metric(rows, "eval/tiny_copy/reward_mean")[-1] - before >= 0.4, output[-2000:]
     assert (tmp_path / "ckpt" / "critic" / "latest_checkpointed_iteration.txt").read_text() == str(len(rows) - 1)
