@@ -22,6 +22,19 @@ def _sum_over_tp(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     return reduce_from_tensor_model_parallel_region(tensor, group=group)
 
 
+def _this_shard(logits: torch.Tensor, vocab_size: int,
+                tp_group: dist.ProcessGroup | None) -> tuple[torch.Tensor, int, int]:
+    """This TP rank's float32 logits with the padded vocabulary masked, its first vocabulary id and its width."""
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    logits = logits.float()
+    part = logits.shape[-1]
+    start = tp_rank * part
+    if start + part > vocab_size:
+        padded = torch.arange(start, start + part, device=logits.device) >= vocab_size
+        logits = logits.masked_fill(padded, _MASKED)
+    return logits, start, part
+
+
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -35,13 +48,7 @@ def vocab_parallel_logprobs(
     Vocabulary entries >= `vocab_size` (Megatron's padding) get probability 0.
     """
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-    logits = logits.float()
-    part = logits.shape[-1]
-    start = tp_rank * part
-    if start + part > vocab_size:
-        padded = torch.arange(start, start + part, device=logits.device) >= vocab_size
-        logits = logits.masked_fill(padded, _MASKED)
+    logits, start, part = _this_shard(logits, vocab_size, tp_group)
     maximum = logits.detach().max(dim=-1, keepdim=True).values
     if tp_size > 1:
         dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=tp_group)
@@ -64,13 +71,7 @@ def vocab_parallel_greedy_hits(logits: torch.Tensor, targets: torch.Tensor, *, v
                                tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """1.0 where the target is the argmax of the (unpadded) vocabulary, per position (ties count as hits):
     greedy decoding would emit it. `logits` [..., V_local] vocab-parallel, `targets` [...]."""
-    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-    logits = logits.float()
-    part = logits.shape[-1]
-    start = tp_rank * part
-    if start + part > vocab_size:
-        padded = torch.arange(start, start + part, device=logits.device) >= vocab_size
-        logits = logits.masked_fill(padded, _MASKED)
+    logits, start, part = _this_shard(logits, vocab_size, tp_group)
     maximum = logits.max(dim=-1).values
     local = targets.long() - start
     in_shard = (local >= 0) & (local < part)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from hpc_rl.engines.child_process import free_port
+from tests.integration.test_run_local import tensorboard_scalars
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,18 +78,6 @@ def response_log_probs(path: Path, rows: list[dict]) -> list["torch.Tensor"]:
     return out
 
 
-def tensorboard_scalar(run_dir: Path, tag: str) -> list[float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values = []
-    for events in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
-        accumulator = EventAccumulator(str(events))
-        accumulator.Reload()
-        if tag in accumulator.Tags().get("scalars", []):
-            values += [event.value for event in accumulator.Scalars(tag)]
-    return values
-
-
 def test_critic_and_megatron_teacher_on_the_trainer(tmp_path: Path) -> None:
     """PPO with OPD on top (orthogonal, as in slime), 8 rollouts of one fixed batch, then a resumed run."""
     rows = batch_rows(0)
@@ -107,7 +96,7 @@ def test_critic_and_megatron_teacher_on_the_trainer(tmp_path: Path) -> None:
     # rollout 6 is the actor's first step: its old log-probs are the initial student's
     student, teacher = response_log_probs(STUDENT, rows), response_log_probs(TEACHER, rows)
     expected = sum(float((s - t).mean()) for s, t in zip(student, teacher)) / len(rows)  # sum of sample means / B
-    reported = tensorboard_scalar(tmp_path / "fit", "train/opd_reverse_kl")[0]
+    reported = tensorboard_scalars(tmp_path / "fit", "train/opd_reverse_kl")[0]
     assert abs(reported - expected) < 1e-4, (reported, expected)
     assert abs(expected) > 0.1  # the teacher is another model: the check is not 0 == 0
 

@@ -190,3 +190,14 @@ def test_teacher_component_gets_a_het_group_of_its_own() -> None:
     trainer_only = plan_topology(ClusterConfig(debug_train_only=True, rollout_num_gpus=0))
     assert "no engines, no router" in trainer_only.describe() and "router" not in trainer_only.describe().split(
         "ports:")[1]
+
+
+def test_greedy_hits_ignore_the_padded_vocabulary() -> None:
+    import torch
+
+    from hpc_rl.training.logprobs import vocab_parallel_greedy_hits
+
+    logits = torch.tensor([[0.1, 2.0, 0.3, 9.0], [1.0, 0.5, 1.0, 9.0]])  # column 3 is padding (vocab_size 3)
+    hits = vocab_parallel_greedy_hits(logits, torch.tensor([1, 2]), vocab_size=3)
+    assert hits.tolist() == [1.0, 1.0]  # row 2: a tie with token 0 counts (greedy may pick it)
+    assert vocab_parallel_greedy_hits(logits, torch.tensor([0, 1]), vocab_size=3).tolist() == [0.0, 0.0]
