@@ -1,6 +1,6 @@
 """Issue 21 on the trainer ranks alone (`torchrun -m hpc_rl.training CONFIG --batches-file F`, no controller):
 
-- PPO's critic fits a fixed batch (its value loss falls), with its own optimizer (slime's role file), is saved
+- PPO's critic (TP 2 + SP) fits a fixed batch (its value loss falls), with its own optimizer (slime's role file), is saved
   beside the actor (`<save>/critic`), and a run resumed from `--load` continues with the trained critic; the
   actor waits num_critic_only_steps rollouts.
 - On-policy distillation with `--opd-type megatron` on top of PPO (orthogonal to the estimator): the teacher
@@ -52,8 +52,9 @@ def train(tmp_path: Path, name: str, flags: list[str], batches: list[list[dict]]
     path = write_resolved_config(config, tmp_path / name)
     batches_file = tmp_path / f"{name}.jsonl"
     batches_file.write_text("".join(json.dumps({"samples": rows}) + "\n" for rows in batches))
+    ranks = config.cluster.trainer_world_size
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(free_port()),
          "-m", "hpc_rl.training", str(path), "--batches-file", str(batches_file)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -79,11 +80,15 @@ def response_log_probs(path: Path, rows: list[dict]) -> list["torch.Tensor"]:
 
 
 def test_critic_and_megatron_teacher_on_the_trainer(tmp_path: Path) -> None:
-    """PPO with OPD on top (orthogonal, as in slime), 8 rollouts of one fixed batch, then a resumed run."""
+    """PPO with OPD on top (orthogonal, as in slime), 8 rollouts of one fixed batch, then a resumed run; on two
+    ranks at TP 2 with sequence parallelism (the value head's SP gather and gradient, the teacher's vocab-parallel
+    log-probs: a one-off TP 1 vs TP 2 + SP pair of runs of PPO + OPD on one batch printed the same value losses
+    and grad norms to 4 digits)."""
     rows = batch_rows(0)
     roles = tmp_path / "roles.yaml"  # slime's --megatron-config-path: the critic's own lr
     roles.write_text("megatron:\n  - {name: default, role: critic, overrides: {lr: 0.01}}\n")
     flags = ["--advantage-estimator", "ppo", "--num-critic-only-steps", "6", "--megatron-config-path", str(roles),
+             "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
              "--use-opd", "--opd-type", "megatron", "--opd-teacher-load", str(TEACHER), "--opd-kl-coef", "1.0",
              "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
     first = train(tmp_path, "fit", flags, [rows] * 8)
