@@ -68,6 +68,7 @@ from hpc_rl.engines.sglang_launch import (
 from hpc_rl.launch.batch_guard import RESTARTS_FILE, restarts_used
 from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
 from hpc_rl.launch.node_health import NodeLoss, lost_nodes, query_node_states
+from hpc_rl.launch.run_lock import RunDirLocked, acquire
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
 from hpc_rl.launch.trainer_exit import describe_trainer_exit
 from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
@@ -599,6 +600,24 @@ def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> i
     A run that fails because a trainer rank died starts again from the last checkpoint, up to
     `controller.max_restarts` times (every process of the failed attempt is stopped first); each
     restart is printed, logged and listed in status.json under "restarts"."""
+    job_id = None if local else os.environ.get("SLURM_JOB_ID") or None
+    try:  # one run per run dir (a requeued attempt of this job, or this process's submit, hands it over)
+        lock = acquire(Path(run_dir).resolve(), role="driver", job_id=job_id)
+    except RunDirLocked as busy:
+        print(f"hpc_rl: {busy}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    lock.start_heartbeat()
+    code = EXIT_FAILED
+    try:
+        code = _run_attempts(run_dir, launcher, local=local)
+    finally:
+        if code == EXIT_REQUEUE and not local:
+            lock.keep()  # the next attempt of this job takes it over
+        lock.release()
+    return code
+
+
+def _run_attempts(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> int:
     restarts = requeued_attempts(Path(run_dir).resolve())
     # before the first Driver: its constructor already logs (ports found in use on the node)
     setup_logging(Path(run_dir).resolve(), load_resolved_config(Path(run_dir).resolve()).logging.log_level)
