@@ -29,6 +29,7 @@ from hpc_rl.data.prompt_tokenizer import load_prompt_tokenizer
 from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptSource, make_prompt_encoder
 from hpc_rl.rewards.group import RewardSpec, reward_group
 from hpc_rl.rewards.pool import RewardPool
+from hpc_rl.rewards.reward_thread import RewardThread
 from hpc_rl.rewards.scoring import REMOTE_RM, split_boxed_prefix
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
 from hpc_rl.rollout.engine_client import engine_context_length
@@ -54,6 +55,8 @@ class RolloutStack:
     loop: RunLoop
     reward_pool: RewardPool | None = None
     """Started and closed by the controller (`rollout.reward_workers` > 0)."""
+    reward_thread: RewardThread | None = None
+    """Where custom reward functions run (closed by the controller)."""
 
 
 def load_prompts(rollout: RolloutConfig) -> tuple[PromptDataset, DataKeys]:
@@ -101,8 +104,10 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     # No workers for custom functions (they run on the loop) or remote_rm (an HTTP call, no CPU to offload).
     rule_rewards = not rollout.custom_rm_path and split_boxed_prefix((rollout.rm_type or "").strip())[1] != REMOTE_RM
     pool = RewardPool(rollout.reward_workers) if rollout.reward_workers and rule_rewards else None
+    thread = RewardThread() if rollout.custom_rm_path else None  # custom functions never block the loop
     spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,
-                      group_rm=rollout.group_rm, args=args, pool=pool)
+                      group_rm=rollout.group_rm, args=args, pool=pool, timeout_s=rollout.reward_timeout,
+                      thread=thread)
 
     async def reward_fn(samples: list[Any]) -> list[float]:
         return await reward_group(spec, samples)
@@ -116,7 +121,7 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     loop = assemble_loop(config, scheduler=scheduler, registry=registry, channel=channel, fleet=fleet,
                          recorder=recorder, evaluate=make_evaluate(config, client, keys, encoder, reward_fn, args),
                          num_rollout=num_rollout)
-    return RolloutStack(client=client, loop=loop, reward_pool=pool)
+    return RolloutStack(client=client, loop=loop, reward_pool=pool, reward_thread=thread)
 
 
 def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler, registry: Registry, channel: TrainerChannel,

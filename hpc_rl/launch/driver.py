@@ -8,7 +8,10 @@ restarted; a dead trainer ends the run with its log tail), and the shutdown orde
 locally (`LocalStepLauncher`) and inside a Slurm allocation (`SrunStepLauncher`); only the launcher differs.
 
 Shutdown (success, failure, SIGINT/SIGTERM/scancel alike), every task the driver started is either
-awaited or cancelled on purpose, so asyncio never reports an exception "never retrieved":
+awaited or cancelled on purpose, so asyncio never reports an exception "never retrieved". SIGTERM (scancel,
+preemption, `kill`) first saves the rollout the trainer last trained if that fits in the grace time
+(`term_grace_s`: Slurm's KillWait minus a margin; 10 s on this machine) and sends the ranks their stop
+command (`controller.signal_stop`); SIGINT (Ctrl-C) and a second SIGTERM stop at once:
 
     signal ──> controller.stopping (a trainer or engine that now disconnects is not a failure)
            ──> cancel the main task ──> shutdown():
@@ -51,6 +54,7 @@ from typing import Any
 from hpc_rl.config import RunConfig, load_resolved_config
 from hpc_rl.config.sglang_options import engine_kind
 from hpc_rl.controller.app import Controller
+from hpc_rl.controller.signal_stop import stop_with_checkpoint
 from hpc_rl.controller.stopping import log_task_error, stop_task
 from hpc_rl.engines import API_KEY_ENV
 from hpc_rl.engines.child_process import free_port, log_tail, planned_port
@@ -68,6 +72,7 @@ from hpc_rl.engines.sglang_launch import (
 from hpc_rl.launch.batch_guard import RESTARTS_FILE, restarts_used
 from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
 from hpc_rl.launch.node_health import NodeLoss, lost_nodes, query_node_states
+from hpc_rl.launch.orphans import become_subreaper, end_children, environ_has
 from hpc_rl.launch.run_lock import RunDirLocked, acquire
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
 from hpc_rl.launch.trainer_exit import describe_trainer_exit
@@ -269,6 +274,8 @@ class Driver:
         """A node was lost and the job could not be requeued: the run fails with this."""
         self._node_check = asyncio.Lock()
         """One check at a time: an engine restart asking about its node waits for the watch's decision."""
+        self.graceful_stop: asyncio.Task[None] | None = None
+        """After SIGTERM: the task that saves what the grace time allows and ends the controller's run."""
 
     # -- engines -------------------------------------------------------------------------------------------
     async def start_engine(self, index: int, *, retry_on_bind_failure: int = ENGINE_BIND_RETRIES,
@@ -430,6 +437,9 @@ class Driver:
             self._supervise(run)
             if self.node_failure is not None:
                 raise RuntimeError(self.node_failure)
+        if self.graceful_stop is not None:  # SIGTERM: it ended the run (and read its outcome)
+            await self.graceful_stop
+            raise StoppedBySignal()
         self.run_task = None  # its outcome is ours now: raised from here, not left to shutdown()
         try:
             run.result()
@@ -514,6 +524,27 @@ class Driver:
         if self.requeue_requested and self.controller is not None and self.controller.loop is not None:
             self.controller.loop.stop_requested = True
 
+    def stop_gracefully(self, main: asyncio.Task[Any]) -> None:
+        """SIGTERM: save what the grace time allows, then stop (a second SIGTERM, or one before the
+        controller runs, stops at once)."""
+        if self.graceful_stop is not None or self.run_task is None or self.controller is None:
+            self.note_stopping()
+            main.cancel()
+            return
+        self.graceful_stop = asyncio.create_task(self._stop_gracefully(self.run_task), name="graceful stop")
+
+    async def _stop_gracefully(self, run: asyncio.Task[Any]) -> None:
+        assert self.controller is not None
+        grace = term_grace_s(local=self.local)
+        message = f"SIGTERM: stopping; a checkpoint is saved if one can be within {grace:.0f} s"
+        log.warning(message)
+        print(f"hpc_rl: {message}", file=sys.stderr, flush=True)
+        began = time.perf_counter()
+        outcome = await stop_with_checkpoint(self.controller.loop, self.controller.channel, run, grace)
+        self.controller.outcome = "stopped"
+        log.warning("%s (%.1f s after SIGTERM)", outcome, time.perf_counter() - began)
+        print(f"hpc_rl: {outcome} ({time.perf_counter() - began:.1f} s after SIGTERM)", file=sys.stderr, flush=True)
+
     def note_stopping(self) -> None:
         """A stop was asked for (signal): from now on a component that goes away is not a failure."""
         if self.controller is not None:
@@ -559,7 +590,45 @@ class Driver:
             await asyncio.to_thread(self.router.stop)
         if self.controller is not None:
             await self.controller.close()
+        if self.local:  # what a killed torchrun agent left (its ranks' helpers) was adopted here: end it
+            mine = str(self.run_dir)
+            for pid in await asyncio.to_thread(end_children, keep=lambda pid: not environ_has(pid, RUN_DIR_ENV, mine)):
+                log.warning("ended pid %d, a process of the run left behind by its parent", pid)
         log.info("every process of the run stopped in %.2f s", time.perf_counter() - began)
+
+
+class StoppedBySignal(Exception):
+    """SIGTERM ended the run (after saving what it could): exit code EXIT_INTERRUPTED, no traceback."""
+
+
+TERM_GRACE_LOCAL_S = 10.0
+"""What SIGTERM grants a run on this machine before it must be gone (a `kill`, `docker stop` and systemd
+give 10 s before SIGKILL)."""
+TERM_GRACE_MARGIN_S = 3.0
+"""Of Slurm's KillWait, what is kept for stopping the processes after the save."""
+
+
+def term_grace_s(*, local: bool) -> float:
+    """Seconds from SIGTERM to the end of the save: locally TERM_GRACE_LOCAL_S; in a Slurm job, Slurm's
+    KillWait (SIGTERM to SIGKILL on scancel and preemption; default 30 s) minus TERM_GRACE_MARGIN_S."""
+    if local:
+        return TERM_GRACE_LOCAL_S
+    try:
+        shown = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        shown = ""
+    return max(0.0, slurm_kill_wait_s(shown) - TERM_GRACE_MARGIN_S)
+
+
+def slurm_kill_wait_s(scontrol_config: str, default: float = 30.0) -> float:
+    """KillWait from `scontrol show config` ("KillWait = 30 sec"); Slurm's default when absent."""
+    for line in scontrol_config.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "KillWait":
+            words = value.split()
+            if words and words[0].isdigit():
+                return float(words[0])
+    return default
 
 
 def _trainer_failed(message: str):  # -> TrainerFailed
@@ -607,6 +676,8 @@ def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> i
         print(f"hpc_rl: {busy}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     lock.start_heartbeat()
+    if local:
+        become_subreaper()  # orphans of the run's processes come here, and are ended at shutdown
     code = EXIT_FAILED
     try:
         code = _run_attempts(run_dir, launcher, local=local)
@@ -673,11 +744,14 @@ async def _drive(driver: Driver) -> int:
         driver.note_stopping()
         task.cancel()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, interrupt)
+    loop.add_signal_handler(signal.SIGINT, interrupt)
+    loop.add_signal_handler(signal.SIGTERM, lambda: driver.stop_gracefully(task))
     loop.add_signal_handler(signal.SIGUSR2, driver.request_checkpoint)
     try:
         return await driver.run()
+    except StoppedBySignal:
+        log.info("stopped by SIGTERM")
+        return EXIT_INTERRUPTED
     except asyncio.CancelledError:
         log.info("interrupted by a signal; stopping every process of the run")
         print("hpc_rl: interrupted; stopping every process of the run", file=sys.stderr, flush=True)
