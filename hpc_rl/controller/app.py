@@ -78,7 +78,8 @@ class Controller:
         self.channel = TrainerChannel(config.cluster.trainer_world_size)
         self.fleet = EngineFleet(self.registry, router, api_key=api_key, restart=restart_engine,
                                  max_restarts=config.controller.max_engine_restarts,
-                                 health_interval_s=config.controller.engine_health_interval)
+                                 health_interval_s=config.controller.engine_health_interval,
+                                 admin_timeout_s=config.controller.engine_admin_timeout)
         self.router_url = router_url
         self.server: Server | None = None
         self.loop: RunLoop | None = None

@@ -406,6 +406,12 @@ class EngineConnection:
     async def request(self, method: str, path: str, body: bytes | None, timeout_s: float) -> tuple[int, bytes]:
         return (await self.exchange([(method, path, body)], timeout_s))[0]
 
+    def progress_at(self) -> float:
+        """Event-loop time this engine last showed life: an exchange completed, or an answer (or the start,
+        or a read gate opening) on a connection with requests in flight."""
+        waiting = [link.last_answer_at for link in self._links if link.waiting]
+        return max([self.answered_at, *waiting])
+
     def close(self) -> None:
         for link in list(self._links):
             if link.transport is not None:
