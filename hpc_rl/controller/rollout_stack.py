@@ -36,7 +36,7 @@ from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
 from hpc_rl.rollout.scheduler import RewardFn
 from hpc_rl.telemetry.recorder import RunRecorder
-from hpc_rl.telemetry.scalars import ScalarLog
+from hpc_rl.telemetry.scalars import ScalarLog, eval_sampling_note
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +116,10 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
                                              reward_fn=reward_fn)
     num_rollout = num_rollouts(rollout, len(dataset))
     tensorboard_dir = config.logging.tensorboard_dir or str(Path(config.run_dir) / "tensorboard")
+    eval_temperature = config.eval.eval_temperature if config.eval.eval_temperature is not None else rollout.rollout_temperature
     recorder = RunRecorder(config.run_dir, ScalarLog.for_controller(tensorboard_dir, config, run_dir=config.run_dir),
-                           num_rollout=num_rollout, print_fn=lambda line: print(line, flush=True))
+                           num_rollout=num_rollout, print_fn=lambda line: print(line, flush=True),
+                           eval_sampling=eval_sampling_note(eval_temperature, config.eval.n_samples_per_eval_prompt))
     loop = assemble_loop(config, scheduler=scheduler, registry=registry, channel=channel, fleet=fleet,
                          recorder=recorder, evaluate=make_evaluate(config, client, keys, encoder, reward_fn, args),
                          num_rollout=num_rollout)

@@ -57,7 +57,7 @@ from hpc_rl.controller.app import Controller
 from hpc_rl.controller.signal_stop import stop_with_checkpoint
 from hpc_rl.controller.stopping import log_task_error, stop_task
 from hpc_rl.engines import API_KEY_ENV
-from hpc_rl.engines.child_process import free_port, log_tail, planned_port
+from hpc_rl.engines.child_process import free_port, http_ok, log_tail, planned_port
 from hpc_rl.engines.engine_process import cpu_engine_command
 from hpc_rl.engines.router import RouterProcess
 from hpc_rl.engines.sglang_launch import (
@@ -103,6 +103,12 @@ NODE_WATCH_INTERVAL_S = 2.0
 NODE_REQUEUE_WAIT_S = 120.0
 """After requeuing for a lost node: how long an engine restart waits for Slurm to stop this attempt."""
 
+LOCAL_OS_PICKS = 0
+"""A local run's controller and rendezvous store bind port 0 (the OS picks a free port as they bind):
+a planned port can be taken by another run between the plan and the bind (two local runs once failed
+with "Address already in use" on torchrun's store). The router and engines have planned ports, and
+are started again on free ones when theirs are taken."""
+
 JOB_PORT_SLOTS = 300
 """Slurm jobs whose ids differ by less than this never share a planned port (15000 + slot * 50 stays
 below 30000, under Linux's ephemeral range, where free_port's replacements come from)."""
@@ -122,8 +128,8 @@ class PortPlan:
 
     @classmethod
     def for_job(cls, topology: JobTopology, *, local: bool) -> "PortPlan":
-        if local:
-            return cls(planned_port(), planned_port(), planned_port(), planned_port(),
+        if local:  # the controller and torchrun's rendezvous store bind port 0: the OS picks a free one
+            return cls(LOCAL_OS_PICKS, planned_port(), planned_port(), LOCAL_OS_PICKS,
                        [planned_port() for _ in topology.engines])
         offset = (int(os.environ.get("SLURM_JOB_ID", "0")) % JOB_PORT_SLOTS) * 50
         return cls(topology.controller_port + offset, topology.router_port + offset,
@@ -158,6 +164,24 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+ROUTER_BIND_RETRIES = 2
+"""The router is started again on free ports this many times when its ports are taken."""
+
+
+def _router_answers_with_key(router: RouterProcess, api_key: str, timeout_s: float) -> bool:
+    """True once the router answers a keyed request (`/workers`): it is ours (another run's router on the
+    port answers /liveness, but refuses our key); False when ours exited first (its port was taken)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not router.process.alive():
+            return False
+        if http_ok(f"{router.url}/workers", timeout=2.0, api_key=api_key or None):
+            return True
+        time.sleep(0.1)
+    raise RuntimeError(f"sglang-router did not answer at {router.url} within {timeout_s:.0f} s; "
+                       f"see {router.process.log_path}")
 
 
 def bind_failed(log_text: str) -> bool:
@@ -458,12 +482,7 @@ class Driver:
 
     async def _start_control_plane(self, secret: Secret) -> None:
         """The router, then the controller (listening), then (not colocated) the trainer step."""
-        # Loopback: its only client is this process's controller (its /v1/models answers without the key).
-        self.router = RouterProcess(log_path=self.logs / "router.log", host="127.0.0.1", port=self.ports.router,
-                                    prometheus_port=self.ports.router_metrics,
-                                    policy=self.config.sglang.router_policy, api_key=self.engine_key)
-        self.router.start()
-        await asyncio.to_thread(self.router.wait_listening, 60.0)
+        self.router = await self._start_router()
         self.controller = Controller(self.config, secret=secret, router=self.router, router_url=self.router.url,
                                      restart_engine=self.restart_engine, host=self.host, port=self.ports.controller,
                                      api_key=self.engine_key)
@@ -474,6 +493,30 @@ class Driver:
         self._apply_requeue_request()
         if not self.topology.colocate:  # trainer ranks load while the engines do (issue 11); colocated
             self._start_trainer()       # ranks wait: SGLang sizes its KV cache from the GPU memory then free
+
+    async def _start_router(self, retries: int = ROUTER_BIND_RETRIES) -> RouterProcess:
+        """sglang-router on loopback (its only client is this process's controller; its /v1/models answers
+        without the key), answering with the job's key. When its ports are taken (another run's router,
+        which would answer /liveness too) it is started again on free ports, at most `retries` times."""
+        log_path = self.logs / "router.log"
+        for attempt in range(retries + 1):
+            offset = log_path.stat().st_size if log_path.exists() else 0
+            router = RouterProcess(log_path=log_path, host="127.0.0.1", port=self.ports.router,
+                                   prometheus_port=self.ports.router_metrics,
+                                   policy=self.config.sglang.router_policy, api_key=self.engine_key)
+            router.start()
+            if await asyncio.to_thread(_router_answers_with_key, router, self.engine_key, 60.0):
+                return router
+            router.stop()
+            output = _log_since(log_path, offset)
+            if not bind_failed(output) or attempt == retries:
+                raise RuntimeError(f"sglang-router did not start at {router.url}; its log {log_path} says:\n"
+                                   f"{output[-3000:]}")
+            taken = (self.ports.router, self.ports.router_metrics)
+            self.ports.router, self.ports.router_metrics = free_port("127.0.0.1"), free_port("127.0.0.1")
+            log.warning("sglang-router could not bind port %d or %d on 127.0.0.1; retrying on ports %d and %d",
+                        *taken, self.ports.router, self.ports.router_metrics)
+        raise AssertionError("unreachable")
 
     def _start_trainer(self) -> None:
         assert self.controller is not None
