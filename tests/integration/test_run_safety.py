@@ -1,5 +1,5 @@
 """Run safety on whole local runs (issue 24): one run per run dir, a dead run's truth and its resume, a reward
-that hangs, SIGTERM, and weights that became infinite. Each case is timed (printed: docs/faults.md quotes
+that hangs, SIGTERM, and a loss that turns NaN. Each case is timed (printed: docs/faults.md quotes
 these numbers) and checked for processes left behind and rollouts lost or done twice."""
 
 from __future__ import annotations
