@@ -145,7 +145,8 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
                 for engine in status["components"].get("engines", {}).values():
                     engine["state"] = "stopped"
             _record_death(run_dir, status)
-            source = "status.json and the run dir's lock (the run is dead)" + (f"; {why_not_live}" if why_not_live else "")
+            source = "status.json and the run dir's lock (the run is dead)"
+            source += f"; {why_not_live}" if why_not_live else ""
     status["source"] = source
     from hpc_rl.launch.slurm_status import describe_slurm_status, read_job_id
 

@@ -116,7 +116,8 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
                                              reward_fn=reward_fn)
     num_rollout = num_rollouts(rollout, len(dataset))
     tensorboard_dir = config.logging.tensorboard_dir or str(Path(config.run_dir) / "tensorboard")
-    eval_temperature = config.eval.eval_temperature if config.eval.eval_temperature is not None else rollout.rollout_temperature
+    eval_temperature = (config.eval.eval_temperature if config.eval.eval_temperature is not None
+                        else rollout.rollout_temperature)
     recorder = RunRecorder(config.run_dir, ScalarLog.for_controller(tensorboard_dir, config, run_dir=config.run_dir),
                            num_rollout=num_rollout, print_fn=lambda line: print(line, flush=True),
                            eval_sampling=eval_sampling_note(eval_temperature, config.eval.n_samples_per_eval_prompt))

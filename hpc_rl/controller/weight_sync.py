@@ -118,8 +118,8 @@ async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpd
     gate = ReadGate()
     if len(admins) > 1:
         gate.shut()
-    updates = [asyncio.ensure_future(admin.weight_update(buckets, gate=gate) if index else admin.weight_update(buckets))
-               for index, admin in enumerate(admins)]
+    updates = [asyncio.ensure_future(admin.weight_update(buckets, gate=gate) if index
+                                     else admin.weight_update(buckets)) for index, admin in enumerate(admins)]
     first, every = updates[0], asyncio.gather(*updates)
     watchdog = asyncio.create_task(
         watch_fan_out(admins, updates, on_stuck, notice_s=notice_s, probe_timeout_s=notice_s),

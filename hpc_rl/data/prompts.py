@@ -92,8 +92,8 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any | DataError]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
-                yield where, DataError(f"{where}: not UTF-8 (byte 0x{raw[error.start]:02x} at column {error.start + 1}); "
-                                       "re-encode the file as UTF-8")
+                yield where, DataError(f"{where}: not UTF-8 (byte 0x{raw[error.start]:02x} at column "
+                                       f"{error.start + 1}); re-encode the file as UTF-8")
                 continue
             if not line.strip():
                 continue

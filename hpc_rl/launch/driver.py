@@ -635,7 +635,8 @@ class Driver:
             await self.controller.close()
         if self.local:  # what a killed torchrun agent left (its ranks' helpers) was adopted here: end it
             mine = str(self.run_dir)
-            for pid in await asyncio.to_thread(end_children, keep=lambda pid: not environ_has(pid, RUN_DIR_ENV, mine)):
+            ended = await asyncio.to_thread(end_children, keep=lambda pid: not environ_has(pid, RUN_DIR_ENV, mine))
+            for pid in ended:
                 log.warning("ended pid %d, a process of the run left behind by its parent", pid)
         log.info("every process of the run stopped in %.2f s", time.perf_counter() - began)
 

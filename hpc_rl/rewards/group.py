@@ -205,8 +205,9 @@ async def _reward_in_pool(spec: RewardSpec, pool: RewardPool, samples: list[Samp
         results = await bounded(pool.score(items), spec.timeout_s)
     except RewardTimeout as error:
         pool.close()  # a grader stuck in sympy: its worker is killed, the pool starts again when next used
-        raise RewardError(f"reward failed for samples {[s.index for s in samples]} ({spec.label}): "
-                          f"RewardTimeout: {error}", indices=[s.index for s in samples], rm_type=spec.label) from error
+        indices = [s.index for s in samples]
+        raise RewardError(f"reward failed for samples {indices} ({spec.label}): RewardTimeout: {error}",
+                          indices=indices, rm_type=spec.label) from error
     except Exception as error:  # the pool broke twice, or a label would not pickle
         raise RewardError(f"reward workers failed for samples {[s.index for s in samples]} "
                           f"({spec.label}): {type(error).__name__}: {error}",

@@ -45,8 +45,8 @@ class NonFiniteSteps:
             self.in_a_row += 1
             self.total += 1
             values = ", ".join(f"{key} {value}" for key, value in bad.items()) or "the optimizer skipped it"
-            message = (f"rollout {rollout_id}, optimizer step {offset + 1} of {len(steps)}: {values}; the step was skipped "
-                       f"({self.in_a_row} in a row, training.max_nonfinite_steps={self.max_in_a_row})")
+            message = (f"rollout {rollout_id}, optimizer step {offset + 1} of {len(steps)}: {values}; the step was "
+                       f"skipped ({self.in_a_row} in a row, training.max_nonfinite_steps={self.max_in_a_row})")
             log.warning(message)
             if self.in_a_row > self.max_in_a_row:
                 raise NonFiniteTraining(
