@@ -95,11 +95,13 @@ def dead_run(run_dir: Path, status: dict[str, Any], holder: LockHolder | None,
              liveness: Liveness | None) -> dict[str, Any] | None:
     """Why and since when the run is dead although nothing recorded its end; None when it lives (its lock's
     holder does) or it ended and said so."""
+    if status.get("state") not in (None, "running"):  # it ended and said so (a Slurm job's lock stays)
+        return None
     if holder is not None and liveness is not None:
         if liveness.alive:
             return None
         return {"dead_since": holder.heartbeat_at, "why": f"{holder.describe()}: {liveness.why}"}
-    if status.get("state") != "running":
+    if status.get("state") != "running":  # no holder, and nothing says it ever ran
         return None
     times = [t for t in (status.get("updated_at"), _mtime(run_dir / "logs" / "controller.log")) if t]
     return {"dead_since": max(times) if times else None,

@@ -726,8 +726,8 @@ def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> i
     try:
         code = _run_attempts(run_dir, launcher, local=local)
     finally:
-        if code == EXIT_REQUEUE and not local:
-            lock.keep()  # the next attempt of this job takes it over
+        if not local:  # the job may run again (a requeue); Slurm's state of it says when it ended for good
+            lock.keep()
         lock.release()
     return code
 

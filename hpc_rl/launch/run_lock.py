@@ -16,6 +16,8 @@ A holder is judged, in this order:
   2. it ran on this host: its pid is alive with the same start time (a reused pid is not it);
   3. otherwise its heartbeat: alive while younger than STALE_AFTER_S.
 
+A local run removes its lock when it ends; a Slurm job's stays (the job may be requeued and run again:
+its next attempt takes it over) and Slurm's state of the job says when it has ended for good.
 Not here: what submit, the driver and status print around it (they call `acquire` / `holder_liveness`).
 """
 

@@ -153,3 +153,14 @@ def test_status_says_dead_since_with_the_last_log_line(tmp_path: Path, live_proc
     (run_dir / "status.json").write_text(json.dumps({"state": "running", "updated_at": 1.0}))
     got = status_cli.collect_status(run_dir)
     assert got["state"] == "dead" and "status.json was not updated at its end" in got["dead_why"]
+
+
+def test_a_slurm_run_that_ended_and_said_so_is_not_called_dead(tmp_path: Path) -> None:
+    """A Slurm job's lock stays after it ends (a requeue would run it again): its recorded end is the truth."""
+    (tmp_path / "status.json").write_text(json.dumps({"state": "finished"}))
+    write_lock(tmp_path, pid=1, host="node9", job_id="77", pid_start=None)
+    holder = read_lock(tmp_path)
+    liveness = holder_liveness(holder, slurm_state=fake_slurm({"77": "COMPLETED"}))
+    assert not liveness.alive
+    assert status_cli.dead_run(tmp_path, {"state": "finished"}, holder, liveness) is None
+    assert status_cli.dead_run(tmp_path, {"state": "running"}, holder, liveness) is not None
