@@ -48,9 +48,15 @@ def main() -> None:
         _bind_store_servers(address)
     from torch.distributed.run import main as torchrun_main
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     become_subreaper()  # a dead rank's children (Megatron's checkpoint writer's helpers) come to us
     try:
         torchrun_main()  # raises when a rank failed, or on SIGTERM (torchrun then stops every rank first)
+    except SignalException as stopped:  # a stop (the driver's, scancel's): said in a line, no traceback
+        print(f"hpc_rl.bound_torchrun: stopped by {stopped.sigval.name}; the ranks were stopped first",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + int(stopped.sigval)) from None
     finally:
         for pid in end_children():
             print(f"hpc_rl.bound_torchrun: ended pid {pid}, left behind by a trainer rank", file=sys.stderr,

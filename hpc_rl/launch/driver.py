@@ -11,7 +11,7 @@ Shutdown (success, failure, SIGINT/SIGTERM/scancel alike), every task the driver
 awaited or cancelled on purpose, so asyncio never reports an exception "never retrieved". SIGTERM (scancel,
 preemption, `kill`) first saves the rollout the trainer last trained if that fits in the grace time
 (`term_grace_s`: Slurm's KillWait minus a margin; 10 s on this machine) and sends the ranks their stop
-command (`controller.signal_stop`); SIGINT (Ctrl-C) and a second SIGTERM stop at once:
+command (`controller.signal_stop`); SIGINT (Ctrl-C) stops at once:
 
     signal ──> controller.stopping (a trainer or engine that now disconnects is not a failure)
            ──> cancel the main task ──> shutdown():
@@ -300,6 +300,8 @@ class Driver:
         """One check at a time: an engine restart asking about its node waits for the watch's decision."""
         self.graceful_stop: asyncio.Task[None] | None = None
         """After SIGTERM: the task that saves what the grace time allows and ends the controller's run."""
+        self.controller_run: asyncio.Task[dict[str, object]] | None = None
+        """The controller's run, from its start on (also after `run` took over its outcome)."""
 
     # -- engines -------------------------------------------------------------------------------------------
     async def start_engine(self, index: int, *, retry_on_bind_failure: int = ENGINE_BIND_RETRIES,
@@ -455,7 +457,8 @@ class Driver:
         if self.trainer_step is None:
             self._start_trainer()
         assert self.trainer_step is not None
-        run = self.run_task = asyncio.create_task(self.controller.run(), name="controller-run")
+        run = asyncio.create_task(self.controller.run(), name="controller-run")
+        self.run_task = self.controller_run = run
         while not run.done():
             await asyncio.wait({run}, timeout=1.0)
             self._supervise(run)
@@ -568,13 +571,32 @@ class Driver:
             self.controller.loop.stop_requested = True
 
     def stop_gracefully(self, main: asyncio.Task[Any]) -> None:
-        """SIGTERM: save what the grace time allows, then stop (a second SIGTERM, or one before the
-        controller runs, stops at once)."""
-        if self.graceful_stop is not None or self.run_task is None or self.controller is None:
+        """SIGTERM: save what the grace time allows, then stop (one before the controller runs stops at
+        once). Another SIGTERM changes nothing: Slurm delivers scancel's to the batch step twice (to the
+        guard's process group and through the guard); SIGINT stops at once."""
+        if self.graceful_stop is not None:
+            log.info("SIGTERM again: already stopping (SIGINT stops at once)")
+            return
+        if self.controller_run is None or self.controller is None:
             self.note_stopping()
             main.cancel()
             return
-        self.graceful_stop = asyncio.create_task(self._stop_gracefully(self.run_task), name="graceful stop")
+        self.graceful_stop = asyncio.create_task(self._stop_gracefully(self.controller_run), name="graceful stop")
+
+    async def stopped_by_signal_meanwhile(self, error: Exception, wait_s: float = 1.0) -> bool:
+        """Whether a SIGTERM comes within `wait_s` of the run ending with `error` (then its graceful stop
+        has run). On Slurm, scancel and preemption signal every step at once: an engine or the trainer can
+        die a moment before the driver's own SIGTERM arrives, and the run must then stop (saving what it
+        can), not fail with a traceback."""
+        deadline = time.monotonic() + wait_s
+        while self.graceful_stop is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.graceful_stop is None:
+            return False
+        log.warning("SIGTERM came as the run ended with %s: %s (Slurm signals every step at once): a stop, not a "
+                    "failure", type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        await self.graceful_stop
+        return True
 
     async def _stop_gracefully(self, run: asyncio.Task[Any]) -> None:
         assert self.controller is not None
@@ -583,6 +605,8 @@ class Driver:
         log.warning(message)
         print(f"hpc_rl: {message}", file=sys.stderr, flush=True)
         began = time.perf_counter()
+        self.controller.fleet.restart = None  # an engine that dies now (Slurm signals every step) stays down
+        await self.controller.fleet.stop_monitoring()
         outcome = await stop_with_checkpoint(self.controller.loop, self.controller.channel, run, grace)
         self.controller.outcome = "stopped"
         log.warning("%s (%.1f s after SIGTERM)", outcome, time.perf_counter() - began)
@@ -803,6 +827,8 @@ async def _drive(driver: Driver) -> int:
             log.error("the job is being ended by Slurm because node(s) %s failed", ", ".join(driver.lost))
         return EXIT_INTERRUPTED
     except Exception as error:
+        if not driver.local and await driver.stopped_by_signal_meanwhile(error):
+            return EXIT_INTERRUPTED
         driver.failure = error
         log.exception("run failed")
         print(f"hpc_rl: the run failed: {error}", file=sys.stderr, flush=True)
