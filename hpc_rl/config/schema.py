@@ -8,6 +8,8 @@ Each field's docstring (the string literal after it) is its `--help` text.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -549,3 +551,11 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+    def section_fields(self) -> Iterator[tuple[str, str, Any]]:
+        """(section, field, value) of every field of every section (model_args included when set)."""
+        for section in dataclasses.fields(self):
+            value = getattr(self, section.name)
+            if dataclasses.is_dataclass(value):
+                for item in dataclasses.fields(value):
+                    yield section.name, item.name, getattr(value, item.name)

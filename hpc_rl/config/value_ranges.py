@@ -8,7 +8,6 @@ and the eval sampling alike. Each problem names the field, the value and the all
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -83,16 +82,10 @@ def _sampling_problems(config: RunConfig) -> Iterator[RangeProblem]:
 def _nonfinite_problems(config: RunConfig) -> Iterator[RangeProblem]:
     """Every number of the config that is NaN or infinite (`--lr inf`, `--rollout-temperature nan`: YAML and
     Python's float() read both): none has a meaning, and a NaN passes every range test."""
-    for section in dataclasses.fields(config):
-        value = getattr(config, section.name)
-        if not dataclasses.is_dataclass(value):
-            continue
-        for field in dataclasses.fields(value):
-            number = getattr(value, field.name)
-            numbers = number if isinstance(number, list) else [number]
-            if any(isinstance(n, float) and not math.isfinite(n) for n in numbers):
-                yield RangeProblem(f"{section.name}.{field.name}",
-                                   f"{number} is not a finite number; give a real value")
+    for section, name, number in config.section_fields():
+        numbers = number if isinstance(number, list) else [number]
+        if any(isinstance(n, float) and not math.isfinite(n) for n in numbers):
+            yield RangeProblem(f"{section}.{name}", f"{number} is not a finite number; give a real value")
 
 
 def range_problems(config: RunConfig) -> list[RangeProblem]:
