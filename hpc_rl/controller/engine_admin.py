@@ -65,11 +65,13 @@ class EngineAdmin:
         self.calls_in_flight = 0
         self.in_flight: list[str] = []
         """Endpoints of the calls in flight, oldest first (what a stuck engine was asked)."""
+        self._started: list[float] = []
+        """When each call in flight began (the same order)."""
 
     async def _call(self, method: str, endpoint: str, body: dict[str, Any] | None = None,
-                    timeout_s: float | None = None) -> Any:
+                    timeout_s: float | None = None, *, notice: bool = True) -> Any:
         encoded = orjson.dumps(body) if body is not None else None
-        self._begin(endpoint, notice=True)
+        self._begin(endpoint, notice=notice)
         try:
             status, answer = await self.connection.request(method, endpoint, encoded, timeout_s or self.timeout_s)
         except EngineHTTPTransportError as error:
@@ -79,14 +81,17 @@ class EngineAdmin:
         return _checked(self.url, endpoint, status, answer)
 
     def _begin(self, endpoint: str, *, notice: bool) -> None:
+        loop = asyncio.get_running_loop()
         self.calls_in_flight += 1
         self.in_flight.append(endpoint)
+        self._started.append(loop.time())
         if notice:
-            asyncio.get_running_loop().call_later(STUCK_NOTICE_S, self._notice_if_silent, endpoint)
+            loop.call_later(STUCK_NOTICE_S, self._notice_if_silent, endpoint)
 
     def _end(self, endpoint: str) -> None:
         self.calls_in_flight -= 1
-        self.in_flight.remove(endpoint)
+        index = self.in_flight.index(endpoint)
+        del self.in_flight[index], self._started[index]
 
     def _notice_if_silent(self, endpoint: str) -> None:
         if endpoint in self.in_flight and self.silent_for() >= STUCK_NOTICE_S:
@@ -98,7 +103,7 @@ class EngineAdmin:
         """Seconds since the engine last showed life on a call in flight (0 when none is in flight)."""
         if not self.calls_in_flight:
             return 0.0
-        return asyncio.get_running_loop().time() - self.connection.progress_at()
+        return asyncio.get_running_loop().time() - max(self._started[0], self.connection.progress_at())
 
     def known_alive(self, seconds: float) -> bool:
         """Whether the engine answered an admin call in the last `seconds`, or has one in flight that showed
@@ -111,7 +116,7 @@ class EngineAdmin:
 
     async def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
-            await self._call("GET", "/health", timeout_s=timeout_s)
+            await self._call("GET", "/health", timeout_s=timeout_s, notice=False)  # its timeout says it
             return True
         except EngineAdminError:
             return False
