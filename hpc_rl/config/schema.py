@@ -519,10 +519,10 @@ class ControllerConfig:
     """Seconds between engine health checks."""
     engine_request_timeout: float = 600.0
     """Seconds before a generate request is considered hung."""
-    engine_admin_timeout: float = 120.0
-    """Seconds an engine may leave an admin call (pause, a weight-update bucket, memory release/resume)
-    without an answer while it does not answer /health either: then it is stuck, and failed as dead
-    (restarted). A stuck engine is logged after 5 s."""
+    engine_admin_timeout: float = 300.0
+    """Seconds an admin call (pause, a weight-update bucket, memory release/resume) may go without an answer
+    before it fails, and its engine with it. A call unanswered for 5 s is logged, and an engine that answers
+    neither the call nor /health is failed sooner, by the health check (restart path)."""
     max_engine_restarts: int = 3
     """Restarts of a failed engine before the run fails."""
     max_restarts: int = 0

@@ -30,7 +30,7 @@ STUCK_NOTICE_S = 5.0
 """An admin call without an answer for this long is logged (once per call), naming engine and endpoint."""
 IN_FLIGHT_TRUST_S = 10.0
 """A call in flight vouches for its engine (no health probe) while the engine answered within this long."""
-DEFAULT_ADMIN_TIMEOUT_S = 120.0
+DEFAULT_ADMIN_TIMEOUT_S = 300.0
 """`controller.engine_admin_timeout`'s default."""
 
 
