@@ -8,6 +8,8 @@ Each field's docstring (the string literal after it) is its `--help` text.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +118,14 @@ class RolloutConfig:
     """Maximum new tokens per sample."""
     rollout_max_context_len: int | None = None
     """Maximum prompt + response tokens (None: no extra limit)."""
+    rollout_max_prompt_len: int | None = None
+    """Longest prompt (tokens, chat template applied) a rollout uses; longer ones are dropped when drawn,
+    counted (rollout/prompts_too_long) and the first named by its data row. None: rollout_max_context_len - 1,
+    else what leaves the engines room for one response token."""
+    reward_timeout: float = 300.0
+    """Seconds one reward call may take (a sample's; a group's with group_rm). Custom rewards run in a thread
+    of their own, never on the controller's event loop; one that takes longer is an error naming the sample
+    and the reward function."""
     rollout_temperature: float = 1.0
     """Sampling temperature."""
     rollout_top_p: float = 1.0
@@ -238,6 +248,9 @@ class TrainingConfig:
     """Average the loss over all tokens of a step instead of summing per-sample means."""
     seed: int = 1234
     """Trainer RNG seed."""
+    max_nonfinite_steps: int = 3
+    """Optimizer steps in a row whose loss or gradient norm is NaN/inf (each is skipped, and named in the
+    trainer's log) before the run stops with an error; 0 stops at the first."""
     num_threads: int = 1
     """torch intra-op threads per rank on CPU (1 is fastest with several processes per core)."""
     offload_train: bool = False
@@ -389,6 +402,9 @@ class CheckpointConfig:
     """Directory for actor + controller checkpoints (default: <run_dir>/checkpoints)."""
     save_interval: int | None = None
     """Save every this many rollouts (None: only at the end)."""
+    keep_last: int | None = None
+    """Keep only the newest this many checkpoints in `save` (older iter_* dirs are removed after each save;
+    None: keep every one)."""
 
 
 @dataclass(kw_only=True)
@@ -531,6 +547,10 @@ class ControllerConfig:
     """Seconds between engine health checks."""
     engine_request_timeout: float = 600.0
     """Seconds before a generate request is considered hung."""
+    engine_admin_timeout: float = 300.0
+    """Seconds an admin call (pause, a weight-update bucket, memory release/resume) may go without an answer
+    before it fails, and its engine with it. A call unanswered for 5 s is logged, and an engine that answers
+    neither the call nor /health is failed sooner, by the health check (restart path)."""
     max_engine_restarts: int = 3
     """Restarts of a failed engine before the run fails."""
     max_restarts: int = 0
@@ -608,3 +628,11 @@ class RunConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+
+    def section_fields(self) -> Iterator[tuple[str, str, Any]]:
+        """(section, field, value) of every field of every section (model_args included when set)."""
+        for section in dataclasses.fields(self):
+            value = getattr(self, section.name)
+            if dataclasses.is_dataclass(value):
+                for item in dataclasses.fields(value):
+                    yield section.name, item.name, getattr(value, item.name)

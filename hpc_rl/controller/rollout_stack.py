@@ -35,6 +35,7 @@ from hpc_rl.data.prompt_tokenizer import load_prompt_tokenizer
 from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptSource, make_prompt_encoder
 from hpc_rl.rewards.group import RewardSpec, reward_group
 from hpc_rl.rewards.pool import RewardPool
+from hpc_rl.rewards.reward_thread import RewardThread
 from hpc_rl.rewards.scoring import REMOTE_RM, split_boxed_prefix
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
 from hpc_rl.rollout.engine_client import engine_context_length
@@ -43,7 +44,7 @@ from hpc_rl.rollout.scheduler import RewardFn
 from hpc_rl.rollout.sft import SftRollouts, checkpoint_stop_token_ids, sft_eval_samples
 from hpc_rl.rollout.teacher import TeacherLogprobs
 from hpc_rl.telemetry.recorder import RunRecorder
-from hpc_rl.telemetry.scalars import ScalarLog
+from hpc_rl.telemetry.scalars import ScalarLog, eval_sampling_note
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class RolloutStack:
     """Started and closed by the controller (`rollout.reward_workers` > 0)."""
     teacher: TeacherLogprobs | None = None
     """On-policy distillation with a teacher server (closed by the controller)."""
+    reward_thread: RewardThread | None = None
+    """Where custom reward functions run (closed by the controller)."""
 
 
 def load_prompts(rollout: RolloutConfig) -> tuple[PromptDataset, DataKeys]:
@@ -114,8 +117,10 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     # No workers for custom functions (they run on the loop) or remote_rm (an HTTP call, no CPU to offload).
     rule_rewards = not rollout.custom_rm_path and split_boxed_prefix((rollout.rm_type or "").strip())[1] != REMOTE_RM
     pool = RewardPool(rollout.reward_workers) if rollout.reward_workers and rule_rewards else None
+    thread = RewardThread() if rollout.custom_rm_path else None  # custom functions never block the loop
     spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,
-                      group_rm=rollout.group_rm, args=args, pool=pool)
+                      group_rm=rollout.group_rm, args=args, pool=pool, timeout_s=rollout.reward_timeout,
+                      thread=thread)
 
     async def reward_fn(samples: list[Any]) -> list[float]:
         return await reward_group(spec, samples)
@@ -137,9 +142,10 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
                                              reward_fn=scored_with_teacher)
     num_rollout = num_rollouts(rollout, len(dataset))
     loop = assemble_loop(config, scheduler=scheduler, registry=registry, channel=channel, fleet=fleet,
-                         recorder=run_recorder(config, num_rollout), evaluate=make_evaluate(config, client, keys, encoder, reward_fn, args),
+                         recorder=run_recorder(config, num_rollout),
+                         evaluate=make_evaluate(config, client, keys, encoder, reward_fn, args),
                          num_rollout=num_rollout)
-    return RolloutStack(client=client, loop=loop, reward_pool=pool, teacher=teacher)
+    return RolloutStack(client=client, loop=loop, reward_pool=pool, reward_thread=thread, teacher=teacher)
 
 
 async def _nothing() -> None:
@@ -148,8 +154,11 @@ async def _nothing() -> None:
 
 def run_recorder(config: RunConfig, num_rollout: int) -> RunRecorder:
     tensorboard_dir = config.logging.tensorboard_dir or str(Path(config.run_dir) / "tensorboard")
+    eval_temperature = (config.eval.eval_temperature if config.eval.eval_temperature is not None
+                        else config.rollout.rollout_temperature)
     return RunRecorder(config.run_dir, ScalarLog.for_controller(tensorboard_dir, config, run_dir=config.run_dir),
-                       num_rollout=num_rollout, print_fn=lambda line: print(line, flush=True))
+                       num_rollout=num_rollout, print_fn=lambda line: print(line, flush=True),
+                       eval_sampling=eval_sampling_note(eval_temperature, config.eval.n_samples_per_eval_prompt))
 
 
 def build_sft_stack(config: RunConfig, *, registry: Registry, channel: TrainerChannel,

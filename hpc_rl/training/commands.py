@@ -43,6 +43,8 @@ from hpc_rl.protocol.messages import (
 from hpc_rl.telemetry.scalars import ScalarLog
 from hpc_rl.training import checkpoint
 from hpc_rl.training.actor import TrainerParts
+from hpc_rl.training.checkpoint_files import prune_iterations
+from hpc_rl.training.nonfinite import NonFiniteSteps, check_finite_weights
 from hpc_rl.training.eval_loss import evaluate_loss
 from hpc_rl.engines.child_process import free_port
 from hpc_rl.training.critic import critic_save_dir
@@ -129,9 +131,12 @@ class TrainerCommands:
 
     def __init__(self, parts: TrainerParts, *, arch: ModelArchitecture, info: ParallelInfo, source: CommandSource,
                  save_dir: str | None, scalars: ScalarLog | None = None, engine_api_key: str | None = None,
-                 offload_train: bool = True) -> None:
+                 offload_train: bool = True, keep_last: int | None = None, max_nonfinite_steps: int = 3) -> None:
         self.parts, self.arch, self.info, self.source = parts, arch, info, source
         self.save_dir, self.scalars = save_dir, scalars
+        self.keep_last = keep_last
+        """checkpoint.keep_last: rank 0 removes older checkpoints after each save."""
+        self.nonfinite = NonFiniteSteps(max_nonfinite_steps)
         self.sender: WeightSender | None = None
         self.engine_api_key = engine_api_key
         """Colocated mode: this rank posts its weights to its engine itself (derived from the job secret)."""
@@ -174,12 +179,16 @@ class TrainerCommands:
                 raise ValueError("SaveCommand but checkpoint.save is not set")
             path = checkpoint.save_checkpoint(root, self.parts.actor, self.parts.optimizer, checkpoint.TrainerState(
                 rollout_id=command.rollout_id, controller_state=command.controller_state))
-            saved = {"checkpoint": str(path)}
+            saved, roots = {"checkpoint": str(path)}, [root]
             if self.parts.critic_model is not None and self.parts.critic_optimizer is not None:
-                critic_root = critic_save_dir(self.parts.critic_config, root)
+                roots.append(critic_save_dir(self.parts.critic_config, root) or "")
                 saved["critic_checkpoint"] = str(checkpoint.save_checkpoint(
-                    critic_root, self.parts.critic_model, self.parts.critic_optimizer,
+                    roots[-1], self.parts.critic_model, self.parts.critic_optimizer,
                     checkpoint.TrainerState(rollout_id=command.rollout_id)))
+            if self.keep_last and self.info.rank == 0:
+                for kept_root in roots:
+                    for old in prune_iterations(kept_root, self.keep_last):
+                        log.info("removed %s (checkpoint.keep_last=%d)", old, self.keep_last)
             return saved
         raise ValueError(f"unknown trainer command {type(command).__name__}")
 
@@ -191,6 +200,7 @@ class TrainerCommands:
                 if optimizer is not None:
                     optimizer.set_run_length(total)
         steps = self.parts.trainer.train_rollout(batch)
+        self.nonfinite.check(command.rollout_id, steps)
         if self.info.rank == 0:
             for offset, metrics in enumerate(steps):
                 step = self.parts.optimizer.steps_done - len(steps) + offset + 1  # steps done, as rollout/* counts rollouts
@@ -210,6 +220,7 @@ class TrainerCommands:
     def colocated_sync(self, command: ColocatedSyncCommand) -> dict[str, Any]:
         if "weights" in self.offload.offloaded_tags:
             self.offload.require_onloaded("a colocated weight update")
+        check_finite_weights(self.parts.actor, device=self.info.device, rank=self.info.rank)
         if self.colocated_sender is None:
             from megatron.core import parallel_state
 
@@ -227,6 +238,7 @@ class TrainerCommands:
                                           bucket_bytes=command.bucket_bytes)
 
     def send_weights(self, command: SyncWeightsCommand) -> dict[str, Any]:
+        check_finite_weights(self.parts.actor, device=self.info.device, rank=self.info.rank)
         if self.sender is None:
             from megatron.core import parallel_state
 
