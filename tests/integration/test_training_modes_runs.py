@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.run_helpers import REPO_ROOT, processes_mentioning, records, submit_argv
+from tests.integration.test_run_local import tensorboard_scalars
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +89,7 @@ def metric(rows: list[dict], key: str) -> list[float]:
 
 def test_tiny_sft_learns_as_a_trainer_only_job(tmp_path: Path) -> None:
     run_dir = tmp_path / "sft"
-    output, watch = run(run_dir, "configs/tiny_sft_cpu.yaml")
+    _, watch = run(run_dir, "configs/tiny_sft_cpu.yaml")
     assert watch.matching("hpc_rl.training"), "the trainer never showed up in the process table"
     assert watch.matching("hpc_rl.engines", "sglang_router", "sglang.launch_server", "launch_router") == []
     assert not (run_dir / "logs" / "router.log").exists() and not list((run_dir / "logs").glob("engine-*.log"))
@@ -97,7 +98,7 @@ def test_tiny_sft_learns_as_a_trainer_only_job(tmp_path: Path) -> None:
     assert len(losses) == 64 and max(r["metrics"]["rollout/epoch"] for r in rows) == 1.0  # two epochs of 32
     assert statistics.mean(losses[-8:]) < 0.5 * statistics.mean(losses[:4]), losses
     exact = metric(rows, "eval/tiny_copy_chat/exact_match")
-    before = float(output.split("tiny_copy_chat/exact_match ", 1)[1].split()[0])  # the eval before training
+    before = tensorboard_scalars(run_dir, "eval/tiny_copy_chat/exact_match")[0]  # the eval before training
     assert exact[-1] >= 0.8 and exact[-1] - before >= 0.6, (before, exact)
     assert metric(rows, "eval/tiny_copy_chat/loss")[-1] < 1.0
     assert processes_mentioning(str(run_dir)) == []
@@ -138,7 +139,7 @@ def test_tiny_opd_distils_from_a_teacher_started_with_the_job(tmp_path: Path) ->
     assert len(kl) == len(rows) == 40
     assert statistics.mean(kl[-8:]) < statistics.mean(kl[:8]) - 0.3, kl
     teacher = json.loads((REPO_ROOT / "assets/tiny_qwen3_teacher/teacher_eval.json").read_text())["reward_mean"]
-    before = float(output.split("tiny_copy/reward_mean ", 1)[1].split()[0])
+    before = tensorboard_scalars(run_dir, "eval/tiny_copy/reward_mean")[0]  # the eval before training
     after = metric(rows, "eval/tiny_copy/reward_mean")[-1]
     assert after - before >= 0.5 and after >= 0.6 * teacher, (before, after, teacher)
     sampled = metric(rows, "rollout/reward_mean")
@@ -159,7 +160,7 @@ def test_tiny_ppo_trains_a_critic_and_learns(tmp_path: Path) -> None:
     ratios = [r["metrics"]["train/value_loss"] / max(1e-6, r["metrics"]["rollout/reward_mean"] *
                                                      (1 - r["metrics"]["rollout/reward_mean"])) for r in critic_only]
     assert statistics.mean(ratios[-3:]) < ratios[0], ratios
-    before = float(output.split("tiny_copy/reward_mean ", 1)[1].split()[0])
+    before = tensorboard_scalars(run_dir, "eval/tiny_copy/reward_mean")[0]
     assert metric(rows, "eval/tiny_copy/reward_mean")[-1] - before >= 0.4, output[-2000:]
     assert (tmp_path / "ckpt" / "critic" / "latest_checkpointed_iteration.txt").read_text() == str(len(rows) - 1)
     assert processes_mentioning(str(run_dir)) == []
