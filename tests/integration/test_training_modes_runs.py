@@ -60,17 +60,20 @@ class ProcessWatch:
     """Samples the run's process tree every 0.3 s while it runs: every command line ever seen."""
 
     def __init__(self, process: subprocess.Popen[str]) -> None:
-        self.process, self.seen = process, {}
+        self.process, self.seen, self.lock = process, {}, threading.Lock()
         self.thread = threading.Thread(target=self._watch, daemon=True)
         self.thread.start()
 
     def _watch(self) -> None:
         while self.process.poll() is None:
-            self.seen.update(descendants(self.process.pid))
+            found = descendants(self.process.pid)
+            with self.lock:
+                self.seen.update(found)
             time.sleep(0.3)
 
     def matching(self, *words: str) -> list[str]:
-        return [line for line in self.seen.values() if any(word in line for word in words)]
+        with self.lock:
+            return [line for line in self.seen.values() if any(word in line for word in words)]
 
 
 def run(run_dir: Path, config: str, *flags: str, timeout_s: float = 600) -> tuple[str, ProcessWatch]:
