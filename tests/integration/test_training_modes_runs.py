@@ -158,11 +158,12 @@ def test_tiny_ppo_trains_a_critic_and_learns(tmp_path: Path) -> None:
     critic_only = [r for r in rows if "train/pg_loss" not in r["metrics"]]
     assert [r["rollout_id"] for r in critic_only] == list(range(8))  # num_critic_only_steps
     assert all("train/critic_grad_norm" in r["metrics"] and "train/value_loss" in r["metrics"] for r in rows)
-    # The value loss over the reward's variance p(1 - p) of the same batch (a constant critic at the batch's mean
-    # scores 1 at the first response token): the fresh head's ~1.45 falls to about 1 over the critic-only rollouts.
+    # The value loss over the reward's variance p(1 - p) of the same batch (what a constant critic at the batch's
+    # mean scores): the fresh head's ~1.4 falls to about 1 by the last critic-only rollouts (measured: 1.43, 2.21,
+    # 1.11, 1.13, 1.01, 1.00, 1.06, 1.03).
     ratios = [r["metrics"]["train/value_loss"] / max(1e-6, r["metrics"]["rollout/reward_mean"] *
                                                      (1 - r["metrics"]["rollout/reward_mean"])) for r in critic_only]
-    assert statistics.mean(ratios[-3:]) < ratios[0], ratios
+    assert statistics.mean(ratios[-3:]) < ratios[0] - 0.15 and max(ratios[-3:]) < ratios[0], ratios
     before = tensorboard_scalars(run_dir, "eval/tiny_copy/reward_mean")[0]
     assert metric(rows, "eval/tiny_copy/reward_mean")[-1] - before >= 0.4, output[-2000:]
     assert (tmp_path / "ckpt" / "critic" / "latest_checkpointed_iteration.txt").read_text() == str(len(rows) - 1)
