@@ -27,7 +27,7 @@ from hpc_rl.config.settings_sources import (
     read_yaml_settings, section_types, yaml_settings_and_problems,
 )
 from hpc_rl.config.settings_sources import _field_hint as field_hint
-from hpc_rl.config.slime_flags import PLUGIN_PATH_FIELDS, SLIME_PLUGIN_PATHS, SLIME_RM_MODULES
+from hpc_rl.config.slime_flags import PLUGIN_PATH_FIELDS, SLIME_PLUGIN_PATHS, SLIME_RM_MODULES, as_slime_module_path
 from hpc_rl.config.typing_rules import ConfigError, ConfigErrors, coerce_value
 
 RESOLVED_CONFIG_NAME = "config.resolved.yaml"
@@ -41,8 +41,18 @@ def _messages(error: ConfigError) -> list[str]:
     return error.messages if isinstance(error, ConfigErrors) else [str(error)]
 
 
+LEGACY_EVAL_NAME = "aime"
+"""slime's name for a lone --eval-prompt-data path (its "[legacy] only one eval_prompt_data" rule)."""
+
+
 def _eval_datasets(value: Any, where: str) -> list[EvalDataset]:
-    """name/path pairs from a flat list [n, p, ...], a mapping {n: p}, or [{name, path}, ...]."""
+    """name/path pairs from a flat list [n, p, ...], a mapping {n: p}, or [{name, path}, ...]; one path
+    alone is named `aime`, as slime names it."""
+    if isinstance(value, str) or isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        path = value if isinstance(value, str) else value[0]
+        log.info("--eval-prompt-data %s: one path without a name; named %r as slime does ([legacy] rule)",
+                 path, LEGACY_EVAL_NAME)
+        return [EvalDataset(name=LEGACY_EVAL_NAME, path=path)]
     if isinstance(value, dict):
         return [EvalDataset(name=str(k), path=str(v)) for k, v in value.items()]
     if isinstance(value, list) and all(isinstance(v, dict) for v in value):
@@ -55,15 +65,17 @@ def _eval_datasets(value: Any, where: str) -> list[EvalDataset]:
 
 
 def _slime_plugin_path(path: str, value: Any, raw: dict[str, dict[str, Any]], where: str) -> Any:
-    """slime's plug-in import paths -> hpc_rl's equivalents, with one log line each."""
-    if not isinstance(value, str) or not value.startswith("slime."):
+    """slime's (and vime's) plug-in import paths -> hpc_rl's equivalents, with one log line each."""
+    slime_value = as_slime_module_path(value) if isinstance(value, str) else None
+    if slime_value is None:
         return value
     flag = "--" + path.split(".")[1].replace("_", "-")
-    module = value.rpartition(".")[0]
-    if value in SLIME_PLUGIN_PATHS:
-        target = SLIME_PLUGIN_PATHS[value]
-        log.info("%s %s is slime's; hpc_rl uses %s", flag, value, target or "its built-in default")
-        return target
+    module = slime_value.rpartition(".")[0]
+    for known in (value, slime_value):
+        if known in SLIME_PLUGIN_PATHS:
+            target = SLIME_PLUGIN_PATHS[known]
+            log.info("%s %s is slime's; hpc_rl uses %s", flag, value, target or "its built-in default")
+            return target
     if path == "rollout.custom_rm_path" and module in SLIME_RM_MODULES:
         rm_type = SLIME_RM_MODULES[module]
         log.info("%s %s is slime's %s reward; hpc_rl uses rm_type %s", flag, value, rm_type, rm_type)

@@ -19,6 +19,8 @@ RM_TYPES = ("deepscaler", "dapo", "math", "f1", "remote_rm", "tiny_task")
 LOSS_TYPES = ("policy_loss", "custom_loss")
 WANDB_MODES = ("online", "offline", "disabled")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+"""sglang-router 0.3.2's load-balancing policies."""
 
 
 @dataclass(kw_only=True)
@@ -217,6 +219,10 @@ class TrainingConfig:
     """Colocated: move the trainer's weights, gradients and optimizer state off the GPU while engines
     generate (slime's --offload-train / --offload; on by default when colocated, as in slime). False
     (--no-offload-train): they stay on the GPU beside the engines' KV cache. Decoupled runs refuse it."""
+    train_memory_margin_bytes: int = 1024**3
+    """Colocated: bytes of each GPU kept free for the trainer's transient allocations beside the engines'
+    memory (vime/slime's --train-memory-margin-bytes, default 1 GiB); read by the colocated memory plan.
+    Decoupled runs ignore it."""
 
     def __post_init__(self) -> None:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
@@ -395,6 +401,10 @@ class SGLangConfig:
     """sglang-router policy: cache_aware | round_robin | power_of_two | random."""
     extra_args: dict[str, Any] = field(default_factory=dict)
     """Any other server option by SGLang name (e.g. {enable_memory_saver: true})."""
+
+    def __post_init__(self) -> None:
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"sglang.router_policy: {self.router_policy!r} is not one of {', '.join(ROUTER_POLICIES)}")
 
     def server_options(self) -> dict[str, Any]:
         """All options for `sglang.launch_server`, by SGLang's own names."""

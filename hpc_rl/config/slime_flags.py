@@ -90,7 +90,7 @@ COMPAT_FLAGS: dict[str, CompatFlag] = {
     "use_distributed_optimizer": CompatFlag((True,), "hpc_rl always uses Megatron's distributed optimizer on GPU"),
     "train_backend": CompatFlag(("megatron",), "hpc_rl trains with Megatron-core only"),
     "rollout_function_path": CompatFlag(
-        ("slime.rollout.sglang_rollout.generate_rollout",),
+        ("slime.rollout.sglang_rollout.generate_rollout", "vime.rollout.vllm_rollout.generate_rollout"),
         "hpc_rl's controller runs slime's default rollout; per-sample logic goes in --custom-generate-function-path"),
 }
 
@@ -140,7 +140,19 @@ SLIME_PLUGIN_PATHS: dict[str, str | None] = {
     "slime.rollout.sglang_rollout.generate": None,
     "slime.rollout.rm_hub.async_rm": None,
     "slime.rollout.rm_hub.batched_async_rm": None,
+    # vime (slime on vLLM): its default generate function
+    "vime.rollout.vllm_rollout.generate": None,
 }
+SLIME_FORK_PREFIXES = ("vime.",)
+"""Forks of slime whose modules mirror slime's (`vime.rollout.filter_hub...` is `slime.rollout.filter_hub...`)."""
+
+
+def as_slime_module_path(value: str) -> str | None:
+    """`value` as slime's import path (a fork's prefix replaced), or None when it is neither slime's nor a fork's."""
+    if value.startswith("slime."):
+        return value
+    fork = next((p for p in SLIME_FORK_PREFIXES if value.startswith(p)), None)
+    return "slime." + value[len(fork):] if fork else None
 # slime reward modules given as --custom-rm-path -> the rm_type that computes the same reward here.
 SLIME_RM_MODULES: dict[str, str] = {
     "slime.rollout.rm_hub.deepscaler": "deepscaler",

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     scalars = ScalarLog(tensorboard if info.rank == 0 else None, filename_suffix=".trainer")
     try:
         TrainerCommands(parts, arch=arch, info=info, source=source, save_dir=save_dir, scalars=scalars,
-                        engine_api_key=engine_key, offload_train=config.training.offload_train).run()
+                        engine_api_key=engine_key, offload_train=config.training.offload_train,
+                        train_memory_margin_bytes=config.training.train_memory_margin_bytes).run()
     finally:
         scalars.close()
         shutdown_parallel()

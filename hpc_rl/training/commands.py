@@ -125,14 +125,14 @@ class TrainerCommands:
 
     def __init__(self, parts: TrainerParts, *, arch: ModelArchitecture, info: ParallelInfo, source: CommandSource,
                  save_dir: str | None, scalars: ScalarLog | None = None, engine_api_key: str | None = None,
-                 offload_train: bool = True) -> None:
+                 offload_train: bool = True, train_memory_margin_bytes: int = 0) -> None:
         self.parts, self.arch, self.info, self.source = parts, arch, info, source
         self.save_dir, self.scalars = save_dir, scalars
         self.sender: WeightSender | None = None
         self.engine_api_key = engine_api_key
         """Colocated mode: this rank posts its weights to its engine itself (derived from the job secret)."""
         self.offload = TrainerOffload(models=[parts.actor, parts.ref_model], optimizer=parts.optimizer,
-                                      enabled=offload_train)
+                                      enabled=offload_train, margin_bytes=train_memory_margin_bytes)
         """Colocated: training.offload_train false keeps the state on the device (slime's --no-offload-train)."""
         self.colocated_sender = None
         self.group_address: tuple[str, int] | None = None
