@@ -17,26 +17,14 @@ import argparse
 import ast
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "hpc_rl" / "config" / "slime_arguments.tsv"
+sys.path.insert(0, str(REPO))
+from hpc_rl.config.slime_flag_list import SLIME_ARGUMENTS_LIST, SlimeFlag  # noqa: E402
+
 ARGUMENTS_PATH = "slime/utils/arguments.py"
 SWITCH_ACTIONS = ("store_true", "store_false", "BooleanOptionalAction")
-
-
-@dataclass(frozen=True)
-class SlimeFlag:
-    flag: str
-    group: str
-    kind: str
-    type: str
-    choices: str
-    default: str
-
-    def line(self) -> str:
-        return "\t".join((self.flag, self.group, self.kind, self.type, self.choices, self.default))
 
 
 def _literal(node: ast.AST | None) -> object:
@@ -81,7 +69,7 @@ def _flag_of(call: ast.Call, function_name: str) -> SlimeFlag | None:
     choices = _literal(keywords.get("choices"))
     default = _literal(keywords.get("default"))
     return SlimeFlag(flag=options[0], group=_group(function_name), kind=kind, type=type_name,
-                     choices="|".join(map(str, choices)) if isinstance(choices, (list, tuple)) else "",
+                     choices=tuple(map(str, choices)) if isinstance(choices, (list, tuple)) else (),
                      default="" if default is None else repr(default))
 
 
@@ -108,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slime-repo", default="/work/.mirror/THUDM+slime/repo", help="slime's git directory")
     parser.add_argument("--rev", default="HEAD")
-    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--out", default=str(SLIME_ARGUMENTS_LIST))
     args = parser.parse_args(argv)
     commit = _git(args.slime_repo, "rev-parse", args.rev).strip()
     date = _git(args.slime_repo, "show", "-s", "--format=%cs", commit).strip()

@@ -496,7 +496,13 @@ class ControllerConfig:
     registration_timeout: float = 600.0
     """Seconds to wait for every trainer rank and engine to register."""
     engine_health_interval: float = 5.0
-    """Seconds between engine health checks."""
+    """Seconds between engine health checks (slime's --rollout-health-check-interval)."""
+    engine_health_timeout: float = 10.0
+    """Seconds an engine has to answer a health check before it is failed and restarted (slime's
+    --rollout-health-check-timeout)."""
+    engine_health_first_wait: float = 0.0
+    """Seconds after an engine registers (at start and after each restart) before its first health check: room
+    for compilation and warm-up (slime's --rollout-health-check-first-wait; raise it for DeepGEMM)."""
     engine_request_timeout: float = 600.0
     """Seconds before a generate request is considered hung."""
     max_engine_restarts: int = 3

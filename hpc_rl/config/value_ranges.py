@@ -49,7 +49,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{path: _UNIT for path in ("algorithm.gamma", "algorithm.lambd", "sglang.mem_fraction_static")},
     **{path: _BETA for path in ("optimizer.adam_beta1", "optimizer.adam_beta2")},
     # slime / vime flags of issues 25 and 26
-    **{path: _at_least(0) for path in ("training.train_memory_margin_bytes",)},
+    **{path: _at_least(0) for path in ("training.train_memory_margin_bytes", "controller.engine_health_first_wait")},
+    **{path: _POSITIVE for path in ("controller.engine_health_timeout",)},
 }
 
 # (temperature, top_p, top_k) field paths of each sampling setting.
