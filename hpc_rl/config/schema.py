@@ -287,6 +287,13 @@ class AlgorithmConfig:
     custom_advantage_function_path: str | None = None
     """Import path of slime's `fn(args, rollout_data)` that sets rollout_data["advantages"] and ["returns"]
     (per-sample token tensors) in place of advantage_estimator's; called on the trainer per rollout."""
+    ref_update_interval: int | None = None
+    """Every this many rollouts the reference model takes the actor's weights (slime's --ref-update-interval;
+    None: the reference stays fixed). The updated reference is saved with each checkpoint."""
+    keep_old_actor: bool = False
+    """Old log-probs from the weights the engines generated the rollout with (kept on the host at each weight
+    sync) instead of the trainer's current ones: they differ with update_weights_interval > 1 or in async mode
+    (slime's --keep-old-actor)."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -331,6 +338,9 @@ class OptimizerConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0: off)."""
+    reset_optimizer_states: bool = False
+    """Zero Adam's moments and step count before each rollout's training (slime's --reset-optimizer-states);
+    the learning-rate schedule goes on."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "sgd"):
@@ -353,6 +363,19 @@ class CheckpointConfig:
     """Directory for actor + controller checkpoints (default: <run_dir>/checkpoints)."""
     save_interval: int | None = None
     """Save every this many rollouts (None: only at the end)."""
+    save_optim: bool = True
+    """Save the optimizer state with each checkpoint (slime's --no-save-optim: false; a resume from such a
+    checkpoint restores the weights and the run's position and starts the optimizer's moments afresh)."""
+    save_hf: str | None = None
+    """Also write the weights of each saved rollout as an HF directory (safetensors, config and tokenizer of
+    hf_checkpoint) at this path, `{rollout_id}` replaced (slime's --save-hf)."""
+    ref_ckpt_step: int | None = None
+    """Load this iteration of ref_load (a torch_dist root) as the reference, and as the start when load holds no
+    checkpoint, instead of its latest (slime's --ref-ckpt-step)."""
+    start_rollout_id: int | None = None
+    """First rollout id of a run that does not resume from a checkpoint with its position (None: 0): rollouts
+    start_rollout_id .. num_rollout - 1 run, the schedules (eval, save) follow the ids (slime's
+    --start-rollout-id; a checkpoint's own position wins, so a requeued run continues where it stopped)."""
 
 
 @dataclass(kw_only=True)

@@ -217,6 +217,8 @@ SLIME_REST_REFUSED: dict[str, str] = {
     "ci_train_rollout_logprob_abs_diff_threshold": "slime's own CI switch; drop it",
     "ci_save_grad_norm": "slime's own CI switch; drop it",
     "ci_load_grad_norm": "slime's own CI switch; drop it",
+    "async_save": ("not offered: hpc_rl writes each checkpoint synchronously and commits it atomically (every rank "
+                   "done, then the tracker), so a preempted job never leaves a half-written one; drop it"),
     "padded_vocab_size": ("hpc_rl pads the vocabulary itself (to a multiple of 128 x TP, Megatron's rule) and masks "
                           "the padded logits; drop it"),
 }

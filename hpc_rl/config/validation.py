@@ -255,11 +255,34 @@ def _wandb_problems(config: RunConfig) -> list[Problem]:
     return []
 
 
+def _slime_flag_problems(config: RunConfig) -> list[Problem]:
+    """Cross-field rules of the slime flags of issues 25/26 (checkpoint, reference, old log-probs)."""
+    checkpoint, algorithm = config.checkpoint, config.algorithm
+    problems = []
+    has_reference = algorithm.use_kl_loss or algorithm.kl_coef != 0.0
+    if algorithm.ref_update_interval is not None and not has_reference:
+        problems.append(Problem("algorithm.ref_update_interval", "updates the reference model, which this run does "
+                                "not have (it needs use_kl_loss or kl_coef): drop it or add the KL term"))
+    if checkpoint.ref_ckpt_step is not None and not checkpoint.ref_load:
+        problems.append(Problem("checkpoint.ref_ckpt_step", "picks an iteration of ref_load, which is not set: "
+                                "give --ref-load a torch_dist checkpoint root"))
+    if algorithm.keep_old_actor and algorithm.use_rollout_logprobs:
+        problems.append(Problem("algorithm.keep_old_actor", "computes old log-probs at the engines' weights, but "
+                                "use_rollout_logprobs takes the engines' own log-probs: drop one of them"))
+    if checkpoint.save_hf:
+        try:
+            checkpoint.save_hf.format(rollout_id=0)
+        except (KeyError, IndexError, ValueError) as error:
+            problems.append(Problem("checkpoint.save_hf", f"{checkpoint.save_hf!r} is not a path template with only "
+                                    f"{{rollout_id}} in braces ({type(error).__name__}: {error})"))
+    return problems
+
+
 def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Problem]:
     """Every problem found in `config` (empty list = valid). With check_files, every line of the
     prompt files is checked too (not a sample of them)."""
     problems = (_single_field_problems(config) + _batch_problems(config) + _topology_problems(config)
-                + _model_problems(config))
+                + _model_problems(config) + _slime_flag_problems(config))
     if check_files:
         problems += [Problem(p.field, p.message) for p in path_problems(config) + prompt_file_problems(config)]
     problems += _plugin_problems(config)

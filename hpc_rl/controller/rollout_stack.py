@@ -133,4 +133,5 @@ def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler, registry: R
     checkpoints = Checkpoints(config.checkpoint, trainers=trainers, rollouts=rollouts, colocated=weights.colocated,
                               num_rollout=num_rollout)
     return RunLoop(rollouts=rollouts, trainers=trainers, weights=weights, checkpoints=checkpoints, recorder=recorder,
-                   evaluate=evaluate, eval_config=config.eval, num_rollout=num_rollout)
+                   evaluate=evaluate, eval_config=config.eval, num_rollout=num_rollout,
+                   first_rollout_id=config.checkpoint.start_rollout_id or 0)

@@ -45,11 +45,13 @@ class RunLoop:
     """Rollouts `next_rollout_id` .. `num_rollout` - 1, one call per step into the part that owns it."""
 
     def __init__(self, *, rollouts: Rollouts, trainers: Trainers, weights: WeightUpdates, checkpoints: Checkpoints,
-                 recorder: RunRecorder, evaluate: Evaluate | None, eval_config: EvalConfig, num_rollout: int) -> None:
+                 recorder: RunRecorder, evaluate: Evaluate | None, eval_config: EvalConfig, num_rollout: int,
+                 first_rollout_id: int = 0) -> None:
         self.rollouts, self.trainers, self.weights = rollouts, trainers, weights
         self.checkpoints, self.recorder, self.evaluate = checkpoints, recorder, evaluate
         self.eval_config, self.num_rollout = eval_config, num_rollout
-        self.next_rollout_id = 0
+        self.next_rollout_id = first_rollout_id
+        """Where a run that does not resume starts (checkpoint.start_rollout_id); `restore` moves it."""
         self.stop_requested = False
         """Set on a timeout/preemption warning: save at the next rollout boundary and stop (requeue)."""
         self.stopped_for_requeue = False

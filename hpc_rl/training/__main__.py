@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         TrainerCommands(parts, arch=arch, info=info, source=source, save_dir=save_dir, scalars=scalars,
                         engine_api_key=engine_key, offload_train=config.training.offload_train,
-                        train_memory_margin_bytes=config.training.train_memory_margin_bytes).run()
+                        train_memory_margin_bytes=config.training.train_memory_margin_bytes,
+                        checkpoint_config=config.checkpoint).run()
     finally:
         scalars.close()
         shutdown_parallel()

@@ -2,7 +2,8 @@
 
 Owns: where the initial weights come from (slime's rules: `load` if it holds a checkpoint, else
 `ref_load`, else `hf_checkpoint`; each of `load`/`ref_load` may be a torch_dist checkpoint or an HF
-directory) and building the `RolloutTrainer`. Does not own the command loop (`__main__`).
+directory; `ref_ckpt_step` picks an iteration of `ref_load`; a checkpoint that saved an updated reference
+restores it) and building the `RolloutTrainer`. Does not own the command loop (`__main__`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ from hpc_rl.weights.hf_import import is_hf_checkpoint, load_hf_into_model
 
 
 def load_weights(model: torch.nn.Module, source: str | Path, arch: ModelArchitecture, info: ParallelInfo,
-                 *, model_file: str | Path | None = None) -> None:
-    """Weights only, from an HF directory or a torch_dist checkpoint (any TP size)."""
+                 *, model_file: str | Path | None = None, iteration: int | None = None) -> None:
+    """Weights only, from an HF directory or a torch_dist checkpoint (any TP size; `iteration` of a root)."""
     if is_hf_checkpoint(source):
+        if iteration is not None:
+            raise ValueError(f"checkpoint.ref_ckpt_step {iteration}: {source} is an HF directory, not a torch_dist "
+                             "root with iterations")
         inner = model.module if hasattr(model, "module") else model
         load_hf_into_model(inner, source, arch, tp_rank=info.tp_rank, tp_size=info.tp_size, model_file=model_file)
     else:
-        checkpoint.load_model_weights(source, model)
+        checkpoint.load_model_weights(source, model, iteration)
 
 
 def _has_checkpoint(path: str | None) -> bool:
@@ -72,14 +76,19 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
         if source is None:
             raise FileNotFoundError("no initial weights: set checkpoint.load, checkpoint.ref_load or "
                                     "checkpoint.hf_checkpoint to an HF directory or a torch_dist checkpoint")
-        load_weights(actor, source, arch, info, model_file=model_file)
+        load_weights(actor, source, arch, info, model_file=model_file,
+                     iteration=checkpoints.ref_ckpt_step if source == checkpoints.ref_load else None)
     ref_model = None
     if algorithm.use_kl_loss or algorithm.kl_coef != 0.0:
         ref_source = next((p for p in (checkpoints.ref_load, checkpoints.hf_checkpoint) if _has_checkpoint(p)), None)
         if ref_source is None:
             raise FileNotFoundError("the KL term needs reference weights: set checkpoint.ref_load")
         ref_model = build_gpt_model(arch, training, device=device)
-        load_weights(ref_model, ref_source, arch, info, model_file=model_file)
+        if resumed is not None and resumed.has_ref_model:  # an updated reference (algorithm.ref_update_interval)
+            checkpoint.load_ref_model(checkpoints.load or "", ref_model)
+        else:
+            load_weights(ref_model, ref_source, arch, info, model_file=model_file,
+                         iteration=checkpoints.ref_ckpt_step if ref_source == checkpoints.ref_load else None)
         ref_model.eval()
         for param in ref_model.parameters():
             param.requires_grad_(False)

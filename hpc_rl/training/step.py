@@ -73,12 +73,14 @@ def old_logprobs_need_own_pass(training: TrainingConfig, algorithm: AlgorithmCon
     (`num_steps_per_rollout` > 1), or (b) something needs them before the loss: KL reward shaping
     (`kl_coef` != 0 with a reference) enters the advantages, which are computed first, and a custom
     advantage function receives them (slime's `rollout_data["log_probs"]`).
-    `use_rollout_logprobs` takes them from the engine instead (no pass either way).
+    `use_rollout_logprobs` takes them from the engine instead (no pass either way). With `keep_old_actor`
+    (slime's --keep-old-actor) they come from the weights the engines generated with, so from a pass of
+    their own at those weights.
     """
     if algorithm.use_rollout_logprobs:
         return False
     return (training.num_steps_per_rollout > 1 or (has_ref and algorithm.kl_coef != 0.0)
-            or algorithm.custom_advantage_function_path is not None)
+            or algorithm.custom_advantage_function_path is not None or algorithm.keep_old_actor)
 
 
 class RolloutTrainer:
@@ -112,6 +114,47 @@ class RolloutTrainer:
                             if algorithm.loss_type == "custom_loss" and algorithm.custom_loss_function_path else None)
         self.custom_advantages = (load_custom_advantages(algorithm.custom_advantage_function_path)
                                   if algorithm.custom_advantage_function_path else None)
+        self.rollout_weights: list[torch.Tensor] | None = None
+        """keep_old_actor: host copies of the actor's parameters as the engines last received them."""
+
+    # ------------------------------------------------------------------ weights kept beside the actor
+
+    def _actor_params(self) -> list[torch.nn.Parameter]:
+        return list(self.actor.parameters())
+
+    @torch.no_grad()
+    def remember_rollout_weights(self) -> None:
+        """The engines now serve the actor's current weights: keep a host copy for the old log-probs
+        (keep_old_actor; slime's old_actor backup)."""
+        params = self._actor_params()
+        if self.rollout_weights is None:
+            self.rollout_weights = [torch.empty(p.shape, dtype=p.dtype, device="cpu",
+                                                pin_memory=p.device.type == "cuda") for p in params]
+        for copy, param in zip(self.rollout_weights, params):
+            copy.copy_(param)
+
+    @torch.no_grad()
+    def update_reference(self) -> None:
+        """The reference model takes the actor's weights (slime's --ref-update-interval)."""
+        if self.ref_model is None:
+            raise ValueError("algorithm.ref_update_interval needs a reference model (use_kl_loss or kl_coef)")
+        for ref_param, param in zip(self.ref_model.parameters(), self._actor_params(), strict=True):
+            ref_param.copy_(param)
+
+    @torch.no_grad()
+    def _old_logprobs(self, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        """The old log-probs' own pass: at the engines' weights with keep_old_actor, else the current ones."""
+        if not self.algorithm.keep_old_actor or self.rollout_weights is None:
+            return self._logprobs(self.actor, micros)
+        params = self._actor_params()
+        current = [p.detach().to("cpu", copy=True) for p in params]
+        for param, old in zip(params, self.rollout_weights):
+            param.copy_(old)
+        try:
+            return self._logprobs(self.actor, micros)
+        finally:
+            for param, value in zip(params, current):
+                param.copy_(value)
 
     # ------------------------------------------------------------------ micro-batches
 
@@ -173,7 +216,7 @@ class RolloutTrainer:
             old = {i: torch.as_tensor(lp, dtype=torch.float32, device=device)
                    for i, lp in enumerate(batch.rollout_logprobs)}
         elif self.separate_old_logprob_pass:
-            old = self._logprobs(self.actor, all_micros)
+            old = self._old_logprobs(all_micros)
         else:
             old = None  # the training pass's own log-probs, detached (losses: old_log_probs=None)
         if not self.info.is_last_stage:  # log-probs, advantages and the loss live on the last stage

@@ -64,6 +64,7 @@ SAMPLES: dict[str, list[str]] = {
     "--custom-advantage-function-path": ["tests.unit.plugin_fixtures.custom_advantages"],
     "--use-tis": [],
     "--use-rollout-logprobs": [],
+    "--update-weight-buffer-size": ["536870912"],
 }
 """The value (and any companion flag slime's own checks ask for) a flag is tried with, where slime's default or a
 value of its type is not one a run takes."""

@@ -1,0 +1,128 @@
+"""Issue 26: slime's checkpoint and trainer flags on a real gloo trainer rank (Megatron-core on CPU):
+--reset-optimizer-states, --ref-update-interval, --keep-old-actor, --no-save-optim, --save-hf and --ref-ckpt-step,
+each with slime's meaning, through the trainer's command loop as the controller drives it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpc_rl.training.local_ranks import run_ranks
+from tests.integration.test_trainer_step import ARCH_FILE, make_batch
+
+pytestmark = pytest.mark.slow
+
+
+def _configs(hf_dir: str, root: str, **checkpoint: Any):
+    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+
+    training = TrainingConfig(global_batch_size=8, micro_batch_size=4, qkv_format="thd")
+    algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1, ref_update_interval=2, keep_old_actor=True)
+    optimizer = OptimizerConfig(lr=1e-2, reset_optimizer_states=True)
+    checkpoints = CheckpointConfig(**{"hf_checkpoint": hf_dir, "ref_load": hf_dir, "save_optim": False,
+                                      "save_hf": f"{root}/hf/rollout_{{rollout_id}}", **checkpoint})
+    return training, algorithm, optimizer, checkpoints
+
+
+def _build(hf_dir: str, root: str, info, **checkpoint: Any):
+    from hpc_rl.config.model import ModelArchitecture
+    from hpc_rl.training.actor import build_trainer
+
+    training, algorithm, optimizer, checkpoints = _configs(hf_dir, root, **checkpoint)
+    return build_trainer(arch=ModelArchitecture.from_yaml(ARCH_FILE), training=training, algorithm=algorithm,
+                         optimizer_config=optimizer, checkpoints=checkpoints, info=info, model_file=ARCH_FILE), checkpoints
+
+
+def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def train_and_save_rank(hf_dir: str, root: str) -> dict[str, Any]:
+    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.protocol.messages import SaveCommand, TrainCommand
+    from hpc_rl.training.commands import TrainerCommands
+    from hpc_rl.training.parallel import init_parallel, shutdown_parallel
+
+    info = init_parallel(TrainingConfig(global_batch_size=8), device="cpu")
+    parts, checkpoints = _build(hf_dir, root, info)
+    commands = TrainerCommands(parts, arch=parts.trainer.arch, info=info, source=None,  # type: ignore[arg-type]
+                               save_dir=f"{root}/ckpt", checkpoint_config=checkpoints)
+    commands._engines_updated()  # the run's first weight sync: the engines serve the initial weights
+    out: dict[str, Any] = {"old_pass": parts.trainer.separate_old_logprob_pass}
+    for rollout_id in (0, 1):
+        result = commands.execute(TrainCommand(seq=rollout_id, rollout_id=rollout_id,
+                                               batch=make_batch(rollout_id).to_arrays()))
+        out[f"ppo_kl_{rollout_id}"] = result["steps"][0]["ppo_kl"]
+        out[f"ref_is_actor_{rollout_id}"] = _same(_weights(parts.ref_model), _weights(parts.actor))
+        out[f"adam_step_{rollout_id}"] = float(parts.optimizer.torch_optimizer.state[parts.optimizer.params[0]]["step"])
+        saved = commands.execute(SaveCommand(seq=10 + rollout_id, rollout_id=rollout_id,
+                                             controller_state={"next_rollout_id": rollout_id + 1}))
+        out[f"actor_{rollout_id}"] = _weights(parts.actor)
+    out["saved"] = saved
+    out["ref"] = _weights(parts.ref_model)
+    out["steps_done"] = parts.optimizer.steps_done
+    from hpc_rl.weights.export import export_hf_state_dict
+
+    out["hf_state"] = {name: t.clone() for name, t in export_hf_state_dict(parts.actor, parts.trainer.arch)}
+    out["resumed"] = _resume(hf_dir, root, info)  # as a new job would, in the same process (one start-up)
+    shutdown_parallel()
+    return out
+
+
+def _resume(hf_dir: str, root: str, info) -> dict[str, Any]:
+    resumed, _ = _build(hf_dir, root, info, load=f"{root}/ckpt")
+    resumed.optimizer.ensure_state()  # zeros unless a checkpoint filled them
+    moments = [s["exp_avg"].abs().sum().item() for s in resumed.optimizer.torch_optimizer.state.values()]
+    older, _ = _build(hf_dir, root, info, ref_load=f"{root}/ckpt", ref_ckpt_step=0)
+    out = {"rollout_id": resumed.resumed.rollout_id if resumed.resumed else None, "actor": _weights(resumed.actor),
+           "ref": _weights(resumed.ref_model), "steps_done": resumed.optimizer.steps_done, "moments": moments,
+           "older_actor": _weights(older.actor), "older_ref": _weights(older.ref_model)}
+    try:
+        _build(hf_dir, root, info, ref_load=f"{root}/ckpt", ref_ckpt_step=7)
+    except FileNotFoundError as error:
+        out["missing_step"] = str(error)
+    return out
+
+
+def test_checkpoint_and_trainer_flags_with_slimes_meaning(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from hpc_rl.tiny_model import make_tiny_model
+
+    hf_dir = str(make_tiny_model(tmp_path / "hf_in"))
+    run = run_ranks(train_and_save_rank, 1, hf_dir, str(tmp_path))[0]
+    # --keep-old-actor: rollout 1's old log-probs come from the weights the engines still serve (rollout 0's
+    # start: no sync since), so its first step already sees a ratio != 1; rollout 0's do not
+    assert run["old_pass"] and run["ppo_kl_0"] == 0.0 and run["ppo_kl_1"] != 0.0
+    # --reset-optimizer-states: Adam's step count starts over every rollout (1, not 2, after the second)
+    assert (run["adam_step_0"], run["adam_step_1"], run["steps_done"]) == (1.0, 1.0, 2)
+    # --ref-update-interval 2: the reference takes the actor's weights after rollout 1, not after rollout 0
+    assert not run["ref_is_actor_0"] and run["ref_is_actor_1"]
+    # --save-hf: an HF directory per save (config and tokenizer of --hf-checkpoint), holding the actor's weights
+    # under HF names (the converters' tests show such a directory loads in transformers)
+    hf_out = tmp_path / "hf" / "rollout_1"
+    assert run["saved"]["hf_checkpoint"] == str(hf_out)
+    assert (hf_out / "config.json").read_text() == (Path(hf_dir) / "config.json").read_text()
+    assert (hf_out / "tokenizer.json").is_file()
+    assert not (tmp_path / "hf" / "rollout_1.tmp").exists() and (tmp_path / "hf" / "rollout_0").is_dir()
+    loaded = load_file(str(hf_out / "model.safetensors"))
+    assert loaded.keys() == run["hf_state"].keys()
+    for name, value in run["hf_state"].items():
+        assert torch.equal(loaded[name], value), name
+    # --no-save-optim: no optimizer shards in the checkpoint; a resume takes the weights, the position, the
+    # updated reference and the lr schedule's step, with fresh moments
+    resumed = run["resumed"]
+    assert resumed["rollout_id"] == 1 and resumed["steps_done"] == 2
+    assert _same(resumed["actor"], run["actor_1"]) and _same(resumed["ref"], run["ref"])
+    assert resumed["moments"] and all(m == 0.0 for m in resumed["moments"])  # with the optimizer saved: > 0
+    # --ref-ckpt-step 0: iteration 0 of the root (not its latest, 1) is the reference and the start
+    assert _same(resumed["older_ref"], run["actor_0"]) and _same(resumed["older_actor"], run["actor_0"])
+    assert not _same(run["actor_0"], run["actor_1"])
+    assert "no iteration 7 (iter_0000007)" in resumed["missing_step"]
