@@ -211,6 +211,12 @@ class TrainingConfig:
     auto (by shape: thd on GPU and under CP; on CPU bshd for short rows that padding does not double)."""
     calculate_per_token_loss: bool = False
     """Average the loss over all tokens of a step instead of summing per-sample means."""
+    recompute_loss_function: bool = False
+    """Recompute the loss from the logits in the backward pass instead of keeping its float32 softmax
+    intermediates (slime's --recompute-loss-function: less memory, one more softmax per micro-batch)."""
+    log_probs_chunk_size: int = -1
+    """Compute log-probs and entropies this many tokens at a time (slime's --log-probs-chunk-size; -1: all at once),
+    bounding the [tokens, vocab] float32 intermediates."""
     seed: int = 1234
     """Trainer RNG seed."""
     num_threads: int = 1
@@ -294,6 +300,25 @@ class AlgorithmConfig:
     """Old log-probs from the weights the engines generated the rollout with (kept on the host at each weight
     sync) instead of the trainer's current ones: they differ with update_weights_interval > 1 or in async mode
     (slime's --keep-old-actor)."""
+    use_unbiased_kl: bool = False
+    """Weight the KL-loss estimate by the importance ratio exp(logp - logp_old) (slime's --use-unbiased-kl,
+    DeepSeek-V3.2's unbiased KL)."""
+    use_opsm: bool = False
+    """Off-policy sequence masking (slime's --use-opsm): no policy loss on the negative-advantage tokens of a sample
+    whose mean log-ratio logp_old - logp exceeds opsm_delta; logs opsm_clipfrac."""
+    opsm_delta: float = 1e-4
+    """OPSM's threshold on a sample's mean log-ratio (slime's --opsm-delta)."""
+    get_mismatch_metrics: bool = False
+    """Run custom_tis_function_path every step for its train/inference mismatch metrics (and what it does to the
+    loss), also without use_tis; with use_rollout_logprobs the trainer still recomputes its own log-probs for it
+    (slime's --get-mismatch-metrics)."""
+    custom_tis_function_path: str | None = None
+    """Import path of slime's TIS/RS function, called with keywords: fn(args=, pg_loss=, train_log_probs=,
+    rollout_log_probs=, loss_masks=, total_lengths=, response_lengths=) -> (pg_loss, loss_masks, metrics); it
+    replaces the built-in TIS weighting (use_tis) and runs with get_mismatch_metrics."""
+    use_rollout_entropy: bool = False
+    """Compute each token's entropy in the old and reference log-prob passes and hand them to the custom advantage
+    function as rollout_data["entropy"] and ["ref_entropy"] (slime's --use-rollout-entropy)."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:

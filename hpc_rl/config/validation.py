@@ -23,7 +23,8 @@ from hpc_rl.plugins import PluginError, load_plugin
 CONFIG_PLUGINS = {"rollout.custom_rm_path": "reward", "rollout.dynamic_sampling_filter_path": "dynamic_sampling_filter",
                   "rollout.buffer_filter_path": "buffer_filter", "rollout.custom_generate_function_path": "generate",
                   "algorithm.custom_loss_function_path": "loss",
-                  "algorithm.custom_advantage_function_path": "advantage"}
+                  "algorithm.custom_advantage_function_path": "advantage",
+                  "algorithm.custom_tis_function_path": "tis"}
 """Config field (section.name) -> its kind in `hpc_rl.plugins.PLUGIN_KINDS` (the signatures' one home).
 A field the schema does not have (yet) is skipped."""
 WANDB_SETTINGS = ("wandb_mode", "wandb_project", "wandb_team", "wandb_group", "wandb_key", "wandb_host", "wandb_dir",
@@ -269,6 +270,12 @@ def _slime_flag_problems(config: RunConfig) -> list[Problem]:
     if algorithm.keep_old_actor and algorithm.use_rollout_logprobs:
         problems.append(Problem("algorithm.keep_old_actor", "computes old log-probs at the engines' weights, but "
                                 "use_rollout_logprobs takes the engines' own log-probs: drop one of them"))
+    if algorithm.get_mismatch_metrics and not algorithm.custom_tis_function_path:
+        problems.append(Problem("algorithm.get_mismatch_metrics", "runs custom_tis_function_path for its metrics, "
+                                "which is not set (slime asserts the same): add --custom-tis-function-path"))
+    if algorithm.use_rollout_entropy and not algorithm.custom_advantage_function_path:
+        problems.append(Problem("algorithm.use_rollout_entropy", "hands the log-prob passes' entropies to "
+                                "custom_advantage_function_path, which is not set: add it or drop the flag"))
     if checkpoint.save_hf:
         try:
             checkpoint.save_hf.format(rollout_id=0)

@@ -23,6 +23,7 @@ the same micro-batches: either way logp_old == logp bit for bit on the first ste
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import AlgorithmConfig, TrainingConfig
@@ -47,6 +49,7 @@ from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.pipeline import PipelineSchedule
 from hpc_rl.training.train_batch import TrainBatch
+from hpc_rl.plugins import load_plugin
 
 
 def policy_loss_config(algorithm: AlgorithmConfig, training: TrainingConfig) -> PolicyLossConfig:
@@ -57,7 +60,9 @@ def policy_loss_config(algorithm: AlgorithmConfig, training: TrainingConfig) -> 
         entropy_coef=algorithm.entropy_coef, use_kl_loss=algorithm.use_kl_loss,
         kl_loss_coef=algorithm.kl_loss_coef, kl_loss_type=algorithm.kl_loss_type, use_tis=algorithm.use_tis,
         tis_clip=algorithm.tis_clip, tis_clip_low=algorithm.tis_clip_low,
-        calculate_per_token_loss=training.calculate_per_token_loss,
+        calculate_per_token_loss=training.calculate_per_token_loss, use_unbiased_kl=algorithm.use_unbiased_kl,
+        use_opsm=algorithm.use_opsm, opsm_delta=algorithm.opsm_delta,
+        get_mismatch_metrics=algorithm.get_mismatch_metrics,
     )
 
 
@@ -75,12 +80,13 @@ def old_logprobs_need_own_pass(training: TrainingConfig, algorithm: AlgorithmCon
     advantage function receives them (slime's `rollout_data["log_probs"]`).
     `use_rollout_logprobs` takes them from the engine instead (no pass either way). With `keep_old_actor`
     (slime's --keep-old-actor) they come from the weights the engines generated with, so from a pass of
-    their own at those weights.
+    their own at those weights. `use_rollout_entropy` wants that pass's entropies.
     """
     if algorithm.use_rollout_logprobs:
         return False
     return (training.num_steps_per_rollout > 1 or (has_ref and algorithm.kl_coef != 0.0)
-            or algorithm.custom_advantage_function_path is not None or algorithm.keep_old_actor)
+            or algorithm.custom_advantage_function_path is not None or algorithm.keep_old_actor
+            or algorithm.use_rollout_entropy)
 
 
 class RolloutTrainer:
@@ -114,6 +120,12 @@ class RolloutTrainer:
                             if algorithm.loss_type == "custom_loss" and algorithm.custom_loss_function_path else None)
         self.custom_advantages = (load_custom_advantages(algorithm.custom_advantage_function_path)
                                   if algorithm.custom_advantage_function_path else None)
+        self.custom_tis = load_plugin("tis", algorithm.custom_tis_function_path) if algorithm.custom_tis_function_path \
+            else None
+        self._entropy: dict[str, dict[int, torch.Tensor]] = {}
+        """use_rollout_entropy: the old and ref passes' per-sample entropies ("entropy", "ref_entropy")."""
+        self._train_logprobs: dict[int, torch.Tensor] | None = None
+        """get_mismatch_metrics with use_rollout_logprobs: the trainer's own old log-probs, for the TIS function."""
         self.rollout_weights: list[torch.Tensor] | None = None
         """keep_old_actor: host copies of the actor's parameters as the engines last received them."""
 
@@ -145,13 +157,13 @@ class RolloutTrainer:
     def _old_logprobs(self, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
         """The old log-probs' own pass: at the engines' weights with keep_old_actor, else the current ones."""
         if not self.algorithm.keep_old_actor or self.rollout_weights is None:
-            return self._logprobs(self.actor, micros)
+            return self._logprobs(self.actor, micros, "entropy")
         params = self._actor_params()
         current = [p.detach().to("cpu", copy=True) for p in params]
         for param, old in zip(params, self.rollout_weights):
             param.copy_(old)
         try:
-            return self._logprobs(self.actor, micros)
+            return self._logprobs(self.actor, micros, "entropy")
         finally:
             for param, value in zip(params, current):
                 param.copy_(value)
@@ -186,15 +198,23 @@ class RolloutTrainer:
 
     def _response_logprobs(self, micro: MicroBatch, logits: torch.Tensor, *, with_entropy: bool):
         return micro.response_logprobs(logits, vocab_size=self.arch.vocab_size, tp_group=self.tp_group,
-                                       with_entropy=with_entropy)
+                                       with_entropy=with_entropy, chunk_size=self.training.log_probs_chunk_size)
 
     @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
-        """Per-sample response log-probs, by batch index; empty on stages other than the last."""
+    def _logprobs(self, model: torch.nn.Module, micros: list[MicroBatch],
+                  entropy_key: str | None = None) -> dict[int, torch.Tensor]:
+        """Per-sample response log-probs, by batch index; empty on stages other than the last. With
+        use_rollout_entropy and an `entropy_key`, the pass's entropies are kept under it."""
+        with_entropy = entropy_key is not None and self.algorithm.use_rollout_entropy
         out: dict[int, torch.Tensor] = {}
-        for micro, values in zip(micros, self.pipeline.forward_only(
-                model, micros, lambda m, logits: self._response_logprobs(m, logits, with_entropy=False)[0])):
+        entropies: dict[int, torch.Tensor] = {}
+        for micro, (values, entropy) in zip(micros, self.pipeline.forward_only(
+                model, micros, lambda m, logits: self._response_logprobs(m, logits, with_entropy=with_entropy))):
             out.update(zip(micro.indices, values))
+            if entropy is not None:
+                entropies.update(zip(micro.indices, entropy))
+        if with_entropy:
+            self._entropy[entropy_key] = entropies  # type: ignore[index]
         return out
 
     # ------------------------------------------------------------------ the rollout
@@ -209,12 +229,16 @@ class RolloutTrainer:
         masks = [torch.as_tensor(m, dtype=torch.float32, device=device) for m in batch.loss_masks]
         all_micros = [m for step in plan for m in step]
 
-        ref = self._logprobs(self.ref_model, all_micros) if self.ref_model is not None else None
+        self._entropy = {}
+        ref = self._logprobs(self.ref_model, all_micros, "ref_entropy") if self.ref_model is not None else None
+        self._train_logprobs = None
         if self.algorithm.use_rollout_logprobs:
             if batch.rollout_logprobs is None:
                 raise ValueError("algorithm.use_rollout_logprobs is set but the batch has no rollout log-probs")
             old = {i: torch.as_tensor(lp, dtype=torch.float32, device=device)
                    for i, lp in enumerate(batch.rollout_logprobs)}
+            if self.algorithm.get_mismatch_metrics:  # the mismatch is the trainer's log-probs vs the engine's
+                self._train_logprobs = self._old_logprobs(all_micros)
         elif self.separate_old_logprob_pass:
             old = self._old_logprobs(all_micros)
         else:
@@ -250,6 +274,8 @@ class RolloutTrainer:
             "ref_log_probs": [ref[i] for i in range(n)] if ref is not None else None,
             "rollout_log_probs": rollout, "values": None,
             "kl": kl if kl is not None else [torch.zeros_like(m) for m in masks]}
+        for key, entropies in self._entropy.items():  # use_rollout_entropy: slime's "entropy", "ref_entropy"
+            rollout_data[key] = [entropies[i] for i in range(n)] if entropies else None
         path = self.algorithm.custom_advantage_function_path or ""
         advantages, returns = run_custom_advantages(self.custom_advantages, path, self.plugin_args, rollout_data, masks)
         if self.algorithm.normalize_advantages and advantages:
@@ -303,19 +329,30 @@ class RolloutTrainer:
         scale = self.grad_sum_multiplier / max(denominator, 1.0)
         sums: dict[str, float] = {}
 
-        def micro_loss(micro: MicroBatch, logits: torch.Tensor) -> torch.Tensor:  # last stage only
+        def loss_from_logits(micro: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             idx = micro.indices
             log_probs, entropy = self._response_logprobs(micro, logits, with_entropy=True)
             if self.custom_loss is not None:
-                loss, metrics = self._custom_loss(batch, micro, logits, log_probs, entropy, masks, old, ref,
-                                                  advantages, rollout)
+                return self._custom_loss(batch, micro, logits, log_probs, entropy, masks, old, ref, advantages,
+                                         rollout)
+            trained = self._train_logprobs
+            return policy_loss_and_metrics(
+                self.loss_config, log_probs=log_probs,
+                old_log_probs=[old[i] for i in idx] if old is not None else None,
+                advantages=[advantages[i] for i in idx], loss_masks=[masks[i] for i in idx], entropy=entropy,
+                ref_log_probs=[ref[i] for i in idx] if ref is not None else None,
+                rollout_log_probs=[rollout[i] for i in idx] if rollout is not None else None,
+                train_log_probs=[trained[i] for i in idx] if trained is not None else None,
+                tis_function=functools.partial(self.custom_tis, args=self.plugin_args,
+                                               total_lengths=list(micro.total_lengths),
+                                               response_lengths=list(micro.response_lengths))
+                if self.custom_tis is not None else None)
+
+        def micro_loss(micro: MicroBatch, logits: torch.Tensor) -> torch.Tensor:  # last stage only
+            if self.training.recompute_loss_function:  # slime's --recompute-loss-function: keep only the logits
+                loss, metrics = torch.utils.checkpoint.checkpoint(loss_from_logits, micro, logits, use_reentrant=False)
             else:
-                loss, metrics = policy_loss_and_metrics(
-                    self.loss_config, log_probs=log_probs,
-                    old_log_probs=[old[i] for i in idx] if old is not None else None,
-                    advantages=[advantages[i] for i in idx], loss_masks=[masks[i] for i in idx], entropy=entropy,
-                    ref_log_probs=[ref[i] for i in idx] if ref is not None else None,
-                    rollout_log_probs=[rollout[i] for i in idx] if rollout is not None else None)
+                loss, metrics = loss_from_logits(micro, logits)
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             return loss * scale

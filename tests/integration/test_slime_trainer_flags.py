@@ -1,6 +1,7 @@
 """Issue 26: slime's checkpoint and trainer flags on a real gloo trainer rank (Megatron-core on CPU):
 --reset-optimizer-states, --ref-update-interval, --keep-old-actor, --no-save-optim, --save-hf and --ref-ckpt-step,
-each with slime's meaning, through the trainer's command loop as the controller drives it."""
+each with slime's meaning, through the trainer's command loop as the controller drives it; and the trainer's
+--recompute-loss-function and --use-rollout-entropy."""
 
 from __future__ import annotations
 
@@ -72,8 +73,42 @@ def train_and_save_rank(hf_dir: str, root: str) -> dict[str, Any]:
 
     out["hf_state"] = {name: t.clone() for name, t in export_hf_state_dict(parts.actor, parts.trainer.arch)}
     out["resumed"] = _resume(hf_dir, root, info)  # as a new job would, in the same process (one start-up)
+    out |= _loss_options(parts)
     shutdown_parallel()
     return out
+
+
+def _loss_options(parts) -> dict[str, Any]:
+    """Bytes autograd keeps for backward with and without --recompute-loss-function (the loss is recomputed
+    from the logits instead), and what --use-rollout-entropy hands a custom advantage function."""
+    import dataclasses
+
+    from hpc_rl.training.step import RolloutTrainer
+    from tests.unit import plugin_fixtures
+
+    def trainer(training_changes: dict[str, Any], algorithm_changes: dict[str, Any]) -> RolloutTrainer:
+        base = parts.trainer
+        return RolloutTrainer(actor=parts.actor, optimizer=parts.optimizer, ref_model=parts.ref_model, arch=base.arch,
+                              training=dataclasses.replace(base.training, **training_changes),
+                              algorithm=dataclasses.replace(base.algorithm, **algorithm_changes), info=base.info)
+
+    def saved_bytes(variant: RolloutTrainer) -> int:
+        total = [0]
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            total[0] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            variant.train_rollout(make_batch(5))
+        return total[0]
+
+    kept = {recompute: saved_bytes(trainer({"recompute_loss_function": recompute}, {"keep_old_actor": False}))
+            for recompute in (False, True)}
+    trainer({}, {"use_rollout_entropy": True, "keep_old_actor": False,
+                 "custom_advantage_function_path": "tests.unit.plugin_fixtures.recording_advantages"}
+            ).train_rollout(make_batch(6))
+    return {"saved_bytes": kept, "rollout_data": plugin_fixtures.SEEN_ROLLOUT_DATA[-1]}
 
 
 def _resume(hf_dir: str, root: str, info) -> dict[str, Any]:
@@ -126,3 +161,8 @@ def test_checkpoint_and_trainer_flags_with_slimes_meaning(tmp_path: Path) -> Non
     assert _same(resumed["older_ref"], run["actor_0"]) and _same(resumed["older_actor"], run["actor_0"])
     assert not _same(run["actor_0"], run["actor_1"])
     assert "no iteration 7 (iter_0000007)" in resumed["missing_step"]
+    # --recompute-loss-function: the loss's float32 softmax intermediates are not kept for backward
+    assert run["saved_bytes"][True] < run["saved_bytes"][False]
+    # --use-rollout-entropy: the old and reference passes' entropies, one per response token, reach the function
+    seen = run["rollout_data"]
+    assert seen["entropy"] == seen["ref_entropy"] == seen["loss_masks"] and seen["entropy"]

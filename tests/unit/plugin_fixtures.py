@@ -19,4 +19,21 @@ def custom_loss(args: Any, batch: dict[str, Any], logits: Any, sum_of_sample_mea
 
 
 def custom_advantages(args: Any, rollout_data: dict[str, Any]) -> None:
-    rollout_data["advantages"] = rollout_data["returns"] = rollout_data["rewards"]
+    per_token = [mask * reward for mask, reward in zip(rollout_data["loss_masks"], rollout_data["rewards"])]
+    rollout_data["advantages"] = rollout_data["returns"] = per_token
+
+
+def tis(args: Any, *, pg_loss: Any, train_log_probs: Any, rollout_log_probs: Any, loss_masks: Any,
+        **kwargs: Any) -> tuple[Any, Any, dict[str, Any]]:
+    return pg_loss, loss_masks, {}
+
+
+SEEN_ROLLOUT_DATA: list[dict[str, Any]] = []
+"""What `recording_advantages` was handed (keys and shapes), for the process that ran it to report."""
+
+
+def recording_advantages(args: Any, rollout_data: dict[str, Any]) -> None:
+    SEEN_ROLLOUT_DATA.append({key: [tuple(v.shape) for v in value] if isinstance(value, list) and value
+                              and hasattr(value[0], "shape") else value for key, value in rollout_data.items()
+                              if key in ("entropy", "ref_entropy", "loss_masks")})
+    custom_advantages(args, rollout_data)

@@ -65,6 +65,11 @@ SAMPLES: dict[str, list[str]] = {
     "--use-tis": [],
     "--use-rollout-logprobs": [],
     "--update-weight-buffer-size": ["536870912"],
+    "--custom-tis-function-path": ["tests.unit.plugin_fixtures.tis"],
+    "--get-mismatch-metrics": ["--custom-tis-function-path", "tests.unit.plugin_fixtures.tis"],
+    "--use-rollout-entropy": ["--custom-advantage-function-path", "tests.unit.plugin_fixtures.custom_advantages"],
+    "--ref-update-interval": ["2", "--use-kl-loss"],
+    "--ref-ckpt-step": ["1", "--ref-load", "/ckpt"],
 }
 """The value (and any companion flag slime's own checks ask for) a flag is tried with, where slime's default or a
 value of its type is not one a run takes."""
