@@ -127,6 +127,9 @@ class RolloutConfig:
     """Import path of `async fn(args, sample, sampling_params) -> Sample` (multi-turn, tools)."""
     max_turns: int | None = None
     """Turn limit handed to custom_generate_function_path as `args.max_turns` (needs that path)."""
+    reward_key: str | None = None
+    """When the custom reward or the reward server returns an object, the key holding the reward (slime's
+    --reward-key)."""
     update_weights_interval: int = 1
     """Sync weights to the engines every this many rollouts."""
     update_weight_buffer_size: int = 512 * 1024**2
@@ -433,6 +436,8 @@ class EvalConfig:
     """Eval top-k (default: rollout_top_k)."""
     skip_eval_before_train: bool = False
     """Do not evaluate the initial policy."""
+    eval_reward_key: str | None = None
+    """reward_key for eval rewards (default: reward_key; slime's --eval-reward-key)."""
 
 
 @dataclass(kw_only=True)
@@ -494,6 +499,20 @@ class LoggingConfig:
     """Directory of the wandb files (default: <run_dir>/wandb)."""
     wandb_run_id: str | None = None
     """W&B run id (None: derived from the run dir, so a requeued or resumed run continues the same W&B run)."""
+    tb_experiment_name: str | None = None
+    """TensorBoard writes under <tensorboard_dir>/<tb_experiment_name> (slime's --tb-experiment-name)."""
+    log_passrate: bool = False
+    """Log pass@1, pass@2, pass@4, ... up to the group size for every rollout and eval dataset (a sample with
+    reward 1 is correct; slime's --log-passrate)."""
+    log_correct_samples: bool = False
+    """Log the correct samples' length quartiles and mean negative log-prob per rollout (slime's
+    --log-correct-samples)."""
+    log_reward_category: str | None = None
+    """Log the share of each value under this key of the reward object a custom reward or reward server returns
+    (rollout/error_cat/<value>; slime's --log-reward-category)."""
+    log_multi_turn: bool = False
+    """Log response lengths with and without observation tokens and the round counts of a multi-turn generate
+    function (sample.metadata["round_number"]; slime's --log-multi-turn)."""
 
     def __post_init__(self) -> None:
         if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:

@@ -10,6 +10,7 @@ Not here: the controller process itself (`app`), the loop (`run_loop`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +34,10 @@ from hpc_rl.rewards.scoring import REMOTE_RM, split_boxed_prefix
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
 from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
+from hpc_rl.rollout.sample_metrics import SampleMetricOptions
 from hpc_rl.rollout.scheduler import RewardFn
 from hpc_rl.telemetry.recorder import RunRecorder
-from hpc_rl.telemetry.scalars import ScalarLog
+from hpc_rl.telemetry.scalars import ScalarLog, tensorboard_dir
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ def load_prompts(rollout: RolloutConfig) -> tuple[PromptDataset, DataKeys]:
 
 
 def make_evaluate(config: RunConfig, client: EngineClient, keys: DataKeys, encoder: PromptEncoder,
-                  reward_fn: RewardFn, args: Any) -> Evaluate | None:
+                  reward_fn: RewardFn, args: Any, metric_options: SampleMetricOptions | None = None) -> Evaluate | None:
     """Eval rollouts over `eval_prompt_data`, or None (no data or no interval: no eval at all)."""
     if not (config.eval.eval_prompt_data and config.eval.eval_interval):
         return None
@@ -79,7 +81,7 @@ def make_evaluate(config: RunConfig, client: EngineClient, keys: DataKeys, encod
         return await run_eval(client=client, datasets=datasets, encoder=encoder, reward_fn=reward_fn,
                               n_samples=config.eval.n_samples_per_eval_prompt, sampling_params=sampling_params,
                               args=args, generate_fn=generate_fn, weight_version=weight_version,
-                              max_context_len=config.rollout.rollout_max_context_len)
+                              max_context_len=config.rollout.rollout_max_context_len, metric_options=metric_options)
 
     return evaluate
 
@@ -102,19 +104,26 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     rule_rewards = not rollout.custom_rm_path and split_boxed_prefix((rollout.rm_type or "").strip())[1] != REMOTE_RM
     pool = RewardPool(rollout.reward_workers) if rollout.reward_workers and rule_rewards else None
     spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,
-                      group_rm=rollout.group_rm, args=args, pool=pool)
+                      group_rm=rollout.group_rm, args=args, pool=pool, reward_key=rollout.reward_key,
+                      category_key=config.logging.log_reward_category)
+    eval_spec = dataclasses.replace(spec, reward_key=config.eval.eval_reward_key or rollout.reward_key)
 
     async def reward_fn(samples: list[Any]) -> list[float]:
         return await reward_group(spec, samples)
 
+    async def eval_reward_fn(samples: list[Any]) -> list[float]:
+        return await reward_group(eval_spec, samples)
+
+    metric_options = SampleMetricOptions.from_config(config.logging, rollout)
     scheduler = RolloutScheduler.from_config(rollout, args=args, client=client, source=source, encoder=encoder,
-                                             reward_fn=reward_fn)
+                                             reward_fn=reward_fn, metric_options=metric_options)
     num_rollout = num_rollouts(rollout, len(dataset))
-    tensorboard_dir = config.logging.tensorboard_dir or str(Path(config.run_dir) / "tensorboard")
-    recorder = RunRecorder(config.run_dir, ScalarLog.for_controller(tensorboard_dir, config, run_dir=config.run_dir),
+    recorder = RunRecorder(config.run_dir, ScalarLog.for_controller(tensorboard_dir(config, config.run_dir), config,
+                                                                    run_dir=config.run_dir),
                            num_rollout=num_rollout, print_fn=lambda line: print(line, flush=True))
     loop = assemble_loop(config, scheduler=scheduler, registry=registry, channel=channel, fleet=fleet,
-                         recorder=recorder, evaluate=make_evaluate(config, client, keys, encoder, reward_fn, args),
+                         recorder=recorder,
+                         evaluate=make_evaluate(config, client, keys, encoder, eval_reward_fn, args, metric_options),
                          num_rollout=num_rollout)
     return RolloutStack(client=client, loop=loop, reward_pool=pool)
 

@@ -21,6 +21,7 @@ from typing import Any
 from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptRecord, make_group
 from hpc_rl.data.samples import Group, SampleStatus
 from hpc_rl.rollout.engine_client import EngineClient
+from hpc_rl.rollout.sample_metrics import SampleMetricOptions, sample_metrics
 from hpc_rl.rollout.generate import (
     GenerateFn,
     GenerationSession,
@@ -68,7 +69,8 @@ def eval_metrics(name: str, groups: list[Group]) -> dict[str, float]:
 async def run_eval(*, client: EngineClient, datasets: list[tuple[str, list[PromptRecord]]], encoder: PromptEncoder,
                    reward_fn: RewardFn, n_samples: int, sampling_params: SamplingParams, args: Any = None,
                    generate_fn: GenerateFn = default_generate, weight_version: int = 0,
-                   max_context_len: int | None = None, retry: RetryPolicy | None = None) -> dict[str, float]:
+                   max_context_len: int | None = None, retry: RetryPolicy | None = None,
+                   metric_options: SampleMetricOptions | None = None) -> dict[str, float]:
     """Generate and score every dataset (all concurrently, limited by the client); return the metrics."""
     session = GenerationSession(client, weight_version=weight_version, retry=retry, max_context_len=max_context_len,
                                 batch_across_groups=True)  # every eval group is waited for
@@ -94,5 +96,7 @@ async def run_eval(*, client: EngineClient, datasets: list[tuple[str, list[Promp
     metrics: dict[str, float] = {}
     for name, groups in per_dataset:
         metrics.update(eval_metrics(name, groups))
+        if metric_options is not None:
+            metrics.update(sample_metrics(groups, metric_options, f"eval/{name}/"))
     metrics.update(session.metrics.as_dict(prefix="eval/"))
     return metrics

@@ -47,6 +47,7 @@ from hpc_rl.rollout.generate import (
     run_generate,
 )
 from hpc_rl.rollout.metrics import RolloutMetrics
+from hpc_rl.rollout.sample_metrics import SampleMetricOptions, sample_metrics
 from hpc_rl.rollout.partial_buffer import (
     FINISHED,
     PartialRolloutBuffer,
@@ -107,7 +108,7 @@ class RolloutScheduler:
                  encoder: PromptEncoder, reward_fn: RewardFn, sampling_params: SamplingParams, args: Any = None,
                  group_filter: GroupFilter | None = None, buffer: PartialRolloutBuffer | None = None,
                  generate_fn: GenerateFn = default_generate, retry: RetryPolicy | None = None,
-                 stop_timeout_s: float = 60.0) -> None:
+                 stop_timeout_s: float = 60.0, metric_options: SampleMetricOptions | None = None) -> None:
         self.settings = settings
         self.client = client
         self.source = source
@@ -120,6 +121,8 @@ class RolloutScheduler:
         self.generate_fn = generate_fn
         self.retry = retry or RetryPolicy()
         self.stop_timeout_s = stop_timeout_s
+        self.metric_options = metric_options or SampleMetricOptions()
+        """slime's optional --log-* sample metrics of the kept groups."""
         self.next_group_index = 0
         self.next_sample_index = 0
         self.weight_version = 0
@@ -255,7 +258,8 @@ class RolloutScheduler:
         self._finish_kept(kept, metrics)
         metrics.buffer_size = len(self.buffer)
         metrics.wall_time_s = time.monotonic() - started
-        out = {**metrics.as_dict(), **session.metrics.as_dict(), **_sample_stats(kept, self.weight_version)}
+        out = {**metrics.as_dict(), **session.metrics.as_dict(), **_sample_stats(kept, self.weight_version),
+               **sample_metrics(kept, self.metric_options, "rollout/")}
         return RolloutResult(groups=kept, metrics=out)
 
     async def _stop(self, session: GenerationSession, runs: dict[asyncio.Task[str], _GroupRun],

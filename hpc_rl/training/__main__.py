@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         from hpc_rl.config.loading import load_resolved_config
         from hpc_rl.config.model import ModelArchitecture
         from hpc_rl.config.plugin_args import plugin_args
-        from hpc_rl.telemetry.scalars import ScalarLog
+        from hpc_rl.telemetry.scalars import ScalarLog, tensorboard_dir
         from hpc_rl.training.actor import build_trainer
         from hpc_rl.training.commands import BatchFileCommands, JsonlBatchSource, TrainerCommands
         from hpc_rl.training.parallel import init_parallel, shutdown_parallel
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
                   if info.rank == 0 and resumed is not None else None)
         source = ControllerLink(run_dir, rank=info.rank, world_size=info.world_size, info=hello, resume=resume)
         engine_key = _engine_key(run_dir)
-    tensorboard = config.logging.tensorboard_dir or str(run_dir / "tensorboard")
+    tensorboard = tensorboard_dir(config, run_dir)
     scalars = ScalarLog(tensorboard if info.rank == 0 else None, filename_suffix=".trainer")
     try:
         TrainerCommands(parts, arch=arch, info=info, source=source, save_dir=save_dir, scalars=scalars,

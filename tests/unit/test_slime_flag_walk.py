@@ -70,6 +70,7 @@ SAMPLES: dict[str, list[str]] = {
     "--use-rollout-entropy": ["--custom-advantage-function-path", "tests.unit.plugin_fixtures.custom_advantages"],
     "--ref-update-interval": ["2", "--use-kl-loss"],
     "--ref-ckpt-step": ["1", "--ref-load", "/ckpt"],
+    "--eval-reward-key": ["score", "--reward-key", "score"],
 }
 """The value (and any companion flag slime's own checks ask for) a flag is tried with, where slime's default or a
 value of its type is not one a run takes."""
