@@ -71,6 +71,9 @@ class RolloutConfig:
     """Optional field with tool definitions passed to the chat template."""
     apply_chat_template: bool = False
     """Run the tokenizer's chat template (add_generation_prompt) on the prompt."""
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template, e.g. {enable_thinking: false} (slime's --apply-chat-template-kwargs,
+    JSON on the command line)."""
     skip_bad_lines: bool = False
     """Skip malformed data lines (and report their count) instead of failing."""
     rollout_shuffle: bool = False
@@ -438,6 +441,19 @@ class EvalConfig:
     """Do not evaluate the initial policy."""
     eval_reward_key: str | None = None
     """reward_key for eval rewards (default: reward_key; slime's --eval-reward-key)."""
+    eval_input_key: str | None = None
+    """input_key of the eval data (default: rollout.input_key; slime's --eval-input-key)."""
+    eval_label_key: str | None = None
+    """label_key of the eval data (default: rollout.label_key)."""
+    eval_tool_key: str | None = None
+    """tool_key of the eval data (default: rollout.tool_key)."""
+    eval_max_prompt_len: int | None = None
+    """Eval prompts longer than this many tokens (chat template applied) are left out, with a log line naming how
+    many (slime's --eval-max-prompt-len)."""
+    eval_max_context_len: int | None = None
+    """Maximum prompt + response tokens in eval (default: rollout.rollout_max_context_len)."""
+    eval_min_new_tokens: int | None = None
+    """SGLang's min_new_tokens for eval sampling (slime's --eval-min-new-tokens)."""
 
 
 @dataclass(kw_only=True)

@@ -180,6 +180,8 @@ SLIME_REST_COMPAT: dict[str, CompatFlag] = {
     "eval_function_path": CompatFlag(
         ("slime.rollout.sglang_rollout.generate_rollout", "vime.rollout.vllm_rollout.generate_rollout"),
         "hpc_rl's controller runs slime's default eval rollout; per-sample logic goes in --custom-generate-function-path"),
+    "rollout_skip_special_tokens": CompatFlag(
+        (True,), "hpc_rl's engines drop special tokens from the response text rewards read (SGLang's default)"),
     "data_pad_size_multiplier": CompatFlag(
         (128,), "hpc_rl pads packed micro-batches itself (to the TP size under sequence parallelism, 2*CP under "
                 "context parallelism); the padding does not change the loss"),

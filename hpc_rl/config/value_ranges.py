@@ -52,7 +52,9 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{path: _at_least(0) for path in ("training.train_memory_margin_bytes", "controller.engine_health_first_wait")},
     **{path: _POSITIVE for path in ("controller.engine_health_timeout",)},
     **{path: _at_least(0) for path in ("checkpoint.ref_ckpt_step", "checkpoint.start_rollout_id")},
-    **{path: _at_least(1) for path in ("algorithm.ref_update_interval",)},
+    **{path: _at_least(1) for path in ("algorithm.ref_update_interval", "eval.eval_max_prompt_len",
+                                       "eval.eval_max_context_len")},
+    **{path: _at_least(0) for path in ("eval.eval_min_new_tokens",)},
 }
 
 # (temperature, top_p, top_k) field paths of each sampling setting.

@@ -32,6 +32,7 @@ from hpc_rl.rewards.group import RewardSpec, reward_group
 from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rewards.scoring import REMOTE_RM, split_boxed_prefix
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
+from hpc_rl.rollout.eval import drop_long_prompts
 from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
 from hpc_rl.rollout.sample_metrics import SampleMetricOptions
@@ -73,7 +74,14 @@ def make_evaluate(config: RunConfig, client: EngineClient, keys: DataKeys, encod
     """Eval rollouts over `eval_prompt_data`, or None (no data or no interval: no eval at all)."""
     if not (config.eval.eval_prompt_data and config.eval.eval_interval):
         return None
-    datasets = load_eval_datasets(config.eval, keys)
+    evaluation = config.eval
+    keys = dataclasses.replace(keys, input_key=evaluation.eval_input_key or keys.input_key,
+                               label_key=evaluation.eval_label_key or keys.label_key,
+                               tool_key=evaluation.eval_tool_key or keys.tool_key)
+    datasets = load_eval_datasets(evaluation, keys)
+    if evaluation.eval_max_prompt_len is not None:
+        datasets = [(name, drop_long_prompts(name, records, encoder, evaluation.eval_max_prompt_len))
+                    for name, records in datasets]
     generate_fn = load_generate_function(config.rollout.custom_generate_function_path)
     sampling_params = eval_sampling_params(config.rollout, config.eval)
 
@@ -81,7 +89,8 @@ def make_evaluate(config: RunConfig, client: EngineClient, keys: DataKeys, encod
         return await run_eval(client=client, datasets=datasets, encoder=encoder, reward_fn=reward_fn,
                               n_samples=config.eval.n_samples_per_eval_prompt, sampling_params=sampling_params,
                               args=args, generate_fn=generate_fn, weight_version=weight_version,
-                              max_context_len=config.rollout.rollout_max_context_len, metric_options=metric_options)
+                              max_context_len=evaluation.eval_max_context_len or config.rollout.rollout_max_context_len,
+                              metric_options=metric_options)
 
     return evaluate
 
@@ -92,7 +101,8 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     thread; a bad prompt file or plug-in path raises here)."""
     rollout = config.rollout
     encoder = make_prompt_encoder(load_prompt_tokenizer(config.checkpoint.hf_checkpoint),
-                                  apply_chat_template=rollout.apply_chat_template)
+                                  apply_chat_template=rollout.apply_chat_template,
+                                  chat_template_kwargs=rollout.apply_chat_template_kwargs)
     dataset, keys = load_prompts(rollout)
     source = PromptSource(dataset, shuffle=rollout.rollout_shuffle, seed=rollout.rollout_seed)
     client = EngineClient(registry, router_url=router_url, per_engine_concurrency=config.sglang.server_concurrency,

@@ -16,6 +16,7 @@ hits eval requests, they come back aborted and are resumed (not lost).
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptRecord, make_group
@@ -31,6 +32,19 @@ from hpc_rl.rollout.generate import (
     run_generate,
 )
 from hpc_rl.rollout.scheduler import RewardFn
+
+log = logging.getLogger(__name__)
+
+
+def drop_long_prompts(name: str, records: list[PromptRecord], encoder: PromptEncoder,
+                      max_prompt_len: int) -> list[PromptRecord]:
+    """The records whose encoded prompt has at most `max_prompt_len` tokens (slime's --eval-max-prompt-len),
+    with one log line naming how many were left out."""
+    kept = [r for r in records if len(encoder(r.prompt, r.metadata)) <= max_prompt_len]
+    if len(kept) < len(records):
+        log.info("eval dataset %s: %d of %d prompts are longer than eval_max_prompt_len %d tokens and are left out",
+                 name, len(records) - len(kept), len(records), max_prompt_len)
+    return kept
 
 
 def load_eval_datasets(evaluation: Any, keys: DataKeys) -> list[tuple[str, list[PromptRecord]]]:

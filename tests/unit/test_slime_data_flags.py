@@ -1,0 +1,68 @@
+"""Issue 26: slime's data and eval flags (--apply-chat-template-kwargs, --eval-input-key/-label-key/-tool-key,
+--eval-max-prompt-len, --eval-max-context-len, --eval-min-new-tokens) with slime's meaning, as the controller
+builds its eval from them."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+from hpc_rl.config import load_config
+from hpc_rl.data.prompts import make_prompt_encoder
+
+
+class RecordingTokenizerForTest:
+    """A fake tokenizer: records the chat template's keyword arguments, encodes one id per character."""
+
+    def __init__(self) -> None:
+        self.template_kwargs: dict[str, Any] = {}
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        self.template_kwargs = kwargs
+        return "".join(m["content"] for m in messages)
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_chat_template_kwargs_reach_the_template() -> None:
+    config = load_config([], ["--apply-chat-template", "--apply-chat-template-kwargs", '{"enable_thinking": false}'])
+    assert config.rollout.apply_chat_template_kwargs == {"enable_thinking": False}
+    tokenizer = RecordingTokenizerForTest()
+    encode = make_prompt_encoder(tokenizer, apply_chat_template=True,
+                                 chat_template_kwargs=config.rollout.apply_chat_template_kwargs)
+    assert encode("hi", {}) == [ord("h"), ord("i")]
+    assert tokenizer.template_kwargs["enable_thinking"] is False and tokenizer.template_kwargs["add_generation_prompt"]
+
+
+def test_eval_keys_lengths_and_sampling_from_the_flags(tmp_path: Path, in_repo: Path) -> None:
+    eval_file = tmp_path / "eval.jsonl"
+    long = " ".join(f"w{i}" for i in range(200))
+    eval_file.write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in ("short", long)))
+    config = load_config([in_repo / "configs" / "tiny_cpu.yaml"], [
+        "--run-dir", str(tmp_path), "--eval-prompt-data", "qa", str(eval_file), "--eval-input-key", "question",
+        "--eval-label-key", "answer", "--eval-max-prompt-len", "64", "--eval-max-context-len", "100",
+        "--eval-min-new-tokens", "2"])
+
+    async def scenario() -> Any:
+        from hpc_rl.controller.app import Controller
+        from hpc_rl.protocol.secret import create_secret
+
+        controller = Controller(config, secret=create_secret(tmp_path / "secret"), router=None, router_url=None)
+        try:
+            await controller.start()
+            await controller.ready()
+            assert controller.loop is not None
+            return controller.loop.evaluate
+        finally:
+            await controller.close()
+
+    evaluate = asyncio.run(scenario())
+    captured = inspect.getclosurevars(evaluate).nonlocals
+    (name, records), = captured["datasets"]
+    assert name == "qa" and [r.prompt for r in records] == ["short"] and records[0].label == "1"  # the long one: out
+    assert captured["sampling_params"]["min_new_tokens"] == 2
+    assert captured["evaluation"].eval_max_context_len == 100
