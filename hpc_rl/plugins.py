@@ -57,6 +57,33 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
                        False),
     # -> None: fills rollout_data["advantages"] and ["returns"]
     "advantage": PluginKind("algorithm.custom_advantage_function_path", ("args", "rollout_data"), False),
+    # -> Sample | None (after generation, before the reward); rollout_id= and evaluation= if it names them
+    "sample_hook": PluginKind("rollout.rollout_sample_hook_path", ("args", "sample"), None),
+    # -> None: marks sample.remove_sample on the kept groups
+    "sample_filter": PluginKind("rollout.rollout_sample_filter_path", ("args", "samples"), False),
+    # -> None: every scored group of the rollout, dropped ones included
+    "all_samples_process": PluginKind("rollout.rollout_all_samples_process_path",
+                                      ("args", "all_samples", "data_source"), False),
+    # -> bool: skip hpc_rl's rollout/* scalars
+    "rollout_log": PluginKind("rollout.custom_rollout_log_function_path",
+                              ("rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"), False),
+    # -> bool: skip hpc_rl's eval/* scalars
+    "eval_rollout_log": PluginKind("eval.custom_eval_rollout_log_function_path",
+                                   ("rollout_id", "args", "data", "extra_metrics"), False),
+    # -> (raw_rewards, rewards): replaces the group normalisation of the rewards
+    "reward_post_process": PluginKind("rollout.custom_reward_post_process_path", ("args", "samples"), False),
+    # trainer ranks: -> None, after the process groups are up
+    "megatron_init": PluginKind("training.custom_megatron_init_path", ("args",), False),
+    # trainer ranks: -> None, before each log-prob pass ("" old, "ref_" reference)
+    "before_log_prob_hook": PluginKind("training.custom_megatron_before_log_prob_hook_path",
+                                       ("args", "model", "store_prefix"), False),
+    # trainer ranks: -> None, before each optimizer step's forward/backward
+    "before_train_step_hook": PluginKind("training.custom_megatron_before_train_step_hook_path",
+                                         ("args", "rollout_id", "step_id", "model", "optimizer",
+                                          "opt_param_scheduler"), False),
+    # trainer ranks: -> None, may change rollout_data["loss_masks"] / ["advantages"] before training
+    "rollout_data_postprocess": PluginKind("algorithm.rollout_data_postprocess_path",
+                                           ("args", "rollout_id", "rollout_data"), False),
     # -> (pg_loss, loss_masks, metrics): slime calls it with keywords only
     "tis": PluginKind("algorithm.custom_tis_function_path", (), False,
                       keywords=("args", "pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks",

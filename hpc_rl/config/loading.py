@@ -27,7 +27,9 @@ from hpc_rl.config.settings_sources import (
     read_yaml_settings, section_types, yaml_settings_and_problems,
 )
 from hpc_rl.config.settings_sources import _field_hint as field_hint
-from hpc_rl.config.slime_flags import PLUGIN_PATH_FIELDS, SLIME_PLUGIN_PATHS, SLIME_RM_MODULES, as_slime_module_path
+from hpc_rl.config.slime_flags import (
+    APPENDED_FIELDS, PLUGIN_PATH_FIELDS, SLIME_PLUGIN_PATHS, SLIME_RM_MODULES, as_slime_module_path,
+)
 from hpc_rl.config.typing_rules import ConfigError, ConfigErrors, coerce_value
 
 RESOLVED_CONFIG_NAME = "config.resolved.yaml"
@@ -105,6 +107,8 @@ def _apply_setting(setting: Setting, raw: dict[str, dict[str, Any]], top: dict[s
         raw[section][name] = _eval_datasets(setting.value, where)
     elif setting.path == "sglang.extra_args":
         raw[section].setdefault(name, {}).update(coerce_value(setting.value, dict[str, Any], where))
+    elif setting.path in APPENDED_FIELDS:  # slime's action="append": every occurrence adds
+        raw[section][name] = [*raw[section].get(name, []), *coerce_value(setting.value, field_hint(setting.path), where)]
     else:
         value = coerce_value(setting.value, field_hint(setting.path), where)
         raw[section][name] = _slime_plugin_path(setting.path, value, raw, where) if setting.path in PLUGIN_PATH_FIELDS \

@@ -133,6 +133,21 @@ class RolloutConfig:
     reward_key: str | None = None
     """When the custom reward or the reward server returns an object, the key holding the reward (slime's
     --reward-key)."""
+    rollout_sample_hook_path: list[str] = field(default_factory=list)
+    """Import paths of slime's sample hooks, `hook(args, sample, *, rollout_id=, evaluation=) -> Sample | None`,
+    applied in order to every generated sample before its reward (rollout and eval; the flag repeats)."""
+    rollout_sample_filter_path: str | None = None
+    """Import path of slime's `fn(args, groups)` marking `sample.remove_sample` on the kept groups: those samples
+    are not trained (loss mask zeros) but stay in their group's reward normalisation."""
+    rollout_all_samples_process_path: str | None = None
+    """Import path of slime's `fn(args, all_samples, data_source)`, called with every scored group of the
+    rollout (those dynamic sampling dropped too) and hpc_rl's prompt source."""
+    custom_rollout_log_function_path: str | None = None
+    """Import path of slime's `fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool`, called
+    after each rollout; True skips hpc_rl's rollout/* scalars of that rollout."""
+    custom_reward_post_process_path: str | None = None
+    """Import path of slime's `fn(args, samples) -> (raw_rewards, rewards)`, called on the controller with each
+    rollout's samples; its rewards replace the group-normalised ones the trainer receives."""
     update_weights_interval: int = 1
     """Sync weights to the engines every this many rollouts."""
     update_weight_buffer_size: int = 512 * 1024**2
@@ -223,6 +238,14 @@ class TrainingConfig:
     log_probs_chunk_size: int = -1
     """Compute log-probs and entropies this many tokens at a time (slime's --log-probs-chunk-size; -1: all at once),
     bounding the [tokens, vocab] float32 intermediates."""
+    custom_megatron_init_path: str | None = None
+    """Import path of slime's `fn(args)`, called on every trainer rank once its process groups are up."""
+    custom_megatron_before_log_prob_hook_path: str | None = None
+    """Import path of slime's `fn(args, model, store_prefix)`, called before each log-prob pass ("" for the old
+    log-probs, "ref_" for the reference's)."""
+    custom_megatron_before_train_step_hook_path: str | None = None
+    """Import path of slime's `fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)`, called before
+    each optimizer step's forward and backward (opt_param_scheduler: Megatron's on GPU, None on CPU)."""
     seed: int = 1234
     """Trainer RNG seed."""
     num_threads: int = 1
@@ -325,6 +348,9 @@ class AlgorithmConfig:
     use_rollout_entropy: bool = False
     """Compute each token's entropy in the old and reference log-prob passes and hand them to the custom advantage
     function as rollout_data["entropy"] and ["ref_entropy"] (slime's --use-rollout-entropy)."""
+    rollout_data_postprocess_path: str | None = None
+    """Import path of slime's `fn(args, rollout_id, rollout_data)`, called on the trainer after the advantages; it
+    may change rollout_data["loss_masks"] and ["advantages"] (per-sample tensors) before training."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -454,6 +480,9 @@ class EvalConfig:
     """Maximum prompt + response tokens in eval (default: rollout.rollout_max_context_len)."""
     eval_min_new_tokens: int | None = None
     """SGLang's min_new_tokens for eval sampling (slime's --eval-min-new-tokens)."""
+    custom_eval_rollout_log_function_path: str | None = None
+    """Import path of slime's `fn(rollout_id, args, data, extra_metrics) -> bool` (data: {name: {rewards,
+    truncated, samples}}), called after each eval; True skips hpc_rl's eval/<name>/* scalars."""
 
 
 @dataclass(kw_only=True)

@@ -221,9 +221,15 @@ SLIME_REST_REFUSED: dict[str, str] = {
     "ci_load_grad_norm": "slime's own CI switch; drop it",
     "async_save": ("not offered: hpc_rl writes each checkpoint synchronously and commits it atomically (every rank "
                    "done, then the tracker), so a preempted job never leaves a half-written one; drop it"),
+    "custom_convert_samples_to_train_data_path": (
+        "not offered: the controller packs samples for the trainer itself (tokens, loss masks, rollout log-probs, "
+        "weight versions); change samples with --rollout-sample-hook-path or --rollout-sample-filter-path and "
+        "rewards with --custom-reward-post-process-path"),
     "padded_vocab_size": ("hpc_rl pads the vocabulary itself (to a multiple of 128 x TP, Megatron's rule) and masks "
                           "the padded logits; drop it"),
 }
+APPENDED_FIELDS = ("rollout.rollout_sample_hook_path",)
+"""Fields of slime's `action="append"` flags: each occurrence (and each YAML list) adds to the list."""
 SLIME_REST_ALIASES: dict[str, str] = {
     "rollout_health_check_interval": "controller.engine_health_interval",
     "rollout_health_check_timeout": "controller.engine_health_timeout",

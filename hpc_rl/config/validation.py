@@ -24,7 +24,16 @@ CONFIG_PLUGINS = {"rollout.custom_rm_path": "reward", "rollout.dynamic_sampling_
                   "rollout.buffer_filter_path": "buffer_filter", "rollout.custom_generate_function_path": "generate",
                   "algorithm.custom_loss_function_path": "loss",
                   "algorithm.custom_advantage_function_path": "advantage",
-                  "algorithm.custom_tis_function_path": "tis"}
+                  "algorithm.custom_tis_function_path": "tis",
+                  "rollout.rollout_sample_filter_path": "sample_filter",
+                  "rollout.rollout_all_samples_process_path": "all_samples_process",
+                  "rollout.custom_rollout_log_function_path": "rollout_log",
+                  "eval.custom_eval_rollout_log_function_path": "eval_rollout_log",
+                  "rollout.custom_reward_post_process_path": "reward_post_process",
+                  "training.custom_megatron_init_path": "megatron_init",
+                  "training.custom_megatron_before_log_prob_hook_path": "before_log_prob_hook",
+                  "training.custom_megatron_before_train_step_hook_path": "before_train_step_hook",
+                  "algorithm.rollout_data_postprocess_path": "rollout_data_postprocess"}
 """Config field (section.name) -> its kind in `hpc_rl.plugins.PLUGIN_KINDS` (the signatures' one home).
 A field the schema does not have (yet) is skipped."""
 WANDB_SETTINGS = ("wandb_mode", "wandb_project", "wandb_team", "wandb_group", "wandb_key", "wandb_host", "wandb_dir",
@@ -201,6 +210,11 @@ def _model_problems(config: RunConfig) -> list[Problem]:
 
 def _plugin_problems(config: RunConfig) -> list[Problem]:
     problems = []
+    for path in config.rollout.rollout_sample_hook_path:  # slime's repeatable --rollout-sample-hook-path
+        try:
+            load_plugin("sample_hook", path)
+        except PluginError as error:
+            problems.append(Problem("rollout.rollout_sample_hook_path", str(error)))
     for setting, kind in CONFIG_PLUGINS.items():
         section, name = setting.split(".")
         path = getattr(getattr(config, section), name, None)

@@ -11,6 +11,7 @@ Not here: the controller process itself (`app`), the loop (`run_loop`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from hpc_rl.controller.trainers import Trainers, reward_shaping
 from hpc_rl.controller.weight_updates import WeightSyncSettings, WeightUpdates
 from hpc_rl.data.prompt_tokenizer import load_prompt_tokenizer
 from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptSource, make_prompt_encoder
+from hpc_rl.plugins import load_plugin
 from hpc_rl.rewards.group import RewardSpec, reward_group
 from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rewards.scoring import REMOTE_RM, split_boxed_prefix
@@ -36,6 +38,7 @@ from hpc_rl.rollout.eval import drop_long_prompts
 from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
 from hpc_rl.rollout.sample_metrics import SampleMetricOptions
+from hpc_rl.rollout.sample_plugins import SamplePlugins
 from hpc_rl.rollout.scheduler import RewardFn
 from hpc_rl.telemetry.recorder import RunRecorder
 from hpc_rl.telemetry.scalars import ScalarLog, tensorboard_dir
@@ -85,12 +88,14 @@ def make_evaluate(config: RunConfig, client: EngineClient, keys: DataKeys, encod
     generate_fn = load_generate_function(config.rollout.custom_generate_function_path)
     sampling_params = eval_sampling_params(config.rollout, config.eval)
 
-    async def evaluate(weight_version: int) -> dict[str, float]:
+    plugins = SamplePlugins.from_config(config.rollout, config.eval)
+
+    async def evaluate(weight_version: int, rollout_id: int) -> dict[str, float]:
         return await run_eval(client=client, datasets=datasets, encoder=encoder, reward_fn=reward_fn,
                               n_samples=config.eval.n_samples_per_eval_prompt, sampling_params=sampling_params,
                               args=args, generate_fn=generate_fn, weight_version=weight_version,
                               max_context_len=evaluation.eval_max_context_len or config.rollout.rollout_max_context_len,
-                              metric_options=metric_options)
+                              metric_options=metric_options, plugins=plugins, rollout_id=rollout_id)
 
     return evaluate
 
@@ -126,7 +131,8 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
 
     metric_options = SampleMetricOptions.from_config(config.logging, rollout)
     scheduler = RolloutScheduler.from_config(rollout, args=args, client=client, source=source, encoder=encoder,
-                                             reward_fn=reward_fn, metric_options=metric_options)
+                                             reward_fn=reward_fn, metric_options=metric_options,
+                                             plugins=SamplePlugins.from_config(rollout, config.eval))
     num_rollout = num_rollouts(rollout, len(dataset))
     recorder = RunRecorder(config.run_dir, ScalarLog.for_controller(tensorboard_dir(config, config.run_dir), config,
                                                                     run_dir=config.run_dir),
@@ -147,7 +153,10 @@ def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler, registry: R
                             engines_serve=scheduler.set_weight_version, num_rollout=num_rollout)
     rollouts = Rollouts(scheduler, fleet=fleet, channel=channel, weights=weights, overlap=rollout.async_rollout,
                         num_rollout=num_rollout)
-    trainers = Trainers(channel, registry, shaping=reward_shaping(config.algorithm, rollout.n_samples_per_prompt),
+    post_process = (functools.partial(load_plugin("reward_post_process", rollout.custom_reward_post_process_path),
+                                      plugin_args(config)) if rollout.custom_reward_post_process_path else None)
+    trainers = Trainers(channel, registry, shaping=reward_shaping(config.algorithm, rollout.n_samples_per_prompt,
+                                                                  post_process),
                         num_rollout=num_rollout)
     checkpoints = Checkpoints(config.checkpoint, trainers=trainers, rollouts=rollouts, colocated=weights.colocated,
                               num_rollout=num_rollout)

@@ -37,8 +37,9 @@ from hpc_rl.controller.trainers import Trainers
 from hpc_rl.controller.weight_updates import WeightUpdates
 from hpc_rl.telemetry.recorder import RunRecorder
 
-Evaluate = Callable[[int], Awaitable[dict[str, float]]]
-"""Eval rollouts with the engines' current weights (the argument: their version); eval/... metrics."""
+Evaluate = Callable[[int, int], Awaitable[dict[str, float]]]
+"""Eval rollouts with the engines' current weights (the arguments: their version, and the rollout id the eval
+follows, 0 before training); eval/... metrics."""
 
 
 class RunLoop:
@@ -61,7 +62,7 @@ class RunLoop:
         try:
             await self.weights.start(resumed=resumed and self.next_rollout_id > 0)
             if self.evaluate and self.next_rollout_id == 0 and not self.eval_config.skip_eval_before_train:
-                self.recorder.eval_before_training(await self.evaluate(self.weights.version))
+                self.recorder.eval_before_training(await self.evaluate(self.weights.version, 0))
             for rollout_id in range(self.next_rollout_id, self.num_rollout):
                 start = time.perf_counter()
                 result = await self.rollouts.next(rollout_id)  # generate, score, filter; partial buffer in and out
@@ -75,7 +76,7 @@ class RunLoop:
                 metrics |= await self.weights.after_train(version, sync_due=sync_due)
                 if self.evaluate and every(self.eval_config.eval_interval, rollout_id):
                     eval_start = time.perf_counter()
-                    metrics |= await self.evaluate(self.weights.version)
+                    metrics |= await self.evaluate(self.weights.version, rollout_id)
                     metrics["time/eval"] = time.perf_counter() - eval_start
                 metrics |= await self.checkpoints.save_if_due(rollout_id, self.weights.version,
                                                               stopping=self.stop_requested)

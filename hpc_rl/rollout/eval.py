@@ -23,6 +23,7 @@ from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptRe
 from hpc_rl.data.samples import Group, SampleStatus
 from hpc_rl.rollout.engine_client import EngineClient
 from hpc_rl.rollout.sample_metrics import SampleMetricOptions, sample_metrics
+from hpc_rl.rollout.sample_plugins import SamplePlugins
 from hpc_rl.rollout.generate import (
     GenerateFn,
     GenerationSession,
@@ -53,8 +54,10 @@ def load_eval_datasets(evaluation: Any, keys: DataKeys) -> list[tuple[str, list[
 
 
 async def _eval_group(group: Group, fn: GenerateFn, args: Any, params: SamplingParams,
-                      session: GenerationSession, reward_fn: RewardFn) -> None:
+                      session: GenerationSession, reward_fn: RewardFn, plugins: SamplePlugins,
+                      rollout_id: int | None) -> None:
     await asyncio.gather(*(run_generate(fn, args, s, params, session) for s in group))
+    await plugins.apply_hooks_to_group(args, group, rollout_id=rollout_id, evaluation=True)
     scored = [s for s in group if s.status is not SampleStatus.FAILED]
     rewards = await reward_fn(scored) if scored else []
     for sample, reward in zip(scored, rewards):
@@ -84,7 +87,8 @@ async def run_eval(*, client: EngineClient, datasets: list[tuple[str, list[Promp
                    reward_fn: RewardFn, n_samples: int, sampling_params: SamplingParams, args: Any = None,
                    generate_fn: GenerateFn = default_generate, weight_version: int = 0,
                    max_context_len: int | None = None, retry: RetryPolicy | None = None,
-                   metric_options: SampleMetricOptions | None = None) -> dict[str, float]:
+                   metric_options: SampleMetricOptions | None = None, plugins: SamplePlugins | None = None,
+                   rollout_id: int | None = None) -> dict[str, float]:
     """Generate and score every dataset (all concurrently, limited by the client); return the metrics."""
     session = GenerationSession(client, weight_version=weight_version, retry=retry, max_context_len=max_context_len,
                                 batch_across_groups=True)  # every eval group is waited for
@@ -97,7 +101,9 @@ async def run_eval(*, client: EngineClient, datasets: list[tuple[str, list[Promp
                                      prompt_token_ids=encoder(record.prompt, record.metadata)))
             next_index += n_samples
         per_dataset.append((name, groups))
-    tasks = [asyncio.create_task(_eval_group(g, generate_fn, args, sampling_params, session, reward_fn))
+    plugins = plugins or SamplePlugins()
+    tasks = [asyncio.create_task(_eval_group(g, generate_fn, args, sampling_params, session, reward_fn, plugins,
+                                             rollout_id))
              for _, groups in per_dataset for g in groups]
     try:
         await asyncio.gather(*tasks)
@@ -112,5 +118,7 @@ async def run_eval(*, client: EngineClient, datasets: list[tuple[str, list[Promp
         metrics.update(eval_metrics(name, groups))
         if metric_options is not None:
             metrics.update(sample_metrics(groups, metric_options, f"eval/{name}/"))
+    if plugins.skip_eval_scalars(rollout_id, args, per_dataset, metrics):
+        metrics = {}
     metrics.update(session.metrics.as_dict(prefix="eval/"))
     return metrics

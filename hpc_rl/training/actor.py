@@ -16,7 +16,9 @@ import torch
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+from hpc_rl.plugins import load_plugin
 from hpc_rl.training import checkpoint
+from hpc_rl.training.custom_hooks import trainer_args
 from hpc_rl.training.model_provider import build_gpt_model
 from hpc_rl.training.optimizer import ActorOptimizer, wrap_ddp
 from hpc_rl.training.parallel import ParallelInfo
@@ -57,8 +59,12 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
                   optimizer_config: OptimizerConfig, checkpoints: CheckpointConfig, info: ParallelInfo,
                   model_file: str | Path | None = None, plugin_args: SimpleNamespace | None = None) -> TrainerParts:
     """Actor + optimizer (+ reference model when the KL loss or KL shaping needs one), loaded.
-    `plugin_args`: the run's flat config for custom loss/advantage functions (default: these sections')."""
+    `plugin_args`: the run's flat config for custom loss/advantage functions (default: these sections').
+    slime's --custom-megatron-init-path hook runs first (the process groups are up, no model yet)."""
     device = "cpu" if info.on_cpu else "cuda"  # cluster.device, as init_parallel checked it
+    if training.custom_megatron_init_path:
+        load_plugin("megatron_init", training.custom_megatron_init_path)(
+            plugin_args if plugin_args is not None else trainer_args(training, algorithm))
     if info.on_cpu:
         actor = wrap_ddp(build_gpt_model(arch, training))
         optimizer: ActorOptimizer = ActorOptimizer(actor, optimizer_config)

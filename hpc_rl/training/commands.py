@@ -196,7 +196,7 @@ class TrainerCommands:
         trainer = self.parts.trainer
         if self.parts.optimizer.config.reset_optimizer_states:
             self.parts.optimizer.reset_state()
-        steps = trainer.train_rollout(batch)
+        steps = trainer.train_rollout(batch, command.rollout_id)
         interval = trainer.algorithm.ref_update_interval
         if interval and (command.rollout_id + 1) % interval == 0:
             trainer.update_reference()

@@ -89,6 +89,10 @@ def old_logprobs_need_own_pass(training: TrainingConfig, algorithm: AlgorithmCon
             or algorithm.use_rollout_entropy)
 
 
+def _optional_plugin(kind: str, path: str | None) -> Any:
+    return load_plugin(kind, path) if path else None
+
+
 class RolloutTrainer:
     """`train_rollout(batch)` -> one metrics dict per optimizer step."""
 
@@ -122,6 +126,12 @@ class RolloutTrainer:
                                   if algorithm.custom_advantage_function_path else None)
         self.custom_tis = load_plugin("tis", algorithm.custom_tis_function_path) if algorithm.custom_tis_function_path \
             else None
+        self.before_log_prob_hook = _optional_plugin("before_log_prob_hook",
+                                                     training.custom_megatron_before_log_prob_hook_path)
+        self.before_train_step_hook = _optional_plugin("before_train_step_hook",
+                                                       training.custom_megatron_before_train_step_hook_path)
+        self.rollout_data_postprocess = _optional_plugin("rollout_data_postprocess",
+                                                         algorithm.rollout_data_postprocess_path)
         self._entropy: dict[str, dict[int, torch.Tensor]] = {}
         """use_rollout_entropy: the old and ref passes' per-sample entropies ("entropy", "ref_entropy")."""
         self._train_logprobs: dict[int, torch.Tensor] | None = None
@@ -157,13 +167,13 @@ class RolloutTrainer:
     def _old_logprobs(self, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
         """The old log-probs' own pass: at the engines' weights with keep_old_actor, else the current ones."""
         if not self.algorithm.keep_old_actor or self.rollout_weights is None:
-            return self._logprobs(self.actor, micros, "entropy")
+            return self._logprobs(self.actor, micros, "")
         params = self._actor_params()
         current = [p.detach().to("cpu", copy=True) for p in params]
         for param, old in zip(params, self.rollout_weights):
             param.copy_(old)
         try:
-            return self._logprobs(self.actor, micros, "entropy")
+            return self._logprobs(self.actor, micros, "")
         finally:
             for param, value in zip(params, current):
                 param.copy_(value)
@@ -202,9 +212,13 @@ class RolloutTrainer:
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, micros: list[MicroBatch],
-                  entropy_key: str | None = None) -> dict[int, torch.Tensor]:
-        """Per-sample response log-probs, by batch index; empty on stages other than the last. With
-        use_rollout_entropy and an `entropy_key`, the pass's entropies are kept under it."""
+                  store_prefix: str | None = None) -> dict[int, torch.Tensor]:
+        """Per-sample response log-probs, by batch index; empty on stages other than the last. `store_prefix`
+        (slime's: "" old, "ref_" reference) names the pass for the before-log-prob hook; with
+        use_rollout_entropy the pass's entropies are kept under store_prefix + "entropy"."""
+        if store_prefix is not None and self.before_log_prob_hook is not None:
+            self.before_log_prob_hook(self.plugin_args, model, store_prefix)
+        entropy_key = None if store_prefix is None else store_prefix + "entropy"
         with_entropy = entropy_key is not None and self.algorithm.use_rollout_entropy
         out: dict[int, torch.Tensor] = {}
         entropies: dict[int, torch.Tensor] = {}
@@ -219,7 +233,7 @@ class RolloutTrainer:
 
     # ------------------------------------------------------------------ the rollout
 
-    def train_rollout(self, batch: TrainBatch) -> list[dict[str, float]]:
+    def train_rollout(self, batch: TrainBatch, rollout_id: int = 0) -> list[dict[str, float]]:
         steps = self.training.num_steps_per_rollout
         if len(batch) == 0 or len(batch) % steps:
             raise ValueError(f"{len(batch)} samples do not split into num_steps_per_rollout={steps} steps")
@@ -230,7 +244,7 @@ class RolloutTrainer:
         all_micros = [m for step in plan for m in step]
 
         self._entropy = {}
-        ref = self._logprobs(self.ref_model, all_micros, "ref_entropy") if self.ref_model is not None else None
+        ref = self._logprobs(self.ref_model, all_micros, "ref_") if self.ref_model is not None else None
         self._train_logprobs = None
         if self.algorithm.use_rollout_logprobs:
             if batch.rollout_logprobs is None:
@@ -244,7 +258,8 @@ class RolloutTrainer:
         else:
             old = None  # the training pass's own log-probs, detached (losses: old_log_probs=None)
         if not self.info.is_last_stage:  # log-probs, advantages and the loss live on the last stage
-            return [self._train_step(batch, micros, masks, old, ref, [], None) for micros in plan]
+            return [self._step(rollout_id, step, batch, micros, masks, old, ref, [], None)
+                    for step, micros in enumerate(plan)]
         kl = None
         if ref is not None and old is not None:
             kl = [approx_kl(old[i], ref[i], self.algorithm.kl_loss_type) for i in range(len(batch))]
@@ -260,7 +275,43 @@ class RolloutTrainer:
                 all_reduce=self._dp_sum if self.info.dp_size > 1 else None)
         self._returns = [r.to(device) for r in returns]
         advantages = [a.to(device) for a in advantages]
-        return [self._train_step(batch, micros, masks, old, ref, advantages, rollout) for micros in plan]
+        if self.rollout_data_postprocess is not None:
+            masks, advantages = self._postprocess(rollout_id, batch, masks, old, ref, rollout, advantages)
+        return [self._step(rollout_id, step, batch, micros, masks, old, ref, advantages, rollout)
+                for step, micros in enumerate(plan)]
+
+    def _step(self, rollout_id: int, step_id: int, batch: TrainBatch, micros: list[MicroBatch],
+              masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
+              advantages: list[torch.Tensor], rollout: list[torch.Tensor] | None) -> dict[str, float]:
+        if self.before_train_step_hook is not None:
+            self.before_train_step_hook(self.plugin_args, rollout_id, step_id, self.actor, self.optimizer,
+                                        getattr(self.optimizer, "scheduler", None))
+        return self._train_step(batch, micros, masks, old, ref, advantages, rollout)
+
+    def _postprocess(self, rollout_id: int, batch: TrainBatch, masks: list[torch.Tensor],
+                     old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
+                     rollout: list[torch.Tensor] | None,
+                     advantages: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """slime's `rollout_data_postprocess_path(args, rollout_id, rollout_data)`: it may change the loss masks
+        and the advantages (each checked against the sample's response length)."""
+        n = len(batch)
+        rollout_data: dict[str, Any] = {
+            "rewards": list(batch.rewards), "loss_masks": list(masks), "advantages": list(advantages),
+            "returns": list(self._returns), "response_lengths": list(batch.response_lengths),
+            "total_lengths": list(batch.total_lengths),
+            "log_probs": [old[i] for i in range(n)] if old is not None else None,
+            "ref_log_probs": [ref[i] for i in range(n)] if ref is not None else None, "rollout_log_probs": rollout,
+            **{key: [values[i] for i in range(n)] for key, values in self._entropy.items() if values}}
+        self.rollout_data_postprocess(self.plugin_args, rollout_id, rollout_data)
+        out = []
+        for key in ("loss_masks", "advantages"):
+            values = rollout_data[key]
+            if len(values) != n or any(torch.as_tensor(v).numel() != m.numel() for v, m in zip(values, masks)):
+                raise ValueError(f"algorithm.rollout_data_postprocess_path: rollout_data[{key!r}] must stay one tensor "
+                                 f"per sample, as long as its response")
+            out.append([torch.as_tensor(v, dtype=torch.float32, device=m.device).reshape(-1)
+                        for v, m in zip(values, masks)])
+        return out[0], out[1]
 
     def _custom_advantages(self, batch: TrainBatch, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
                            ref: dict[int, torch.Tensor] | None, rollout: list[torch.Tensor] | None,
@@ -315,7 +366,7 @@ class RolloutTrainer:
         samples = sum(len(m.indices) for m in micros)
         tokens_here = sum(batch.total_lengths[i] for m in micros for i in m.indices)
         counts = torch.tensor([float(samples), float(tokens_here),
-                               float(sum(sum(batch.loss_masks[i]) for m in micros for i in m.indices))],
+                               float(sum(float(masks[i].sum()) for m in micros for i in m.indices))],
                               device=self.info.device)
         if self.info.dp_size > 1:
             dist.all_reduce(counts, group=self.dp_group)

@@ -1,7 +1,9 @@
 """Issue 26: slime's checkpoint and trainer flags on a real gloo trainer rank (Megatron-core on CPU):
 --reset-optimizer-states, --ref-update-interval, --keep-old-actor, --no-save-optim, --save-hf and --ref-ckpt-step,
-each with slime's meaning, through the trainer's command loop as the controller drives it; and the trainer's
---recompute-loss-function and --use-rollout-entropy."""
+each with slime's meaning, through the trainer's command loop as the controller drives it; the trainer's
+--recompute-loss-function and --use-rollout-entropy; and slime's trainer plug-ins (--custom-megatron-init-path,
+--custom-megatron-before-log-prob-hook-path, --custom-megatron-before-train-step-hook-path,
+--rollout-data-postprocess-path)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ pytestmark = pytest.mark.slow
 def _configs(hf_dir: str, root: str, **checkpoint: Any):
     from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
 
-    training = TrainingConfig(global_batch_size=8, micro_batch_size=4, qkv_format="thd")
+    training = TrainingConfig(global_batch_size=8, micro_batch_size=4, qkv_format="thd",
+                              custom_megatron_init_path="tests.unit.plugin_fixtures.record_init")
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1, ref_update_interval=2, keep_old_actor=True)
     optimizer = OptimizerConfig(lr=1e-2, reset_optimizer_states=True)
     checkpoints = CheckpointConfig(**{"hf_checkpoint": hf_dir, "ref_load": hf_dir, "save_optim": False,
@@ -108,7 +111,16 @@ def _loss_options(parts) -> dict[str, Any]:
     trainer({}, {"use_rollout_entropy": True, "keep_old_actor": False,
                  "custom_advantage_function_path": "tests.unit.plugin_fixtures.recording_advantages"}
             ).train_rollout(make_batch(6))
-    return {"saved_bytes": kept, "rollout_data": plugin_fixtures.SEEN_ROLLOUT_DATA[-1]}
+    plugin_fixtures.TRAINER_CALLS.clear()
+    hooked = trainer({"custom_megatron_before_log_prob_hook_path": "tests.unit.plugin_fixtures.record_log_prob_pass",
+                      "custom_megatron_before_train_step_hook_path": "tests.unit.plugin_fixtures.record_train_step",
+                      "num_steps_per_rollout": 2, "global_batch_size": 4},
+                     {"keep_old_actor": False,
+                      "rollout_data_postprocess_path": "tests.unit.plugin_fixtures.untrain_everything"})
+    steps = hooked.train_rollout(make_batch(7), rollout_id=9)
+    return {"saved_bytes": kept, "rollout_data": plugin_fixtures.SEEN_ROLLOUT_DATA[-1],
+            "init_calls": list(plugin_fixtures.INIT_CALLS), "hook_calls": list(plugin_fixtures.TRAINER_CALLS),
+            "untrained_losses": [step["loss"] for step in steps]}
 
 
 def _resume(hf_dir: str, root: str, info) -> dict[str, Any]:
@@ -166,3 +178,12 @@ def test_checkpoint_and_trainer_flags_with_slimes_meaning(tmp_path: Path) -> Non
     # --use-rollout-entropy: the old and reference passes' entropies, one per response token, reach the function
     seen = run["rollout_data"]
     assert seen["entropy"] == seen["ref_entropy"] == seen["loss_masks"] and seen["entropy"]
+    # the trainer plug-ins, with slime's arguments: init once per build (here 4 builds), the log-prob hook before
+    # the reference's and the old pass, the step hook before each of the 2 steps, the post-process after the
+    # advantages (its all-zero loss masks leave nothing to train: loss 0)
+    assert run["init_calls"] == [8] * 4
+    assert run["hook_calls"][:3] == [("log_prob", "ref_"), ("log_prob", ""), ("postprocess", 9, [
+        "advantages", "log_probs", "loss_masks", "ref_log_probs", "response_lengths", "returns", "rewards",
+        "rollout_log_probs", "total_lengths"])]
+    assert run["hook_calls"][3:] == [("train_step", 9, 0), ("train_step", 9, 1)]
+    assert run["untrained_losses"] == [0.0, 0.0]

@@ -37,3 +37,53 @@ def recording_advantages(args: Any, rollout_data: dict[str, Any]) -> None:
                               and hasattr(value[0], "shape") else value for key, value in rollout_data.items()
                               if key in ("entropy", "ref_entropy", "loss_masks")})
     custom_advantages(args, rollout_data)
+
+
+TRAINER_CALLS: list[tuple[Any, ...]] = []
+"""What the trainer hooks below were called with, in order (the rank process reports it)."""
+
+
+INIT_CALLS: list[int] = []
+
+
+def record_init(args: Any) -> None:
+    INIT_CALLS.append(args.global_batch_size)
+
+
+def record_log_prob_pass(args: Any, model: Any, store_prefix: str) -> None:
+    TRAINER_CALLS.append(("log_prob", store_prefix))
+
+
+def record_train_step(args: Any, rollout_id: int, step_id: int, model: Any, optimizer: Any,
+                      opt_param_scheduler: Any) -> None:
+    TRAINER_CALLS.append(("train_step", rollout_id, step_id))
+
+
+def untrain_everything(args: Any, rollout_id: int, rollout_data: dict[str, Any]) -> None:
+    TRAINER_CALLS.append(("postprocess", rollout_id, sorted(rollout_data)))
+    rollout_data["loss_masks"] = [mask * 0 for mask in rollout_data["loss_masks"]]
+
+
+def sample_hook(args: Any, sample: Any) -> None:
+    return None
+
+
+def groups_visitor(args: Any, samples: Any) -> None:
+    return None
+
+
+def all_samples_visitor(args: Any, all_samples: Any, data_source: Any) -> None:
+    return None
+
+
+def rollout_log(rollout_id: int, args: Any, samples: Any, rollout_extra_metrics: Any, rollout_time: float) -> bool:
+    return False
+
+
+def eval_log(rollout_id: int, args: Any, data: Any, extra_metrics: Any) -> bool:
+    return False
+
+
+def reward_post_process(args: Any, samples: Any) -> tuple[list[float], list[float]]:
+    raw = [s.reward for s in samples]
+    return raw, raw

@@ -71,6 +71,16 @@ SAMPLES: dict[str, list[str]] = {
     "--ref-update-interval": ["2", "--use-kl-loss"],
     "--ref-ckpt-step": ["1", "--ref-load", "/ckpt"],
     "--eval-reward-key": ["score", "--reward-key", "score"],
+    "--rollout-sample-hook-path": ["tests.unit.plugin_fixtures.sample_hook"],
+    "--rollout-sample-filter-path": ["tests.unit.plugin_fixtures.groups_visitor"],
+    "--rollout-all-samples-process-path": ["tests.unit.plugin_fixtures.all_samples_visitor"],
+    "--custom-rollout-log-function-path": ["tests.unit.plugin_fixtures.rollout_log"],
+    "--custom-eval-rollout-log-function-path": ["tests.unit.plugin_fixtures.eval_log"],
+    "--custom-reward-post-process-path": ["tests.unit.plugin_fixtures.reward_post_process"],
+    "--custom-megatron-init-path": ["tests.unit.plugin_fixtures.record_init"],
+    "--custom-megatron-before-log-prob-hook-path": ["tests.unit.plugin_fixtures.record_log_prob_pass"],
+    "--custom-megatron-before-train-step-hook-path": ["tests.unit.plugin_fixtures.record_train_step"],
+    "--rollout-data-postprocess-path": ["tests.unit.plugin_fixtures.untrain_everything"],
 }
 """The value (and any companion flag slime's own checks ask for) a flag is tried with, where slime's default or a
 value of its type is not one a run takes."""
