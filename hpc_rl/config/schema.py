@@ -145,6 +145,8 @@ class RolloutConfig:
     custom_rollout_log_function_path: str | None = None
     """Import path of slime's `fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool`, called
     after each rollout; True skips hpc_rl's rollout/* scalars of that rollout."""
+    http_proxy: str | None = None
+    """HTTP proxy for the calls to the reward server (rm_type remote_rm; slime's --http-proxy)."""
     custom_reward_post_process_path: str | None = None
     """Import path of slime's `fn(args, samples) -> (raw_rewards, rewards)`, called on the controller with each
     rollout's samples; its rewards replace the group-normalised ones the trainer receives."""
@@ -240,6 +242,17 @@ class TrainingConfig:
     bounding the [tokens, vocab] float32 intermediates."""
     custom_megatron_init_path: str | None = None
     """Import path of slime's `fn(args)`, called on every trainer rank once its process groups are up."""
+    distributed_timeout_minutes: int = 10
+    """Timeout of the trainer's collectives (torch.distributed's process-group timeout; slime's
+    --distributed-timeout-minutes, default 10)."""
+    train_env_vars: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of the trainer processes, e.g. {PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True}
+    (slime's --train-env-vars, JSON on the command line)."""
+    only_train_params_name_list: list[str] | None = None
+    """Regular expressions (re.search) of the parameter names to train; every other parameter is frozen (slime's
+    --only-train-params-name-list)."""
+    freeze_params_name_list: list[str] | None = None
+    """Regular expressions (re.search) of the parameter names to freeze (slime's --freeze-params-name-list)."""
     custom_megatron_before_log_prob_hook_path: str | None = None
     """Import path of slime's `fn(args, model, store_prefix)`, called before each log-prob pass ("" for the old
     log-probs, "ref_" for the reference's)."""
@@ -423,6 +436,9 @@ class CheckpointConfig:
     save_optim: bool = True
     """Save the optimizer state with each checkpoint (slime's --no-save-optim: false; a resume from such a
     checkpoint restores the weights and the run's position and starts the optimizer's moments afresh)."""
+    model_name: str | None = None
+    """The model family the weight conversion uses (slime's --model-name); hpc_rl reads it from the architecture
+    and checks that a given name agrees (qwen3, qwen2, llama, glm4, ...)."""
     save_hf: str | None = None
     """Also write the weights of each saved rollout as an HF directory (safetensors, config and tokenizer of
     hf_checkpoint) at this path, `{rollout_id}` replaced (slime's --save-hf)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -290,6 +291,24 @@ def _slime_flag_problems(config: RunConfig) -> list[Problem]:
     if algorithm.use_rollout_entropy and not algorithm.custom_advantage_function_path:
         problems.append(Problem("algorithm.use_rollout_entropy", "hands the log-prob passes' entropies to "
                                 "custom_advantage_function_path, which is not set: add it or drop the flag"))
+    training = config.training
+    if training.only_train_params_name_list and training.freeze_params_name_list:
+        problems.append(Problem("training.freeze_params_name_list", "give only one of only_train_params_name_list "
+                                "and freeze_params_name_list (slime refuses both too)"))
+    for field_name in ("only_train_params_name_list", "freeze_params_name_list"):
+        for pattern in getattr(training, field_name) or ():
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                problems.append(Problem(f"training.{field_name}", f"{pattern!r} is not a regular expression: {error}"))
+    if checkpoint.model_name:
+        arch, _, _ = _architecture(config)
+        name = checkpoint.model_name.lower().replace("_", "").replace("-", "")
+        family = arch.family.replace("_", "") if arch is not None else None
+        if family is not None and family not in name:
+            problems.append(Problem("checkpoint.model_name", f"{checkpoint.model_name!r} names another family than "
+                                    f"the architecture's {arch.family!r} (hpc_rl converts weights by the "  # type: ignore[union-attr]
+                                    f"architecture): drop --model-name or fix the model flags"))
     if checkpoint.save_hf:
         try:
             checkpoint.save_hf.format(rollout_id=0)

@@ -120,7 +120,7 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     pool = RewardPool(rollout.reward_workers) if rollout.reward_workers and rule_rewards else None
     spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,
                       group_rm=rollout.group_rm, args=args, pool=pool, reward_key=rollout.reward_key,
-                      category_key=config.logging.log_reward_category)
+                      category_key=config.logging.log_reward_category, proxy=rollout.http_proxy)
     eval_spec = dataclasses.replace(spec, reward_key=config.eval.eval_reward_key or rollout.reward_key)
 
     async def reward_fn(samples: list[Any]) -> list[float]:

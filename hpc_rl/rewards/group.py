@@ -63,6 +63,8 @@ class RewardSpec:
     """When a custom function or the server returns an object, the key holding the reward."""
     category_key: str | None = None
     """When it returns an object, the key whose value is kept as the sample's reward category."""
+    proxy: str | None = None
+    """HTTP proxy for the reward server's calls (slime's --http-proxy)."""
     retry: RetryPolicy = REMOTE_RM_RETRY
     """remote_rm retry policy."""
     remote_timeout_s: float = 120.0
@@ -226,7 +228,7 @@ async def reward_group(spec: RewardSpec, samples: Sequence[Sample]) -> list[floa
     if spec.pool is not None and spec.custom_rm_path is None and not _needs_session(spec, samples):
         return await _reward_in_pool(spec, spec.pool, samples)
     if _needs_session(spec, samples):
-        async with reward_session(spec.remote_timeout_s) as session:
+        async with reward_session(spec.remote_timeout_s, spec.proxy) as session:
             results = await asyncio.gather(
                 *(_guarded(spec, s, session) for s in samples), return_exceptions=True
             )

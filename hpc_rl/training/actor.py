@@ -8,6 +8,7 @@ restores it) and building the `RolloutTrainer`. Does not own the command loop (`
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,6 +45,23 @@ def _has_checkpoint(path: str | None) -> bool:
                            or Path(path, ".metadata").exists())
 
 
+def freeze_parameters(model: torch.nn.Module, training: TrainingConfig) -> torch.nn.Module:
+    """slime's --only-train-params-name-list / --freeze-params-name-list: parameters whose (Megatron) name the
+    regular expressions select (re.search) get requires_grad False before DDP and the optimizer see them; they
+    are still synced to the engines and saved."""
+    only, frozen = training.only_train_params_name_list, training.freeze_params_name_list
+    if not only and not frozen:
+        return model
+    for name, param in model.named_parameters():
+        if only:
+            param.requires_grad_(any(re.search(pattern, name) for pattern in only))
+        else:
+            param.requires_grad_(not any(re.search(pattern, name) for pattern in frozen or ()))
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("training.only_train_params_name_list / freeze_params_name_list leave no parameter to train")
+    return model
+
+
 @dataclass
 class TrainerParts:
     """What a trainer rank holds for a run."""
@@ -66,12 +84,13 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
         load_plugin("megatron_init", training.custom_megatron_init_path)(
             plugin_args if plugin_args is not None else trainer_args(training, algorithm))
     if info.on_cpu:
-        actor = wrap_ddp(build_gpt_model(arch, training))
+        actor = wrap_ddp(freeze_parameters(build_gpt_model(arch, training), training))
         optimizer: ActorOptimizer = ActorOptimizer(actor, optimizer_config)
     else:  # Megatron's optimizer (GPU only; see optimizer_gpu)
         from hpc_rl.training.optimizer_gpu import MegatronActorOptimizer
 
-        actor = wrap_ddp(build_gpt_model(arch, training, device=device), distributed_optimizer=True)
+        actor = wrap_ddp(freeze_parameters(build_gpt_model(arch, training, device=device), training),
+                         distributed_optimizer=True)
         optimizer = MegatronActorOptimizer(actor, optimizer_config, params_dtype=actor.config.params_dtype)  # type: ignore[assignment]
     resumed = None
     if _has_checkpoint(checkpoints.load) and not is_hf_checkpoint(checkpoints.load):

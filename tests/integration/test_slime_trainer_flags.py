@@ -3,7 +3,7 @@
 each with slime's meaning, through the trainer's command loop as the controller drives it; the trainer's
 --recompute-loss-function and --use-rollout-entropy; and slime's trainer plug-ins (--custom-megatron-init-path,
 --custom-megatron-before-log-prob-hook-path, --custom-megatron-before-train-step-hook-path,
---rollout-data-postprocess-path)."""
+--rollout-data-postprocess-path); --freeze-params-name-list and --distributed-timeout-minutes."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from tests.integration.test_trainer_step import ARCH_FILE, make_batch
 pytestmark = pytest.mark.slow
 
 
-def _configs(hf_dir: str, root: str, **checkpoint: Any):
+def _configs(hf_dir: str, root: str, training_changes: dict[str, Any] | None = None, **checkpoint: Any):
     from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
 
     training = TrainingConfig(global_batch_size=8, micro_batch_size=4, qkv_format="thd",
-                              custom_megatron_init_path="tests.unit.plugin_fixtures.record_init")
+                              custom_megatron_init_path="tests.unit.plugin_fixtures.record_init",
+                              **(training_changes or {}))
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1, ref_update_interval=2, keep_old_actor=True)
     optimizer = OptimizerConfig(lr=1e-2, reset_optimizer_states=True)
     checkpoints = CheckpointConfig(**{"hf_checkpoint": hf_dir, "ref_load": hf_dir, "save_optim": False,
@@ -31,11 +32,11 @@ def _configs(hf_dir: str, root: str, **checkpoint: Any):
     return training, algorithm, optimizer, checkpoints
 
 
-def _build(hf_dir: str, root: str, info, **checkpoint: Any):
+def _build(hf_dir: str, root: str, info, training_changes: dict[str, Any] | None = None, **checkpoint: Any):
     from hpc_rl.config.model import ModelArchitecture
     from hpc_rl.training.actor import build_trainer
 
-    training, algorithm, optimizer, checkpoints = _configs(hf_dir, root, **checkpoint)
+    training, algorithm, optimizer, checkpoints = _configs(hf_dir, root, training_changes, **checkpoint)
     return build_trainer(arch=ModelArchitecture.from_yaml(ARCH_FILE), training=training, algorithm=algorithm,
                          optimizer_config=optimizer, checkpoints=checkpoints, info=info, model_file=ARCH_FILE), checkpoints
 
@@ -54,12 +55,15 @@ def train_and_save_rank(hf_dir: str, root: str) -> dict[str, Any]:
     from hpc_rl.training.commands import TrainerCommands
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
 
-    info = init_parallel(TrainingConfig(global_batch_size=8), device="cpu")
+    info = init_parallel(TrainingConfig(global_batch_size=8, distributed_timeout_minutes=7), device="cpu")
+    from torch.distributed import distributed_c10d
+
+    timeout = distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
     parts, checkpoints = _build(hf_dir, root, info)
     commands = TrainerCommands(parts, arch=parts.trainer.arch, info=info, source=None,  # type: ignore[arg-type]
                                save_dir=f"{root}/ckpt", checkpoint_config=checkpoints)
     commands._engines_updated()  # the run's first weight sync: the engines serve the initial weights
-    out: dict[str, Any] = {"old_pass": parts.trainer.separate_old_logprob_pass}
+    out: dict[str, Any] = {"old_pass": parts.trainer.separate_old_logprob_pass, "timeout_s": timeout.total_seconds()}
     for rollout_id in (0, 1):
         result = commands.execute(TrainCommand(seq=rollout_id, rollout_id=rollout_id,
                                                batch=make_batch(rollout_id).to_arrays()))
@@ -135,6 +139,12 @@ def _resume(hf_dir: str, root: str, info) -> dict[str, Any]:
         _build(hf_dir, root, info, ref_load=f"{root}/ckpt", ref_ckpt_step=7)
     except FileNotFoundError as error:
         out["missing_step"] = str(error)
+    frozen, _ = _build(hf_dir, root, info, {"freeze_params_name_list": ["embedding"]})
+    before = dict(frozen.actor.module.named_parameters())
+    before = {name: p.detach().clone() for name, p in before.items()}
+    frozen.trainer.train_rollout(make_batch(3))
+    after = dict(frozen.actor.module.named_parameters())
+    out["moved"] = {name: not torch.equal(before[name], after[name]) for name in before}
     return out
 
 
@@ -173,6 +183,11 @@ def test_checkpoint_and_trainer_flags_with_slimes_meaning(tmp_path: Path) -> Non
     assert _same(resumed["older_ref"], run["actor_0"]) and _same(resumed["older_actor"], run["actor_0"])
     assert not _same(run["actor_0"], run["actor_1"])
     assert "no iteration 7 (iter_0000007)" in resumed["missing_step"]
+    # --freeze-params-name-list embedding: the embedding stays as loaded, the rest trains
+    moved = resumed["moved"]
+    assert [name for name, changed in moved.items() if not changed] == ["embedding.word_embeddings.weight"]
+    # --distributed-timeout-minutes 7: the trainer's process group times out after 7 minutes
+    assert run["timeout_s"] == 7 * 60
     # --recompute-loss-function: the loss's float32 softmax intermediates are not kept for backward
     assert run["saved_bytes"][True] < run["saved_bytes"][False]
     # --use-rollout-entropy: the old and reference passes' entropies, one per response token, reach the function
@@ -181,7 +196,7 @@ def test_checkpoint_and_trainer_flags_with_slimes_meaning(tmp_path: Path) -> Non
     # the trainer plug-ins, with slime's arguments: init once per build (here 4 builds), the log-prob hook before
     # the reference's and the old pass, the step hook before each of the 2 steps, the post-process after the
     # advantages (its all-zero loss masks leave nothing to train: loss 0)
-    assert run["init_calls"] == [8] * 4
+    assert run["init_calls"] == [8] * 5
     assert run["hook_calls"][:3] == [("log_prob", "ref_"), ("log_prob", ""), ("postprocess", 9, [
         "advantages", "log_probs", "loss_masks", "ref_log_probs", "response_lengths", "returns", "rewards",
         "rollout_log_probs", "total_lengths"])]
