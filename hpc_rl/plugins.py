@@ -84,6 +84,9 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
     # trainer ranks: -> None, may change rollout_data["loss_masks"] / ["advantages"] before training
     "rollout_data_postprocess": PluginKind("algorithm.rollout_data_postprocess_path",
                                            ("args", "rollout_id", "rollout_data"), False),
+    # trainer ranks: -> this rank's GPTModel (pre_process, post_process by keyword; vp_stage too if it names it)
+    "model_provider": PluginKind("training.custom_model_provider_path", (), False,
+                                 keywords=("pre_process", "post_process")),
     # -> (pg_loss, loss_masks, metrics): slime calls it with keywords only
     "tis": PluginKind("algorithm.custom_tis_function_path", (), False,
                       keywords=("args", "pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks",

@@ -145,6 +145,9 @@ class RolloutConfig:
     custom_rollout_log_function_path: str | None = None
     """Import path of slime's `fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool`, called
     after each rollout; True skips hpc_rl's rollout/* scalars of that rollout."""
+    custom_config_path: str | None = None
+    """YAML file of extra values for your plug-ins: each top-level key becomes an attribute of the `args` they
+    receive (slime's --custom-config-path; keys that name a config field are refused: set those as flags)."""
     http_proxy: str | None = None
     """HTTP proxy for the calls to the reward server (rm_type remote_rm; slime's --http-proxy)."""
     custom_reward_post_process_path: str | None = None
@@ -242,6 +245,9 @@ class TrainingConfig:
     bounding the [tokens, vocab] float32 intermediates."""
     custom_megatron_init_path: str | None = None
     """Import path of slime's `fn(args)`, called on every trainer rank once its process groups are up."""
+    custom_model_provider_path: str | None = None
+    """Import path of slime's `fn(pre_process, post_process, vp_stage=None) -> GPTModel` that builds each rank's
+    model instead of hpc_rl (its parameter names must be the ones hpc_rl maps to HF: Megatron's GPT layers)."""
     distributed_timeout_minutes: int = 10
     """Timeout of the trainer's collectives (torch.distributed's process-group timeout; slime's
     --distributed-timeout-minutes, default 10)."""

@@ -182,6 +182,10 @@ SLIME_REST_COMPAT: dict[str, CompatFlag] = {
         "hpc_rl's controller runs slime's default eval rollout; per-sample logic goes in --custom-generate-function-path"),
     "rollout_skip_special_tokens": CompatFlag(
         (True,), "hpc_rl's engines drop special tokens from the response text rewards read (SGLang's default)"),
+    "data_source_path": CompatFlag(
+        ("slime.rollout.data_source.RolloutDataSourceWithBuffer", "vime.rollout.data_source.RolloutDataSourceWithBuffer"),
+        "the controller draws prompts from --prompt-data (a checkpointed cursor, shuffled per epoch) after the "
+        "partial-rollout buffer, as slime's default data source does; another data source class is not offered"),
     "data_pad_size_multiplier": CompatFlag(
         (128,), "hpc_rl pads packed micro-batches itself (to the TP size under sequence parallelism, 2*CP under "
                 "context parallelism); the padding does not change the loss"),
@@ -221,6 +225,11 @@ SLIME_REST_REFUSED: dict[str, str] = {
     "ci_load_grad_norm": "slime's own CI switch; drop it",
     "async_save": ("not offered: hpc_rl writes each checkpoint synchronously and commits it atomically (every rank "
                    "done, then the tracker), so a preempted job never leaves a half-written one; drop it"),
+    "disable_rollout_global_dataset": ("not offered: the controller always draws prompts from --prompt-data; a "
+                                       "rollout function that manages its own data is not offered (per-sample logic "
+                                       "goes in --custom-generate-function-path)"),
+    "check_weight_update_equal": ("not offered: hpc_rl's tests check that engines serve the trainer's weights "
+                                  "(engine and trainer log-probs equal on a tiny model); drop it"),
     "custom_convert_samples_to_train_data_path": (
         "not offered: the controller packs samples for the trainer itself (tokens, loss masks, rollout log-probs, "
         "weight versions); change samples with --rollout-sample-hook-path or --rollout-sample-filter-path and "

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
+from hpc_rl.config.plugin_args import custom_config_values
+from hpc_rl.config.settings_sources import flat_index
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.file_checks import path_problems, prompt_file_problems
 from hpc_rl.config.value_ranges import range_problems
@@ -34,7 +36,8 @@ CONFIG_PLUGINS = {"rollout.custom_rm_path": "reward", "rollout.dynamic_sampling_
                   "training.custom_megatron_init_path": "megatron_init",
                   "training.custom_megatron_before_log_prob_hook_path": "before_log_prob_hook",
                   "training.custom_megatron_before_train_step_hook_path": "before_train_step_hook",
-                  "algorithm.rollout_data_postprocess_path": "rollout_data_postprocess"}
+                  "algorithm.rollout_data_postprocess_path": "rollout_data_postprocess",
+                  "training.custom_model_provider_path": "model_provider"}
 """Config field (section.name) -> its kind in `hpc_rl.plugins.PLUGIN_KINDS` (the signatures' one home).
 A field the schema does not have (yet) is skipped."""
 WANDB_SETTINGS = ("wandb_mode", "wandb_project", "wandb_team", "wandb_group", "wandb_key", "wandb_host", "wandb_dir",
@@ -301,6 +304,17 @@ def _slime_flag_problems(config: RunConfig) -> list[Problem]:
                 re.compile(pattern)
             except re.error as error:
                 problems.append(Problem(f"training.{field_name}", f"{pattern!r} is not a regular expression: {error}"))
+    custom_config = config.rollout.custom_config_path
+    if custom_config and Path(custom_config).is_file():
+        try:
+            clashing = sorted(set(custom_config_values(custom_config)) & set(flat_index()))
+        except ValueError as error:
+            problems.append(Problem("rollout.custom_config_path", str(error)))
+        else:
+            if clashing:
+                problems.append(Problem("rollout.custom_config_path", f"{custom_config} sets config fields "
+                                        f"{', '.join(clashing)}: give those as flags or YAML settings (the file is "
+                                        "for your plug-ins' own values)"))
     if checkpoint.model_name:
         arch, _, _ = _architecture(config)
         name = checkpoint.model_name.lower().replace("_", "").replace("-", "")

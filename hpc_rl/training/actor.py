@@ -8,6 +8,7 @@ restores it) and building the `RolloutTrainer`. Does not own the command loop (`
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,22 @@ def load_weights(model: torch.nn.Module, source: str | Path, arch: ModelArchitec
 def _has_checkpoint(path: str | None) -> bool:
     return bool(path) and (is_hf_checkpoint(path) or checkpoint.latest_iteration(path) is not None
                            or Path(path, ".metadata").exists())
+
+
+def build_model(arch: ModelArchitecture, training: TrainingConfig, *, device: str = "cpu") -> torch.nn.Module:
+    """This rank's stage of the model: hpc_rl's GPTModel, or what slime's --custom-model-provider-path builds,
+    `fn(pre_process, post_process, vp_stage=None)` (a Megatron GPTModel whose parameter names hpc_rl's weight
+    mapping knows: the same layers, another construction)."""
+    if not training.custom_model_provider_path:
+        return build_gpt_model(arch, training, device=device)
+    from megatron.core import parallel_state
+
+    provider = load_plugin("model_provider", training.custom_model_provider_path)
+    stages = training.pipeline_model_parallel_size > 1
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=True) if stages else True
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True) if stages else True
+    kwargs = {"vp_stage": None} if "vp_stage" in inspect.signature(provider).parameters else {}
+    return provider(pre_process=first, post_process=last, **kwargs)
 
 
 def freeze_parameters(model: torch.nn.Module, training: TrainingConfig) -> torch.nn.Module:
@@ -84,12 +101,12 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
         load_plugin("megatron_init", training.custom_megatron_init_path)(
             plugin_args if plugin_args is not None else trainer_args(training, algorithm))
     if info.on_cpu:
-        actor = wrap_ddp(freeze_parameters(build_gpt_model(arch, training), training))
+        actor = wrap_ddp(freeze_parameters(build_model(arch, training), training))
         optimizer: ActorOptimizer = ActorOptimizer(actor, optimizer_config)
     else:  # Megatron's optimizer (GPU only; see optimizer_gpu)
         from hpc_rl.training.optimizer_gpu import MegatronActorOptimizer
 
-        actor = wrap_ddp(freeze_parameters(build_gpt_model(arch, training, device=device), training),
+        actor = wrap_ddp(freeze_parameters(build_model(arch, training, device=device), training),
                          distributed_optimizer=True)
         optimizer = MegatronActorOptimizer(actor, optimizer_config, params_dtype=actor.config.params_dtype)  # type: ignore[assignment]
     resumed = None
@@ -108,7 +125,7 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
         ref_source = next((p for p in (checkpoints.ref_load, checkpoints.hf_checkpoint) if _has_checkpoint(p)), None)
         if ref_source is None:
             raise FileNotFoundError("the KL term needs reference weights: set checkpoint.ref_load")
-        ref_model = build_gpt_model(arch, training, device=device)
+        ref_model = build_model(arch, training, device=device)
         if resumed is not None and resumed.has_ref_model:  # an updated reference (algorithm.ref_update_interval)
             checkpoint.load_ref_model(checkpoints.load or "", ref_model)
         else:

@@ -145,6 +145,9 @@ def _resume(hf_dir: str, root: str, info) -> dict[str, Any]:
     frozen.trainer.train_rollout(make_batch(3))
     after = dict(frozen.actor.module.named_parameters())
     out["moved"] = {name: not torch.equal(before[name], after[name]) for name in before}
+    custom, _ = _build(hf_dir, root, info, {"custom_model_provider_path": "tests.unit.plugin_fixtures.tagged_model_provider"})
+    out["custom_provider"] = (getattr(custom.actor.module, "built_by_custom_provider", None),
+                              getattr(custom.ref_model, "built_by_custom_provider", None))
     return out
 
 
@@ -186,6 +189,8 @@ def test_checkpoint_and_trainer_flags_with_slimes_meaning(tmp_path: Path) -> Non
     # --freeze-params-name-list embedding: the embedding stays as loaded, the rest trains
     moved = resumed["moved"]
     assert [name for name, changed in moved.items() if not changed] == ["embedding.word_embeddings.weight"]
+    # --custom-model-provider-path: actor and reference come from the provider, called as slime calls it
+    assert resumed["custom_provider"] == ((True, True, None), (True, True, None))
     # --distributed-timeout-minutes 7: the trainer's process group times out after 7 minutes
     assert run["timeout_s"] == 7 * 60
     # --recompute-loss-function: the loss's float32 softmax intermediates are not kept for backward
@@ -196,7 +201,7 @@ def test_checkpoint_and_trainer_flags_with_slimes_meaning(tmp_path: Path) -> Non
     # the trainer plug-ins, with slime's arguments: init once per build (here 4 builds), the log-prob hook before
     # the reference's and the old pass, the step hook before each of the 2 steps, the post-process after the
     # advantages (its all-zero loss masks leave nothing to train: loss 0)
-    assert run["init_calls"] == [8] * 5
+    assert run["init_calls"] == [8] * 6
     assert run["hook_calls"][:3] == [("log_prob", "ref_"), ("log_prob", ""), ("postprocess", 9, [
         "advantages", "log_probs", "loss_masks", "ref_log_probs", "response_lengths", "returns", "rewards",
         "rollout_log_probs", "total_lengths"])]

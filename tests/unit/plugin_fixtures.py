@@ -87,3 +87,17 @@ def eval_log(rollout_id: int, args: Any, data: Any, extra_metrics: Any) -> bool:
 def reward_post_process(args: Any, samples: Any) -> tuple[list[float], list[float]]:
     raw = [s.reward for s in samples]
     return raw, raw
+
+
+def tagged_model_provider(pre_process: bool, post_process: bool, vp_stage: Any = None) -> Any:
+    """hpc_rl's own tiny Qwen3 stage, marked: a custom model provider as slime calls it."""
+    from hpc_rl.config.model import ModelArchitecture
+    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.training.model_provider import build_gpt_model
+
+    from pathlib import Path
+
+    arch = ModelArchitecture.from_yaml(Path(__file__).resolve().parents[2] / "configs/models/tiny_qwen3.yaml")
+    model = build_gpt_model(arch, TrainingConfig())
+    model.built_by_custom_provider = (pre_process, post_process, vp_stage)
+    return model

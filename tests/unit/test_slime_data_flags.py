@@ -66,3 +66,29 @@ def test_eval_keys_lengths_and_sampling_from_the_flags(tmp_path: Path, in_repo: 
     assert name == "qa" and [r.prompt for r in records] == ["short"] and records[0].label == "1"  # the long one: out
     assert captured["sampling_params"]["min_new_tokens"] == 2
     assert captured["evaluation"].eval_max_context_len == 100
+
+
+def test_eval_files_are_checked_with_the_eval_keys_at_submit(tmp_path: Path, in_repo: Path) -> None:
+    from hpc_rl.config.validation import collect_problems
+
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text(json.dumps({"question": "q", "answer": "1"}) + "\n")
+    flags = ["--eval-prompt-data", "qa", str(eval_file), "--eval-label-key", "answer"]
+    wrong = load_config([in_repo / "configs" / "tiny_cpu.yaml"], flags)
+    assert any(p.where == "eval.eval_prompt_data[qa]" for p in collect_problems(wrong))
+    right = load_config([in_repo / "configs" / "tiny_cpu.yaml"], [*flags, "--eval-input-key", "question"])
+    assert not [p for p in collect_problems(right) if p.where.startswith("eval.")]
+
+
+def test_custom_config_values_reach_the_plugins_args(tmp_path: Path) -> None:
+    from hpc_rl.config.plugin_args import plugin_args
+    from hpc_rl.config.validation import collect_problems
+
+    extra = tmp_path / "custom.yaml"
+    extra.write_text("judge_url: http://judge:8000\nretries: 3\n")
+    config = load_config([], ["--custom-config-path", str(extra)])
+    args = plugin_args(config)
+    assert (args.judge_url, args.retries) == ("http://judge:8000", 3)
+    extra.write_text("retries: 3\nrollout_batch_size: 64\n")
+    problems = [p for p in collect_problems(load_config([], ["--custom-config-path", str(extra)]), check_files=False)]
+    assert any("sets config fields rollout_batch_size" in p.message for p in problems)
