@@ -245,6 +245,10 @@ class TrainingConfig:
     bounding the [tokens, vocab] float32 intermediates."""
     custom_megatron_init_path: str | None = None
     """Import path of slime's `fn(args)`, called on every trainer rank once its process groups are up."""
+    save_debug_train_data: str | None = None
+    """Each DP rank writes what it trains on per rollout (tokens, loss masks, rewards, advantages, returns, old /
+    reference / rollout log-probs, per sample; torch.save) to this path, `{rollout_id}` and `{rank}` (the DP rank)
+    replaced (slime's --save-debug-train-data)."""
     custom_model_provider_path: str | None = None
     """Import path of slime's `fn(pre_process, post_process, vp_stage=None) -> GPTModel` that builds each rank's
     model instead of hpc_rl (its parameter names must be the ones hpc_rl maps to HF: Megatron's GPT layers)."""
@@ -577,6 +581,9 @@ class LoggingConfig:
     log_reward_category: str | None = None
     """Log the share of each value under this key of the reward object a custom reward or reward server returns
     (rollout/error_cat/<value>; slime's --log-reward-category)."""
+    save_debug_rollout_data: str | None = None
+    """Write every trained sample of each rollout (all its fields, one JSON object per line, group after group) to
+    this path, `{rollout_id}` replaced (slime's --save-debug-rollout-data; JSON lines here, not a torch file)."""
     log_multi_turn: bool = False
     """Log response lengths with and without observation tokens and the round counts of a multi-turn generate
     function (sample.metadata["round_number"]; slime's --log-multi-turn)."""

@@ -22,7 +22,8 @@ import yaml
 
 from hpc_rl.config.schema import RunConfig, SGLangConfig
 from hpc_rl.config.slime_flags import (
-    ALIASES, COMPAT_FLAGS, MODEL_FLAGS, MODEL_SWITCHES, MODEL_VALUE_FLAGS, REFUSED_FLAGS, UNBUILDABLE_MODEL_FLAGS,
+    ALIASES, COMPAT_FLAGS, EXPANDING_FLAGS, MODEL_FLAGS, MODEL_SWITCHES, MODEL_VALUE_FLAGS, REFUSED_FLAGS,
+    UNBUILDABLE_MODEL_FLAGS,
 )
 from hpc_rl.config.typing_rules import ConfigError, ConfigErrors, coerce_value, parse_cli_scalar
 from hpc_rl.config.vllm_flags import VLLM_PREFIX, vllm_settings
@@ -118,6 +119,8 @@ def slime_flag_settings(name: str, value: Any, where: str) -> list[Setting] | No
         raise ConfigError(f"{where}: {_flag(name)} is refused: {REFUSED_FLAGS[name]}")
     if name in UNBUILDABLE_MODEL_FLAGS:
         raise ConfigError(f"{where}: {_flag(name)} is refused: {UNBUILDABLE_MODEL_FLAGS[name]}")
+    if name in EXPANDING_FLAGS:
+        return [Setting(path, template.format(value), where) for path, template in EXPANDING_FLAGS[name]]
     if name.startswith(VLLM_PREFIX) or name.startswith("no_" + VLLM_PREFIX):
         name = VLLM_PREFIX + "no_" + name[len("no_" + VLLM_PREFIX):] if name.startswith("no_") else name
         return [Setting(path, setting, where) for path, setting in vllm_settings(name, value, where).items()]

@@ -113,8 +113,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "debug_rollout_only": ("not offered: to try rollouts and rewards without training, score a file with "
                            "`python -m hpc_rl.rewards` or run with --num-rollout 1"),
     "debug_train_only": "not offered: a run always generates its own rollouts (hpc_rl has no engine-less mode)",
-    "save_debug_rollout_data": ("not offered: every rollout's samples are summarised in <run_dir>/rollouts.jsonl; "
-                                "there is no replay format"),
     "load_debug_rollout_data": "not offered: hpc_rl cannot replay saved rollouts; drop the flag",
     "no_load_optim": ("not offered: --load restores weights, optimizer and the rollout position together; to start "
                       "from a checkpoint's weights with a fresh optimizer, give it as --ref-load and leave --load empty"),
@@ -238,6 +236,12 @@ SLIME_REST_REFUSED: dict[str, str] = {
                           "the padded logits; drop it"),
 }
 APPENDED_FIELDS = ("rollout.rollout_sample_hook_path",)
+EXPANDING_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
+    "dump_details": (("logging.save_debug_rollout_data", "{}/rollout_data/{{rollout_id}}.jsonl"),
+                     ("training.save_debug_train_data", "{}/train_data/{{rollout_id}}_{{rank}}.pt")),
+}
+"""slime flags that set several fields (slime's --dump-details DIR: the rollout and train dumps under DIR):
+flag -> (field path, value template with the flag's value for {})."""
 """Fields of slime's `action="append"` flags: each occurrence (and each YAML list) adds to the list."""
 SLIME_REST_ALIASES: dict[str, str] = {
     "rollout_health_check_interval": "controller.engine_health_interval",

@@ -136,7 +136,8 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     num_rollout = num_rollouts(rollout, len(dataset))
     recorder = RunRecorder(config.run_dir, ScalarLog.for_controller(tensorboard_dir(config, config.run_dir), config,
                                                                     run_dir=config.run_dir),
-                           num_rollout=num_rollout, print_fn=lambda line: print(line, flush=True))
+                           num_rollout=num_rollout, print_fn=lambda line: print(line, flush=True),
+                           debug_rollout_data=config.logging.save_debug_rollout_data)
     loop = assemble_loop(config, scheduler=scheduler, registry=registry, channel=channel, fleet=fleet,
                          recorder=recorder,
                          evaluate=make_evaluate(config, client, keys, encoder, eval_reward_fn, args, metric_options),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -277,8 +278,29 @@ class RolloutTrainer:
         advantages = [a.to(device) for a in advantages]
         if self.rollout_data_postprocess is not None:
             masks, advantages = self._postprocess(rollout_id, batch, masks, old, ref, rollout, advantages)
+        if self.training.save_debug_train_data and self.info.tp_rank == 0 and self.info.cp_rank == 0:
+            self._save_debug_train_data(rollout_id, batch, masks, old, ref, rollout, advantages)
         return [self._step(rollout_id, step, batch, micros, masks, old, ref, advantages, rollout)
                 for step, micros in enumerate(plan)]
+
+    def _save_debug_train_data(self, rollout_id: int, batch: TrainBatch, masks: list[torch.Tensor],
+                               old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
+                               rollout: list[torch.Tensor] | None, advantages: list[torch.Tensor]) -> None:
+        """slime's --save-debug-train-data: what this DP rank trains on, per sample, in one torch file."""
+        template = self.training.save_debug_train_data or ""
+        path = Path(template.format(rollout_id=rollout_id, rank=self.info.dp_rank))
+        if "{rank}" not in template and self.info.dp_size > 1:
+            path = path.with_name(f"{path.name}.rank{self.info.dp_rank}")
+        n = len(batch)
+        data = {"rollout_id": rollout_id, "dp_rank": self.info.dp_rank,
+                "tokens": [torch.as_tensor(t) for t in batch.tokens], "response_lengths": list(batch.response_lengths),
+                "loss_masks": [m.cpu() for m in masks], "rewards": list(batch.rewards),
+                "advantages": [a.cpu() for a in advantages], "returns": [r.cpu() for r in self._returns],
+                "log_probs": [old[i].cpu() for i in range(n)] if old is not None else None,
+                "ref_log_probs": [ref[i].cpu() for i in range(n)] if ref is not None else None,
+                "rollout_log_probs": [r.cpu() for r in rollout] if rollout is not None else None}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, path)
 
     def _step(self, rollout_id: int, step_id: int, batch: TrainBatch, micros: list[MicroBatch],
               masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,

@@ -80,12 +80,12 @@ def train_and_save_rank(hf_dir: str, root: str) -> dict[str, Any]:
 
     out["hf_state"] = {name: t.clone() for name, t in export_hf_state_dict(parts.actor, parts.trainer.arch)}
     out["resumed"] = _resume(hf_dir, root, info)  # as a new job would, in the same process (one start-up)
-    out |= _loss_options(parts)
+    out |= _loss_options(parts, root)
     shutdown_parallel()
     return out
 
 
-def _loss_options(parts) -> dict[str, Any]:
+def _loss_options(parts, root: str) -> dict[str, Any]:
     """Bytes autograd keeps for backward with and without --recompute-loss-function (the loss is recomputed
     from the logits instead), and what --use-rollout-entropy hands a custom advantage function."""
     import dataclasses
@@ -122,9 +122,13 @@ def _loss_options(parts) -> dict[str, Any]:
                      {"keep_old_actor": False,
                       "rollout_data_postprocess_path": "tests.unit.plugin_fixtures.untrain_everything"})
     steps = hooked.train_rollout(make_batch(7), rollout_id=9)
+    template = f"{root}/debug/{{rollout_id}}_{{rank}}.pt"
+    trainer({"save_debug_train_data": template}, {"keep_old_actor": False}).train_rollout(make_batch(8), 4)
+    dumped = torch.load(template.format(rollout_id=4, rank=0))
     return {"saved_bytes": kept, "rollout_data": plugin_fixtures.SEEN_ROLLOUT_DATA[-1],
             "init_calls": list(plugin_fixtures.INIT_CALLS), "hook_calls": list(plugin_fixtures.TRAINER_CALLS),
-            "untrained_losses": [step["loss"] for step in steps]}
+            "untrained_losses": [step["loss"] for step in steps],
+            "dumped": {key: len(value) if isinstance(value, list) else value for key, value in dumped.items()}}
 
 
 def _resume(hf_dir: str, root: str, info) -> dict[str, Any]:
@@ -207,3 +211,6 @@ def test_checkpoint_and_trainer_flags_with_slimes_meaning(tmp_path: Path) -> Non
         "rollout_log_probs", "total_lengths"])]
     assert run["hook_calls"][3:] == [("train_step", 9, 0), ("train_step", 9, 1)]
     assert run["untrained_losses"] == [0.0, 0.0]
+    # --save-debug-train-data: what the rank trains on, per sample (8 samples of rollout 4, DP rank 0)
+    dumped = run["dumped"]
+    assert (dumped["rollout_id"], dumped["dp_rank"], dumped["tokens"], dumped["advantages"]) == (4, 0, 8, 8)

@@ -110,3 +110,22 @@ def test_freeze_lists_are_checked_at_submit() -> None:
     assert any("give only one" in p.message for p in collect_problems(both, check_files=False))
     bad = load_config([], ["--freeze-params-name-list", "layers.(["])
     assert any("not a regular expression" in p.message for p in collect_problems(bad, check_files=False))
+
+
+def test_dump_details_sets_both_debug_dumps_and_the_rollout_dump_is_written(tmp_path: Path) -> None:
+    from hpc_rl.telemetry.recorder import RunRecorder
+    from hpc_rl.telemetry.scalars import ScalarLog
+
+    config = load_config([], ["--dump-details", str(tmp_path / "dump")])
+    assert config.logging.save_debug_rollout_data == f"{tmp_path}/dump/rollout_data/{{rollout_id}}.jsonl"
+    assert config.training.save_debug_train_data == f"{tmp_path}/dump/train_data/{{rollout_id}}_{{rank}}.pt"
+    recorder = RunRecorder(tmp_path, ScalarLog(None), num_rollout=3, print_fn=lambda line: None,
+                           debug_rollout_data=config.logging.save_debug_rollout_data)
+    groups = [[Sample(index=i, group_index=0, prompt="p", prompt_token_ids=[1], response_token_ids=[2, 3],
+                      reward=float(i)) for i in range(2)]]
+    recorder.rollout(1, {"rollout/reward_mean": 0.5}, groups)
+    lines = (tmp_path / "dump" / "rollout_data" / "1.jsonl").read_text().splitlines()
+    import json
+
+    assert [json.loads(line)["reward"] for line in lines] == [0.0, 1.0]
+    assert json.loads(lines[0])["response_token_ids"] == [2, 3]
