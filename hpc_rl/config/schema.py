@@ -187,6 +187,14 @@ class TrainingConfig:
     """Pack micro-batches by tokens up to max_tokens_per_gpu."""
     max_tokens_per_gpu: int | None = None
     """Token cap per micro-batch per GPU (x context parallel size) with dynamic batch size."""
+    log_probs_max_tokens_per_gpu: int | None = None
+    """With dynamic batch size: the token cap of the forward-only passes (reference and old log-probs), packed on
+    their own (slime's --log-probs-max-tokens-per-gpu); None: they run on the training micro-batches (so the first
+    step's KL is exactly 0)."""
+    balance_by_flops: bool = False
+    """With dynamic batch size: as many micro-batches as max_tokens_per_gpu needs, balanced by Karmarkar-Karp on each
+    sample's forward cost c*L + L^2 instead of first-fit token packing (slime's --balance-by-flops; a micro-batch
+    may exceed the token cap)."""
     tensor_model_parallel_size: int = 1
     """TP size."""
     sequence_parallel: bool = False

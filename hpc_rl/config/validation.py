@@ -295,6 +295,10 @@ def _slime_flag_problems(config: RunConfig) -> list[Problem]:
         problems.append(Problem("algorithm.use_rollout_entropy", "hands the log-prob passes' entropies to "
                                 "custom_advantage_function_path, which is not set: add it or drop the flag"))
     training = config.training
+    for field_name in ("balance_by_flops", "log_probs_max_tokens_per_gpu"):
+        if getattr(training, field_name) and not training.use_dynamic_batch_size:
+            problems.append(Problem(f"training.{field_name}", "packs micro-batches by tokens, so it needs "
+                                    "use_dynamic_batch_size (and max_tokens_per_gpu), as slime does"))
     if training.only_train_params_name_list and training.freeze_params_name_list:
         problems.append(Problem("training.freeze_params_name_list", "give only one of only_train_params_name_list "
                                 "and freeze_params_name_list (slime refuses both too)"))

@@ -40,7 +40,9 @@ from hpc_rl.training.advantages import compute_advantages, masked_whiten
 from hpc_rl.training.custom_hooks import (
     check_custom_loss_result, load_custom_advantages, load_custom_loss, run_custom_advantages, trainer_args,
 )
-from hpc_rl.training.batching import equalize_microbatch_count, pack_microbatches
+from hpc_rl.training.batching import (
+    equalize_microbatch_count, flops_balanced_microbatches, flops_linear_coefficient, pack_microbatches,
+)
 from hpc_rl.weights.json_collectives import broadcast_json
 from hpc_rl.training.losses import (
     PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for, sum_of_sample_mean, sum_of_tokens,
@@ -181,13 +183,23 @@ class RolloutTrainer:
 
     # ------------------------------------------------------------------ micro-batches
 
-    def _step_microbatches(self, batch: TrainBatch, step_indices: Sequence[int]) -> list[MicroBatch]:
+    def _step_microbatches(self, batch: TrainBatch, step_indices: Sequence[int],
+                           max_tokens_per_gpu: int | None = None) -> list[MicroBatch]:
         lengths = [batch.total_lengths[i] for i in step_indices]
         if self.training.use_dynamic_batch_size:
-            if not self.training.max_tokens_per_gpu:
+            cap = max_tokens_per_gpu or self.training.max_tokens_per_gpu
+            if not cap:
                 raise ValueError("training.use_dynamic_batch_size needs training.max_tokens_per_gpu")
             # max_tokens_per_gpu counts one GPU's tokens: a CP group holds cp_size times that (slime's rule)
-            bins = pack_microbatches(lengths, self.training.max_tokens_per_gpu * self.info.cp_size)
+            if self.training.balance_by_flops:
+                arch = self.arch
+                coefficient = flops_linear_coefficient(
+                    hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
+                    num_query_groups=arch.num_query_groups, kv_channels=arch.kv_channels,
+                    ffn_hidden_size=arch.ffn_hidden_size)
+                bins = flops_balanced_microbatches(lengths, cap * self.info.cp_size, coefficient)
+            else:
+                bins = pack_microbatches(lengths, cap * self.info.cp_size)
             count = torch.tensor(len(bins), device=self.info.device)
             if self.info.dp_size > 1:
                 dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
@@ -242,7 +254,7 @@ class RolloutTrainer:
         plan = [self._step_microbatches(batch, range(s * per_step, (s + 1) * per_step)) for s in range(steps)]
         device = self.info.device
         masks = [torch.as_tensor(m, dtype=torch.float32, device=device) for m in batch.loss_masks]
-        all_micros = [m for step in plan for m in step]
+        all_micros = self.logprob_microbatches(batch, plan, per_step)
 
         self._entropy = {}
         ref = self._logprobs(self.ref_model, all_micros, "ref_") if self.ref_model is not None else None
@@ -301,6 +313,15 @@ class RolloutTrainer:
                 "rollout_log_probs": [r.cpu() for r in rollout] if rollout is not None else None}
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(data, path)
+
+    def logprob_microbatches(self, batch: TrainBatch, plan: list[list[MicroBatch]], per_step: int) -> list[MicroBatch]:
+        """The micro-batches of the forward-only passes: the training ones, or (log_probs_max_tokens_per_gpu with
+        dynamic batch size) each step's samples packed again under that cap."""
+        cap = self.training.log_probs_max_tokens_per_gpu
+        if not (cap and self.training.use_dynamic_batch_size):
+            return [m for step in plan for m in step]
+        return [m for s in range(len(plan))
+                for m in self._step_microbatches(batch, range(s * per_step, (s + 1) * per_step), cap)]
 
     def _step(self, rollout_id: int, step_id: int, batch: TrainBatch, micros: list[MicroBatch],
               masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,

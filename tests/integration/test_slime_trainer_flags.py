@@ -3,7 +3,8 @@
 each with slime's meaning, through the trainer's command loop as the controller drives it; the trainer's
 --recompute-loss-function and --use-rollout-entropy; and slime's trainer plug-ins (--custom-megatron-init-path,
 --custom-megatron-before-log-prob-hook-path, --custom-megatron-before-train-step-hook-path,
---rollout-data-postprocess-path); --freeze-params-name-list and --distributed-timeout-minutes."""
+--rollout-data-postprocess-path); --freeze-params-name-list, --distributed-timeout-minutes, --balance-by-flops,
+--log-probs-max-tokens-per-gpu, --save-debug-train-data and --custom-model-provider-path."""
 
 from __future__ import annotations
 
@@ -125,7 +126,20 @@ def _loss_options(parts, root: str) -> dict[str, Any]:
     template = f"{root}/debug/{{rollout_id}}_{{rank}}.pt"
     trainer({"save_debug_train_data": template}, {"keep_old_actor": False}).train_rollout(make_batch(8), 4)
     dumped = torch.load(template.format(rollout_id=4, rank=0))
-    return {"saved_bytes": kept, "rollout_data": plugin_fixtures.SEEN_ROLLOUT_DATA[-1],
+    from hpc_rl.training.batching import flops_balanced_microbatches, flops_linear_coefficient
+
+    batch, dynamic = make_batch(9), {"use_dynamic_batch_size": True, "max_tokens_per_gpu": 20}
+    by_flops = trainer({**dynamic, "balance_by_flops": True}, {"keep_old_actor": False})
+    arch = parts.trainer.arch
+    coefficient = flops_linear_coefficient(hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
+                                           num_query_groups=arch.num_query_groups, kv_channels=arch.kv_channels,
+                                           ffn_hidden_size=arch.ffn_hidden_size)
+    flops_bins = ([m.indices for m in by_flops._step_microbatches(batch, range(8))],
+                  flops_balanced_microbatches(batch.total_lengths, 20, coefficient))
+    capped = trainer({**dynamic, "log_probs_max_tokens_per_gpu": 400}, {"keep_old_actor": False})
+    plan = [capped._step_microbatches(batch, range(8))]
+    logprob_passes = (len(plan[0]), len(capped.logprob_microbatches(batch, plan, 8)))
+    return {"saved_bytes": kept, "flops_bins": flops_bins, "logprob_passes": logprob_passes, "rollout_data": plugin_fixtures.SEEN_ROLLOUT_DATA[-1],
             "init_calls": list(plugin_fixtures.INIT_CALLS), "hook_calls": list(plugin_fixtures.TRAINER_CALLS),
             "untrained_losses": [step["loss"] for step in steps],
             "dumped": {key: len(value) if isinstance(value, list) else value for key, value in dumped.items()}}
@@ -211,6 +225,10 @@ def test_checkpoint_and_trainer_flags_with_slimes_meaning(tmp_path: Path) -> Non
         "rollout_log_probs", "total_lengths"])]
     assert run["hook_calls"][3:] == [("train_step", 9, 0), ("train_step", 9, 1)]
     assert run["untrained_losses"] == [0.0, 0.0]
+    # --balance-by-flops: the trainer's micro-batches are the Karmarkar-Karp partition on c*L + L^2
+    assert run["flops_bins"][0] == run["flops_bins"][1] and len(run["flops_bins"][0]) > 1
+    # --log-probs-max-tokens-per-gpu 400: the forward-only passes run on fewer, larger micro-batches
+    assert run["logprob_passes"][1] == 1 < run["logprob_passes"][0]
     # --save-debug-train-data: what the rank trains on, per sample (8 samples of rollout 4, DP rank 0)
     dumped = run["dumped"]
     assert (dumped["rollout_id"], dumped["dp_rank"], dumped["tokens"], dumped["advantages"]) == (4, 0, 8, 8)

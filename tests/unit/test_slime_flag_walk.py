@@ -81,6 +81,10 @@ SAMPLES: dict[str, list[str]] = {
     "--custom-megatron-before-log-prob-hook-path": ["tests.unit.plugin_fixtures.record_log_prob_pass"],
     "--custom-megatron-before-train-step-hook-path": ["tests.unit.plugin_fixtures.record_train_step"],
     "--rollout-data-postprocess-path": ["tests.unit.plugin_fixtures.untrain_everything"],
+    "--custom-model-provider-path": ["tests.unit.plugin_fixtures.tagged_model_provider"],
+    "--model-name": ["qwen3"],
+    "--balance-by-flops": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "256"],
+    "--log-probs-max-tokens-per-gpu": ["512", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "256"],
 }
 """The value (and any companion flag slime's own checks ask for) a flag is tried with, where slime's default or a
 value of its type is not one a run takes."""

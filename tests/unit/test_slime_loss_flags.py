@@ -123,3 +123,19 @@ def test_log_probs_chunk_size_bounds_the_softmax_intermediates() -> None:
         chunked = vocab_parallel_logprobs(logits, targets, vocab_size=48, with_entropy=True, chunk_size=8)
     assert torch.allclose(whole[0], chunked[0]) and torch.allclose(whole[1], chunked[1])
     assert probe.largest <= 8 * 50
+
+
+def test_flops_balanced_microbatches_balance_the_quadratic_cost() -> None:
+    """--balance-by-flops: first-fit by tokens leaves the short samples together and each long one alone (uneven
+    work); Karmarkar-Karp on c*L + L^2 makes ceil(tokens / cap) micro-batches of equal cost."""
+    from hpc_rl.training.batching import flops_balanced_microbatches, pack_microbatches
+
+    lengths = [10, 10, 10, 10, 60, 60]
+
+    def costs(bins: list[list[int]]) -> list[int]:
+        return [sum(10 * lengths[i] + lengths[i] ** 2 for i in b) for b in bins]
+
+    by_tokens = pack_microbatches(lengths, 80)
+    by_flops = flops_balanced_microbatches(lengths, 80, linear_coefficient=10.0)
+    assert len(by_flops) == 2 and sorted(i for b in by_flops for i in b) == list(range(6))
+    assert len(set(costs(by_flops))) == 1 and len(set(costs(by_tokens))) > 1
