@@ -29,6 +29,13 @@ def seed_argv(name: str, seeds_file: str = "seeds.yaml") -> list[str]:
     return argv
 
 
+def config_field(config: Any, path: str) -> Any:
+    """`config.cluster.colocate` for 'cluster.colocate' (any depth)."""
+    for part in path.split("."):
+        config = getattr(config, part)
+    return config
+
+
 def resolved_from_dry_run(output: str) -> dict[str, Any]:
     """The resolved config `python -m hpc_rl.submit ... --dry-run` printed."""
     text = output.split("# resolved config\n", 1)[1].split("# executor:", 1)[0]

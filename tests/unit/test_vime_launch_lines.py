@@ -156,3 +156,18 @@ def test_the_4_node_recipe_carries_the_tutorials_numbers(in_repo: Path) -> None:
                               ["--actor-num-nodes", str(nodes), "--global-batch-size", str(batch),
                                "--num-steps-per-rollout", str(512 // batch)])
         assert collect_problems(smaller, check_files=False) == []
+
+
+def test_the_colocated_memory_plan_keeps_the_train_memory_margin() -> None:
+    """--train-memory-margin-bytes is part of the colocated training phase of the per-GPU memory plan."""
+    from hpc_rl.config.memory_plan import plan_memory
+    from hpc_rl.config.validation import run_architecture
+
+    def training_phase(*flags: str) -> tuple[int, dict[str, int]]:
+        config = load_config([], seed_argv("vime_qwen3_4b_colocated_8", VIME_SEEDS) + list(flags))
+        phase = next(p for p in plan_memory(config, run_architecture(config)).phases if p.name == "colocated training")
+        return phase.total, dict(phase.parts)
+
+    one_gib, items = training_phase("--train-memory-margin-bytes", str(2**30))
+    three_gib, _ = training_phase("--train-memory-margin-bytes", str(3 * 2**30))
+    assert items["train memory margin"] == 2**30 and three_gib - one_gib == 2 * 2**30
