@@ -109,6 +109,10 @@ def prompt_file_problems(config: RunConfig) -> list[FileProblem]:
                          label_key=evaluation.eval_label_key or keys.label_key, metadata_key=keys.metadata_key,
                          tool_key=evaluation.eval_tool_key or keys.tool_key)
     for dataset in evaluation.eval_prompt_data:
-        problems += data_file_problems(dataset.path, eval_keys, f"eval.eval_prompt_data[{dataset.name}]",
+        own_keys = DataKeys(input_key=dataset.input_key or eval_keys.input_key,
+                            label_key=dataset.label_key or eval_keys.label_key,
+                            metadata_key=dataset.metadata_key or eval_keys.metadata_key,
+                            tool_key=dataset.tool_key or eval_keys.tool_key)
+        problems += data_file_problems(dataset.path, own_keys, f"eval.eval_prompt_data[{dataset.name}]",
                                        skip_bad_lines=rollout.skip_bad_lines)
     return problems

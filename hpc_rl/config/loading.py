@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from hpc_rl.config.eval_config_file import eval_datasets_from_file
 from hpc_rl.config.megatron_model import architecture_from_flags
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import EvalDataset, RunConfig
@@ -181,6 +182,12 @@ def build_config(settings: list[Setting]) -> RunConfig:
         except ConfigError as error:
             problems += _messages(error)
     top[MODEL_ARGS_FIELD] = _model_args(raw, top, problems)
+    if raw["eval"].get("eval_config"):  # slime's --eval-config replaces --eval-prompt-data; the resolved config
+        try:                            # keeps the datasets it read (every process reads them, not the file)
+            raw["eval"]["eval_prompt_data"] = eval_datasets_from_file(raw["eval"].pop("eval_config"),
+                                                                      wheres.get("eval.eval_config", "config"))
+        except ConfigError as error:
+            problems += _messages(error)
     _derive_slime_values(raw)
     sections: dict[str, Any] = {}
     for name, section_type in section_types().items():

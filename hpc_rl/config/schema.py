@@ -485,12 +485,25 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True)
 class EvalDataset:
-    """One eval dataset: a name for the metrics and a path."""
+    """One eval dataset: a name for the metrics and a path (and, from an --eval-config file, its own settings;
+    None: the eval section's)."""
 
     name: str
     """Metric prefix (eval/<name>/...)."""
     path: str
     """jsonl/parquet path."""
+    n_samples_per_eval_prompt: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_response_len: int | None = None
+    min_new_tokens: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    input_key: str | None = None
+    label_key: str | None = None
+    tool_key: str | None = None
+    metadata_key: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -528,6 +541,11 @@ class EvalConfig:
     """Maximum prompt + response tokens in eval (default: rollout.rollout_max_context_len)."""
     eval_min_new_tokens: int | None = None
     """SGLang's min_new_tokens for eval sampling (slime's --eval-min-new-tokens)."""
+    eval_config: str | None = None
+    """YAML (or JSON) file of eval datasets, slime's --eval-config: `eval: {defaults: {...}, datasets: [{name, path,
+    ...}]}` (or that mapping at the top level); each dataset may set n_samples_per_eval_prompt, temperature, top_p,
+    top_k, max_response_len, min_new_tokens, stop, stop_token_ids, input_key, label_key, tool_key and
+    metadata_key, defaults for all. Read when the config is loaded; it replaces eval_prompt_data."""
     custom_eval_rollout_log_function_path: str | None = None
     """Import path of slime's `fn(rollout_id, args, data, extra_metrics) -> bool` (data: {name: {rewards,
     truncated, samples}}), called after each eval; True skips hpc_rl's eval/<name>/* scalars."""

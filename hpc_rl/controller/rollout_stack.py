@@ -34,7 +34,7 @@ from hpc_rl.rewards.group import RewardSpec, reward_group
 from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rewards.scoring import REMOTE_RM, split_boxed_prefix
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
-from hpc_rl.rollout.eval import drop_long_prompts
+from hpc_rl.rollout.eval import dataset_sampling, drop_long_prompts
 from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
 from hpc_rl.rollout.sample_metrics import SampleMetricOptions
@@ -89,13 +89,16 @@ def make_evaluate(config: RunConfig, client: EngineClient, keys: DataKeys, encod
     sampling_params = eval_sampling_params(config.rollout, config.eval)
 
     plugins = SamplePlugins.from_config(config.rollout, config.eval)
+    per_dataset = {d.name: dataset_sampling(d, evaluation.n_samples_per_eval_prompt, sampling_params)
+                   for d in evaluation.eval_prompt_data}
 
     async def evaluate(weight_version: int, rollout_id: int) -> dict[str, float]:
         return await run_eval(client=client, datasets=datasets, encoder=encoder, reward_fn=reward_fn,
                               n_samples=config.eval.n_samples_per_eval_prompt, sampling_params=sampling_params,
                               args=args, generate_fn=generate_fn, weight_version=weight_version,
                               max_context_len=evaluation.eval_max_context_len or config.rollout.rollout_max_context_len,
-                              metric_options=metric_options, plugins=plugins, rollout_id=rollout_id)
+                              metric_options=metric_options, plugins=plugins, rollout_id=rollout_id,
+                              per_dataset=per_dataset)
 
     return evaluate
 

@@ -92,3 +92,90 @@ def test_custom_config_values_reach_the_plugins_args(tmp_path: Path) -> None:
     extra.write_text("retries: 3\nrollout_batch_size: 64\n")
     problems = [p for p in collect_problems(load_config([], ["--custom-config-path", str(extra)]), check_files=False)]
     assert any("sets config fields rollout_batch_size" in p.message for p in problems)
+
+
+EVAL_CONFIG = """
+eval:
+  defaults:
+    n_samples_per_eval_prompt: 4
+    temperature: 0.6
+    label_key: answer
+  datasets:
+    - name: qa
+      path: {path}
+      input_key: question
+      max_response_len: 7
+    - name: qa_greedy
+      path: {path}
+      input_key: question
+      n_samples_per_eval_prompt: 1
+      temperature: 0.0
+"""
+
+
+def test_eval_config_gives_each_dataset_its_own_settings(tmp_path: Path, in_repo: Path) -> None:
+    """slime's --eval-config: datasets with defaults and their own sampling and keys; it replaces
+    --eval-prompt-data; the controller's eval samples each dataset with its own settings."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps({"question": "q", "answer": "1"}) + "\n")
+    config_file = tmp_path / "eval.yaml"
+    config_file.write_text(EVAL_CONFIG.format(path=data))
+    config = load_config([in_repo / "configs" / "tiny_cpu.yaml"], ["--run-dir", str(tmp_path), "--eval-config",
+                                                                   str(config_file)])
+    qa, greedy = config.eval.eval_prompt_data
+    assert (qa.name, qa.n_samples_per_eval_prompt, qa.temperature, qa.max_response_len) == ("qa", 4, 0.6, 7)
+    assert (greedy.n_samples_per_eval_prompt, greedy.temperature, greedy.label_key) == (1, 0.0, "answer")
+
+    async def scenario() -> Any:
+        from hpc_rl.controller.app import Controller
+        from hpc_rl.protocol.secret import create_secret
+
+        controller = Controller(config, secret=create_secret(tmp_path / "secret"), router=None, router_url=None)
+        try:
+            await controller.start()
+            await controller.ready()
+            assert controller.loop is not None
+            return controller.loop.evaluate
+        finally:
+            await controller.close()
+
+    captured = inspect.getclosurevars(asyncio.run(scenario())).nonlocals
+    settings = captured["per_dataset"]
+    assert settings["qa"][0] == 4 and settings["qa"][1]["temperature"] == 0.6
+    assert settings["qa"][1]["max_new_tokens"] == 7
+    assert settings["qa_greedy"][0] == 1 and settings["qa_greedy"][1]["temperature"] == 0.0
+    assert [r.label for r in captured["datasets"][0][1]] == ["1"]  # the datasets' own keys
+
+
+def test_eval_config_refuses_what_it_cannot_do_per_dataset(tmp_path: Path) -> None:
+    from hpc_rl.config import ConfigError
+
+    config_file = tmp_path / "eval.yaml"
+    config_file.write_text("eval:\n  datasets:\n    - {name: a, path: /a.jsonl, custom_rm_path: m.f}\n")
+    try:
+        load_config([], ["--eval-config", str(config_file)])
+    except ConfigError as error:
+        assert "dataset 'a': custom_rm_path not offered per dataset" in str(error)
+    else:
+        raise AssertionError("a per-dataset custom reward was accepted")
+
+
+def test_run_eval_samples_each_dataset_with_its_own_settings() -> None:
+    from hpc_rl.data.prompts import PromptRecord
+    from hpc_rl.data.samples import Sample
+    from hpc_rl.rollout.eval import run_eval
+    from tests.unit.test_rollout_scheduler import Harness, encode, run_with
+
+    async def reward(samples: list[Sample]) -> list[float]:
+        return [0.0] * len(samples)
+
+    async def body(h: Harness) -> None:
+        assert h.client is not None
+        records = [PromptRecord(row=i, prompt=f"q{i}", label=None) for i in range(2)]
+        metrics = await run_eval(client=h.client, datasets=[("a", records), ("b", records)], encoder=encode,
+                                 reward_fn=reward, n_samples=1, sampling_params={"max_new_tokens": 4},
+                                 per_dataset={"b": (3, {"max_new_tokens": 2})})
+        assert (metrics["eval/a/num_samples"], metrics["eval/a/response_len_mean"]) == (2, 4)
+        assert (metrics["eval/b/num_samples"], metrics["eval/b/response_len_mean"]) == (6, 2)
+
+    run_with(body)
