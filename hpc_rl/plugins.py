@@ -87,6 +87,9 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
     # trainer ranks: -> this rank's GPTModel (pre_process, post_process by keyword; vp_stage too if it names it)
     "model_provider": PluginKind("training.custom_model_provider_path", (), False,
                                  keywords=("pre_process", "post_process")),
+    # trainer ranks: -> None, after a disk weight sync's files are written (publish them on a non-POSIX filesystem)
+    "update_weight_post_write": PluginKind("rollout.custom_update_weight_post_write_path",
+                                           ("args", "version_dir", "rollout_engines"), False),
     # -> (pg_loss, loss_masks, metrics): slime calls it with keywords only
     "tis": PluginKind("algorithm.custom_tis_function_path", (), False,
                       keywords=("args", "pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks",

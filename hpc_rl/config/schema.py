@@ -160,6 +160,21 @@ class RolloutConfig:
     """Sync weights to the engines every this many rollouts."""
     update_weight_buffer_size: int = 512 * 1024**2
     """Bytes per weight-broadcast bucket."""
+    update_weight_transport: str = "nccl"
+    """How weights reach decoupled engines: nccl (a broadcast group from trainer rank 0; gloo on CPU) or disk (the
+    trainer writes an HF directory under update_weight_disk_dir, the engines load it with
+    /update_weights_from_disk: for trainer and engines in separate jobs or partitions; slime's
+    --update-weight-transport)."""
+    update_weight_mode: str = "full"
+    """full: every sync sends every weight (slime's delta mode is not offered)."""
+    update_weight_disk_dir: str | None = None
+    """With transport disk: a directory trainer and engines both see; each sync writes weights_v<version> there."""
+    update_weight_disk_keep_files: bool = False
+    """With transport disk: keep every version's directory (default: the previous one is removed once the engines
+    loaded the new one)."""
+    custom_update_weight_post_write_path: str | None = None
+    """Import path of slime's `hook(args, version_dir, rollout_engines)`, called on every trainer rank after a disk
+    sync's files are written and before the engines read them (rollout_engines: the engines' URLs here)."""
     max_staleness: int | None = None
     """Async mode: no sample is trained more than this many weight versions after its first token."""
     async_rollout: bool = False

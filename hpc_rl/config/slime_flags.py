@@ -250,6 +250,10 @@ SLIME_REST_REFUSED: dict[str, str] = {
                                        "goes in --custom-generate-function-path)"),
     "check_weight_update_equal": ("not offered: hpc_rl's tests check that engines serve the trainer's weights "
                                   "(engine and trainer log-probs equal on a tiny model); drop it"),
+    **{name: ("belongs to --update-weight-mode delta, which hpc_rl does not offer (it needs slime's SGLang patches: "
+              "/pull_weights and per-host local checkpoints); full syncs over --update-weight-transport disk or nccl "
+              "need none of it: drop it")
+       for name in ("update_weight_delta_encoding", "update_weight_delta_checksum", "update_weight_local_checkpoint_dir")},
     "custom_convert_samples_to_train_data_path": (
         "not offered: the controller packs samples for the trainer itself (tokens, loss masks, rollout log-probs, "
         "weight versions); change samples with --rollout-sample-hook-path or --rollout-sample-filter-path and "

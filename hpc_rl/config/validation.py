@@ -42,7 +42,8 @@ CONFIG_PLUGINS = {"rollout.custom_rm_path": "reward", "rollout.dynamic_sampling_
                   "training.custom_megatron_before_log_prob_hook_path": "before_log_prob_hook",
                   "training.custom_megatron_before_train_step_hook_path": "before_train_step_hook",
                   "algorithm.rollout_data_postprocess_path": "rollout_data_postprocess",
-                  "training.custom_model_provider_path": "model_provider"}
+                  "training.custom_model_provider_path": "model_provider",
+                  "rollout.custom_update_weight_post_write_path": "update_weight_post_write"}
 """Config field (section.name) -> its kind in `hpc_rl.plugins.PLUGIN_KINDS` (the signatures' one home).
 A field the schema does not have (yet) is skipped."""
 log = logging.getLogger(__name__)
@@ -323,6 +324,27 @@ def _slime_flag_problems(config: RunConfig) -> list[Problem]:
                 re.compile(pattern)
             except re.error as error:
                 problems.append(Problem(f"training.{field_name}", f"{pattern!r} is not a regular expression: {error}"))
+    rollout = config.rollout
+    if rollout.update_weight_transport not in ("nccl", "disk"):
+        problems.append(Problem("rollout.update_weight_transport", f"{rollout.update_weight_transport!r} is not nccl "
+                                "or disk"))
+    if rollout.update_weight_mode != "full":
+        problems.append(Problem("rollout.update_weight_mode", f"{rollout.update_weight_mode!r}: only full is offered "
+                                "(slime's delta mode needs its SGLang patches: /pull_weights and per-host local "
+                                "checkpoints); use full with transport disk or nccl"))
+    if rollout.update_weight_transport == "disk":
+        if not rollout.update_weight_disk_dir:
+            problems.append(Problem("rollout.update_weight_disk_dir", "transport disk writes each version there: "
+                                    "give a directory the trainer and the engines both see (slime requires it too)"))
+        if config.cluster.colocate:
+            problems.append(Problem("rollout.update_weight_transport", "colocated engines get the weights from the "
+                                    "trainer on the same GPUs (shared memory / CUDA IPC); disk is for decoupled "
+                                    "engines: drop it or drop --colocate"))
+    else:
+        for name in ("update_weight_disk_dir", "update_weight_disk_keep_files", "custom_update_weight_post_write_path"):
+            if getattr(rollout, name):
+                problems.append(Problem(f"rollout.{name}", "is read only with update_weight_transport disk: add "
+                                        "--update-weight-transport disk or drop it"))
     custom_config = config.rollout.custom_config_path
     if custom_config and Path(custom_config).is_file():
         try:

@@ -9,6 +9,8 @@ share for `TrainCommand`), so collectives line up. Commands are `hpc_rl.protocol
                                                after it, as optimizer/algorithm ask)
     SyncWeightsCommand(version, group, ...) -> WeightPlan from rank 0, then the bucket broadcasts
     SaveCommand(rollout_id, controller_state) -> checkpoint.save_checkpoint (+ the HF copy, save_hf)
+    DiskWeightsCommand(version, path)       -> the weights as an HF directory at path (disk transport), then
+                                               the post-write hook
     TrainerMemoryCommand(action, tags)       -> colocated: offload/onload (hpc_rl.training.offload)
     ColocatedSyncCommand(version, engine_urls) -> colocated: /update_weights_from_tensor per bucket
     StopCommand                              -> leave
@@ -33,6 +35,7 @@ from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import CheckpointConfig
 from hpc_rl.protocol.messages import (
     ColocatedSyncCommand,
+    DiskWeightsCommand,
     Message,
     SaveCommand,
     StopCommand,
@@ -168,6 +171,8 @@ class TrainerCommands:
             return self.train(command)
         if isinstance(command, SyncWeightsCommand):
             return self.send_weights(command)
+        if isinstance(command, DiskWeightsCommand):
+            return self.write_weights(command)
         if isinstance(command, SaveCommand):
             root = self.save_dir or ""
             if not root:
@@ -236,6 +241,21 @@ class TrainerCommands:
                                              bucket_bytes=command.bucket_bytes)
         self._engines_updated()
         return metrics
+
+    def write_weights(self, command: DiskWeightsCommand) -> dict[str, Any]:
+        """slime's disk transport: the weights as an HF directory the engines load, then the post-write hook."""
+        from hpc_rl.training.hf_save import save_hf_checkpoint
+
+        trainer, config = self.parts.trainer, self.checkpoint_config
+        path = save_hf_checkpoint(self.parts.actor, self.arch, command.path, reference_dir=config.hf_checkpoint or None,
+                                  info=self.info, tp_group=trainer.tp_group)
+        hook_path = getattr(trainer.plugin_args, "custom_update_weight_post_write_path", None)
+        if hook_path:
+            from hpc_rl.plugins import load_plugin
+
+            load_plugin("update_weight_post_write", hook_path)(trainer.plugin_args, str(path), list(command.engine_urls))
+        self._engines_updated()
+        return {"path": str(path)}
 
     def _engines_updated(self) -> None:
         """The engines now serve the actor's weights (keep_old_actor keeps a copy for the old log-probs)."""

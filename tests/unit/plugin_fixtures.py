@@ -101,3 +101,12 @@ def tagged_model_provider(pre_process: bool, post_process: bool, vp_stage: Any =
     model = build_gpt_model(arch, TrainingConfig())
     model.built_by_custom_provider = (pre_process, post_process, vp_stage)
     return model
+
+
+def record_post_write(args: Any, version_dir: str, rollout_engines: list[str]) -> None:
+    """A post-write hook that notes what it saw in <run_dir>/post_write.log (one line per trainer rank and sync)."""
+    import os
+    from pathlib import Path
+
+    with open(Path(args.run_dir) / "post_write.log", "a") as log:
+        log.write(f"{version_dir} {len(rollout_engines)} {os.path.isfile(os.path.join(version_dir, 'config.json'))}\n")
