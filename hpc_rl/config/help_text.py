@@ -17,7 +17,9 @@ from typing import Any
 from hpc_rl.config import schema
 from hpc_rl.config.settings_sources import flat_index, section_types
 from hpc_rl.config.slime_flag_list import GROUP_TITLES, slime_flag_list, slime_list_source
-from hpc_rl.config.slime_flags import ALIASES, COMPAT_FLAGS, MODEL_FLAGS, REFUSED_FLAGS, UNBUILDABLE_MODEL_FLAGS
+from hpc_rl.config.slime_flags import (
+    ALIASES, COMPAT_FLAGS, EXPANDING_FLAGS, MODEL_FLAGS, REFUSED_FLAGS, UNBUILDABLE_MODEL_FLAGS,
+)
 from hpc_rl.config.typing_rules import type_name
 
 
@@ -78,6 +80,8 @@ def slime_flag_status(name: str) -> str:
         return f"accepted ({' | '.join(map(str, compat.accepted))}): {compat.behaviour}"
     if name in ALIASES:
         return f"-> {ALIASES[name]}"
+    if name in EXPANDING_FLAGS:
+        return "sets " + ", ".join(f"{path} = {template.format('<value>')}" for path, template in EXPANDING_FLAGS[name])
     if name in MODEL_FLAGS:
         return "the model architecture (Megatron's model flags)"
     index = flat_index()

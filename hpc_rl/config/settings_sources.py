@@ -229,11 +229,17 @@ def _tokens(argv: list[str]) -> list[tuple[str, list[str]]]:
     return pairs
 
 
+@functools.cache
+def _section_hints(section: str) -> Mapping[str, Any]:
+    """A section's field types, resolved once (typing.get_type_hints compiles every annotation string each call)."""
+    return MappingProxyType(typing.get_type_hints(section_types()[section]))
+
+
 def _field_hint(path: str) -> Any:
     if path in TOP_LEVEL_FIELDS:
         return str
     section, name = path.split(".", 1)
-    return typing.get_type_hints(section_types()[section])[name]
+    return _section_hints(section)[name]
 
 
 def _is_list_field(path: str) -> bool:

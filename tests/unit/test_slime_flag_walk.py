@@ -5,6 +5,7 @@ reason; none is an "unknown setting". Each flag is tried alone on top of the tin
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import shutil
 import subprocess
@@ -13,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from hpc_rl.config import ConfigError, load_config
+from hpc_rl.config import ConfigError
+from hpc_rl.config.loading import Setting, build_config, parse_cli_settings, read_yaml_settings
 from hpc_rl.config.help_text import slime_flag_status, submit_help
 from hpc_rl.config.slime_flag_list import SLIME_ARGUMENTS_LIST, GROUP_TITLES, SlimeFlag, slime_flag_list, slime_list_source
 from hpc_rl.config.validation import collect_problems
@@ -116,11 +118,17 @@ def sample_argv(flag: SlimeFlag) -> list[str]:
     return [flag.flag, {"int": "2", "float": "0.5", "json": "{}"}.get(flag.type, "x")]
 
 
+@functools.cache
+def tiny_settings() -> tuple[Setting, ...]:
+    """The tiny config's settings, read once (the walk builds ~220 configs on top of them)."""
+    return tuple(read_yaml_settings(TINY))
+
+
 def outcome(flag: SlimeFlag) -> tuple[str, str]:
     """('accepted', '') | ('refused', reason) | ('unknown' | 'problem', message) for the flag alone."""
     argv = sample_argv(flag)
     try:
-        config = load_config([TINY], argv)
+        config = build_config([*tiny_settings(), *parse_cli_settings(argv)])  # = load_config([TINY], argv)
     except ConfigError as error:
         text = str(error)
         if "unknown setting" in text:
