@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from hpc_rl.config import plugin_args

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.training.convert import COPIED_FILES, write_hf_checkpoint
+from hpc_rl.training.convert import copy_side_files, write_hf_checkpoint
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.weights.export import export_hf_state_dict
 
@@ -47,10 +47,7 @@ def _index_stages(tmp: Path, pp_size: int, reference_dir: str | None) -> None:
                 total += math.prod(tensor.get_shape()) * _itemsize(tensor.get_dtype())
     (tmp / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    if reference_dir is not None:
-        for side_file in COPIED_FILES:
-            if (Path(reference_dir) / side_file).is_file():
-                shutil.copy2(Path(reference_dir) / side_file, tmp / side_file)
+    copy_side_files(reference_dir, tmp)
 
 
 def _itemsize(safetensors_dtype: str) -> int:

@@ -4,7 +4,6 @@ builds its eval from them."""
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 from hpc_rl.config import load_config
 from hpc_rl.data.prompts import make_prompt_encoder
+from tests.unit.controller_build import built_loop
 
 
 class RecordingTokenizerForTest:
@@ -47,21 +47,7 @@ def test_eval_keys_lengths_and_sampling_from_the_flags(tmp_path: Path, in_repo: 
         "--eval-label-key", "answer", "--eval-max-prompt-len", "64", "--eval-max-context-len", "100",
         "--eval-min-new-tokens", "2"])
 
-    async def scenario() -> Any:
-        from hpc_rl.controller.app import Controller
-        from hpc_rl.protocol.secret import create_secret
-
-        controller = Controller(config, secret=create_secret(tmp_path / "secret"), router=None, router_url=None)
-        try:
-            await controller.start()
-            await controller.ready()
-            assert controller.loop is not None
-            return controller.loop.evaluate
-        finally:
-            await controller.close()
-
-    evaluate = asyncio.run(scenario())
-    captured = inspect.getclosurevars(evaluate).nonlocals
+    captured = inspect.getclosurevars(built_loop(config, tmp_path).evaluate).nonlocals
     (name, records), = captured["datasets"]
     assert name == "qa" and [r.prompt for r in records] == ["short"] and records[0].label == "1"  # the long one: out
     assert captured["sampling_params"]["min_new_tokens"] == 2
@@ -126,20 +112,7 @@ def test_eval_config_gives_each_dataset_its_own_settings(tmp_path: Path, in_repo
     assert (qa.name, qa.n_samples_per_eval_prompt, qa.temperature, qa.max_response_len) == ("qa", 4, 0.6, 7)
     assert (greedy.n_samples_per_eval_prompt, greedy.temperature, greedy.label_key) == (1, 0.0, "answer")
 
-    async def scenario() -> Any:
-        from hpc_rl.controller.app import Controller
-        from hpc_rl.protocol.secret import create_secret
-
-        controller = Controller(config, secret=create_secret(tmp_path / "secret"), router=None, router_url=None)
-        try:
-            await controller.start()
-            await controller.ready()
-            assert controller.loop is not None
-            return controller.loop.evaluate
-        finally:
-            await controller.close()
-
-    captured = inspect.getclosurevars(asyncio.run(scenario())).nonlocals
+    captured = inspect.getclosurevars(built_loop(config, tmp_path).evaluate).nonlocals
     settings = captured["per_dataset"]
     assert settings["qa"][0] == 4 and settings["qa"][1]["temperature"] == 0.6
     assert settings["qa"][1]["max_new_tokens"] == 7

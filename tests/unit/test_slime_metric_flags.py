@@ -19,6 +19,7 @@ from hpc_rl.rewards.group import REWARD_CATEGORY, RewardSpec, reward_group
 from hpc_rl.rollout.eval import run_eval
 from hpc_rl.rollout.sample_metrics import SampleMetricOptions, correct_sample_stats, multi_turn_stats, pass_at_k
 from hpc_rl.telemetry.scalars import tensorboard_dir
+from tests.unit.controller_build import built_loop
 from tests.unit.test_rollout_scheduler import Harness, encode, row, run_with
 
 
@@ -95,24 +96,12 @@ def test_reward_key_and_category_from_a_reward_object(tmp_path: Path) -> None:
 
 def test_reward_specs_follow_the_flags(tmp_path: Path, in_repo: Path) -> None:
     """The controller's rollout and eval reward specs carry --reward-key / --eval-reward-key / the category."""
-    from hpc_rl.controller.app import Controller
-    from hpc_rl.protocol.secret import create_secret
-
     config = load_config([in_repo / "configs" / "tiny_cpu.yaml"],
                          ["--reward-key", "score", "--eval-reward-key", "acc", "--log-reward-category", "why",
                           "--run-dir", str(tmp_path)])
 
-    async def scenario() -> Any:
-        controller = Controller(config, secret=create_secret(tmp_path / "secret"), router=None, router_url=None)
-        try:
-            await controller.start()
-            await controller.ready()
-            assert controller.loop is not None
-            return controller.loop.rollouts.scheduler.reward_fn, controller.loop.evaluate
-        finally:
-            await controller.close()
-
-    reward_fn, evaluate = asyncio.run(scenario())
+    loop = built_loop(config, tmp_path)
+    reward_fn, evaluate = loop.rollouts.scheduler.reward_fn, loop.evaluate
     spec = inspect.getclosurevars(reward_fn).nonlocals["spec"]
     assert (spec.reward_key, spec.category_key) == ("score", "why")
     eval_reward_fn = inspect.getclosurevars(evaluate).nonlocals["reward_fn"]
