@@ -8,6 +8,8 @@ Each field's docstring (the string literal after it) is its `--help` text.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +110,14 @@ class RolloutConfig:
     """Maximum new tokens per sample."""
     rollout_max_context_len: int | None = None
     """Maximum prompt + response tokens (None: no extra limit)."""
+    rollout_max_prompt_len: int | None = None
+    """Longest prompt (tokens, chat template applied) a rollout uses; longer ones are dropped when drawn,
+    counted (rollout/prompts_too_long) and the first named by its data row. None: rollout_max_context_len - 1,
+    else what leaves the engines room for one response token."""
+    reward_timeout: float = 300.0
+    """Seconds one reward call may take (a sample's; a group's with group_rm). Custom rewards run in a thread
+    of their own, never on the controller's event loop; one that takes longer is an error naming the sample
+    and the reward function."""
     rollout_temperature: float = 1.0
     """Sampling temperature."""
     rollout_top_p: float = 1.0
@@ -297,6 +307,9 @@ class TrainingConfig:
     each optimizer step's forward and backward (opt_param_scheduler: Megatron's on GPU, None on CPU)."""
     seed: int = 1234
     """Trainer RNG seed."""
+    max_nonfinite_steps: int = 3
+    """Optimizer steps in a row whose loss or gradient norm is NaN/inf (each is skipped, and named in the
+    trainer's log) before the run stops with an error; 0 stops at the first."""
     num_threads: int = 1
     """torch intra-op threads per rank on CPU (1 is fastest with several processes per core)."""
     offload_train: bool = False
@@ -480,6 +493,9 @@ class CheckpointConfig:
     """Directory for actor + controller checkpoints (default: <run_dir>/checkpoints)."""
     save_interval: int | None = None
     """Save every this many rollouts (None: only at the end)."""
+    keep_last: int | None = None
+    """Keep only the newest this many checkpoints in `save` (older iter_* dirs are removed after each save;
+    None: keep every one)."""
     save_optim: bool = True
     """Save the optimizer state with each checkpoint (slime's --no-save-optim: false; a resume from such a
     checkpoint restores the weights and the run's position and starts the optimizer's moments afresh)."""
@@ -701,6 +717,10 @@ class ControllerConfig:
     for compilation and warm-up (slime's --rollout-health-check-first-wait; raise it for DeepGEMM)."""
     engine_request_timeout: float = 600.0
     """Seconds before a generate request is considered hung."""
+    engine_admin_timeout: float = 300.0
+    """Seconds an admin call (pause, a weight-update bucket, memory release/resume) may go without an answer
+    before it fails, and its engine with it. A call unanswered for 5 s is logged, and an engine that answers
+    neither the call nor /health is failed sooner, by the health check (restart path)."""
     max_engine_restarts: int = 3
     """Restarts of a failed engine before the run fails."""
     max_restarts: int = 0
@@ -729,3 +749,11 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+    def section_fields(self) -> Iterator[tuple[str, str, Any]]:
+        """(section, field, value) of every field of every section (model_args included when set)."""
+        for section in dataclasses.fields(self):
+            value = getattr(self, section.name)
+            if dataclasses.is_dataclass(value):
+                for item in dataclasses.fields(value):
+                    yield section.name, item.name, getattr(value, item.name)

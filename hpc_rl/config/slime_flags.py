@@ -141,8 +141,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "finetune": ("not offered: to start at iteration 0 from a checkpoint's weights, give it as --ref-load (or convert it "
                  "with tools/convert_torch_dist_to_hf.py for --hf-checkpoint) and leave --load empty"),
     "num_data_workers": "not needed: the controller streams the prompt file itself; there are no data workers to size",
-    "rollout_max_prompt_len": ("not applied: hpc_rl does not drop over-long prompts when it loads the data; filter "
-                               "the prompt file beforehand (rollout_max_context_len bounds prompt + response)"),
     "custom_pg_loss_reducer_function_path": (
         "not offered: the policy loss is reduced by sum_of_sample_mean (or per token with "
         "--calculate-per-token-loss); for another reduction write the whole loss as --loss-type custom_loss "

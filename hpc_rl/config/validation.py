@@ -80,8 +80,16 @@ def _batch_problems(config: RunConfig) -> list[Problem]:
             "rollout.rollout_batch_size",
             f"rollout_batch_size * n_samples_per_prompt ({rollout.rollout_batch_size} * "
             f"{rollout.n_samples_per_prompt} = {samples}) must equal global_batch_size * num_steps_per_rollout "
-            f"({training.global_batch_size} * {training.num_steps_per_rollout} = {trained}); "
-            f"e.g. set global_batch_size to {samples // max(1, training.num_steps_per_rollout)}",
+            f"({training.global_batch_size} * {training.num_steps_per_rollout} = {trained})"
+            + _batch_hint(samples, training.num_steps_per_rollout, rollout.rollout_batch_size,
+                          rollout.n_samples_per_prompt, training.global_batch_size),
+        ))
+    prompt_len, context_len = rollout.rollout_max_prompt_len, rollout.rollout_max_context_len
+    if prompt_len is not None and context_len is not None and prompt_len > context_len - 1:
+        problems.append(Problem(
+            "rollout.rollout_max_prompt_len",
+            f"{prompt_len} leaves no room for a response in rollout_max_context_len {context_len}: set it to at most "
+            f"{context_len - 1} (or leave it unset: rollout_max_context_len - 1)",
         ))
     if rollout.over_sampling_batch_size is not None and rollout.over_sampling_batch_size < rollout.rollout_batch_size:
         problems.append(Problem(
@@ -106,6 +114,19 @@ def _batch_problems(config: RunConfig) -> list[Problem]:
     if rollout.num_rollout is None and rollout.num_epoch is None:
         problems.append(Problem("rollout.num_rollout", "set num_rollout or num_epoch"))
     return problems
+
+
+def _batch_hint(samples: int, steps: int, *sizes: int) -> str:
+    """What to set so that a rollout's samples split into optimizer steps; '' when a size is itself invalid
+    (below 1: its own range problem says so, and any arithmetic on it would mislead)."""
+    if min(steps, *sizes) < 1:
+        return ""
+    if samples % steps == 0:
+        return f"; e.g. set global_batch_size to {samples // steps}"
+    divisors = sorted((d for d in range(1, samples + 1) if samples % d == 0), key=lambda d: (abs(d - steps), d))[:3]
+    options = ", ".join(f"{samples // d} x {d}" for d in sorted(divisors))
+    return (f"; num_steps_per_rollout {steps} does not divide {samples} samples: set global_batch_size x "
+            f"num_steps_per_rollout to one of {options}, or change rollout_batch_size")
 
 
 def _data_parallel_size(config: RunConfig) -> int:

@@ -31,6 +31,7 @@ from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptSo
 from hpc_rl.plugins import load_plugin
 from hpc_rl.rewards.group import RewardSpec, reward_group
 from hpc_rl.rewards.pool import RewardPool
+from hpc_rl.rewards.reward_thread import RewardThread
 from hpc_rl.rewards.scoring import REMOTE_RM, split_boxed_prefix
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
 from hpc_rl.rollout.eval import dataset_sampling, drop_long_prompts
@@ -40,7 +41,7 @@ from hpc_rl.rollout.sample_metrics import SampleMetricOptions
 from hpc_rl.rollout.sample_plugins import SamplePlugins
 from hpc_rl.rollout.scheduler import RewardFn
 from hpc_rl.telemetry.recorder import RunRecorder
-from hpc_rl.telemetry.scalars import ScalarLog, tensorboard_dir
+from hpc_rl.telemetry.scalars import ScalarLog, eval_sampling_note, tensorboard_dir
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class RolloutStack:
     loop: RunLoop
     reward_pool: RewardPool | None = None
     """Started and closed by the controller (`rollout.reward_workers` > 0)."""
+    reward_thread: RewardThread | None = None
+    """Where custom reward functions run (closed by the controller)."""
 
 
 def load_prompts(rollout: RolloutConfig) -> tuple[PromptDataset, DataKeys]:
@@ -120,8 +123,10 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     # No workers for custom functions (they run on the loop) or remote_rm (an HTTP call, no CPU to offload).
     rule_rewards = not rollout.custom_rm_path and split_boxed_prefix((rollout.rm_type or "").strip())[1] != REMOTE_RM
     pool = RewardPool(rollout.reward_workers) if rollout.reward_workers and rule_rewards else None
+    thread = RewardThread() if rollout.custom_rm_path else None  # custom functions never block the loop
     spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,
-                      group_rm=rollout.group_rm, args=args, pool=pool, reward_key=rollout.reward_key,
+                      group_rm=rollout.group_rm, args=args, pool=pool, timeout_s=rollout.reward_timeout,
+                      thread=thread, reward_key=rollout.reward_key,
                       category_key=config.logging.log_reward_category, proxy=rollout.http_proxy)
     eval_spec = dataclasses.replace(spec, reward_key=config.eval.eval_reward_key or rollout.reward_key)
 
@@ -136,15 +141,18 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
                                              reward_fn=reward_fn, metric_options=metric_options,
                                              plugins=SamplePlugins.from_config(rollout, config.eval))
     num_rollout = num_rollouts(rollout, len(dataset))
+    eval_temperature = (config.eval.eval_temperature if config.eval.eval_temperature is not None
+                        else rollout.rollout_temperature)
     recorder = RunRecorder(config.run_dir, ScalarLog.for_controller(tensorboard_dir(config, config.run_dir), config,
                                                                     run_dir=config.run_dir),
                            num_rollout=num_rollout, print_fn=lambda line: print(line, flush=True),
+                           eval_sampling=eval_sampling_note(eval_temperature, config.eval.n_samples_per_eval_prompt),
                            debug_rollout_data=config.logging.save_debug_rollout_data)
     loop = assemble_loop(config, scheduler=scheduler, registry=registry, channel=channel, fleet=fleet,
                          recorder=recorder,
                          evaluate=make_evaluate(config, client, keys, encoder, eval_reward_fn, args, metric_options),
                          num_rollout=num_rollout)
-    return RolloutStack(client=client, loop=loop, reward_pool=pool)
+    return RolloutStack(client=client, loop=loop, reward_pool=pool, reward_thread=thread)
 
 
 def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler, registry: Registry, channel: TrainerChannel,

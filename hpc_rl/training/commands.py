@@ -47,6 +47,8 @@ from hpc_rl.protocol.messages import (
 from hpc_rl.telemetry.scalars import ScalarLog
 from hpc_rl.training import checkpoint
 from hpc_rl.training.actor import TrainerParts
+from hpc_rl.training.checkpoint_files import prune_iterations
+from hpc_rl.training.nonfinite import NonFiniteSteps, check_finite_weights
 from hpc_rl.engines.child_process import free_port
 from hpc_rl.training.offload import TrainerOffload
 from hpc_rl.training.parallel import ParallelInfo
@@ -132,11 +134,15 @@ class TrainerCommands:
     def __init__(self, parts: TrainerParts, *, arch: ModelArchitecture, info: ParallelInfo, source: CommandSource,
                  save_dir: str | None, scalars: ScalarLog | None = None, engine_api_key: str | None = None,
                  offload_train: bool = True, train_memory_margin_bytes: int = 0,
-                 checkpoint_config: CheckpointConfig | None = None) -> None:
+                 checkpoint_config: CheckpointConfig | None = None, keep_last: int | None = None,
+                 max_nonfinite_steps: int = 3) -> None:
         self.parts, self.arch, self.info, self.source = parts, arch, info, source
         self.save_dir, self.scalars = save_dir, scalars
         self.checkpoint_config = checkpoint_config or CheckpointConfig()
         """save_optim, save_hf (and its hf_checkpoint side files) for SaveCommand."""
+        self.keep_last = keep_last
+        """checkpoint.keep_last: rank 0 removes older checkpoints after each save."""
+        self.nonfinite = NonFiniteSteps(max_nonfinite_steps)
         self.sender: WeightSender | None = None
         self.engine_api_key = engine_api_key
         """Colocated mode: this rank posts its weights to its engine itself (derived from the job secret)."""
@@ -187,6 +193,9 @@ class TrainerCommands:
             checkpoint.TrainerState(rollout_id=command.rollout_id, controller_state=command.controller_state),
             save_optim=config.save_optim,
             ref_model=self.parts.ref_model if trainer.algorithm.ref_update_interval else None)
+        if self.keep_last and self.info.rank == 0:
+            for old in prune_iterations(root, self.keep_last):
+                log.info("removed %s (checkpoint.keep_last=%d)", old, self.keep_last)
         out = {"checkpoint": str(path)}
         if config.save_hf:
             from hpc_rl.training.hf_save import hf_output_dir, save_hf_checkpoint
@@ -202,6 +211,7 @@ class TrainerCommands:
         if self.parts.optimizer.config.reset_optimizer_states:
             self.parts.optimizer.reset_state()
         steps = trainer.train_rollout(batch, command.rollout_id)
+        self.nonfinite.check(command.rollout_id, steps)
         interval = trainer.algorithm.ref_update_interval
         if interval and (command.rollout_id + 1) % interval == 0:
             trainer.update_reference()
@@ -224,6 +234,7 @@ class TrainerCommands:
     def colocated_sync(self, command: ColocatedSyncCommand) -> dict[str, Any]:
         if "weights" in self.offload.offloaded_tags:
             self.offload.require_onloaded("a colocated weight update")
+        check_finite_weights(self.parts.actor, device=self.info.device, rank=self.info.rank)
         if self.colocated_sender is None:
             from megatron.core import parallel_state
 
@@ -263,6 +274,7 @@ class TrainerCommands:
             self.parts.trainer.remember_rollout_weights()
 
     def send_weights(self, command: SyncWeightsCommand) -> dict[str, Any]:
+        check_finite_weights(self.parts.actor, device=self.info.device, rank=self.info.rank)
         if self.sender is None:
             from megatron.core import parallel_state
 

@@ -25,7 +25,6 @@ TINY = REPO / "configs" / "tiny_cpu.yaml"
 SLIME_MIRROR = Path("/work/.mirror/THUDM+slime/repo")
 
 OWNED_ELSEWHERE = {
-    "--rollout-max-prompt-len": "issue 24 (run safety: prompt-length filter)",
     "--debug-train-only": "issue 21 (training modes: trainer-only runs)",
     "--use-opd": "issue 21 (on-policy distillation)",
     "--opd-type": "issue 21 (on-policy distillation)",
