@@ -149,6 +149,7 @@ class AnswerlessAdminForTest:
 
     def __init__(self) -> None:
         self.probes = 0
+        self.in_flight: list[str] = []  # no admin call in flight
 
     def known_alive(self, seconds: float) -> bool:
         return False
