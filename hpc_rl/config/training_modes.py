@@ -37,10 +37,11 @@ from hpc_rl.config.typing_rules import ConfigError, coerce_value
 
 log = logging.getLogger(__name__)
 
-SLIME_OPD_REWARD = "slime.rollout.on_policy_distillation.reward_func"
 SLIME_OPD_POST_PROCESS = "slime.rollout.on_policy_distillation.post_process_rewards"
 OPD_TASK_REWARD = "hpc_rl.rollout.teacher.distillation_reward"
 """What slime's OPD reward function becomes: reward 0 for every sample (slime's post-process returns 0.0)."""
+OPD_POST_PROCESS = "hpc_rl.rollout.teacher.distillation_post_process"
+"""What slime's OPD post-process becomes (slime_flags maps the path)."""
 
 OPTIMIZER_KEYS = frozenset(f.name for f in dataclasses.fields(OptimizerConfig))
 OPTIMIZER_HINTS = typing.get_type_hints(OptimizerConfig)
@@ -77,7 +78,7 @@ def derive_mode_settings(raw: dict[str, dict[str, Any]], given: Given) -> list[s
         cluster["rollout_num_gpus"] = 0
     if given("distillation", "opd_teacher_hf_checkpoint"):
         cluster.setdefault("opd_teacher_num_gpus", 1)
-    if given("rollout", "custom_reward_post_process_path") == SLIME_OPD_POST_PROCESS and given("rollout", "rm_url"):
+    if given("rollout", "custom_reward_post_process_path") == OPD_POST_PROCESS and given("rollout", "rm_url"):
         raw["distillation"].setdefault("opd_teacher_url", given("rollout", "rm_url"))
     path = given("critic", "megatron_config_path")
     return apply_role_file(path, raw) if path else []
@@ -195,14 +196,10 @@ def _distillation_problems(config: RunConfig) -> list[tuple[str, str]]:
     problems = []
     slime_opd_reward = rollout.custom_rm_path == OPD_TASK_REWARD
     post = rollout.custom_reward_post_process_path
-    if post not in (None, SLIME_OPD_POST_PROCESS):
-        problems.append(("rollout.custom_reward_post_process_path",
-                         f"{post}: hpc_rl runs slime's OPD post-process ({SLIME_OPD_POST_PROCESS}) only; fold other "
-                         f"reward post-processing into --custom-rm-path (with --group-rm for whole groups)"))
-    if (slime_opd_reward or post) and not (opd.use_opd and opd.opd_type == "sglang"):
+    if (slime_opd_reward or post == OPD_POST_PROCESS) and not (opd.use_opd and opd.opd_type == "sglang"):
         problems.append(("distillation.use_opd", "slime's OPD reward fetches teacher log-probs for --use-opd "
                                                  "--opd-type sglang: add both"))
-    if slime_opd_reward and post is None:
+    if slime_opd_reward and post != OPD_POST_PROCESS:
         problems.append(("rollout.custom_reward_post_process_path",
                          f"slime's OPD reward needs its post-process: add --custom-reward-post-process-path "
                          f"{SLIME_OPD_POST_PROCESS}"))

@@ -6,8 +6,8 @@ payload), reading `meta_info.input_token_logprobs[1:]` (token t's log-prob given
 first token has none) and keeping the last `response_length` of them in `sample.teacher_logprobs`, as slime's
 `post_process_rewards` does. Transport failures are retried (`retry_policy`); an HTTP error or a wrong
 count fails the group. The teacher is either a component of the job (the driver starts it, behind the job's
-engine key) or slime's `--rm-url` server. Also `distillation_reward`, what slime's OPD reward function
-becomes: the task reward slime's post-process returns, 0.0.
+engine key) or slime's `--rm-url` server. Also `distillation_reward` and `distillation_post_process`, what
+slime's OPD reward function and post-process become: the task reward slime's post-process returns, 0.0.
 
 Not here: the penalty (`training.advantages.opd_penalized_advantages`), starting the teacher (`launch.driver`).
 """
@@ -33,6 +33,13 @@ async def distillation_reward(args: Any, sample: Sample, **kwargs: Any) -> float
     """slime's OPD reward (slime.rollout.on_policy_distillation.reward_func + post_process_rewards) as hpc_rl
     runs it: the teacher's log-probs are fetched by `TeacherLogprobs`; the task reward is 0.0, as slime's."""
     return 0.0
+
+
+def distillation_post_process(args: Any, samples: list[Sample], **kwargs: Any) -> tuple[list[float], list[float]]:
+    """slime's OPD post-process (slime.rollout.on_policy_distillation.post_process_rewards) as hpc_rl runs it:
+    raw and trained rewards 0.0 for every sample (the teacher's log-probs are on the samples already)."""
+    zeros = [0.0] * len(samples)
+    return zeros, list(zeros)
 
 
 class TeacherError(RuntimeError):

@@ -6,9 +6,10 @@ starts one (the actor's initial weights for the body, a fresh head; or the criti
 exists), per-sample values of the response tokens, and where critic checkpoints live
 (`<save>/critic`, resumed from `<load>/critic`, unless critic_save / critic_load say otherwise).
 
-The critic shares the actor's ranks and parallel layout (slime: same GPUs, same topology); it is trained
-before the actor on each rollout, from the same micro-batches (`step.RolloutTrainer`). Not here: the value
-loss (`losses.value_loss`), GAE (`advantages`).
+The critic shares the actor's ranks and parallel layout (slime: same GPUs, same topology); `train_critic`
+trains it before the actor on each rollout, on the same micro-batches, in the trainer's own optimizer steps
+(`step.RolloutTrainer._train_step`). Not here: the value loss's formula (`losses.value_loss`), GAE
+(`advantages`).
 
 Tensor parallel: the head is replicated on every TP rank and sees the full hidden state (the final norm's
 output is not sharded); under sequence parallelism it runs on this rank's sequence shard and its output is
@@ -25,6 +26,8 @@ from typing import Any
 import torch
 
 from hpc_rl.config.schema import CriticConfig, OptimizerConfig
+from hpc_rl.training.advantages import gae_advantages_and_returns, ppo_token_rewards
+from hpc_rl.training.losses import sum_of_sample_mean, sum_of_tokens, value_loss
 
 VALUE_HEAD_INIT_STD = 0.02
 CRITIC_DIR = "critic"
@@ -90,3 +93,36 @@ def critic_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     """A critic step's metrics: the loss's under slime's names (value_loss, value_clipfrac), the step's as critic_*
     (critic_grad_norm, critic_lr, ...), beside the actor's step metrics."""
     return {(k if k.startswith("value_") else f"critic_{k}"): v for k, v in metrics.items()}
+
+
+def train_critic(trainer: Any, batch: Any, plan: list[list[Any]],
+                 masks: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[dict[str, float]]]:
+    """PPO's critic, first on each rollout (slime's order): its values before the update (the actor's GAE uses
+    them), GAE returns of the task reward (slime gives the critic kl_coef 0), then one value-loss step per
+    optimizer step of the rollout. Returns (old values per sample, each step's metrics)."""
+    critic, pipeline = trainer.critic, trainer.critic_pipeline
+    all_micros = [m for step in plan for m in step]
+    with torch.no_grad():
+        outputs = pipeline.forward_only(critic.model, all_micros, response_values)
+    by_index: dict[int, torch.Tensor] = {}
+    for micro, values in zip(all_micros, outputs):
+        by_index.update(zip(micro.indices, values))
+    old_values = [by_index[i] for i in range(len(batch))]
+    token_rewards = ppo_token_rewards(batch.rewards, [torch.zeros_like(v) for v in old_values], 0.0)
+    _, returns = gae_advantages_and_returns(token_rewards, old_values, trainer.algorithm.gamma,
+                                            trainer.algorithm.lambd)
+    reduce = sum_of_tokens if trainer.loss_config.calculate_per_token_loss else sum_of_sample_mean
+
+    def loss_of(micro: Any, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        idx = micro.indices
+        per_token, clipfrac = value_loss(torch.cat(response_values(micro, output)),
+                                         torch.cat([old_values[i] for i in idx]),
+                                         torch.cat([returns[i] for i in idx]).to(output.device),
+                                         critic.config.value_clip)
+        micro_masks = [masks[i] for i in idx]
+        loss = reduce(per_token, micro_masks)
+        return loss, {"value_loss": loss.detach(), "value_clipfrac": reduce(clipfrac, micro_masks)}
+
+    steps = [trainer._train_step(batch, micros, masks, loss_of, model=critic.model, optimizer=critic.optimizer,
+                                 pipeline=pipeline) for micros in plan]
+    return old_values, steps

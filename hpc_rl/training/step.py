@@ -17,8 +17,9 @@ the pipeline group, so every rank (global rank 0 included, which reports them) r
 Training modes (one loop, issue 21): SFT (loss_type sft_loss) computes no reference, old log-probs or
 advantages, only -log p of the assistant tokens; on-policy distillation takes the teacher's log-probs (a
 teacher model on these ranks, or a teacher server's, in the batch) and subtracts opd_kl_coef * (logp_old -
-logp_teacher) from the advantages; PPO trains the critic (`critic`) first on each rollout, its values (before
-its update) giving the actor's GAE advantages, and the actor not at all for num_critic_only_steps rollouts.
+logp_teacher) from the advantages; PPO trains the critic (`critic.train_critic`) first on each rollout, its
+values (before its update) giving the actor's GAE advantages, and the actor not at all for
+num_critic_only_steps rollouts.
 
 Ref log-probs are computed for the whole rollout before its first update, on the same micro-batches
 the training pass uses, so with ref == actor weights the KL term is exactly 0. Old log-probs come
@@ -29,35 +30,39 @@ the same micro-batches: either way logp_old == logp bit for bit on the first ste
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import AlgorithmConfig, CriticConfig, DistillationConfig, TrainingConfig
-from hpc_rl.training.advantages import (
-    compute_advantages, gae_advantages_and_returns, masked_whiten, ppo_token_rewards,
-)
-from hpc_rl.training.critic import critic_metrics, response_values
+from hpc_rl.training.advantages import compute_advantages, masked_whiten
 from hpc_rl.training.custom_hooks import (
     check_custom_loss_result, load_custom_advantages, load_custom_loss, run_custom_advantages, trainer_args,
 )
-from hpc_rl.training.batching import equalize_microbatch_count, pack_microbatches
+from hpc_rl.training.batching import (
+    equalize_microbatch_count, flops_balanced_microbatches, flops_linear_coefficient, pack_microbatches,
+)
 from hpc_rl.weights.json_collectives import broadcast_json
 from hpc_rl.training.losses import (
     PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for, sft_loss, sum_of_sample_mean,
-    sum_of_tokens, value_loss,
+    sum_of_tokens,
 )
 from hpc_rl.training.micro_batches import MicroBatch, build_microbatch, choose_qkv_format
 from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.pipeline import PipelineSchedule
 from hpc_rl.training.train_batch import TrainBatch
+from hpc_rl.plugins import load_plugin
+from hpc_rl.training.critic import critic_metrics, train_critic
 
 
 def policy_loss_config(algorithm: AlgorithmConfig, training: TrainingConfig) -> PolicyLossConfig:
@@ -68,7 +73,9 @@ def policy_loss_config(algorithm: AlgorithmConfig, training: TrainingConfig) -> 
         entropy_coef=algorithm.entropy_coef, use_kl_loss=algorithm.use_kl_loss,
         kl_loss_coef=algorithm.kl_loss_coef, kl_loss_type=algorithm.kl_loss_type, use_tis=algorithm.use_tis,
         tis_clip=algorithm.tis_clip, tis_clip_low=algorithm.tis_clip_low,
-        calculate_per_token_loss=training.calculate_per_token_loss,
+        calculate_per_token_loss=training.calculate_per_token_loss, use_unbiased_kl=algorithm.use_unbiased_kl,
+        use_opsm=algorithm.use_opsm, opsm_delta=algorithm.opsm_delta,
+        get_mismatch_metrics=algorithm.get_mismatch_metrics,
     )
 
 
@@ -84,14 +91,17 @@ def old_logprobs_need_own_pass(training: TrainingConfig, algorithm: AlgorithmCon
     gradient). A separate pass is needed only when (a) later steps follow an update
     (`num_steps_per_rollout` > 1), or (b) something needs them before the loss: KL reward shaping
     (`kl_coef` != 0 with a reference) enters the advantages, which are computed first, and a custom
-    advantage function receives them (slime's `rollout_data["log_probs"]`), and on-policy distillation's
+    advantage function receives them (slime's `rollout_data["log_probs"]`).
+    `use_rollout_logprobs` takes them from the engine instead (no pass either way). With `keep_old_actor`
+    (slime's --keep-old-actor) they come from the weights the engines generated with, so from a pass of
+    their own at those weights. `use_rollout_entropy` wants that pass's entropies. On-policy distillation's
     penalty is computed from them (`distilling`). SFT and --disable-compute-advantages-and-returns need none.
-    `use_rollout_logprobs` takes them from the engine instead (no pass either way).
     """
     if algorithm.use_rollout_logprobs or skips_advantages(algorithm):
         return False
     return (training.num_steps_per_rollout > 1 or (has_ref and algorithm.kl_coef != 0.0)
-            or algorithm.custom_advantage_function_path is not None or distilling)
+            or algorithm.custom_advantage_function_path is not None or algorithm.keep_old_actor
+            or algorithm.use_rollout_entropy or distilling)
 
 
 def skips_advantages(algorithm: AlgorithmConfig) -> bool:
@@ -101,7 +111,7 @@ def skips_advantages(algorithm: AlgorithmConfig) -> bool:
 
 @dataclass
 class CriticPart:
-    """PPO's critic on this rank (`hpc_rl.training.critic` builds it): model, optimizer, settings."""
+    """PPO's critic on this rank (`hpc_rl.training.actor.build_critic` builds it): model, optimizer, settings."""
 
     model: torch.nn.Module
     optimizer: ActorOptimizer
@@ -110,6 +120,10 @@ class CriticPart:
 
 LossOfMicro = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(micro-batch, model output) -> (its loss as a sum over its samples, metrics summed likewise)."""
+
+
+def _optional_plugin(kind: str, path: str | None) -> Any:
+    return load_plugin(kind, path) if path else None
 
 
 class RolloutTrainer:
@@ -149,19 +163,82 @@ class RolloutTrainer:
                             if algorithm.loss_type == "custom_loss" and algorithm.custom_loss_function_path else None)
         self.custom_advantages = (load_custom_advantages(algorithm.custom_advantage_function_path)
                                   if algorithm.custom_advantage_function_path else None)
+        self.custom_tis = load_plugin("tis", algorithm.custom_tis_function_path) if algorithm.custom_tis_function_path \
+            else None
+        self.before_log_prob_hook = _optional_plugin("before_log_prob_hook",
+                                                     training.custom_megatron_before_log_prob_hook_path)
+        self.before_train_step_hook = _optional_plugin("before_train_step_hook",
+                                                       training.custom_megatron_before_train_step_hook_path)
+        self.rollout_data_postprocess = _optional_plugin("rollout_data_postprocess",
+                                                         algorithm.rollout_data_postprocess_path)
+        self._entropy: dict[str, dict[int, torch.Tensor]] = {}
+        """use_rollout_entropy: the old and ref passes' per-sample entropies ("entropy", "ref_entropy")."""
+        self._train_logprobs: dict[int, torch.Tensor] | None = None
+        """get_mismatch_metrics with use_rollout_logprobs: the trainer's own old log-probs, for the TIS function."""
+        self.rollout_weights: list[torch.Tensor] | None = None
+        """keep_old_actor: host copies of the actor's parameters as the engines last received them."""
+
+    # ------------------------------------------------------------------ weights kept beside the actor
+
+    def _actor_params(self) -> list[torch.nn.Parameter]:
+        return list(self.actor.parameters())
+
+    @torch.no_grad()
+    def remember_rollout_weights(self) -> None:
+        """The engines now serve the actor's current weights: keep a host copy for the old log-probs
+        (keep_old_actor; slime's old_actor backup)."""
+        params = self._actor_params()
+        if self.rollout_weights is None:
+            self.rollout_weights = [torch.empty(p.shape, dtype=p.dtype, device="cpu",
+                                                pin_memory=p.device.type == "cuda") for p in params]
+        for copy, param in zip(self.rollout_weights, params):
+            copy.copy_(param)
+
+    @torch.no_grad()
+    def update_reference(self) -> None:
+        """The reference model takes the actor's weights (slime's --ref-update-interval)."""
+        if self.ref_model is None:
+            raise ValueError("algorithm.ref_update_interval needs a reference model (use_kl_loss or kl_coef)")
+        for ref_param, param in zip(self.ref_model.parameters(), self._actor_params(), strict=True):
+            ref_param.copy_(param)
+
+    @torch.no_grad()
+    def _old_logprobs(self, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        """The old log-probs' own pass: at the engines' weights with keep_old_actor, else the current ones."""
+        if not self.algorithm.keep_old_actor or self.rollout_weights is None:
+            return self._logprobs(self.actor, micros, "")
+        params = self._actor_params()
+        current = [p.detach().to("cpu", copy=True) for p in params]
+        for param, old in zip(params, self.rollout_weights):
+            param.copy_(old)
+        try:
+            return self._logprobs(self.actor, micros, "")
+        finally:
+            for param, value in zip(params, current):
+                param.copy_(value)
 
     # ------------------------------------------------------------------ micro-batches
 
-    def _step_microbatches(self, batch: TrainBatch, step_indices: Sequence[int], *,
+    def _step_microbatches(self, batch: TrainBatch, step_indices: Sequence[int],
+                           max_tokens_per_gpu: int | None = None, *,
                            same_count_on_every_dp_rank: bool = True) -> list[MicroBatch]:
         """The micro-batches of the samples at `step_indices`; a training step needs the same count on every
-        DP rank (collectives per micro-batch), a forward-only pass does not."""
+        DP rank (collectives per micro-batch), a forward-only pass alone (SFT's eval) does not."""
         lengths = [batch.total_lengths[i] for i in step_indices]
         if self.training.use_dynamic_batch_size:
-            if not self.training.max_tokens_per_gpu:
+            cap = max_tokens_per_gpu or self.training.max_tokens_per_gpu
+            if not cap:
                 raise ValueError("training.use_dynamic_batch_size needs training.max_tokens_per_gpu")
             # max_tokens_per_gpu counts one GPU's tokens: a CP group holds cp_size times that (slime's rule)
-            bins = pack_microbatches(lengths, self.training.max_tokens_per_gpu * self.info.cp_size)
+            if self.training.balance_by_flops:
+                arch = self.arch
+                coefficient = flops_linear_coefficient(
+                    hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
+                    num_query_groups=arch.num_query_groups, kv_channels=arch.kv_channels,
+                    ffn_hidden_size=arch.ffn_hidden_size)
+                bins = flops_balanced_microbatches(lengths, cap * self.info.cp_size, coefficient)
+            else:
+                bins = pack_microbatches(lengths, cap * self.info.cp_size)
             if same_count_on_every_dp_rank:
                 count = torch.tensor(len(bins), device=self.info.device)
                 if self.info.dp_size > 1:
@@ -184,20 +261,32 @@ class RolloutTrainer:
 
     def _response_logprobs(self, micro: MicroBatch, logits: torch.Tensor, *, with_entropy: bool):
         return micro.response_logprobs(logits, vocab_size=self.arch.vocab_size, tp_group=self.tp_group,
-                                       with_entropy=with_entropy)
+                                       with_entropy=with_entropy, chunk_size=self.training.log_probs_chunk_size)
 
     @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
-        """Per-sample response log-probs, by batch index; empty on stages other than the last."""
+    def _logprobs(self, model: torch.nn.Module, micros: list[MicroBatch],
+                  store_prefix: str | None = None) -> dict[int, torch.Tensor]:
+        """Per-sample response log-probs, by batch index; empty on stages other than the last. `store_prefix`
+        (slime's: "" old, "ref_" reference) names the pass for the before-log-prob hook; with
+        use_rollout_entropy the pass's entropies are kept under store_prefix + "entropy"."""
+        if store_prefix is not None and self.before_log_prob_hook is not None:
+            self.before_log_prob_hook(self.plugin_args, model, store_prefix)
+        entropy_key = None if store_prefix is None else store_prefix + "entropy"
+        with_entropy = entropy_key is not None and self.algorithm.use_rollout_entropy
         out: dict[int, torch.Tensor] = {}
-        for micro, values in zip(micros, self.pipeline.forward_only(
-                model, micros, lambda m, logits: self._response_logprobs(m, logits, with_entropy=False)[0])):
+        entropies: dict[int, torch.Tensor] = {}
+        for micro, (values, entropy) in zip(micros, self.pipeline.forward_only(
+                model, micros, lambda m, logits: self._response_logprobs(m, logits, with_entropy=with_entropy))):
             out.update(zip(micro.indices, values))
+            if entropy is not None:
+                entropies.update(zip(micro.indices, entropy))
+        if with_entropy:
+            self._entropy[entropy_key] = entropies  # type: ignore[index]
         return out
 
     # ------------------------------------------------------------------ the rollout
 
-    def train_rollout(self, batch: TrainBatch) -> list[dict[str, float]]:
+    def train_rollout(self, batch: TrainBatch, rollout_id: int = 0) -> list[dict[str, float]]:
         steps = self.training.num_steps_per_rollout
         if len(batch) == 0 or len(batch) % steps:
             raise ValueError(f"{len(batch)} samples do not split into num_steps_per_rollout={steps} steps")
@@ -205,33 +294,43 @@ class RolloutTrainer:
         plan = [self._step_microbatches(batch, range(s * per_step, (s + 1) * per_step)) for s in range(steps)]
         device = self.info.device
         masks = [torch.as_tensor(m, dtype=torch.float32, device=device) for m in batch.loss_masks]
-        all_micros = [m for step in plan for m in step]
+        all_micros = self.logprob_microbatches(batch, plan, per_step)
         if self.algorithm.loss_type == "sft_loss":
-            return [self._train_step(batch, micros, masks, self._sft_loss(masks)) for micros in plan]
+            return [self._step(rollout_id, step, batch, micros, masks, self._sft_loss(masks))
+                    for step, micros in enumerate(plan)]
 
-        ref = self._logprobs(self.ref_model, all_micros) if self.ref_model is not None else None
-        teacher = self._teacher_logprobs(batch, all_micros)
+        self._entropy = {}
+        ref = self._logprobs(self.ref_model, all_micros, "ref_") if self.ref_model is not None else None
+        self._train_logprobs = None
         if self.algorithm.use_rollout_logprobs:
             if batch.rollout_logprobs is None:
                 raise ValueError("algorithm.use_rollout_logprobs is set but the batch has no rollout log-probs")
             old = {i: torch.as_tensor(lp, dtype=torch.float32, device=device)
                    for i, lp in enumerate(batch.rollout_logprobs)}
+            if self.algorithm.get_mismatch_metrics:  # the mismatch is the trainer's log-probs vs the engine's
+                self._train_logprobs = self._old_logprobs(all_micros)
         elif self.separate_old_logprob_pass:
-            old = self._logprobs(self.actor, all_micros)
+            old = self._old_logprobs(all_micros)
         else:
             old = None  # the training pass's own log-probs, detached (losses: old_log_probs=None)
+        teacher = self._teacher_logprobs(batch, all_micros)
         rollout = ([torch.as_tensor(lp, dtype=torch.float32, device=device) for lp in batch.rollout_logprobs]
                    if batch.rollout_logprobs is not None else None)
         if not self.info.is_last_stage:  # log-probs, advantages and the loss live on the last stage
-            return [self._train_step(batch, micros, masks, self._policy_loss(batch, masks, old, ref, [], rollout, None))
-                    for micros in plan]
-        values, critic_steps = self._train_critic(batch, plan, masks) if self.critic is not None else (None, [])
-        if int(batch.meta.get("rollout_id", 0)) < (self.critic.config.num_critic_only_steps if self.critic else 0):
+            return [self._step(rollout_id, step, batch, micros, masks,
+                               self._policy_loss(batch, masks, old, ref, [], rollout, None))
+                    for step, micros in enumerate(plan)]
+        values, critic_steps = train_critic(self, batch, plan, masks) if self.critic is not None else (None, [])
+        if self.critic is not None and rollout_id < self.critic.config.num_critic_only_steps:
             return [critic_metrics(m) for m in critic_steps]  # the actor waits for a trained critic
         advantages = self._advantages(batch, masks, old, ref, rollout, teacher, values)
-        actor_steps = [self._train_step(batch, micros, masks,
-                                        self._policy_loss(batch, masks, old, ref, advantages, rollout, teacher))
-                       for micros in plan]
+        if self.rollout_data_postprocess is not None:
+            masks, advantages = self._postprocess(rollout_id, batch, masks, old, ref, rollout, advantages)
+        if self.training.save_debug_train_data and self.info.tp_rank == 0 and self.info.cp_rank == 0:
+            self._save_debug_train_data(rollout_id, batch, masks, old, ref, rollout, advantages)
+        actor_steps = [self._step(rollout_id, step, batch, micros, masks,
+                                  self._policy_loss(batch, masks, old, ref, advantages, rollout, teacher))
+                       for step, micros in enumerate(plan)]
         for actor_step, critic_step in zip(actor_steps, critic_steps):
             actor_step.update(critic_metrics(critic_step))
         return actor_steps
@@ -241,7 +340,7 @@ class RolloutTrainer:
         if not self.distillation.use_opd:
             return None
         if self.teacher_model is not None:
-            return self._logprobs(self.teacher_model, micros)
+            return self._logprobs(self.teacher_model, micros, "teacher_")
         if batch.teacher_logprobs is None:
             raise ValueError("on-policy distillation (opd_type sglang): the batch carries no teacher log-probs")
         return {i: torch.as_tensor(lp, dtype=torch.float32, device=self.info.device)
@@ -252,11 +351,11 @@ class RolloutTrainer:
                     teacher: dict[int, torch.Tensor] | None,
                     values: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """Per-sample advantages (the estimator's, or the custom function's; OPD's penalty; whitening); the
-        returns are kept for a custom loss."""
+        returns are kept for a custom loss. None with --disable-compute-advantages-and-returns."""
         if self.algorithm.disable_compute_advantages_and_returns:
             self._returns = []
             return []
-        n = len(batch)
+        n, device = len(batch), self.info.device
         kl = None
         if ref is not None and old is not None:
             kl = [approx_kl(old[i], ref[i], self.algorithm.kl_loss_type) for i in range(n)]
@@ -271,38 +370,8 @@ class RolloutTrainer:
                 all_reduce=self._dp_sum if self.info.dp_size > 1 else None, student_log_probs=student,
                 teacher_log_probs=[teacher[i] for i in range(n)] if teacher is not None else None,
                 opd_kl_coef=self.distillation.opd_kl_coef)
-        self._returns = [r.to(self.info.device) for r in returns]
-        return [a.to(self.info.device) for a in advantages]
-
-    def _train_critic(self, batch: TrainBatch, plan: list[list[MicroBatch]],
-                      masks: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[dict[str, float]]]:
-        """PPO's critic, first on each rollout (slime's order): its values before the update (the actor's GAE
-        uses them), GAE returns of the task reward (the critic's kl_coef is 0 in slime), value-loss steps."""
-        assert self.critic is not None and self.critic_pipeline is not None
-        all_micros = [m for step in plan for m in step]
-        with torch.no_grad():
-            outputs = self.critic_pipeline.forward_only(self.critic.model, all_micros, response_values)
-        by_index: dict[int, torch.Tensor] = {}
-        for micro, values in zip(all_micros, outputs):
-            by_index.update(zip(micro.indices, values))
-        old_values = [by_index[i] for i in range(len(batch))]
-        token_rewards = ppo_token_rewards(batch.rewards, [torch.zeros_like(v) for v in old_values], 0.0)
-        _, returns = gae_advantages_and_returns(token_rewards, old_values, self.algorithm.gamma, self.algorithm.lambd)
-        reduce = sum_of_tokens if self.loss_config.calculate_per_token_loss else sum_of_sample_mean
-        clip = self.critic.config.value_clip
-
-        def loss_of(micro: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            idx = micro.indices
-            per_token, clipfrac = value_loss(torch.cat(response_values(micro, output)),
-                                             torch.cat([old_values[i] for i in idx]),
-                                             torch.cat([returns[i] for i in idx]).to(output.device), clip)
-            micro_masks = [masks[i] for i in idx]
-            loss = reduce(per_token, micro_masks)
-            return loss, {"value_loss": loss.detach(), "value_clipfrac": reduce(clipfrac, micro_masks)}
-
-        steps = [self._train_step(batch, micros, masks, loss_of, model=self.critic.model,
-                                  optimizer=self.critic.optimizer, pipeline=self.critic_pipeline) for micros in plan]
-        return old_values, steps
+        self._returns = [r.to(device) for r in returns]
+        return [a.to(device) for a in advantages]
 
     def _sft_loss(self, masks: list[torch.Tensor]) -> LossOfMicro:
         per_token = self.loss_config.calculate_per_token_loss
@@ -313,34 +382,71 @@ class RolloutTrainer:
 
         return loss_of
 
-    def _policy_loss(self, batch: TrainBatch, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
-                     ref: dict[int, torch.Tensor] | None, advantages: list[torch.Tensor],
-                     rollout: list[torch.Tensor] | None, teacher: dict[int, torch.Tensor] | None) -> LossOfMicro:
-        reduce = sum_of_tokens if self.loss_config.calculate_per_token_loss else sum_of_sample_mean
+    def _save_debug_train_data(self, rollout_id: int, batch: TrainBatch, masks: list[torch.Tensor],
+                               old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
+                               rollout: list[torch.Tensor] | None, advantages: list[torch.Tensor]) -> None:
+        """slime's --save-debug-train-data: what this DP rank trains on, per sample, in one torch file."""
+        template = self.training.save_debug_train_data or ""
+        path = Path(template.format(rollout_id=rollout_id, rank=self.info.dp_rank))
+        if "{rank}" not in template and self.info.dp_size > 1:
+            path = path.with_name(f"{path.name}.rank{self.info.dp_rank}")
+        n = len(batch)
+        data = {"rollout_id": rollout_id, "dp_rank": self.info.dp_rank,
+                "tokens": [torch.as_tensor(t) for t in batch.tokens], "response_lengths": list(batch.response_lengths),
+                "loss_masks": [m.cpu() for m in masks], "rewards": list(batch.rewards),
+                "advantages": [a.cpu() for a in advantages], "returns": [r.cpu() for r in self._returns],
+                "log_probs": [old[i].cpu() for i in range(n)] if old is not None else None,
+                "ref_log_probs": [ref[i].cpu() for i in range(n)] if ref is not None else None,
+                "rollout_log_probs": [r.cpu() for r in rollout] if rollout is not None else None}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, path)
 
-        def loss_of(micro: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            idx = micro.indices
-            log_probs, entropy = self._response_logprobs(micro, logits, with_entropy=True)
-            if self.custom_loss is not None:
-                return self._custom_loss(batch, micro, logits, log_probs, entropy, masks, old, ref, advantages,
-                                         rollout)
-            loss, metrics = policy_loss_and_metrics(
-                self.loss_config, log_probs=log_probs, old_log_probs=[old[i] for i in idx] if old is not None else None,
-                advantages=[advantages[i] for i in idx], loss_masks=[masks[i] for i in idx], entropy=entropy,
-                ref_log_probs=[ref[i] for i in idx] if ref is not None else None,
-                rollout_log_probs=[rollout[i] for i in idx] if rollout is not None else None)
-            if teacher is not None:  # slime's opd_reverse_kl: the penalty's KL, reduced like the loss
-                student = [old[i] if old is not None else rollout[i] for i in idx]  # type: ignore[index]
-                metrics["opd_reverse_kl"] = reduce(
-                    torch.cat([s.detach() - teacher[i] for s, i in zip(student, idx)]), [masks[i] for i in idx])
-            return loss, metrics
+    def logprob_microbatches(self, batch: TrainBatch, plan: list[list[MicroBatch]], per_step: int) -> list[MicroBatch]:
+        """The micro-batches of the forward-only passes: the training ones, or (log_probs_max_tokens_per_gpu with
+        dynamic batch size) each step's samples packed again under that cap."""
+        cap = self.training.log_probs_max_tokens_per_gpu
+        if not (cap and self.training.use_dynamic_batch_size):
+            return [m for step in plan for m in step]
+        return [m for s in range(len(plan))
+                for m in self._step_microbatches(batch, range(s * per_step, (s + 1) * per_step), cap)]
 
-        return loss_of
+    def _step(self, rollout_id: int, step_id: int, batch: TrainBatch, micros: list[MicroBatch],
+              masks: list[torch.Tensor], loss_of: LossOfMicro) -> dict[str, float]:
+        """One of the actor's optimizer steps (slime's before-train-step hook first)."""
+        if self.before_train_step_hook is not None:
+            self.before_train_step_hook(self.plugin_args, rollout_id, step_id, self.actor, self.optimizer,
+                                        getattr(self.optimizer, "scheduler", None))
+        return self._train_step(batch, micros, masks, loss_of)
+
+    def _postprocess(self, rollout_id: int, batch: TrainBatch, masks: list[torch.Tensor],
+                     old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
+                     rollout: list[torch.Tensor] | None,
+                     advantages: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """slime's `rollout_data_postprocess_path(args, rollout_id, rollout_data)`: it may change the loss masks
+        and the advantages (each checked against the sample's response length)."""
+        n = len(batch)
+        rollout_data: dict[str, Any] = {
+            "rewards": list(batch.rewards), "loss_masks": list(masks), "advantages": list(advantages),
+            "returns": list(self._returns), "response_lengths": list(batch.response_lengths),
+            "total_lengths": list(batch.total_lengths),
+            "log_probs": [old[i] for i in range(n)] if old is not None else None,
+            "ref_log_probs": [ref[i] for i in range(n)] if ref is not None else None, "rollout_log_probs": rollout,
+            **{key: [values[i] for i in range(n)] for key, values in self._entropy.items() if values}}
+        self.rollout_data_postprocess(self.plugin_args, rollout_id, rollout_data)
+        out = []
+        for key in ("loss_masks", "advantages"):
+            values = rollout_data[key]
+            if len(values) != n or any(torch.as_tensor(v).numel() != m.numel() for v, m in zip(values, masks)):
+                raise ValueError(f"algorithm.rollout_data_postprocess_path: rollout_data[{key!r}] must stay one tensor "
+                                 f"per sample, as long as its response")
+            out.append([torch.as_tensor(v, dtype=torch.float32, device=m.device).reshape(-1)
+                        for v, m in zip(values, masks)])
+        return out[0], out[1]
 
     def _custom_advantages(self, batch: TrainBatch, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
                            ref: dict[int, torch.Tensor] | None, rollout: list[torch.Tensor] | None,
                            kl: list[torch.Tensor] | None,
-                           values: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                           values: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """slime's `custom_advantage_function_path(args, rollout_data)`, then advantage whitening if asked."""
         n = len(batch)
         rollout_data: dict[str, Any] = {
@@ -350,6 +456,8 @@ class RolloutTrainer:
             "ref_log_probs": [ref[i] for i in range(n)] if ref is not None else None,
             "rollout_log_probs": rollout, "values": values,
             "kl": kl if kl is not None else [torch.zeros_like(m) for m in masks]}
+        for key, entropies in self._entropy.items():  # use_rollout_entropy: slime's "entropy", "ref_entropy"
+            rollout_data[key] = [entropies[i] for i in range(n)] if entropies else None
         path = self.algorithm.custom_advantage_function_path or ""
         advantages, returns = run_custom_advantages(self.custom_advantages, path, self.plugin_args, rollout_data, masks)
         if self.algorithm.normalize_advantages and advantages:
@@ -383,6 +491,37 @@ class RolloutTrainer:
         dist.all_reduce(tensor, group=self.dp_group)
         return tensor
 
+    def _policy_loss(self, batch: TrainBatch, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
+                     ref: dict[int, torch.Tensor] | None, advantages: list[torch.Tensor],
+                     rollout: list[torch.Tensor] | None, teacher: dict[int, torch.Tensor] | None) -> LossOfMicro:
+        reduce = sum_of_tokens if self.loss_config.calculate_per_token_loss else sum_of_sample_mean
+
+        def loss_from_logits(micro: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            idx = micro.indices
+            log_probs, entropy = self._response_logprobs(micro, logits, with_entropy=True)
+            if self.custom_loss is not None:
+                return self._custom_loss(batch, micro, logits, log_probs, entropy, masks, old, ref, advantages,
+                                         rollout)
+            trained = self._train_logprobs
+            loss, metrics = policy_loss_and_metrics(
+                self.loss_config, log_probs=log_probs,
+                old_log_probs=[old[i] for i in idx] if old is not None else None,
+                advantages=[advantages[i] for i in idx], loss_masks=[masks[i] for i in idx], entropy=entropy,
+                ref_log_probs=[ref[i] for i in idx] if ref is not None else None,
+                rollout_log_probs=[rollout[i] for i in idx] if rollout is not None else None,
+                train_log_probs=[trained[i] for i in idx] if trained is not None else None,
+                tis_function=functools.partial(self.custom_tis, args=self.plugin_args,
+                                               total_lengths=list(micro.total_lengths),
+                                               response_lengths=list(micro.response_lengths))
+                if self.custom_tis is not None else None)
+            if teacher is not None:  # slime's opd_reverse_kl: the penalty's KL, reduced like the loss
+                student = [old[i] if old is not None else rollout[i] for i in idx]  # type: ignore[index]
+                metrics["opd_reverse_kl"] = reduce(
+                    torch.cat([s.detach() - teacher[i] for s, i in zip(student, idx)]), [masks[i] for i in idx])
+            return loss, metrics
+
+        return loss_from_logits
+
     def _train_step(self, batch: TrainBatch, micros: list[MicroBatch], masks: list[torch.Tensor],
                     loss_of: LossOfMicro, *, model: torch.nn.Module | None = None,
                     optimizer: ActorOptimizer | None = None, pipeline: PipelineSchedule | None = None) -> dict[str, float]:
@@ -393,7 +532,7 @@ class RolloutTrainer:
         samples = sum(len(m.indices) for m in micros)
         tokens_here = sum(batch.total_lengths[i] for m in micros for i in m.indices)
         counts = torch.tensor([float(samples), float(tokens_here),
-                               float(sum(sum(batch.loss_masks[i]) for m in micros for i in m.indices))],
+                               float(sum(float(masks[i].sum()) for m in micros for i in m.indices))],
                               device=self.info.device)
         if self.info.dp_size > 1:
             dist.all_reduce(counts, group=self.dp_group)
@@ -408,7 +547,10 @@ class RolloutTrainer:
         sums: dict[str, float] = {}
 
         def micro_loss(micro: MicroBatch, logits: torch.Tensor) -> torch.Tensor:  # last stage only
-            loss, metrics = loss_of(micro, logits)
+            if self.training.recompute_loss_function:  # slime's --recompute-loss-function: keep only the logits
+                loss, metrics = torch.utils.checkpoint.checkpoint(loss_of, micro, logits, use_reentrant=False)
+            else:
+                loss, metrics = loss_of(micro, logits)
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             return loss * scale

@@ -24,9 +24,13 @@ READ_ELSEWHERE = {
     "extra_args": "read through SGLangConfig.server_options() (launch/driver.py passes them to every engine)",
     "megatron_config_path": "slime's role file, read when the config is built (config/training_modes.apply_role_file) "
                             "into critic_optimizer / critic_load / critic_save and the actor's optimizer and checkpoint",
-    "custom_reward_post_process_path": "slime's OPD post-process, the only one accepted (config/training_modes): with "
-                                       "rm_url it sets distillation.opd_teacher_url, which rollout.teacher reads",
     "gpu_memory_gib": "read by the per-GPU memory plan (config/memory_plan.py) that submit checks and --dry-run prints",
+    # slime flags of issue 26
+    "custom_config_path": "config.plugin_args reads the file into the `args` every plug-in receives (controller and "
+                          "trainer processes both build it there)",
+    "update_weight_mode": "slime's full|delta: validation refuses delta, and full is what every sync does",
+    "model_name": "slime's model family name: validation checks it names the architecture's family, which is what "
+                  "the weight conversion follows",
 }
 
 
