@@ -159,12 +159,14 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
 
     async def scored_with_teacher(samples: list[Any]) -> list[float]:
         """The group's rewards and, for distillation, its teacher log-probs (both before the filter sees it)."""
-        rewards, _ = await asyncio.gather(reward_fn(samples), teacher.score(samples) if teacher else _nothing())
+        assert teacher is not None
+        rewards, _ = await asyncio.gather(reward_fn(samples), teacher.score(samples))
         return rewards
 
     metric_options = SampleMetricOptions.from_config(config.logging, rollout)
     scheduler = RolloutScheduler.from_config(rollout, args=args, client=client, source=source, encoder=encoder,
-                                             reward_fn=scored_with_teacher, metric_options=metric_options,
+                                             reward_fn=scored_with_teacher if teacher else reward_fn,
+                                             metric_options=metric_options,
                                              plugins=SamplePlugins.from_config(rollout, config.eval))
     num_rollout = num_rollouts(rollout, len(dataset))
     loop = assemble_loop(config, scheduler=scheduler, registry=registry, channel=channel, fleet=fleet,
@@ -172,10 +174,6 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
                          evaluate=make_evaluate(config, client, keys, encoder, eval_reward_fn, args, metric_options),
                          num_rollout=num_rollout)
     return RolloutStack(client=client, loop=loop, reward_pool=pool, reward_thread=thread, teacher=teacher)
-
-
-async def _nothing() -> None:
-    return None
 
 
 def run_recorder(config: RunConfig, num_rollout: int) -> RunRecorder:
