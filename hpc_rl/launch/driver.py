@@ -66,7 +66,7 @@ from hpc_rl.engines.sglang_launch import (
     write_api_key_file,
 )
 from hpc_rl.launch.batch_guard import RESTARTS_FILE, restarts_used
-from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
+from hpc_rl.launch.bound_torchrun import FORK_FLAG, STORE_ADDRESS_ENV
 from hpc_rl.launch.node_health import NodeLoss, lost_nodes, query_node_states
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
 from hpc_rl.launch.trainer_exit import describe_trainer_exit
@@ -183,8 +183,10 @@ def engine_command(config: RunConfig, placement: EnginePlacement, host: str, por
 
 def trainer_command(config: RunConfig, run_dir: Path, rendezvous: str, *, local: bool = False) -> list[str]:
     """torchrun over every trainer node (one torchrun per node; it forks the ranks); in a local run its
-    stores listen on loopback only (bound_torchrun, with STORE_ADDRESS_ENV set by the driver)."""
-    return [sys.executable, "-m", "hpc_rl.launch.bound_torchrun", *(["--local-addr=127.0.0.1"] if local else []),
+    stores listen on loopback only (bound_torchrun, with STORE_ADDRESS_ENV set by the driver). On CPU its
+    ranks fork from it with their imports done (bound_torchrun's FORK_FLAG, issue 23)."""
+    fork = [FORK_FLAG] if config.cluster.device == "cpu" and not os.environ.get("TMP_NO_FORK") else []
+    return [sys.executable, "-m", "hpc_rl.launch.bound_torchrun", *fork, *(["--local-addr=127.0.0.1"] if local else []),
             f"--nnodes={config.cluster.actor_num_nodes}",
             f"--nproc-per-node={config.cluster.actor_num_gpus_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={os.environ.get('SLURM_JOB_ID', 'local')}",
