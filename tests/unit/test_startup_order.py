@@ -98,10 +98,13 @@ def test_deferred_compile_compiles_once_at_the_first_call() -> None:
 def test_light_megatron_import_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "megatron.core", raising=False)
     monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
     original = torch.compile
     with light_megatron_import():
         assert torch.compile is not original
         with pytest.raises(ImportError):
             import wandb  # noqa: F401
+        with pytest.raises(ImportError):  # Megatron's timers import it only to write to a writer never given
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     assert torch.compile is original
-    assert "wandb" not in sys.modules  # importable again after the block
+    assert "wandb" not in sys.modules and "torch.utils.tensorboard" not in sys.modules  # importable again after
