@@ -217,8 +217,8 @@ def hpc_rl_argv(mode: str, steps: int, run_dir: Path) -> list[str]:
             "--num-rollout", str(steps), *COMMON, *MODES[mode]]
 
 
-def run_hpc_rl(mode: str, steps: int) -> tuple[Run, dict[str, Any]]:
-    """One hpc_rl run in `mode`; also returns its resolved config (as a dict)."""
+def run_hpc_rl(mode: str, steps: int) -> tuple[Run, Any]:
+    """One hpc_rl run in `mode`; also returns its resolved config (what every process of it read)."""
     def parse(run: Run, line: str, now: float) -> None:
         match = PROGRESS.match(line.strip())
         if match:
@@ -231,9 +231,9 @@ def run_hpc_rl(mode: str, steps: int) -> tuple[Run, dict[str, Any]]:
         run = _watch(f"hpc_rl {mode}", hpc_rl_argv(mode, steps, run_dir), parse, stderr=subprocess.STDOUT)
         run.extra = {**startup_split(run_dir / "logs" / "controller.log", wall_spawn),
                      **step_split(run_dir / "rollouts.jsonl")}
-        import yaml
+        from hpc_rl.config.loading import load_resolved_config
 
-        resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
+        resolved = load_resolved_config(run_dir)
     return run, resolved
 
 
@@ -280,11 +280,20 @@ def trl_child(steps: int) -> None:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [tiny_task_reward(text, lab) for text, lab in zip(texts, label)]
 
-    class Report(TrainerCallback):
-        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):  # noqa: ANN001
-            print(SETTINGS_MARK + json.dumps(trl_settings(trainer, optimizer)), flush=True)
+    no_grad_lengths: list[int] = []  # sequence length of each forward without grad (generation) in step 1
 
-        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001 -- TRL's signature
+    def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled() and kwargs.get("input_ids") is not None:
+            no_grad_lengths.append(int(kwargs["input_ids"].shape[1]))
+
+    class Report(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):  # noqa: ANN001 -- TRL's signature
+            self.hook = trainer.model.model.register_forward_pre_hook(record, with_kwargs=True)
+
+        def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):  # noqa: ANN001
+            if state.global_step == 1:
+                self.hook.remove()
+                print(SETTINGS_MARK + json.dumps(trl_settings(trainer, optimizer, no_grad_lengths)), flush=True)
             if logs and "reward" in logs:
                 print(STEP_MARK + json.dumps({"step": state.global_step, "reward": logs["reward"]}), flush=True)
 
@@ -309,11 +318,14 @@ def trl_child(steps: int) -> None:
         trainer.train()
 
 
-def trl_settings(trainer: Any, optimizer: Any) -> dict[str, Any]:
-    """What the TRL trainer will actually do, read back from it (not from what this script asked for)."""
+def trl_settings(trainer: Any, optimizer: Any, no_grad_lengths: list[int]) -> dict[str, Any]:
+    """What the TRL trainer does, read back from it after its first step (not from what this script
+    asked for); `no_grad_lengths`: the sequence lengths of step 1's forwards without grad (generation:
+    one prefill, then one token per forward when it keeps a KV cache; no old-log-prob pass)."""
     import torch
 
     args, model = trainer.args, trainer.model
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> torch's optimizer
     group = optimizer.param_groups[0] if optimizer is not None else {}
     prompt = trainer.train_dataset[0]["prompt"]
     prompt_ids = trainer.processing_class.apply_chat_template(
@@ -327,7 +339,8 @@ def trl_settings(trainer: Any, optimizer: Any) -> dict[str, Any]:
         "samples_per_prompt": args.num_generations, "optimizer_steps_per_rollout": args.steps_per_generation
         * args.num_iterations, "max_new_tokens": args.max_completion_length, "temperature": args.temperature,
         "top_p": args.top_p, "top_k": args.top_k or None,
-        "kv_cache": trainer.generation_config.use_cache is not False,
+        "kv_cache": len(no_grad_lengths) > 1 and no_grad_lengths[1] == 1,
+        "old_logprob_pass": any(length > 1 for length in no_grad_lengths[1:]),
         "clip": [trainer.epsilon_low, trainer.epsilon_high], "kl": args.beta,
         "loss": f"{trainer.loss_type} (per-sample token mean, then batch mean)"
         if trainer.loss_type == "grpo" else trainer.loss_type,
@@ -343,35 +356,37 @@ def trl_settings(trainer: Any, optimizer: Any) -> dict[str, Any]:
 
 
 # -- settings, side by side --------------------------------------------------------------------------------
-def hpc_rl_settings(resolved: dict[str, Any]) -> dict[str, Any]:
-    """The same fields, from a run's resolved config (what every process of that run read)."""
+def hpc_rl_settings(config: Any) -> dict[str, Any]:
+    """The same fields, from a run's resolved config (a RunConfig)."""
     from hpc_rl.data.prompt_tokenizer import load_prompt_tokenizer
     from hpc_rl.data.prompts import make_prompt_encoder
+    from hpc_rl.training.step import old_logprobs_need_own_pass
 
-    rollout, training, algorithm, optimizer = (resolved[k] for k in ("rollout", "training", "algorithm", "optimizer"))
-    first = json.loads((REPO / rollout["prompt_data"]).read_text().splitlines()[0])
-    encode = make_prompt_encoder(load_prompt_tokenizer(REPO / resolved["checkpoint"]["hf_checkpoint"]),
-                                 apply_chat_template=rollout["apply_chat_template"])
-    top_k = rollout["rollout_top_k"]
+    rollout, training, algorithm, optimizer = config.rollout, config.training, config.algorithm, config.optimizer
+    first = json.loads((REPO / rollout.prompt_data).read_text().splitlines()[0])
+    encode = make_prompt_encoder(load_prompt_tokenizer(REPO / config.checkpoint.hf_checkpoint),
+                                 apply_chat_template=rollout.apply_chat_template)
+    has_ref = algorithm.use_kl_loss or algorithm.kl_coef != 0.0
     return {
-        "recompute": training["recompute_granularity"] is not None, "dtype": "float32",
-        "threads": training["num_threads"], "prompts_per_step": rollout["rollout_batch_size"],
-        "samples_per_prompt": rollout["n_samples_per_prompt"],
-        "optimizer_steps_per_rollout": training["num_steps_per_rollout"],
-        "max_new_tokens": rollout["rollout_max_response_len"], "temperature": rollout["rollout_temperature"],
-        "top_p": rollout["rollout_top_p"], "top_k": None if top_k in (-1, 0) else top_k, "kv_cache": True,
-        "clip": [algorithm["eps_clip"], algorithm["eps_clip_high"]],
-        "kl": algorithm["kl_loss_coef"] if algorithm["use_kl_loss"] else 0.0,
-        "loss": "grpo (per-sample token mean, then batch mean)" if not training["calculate_per_token_loss"]
+        "recompute": training.recompute_granularity is not None, "dtype": "float32",  # no --bf16 on CPU
+        "threads": training.num_threads, "prompts_per_step": rollout.rollout_batch_size,
+        "samples_per_prompt": rollout.n_samples_per_prompt,
+        "optimizer_steps_per_rollout": training.num_steps_per_rollout,
+        "max_new_tokens": rollout.rollout_max_response_len, "temperature": rollout.rollout_temperature,
+        "top_p": rollout.rollout_top_p, "top_k": None if rollout.rollout_top_k in (-1, 0) else rollout.rollout_top_k,
+        "kv_cache": True,  # the CPU engine's decode always reads its KV cache (engines/cpu/kv_batch.py)
+        "old_logprob_pass": old_logprobs_need_own_pass(training, algorithm, has_ref=has_ref),
+        "clip": [algorithm.eps_clip, algorithm.eps_clip_high],
+        "kl": algorithm.kl_loss_coef if algorithm.use_kl_loss else 0.0,
+        "loss": "grpo (per-sample token mean, then batch mean)" if not training.calculate_per_token_loss
         else "per-token",
-        "advantage": "group mean, /(std+1e-6) (group)" if not algorithm["disable_grpo_std_normalization"]
+        "advantage": "group mean, /(std+1e-6) (group)" if not algorithm.disable_grpo_std_normalization
         else "group mean",
-        "optimizer": "AdamW" if optimizer["optimizer"] == "adam" else optimizer["optimizer"],
-        "lr": optimizer["lr"], "betas": [optimizer["adam_beta1"], optimizer["adam_beta2"]],
-        "adam_eps": optimizer["adam_eps"], "weight_decay": optimizer["weight_decay"],
-        "lr_schedule": optimizer["lr_decay_style"], "clip_grad": optimizer["clip_grad"], "dropout": 0.0,
-        "seed": rollout["rollout_seed"], "shuffle": rollout["rollout_shuffle"],
-        "prompt_ids": encode(first[rollout["input_key"]], {}),
+        "optimizer": "AdamW" if optimizer.optimizer == "adam" else optimizer.optimizer,
+        "lr": optimizer.lr, "betas": [optimizer.adam_beta1, optimizer.adam_beta2], "adam_eps": optimizer.adam_eps,
+        "weight_decay": optimizer.weight_decay, "lr_schedule": optimizer.lr_decay_style,
+        "clip_grad": optimizer.clip_grad, "dropout": 0.0, "seed": rollout.rollout_seed,
+        "shuffle": rollout.rollout_shuffle, "prompt_ids": encode(first[rollout.input_key], {}),
         "checkpoint": "once, after the last step",
     }
 
@@ -380,7 +395,7 @@ WHY_DIFFERENT = {
     "advantage": "the std epsilon is each project's constant (slime's 1e-6, TRL's 1e-4); with 0/1 rewards a "
                  "non-zero group std is >= 0.35, so the two differ by < 0.03%",
     "seed": "different RNGs anyway (engine sampling vs transformers' generate): both runs are random draws",
-    "optimizer": "Megatron's CPU fallback is torch's AdamW; with weight decay 0 both are Adam",
+    "optimizer": "Megatron's CPU fallback is torch's AdamW (the same class)",
     "threads": "hpc_rl: per process (trainer rank, engine); TRL: its one process",
     "loss": "the same formula",
     "lr_schedule": "the same (constant)",
@@ -393,7 +408,7 @@ def print_settings(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     print("effective settings (hpc_rl: its resolved config; TRL: read back from its trainer):")
     for key in ours:
         a, b = ours[key], theirs.get(key)
-        same = a == b or (key == "optimizer" and b in ("AdamW", "Adam"))
+        same = a == b
         if key == "prompt_ids":
             a, b = f"{len(a)} tokens", f"{len(b)} tokens" if b is not None else None
         mark = "same" if same else f"DIFFERS: {WHY_DIFFERENT.get(key, 'not equal: fix the benchmark')}"

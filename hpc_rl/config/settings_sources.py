@@ -130,6 +130,10 @@ def slime_flag_settings(name: str, value: Any, where: str) -> list[Setting] | No
     return None
 
 
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's parser where PyYAML has it (the same nodes and line marks, several times faster)."""
+
+
 def _construct(node: yaml.Node) -> Any:
     loader = yaml.SafeLoader("")
     try:
@@ -169,7 +173,7 @@ def yaml_settings_and_problems(path: str | Path) -> tuple[list[Setting], list[st
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        root = yaml.compose(path.read_text())
+        root = yaml.compose(path.read_text(), Loader=_YAML_LOADER)
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {error}") from error
     if root is None:
@@ -220,7 +224,14 @@ def _field_hint(path: str) -> Any:
     if path in TOP_LEVEL_FIELDS:
         return str
     section, name = path.split(".", 1)
-    return typing.get_type_hints(section_types()[section])[name]
+    return _section_hints(section)[name]
+
+
+@functools.cache
+def _section_hints(section: str) -> Mapping[str, Any]:
+    """typing.get_type_hints of a section's dataclass, once (it re-evaluates every annotation per call:
+    a resolved config's ~360 settings took most of each load, which every process of a run does)."""
+    return MappingProxyType(typing.get_type_hints(section_types()[section]))
 
 
 def _is_list_field(path: str) -> bool:
