@@ -108,3 +108,13 @@ def test_light_megatron_import_is_scoped(monkeypatch: pytest.MonkeyPatch) -> Non
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     assert torch.compile is original
     assert "wandb" not in sys.modules and "torch.utils.tensorboard" not in sys.modules  # importable again after
+
+
+def test_the_local_driver_imports_no_aiohttp_before_it_starts_the_steps() -> None:
+    """What `python -m hpc_rl.submit --executor local` imports before its first step starts is start-up on
+    the trainer's critical path: aiohttp is only for remote rewards (rewards.remote opens it per session)."""
+    import subprocess
+
+    probe = "import sys, hpc_rl.submit, hpc_rl.launch.local; print('aiohttp' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO)
+    assert result.stdout.strip() == "False"
