@@ -185,7 +185,7 @@ def trainer_command(config: RunConfig, run_dir: Path, rendezvous: str, *, local:
     """torchrun over every trainer node (one torchrun per node; it forks the ranks); in a local run its
     stores listen on loopback only (bound_torchrun, with STORE_ADDRESS_ENV set by the driver). On CPU its
     ranks fork from it with their imports done (bound_torchrun's FORK_FLAG, issue 23)."""
-    fork = [FORK_FLAG] if config.cluster.device == "cpu" and not os.environ.get("TMP_NO_FORK") else []
+    fork = [FORK_FLAG] if config.cluster.device == "cpu" else []
     return [sys.executable, "-m", "hpc_rl.launch.bound_torchrun", *fork, *(["--local-addr=127.0.0.1"] if local else []),
             f"--nnodes={config.cluster.actor_num_nodes}",
             f"--nproc-per-node={config.cluster.actor_num_gpus_per_node}",
