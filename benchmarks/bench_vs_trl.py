@@ -19,7 +19,7 @@ form pair k. For each run, from the moment its process is spawned:
   exit       from the last reported step to the process's exit
   cpu        CPU-seconds of the run's processes (every descendant, from /proc) to the first step and to
              +0.3: the load-insensitive view of what each side spends
-  load       runnable processes that are not the run's (the machine's load from others), averaged over the
+  load       runnable threads that are not the run's (the machine's load from others), averaged over the
              run, sampled from /proc every 0.2 s; and the 1-minute load average when the run started
 Then the paired medians (hpc_rl mode / TRL, pair by pair), one table of learning per wall-second for
 every mode against TRL, and each mode's verdict against issue 23's targets: <= 1.0x TRL's time to +0.3
@@ -82,13 +82,30 @@ def _proc_stats() -> dict[int, tuple[int, str, float]]:
     return stats
 
 
+def _running_threads(pid: int) -> int:
+    """Threads of `pid` in state R (the load average counts threads)."""
+    count = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as handle:
+                text = handle.read()
+        except OSError:
+            continue
+        count += text[text.rfind(")") + 2] == "R"
+    return count
+
+
 def load_average() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
 class RunSampler(threading.Thread):
     """Every SAMPLE_S: the CPU-seconds of `root` and its descendants (an exited one keeps its last value),
-    and how many runnable processes are not theirs (the load from others)."""
+    and how many runnable threads are not theirs nor this script's (the load from others)."""
 
     def __init__(self, root: int) -> None:
         super().__init__(daemon=True)
@@ -113,7 +130,7 @@ class RunSampler(threading.Thread):
                 self.cpu_by_pid[pid] = stats[pid][2]
             self.samples.append((time.perf_counter(), sum(self.cpu_by_pid.values())))
             running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
-            ours = sum(1 for pid in tree | {me} if pid in stats and stats[pid][1] == "R")
+            ours = sum(_running_threads(pid) for pid in tree | {me} if pid in stats)
             self.others.append(max(0, running - ours))
             self.stop_event.wait(SAMPLE_S)
 
