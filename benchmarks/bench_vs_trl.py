@@ -223,10 +223,13 @@ def startup_split(controller_log: Path, spawned_at: float) -> dict[str, float]:
 
 
 def step_split(rollouts_jsonl: Path) -> dict[str, float]:
-    """hpc_rl's per-step medians (s) from its rollouts.jsonl: generation, train, weight sync."""
+    """hpc_rl's per-step medians (s) from its rollouts.jsonl: generation, train, weight sync (colocated: the
+    memory moves around the train step, the sync among them)."""
     rows = [json.loads(line)["metrics"] for line in rollouts_jsonl.read_text().splitlines()]
-    return {f"{name}_s": statistics.median(row.get(key, 0.0) for row in rows)
-            for name, key in (("gen", "time/rollout"), ("train", "time/train"), ("sync", "time/weight_sync"))}
+    sync_keys = ("time/weight_sync", "time/colocated_before_train", "time/colocated_after_train")  # colocated: the moves
+    return {"gen_s": statistics.median(row.get("time/rollout", 0.0) for row in rows),
+            "train_s": statistics.median(row.get("time/train", 0.0) for row in rows),
+            "sync_s": statistics.median(sum(row.get(key, 0.0) for key in sync_keys) for row in rows)}
 
 
 def hpc_rl_argv(mode: str, steps: int, run_dir: Path) -> list[str]:
@@ -498,8 +501,9 @@ def report(rounds: list[dict[str, dict[str, Any]]], modes: list[str]) -> None:
         after = GAIN / (to_gain - startup) if to_gain and startup is not None else None
         label = name if name == "TRL" else f"hpc_rl {name}"
         print(f"  {label:16s} {_fmt(startup):>10s} {_fmt(_median([r['per_step_s'] for r in rows])):>7s} "
-              f"{_fmt(_median([r['to_gain_step'] for r in rows])):>9s} {_fmt(to_gain):>9s} {_fmt(rate):>7s} "
-              f"{_fmt(rate / trl_rate if rate and trl_rate else None):>6s} {_fmt(after):>21s} "
+              f"{_fmt(_median([r['to_gain_step'] for r in rows])):>9s} {_fmt(to_gain):>9s} "
+              f"{f'{rate:.4f}' if rate else '-':>7s} {_fmt(rate / trl_rate if rate and trl_rate else None):>6s} "
+              f"{f'{after:.4f}' if after else '-':>21s} "
               f"{_fmt(_median([r['cpu_to_gain_s'] for r in rows])):>13s}")
     others = _median([run["others_load"] for r in rounds for run in r.values()])
     print(f"\nload from others during the runs: median {_fmt(others)} (per run above)")
