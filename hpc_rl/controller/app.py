@@ -79,6 +79,8 @@ class Controller:
         self.fleet = EngineFleet(self.registry, router, api_key=api_key, restart=restart_engine,
                                  max_restarts=config.controller.max_engine_restarts,
                                  health_interval_s=config.controller.engine_health_interval,
+                                 health_timeout_s=config.controller.engine_health_timeout,
+                                 health_first_wait_s=config.controller.engine_health_first_wait,
                                  admin_timeout_s=config.controller.engine_admin_timeout)
         self.router_url = router_url
         self.server: Server | None = None

@@ -9,6 +9,7 @@ and what the ranks do with a command (`hpc_rl.training`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hpc_rl.config.schema import AlgorithmConfig
@@ -19,11 +20,13 @@ from hpc_rl.data.samples import Group
 from hpc_rl.protocol.messages import SaveCommand, StopCommand, TrainCommand
 
 
-def reward_shaping(algorithm: AlgorithmConfig, n_samples_per_prompt: int) -> RewardShaping:
-    """The algorithm section's reward-normalisation fields (groups have `n_samples_per_prompt` samples)."""
+def reward_shaping(algorithm: AlgorithmConfig, n_samples_per_prompt: int,
+                   post_process: Callable[[list[Any]], Any] | None = None) -> RewardShaping:
+    """The algorithm section's reward-normalisation fields (groups have `n_samples_per_prompt` samples);
+    `post_process`: a custom reward post-process function with its args bound."""
     return RewardShaping(advantage_estimator=algorithm.advantage_estimator, n_samples_per_prompt=n_samples_per_prompt,
                          std_normalization=not algorithm.disable_grpo_std_normalization,
-                         disabled=algorithm.disable_rewards_normalization)
+                         disabled=algorithm.disable_rewards_normalization, post_process=post_process)
 
 
 def trainer_summary(reported: dict[str, Any]) -> dict[str, Any]:

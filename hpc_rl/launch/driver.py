@@ -526,7 +526,8 @@ class Driver:
     def _start_trainer(self) -> None:
         assert self.controller is not None
         rendezvous = f"{self.host}:{self.ports.rendezvous}"
-        trainer_env = {CONTROLLER_ENV: f"{self.host}:{self.controller.address[1]}", RUN_DIR_ENV: str(self.run_dir),
+        trainer_env = {**self.config.training.train_env_vars,  # slime's --train-env-vars; hpc_rl's own win
+                       CONTROLLER_ENV: f"{self.host}:{self.controller.address[1]}", RUN_DIR_ENV: str(self.run_dir),
                        "OMP_NUM_THREADS": str(self.config.training.num_threads), "HF_HUB_OFFLINE": "1",
                        # trainer rank 0 advertises its node's address for the weight group (training.sync_address)
                        TRAINER_NODE_ADDRESSES_ENV: ",".join(self.launcher.node_address(0, node)

@@ -29,6 +29,7 @@ from hpc_rl.launch.submitit_het import (
 from hpc_rl.launch.run_lock import RunLock
 from hpc_rl.launch.topology import JobTopology, plan_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
+from hpc_rl.telemetry.scalars import tensorboard_dir
 
 EXIT_OK, EXIT_FAILED, EXIT_NOT_FINISHED, EXIT_INTERRUPTED = 0, 1, 3, 130
 
@@ -58,7 +59,7 @@ def submit_job(config: RunConfig, *, driver: str = DEFAULT_DRIVER, lock: RunLock
 
 def submission_summary(config: RunConfig, job: HetSlurmJob) -> str:
     run_dir = Path(config.run_dir)
-    tensorboard = config.logging.tensorboard_dir or str(run_dir / "tensorboard")
+    tensorboard = tensorboard_dir(config, run_dir)
     return "\n".join([
         f"submitted Slurm job {job.job_id} ({config.logging.run_name})",
         f"  run dir:      {run_dir}",
