@@ -41,6 +41,7 @@ from hpc_rl.controller.rollout_stack import build_rollout_stack
 from hpc_rl.controller.run_loop import RunLoop
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
+from hpc_rl.engines.gpu_step import reported_devices
 from hpc_rl.protocol import Connection, Envelope, Secret, Server
 from hpc_rl.protocol.errors import ProtocolError
 from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, ResumeState,
@@ -77,7 +78,8 @@ class Controller:
         self.channel = TrainerChannel(config.cluster.trainer_world_size)
         self.fleet = EngineFleet(self.registry, router, api_key=api_key, restart=restart_engine,
                                  max_restarts=config.controller.max_engine_restarts,
-                                 health_interval_s=config.controller.engine_health_interval)
+                                 health_interval_s=config.controller.engine_health_interval,
+                                 devices_of=lambda index: reported_devices(self.run_dir, index))
         self.router_url = router_url
         self.server: Server | None = None
         self.loop: RunLoop | None = None

@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 RestartFn = Callable[[int], Awaitable[str]]
 """Restart engine i (same placement) and return its URL once it answers /health."""
+DevicesOf = Callable[[int], list[str]]
+"""The GPUs engine i's TP ranks run on, as its step read them back (its placement report)."""
 
 
 class RouterMembership(Protocol):
@@ -40,8 +42,11 @@ class EngineFleet:
 
     def __init__(self, registry: Registry, router: RouterMembership | None, *, api_key: str | None,
                  restart: RestartFn | None, max_restarts: int, health_interval_s: float,
-                 health_timeout_s: float = 10.0, health_concurrency: int = 64) -> None:
+                 health_timeout_s: float = 10.0, health_concurrency: int = 64,
+                 devices_of: DevicesOf | None = None) -> None:
         self.registry = registry
+        self.devices_of = devices_of
+        """Read at each registration (a restarted engine reports again); None: not known (unit tests)."""
         self.router = router
         self.api_key = api_key
         self.restart = restart
@@ -86,7 +91,8 @@ class EngineFleet:
         assert self.connections is not None, "start() first"
         previous = self.registry.engines.get(engine_index)
         info = EngineInfo(engine_index=engine_index, url=url, tp_size=tp_size,
-                          restarts=previous.restarts if previous else 0)
+                          restarts=previous.restarts if previous else 0,
+                          devices=self.devices_of(engine_index) if self.devices_of is not None else [])
         self.registry.add_engine(info)
         if previous is not None:
             self.connections.forget(previous.url)  # a new process: the old one's connections are dead

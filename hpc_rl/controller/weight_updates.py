@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpc_rl.config.schema import ClusterConfig, ControllerConfig, RolloutConfig
-from hpc_rl.controller.colocated import KV_TAGS, TRAINER_TAGS, WEIGHTS_TAG, ColocatedMemory, push_weights_colocated
+from hpc_rl.controller.colocated import (KV_TAGS, TRAINER_TAGS, WEIGHTS_TAG, ColocatedMemory, colocated_pairs,
+                                         push_weights_colocated)
 from hpc_rl.controller.engine_fleet import EngineFleet
 from hpc_rl.controller.registry import EngineState, Registry
 from hpc_rl.controller.trainer_channel import TrainerChannel
@@ -149,7 +150,7 @@ class WeightUpdates:
         await self.colocated.trainer("onload", [WEIGHTS_TAG])
         metrics = await push_weights_colocated(
             version=version, channel=self.channel, engines=engines, admins=self.fleet.admins,
-            num_engines=settings.num_engines, engine_tp_size=settings.engine_tp_size,
+            num_engines=settings.num_engines, rank_engines=colocated_pairs(self.registry),
             bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s)
         if was_offloaded:
             await self.colocated.trainer("offload", [WEIGHTS_TAG])

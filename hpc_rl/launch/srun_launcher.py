@@ -13,6 +13,10 @@ Facts behind the flags (measured on Slurm 22.05, notes/slurm.md and tests/slurm)
   behind it ("step creation temporarily disabled"): engines pinned to a node use `--exact` (their own
   GPUs, their own CPUs); colocated engines use `--overlap` (they share the trainer's GPUs on purpose).
 - `--het-group` is only valid in a het job (SLURM_HET_SIZE set); colocated runs are plain jobs.
+- A step's GPUs are what it asks for (`--gpus-per-node`; Slurm then sets `CUDA_VISIBLE_DEVICES`,
+  `SLURM_STEP_GPUS` in it). `--overlap` with `--gpus-per-node=1` gives every such step the node's
+  FIRST GPU (measured: two overlapping steps both got GPU 0), so a colocated engine asks for the GPUs
+  of its node that the trainer's step holds and picks its own by SGLang's `--base-gpu-id`.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ def srun_argv(
     ]
     if nodelist:
         argv.append(f"--nodelist={','.join(nodelist)}")
-    if spec.gpus_per_task and not spec.overlap:
-        argv.append(f"--gpus-per-node={spec.gpus_per_task * spec.tasks_per_node}")
+    if spec.gpus_per_node:  # with --overlap too: a step that asks for no GPUs may see none (ConstrainDevices)
+        argv.append(f"--gpus-per-node={spec.gpus_per_node}")
     if spec.overlap:
         argv.append("--overlap")
     elif spec.node_index is not None:

@@ -35,10 +35,11 @@ class StepSpec:
     """Tasks per node (torchrun: 1 per node; it forks the ranks itself)."""
     node_index: int | None = None
     """Pin to the i-th node of the component (engines); None = the first num_nodes nodes."""
-    gpus_per_task: int = 0
-    """GPUs per task (0: none requested)."""
+    gpus_per_node: int = 0
+    """GPUs the step asks Slurm for on each of its nodes (0: none requested); what it got is read back in
+    the step (`SLURM_STEP_GPUS`, `CUDA_VISIBLE_DEVICES`), never set by the driver (`launch.step_plan`)."""
     overlap: bool = False
-    """Share resources with other steps (colocated engines on the trainer's GPUs)."""
+    """Share resources with other steps (colocated engines on the trainer's GPUs, which they ask for too)."""
     log_path: Path | None = None
     """File receiving stdout+stderr."""
 

@@ -124,8 +124,9 @@ def run_mode(tmp_path: Path, *, colocate: bool, async_rollout: bool, num_rollout
 
     async def main() -> None:
         registry = Registry(trainer_world_size=1, num_engines=1)
-        registry.add_trainer(TrainerInfo(rank=0, world_size=1, host="h", pid=1, info={"dp_rank": 0, "dp_size": 1}))
-        registry.add_engine(EngineInfo(engine_index=0, url="http://e0", state=engine_state))
+        registry.add_trainer(TrainerInfo(rank=0, world_size=1, host="h", pid=1,
+                                         info={"dp_rank": 0, "dp_size": 1, "device": "h/gpu0"}))
+        registry.add_engine(EngineInfo(engine_index=0, url="http://e0", state=engine_state, devices=["h/gpu0"]))
         channel = TrainerChannel(1)
         recorder = RunRecorder(tmp_path, ScalarLog(None), num_rollout=num_rollout, print_fn=lambda line: None)
         loop = assemble_loop(config, scheduler=FakeScheduler(events), registry=registry, channel=channel,  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from hpc_rl.weights.bucket_layout import compute_layout, dtype_from_name, unpack_bucket
 from hpc_rl.weights.colocated import read_shared_memory_bucket
+from hpc_rl.weights.device_identity import refuse_invisible_device
 from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
 
 
@@ -44,8 +45,9 @@ def load_named(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) 
 
 def read_tensor_share(payload: str) -> list[tuple[str, torch.Tensor]]:
     """This engine's share of an `/update_weights_from_tensor` body: a shared-memory descriptor (the
-    CPU twin of SGLang's CUDA IPC handles; a pickle is refused with PayloadError, a ValueError)."""
-    return read_shared_memory_bucket(payload)
+    CPU twin of SGLang's CUDA IPC handles; a pickle is refused with PayloadError, a ValueError). A share
+    from a GPU this engine's step cannot see raises InvisibleDeviceError: SGLang's scheduler dies on it."""
+    return read_shared_memory_bucket(payload, check_device=refuse_invisible_device)
 
 
 def load_from_disk(model: torch.nn.Module, model_path: str, *, require_all: bool = False) -> None:
