@@ -21,7 +21,11 @@ from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportEr
 
 
 class EngineAdminError(RuntimeError):
-    """An admin call failed; the message names the engine URL and endpoint."""
+    """An admin call failed; the message names the engine URL and endpoint (`url`: the engine's)."""
+
+    def __init__(self, message: str, *, url: str = "") -> None:
+        super().__init__(message)
+        self.url = url
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class EngineAdmin:
         try:
             status, answer = await self.connection.request(method, endpoint, encoded, timeout_s or self.timeout_s)
         except EngineHTTPTransportError as error:
-            raise EngineAdminError(f"{self.url}{endpoint} failed: {error}") from error
+            raise EngineAdminError(f"{self.url}{endpoint} failed: {error}", url=self.url) from error
         finally:
             self.calls_in_flight -= 1
         return _checked(self.url, endpoint, status, answer)
@@ -129,7 +133,7 @@ class EngineAdmin:
             return await self.connection.exchange(requests, self.timeout_s, gate=gate)
         except EngineHTTPTransportError as error:
             first = requests[0][1] if len(requests) == 1 else f"{requests[0][1]} ... {requests[-1][1]}"
-            raise EngineAdminError(f"{self.url}{first} failed: {error}") from error
+            raise EngineAdminError(f"{self.url}{first} failed: {error}", url=self.url) from error
         finally:
             self.calls_in_flight -= 1
 
@@ -150,7 +154,8 @@ class EngineAdmin:
 def _checked(url: str, endpoint: str, status: int, answer: bytes) -> Any:
     """The JSON (or text) of a 200 answer; EngineAdminError naming the engine and endpoint otherwise."""
     if status != 200:
-        raise EngineAdminError(f"{url}{endpoint} answered HTTP {status}: {answer[:500].decode(errors='replace')}")
+        raise EngineAdminError(f"{url}{endpoint} answered HTTP {status}: {answer[:500].decode(errors='replace')}",
+                               url=url)
     try:
         return orjson.loads(answer) if answer else None
     except orjson.JSONDecodeError:

@@ -65,6 +65,8 @@ class EngineFleet:
         self.events: list[dict[str, Any]] = []
         self.on_serving: Callable[[], Awaitable[None]] | None = None
         """Called after an engine joined the router (the rollout client wakes requests waiting for one)."""
+        self.on_failed: Callable[[int], None] | None = None
+        """Called when an engine is failed (the weight updates drop a weight-update group it was in)."""
         self._router_adds: list[tuple[str, asyncio.Future[None]]] = []
         self._router_adder: asyncio.Task[None] | None = None
 
@@ -192,6 +194,8 @@ class EngineFleet:
         # exit, the health check timed out) must not start a second restart.
         self.registry.set_engine_state(engine_index, EngineState.FAILED, reason)
         self._event("failed", engine_index, reason)
+        if self.on_failed is not None:
+            self.on_failed(engine_index)
         if was_serving:
             try:
                 await self._router_call("remove_worker", engine.url)

@@ -133,6 +133,7 @@ def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler, registry: R
     weights = WeightUpdates(WeightSyncSettings.from_sections(config.cluster, rollout, config.controller),
                             registry=registry, fleet=fleet, channel=channel, engines_serve=engines_serve,
                             num_rollout=num_rollout)
+    fleet.on_failed = weights.engine_failed
     rollouts = Rollouts(scheduler, fleet=fleet, channel=channel, weights=weights, overlap=rollout.async_rollout,
                         num_rollout=num_rollout)
     trainers = Trainers(channel, registry, shaping=reward_shaping(config.algorithm, rollout.n_samples_per_prompt),

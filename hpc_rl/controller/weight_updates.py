@@ -26,9 +26,10 @@ from hpc_rl.config.schema import ClusterConfig, ControllerConfig, RolloutConfig
 from hpc_rl.controller.colocated import (KV_TAGS, TRAINER_TAGS, WEIGHTS_TAG, ColocatedMemory, colocated_pairs,
                                          push_weights_colocated)
 from hpc_rl.controller.engine_fleet import EngineFleet
-from hpc_rl.controller.registry import EngineState, Registry
+from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
 from hpc_rl.controller.trainer_channel import TrainerChannel
-from hpc_rl.controller.weight_sync import WeightGroupState, push_weights_to_engines
+from hpc_rl.controller.weight_sync import WeightGroupBroken, WeightGroupState, push_weights_to_engines
+from hpc_rl.protocol.messages import AbortWeightGroupCommand
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,24 @@ class WeightUpdates:
         """Colocated mode: the trainer's offload state and the memory moves (None: decoupled)."""
         self.moves_memory = settings.colocate and not settings.async_rollout
         """Colocated sync mode: engines and trainer trade the GPUs around every train step."""
+        self.abort_due = ""
+        """Why the trainer must abort its weight-update group before its next command (a member engine failed
+        after the last sync: on NCCL a broadcast to it may never complete); "" when not."""
+
+    def engine_failed(self, engine_index: int) -> None:
+        """The fleet failed an engine: if it was in the live weight-update group, the group is dropped (the
+        next sync builds a new one) and the trainer aborts its side before it runs anything else."""
+        if any(index == engine_index for index, _, _ in self.group.members):
+            self.group.members = []
+            self.abort_due = f"engine {engine_index} failed while in the weight-update group"
+
+    async def abort_group_if_due(self) -> None:
+        """Have the trainer abort a weight-update group a failed engine was in (see `engine_failed`)."""
+        if self.abort_due:
+            reason, self.abort_due = self.abort_due, ""
+            log.warning("aborting the trainer's weight-update group: %s", reason)
+            await self.channel.run(lambda rank, seq: AbortWeightGroupCommand(seq=seq, reason=reason),
+                                   timeout_s=self.settings.timeout_s)
 
     def restore(self, version: int) -> None:
         """A resumed run: the checkpoint's trainer holds `version` (the engines get it in `start`)."""
@@ -94,8 +113,10 @@ class WeightUpdates:
             await self.sync(self.version, reason="resumed from a checkpoint")
 
     async def before_train(self, sync_due: bool) -> dict[str, Any]:
-        """Colocated sync mode: the engines release their memory and the trainer onloads (else nothing)."""
+        """Colocated sync mode: the engines release their memory and the trainer onloads; decoupled: the trainer
+        aborts a weight-update group an engine broke since the last sync (see `engine_failed`)."""
         if not self.moves_memory:
+            await self.abort_group_if_due()
             return {}
         assert self.colocated is not None
         return await self.colocated.before_train(sync_due)
@@ -143,9 +164,7 @@ class WeightUpdates:
             log.warning("weights v%d not pushed: no engine is up", version)
             return {}
         if self.colocated is None:
-            return await push_weights_to_engines(version=version, channel=self.channel, engines=engines,
-                                                 admins=self.fleet.admins, group=self.group, backend=settings.backend,
-                                                 bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s)
+            return await self._broadcast(version, engines)
         was_offloaded = WEIGHTS_TAG in self.colocated.trainer_offloaded
         await self.colocated.trainer("onload", [WEIGHTS_TAG])
         metrics = await push_weights_colocated(
@@ -155,6 +174,32 @@ class WeightUpdates:
         if was_offloaded:
             await self.colocated.trainer("offload", [WEIGHTS_TAG])
         return metrics
+
+    async def _broadcast(self, version: int, engines: list[EngineInfo]) -> dict[str, float]:
+        """The decoupled push. An engine that breaks it (dies or fails mid-update) is failed (restarted, and
+        given the weights before it serves again), the trainer has aborted the broken group, and the push is
+        made once more, over a new group of the engines still up; a second break fails the run."""
+        settings = self.settings
+
+        async def push(over: list[EngineInfo]) -> dict[str, float]:
+            return await push_weights_to_engines(version=version, channel=self.channel, engines=over,
+                                                 admins=self.fleet.admins, group=self.group, backend=settings.backend,
+                                                 bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s)
+
+        await self.abort_group_if_due()
+        try:
+            return await push(engines)
+        except WeightGroupBroken as broken:  # the trainer aborted its side already
+            start = time.perf_counter()
+            for index in broken.engines:
+                await self.fleet.fail_engine(index, f"broke weight sync v{version}: {broken}")
+            self.abort_due = ""
+            survivors = self.registry.live_engines()
+            log.warning("weight sync v%d: engine(s) %s failed mid-update; pushing again to %d engine(s)", version,
+                        broken.engines, len(survivors))
+            metrics = await push(survivors) if survivors else {}
+            metrics["weight_sync/recovery_seconds"] = time.perf_counter() - start
+            return metrics
 
     async def _now_serving(self, version: int, waiting: list[int]) -> None:
         self.version = version

@@ -210,6 +210,16 @@ class ColocatedSyncCommand(Message):
 
 
 @dataclass(kw_only=True)
+class AbortWeightGroupCommand(Message):
+    """An engine broke a weight sync: rank 0 aborts the weight-update group without waiting for its pending
+    broadcasts (on NCCL they never complete); the next sync builds a new group."""
+
+    TYPE: ClassVar[str] = "abort_weight_group"
+    seq: int
+    reason: str = ""
+
+
+@dataclass(kw_only=True)
 class TrainerMemoryCommand(Message):
     """Colocated mode: `offload` trainer state off the device (the engines need it) or `onload` it back."""
 

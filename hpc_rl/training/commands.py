@@ -9,6 +9,7 @@ share for `TrainCommand`), so collectives line up. Commands are `hpc_rl.protocol
     SaveCommand(rollout_id, controller_state) -> checkpoint.save_checkpoint
     TrainerMemoryCommand(action, tags)       -> colocated: offload/onload (hpc_rl.training.offload)
     ColocatedSyncCommand(version, engine_urls) -> colocated: /update_weights_from_tensor per bucket
+    AbortWeightGroupCommand                  -> rank 0 aborts a weight-update group an engine broke
     StopCommand                              -> leave
 
 A command source is anything with `next_command()`, `done(seq, metrics)`, `failed(seq, error)`
@@ -30,6 +31,7 @@ import torch
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.precision import trainer_dtype_name
 from hpc_rl.protocol.messages import (
+    AbortWeightGroupCommand,
     ColocatedSyncCommand,
     Message,
     SaveCommand,
@@ -160,6 +162,10 @@ class TrainerCommands:
             self.sender.close()
 
     def execute(self, command: Message) -> dict[str, Any]:
+        if isinstance(command, AbortWeightGroupCommand):
+            return self.abort_weight_group(command)
+        if self.sender is not None:  # the GPU would wait for the group's broadcasts before any new work
+            self.sender.synchronize()
         if isinstance(command, TrainerMemoryCommand):
             return self.memory(command)
         if isinstance(command, ColocatedSyncCommand):
@@ -216,6 +222,14 @@ class TrainerCommands:
         url = command.engine_urls[engine] if 0 <= engine < len(command.engine_urls) else ""
         return self.colocated_sender.sync(version=command.weight_version, engine_url=url,
                                           bucket_bytes=command.bucket_bytes, rank_engines=command.rank_engines)
+
+    def abort_weight_group(self, command: AbortWeightGroupCommand) -> dict[str, Any]:
+        """Rank 0 drops the weight-update group an engine broke (nothing waits for it); every rank answers."""
+        if self.sender is not None:
+            log.warning("aborting the weight-update group: %s", command.reason)
+            self.sender.abort_group()
+        self.group_address = None
+        return {}
 
     def send_weights(self, command: SyncWeightsCommand) -> dict[str, Any]:
         if self.sender is None:
