@@ -69,19 +69,20 @@ def exit_on_scheduler_death(error: BaseException) -> None:
     os._exit(1)
 
 
-def load_model(model_path: str, model_impl: str, attn_implementation: str) -> torch.nn.Module:
-    """The engine's model: its own Qwen3 forward (`native`; `auto` picks it where it applies and eager
-    attention is asked for) or transformers' (SGLang's `--model-impl transformers` likewise)."""
+def load_model(model_path: str, model_impl: str, attn_implementation: str,
+               dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The engine's model, in `dtype`: its own Qwen3 forward (`native`; `auto` picks it where it applies and
+    eager attention is asked for) or transformers' (SGLang's `--model-impl transformers` likewise)."""
     from hpc_rl.engines.cpu.native_qwen3 import load_native_qwen3, native_support, read_config
 
     reason = native_support(read_config(model_path))
     if model_impl == "native" and reason is not None:
         raise SystemExit(f"--model-impl native: {model_path}: {reason}; use --model-impl transformers")
     if model_impl == "native" or (model_impl == "auto" and reason is None and attn_implementation == "eager"):
-        return load_native_qwen3(model_path)
+        return load_native_qwen3(model_path, dtype)
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
                                                 attn_implementation=attn_implementation).eval()
 
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     from hpc_rl.engines.cpu.server import EngineServer, ServerInfo
 
     tokenizer = load_engine_tokenizer(args.model_path)
-    model = load_model(args.model_path, args.model_impl, args.attn_implementation).to(model_dtype(args.dtype))
+    model = load_model(args.model_path, args.model_impl, args.attn_implementation, model_dtype(args.dtype))
     context_length = args.context_length or int(getattr(model.config, "max_position_embeddings", 4096))
     scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
                           context_length=context_length, weight_version=args.weight_version,
