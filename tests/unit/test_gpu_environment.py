@@ -107,3 +107,12 @@ def test_the_gpu_lock_is_one_consistent_resolution_and_its_check_catches_a_broke
                for p in broken(lambda packages: packages.update({"left-pad": {"version": "1.0", "requires_dist": []}})))
     assert any("hpc_rl (setup.cfg) requires sglang==0.5.23" in p
                for p in broken(lambda packages: packages["sglang"].update(version="0.5.22")))
+
+
+def test_the_container_image_installs_the_lock_on_its_python() -> None:
+    dockerfile = (REPO / "containers" / "gpu.Dockerfile").read_text()
+    lock = json.loads((REPO / "requirements" / "gpu.lock.json").read_text())
+    python = lock["environment"]["python_version"]
+    assert f"python{python} -m venv /opt/venv" in dockerfile  # the interpreter the lock was resolved for
+    assert "-c requirements/gpu.txt -r requirements/gpu.in" in dockerfile
+    assert "From: hpc_rl-gpu:" in (REPO / "containers" / "hpc_rl-gpu.def").read_text()
