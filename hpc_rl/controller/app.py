@@ -140,6 +140,13 @@ class Controller:
         await self.fleet.register(engine_index, url, tp_size=tp_size, serving=True)
         log.info("engine %d registered at %s", engine_index, url)
 
+    async def hand_gpus_to_trainer(self) -> None:
+        """Colocated, before the trainer starts: the engines release all their memory (see
+        `WeightUpdates.hand_gpus_to_trainer`); nothing in decoupled runs."""
+        await self.ready()
+        assert self.loop is not None
+        await self.loop.weights.hand_gpus_to_trainer()
+
     async def run(self) -> dict[str, Any]:
         """Wait for everyone, resume if a checkpoint says so, run every rollout, stop the trainers."""
         await self.ready()

@@ -74,6 +74,8 @@ class WeightUpdates:
         """Colocated mode: the trainer's offload state and the memory moves (None: decoupled)."""
         self.moves_memory = settings.colocate and not settings.async_rollout
         """Colocated sync mode: engines and trainer trade the GPUs around every train step."""
+        self.engines_released = False
+        """Colocated: the engines released all their memory for the trainer's start (`hand_gpus_to_trainer`)."""
         self.abort_due = ""
         """Why the trainer must abort its weight-update group before its next command (a member engine failed
         after the last sync: on NCCL a broadcast to it may never complete); "" when not."""
@@ -103,9 +105,25 @@ class WeightUpdates:
         interval = self.settings.update_weights_interval
         return bool(interval) and (rollout_id + 1) % interval == 0 or rollout_id + 1 == self.num_rollout
 
+    async def hand_gpus_to_trainer(self) -> None:
+        """Colocated, before the trainer starts (slime's order): the engines sized their KV cache from the free
+        GPU memory; now they release all of it (weights, KV cache, CUDA graphs) so the trainer builds its model
+        and optimizer on GPUs the engines do not hold. `start` gives it back with the trainer's weights."""
+        if self.moves_memory:
+            await self.engines_call("release_memory", [*KV_TAGS, WEIGHTS_TAG])
+            self.engines_released = True
+
     async def start(self, *, resumed: bool) -> None:
         """Before the first rollout: colocated sync mode gives the GPUs to the engines (generation comes
-        first); a resumed run pushes the checkpoint's weights (the engines loaded the initial ones)."""
+        first) and, when they released everything for the trainer's start, their weights are the trainer's
+        (slime pushes them once at start too); a resumed run pushes the checkpoint's weights (the engines
+        loaded the initial ones)."""
+        if self.moves_memory and self.engines_released:  # as after a train step: the memory moves back with weights
+            self.engines_released = False
+            metrics = await self._colocated_after_train(self.version, sync_due=True)
+            log.info("weights v%d given to the colocated engines before the first rollout (%.2f s)", self.version,
+                     metrics.get("time/colocated_after_train", 0.0))
+            return
         if self.moves_memory:
             assert self.colocated is not None
             await self.colocated.trainer("offload", TRAINER_TAGS)

@@ -374,6 +374,7 @@ class Driver:
         await asyncio.gather(*(self.controller.register_engine(i, url, tp_size=self.config.cluster.rollout_num_gpus_per_engine)
                                for i, url in enumerate(urls)))  # together: one batch for the router (engine_fleet)
         if self.trainer_step is None:
+            await self.controller.hand_gpus_to_trainer()  # colocated: the trainer builds on free GPUs (slime's order)
             self._start_trainer()
         assert self.trainer_step is not None
         run = self.run_task = asyncio.create_task(self.controller.run(), name="controller-run")
