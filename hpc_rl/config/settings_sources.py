@@ -3,7 +3,7 @@
 Owns: the flat slime-style key index (`rollout_batch_size` finds `rollout.rollout_batch_size`, built
 on first use, never at import), resolving a key to its field path, YAML with line numbers, argv
 tokenising (`--flag v1 v2`, `--flag=v`, `--no-flag`, `--set a.b=v`), and routing slime's other
-flags through `hpc_rl.config.slime_flags` (Megatron model flags -> `megatron.<flag>` settings,
+flags through `hpc_rl.config.slime_flags` (and vime's `--vllm-*` through `hpc_rl.config.vllm_flags`) (Megatron model flags -> `megatron.<flag>` settings,
 behaviour-stating flags accepted, aliases renamed, the rest refused with their reason). Every
 problem of a source is collected (`ConfigErrors`), not just the first.
 """
@@ -20,11 +20,14 @@ from typing import Any, Mapping
 
 import yaml
 
+from hpc_rl.config.moe_layer_freq import LayerFreqError, parse_layer_freq
 from hpc_rl.config.schema import RunConfig, SGLangConfig
 from hpc_rl.config.slime_flags import (
-    ALIASES, COMPAT_FLAGS, MODEL_FLAGS, MODEL_SWITCHES, MODEL_VALUE_FLAGS, REFUSED_FLAGS, UNBUILDABLE_MODEL_FLAGS,
+    ALIASES, COMPAT_FLAGS, EXPANDING_FLAGS, MODEL_FLAGS, MODEL_SWITCHES, MODEL_VALUE_FLAGS, REFUSED_FLAGS,
+    UNBUILDABLE_MODEL_FLAGS,
 )
 from hpc_rl.config.typing_rules import ConfigError, ConfigErrors, coerce_value, parse_cli_scalar
+from hpc_rl.config.vllm_flags import VLLM_PREFIX, vllm_settings
 
 TOP_LEVEL_FIELDS = ("model", "run_dir")
 MODEL_ARGS_FIELD = "model_args"
@@ -99,6 +102,11 @@ def _megatron_value(name: str, value: Any, where: str) -> Any:
     if name in MODEL_SWITCHES:
         return coerce_value(value, bool, where)
     kind = MODEL_VALUE_FLAGS[name]
+    if name == "moe_layer_freq":
+        try:
+            return parse_layer_freq(value)
+        except LayerFreqError as error:
+            raise ConfigError(f"{where}: --moe-layer-freq {error}") from error
     if kind is list:
         values = value if isinstance(value, list) else [value]
         return [str(v) for v in values]
@@ -117,6 +125,11 @@ def slime_flag_settings(name: str, value: Any, where: str) -> list[Setting] | No
         raise ConfigError(f"{where}: {_flag(name)} is refused: {REFUSED_FLAGS[name]}")
     if name in UNBUILDABLE_MODEL_FLAGS:
         raise ConfigError(f"{where}: {_flag(name)} is refused: {UNBUILDABLE_MODEL_FLAGS[name]}")
+    if name in EXPANDING_FLAGS:
+        return [Setting(path, template.format(value), where) for path, template in EXPANDING_FLAGS[name]]
+    if name.startswith(VLLM_PREFIX) or name.startswith("no_" + VLLM_PREFIX):
+        name = VLLM_PREFIX + "no_" + name[len("no_" + VLLM_PREFIX):] if name.startswith("no_") else name
+        return [Setting(path, setting, where) for path, setting in vllm_settings(name, value, where).items()]
     if name in COMPAT_FLAGS:
         compat = COMPAT_FLAGS[name]
         if _accepts(compat.accepted, value):
@@ -216,11 +229,17 @@ def _tokens(argv: list[str]) -> list[tuple[str, list[str]]]:
     return pairs
 
 
+@functools.cache
+def _section_hints(section: str) -> Mapping[str, Any]:
+    """A section's field types, resolved once (typing.get_type_hints compiles every annotation string each call)."""
+    return MappingProxyType(typing.get_type_hints(section_types()[section]))
+
+
 def _field_hint(path: str) -> Any:
     if path in TOP_LEVEL_FIELDS:
         return str
     section, name = path.split(".", 1)
-    return typing.get_type_hints(section_types()[section])[name]
+    return _section_hints(section)[name]
 
 
 def _is_list_field(path: str) -> bool:
@@ -262,7 +281,7 @@ def _one_flag(token: str, values: list[str]) -> list[Setting]:
         return [Setting(resolve_key(key.replace("-", "_"), f"--set {key}"), parse_cli_scalar(raw), f"--set {key}")]
     name = token[2:].replace("-", "_")
     where = f"command line {token}"
-    value: Any = values if name == "spec" else _cli_value(values)
+    value: Any = values if name == "spec" else " ".join(values) if name == "moe_layer_freq" else _cli_value(values)
     special = slime_flag_settings(name, value, where)
     if special is not None:
         return special

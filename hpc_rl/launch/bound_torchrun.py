@@ -12,6 +12,8 @@ these names (c10d rendezvous), and publishes rank 0's as the workers' MASTER_ADD
 `socket.getfqdn()`, is the same on the virtual nodes of one machine (ranks then follow process ids) and
 "localhost" on some misconfigured nodes. Nothing in hpc_rl relies on the order (colocated ranks find
 their engine by device identity), but with names the local test cluster orders nodes as a real one does.
+Also owns that no process of a rank outlives the agent: it is a child subreaper, and ends what a dead
+rank left behind (`hpc_rl.launch.orphans`) before it exits.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import socket
 import sys
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+
+from hpc_rl.launch.orphans import become_subreaper, end_children
 
 STORE_ADDRESS_ENV = "HPC_RL_STORE_ADDRESS"
 
@@ -72,9 +76,20 @@ def main() -> None:
     if address:
         _bind_store_servers(address)
     sys.argv[1:] = with_node_name(sys.argv[1:], os.environ)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun_main
 
-    torchrun_main()  # raises when a rank failed
+    become_subreaper()  # a dead rank's children (Megatron's checkpoint writer's helpers) come to us
+    try:
+        torchrun_main()  # raises when a rank failed, or on SIGTERM (torchrun then stops every rank first)
+    except SignalException as stopped:  # a stop (the driver's, scancel's): said in a line, no traceback
+        print(f"hpc_rl.bound_torchrun: stopped by {stopped.sigval.name}; the ranks were stopped first",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + int(stopped.sigval)) from None
+    finally:
+        for pid in end_children():
+            print(f"hpc_rl.bound_torchrun: ended pid {pid}, left behind by a trainer rank", file=sys.stderr,
+                  flush=True)
     from hpc_rl.engines.child_process import exit_without_teardown
 
     exit_without_teardown(0)  # every rank is done: skip the agent's teardown (seconds of GC, issue 11)

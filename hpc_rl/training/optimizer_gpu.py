@@ -6,7 +6,8 @@ checkpoint code do not know which one they hold. Megatron's optimizer computes t
 over unique shards and skips steps with non-finite gradients itself.
 
 NOT RUN on this project's CPU machines (Megatron's optimizer allocates on CUDA): written against
-megatron-core 0.16.1's signatures; exercise it on a GPU node before relying on it.
+megatron-core 0.16.1's signatures; exercise it on a GPU node before relying on it. Only
+`megatron_optimizer_fields` runs in the unit tests (Megatron's `OptimizerConfig` is built from it on CPU).
 """
 
 from __future__ import annotations
@@ -16,9 +17,25 @@ from typing import Any
 import torch
 
 from hpc_rl.config.schema import OptimizerConfig
-from hpc_rl.training.optimizer import StepResult, learning_rate
+from hpc_rl.training.optimizer import StepResult, learning_rate, reset_adam_state
 
 _NEVER = 10**12  # "no decay" for Megatron's scheduler, which needs a decay horizon
+
+
+def megatron_optimizer_fields(config: OptimizerConfig, *, params_dtype: torch.dtype,
+                              distributed: bool) -> dict[str, Any]:
+    """Megatron's `OptimizerConfig` fields for `config`, offload settings included (slime passes Megatron's
+    --optimizer-cpu-offload, --optimizer-offload-fraction, --overlap-cpu-optimizer-d2h-h2d and
+    --use-precision-aware-optimizer straight through; the fraction's default is Megatron-LM's CLI one, 1.0)."""
+    return dict(
+        optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
+        adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
+        clip_grad=config.clip_grad, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        params_dtype=params_dtype, use_distributed_optimizer=distributed,
+        optimizer_cpu_offload=config.optimizer_cpu_offload,
+        optimizer_offload_fraction=config.optimizer_offload_fraction if config.optimizer_cpu_offload else 0.0,
+        overlap_cpu_optimizer_d2h_h2d=config.overlap_cpu_optimizer_d2h_h2d,
+        use_precision_aware_optimizer=config.use_precision_aware_optimizer)
 
 
 class MegatronActorOptimizer:
@@ -32,10 +49,7 @@ class MegatronActorOptimizer:
         self.ddp_model, self.config = ddp_model, config
         distributed = bool(getattr(ddp_model.ddp_config, "use_distributed_optimizer", False))
         megatron_config = MegatronOptimizerConfig(
-            optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
-            adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
-            clip_grad=config.clip_grad, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-            params_dtype=params_dtype, use_distributed_optimizer=distributed)
+            **megatron_optimizer_fields(config, params_dtype=params_dtype, distributed=distributed))
         self.optimizer = get_megatron_optimizer(megatron_config, [ddp_model])
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr,
@@ -59,6 +73,16 @@ class MegatronActorOptimizer:
             self.steps_done += 1
         self.zero_grad()
         return StepResult(grad_norm=float(grad_norm or 0.0), lr=lr, skipped=not success)
+
+    def reset_state(self) -> None:
+        """slime's --reset-optimizer-states over Megatron's (chained) optimizer: moments and steps to zero."""
+        for chained in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            reset_adam_state(chained.optimizer)
+
+    def restore_steps(self, steps_done: int) -> None:
+        """Resume the schedule at `steps_done` without optimizer state (a checkpoint saved with save_optim off)."""
+        self.scheduler.step(increment=steps_done)
+        self.steps_done = steps_done
 
     def sharded_state(self, model_sharded_state_dict: dict[str, Any], *, is_loading: bool = False) -> dict[str, Any]:
         return {"optimizer": self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading),
