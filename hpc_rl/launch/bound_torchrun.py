@@ -6,6 +6,13 @@ store it shares with its worker ranks, to the address in `STORE_ADDRESS_ENV` (th
 for a local run). torch gives neither a bind address: they would listen on every interface without
 authentication (see `hpc_rl.weights.bound_store`). Without the variable this is plain torchrun (a
 multi-node trainer needs its stores reachable from the other nodes; see the README's "What listens").
+
+Also owns naming each node to torchrun: in a Slurm step without `--local-addr`, the node's Slurm name
+(`SLURMD_NODENAME`, when it resolves) is passed as `--local-addr`. torchrun numbers nodes by sorting
+these names (c10d rendezvous), and publishes rank 0's as the workers' MASTER_ADDR; the default,
+`socket.getfqdn()`, is the same on the virtual nodes of one machine (ranks then follow process ids) and
+"localhost" on some misconfigured nodes. Nothing in hpc_rl relies on the order (colocated ranks find
+their engine by device identity), but with names the local test cluster orders nodes as a real one does.
 Also owns that no process of a rank outlives the agent: it is a child subreaper, and ends what a dead
 rank left behind (`hpc_rl.launch.orphans`) before it exits.
 
@@ -24,8 +31,9 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -89,16 +97,36 @@ def _fork_preloaded_ranks() -> None:
     torchrun.config_from_args = config_from_args
 
 
+def with_node_name(argv: list[str], environ: Mapping[str, str], *,
+                   resolves: Callable[[str], bool] | None = None) -> list[str]:
+    """`argv` with `--local-addr=<SLURMD_NODENAME>` first, in a Slurm step whose node name resolves and
+    whose argv names no local address itself."""
+    name = environ.get("SLURMD_NODENAME", "")
+    if not name or any(arg == "--local-addr" or arg.startswith("--local-addr=") for arg in argv):
+        return argv
+    if not (resolves or _resolves)(name):
+        return argv
+    return [f"--local-addr={name}", *argv]
+
+
+def _resolves(name: str) -> bool:
+    try:
+        socket.getaddrinfo(name, None)
+    except OSError:
+        return False
+    return True
+
+
 def main() -> None:
     address = os.environ.get(STORE_ADDRESS_ENV)
     if address:
         _bind_store_servers(address)
+    sys.argv[1:] = with_node_name(sys.argv[1:], os.environ)
     if FORK_FLAG in sys.argv:
         sys.argv.remove(FORK_FLAG)
         _fork_preloaded_ranks()
-    from torch.distributed.run import main as torchrun_main
-
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun_main
 
     become_subreaper()  # a dead rank's children (Megatron's checkpoint writer's helpers) come to us
     try:

@@ -61,7 +61,11 @@ def main(argv: list[str] | None = None) -> None:
 
         from hpc_rl.protocol.messages import ResumeState
 
-        hello = {"tp_rank": info.tp_rank, "tp_size": info.tp_size, "dp_rank": info.dp_rank, "dp_size": info.dp_size}
+        from hpc_rl.weights.device_identity import trainer_rank_device
+
+        # the device: the controller pairs colocated ranks with the engine on the same GPU by it
+        hello = {"tp_rank": info.tp_rank, "tp_size": info.tp_size, "dp_rank": info.dp_rank, "dp_size": info.dp_size,
+                 "device": trainer_rank_device()}
         resume = (ResumeState(rank=0, rollout_id=resumed.rollout_id, controller_state=resumed.controller_state)
                   if info.rank == 0 and resumed is not None else None)
         source = ControllerLink(run_dir, rank=info.rank, world_size=info.world_size, info=hello, resume=resume)

@@ -38,6 +38,17 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def placement(run_dir: Path) -> tuple[dict[int, str], dict[int, list[str]], dict[int, dict[str, Any]]]:
+    """Where a run's processes were: trainer rank -> GPU and engine -> its TP ranks' GPUs, as the controller
+    registered them (`<node>/gpu<id>`), and each engine step's own report of what it was given."""
+    folder = run_dir / "placement"
+    trainers = {int(rank): device for rank, device in json.loads((folder / "trainers.json").read_text()).items()}
+    components = json.loads((run_dir / "status.json").read_text())["components"]
+    engines = {int(index): info["devices"] for index, info in components["engines"].items()}
+    reports = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in folder.glob("engine-*.json")}
+    return trainers, engines, reports
+
+
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
