@@ -47,7 +47,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,7 @@ from hpc_rl.launch.run_lock import RunDirLocked, acquire
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher
 from hpc_rl.launch.trainer_exit import describe_trainer_exit
 from hpc_rl.launch.step_plan import engine_step, sglang_api_key_path, trainer_step
-from hpc_rl.launch.topology import JobTopology, plan_topology
+from hpc_rl.launch.topology import DIST_INIT_PORT_OFFSET, EnginePlacement, JobTopology, node_rank_port, plan_topology
 from hpc_rl.protocol.http_client import EngineConnection, EngineHTTPTransportError
 from hpc_rl.protocol.secret import Secret, engine_api_key, load_secret, secret_path
 from hpc_rl.telemetry.run_files import RunLogFileHandler
@@ -115,12 +115,18 @@ class PortPlan:
     router_metrics: int
     rendezvous: int
     engines: list[int]
+    """Each engine's HTTP port (a multi-node engine's node-rank 0)."""
+    spans: dict[int, list[int]] = field(default_factory=dict)
+    """A local run's multi-node engines: [distributed-init port, node-rank 1's port, ...] (on Slurm they follow
+    from node-rank 0's port: `topology.node_rank_port`)."""
 
     @classmethod
     def for_job(cls, topology: JobTopology, *, local: bool) -> "PortPlan":
         if local:  # the controller and torchrun's rendezvous store bind port 0: the OS picks a free one
             return cls(LOCAL_OS_PICKS, planned_port(), planned_port(), LOCAL_OS_PICKS,
-                       [planned_port() for _ in topology.engines])
+                       [planned_port() for _ in topology.engines],
+                       {e.engine_index: [planned_port() for _ in range(e.num_nodes)]
+                        for e in topology.engines if e.num_nodes > 1})
         offset = (int(os.environ.get("SLURM_JOB_ID", "0")) % JOB_PORT_SLOTS) * 50
         return cls(topology.controller_port + offset, topology.router_port + offset,
                    topology.router_metrics_port + offset, topology.rendezvous_port + offset,
@@ -142,7 +148,16 @@ class PortPlan:
                         checked("router metrics", self.router_metrics, "127.0.0.1"),
                         checked("rendezvous", self.rendezvous),
                         [checked(f"engine {i}", port) if engine_hosts[i] == host else port
-                         for i, port in enumerate(self.engines)])
+                         for i, port in enumerate(self.engines)], self.spans)
+
+    def engine_node_ports(self, placement: EnginePlacement) -> tuple[list[int], int]:
+        """A multi-node engine's port of each node-rank and node-rank 0's distributed-init port."""
+        port = self.engines[placement.engine_index]
+        if placement.engine_index in self.spans:
+            dist_init, *followers = self.spans[placement.engine_index]
+            return [port, *followers], dist_init
+        return ([node_rank_port(port, rank) for rank in range(placement.num_nodes)],
+                port + DIST_INIT_PORT_OFFSET)
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -279,9 +294,14 @@ class Driver:
             env.update(SGLANG_ON_CPU_ENV if self.config.cluster.device == "cpu" else {})
             write_api_key_file(sglang_api_key_path(self.config), self.engine_key)
             _create_private(log_path)  # SGLang logs its server args, the key among them
-        engine_report_path(self.run_dir, index).unlink(missing_ok=True)  # this attempt writes its own
+        for node_rank in range(placement.num_nodes):  # this attempt writes its own
+            engine_report_path(self.run_dir, index, node_rank).unlink(missing_ok=True)
+        node_ports, dist_init_port = self.ports.engine_node_ports(placement)
+        node_hosts = [self.launcher.node_address(placement.het_group, placement.node_index + rank)
+                      for rank in range(placement.num_nodes)]
         step = self.launcher.start(engine_step(self.config, self.topology, index, host=host, port=port,
-                                               run_dir=self.run_dir, env=env, local=self.local))
+                                               run_dir=self.run_dir, env=env, local=self.local, node_hosts=node_hosts,
+                                               node_ports=node_ports, dist_init_port=dist_init_port))
         self.engine_steps[index] = step
         url = f"http://{host}:{port}"
         try:
@@ -305,23 +325,24 @@ class Driver:
         old = self.engine_steps.get(index)
         if old is not None:
             await asyncio.to_thread(old.stop, 5.0)
-        node = self.node_of_engine(index)
-        if node is not None:  # a step on a dead node waits in srun until Slurm ends the job: do not start one
-            for loss in await self.check_nodes([node]):
+        nodes = self.nodes_of_engine(index)
+        if nodes:  # a step on a dead node waits in srun until Slurm ends the job: do not start one
+            for loss in await self.check_nodes(nodes):
                 if self.node_requeued:  # Slurm stops this attempt now (SIGTERM); a restart would only race it
                     await asyncio.sleep(NODE_REQUEUE_WAIT_S)
-                raise RuntimeError(f"engine {index} is not restarted: {loss.describe(self.steps_on(node))}")
+                raise RuntimeError(f"engine {index} is not restarted: {loss.describe(self.steps_on(loss.node))}")
         return await self.start_engine(index)
 
     # -- nodes (Slurm) -------------------------------------------------------------------------------------
-    def node_of_engine(self, index: int) -> str | None:
+    def nodes_of_engine(self, index: int) -> list[str]:
+        """The nodes engine `index` runs on (a multi-node engine: all of them; [] when not known)."""
         placement = self.topology.engines[index]
-        nodes = self._hostnames(placement.het_group)
-        return nodes[placement.node_index] if nodes and placement.node_index < len(nodes) else None
+        nodes = self._hostnames(placement.het_group) or []
+        return nodes[placement.node_index:placement.node_index + placement.num_nodes]
 
     def steps_on(self, node: str) -> list[str]:
         """The names of this run's steps with a task on `node` ('trainer', 'engine-0', ...)."""
-        steps = [f"engine-{i}" for i in range(len(self.topology.engines)) if self.node_of_engine(i) == node]
+        steps = [f"engine-{i}" for i in range(len(self.topology.engines)) if node in self.nodes_of_engine(i)]
         trainer_nodes = (self._hostnames(0) or [])[:self.config.cluster.actor_num_nodes]
         if node in trainer_nodes:
             steps.insert(0, f"trainer (node {trainer_nodes.index(node)} of {len(trainer_nodes)})")

@@ -154,10 +154,14 @@ def planned_steps(config: RunConfig, topology: JobTopology, run_dir: Path) -> li
     from hpc_rl.launch import driver
 
     ports = driver.PortPlan.for_job(topology, local=False)
-    steps = [engine_step(config, topology, placement.engine_index, run_dir=run_dir, env={}, local=False,
-                         host=f"<node {placement.node_index} of het group {placement.het_group}>",
-                         port=ports.engines[placement.engine_index])
-             for placement in topology.engines]
+    steps = []
+    for placement in topology.engines:
+        node_ports, dist_init_port = ports.engine_node_ports(placement)
+        hosts = [f"<node {placement.node_index + rank} of het group {placement.het_group}>"
+                 for rank in range(placement.num_nodes)]
+        steps.append(engine_step(config, topology, placement.engine_index, run_dir=run_dir, env={}, local=False,
+                                 host=hosts[0], port=ports.engines[placement.engine_index], node_hosts=hosts,
+                                 node_ports=node_ports, dist_init_port=dist_init_port))
     steps.append(trainer_step(config, run_dir, f"<first trainer node>:{ports.rendezvous}", env={}, local=False))
     return steps
 
@@ -172,7 +176,8 @@ def render_slurm_dry_run(config: RunConfig) -> str:
              "", "# job steps the driver starts inside the allocation (ports shift by job id % 300 * 50; any in use on the driver's node are replaced)"]
     het_job = len(topology.groups) > 1
     for spec in planned_steps(config, topology, run_dir):
-        nodelist = [f"<node {spec.node_index} of het group {spec.het_group}>"] if spec.node_index is not None else None
+        nodelist = ([f"<node {spec.node_index + rank} of het group {spec.het_group}>" for rank in range(spec.num_nodes)]
+                    if spec.node_index is not None else None)
         argv = srun_argv(spec, het_job=het_job, nodelist=nodelist, cpus_per_task=engine_cpus_per_task(config, topology))
         lines.append(f"# {spec.name} -> {spec.log_path}")
         lines.append(" ".join(argv))
