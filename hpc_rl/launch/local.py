@@ -21,11 +21,11 @@ EXIT_INVALID = 2
 
 
 def run_local(config: RunConfig) -> int:
-    spanning = [e.engine_index for e in plan_topology(config.cluster).engines if e.num_nodes > 1]
+    spanning = [e for e in plan_topology(config.cluster).engines if e.num_nodes > 1]
     if spanning:  # one machine: its node-ranks would all be one node (same GPU identities), which SGLang refuses
-        print(f"hpc_rl: engines {spanning} span {config.cluster.rollout_num_gpus_per_engine} GPUs, more than a node's "
-              f"{config.cluster.num_gpus_per_node}: a multi-node engine needs a Slurm allocation (--executor slurm); "
-              "nothing was started", file=sys.stderr, flush=True)
+        print(f"hpc_rl: engines {[e.engine_index for e in spanning]} span {spanning[0].num_nodes} nodes each: a "
+              "multi-node engine needs a Slurm allocation (--executor slurm); nothing was started",
+              file=sys.stderr, flush=True)
         return EXIT_INVALID
     run_dir = Path(config.run_dir)
     tensorboard = tensorboard_dir(config, run_dir)
