@@ -26,7 +26,7 @@ from hpc_rl.config.settings_sources import flat_index
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.file_checks import path_problems, prompt_file_problems
 from hpc_rl.config.value_ranges import range_problems
-from hpc_rl.config.sglang_options import engine_kind, engine_problems
+from hpc_rl.config.sglang_options import engine_kind, engine_problems, external_engine_url
 from hpc_rl.plugins import PluginError, load_plugin
 
 CONFIG_PLUGINS = {"rollout.custom_rm_path": "reward", "rollout.dynamic_sampling_filter_path": "dynamic_sampling_filter",
@@ -169,15 +169,32 @@ def _topology_problems(config: RunConfig) -> list[Problem]:
                 f"colocate: an engine of {engine_tp} GPUs must sit on the GPUs of whole trainer ranks: it must divide "
                 f"actor_num_gpus_per_node ({per_node}) or, spanning nodes, be a multiple of it",
             ))
-    elif cluster.rollout_num_gpus < 1:
+    elif cluster.rollout_num_gpus < 1 and not config.rollout.rollout_external_engine_addrs:
         problems.append(Problem("cluster.rollout_num_gpus", "decoupled mode needs rollout_num_gpus >= 1"))
-    problems += _engine_span_problems(config)
+    problems += _engine_span_problems(config) + _external_engine_problems(config)
     if cluster.device == "cuda":
         if cluster.actor_num_gpus_per_node > cluster.num_gpus_per_node:
             problems.append(Problem(
                 "cluster.actor_num_gpus_per_node",
                 f"{cluster.actor_num_gpus_per_node} exceeds num_gpus_per_node ({cluster.num_gpus_per_node})",
             ))
+    return problems
+
+
+def _external_engine_problems(config: RunConfig) -> list[Problem]:
+    """slime's --rollout-external-engine-addrs: each address well formed; engines another job runs cannot share
+    the trainer's GPUs."""
+    addresses = config.rollout.rollout_external_engine_addrs
+    problems = []
+    for index, address in enumerate(addresses):
+        try:
+            external_engine_url(address)
+        except ValueError as error:
+            problems.append(Problem(f"rollout.rollout_external_engine_addrs[{index}]", str(error)))
+    if addresses and config.cluster.colocate:
+        problems.append(Problem("rollout.rollout_external_engine_addrs",
+                                "external engines run on GPUs this job does not hold, so they cannot be colocated "
+                                "with the trainer: drop --colocate (or the external engines)"))
     return problems
 
 

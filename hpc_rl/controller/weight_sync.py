@@ -229,6 +229,10 @@ async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engi
                 old_name = f"{group.group_name}_{group.generation - 1}"
                 await asyncio.gather(*(admins[i].destroy_weight_group(old_name) for i, _, _ in group.members
                                        if i in admins), return_exceptions=True)
+            joined = {index for index, _, _ in group.members}  # an engine new to the group may hold one of this
+            await asyncio.gather(*(admins[e.engine_index].destroy_weight_group(group_name)  # name from an earlier
+                                   for e in engines if e.engine_index not in joined),  # run (an external engine)
+                                 return_exceptions=True)
             await asyncio.gather(*(
                 admins[e.engine_index].init_weight_group(
                     master_address=plan.master_address, master_port=plan.master_port,

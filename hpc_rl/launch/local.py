@@ -14,14 +14,14 @@ from pathlib import Path
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.launch.driver import EXIT_OK, run_driver
 from hpc_rl.launch.steps import LocalStepLauncher
-from hpc_rl.launch.topology import plan_topology
+from hpc_rl.launch.topology import plan_run_topology
 from hpc_rl.telemetry.scalars import tensorboard_dir
 
 EXIT_INVALID = 2
 
 
 def run_local(config: RunConfig) -> int:
-    spanning = [e for e in plan_topology(config.cluster).engines if e.num_nodes > 1]
+    spanning = [e for e in plan_run_topology(config).engines if e.num_nodes > 1]
     if spanning:  # one machine: its node-ranks would all be one node (same GPU identities), which SGLang refuses
         print(f"hpc_rl: engines {[e.engine_index for e in spanning]} span {spanning[0].num_nodes} nodes each: a "
               "multi-node engine needs a Slurm allocation (--executor slurm); nothing was started",

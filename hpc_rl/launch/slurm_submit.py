@@ -28,7 +28,7 @@ from hpc_rl.launch.submitit_het import (
     guarded_python,
 )
 from hpc_rl.launch.run_lock import RunLock
-from hpc_rl.launch.topology import JobTopology, plan_topology
+from hpc_rl.launch.topology import JobTopology, plan_run_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
 from hpc_rl.telemetry.scalars import tensorboard_dir
 
@@ -49,7 +49,7 @@ def submit_job(config: RunConfig, *, driver: str = DEFAULT_DRIVER, lock: RunLock
     run_dir = Path(config.run_dir)
     if not secret_path(run_dir).exists():
         create_secret(secret_path(run_dir))
-    topology = plan_topology(config.cluster)
+    topology = plan_run_topology(config)
     executor = make_executor(config, topology)
     job = executor.submit(HetJobDriver(str(run_dir), driver, engine_cpus_per_task(config, topology)))
     record_job_id(run_dir, job.job_id)
@@ -168,7 +168,7 @@ def planned_steps(config: RunConfig, topology: JobTopology, run_dir: Path) -> li
 
 def render_slurm_dry_run(config: RunConfig) -> str:
     """The exact sbatch script submitit would submit, then the srun command of every step."""
-    topology = plan_topology(config.cluster)
+    topology = plan_run_topology(config)
     run_dir = Path(config.run_dir or "<run_dir>")
     folder = submitit_folder(run_dir)
     lines = [f"# sbatch script submitit would write to {folder}/ and submit (a dry run writes nothing)",

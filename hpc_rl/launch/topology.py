@@ -15,10 +15,11 @@ node-rank 0 one more for the distributed init (`dist_init_port`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from hpc_rl.config.schema import ClusterConfig
+from hpc_rl.config.schema import ClusterConfig, RunConfig
 
 DEFAULT_BASE_PORT = 15000
 PORTS_PER_ENGINE = 4  # HTTP, NCCL/gloo side channels, spare: SGLang opens a few ports after its own
@@ -104,7 +105,8 @@ class JobTopology:
             f"  trainer: {self.trainer_world_size} rank(s) = {self.trainer_nodes} node(s) x "
             f"{self.trainer_procs_per_node}, torchrun rendezvous port {self.rendezvous_port}"
         )
-        lines.append(f"  engines: {len(self.engines)}")
+        lines.append(f"  engines: {len(self.engines)}" + ("" if self.engines or self.colocate else
+                                                          " (external: rollout.rollout_external_engine_addrs)"))
         for engine in self.engines:
             if engine.num_nodes > 1:
                 nodes = (f"nodes {engine.node_index}-{engine.node_index + engine.num_nodes - 1} (SGLang --nnodes "
@@ -199,3 +201,12 @@ def plan_topology(cluster: ClusterConfig, *, base_port: int = DEFAULT_BASE_PORT)
         router_metrics_port=base_port + 2,
         rendezvous_port=base_port + 3,
     )
+
+
+def plan_run_topology(config: RunConfig) -> JobTopology:
+    """The run's topology: with external engines (rollout.rollout_external_engine_addrs) the job starts none and
+    asks Slurm for no rollout nodes."""
+    topology = plan_topology(config.cluster)
+    if not config.rollout.rollout_external_engine_addrs:
+        return topology
+    return dataclasses.replace(topology, engines=(), groups=topology.groups[:1], weight_update_world_size=0)
