@@ -40,6 +40,7 @@ from hpc_rl.engines.sglang_launch import (
     build_sglang_command,
     sglang_device_options,
 )
+from hpc_rl.launch.bound_torchrun import FORK_FLAG
 from hpc_rl.launch.steps import ContainerSpec, StepSpec
 from hpc_rl.launch.topology import EnginePlacement, JobTopology
 
@@ -175,8 +176,11 @@ def engine_step(config: RunConfig, topology: JobTopology, index: int, *, host: s
 
 def trainer_command(config: RunConfig, run_dir: Path, rendezvous: str, *, local: bool = False) -> list[str]:
     """torchrun over every trainer node (one torchrun per node; it forks the ranks); in a local run its
-    stores listen on loopback only (bound_torchrun, with STORE_ADDRESS_ENV set by the driver)."""
-    return [step_python(config, local=local), "-m", "hpc_rl.launch.bound_torchrun", *(["--local-addr=127.0.0.1"] if local else []),
+    stores listen on loopback only (bound_torchrun, with STORE_ADDRESS_ENV set by the driver). On CPU its
+    ranks fork from it with their imports done (bound_torchrun's FORK_FLAG, issue 23)."""
+    fork = [FORK_FLAG] if config.cluster.device == "cpu" else []
+    return [step_python(config, local=local), "-m", "hpc_rl.launch.bound_torchrun", *fork,
+            *(["--local-addr=127.0.0.1"] if local else []),
             f"--nnodes={config.cluster.actor_num_nodes}",
             f"--nproc-per-node={config.cluster.actor_num_gpus_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={os.environ.get('SLURM_JOB_ID', 'local')}",

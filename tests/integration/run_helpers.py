@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,6 +105,18 @@ def engine_pids_now(run_dir: Path) -> dict[int, int]:
             if f"--port {port} " in cmd + " ":
                 pids[index] = int(pid)
     return pids
+
+
+_RANK_REGISTERED = re.compile(r"trainer rank (\d+)/\d+ \(host \S+ pid (\d+)\)")
+
+
+def trainer_rank_pids(run_dir: Path) -> dict[int, int]:
+    """Each trainer rank's process id, as the rank itself told the controller (controller.log; the latest
+    registration of each rank). Works however the ranks were started: a rank forked from a preloaded
+    torchrun (CPU) has torchrun's command line and environment, not `-m hpc_rl.training` and RANK."""
+    log = run_dir / "logs" / "controller.log"
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return {int(rank): int(pid) for rank, pid in _RANK_REGISTERED.findall(text)}
 
 
 def processes_of_run(run_dir: Path) -> list[str]:
