@@ -99,9 +99,11 @@ def metric(rows: list[dict], key: str) -> list[float]:
 def test_tiny_sft_learns_as_a_trainer_only_job(tmp_path: Path) -> None:
     run_dir = tmp_path / "sft"
     _, watch = run(run_dir, "configs/tiny_sft_cpu.yaml")
-    assert watch.matching("hpc_rl.training"), "the trainer never showed up in the process table"
+    # No engine or router process at any time of the run (every command line its process tree showed), no log of
+    # one, and the controller saw one trainer rank and no engine register.
     assert watch.matching("hpc_rl.engines", "sglang_router", "sglang.launch_server", "launch_router") == []
     assert not (run_dir / "logs" / "router.log").exists() and not list((run_dir / "logs").glob("engine-*.log"))
+    assert "all components registered: 1 trainer rank(s), 0 engine(s)" in (run_dir / "logs" / "controller.log").read_text()
     rows = records(run_dir)
     losses = metric(rows, "train/loss")
     assert len(losses) == 64 and max(r["metrics"]["rollout/epoch"] for r in rows) == 1.0  # two epochs of 32
