@@ -16,7 +16,7 @@ import torch
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
 from hpc_rl.training import checkpoint
-from hpc_rl.training.model_provider import build_gpt_model
+from hpc_rl.training.model_provider import build_gpt_model, check_moe_training
 from hpc_rl.training.optimizer import ActorOptimizer, wrap_ddp
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.step import RolloutTrainer
@@ -57,6 +57,7 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
     """Actor + optimizer (+ reference model when the KL loss or KL shaping needs one), loaded.
     `plugin_args`: the run's flat config for custom loss/advantage functions (default: these sections')."""
     device = "cpu" if info.on_cpu else "cuda"  # cluster.device, as init_parallel checked it
+    check_moe_training(arch, training)
     if info.on_cpu:
         actor = wrap_ddp(build_gpt_model(arch, training))
         optimizer: ActorOptimizer = ActorOptimizer(actor, optimizer_config)
