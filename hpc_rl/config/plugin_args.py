@@ -7,7 +7,6 @@ so a slime filter / reward / generate function reads the same attribute names he
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 from hpc_rl.config.schema import RunConfig
@@ -16,15 +15,10 @@ from hpc_rl.config.schema import RunConfig
 def plugin_args(config: RunConfig) -> SimpleNamespace:
     """Every field of every section as a flat attribute (sglang fields also with the sglang_ prefix)."""
     flat: dict[str, object] = {"model": config.model, "run_dir": config.run_dir}
-    for section in dataclasses.fields(config):
-        value = getattr(config, section.name)
-        if not dataclasses.is_dataclass(value):
-            continue
-        for f in dataclasses.fields(value):
-            field_value = getattr(value, f.name)
-            flat.setdefault(f.name, field_value)
-            if section.name == "sglang":
-                flat[f"sglang_{f.name}"] = field_value
+    for section, name, field_value in config.section_fields():
+        flat.setdefault(name, field_value)
+        if section == "sglang":
+            flat[f"sglang_{name}"] = field_value
     for key, extra in config.sglang.extra_args.items():
         flat[f"sglang_{key}"] = extra
     flat["eval_prompt_data"] = [x for d in config.eval.eval_prompt_data for x in (d.name, d.path)]

@@ -8,6 +8,8 @@ Each field's docstring (the string literal after it) is its `--help` text.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,9 @@ class ClusterConfig:
     """Engines share the trainer's GPUs; memory is released/resumed around each train step."""
     device: str = "cuda"
     """cuda (NCCL, SGLang) or cpu (gloo, hpc_rl's CPU engine): the single CPU switch."""
+    gpu_memory_gib: float = 79.6
+    """Memory of one GPU in GiB, for the per-GPU memory plan that `--dry-run` prints and submit checks
+    (default: an H100 80GB, 81559 MiB as nvidia-smi reports it)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
@@ -100,6 +105,14 @@ class RolloutConfig:
     """Maximum new tokens per sample."""
     rollout_max_context_len: int | None = None
     """Maximum prompt + response tokens (None: no extra limit)."""
+    rollout_max_prompt_len: int | None = None
+    """Longest prompt (tokens, chat template applied) a rollout uses; longer ones are dropped when drawn,
+    counted (rollout/prompts_too_long) and the first named by its data row. None: rollout_max_context_len - 1,
+    else what leaves the engines room for one response token."""
+    reward_timeout: float = 300.0
+    """Seconds one reward call may take (a sample's; a group's with group_rm). Custom rewards run in a thread
+    of their own, never on the controller's event loop; one that takes longer is an error naming the sample
+    and the reward function."""
     rollout_temperature: float = 1.0
     """Sampling temperature."""
     rollout_top_p: float = 1.0
@@ -184,7 +197,7 @@ class TrainingConfig:
     moe_router_dtype: str | None = None
     """Router logits/probabilities dtype: fp32 | fp64 | None (the model's dtype)."""
     moe_router_load_balancing_type: str = "aux_loss"
-    """aux_loss | seq_aux_loss | sinkhorn | none."""
+    """aux_loss | seq_aux_loss | global_aux_loss | sinkhorn | none."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of the load-balancing loss (0: off)."""
     moe_router_bias_update_rate: float = 1e-3
@@ -211,6 +224,9 @@ class TrainingConfig:
     """Average the loss over all tokens of a step instead of summing per-sample means."""
     seed: int = 1234
     """Trainer RNG seed."""
+    max_nonfinite_steps: int = 3
+    """Optimizer steps in a row whose loss or gradient norm is NaN/inf (each is skipped, and named in the
+    trainer's log) before the run stops with an error; 0 stops at the first."""
     num_threads: int = 1
     """torch intra-op threads per rank on CPU (1 is fastest with several processes per core)."""
     offload_train: bool = False
@@ -325,6 +341,17 @@ class OptimizerConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0: off)."""
+    # Megatron's optimizer offload (GPU runs; slime's Qwen3-30B-A3B and GLM-4.5 recipes carry these flags).
+    optimizer_cpu_offload: bool = False
+    """Keep the optimizer state (fp32 main params, Adam moments) in host memory and step it on the CPU
+    (Megatron's hybrid device optimizer); needs use_precision_aware_optimizer, as in Megatron."""
+    optimizer_offload_fraction: float = 1.0
+    """Share of the optimizer state optimizer_cpu_offload moves to host memory (Megatron-LM's default 1.0)."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """Overlap the CPU optimizer step with the gradient copies to host and the parameter copies back."""
+    use_precision_aware_optimizer: bool = False
+    """Megatron's precision-aware optimizer (Transformer Engine's FusedAdam; fp32 main params kept as the
+    16-bit remainders of the bf16 params)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "sgd"):
@@ -347,6 +374,9 @@ class CheckpointConfig:
     """Directory for actor + controller checkpoints (default: <run_dir>/checkpoints)."""
     save_interval: int | None = None
     """Save every this many rollouts (None: only at the end)."""
+    keep_last: int | None = None
+    """Keep only the newest this many checkpoints in `save` (older iter_* dirs are removed after each save;
+    None: keep every one)."""
 
 
 @dataclass(kw_only=True)
@@ -489,6 +519,10 @@ class ControllerConfig:
     """Seconds between engine health checks."""
     engine_request_timeout: float = 600.0
     """Seconds before a generate request is considered hung."""
+    engine_admin_timeout: float = 300.0
+    """Seconds an admin call (pause, a weight-update bucket, memory release/resume) may go without an answer
+    before it fails, and its engine with it. A call unanswered for 5 s is logged, and an engine that answers
+    neither the call nor /health is failed sooner, by the health check (restart path)."""
     max_engine_restarts: int = 3
     """Restarts of a failed engine before the run fails."""
     max_restarts: int = 0
@@ -517,3 +551,11 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+    def section_fields(self) -> Iterator[tuple[str, str, Any]]:
+        """(section, field, value) of every field of every section (model_args included when set)."""
+        for section in dataclasses.fields(self):
+            value = getattr(self, section.name)
+            if dataclasses.is_dataclass(value):
+                for item in dataclasses.fields(value):
+                    yield section.name, item.name, getattr(value, item.name)

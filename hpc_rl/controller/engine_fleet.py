@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from hpc_rl.protocol.http_client import EngineConnections
-from hpc_rl.controller.engine_admin import EngineAdmin
+from hpc_rl.controller.engine_admin import DEFAULT_ADMIN_TIMEOUT_S, EngineAdmin
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
 from hpc_rl.controller.stopping import stop_task
 
@@ -40,8 +40,11 @@ class EngineFleet:
 
     def __init__(self, registry: Registry, router: RouterMembership | None, *, api_key: str | None,
                  restart: RestartFn | None, max_restarts: int, health_interval_s: float,
-                 health_timeout_s: float = 10.0, health_concurrency: int = 64) -> None:
+                 health_timeout_s: float = 10.0, health_concurrency: int = 64,
+                 admin_timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S) -> None:
         self.registry = registry
+        self.admin_timeout_s = admin_timeout_s
+        """Bound of every admin call (`controller.engine_admin_timeout`)."""
         self.router = router
         self.api_key = api_key
         self.restart = restart
@@ -90,7 +93,7 @@ class EngineFleet:
         self.registry.add_engine(info)
         if previous is not None:
             self.connections.forget(previous.url)  # a new process: the old one's connections are dead
-        self.admins[engine_index] = EngineAdmin(url, self.connections)
+        self.admins[engine_index] = EngineAdmin(url, self.connections, timeout_s=self.admin_timeout_s)
         if serving:
             await self._router_add(url)
             self.registry.set_engine_state(engine_index, EngineState.SERVING)
@@ -174,7 +177,10 @@ class EngineFleet:
         for engine, incarnation, healthy in await asyncio.gather(*(probe(e) for e in engines)):
             current = self.registry.engines.get(engine.engine_index)
             if not healthy and current is not None and current.incarnation == incarnation:  # not restarted meanwhile
-                await self.fail_engine(engine.engine_index, "health check failed")
+                admin = self.admins[engine.engine_index]
+                stuck = (f" while {admin.in_flight[0]} had no answer for {admin.silent_for():.0f} s"
+                         if admin.in_flight else "")
+                await self.fail_engine(engine.engine_index, f"health check failed{stuck}")
 
     async def fail_engine(self, engine_index: int, reason: str) -> None:
         """Take an engine out (router first, so no new request goes there) and restart it if allowed."""
@@ -186,6 +192,8 @@ class EngineFleet:
         # exit, the health check timed out) must not start a second restart.
         self.registry.set_engine_state(engine_index, EngineState.FAILED, reason)
         self._event("failed", engine_index, reason)
+        if self.connections is not None:  # its calls in flight (a stuck update) end now, not at their bound
+            self.connections.forget(engine.url)
         if was_serving:
             try:
                 await self._router_call("remove_worker", engine.url)

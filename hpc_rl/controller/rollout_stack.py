@@ -29,13 +29,14 @@ from hpc_rl.data.prompt_tokenizer import load_prompt_tokenizer
 from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptSource, make_prompt_encoder
 from hpc_rl.rewards.group import RewardSpec, reward_group
 from hpc_rl.rewards.pool import RewardPool
+from hpc_rl.rewards.reward_thread import RewardThread
 from hpc_rl.rewards.scoring import REMOTE_RM, split_boxed_prefix
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
 from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
 from hpc_rl.rollout.scheduler import RewardFn
 from hpc_rl.telemetry.recorder import RunRecorder
-from hpc_rl.telemetry.scalars import ScalarLog
+from hpc_rl.telemetry.scalars import ScalarLog, eval_sampling_note
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class RolloutStack:
     loop: RunLoop
     reward_pool: RewardPool | None = None
     """Started and closed by the controller (`rollout.reward_workers` > 0)."""
+    reward_thread: RewardThread | None = None
+    """Where custom reward functions run (closed by the controller)."""
 
 
 def load_prompts(rollout: RolloutConfig) -> tuple[PromptDataset, DataKeys]:
@@ -101,8 +104,10 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     # No workers for custom functions (they run on the loop) or remote_rm (an HTTP call, no CPU to offload).
     rule_rewards = not rollout.custom_rm_path and split_boxed_prefix((rollout.rm_type or "").strip())[1] != REMOTE_RM
     pool = RewardPool(rollout.reward_workers) if rollout.reward_workers and rule_rewards else None
+    thread = RewardThread() if rollout.custom_rm_path else None  # custom functions never block the loop
     spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,
-                      group_rm=rollout.group_rm, args=args, pool=pool)
+                      group_rm=rollout.group_rm, args=args, pool=pool, timeout_s=rollout.reward_timeout,
+                      thread=thread)
 
     async def reward_fn(samples: list[Any]) -> list[float]:
         return await reward_group(spec, samples)
@@ -111,12 +116,15 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
                                              reward_fn=reward_fn)
     num_rollout = num_rollouts(rollout, len(dataset))
     tensorboard_dir = config.logging.tensorboard_dir or str(Path(config.run_dir) / "tensorboard")
+    eval_temperature = (config.eval.eval_temperature if config.eval.eval_temperature is not None
+                        else rollout.rollout_temperature)
     recorder = RunRecorder(config.run_dir, ScalarLog.for_controller(tensorboard_dir, config, run_dir=config.run_dir),
-                           num_rollout=num_rollout, print_fn=lambda line: print(line, flush=True))
+                           num_rollout=num_rollout, print_fn=lambda line: print(line, flush=True),
+                           eval_sampling=eval_sampling_note(eval_temperature, config.eval.n_samples_per_eval_prompt))
     loop = assemble_loop(config, scheduler=scheduler, registry=registry, channel=channel, fleet=fleet,
                          recorder=recorder, evaluate=make_evaluate(config, client, keys, encoder, reward_fn, args),
                          num_rollout=num_rollout)
-    return RolloutStack(client=client, loop=loop, reward_pool=pool)
+    return RolloutStack(client=client, loop=loop, reward_pool=pool, reward_thread=thread)
 
 
 def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler, registry: Registry, channel: TrainerChannel,

@@ -46,6 +46,9 @@ class Trainers:
     def __init__(self, channel: TrainerChannel, registry: Registry, *, shaping: RewardShaping,
                  num_rollout: int) -> None:
         self.channel, self.registry, self.shaping, self.num_rollout = channel, registry, shaping, num_rollout
+        self.trained: tuple[int, int] | None = None
+        """(rollout id, weight version) the ranks hold after their last train command; None while one runs
+        or after one was abandoned (their state is then not known here)."""
 
     async def train(self, rollout_id: int, groups: list[Group], weight_version: int) -> dict[str, Any]:
         """One rollout's optimizer step(s) on every rank; its metrics (train/..., time/train)."""
@@ -53,9 +56,11 @@ class Trainers:
         dp_size = max(1, int(next(iter(self.registry.trainers.values())).info.get("dp_size", 1)))
         batches = split_for_data_parallel(groups, self.shaping, dp_size)
         start = time.perf_counter()
+        self.trained = None
         done = await self.channel.run(lambda rank, seq: TrainCommand(
             seq=seq, rollout_id=rollout_id, batch=batches[dp_of[rank]],
             meta={"weight_version": weight_version, "num_rollout": self.num_rollout}))
+        self.trained = (rollout_id, weight_version + 1)
         metrics = {f"train/{k}" if "/" not in k else k: v for k, v in trainer_summary(merge_metrics(done)).items()}
         metrics["time/train"] = time.perf_counter() - start
         return metrics
@@ -67,7 +72,7 @@ class Trainers:
                                                              controller_state=controller_state))
         return time.perf_counter() - start
 
-    async def stop(self, reason: str) -> None:
+    async def stop(self, reason: str, timeout_s: float = 120.0) -> None:
         """Tell every rank to exit (skipped when a rank is already lost: no one would answer)."""
         if self.channel.failure is None:
-            await self.channel.run(lambda rank, seq: StopCommand(seq=seq, reason=reason), timeout_s=120)
+            await self.channel.run(lambda rank, seq: StopCommand(seq=seq, reason=reason), timeout_s=timeout_s)

@@ -24,6 +24,7 @@ from typing import Any
 
 from hpc_rl.config.schema import ClusterConfig, ControllerConfig, RolloutConfig
 from hpc_rl.controller.colocated import KV_TAGS, TRAINER_TAGS, WEIGHTS_TAG, ColocatedMemory, push_weights_colocated
+from hpc_rl.controller.engine_admin import EngineAdmin
 from hpc_rl.controller.engine_fleet import EngineFleet
 from hpc_rl.controller.registry import EngineState, Registry
 from hpc_rl.controller.trainer_channel import TrainerChannel
@@ -130,6 +131,12 @@ class WeightUpdates:
             if isinstance(result, BaseException):
                 await self.fleet.fail_engine(index, f"{method} failed: {result}")
 
+    async def _engine_stuck(self, admin: EngineAdmin, why: str) -> None:
+        """An engine found stuck during the weight update (weight_sync's watchdog): failed as dead (restarted)."""
+        index = next((i for i, known in self.fleet.admins.items() if known is admin), None)
+        if index is not None:
+            await self.fleet.fail_engine(index, why)
+
     def _waiting_engines(self) -> list[int]:
         return [e.engine_index for e in self.registry.live_engines() if e.state == EngineState.STARTING]
 
@@ -144,7 +151,8 @@ class WeightUpdates:
         if self.colocated is None:
             return await push_weights_to_engines(version=version, channel=self.channel, engines=engines,
                                                  admins=self.fleet.admins, group=self.group, backend=settings.backend,
-                                                 bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s)
+                                                 bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s,
+                                                 on_stuck=self._engine_stuck)
         was_offloaded = WEIGHTS_TAG in self.colocated.trainer_offloaded
         await self.colocated.trainer("onload", [WEIGHTS_TAG])
         metrics = await push_weights_colocated(

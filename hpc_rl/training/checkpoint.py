@@ -30,10 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_rl.training.checkpoint_files import STATE_FILE, TRACKER, iteration_dir, latest_iteration
 from hpc_rl.training.optimizer import ActorOptimizer
 
-TRACKER = "latest_checkpointed_iteration.txt"
-STATE_FILE = "hpc_rl_state.json"
 LOW_SPACE_BYTES = 16 << 20
 """A failed save with less than this free on the checkpoint's file system is reported as a full disk."""
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -98,21 +97,6 @@ def describe_save_failure(root: Path, iteration: int, error: BaseException) -> s
     first_line = (_text(error).strip().splitlines() or [""])[0][:300]
     return (f"saving checkpoint {iteration_dir(root, iteration).name} in {root} failed ({type(error).__name__}: "
             f"{first_line}; {free_text}); its partial files were removed and {kept}")
-
-
-def iteration_dir(root: str | Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def latest_iteration(root: str | Path) -> int | None:
-    """The committed iteration of a checkpoint root, or None when there is none."""
-    tracker = Path(root) / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    if text == "release":
-        return 0
-    return int(text)
 
 
 def resolve_checkpoint_dir(path: str | Path) -> Path:

@@ -41,6 +41,8 @@ from hpc_rl.protocol.messages import (
 from hpc_rl.telemetry.scalars import ScalarLog
 from hpc_rl.training import checkpoint
 from hpc_rl.training.actor import TrainerParts
+from hpc_rl.training.checkpoint_files import prune_iterations
+from hpc_rl.training.nonfinite import NonFiniteSteps, check_finite_weights
 from hpc_rl.engines.child_process import free_port
 from hpc_rl.training.offload import TrainerOffload
 from hpc_rl.training.parallel import ParallelInfo
@@ -125,9 +127,12 @@ class TrainerCommands:
 
     def __init__(self, parts: TrainerParts, *, arch: ModelArchitecture, info: ParallelInfo, source: CommandSource,
                  save_dir: str | None, scalars: ScalarLog | None = None, engine_api_key: str | None = None,
-                 offload_train: bool = True) -> None:
+                 offload_train: bool = True, keep_last: int | None = None, max_nonfinite_steps: int = 3) -> None:
         self.parts, self.arch, self.info, self.source = parts, arch, info, source
         self.save_dir, self.scalars = save_dir, scalars
+        self.keep_last = keep_last
+        """checkpoint.keep_last: rank 0 removes older checkpoints after each save."""
+        self.nonfinite = NonFiniteSteps(max_nonfinite_steps)
         self.sender: WeightSender | None = None
         self.engine_api_key = engine_api_key
         """Colocated mode: this rank posts its weights to its engine itself (derived from the job secret)."""
@@ -168,12 +173,16 @@ class TrainerCommands:
                 raise ValueError("SaveCommand but checkpoint.save is not set")
             path = checkpoint.save_checkpoint(root, self.parts.actor, self.parts.optimizer, checkpoint.TrainerState(
                 rollout_id=command.rollout_id, controller_state=command.controller_state))
+            if self.keep_last and self.info.rank == 0:
+                for old in prune_iterations(root, self.keep_last):
+                    log.info("removed %s (checkpoint.keep_last=%d)", old, self.keep_last)
             return {"checkpoint": str(path)}
         raise ValueError(f"unknown trainer command {type(command).__name__}")
 
     def train(self, command: TrainCommand) -> dict[str, Any]:
         batch = TrainBatch.from_arrays(command.batch, command.meta)
         steps = self.parts.trainer.train_rollout(batch)
+        self.nonfinite.check(command.rollout_id, steps)
         if self.info.rank == 0:
             for offset, metrics in enumerate(steps):
                 step = self.parts.optimizer.steps_done - len(steps) + offset + 1  # steps done, as rollout/* counts rollouts
@@ -193,6 +202,7 @@ class TrainerCommands:
     def colocated_sync(self, command: ColocatedSyncCommand) -> dict[str, Any]:
         if "weights" in self.offload.offloaded_tags:
             self.offload.require_onloaded("a colocated weight update")
+        check_finite_weights(self.parts.actor, device=self.info.device, rank=self.info.rank)
         if self.colocated_sender is None:
             from megatron.core import parallel_state
 
@@ -210,6 +220,7 @@ class TrainerCommands:
                                           bucket_bytes=command.bucket_bytes)
 
     def send_weights(self, command: SyncWeightsCommand) -> dict[str, Any]:
+        check_finite_weights(self.parts.actor, device=self.info.device, rank=self.info.rank)
         if self.sender is None:
             from megatron.core import parallel_state
 

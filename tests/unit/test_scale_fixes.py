@@ -66,6 +66,7 @@ class SlowProbeAdminForTest:
     def __init__(self, index: int) -> None:
         self.index = index
         self.probed = False
+        self.in_flight: list[str] = []  # no admin call in flight
 
     def known_alive(self, seconds: float) -> bool:
         return self.index == 5  # engine 5 just answered a weight-update call: no probe needed
