@@ -117,7 +117,8 @@ def sync_rank(model_file: str) -> dict:
                          if not hf_mapping.is_expert_param(name) and hf_mapping.tp_split(name).dim is not None)
     expert_tensors = sum(1 for name in params if hf_mapping.is_expert_param(name))
     shutdown_parallel()
-    return {"bytes": sum(b.num_bytes for b in plan), "buckets": len(plan), "hf_tensors": sum(len(b.names) for b in plan),
+    return {"bytes": sum(b.num_bytes for b in plan), "buckets": len(plan),
+            "hf_tensors": sum(len(b.names) for b in plan),
             "expert_bytes": expert_bytes, "expert_tensors": expert_tensors, "tp_split_bytes": tp_split_bytes,
             "parameters": sum(p.numel() for p in params.values())}
 
