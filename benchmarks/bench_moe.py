@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLES, MIN_TOKENS, MAX_TOKENS = 64, 32, 64
 STEP_ARCH = {"family": "qwen3_moe", "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 256,
              "num_attention_heads": 4, "num_query_groups": 2, "kv_channels": 32, "vocab_size": 24,
-             "rotary_base": 1_000_000.0, "norm_epsilon": 1e-6, "tie_word_embeddings": True, "qk_layernorm": True,
+             "rotary_base": 1_000_000.0, "norm_epsilon": 1e-6, "tie_word_embeddings": False, "qk_layernorm": True,
              "max_position_embeddings": 512, "num_moe_experts": 8, "moe_ffn_hidden_size": 256, "moe_router_topk": 2}
 LAYOUTS = {"EP1 (1 rank)": (1, "alltoall"), "EP2 alltoall (2 ranks)": (2, "alltoall")}
 SYNC_BUFFER_BYTES = 512 * 1024**2

@@ -100,6 +100,9 @@ class TinyMoeSpec(TinyModelSpec):
 
     family: str = "qwen3_moe"
     """qwen3_moe (Qwen3MoeForCausalLM) | glm4_moe (Glm4MoeForCausalLM)."""
+    tie_word_embeddings: bool = False
+    """Untied, as the real checkpoints: SGLang 0.5.23's Qwen3-MoE always builds its own lm_head (a tied
+    checkpoint, which has no lm_head.weight, serves uniform log-probs there)."""
     num_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 32

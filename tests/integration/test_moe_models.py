@@ -44,7 +44,7 @@ def make_models(root: Path) -> dict[str, tuple[str, str]]:
     """family -> (HF dir, architecture file)."""
     from hpc_rl.tiny_model import TinyMoeSpec, make_tiny_moe_model
 
-    specs = {"qwen3_moe": TinyMoeSpec(dense_layers=1),
+    specs = {"qwen3_moe": TinyMoeSpec(dense_layers=1, tie_word_embeddings=True),
              "glm4_moe": TinyMoeSpec(family="glm4_moe", dense_layers=1, routed_scaling_factor=2.5,
                                      tie_word_embeddings=False)}
     out = {}
