@@ -54,6 +54,14 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                 "optimizer.optimizer_offload_fraction")},
     "cluster.gpu_memory_gib": _POSITIVE,
     **{path: _BETA for path in ("optimizer.adam_beta1", "optimizer.adam_beta2")},
+    # slime / vime flags of issues 25 and 26
+    **{path: _at_least(0) for path in ("training.train_memory_margin_bytes", "controller.engine_health_first_wait")},
+    **{path: _POSITIVE for path in ("controller.engine_health_timeout",)},
+    **{path: _at_least(0) for path in ("checkpoint.ref_ckpt_step", "checkpoint.start_rollout_id")},
+    **{path: _at_least(1) for path in ("algorithm.ref_update_interval", "eval.eval_max_prompt_len",
+                                       "eval.eval_max_context_len", "training.log_probs_max_tokens_per_gpu",
+                                       "training.distributed_timeout_minutes")},
+    **{path: _at_least(0) for path in ("eval.eval_min_new_tokens",)},
 }
 
 # (temperature, top_p, top_k) field paths of each sampling setting.

@@ -9,9 +9,11 @@ and what the ranks do with a command (`hpc_rl.training`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hpc_rl.config.schema import AlgorithmConfig
+from hpc_rl.controller.logprob_guard import LogprobGuard
 from hpc_rl.controller.registry import Registry
 from hpc_rl.controller.train_batches import RewardShaping, split_for_data_parallel
 from hpc_rl.controller.trainer_channel import TrainerChannel, merge_metrics
@@ -19,21 +21,24 @@ from hpc_rl.data.samples import Group
 from hpc_rl.protocol.messages import SaveCommand, StopCommand, TrainCommand
 
 
-def reward_shaping(algorithm: AlgorithmConfig, n_samples_per_prompt: int) -> RewardShaping:
-    """The algorithm section's reward-normalisation fields (groups have `n_samples_per_prompt` samples)."""
+def reward_shaping(algorithm: AlgorithmConfig, n_samples_per_prompt: int,
+                   post_process: Callable[[list[Any]], Any] | None = None) -> RewardShaping:
+    """The algorithm section's reward-normalisation fields (groups have `n_samples_per_prompt` samples);
+    `post_process`: a custom reward post-process function with its args bound."""
     return RewardShaping(advantage_estimator=algorithm.advantage_estimator, n_samples_per_prompt=n_samples_per_prompt,
                          std_normalization=not algorithm.disable_grpo_std_normalization,
-                         disabled=algorithm.disable_rewards_normalization)
+                         disabled=algorithm.disable_rewards_normalization, post_process=post_process)
 
 
 def trainer_summary(reported: dict[str, Any]) -> dict[str, Any]:
     """A rollout's train metrics: the last optimizer step's, plus the first step's ppo_kl / kl_loss
-    (the first-step sanity checks: both are exactly 0 when weights = rollout weights = reference)."""
+    (the first-step sanity checks: both are exactly 0 when weights = rollout weights = reference) and
+    train/rollout log-prob gap (before any update: what `logprob_guard` checks after a sync)."""
     steps = reported.get("steps") or []
     summary = {k: v for k, v in reported.items() if k != "steps"}
     if steps:
         summary.update(steps[-1])
-        for key in ("ppo_kl", "kl_loss"):
+        for key in ("ppo_kl", "kl_loss", "train_rollout_logprob_abs_diff"):
             if key in steps[0]:
                 summary[f"first_step_{key}"] = steps[0][key]
         summary["num_steps"] = len(steps)
@@ -44,8 +49,10 @@ class Trainers:
     """Every trainer rank, as the loop sees them: each call is one collective command, done on every rank."""
 
     def __init__(self, channel: TrainerChannel, registry: Registry, *, shaping: RewardShaping,
-                 num_rollout: int) -> None:
+                 num_rollout: int, guard: LogprobGuard | None = None) -> None:
         self.channel, self.registry, self.shaping, self.num_rollout = channel, registry, shaping, num_rollout
+        self.guard = guard
+        """Fails the run when the engines' log-probs are not the trainer's right after a sync."""
         self.trained: tuple[int, int] | None = None
         """(rollout id, weight version) the ranks hold after their last train command; None while one runs
         or after one was abandoned (their state is then not known here)."""
@@ -63,6 +70,8 @@ class Trainers:
         self.trained = (rollout_id, weight_version + 1)
         metrics = {f"train/{k}" if "/" not in k else k: v for k, v in trainer_summary(merge_metrics(done)).items()}
         metrics["time/train"] = time.perf_counter() - start
+        if self.guard is not None:
+            self.guard.check(rollout_id, groups, weight_version, metrics)
         return metrics
 
     async def save(self, rollout_id: int, controller_state: dict[str, Any]) -> float:

@@ -213,14 +213,17 @@ PromptEncoder = Callable[[str | list[dict[str, Any]], dict[str, Any]], list[int]
 """(prompt, metadata) -> prompt token ids (chat template applied or not)."""
 
 
-def make_prompt_encoder(tokenizer: Any, *, apply_chat_template: bool) -> PromptEncoder:
-    """How prompts become token ids: the tokenizer's chat template (add_generation_prompt) or plain encode."""
+def make_prompt_encoder(tokenizer: Any, *, apply_chat_template: bool,
+                        chat_template_kwargs: dict[str, Any] | None = None) -> PromptEncoder:
+    """How prompts become token ids: the tokenizer's chat template (add_generation_prompt; with
+    `chat_template_kwargs` as extra template variables, slime's --apply-chat-template-kwargs) or plain encode."""
+    extra = dict(chat_template_kwargs or {})
 
     def encode(prompt: str | list[dict[str, Any]], metadata: dict[str, Any]) -> list[int]:
         if apply_chat_template:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             text = tokenizer.apply_chat_template(
-                messages, tools=metadata.get("tools"), tokenize=False, add_generation_prompt=True
+                messages, tools=metadata.get("tools"), tokenize=False, add_generation_prompt=True, **extra
             )
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if isinstance(prompt, list):

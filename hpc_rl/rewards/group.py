@@ -16,7 +16,9 @@ custom functions run on `RewardThread`, off the caller's event loop.
         deepscaler|dapo|math|f1   -> score(...) directly (sync, cheap; scoring.py), or, with
                                      `spec.pool`, the whole group in a worker process (pool.py)
 
-It does not write `sample.reward`; the caller does, so a failed group leaves samples untouched.
+It does not write `sample.reward`; the caller does, so a failed group leaves samples untouched. With
+`category_key` (slime's --log-reward-category) the reward object's value under that key is kept in
+`sample.metadata[REWARD_CATEGORY]` for the rollout metrics.
 """
 
 from __future__ import annotations
@@ -25,15 +27,22 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_rl.data.samples import Sample
 from hpc_rl.rewards.plugins import RewardFunction, load_reward_function
 from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rewards.reward_thread import RewardThread, RewardTimeout, bounded
 from hpc_rl.retry_policy import RetryPolicy
-from hpc_rl.rewards.remote import REMOTE_RM_RETRY, RewardSession, post_for_reward, reward_payload, reward_session
+from hpc_rl.rewards.remote import REMOTE_RM_RETRY, post_for_reward, reward_payload, reward_session
 from hpc_rl.rewards.scoring import REMOTE_RM, check_rm_type, resolve_rm_type, score, split_boxed_prefix
+
+if TYPE_CHECKING:
+    from hpc_rl.rewards.remote import RewardSession
+
+
+REWARD_CATEGORY = "reward_category"
+"""`sample.metadata` key of the reward object's category (`RewardSpec.category_key`)."""
 
 
 class RewardError(RuntimeError):
@@ -59,6 +68,10 @@ class RewardSpec:
     """Call the custom function once per group with the list of samples."""
     reward_key: str | None = None
     """When a custom function or the server returns an object, the key holding the reward."""
+    category_key: str | None = None
+    """When it returns an object, the key whose value is kept as the sample's reward category."""
+    proxy: str | None = None
+    """HTTP proxy for the reward server's calls (slime's --http-proxy)."""
     retry: RetryPolicy = REMOTE_RM_RETRY
     """remote_rm retry policy."""
     remote_timeout_s: float = 120.0
@@ -110,6 +123,12 @@ def _as_reward(value: Any, reward_key: str | None, source: str) -> float:
     raise TypeError(f"{source} returned {value!r} ({type(value).__name__}), not a number")
 
 
+def _keep_category(spec: RewardSpec, sample: Sample, value: Any) -> Any:
+    if spec.category_key is not None and isinstance(value, dict):
+        sample.metadata[REWARD_CATEGORY] = value.get(spec.category_key)
+    return value
+
+
 async def _call_custom(spec: RewardSpec, make: Callable[[], Awaitable[Any]]) -> Any:
     """A custom function's call: on the reward thread when there is one, bounded by the timeout either way."""
     if spec.thread is not None:
@@ -121,14 +140,14 @@ async def _reward_one(spec: RewardSpec, sample: Sample, session: RewardSession |
     if spec.custom_rm_path is not None:
         function: RewardFunction = load_reward_function(spec.custom_rm_path, group=False)
         value = await _call_custom(spec, lambda: function(spec.args, sample))
-        return _as_reward(value, spec.reward_key, spec.custom_rm_path)
+        return _as_reward(_keep_category(spec, sample, value), spec.reward_key, spec.custom_rm_path)
     rm_type = resolve_rm_type(spec.rm_type, sample.metadata)
     if split_boxed_prefix(rm_type)[1] == REMOTE_RM:
         if session is None or not spec.rm_url:
             raise ValueError("remote_rm needs rm_url")
         payload = reward_payload(sample.prompt, sample.response_text, sample.label)
         answer = await bounded(post_for_reward(session, spec.rm_url, payload, spec.retry), spec.timeout_s)
-        return _as_reward(answer, spec.reward_key, spec.rm_url)
+        return _as_reward(_keep_category(spec, sample, answer), spec.reward_key, spec.rm_url)
     return score(rm_type, sample.response_text, sample.label, sample.metadata)
 
 
@@ -186,7 +205,8 @@ async def _reward_custom_group(spec: RewardSpec, samples: list[Sample]) -> list[
         if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
             got = f"{len(rewards)} values" if isinstance(rewards, (list, tuple)) else repr(rewards)
             raise ValueError(f"expected a list of {len(samples)} rewards (one per sample), got {got}")
-        return [_as_reward(value, spec.reward_key, spec.custom_rm_path) for value in rewards]
+        return [_as_reward(_keep_category(spec, sample, value), spec.reward_key, spec.custom_rm_path)
+                for sample, value in zip(samples, rewards)]
     except Exception as error:
         raise RewardError(
             f"reward failed for samples with index {indices} ({spec.label}): {type(error).__name__}: {error}",
@@ -240,7 +260,7 @@ async def _rewards(spec: RewardSpec, samples: list[Sample]) -> list[float]:
     if spec.pool is not None and spec.custom_rm_path is None and not _needs_session(spec, samples):
         return await _reward_in_pool(spec, spec.pool, samples)
     if _needs_session(spec, samples):
-        async with reward_session(spec.remote_timeout_s) as session:
+        async with reward_session(spec.remote_timeout_s, spec.proxy) as session:
             results = await asyncio.gather(
                 *(_guarded(spec, s, session) for s in samples), return_exceptions=True
             )

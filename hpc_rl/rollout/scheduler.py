@@ -48,6 +48,8 @@ from hpc_rl.rollout.generate import (
     run_generate,
 )
 from hpc_rl.rollout.metrics import RolloutMetrics
+from hpc_rl.rollout.sample_metrics import SampleMetricOptions, sample_metrics
+from hpc_rl.rollout.sample_plugins import SamplePlugins
 from hpc_rl.rollout.partial_buffer import (
     FINISHED,
     PartialRolloutBuffer,
@@ -128,7 +130,8 @@ class RolloutScheduler:
                  encoder: PromptEncoder, reward_fn: RewardFn, sampling_params: SamplingParams, args: Any = None,
                  group_filter: GroupFilter | None = None, buffer: PartialRolloutBuffer | None = None,
                  generate_fn: GenerateFn = default_generate, retry: RetryPolicy | None = None,
-                 stop_timeout_s: float = 60.0) -> None:
+                 stop_timeout_s: float = 60.0, metric_options: SampleMetricOptions | None = None,
+                 plugins: SamplePlugins | None = None) -> None:
         self.settings = settings
         self.client = client
         self.source = source
@@ -141,6 +144,13 @@ class RolloutScheduler:
         self.generate_fn = generate_fn
         self.retry = retry or RetryPolicy()
         self.stop_timeout_s = stop_timeout_s
+        self.metric_options = metric_options or SampleMetricOptions()
+        """slime's optional --log-* sample metrics of the kept groups."""
+        self.plugins = plugins or SamplePlugins()
+        """slime's sample hooks, sample filter, all-samples process and rollout log function."""
+        self._rollout_id: int | None = None
+        self._filtered_out: list[Group] = []
+        """This rollout's scored groups the dynamic-sampling filter dropped (for the all-samples process)."""
         self.next_group_index = 0
         self.next_sample_index = 0
         self.weight_version = 0
@@ -224,6 +234,7 @@ class RolloutScheduler:
             return "failed"
         if session.stopped.is_set() or any(s.status not in FINISHED for s in run.group):
             return "unfinished"
+        await self.plugins.apply_hooks_to_group(self.args, run.group, rollout_id=self._rollout_id, evaluation=False)
         run.scoring = True
         rewards = await self.reward_fn(run.group)
         if len(rewards) != len(run.group):
@@ -248,6 +259,7 @@ class RolloutScheduler:
         settings = self.settings
         target = settings.rollout_batch_size
         metrics = RolloutMetrics()
+        self._rollout_id, self._filtered_out = rollout_id, []
         # Without a filter or over-sampling every submitted group is waited for: batch across groups.
         every_group_needed = self.group_filter is None and (settings.over_sampling_batch_size or target) <= target
         session = GenerationSession(self.client, weight_version=self.weight_version, retry=self.retry,
@@ -288,6 +300,7 @@ class RolloutScheduler:
                             kept.append(group)
                         else:
                             self._drop(group, reason or "filter", metrics)
+                            self._filtered_out.append(group)
                 dropped = sum(metrics.groups_dropped.values())
                 if dropped > settings.max_dropped_per_kept * target:
                     raise RuntimeError(
@@ -302,7 +315,15 @@ class RolloutScheduler:
         self._finish_kept(kept, metrics)
         metrics.buffer_size = len(self.buffer)
         metrics.wall_time_s = time.monotonic() - started
-        out = {**metrics.as_dict(), **session.metrics.as_dict(), **_sample_stats(kept, self.weight_version)}
+        removed = self.plugins.filter_kept(self.args, kept)
+        self.plugins.process_all(self.args, kept + self._filtered_out, self.source)
+        self._filtered_out = []
+        out = {**metrics.as_dict(), **session.metrics.as_dict(), **_sample_stats(kept, self.weight_version),
+               **sample_metrics(kept, self.metric_options, "rollout/")}
+        if self.plugins.sample_filter is not None:
+            out["rollout/samples_removed_by_filter"] = float(removed)
+        if self.plugins.skip_rollout_scalars(rollout_id, self.args, kept, out, metrics.wall_time_s):
+            out = {key: value for key, value in out.items() if not key.startswith("rollout/")}
         return RolloutResult(groups=kept, metrics=out)
 
     async def _stop(self, session: GenerationSession, runs: dict[asyncio.Task[str], _GroupRun],

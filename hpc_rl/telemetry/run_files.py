@@ -80,6 +80,16 @@ def append_line(path: str | Path, line: str) -> None:
         os.close(descriptor)
 
 
+def write_debug_rollout_data(template: str, rollout_id: int, groups: list[Group]) -> Path:
+    """slime's --save-debug-rollout-data: every sample of the rollout, all fields, one JSON object per line."""
+    path = Path(template.format(rollout_id=rollout_id))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        for sample in (s for g in groups for s in g):
+            handle.write(json.dumps(sample.to_dict(), default=str) + "\n")
+    return path
+
+
 def drop_rollout_records_from(path: str | Path, first_redone: int) -> int:
     """Remove the records of rollouts >= `first_redone` (written after the checkpoint a run resumes from,
     by the attempt that was stopped: they are redone). Returns how many were removed. Lines that are

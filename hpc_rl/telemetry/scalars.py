@@ -1,7 +1,8 @@
 """TensorBoard scalars of a run and the progress line printed per rollout.
 
-Owns: one TensorBoard event file per process under `<run_dir>/tensorboard` (each process writes its
-own; TensorBoard merges them; written by `event_file`, without torch), which writers the controller's
+Owns: where a run's TensorBoard files go (`tensorboard_dir`: `logging.tensorboard_dir`, default
+`<run_dir>/tensorboard`, under `logging.tb_experiment_name` when set), one TensorBoard event file per process
+there (each process writes its own; TensorBoard merges them; written by `event_file`, without torch), which writers the controller's
 scalars go to (TensorBoard always, W&B too with `logging.use_wandb`: `wandb_scalars`), and formatting a
 rollout's headline numbers on one line.
 """
@@ -17,6 +18,12 @@ from hpc_rl.telemetry.event_file import ScalarEventFile
 if TYPE_CHECKING:
     from hpc_rl.config.schema import RunConfig
     from hpc_rl.telemetry.wandb_scalars import WandbScalars
+
+
+def tensorboard_dir(config: RunConfig, run_dir: str | Path) -> str:
+    """The run's TensorBoard directory (every process of the run writes its own event file into it)."""
+    root = Path(config.logging.tensorboard_dir or Path(run_dir) / "tensorboard")
+    return str(root / config.logging.tb_experiment_name if config.logging.tb_experiment_name else root)
 
 
 class ScalarLog:
