@@ -34,7 +34,7 @@ from hpc_rl.protocol.http_client import EngineHTTPTransportError, request_blocki
 from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights.colocated import serialize_share, update_weights_from_tensor_body
 from hpc_rl.weights.export import ExpertLayout, export_param, named_megatron_params
-from hpc_rl.weights.hf_mapping import export_dtype
+from hpc_rl.weights.hf_mapping import tensor_send_dtype
 from hpc_rl.weights.sender import WeightSender
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class ColocatedWeightSender:
         self.device = device
         """This rank's device identity, written into CPU shares (the CPU engine checks it, as SGLang the UUID)."""
         self.experts = experts if experts is not None else ExpertLayout.current(arch)
-        """Where the routed experts live (None: from Megatron's groups): each is gathered over EP for the engine."""
+        """Where the routed experts live (None: from Megatron's groups); each is gathered over EP for the engine."""
         self._planner = WeightSender(model, arch, tp_group=tp_group, tp_size=tp_size, dp_rank=0, rank=rank,
                                      bucket_bytes=bucket_bytes, dtype=dtype)
         self.dtype = self._planner.dtype
@@ -111,7 +111,7 @@ class ColocatedWeightSender:
                 named.extend(export_param(source, self.params, self.arch, self.tp_group, self.experts))
             if not engine_url:
                 continue
-            named = [(name, tensor.to(export_dtype(name, self.dtype)).contiguous()) for name, tensor in named]
+            named = [(name, tensor.to(tensor_send_dtype(name, self.dtype)).contiguous()) for name, tensor in named]
             last = index == len(plan) - 1
             self._send_bucket(named, engine_url, weight_version=str(version) if last else None, flush_cache=last,
                               timeout_s=timeout_s)

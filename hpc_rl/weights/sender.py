@@ -76,7 +76,7 @@ class BucketMeta:
 def _plan(entries: Iterable[tuple[str, list[tuple[str, tuple[int, ...]]]]], dtype: torch.dtype,
           bucket_bytes: int) -> list[BucketMeta]:
     """Whole Megatron parameters per bucket, up to `bucket_bytes`; each HF tensor in its export dtype
-    (`hf_mapping.export_dtype`), a bucket of mixed dtypes ordered by falling dtype size (aligned)."""
+    (`hf_mapping.tensor_send_dtype`), a bucket of mixed dtypes ordered by falling dtype size (aligned)."""
     buckets: list[BucketMeta] = []
     current: list[tuple[str, list[int], torch.dtype]] = []
     sources: list[str] = []
@@ -94,7 +94,7 @@ def _plan(entries: Iterable[tuple[str, list[tuple[str, tuple[int, ...]]]]], dtyp
         size = 0
 
     for source, hf_entries in entries:
-        typed = [(name, list(shape), hf_mapping.export_dtype(name, dtype)) for name, shape in hf_entries]
+        typed = [(name, list(shape), hf_mapping.tensor_send_dtype(name, dtype)) for name, shape in hf_entries]
         nbytes = sum(torch.empty((), dtype=d).element_size() * int(torch.Size(s).numel()) for _, s, d in typed)
         if size and size + nbytes > bucket_bytes:
             flush()
@@ -245,7 +245,7 @@ class WeightSender:
         if self.group is None:
             raise RuntimeError("send_bucket before connect(): rank 0 has no weight-update group")
         position = {name: i for i, name in enumerate(meta.names)}
-        named = sorted(((name, tensor.to(hf_mapping.export_dtype(name, self.dtype))) for name, tensor in named),
+        named = sorted(((name, tensor.to(hf_mapping.tensor_send_dtype(name, self.dtype))) for name, tensor in named),
                        key=lambda item: position.get(item[0], -1))
         capacity = max(b.num_bytes for b in self.plan_buckets())
         names = self._broadcaster.send(named, meta.num_bytes, self.group, capacity)
