@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from hpc_rl.engines.cpu.faults import EXIT_IN_GENERATE, fail_here_if_asked
 from hpc_rl.engines.cpu.memory_occupation import WeightsNotLoaded
 from hpc_rl.engines.cpu.requests import GenerationRequest, RequestError, parse_generate_body, render_response
 from hpc_rl.engines.cpu.scheduler import EngineFatalError, EngineStateError, Scheduler, SchedulerDied
@@ -127,6 +128,7 @@ class EngineServer:
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        fail_here_if_asked(EXIT_IN_GENERATE)
         body = await _read_json(request)
         try:
             parsed = parse_generate_body(body, tokenizer=self.scheduler.tokenizer,
