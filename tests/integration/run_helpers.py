@@ -124,3 +124,15 @@ def processes_of_run(run_dir: Path) -> list[str]:
             shown = cmdline.replace(b"\0", b" ").decode(errors="replace")[:200]
             found.append(f"{pid}: {shown}")
     return found
+
+
+def trainer_ranks_of_run(run_dir: Path) -> list[int]:
+    """Pids of the run's torchrun trainer ranks (not its agent): on a shared machine another run's ranks have the
+    same command line, so they are told apart by the run dir (`processes_of_run`)."""
+    ranks = []
+    for line in processes_of_run(run_dir):
+        pid, command = line.split(":", 1)
+        if "-m hpc_rl.training" in command and "torch.distributed.run" not in command \
+                and "bound_torchrun" not in command:
+            ranks.append(int(pid))
+    return ranks
