@@ -62,7 +62,8 @@ class RunLoop:
         try:
             await self.weights.start(resumed=resumed and self.next_rollout_id > 0)
             if self.evaluate and self.next_rollout_id == 0 and not self.eval_config.skip_eval_before_train:
-                self.recorder.eval_before_training(await self.evaluate(self.weights.version, 0))
+                self.recorder.eval_before_training(await self.rollouts.watch(self.evaluate(self.weights.version, 0),
+                                                                            "eval before training"))
             for rollout_id in range(self.next_rollout_id, self.num_rollout):
                 start = time.perf_counter()
                 result = await self.rollouts.next(rollout_id)  # generate, score, filter; partial buffer in and out
@@ -76,7 +77,8 @@ class RunLoop:
                 metrics |= await self.weights.after_train(version, sync_due=sync_due)
                 if self.evaluate and every(self.eval_config.eval_interval, rollout_id):
                     eval_start = time.perf_counter()
-                    metrics |= await self.evaluate(self.weights.version, rollout_id)
+                    metrics |= await self.rollouts.watch(self.evaluate(self.weights.version, rollout_id),
+                                                         f"eval after rollout {rollout_id}")  # engines watched
                     metrics["time/eval"] = time.perf_counter() - eval_start
                 metrics |= await self.checkpoints.save_if_due(rollout_id, self.weights.version,
                                                               stopping=self.stop_requested)

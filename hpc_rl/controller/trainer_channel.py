@@ -2,7 +2,8 @@
 
 Owns: one command queue per rank (a rank asks `NextCommand`, the controller answers with the next
 command when there is one), sequence numbers, collecting `CommandDone` from every rank, the weight
-plan that rank 0 sends during a sync, and failing everything pending when a rank is lost.
+plan that rank 0 sends during a sync (and the verdict it asks for while the engines join a new group:
+`give_up_join`), and failing everything pending when a rank is lost.
 Every rank runs every command in the same order: they are collective operations on the trainer side.
 A command whose caller stopped waiting (cancelled: a signal, a timeout) is abandoned, not forgotten: the
 ranks still run it, their CommandDone is expected and quietly absorbed, and `idle` says when they are
@@ -41,6 +42,8 @@ class TrainerChannel:
         self._abandoned: _Pending | None = None
         """A command whose caller stopped waiting; the ranks still run it and report it done."""
         self._weight_plan: asyncio.Future[WeightPlan] | None = None
+        self._join_given_up: tuple[int, str] | None = None
+        """(seq of a sync command, why): rank 0 stops waiting for the engines to join its new weight-update group."""
         self.failure: TrainerFailed | None = None
 
     @property
@@ -87,6 +90,17 @@ class TrainerChannel:
         if self._weight_plan is None or self._weight_plan.done():
             raise TrainerFailed("trainer sent a weight plan outside a sync")
         self._weight_plan.set_result(plan)
+
+    def give_up_join(self, reason: str) -> None:
+        """The running sync command's new weight-update group will not be complete (an engine died or failed
+        before joining): rank 0's next WeightGroupJoinCheck tells it to stop waiting (see `join_verdict`)."""
+        if self._pending is not None:
+            self._join_given_up = (self._pending.seq, reason)
+
+    def join_verdict(self, seq: int) -> str:
+        """What rank 0 asking about sync command `seq` is told: "" (keep waiting) or why it stops waiting."""
+        given_up = self._join_given_up
+        return given_up[1] if given_up is not None and given_up[0] == seq else ""
 
     def on_done(self, done: CommandDone) -> None:
         abandoned = self._abandoned
