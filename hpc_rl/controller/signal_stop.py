@@ -4,7 +4,9 @@
             ──> wait, at most `grace_s`, until the trainer ranks run nothing (the loop generates, evaluates
                 or talks to engines) or the loop has stopped by itself
             ──> cut the loop there: the rollout in flight is dropped (its prompts are still ahead of the
-                data cursor the checkpoint stores, so a resume draws them again)
+                data cursor the checkpoint stores, so a resume draws them again); a weight sync cut there
+                (an engine stuck or dying in it: Slurm signals the engines too) has rank 0 abort its group
+                first, or the save would wait behind broadcasts that never complete
             ──> save the rollout the ranks last trained, if it is not saved yet (bounded by what is left)
             ──> StopCommand to the ranks
     A rollout still training when the grace ends is cut without a new checkpoint (the last one stays).
@@ -70,6 +72,13 @@ async def _save_last_trained(loop: RunLoop, channel: TrainerChannel, deadline: f
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         return "no new checkpoint: no grace time left to save (the last checkpoint is kept)"
+    try:  # a weight sync the stop cut (an engine stuck or dying in it) left rank 0 broadcasts that never complete:
+        await asyncio.wait_for(loop.weights.abort_group_if_due(), remaining)  # the save would queue behind them
+    except TimeoutError:
+        return "no new checkpoint: aborting the weight-update group of the cut sync did not finish within the grace"
+    except Exception as error:  # noqa: BLE001 - said, then the run stops as asked
+        return f"no new checkpoint: aborting the cut sync's weight-update group failed: {type(error).__name__}: {error}"
+    remaining = deadline - time.monotonic()
     try:
         metrics = await asyncio.wait_for(loop.checkpoints.save_if_due(rollout_id, version, stopping=True), remaining)
     except TimeoutError:

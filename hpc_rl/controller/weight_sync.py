@@ -176,6 +176,7 @@ async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpd
         raise WeightGroupBroken(str(error), broken) from error
     except asyncio.CancelledError:
         every.cancel()
+        every.add_done_callback(lambda gathered: gathered.cancelled() or gathered.exception())  # read: no warning
         raise
     finally:
         gate.open()

@@ -87,3 +87,27 @@ def test_a_rank_in_a_slurm_step_outlives_sigterm_for_its_grace_only() -> None:
         assert plain.wait(10) == -signal.SIGTERM
     finally:
         plain.kill()
+
+
+def test_sigterms_passed_on_by_torchruns_agent_are_the_same_stop() -> None:
+    """scancel: slurmd signals the rank, and torchrun's agent, signalled too, sends the rank its own SIGTERM 13 ms
+    later (measured on the local cluster). That one is the same stop, not a second one: the rank must go on
+    serving the controller (old: it exited at once, so no checkpoint was ever saved after a scancel)."""
+    env = {**os.environ, "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "1", "PYTHONPATH": os.getcwd()}
+    code = RANK.replace("print(defer_sigterm_in_slurm_step(), flush=True)",
+                        "from hpc_rl.training.term_deferral import defer_sigterm\ndefer_sigterm(30.0, same_stop_s=1.5)\n"
+                        "print(True, flush=True)")
+    rank = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "True"
+        os.kill(rank.pid, signal.SIGTERM)  # slurmd's
+        time.sleep(0.02)
+        os.kill(rank.pid, signal.SIGTERM)  # the agent's, passed on
+        os.kill(rank.pid, signal.SIGTERM)  # srun's
+        time.sleep(0.8)
+        assert rank.poll() is None, "the rank took a passed-on SIGTERM for a second one and exited"
+        time.sleep(1.0)
+        os.kill(rank.pid, signal.SIGTERM)  # a real second one, after the window: at once
+        assert rank.wait(5) == 143
+    finally:
+        rank.kill()
