@@ -70,7 +70,8 @@ def test_the_only_engine_lost_in_eval_in_group_set_up_and_stuck_mid_sync_costs_n
     failures = [detail for event, detail in events if event == "failed"]
     assert len(failures) == 3, events
     assert failures[0].startswith("process exited")  # 1. in the eval
-    assert "broke weight sync v0" in failures[1] and "/init_weights_update_group failed" in failures[1]  # 2.
+    # 2. (named by its failed init call, or by the driver that saw its process exit first)
+    assert "/init_weights_update_group failed" in failures[1] or failures[1].startswith("process exited")
     assert failures[2].startswith("stuck in a weight update")  # 3.
     # the first two restarted processes failed in their first sync; the third served once it had the weights
     assert [event for event, _ in events] == ["failed", "restarting", "restarted"] * 3 + ["serving"], events
@@ -87,13 +88,17 @@ def test_the_only_engine_lost_in_eval_in_group_set_up_and_stuck_mid_sync_costs_n
         assert row["metrics"]["train/first_step_train_rollout_logprob_abs_diff"] < 1e-5, row["metrics"]
     assert processes_of_run(run_dir) == []
 
-    died, given_up, stuck, stuck_failed = log_times(run_dir, "engine 0: failed process exited",
-                                                    "rank 0 stops waiting for it", "weight update: no engine has",
-                                                    "engine 0: failed stuck in a weight update")
-    serving = [t for t in log_times(run_dir, "engine 0: serving")]
-    print(f"\nthree faults in the eval before training, run finished in {elapsed:.0f} s; engine death -> serving "
-          f"again {serving[0] - died:.1f} s; group set-up given up {given_up - died:.1f} s after the first death; "
-          f"stuck engine noticed and failed {stuck_failed - stuck:.1f} s after the notice")
+    died, given_up, stuck_failed, serving = log_times(run_dir, "engine 0: failed process exited",
+                                                      "rank 0 stops waiting for it", "engine 0: failed stuck in a",
+                                                      "engine 0: serving")
+    exited, exited_in_init, stopped = (markers[v].stat().st_mtime for v in (EXIT_IN_GENERATE, EXIT_IN_GROUP_INIT,
+                                                                            STOP_IN_WEIGHT_SYNC))
+    assert given_up - exited_in_init < 5.0  # old: the run failed; rank 0 would have waited 600 s
+    assert stuck_failed - stopped < 20.0  # the watchdog: 5 s without an answer, then a 5 s /health probe
+    print(f"\nthree faults in the eval before training; the run finished in {elapsed:.0f} s: engine exit -> failed "
+          f"{died - exited:.1f} s; exit in group set-up -> rank 0 stops waiting {given_up - exited_in_init:.1f} s; "
+          f"SIGSTOP mid-broadcast -> failed {stuck_failed - stopped:.1f} s; first fault -> serving the trainer's "
+          f"weights again {serving - exited:.1f} s")
 
 
 def test_sigterm_while_a_sync_is_stuck_saves_the_last_trained_rollout(tmp_path: Path, monkeypatch) -> None:
