@@ -29,6 +29,8 @@ class _Pending:
     seq: int
     done: dict[int, CommandDone]
     future: asyncio.Future[list[CommandDone]]
+    name: str = ""
+    """The command's type (what the ranks are busy with)."""
 
 
 class TrainerChannel:
@@ -50,6 +52,12 @@ class TrainerChannel:
     def idle(self) -> bool:
         """No command is running on the ranks (neither awaited nor abandoned)."""
         return self._pending is None and self._abandoned is None
+
+    @property
+    def running(self) -> str:
+        """The type of the command the ranks run ("" when idle): what a stop that could not wait was cut at."""
+        command = self._pending or self._abandoned
+        return command.name if command is not None else ""
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -73,7 +81,9 @@ class TrainerChannel:
         pending = _Pending(seq=seq, done={}, future=loop.create_future())
         self._pending = pending
         for rank in range(self.world_size):
-            self._queues[rank].put_nowait(make_command(rank, seq))
+            command = make_command(rank, seq)
+            pending.name = type(command).__name__
+            self._queues[rank].put_nowait(command)
         try:
             return await asyncio.wait_for(asyncio.shield(pending.future), timeout_s)
         finally:

@@ -7,7 +7,8 @@ SIGTERM goes on executing commands until its StopCommand, until the controller g
 RANK_TERM_GRACE_S have passed; then it exits as SIGTERM would have made it (after the atexit handlers:
 Megatron's checkpoint writer stops its helper processes). The SIGTERMs that follow within SAME_STOP_S are
 the same stop passed on (torchrun's agent sends each rank one as soon as it gets its own); a SIGTERM after
-that ends the rank at once.
+that ends the rank at once. Megatron's checkpoint writer keeps a helper process (a Manager) that
+Slurm's SIGTERM reaches too: it is started with SIGTERM ignored (`keep_checkpoint_writer_through_sigterm`).
 
 Outside Slurm a rank's only SIGTERM comes from the driver stopping the trainer step (the user's signals
 reach the driver alone: steps run in their own sessions), so it keeps Python's default there.
@@ -16,11 +17,13 @@ reach the driver alone: steps run in their own sessions), so it keeps Python's d
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
+from multiprocessing.managers import SyncManager
 from types import FrameType
 
 log = logging.getLogger(__name__)
@@ -67,8 +70,45 @@ def defer_sigterm(grace_s: float = RANK_TERM_GRACE_S, exit_fn: Callable[[int], o
 
 
 def defer_sigterm_in_slurm_step() -> bool:
-    """`defer_sigterm()` when this rank runs in a Slurm step; whether it did."""
+    """`defer_sigterm()` and `keep_checkpoint_writer_through_sigterm()` when this rank runs in a Slurm step;
+    whether it did."""
     if not in_slurm_step(os.environ):
         return False
     defer_sigterm()
+    keep_checkpoint_writer_through_sigterm()
+    return True
+
+
+_writer_manager: SyncManager | None = None
+
+
+def _ignore_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def keep_checkpoint_writer_through_sigterm() -> bool:
+    """Megatron's checkpoint writer (megatron-core 0.16.1, `filesystem_async`) passes its results through a
+    multiprocessing Manager it spawns: a fresh interpreter, with Python's default SIGTERM. Slurm signals every
+    process of the step, so a scancel killed that Manager and the save the controller asked for in the grace
+    failed with "Broken pipe" (measured on the local cluster). The Manager is started here instead, when the
+    writer first asks for it, with SIGTERM ignored: it still ends with the rank (multiprocessing shuts it down
+    at exit; a killed rank's is ended by torchrun's agent, a subreaper, and Slurm's SIGKILL). Whether Megatron's
+    writer has that hook (another Megatron: nothing is changed)."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return False
+    if not callable(getattr(filesystem_async, "_get_write_results_queue", None)) \
+            or not hasattr(filesystem_async, "_results_queue"):
+        return False
+
+    def results_queue() -> object:
+        global _writer_manager
+        if filesystem_async._results_queue is None:
+            _writer_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+            _writer_manager.start(initializer=_ignore_sigterm)
+            filesystem_async._results_queue = _writer_manager.Queue()
+        return filesystem_async._results_queue
+
+    filesystem_async._get_write_results_queue = results_queue
     return True

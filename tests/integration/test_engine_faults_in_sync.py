@@ -125,7 +125,8 @@ def test_sigterm_while_a_sync_is_stuck_saves_the_last_trained_rollout(tmp_path: 
     assert latest_iteration(run_dir / "checkpoints") == 1
     assert "Traceback" not in output and "never retrieved" not in output
     assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
-    assert [r["rollout_id"] for r in records(run_dir)] == [0]  # rollout 1 was cut in its sync: recorded by a resume
+    # rollout 1 was cut in its sync and saved by the stop: recorded then (old: missing; a resume starts at 2)
+    assert [r["rollout_id"] for r in records(run_dir)] == [0, 1]
     wait_for(lambda: processes_of_run(run_dir) == [], 30, "every process of the run to end")
     assert float(saved.group(2)) < TERM_GRACE_LOCAL_S
     print(f"\nSIGTERM with the sync stuck on a stopped engine: rollout 1 saved {saved.group(2)} s after it (save "
