@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.run_helpers import (engine_pids, interrupt, processes_mentioning, processes_of_run, records,
-                                           run_to_end, start_run, trainer_ranks_of_run, wait_for)
+                                           run_to_end, start_run, trainer_rank_pids, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +152,7 @@ def test_dead_trainer_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
     process = start_run(run_dir, "--num-rollout", "200", "--eval-interval", "1000", "--save-interval", "1")
     try:
         wait_for(lambda: len(records(run_dir)) >= 2, 300, "two rollouts (each saved)")
-        trainers = trainer_ranks_of_run(run_dir)  # this run's, not another run's on the same machine
+        trainers = trainer_rank_pids(run_dir)
         assert trainers, "no trainer rank found"
         os.kill(trainers[0], signal.SIGKILL)
         code = process.wait(120)
