@@ -1,4 +1,4 @@
-"""Rule-based rewards in worker processes, off the controller's event loop (`rollout.reward_workers`).
+r"""Rule-based rewards in worker processes, off the controller's event loop (`rollout.reward_workers`).
 
 Owns `RewardPool`: a pool of `reward_workers` processes (spawned, so nothing of the controller's event
 loop or sockets is inherited) that score a group's samples with `scoring.score` (deepscaler, dapo,
