@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.parallel_layout import ParallelLayout
 from hpc_rl.config.parameter_counts import ParameterShare, format_count, model_share, stage_shares
+from hpc_rl.config.pipeline_split import training_split
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sglang_options import attention_dp_size
 
@@ -195,6 +196,11 @@ def _layer_activation_elements(arch: ModelArchitecture, moe: bool) -> int:
     h, d = arch.hidden_size, arch.kv_channels
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
     attention = 2 * h + (q + 2 * kv if arch.qk_layernorm else kv) + (q + kv) + q
+    if arch.multi_latent_attention:  # latents and their norms, up-projected q and kv, rotated k, output
+        heads, nope, rope = arch.num_attention_heads, arch.qk_head_dim or 0, arch.qk_pos_emb_head_dim or 0
+        latent = 2 * (arch.q_lora_rank or 0) + 2 * (arch.kv_lora_rank or 0) + rope
+        attention = 2 * h + latent + heads * (nope + rope) + heads * (nope + (arch.v_head_dim or 0)) \
+            + heads * (nope + rope) + heads * (arch.v_head_dim or 0)
     if not moe:
         return attention + 2 * h + 3 * arch.ffn_hidden_size
     experts, inner = arch.num_moe_experts or 0, arch.moe_ffn_hidden_size or arch.ffn_hidden_size
@@ -203,7 +209,7 @@ def _layer_activation_elements(arch: ModelArchitecture, moe: bool) -> int:
     return attention + routed + shared
 
 
-def _activations(arch: ModelArchitecture, config: RunConfig, layers: range, tokens: int,
+def _activations(arch: ModelArchitecture, config: RunConfig, layers: list[int], tokens: int,
                  in_flight: int) -> tuple[int, int]:
     """(no recompute, full recompute) bytes of one stage's layers, times the micro-batches in flight (1F1B:
     PP - stage). Full recompute keeps each unit's input (uniform: units of recompute_num_layers layers; block:
@@ -230,8 +236,8 @@ def trainer_memory(config: RunConfig, arch: ModelArchitecture, layout: ParallelL
     """The fullest pipeline stage's GPU."""
     training, optimizer = config.training, config.optimizer
     tokens, _ = tokens_per_micro_batch(config)
-    stages = stage_shares(arch, layout.pp)
-    per_stage = arch.num_layers // layout.pp
+    split = training_split(arch.num_layers, training)
+    stages = stage_shares(arch, layout.pp, split)
     best: TrainerMemory | None = None
     for stage, share in enumerate(stages):
         dense = (share.tensor_parallel + share.vocab_parallel) // layout.tp + share.replicated
@@ -240,9 +246,9 @@ def trainer_memory(config: RunConfig, arch: ModelArchitecture, layout: ParallelL
         shards = dense / layout.dense_optimizer_shards + experts / layout.expert_optimizer_shards
         full = PRECISION_AWARE_OPTIMIZER_BYTES if optimizer.use_precision_aware_optimizer else OPTIMIZER_BYTES
         offloaded = optimizer.optimizer_offload_fraction if optimizer.optimizer_cpu_offload else 0.0
-        kept, recompute = _activations(arch, config, range(stage * per_stage, (stage + 1) * per_stage), tokens,
-                                       in_flight=layout.pp - stage)
         last = stage == layout.pp - 1
+        layers = list(split.layers(stage)) + ([arch.num_layers - 1] * (arch.mtp_num_layers or 0) if last else [])
+        kept, recompute = _activations(arch, config, layers, tokens, in_flight=layout.pp - stage)
         memory = TrainerMemory(
             parameters=params, dense_parameters=dense, expert_parameters=experts, weights=params * BF16,
             reference_weights=params * BF16 if config.algorithm.use_kl_loss or config.algorithm.kl_coef else 0,
@@ -285,6 +291,8 @@ def engine_memory(config: RunConfig, arch: ModelArchitecture, gpu: int) -> Engin
     static = int(fraction * gpu)
     kv_heads = math.ceil(arch.num_query_groups / attention_tp)
     kv_per_token = arch.num_layers * 2 * kv_heads * arch.kv_channels * BF16
+    if arch.multi_latent_attention:  # SGLang caches MLA's latent and rotary key, whole on every attention-TP rank
+        kv_per_token = arch.num_layers * ((arch.kv_lora_rank or 0) + (arch.qk_pos_emb_head_dim or 0)) * BF16
     return EngineMemory(gpus_per_engine=gpus, attention_tp=attention_tp, weights=weights, static=static,
                         kv_cache=static - weights, kv_bytes_per_token=kv_per_token, mem_fraction_static=fraction,
                         fraction_is_auto=auto)
