@@ -8,7 +8,8 @@ One more is scoped, not process-wide: `tensor_cuda_is_identity()`, for building 
 whose output layer shares the first stage's embedding (Megatron moves that weight with `.cuda()`
 before all-reducing it over the embedding group, LanguageModule.setup_embeddings_and_output_layer).
 Also owns the CPU-safe RNG set-up, the fusion switches every CPU `TransformerConfig` needs, the MoE
-ones (`prepare_megatron_moe`, `cpu_moe_overrides`: notes/megatron-moe-cpu.md), and
+ones (`prepare_megatron_moe`, `cpu_moe_overrides`: notes/megatron-moe-cpu.md), the MLA one
+(`prepare_megatron_mla`), and
 `light_megatron_import()`, which keeps importing Megatron on CPU from costing seconds of start-up for
 code it never runs there (issue 11).
 Does not own process groups (`hpc_rl.training.parallel`) or model building.
@@ -205,6 +206,23 @@ def prepare_megatron_moe() -> None:
         MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_alltoall_split_sizes
         mappings._gather_along_first_dim = _uneven_gather_twin(mappings._gather_along_first_dim)
     _moe_prepared = True
+
+
+def prepare_megatron_mla() -> None:
+    """Make Megatron's MLA layer buildable without Transformer Engine; idempotent (call before building one).
+
+    megatron-core 0.16.1's `multi_latent_attention` imports TE's layer classes from
+    `megatron.core.extensions.transformer_engine`, which imports without TE by standing a MagicMock in for
+    it: the import succeeds, `HAVE_TE` is set True and `TELinear` is a mock, so `MLASelfAttention.__init__`
+    raises `isinstance() arg 2 must be a type` (its fp8 check). Without TE this sets the module to what its
+    own ImportError branch would (HAVE_TE False, the TE classes None); a TE install is left alone."""
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.transformer import multi_latent_attention
+
+    if not te_extension.HAVE_TE and multi_latent_attention.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
+        for name in ("TEColumnParallelLinear", "TELinear", "Linear", "set_save_original_input"):
+            setattr(multi_latent_attention, name, None)
 
 
 GPU_ONLY_MOE_KERNELS = {
