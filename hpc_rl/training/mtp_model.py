@@ -40,6 +40,14 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from hpc_rl.training.logprobs import vocab_parallel_logprobs
 
 
+def mtp_model_of(model: torch.nn.Module) -> MTPGPTModel | None:
+    """The MTPGPTModel inside DDP / Float16Module wrappers, if this stage holds MTP layers."""
+    inner: Any = model
+    while not isinstance(inner, MTPGPTModel) and hasattr(inner, "module"):
+        inner = inner.module
+    return inner if isinstance(inner, MTPGPTModel) and getattr(inner, "mtp_process", False) else None
+
+
 def mtp_block_spec(block: TransformerBlockSubmodules, mtp_num_layers: int, *, use_te: bool,
                    norm: type | None = None) -> MultiTokenPredictionBlockSubmodules:
     """Megatron's MTP block for the last stage: `mtp_num_layers` layers around a copy of the stage's last

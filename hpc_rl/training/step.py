@@ -14,6 +14,10 @@ loss and its metrics are computed on the last stage only; the other stages run t
 forward and backward. After the optimizer step the last stage broadcasts the step's metrics over
 the pipeline group, so every rank (global rank 0 included, which reports them) returns the same.
 
+MTP layers (`--enable-mtp-training`) learn in the training pass: each micro-batch carries its MTP
+targets (`MicroBatch.mtp_loss_mask`, the trained response tokens) and the model attaches their loss
+(`mtp_model`), scaled per trained token of the whole step; train/mtp_<k>_loss and mtp_loss are logged.
+
 Ref log-probs are computed for the whole rollout before its first update, on the same micro-batches
 the training pass uses, so with ref == actor weights the KL term is exactly 0. Old log-probs come
 from the training pass itself (detached) when there is one optimizer step per rollout and no KL
@@ -43,6 +47,7 @@ from hpc_rl.training.losses import (
     PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for, sum_of_sample_mean, sum_of_tokens,
 )
 from hpc_rl.training.micro_batches import MicroBatch, build_microbatch, choose_qkv_format
+from hpc_rl.training.mtp_model import mtp_model_of
 from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.pipeline import PipelineSchedule
@@ -235,6 +240,32 @@ class RolloutTrainer:
         result = self.custom_loss(self.plugin_args, loss_batch, logits, lambda values: reduce(values, micro_masks))
         return check_custom_loss_result(result, self.algorithm.custom_loss_function_path or "")
 
+    def _start_mtp(self, batch: TrainBatch, micros: list[MicroBatch], masks: list[torch.Tensor],
+                   global_trained: float) -> Any:
+        """With MTP training: each micro-batch's MTP targets and the step's MTP loss scale (the factor over the
+        depths, per trained token of the whole step, as `micro_loss` scales the policy loss). None without."""
+        if not (self.training.enable_mtp_training and self.arch.mtp_num_layers):
+            return None
+        model = mtp_model_of(self.actor)
+        for micro in micros:
+            micro.mtp_loss_mask = micro.next_token_mask([masks[i] for i in micro.indices])
+        if model is None:  # a stage without the MTP layers
+            return None
+        model.mtp_loss_scale = (self.training.mtp_loss_scaling_factor / self.arch.mtp_num_layers
+                                * self.grad_sum_multiplier / max(global_trained, 1.0))
+        model.reset_mtp_metrics()
+        return model
+
+    def _mtp_metrics(self, model: Any) -> dict[str, float]:
+        """slime's train/mtp_<k>_loss (mean cross entropy per trained token, k from 1) and their sum mtp_loss."""
+        sums = torch.tensor([*model.mtp_loss_sums, *model.mtp_token_counts], dtype=torch.float64,
+                            device=self.info.device)
+        if self.info.dp_size > 1:
+            dist.all_reduce(sums, group=self.dp_group)
+        depths = len(model.mtp_loss_sums)
+        losses = [float(sums[k]) / max(float(sums[depths + k]), 1.0) for k in range(depths)]
+        return {**{f"mtp_{k + 1}_loss": loss for k, loss in enumerate(losses)}, "mtp_loss": sum(losses)}
+
     def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, group=self.dp_group)
         return tensor
@@ -277,6 +308,7 @@ class RolloutTrainer:
                 sums[key] = sums.get(key, 0.0) + float(value)
             return loss * scale
 
+        mtp = self._start_mtp(batch, micros, masks, global_trained)
         self.actor.train()
         self.pipeline.forward_backward(self.actor, micros, micro_loss)
         result = self.optimizer.step()
@@ -287,6 +319,8 @@ class RolloutTrainer:
             if self.info.dp_size > 1:
                 dist.all_reduce(totals, group=self.dp_group)
             out = {k: float(v) / max(denominator, 1.0) for k, v in zip(names, totals)}
+            if mtp is not None:
+                out.update(self._mtp_metrics(mtp))
         if self.pp_group is not None:  # the loss metrics to every stage (rank 0 reports them)
             out = dict(broadcast_json(out, src=dist.get_global_rank(self.pp_group, self.info.pp_size - 1),
                                       group=self.pp_group, device=self.info.device))
