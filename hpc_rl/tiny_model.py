@@ -294,6 +294,7 @@ def make_tiny_mla_model(output_dir: str | Path, spec: TinyMlaSpec | None = None)
         weights = load_file(str(weights_file))
         weights.update(_mtp_tensors(model, spec, spec.num_hidden_layers))
         save_file(weights, str(weights_file), metadata={"format": "pt"})
+        weights_file.chmod(0o644)
         config_file = output_dir / "config.json"  # GLM-4.7-Flash's key (Glm4MoeLiteConfig has no MTP field)
         fields = json.loads(config_file.read_text())
         fields["num_nextn_predict_layers"] = spec.mtp_layers

@@ -68,8 +68,12 @@ def load_model(model_path: str, model_impl: str, attn_implementation: str) -> to
         return load_native_qwen3(model_path)
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                attn_implementation=attn_implementation).eval()
+    from hpc_rl.engines.cpu.nextn_draft import attach_draft
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation).eval()
+    attach_draft(model, model_path)  # DeepSeek-V3 / GLM-4.7-Flash MTP layers: where SGLang's draft keeps them
+    return model
 
 
 def main(argv: list[str] | None = None) -> None:
