@@ -133,12 +133,6 @@ def _topology_problems(config: RunConfig) -> list[Problem]:
                 f"colocate: an engine of {cluster.rollout_num_gpus_per_engine} GPUs must sit on the GPUs of whole "
                 f"trainer ranks of one node; it does not divide actor_num_gpus_per_node ({cluster.actor_num_gpus_per_node})",
             ))
-        if training.pipeline_model_parallel_size > 1:
-            problems.append(Problem(
-                "training.pipeline_model_parallel_size",
-                "colocate: every trainer rank hands full tensors to the engine on its GPUs, which pipeline "
-                "parallelism splits; use pipeline_model_parallel_size 1 or decoupled mode (colocate: false)",
-            ))
     elif cluster.rollout_num_gpus < 1:
         problems.append(Problem("cluster.rollout_num_gpus", "decoupled mode needs rollout_num_gpus >= 1"))
     if cluster.device == "cuda":

@@ -199,11 +199,13 @@ class TrainerCommands:
             from hpc_rl.weights.colocated_sender import ColocatedWeightSender
 
             tp_group = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
+            pp_group = parallel_state.get_pipeline_model_parallel_group() if self.info.pp_size > 1 else None
             self.colocated_sender = ColocatedWeightSender(
                 self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size, rank=self.info.rank,
                 world_size=self.info.world_size, engine_tp_size=command.engine_tp_size,
                 bucket_bytes=command.bucket_bytes, dtype=None if self.info.on_cpu else torch.bfloat16,
-                api_key=self.engine_api_key, pp_size=self.info.pp_size)
+                api_key=self.engine_api_key, pp_size=self.info.pp_size, pp_rank=self.info.pp_rank,
+                pp_group=pp_group)
         index = self.colocated_sender.engine_index
         url = command.engine_urls[index] if index < len(command.engine_urls) else ""
         return self.colocated_sender.sync(version=command.weight_version, engine_url=url,

@@ -13,7 +13,9 @@ device). Per bucket (the same buckets as the broadcast path, `WeightSender.plan_
     engine group:  agree on the outcome (every rank raises if the engine refused), then free the bucket
 
 The controller opens and closes the engine's weight-update session (begin/end) around the command.
-Pipeline parallelism is not supported here (every rank needs every full tensor; PP splits them).
+Under pipeline parallelism every rank still needs every full tensor: the stage that holds a parameter
+gathers it and broadcasts it over each pipeline group (`WeightSender.full_everywhere`), as slime's colocated
+update broadcasts over PP before its TP gather; one parameter at a time, so no rank holds more than a bucket.
 """
 
 from __future__ import annotations
@@ -60,10 +62,10 @@ class ColocatedWeightSender:
     def __init__(self, model: torch.nn.Module, arch: ModelArchitecture, *, tp_group: dist.ProcessGroup | None,
                  tp_size: int, rank: int, world_size: int, engine_tp_size: int, bucket_bytes: int,
                  dtype: torch.dtype | None = None, api_key: str | None = None, pp_size: int = 1,
+                 pp_rank: int = 0, pp_group: dist.ProcessGroup | None = None,
                  experts: ExpertLayout | None = None) -> None:
-        if pp_size > 1:
-            raise ValueError("colocated weight updates need pipeline_model_parallel_size 1 (every rank sends full "
-                             "tensors to the engine on its GPU); use decoupled mode with pipeline parallelism")
+        if pp_size > 1 and pp_group is None:
+            raise ValueError("pipeline_model_parallel_size > 1 needs the pipeline group")
         if world_size % engine_tp_size:
             raise ValueError(f"{world_size} trainer ranks do not split into engines of {engine_tp_size} GPUs")
         self.params = named_megatron_params(model)
@@ -72,7 +74,9 @@ class ColocatedWeightSender:
         self.engine_index, self.engine_rank = colocated_engine_of(rank, engine_tp_size)
         self.engine_tp_size = engine_tp_size
         self._planner = WeightSender(model, arch, tp_group=tp_group, tp_size=tp_size, dp_rank=0, rank=rank,
-                                     bucket_bytes=bucket_bytes, dtype=dtype)
+                                     bucket_bytes=bucket_bytes, dtype=dtype, pp_group=pp_group, pp_rank=pp_rank,
+                                     pp_size=pp_size, experts=self.experts)
+        self.pp_size = pp_size
         self.dtype = self._planner.dtype
         self.engine_group: dist.ProcessGroup | None = None
         if engine_tp_size > 1:  # every rank builds every engine's group, in the same order (a collective)
@@ -90,7 +94,8 @@ class ColocatedWeightSender:
         for index, meta in enumerate(plan):
             named: list[tuple[str, torch.Tensor]] = []
             for source in meta.megatron_names:
-                named.extend(export_param(source, self.params, self.arch, self.tp_group, self.experts))
+                named.extend(export_param(source, self.params, self.arch, self.tp_group, self.experts)
+                             if self.pp_size == 1 else self._planner.full_everywhere(source))
             if not engine_url:
                 continue
             named = [(name, tensor.to(export_dtype(name, self.dtype)).contiguous()) for name, tensor in named]

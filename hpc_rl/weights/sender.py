@@ -251,6 +251,19 @@ class WeightSender:
         dist.recv(full, src=dist.get_global_rank(self.pp_group, owner), group=self.pp_group)
         return hf_mapping.to_hf(source, full, self.arch)
 
+    def full_everywhere(self, source: str) -> list[tuple[str, torch.Tensor]]:
+        """Under PP, for colocated engines: the HF tensors of `source` on every rank (a collective over the
+        whole world, bucket source by bucket source): the owning stage gathers it (TP group, or expert
+        replica), then broadcasts the full tensor over each pipeline group."""
+        owner, shape, dtype = self._source_metadata()[source]
+        assert self.pp_group is not None
+        if owner == self.pp_rank:
+            full = full_tensor(source, self.params, self.tp_group, self.experts).contiguous()
+        else:
+            full = torch.empty(shape, dtype=dtype_from_name(dtype), device=self._comm_device)
+        dist.broadcast(full, src=dist.get_global_rank(self.pp_group, owner), group=self.pp_group)
+        return hf_mapping.to_hf(source, full, self.arch)
+
     def finish(self) -> None:
         """Wait until the last broadcasts completed (end of a sync; buffers may then be refilled)."""
         self._broadcaster.wait()

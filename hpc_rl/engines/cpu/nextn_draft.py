@@ -48,8 +48,7 @@ def load_draft_tensors(model_path: str | Path) -> dict[str, torch.Tensor]:
     """The checkpoint's NextN layer tensors by HF name (empty without MTP layers)."""
     from safetensors import safe_open
 
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    first, count = nextn_layers(config)
+    first, count = checkpoint_nextn_layers(model_path)
     if not count:
         return {}
     tensors = {}
@@ -61,19 +60,20 @@ def load_draft_tensors(model_path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def checkpoint_nextn_layers(model_path: str | Path) -> tuple[int, int]:
+    return nextn_layers(json.loads((Path(model_path) / "config.json").read_text()))
+
+
 def attach_draft(model: torch.nn.Module, model_path: str | Path) -> None:
-    """Read the NextN layers and keep them on the model (`draft_tensors`)."""
-    setattr(model, ATTRIBUTE, load_draft_tensors(model_path))
+    """Read the NextN layers and keep them on the model (`draft_tensors`), with where they sit."""
+    setattr(model, ATTRIBUTE, (checkpoint_nextn_layers(model_path), load_draft_tensors(model_path)))
 
 
 def draft_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return getattr(model, ATTRIBUTE, {})
+    return getattr(model, ATTRIBUTE, ((0, 0), {}))[1]
 
 
 def ignored_update(model: torch.nn.Module, name: str) -> bool:
     """A weight-update name SGLang drops without loading it (an MTP layer's embedding / head copy)."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return False
-    first, count = nextn_layers(config.to_dict() if hasattr(config, "to_dict") else dict(config))
+    (first, count), _ = getattr(model, ATTRIBUTE, ((0, 0), {}))
     return bool(count) and skipped_by_sglang(name, first, count)
