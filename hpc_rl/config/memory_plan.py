@@ -5,7 +5,8 @@ them, fp32 gradient buffers, the distributed optimizer's state on the GPU or in 
 `--optimizer-cpu-offload`, activations at the micro-batch's tokens with and without recompute, the fp32
 log-softmax of the logits) and for an engine (bf16 weights as SGLang splits them, the static pool of
 `mem_fraction_static` that holds weights + KV cache); the phases they share a GPU in (colocated:
-generation, training, weight push; decoupled: each side alone); the problems of a phase over
+generation, training with `training.train_memory_margin_bytes` kept free (vime's --train-memory-margin-bytes, which
+the trainer's onload checks too), weight push; decoupled: each side alone); the problems of a phase over
 `cluster.gpu_memory_gib`; the `--dry-run` text. Pure arithmetic over the config.
 
 These are estimates, written from how Megatron-core 0.16.1 and SGLang 0.5.23 allocate, never measured on a
@@ -327,7 +328,8 @@ def _phases(config: RunConfig, t: TrainerMemory, e: EngineMemory) -> tuple[Phase
                ("engine static pool", e.static), ("engine runtime", ENGINE_RUNTIME),
                ("engine process", PROCESS_OVERHEAD))),
         Phase("colocated training", "training", TRAINING_ADVICE,
-              (*training, ("released engine", ENGINE_RELEASED + PROCESS_OVERHEAD))),
+              (*training, ("released engine", ENGINE_RELEASED + PROCESS_OVERHEAD),
+               ("train memory margin", config.training.train_memory_margin_bytes))),
         Phase("colocated weight push", "rollout.update_weight_buffer_size",
               "lower --update-weight-buffer-size, or add --optimizer-cpu-offload",
               (("trainer weights", push_trainer), ("engine weights", e.weights), ("bucket", bucket),

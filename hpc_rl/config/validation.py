@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,9 @@ from hpc_rl.config.memory_plan import plan_memory
 from hpc_rl.config.mla_checks import mla_problems, speculative_notes
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
 from hpc_rl.config.parallel_layout import ParallelLayout
+from hpc_rl.config.plugin_args import custom_config_values
 from hpc_rl.config.moe_checks import device_notes, moe_problems, optimizer_problems, sglang_moe_problems
+from hpc_rl.config.settings_sources import flat_index
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.file_checks import path_problems, prompt_file_problems
 from hpc_rl.config.value_ranges import range_problems
@@ -30,7 +33,19 @@ from hpc_rl.plugins import PluginError, load_plugin
 CONFIG_PLUGINS = {"rollout.custom_rm_path": "reward", "rollout.dynamic_sampling_filter_path": "dynamic_sampling_filter",
                   "rollout.buffer_filter_path": "buffer_filter", "rollout.custom_generate_function_path": "generate",
                   "algorithm.custom_loss_function_path": "loss",
-                  "algorithm.custom_advantage_function_path": "advantage"}
+                  "algorithm.custom_advantage_function_path": "advantage",
+                  "algorithm.custom_tis_function_path": "tis",
+                  "rollout.rollout_sample_filter_path": "sample_filter",
+                  "rollout.rollout_all_samples_process_path": "all_samples_process",
+                  "rollout.custom_rollout_log_function_path": "rollout_log",
+                  "eval.custom_eval_rollout_log_function_path": "eval_rollout_log",
+                  "rollout.custom_reward_post_process_path": "reward_post_process",
+                  "training.custom_megatron_init_path": "megatron_init",
+                  "training.custom_megatron_before_log_prob_hook_path": "before_log_prob_hook",
+                  "training.custom_megatron_before_train_step_hook_path": "before_train_step_hook",
+                  "algorithm.rollout_data_postprocess_path": "rollout_data_postprocess",
+                  "training.custom_model_provider_path": "model_provider",
+                  "rollout.custom_update_weight_post_write_path": "update_weight_post_write"}
 """Config field (section.name) -> its kind in `hpc_rl.plugins.PLUGIN_KINDS` (the signatures' one home).
 A field the schema does not have (yet) is skipped."""
 log = logging.getLogger(__name__)
@@ -67,8 +82,16 @@ def _batch_problems(config: RunConfig) -> list[Problem]:
             "rollout.rollout_batch_size",
             f"rollout_batch_size * n_samples_per_prompt ({rollout.rollout_batch_size} * "
             f"{rollout.n_samples_per_prompt} = {samples}) must equal global_batch_size * num_steps_per_rollout "
-            f"({training.global_batch_size} * {training.num_steps_per_rollout} = {trained}); "
-            f"e.g. set global_batch_size to {samples // max(1, training.num_steps_per_rollout)}",
+            f"({training.global_batch_size} * {training.num_steps_per_rollout} = {trained})"
+            + _batch_hint(samples, training.num_steps_per_rollout, rollout.rollout_batch_size,
+                          rollout.n_samples_per_prompt, training.global_batch_size),
+        ))
+    prompt_len, context_len = rollout.rollout_max_prompt_len, rollout.rollout_max_context_len
+    if prompt_len is not None and context_len is not None and prompt_len > context_len - 1:
+        problems.append(Problem(
+            "rollout.rollout_max_prompt_len",
+            f"{prompt_len} leaves no room for a response in rollout_max_context_len {context_len}: set it to at most "
+            f"{context_len - 1} (or leave it unset: rollout_max_context_len - 1)",
         ))
     if rollout.over_sampling_batch_size is not None and rollout.over_sampling_batch_size < rollout.rollout_batch_size:
         problems.append(Problem(
@@ -93,6 +116,19 @@ def _batch_problems(config: RunConfig) -> list[Problem]:
     if rollout.num_rollout is None and rollout.num_epoch is None:
         problems.append(Problem("rollout.num_rollout", "set num_rollout or num_epoch"))
     return problems
+
+
+def _batch_hint(samples: int, steps: int, *sizes: int) -> str:
+    """What to set so that a rollout's samples split into optimizer steps; '' when a size is itself invalid
+    (below 1: its own range problem says so, and any arithmetic on it would mislead)."""
+    if min(steps, *sizes) < 1:
+        return ""
+    if samples % steps == 0:
+        return f"; e.g. set global_batch_size to {samples // steps}"
+    divisors = sorted((d for d in range(1, samples + 1) if samples % d == 0), key=lambda d: (abs(d - steps), d))[:3]
+    options = ", ".join(f"{samples // d} x {d}" for d in sorted(divisors))
+    return (f"; num_steps_per_rollout {steps} does not divide {samples} samples: set global_batch_size x "
+            f"num_steps_per_rollout to one of {options}, or change rollout_batch_size")
 
 
 def _data_parallel_size(config: RunConfig) -> int:
@@ -206,6 +242,11 @@ def _model_problems(config: RunConfig) -> list[Problem]:
 
 def _plugin_problems(config: RunConfig) -> list[Problem]:
     problems = []
+    for path in config.rollout.rollout_sample_hook_path:  # slime's repeatable --rollout-sample-hook-path
+        try:
+            load_plugin("sample_hook", path)
+        except PluginError as error:
+            problems.append(Problem("rollout.rollout_sample_hook_path", str(error)))
     for setting, kind in CONFIG_PLUGINS.items():
         section, name = setting.split(".")
         path = getattr(getattr(config, section), name, None)
@@ -275,11 +316,94 @@ def _pipeline_splits(arch: ModelArchitecture, config: RunConfig) -> bool:
     return True
 
 
+def _slime_flag_problems(config: RunConfig) -> list[Problem]:
+    """Cross-field rules of the slime flags of issues 25/26 (checkpoint, reference, old log-probs)."""
+    checkpoint, algorithm = config.checkpoint, config.algorithm
+    problems = []
+    has_reference = algorithm.use_kl_loss or algorithm.kl_coef != 0.0
+    if algorithm.ref_update_interval is not None and not has_reference:
+        problems.append(Problem("algorithm.ref_update_interval", "updates the reference model, which this run does "
+                                "not have (it needs use_kl_loss or kl_coef): drop it or add the KL term"))
+    if checkpoint.ref_ckpt_step is not None and not checkpoint.ref_load:
+        problems.append(Problem("checkpoint.ref_ckpt_step", "picks an iteration of ref_load, which is not set: "
+                                "give --ref-load a torch_dist checkpoint root"))
+    if algorithm.keep_old_actor and algorithm.use_rollout_logprobs:
+        problems.append(Problem("algorithm.keep_old_actor", "computes old log-probs at the engines' weights, but "
+                                "use_rollout_logprobs takes the engines' own log-probs: drop one of them"))
+    if algorithm.get_mismatch_metrics and not algorithm.custom_tis_function_path:
+        problems.append(Problem("algorithm.get_mismatch_metrics", "runs custom_tis_function_path for its metrics, "
+                                "which is not set (slime asserts the same): add --custom-tis-function-path"))
+    if algorithm.use_rollout_entropy and not algorithm.custom_advantage_function_path:
+        problems.append(Problem("algorithm.use_rollout_entropy", "hands the log-prob passes' entropies to "
+                                "custom_advantage_function_path, which is not set: add it or drop the flag"))
+    training = config.training
+    for field_name in ("balance_by_flops", "log_probs_max_tokens_per_gpu"):
+        if getattr(training, field_name) and not training.use_dynamic_batch_size:
+            problems.append(Problem(f"training.{field_name}", "packs micro-batches by tokens, so it needs "
+                                    "use_dynamic_batch_size (and max_tokens_per_gpu), as slime does"))
+    if training.only_train_params_name_list and training.freeze_params_name_list:
+        problems.append(Problem("training.freeze_params_name_list", "give only one of only_train_params_name_list "
+                                "and freeze_params_name_list (slime refuses both too)"))
+    for field_name in ("only_train_params_name_list", "freeze_params_name_list"):
+        for pattern in getattr(training, field_name) or ():
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                problems.append(Problem(f"training.{field_name}", f"{pattern!r} is not a regular expression: {error}"))
+    rollout = config.rollout
+    if rollout.update_weight_transport not in ("nccl", "disk"):
+        problems.append(Problem("rollout.update_weight_transport", f"{rollout.update_weight_transport!r} is not nccl "
+                                "or disk"))
+    if rollout.update_weight_mode != "full":
+        problems.append(Problem("rollout.update_weight_mode", f"{rollout.update_weight_mode!r}: only full is offered "
+                                "(slime's delta mode needs its SGLang patches: /pull_weights and per-host local "
+                                "checkpoints); use full with transport disk or nccl"))
+    if rollout.update_weight_transport == "disk":
+        if not rollout.update_weight_disk_dir:
+            problems.append(Problem("rollout.update_weight_disk_dir", "transport disk writes each version there: "
+                                    "give a directory the trainer and the engines both see (slime requires it too)"))
+        if config.cluster.colocate:
+            problems.append(Problem("rollout.update_weight_transport", "colocated engines get the weights from the "
+                                    "trainer on the same GPUs (shared memory / CUDA IPC); disk is for decoupled "
+                                    "engines: drop it or drop --colocate"))
+    else:
+        for name in ("update_weight_disk_dir", "update_weight_disk_keep_files", "custom_update_weight_post_write_path"):
+            if getattr(rollout, name):
+                problems.append(Problem(f"rollout.{name}", "is read only with update_weight_transport disk: add "
+                                        "--update-weight-transport disk or drop it"))
+    custom_config = config.rollout.custom_config_path
+    if custom_config and Path(custom_config).is_file():
+        try:
+            clashing = sorted(set(custom_config_values(custom_config)) & set(flat_index()))
+        except ValueError as error:
+            problems.append(Problem("rollout.custom_config_path", str(error)))
+        else:
+            if clashing:
+                problems.append(Problem("rollout.custom_config_path", f"{custom_config} sets config fields "
+                                        f"{', '.join(clashing)}: give those as flags or YAML settings (the file is "
+                                        "for your plug-ins' own values)"))
+    if checkpoint.model_name:
+        arch, _, _ = _architecture(config)
+        name = checkpoint.model_name.lower().replace("_", "").replace("-", "")
+        family = arch.family.replace("_", "") if arch is not None else None
+        if family is not None and family not in name:
+            problems.append(Problem("checkpoint.model_name", f"{checkpoint.model_name!r} names another family than "
+                                    f"the architecture's {arch.family!r} (hpc_rl converts weights by the "  # type: ignore[union-attr]
+                                    f"architecture): drop --model-name or fix the model flags"))
+    if checkpoint.save_hf:
+        try:
+            checkpoint.save_hf.format(rollout_id=0)
+        except (KeyError, IndexError, ValueError) as error:
+            problems.append(Problem("checkpoint.save_hf", f"{checkpoint.save_hf!r} is not a path template with only "
+                                    f"{{rollout_id}} in braces ({type(error).__name__}: {error})"))
+    return problems
+
+
 def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Problem]:
     """Every problem found in `config` (empty list = valid). With check_files, every line of the
     prompt files is checked too (not a sample of them)."""
     problems = (_single_field_problems(config) + _batch_problems(config) + _topology_problems(config)
-                + _model_problems(config))
+                + _model_problems(config) + _slime_flag_problems(config))
     problems += _moe_and_memory_problems(config)
     if check_files:
         problems += [Problem(p.field, p.message) for p in path_problems(config) + prompt_file_problems(config)]

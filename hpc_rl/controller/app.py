@@ -46,6 +46,7 @@ from hpc_rl.protocol.errors import ProtocolError
 from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, ResumeState,
                                       StatusReply, StatusRequest, WeightPlan)
 from hpc_rl.rewards.pool import RewardPool
+from hpc_rl.rewards.reward_thread import RewardThread
 from hpc_rl.rollout import EngineClient
 from hpc_rl.telemetry.run_files import describe_write_error, write_text_atomically
 
@@ -77,13 +78,18 @@ class Controller:
         self.channel = TrainerChannel(config.cluster.trainer_world_size)
         self.fleet = EngineFleet(self.registry, router, api_key=api_key, restart=restart_engine,
                                  max_restarts=config.controller.max_engine_restarts,
-                                 health_interval_s=config.controller.engine_health_interval)
+                                 health_interval_s=config.controller.engine_health_interval,
+                                 health_timeout_s=config.controller.engine_health_timeout,
+                                 health_first_wait_s=config.controller.engine_health_first_wait,
+                                 admin_timeout_s=config.controller.engine_admin_timeout)
         self.router_url = router_url
         self.server: Server | None = None
         self.loop: RunLoop | None = None
         self.client: EngineClient | None = None
         self.reward_pool: RewardPool | None = None
         """Worker processes for rule-based rewards (`rollout.reward_workers`), once the stack is built."""
+        self.reward_thread: RewardThread | None = None
+        """The thread custom reward functions run on, once the stack is built."""
         self.stopping = False
         self.started_at = time.time()
         self.last_error = ""
@@ -121,6 +127,7 @@ class Controller:
                                         channel=self.channel, fleet=self.fleet, router_url=self.router_url)
         self.client, self.loop = stack.client, stack.loop
         self.reward_pool = stack.reward_pool
+        self.reward_thread = stack.reward_thread
         await self.client.start()
         if self.reward_pool is not None:
             await self.reward_pool.start()
@@ -155,6 +162,8 @@ class Controller:
         log.info("all components registered: %d trainer rank(s), %d engine(s)", len(self.registry.trainers),
                  len(self.registry.engines))
         resume = await self._wait_resume_state()
+        if not (resume and resume.get("controller_state")):  # a fresh start: an earlier attempt's records go
+            self.loop.recorder.forget_from(0)
         if resume and resume.get("controller_state"):
             self.loop.restore(resume["controller_state"])
             next_id = self.loop.next_rollout_id
@@ -171,7 +180,7 @@ class Controller:
             raise
         self.stopping = True
         await self.loop.trainers.stop("run complete")
-        self.outcome = "finished"
+        self.outcome = "stopped" if self.loop.stopped_for_requeue else "finished"  # a USR2 stop is not the end
         return metrics
 
     async def close(self) -> None:
@@ -190,6 +199,8 @@ class Controller:
             await self.client.close()
         if self.reward_pool is not None:
             self.reward_pool.close()
+        if self.reward_thread is not None:
+            self.reward_thread.close()
         if self.server is not None:
             await self.server.close()
         if self.loop is not None:

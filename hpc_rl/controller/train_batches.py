@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,10 +54,21 @@ class RewardShaping:
     n_samples_per_prompt: int
     std_normalization: bool = True
     disabled: bool = False
+    post_process: Callable[[list[Sample]], Any] | None = None
+    """slime's --custom-reward-post-process-path, `args` bound: samples -> (raw_rewards, rewards)."""
 
 
 def normalized_rewards(groups: list[Group], shaping: RewardShaping) -> list[float]:
-    """Per sample, in group order: r - mean (/ std for grpo-like) within its group, or raw."""
+    """Per sample, in group order: r - mean (/ std for grpo-like) within its group, or raw; or what the custom
+    reward post-process function returns."""
+    if shaping.post_process is not None:
+        samples = [s for g in groups for s in g]
+        result = shaping.post_process(samples)
+        rewards = result[1] if isinstance(result, tuple) and len(result) == 2 else None
+        if rewards is None or len(rewards) != len(samples):
+            raise ValueError(f"rollout.custom_reward_post_process_path must return (raw_rewards, rewards) with "
+                             f"{len(samples)} rewards each; got {type(result).__name__}")
+        return [float(r) for r in rewards]
     raw = [float(s.reward if s.reward is not None else 0.0) for g in groups for s in g]
     if shaping.disabled or shaping.advantage_estimator not in NORMALIZED_ESTIMATORS:
         return raw

@@ -9,6 +9,7 @@ and what the ranks do with a command (`hpc_rl.training`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hpc_rl.config.schema import AlgorithmConfig
@@ -19,11 +20,13 @@ from hpc_rl.data.samples import Group
 from hpc_rl.protocol.messages import SaveCommand, StopCommand, TrainCommand
 
 
-def reward_shaping(algorithm: AlgorithmConfig, n_samples_per_prompt: int) -> RewardShaping:
-    """The algorithm section's reward-normalisation fields (groups have `n_samples_per_prompt` samples)."""
+def reward_shaping(algorithm: AlgorithmConfig, n_samples_per_prompt: int,
+                   post_process: Callable[[list[Any]], Any] | None = None) -> RewardShaping:
+    """The algorithm section's reward-normalisation fields (groups have `n_samples_per_prompt` samples);
+    `post_process`: a custom reward post-process function with its args bound."""
     return RewardShaping(advantage_estimator=algorithm.advantage_estimator, n_samples_per_prompt=n_samples_per_prompt,
                          std_normalization=not algorithm.disable_grpo_std_normalization,
-                         disabled=algorithm.disable_rewards_normalization)
+                         disabled=algorithm.disable_rewards_normalization, post_process=post_process)
 
 
 def trainer_summary(reported: dict[str, Any]) -> dict[str, Any]:
@@ -46,6 +49,9 @@ class Trainers:
     def __init__(self, channel: TrainerChannel, registry: Registry, *, shaping: RewardShaping,
                  num_rollout: int) -> None:
         self.channel, self.registry, self.shaping, self.num_rollout = channel, registry, shaping, num_rollout
+        self.trained: tuple[int, int] | None = None
+        """(rollout id, weight version) the ranks hold after their last train command; None while one runs
+        or after one was abandoned (their state is then not known here)."""
 
     async def train(self, rollout_id: int, groups: list[Group], weight_version: int) -> dict[str, Any]:
         """One rollout's optimizer step(s) on every rank; its metrics (train/..., time/train)."""
@@ -53,9 +59,11 @@ class Trainers:
         dp_size = max(1, int(next(iter(self.registry.trainers.values())).info.get("dp_size", 1)))
         batches = split_for_data_parallel(groups, self.shaping, dp_size)
         start = time.perf_counter()
+        self.trained = None
         done = await self.channel.run(lambda rank, seq: TrainCommand(
             seq=seq, rollout_id=rollout_id, batch=batches[dp_of[rank]],
             meta={"weight_version": weight_version, "num_rollout": self.num_rollout}))
+        self.trained = (rollout_id, weight_version + 1)
         metrics = {f"train/{k}" if "/" not in k else k: v for k, v in trainer_summary(merge_metrics(done)).items()}
         metrics["time/train"] = time.perf_counter() - start
         return metrics
@@ -67,7 +75,7 @@ class Trainers:
                                                              controller_state=controller_state))
         return time.perf_counter() - start
 
-    async def stop(self, reason: str) -> None:
+    async def stop(self, reason: str, timeout_s: float = 120.0) -> None:
         """Tell every rank to exit (skipped when a rank is already lost: no one would answer)."""
         if self.channel.failure is None:
-            await self.channel.run(lambda rank, seq: StopCommand(seq=seq, reason=reason), timeout_s=120)
+            await self.channel.run(lambda rank, seq: StopCommand(seq=seq, reason=reason), timeout_s=timeout_s)

@@ -27,9 +27,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin, EngineAdminError
+from hpc_rl.controller.engine_admin import STUCK_NOTICE_S, BucketUpdate, EngineAdmin, EngineAdminError
 from hpc_rl.controller.registry import EngineInfo
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel
@@ -67,21 +68,62 @@ def rank_offsets(engines: list[EngineInfo]) -> tuple[dict[int, int], int]:
     return offsets, next_rank
 
 
-async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpdate]) -> None:
+StuckEngine = Callable[[EngineAdmin, str], Awaitable[None]]
+"""Called with an engine found stuck during a weight update and why (the fleet fails it: restart path)."""
+STUCK_PROBE_CONCURRENCY = 64
+
+
+async def watch_fan_out(admins: list[EngineAdmin], updates: list[asyncio.Future[None]], on_stuck: StuckEngine | None,
+                        *, notice_s: float = STUCK_NOTICE_S, probe_timeout_s: float = STUCK_NOTICE_S) -> None:
+    """While the update runs: when no engine has answered for `notice_s` (a broadcast waits for every
+    engine, so one stuck engine silences all), say so, probe /health of each engine still updating, and
+    name (and hand to `on_stuck`) every one that does not answer: the stuck one, not its waiting peers."""
+    limit = asyncio.Semaphore(STUCK_PROBE_CONCURRENCY)
+    reported: set[str] = set()
+
+    async def probe(admin: EngineAdmin) -> bool:
+        async with limit:
+            return await admin.healthy(probe_timeout_s)
+
+    while True:
+        await asyncio.sleep(notice_s)
+        waiting = [a for a, update in zip(admins, updates) if not update.done()]
+        if not waiting or min(a.silent_for() for a in waiting) < notice_s:
+            continue
+        silent = min(a.silent_for() for a in waiting)
+        healthy = await asyncio.gather(*(probe(a) for a in waiting))
+        stuck = [a for a, ok in zip(waiting, healthy) if not ok and a.url not in reported]
+        if not stuck:
+            log.warning("weight update: no engine has answered for %.0f s; all %d still updating answer /health "
+                        "(waiting on the trainer's broadcast)", silent, len(waiting))
+        for admin in stuck:
+            reported.add(admin.url)
+            why = (f"stuck in a weight update: no answer for {silent:.0f} s and /health does not answer within "
+                   f"{probe_timeout_s:g} s")
+            log.warning("engine %s: %s", admin.url, why)
+            if on_stuck is not None:
+                await on_stuck(admin, why)
+
+
+async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpdate], *,
+                              on_stuck: StuckEngine | None = None, notice_s: float = STUCK_NOTICE_S) -> None:
     """Every engine's pipelined update (begin, the buckets, end) at once: a bucket's broadcast completes only
     when every engine has joined it, so the engines cannot be taken a few at a time. The answers come in
     waves, each bucket's on every engine together: the first engine's are read as they come, every other
     engine's wait in its socket (a shut ReadGate) until the first engine is done, or GATE_PERIOD_S has
     passed, and are then read in one go. That is ~2 reads per engine instead of one per call (18 for
     Qwen3-4B), the event loop's read being most of the controller's CPU in a sync at 1,024 engines.
-    Raises the first EngineAdminError, naming the engine and the call, as soon as it is read."""
-    if len(admins) < 2:
-        await asyncio.gather(*(admin.weight_update(buckets) for admin in admins))
-        return
+    Raises the first EngineAdminError, naming the engine and the call, as soon as it is read. Meanwhile
+    `watch_fan_out` names (and hands to `on_stuck`) an engine that stalls the update."""
     gate = ReadGate()
-    gate.shut()
-    first = asyncio.ensure_future(admins[0].weight_update(buckets))
-    every = asyncio.gather(first, *(admin.weight_update(buckets, gate=gate) for admin in admins[1:]))
+    if len(admins) > 1:
+        gate.shut()
+    updates = [asyncio.ensure_future(admin.weight_update(buckets, gate=gate) if index
+                                     else admin.weight_update(buckets)) for index, admin in enumerate(admins)]
+    first, every = updates[0], asyncio.gather(*updates)
+    watchdog = asyncio.create_task(
+        watch_fan_out(admins, updates, on_stuck, notice_s=notice_s, probe_timeout_s=notice_s),
+        name="weight update watchdog")
     try:
         while not every.done():
             await asyncio.wait((every, first), timeout=GATE_PERIOD_S, return_when=asyncio.FIRST_COMPLETED)
@@ -95,11 +137,13 @@ async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpd
         raise
     finally:
         gate.open()
+        await stop_task(watchdog, "the weight update watchdog")
 
 
 async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engines: list[EngineInfo],
                                   admins: dict[int, EngineAdmin], group: WeightGroupState, backend: str,
-                                  bucket_bytes: int, timeout_s: float = 600.0) -> dict[str, float]:
+                                  bucket_bytes: int, timeout_s: float = 600.0,
+                                  on_stuck: StuckEngine | None = None) -> dict[str, float]:
     """Push the trainer's current weights to `engines` as `version`; returns timing metrics."""
     start = time.perf_counter()
     members = [(e.engine_index, e.url, e.incarnation) for e in engines]
@@ -136,7 +180,7 @@ async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engi
                                    weight_version=str(version) if index == len(plan.buckets) - 1 else None,
                                    load_format=plan.load_format)
                    for index, bucket in enumerate(plan.buckets)]
-        await update_every_engine([admins[e.engine_index] for e in engines], buckets)
+        await update_every_engine([admins[e.engine_index] for e in engines], buckets, on_stuck=on_stuck)
         trainer_outcome_read = True
         await trainer_task
     except (EngineAdminError, asyncio.TimeoutError):

@@ -2,7 +2,8 @@
 each sync's sequence in every mode.
 
     decoupled (sync or async):  pause (retract | abort) -> push (weight_sync.push_weights_to_engines:
-                                the broadcast group) -> engines serve the version -> continue
+                                the broadcast group; or weight_disk, through the shared filesystem)
+                                -> engines serve the version -> continue
     colocated, async:           the same, pushed through /update_weights_from_tensor (colocated.py)
     colocated, sync mode:       before_train: the engines hand the GPUs to the trainer; after_train:
                                 the memory moves back with the new weights (order in colocated.py)
@@ -24,9 +25,11 @@ from typing import Any
 
 from hpc_rl.config.schema import ClusterConfig, ControllerConfig, RolloutConfig
 from hpc_rl.controller.colocated import KV_TAGS, TRAINER_TAGS, WEIGHTS_TAG, ColocatedMemory, push_weights_colocated
+from hpc_rl.controller.engine_admin import EngineAdmin
 from hpc_rl.controller.engine_fleet import EngineFleet
 from hpc_rl.controller.registry import EngineState, Registry
 from hpc_rl.controller.trainer_channel import TrainerChannel
+from hpc_rl.controller.weight_disk import push_weights_through_disk
 from hpc_rl.controller.weight_sync import WeightGroupState, push_weights_to_engines
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,10 @@ class WeightSyncSettings:
     timeout_s: float
     num_engines: int
     engine_tp_size: int
+    transport: str = "nccl"
+    """nccl (the broadcast group) or disk (rollout.update_weight_transport: weight_disk)."""
+    disk_dir: str | None = None
+    keep_disk_files: bool = False
 
     @classmethod
     def from_sections(cls, cluster: ClusterConfig, rollout: RolloutConfig,
@@ -52,7 +59,9 @@ class WeightSyncSettings:
         return cls(backend="gloo" if cluster.device == "cpu" else "nccl", colocate=cluster.colocate,
                    async_rollout=rollout.async_rollout, update_weights_interval=rollout.update_weights_interval,
                    bucket_bytes=rollout.update_weight_buffer_size, timeout_s=controller.engine_request_timeout,
-                   num_engines=cluster.num_engines, engine_tp_size=cluster.rollout_num_gpus_per_engine)
+                   num_engines=cluster.num_engines, engine_tp_size=cluster.rollout_num_gpus_per_engine,
+                   transport=rollout.update_weight_transport, disk_dir=rollout.update_weight_disk_dir,
+                   keep_disk_files=rollout.update_weight_disk_keep_files)
 
 
 class WeightUpdates:
@@ -130,6 +139,12 @@ class WeightUpdates:
             if isinstance(result, BaseException):
                 await self.fleet.fail_engine(index, f"{method} failed: {result}")
 
+    async def _engine_stuck(self, admin: EngineAdmin, why: str) -> None:
+        """An engine found stuck during the weight update (weight_sync's watchdog): failed as dead (restarted)."""
+        index = next((i for i, known in self.fleet.admins.items() if known is admin), None)
+        if index is not None:
+            await self.fleet.fail_engine(index, why)
+
     def _waiting_engines(self) -> list[int]:
         return [e.engine_index for e in self.registry.live_engines() if e.state == EngineState.STARTING]
 
@@ -141,10 +156,16 @@ class WeightUpdates:
         if not engines:  # all restarting: each gets the trainer's current version before it serves
             log.warning("weights v%d not pushed: no engine is up", version)
             return {}
+        if self.colocated is None and settings.transport == "disk":
+            assert settings.disk_dir is not None, "validation requires update_weight_disk_dir with disk"
+            return await push_weights_through_disk(version=version, channel=self.channel, engines=engines,
+                                                   admins=self.fleet.admins, disk_dir=settings.disk_dir,
+                                                   keep_files=settings.keep_disk_files, timeout_s=settings.timeout_s)
         if self.colocated is None:
             return await push_weights_to_engines(version=version, channel=self.channel, engines=engines,
                                                  admins=self.fleet.admins, group=self.group, backend=settings.backend,
-                                                 bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s)
+                                                 bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s,
+                                                 on_stuck=self._engine_stuck)
         was_offloaded = WEIGHTS_TAG in self.colocated.trainer_offloaded
         await self.colocated.trainer("onload", [WEIGHTS_TAG])
         metrics = await push_weights_colocated(

@@ -5,12 +5,17 @@ store it shares with its worker ranks, to the address in `STORE_ADDRESS_ENV` (th
 for a local run). torch gives neither a bind address: they would listen on every interface without
 authentication (see `hpc_rl.weights.bound_store`). Without the variable this is plain torchrun (a
 multi-node trainer needs its stores reachable from the other nodes; see the README's "What listens").
+Also owns that no process of a rank outlives the agent: it is a child subreaper, and ends what a dead
+rank left behind (`hpc_rl.launch.orphans`) before it exits.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
+
+from hpc_rl.launch.orphans import become_subreaper, end_children
 
 STORE_ADDRESS_ENV = "HPC_RL_STORE_ADDRESS"
 
@@ -43,7 +48,19 @@ def main() -> None:
         _bind_store_servers(address)
     from torch.distributed.run import main as torchrun_main
 
-    torchrun_main()  # raises when a rank failed
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    become_subreaper()  # a dead rank's children (Megatron's checkpoint writer's helpers) come to us
+    try:
+        torchrun_main()  # raises when a rank failed, or on SIGTERM (torchrun then stops every rank first)
+    except SignalException as stopped:  # a stop (the driver's, scancel's): said in a line, no traceback
+        print(f"hpc_rl.bound_torchrun: stopped by {stopped.sigval.name}; the ranks were stopped first",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + int(stopped.sigval)) from None
+    finally:
+        for pid in end_children():
+            print(f"hpc_rl.bound_torchrun: ended pid {pid}, left behind by a trainer rank", file=sys.stderr,
+                  flush=True)
     from hpc_rl.engines.child_process import exit_without_teardown
 
     exit_without_teardown(0)  # every rank is done: skip the agent's teardown (seconds of GC, issue 11)

@@ -8,7 +8,10 @@ restarted; a dead trainer ends the run with its log tail), and the shutdown orde
 locally (`LocalStepLauncher`) and inside a Slurm allocation (`SrunStepLauncher`); only the launcher differs.
 
 Shutdown (success, failure, SIGINT/SIGTERM/scancel alike), every task the driver started is either
-awaited or cancelled on purpose, so asyncio never reports an exception "never retrieved":
+awaited or cancelled on purpose, so asyncio never reports an exception "never retrieved". SIGTERM (scancel,
+preemption, `kill`) first saves the rollout the trainer last trained if that fits in the grace time
+(`term_grace_s`: Slurm's KillWait minus a margin; 10 s on this machine) and sends the ranks their stop
+command (`controller.signal_stop`); SIGINT (Ctrl-C) stops at once:
 
     signal ──> controller.stopping (a trainer or engine that now disconnects is not a failure)
            ──> cancel the main task ──> shutdown():
@@ -51,9 +54,10 @@ from typing import Any
 from hpc_rl.config import RunConfig, load_resolved_config
 from hpc_rl.config.sglang_options import engine_kind
 from hpc_rl.controller.app import Controller
+from hpc_rl.controller.signal_stop import stop_with_checkpoint
 from hpc_rl.controller.stopping import log_task_error, stop_task
 from hpc_rl.engines import API_KEY_ENV
-from hpc_rl.engines.child_process import free_port, log_tail, planned_port
+from hpc_rl.engines.child_process import free_port, http_ok, log_tail, planned_port
 from hpc_rl.engines.engine_process import cpu_engine_command
 from hpc_rl.engines.router import RouterProcess
 from hpc_rl.engines.sglang_launch import (
@@ -68,6 +72,8 @@ from hpc_rl.engines.sglang_launch import (
 from hpc_rl.launch.batch_guard import RESTARTS_FILE, restarts_used
 from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
 from hpc_rl.launch.node_health import NodeLoss, lost_nodes, query_node_states
+from hpc_rl.launch.orphans import become_subreaper, end_children, environ_has
+from hpc_rl.launch.run_lock import RunDirLocked, acquire
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
 from hpc_rl.launch.trainer_exit import describe_trainer_exit
 from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
@@ -97,6 +103,12 @@ NODE_WATCH_INTERVAL_S = 2.0
 NODE_REQUEUE_WAIT_S = 120.0
 """After requeuing for a lost node: how long an engine restart waits for Slurm to stop this attempt."""
 
+LOCAL_OS_PICKS = 0
+"""A local run's controller and rendezvous store bind port 0 (the OS picks a free port as they bind):
+a planned port can be taken by another run between the plan and the bind (two local runs once failed
+with "Address already in use" on torchrun's store). The router and engines have planned ports, and
+are started again on free ones when theirs are taken."""
+
 JOB_PORT_SLOTS = 300
 """Slurm jobs whose ids differ by less than this never share a planned port (15000 + slot * 50 stays
 below 30000, under Linux's ephemeral range, where free_port's replacements come from)."""
@@ -116,8 +128,8 @@ class PortPlan:
 
     @classmethod
     def for_job(cls, topology: JobTopology, *, local: bool) -> "PortPlan":
-        if local:
-            return cls(planned_port(), planned_port(), planned_port(), planned_port(),
+        if local:  # the controller and torchrun's rendezvous store bind port 0: the OS picks a free one
+            return cls(LOCAL_OS_PICKS, planned_port(), planned_port(), LOCAL_OS_PICKS,
                        [planned_port() for _ in topology.engines])
         offset = (int(os.environ.get("SLURM_JOB_ID", "0")) % JOB_PORT_SLOTS) * 50
         return cls(topology.controller_port + offset, topology.router_port + offset,
@@ -152,6 +164,24 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+ROUTER_BIND_RETRIES = 2
+"""The router is started again on free ports this many times when its ports are taken."""
+
+
+def _router_answers_with_key(router: RouterProcess, api_key: str, timeout_s: float) -> bool:
+    """True once the router answers a keyed request (`/workers`): it is ours (another run's router on the
+    port answers /liveness, but refuses our key); False when ours exited first (its port was taken)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not router.process.alive():
+            return False
+        if http_ok(f"{router.url}/workers", timeout=2.0, api_key=api_key or None):
+            return True
+        time.sleep(0.1)
+    raise RuntimeError(f"sglang-router did not answer at {router.url} within {timeout_s:.0f} s; "
+                       f"see {router.process.log_path}")
 
 
 def bind_failed(log_text: str) -> bool:
@@ -268,6 +298,10 @@ class Driver:
         """A node was lost and the job could not be requeued: the run fails with this."""
         self._node_check = asyncio.Lock()
         """One check at a time: an engine restart asking about its node waits for the watch's decision."""
+        self.graceful_stop: asyncio.Task[None] | None = None
+        """After SIGTERM: the task that saves what the grace time allows and ends the controller's run."""
+        self.controller_run: asyncio.Task[dict[str, object]] | None = None
+        """The controller's run, from its start on (also after `run` took over its outcome)."""
 
     # -- engines -------------------------------------------------------------------------------------------
     async def start_engine(self, index: int, *, retry_on_bind_failure: int = ENGINE_BIND_RETRIES,
@@ -423,12 +457,16 @@ class Driver:
         if self.trainer_step is None:
             self._start_trainer()
         assert self.trainer_step is not None
-        run = self.run_task = asyncio.create_task(self.controller.run(), name="controller-run")
+        run = asyncio.create_task(self.controller.run(), name="controller-run")
+        self.run_task = self.controller_run = run
         while not run.done():
             await asyncio.wait({run}, timeout=1.0)
             self._supervise(run)
             if self.node_failure is not None:
                 raise RuntimeError(self.node_failure)
+        if self.graceful_stop is not None:  # SIGTERM: it ended the run (and read its outcome)
+            await self.graceful_stop
+            raise StoppedBySignal()
         self.run_task = None  # its outcome is ours now: raised from here, not left to shutdown()
         try:
             run.result()
@@ -447,12 +485,7 @@ class Driver:
 
     async def _start_control_plane(self, secret: Secret) -> None:
         """The router, then the controller (listening), then (not colocated) the trainer step."""
-        # Loopback: its only client is this process's controller (its /v1/models answers without the key).
-        self.router = RouterProcess(log_path=self.logs / "router.log", host="127.0.0.1", port=self.ports.router,
-                                    prometheus_port=self.ports.router_metrics,
-                                    policy=self.config.sglang.router_policy, api_key=self.engine_key)
-        self.router.start()
-        await asyncio.to_thread(self.router.wait_listening, 60.0)
+        self.router = await self._start_router()
         self.controller = Controller(self.config, secret=secret, router=self.router, router_url=self.router.url,
                                      restart_engine=self.restart_engine, host=self.host, port=self.ports.controller,
                                      api_key=self.engine_key)
@@ -464,10 +497,35 @@ class Driver:
         if not self.topology.colocate:  # trainer ranks load while the engines do (issue 11); colocated
             self._start_trainer()       # ranks wait: SGLang sizes its KV cache from the GPU memory then free
 
+    async def _start_router(self, retries: int = ROUTER_BIND_RETRIES) -> RouterProcess:
+        """sglang-router on loopback (its only client is this process's controller; its /v1/models answers
+        without the key), answering with the job's key. When its ports are taken (another run's router,
+        which would answer /liveness too) it is started again on free ports, at most `retries` times."""
+        log_path = self.logs / "router.log"
+        for attempt in range(retries + 1):
+            offset = log_path.stat().st_size if log_path.exists() else 0
+            router = RouterProcess(log_path=log_path, host="127.0.0.1", port=self.ports.router,
+                                   prometheus_port=self.ports.router_metrics,
+                                   policy=self.config.sglang.router_policy, api_key=self.engine_key)
+            router.start()
+            if await asyncio.to_thread(_router_answers_with_key, router, self.engine_key, 60.0):
+                return router
+            router.stop()
+            output = _log_since(log_path, offset)
+            if not bind_failed(output) or attempt == retries:
+                raise RuntimeError(f"sglang-router did not start at {router.url}; its log {log_path} says:\n"
+                                   f"{output[-3000:]}")
+            taken = (self.ports.router, self.ports.router_metrics)
+            self.ports.router, self.ports.router_metrics = free_port("127.0.0.1"), free_port("127.0.0.1")
+            log.warning("sglang-router could not bind port %d or %d on 127.0.0.1; retrying on ports %d and %d",
+                        *taken, self.ports.router, self.ports.router_metrics)
+        raise AssertionError("unreachable")
+
     def _start_trainer(self) -> None:
         assert self.controller is not None
         rendezvous = f"{self.host}:{self.ports.rendezvous}"
-        trainer_env = {CONTROLLER_ENV: f"{self.host}:{self.controller.address[1]}", RUN_DIR_ENV: str(self.run_dir),
+        trainer_env = {**self.config.training.train_env_vars,  # slime's --train-env-vars; hpc_rl's own win
+                       CONTROLLER_ENV: f"{self.host}:{self.controller.address[1]}", RUN_DIR_ENV: str(self.run_dir),
                        "OMP_NUM_THREADS": str(self.config.training.num_threads), "HF_HUB_OFFLINE": "1",
                        # trainer rank 0 advertises its node's address for the weight group (training.sync_address)
                        TRAINER_NODE_ADDRESSES_ENV: ",".join(self.launcher.node_address(0, node)
@@ -512,6 +570,48 @@ class Driver:
     def _apply_requeue_request(self) -> None:
         if self.requeue_requested and self.controller is not None and self.controller.loop is not None:
             self.controller.loop.stop_requested = True
+
+    def stop_gracefully(self, main: asyncio.Task[Any]) -> None:
+        """SIGTERM: save what the grace time allows, then stop (one before the controller runs stops at
+        once). Another SIGTERM changes nothing: Slurm delivers scancel's to the batch step twice (to the
+        guard's process group and through the guard); SIGINT stops at once."""
+        if self.graceful_stop is not None:
+            log.info("SIGTERM again: already stopping (SIGINT stops at once)")
+            return
+        if self.controller_run is None or self.controller is None:
+            self.note_stopping()
+            main.cancel()
+            return
+        self.graceful_stop = asyncio.create_task(self._stop_gracefully(self.controller_run), name="graceful stop")
+
+    async def stopped_by_signal_meanwhile(self, error: Exception, wait_s: float = 1.0) -> bool:
+        """Whether a SIGTERM comes within `wait_s` of the run ending with `error` (then its graceful stop
+        has run). On Slurm, scancel and preemption signal every step at once: an engine or the trainer can
+        die a moment before the driver's own SIGTERM arrives, and the run must then stop (saving what it
+        can), not fail with a traceback."""
+        deadline = time.monotonic() + wait_s
+        while self.graceful_stop is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.graceful_stop is None:
+            return False
+        log.warning("SIGTERM came as the run ended with %s: %s (Slurm signals every step at once): a stop, not a "
+                    "failure", type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        await self.graceful_stop
+        return True
+
+    async def _stop_gracefully(self, run: asyncio.Task[Any]) -> None:
+        assert self.controller is not None
+        grace = term_grace_s(local=self.local)
+        message = f"SIGTERM: stopping; a checkpoint is saved if one can be within {grace:.0f} s"
+        log.warning(message)
+        print(f"hpc_rl: {message}", file=sys.stderr, flush=True)
+        began = time.perf_counter()
+        self.controller.fleet.restart = None  # an engine that dies now (Slurm signals every step) stays down
+        await self.controller.fleet.stop_monitoring()
+        outcome = await stop_with_checkpoint(self.controller.loop, self.controller.channel, run, grace)
+        self.controller.outcome = "stopped"
+        log.warning("%s (%.1f s after SIGTERM)", outcome, time.perf_counter() - began)
+        print(f"hpc_rl: {outcome} ({time.perf_counter() - began:.1f} s after SIGTERM)", file=sys.stderr, flush=True)
 
     def note_stopping(self) -> None:
         """A stop was asked for (signal): from now on a component that goes away is not a failure."""
@@ -558,7 +658,46 @@ class Driver:
             await asyncio.to_thread(self.router.stop)
         if self.controller is not None:
             await self.controller.close()
+        if self.local:  # what a killed torchrun agent left (its ranks' helpers) was adopted here: end it
+            mine = str(self.run_dir)
+            ended = await asyncio.to_thread(end_children, keep=lambda pid: not environ_has(pid, RUN_DIR_ENV, mine))
+            for pid in ended:
+                log.warning("ended pid %d, a process of the run left behind by its parent", pid)
         log.info("every process of the run stopped in %.2f s", time.perf_counter() - began)
+
+
+class StoppedBySignal(Exception):
+    """SIGTERM ended the run (after saving what it could): exit code EXIT_INTERRUPTED, no traceback."""
+
+
+TERM_GRACE_LOCAL_S = 10.0
+"""What SIGTERM grants a run on this machine before it must be gone (a `kill`, `docker stop` and systemd
+give 10 s before SIGKILL)."""
+TERM_GRACE_MARGIN_S = 3.0
+"""Of Slurm's KillWait, what is kept for stopping the processes after the save."""
+
+
+def term_grace_s(*, local: bool) -> float:
+    """Seconds from SIGTERM to the end of the save: locally TERM_GRACE_LOCAL_S; in a Slurm job, Slurm's
+    KillWait (SIGTERM to SIGKILL on scancel and preemption; default 30 s) minus TERM_GRACE_MARGIN_S."""
+    if local:
+        return TERM_GRACE_LOCAL_S
+    try:
+        shown = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        shown = ""
+    return max(0.0, slurm_kill_wait_s(shown) - TERM_GRACE_MARGIN_S)
+
+
+def slurm_kill_wait_s(scontrol_config: str, default: float = 30.0) -> float:
+    """KillWait from `scontrol show config` ("KillWait = 30 sec"); Slurm's default when absent."""
+    for line in scontrol_config.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "KillWait":
+            words = value.split()
+            if words and words[0].isdigit():
+                return float(words[0])
+    return default
 
 
 def _trainer_failed(message: str):  # -> TrainerFailed
@@ -599,6 +738,26 @@ def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> i
     A run that fails because a trainer rank died starts again from the last checkpoint, up to
     `controller.max_restarts` times (every process of the failed attempt is stopped first); each
     restart is printed, logged and listed in status.json under "restarts"."""
+    job_id = None if local else os.environ.get("SLURM_JOB_ID") or None
+    try:  # one run per run dir (a requeued attempt of this job, or this process's submit, hands it over)
+        lock = acquire(Path(run_dir).resolve(), role="driver", job_id=job_id)
+    except RunDirLocked as busy:
+        print(f"hpc_rl: {busy}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    lock.start_heartbeat()
+    if local:
+        become_subreaper()  # orphans of the run's processes come here, and are ended at shutdown
+    code = EXIT_FAILED
+    try:
+        code = _run_attempts(run_dir, launcher, local=local)
+    finally:
+        if not local:  # the job may run again (a requeue); Slurm's state of it says when it ended for good
+            lock.keep()
+        lock.release()
+    return code
+
+
+def _run_attempts(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> int:
     restarts = requeued_attempts(Path(run_dir).resolve())
     # before the first Driver: its constructor already logs (ports found in use on the node)
     setup_logging(Path(run_dir).resolve(), load_resolved_config(Path(run_dir).resolve()).logging.log_level)
@@ -654,11 +813,14 @@ async def _drive(driver: Driver) -> int:
         driver.note_stopping()
         task.cancel()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, interrupt)
+    loop.add_signal_handler(signal.SIGINT, interrupt)
+    loop.add_signal_handler(signal.SIGTERM, lambda: driver.stop_gracefully(task))
     loop.add_signal_handler(signal.SIGUSR2, driver.request_checkpoint)
     try:
         return await driver.run()
+    except StoppedBySignal:
+        log.info("stopped by SIGTERM")
+        return EXIT_INTERRUPTED
     except asyncio.CancelledError:
         log.info("interrupted by a signal; stopping every process of the run")
         print("hpc_rl: interrupted; stopping every process of the run", file=sys.stderr, flush=True)
@@ -666,6 +828,8 @@ async def _drive(driver: Driver) -> int:
             log.error("the job is being ended by Slurm because node(s) %s failed", ", ".join(driver.lost))
         return EXIT_INTERRUPTED
     except Exception as error:
+        if not driver.local and await driver.stopped_by_signal_meanwhile(error):
+            return EXIT_INTERRUPTED
         driver.failure = error
         log.exception("run failed")
         print(f"hpc_rl: the run failed: {error}", file=sys.stderr, flush=True)

@@ -12,11 +12,12 @@ from pathlib import Path
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.launch.driver import EXIT_OK, run_driver
 from hpc_rl.launch.steps import LocalStepLauncher
+from hpc_rl.telemetry.scalars import tensorboard_dir
 
 
 def run_local(config: RunConfig) -> int:
     run_dir = Path(config.run_dir)
-    tensorboard = config.logging.tensorboard_dir or str(run_dir / "tensorboard")
+    tensorboard = tensorboard_dir(config, run_dir)
     print(f"hpc_rl: local run in {run_dir}", flush=True)
     print(f"  logs: {run_dir / 'logs'}/{{controller,router,engine-N,trainer}}.log", flush=True)
     print(f"  tensorboard --logdir {tensorboard}", flush=True)

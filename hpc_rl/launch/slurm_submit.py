@@ -26,8 +26,10 @@ from hpc_rl.launch.submitit_het import (
     HetSlurmJob,
     guarded_python,
 )
+from hpc_rl.launch.run_lock import RunLock
 from hpc_rl.launch.topology import JobTopology, plan_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
+from hpc_rl.telemetry.scalars import tensorboard_dir
 
 EXIT_OK, EXIT_FAILED, EXIT_NOT_FINISHED, EXIT_INTERRUPTED = 0, 1, 3, 130
 
@@ -40,8 +42,9 @@ def make_executor(config: RunConfig, topology: JobTopology) -> HetSlurmExecutor:
     return executor
 
 
-def submit_job(config: RunConfig, *, driver: str = DEFAULT_DRIVER) -> HetSlurmJob:
-    """Submit the run in `config.run_dir` (already holding config.resolved.yaml); returns the job."""
+def submit_job(config: RunConfig, *, driver: str = DEFAULT_DRIVER, lock: RunLock | None = None) -> HetSlurmJob:
+    """Submit the run in `config.run_dir` (already holding config.resolved.yaml); returns the job. With
+    `lock` (the run dir's, taken by submit), the queued job holds the run dir from then on."""
     run_dir = Path(config.run_dir)
     if not secret_path(run_dir).exists():
         create_secret(secret_path(run_dir))
@@ -49,12 +52,14 @@ def submit_job(config: RunConfig, *, driver: str = DEFAULT_DRIVER) -> HetSlurmJo
     executor = make_executor(config, topology)
     job = executor.submit(HetJobDriver(str(run_dir), driver, engine_cpus_per_task(config, topology)))
     record_job_id(run_dir, job.job_id)
+    if lock is not None:
+        lock.hand_to_job(job.job_id)
     return job  # type: ignore[return-value]
 
 
 def submission_summary(config: RunConfig, job: HetSlurmJob) -> str:
     run_dir = Path(config.run_dir)
-    tensorboard = config.logging.tensorboard_dir or str(run_dir / "tensorboard")
+    tensorboard = tensorboard_dir(config, run_dir)
     return "\n".join([
         f"submitted Slurm job {job.job_id} ({config.logging.run_name})",
         f"  run dir:      {run_dir}",
@@ -136,9 +141,9 @@ def wait_for_job(job: HetSlurmJob, *, poll_seconds: float = 2.0, out=sys.stderr)
     return EXIT_OK if state.upper() in ("COMPLETED", "UNKNOWN") else EXIT_FAILED
 
 
-def submit_slurm(config: RunConfig, wait: bool = False) -> int:
+def submit_slurm(config: RunConfig, wait: bool = False, lock: RunLock | None = None) -> int:
     """`python -m hpc_rl.submit ... --executor slurm`: submit, print the summary, optionally wait."""
-    job = submit_job(config)
+    job = submit_job(config, lock=lock)
     print(submission_summary(config, job), flush=True)
     return wait_for_job(job) if wait else EXIT_OK
 

@@ -192,6 +192,19 @@ class SyncWeightsCommand(Message):
 
 
 @dataclass(kw_only=True)
+class DiskWeightsCommand(Message):
+    """Write the current weights as an HF directory at `path` (every rank takes part; slime's
+    --update-weight-transport disk): the engines then load it with /update_weights_from_disk."""
+
+    TYPE: ClassVar[str] = "disk_weights"
+    seq: int
+    weight_version: int
+    path: str
+    engine_urls: list[str] = field(default_factory=list)
+    """The engines that will read it (handed to the post-write hook, slime's rollout_engines)."""
+
+
+@dataclass(kw_only=True)
 class ColocatedSyncCommand(Message):
     """Colocated mode: every rank sends the current weights to the engine on its own GPUs, per bucket,
     through `/update_weights_from_tensor` (no weight-update group; the controller opens the session)."""

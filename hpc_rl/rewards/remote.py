@@ -34,9 +34,10 @@ REMOTE_RM_RETRY = RetryPolicy(max_transport_retries=9, base_delay_s=1.0, max_del
 RewardSession = aiohttp.ClientSession
 
 
-def reward_session(timeout_s: float) -> RewardSession:
-    """The session for one batch of `post_for_reward` calls; `timeout_s` bounds each call (all its reads)."""
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+def reward_session(timeout_s: float, proxy: str | None = None) -> RewardSession:
+    """The session for one batch of `post_for_reward` calls; `timeout_s` bounds each call (all its reads);
+    every call goes through `proxy` when given (slime's --http-proxy)."""
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s), proxy=proxy)
 
 
 def reward_payload(prompt: Any, response: str, label: Any) -> dict[str, Any]:

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         from hpc_rl.config.loading import load_resolved_config
         from hpc_rl.config.model import ModelArchitecture
         from hpc_rl.config.plugin_args import plugin_args
-        from hpc_rl.telemetry.scalars import ScalarLog
+        from hpc_rl.telemetry.scalars import ScalarLog, tensorboard_dir
         from hpc_rl.training.actor import build_trainer
         from hpc_rl.training.commands import BatchFileCommands, JsonlBatchSource, TrainerCommands
         from hpc_rl.training.parallel import init_parallel, shutdown_parallel
@@ -67,11 +67,17 @@ def main(argv: list[str] | None = None) -> None:
                   if info.rank == 0 and resumed is not None else None)
         source = ControllerLink(run_dir, rank=info.rank, world_size=info.world_size, info=hello, resume=resume)
         engine_key = _engine_key(run_dir)
-    tensorboard = config.logging.tensorboard_dir or str(run_dir / "tensorboard")
+        from hpc_rl.training.term_deferral import defer_sigterm_in_slurm_step
+
+        defer_sigterm_in_slurm_step()  # scancel/preemption: the controller may still save with us
+    tensorboard = tensorboard_dir(config, run_dir)
     scalars = ScalarLog(tensorboard if info.rank == 0 else None, filename_suffix=".trainer")
     try:
         TrainerCommands(parts, arch=arch, info=info, source=source, save_dir=save_dir, scalars=scalars,
-                        engine_api_key=engine_key, offload_train=config.training.offload_train).run()
+                        engine_api_key=engine_key, offload_train=config.training.offload_train,
+                        train_memory_margin_bytes=config.training.train_memory_margin_bytes,
+                        checkpoint_config=config.checkpoint, keep_last=config.checkpoint.keep_last,
+                        max_nonfinite_steps=config.training.max_nonfinite_steps).run()
     finally:
         scalars.close()
         shutdown_parallel()

@@ -2,11 +2,14 @@
 
 Owns: where the initial weights come from (slime's rules: `load` if it holds a checkpoint, else
 `ref_load`, else `hf_checkpoint`; each of `load`/`ref_load` may be a torch_dist checkpoint or an HF
-directory) and building the `RolloutTrainer`. Does not own the command loop (`__main__`).
+directory; `ref_ckpt_step` picks an iteration of `ref_load`; a checkpoint that saved an updated reference
+restores it) and building the `RolloutTrainer`. Does not own the command loop (`__main__`).
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +18,9 @@ import torch
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+from hpc_rl.plugins import load_plugin
 from hpc_rl.training import checkpoint
+from hpc_rl.training.custom_hooks import trainer_args
 from hpc_rl.training.model_provider import build_gpt_model
 from hpc_rl.training.optimizer import ActorOptimizer, wrap_ddp
 from hpc_rl.training.parallel import ParallelInfo
@@ -24,20 +29,56 @@ from hpc_rl.weights.hf_import import is_hf_checkpoint, load_hf_into_model
 
 
 def load_weights(model: torch.nn.Module, source: str | Path, arch: ModelArchitecture, info: ParallelInfo,
-                 *, model_file: str | Path | None = None) -> None:
-    """Weights only, from an HF directory or a torch_dist checkpoint (any TP size)."""
+                 *, model_file: str | Path | None = None, iteration: int | None = None) -> None:
+    """Weights only, from an HF directory or a torch_dist checkpoint (any TP size; `iteration` of a root)."""
     if is_hf_checkpoint(source):
+        if iteration is not None:
+            raise ValueError(f"checkpoint.ref_ckpt_step {iteration}: {source} is an HF directory, not a torch_dist "
+                             "root with iterations")
         inner = model.module if hasattr(model, "module") else model
         load_hf_into_model(inner, source, arch, tp_rank=info.tp_rank, tp_size=info.tp_size,
                            model_file=model_file, expert_tp_rank=info.expert_tp_rank,
                            expert_tp_size=info.expert_tp_size)
     else:
-        checkpoint.load_model_weights(source, model)
+        checkpoint.load_model_weights(source, model, iteration)
 
 
 def _has_checkpoint(path: str | None) -> bool:
     return bool(path) and (is_hf_checkpoint(path) or checkpoint.latest_iteration(path) is not None
                            or Path(path, ".metadata").exists())
+
+
+def build_model(arch: ModelArchitecture, training: TrainingConfig, *, device: str = "cpu") -> torch.nn.Module:
+    """This rank's stage of the model: hpc_rl's GPTModel, or what slime's --custom-model-provider-path builds,
+    `fn(pre_process, post_process, vp_stage=None)` (a Megatron GPTModel whose parameter names hpc_rl's weight
+    mapping knows: the same layers, another construction)."""
+    if not training.custom_model_provider_path:
+        return build_gpt_model(arch, training, device=device)
+    from megatron.core import parallel_state
+
+    provider = load_plugin("model_provider", training.custom_model_provider_path)
+    stages = training.pipeline_model_parallel_size > 1
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=True) if stages else True
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True) if stages else True
+    kwargs = {"vp_stage": None} if "vp_stage" in inspect.signature(provider).parameters else {}
+    return provider(pre_process=first, post_process=last, **kwargs)
+
+
+def freeze_parameters(model: torch.nn.Module, training: TrainingConfig) -> torch.nn.Module:
+    """slime's --only-train-params-name-list / --freeze-params-name-list: parameters whose (Megatron) name the
+    regular expressions select (re.search) get requires_grad False before DDP and the optimizer see them; they
+    are still synced to the engines and saved."""
+    only, frozen = training.only_train_params_name_list, training.freeze_params_name_list
+    if not only and not frozen:
+        return model
+    for name, param in model.named_parameters():
+        if only:
+            param.requires_grad_(any(re.search(pattern, name) for pattern in only))
+        else:
+            param.requires_grad_(not any(re.search(pattern, name) for pattern in frozen or ()))
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("training.only_train_params_name_list / freeze_params_name_list leave no parameter to train")
+    return model
 
 
 @dataclass
@@ -55,15 +96,20 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
                   optimizer_config: OptimizerConfig, checkpoints: CheckpointConfig, info: ParallelInfo,
                   model_file: str | Path | None = None, plugin_args: SimpleNamespace | None = None) -> TrainerParts:
     """Actor + optimizer (+ reference model when the KL loss or KL shaping needs one), loaded.
-    `plugin_args`: the run's flat config for custom loss/advantage functions (default: these sections')."""
+    `plugin_args`: the run's flat config for custom loss/advantage functions (default: these sections').
+    slime's --custom-megatron-init-path hook runs first (the process groups are up, no model yet)."""
     device = "cpu" if info.on_cpu else "cuda"  # cluster.device, as init_parallel checked it
+    if training.custom_megatron_init_path:
+        load_plugin("megatron_init", training.custom_megatron_init_path)(
+            plugin_args if plugin_args is not None else trainer_args(training, algorithm))
     if info.on_cpu:
-        actor = wrap_ddp(build_gpt_model(arch, training))
+        actor = wrap_ddp(freeze_parameters(build_model(arch, training), training))
         optimizer: ActorOptimizer = ActorOptimizer(actor, optimizer_config)
     else:  # Megatron's optimizer (GPU only; see optimizer_gpu)
         from hpc_rl.training.optimizer_gpu import MegatronActorOptimizer
 
-        actor = wrap_ddp(build_gpt_model(arch, training, device=device), distributed_optimizer=True)
+        actor = wrap_ddp(freeze_parameters(build_model(arch, training, device=device), training),
+                         distributed_optimizer=True)
         optimizer = MegatronActorOptimizer(actor, optimizer_config, params_dtype=actor.config.params_dtype)  # type: ignore[assignment]
     resumed = None
     if _has_checkpoint(checkpoints.load) and not is_hf_checkpoint(checkpoints.load):
@@ -74,14 +120,19 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
         if source is None:
             raise FileNotFoundError("no initial weights: set checkpoint.load, checkpoint.ref_load or "
                                     "checkpoint.hf_checkpoint to an HF directory or a torch_dist checkpoint")
-        load_weights(actor, source, arch, info, model_file=model_file)
+        load_weights(actor, source, arch, info, model_file=model_file,
+                     iteration=checkpoints.ref_ckpt_step if source == checkpoints.ref_load else None)
     ref_model = None
     if algorithm.use_kl_loss or algorithm.kl_coef != 0.0:
         ref_source = next((p for p in (checkpoints.ref_load, checkpoints.hf_checkpoint) if _has_checkpoint(p)), None)
         if ref_source is None:
             raise FileNotFoundError("the KL term needs reference weights: set checkpoint.ref_load")
-        ref_model = build_gpt_model(arch, training, device=device)
-        load_weights(ref_model, ref_source, arch, info, model_file=model_file)
+        ref_model = build_model(arch, training, device=device)
+        if resumed is not None and resumed.has_ref_model:  # an updated reference (algorithm.ref_update_interval)
+            checkpoint.load_ref_model(checkpoints.load or "", ref_model)
+        else:
+            load_weights(ref_model, ref_source, arch, info, model_file=model_file,
+                         iteration=checkpoints.ref_ckpt_step if ref_source == checkpoints.ref_load else None)
         ref_model.eval()
         for param in ref_model.parameters():
             param.requires_grad_(False)

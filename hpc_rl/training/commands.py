@@ -5,8 +5,12 @@ Owns `TrainerCommands.run()`: ask the command source for the next command, run i
 share for `TrainCommand`), so collectives line up. Commands are `hpc_rl.protocol.messages` types:
 
     TrainCommand(rollout_id, batch arrays)  -> RolloutTrainer.train_rollout, metrics to TensorBoard
+                                               (optimizer moments reset before it, reference updated
+                                               after it, as optimizer/algorithm ask)
     SyncWeightsCommand(version, group, ...) -> WeightPlan from rank 0, then the bucket broadcasts
-    SaveCommand(rollout_id, controller_state) -> checkpoint.save_checkpoint
+    SaveCommand(rollout_id, controller_state) -> checkpoint.save_checkpoint (+ the HF copy, save_hf)
+    DiskWeightsCommand(version, path)       -> the weights as an HF directory at path (disk transport), then
+                                               the post-write hook
     TrainerMemoryCommand(action, tags)       -> colocated: offload/onload (hpc_rl.training.offload)
     ColocatedSyncCommand(version, engine_urls) -> colocated: /update_weights_from_tensor per bucket
     StopCommand                              -> leave
@@ -28,8 +32,10 @@ from typing import Any, Protocol
 import torch
 
 from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.config.schema import CheckpointConfig
 from hpc_rl.protocol.messages import (
     ColocatedSyncCommand,
+    DiskWeightsCommand,
     Message,
     SaveCommand,
     StopCommand,
@@ -41,6 +47,8 @@ from hpc_rl.protocol.messages import (
 from hpc_rl.telemetry.scalars import ScalarLog
 from hpc_rl.training import checkpoint
 from hpc_rl.training.actor import TrainerParts
+from hpc_rl.training.checkpoint_files import prune_iterations
+from hpc_rl.training.nonfinite import NonFiniteSteps, check_finite_weights
 from hpc_rl.engines.child_process import free_port
 from hpc_rl.training.offload import TrainerOffload
 from hpc_rl.training.parallel import ParallelInfo
@@ -125,14 +133,21 @@ class TrainerCommands:
 
     def __init__(self, parts: TrainerParts, *, arch: ModelArchitecture, info: ParallelInfo, source: CommandSource,
                  save_dir: str | None, scalars: ScalarLog | None = None, engine_api_key: str | None = None,
-                 offload_train: bool = True) -> None:
+                 offload_train: bool = True, train_memory_margin_bytes: int = 0,
+                 checkpoint_config: CheckpointConfig | None = None, keep_last: int | None = None,
+                 max_nonfinite_steps: int = 3) -> None:
         self.parts, self.arch, self.info, self.source = parts, arch, info, source
         self.save_dir, self.scalars = save_dir, scalars
+        self.checkpoint_config = checkpoint_config or CheckpointConfig()
+        """save_optim, save_hf (and its hf_checkpoint side files) for SaveCommand."""
+        self.keep_last = keep_last
+        """checkpoint.keep_last: rank 0 removes older checkpoints after each save."""
+        self.nonfinite = NonFiniteSteps(max_nonfinite_steps)
         self.sender: WeightSender | None = None
         self.engine_api_key = engine_api_key
         """Colocated mode: this rank posts its weights to its engine itself (derived from the job secret)."""
         self.offload = TrainerOffload(models=[parts.actor, parts.ref_model], optimizer=parts.optimizer,
-                                      enabled=offload_train)
+                                      enabled=offload_train, margin_bytes=train_memory_margin_bytes)
         """Colocated: training.offload_train false keeps the state on the device (slime's --no-offload-train)."""
         self.colocated_sender = None
         self.group_address: tuple[str, int] | None = None
@@ -162,18 +177,44 @@ class TrainerCommands:
             return self.train(command)
         if isinstance(command, SyncWeightsCommand):
             return self.send_weights(command)
+        if isinstance(command, DiskWeightsCommand):
+            return self.write_weights(command)
         if isinstance(command, SaveCommand):
             root = self.save_dir or ""
             if not root:
                 raise ValueError("SaveCommand but checkpoint.save is not set")
-            path = checkpoint.save_checkpoint(root, self.parts.actor, self.parts.optimizer, checkpoint.TrainerState(
-                rollout_id=command.rollout_id, controller_state=command.controller_state))
-            return {"checkpoint": str(path)}
+            return self.save(root, command)
         raise ValueError(f"unknown trainer command {type(command).__name__}")
+
+    def save(self, root: str, command: SaveCommand) -> dict[str, Any]:
+        trainer, config = self.parts.trainer, self.checkpoint_config
+        path = checkpoint.save_checkpoint(
+            root, self.parts.actor, self.parts.optimizer,
+            checkpoint.TrainerState(rollout_id=command.rollout_id, controller_state=command.controller_state),
+            save_optim=config.save_optim,
+            ref_model=self.parts.ref_model if trainer.algorithm.ref_update_interval else None)
+        if self.keep_last and self.info.rank == 0:
+            for old in prune_iterations(root, self.keep_last):
+                log.info("removed %s (checkpoint.keep_last=%d)", old, self.keep_last)
+        out = {"checkpoint": str(path)}
+        if config.save_hf:
+            from hpc_rl.training.hf_save import hf_output_dir, save_hf_checkpoint
+
+            out["hf_checkpoint"] = str(save_hf_checkpoint(
+                self.parts.actor, self.arch, hf_output_dir(config.save_hf, command.rollout_id),
+                reference_dir=config.hf_checkpoint or None, info=self.info, tp_group=trainer.tp_group))
+        return out
 
     def train(self, command: TrainCommand) -> dict[str, Any]:
         batch = TrainBatch.from_arrays(command.batch, command.meta)
-        steps = self.parts.trainer.train_rollout(batch)
+        trainer = self.parts.trainer
+        if self.parts.optimizer.config.reset_optimizer_states:
+            self.parts.optimizer.reset_state()
+        steps = trainer.train_rollout(batch, command.rollout_id)
+        self.nonfinite.check(command.rollout_id, steps)
+        interval = trainer.algorithm.ref_update_interval
+        if interval and (command.rollout_id + 1) % interval == 0:
+            trainer.update_reference()
         if self.info.rank == 0:
             for offset, metrics in enumerate(steps):
                 step = self.parts.optimizer.steps_done - len(steps) + offset + 1  # steps done, as rollout/* counts rollouts
@@ -193,6 +234,7 @@ class TrainerCommands:
     def colocated_sync(self, command: ColocatedSyncCommand) -> dict[str, Any]:
         if "weights" in self.offload.offloaded_tags:
             self.offload.require_onloaded("a colocated weight update")
+        check_finite_weights(self.parts.actor, device=self.info.device, rank=self.info.rank)
         if self.colocated_sender is None:
             from megatron.core import parallel_state
 
@@ -208,10 +250,33 @@ class TrainerCommands:
                 pp_group=pp_group)
         index = self.colocated_sender.engine_index
         url = command.engine_urls[index] if index < len(command.engine_urls) else ""
-        return self.colocated_sender.sync(version=command.weight_version, engine_url=url,
-                                          bucket_bytes=command.bucket_bytes)
+        metrics = self.colocated_sender.sync(version=command.weight_version, engine_url=url,
+                                             bucket_bytes=command.bucket_bytes)
+        self._engines_updated()
+        return metrics
+
+    def write_weights(self, command: DiskWeightsCommand) -> dict[str, Any]:
+        """slime's disk transport: the weights as an HF directory the engines load, then the post-write hook."""
+        from hpc_rl.training.hf_save import save_hf_checkpoint
+
+        trainer, config = self.parts.trainer, self.checkpoint_config
+        path = save_hf_checkpoint(self.parts.actor, self.arch, command.path, reference_dir=config.hf_checkpoint or None,
+                                  info=self.info, tp_group=trainer.tp_group)
+        hook_path = getattr(trainer.plugin_args, "custom_update_weight_post_write_path", None)
+        if hook_path:
+            from hpc_rl.plugins import load_plugin
+
+            load_plugin("update_weight_post_write", hook_path)(trainer.plugin_args, str(path), list(command.engine_urls))
+        self._engines_updated()
+        return {"path": str(path)}
+
+    def _engines_updated(self) -> None:
+        """The engines now serve the actor's weights (keep_old_actor keeps a copy for the old log-probs)."""
+        if self.parts.trainer.algorithm.keep_old_actor:
+            self.parts.trainer.remember_rollout_weights()
 
     def send_weights(self, command: SyncWeightsCommand) -> dict[str, Any]:
+        check_finite_weights(self.parts.actor, device=self.info.device, rank=self.info.rank)
         if self.sender is None:
             from megatron.core import parallel_state
 
@@ -238,4 +303,5 @@ class TrainerCommands:
         for index in range(len(plan)):
             self.sender.send_bucket(index)
         self.sender.finish()
+        self._engines_updated()
         return {"buckets": len(plan), "bytes": sum(b.num_bytes for b in plan)}

@@ -29,11 +29,23 @@ def vocab_parallel_logprobs(
     vocab_size: int,
     tp_group: dist.ProcessGroup | None = None,
     with_entropy: bool = False,
+    chunk_size: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) and (optionally) entropy, per position; `logits` [..., V_local], `targets` [...].
 
-    Vocabulary entries >= `vocab_size` (Megatron's padding) get probability 0.
+    Vocabulary entries >= `vocab_size` (Megatron's padding) get probability 0. `chunk_size` > 0 (slime's
+    --log-probs-chunk-size) computes them that many positions at a time, so the float32 softmax
+    intermediates are [chunk_size, V_local] instead of one per position of the whole micro-batch.
     """
+    positions = targets.numel()
+    if 0 < chunk_size < positions:
+        flat_logits, flat_targets = logits.reshape(positions, logits.shape[-1]), targets.reshape(positions)
+        parts = [vocab_parallel_logprobs(flat_logits[i:i + chunk_size], flat_targets[i:i + chunk_size],
+                                         vocab_size=vocab_size, tp_group=tp_group, with_entropy=with_entropy)
+                 for i in range(0, positions, chunk_size)]
+        log_probs = torch.cat([lp for lp, _ in parts]).reshape(targets.shape)
+        entropy = torch.cat([e for _, e in parts]).reshape(targets.shape) if with_entropy else None  # type: ignore[misc]
+        return log_probs, entropy
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
     logits = logits.float()

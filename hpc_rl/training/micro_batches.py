@@ -120,14 +120,15 @@ class MicroBatch:
         return full[split.rows].unsqueeze(0)
 
     def response_logprobs(self, logits: torch.Tensor, *, vocab_size: int, tp_group: dist.ProcessGroup | None = None,
-                          with_entropy: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+                          with_entropy: bool = False,
+                          chunk_size: int = -1) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Per-sample log-probs (and entropies) of the response tokens, from `forward`'s logits.
 
         Shifted position t scores token t + 1, so a sample starting at `o` with length L and r
         response tokens is scored at positions [o + L - r - 1, o + L - 1).
         """
         if self.context_parallel is not None:
-            log_probs, entropy = self._gathered_logprobs(logits, vocab_size, tp_group, with_entropy)
+            log_probs, entropy = self._gathered_logprobs(logits, vocab_size, tp_group, with_entropy, chunk_size)
             rows, columns = self._response_positions(log_probs.device)
             log_probs = log_probs[rows, columns]
             entropy = None if entropy is None else entropy[rows, columns]
@@ -135,7 +136,7 @@ class MicroBatch:
             rows, columns = self._response_positions(logits.device)
             log_probs, entropy = vocab_parallel_logprobs(logits[rows, columns], self.tokens[rows, columns + 1],
                                                          vocab_size=vocab_size, tp_group=tp_group,
-                                                         with_entropy=with_entropy)
+                                                         with_entropy=with_entropy, chunk_size=chunk_size)
         per_sample = list(log_probs.split(self.response_lengths))
         per_entropy = None if entropy is None else list(entropy.split(self.response_lengths))
         return per_sample, per_entropy
@@ -154,12 +155,12 @@ class MicroBatch:
                 torch.tensor(columns, dtype=torch.long, device=device))
 
     def _gathered_logprobs(self, logits: torch.Tensor, vocab_size: int, tp_group: dist.ProcessGroup | None,
-                           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           with_entropy: bool, chunk_size: int = -1) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[1, T_padded] log-probs (entropies) of the whole packed row, in global order, on every CP rank."""
         split, targets, group = self.context_parallel, self.targets, self.cp_group
         assert split is not None and targets is not None and group is not None
         log_probs, entropy = vocab_parallel_logprobs(logits, targets, vocab_size=vocab_size, tp_group=tp_group,
-                                                     with_entropy=with_entropy)
+                                                     with_entropy=with_entropy, chunk_size=chunk_size)
 
         def to_global(values: torch.Tensor) -> torch.Tensor:
             return gather_with_local_grad(values[0], group).index_select(0, split.order).unsqueeze(0)

@@ -68,6 +68,20 @@ def grad_sum_loss_multiplier(ddp_model: torch.nn.Module) -> int:
     return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
 
 
+@torch.no_grad()
+def reset_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Zero Adam's moments and step counts in place (the tensors stay, so an offload keeps its storages)."""
+    for group in optimizer.param_groups:
+        if "step" in group:
+            group["step"] = 0
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key in ("step", "exp_avg", "exp_avg_sq") and isinstance(value, torch.Tensor):
+                value.zero_()
+            elif key == "step":
+                state[key] = 0
+
+
 @dataclass
 class StepResult:
     grad_norm: float
@@ -172,6 +186,16 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
             for key, value in entries.items():
                 target[key].copy_(value)
             target["step"] = torch.tensor(float(steps_done))
+        self.steps_done = steps_done
+
+    @torch.no_grad()
+    def reset_state(self) -> None:
+        """Adam's moments and step count back to zero (slime's --reset-optimizer-states); the lr schedule
+        (steps_done) goes on."""
+        reset_adam_state(self.torch_optimizer)
+
+    def restore_steps(self, steps_done: int) -> None:
+        """Resume the schedule at `steps_done` without optimizer state (a checkpoint saved with save_optim off)."""
         self.steps_done = steps_done
 
     def ensure_state(self) -> None:

@@ -92,3 +92,24 @@ def engine_pids_now(run_dir: Path) -> dict[int, int]:
             if f"--port {port} " in cmd + " ":
                 pids[index] = int(pid)
     return pids
+
+
+def processes_of_run(run_dir: Path) -> list[str]:
+    """Live processes of a run: those naming its run dir on their command line, and those started with it in
+    their environment (`HPC_RL_RUN_DIR`: torchrun's agent, its ranks and every process they start, such as
+    the multiprocessing helpers of Megatron's checkpoint writer, whose command lines name nothing)."""
+    marker = f"HPC_RL_RUN_DIR={run_dir}".encode()
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and (str(run_dir).encode() in cmdline or marker in environ):
+            shown = cmdline.replace(b"\0", b" ").decode(errors="replace")[:200]
+            found.append(f"{pid}: {shown}")
+    return found

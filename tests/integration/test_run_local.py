@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.run_helpers import (engine_pids, interrupt, processes_mentioning, records, run_to_end, start_run,
-                                           wait_for)
+from tests.integration.run_helpers import (engine_pids, interrupt, processes_mentioning, processes_of_run, records,
+                                           run_to_end, start_run, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -146,10 +146,12 @@ def test_resume_continues_rollout_ids_and_data_order(tmp_path: Path) -> None:
 
 
 def test_dead_trainer_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
+    """... and leaves nothing behind: not the helpers of Megatron's checkpoint writer either (a spawned
+    Manager and the resource tracker outlived the run with parent PID 1 before; issue 24)."""
     run_dir = tmp_path / "dead-trainer"
-    process = start_run(run_dir, "--num-rollout", "200", "--eval-interval", "1000")
+    process = start_run(run_dir, "--num-rollout", "200", "--eval-interval", "1000", "--save-interval", "1")
     try:
-        wait_for(lambda: len(records(run_dir)) >= 2, 300, "two rollouts")
+        wait_for(lambda: len(records(run_dir)) >= 2, 300, "two rollouts (each saved)")
         trainers = [line for line in processes_mentioning("-m hpc_rl.training")
                     if "torch.distributed.run" not in line and "bound_torchrun" not in line]  # not the agent
         assert trainers, "no trainer rank found"
@@ -162,3 +164,4 @@ def test_dead_trainer_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
     assert code == 1
     assert "trainer" in output and "the run failed" in output
     assert processes_mentioning(str(run_dir)) == []
+    assert processes_of_run(run_dir) == []

@@ -23,6 +23,12 @@ READ_ELSEWHERE = {
                          "rollout_batch_size * n_samples_per_prompt == global_batch_size * num_steps_per_rollout)",
     "extra_args": "read through SGLangConfig.server_options() (launch/driver.py passes them to every engine)",
     "gpu_memory_gib": "read by the per-GPU memory plan (config/memory_plan.py) that submit checks and --dry-run prints",
+    # slime flags of issue 26
+    "custom_config_path": "config.plugin_args reads the file into the `args` every plug-in receives (controller and "
+                          "trainer processes both build it there)",
+    "update_weight_mode": "slime's full|delta: validation refuses delta, and full is what every sync does",
+    "model_name": "slime's model family name: validation checks it names the architecture's family, which is what "
+                  "the weight conversion follows",
 }
 
 

@@ -113,8 +113,9 @@ async def recording_trainer_rank(channel: TrainerChannel, events: list[str]) -> 
 
 
 def run_mode(tmp_path: Path, *, colocate: bool, async_rollout: bool, num_rollout: int = 2,
-             update_weights_interval: int = 1, engine_state: EngineState = EngineState.SERVING) -> list[str]:
-    config = load_config(["configs/tiny_cpu.yaml"], ["--set", f"run_dir={tmp_path}"])
+             update_weights_interval: int = 1, engine_state: EngineState = EngineState.SERVING,
+             flags: tuple[str, ...] = ()) -> list[str]:
+    config = load_config(["configs/tiny_cpu.yaml"], ["--set", f"run_dir={tmp_path}", *flags])
     config.rollout.update_weights_interval = update_weights_interval
     config.cluster.colocate = colocate
     config.rollout.async_rollout = async_rollout
@@ -193,3 +194,10 @@ def test_a_sync_with_no_live_engine_pushes_nothing(tmp_path: Path) -> None:
     joined: "send_bucket before connect()"); the trainer's version is what a restarted engine gets."""
     events = run_mode(tmp_path, colocate=False, async_rollout=False, num_rollout=1, engine_state=EngineState.FAILED)
     assert events == ["generate 0", "trainer train 0", "engines serve v1", "trainer save 0 (next 1, v1)"]
+
+
+def test_start_rollout_id_starts_a_fresh_run_there(tmp_path: Path) -> None:
+    """slime's --start-rollout-id: rollouts start_rollout_id .. num_rollout - 1, schedules by rollout id."""
+    events = run_mode(tmp_path, colocate=False, async_rollout=False, num_rollout=3, flags=("--start-rollout-id", "2"))
+    assert [e for e in events if e.startswith(("generate", "trainer train", "trainer save"))] == [
+        "generate 2", "trainer train 2", "trainer save 2 (next 3, v1)"]

@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from hpc_rl.config import ConfigError, load_config
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.config.loading import load_resolved_config, write_resolved_config
 from hpc_rl.submit import main
-from tests.unit.slime_lines import config_field, flags_of, seed_argv, seeds
+from tests.unit.slime_lines import config_field, flags_of, resolved_from_dry_run, seed_argv, seeds
 
 QWEN3_4B = flags_of("qwen3_4B_model_args.txt")
 TINY = flags_of("tiny_qwen3_model_args.txt")
-
-
-def resolved_from_dry_run(output: str) -> dict[str, Any]:
-    text = output.split("# resolved config\n", 1)[1].split("# executor:", 1)[0]
-    return yaml.safe_load(text)
 
 
 @pytest.mark.parametrize("name", sorted(seeds()))

@@ -127,3 +127,14 @@ def test_colocate_needs_whole_engines_per_node_and_allows_pipeline() -> None:
                          "--rollout-num-gpus-per-engine", "2", "--pipeline-model-parallel-size", "3"])
     assert "an engine of 2 GPUs must sit on the GPUs of whole trainer ranks" in text
     assert "hands full tensors" not in text  # colocated pushes under PP broadcast over the pipeline (issue 20)
+
+
+@pytest.mark.parametrize(("flags", "field", "words"), [
+    (["--ref-update-interval", "2"], "algorithm.ref_update_interval", "needs use_kl_loss or kl_coef"),
+    (["--ref-ckpt-step", "3"], "checkpoint.ref_ckpt_step", "ref_load, which is not set"),
+    (["--keep-old-actor", "--use-rollout-logprobs"], "algorithm.keep_old_actor", "drop one of them"),
+    (["--save-hf", "/out/{step}"], "checkpoint.save_hf", "only {rollout_id} in braces"),
+])
+def test_slime_checkpoint_flags_are_checked_at_submit(flags: list[str], field: str, words: str) -> None:
+    problems = [p for p in collect_problems(load_config([], flags), check_files=False) if p.where == field]
+    assert problems and words in problems[0].message
