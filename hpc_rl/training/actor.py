@@ -21,7 +21,7 @@ from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerCon
 from hpc_rl.plugins import load_plugin
 from hpc_rl.training import checkpoint
 from hpc_rl.training.custom_hooks import trainer_args
-from hpc_rl.training.model_provider import build_gpt_model
+from hpc_rl.training.model_provider import build_gpt_model, check_moe_training
 from hpc_rl.training.optimizer import ActorOptimizer, wrap_ddp
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.step import RolloutTrainer
@@ -71,11 +71,11 @@ def freeze_parameters(model: torch.nn.Module, training: TrainingConfig) -> torch
     only, frozen = training.only_train_params_name_list, training.freeze_params_name_list
     if not only and not frozen:
         return model
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters():  # never unfreezes (MTP layers without MTP training stay frozen)
         if only:
-            param.requires_grad_(any(re.search(pattern, name) for pattern in only))
+            param.requires_grad_(param.requires_grad and any(re.search(pattern, name) for pattern in only))
         else:
-            param.requires_grad_(not any(re.search(pattern, name) for pattern in frozen or ()))
+            param.requires_grad_(param.requires_grad and not any(re.search(pattern, name) for pattern in frozen or ()))
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("training.only_train_params_name_list / freeze_params_name_list leave no parameter to train")
     return model
@@ -102,6 +102,7 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
     if training.custom_megatron_init_path:
         load_plugin("megatron_init", training.custom_megatron_init_path)(
             plugin_args if plugin_args is not None else trainer_args(training, algorithm))
+    check_moe_training(arch, training)
     if info.on_cpu:
         actor = wrap_ddp(freeze_parameters(build_model(arch, training), training))
         optimizer: ActorOptimizer = ActorOptimizer(actor, optimizer_config)

@@ -98,7 +98,8 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
         self.ddp_model = ddp_model
         self.config = config
         self.params = [p for p in ddp_model.parameters() if p.requires_grad]
-        self.has_experts = any(not getattr(p, "allreduce", True) for p in self.params)
+        self.has_experts = getattr(getattr(ddp_model, "config", None), "num_moe_experts", None) is not None
+        """A MoE model: every rank joins the expert norm's all-reduce, also a pipeline stage without MoE layers."""
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]  # norms and biases, as Megatron
         self.torch_optimizer = torch.optim.AdamW(

@@ -215,3 +215,19 @@ def test_alltoall_split_sizes_become_host_ints_at_the_copy_point() -> None:
     _cpu_alltoall_split_sizes(fake_dispatcher, "before_ep_alltoall", tokens)
     assert fake_dispatcher.input_splits == [3, 1] and fake_dispatcher.output_splits == [2, 2]
     assert all(type(size) is int for size in fake_dispatcher.input_splits)
+
+
+def test_moe_layouts_megatron_cannot_train_are_refused_before_building() -> None:
+    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.training.model_provider import check_moe_training
+
+    arch = moe_arch()
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        check_moe_training(arch, TrainingConfig(tensor_model_parallel_size=2))
+    with pytest.raises(ValueError, match="allgather.*use alltoall"):
+        check_moe_training(arch, TrainingConfig(expert_model_parallel_size=2, moe_token_dispatcher_type="allgather"))
+    check_moe_training(arch, TrainingConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                                            expert_model_parallel_size=2))
+    check_moe_training(arch, TrainingConfig(moe_token_dispatcher_type="allgather"))  # EP 1: nothing to all-gather
+    check_moe_training(moe_arch(family="qwen3", num_moe_experts=None, moe_ffn_hidden_size=None, moe_layer_freq=None),
+                       TrainingConfig(tensor_model_parallel_size=2))  # dense models are not concerned
