@@ -126,5 +126,5 @@ def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: s
     load_model_weights(load_dir, model)
     state = {name: tensor.clone() for name, tensor in export_hf_state_dict(model, arch)}
     for copy, source in mtp_copies(arch):  # DeepSeek's per-MTP-layer embedding / head copies
-        state[copy] = state[source]
+        state[copy] = state[source].clone()
     return write_hf_checkpoint(state, output_dir, hf_reference)

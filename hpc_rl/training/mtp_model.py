@@ -75,6 +75,13 @@ class MTPGPTModel(GPTModel):
     vocab_size_unpadded: int = 0
     """The tokenizer's vocabulary (rows above it are Megatron's padding)."""
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
+        """GPTModel's, with the metadata Megatron 0.16.1 reads unguarded when MTP sits on a stage without the
+        embedding (`metadata['dp_cp_group']` with the default metadata None raises TypeError)."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        return super().sharded_state_dict(prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))
+
     def reset_mtp_metrics(self) -> None:
         depths = self.config.mtp_num_layers or 0
         self.mtp_loss_sums = [0.0] * depths
