@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.parallel_layout import ParallelLayout
 from hpc_rl.config.parameter_counts import ParameterShare, format_count, model_share, stage_shares
-from hpc_rl.config.pipeline_split import training_split
+from hpc_rl.config.pipeline_split import PipelineSplitError, training_split
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sglang_options import attention_dp_size
 
@@ -356,6 +356,21 @@ def plan_summary(config: RunConfig, arch: ModelArchitecture | None) -> str:
     if arch is None:
         return "parallel layout and memory plan: no model architecture"
     layout = ParallelLayout.of(config.training, config.cluster.trainer_world_size, arch)
+    described = layout.describe() + _stages_line(config, arch)
     if config.cluster.device != "cuda":
-        return f"{layout.describe()}\nmemory plan: device {config.cluster.device}, no GPU memory to plan"
-    return f"{layout.describe()}\n{plan_memory(config, arch).describe()}"
+        return f"{described}\nmemory plan: device {config.cluster.device}, no GPU memory to plan"
+    return f"{described}\n{plan_memory(config, arch).describe()}"
+
+
+def _stages_line(config: RunConfig, arch: ModelArchitecture) -> str:
+    """Which layers each pipeline stage holds, when there are stages or MTP layers to place."""
+    try:
+        split = training_split(arch.num_layers, config.training)
+    except PipelineSplitError as error:
+        return f"\n  pipeline stages: {error}"
+    if len(split.counts) == 1 and not arch.mtp_num_layers:
+        return ""
+    stages = [f"layers {r.start}-{r.stop - 1}" for r in (split.layers(s) for s in range(len(split.counts)))]
+    if arch.mtp_num_layers:
+        stages[-1] += f" + {arch.mtp_num_layers} MTP layer(s)"
+    return "\n  pipeline stages: " + " | ".join(stages)
