@@ -208,6 +208,16 @@ def prepare_megatron_moe() -> None:
     _moe_prepared = True
 
 
+def _cp_rank_positions(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """Megatron's `get_pos_emb_on_this_cp_rank` (this CP rank's two of 2*CP chunks) without its pinned CUDA
+    index tensor: the CPU twin, the same chunks."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    picked = chunks.index_select(seq_dim, index)
+    return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2:])
+
+
 def prepare_megatron_mla() -> None:
     """Make Megatron's MLA layer buildable without Transformer Engine; idempotent (call before building one).
 
@@ -215,14 +225,18 @@ def prepare_megatron_mla() -> None:
     `megatron.core.extensions.transformer_engine`, which imports without TE by standing a MagicMock in for
     it: the import succeeds, `HAVE_TE` is set True and `TELinear` is a mock, so `MLASelfAttention.__init__`
     raises `isinstance() arg 2 must be a type` (its fp8 check). Without TE this sets the module to what its
-    own ImportError branch would (HAVE_TE False, the TE classes None); a TE install is left alone."""
+    own ImportError branch would (HAVE_TE False, the TE classes None); a TE install is left alone. On CPU, YaRN's
+    cos/sin cache under context parallelism gets `_cp_rank_positions` (Megatron pins a CUDA index tensor)."""
     from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
     from megatron.core.transformer import multi_latent_attention
 
     if not te_extension.HAVE_TE and multi_latent_attention.HAVE_TE:
         multi_latent_attention.HAVE_TE = False
         for name in ("TEColumnParallelLinear", "TELinear", "Linear", "set_save_original_input"):
             setattr(multi_latent_attention, name, None)
+    if not cuda_available():  # YaRN's cos/sin cache under CP slices with a pinned index tensor (CUDA-only)
+        yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cp_rank_positions
 
 
 GPU_ONLY_MOE_KERNELS = {

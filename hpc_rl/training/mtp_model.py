@@ -67,6 +67,20 @@ def mtp_block_spec(block: TransformerBlockSubmodules, mtp_num_layers: int, *, us
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * mtp_num_layers)
 
 
+def padded_packing(packed_seq_params: Any) -> Any:
+    """The packed-sequence parameters the MTP layers run with: under context parallelism Megatron's
+    `roll_tensor` locates each sequence's chunks from `cu_seqlens_q` as CP-padded offsets (slime packs that
+    way), while hpc_rl's rows carry the real lengths there and the padded ones in `cu_seqlens_q_padded`; the
+    padded offsets serve both. Padding sits after each sequence's real tokens, so under causal attention no
+    real token's output changes."""
+    if packed_seq_params is None or packed_seq_params.cu_seqlens_q_padded is None:
+        return packed_seq_params
+    import dataclasses
+
+    return dataclasses.replace(packed_seq_params, cu_seqlens_q=packed_seq_params.cu_seqlens_q_padded,
+                               cu_seqlens_kv=packed_seq_params.cu_seqlens_kv_padded)
+
+
 class MTPGPTModel(GPTModel):
     """GPTModel with MTP layers that run only in an MTP-training forward or `mtp_logits` (see the module)."""
 
@@ -112,6 +126,7 @@ class MTPGPTModel(GPTModel):
 
         tp_group = parallel_state.get_tensor_model_parallel_group()
         cp_group = self.cp_group if self.config.context_parallel_size > 1 else None
+        packed_seq_params = padded_packing(packed_seq_params)
         labels, _ = roll_tensor(input_ids, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
         mask = loss_mask.float()
         depths = self._mtp_hidden(hidden_states, input_ids, position_ids, attention_mask, packed_seq_params,

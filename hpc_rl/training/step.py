@@ -421,10 +421,12 @@ class RolloutTrainer:
 
     def _mtp_metrics(self, model: Any) -> dict[str, float]:
         """slime's train/mtp_<k>_loss (mean cross entropy per trained token, k from 1) and their sum mtp_loss."""
+        from megatron.core import parallel_state
+
         sums = torch.tensor([*model.mtp_loss_sums, *model.mtp_token_counts], dtype=torch.float64,
                             device=self.info.device)
-        if self.info.dp_size > 1:
-            dist.all_reduce(sums, group=self.dp_group)
+        if self.info.dp_size * self.info.cp_size > 1:  # each CP rank scored its own chunks' targets
+            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         depths = len(model.mtp_loss_sums)
         losses = [float(sums[k]) / max(float(sums[depths + k]), 1.0) for k in range(depths)]
         return {**{f"mtp_{k + 1}_loss": loss for k, loss in enumerate(losses)}, "mtp_loss": sum(losses)}

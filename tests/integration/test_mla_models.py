@@ -8,7 +8,7 @@ Two tiny random checkpoints made by transformers, each with one MTP layer in Dee
 One launch of two ranks runs every layout in turn (Megatron's groups rebuilt in the same processes):
 TP1 (DP 2): logits, MTP logits and the reference step's gradients (MTP training on); TP2 + SP: logits and MTP
 logits, HF -> torch_dist; PP2 with uneven stages (2 + 1 layers, MTP on the last stage): the step's loss and
-gradients equal the reference's, every rank gets every HF tensor for its colocated engine;
+gradients equal the reference's, every rank gets every HF tensor for its colocated engine; CP2: the same;
 EP2: HF -> torch_dist. slime's conversion line (torchrun tools/convert_hf_to_torch_dist.py with the model's
 MODEL_ARGS) writes it at PP2 with uneven stages, and slime's reverse line (tools/convert_torch_dist_to_hf.py)
 brings each conversion back: every tensor (MTP layers and DeepSeek's copies included) bit-exact. transformers' own
@@ -74,11 +74,12 @@ def make_models(root: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _training(*, tp: int = 1, pp: int = 1, ep: int = 1, last_stage: int | None = None):
+def _training(*, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, last_stage: int | None = None):
     from hpc_rl.config.schema import TrainingConfig
 
     return TrainingConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, pipeline_model_parallel_size=pp,
                           decoder_last_pipeline_num_layers=last_stage, expert_model_parallel_size=ep,
+                          context_parallel_size=cp,
                           moe_token_dispatcher_type="alltoall", enable_mtp_training=True, global_batch_size=8,
                           micro_batch_size=2, qkv_format="thd")
 
@@ -175,6 +176,8 @@ def layouts_rank(models: dict[str, tuple[str, str]], work: str) -> dict:
     training = _training(pp=2, last_stage=1)
     info = _reinit(training)
     out[("pp2", "step")] = _step_grads(archs["deepseek"], deepseek_dir, training, info, colocated_export=True)
+    training = _training(cp=2)
+    out[("cp2", "step")] = _step_grads(archs["deepseek"], deepseek_dir, training, _reinit(training))
     _reinit(_training(ep=2))
     hf_to_torch_dist(deepseek_dir, deepseek_file, f"{work}/ep2_torch_dist", expert_parallel_size=2)
     shutdown_parallel()
@@ -249,6 +252,13 @@ def test_mla_families_match_transformers_across_layouts_and_convert_exactly(tmp_
     assert set(staged) == set(reference) and any(n.startswith("mtp.layers.0.") for n in staged)
     for param, grad in reference.items():
         assert _max_diff(staged[param], grad) < 1e-6, param
+    for rank in ranks:  # CP 2 (MLA's keys wider than its values; MTP targets across CP chunks)
+        step = rank[("cp2", "step")]
+        for metric in ("loss", "pg_loss", "mtp_1_loss", "grad_norm"):
+            expected_value = ranks[0][("tp1", "step")]["metrics"][metric]
+            assert abs(step["metrics"][metric] - expected_value) < 1e-5 * max(1.0, abs(expected_value)), ("cp2", metric)
+        for param, grad in reference.items():
+            assert _max_diff(step["grads"][param], grad) < 1e-4 * max(1.0, grad.abs().max().item()), ("cp2", param)
     assert reference["mtp.layers.0.eh_proj.weight"].abs().max() > 0  # the MTP layer learns ...
     original = load_file(str(Path(models["deepseek"][0]) / "model.safetensors"))
     synced = {n: t for n, t in original.items() if not n.endswith(("layers.3.embed_tokens.weight",
