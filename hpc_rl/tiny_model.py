@@ -130,6 +130,18 @@ def _randomize_moe(model, spec: TinyMoeSpec) -> None:  # noqa: ANN001 - a transf
                 tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
 
 
+def _save_random_moe(model_class, config, spec: TinyMoeSpec, tokenizer, output_dir: Path):  # noqa: ANN001, ANN202
+    """A transformers MoE model of `config`, seeded and made decisive (`_randomize_moe`), saved with the tokenizer."""
+    import torch
+
+    torch.manual_seed(spec.seed)
+    model = model_class(config).to(torch.float32)
+    _randomize_moe(model, spec)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return model
+
+
 def make_tiny_moe_model(output_dir: str | Path, spec: TinyMoeSpec | None = None) -> Path:
     """Write a randomly initialised tiny MoE checkpoint (spec.family) + the tiny tokenizer; return it."""
     import torch
@@ -156,11 +168,7 @@ def make_tiny_moe_model(output_dir: str | Path, spec: TinyMoeSpec | None = None)
         model_class = Glm4MoeForCausalLM
     else:
         raise ValueError(f"TinyMoeSpec.family {spec.family!r}: use qwen3_moe or glm4_moe")
-    torch.manual_seed(spec.seed)
-    model = model_class(config).to(torch.float32)
-    _randomize_moe(model, spec)
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    model = _save_random_moe(model_class, config, spec, tokenizer, output_dir)
     if spec.family == "qwen3_moe":  # the Hub's key (Qwen3-30B-A3B), which transformers 4.x readers (SGLang) know
         config_file = output_dir / "config.json"
         fields = json.loads(config_file.read_text())
@@ -274,11 +282,7 @@ def make_tiny_mla_model(output_dir: str | Path, spec: TinyMlaSpec | None = None)
         model_class = Glm4MoeLiteForCausalLM
     else:
         raise ValueError(f"TinyMlaSpec.family {spec.family!r}: use deepseek_v3 or glm4_moe_lite")
-    torch.manual_seed(spec.seed)
-    model = model_class(config).to(torch.float32)
-    _randomize_moe(model, spec)
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    model = _save_random_moe(model_class, config, spec, tokenizer, output_dir)
     if spec.mtp_layers:
         weights_file = output_dir / "model.safetensors"
         weights = load_file(str(weights_file))

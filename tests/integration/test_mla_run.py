@@ -12,31 +12,18 @@ shape its draft layer does not have, which would fail the run.
 from __future__ import annotations
 
 import statistics
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.integration.run_helpers import REPO_ROOT, processes_mentioning, records, submit_argv
+from tests.integration.run_helpers import processes_mentioning, run_tiny_recipe_to_learning
 
 pytestmark = pytest.mark.slow
 
 
 def test_tiny_mla_run_learns_with_mtp_and_engine_logprobs_equal_the_trainers(tmp_path: Path) -> None:
     run_dir = tmp_path / "mla"
-    result = subprocess.run(submit_argv(run_dir, "--eval-interval", "50", config="configs/tiny_mla_cpu.yaml"),
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = records(run_dir)
-    assert len(rows) == 100
-    rewards = [r["metrics"]["rollout/reward_mean"] for r in rows]
-    first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
-    assert 0.05 <= first <= 0.5, f"untrained policy scored {first:.3f}"
-    assert last - first >= 0.3, f"reward went {first:.3f} -> {last:.3f}"
-    for version, row in enumerate(rows, start=1):
-        metrics = row["metrics"]
-        assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-4, (row["rollout_id"], metrics)
-        assert metrics["rollout/weight_version"] == float(version)
+    rows = run_tiny_recipe_to_learning(run_dir, "configs/tiny_mla_cpu.yaml", "--eval-interval", "50")
     mtp = [r["metrics"]["train/mtp_1_loss"] for r in rows]
     assert all(r["metrics"]["train/mtp_loss"] == r["metrics"]["train/mtp_1_loss"] for r in rows)
     assert statistics.mean(mtp[-10:]) < statistics.mean(mtp[:10]) - 0.05, (mtp[:10], mtp[-10:])
