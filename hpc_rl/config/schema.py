@@ -707,6 +707,17 @@ class SlurmConfig:
     """Seconds before the time limit at which USR2 asks for checkpoint + requeue."""
     max_num_timeout: int = 3
     """How many times a timed-out/preempted job is requeued."""
+    # -- GPU placement and containers (hpc_rl.launch.step_plan, srun_launcher) --
+    gpus_for_cpu_runs: bool = False
+    """CPU runs (cluster.device cpu) ask Slurm for GPUs as a GPU run would and place every step on them:
+    the local test cluster's fake GPUs check Slurm's GPU placement without CUDA."""
+    container_image: str | None = None
+    """Run every srun step (engines, trainer) in this image: Pyxis/enroot (`--container-image`, e.g.
+    'nvcr.io#nvidia/pytorch:25.01-py3' or a .sqsh) or Apptainer (a .sif). The driver stays on the host."""
+    container_runtime: str = "pyxis"
+    """pyxis (srun --container-image/--container-mounts) | apptainer (srun ... apptainer exec --nv)."""
+    container_mounts: list[str] = field(default_factory=list)
+    """Extra 'SRC:DST[:FLAGS]' mounts; the run dir and the working directory are always mounted."""
 
 
 @dataclass(kw_only=True)
@@ -735,6 +746,9 @@ class ControllerConfig:
     """Restarts of a failed engine before the run fails."""
     max_restarts: int = 0
     """Restarts of the whole run from its last checkpoint after a trainer rank dies (0: fail at once)."""
+    max_logprob_mismatch: float | None = None
+    """Fail the run when, right after a weight sync, the engines' log-probs differ from the trainer's by more
+    than this per token (mean |trainer - rollout|); None: 1e-4 on cpu, 0.1 on cuda; 0: never fail."""
 
 
 @dataclass(kw_only=True)

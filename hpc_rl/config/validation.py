@@ -19,6 +19,7 @@ from pathlib import Path
 from hpc_rl.config.memory_plan import plan_memory
 from hpc_rl.config.mla_checks import mla_problems, speculative_notes
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
+from hpc_rl.config.precision import TRAINER_DTYPES, trainer_dtype_name
 from hpc_rl.config.parallel_layout import ParallelLayout
 from hpc_rl.config.plugin_args import custom_config_values
 from hpc_rl.config.moe_checks import device_notes, moe_problems, optimizer_problems, sglang_moe_problems
@@ -397,13 +398,52 @@ def _slime_flag_problems(config: RunConfig) -> list[Problem]:
             problems.append(Problem("checkpoint.save_hf", f"{checkpoint.save_hf!r} is not a path template with only "
                                     f"{{rollout_id}} in braces ({type(error).__name__}: {error})"))
     return problems
+# -- GPU cluster: placement, precision, containers (issue 22) ---------------------------------------------------
+CONTAINER_RUNTIMES = ("pyxis", "apptainer")
+
+
+def _gpu_cluster_problems(config: RunConfig) -> list[Problem]:
+    cluster, slurm = config.cluster, config.slurm
+    problems = []
+    if cluster.colocate and config.rollout.async_rollout:
+        problems.append(Problem("rollout.async_rollout", "colocated engines cannot generate while the trainer trains "
+                                "on the same GPUs (slime's train_async.py refuses --colocate too): drop --train-async, "
+                                "or give the engines their own GPUs (no --colocate, --rollout-num-gpus N)"))
+    trainer_dtype = trainer_dtype_name(cluster.device) if cluster.device in TRAINER_DTYPES else None
+    engine_dtype = sglang_name_of_dtype(config.sglang.server_options().get("dtype"))
+    if trainer_dtype and engine_dtype not in (None, trainer_dtype):
+        problems.append(Problem("sglang.dtype", f"{config.sglang.server_options()['dtype']!r}: the engines must serve "
+                                f"the dtype the trainer exports ({trainer_dtype} on {cluster.device}), else their "
+                                "log-probs differ from the trainer's; remove the option (hpc_rl passes it)"))
+    mismatch = config.controller.max_logprob_mismatch
+    if mismatch is not None and mismatch < 0:
+        problems.append(Problem("controller.max_logprob_mismatch", f"{mismatch} must be >= 0 (0: never fail)"))
+    if slurm.container_runtime not in CONTAINER_RUNTIMES:
+        problems.append(Problem("slurm.container_runtime", f"{slurm.container_runtime!r} must be one of "
+                                f"{', '.join(CONTAINER_RUNTIMES)}"))
+    for index, mount in enumerate(slurm.container_mounts):
+        parts = mount.split(":")
+        if not 2 <= len(parts) <= 3 or not all(parts[:2]) or not parts[1].startswith("/"):
+            problems.append(Problem(f"slurm.container_mounts[{index}]", f"{mount!r} must be SRC:DST or "
+                                    "SRC:DST:FLAGS with an absolute DST (e.g. /data:/data:ro)"))
+    if (slurm.container_mounts or slurm.container_runtime != "pyxis") and not slurm.container_image:
+        problems.append(Problem("slurm.container_image", "container_runtime/container_mounts are set but no "
+                                "container_image: set the image (or drop the container settings)"))
+    return problems
+
+
+def sglang_name_of_dtype(value: object) -> str | None:
+    """SGLang's --dtype spellings as the trainer's names (auto/None: not set)."""
+    if value in (None, "auto"):
+        return None
+    return {"float": "float32", "half": "float16"}.get(str(value), str(value))
 
 
 def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Problem]:
     """Every problem found in `config` (empty list = valid). With check_files, every line of the
     prompt files is checked too (not a sample of them)."""
     problems = (_single_field_problems(config) + _batch_problems(config) + _topology_problems(config)
-                + _model_problems(config) + _slime_flag_problems(config))
+                + _model_problems(config) + _slime_flag_problems(config) + _gpu_cluster_problems(config))
     problems += _moe_and_memory_problems(config)
     if check_files:
         problems += [Problem(p.field, p.message) for p in path_problems(config) + prompt_file_problems(config)]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ from hpc_rl.controller.rollout_stack import build_rollout_stack
 from hpc_rl.controller.run_loop import RunLoop
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
+from hpc_rl.engines.gpu_step import PLACEMENT_DIR, reported_devices
 from hpc_rl.protocol import Connection, Envelope, Secret, Server
 from hpc_rl.protocol.errors import ProtocolError
 from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, ResumeState,
@@ -81,7 +83,8 @@ class Controller:
                                  health_interval_s=config.controller.engine_health_interval,
                                  health_timeout_s=config.controller.engine_health_timeout,
                                  health_first_wait_s=config.controller.engine_health_first_wait,
-                                 admin_timeout_s=config.controller.engine_admin_timeout)
+                                 admin_timeout_s=config.controller.engine_admin_timeout,
+                                 devices_of=lambda index: reported_devices(self.run_dir, index))
         self.router_url = router_url
         self.server: Server | None = None
         self.loop: RunLoop | None = None
@@ -143,6 +146,13 @@ class Controller:
         await self.ready()
         await self.fleet.register(engine_index, url, tp_size=tp_size, serving=True)
         log.info("engine %d registered at %s", engine_index, url)
+
+    async def hand_gpus_to_trainer(self) -> None:
+        """Colocated, before the trainer starts: the engines release all their memory (see
+        `WeightUpdates.hand_gpus_to_trainer`); nothing in decoupled runs."""
+        await self.ready()
+        assert self.loop is not None
+        await self.loop.weights.hand_gpus_to_trainer()
 
     async def run(self) -> dict[str, Any]:
         """Wait for everyone, resume if a checkpoint says so, run every rollout, stop the trainers."""
@@ -214,7 +224,19 @@ class Controller:
                                                       pid=hello.pid, info=dict(hello.info)))
             except ValueError as error:
                 raise ProtocolError(str(error)) from None
+            if len(self.registry.trainers) == self.registry.trainer_world_size:
+                self._write_trainer_devices()
         return {"run_dir": str(self.run_dir)}
+
+    def _write_trainer_devices(self) -> None:
+        """`placement/trainers.json`: each rank's GPU as it reported it (engines report theirs beside it)."""
+        devices = {str(rank): t.info.get("device") for rank, t in sorted(self.registry.trainers.items())}
+        path = self.run_dir / PLACEMENT_DIR / "trainers.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(path, json.dumps(devices, indent=1) + "\n")
+        except OSError as error:
+            log.warning("trainer placement not written: %s", describe_write_error(error, path))
 
     async def _on_close(self, conn: Connection, error: BaseException | None) -> None:
         hello = conn.hello

@@ -35,7 +35,11 @@ DEFAULT_ADMIN_TIMEOUT_S = 300.0
 
 
 class EngineAdminError(RuntimeError):
-    """An admin call failed; the message names the engine URL and endpoint."""
+    """An admin call failed; the message names the engine URL and endpoint (`url`: the engine's)."""
+
+    def __init__(self, message: str, *, url: str = "") -> None:
+        super().__init__(message)
+        self.url = url
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class EngineAdmin:
         try:
             status, answer = await self.connection.request(method, endpoint, encoded, timeout_s or self.timeout_s)
         except EngineHTTPTransportError as error:
-            raise EngineAdminError(f"{self.url}{endpoint} failed: {error}") from error
+            raise EngineAdminError(f"{self.url}{endpoint} failed: {error}", url=self.url) from error
         finally:
             self._end(endpoint)
         return _checked(self.url, endpoint, status, answer)
@@ -178,7 +182,7 @@ class EngineAdmin:
         try:
             return await self.connection.exchange(requests, self.timeout_s, gate=gate)
         except EngineHTTPTransportError as error:
-            raise EngineAdminError(f"{self.url}{first} failed: {error}") from error
+            raise EngineAdminError(f"{self.url}{first} failed: {error}", url=self.url) from error
         finally:
             self._end(first)
 
@@ -199,7 +203,8 @@ class EngineAdmin:
 def _checked(url: str, endpoint: str, status: int, answer: bytes) -> Any:
     """The JSON (or text) of a 200 answer; EngineAdminError naming the engine and endpoint otherwise."""
     if status != 200:
-        raise EngineAdminError(f"{url}{endpoint} answered HTTP {status}: {answer[:500].decode(errors='replace')}")
+        raise EngineAdminError(f"{url}{endpoint} answered HTTP {status}: {answer[:500].decode(errors='replace')}",
+                               url=url)
     try:
         return orjson.loads(answer) if answer else None
     except orjson.JSONDecodeError:

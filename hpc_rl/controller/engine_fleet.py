@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 RestartFn = Callable[[int], Awaitable[str]]
 """Restart engine i (same placement) and return its URL once it answers /health."""
+DevicesOf = Callable[[int], list[str]]
+"""The GPUs engine i's TP ranks run on, as its step read them back (its placement report)."""
 
 
 class RouterMembership(Protocol):
@@ -42,10 +44,13 @@ class EngineFleet:
     def __init__(self, registry: Registry, router: RouterMembership | None, *, api_key: str | None,
                  restart: RestartFn | None, max_restarts: int, health_interval_s: float,
                  health_timeout_s: float = 10.0, health_first_wait_s: float = 0.0,
-                 health_concurrency: int = 64, admin_timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S) -> None:
+                 health_concurrency: int = 64, admin_timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S,
+                 devices_of: DevicesOf | None = None) -> None:
         self.registry = registry
         self.admin_timeout_s = admin_timeout_s
         """Bound of every admin call (`controller.engine_admin_timeout`)."""
+        self.devices_of = devices_of
+        """Read at each registration (a restarted engine reports again); None: not known (unit tests)."""
         self.router = router
         self.api_key = api_key
         self.restart = restart
@@ -67,6 +72,8 @@ class EngineFleet:
         self.events: list[dict[str, Any]] = []
         self.on_serving: Callable[[], Awaitable[None]] | None = None
         """Called after an engine joined the router (the rollout client wakes requests waiting for one)."""
+        self.on_failed: Callable[[int], None] | None = None
+        """Called when an engine is failed (the weight updates drop a weight-update group it was in)."""
         self._router_adds: list[tuple[str, asyncio.Future[None]]] = []
         self._router_adder: asyncio.Task[None] | None = None
 
@@ -93,7 +100,8 @@ class EngineFleet:
         assert self.connections is not None, "start() first"
         previous = self.registry.engines.get(engine_index)
         info = EngineInfo(engine_index=engine_index, url=url, tp_size=tp_size,
-                          restarts=previous.restarts if previous else 0)
+                          restarts=previous.restarts if previous else 0,
+                          devices=self.devices_of(engine_index) if self.devices_of is not None else [])
         self.registry.add_engine(info)
         if previous is not None:
             self.connections.forget(previous.url)  # a new process: the old one's connections are dead
@@ -200,6 +208,8 @@ class EngineFleet:
         self._event("failed", engine_index, reason)
         if self.connections is not None:  # its calls in flight (a stuck update) end now, not at their bound
             self.connections.forget(engine.url)
+        if self.on_failed is not None:
+            self.on_failed(engine_index)
         if was_serving:
             try:
                 await self._router_call("remove_worker", engine.url)

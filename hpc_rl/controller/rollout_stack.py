@@ -20,6 +20,7 @@ from hpc_rl.config import plugin_args
 from hpc_rl.config.schema import RolloutConfig, RunConfig
 from hpc_rl.controller.checkpoints import Checkpoints
 from hpc_rl.controller.engine_fleet import EngineFleet
+from hpc_rl.controller.logprob_guard import LogprobGuard, threshold_for
 from hpc_rl.controller.registry import Registry
 from hpc_rl.controller.rollouts import Rollouts
 from hpc_rl.controller.run_loop import Evaluate, RunLoop
@@ -159,16 +160,23 @@ def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler, registry: R
                   fleet: EngineFleet, recorder: RunRecorder, evaluate: Evaluate | None, num_rollout: int) -> RunLoop:
     """The loop's parts, each given its own sections of `config`."""
     rollout = config.rollout
+    guard = LogprobGuard(threshold_for(config.cluster.device, config.controller.max_logprob_mismatch))
+
+    def engines_serve(version: int) -> None:
+        scheduler.set_weight_version(version)
+        guard.note_served(version)
+
     weights = WeightUpdates(WeightSyncSettings.from_sections(config.cluster, rollout, config.controller),
-                            registry=registry, fleet=fleet, channel=channel,
-                            engines_serve=scheduler.set_weight_version, num_rollout=num_rollout)
+                            registry=registry, fleet=fleet, channel=channel, engines_serve=engines_serve,
+                            num_rollout=num_rollout)
+    fleet.on_failed = weights.engine_failed
     rollouts = Rollouts(scheduler, fleet=fleet, channel=channel, weights=weights, overlap=rollout.async_rollout,
                         num_rollout=num_rollout)
     post_process = (functools.partial(load_plugin("reward_post_process", rollout.custom_reward_post_process_path),
                                       plugin_args(config)) if rollout.custom_reward_post_process_path else None)
     trainers = Trainers(channel, registry, shaping=reward_shaping(config.algorithm, rollout.n_samples_per_prompt,
                                                                   post_process),
-                        num_rollout=num_rollout)
+                        num_rollout=num_rollout, guard=guard)
     checkpoints = Checkpoints(config.checkpoint, trainers=trainers, rollouts=rollouts, colocated=weights.colocated,
                               num_rollout=num_rollout)
     return RunLoop(rollouts=rollouts, trainers=trainers, weights=weights, checkpoints=checkpoints, recorder=recorder,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hpc_rl.config.schema import AlgorithmConfig
+from hpc_rl.controller.logprob_guard import LogprobGuard
 from hpc_rl.controller.registry import Registry
 from hpc_rl.controller.train_batches import RewardShaping, split_for_data_parallel
 from hpc_rl.controller.trainer_channel import TrainerChannel, merge_metrics
@@ -31,12 +32,13 @@ def reward_shaping(algorithm: AlgorithmConfig, n_samples_per_prompt: int,
 
 def trainer_summary(reported: dict[str, Any]) -> dict[str, Any]:
     """A rollout's train metrics: the last optimizer step's, plus the first step's ppo_kl / kl_loss
-    (the first-step sanity checks: both are exactly 0 when weights = rollout weights = reference)."""
+    (the first-step sanity checks: both are exactly 0 when weights = rollout weights = reference) and
+    train/rollout log-prob gap (before any update: what `logprob_guard` checks after a sync)."""
     steps = reported.get("steps") or []
     summary = {k: v for k, v in reported.items() if k != "steps"}
     if steps:
         summary.update(steps[-1])
-        for key in ("ppo_kl", "kl_loss"):
+        for key in ("ppo_kl", "kl_loss", "train_rollout_logprob_abs_diff"):
             if key in steps[0]:
                 summary[f"first_step_{key}"] = steps[0][key]
         summary["num_steps"] = len(steps)
@@ -47,8 +49,10 @@ class Trainers:
     """Every trainer rank, as the loop sees them: each call is one collective command, done on every rank."""
 
     def __init__(self, channel: TrainerChannel, registry: Registry, *, shaping: RewardShaping,
-                 num_rollout: int) -> None:
+                 num_rollout: int, guard: LogprobGuard | None = None) -> None:
         self.channel, self.registry, self.shaping, self.num_rollout = channel, registry, shaping, num_rollout
+        self.guard = guard
+        """Fails the run when the engines' log-probs are not the trainer's right after a sync."""
         self.trained: tuple[int, int] | None = None
         """(rollout id, weight version) the ranks hold after their last train command; None while one runs
         or after one was abandoned (their state is then not known here)."""
@@ -66,6 +70,8 @@ class Trainers:
         self.trained = (rollout_id, weight_version + 1)
         metrics = {f"train/{k}" if "/" not in k else k: v for k, v in trainer_summary(merge_metrics(done)).items()}
         metrics["time/train"] = time.perf_counter() - start
+        if self.guard is not None:
+            self.guard.check(rollout_id, groups, weight_version, metrics)
         return metrics
 
     async def save(self, rollout_id: int, controller_state: dict[str, Any]) -> float:

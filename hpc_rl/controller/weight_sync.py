@@ -17,6 +17,13 @@ Owns the SGLang protocol sequence on the engine side and its interleaving with t
 
 The group is rebuilt only when the set of engine processes changed: a restarted engine (same index and
 URL, new incarnation) joins a new group, whether or not a sync happened while it was down.
+
+An engine that dies (or fails) mid-update breaks the group: on NCCL the broadcast never completes, rank 0
+does not notice (its `wait()` does not block) and its next GPU work would hang until NCCL's watchdog.
+The controller knows at once (the engine's update call fails): it has rank 0 abort the group
+(`AbortWeightGroupCommand`), gives the other engines ABORT_GRACE_S to end their update, and raises
+`WeightGroupBroken` naming every engine that failed; the caller fails them (restart) and pushes again
+to the engines still up, over a new group.
 Pausing and resuming generation around the sync is the caller's (the loop knows the mode). However a
 sync ends (done, engine or trainer error, cancellation), the trainer-side task has ended and its
 outcome was read, and the weight-plan future is settled, so nothing is left for asyncio to complain about.
@@ -33,9 +40,9 @@ from dataclasses import dataclass, field
 from hpc_rl.controller.engine_admin import STUCK_NOTICE_S, BucketUpdate, EngineAdmin, EngineAdminError
 from hpc_rl.controller.registry import EngineInfo
 from hpc_rl.controller.stopping import stop_task
-from hpc_rl.controller.trainer_channel import TrainerChannel
-from hpc_rl.protocol.http_client import ReadGate
-from hpc_rl.protocol.messages import SyncWeightsCommand
+from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
+from hpc_rl.protocol.http_client import EngineHTTPTransportError, ReadGate
+from hpc_rl.protocol.messages import AbortWeightGroupCommand, SyncWeightsCommand
 from hpc_rl.weights import DEFAULT_GROUP_NAME
 
 log = logging.getLogger(__name__)
@@ -66,6 +73,23 @@ def rank_offsets(engines: list[EngineInfo]) -> tuple[dict[int, int], int]:
         offsets[engine.engine_index] = next_rank
         next_rank += engine.tp_size
     return offsets, next_rank
+
+
+ABORT_GRACE_S = 30.0
+"""After an engine broke a sync and the trainer aborted its side of the group: how long the other engines get
+to answer their update (gloo peers fail at once when rank 0's side goes; SGLang on NCCL may stay in the
+broadcast until its own watchdog) before they count as broken too (failed, so restarted)."""
+
+
+class WeightGroupBroken(RuntimeError):
+    """Engines broke a weight sync (one died or failed mid-update): the trainer's side of the group was
+    aborted. `positions`: the engines (positions in the list updated; `engines`: their indices, once known)
+    whose update failed or did not end within the grace period after the abort; the first error is the cause."""
+
+    def __init__(self, message: str, positions: list[int]) -> None:
+        super().__init__(message)
+        self.positions = positions
+        self.engines: list[int] = []
 
 
 StuckEngine = Callable[[EngineAdmin, str], Awaitable[None]]
@@ -106,7 +130,9 @@ async def watch_fan_out(admins: list[EngineAdmin], updates: list[asyncio.Future[
 
 
 async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpdate], *,
-                              on_stuck: StuckEngine | None = None, notice_s: float = STUCK_NOTICE_S) -> None:
+                              on_stuck: StuckEngine | None = None, notice_s: float = STUCK_NOTICE_S,
+                              on_break: Callable[[EngineAdminError], Awaitable[None]] | None = None,
+                              settle_s: float = 0.0) -> None:
     """Every engine's pipelined update (begin, the buckets, end) at once: a bucket's broadcast completes only
     when every engine has joined it, so the engines cannot be taken a few at a time. The answers come in
     waves, each bucket's on every engine together: the first engine's are read as they come, every other
@@ -114,7 +140,9 @@ async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpd
     passed, and are then read in one go. That is ~2 reads per engine instead of one per call (18 for
     Qwen3-4B), the event loop's read being most of the controller's CPU in a sync at 1,024 engines.
     Raises the first EngineAdminError, naming the engine and the call, as soon as it is read. Meanwhile
-    `watch_fan_out` names (and hands to `on_stuck`) an engine that stalls the update."""
+    `watch_fan_out` names (and hands to `on_stuck`) an engine that stalls the update. With `on_break`, an
+    error first awaits it (it aborts the trainer's side of the group, so the broadcast the other engines are
+    in ends), then every other engine gets `settle_s` to answer and WeightGroupBroken is raised."""
     gate = ReadGate()
     if len(admins) > 1:
         gate.shut()
@@ -132,12 +160,32 @@ async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpd
                 break
             gate.shut()
         await every
+    except EngineAdminError as error:
+        gate.open()
+        if on_break is None:
+            raise
+        await on_break(error)
+        breaker = [position for position, admin in enumerate(admins) if getattr(admin, "url", None) == error.url]
+        broken = sorted(set(breaker) | set(await _settled_failures(updates, settle_s)))
+        raise WeightGroupBroken(str(error), broken) from error
     except asyncio.CancelledError:
         every.cancel()
         raise
     finally:
         gate.open()
         await stop_task(watchdog, "the weight update watchdog")
+
+
+async def _settled_failures(tasks: list[asyncio.Future[None]], settle_s: float) -> list[int]:
+    """Positions of the engines whose update did not end within `settle_s` (then cancelled: wedged in the
+    broadcast) or ended without an answer (the process is gone). An engine that answered, even with the
+    error the abort caused, is up: the next push gives it every bucket again."""
+    _, late = await asyncio.wait(tasks, timeout=settle_s)
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return [position for position, task in enumerate(tasks)
+            if task.cancelled() or isinstance(getattr(task.exception(), "__cause__", None), EngineHTTPTransportError)]
 
 
 async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engines: list[EngineInfo],
@@ -161,6 +209,19 @@ async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engi
     what = f"the trainer side of weight sync v{version}"
     trainer_task = asyncio.create_task(channel.run(command, timeout_s=timeout_s), name=what)
     trainer_outcome_read = False
+
+    async def abort_trainer_side(error: EngineAdminError) -> None:
+        """An engine broke the sync: once rank 0 reported its broadcasts done (NCCL's wait does not block),
+        it aborts the group, which ends the broadcast every other engine is in."""
+        nonlocal trainer_outcome_read
+        trainer_outcome_read = True
+        try:
+            await trainer_task
+        except TrainerFailed:
+            raise error from None  # the trainer is gone, nothing to abort: the loop reports its failure
+        log.warning("weight sync v%d broken (%s): aborting the weight-update group", version, error)
+        await channel.run(lambda rank, seq: AbortWeightGroupCommand(seq=seq, reason=str(error)), timeout_s=timeout_s)
+
     try:
         plan = await asyncio.wait_for(asyncio.shield(plan_future), timeout_s)
         if new_group:
@@ -180,9 +241,14 @@ async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engi
                                    weight_version=str(version) if index == len(plan.buckets) - 1 else None,
                                    load_format=plan.load_format)
                    for index, bucket in enumerate(plan.buckets)]
-        await update_every_engine([admins[e.engine_index] for e in engines], buckets, on_stuck=on_stuck)
+        await update_every_engine([admins[e.engine_index] for e in engines], buckets, on_stuck=on_stuck,
+                                  on_break=abort_trainer_side, settle_s=ABORT_GRACE_S)
         trainer_outcome_read = True
         await trainer_task
+    except WeightGroupBroken as broken:
+        group.members = []  # rebuild next time
+        broken.engines = [engines[position].engine_index for position in broken.positions]
+        raise
     except (EngineAdminError, asyncio.TimeoutError):
         group.members = []  # rebuild next time
         raise

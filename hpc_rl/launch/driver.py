@@ -58,29 +58,21 @@ from hpc_rl.controller.signal_stop import stop_with_checkpoint
 from hpc_rl.controller.stopping import log_task_error, stop_task
 from hpc_rl.engines import API_KEY_ENV
 from hpc_rl.engines.child_process import free_port, http_ok, log_tail, planned_port
-from hpc_rl.engines.engine_process import cpu_engine_command
 from hpc_rl.engines.router import RouterProcess
-from hpc_rl.engines.sglang_launch import (
-    SGLANG_ON_CPU_ENV,
-    SGLANG_PYTHON_ENV,
-    SglangLaunchSpec,
-    build_sglang_command,
-    build_sglang_env,
-    sglang_device_options,
-    write_api_key_file,
-)
+from hpc_rl.engines.gpu_step import engine_report_path
+from hpc_rl.engines.sglang_launch import SGLANG_ON_CPU_ENV, build_sglang_env, write_api_key_file
 from hpc_rl.launch.batch_guard import RESTARTS_FILE, restarts_used
 from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
 from hpc_rl.launch.node_health import NodeLoss, lost_nodes, query_node_states
 from hpc_rl.launch.orphans import become_subreaper, end_children, environ_has
 from hpc_rl.launch.run_lock import RunDirLocked, acquire
-from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
+from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher
 from hpc_rl.launch.trainer_exit import describe_trainer_exit
-from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
+from hpc_rl.launch.step_plan import engine_step, sglang_api_key_path, trainer_step
+from hpc_rl.launch.topology import JobTopology, plan_topology
 from hpc_rl.protocol.http_client import EngineConnection, EngineHTTPTransportError
 from hpc_rl.protocol.secret import Secret, engine_api_key, load_secret, secret_path
 from hpc_rl.telemetry.run_files import RunLogFileHandler
-from hpc_rl.weights.device_identity import DEVICE_ID_ENV, device_identity
 
 log = logging.getLogger("hpc_rl.driver")
 
@@ -88,8 +80,6 @@ EXIT_OK, EXIT_FAILED, EXIT_REQUEUE, EXIT_INTERRUPTED = 0, 1, 3, 130
 CONTROLLER_ENV = "HPC_RL_CONTROLLER"
 RUN_DIR_ENV = "HPC_RL_RUN_DIR"
 TRAINER_NODE_ADDRESSES_ENV = "HPC_RL_TRAINER_NODE_ADDRESSES"  # read by hpc_rl.training.sync_address
-SGLANG_API_KEY_FILE = "sglang_api_key.yaml"
-"""In the run dir, 0600: the engine key for SGLang's `--config` (written by the driver)."""
 
 
 ENGINE_BIND_RETRIES = 2
@@ -190,37 +180,6 @@ def bind_failed(log_text: str) -> bool:
     return "address already in use" in text or "errno 98" in text or "eaddrinuse" in text
 
 
-def sglang_api_key_path(config: RunConfig) -> Path:
-    """Where SGLang engines read the engine key from (`--config`)."""
-    return Path(config.run_dir or "<run_dir>") / SGLANG_API_KEY_FILE
-
-
-def engine_command(config: RunConfig, placement: EnginePlacement, host: str, port: int) -> list[str]:
-    """The engine step's argv: hpc_rl's CPU engine (device cpu; key in `API_KEY_ENV`) or
-    sglang.launch_server (key in the run dir's `SGLANG_API_KEY_FILE`). No key on either."""
-    if engine_kind(config.rollout.engine, config.cluster.device) == "cpu":
-        return cpu_engine_command(config.checkpoint.hf_checkpoint, host=host, port=port,
-                                  max_running_requests=config.sglang.server_concurrency, weight_version="0",
-                                  extra_args=["--enable-memory-saver"] if config.cluster.colocate else [])
-    spec = SglangLaunchSpec(hf_checkpoint=config.checkpoint.hf_checkpoint, host=host, port=port,
-                            rollout_num_gpus_per_engine=config.cluster.rollout_num_gpus_per_engine,
-                            api_key_file=str(sglang_api_key_path(config)),
-                            sglang_options=sglang_device_options(config.cluster.device, config.sglang.server_options()),
-                            python=os.environ.get(SGLANG_PYTHON_ENV) or sys.executable,
-                            colocated=config.cluster.colocate)
-    return build_sglang_command(spec)
-
-
-def trainer_command(config: RunConfig, run_dir: Path, rendezvous: str, *, local: bool = False) -> list[str]:
-    """torchrun over every trainer node (one torchrun per node; it forks the ranks); in a local run its
-    stores listen on loopback only (bound_torchrun, with STORE_ADDRESS_ENV set by the driver)."""
-    return [sys.executable, "-m", "hpc_rl.launch.bound_torchrun", *(["--local-addr=127.0.0.1"] if local else []),
-            f"--nnodes={config.cluster.actor_num_nodes}",
-            f"--nproc-per-node={config.cluster.actor_num_gpus_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={os.environ.get('SLURM_JOB_ID', 'local')}",
-            "--max-restarts=0", "-m", "hpc_rl.training", str(run_dir)]
-
-
 def _log_since(path: Path, offset: int) -> str:
     """What a step wrote to its (appended) log since `offset`: the output of this attempt only."""
     try:
@@ -316,19 +275,13 @@ class Driver:
         log_start = log_path.stat().st_size if log_path.exists() else 0
         env = build_sglang_env({}, {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
         env[API_KEY_ENV] = self.engine_key  # in the environment: `ps` shows argv, not this
-        env[DEVICE_ID_ENV] = device_identity(het_group=placement.het_group, node_index=placement.node_index,
-                                             gpu_index=placement.gpu_ids[0])  # weight groups refuse duplicates
         if engine_kind(self.config.rollout.engine, self.config.cluster.device) == "sglang":
             env.update(SGLANG_ON_CPU_ENV if self.config.cluster.device == "cpu" else {})
             write_api_key_file(sglang_api_key_path(self.config), self.engine_key)
             _create_private(log_path)  # SGLang logs its server args, the key among them
-        if self.config.cluster.device == "cuda" and not self.local:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, placement.gpu_ids))
-        step = self.launcher.start(StepSpec(
-            name=f"engine-{index}", argv=engine_command(self.config, placement, host, port), env=env,
-            het_group=placement.het_group, node_index=placement.node_index, num_nodes=1, tasks_per_node=1,
-            gpus_per_task=len(placement.gpu_ids) if self.config.cluster.device == "cuda" else 0,
-            overlap=self.topology.colocate, log_path=log_path))
+        engine_report_path(self.run_dir, index).unlink(missing_ok=True)  # this attempt writes its own
+        step = self.launcher.start(engine_step(self.config, self.topology, index, host=host, port=port,
+                                               run_dir=self.run_dir, env=env, local=self.local))
         self.engine_steps[index] = step
         url = f"http://{host}:{port}"
         try:
@@ -455,6 +408,7 @@ class Driver:
         await asyncio.gather(*(self.controller.register_engine(i, url, tp_size=self.config.cluster.rollout_num_gpus_per_engine)
                                for i, url in enumerate(urls)))  # together: one batch for the router (engine_fleet)
         if self.trainer_step is None:
+            await self.controller.hand_gpus_to_trainer()  # colocated: the trainer builds on free GPUs (slime's order)
             self._start_trainer()
         assert self.trainer_step is not None
         run = asyncio.create_task(self.controller.run(), name="controller-run")
@@ -532,12 +486,8 @@ class Driver:
                                                             for node in range(self.config.cluster.actor_num_nodes))}
         if self.local:  # every store of the trainer on loopback (see the README's "What listens")
             trainer_env[STORE_ADDRESS_ENV] = "127.0.0.1"
-        self.trainer_step = self.launcher.start(StepSpec(
-            name="trainer", argv=trainer_command(self.config, self.run_dir, rendezvous, local=self.local),
-            env=trainer_env,
-            het_group=0, num_nodes=self.config.cluster.actor_num_nodes, tasks_per_node=1,
-            gpus_per_task=self.config.cluster.actor_num_gpus_per_node if self.config.cluster.device == "cuda" else 0,
-            log_path=self.logs / "trainer.log"))
+        self.trainer_step = self.launcher.start(trainer_step(self.config, self.run_dir, rendezvous, env=trainer_env,
+                                                             local=self.local))
 
     async def explain_trainer_failure(self, seen_by_controller: str, wait_s: float = 30.0) -> str:
         """Which rank died and how (torchrun's report, once the step has exited: it stops the other

@@ -21,6 +21,7 @@ from typing import Any
 import submitit
 
 from hpc_rl.config.schema import RunConfig
+from hpc_rl.launch.step_plan import asks_slurm_for_gpus
 from hpc_rl.launch.topology import HetGroup, JobTopology
 
 SUBMITIT_DIR_NAME = "submitit"
@@ -106,7 +107,7 @@ def engine_cpus_per_task(config: RunConfig, topology: JobTopology) -> int | None
 def component_options(config: RunConfig, topology: JobTopology) -> list[ComponentOptions]:
     """One option set per het component (group 0 = trainer [+ colocated engines], 1 = rollout)."""
     slurm = config.slurm
-    use_gpus = slurm.gres_per_node and config.cluster.device == "cuda"
+    use_gpus = asks_slurm_for_gpus(config)
     components = []
     for group in topology.groups:
         options: dict[str, OptionValue] = {}

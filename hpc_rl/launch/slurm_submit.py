@@ -18,6 +18,7 @@ from hpc_rl.config.schema import RunConfig
 from hpc_rl.launch.sbatch_render import engine_cpus_per_task, render_batch_script, submitit_folder, submitit_parameters
 from hpc_rl.launch.slurm_status import JOB_ID_FILE, record_job_id
 from hpc_rl.launch.srun_launcher import srun_argv
+from hpc_rl.launch.step_plan import engine_step, trainer_step
 from hpc_rl.launch.steps import StepSpec
 from hpc_rl.launch.submitit_het import (
     DEFAULT_DRIVER,
@@ -149,25 +150,15 @@ def submit_slurm(config: RunConfig, wait: bool = False, lock: RunLock | None = N
 
 
 def planned_steps(config: RunConfig, topology: JobTopology, run_dir: Path) -> list[StepSpec]:
-    """The steps the driver starts, with their argv (for `--dry-run`; the driver builds the same)."""
+    """The steps the driver starts (`launch.step_plan`, as the driver builds them), for `--dry-run`."""
     from hpc_rl.launch import driver
 
-    device_gpus = config.cluster.device == "cuda"
     ports = driver.PortPlan.for_job(topology, local=False)
-    steps = []
-    for placement in topology.engines:
-        host = f"<node {placement.node_index} of het group {placement.het_group}>"
-        steps.append(StepSpec(
-            name=f"engine-{placement.engine_index}",
-            argv=driver.engine_command(config, placement, host, ports.engines[placement.engine_index]),
-            het_group=placement.het_group, node_index=placement.node_index,
-            gpus_per_task=len(placement.gpu_ids) if device_gpus else 0, overlap=topology.colocate,
-            log_path=run_dir / "logs" / f"engine-{placement.engine_index}.log"))
-    steps.append(StepSpec(
-        name="trainer", argv=driver.trainer_command(config, run_dir, f"<first trainer node>:{ports.rendezvous}"),
-        het_group=0, num_nodes=config.cluster.actor_num_nodes,
-        gpus_per_task=config.cluster.actor_num_gpus_per_node if device_gpus else 0,
-        log_path=run_dir / "logs" / "trainer.log"))
+    steps = [engine_step(config, topology, placement.engine_index, run_dir=run_dir, env={}, local=False,
+                         host=f"<node {placement.node_index} of het group {placement.het_group}>",
+                         port=ports.engines[placement.engine_index])
+             for placement in topology.engines]
+    steps.append(trainer_step(config, run_dir, f"<first trainer node>:{ports.rendezvous}", env={}, local=False))
     return steps
 
 

@@ -13,6 +13,7 @@ share for `TrainCommand`), so collectives line up. Commands are `hpc_rl.protocol
                                                the post-write hook
     TrainerMemoryCommand(action, tags)       -> colocated: offload/onload (hpc_rl.training.offload)
     ColocatedSyncCommand(version, engine_urls) -> colocated: /update_weights_from_tensor per bucket
+    AbortWeightGroupCommand                  -> rank 0 aborts a weight-update group an engine broke
     StopCommand                              -> leave
 
 A command source is anything with `next_command()`, `done(seq, metrics)`, `failed(seq, error)`
@@ -32,8 +33,10 @@ from typing import Any, Protocol
 import torch
 
 from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.config.precision import trainer_dtype_name
 from hpc_rl.config.schema import CheckpointConfig
 from hpc_rl.protocol.messages import (
+    AbortWeightGroupCommand,
     ColocatedSyncCommand,
     DiskWeightsCommand,
     Message,
@@ -57,6 +60,12 @@ from hpc_rl.training.train_batch import TrainBatch, read_batches_file
 from hpc_rl.weights.sender import LOAD_FORMAT, WeightSender
 
 log = logging.getLogger(__name__)
+
+
+def export_dtype(on_cpu: bool) -> torch.dtype:
+    """What every weight update exports in: the trainer's parameter dtype (`config.precision`), which the
+    engines were started with (SGLang `--dtype`), so both compute in the same precision."""
+    return getattr(torch, trainer_dtype_name("cpu" if on_cpu else "cuda"))
 
 
 class CommandSource(Protocol):
@@ -168,6 +177,10 @@ class TrainerCommands:
             self.sender.close()
 
     def execute(self, command: Message) -> dict[str, Any]:
+        if isinstance(command, AbortWeightGroupCommand):
+            return self.abort_weight_group(command)
+        if self.sender is not None:  # the GPU would wait for the group's broadcasts before any new work
+            self.sender.synchronize()
         if isinstance(command, TrainerMemoryCommand):
             return self.memory(command)
         if isinstance(command, ColocatedSyncCommand):
@@ -239,19 +252,19 @@ class TrainerCommands:
             from megatron.core import parallel_state
 
             from hpc_rl.weights.colocated_sender import ColocatedWeightSender
+            from hpc_rl.weights.device_identity import trainer_rank_device
 
             tp_group = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
             pp_group = parallel_state.get_pipeline_model_parallel_group() if self.info.pp_size > 1 else None
             self.colocated_sender = ColocatedWeightSender(
                 self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size, rank=self.info.rank,
-                world_size=self.info.world_size, engine_tp_size=command.engine_tp_size,
-                bucket_bytes=command.bucket_bytes, dtype=None if self.info.on_cpu else torch.bfloat16,
-                api_key=self.engine_api_key, pp_size=self.info.pp_size, pp_rank=self.info.pp_rank,
-                pp_group=pp_group)
-        index = self.colocated_sender.engine_index
-        url = command.engine_urls[index] if index < len(command.engine_urls) else ""
+                world_size=self.info.world_size, bucket_bytes=command.bucket_bytes,
+                dtype=export_dtype(self.info.on_cpu), api_key=self.engine_api_key, pp_size=self.info.pp_size,
+                pp_rank=self.info.pp_rank, pp_group=pp_group, device=trainer_rank_device())
+        engine, _ = command.rank_engines[self.info.rank]
+        url = command.engine_urls[engine] if 0 <= engine < len(command.engine_urls) else ""
         metrics = self.colocated_sender.sync(version=command.weight_version, engine_url=url,
-                                             bucket_bytes=command.bucket_bytes)
+                                             bucket_bytes=command.bucket_bytes, rank_engines=command.rank_engines)
         self._engines_updated()
         return metrics
 
@@ -275,6 +288,14 @@ class TrainerCommands:
         if self.parts.trainer.algorithm.keep_old_actor:
             self.parts.trainer.remember_rollout_weights()
 
+    def abort_weight_group(self, command: AbortWeightGroupCommand) -> dict[str, Any]:
+        """Rank 0 drops the weight-update group an engine broke (nothing waits for it); every rank answers."""
+        if self.sender is not None:
+            log.warning("aborting the weight-update group: %s", command.reason)
+            self.sender.abort_group()
+        self.group_address = None
+        return {}
+
     def send_weights(self, command: SyncWeightsCommand) -> dict[str, Any]:
         check_finite_weights(self.parts.actor, device=self.info.device, rank=self.info.rank)
         if self.sender is None:
@@ -282,10 +303,10 @@ class TrainerCommands:
 
             tp_group = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
             pp_group = parallel_state.get_pipeline_model_parallel_group() if self.info.pp_size > 1 else None
-            dtype = torch.bfloat16 if not self.info.on_cpu else None
             self.sender = WeightSender(self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size,
                                        dp_rank=self.info.dp_rank, rank=self.info.rank,
-                                       bucket_bytes=command.bucket_bytes, dtype=dtype, pp_group=pp_group,
+                                       bucket_bytes=command.bucket_bytes, dtype=export_dtype(self.info.on_cpu),
+                                       pp_group=pp_group,
                                        pp_rank=self.info.pp_rank, pp_size=self.info.pp_size)
         self.sender.set_bucket_bytes(command.bucket_bytes)
         plan = self.sender.plan_buckets()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,6 +58,17 @@ def run_tiny_recipe_to_learning(run_dir: Path, config: str, *flags: str) -> list
         assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-4, (row["rollout_id"], metrics)
         assert metrics["rollout/weight_version"] == float(version)
     return rows
+
+
+def placement(run_dir: Path) -> tuple[dict[int, str], dict[int, list[str]], dict[int, dict[str, Any]]]:
+    """Where a run's processes were: trainer rank -> GPU and engine -> its TP ranks' GPUs, as the controller
+    registered them (`<node>/gpu<id>`), and each engine step's own report of what it was given."""
+    folder = run_dir / "placement"
+    trainers = {int(rank): device for rank, device in json.loads((folder / "trainers.json").read_text()).items()}
+    components = json.loads((run_dir / "status.json").read_text())["components"]
+    engines = {int(index): info["devices"] for index, info in components["engines"].items()}
+    reports = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in folder.glob("engine-*.json")}
+    return trainers, engines, reports
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2) -> None:
@@ -114,6 +126,18 @@ def engine_pids_now(run_dir: Path) -> dict[int, int]:
             if f"--port {port} " in cmd + " ":
                 pids[index] = int(pid)
     return pids
+
+
+_RANK_REGISTERED = re.compile(r"trainer rank (\d+)/\d+ \(host \S+ pid (\d+)\)")
+
+
+def trainer_rank_pids(run_dir: Path) -> dict[int, int]:
+    """Each trainer rank's process id, as the rank itself told the controller (controller.log; the latest
+    registration of each rank). Works however the ranks were started: a rank forked from a preloaded
+    torchrun (CPU) has torchrun's command line and environment, not `-m hpc_rl.training` and RANK."""
+    log = run_dir / "logs" / "controller.log"
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return {int(rank): int(pid) for rank, pid in _RANK_REGISTERED.findall(text)}
 
 
 def processes_of_run(run_dir: Path) -> list[str]:

@@ -137,7 +137,7 @@ def _step_grads(arch, hf_dir: str, training, info, *, colocated_export: bool = F
     if colocated_export:
         pp_group = parallel_state.get_pipeline_model_parallel_group() if info.pp_size > 1 else None
         sender = ColocatedWeightSender(parts.actor, arch, tp_group=None, tp_size=1, rank=info.rank,
-                                       world_size=info.world_size, engine_tp_size=1, bucket_bytes=50_000,
+                                       world_size=info.world_size, bucket_bytes=50_000,
                                        pp_size=info.pp_size, pp_rank=info.pp_rank, pp_group=pp_group)
         out["colocated"] = {name: tensor.clone() for meta in sender._planner.plan_buckets()
                             for source in meta.megatron_names for name, tensor in sender._planner.full_everywhere(source)}

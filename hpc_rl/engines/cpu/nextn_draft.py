@@ -44,8 +44,8 @@ def skipped_by_sglang(name: str, first: int, count: int) -> bool:
     return is_draft_name(name, first, count) and name.endswith(SHARED_WITH_TARGET)
 
 
-def load_draft_tensors(model_path: str | Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's NextN layer tensors by HF name (empty without MTP layers)."""
+def load_draft_tensors(model_path: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The checkpoint's NextN layer tensors by HF name, in the engine's dtype (empty without MTP layers)."""
     from safetensors import safe_open
 
     first, count = checkpoint_nextn_layers(model_path)
@@ -56,7 +56,7 @@ def load_draft_tensors(model_path: str | Path) -> dict[str, torch.Tensor]:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - not a dict
                 if is_draft_name(name, first, count) and not skipped_by_sglang(name, first, count):
-                    tensors[name] = handle.get_tensor(name).to(torch.float32)
+                    tensors[name] = handle.get_tensor(name).to(dtype)
     return tensors
 
 
@@ -64,9 +64,9 @@ def checkpoint_nextn_layers(model_path: str | Path) -> tuple[int, int]:
     return nextn_layers(json.loads((Path(model_path) / "config.json").read_text()))
 
 
-def attach_draft(model: torch.nn.Module, model_path: str | Path) -> None:
+def attach_draft(model: torch.nn.Module, model_path: str | Path, dtype: torch.dtype = torch.float32) -> None:
     """Read the NextN layers and keep them on the model (`draft_tensors`), with where they sit."""
-    setattr(model, ATTRIBUTE, (checkpoint_nextn_layers(model_path), load_draft_tensors(model_path)))
+    setattr(model, ATTRIBUTE, (checkpoint_nextn_layers(model_path), load_draft_tensors(model_path, dtype)))
 
 
 def draft_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

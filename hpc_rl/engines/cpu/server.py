@@ -25,7 +25,7 @@ from aiohttp import web
 
 from hpc_rl.engines.cpu.memory_occupation import WeightsNotLoaded
 from hpc_rl.engines.cpu.requests import GenerationRequest, RequestError, parse_generate_body, render_response
-from hpc_rl.engines.cpu.scheduler import EngineStateError, Scheduler, SchedulerDied
+from hpc_rl.engines.cpu.scheduler import EngineFatalError, EngineStateError, Scheduler, SchedulerDied
 from hpc_rl.engines.cpu.weight_sync import (
     WeightUpdateGroups,
     load_from_disk,
@@ -34,6 +34,7 @@ from hpc_rl.engines.cpu.weight_sync import (
     read_tensor_share,
     receive_bucket,
 )
+from hpc_rl.weights.device_identity import InvisibleDeviceError
 from hpc_rl.engines.http_api import add_sglang_routes, authorized, json_response, sglang_http_errors, unauthorized
 from hpc_rl.engines.http_api import fail as _fail
 from hpc_rl.engines.http_api import json_body as _json_body
@@ -59,6 +60,8 @@ class ServerInfo:
     context_length: int
     architectures: list[str] = field(default_factory=list)
     model_type: str = ""
+    dtype: str = "float32"
+    base_gpu_id: int = 0
 
 
 class EngineServer:
@@ -106,7 +109,8 @@ class EngineServer:
             "model_path": info.model_path, "tokenizer_path": info.model_path, "served_model_name": info.model_path,
             "host": info.host, "port": info.port, "tp_size": 1, "dp_size": 1, "pp_size": 1,
             "max_running_requests": info.max_running_requests, "context_length": info.context_length,
-            "device": "cpu", "dtype": "float32", "skip_tokenizer_init": False, "version": CPU_ENGINE_VERSION,
+            "device": "cpu", "dtype": info.dtype, "base_gpu_id": info.base_gpu_id, "skip_tokenizer_init": False,
+            "version": CPU_ENGINE_VERSION,
             "engine": "hpc_rl.engines.cpu", "weight_version": self.scheduler.weight_version,
             "internal_states": [{"num_running_reqs": self.scheduler.num_running,
                                  "num_waiting_reqs": self.scheduler.num_waiting}],
@@ -310,7 +314,11 @@ class EngineServer:
         def work() -> None:
             if body.get("abort_all_requests"):
                 self.scheduler.abort(None, abort_all=True)
-            load_named(self.scheduler.model, read_tensor_share(shares[0]))
+            try:
+                weights = read_tensor_share(shares[0])
+            except InvisibleDeviceError as error:  # SGLang: "Invalid device_uuid=..." kills its scheduler
+                raise EngineFatalError(str(error)) from error
+            load_named(self.scheduler.model, weights)
             if version is not None:
                 self.scheduler.weight_version = str(version)
 
