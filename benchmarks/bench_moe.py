@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLES, MIN_TOKENS, MAX_TOKENS = 64, 32, 64
 STEP_ARCH = {"family": "qwen3_moe", "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 256,
              "num_attention_heads": 4, "num_query_groups": 2, "kv_channels": 32, "vocab_size": 24,
-             "rotary_base": 1_000_000.0, "norm_epsilon": 1e-6, "tie_word_embeddings": True, "qk_layernorm": True,
+             "rotary_base": 1_000_000.0, "norm_epsilon": 1e-6, "tie_word_embeddings": False, "qk_layernorm": True,
              "max_position_embeddings": 512, "num_moe_experts": 8, "moe_ffn_hidden_size": 256, "moe_router_topk": 2}
 LAYOUTS = {"EP1 (1 rank)": (1, "alltoall"), "EP2 alltoall (2 ranks)": (2, "alltoall")}
 SYNC_BUFFER_BYTES = 512 * 1024**2
@@ -117,7 +117,8 @@ def sync_rank(model_file: str) -> dict:
                          if not hf_mapping.is_expert_param(name) and hf_mapping.tp_split(name).dim is not None)
     expert_tensors = sum(1 for name in params if hf_mapping.is_expert_param(name))
     shutdown_parallel()
-    return {"bytes": sum(b.num_bytes for b in plan), "buckets": len(plan), "hf_tensors": sum(len(b.names) for b in plan),
+    return {"bytes": sum(b.num_bytes for b in plan), "buckets": len(plan),
+            "hf_tensors": sum(len(b.names) for b in plan),
             "expert_bytes": expert_bytes, "expert_tensors": expert_tensors, "tp_split_bytes": tp_split_bytes,
             "parameters": sum(p.numel() for p in params.values())}
 

@@ -101,6 +101,9 @@ class TinyMoeSpec(TinyModelSpec):
 
     family: str = "qwen3_moe"
     """qwen3_moe (Qwen3MoeForCausalLM) | glm4_moe (Glm4MoeForCausalLM)."""
+    tie_word_embeddings: bool = False
+    """Untied, as the real checkpoints: SGLang 0.5.23's Qwen3-MoE always builds its own lm_head (a tied
+    checkpoint, which has no lm_head.weight, serves uniform log-probs there)."""
     num_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 32
@@ -160,7 +163,8 @@ def make_tiny_moe_model(output_dir: str | Path, spec: TinyMoeSpec | None = None)
         model_class = Qwen3MoeForCausalLM
     elif spec.family == "glm4_moe":
         config = Glm4MoeConfig(**common, n_routed_experts=spec.num_experts, n_shared_experts=spec.n_shared_experts,
-                               first_k_dense_replace=spec.dense_layers, routed_scaling_factor=spec.routed_scaling_factor,
+                               first_k_dense_replace=spec.dense_layers,
+                               routed_scaling_factor=spec.routed_scaling_factor,
                                n_group=1, topk_group=1, attention_bias=True, use_qk_norm=False,
                                partial_rotary_factor=0.5,
                                rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta,

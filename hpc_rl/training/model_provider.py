@@ -9,7 +9,8 @@ to the first stage's at build time and kept equal by `finalize_model_grads` (emb
 MoE architectures get the architecture's routing math and the `training` section's MoE settings under
 Megatron's names (`moe_config_fields`); on CPU the GPU-only kernel choices are turned off
 (`cpu_switch.cpu_moe_overrides`, the same numerics) and Megatron's MoE layer is made runnable
-(`cpu_switch.prepare_megatron_moe`). Does not own weights (see `hpc_rl.weights.hf_import` / `hpc_rl.training.checkpoint`), process
+(`cpu_switch.prepare_megatron_moe`). Does not own weights (see `hpc_rl.weights.hf_import` /
+`hpc_rl.training.checkpoint`), process
 groups (`parallel`) or running the stages (`pipeline`).
 
 Vocabulary padding: the embedding is padded to a multiple of `VOCAB_PAD_MULTIPLE` that does not

@@ -149,7 +149,8 @@ def _moe_mlp_rows(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
     for expert in range(arch.num_moe_experts or 0):
         rows.append((f"mlp.experts.local_experts.{expert}.linear_fc1.weight",
                      _gated_hf(f"mlp.experts.{expert}.", fused=False)))
-        rows.append((f"mlp.experts.local_experts.{expert}.linear_fc2.weight", [f"mlp.experts.{expert}.down_proj.weight"]))
+        rows.append((f"mlp.experts.local_experts.{expert}.linear_fc2.weight",
+                     [f"mlp.experts.{expert}.down_proj.weight"]))
     if arch.moe_shared_expert_intermediate_size:
         rows.append(("mlp.shared_experts.linear_fc1.weight", _gated_hf("mlp.shared_experts.", fused=False)))
         rows.append(("mlp.shared_experts.linear_fc2.weight", ["mlp.shared_experts.down_proj.weight"]))

@@ -54,7 +54,8 @@ def test_moe_layer_rows_follow_the_checkpoint_names() -> None:
     assert names[layer + "mlp.router.expert_bias"] == ["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert names[layer + "mlp.experts.local_experts.3.linear_fc1.weight"] == [
         "model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight"]
-    assert names[layer + "mlp.experts.local_experts.3.linear_fc2.weight"] == ["model.layers.1.mlp.experts.3.down_proj.weight"]
+    assert names[layer + "mlp.experts.local_experts.3.linear_fc2.weight"] == [
+        "model.layers.1.mlp.experts.3.down_proj.weight"]
     assert names[layer + "mlp.shared_experts.linear_fc1.weight"] == [
         "model.layers.1.mlp.shared_experts.gate_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight"]
     # layer 0 is dense (moe_layer_freq [0, 1]): GLM-4.5's dense MLP is unfused, unlike GLM4's gate_up_proj
@@ -199,7 +200,8 @@ def test_cpu_moe_overrides_turn_off_gpu_kernels_with_a_note_each() -> None:
     assert changed == {"moe_grouped_gemm": False, "moe_permute_fusion": False, "moe_enable_deepep": False,
                        "moe_token_dispatcher_type": "alltoall", "moe_router_topk": 2}
     assert len(notes) == 3 and all("same" in note for note in notes)
-    assert cpu_moe_overrides({"moe_token_dispatcher_type": "alltoall"}) == ({"moe_token_dispatcher_type": "alltoall"}, [])
+    unchanged = {"moe_token_dispatcher_type": "alltoall"}
+    assert cpu_moe_overrides(unchanged) == (unchanged, [])
 
 
 def test_alltoall_split_sizes_become_host_ints_at_the_copy_point() -> None:
