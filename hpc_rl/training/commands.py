@@ -259,8 +259,8 @@ class TrainerCommands:
             self.colocated_sender = ColocatedWeightSender(
                 self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size, rank=self.info.rank,
                 world_size=self.info.world_size, bucket_bytes=command.bucket_bytes,
-                dtype=export_dtype(self.info.on_cpu), api_key=self.engine_api_key, pp_size=self.info.pp_size,
-                pp_rank=self.info.pp_rank, pp_group=pp_group, device=trainer_rank_device())
+                dtype=export_dtype(self.info.on_cpu), api_key=self.engine_api_key, pp_group=pp_group,
+                pp_rank=self.info.pp_rank, pp_size=self.info.pp_size, device=trainer_rank_device())
         engine, _ = command.rank_engines[self.info.rank]
         url = command.engine_urls[engine] if 0 <= engine < len(command.engine_urls) else ""
         metrics = self.colocated_sender.sync(version=command.weight_version, engine_url=url,

@@ -46,6 +46,7 @@ from hpc_rl.weights.export import (
     export_param,
     full_shape_and_dtype,
     full_tensor,
+    gather_full,
     named_megatron_params,
 )
 from hpc_rl.weights.process_group import (
@@ -270,17 +271,31 @@ class WeightSender:
         dist.recv(full, src=dist.get_global_rank(self.pp_group, owner), group=self.pp_group)
         return hf_mapping.to_hf(source, full, self.arch)
 
-    def full_everywhere(self, source: str) -> list[tuple[str, torch.Tensor]]:
-        """Under PP, for colocated engines: the HF tensors of `source` on every rank (a collective over the
-        whole world, bucket source by bucket source): the owning stage gathers it (TP group, or expert
-        replica), then broadcasts the full tensor over each pipeline group."""
-        owner, shape, dtype = self._source_metadata()[source]
+    def export_everywhere(self, source: str) -> list[tuple[str, torch.Tensor]]:
+        """The HF tensors of `source` on every rank (colocated: each rank feeds the engine on its own GPU), a
+        collective over the TP group (routed experts: over their replica) and, under PP, over the pipeline group.
+        At PP=1 the TP gather; under PP, as slime's colocated path: a TP-split parameter's shards go from the
+        owning stage to every stage over the pipeline groups (each carries one TP rank's shard), then every stage
+        gathers them over its TP group; a routed expert is gathered on its stage (expert TP x EP) and goes whole,
+        as does any other parameter."""
+        if self.pp_size == 1:
+            return export_param(source, self.params, self.arch, self.tp_group, self.experts)
         assert self.pp_group is not None
-        if owner == self.pp_rank:
-            full = full_tensor(source, self.params, self.tp_group, self.experts).contiguous()
+        owner, shape, dtype = self._source_metadata()[source]
+        src = dist.get_global_rank(self.pp_group, owner)
+        split = hf_mapping.tp_split(source).dim
+        if split is not None and self.tp_size > 1 and not hf_mapping.is_expert_param(source):
+            shard_shape = list(shape)
+            shard_shape[split] //= self.tp_size
+            shard = (self.params[source].detach().contiguous() if owner == self.pp_rank else
+                     torch.empty(shard_shape, dtype=dtype_from_name(dtype), device=self._comm_device))
+            dist.broadcast(shard, src=src, group=self.pp_group)
+            full = gather_full(source, shard, self.tp_group)
         else:
-            full = torch.empty(shape, dtype=dtype_from_name(dtype), device=self._comm_device)
-        dist.broadcast(full, src=dist.get_global_rank(self.pp_group, owner), group=self.pp_group)
+            full = (full_tensor(source, self.params, self.tp_group, self.experts).contiguous()
+                    if owner == self.pp_rank else
+                    torch.empty(shape, dtype=dtype_from_name(dtype), device=self._comm_device))
+            dist.broadcast(full, src=src, group=self.pp_group)
         return hf_mapping.to_hf(source, full, self.arch)
 
     def finish(self) -> None:

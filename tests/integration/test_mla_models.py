@@ -140,7 +140,7 @@ def _step_grads(arch, hf_dir: str, training, info, *, colocated_export: bool = F
                                        world_size=info.world_size, bucket_bytes=50_000,
                                        pp_size=info.pp_size, pp_rank=info.pp_rank, pp_group=pp_group)
         out["colocated"] = {name: tensor.clone() for meta in sender._planner.plan_buckets()
-                            for source in meta.megatron_names for name, tensor in sender._planner.full_everywhere(source)}
+                            for source in meta.megatron_names for name, tensor in sender._planner.export_everywhere(source)}
     grads: dict[str, torch.Tensor] = {}
     reduce_then_norm = parts.optimizer.grad_norm
 
