@@ -293,10 +293,12 @@ def make_tiny_mla_model(output_dir: str | Path, spec: TinyMlaSpec | None = None)
         weights.update(_mtp_tensors(model, spec, spec.num_hidden_layers))
         save_file(weights, str(weights_file), metadata={"format": "pt"})
         weights_file.chmod(0o644)
-        config_file = output_dir / "config.json"  # GLM-4.7-Flash's key (Glm4MoeLiteConfig has no MTP field)
-        fields = json.loads(config_file.read_text())
-        fields["num_nextn_predict_layers"] = spec.mtp_layers
-        config_file.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+    config_file = output_dir / "config.json"
+    fields = json.loads(config_file.read_text())
+    fields["num_nextn_predict_layers"] = spec.mtp_layers  # GLM-4.7-Flash's key too (Glm4MoeLiteConfig has no MTP field)
+    # keys of the published DeepSeek-V3 / GLM-4.7-Flash config.json that transformers 5 drops and SGLang reads
+    fields.update({"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"})
+    config_file.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
     return output_dir
 
 
