@@ -68,7 +68,7 @@ FLOAT32_HF_SUFFIXES = (".mlp.gate.e_score_correction_bias",)
 moe_router_bias_update_rate (1e-3), below bf16's resolution at 1.0; HF and SGLang keep it in float32."""
 
 
-def export_dtype(hf_name: str, dtype: torch.dtype) -> torch.dtype:
+def tensor_send_dtype(hf_name: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype an HF tensor is sent in when the model is sent in `dtype`."""
     return torch.float32 if hf_name.endswith(FLOAT32_HF_SUFFIXES) else dtype
 

@@ -77,7 +77,7 @@ class BucketMeta:
 def _plan(entries: Iterable[tuple[str, list[tuple[str, tuple[int, ...]]]]], dtype: torch.dtype,
           bucket_bytes: int) -> list[BucketMeta]:
     """Whole Megatron parameters per bucket, up to `bucket_bytes`; each HF tensor in its export dtype
-    (`hf_mapping.export_dtype`), a bucket of mixed dtypes ordered by falling dtype size (aligned)."""
+    (`hf_mapping.tensor_send_dtype`), a bucket of mixed dtypes ordered by falling dtype size (aligned)."""
     buckets: list[BucketMeta] = []
     current: list[tuple[str, list[int], torch.dtype]] = []
     sources: list[str] = []
@@ -95,7 +95,7 @@ def _plan(entries: Iterable[tuple[str, list[tuple[str, tuple[int, ...]]]]], dtyp
         size = 0
 
     for source, hf_entries in entries:
-        typed = [(name, list(shape), hf_mapping.export_dtype(name, dtype)) for name, shape in hf_entries]
+        typed = [(name, list(shape), hf_mapping.tensor_send_dtype(name, dtype)) for name, shape in hf_entries]
         nbytes = sum(torch.empty((), dtype=d).element_size() * int(torch.Size(s).numel()) for _, s, d in typed)
         if size and size + nbytes > bucket_bytes:
             flush()
@@ -246,7 +246,7 @@ class WeightSender:
         if self.group is None:
             raise RuntimeError("send_bucket before connect(): rank 0 has no weight-update group")
         position = {name: i for i, name in enumerate(meta.names)}
-        named = sorted(((name, tensor.to(hf_mapping.export_dtype(name, self.dtype))) for name, tensor in named),
+        named = sorted(((name, tensor.to(hf_mapping.tensor_send_dtype(name, self.dtype))) for name, tensor in named),
                        key=lambda item: position.get(item[0], -1))
         capacity = max(b.num_bytes for b in self.plan_buckets())
         names = self._broadcaster.send(named, meta.num_bytes, self.group, capacity)
@@ -273,11 +273,11 @@ class WeightSender:
 
     def export_everywhere(self, source: str) -> list[tuple[str, torch.Tensor]]:
         """The HF tensors of `source` on every rank (colocated: each rank feeds the engine on its own GPU), a
-        collective over the TP group (routed experts: over their replica) and, under PP, over the pipeline group.
-        At PP=1 the TP gather; under PP, as slime's colocated path: a TP-split parameter's shards go from the
-        owning stage to every stage over the pipeline groups (each carries one TP rank's shard), then every stage
-        gathers them over its TP group; a routed expert is gathered on its stage (expert TP x EP) and goes whole,
-        as does any other parameter."""
+        collective over the TP group (a routed expert: over the expert replica, `export.gather_expert`) and,
+        under PP, over the pipeline group. At PP=1 the gather; under PP, as slime's colocated path: a TP-split
+        dense parameter's shards go from the owning stage to every stage over the pipeline groups (each carries
+        one TP rank's shard), then every stage gathers them over its TP group; any other parameter (a routed
+        expert gathered on the owning stage included) goes whole from the owning stage."""
         if self.pp_size == 1:
             return export_param(source, self.params, self.arch, self.tp_group, self.experts)
         assert self.pp_group is not None

@@ -44,5 +44,6 @@ def test_colocated_moe_run_serves_every_expert_to_both_engines(tmp_path: Path) -
     for row in rows:
         assert row["metrics"]["train/train_rollout_logprob_abs_diff"] < 1e-4, (row["rollout_id"], row["metrics"])
     controller_log = (run_dir / "logs" / "controller.log").read_text()
-    assert controller_log.count("2 colocated engine(s) through /update_weights_from_tensor") == 3
+    # one before rollout 0 (the engines freed the GPUs for the trainer's start), then one after each step
+    assert controller_log.count("2 colocated engine(s) through /update_weights_from_tensor") == 4
     assert processes_mentioning(str(run_dir)) == []

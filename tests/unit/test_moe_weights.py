@@ -97,8 +97,9 @@ def test_expert_helpers_and_tp_layout() -> None:
     for replicated in ("decoder.layers.5.mlp.router.weight", "decoder.layers.5.mlp.router.expert_bias",
                        "decoder.layers.5.pre_mlp_layernorm.weight"):
         assert hf_mapping.tp_split(replicated).dim is None
-    assert hf_mapping.export_dtype("model.layers.1.mlp.gate.e_score_correction_bias", torch.bfloat16) == torch.float32
-    assert hf_mapping.export_dtype("model.layers.1.mlp.gate.weight", torch.bfloat16) == torch.bfloat16
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert hf_mapping.tensor_send_dtype(bias, torch.bfloat16) == torch.float32
+    assert hf_mapping.tensor_send_dtype("model.layers.1.mlp.gate.weight", torch.bfloat16) == torch.bfloat16
 
 
 class FakeMoELayer(torch.nn.Module):
