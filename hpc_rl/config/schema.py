@@ -185,6 +185,12 @@ class RolloutConfig:
     custom_update_weight_post_write_path: str | None = None
     """Import path of slime's `hook(args, version_dir, rollout_engines)`, called on every trainer rank after a disk
     sync's files are written and before the engines read them (rollout_engines: the engines' URLs here)."""
+    rollout_external_engine_addrs: list[str] = field(default_factory=list)
+    """SGLang servers this job did not start (host:port or http://host:port; e.g. an inference job on another
+    partition), used as the job's engines instead of starting any: health-checked (one that stops answering is
+    waited for, then given the current weights), weights pushed over the weight-update group or, with
+    update_weight_transport disk, through the shared filesystem. They must not need an api key other than the
+    job's, and must reach trainer rank 0's node for the group (slime's --rollout-external-engine-addrs)."""
     max_staleness: int | None = None
     """Async mode: no sample is trained more than this many weight versions after its first token."""
     async_rollout: bool = False

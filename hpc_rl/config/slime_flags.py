@@ -252,11 +252,6 @@ SLIME_REST_REFUSED: dict[str, str] = {
               "/pull_weights and per-host local checkpoints); full syncs over --update-weight-transport disk or nccl "
               "need none of it: drop it")
        for name in ("update_weight_delta_encoding", "update_weight_delta_checksum", "update_weight_local_checkpoint_dir")},
-    "rollout_external_engine_addrs": (
-        "not offered yet: hpc_rl starts its engines as steps of the job, so it can restart a failed one on its GPUs "
-        "and give it the job's engine key; engines another job serves are not attached. Run the engines in this "
-        "job (--rollout-num-gpus, on another partition with --set slurm.rollout_partition=P) and, across "
-        "partitions, sync weights with --update-weight-transport disk"),
     "custom_convert_samples_to_train_data_path": (
         "not offered: the controller packs samples for the trainer itself (tokens, loss masks, rollout log-probs, "
         "weight versions); change samples with --rollout-sample-hook-path or --rollout-sample-filter-path and "

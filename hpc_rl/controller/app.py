@@ -75,8 +75,8 @@ class Controller:
         self.run_dir = Path(config.run_dir)
         self.secret = secret
         self.host, self.port = host, port
-        self.registry = Registry(trainer_world_size=config.cluster.trainer_world_size,
-                                 num_engines=config.cluster.num_engines)
+        self.registry = Registry(trainer_world_size=config.cluster.trainer_world_size,  # external ones, else the job's
+                                 num_engines=len(config.rollout.rollout_external_engine_addrs) or config.cluster.num_engines)
         self.channel = TrainerChannel(config.cluster.trainer_world_size)
         self.fleet = EngineFleet(self.registry, router, api_key=api_key, restart=restart_engine,
                                  max_restarts=config.controller.max_engine_restarts,

@@ -53,6 +53,8 @@ class WeightSyncSettings:
     """nccl (the broadcast group) or disk (rollout.update_weight_transport: weight_disk)."""
     disk_dir: str | None = None
     keep_disk_files: bool = False
+    external_engines: bool = False
+    """The engines are another job's (rollout.rollout_external_engine_addrs): they may hold an earlier run's group."""
 
     @classmethod
     def from_sections(cls, cluster: ClusterConfig, rollout: RolloutConfig,
@@ -62,7 +64,8 @@ class WeightSyncSettings:
                    bucket_bytes=rollout.update_weight_buffer_size, timeout_s=controller.engine_request_timeout,
                    num_engines=cluster.num_engines,
                    transport=rollout.update_weight_transport, disk_dir=rollout.update_weight_disk_dir,
-                   keep_disk_files=rollout.update_weight_disk_keep_files)
+                   keep_disk_files=rollout.update_weight_disk_keep_files,
+                   external_engines=bool(rollout.rollout_external_engine_addrs))
 
 
 class WeightUpdates:
@@ -222,7 +225,8 @@ class WeightUpdates:
             return await push_weights_to_engines(version=version, channel=self.channel, engines=over,
                                                  admins=self.fleet.admins, group=self.group, backend=settings.backend,
                                                  bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s,
-                                                 on_stuck=self._engine_stuck)
+                                                 on_stuck=self._engine_stuck,
+                                                 clear_stale_groups=settings.external_engines)
 
         await self.abort_group_if_due()
         try:

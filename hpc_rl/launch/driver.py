@@ -2,7 +2,8 @@
 
 Owns: reading `<run_dir>/config.resolved.yaml` and the secret, per-component log files under
 `<run_dir>/logs/`, starting sglang-router, one engine step per `EnginePlacement` (CPU engine or
-SGLang), the torchrun trainer step (c10d rendezvous on the first trainer node), registering engines
+SGLang; or, with rollout.rollout_external_engine_addrs, attaching to engines another job serves: none started,
+an unreachable one named at start, a failed one waited for instead of restarted), the torchrun trainer step (c10d rendezvous on the first trainer node), registering engines
 with the controller, supervising the steps (a dead engine goes to the fleet's failure path and is
 restarted; a dead trainer ends the run with its log tail), and the shutdown order. The same code runs
 locally (`LocalStepLauncher`) and inside a Slurm allocation (`SrunStepLauncher`); only the launcher differs.
@@ -47,12 +48,12 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpc_rl.config import RunConfig, load_resolved_config
-from hpc_rl.config.sglang_options import engine_kind
+from hpc_rl.config.sglang_options import engine_kind, external_engine_url
 from hpc_rl.controller.app import Controller
 from hpc_rl.controller.signal_stop import stop_with_checkpoint
 from hpc_rl.controller.stopping import log_task_error, stop_task
@@ -69,7 +70,7 @@ from hpc_rl.launch.run_lock import RunDirLocked, acquire
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher
 from hpc_rl.launch.trainer_exit import describe_trainer_exit
 from hpc_rl.launch.step_plan import engine_step, sglang_api_key_path, trainer_step
-from hpc_rl.launch.topology import JobTopology, plan_topology
+from hpc_rl.launch.topology import DIST_INIT_PORT_OFFSET, EnginePlacement, JobTopology, node_rank_port, plan_run_topology
 from hpc_rl.protocol.http_client import EngineConnection, EngineHTTPTransportError
 from hpc_rl.protocol.secret import Secret, engine_api_key, load_secret, secret_path
 from hpc_rl.telemetry.run_files import RunLogFileHandler
@@ -88,6 +89,10 @@ ENGINE_HEALTH_POLL_S = 0.1
 """How often a starting engine's /health is asked (a refused connection until it listens; issue 11)."""
 ENGINE_HEALTH_TIMEOUT_S = 2.0
 """How long one /health poll may take."""
+EXTERNAL_ENGINE_WAIT_S = 10.0
+"""At start, how long an external engine (rollout.rollout_external_engine_addrs) may take to answer /health."""
+EXTERNAL_ENGINE_RETURN_S = 600.0
+"""After an external engine failed: how long the run waits for it to answer again (another job restarts it)."""
 NODE_WATCH_INTERVAL_S = 2.0
 """On Slurm, how often the driver asks whether the job's nodes are alive (one `sinfo` call)."""
 NODE_REQUEUE_WAIT_S = 120.0
@@ -115,12 +120,18 @@ class PortPlan:
     router_metrics: int
     rendezvous: int
     engines: list[int]
+    """Each engine's HTTP port (a multi-node engine's node-rank 0)."""
+    spans: dict[int, list[int]] = field(default_factory=dict)
+    """A local run's multi-node engines: [distributed-init port, node-rank 1's port, ...] (on Slurm they follow
+    from node-rank 0's port: `topology.node_rank_port`)."""
 
     @classmethod
     def for_job(cls, topology: JobTopology, *, local: bool) -> "PortPlan":
         if local:  # the controller and torchrun's rendezvous store bind port 0: the OS picks a free one
             return cls(LOCAL_OS_PICKS, planned_port(), planned_port(), LOCAL_OS_PICKS,
-                       [planned_port() for _ in topology.engines])
+                       [planned_port() for _ in topology.engines],
+                       {e.engine_index: [planned_port() for _ in range(e.num_nodes)]
+                        for e in topology.engines if e.num_nodes > 1})
         offset = (int(os.environ.get("SLURM_JOB_ID", "0")) % JOB_PORT_SLOTS) * 50
         return cls(topology.controller_port + offset, topology.router_port + offset,
                    topology.router_metrics_port + offset, topology.rendezvous_port + offset,
@@ -142,7 +153,16 @@ class PortPlan:
                         checked("router metrics", self.router_metrics, "127.0.0.1"),
                         checked("rendezvous", self.rendezvous),
                         [checked(f"engine {i}", port) if engine_hosts[i] == host else port
-                         for i, port in enumerate(self.engines)])
+                         for i, port in enumerate(self.engines)], self.spans)
+
+    def engine_node_ports(self, placement: EnginePlacement) -> tuple[list[int], int]:
+        """A multi-node engine's port of each node-rank and node-rank 0's distributed-init port."""
+        port = self.engines[placement.engine_index]
+        if placement.engine_index in self.spans:
+            dist_init, *followers = self.spans[placement.engine_index]
+            return [port, *followers], dist_init
+        return ([node_rank_port(port, rank) for rank in range(placement.num_nodes)],
+                port + DIST_INIT_PORT_OFFSET)
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -227,7 +247,7 @@ class Driver:
         self.config = load_resolved_config(self.run_dir)
         self.launcher = launcher
         self.local = local
-        self.topology = plan_topology(self.config.cluster)
+        self.topology = plan_run_topology(self.config)
         self.ports = PortPlan.for_job(self.topology, local=local)
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -279,9 +299,14 @@ class Driver:
             env.update(SGLANG_ON_CPU_ENV if self.config.cluster.device == "cpu" else {})
             write_api_key_file(sglang_api_key_path(self.config), self.engine_key)
             _create_private(log_path)  # SGLang logs its server args, the key among them
-        engine_report_path(self.run_dir, index).unlink(missing_ok=True)  # this attempt writes its own
+        for node_rank in range(placement.num_nodes):  # this attempt writes its own
+            engine_report_path(self.run_dir, index, node_rank).unlink(missing_ok=True)
+        node_ports, dist_init_port = self.ports.engine_node_ports(placement)
+        node_hosts = [self.launcher.node_address(placement.het_group, placement.node_index + rank)
+                      for rank in range(placement.num_nodes)]
         step = self.launcher.start(engine_step(self.config, self.topology, index, host=host, port=port,
-                                               run_dir=self.run_dir, env=env, local=self.local))
+                                               run_dir=self.run_dir, env=env, local=self.local, node_hosts=node_hosts,
+                                               node_ports=node_ports, dist_init_port=dist_init_port))
         self.engine_steps[index] = step
         url = f"http://{host}:{port}"
         try:
@@ -301,27 +326,65 @@ class Driver:
             return await self.start_engine(index, retry_on_bind_failure=retry_on_bind_failure - 1, tried=tried)
         return url
 
+    # -- external engines (rollout.rollout_external_engine_addrs) ---------------------------------------------
+    async def attach_external_engine(self, index: int, wait_s: float = EXTERNAL_ENGINE_WAIT_S) -> tuple[str, int]:
+        """An engine another job serves: its URL and TP size once it answers /health and, with the job's engine
+        key, /server_info. RuntimeError naming its address when it does not."""
+        address = self.config.rollout.rollout_external_engine_addrs[index]
+        url = external_engine_url(address)
+        where = f"external engine {index} at {url} (rollout.rollout_external_engine_addrs: {address})"
+        engine = EngineConnection(url, api_key=self.engine_key, connecting=asyncio.Semaphore(1))
+        deadline, last = time.monotonic() + wait_s, "no answer"
+        try:
+            while True:
+                try:
+                    status, _ = await engine.request("GET", "/health", None, ENGINE_HEALTH_TIMEOUT_S)
+                    if status == 200:
+                        break
+                    last = f"/health answered HTTP {status}"
+                except EngineHTTPTransportError as error:
+                    last = str(error)
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"{where} is unreachable: {last} (after {wait_s:.0f} s); is it running, and "
+                                       "reachable from this node?")
+                await asyncio.sleep(ENGINE_HEALTH_POLL_S * 5)
+            status, answer = await engine.request("GET", "/server_info", None, 30.0)
+        except EngineHTTPTransportError as error:
+            raise RuntimeError(f"{where}: /server_info failed: {error}") from None
+        finally:
+            engine.close()
+        if status != 200:
+            raise RuntimeError(f"{where}: /server_info answered HTTP {status}"
+                               + (": it needs another api key than this job's: start it without --api-key"
+                                  if status == 401 else ""))
+        return url, int(json.loads(answer).get("tp_size") or 1)
+
     async def restart_engine(self, index: int) -> str:
+        if self.config.rollout.rollout_external_engine_addrs:  # not ours to start: wait until it answers again
+            log.warning("external engine %d failed; waiting up to %.0f s for it to answer again", index,
+                        EXTERNAL_ENGINE_RETURN_S)
+            return (await self.attach_external_engine(index, EXTERNAL_ENGINE_RETURN_S))[0]
         old = self.engine_steps.get(index)
         if old is not None:
             await asyncio.to_thread(old.stop, 5.0)
-        node = self.node_of_engine(index)
-        if node is not None:  # a step on a dead node waits in srun until Slurm ends the job: do not start one
-            for loss in await self.check_nodes([node]):
+        nodes = self.nodes_of_engine(index)
+        if nodes:  # a step on a dead node waits in srun until Slurm ends the job: do not start one
+            for loss in await self.check_nodes(nodes):
                 if self.node_requeued:  # Slurm stops this attempt now (SIGTERM); a restart would only race it
                     await asyncio.sleep(NODE_REQUEUE_WAIT_S)
-                raise RuntimeError(f"engine {index} is not restarted: {loss.describe(self.steps_on(node))}")
+                raise RuntimeError(f"engine {index} is not restarted: {loss.describe(self.steps_on(loss.node))}")
         return await self.start_engine(index)
 
     # -- nodes (Slurm) -------------------------------------------------------------------------------------
-    def node_of_engine(self, index: int) -> str | None:
+    def nodes_of_engine(self, index: int) -> list[str]:
+        """The nodes engine `index` runs on (a multi-node engine: all of them; [] when not known)."""
         placement = self.topology.engines[index]
-        nodes = self._hostnames(placement.het_group)
-        return nodes[placement.node_index] if nodes and placement.node_index < len(nodes) else None
+        nodes = self._hostnames(placement.het_group) or []
+        return nodes[placement.node_index:placement.node_index + placement.num_nodes]
 
     def steps_on(self, node: str) -> list[str]:
         """The names of this run's steps with a task on `node` ('trainer', 'engine-0', ...)."""
-        steps = [f"engine-{i}" for i in range(len(self.topology.engines)) if self.node_of_engine(i) == node]
+        steps = [f"engine-{i}" for i in range(len(self.topology.engines)) if node in self.nodes_of_engine(i)]
         trainer_nodes = (self._hostnames(0) or [])[:self.config.cluster.actor_num_nodes]
         if node in trainer_nodes:
             steps.insert(0, f"trainer (node {trainer_nodes.index(node)} of {len(trainer_nodes)})")
@@ -392,6 +455,8 @@ class Driver:
     async def run(self) -> int:
         secret = load_secret(secret_path(self.run_dir))
         self.engine_key = engine_api_key(secret)
+        external = [await self.attach_external_engine(i)  # first: an unreachable one fails the run at once
+                    for i in range(len(self.config.rollout.rollout_external_engine_addrs))]
         # Engines need neither the router nor the controller until they register: they load (seconds of
         # imports and the model) while those two come up (issue 11). The tasks run from the first await.
         starts = [asyncio.create_task(self.start_engine(i), name=f"start engine {i}")
@@ -405,8 +470,12 @@ class Driver:
             await asyncio.gather(*starts, return_exceptions=True)
             raise
         assert self.controller is not None
-        await asyncio.gather(*(self.controller.register_engine(i, url, tp_size=self.config.cluster.rollout_num_gpus_per_engine)
-                               for i, url in enumerate(urls)))  # together: one batch for the router (engine_fleet)
+        sizes = [self.config.cluster.rollout_num_gpus_per_engine] * len(urls)
+        if external:
+            urls, sizes = [url for url, _ in external], [size for _, size in external]
+            log.info("attached %d external engine(s): %s", len(urls), ", ".join(urls))
+        await asyncio.gather(*(self.controller.register_engine(i, url, tp_size=size)
+                               for i, (url, size) in enumerate(zip(urls, sizes))))  # one batch for the router
         if self.trainer_step is None:
             await self.controller.hand_gpus_to_trainer()  # colocated: the trainer builds on free GPUs (slime's order)
             self._start_trainer()
@@ -800,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
         from hpc_rl.launch.srun_launcher import SrunStepLauncher
 
         config = load_resolved_config(args.run_dir)  # engines' srun steps get their component's CPUs
-        cpus = engine_cpus_per_task(config, plan_topology(config.cluster))
+        cpus = engine_cpus_per_task(config, plan_run_topology(config))
         return run_driver(args.run_dir, SrunStepLauncher(cpus_per_task=cpus), local=False)
     return run_driver(args.run_dir, LocalStepLauncher(), local=True)
 

@@ -8,7 +8,11 @@ the driver sets (Slurm's GPU plugin overwrites `CUDA_VISIBLE_DEVICES` in a step 
     colocated engine    --overlap --gpus-per-node=G: the same G GPUs of its node as the trainer's step
                         (in the same order), and SGLang `--base-gpu-id` = its first GPU's position there
     decoupled engine    --exact --gpus-per-node=T: T GPUs of its own, `--base-gpu-id 0`
-    local run           no Slurm: positions on this machine (decoupled engines after the trainer's GPUs)
+    multi-node engine   one step over its N nodes, one task per node, each holding its node's GPUs (colocated:
+                        --overlap, the trainer's); SGLang `--nnodes N --dist-init-addr <node 0>:<port>`, and each
+                        task's `--node-rank`, `--host`, `--port` filled in by gpu_step from its task rank
+    local run           no Slurm: positions on this machine (decoupled engines after the trainer's GPUs); an
+                        engine that spans nodes needs Slurm (`hpc_rl.launch.local` refuses it)
 
 Every engine step starts through `hpc_rl.engines.gpu_step`, which reads back what Slurm gave the step,
 checks the planned positions exist, reports the engine's device identities to
@@ -36,6 +40,7 @@ from hpc_rl.engines.sglang_launch import (
     build_sglang_command,
     sglang_device_options,
 )
+from hpc_rl.launch.bound_torchrun import FORK_FLAG
 from hpc_rl.launch.steps import ContainerSpec, StepSpec
 from hpc_rl.launch.topology import EnginePlacement, JobTopology
 
@@ -57,6 +62,8 @@ def sglang_api_key_path(config: RunConfig) -> Path:
 
 def engine_base_gpu_id(config: RunConfig, topology: JobTopology, placement: EnginePlacement, *, local: bool) -> int:
     """The position of the engine's first GPU in the GPU list its step sees (SGLang's `--base-gpu-id`)."""
+    if placement.num_nodes > 1 and not local:
+        return 0  # whole nodes: every GPU of each node the step holds
     if topology.colocate:
         return placement.gpu_ids[0]  # the step holds its node's GPUs, as the trainer's step does
     if local:  # one machine: the trainer's ranks take the first GPUs
@@ -108,15 +115,24 @@ def step_environment(config: RunConfig, env: dict[str, str], *, local: bool) -> 
     return env
 
 
+def multi_node_options(placement: EnginePlacement, dist_init_addr: str) -> list[str]:
+    """SGLang's multi-node flags every node-rank shares (`--node-rank`, `--host`, `--port` are each task's:
+    `hpc_rl.engines.gpu_step` fills them in); none for an engine on one node."""
+    if placement.num_nodes == 1:
+        return []
+    return ["--nnodes", str(placement.num_nodes), "--dist-init-addr", dist_init_addr]
+
+
 def engine_command(config: RunConfig, placement: EnginePlacement, host: str, port: int, *, base_gpu_id: int = 0,
-                   local: bool = False) -> list[str]:
+                   local: bool = False, dist_init_addr: str = "") -> list[str]:
     """The engine's own argv: hpc_rl's CPU engine (key in `API_KEY_ENV`) or sglang.launch_server (key in
-    the run dir's `SGLANG_API_KEY_FILE`). No key on either."""
+    the run dir's `SGLANG_API_KEY_FILE`). No key on either. A multi-node engine's argv is node-rank 0's."""
     tp_size = config.cluster.rollout_num_gpus_per_engine
     dtype = trainer_dtype_name(config.cluster.device)
     options = config.sglang.server_options()
+    spanning = multi_node_options(placement, dist_init_addr)
     if engine_kind(config.rollout.engine, config.cluster.device) == "cpu":
-        extra = ["--base-gpu-id", str(base_gpu_id), "--dtype", str(options.get("dtype") or dtype)]
+        extra = ["--base-gpu-id", str(base_gpu_id), "--dtype", str(options.get("dtype") or dtype), *spanning]
         return cpu_engine_command(config.checkpoint.hf_checkpoint, host=host, port=port,
                                   max_running_requests=config.sglang.server_concurrency, weight_version="0",
                                   extra_args=extra + (["--enable-memory-saver"] if config.cluster.colocate else []),
@@ -131,19 +147,31 @@ def engine_command(config: RunConfig, placement: EnginePlacement, host: str, por
                             rollout_num_gpus_per_engine=tp_size, api_key_file=str(sglang_api_key_path(config)),
                             sglang_options=options, python=python or step_python(config, local=local),
                             colocated=config.cluster.colocate, base_gpu_id=sglang_base_gpu_id)
-    return build_sglang_command(spec)
+    return build_sglang_command(spec) + spanning
 
 
 def engine_step(config: RunConfig, topology: JobTopology, index: int, *, host: str, port: int, run_dir: Path,
-                env: dict[str, str], local: bool) -> StepSpec:
-    """Engine `index`'s step: its argv behind the placement check, and what it asks Slurm for."""
+                env: dict[str, str], local: bool, node_hosts: list[str] | None = None,
+                node_ports: list[int] | None = None, dist_init_port: int | None = None) -> StepSpec:
+    """Engine `index`'s step: its argv behind the placement check, and what it asks Slurm for. A multi-node
+    engine gets the address and port of each of its node-ranks (`node_hosts`, `node_ports`; node-rank 0's are
+    `host`, `port`) and node-rank 0's distributed-init port."""
     placement = topology.engines[index]
     base = engine_base_gpu_id(config, topology, placement, local=local)
     check = [step_python(config, local=local), "-m", "hpc_rl.engines.gpu_step", "--base-gpu-id", str(base),
-             "--tp-size", str(len(placement.gpu_ids)), "--report", str(engine_report_path(run_dir, index)), "--"]
-    return StepSpec(name=f"engine-{index}", argv=check + engine_command(config, placement, host, port, base_gpu_id=base, local=local),
+             "--tp-size", str(len(placement.gpu_ids)), "--report", str(engine_report_path(run_dir, index))]
+    dist_init_addr = ""
+    if placement.num_nodes > 1:
+        hosts = node_hosts or [host] * placement.num_nodes
+        ports = node_ports or placement.node_ports()
+        check += ["--nnodes", str(placement.num_nodes), "--node-hosts", ",".join(hosts),
+                  "--node-ports", ",".join(map(str, ports))]
+        dist_init_addr = f"{host}:{dist_init_port or placement.dist_init_port}"
+    argv = [*check, "--", *engine_command(config, placement, host, port, base_gpu_id=base, local=local,
+                                          dist_init_addr=dist_init_addr)]
+    return StepSpec(name=f"engine-{index}", argv=argv,
                     env=step_environment(config, env, local=local), het_group=placement.het_group,
-                    node_index=placement.node_index, num_nodes=1, tasks_per_node=1,
+                    node_index=placement.node_index, num_nodes=placement.num_nodes, tasks_per_node=1,
                     gpus_per_node=engine_gpus_asked(config, topology, placement), overlap=topology.colocate,
                     log_path=run_dir / "logs" / f"engine-{index}.log",
                     container=None if local else container_spec(config, run_dir))
@@ -151,8 +179,11 @@ def engine_step(config: RunConfig, topology: JobTopology, index: int, *, host: s
 
 def trainer_command(config: RunConfig, run_dir: Path, rendezvous: str, *, local: bool = False) -> list[str]:
     """torchrun over every trainer node (one torchrun per node; it forks the ranks); in a local run its
-    stores listen on loopback only (bound_torchrun, with STORE_ADDRESS_ENV set by the driver)."""
-    return [step_python(config, local=local), "-m", "hpc_rl.launch.bound_torchrun", *(["--local-addr=127.0.0.1"] if local else []),
+    stores listen on loopback only (bound_torchrun, with STORE_ADDRESS_ENV set by the driver). On CPU its
+    ranks fork from it with their imports done (bound_torchrun's FORK_FLAG, issue 23)."""
+    fork = [FORK_FLAG] if config.cluster.device == "cpu" else []
+    return [step_python(config, local=local), "-m", "hpc_rl.launch.bound_torchrun", *fork,
+            *(["--local-addr=127.0.0.1"] if local else []),
             f"--nnodes={config.cluster.actor_num_nodes}",
             f"--nproc-per-node={config.cluster.actor_num_gpus_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={os.environ.get('SLURM_JOB_ID', 'local')}",

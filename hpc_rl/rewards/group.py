@@ -27,15 +27,18 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_rl.data.samples import Sample
 from hpc_rl.rewards.plugins import RewardFunction, load_reward_function
 from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rewards.reward_thread import RewardThread, RewardTimeout, bounded
 from hpc_rl.retry_policy import RetryPolicy
-from hpc_rl.rewards.remote import REMOTE_RM_RETRY, RewardSession, post_for_reward, reward_payload, reward_session
+from hpc_rl.rewards.remote import REMOTE_RM_RETRY, post_for_reward, reward_payload, reward_session
 from hpc_rl.rewards.scoring import REMOTE_RM, check_rm_type, resolve_rm_type, score, split_boxed_prefix
+
+if TYPE_CHECKING:
+    from hpc_rl.rewards.remote import RewardSession
 
 
 REWARD_CATEGORY = "reward_category"

@@ -13,6 +13,7 @@ scalars to `logging.tensorboard_dir` (default <run_dir>/tensorboard).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 from pathlib import Path
@@ -28,18 +29,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.config:
         parser.error(f"no config: pass the resolved config path or set {CONFIG_ENV}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
-
-    from hpc_rl.training.cpu_switch import light_megatron_import
-
-    with light_megatron_import():  # seconds of start-up on CPU (issue 11)
-        from hpc_rl.config.loading import load_resolved_config
-        from hpc_rl.config.model import ModelArchitecture
-        from hpc_rl.config.plugin_args import plugin_args
-        from hpc_rl.telemetry.scalars import ScalarLog, tensorboard_dir
-        from hpc_rl.training.actor import build_trainer
-        from hpc_rl.training.commands import BatchFileCommands, JsonlBatchSource, TrainerCommands
-        from hpc_rl.training.parallel import init_parallel, shutdown_parallel
+    # force: a rank forked from a preloaded launcher (preload) inherits the launcher's root handlers
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s", force=True)
+    preload()
+    from hpc_rl.config.loading import load_resolved_config
+    from hpc_rl.config.model import ModelArchitecture
+    from hpc_rl.config.plugin_args import plugin_args
+    from hpc_rl.telemetry.scalars import ScalarLog, tensorboard_dir
+    from hpc_rl.training.actor import build_trainer
+    from hpc_rl.training.commands import BatchFileCommands, JsonlBatchSource, TrainerCommands
+    from hpc_rl.training.parallel import init_parallel, shutdown_parallel
 
     config = load_resolved_config(args.config)
     arch = ModelArchitecture.from_yaml(config.model)
@@ -85,6 +84,23 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         scalars.close()
         shutdown_parallel()
+
+
+TRAINER_MODULES = ("hpc_rl.config.loading", "hpc_rl.config.model", "hpc_rl.config.plugin_args",
+                   "hpc_rl.telemetry.scalars", "hpc_rl.training.actor", "hpc_rl.training.commands",
+                   "hpc_rl.training.parallel", "hpc_rl.training.controller_link")
+"""What a rank imports before it builds anything (torch and Megatron-core among them: seconds of CPU)."""
+
+
+def preload() -> None:
+    """Import TRAINER_MODULES (Megatron the light way on CPU: `light_megatron_import`, issue 11); at once
+    when already imported. A launcher that calls this and then forks its ranks (`hpc_rl.launch.bound_torchrun
+    --fork-preloaded-ranks`) saves each rank its own imports (issue 23)."""
+    from hpc_rl.training.cpu_switch import light_megatron_import
+
+    with light_megatron_import():
+        for module in TRAINER_MODULES:
+            importlib.import_module(module)
 
 
 def _engine_key(run_dir: Path) -> str:

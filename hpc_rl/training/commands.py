@@ -255,11 +255,12 @@ class TrainerCommands:
             from hpc_rl.weights.device_identity import trainer_rank_device
 
             tp_group = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
+            pp_group = parallel_state.get_pipeline_model_parallel_group() if self.info.pp_size > 1 else None
             self.colocated_sender = ColocatedWeightSender(
                 self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size, rank=self.info.rank,
                 world_size=self.info.world_size, bucket_bytes=command.bucket_bytes,
-                dtype=export_dtype(self.info.on_cpu), api_key=self.engine_api_key, pp_size=self.info.pp_size,
-                device=trainer_rank_device())
+                dtype=export_dtype(self.info.on_cpu), api_key=self.engine_api_key, pp_group=pp_group,
+                pp_rank=self.info.pp_rank, pp_size=self.info.pp_size, device=trainer_rank_device())
         engine, _ = command.rank_engines[self.info.rank]
         url = command.engine_urls[engine] if 0 <= engine < len(command.engine_urls) else ""
         metrics = self.colocated_sender.sync(version=command.weight_version, engine_url=url,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,7 +45,8 @@ def placement(run_dir: Path) -> tuple[dict[int, str], dict[int, list[str]], dict
     trainers = {int(rank): device for rank, device in json.loads((folder / "trainers.json").read_text()).items()}
     components = json.loads((run_dir / "status.json").read_text())["components"]
     engines = {int(index): info["devices"] for index, info in components["engines"].items()}
-    reports = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in folder.glob("engine-*.json")}
+    reports = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in folder.glob("engine-*.json")
+               if ".node" not in p.stem}  # node-rank 0's (a multi-node engine's others: engine-<i>.node<k>.json)
     return trainers, engines, reports
 
 
@@ -103,6 +105,18 @@ def engine_pids_now(run_dir: Path) -> dict[int, int]:
             if f"--port {port} " in cmd + " ":
                 pids[index] = int(pid)
     return pids
+
+
+_RANK_REGISTERED = re.compile(r"trainer rank (\d+)/\d+ \(host \S+ pid (\d+)\)")
+
+
+def trainer_rank_pids(run_dir: Path) -> dict[int, int]:
+    """Each trainer rank's process id, as the rank itself told the controller (controller.log; the latest
+    registration of each rank). Works however the ranks were started: a rank forked from a preloaded
+    torchrun (CPU) has torchrun's command line and environment, not `-m hpc_rl.training` and RANK."""
+    log = run_dir / "logs" / "controller.log"
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return {int(rank): int(pid) for rank, pid in _RANK_REGISTERED.findall(text)}
 
 
 def processes_of_run(run_dir: Path) -> list[str]:

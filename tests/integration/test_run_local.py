@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.run_helpers import (engine_pids, interrupt, processes_mentioning, processes_of_run, records,
-                                           run_to_end, start_run, wait_for)
+                                           run_to_end, start_run, trainer_rank_pids, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -152,10 +152,9 @@ def test_dead_trainer_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
     process = start_run(run_dir, "--num-rollout", "200", "--eval-interval", "1000", "--save-interval", "1")
     try:
         wait_for(lambda: len(records(run_dir)) >= 2, 300, "two rollouts (each saved)")
-        trainers = [line for line in processes_mentioning("-m hpc_rl.training")
-                    if "torch.distributed.run" not in line and "bound_torchrun" not in line]  # not the agent
+        trainers = trainer_rank_pids(run_dir)
         assert trainers, "no trainer rank found"
-        os.kill(int(trainers[0].split(":")[0]), signal.SIGKILL)
+        os.kill(trainers[0], signal.SIGKILL)
         code = process.wait(120)
     finally:
         if process.poll() is None:

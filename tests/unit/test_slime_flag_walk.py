@@ -43,6 +43,7 @@ OWNED_ELSEWHERE = {
 """slime flags other issues own, skipped by the walk (the lead removes them as those issues land)."""
 
 SAMPLES: dict[str, list[str]] = {
+    "--rollout-external-engine-addrs": ["10.0.0.5:30000"],
     "--rollout-num-gpus-per-engine": ["1"],
     "--offload": ["--colocate"],
     "--offload-train": ["--colocate"],
