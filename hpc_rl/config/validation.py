@@ -27,6 +27,7 @@ from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.file_checks import path_problems, prompt_file_problems
 from hpc_rl.config.value_ranges import range_problems
 from hpc_rl.config.sglang_options import engine_kind, engine_problems, external_engine_url
+from hpc_rl.config.training_modes import is_sft, mode_problems
 from hpc_rl.plugins import PluginError, load_plugin
 
 CONFIG_PLUGINS = {"rollout.custom_rm_path": "reward", "rollout.dynamic_sampling_filter_path": "dynamic_sampling_filter",
@@ -106,7 +107,7 @@ def _batch_problems(config: RunConfig) -> list[Problem]:
         ))
     if training.use_dynamic_batch_size and not training.max_tokens_per_gpu:
         problems.append(Problem("training.max_tokens_per_gpu", "use_dynamic_batch_size needs max_tokens_per_gpu"))
-    if rollout.rm_type is None and rollout.custom_rm_path is None:
+    if rollout.rm_type is None and rollout.custom_rm_path is None and not is_sft(rollout.rollout_function_path):
         problems.append(Problem("rollout.rm_type", "no reward: set rm_type (e.g. deepscaler) or custom_rm_path"))
     if rollout.rm_type == "remote_rm" and not rollout.rm_url:
         problems.append(Problem("rollout.rm_url", "rm_type remote_rm needs rm_url"))
@@ -169,7 +170,8 @@ def _topology_problems(config: RunConfig) -> list[Problem]:
                 f"colocate: an engine of {engine_tp} GPUs must sit on the GPUs of whole trainer ranks: it must divide "
                 f"actor_num_gpus_per_node ({per_node}) or, spanning nodes, be a multiple of it",
             ))
-    elif cluster.rollout_num_gpus < 1 and not config.rollout.rollout_external_engine_addrs:
+    elif (cluster.rollout_num_gpus < 1 and not config.rollout.rollout_external_engine_addrs
+          and not cluster.debug_train_only):
         problems.append(Problem("cluster.rollout_num_gpus", "decoupled mode needs rollout_num_gpus >= 1"))
     problems += _engine_span_problems(config) + _external_engine_problems(config)
     if cluster.device == "cuda":
@@ -471,6 +473,7 @@ def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Pro
     if check_files:
         problems += [Problem(p.field, p.message) for p in path_problems(config) + prompt_file_problems(config)]
     problems += _plugin_problems(config)
+    problems += [Problem(field, message) for field, message in mode_problems(config, check_files=check_files)]
     problems += [Problem(field, message) for field, message in engine_problems(
         config.rollout.engine, config.cluster.device, config.sglang.server_options()).items()]
     return problems

@@ -112,7 +112,9 @@ class WeightUpdates:
         self.engines_serve(version)
 
     def sync_due(self, rollout_id: int) -> bool:
-        """Every `update_weights_interval` rollouts, and after the last one."""
+        """Every `update_weights_interval` rollouts, and after the last one; never in a trainer-only job (SFT)."""
+        if self.settings.num_engines == 0:
+            return False
         interval = self.settings.update_weights_interval
         return bool(interval) and (rollout_id + 1) % interval == 0 or rollout_id + 1 == self.num_rollout
 
@@ -138,7 +140,7 @@ class WeightUpdates:
         if self.moves_memory:
             assert self.colocated is not None
             await self.colocated.trainer("offload", TRAINER_TAGS)
-        if resumed:
+        if resumed and self.settings.num_engines:
             await self.sync(self.version, reason="resumed from a checkpoint")
 
     async def before_train(self, sync_due: bool) -> dict[str, Any]:

@@ -5,7 +5,10 @@ Owns: reading `<run_dir>/config.resolved.yaml` and the secret, per-component log
 SGLang; or, with rollout.rollout_external_engine_addrs, attaching to engines another job serves: none started,
 an unreachable one named at start, a failed one waited for instead of restarted), the torchrun trainer step (c10d rendezvous on the first trainer node), registering engines
 with the controller, supervising the steps (a dead engine goes to the fleet's failure path and is
-restarted; a dead trainer ends the run with its log tail), and the shutdown order. The same code runs
+restarted; a dead trainer ends the run with its log tail), and the shutdown order. The training modes: a
+trainer-only job (SFT) starts no engine and no router; an on-policy-distillation teacher given as
+`opd_teacher_hf_checkpoint` is one more engine step (its own het group), health-checked behind the job's key,
+handed to the controller by URL, and stopped with the engines (a teacher that dies fails the run). The same code runs
 locally (`LocalStepLauncher`) and inside a Slurm allocation (`SrunStepLauncher`); only the launcher differs.
 
 Shutdown (success, failure, SIGINT/SIGTERM/scancel alike), every task the driver started is either
@@ -69,7 +72,9 @@ from hpc_rl.launch.orphans import become_subreaper, end_children, environ_has
 from hpc_rl.launch.run_lock import RunDirLocked, acquire
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher
 from hpc_rl.launch.trainer_exit import describe_trainer_exit
-from hpc_rl.launch.step_plan import engine_step, sglang_api_key_path, trainer_step
+from hpc_rl.launch.step_plan import (
+    engine_step, sglang_api_key_path, teacher_engine_config, teacher_step, trainer_step,
+)
 from hpc_rl.launch.topology import DIST_INIT_PORT_OFFSET, EnginePlacement, JobTopology, node_rank_port, plan_run_topology
 from hpc_rl.protocol.http_client import EngineConnection, EngineHTTPTransportError
 from hpc_rl.protocol.secret import Secret, engine_api_key, load_secret, secret_path
@@ -124,6 +129,8 @@ class PortPlan:
     spans: dict[int, list[int]] = field(default_factory=dict)
     """A local run's multi-node engines: [distributed-init port, node-rank 1's port, ...] (on Slurm they follow
     from node-rank 0's port: `topology.node_rank_port`)."""
+    teacher: int | None = None
+    """The on-policy-distillation teacher engine's port (when the job starts one)."""
 
     @classmethod
     def for_job(cls, topology: JobTopology, *, local: bool) -> "PortPlan":
@@ -131,11 +138,13 @@ class PortPlan:
             return cls(LOCAL_OS_PICKS, planned_port(), planned_port(), LOCAL_OS_PICKS,
                        [planned_port() for _ in topology.engines],
                        {e.engine_index: [planned_port() for _ in range(e.num_nodes)]
-                        for e in topology.engines if e.num_nodes > 1})
+                        for e in topology.engines if e.num_nodes > 1},
+                       teacher=planned_port() if topology.teacher is not None else None)
         offset = (int(os.environ.get("SLURM_JOB_ID", "0")) % JOB_PORT_SLOTS) * 50
         return cls(topology.controller_port + offset, topology.router_port + offset,
                    topology.router_metrics_port + offset, topology.rendezvous_port + offset,
-                   [e.port + offset for e in topology.engines])
+                   [e.port + offset for e in topology.engines],
+                   teacher=topology.teacher.port + offset if topology.teacher is not None else None)
 
     def avoiding_busy(self, host: str, engine_hosts: list[str]) -> "PortPlan":
         """This plan with each port that is in use on `host` replaced by a free one (engines only when
@@ -153,7 +162,7 @@ class PortPlan:
                         checked("router metrics", self.router_metrics, "127.0.0.1"),
                         checked("rendezvous", self.rendezvous),
                         [checked(f"engine {i}", port) if engine_hosts[i] == host else port
-                         for i, port in enumerate(self.engines)], self.spans)
+                         for i, port in enumerate(self.engines)], self.spans, teacher=self.teacher)
 
     def engine_node_ports(self, placement: EnginePlacement) -> tuple[list[int], int]:
         """A multi-node engine's port of each node-rank and node-rank 0's distributed-init port."""
@@ -241,6 +250,8 @@ class Driver:
 
     _node_watch: asyncio.Task[None] | None = None
     """The node watch task (Slurm only; started in `run`, stopped first in `shutdown`)."""
+    teacher_step: StepHandle | None = None
+    """On-policy distillation's teacher engine (topology.teacher), once started."""
 
     def __init__(self, run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> None:
         self.run_dir = Path(run_dir).resolve()
@@ -326,6 +337,28 @@ class Driver:
             return await self.start_engine(index, retry_on_bind_failure=retry_on_bind_failure - 1, tried=tried)
         return url
 
+    async def start_teacher(self) -> str:
+        """On-policy distillation's teacher: the engine command (CPU engine or SGLang, as the rollout engines)
+        on the teacher's checkpoint and GPUs, on its own het group; returns its URL once /health answers."""
+        placement = self.topology.teacher
+        assert placement is not None and self.ports.teacher is not None
+        config = teacher_engine_config(self.config)
+        host = self.launcher.node_address(placement.het_group, placement.node_index)
+        log_path = self.logs / "teacher.log"
+        env = build_sglang_env({}, {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+        env[API_KEY_ENV] = self.engine_key  # in the environment: `ps` shows argv, not this
+        if engine_kind(config.rollout.engine, config.cluster.device) == "sglang":
+            env.update(SGLANG_ON_CPU_ENV if config.cluster.device == "cpu" else {})
+            write_api_key_file(sglang_api_key_path(config), self.engine_key)
+            _create_private(log_path)
+        self.teacher_step = self.launcher.start(teacher_step(self.config, self.topology, host=host,
+                                                             port=self.ports.teacher, run_dir=self.run_dir, env=env,
+                                                             local=self.local))
+        url = f"http://{host}:{self.ports.teacher}"
+        await _wait_healthy(url, self.teacher_step, 600.0, log_path, self.engine_key)
+        log.info("teacher (on-policy distillation) serving %s at %s", config.checkpoint.hf_checkpoint, url)
+        return url
+
     # -- external engines (rollout.rollout_external_engine_addrs) ---------------------------------------------
     async def attach_external_engine(self, index: int, wait_s: float = EXTERNAL_ENGINE_WAIT_S) -> tuple[str, int]:
         """An engine another job serves: its URL and TP size once it answers /health and, with the job's engine
@@ -393,7 +426,8 @@ class Driver:
         return steps
 
     def job_nodes(self) -> list[str]:
-        groups = {0, *(e.het_group for e in self.topology.engines)}
+        groups = {0, *(e.het_group for e in self.topology.engines),
+                  *([self.topology.teacher.het_group] if self.topology.teacher else [])}
         return sorted({node for group in groups for node in (self._hostnames(group) or [])})
 
     def _hostnames(self, het_group: int) -> list[str] | None:
@@ -461,9 +495,12 @@ class Driver:
         # imports and the model) while those two come up (issue 11). The tasks run from the first await.
         starts = [asyncio.create_task(self.start_engine(i), name=f"start engine {i}")
                   for i in range(len(self.topology.engines))]
+        if self.topology.teacher is not None:
+            starts.append(asyncio.create_task(self.start_teacher(), name="start the teacher"))
         try:
             await self._start_control_plane(secret)
             urls = await asyncio.gather(*starts)
+            urls = urls[:len(self.topology.engines)]
         except BaseException:  # a failure or a signal: no engine start is left running (shutdown stops the steps)
             for start in starts:
                 start.cancel()
@@ -507,11 +544,17 @@ class Driver:
         return EXIT_REQUEUE if self.controller.loop and self.controller.loop.stopped_for_requeue else EXIT_OK
 
     async def _start_control_plane(self, secret: Secret) -> None:
-        """The router, then the controller (listening), then (not colocated) the trainer step."""
-        self.router = await self._start_router()
-        self.controller = Controller(self.config, secret=secret, router=self.router, router_url=self.router.url,
+        """The router (not in a trainer-only job), then the controller (listening), then (not colocated) the
+        trainer step."""
+        if not self.topology.trainer_only:
+            self.router = await self._start_router()
+        teacher = self.topology.teacher
+        teacher_url = (f"http://{self.launcher.node_address(teacher.het_group, teacher.node_index)}:{self.ports.teacher}"
+                       if teacher is not None else None)
+        self.controller = Controller(self.config, secret=secret, router=self.router,
+                                     router_url=self.router.url if self.router else None,
                                      restart_engine=self.restart_engine, host=self.host, port=self.ports.controller,
-                                     api_key=self.engine_key)
+                                     api_key=self.engine_key, teacher_url=teacher_url)
         self.controller.restarts = self.restarts
         await self.controller.start()
         if not self.local:
@@ -644,6 +687,10 @@ class Driver:
             self.controller.channel.fail(_trainer_failed(
                 f"{describe_trainer_exit(code, self.logs / 'trainer.log', self.trainer_node_names())}; "
                 f"last lines of {self.logs / 'trainer.log'}:\n{log_tail(self.logs / 'trainer.log')}"))
+        if self.teacher_step is not None and self.teacher_step.poll() is not None and not run.done() \
+                and self.controller.channel.failure is None:
+            raise RuntimeError(f"the distillation teacher exited with code {self.teacher_step.poll()}; last lines of "
+                               f"{self.logs / 'teacher.log'}:\n{log_tail(self.logs / 'teacher.log')}")
         for index, task in list(self._engine_failures.items()):
             if task.done():
                 del self._engine_failures[index]
@@ -672,7 +719,8 @@ class Driver:
         began = time.perf_counter()
         if self.trainer_step is not None:
             await asyncio.to_thread(self.trainer_step.stop, 15.0)
-        await asyncio.gather(*(asyncio.to_thread(step.stop, 5.0) for step in self.engine_steps.values()))
+        await asyncio.gather(*(asyncio.to_thread(step.stop, 5.0) for step in
+                               [*self.engine_steps.values(), *([self.teacher_step] if self.teacher_step else [])]))
         if self.router is not None:
             await asyncio.to_thread(self.router.stop)
         if self.controller is not None:

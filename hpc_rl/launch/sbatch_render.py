@@ -93,7 +93,8 @@ def component_cpus_per_task(config: RunConfig, group: HetGroup) -> int | None:
         return slurm.cpus_per_task
     if cluster.device != "cuda":
         return None
-    gpus_per_task = min(cluster.rollout_num_gpus_per_engine, group.gpus_per_node) if group.role == "rollout" else 1
+    gpus_per_task = {"rollout": min(cluster.rollout_num_gpus_per_engine, group.gpus_per_node),
+                     "teacher": cluster.opd_teacher_num_gpus}.get(group.role, 1)
     return slurm.cpus_per_gpu * gpus_per_task
 
 

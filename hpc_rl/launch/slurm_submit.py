@@ -18,7 +18,7 @@ from hpc_rl.config.schema import RunConfig
 from hpc_rl.launch.sbatch_render import engine_cpus_per_task, render_batch_script, submitit_folder, submitit_parameters
 from hpc_rl.launch.slurm_status import JOB_ID_FILE, record_job_id
 from hpc_rl.launch.srun_launcher import srun_argv
-from hpc_rl.launch.step_plan import engine_step, trainer_step
+from hpc_rl.launch.step_plan import engine_step, teacher_step, trainer_step
 from hpc_rl.launch.steps import StepSpec
 from hpc_rl.launch.submitit_het import (
     DEFAULT_DRIVER,
@@ -162,6 +162,9 @@ def planned_steps(config: RunConfig, topology: JobTopology, run_dir: Path) -> li
         steps.append(engine_step(config, topology, placement.engine_index, run_dir=run_dir, env={}, local=False,
                                  host=hosts[0], port=ports.engines[placement.engine_index], node_hosts=hosts,
                                  node_ports=node_ports, dist_init_port=dist_init_port))
+    if topology.teacher is not None:  # on-policy distillation's teacher engine (its own het group)
+        steps.append(teacher_step(config, topology, host=f"<node 0 of het group {topology.teacher.het_group}>",
+                                  port=ports.teacher or topology.teacher.port, run_dir=run_dir, env={}, local=False))
     steps.append(trainer_step(config, run_dir, f"<first trainer node>:{ports.rendezvous}", env={}, local=False))
     return steps
 

@@ -5,6 +5,9 @@ the driver sets (Slurm's GPU plugin overwrites `CUDA_VISIBLE_DEVICES` in a step 
 `ConstrainDevices=yes` a step that asked for none sees none):
 
     trainer step        --gpus-per-node=G on each trainer node; rank LOCAL_RANK uses position LOCAL_RANK
+    distillation teacher  --exact --gpus-per-node=T on its own het group (opd_teacher_num_gpus), the engine
+                        command on the teacher's checkpoint, `--base-gpu-id 0` (no placement report: no weights
+                        are ever sent to it)
     colocated engine    --overlap --gpus-per-node=G: the same G GPUs of its node as the trainer's step
                         (in the same order), and SGLang `--base-gpu-id` = its first GPU's position there
     decoupled engine    --exact --gpus-per-node=T: T GPUs of its own, `--base-gpu-id 0`
@@ -25,6 +28,7 @@ the run dir and the working directory are mounted at their paths. The driver its
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -174,6 +178,32 @@ def engine_step(config: RunConfig, topology: JobTopology, index: int, *, host: s
                     node_index=placement.node_index, num_nodes=placement.num_nodes, tasks_per_node=1,
                     gpus_per_node=engine_gpus_asked(config, topology, placement), overlap=topology.colocate,
                     log_path=run_dir / "logs" / f"engine-{index}.log",
+                    container=None if local else container_spec(config, run_dir))
+
+
+def teacher_engine_config(config: RunConfig) -> RunConfig:
+    """The config an engine command reads, for the distillation teacher: its checkpoint and GPUs, never colocated."""
+    return dataclasses.replace(
+        config, checkpoint=dataclasses.replace(config.checkpoint,
+                                               hf_checkpoint=config.distillation.opd_teacher_hf_checkpoint or ""),
+        cluster=dataclasses.replace(config.cluster, colocate=False,
+                                    rollout_num_gpus_per_engine=config.cluster.opd_teacher_num_gpus))
+
+
+def teacher_step(config: RunConfig, topology: JobTopology, *, host: str, port: int, run_dir: Path,
+                 env: dict[str, str], local: bool) -> StepSpec:
+    """On-policy distillation's teacher engine (topology.teacher): GPUs of its own (locally: after the trainer's
+    and the decoupled engines')."""
+    placement = topology.teacher
+    assert placement is not None
+    taken = topology.trainer_procs_per_node + (0 if topology.colocate else sum(len(e.gpu_ids) for e in topology.engines))
+    base = taken if local else 0
+    return StepSpec(name="teacher", argv=engine_command(teacher_engine_config(config), placement, host, port,
+                                                         base_gpu_id=base, local=local),
+                    env=step_environment(config, env, local=local), het_group=placement.het_group,
+                    node_index=placement.node_index, num_nodes=1, tasks_per_node=1,
+                    gpus_per_node=len(placement.gpu_ids) if asks_slurm_for_gpus(config) else 0, overlap=False,
+                    log_path=run_dir / "logs" / "teacher.log",
                     container=None if local else container_spec(config, run_dir))
 
 

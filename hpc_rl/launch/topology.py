@@ -4,6 +4,9 @@ Owns: the pure arithmetic of placing trainer ranks and SGLang engines on nodes (
 groups; colocated: one group, engines overlapping the trainer's GPUs), the per-process port plan
 (virtual Slurm nodes share one network stack, so every server gets its own port) and the
 weight-update group layout (trainer rank 0 = rank 0, engine i at 1 + sum of earlier engines' TP).
+The training modes' shapes: a trainer-only job (SFT: `debug_train_only`) has one group and no engine; an
+on-policy-distillation teacher started with the job gets a het group of its own (its own GPUs; never in
+the weight-update group, never behind the router).
 No processes, no Slurm calls.
 
 An engine larger than a node spans whole consecutive nodes (SGLang's multi-node serving: `--nnodes N
@@ -70,7 +73,7 @@ class HetGroup:
 
     index: int
     role: str
-    """trainer | rollout | trainer+rollout (colocated)."""
+    """trainer | rollout | trainer+rollout (colocated) | teacher (on-policy distillation's teacher engine)."""
     num_nodes: int
     gpus_per_node: int
     tasks_per_node: int
@@ -93,6 +96,10 @@ class JobTopology:
     controller_port: int
     rendezvous_port: int
     extra: dict[str, int] = field(default_factory=dict)
+    teacher: EnginePlacement | None = None
+    """On-policy distillation's teacher engine, when the job starts it (opd_teacher_hf_checkpoint)."""
+    trainer_only: bool = False
+    """A trainer-only job (SFT, cluster.debug_train_only): no engine, no router."""
 
     def describe(self) -> str:
         """Human-readable summary for `--dry-run` and logs."""
@@ -105,8 +112,9 @@ class JobTopology:
             f"  trainer: {self.trainer_world_size} rank(s) = {self.trainer_nodes} node(s) x "
             f"{self.trainer_procs_per_node}, torchrun rendezvous port {self.rendezvous_port}"
         )
-        lines.append(f"  engines: {len(self.engines)}" + ("" if self.engines or self.colocate else
-                                                          " (external: rollout.rollout_external_engine_addrs)"))
+        note = (" (a trainer-only job: no engines, no router)" if self.trainer_only else
+                "" if self.engines or self.colocate else " (external: rollout.rollout_external_engine_addrs)")
+        lines.append(f"  engines: {len(self.engines)}{note}")
         for engine in self.engines:
             if engine.num_nodes > 1:
                 nodes = (f"nodes {engine.node_index}-{engine.node_index + engine.num_nodes - 1} (SGLang --nnodes "
@@ -117,15 +125,19 @@ class JobTopology:
                 f"    engine {engine.engine_index}: het group {engine.het_group}, {nodes}, port {engine.port}, "
                 f"weight-group rank {engine.weight_group_rank_offset}"
             )
-        if self.colocate:
+        if self.teacher is not None:
+            lines.append(f"  teacher (on-policy distillation): het group {self.teacher.het_group}, GPUs "
+                         f"{list(self.teacher.gpu_ids)}, port {self.teacher.port}; behind the job's engine key")
+        if self.trainer_only:
+            pass  # no engine to send weights to
+        elif self.colocate:
             lines.append("  weights: /update_weights_from_tensor per bucket from each trainer rank to the engine on its "
                          "GPUs (CUDA IPC; no weight-update group; under PP each stage's parameters reach every stage "
                          "over the pipeline groups first); engines run with --enable-memory-saver")
         else:
             lines.append(f"  weight-update (NCCL) world size: {self.weight_update_world_size}")
-        lines.append(
-            f"  ports: controller {self.controller_port}, router {self.router_port} (metrics {self.router_metrics_port})"
-        )
+        router = "" if self.trainer_only else f", router {self.router_port} (metrics {self.router_metrics_port})"
+        lines.append(f"  ports: controller {self.controller_port}{router}")
         return "\n".join(lines)
 
 
@@ -142,14 +154,15 @@ def engine_nodes(engine_tp: int, gpus_per_node: int) -> int:
 
 
 def plan_topology(cluster: ClusterConfig, *, base_port: int = DEFAULT_BASE_PORT) -> JobTopology:
-    """Place trainer ranks and engines; raises ValueError for shapes that cannot be placed."""
+    """Place trainer ranks and engines (and a distillation teacher, `opd_teacher_num_gpus` > 0); raises
+    ValueError for shapes that cannot be placed."""
     engine_tp = cluster.rollout_num_gpus_per_engine
     if engine_tp < 1 or cluster.rollout_num_gpus % engine_tp:
         raise ValueError(
             f"rollout_num_gpus ({cluster.rollout_num_gpus}) must be a positive multiple of "
             f"rollout_num_gpus_per_engine ({engine_tp})"
         )
-    num_engines = cluster.rollout_num_gpus // engine_tp
+    num_engines = 0 if cluster.debug_train_only else cluster.rollout_num_gpus // engine_tp
     gpus_per_node = cluster.actor_num_gpus_per_node if cluster.colocate else cluster.num_gpus_per_node
     nodes_per_engine = engine_nodes(engine_tp, gpus_per_node)
     trainer_world = cluster.trainer_world_size
@@ -172,9 +185,14 @@ def plan_topology(cluster: ClusterConfig, *, base_port: int = DEFAULT_BASE_PORT)
             ))
         return placed
 
-    if cluster.colocate:
-        engines = place(max(1, cluster.actor_num_gpus_per_node // engine_tp), het_group=0)
+    if cluster.debug_train_only:  # SFT: the trainer alone
+        engines: list[EnginePlacement] = []
         groups: tuple[HetGroup, ...] = (HetGroup(
+            index=0, role="trainer", num_nodes=cluster.actor_num_nodes,
+            gpus_per_node=cluster.actor_num_gpus_per_node, tasks_per_node=cluster.actor_num_gpus_per_node),)
+    elif cluster.colocate:
+        engines = place(max(1, cluster.actor_num_gpus_per_node // engine_tp), het_group=0)
+        groups = (HetGroup(
             index=0, role="trainer+rollout", num_nodes=cluster.actor_num_nodes,
             gpus_per_node=cluster.actor_num_gpus_per_node, tasks_per_node=cluster.actor_num_gpus_per_node,
         ),)
@@ -188,9 +206,21 @@ def plan_topology(cluster: ClusterConfig, *, base_port: int = DEFAULT_BASE_PORT)
             HetGroup(index=1, role="rollout", num_nodes=rollout_nodes,
                      gpus_per_node=min(gpus_per_node, cluster.rollout_num_gpus), tasks_per_node=engines_per_node),
         )
+    teacher, teacher_gpus = None, cluster.opd_teacher_num_gpus
+    if teacher_gpus > 0:
+        if teacher_gpus > cluster.num_gpus_per_node:
+            raise ValueError(f"a teacher engine of {teacher_gpus} GPUs does not fit on a node of "
+                             f"{cluster.num_gpus_per_node}")
+        teacher = EnginePlacement(engine_index=-1, het_group=len(groups), node_index=0,
+                                  gpu_ids=tuple(range(teacher_gpus)), port=engine_port + PORTS_PER_ENGINE * num_engines,
+                                  weight_group_rank_offset=-1)
+        groups = (*groups, HetGroup(index=len(groups), role="teacher", num_nodes=1, gpus_per_node=teacher_gpus,
+                                    tasks_per_node=1))
     return JobTopology(
         groups=groups,
         engines=tuple(engines),
+        teacher=teacher,
+        trainer_only=cluster.debug_train_only,
         trainer_world_size=trainer_world,
         trainer_nodes=cluster.actor_num_nodes,
         trainer_procs_per_node=cluster.actor_num_gpus_per_node,
@@ -209,4 +239,8 @@ def plan_run_topology(config: RunConfig) -> JobTopology:
     topology = plan_topology(config.cluster)
     if not config.rollout.rollout_external_engine_addrs:
         return topology
-    return dataclasses.replace(topology, engines=(), groups=topology.groups[:1], weight_update_world_size=0)
+    groups, teacher = topology.groups[:1], topology.teacher
+    if teacher is not None:  # the distillation teacher keeps a het group of its own, now the second
+        teacher = dataclasses.replace(teacher, het_group=1)
+        groups = (*groups, dataclasses.replace(topology.groups[-1], index=1))
+    return dataclasses.replace(topology, engines=(), groups=groups, teacher=teacher, weight_update_world_size=0)
