@@ -144,10 +144,13 @@ def engine_command(config: RunConfig, placement: EnginePlacement, host: str, por
     options = sglang_device_options(config.cluster.device, options)
     options.setdefault("dtype", dtype)  # validation refuses another one
     python = None if in_container(config, local=local) else os.environ.get(SGLANG_PYTHON_ENV)
+    # On device cpu SGLang reads its gpu id as a NUMA node (OpenMP thread binding; 0.5.23 exits with "NUMA index
+    # 1 ... is out of range for 1 numa nodes" for the second GPU position): no --base-gpu-id there.
+    sglang_base_gpu_id = None if config.cluster.device == "cpu" else base_gpu_id
     spec = SglangLaunchSpec(hf_checkpoint=config.checkpoint.hf_checkpoint, host=host, port=port,
                             rollout_num_gpus_per_engine=tp_size, api_key_file=str(sglang_api_key_path(config)),
                             sglang_options=options, python=python or step_python(config, local=local),
-                            colocated=config.cluster.colocate, base_gpu_id=base_gpu_id)
+                            colocated=config.cluster.colocate, base_gpu_id=sglang_base_gpu_id)
     return build_sglang_command(spec) + spanning
 
 

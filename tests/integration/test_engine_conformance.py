@@ -195,6 +195,112 @@ def test_abort_returns_partial_output_with_sglangs_reason(engine):
     assert len(chunks[-1]["output_ids"]) < budget
 
 
+SGLANG_META_FIELDS = {"id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens",
+                      "completion_tokens", "cached_tokens", "weight_versions", "cached_tokens_details", "dp_rank",
+                      "e2e_latency", "response_sent_to_client_ts"}
+"""SGLang 0.5.23's meta_info keys (measured); with return_logprob also its three logprob fields."""
+
+
+def test_meta_info_has_sglangs_fields_and_input_logprobs_start_with_null(engine, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    plain = generate(engine, {"input_ids": [19, 20, 21, 22], "sampling_params": greedy(2)}).json()["meta_info"]
+    assert set(plain) == SGLANG_META_FIELDS
+    assert plain["num_retractions"] == 0 and plain["reasoning_tokens"] == 0 and plain["dp_rank"] is None
+    body = {"input_ids": [19, 20, 21, 22], "return_logprob": True, "logprob_start_len": 2, "sampling_params": greedy(2)}
+    meta = generate(engine, body).json()["meta_info"]
+    assert set(meta) == SGLANG_META_FIELDS | {"input_token_logprobs", "output_token_logprobs",
+                                              "output_token_logprobs_length"}
+    assert meta["output_token_logprobs_length"] == 2
+    # the entry at logprob_start_len has no logprob (null), even though the prompt has tokens before it
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([[19, 20, 21, 22]])).logits[0], -1)
+    (first, first_id, _), (second, second_id, _) = meta["input_token_logprobs"]
+    assert first is None and first_id == 21 and second_id == 22
+    assert abs(second - float(logprobs[2, 22])) < 1e-4
+
+
+def test_n_parallel_samples_answer_a_list_with_fresh_rids(engine):
+    answers = generate(engine, {"input_ids": [9, 15], "rid": "n-two",
+                                "sampling_params": {"max_new_tokens": 3, "n": 2, "ignore_eos": True}}).json()
+    assert isinstance(answers, list) and len(answers) == 2
+    ids = [answer["meta_info"]["id"] for answer in answers]
+    assert len(set(ids)) == 2 and not any(rid.startswith("n-two") for rid in ids)  # the body's rid is not used
+    assert all(answer["meta_info"]["prompt_tokens"] == 2 and len(answer["output_ids"]) == 3 for answer in answers)
+    mixed = generate(engine, {"input_ids": [[9], [10]], "sampling_params": [{"n": 2}, {"n": 1}]})
+    assert mixed.status_code == 400
+    assert mixed.json() == {"error": {"message": "The parallel_sample_num should be the same for all samples in "
+                                                 "sample params."}}
+
+
+@pytest.mark.parametrize("params, body", [
+    ({"temperature": -1}, {"error": {"message": "temperature must be a non-negative finite number, got -1."}}),
+    ({"top_p": 0}, {"error": {"message": "top_p must be in (0, 1], got 0."}}),
+    ({"max_new_tokens": -1}, {"error": {"message": "max_new_tokens must be at least 0, got -1."}}),
+    ({"max_new_tokens": 2, "min_new_tokens": 3},
+     {"error": {"message": "min_new_tokens must be in [0, max_new_tokens(2)], got 3."}}),
+])
+def test_bad_sampling_values_get_sglangs_400_bodies(engine, params, body):
+    answer = generate(engine, {"input_ids": [9], "sampling_params": params})
+    assert answer.status_code == 400 and answer.json() == body
+
+
+def test_unknown_sampling_key_gets_sglangs_schema_error(engine):
+    answer = generate(engine, {"input_ids": [9], "sampling_params": {"max_new_tokens": 2, "nope": 1}})
+    assert answer.status_code == 400
+    assert answer.json()["error"].startswith("unknown field `nope`, expected one of `max_new_tokens`, `stop`, ")
+
+
+def test_pause_retract_is_counted_in_num_retractions(engine):
+    body = {"rid": "retracted", "input_ids": [9, 15], "stream": True, "sampling_params": greedy(60, ignore_eos=True)}
+    with requests.post(f"{engine.url}/generate", json=body, stream=True, timeout=120) as response:
+        events = response.iter_lines()
+        first = next(line for line in events if line)  # running: its first token is back
+        assert requests.post(f"{engine.url}/pause_generation", json={"mode": "retract"}, timeout=30).status_code == 200
+        assert requests.post(f"{engine.url}/continue_generation", json={}, timeout=30).status_code == 200
+        rest = [line for line in events if line and line != b"data: [DONE]"]
+    final = orjson.loads((rest or [first])[-1][len(b"data: "):])
+    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
+    assert final["meta_info"]["num_retractions"] >= 1
+
+
+def test_info_admin_and_session_bodies(engine):
+    url = engine.url
+    info = requests.get(f"{url}/model_info", timeout=30).json()
+    assert {"served_model_name", "load_format", "reasoning_parser", "tool_call_parser", "disaggregation_mode",
+            "weight_version", "architectures", "model_type"} <= set(info)
+    launched = requests.get(f"{url}/server_info", timeout=30).json()["weight_version"]
+    updated = requests.post(f"{url}/update_weight_version", json={"new_version": "conf-7"}, timeout=30)
+    assert updated.status_code == 200
+    assert updated.json() == {"success": True, "message": "Weight version updated to conf-7", "new_version": "conf-7"}
+    assert requests.get(f"{url}/model_info", timeout=30).json()["weight_version"] == "conf-7"
+    assert requests.get(f"{url}/server_info", timeout=30).json()["weight_version"] == launched  # the launch value
+    missing = requests.post(f"{url}/update_weight_version", json={}, timeout=30)
+    assert missing.status_code == 400 and missing.json()["object"] == "error"
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        answer = requests.post(f"{url}{path}", json={"tags": ["kv_cache"]}, timeout=60)
+        assert answer.status_code == 200 and answer.json() is None
+    assert generate(engine, {"input_ids": [9], "sampling_params": greedy(1)}).status_code == 200
+    flushed = requests.post(f"{url}/flush_cache", timeout=30)
+    assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.\nPlease check backend logs")
+    for path, message in [
+        ("/end_weight_update", "no weight-update session is open; call begin_weight_update() first"),
+        ("/update_weights_from_distributed",
+         "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"),
+        ("/destroy_weights_update_group", "The group to be destroyed does not exist."),
+    ]:
+        body = {"group_name": "no-such-group"} if "destroy" in path else {"names": [], "dtypes": [], "shapes": []}
+        answer = requests.post(f"{url}{path}", json=body, timeout=30)
+        assert answer.status_code == 400 and answer.json() == {"success": False, "message": message}
+    assert requests.post(f"{url}/begin_weight_update", json={}, timeout=30).status_code == 200
+    twice = requests.post(f"{url}/begin_weight_update", json={}, timeout=30)
+    assert twice.json() == {"success": False, "message": "a weight-update session is already open; call "
+                                                         "end_weight_update() first"}
+    assert requests.post(f"{url}/end_weight_update", json={}, timeout=30).status_code == 200
+
+
 def test_an_out_of_vocabulary_id_ends_the_engine_process(engine):
     """Last: SGLang's process exits on it; the CPU engine's must too (never /health 200 with a dead scheduler)."""
     try:

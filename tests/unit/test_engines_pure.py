@@ -74,10 +74,13 @@ def test_sampling_params_validation():
     params = parse_sampling_params({"max_new_tokens": 4, "temperature": 0, "stop": "x", "n": 1,
                                     "skip_special_tokens": False, "frequency_penalty": 0.0})
     assert params.greedy and params.stop == ["x"] and params.max_new_tokens == 4
-    with pytest.raises(ValueError, match="unknown sampling_params key"):
+    with pytest.raises(ValueError, match=r"^unknown field `temprature`, expected one of `max_new_tokens`, `stop`"):
         parse_sampling_params({"temprature": 1.0})
-    with pytest.raises(ValueError, match="top_p"):
+    with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\], got 0\.$"):  # SGLang's words and value
         parse_sampling_params({"top_p": 0})
+    with pytest.raises(ValueError, match=r"^min_new_tokens must be in \[0, max_new_tokens\(2\)\], got 3\.$"):
+        parse_sampling_params({"max_new_tokens": 2, "min_new_tokens": 3})
+    assert parse_sampling_params({"n": 3, "stop_regex": None, "beam_width": None}).n == 3
     with pytest.raises(ValueError, match="not supported"):
         parse_sampling_params({"repetition_penalty": 1.2})
 

@@ -139,3 +139,18 @@ def test_torchrun_is_given_the_slurm_node_name_to_order_nodes_by() -> None:
     assert with_node_name(argv, {"SLURMD_NODENAME": "ghost"}, resolves=resolves) == argv
     local = ["--local-addr=127.0.0.1", *argv]
     assert with_node_name(local, {"SLURMD_NODENAME": "node10"}, resolves=resolves) == local
+
+
+def test_real_sglang_on_cpu_gets_no_base_gpu_id_which_it_reads_as_a_numa_node(tmp_path: Path) -> None:
+    """SGLang 0.5.23 on device cpu binds OpenMP threads to NUMA node `gpu_id` and exits when it is out of range
+    (measured: the local decoupled engine after one trainer rank got --base-gpu-id 1 on a 1-node machine)."""
+    config = load_config([REPO / "configs" / "tiny_cpu.yaml"], ["--set", "rollout.engine=sglang"])
+    topology = plan_topology(config.cluster)
+    step = engine_step(config, topology, 0, host="h", port=1, run_dir=tmp_path, env={}, local=True)
+    check, sglang = step.argv[:step.argv.index("--")], step.argv[step.argv.index("--"):]
+    assert check[check.index("--base-gpu-id") + 1] == "1"  # hpc_rl's own placement check keeps the position
+    assert "sglang.launch_server" in sglang and "--base-gpu-id" not in sglang
+    cuda = config_of("--rollout-num-gpus", "2", "--set", "cluster.device=cuda", "--set", "rollout.engine=sglang")
+    gpu_step = engine_step(cuda, plan_topology(cuda.cluster), 1, host="h", port=1, run_dir=tmp_path, env={}, local=True)
+    gpu_argv = gpu_step.argv[gpu_step.argv.index("--"):]
+    assert gpu_argv[gpu_argv.index("--base-gpu-id") + 1] == "2"

@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     info = ServerInfo(model_path=args.model_path, host=args.host, port=args.port, api_key=api_key,
                       max_running_requests=args.max_running_requests, context_length=context_length,
                       architectures=list(model.config.architectures or []), model_type=model.config.model_type,
-                      dtype=str(model_dtype(args.dtype)).removeprefix("torch."), base_gpu_id=args.base_gpu_id)
+                      dtype=str(model_dtype(args.dtype)).removeprefix("torch."), base_gpu_id=args.base_gpu_id,
+                      weight_version=args.weight_version)
     scheduler.start()
     app = EngineServer(scheduler, info, nodes=nodes).build_app()
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=1.0)

@@ -19,6 +19,11 @@ SGLang behaviour reproduced here (srt/managers/io_struct.py, tokenizer_manager.p
   text (kept in `output_ids`), a matched stop string cut off (both unless `no_stop_trim`).
 - `weight_versions` spans; with no output token `[{"version": v, "start": 0, "end": 0}]`.
 - `cached_tokens` is always 0: the CPU engine has no prefix (radix) cache, every prompt is prefilled.
+- `meta_info` carries SGLang's other fields (`num_retractions` counted, `reasoning_tokens` 0, `dp_rank` and
+  `cached_tokens_details` null, `output_token_logprobs_length`, `response_sent_to_client_ts`); the first
+  `input_token_logprobs` entry is `null` at any `logprob_start_len`, as SGLang's.
+- `sampling_params.n` > 1: each prompt n times in a row, each item a fresh random rid (SGLang ignores the
+  body's rid then); a different `n` per item is a 400. Sampling-param errors are SGLang's bodies and texts.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +39,8 @@ from typing import Any
 import torch
 
 from hpc_rl.engines.http_api import RequestError, per_item, request_ids
-from hpc_rl.engines.cpu.sampling import SamplingParams, make_generator, parse_sampling_params
+from hpc_rl.engines.cpu.sampling import (SamplingParams, UnknownSamplingKey, UnsupportedSamplingValue, make_generator,
+                                         parse_sampling_params)
 
 DETOKENIZE_CONTEXT_TOKENS = 5
 """SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens decoded before the output."""
@@ -59,6 +66,8 @@ class GenerationRequest:
     input_logprobs: list[float | None] | None = None
     weight_versions: list[dict] = field(default_factory=list)
     finish_reason: dict | None = None
+    num_retractions: int = 0
+    """Times a pause (retract) sent it back to the queue (SGLang's meta_info field)."""
 
     def append(self, token: int, logprob: float, weight_version: str) -> None:
         """Record one generated token and the weight version that produced it."""
@@ -133,6 +142,28 @@ def capped_max_new_tokens(input_len: int, max_new_tokens: int, context_length: i
     return max(0, min(max_new_tokens, max_request_len(context_length) - input_len - 1))
 
 
+def _parsed_sampling_params(raw: Any) -> SamplingParams:
+    """One item's sampling params; SGLang's 400 bodies: its schema error for an unknown key, its ValueError
+    (`{"error": {"message"}}`) for a bad value."""
+    if not isinstance(raw, dict):
+        raise RequestError("sampling_params must be an object (or a list of objects for a batch)")
+    try:
+        return parse_sampling_params(raw)
+    except (UnknownSamplingKey, UnsupportedSamplingValue) as error:
+        raise RequestError(str(error)) from None
+    except ValueError as error:
+        raise RequestError(str(error), semantic=True) from None
+
+
+def parallel_samples(raw_params: list[Any]) -> int:
+    """SGLang's parallel_sample_num: sampling_params `n`, the same for every item of a batch."""
+    counts = {int(raw.get("n") or 1) if isinstance(raw, dict) else 1 for raw in raw_params}
+    if len(counts) > 1:
+        raise RequestError("The parallel_sample_num should be the same for all samples in sample params.",
+                           semantic=True)
+    return max(1, counts.pop())
+
+
 def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedGenerate:
     """Validate a `/generate` body (single or batched) as SGLang does; RequestError on misuse."""
     if not isinstance(body, dict):
@@ -143,17 +174,17 @@ def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedG
     raw_params = per_item(body, "sampling_params", count, {})
     return_logprob = per_item(body, "return_logprob", count, False)
     start_lens = per_item(body, "logprob_start_len", count, -1)
+    samples = parallel_samples(raw_params)
+    if samples > 1:  # SGLang: each prompt n times in a row, every item a fresh rid (the body's rid is not used)
+        prompts, raw_params, return_logprob, start_lens = (
+            [item for item in items for _ in range(samples)] for items in (prompts, raw_params, return_logprob, start_lens))
+        rids, batched = [uuid.uuid4().hex for _ in prompts], True
     requests = []
     parsed: dict[int, SamplingParams] = {}  # a batch usually shares one sampling_params object: parse it once
     for index, prompt in enumerate(prompts):
         raw = raw_params[index]
-        if not isinstance(raw, dict):
-            raise RequestError("sampling_params must be an object (or a list of objects for a batch)")
         if id(raw) not in parsed:
-            try:
-                parsed[id(raw)] = parse_sampling_params(raw)
-            except ValueError as error:
-                raise RequestError(str(error)) from None
+            parsed[id(raw)] = _parsed_sampling_params(raw)
         check_context(prompt, raw.get("max_new_tokens"), context_length)
         params = dataclasses.replace(parsed[id(raw)])
         params.max_new_tokens = capped_max_new_tokens(len(prompt), params.max_new_tokens, context_length)
@@ -222,20 +253,27 @@ def render_response(request: GenerationRequest, *, tokenizer, weight_version: st
         "id": request.rid,
         "finish_reason": request.finish_reason,
         "prompt_tokens": len(request.input_ids),
+        "weight_version": spans[-1]["version"],
+        "num_retractions": request.num_retractions,
+        "reasoning_tokens": 0,
         "completion_tokens": len(request.output_ids),
         "cached_tokens": 0,
-        "weight_version": spans[-1]["version"],
         "weight_versions": spans,
+        "cached_tokens_details": None,  # SGLang's, with no cached token
+        "dp_rank": None,
         "e2e_latency": time.perf_counter() - request.created,
+        "response_sent_to_client_ts": time.time(),
     }
     if request.return_logprob:
         meta["output_token_logprobs"] = [
             [logprob, token, None] for logprob, token in zip(request.output_logprobs, request.output_ids)
         ]
+        meta["output_token_logprobs_length"] = len(request.output_ids)
         start = max(request.logprob_start_len, 0)
         if request.logprob_start_len >= 0 and request.input_logprobs is not None:
+            # SGLang's first entry has no logprob at any logprob_start_len (not only at the prompt's first token)
             meta["input_token_logprobs"] = [
-                [request.input_logprobs[i], request.input_ids[i], None]
+                [None if i == start else request.input_logprobs[i], request.input_ids[i], None]
                 for i in range(start, len(request.input_ids))
             ]
         else:

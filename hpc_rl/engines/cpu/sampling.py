@@ -12,6 +12,7 @@ At temperature 1 (the RL default) both equal a plain forward pass of the model.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -30,8 +31,27 @@ _NEUTRAL_KEYS: dict[str, object] = {
     "structural_tag": None,
     "logit_bias": None,
     "custom_params": None,
+    "stop_regex": None,
+    "beam_width": None,
+    "watermark": None,
+    "choice": None,
 }
 _IGNORED_KEYS = {"spaces_between_special_tokens", "stream_interval", "skip_special_tokens", "no_stop_trim"}
+SGLANG_SAMPLING_KEYS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
+    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+)
+"""SGLang 0.5.23's sampling_params fields, in the order its schema error lists them."""
+
+
+class UnknownSamplingKey(ValueError):
+    """A sampling_params key SGLang does not know: its schema error (`{"error": "..."}`), not a value error."""
+
+
+class UnsupportedSamplingValue(ValueError):
+    """A value SGLang serves and the CPU engine does not (a constraint, a penalty, a watermark)."""
 
 
 def return_original_logprob() -> bool:
@@ -55,6 +75,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    n: int = 1
+    """Parallel samples of the prompt (SGLang's `n`: the request becomes n items, each its own request)."""
 
     @property
     def greedy(self) -> bool:
@@ -62,18 +84,21 @@ class SamplingParams:
 
 
 def parse_sampling_params(raw: dict | None) -> SamplingParams:
-    """Validate a request's `sampling_params`; ValueError (-> HTTP 400) names the bad key."""
+    """Validate a request's `sampling_params` as SGLang 0.5.23 does, with its messages: an unknown key is
+    UnknownSamplingKey, a value SGLang refuses a ValueError (-> HTTP 400 either way)."""
     raw = dict(raw or {})
     params = SamplingParams()
     for key, value in raw.items():
+        if key not in SGLANG_SAMPLING_KEYS:
+            expected = ", ".join(f"`{name}`" for name in SGLANG_SAMPLING_KEYS)
+            raise UnknownSamplingKey(f"unknown field `{key}`, expected one of {expected}")
         if value is None and key not in ("stop", "stop_token_ids"):
             continue
         if key in _NEUTRAL_KEYS:
             if value != _NEUTRAL_KEYS[key]:
-                raise ValueError(f"sampling_params.{key}={value!r} is not supported by the CPU engine")
+                raise UnsupportedSamplingValue(f"sampling_params.{key}={value!r} is not supported by the CPU engine")
         elif key == "n":
-            if value != 1:
-                raise ValueError("sampling_params.n > 1 is not supported: send one request per sample")
+            params.n = max(1, int(value))  # SGLang expands only n > 1
         elif key in ("max_new_tokens", "min_new_tokens", "top_k"):
             setattr(params, key, int(value))
         elif key in ("temperature", "top_p", "min_p"):
@@ -86,21 +111,30 @@ def parse_sampling_params(raw: dict | None) -> SamplingParams:
             setattr(params, key, bool(value))
         elif key == "sampling_seed":
             params.sampling_seed = int(value)
-        elif key in _IGNORED_KEYS:
-            continue
-        else:
-            raise ValueError(f"unknown sampling_params key {key!r}")
-    if params.max_new_tokens < 0:
-        raise ValueError("sampling_params.max_new_tokens must be >= 0")
-    if params.temperature < 0:
-        raise ValueError("sampling_params.temperature must be >= 0")
-    if not 0 < params.top_p <= 1:
-        raise ValueError("sampling_params.top_p must be in (0, 1]")
-    if params.top_k == 0 or params.top_k < -1:
-        raise ValueError("sampling_params.top_k must be -1 (off) or >= 1")
-    if not 0 <= params.min_p <= 1:
-        raise ValueError("sampling_params.min_p must be in [0, 1]")
+    _check_values(params, raw)
     return params
+
+
+def _check_values(params: SamplingParams, raw: dict) -> None:
+    """SGLang's SamplingParams.verify, in its order and words (`got` shows the value as sent)."""
+    def got(key: str) -> object:
+        return raw.get(key, getattr(params, key))
+
+    if not math.isfinite(params.temperature) or params.temperature < 0:
+        raise ValueError(f"temperature must be a non-negative finite number, got {got('temperature')}.")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {got('top_p')}.")
+    if not 0 <= params.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {got('min_p')}.")
+    if params.top_k == 0 or params.top_k < -1:
+        raise ValueError(f"top_k must be -1 (disable) or at least 1, got {got('top_k')}.")
+    if params.min_new_tokens < 0:
+        raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {got('min_new_tokens')}.")
+    if params.max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be at least 0, got {got('max_new_tokens')}.")
+    if params.min_new_tokens > params.max_new_tokens:
+        raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({got('max_new_tokens')})], got "
+                         f"{got('min_new_tokens')}.")
 
 
 def sample_next_tokens(

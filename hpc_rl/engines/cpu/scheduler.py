@@ -152,6 +152,8 @@ class Scheduler:
         if mode == "abort":
             self.abort(None, abort_all=True)
         elif mode in ("retract", "in_place"):
+            for request in self._running:
+                request.num_retractions += 1
             self._waiting.extendleft(reversed(self._running))
             self._running = []
             self._batch = None

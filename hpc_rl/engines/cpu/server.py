@@ -47,6 +47,9 @@ from hpc_rl.engines.http_api import validation_error as _validation_error
 log = logging.getLogger(__name__)
 
 CPU_ENGINE_VERSION = "0.5.23+hpc_rl.cpu"
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
+           "the operation will not be performed.)\n")
+"""SGLang 0.5.23's /flush_cache answer (200, plain text)."""
 ALL_MEMORY_TAGS = ["weights", "kv_cache", "cuda_graph"]
 
 
@@ -64,6 +67,8 @@ class ServerInfo:
     model_type: str = ""
     dtype: str = "float32"
     base_gpu_id: int = 0
+    weight_version: str = "default"
+    """The launch value (`--weight-version`), what SGLang's /server_info reports."""
 
 
 class EngineServer:
@@ -121,12 +126,13 @@ class EngineServer:
     async def _on_scheduler(self, function) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(function))
 
-    async def _control(self, function, message: str = "Success") -> web.Response:
+    async def _control(self, function) -> web.Response:
+        """A memory call: SGLang 0.5.23 answers 200 with a JSON `null` body (the CPU engine's refusals: 400)."""
         try:
             await self._on_scheduler(function)
         except EngineStateError as error:
             return _fail(str(error))
-        return _ok(message)
+        return json_response(None)
 
     # ---- info ----------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -140,7 +146,9 @@ class EngineServer:
             "max_running_requests": info.max_running_requests, "context_length": info.context_length,
             "device": "cpu", "dtype": info.dtype, "base_gpu_id": info.base_gpu_id, "skip_tokenizer_init": False,
             "version": CPU_ENGINE_VERSION,
-            "engine": "hpc_rl.engines.cpu", "weight_version": self.scheduler.weight_version,
+            # SGLang's /server_info reports the launch value (its server arg) even after updates: /model_info
+            # has the live one, so the twin gives no live value here that real SGLang would not
+            "weight_version": info.weight_version,
             "internal_states": [{"num_running_reqs": self.scheduler.num_running,
                                  "num_waiting_reqs": self.scheduler.num_waiting}],
         })
@@ -151,7 +159,8 @@ class EngineServer:
             "is_generation": True, "preferred_sampling_params": None,
             "weight_version": self.scheduler.weight_version, "has_image_understanding": False,
             "has_audio_understanding": False, "model_type": self.info.model_type,
-            "architectures": self.info.architectures,
+            "architectures": self.info.architectures, "served_model_name": self.info.model_path,
+            "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
         })
 
     # ---- generation ----------------------------------------------------------------------------
@@ -264,7 +273,7 @@ class EngineServer:
             await self._on_scheduler(self.scheduler.flush_cache)
         except EngineStateError as error:
             return web.Response(status=400, text=str(error))
-        return web.Response(status=200, text="Cache flushed.")
+        return web.Response(status=200, text=FLUSHED)
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         tags = list((await _json_body(request)).get("tags") or ALL_MEMORY_TAGS)
@@ -305,26 +314,26 @@ class EngineServer:
         name = (await _json_body(request)).get("group_name", "weight_update_group")
         try:
             await asyncio.to_thread(self.groups.destroy, name)
-        except KeyError as error:
-            return _fail(str(error))
+        except KeyError:
+            return _fail("The group to be destroyed does not exist.")
         return _ok("Succeeded to destroy custom process group.")
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         if self.in_weight_update:
-            return _fail("a weight update session is already open: call /end_weight_update first")
+            return _fail("a weight-update session is already open; call end_weight_update() first")
         self.in_weight_update = True
         return _ok()
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         if not self.in_weight_update:
-            return _fail("no weight update session is open: call /begin_weight_update first")
+            return _fail("no weight-update session is open; call begin_weight_update() first")
         self.in_weight_update = False
         return _ok()
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         if not self.in_weight_update:
-            return _fail("update_weights_from_distributed outside a session: call /begin_weight_update first")
+            return _fail("update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")
         names, dtypes, shapes = body.get("names", []), body.get("dtypes", []), body.get("shapes", [])
         group_name = body.get("group_name", "weight_update_group")
         version = body.get("weight_version")
@@ -399,7 +408,7 @@ class EngineServer:
         body = await _json_body(request)
         version = body.get("new_version")
         if version is None:
-            return _fail("new_version is required")
+            return _validation_error("1 validation error for UpdateWeightVersionReqInput\nnew_version\n  Field required")
 
         def work() -> None:
             if body.get("abort_all_requests", True):
@@ -407,7 +416,7 @@ class EngineServer:
             self.scheduler.weight_version = str(version)
 
         await self._on_scheduler(work)
-        return _ok(f"Weight version updated to {version}")
+        return json_response({"success": True, "message": f"Weight version updated to {version}", "new_version": version})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = dict(request.query) if request.method == "GET" else await _json_body(request)
