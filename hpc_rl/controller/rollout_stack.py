@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_rl.config import plugin_args
+from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import RolloutConfig, RunConfig
 from hpc_rl.controller.checkpoints import Checkpoints
 from hpc_rl.controller.engine_fleet import EngineFleet
@@ -33,6 +34,7 @@ from hpc_rl.rewards.scoring import REMOTE_RM, split_boxed_prefix
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
 from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
+from hpc_rl.rollout.routed_experts import RoutingShape
 from hpc_rl.rollout.scheduler import RewardFn
 from hpc_rl.telemetry.recorder import RunRecorder
 from hpc_rl.telemetry.scalars import ScalarLog
@@ -46,6 +48,14 @@ def num_rollouts(rollout: RolloutConfig, dataset_size: int) -> int:
         return rollout.num_rollout
     epochs = rollout.num_epoch or 1
     return max(1, epochs * dataset_size // rollout.rollout_batch_size)
+
+
+def rollout_routing_shape(config: RunConfig) -> RoutingShape | None:
+    """With `training.use_rollout_routing_replay`: the routed experts the engines return (every layer's top-k)."""
+    if not config.training.use_rollout_routing_replay:
+        return None
+    arch = config.model_args or ModelArchitecture.from_yaml(config.model)
+    return RoutingShape(num_layers=arch.num_layers, topk=arch.moe_router_topk)
 
 
 @dataclass
@@ -108,7 +118,7 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
         return await reward_group(spec, samples)
 
     scheduler = RolloutScheduler.from_config(rollout, args=args, client=client, source=source, encoder=encoder,
-                                             reward_fn=reward_fn)
+                                             reward_fn=reward_fn, routed_experts=rollout_routing_shape(config))
     num_rollout = num_rollouts(rollout, len(dataset))
     tensorboard_dir = config.logging.tensorboard_dir or str(Path(config.run_dir) / "tensorboard")
     recorder = RunRecorder(config.run_dir, ScalarLog.for_controller(tensorboard_dir, config, run_dir=config.run_dir),

@@ -34,6 +34,9 @@ RESERVED_OPTIONS = frozenset(
     {"model_path", "tp_size", "tensor_parallel_size", "host", "port", "api_key", "config"}
 )
 
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+"""SGLang's (and the CPU engine's) flag for returning each token's routed experts."""
+
 SGLANG_ON_CPU_OPTIONS: dict[str, Any] = {
     # Real SGLang 0.5.23 on a CPU node (measured: tools/install_sglang_cpu.sh, tests -m sglang_cpu).
     "device": "cpu",
@@ -77,6 +80,8 @@ class SglangLaunchSpec:
     """Interpreter that has the `sglang` package."""
     colocated: bool = False
     """Engine on the trainer's GPUs: `--enable-memory-saver`, so releasing memory really frees it."""
+    return_routed_experts: bool = False
+    """`--enable-return-routed-experts`: answers carry each token's routed experts (rollout routing replay)."""
 
     def __post_init__(self) -> None:
         if self.rollout_num_gpus_per_engine < 1:
@@ -133,6 +138,8 @@ def build_sglang_command(spec: SglangLaunchSpec) -> list[str]:
         command += render_option(key, spec.sglang_options[key])
     if spec.colocated and "--enable-memory-saver" not in command:
         command.append("--enable-memory-saver")
+    if spec.return_routed_experts and ROUTED_EXPERTS_FLAG not in command:
+        command.append(ROUTED_EXPERTS_FLAG)
     return command
 
 

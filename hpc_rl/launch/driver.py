@@ -57,6 +57,7 @@ from hpc_rl.engines.child_process import free_port, log_tail, planned_port
 from hpc_rl.engines.engine_process import cpu_engine_command
 from hpc_rl.engines.router import RouterProcess
 from hpc_rl.engines.sglang_launch import (
+    ROUTED_EXPERTS_FLAG,
     SGLANG_ON_CPU_ENV,
     SGLANG_PYTHON_ENV,
     SglangLaunchSpec,
@@ -171,13 +172,15 @@ def engine_command(config: RunConfig, placement: EnginePlacement, host: str, por
     if engine_kind(config.rollout.engine, config.cluster.device) == "cpu":
         return cpu_engine_command(config.checkpoint.hf_checkpoint, host=host, port=port,
                                   max_running_requests=config.sglang.server_concurrency, weight_version="0",
-                                  extra_args=["--enable-memory-saver"] if config.cluster.colocate else [])
+                                  extra_args=(["--enable-memory-saver"] if config.cluster.colocate else [])
+                                  + ([ROUTED_EXPERTS_FLAG] if config.training.use_rollout_routing_replay else []))
     spec = SglangLaunchSpec(hf_checkpoint=config.checkpoint.hf_checkpoint, host=host, port=port,
                             rollout_num_gpus_per_engine=config.cluster.rollout_num_gpus_per_engine,
                             api_key_file=str(sglang_api_key_path(config)),
                             sglang_options=sglang_device_options(config.cluster.device, config.sglang.server_options()),
                             python=os.environ.get(SGLANG_PYTHON_ENV) or sys.executable,
-                            colocated=config.cluster.colocate)
+                            colocated=config.cluster.colocate,
+                            return_routed_experts=config.training.use_rollout_routing_replay)
     return build_sglang_command(spec)
 
 

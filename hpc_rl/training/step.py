@@ -19,12 +19,15 @@ the training pass uses, so with ref == actor weights the KL term is exactly 0. O
 from the training pass itself (detached) when there is one optimizer step per rollout and no KL
 reward shaping (`old_logprobs_need_own_pass`), else from their own pass before the first update on
 the same micro-batches: either way logp_old == logp bit for bit on the first step (ppo_kl == 0).
+
+A MoE actor's routers replay or record in these passes and report their health per step (`moe_routing`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from types import SimpleNamespace
 from typing import Any
 
@@ -45,7 +48,8 @@ from hpc_rl.training.losses import (
 from hpc_rl.training.micro_batches import MicroBatch, build_microbatch, choose_qkv_format
 from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
 from hpc_rl.training.parallel import ParallelInfo
-from hpc_rl.training.pipeline import PipelineSchedule
+from hpc_rl.training.moe_routing import MoeRouting
+from hpc_rl.training.pipeline import NO_HOOKS, PipelineSchedule, StageHooks
 from hpc_rl.training.train_batch import TrainBatch
 
 
@@ -112,6 +116,8 @@ class RolloutTrainer:
                             if algorithm.loss_type == "custom_loss" and algorithm.custom_loss_function_path else None)
         self.custom_advantages = (load_custom_advantages(algorithm.custom_advantage_function_path)
                                   if algorithm.custom_advantage_function_path else None)
+        self.moe = MoeRouting(actor, arch, training, info) if arch.is_moe else None
+        """Routing replay and router metrics of a MoE actor (`moe_routing`)."""
 
     # ------------------------------------------------------------------ micro-batches
 
@@ -146,17 +152,32 @@ class RolloutTrainer:
                                        with_entropy=with_entropy)
 
     @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
+    def _logprobs(self, model: torch.nn.Module, micros: list[MicroBatch],
+                  hooks: StageHooks = NO_HOOKS) -> dict[int, torch.Tensor]:
         """Per-sample response log-probs, by batch index; empty on stages other than the last."""
         out: dict[int, torch.Tensor] = {}
         for micro, values in zip(micros, self.pipeline.forward_only(
-                model, micros, lambda m, logits: self._response_logprobs(m, logits, with_entropy=False)[0])):
+                model, micros, lambda m, logits: self._response_logprobs(m, logits, with_entropy=False)[0], hooks)):
             out.update(zip(micro.indices, values))
         return out
+
+    def _old_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        """The actor's log-probs before the first update (a MoE actor's routers replay or record)."""
+        if self.moe is None:
+            return self._logprobs(self.actor, micros)
+        with self.moe.old_pass(batch) as hooks:
+            return self._logprobs(self.actor, micros, hooks)
 
     # ------------------------------------------------------------------ the rollout
 
     def train_rollout(self, batch: TrainBatch) -> list[dict[str, float]]:
+        try:
+            return self._train_rollout(batch)
+        finally:
+            if self.moe is not None:
+                self.moe.end_rollout()
+
+    def _train_rollout(self, batch: TrainBatch) -> list[dict[str, float]]:
         steps = self.training.num_steps_per_rollout
         if len(batch) == 0 or len(batch) % steps:
             raise ValueError(f"{len(batch)} samples do not split into num_steps_per_rollout={steps} steps")
@@ -172,8 +193,10 @@ class RolloutTrainer:
                 raise ValueError("algorithm.use_rollout_logprobs is set but the batch has no rollout log-probs")
             old = {i: torch.as_tensor(lp, dtype=torch.float32, device=device)
                    for i, lp in enumerate(batch.rollout_logprobs)}
+            if self.moe is not None and self.moe.needs_record_pass():
+                self._old_logprobs(batch, all_micros)  # records the routing later steps replay
         elif self.separate_old_logprob_pass:
-            old = self._logprobs(self.actor, all_micros)
+            old = self._old_logprobs(batch, all_micros)
         else:
             old = None  # the training pass's own log-probs, detached (losses: old_log_probs=None)
         if not self.info.is_last_stage:  # log-probs, advantages and the loss live on the last stage
@@ -278,7 +301,8 @@ class RolloutTrainer:
             return loss * scale
 
         self.actor.train()
-        self.pipeline.forward_backward(self.actor, micros, micro_loss)
+        with (self.moe.training_pass(batch) if self.moe is not None else nullcontext(NO_HOOKS)) as hooks:
+            self.pipeline.forward_backward(self.actor, micros, micro_loss, hooks)
         result = self.optimizer.step()
         out: dict[str, float] = {}
         if self.info.is_last_stage:
@@ -290,6 +314,8 @@ class RolloutTrainer:
         if self.pp_group is not None:  # the loss metrics to every stage (rank 0 reports them)
             out = dict(broadcast_json(out, src=dist.get_global_rank(self.pp_group, self.info.pp_size - 1),
                                       group=self.pp_group, device=self.info.device))
+        if self.moe is not None:
+            out.update(self.moe.step_metrics(len(micros)))
         seconds = time.perf_counter() - start
         out.update({"grad_norm": result.grad_norm, "lr": result.lr, "step_time": seconds,
                     "tokens_per_second": global_tokens / seconds, "samples": global_samples,
