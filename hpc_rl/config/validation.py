@@ -243,6 +243,28 @@ def _single_field_problems(config: RunConfig) -> list[Problem]:
     return problems
 
 
+def _routing_replay_problems(config: RunConfig) -> list[Problem]:
+    """use_routing_replay / use_rollout_routing_replay: what Megatron's RouterReplay and R3 need."""
+    training = config.training
+    flags = [name for name in ("use_routing_replay", "use_rollout_routing_replay") if getattr(training, name)]
+    if not flags:
+        return []
+    where = f"training.{flags[-1]}"
+    arch, model_path, _ = _architecture(config)
+    if arch is not None and not arch.is_moe:
+        return [Problem(where, f"replays MoE routing, but the model ({model_path}) has no experts "
+                               "(num_moe_experts): drop the flag")]
+    problems = []
+    if "sinkhorn" in str(training.moe_router_load_balancing_type):
+        problems.append(Problem(where, "Megatron's sinkhorn routing chooses experts without the replay hook: use "
+                                       "--moe-router-load-balancing-type aux_loss / seq_aux_loss / none"))
+    if training.use_rollout_routing_replay and training.moe_expert_capacity_factor is not None:
+        problems.append(Problem("training.moe_expert_capacity_factor",
+                                "drops tokens over an expert's capacity, which the engines never do, so the replayed "
+                                "rollout routing would not be the one used: unset it with use_rollout_routing_replay"))
+    return problems
+
+
 def _wandb_problems(config: RunConfig) -> list[Problem]:
     logging_config = config.logging
     if not logging_config.use_wandb:
@@ -259,7 +281,7 @@ def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Pro
     """Every problem found in `config` (empty list = valid). With check_files, every line of the
     prompt files is checked too (not a sample of them)."""
     problems = (_single_field_problems(config) + _batch_problems(config) + _topology_problems(config)
-                + _model_problems(config))
+                + _model_problems(config) + _routing_replay_problems(config))
     if check_files:
         problems += [Problem(p.field, p.message) for p in path_problems(config) + prompt_file_problems(config)]
     problems += _plugin_problems(config)
