@@ -28,7 +28,9 @@ def load_weights(model: torch.nn.Module, source: str | Path, arch: ModelArchitec
     """Weights only, from an HF directory or a torch_dist checkpoint (any TP size)."""
     if is_hf_checkpoint(source):
         inner = model.module if hasattr(model, "module") else model
-        load_hf_into_model(inner, source, arch, tp_rank=info.tp_rank, tp_size=info.tp_size, model_file=model_file)
+        load_hf_into_model(inner, source, arch, tp_rank=info.tp_rank, tp_size=info.tp_size,
+                           model_file=model_file, expert_tp_rank=info.expert_tp_rank,
+                           expert_tp_size=info.expert_tp_size)
     else:
         checkpoint.load_model_weights(source, model)
 

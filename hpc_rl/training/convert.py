@@ -52,7 +52,9 @@ def hf_to_torch_dist(hf_dir: str | Path, model_file: str | Path, save_dir: str |
                               pipeline_model_parallel_size=pipeline_parallel_size)
     info = init_parallel(training, device="cpu")
     model = build_gpt_model(arch, training)
-    load_hf_into_model(model, hf_dir, arch, tp_rank=info.tp_rank, tp_size=info.tp_size, model_file=model_file)
+    load_hf_into_model(model, hf_dir, arch, tp_rank=info.tp_rank, tp_size=info.tp_size,
+                           model_file=model_file, expert_tp_rank=info.expert_tp_rank,
+                           expert_tp_size=info.expert_tp_size)
     return save_model_weights(save_dir, model, iteration=0)
 
 

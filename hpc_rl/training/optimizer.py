@@ -4,8 +4,10 @@ Owns: wrapping the model in Megatron's `DistributedDataParallel` (grads land in 
 buffers and are reduced over DP by `finalize_model_grads`, which also sums the SP / q-k norm grads
 over TP and a tied embedding's over the first and last pipeline stages), and one optimizer step.
 On CPU Megatron's optimizer does not run (hard-coded CUDA), so a plain `torch.optim.AdamW` steps on
-`main_grad` with the clipping norm computed over unique shards of every TP and PP rank
-(notes/megatron-cpu.md). On GPU the same interface wraps Megatron's optimizer (not run here).
+`main_grad` with the clipping norm computed over unique shards of every TP, PP and EP rank
+(notes/megatron-cpu.md); MoE expert gradients are reduced by Megatron's DDP over the
+expert-data-parallel group, the rest over the data-parallel group. On GPU the same interface wraps
+Megatron's optimizer (not run here).
 The schedule follows Megatron's `OptimizerParamScheduler` (linear warmup from 0, then constant,
 linear or cosine decay to `min_lr`). Does not own checkpointing of this state (`checkpoint`).
 """
@@ -82,6 +84,7 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
         self.ddp_model = ddp_model
         self.config = config
         self.params = [p for p in ddp_model.parameters() if p.requires_grad]
+        self.has_experts = any(not getattr(p, "allreduce", True) for p in self.params)
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]  # norms and biases, as Megatron
         self.torch_optimizer = torch.optim.AdamW(
@@ -100,21 +103,29 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
             param.grad = None
 
     def grad_norm(self) -> float:
-        """L2 norm of all gradients over every TP and PP rank, each parameter counted once: TP
-        duplicates (norms) on one TP rank, the tied embedding on the first stage only (the last
-        stage's output-layer copy is marked `shared` by Megatron)."""
+        """L2 norm of all gradients over every TP, PP and EP rank, each parameter counted once: TP
+        duplicates (norms, routers) on one TP rank, the tied embedding on the first stage only (the last
+        stage's output-layer copy is marked `shared` by Megatron), routed experts (Megatron marks them
+        `allreduce=False`) summed over the expert-TP x EP x PP group that holds one copy of them, the rest
+        over the TP x PP group (Megatron's optimizer does the same with its dense and expert groups)."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
-        squares = torch.zeros((), dtype=torch.float64)
+        dense = torch.zeros((), dtype=torch.float64)
+        experts = torch.zeros((), dtype=torch.float64)
         for param in self.params:
-            if param_is_not_tensor_parallel_duplicate(param) and param_is_not_shared(param):
-                squares += param.main_grad.double().square().sum()
-        group = parallel_state.get_model_parallel_group()
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(squares, group=group)
-        return float(squares.sqrt())
+            if not getattr(param, "allreduce", True):
+                experts += param.main_grad.double().square().sum()
+            elif param_is_not_tensor_parallel_duplicate(param) and param_is_not_shared(param):
+                dense += param.main_grad.double().square().sum()
+        groups = [(dense, parallel_state.get_model_parallel_group())]
+        if self.has_experts:
+            groups.append((experts, parallel_state.get_expert_tensor_model_pipeline_parallel_group()))
+        for squares, group in groups:
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(squares, group=group)
+        return float((dense + experts).sqrt())
 
     def step(self) -> StepResult:
         """Finish the grad reduction, clip, and step; then zero the grad buffers."""

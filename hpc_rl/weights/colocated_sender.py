@@ -4,7 +4,8 @@ Owns `ColocatedWeightSender`. Colocated engines overlap the trainer's GPUs (engi
 GPUs of trainer ranks i*t .. i*t+t-1), so no NCCL group can join them (NCCL refuses two ranks on one
 device). Per bucket (the same buckets as the broadcast path, `WeightSender.plan_buckets`):
 
-    every rank:    gather its TP shards into full HF tensors (a TP collective, as the broadcast path)
+    every rank:    gather its TP shards into full HF tensors (a TP collective, as the broadcast path;
+                   routed experts from their EP rank over the EP group: `export.gather_expert`)
                    serialize them for the engine rank on its GPU (`weights.colocated.serialize_share`:
                    CUDA IPC handles on GPU, a /dev/shm bucket on CPU)
     engine group:  gather the t shares (strings, no pickle between ranks) on its first rank
@@ -29,7 +30,8 @@ from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.protocol.http_client import EngineHTTPTransportError, request_blocking
 from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights.colocated import serialize_share, update_weights_from_tensor_body
-from hpc_rl.weights.export import export_param, named_megatron_params
+from hpc_rl.weights.export import NO_EXPERTS, ExpertLayout, export_param, named_megatron_params
+from hpc_rl.weights.hf_mapping import export_dtype
 from hpc_rl.weights.sender import WeightSender
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,8 @@ class ColocatedWeightSender:
 
     def __init__(self, model: torch.nn.Module, arch: ModelArchitecture, *, tp_group: dist.ProcessGroup | None,
                  tp_size: int, rank: int, world_size: int, engine_tp_size: int, bucket_bytes: int,
-                 dtype: torch.dtype | None = None, api_key: str | None = None, pp_size: int = 1) -> None:
+                 dtype: torch.dtype | None = None, api_key: str | None = None, pp_size: int = 1,
+                 experts: ExpertLayout = NO_EXPERTS) -> None:
         if pp_size > 1:
             raise ValueError("colocated weight updates need pipeline_model_parallel_size 1 (every rank sends full "
                              "tensors to the engine on its GPU); use decoupled mode with pipeline parallelism")
@@ -65,6 +68,7 @@ class ColocatedWeightSender:
             raise ValueError(f"{world_size} trainer ranks do not split into engines of {engine_tp_size} GPUs")
         self.params = named_megatron_params(model)
         self.arch, self.tp_group, self.rank, self.api_key = arch, tp_group, rank, api_key
+        self.experts = experts
         self.engine_index, self.engine_rank = colocated_engine_of(rank, engine_tp_size)
         self.engine_tp_size = engine_tp_size
         self._planner = WeightSender(model, arch, tp_group=tp_group, tp_size=tp_size, dp_rank=0, rank=rank,
@@ -86,10 +90,10 @@ class ColocatedWeightSender:
         for index, meta in enumerate(plan):
             named: list[tuple[str, torch.Tensor]] = []
             for source in meta.megatron_names:
-                named.extend(export_param(source, self.params[source], self.arch, self.tp_group))
+                named.extend(export_param(source, self.params, self.arch, self.tp_group, self.experts))
             if not engine_url:
                 continue
-            named = [(name, tensor.to(self.dtype).contiguous()) for name, tensor in named]
+            named = [(name, tensor.to(export_dtype(name, self.dtype)).contiguous()) for name, tensor in named]
             last = index == len(plan) - 1
             self._send_bucket(named, engine_url, weight_version=str(version) if last else None, flush_cache=last,
                               timeout_s=timeout_s)
