@@ -281,7 +281,8 @@ def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Pro
     """Every problem found in `config` (empty list = valid). With check_files, every line of the
     prompt files is checked too (not a sample of them)."""
     problems = (_single_field_problems(config) + _batch_problems(config) + _topology_problems(config)
-                + _model_problems(config) + _routing_replay_problems(config))
+                + _model_problems(config))
+    problems += _routing_replay_problems(config)
     if check_files:
         problems += [Problem(p.field, p.message) for p in path_problems(config) + prompt_file_problems(config)]
     problems += _plugin_problems(config)
