@@ -244,17 +244,13 @@ def _single_field_problems(config: RunConfig) -> list[Problem]:
 
 
 def _routing_replay_problems(config: RunConfig) -> list[Problem]:
-    """use_routing_replay / use_rollout_routing_replay: what Megatron's RouterReplay and R3 need."""
+    """use_routing_replay / use_rollout_routing_replay: what Megatron's RouterReplay and R3 need on a MoE model."""
     training = config.training
     flags = [name for name in ("use_routing_replay", "use_rollout_routing_replay") if getattr(training, name)]
     if not flags:
         return []
     where = f"training.{flags[-1]}"
-    arch, model_path, _ = _architecture(config)
-    if arch is not None and not arch.is_moe:
-        return [Problem(where, f"replays MoE routing, but the model ({model_path}) has no experts "
-                               "(num_moe_experts): drop the flag")]
-    problems = []
+    problems = []  # (a dense model with either flag: the MoE rules' refusal)
     if "sinkhorn" in str(training.moe_router_load_balancing_type):
         problems.append(Problem(where, "Megatron's sinkhorn routing chooses experts without the replay hook: use "
                                        "--moe-router-load-balancing-type aux_loss / seq_aux_loss / none"))

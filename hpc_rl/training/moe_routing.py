@@ -65,7 +65,7 @@ class MoeRouting:
         self.replay = None if source is None else RoutingReplay(
             actor, source=source, num_layers=arch.num_layers, num_experts=arch.num_moe_experts,
             topk=arch.moe_router_topk, device=info.device, sp_size=sp_size, sp_rank=sp_rank,
-            recompute=training.recompute_granularity is not None)
+            recompute=training.recompute_granularity == "full")
         self.health = RouterHealth(
             actor, moe_layers=arch.moe_layers(), num_experts=arch.num_moe_experts, topk=arch.moe_router_topk,
             device=info.device, capacity_dropping=training.moe_expert_capacity_factor is not None,
@@ -96,9 +96,9 @@ class MoeRouting:
         with ExitStack() as stack:
             hooks = [stack.enter_context(self.health.measuring())]
             if self.replay is not None and self.replay.source == "rollout":
-                hooks.insert(0, stack.enter_context(self.replay.replaying(batch)))
+                hooks.insert(0, stack.enter_context(self.replay.replaying(batch, backward=True)))
             elif self.replay is not None and self.replay.has_recording:
-                hooks.insert(0, stack.enter_context(self.replay.replaying(None)))
+                hooks.insert(0, stack.enter_context(self.replay.replaying(None, backward=True)))
             yield ChainedHooks(*hooks)
 
     def step_metrics(self, num_micro_batches: int) -> dict[str, float]:

@@ -110,8 +110,8 @@ class RoutingReplay:
         self.num_layers, self.num_experts, self.topk = num_layers, num_experts, topk
         self.device, self.sp_size, self.sp_rank = device, sp_size, sp_rank
         self.recompute = recompute
-        """Activation recomputation reruns routers in the backward pass: keep each micro-batch's targets
-        for REPLAY_BACKWARD (else they are dropped at once)."""
+        """Full activation recomputation reruns the routers in a training pass's backward: each micro-batch's
+        targets are then kept for REPLAY_BACKWARD until its backward takes them (else dropped at once)."""
         self._recorded: dict[int, torch.Tensor] = {}
         """id(micro-batch) -> [layers here, tokens, topk] ids its old-log-prob pass chose (CPU)."""
         self._record_dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
@@ -149,13 +149,14 @@ class RoutingReplay:
             self._clear()
 
     @contextmanager
-    def replaying(self, batch: TrainBatch | None) -> Iterator[StageHooks]:
+    def replaying(self, batch: TrainBatch | None, *, backward: bool = False) -> Iterator[StageHooks]:
         """Hooks of a pass whose routers replay: the engines' routing of `batch` (rollout source; checked
-        first) or, with `batch` None, what `recording` kept for each micro-batch."""
+        first) or, with `batch` None, what `recording` kept for each micro-batch. `backward`: a training
+        pass (its recomputation replays too)."""
         if batch is not None:
             check_routed_experts(batch, num_layers=self.num_layers, topk=self.topk)
         try:
-            yield _Replay(self, batch)
+            yield _Replay(self, batch, keep_for_backward=backward and self.recompute)
         finally:
             self._clear()
 
@@ -166,7 +167,7 @@ class RoutingReplay:
         indices = [router.router_replay.get_recorded_indices() for _, router in self.routers]
         self._recorded[id(micro)] = torch.stack(indices).to("cpu", self._record_dtype)
 
-    def _replay(self, micro: MicroBatch, batch: TrainBatch | None) -> None:
+    def _replay(self, micro: MicroBatch, batch: TrainBatch | None, keep_for_backward: bool) -> None:
         tokens = self._tokens(micro)
         if batch is not None:
             assert batch.routed_experts is not None
@@ -179,7 +180,7 @@ class RoutingReplay:
         targets = targets.to(self.device)
         for index, (_, router) in enumerate(self.routers):
             router.router_replay.set_target_indices(targets[index])
-            if not self.recompute:  # no backward rerun will pop it
+            if not keep_for_backward:  # no recomputation will pop it
                 router.router_replay.replay_backward_list.pop()
         self._set_action(RouterReplayAction.REPLAY_FORWARD)
         self.current = (targets, recorded.to(self.device))
@@ -197,11 +198,11 @@ class _Record(StageHooks):
 
 
 class _Replay(StageHooks):
-    def __init__(self, replay: RoutingReplay, batch: TrainBatch | None) -> None:
-        self.replay, self.batch = replay, batch
+    def __init__(self, replay: RoutingReplay, batch: TrainBatch | None, keep_for_backward: bool) -> None:
+        self.replay, self.batch, self.keep_for_backward = replay, batch, keep_for_backward
 
     def before_forward(self, micro: MicroBatch) -> None:
-        self.replay._replay(micro, self.batch)
+        self.replay._replay(micro, self.batch, self.keep_for_backward)
 
     def after_forward(self, micro: MicroBatch) -> None:
         self.replay.current = None

@@ -1,8 +1,8 @@
 """Routing replay on real gloo ranks with Megatron's MoE layer (tiny Qwen3-MoE: a dense layer, then 3 MoE
 layers of 8 experts, top-2).
 
-One pair of processes walks the parallel layouts DP2, EP2, TP2 with sequence parallel, CP2 and PP2 (1F1B
-over 3 micro-batches). In the first, each router's own choice is recorded per micro-batch and laid back
+One pair of processes walks the parallel layouts DP2, EP2 (token-packed micro-batches), TP2 with sequence
+parallel, CP2 and PP2 (padded micro-batches, 1F1B over 3 of them). In the first, each router's own choice is recorded per micro-batch and laid back
 out per sample (the "engine's" routing, [tokens - 1, layers, topk] as SGLang returns it). In every layout
 the actor then replays (a) that routing: the log-probs equal the unreplayed ones, so every token's record
 reached its own token; (b) the same routing with every expert id shifted by one: the log-probs change,
@@ -10,7 +10,8 @@ and equal the DP2 layout's under the same shifted routing, so the layouts agree 
 Then, at EP2, training steps: with rollout routing replay the reference model keeps its own routing (the
 KL to it is > 0 under the shifted routing, 0 under the natural one), the step's router metrics say the
 replayed routing was used for every token and how often the trainer would have chosen it itself; with
-`use_routing_replay` and two steps per rollout, the old-log-prob pass's record is what both steps use.
+`use_routing_replay` and two steps per rollout, the old-log-prob pass's record is what both steps use;
+with a capacity factor and an aux loss (no replay), the dropped fraction and the aux loss per layer.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from hpc_rl.training.local_ranks import run_ranks
 pytestmark = pytest.mark.slow
 NUM_EXPERTS, TOPK, NUM_LAYERS = 8, 2, 4
 TINY_QWEN3 = Path(__file__).resolve().parents[2] / "configs/models/tiny_qwen3.yaml"
-LAYOUTS = {"dp2": {}, "ep2": {"expert_model_parallel_size": 2},
+LAYOUTS = {"dp2": {}, "ep2": {"expert_model_parallel_size": 2, "use_dynamic_batch_size": True, "max_tokens_per_gpu": 20},
            "tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
-           "cp2": {"context_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2}}
+           "cp2": {"context_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2, "qkv_format": "bshd"}}
+"""Packed micro-batches of 2 samples unless said: EP2 packs by tokens (dynamic batch size), PP2 pads (bshd)."""
 
 
 def moe_arch():
@@ -151,6 +153,10 @@ def training_steps(hf_dir: str, batch, natural_tables: dict[int, np.ndarray]) ->
     parts, info = build(hf_dir, expert_model_parallel_size=2, use_rollout_routing_replay=False,
                         use_routing_replay=True, num_steps_per_rollout=2, global_batch_size=2)
     steps["recorded"] = parts.trainer.train_rollout(share(batch.select(range(4)), info)[0])
+    parallel_state.destroy_model_parallel()
+    parts, info = build(hf_dir, expert_model_parallel_size=2, use_rollout_routing_replay=False,
+                        moe_expert_capacity_factor=0.5, moe_aux_loss_coeff=0.01)
+    steps["capacity"] = parts.trainer.train_rollout(share(batch, info)[0])
     return steps
 
 
@@ -189,3 +195,8 @@ def test_replay_lays_every_tokens_routing_out_in_every_parallel_layout(tmp_path:
         first, second = rank["steps"]["recorded"]
         assert first["moe/replayed_routing_agreement"] == second["moe/replayed_routing_agreement"] == 1.0
         assert first["moe/routing_agreement"] > 0.99  # the record is the routing at these weights
+        capacity = rank["steps"]["capacity"][0]  # no replay: no agreement; drops and the aux loss reported
+        assert "moe/routing_agreement" not in capacity and "moe/dropped_fraction/layer_0" not in capacity
+        assert 0.0 < capacity["moe/dropped_fraction"] < 1.0 and capacity["moe/load_balancing_loss"] > 0.0
+        assert all(f"moe/{name}/layer_{layer}" in capacity for name in ("dropped_fraction", "load_balancing_loss")
+                   for layer in (1, 2, 3))
