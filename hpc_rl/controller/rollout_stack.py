@@ -54,7 +54,7 @@ def rollout_routing_shape(config: RunConfig) -> RoutingShape | None:
     """With `training.use_rollout_routing_replay`: the routed experts the engines return (every layer's top-k)."""
     if not config.training.use_rollout_routing_replay:
         return None
-    arch = config.model_args or ModelArchitecture.from_yaml(config.model)
+    arch = ModelArchitecture.from_yaml(config.model)  # the run's one architecture file (model flags: model.yaml)
     return RoutingShape(num_layers=arch.num_layers, topk=arch.moe_router_topk)
 
 
