@@ -13,17 +13,18 @@ batch_result_processor `_maybe_collect_routed_experts`). Every layer has a slot;
 row is zeros (it routes nothing). Ids are the model's logical experts, before any expert-location
 remapping. An engine launched without the flag answers without the field. An aborted running
 request still carries the rows of the tokens it ran; one aborted while queued has no output and no
-field.
+field. Decoded with pybase64 (as SGLang encodes): the field is MiBs per long sample, and the
+standard library's decoder took 30x the controller CPU (benchmarks/bench_routed_experts.py).
 """
 
 from __future__ import annotations
 
-import base64
 import binascii
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pybase64
 
 from hpc_rl.data.routed_experts import compact_expert_ids
 
@@ -54,7 +55,7 @@ def routed_experts_from_answer(meta_info: dict[str, Any], *, shape: RoutingShape
         return None
     if isinstance(value, str):
         try:
-            ids = np.frombuffer(base64.b64decode(value, validate=True), dtype="<i4")
+            ids = np.frombuffer(pybase64.b64decode(value, validate=True), dtype="<i4")
         except (binascii.Error, ValueError) as error:
             raise RoutedExpertsError(f"meta_info.routed_experts is not base64 of int32 ids: {error}") from None
     else:  # a JSON list (another engine's spelling): the same ids

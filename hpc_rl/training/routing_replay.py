@@ -65,16 +65,18 @@ def replay_targets(tokens: RouterTokens, routing: Sequence[np.ndarray], layers: 
     past its sample's rows, and padding, gets `filler_experts`.
     """
     count = len(tokens)
-    targets = filler_experts(count, topk, num_experts).unsqueeze(0).repeat(len(layers), 1, 1)
     rows = torch.tensor([len(r) for r in routing], dtype=torch.long)
     slot = tokens.sample.clamp(min=0)
     recorded = tokens.real & (tokens.position < rows[slot])
-    if bool(recorded.any()):
-        offsets = torch.cumsum(rows, 0) - rows
-        table = torch.from_numpy(np.concatenate([r[:, list(layers), :] for r in routing], axis=0))
-        index = offsets[slot[recorded]] + tokens.position[recorded]
-        targets[:, recorded] = table[index].permute(1, 0, 2).to(torch.long)
-    return targets, recorded
+    filler = filler_experts(count, topk, num_experts)
+    if int(rows.sum()) == 0:
+        return filler.expand(len(layers), count, topk).clone(), recorded
+    table = torch.from_numpy(np.concatenate(routing, axis=0))  # [rows of all samples, num_layers, topk]
+    index = ((torch.cumsum(rows, 0) - rows)[slot] + tokens.position).clamp(max=len(table) - 1)
+    picked = table[index]  # a row for every token; those not recorded are replaced below
+    if list(layers) != list(range(table.shape[1])):
+        picked = picked[:, list(layers)]
+    return torch.where(recorded[None, :, None], picked.transpose(0, 1).to(torch.long), filler), recorded
 
 
 def check_routed_experts(batch: TrainBatch, *, num_layers: int, topk: int) -> None:
