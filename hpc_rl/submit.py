@@ -4,7 +4,7 @@ Owns: the command of the login node (its argv is split by `launch.submit_args`).
 validates all of it (exit code 2 with every problem listed), creates the run directory with
 `config.resolved.yaml` and a 0600 secret, then hands over to the local executor (this machine) or
 the Slurm executor (a heterogeneous job through submitit). `--dry-run` stops after printing the
-resolved config and the job topology.
+resolved config, the job topology, the trainer's parallel layout and the per-GPU memory plan.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import yaml
 from hpc_rl.config import ConfigError, load_config, write_resolved_config
 from hpc_rl.config.typing_rules import ConfigErrors
 from hpc_rl.config.loading import config_to_dict
-from hpc_rl.config.validation import ValidationFailed, validate
+from hpc_rl.config.memory_plan import plan_summary
+from hpc_rl.config.validation import ValidationFailed, run_architecture, validate
 from hpc_rl.launch.submit_args import EXIT_INVALID, assign_run_dir, default_executor, parse_submit_args
 from hpc_rl.launch.topology import plan_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False), end="")
         print(f"# executor: {executor}")
         print(topology.describe())
+        print(plan_summary(config, run_architecture(config)))
         if executor == "slurm":
             from hpc_rl.launch.slurm_submit import render_slurm_dry_run
 

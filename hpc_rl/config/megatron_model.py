@@ -4,7 +4,11 @@ Owns: reading `--num-layers 36 --hidden-size 2560 ... --spec slime_plugins.model
 the way Megatron does (a missing `--untie-embeddings-and-output-weights` means tied, a missing
 `--disable-bias-linear` means biases, no `--group-query-attention` means one KV head per query head),
 refusing what hpc_rl cannot build with the reason, and overriding a model file's fields when both are
-given (as `MODEL_ARGS+=(--rotary-base 10000)` does in slime). The HF config.json check is
+given (as `MODEL_ARGS+=(--rotary-base 10000)` does in slime). The MoE flags (`--num-experts 128
+--moe-ffn-hidden-size 768 --moe-layer-freq [0]*1+[1]*45 ...`) likewise, with Megatron's defaults
+(moe_ffn_hidden_size = ffn_hidden_size, top-2, every layer MoE), and the MoE family: config.json's
+model_type when it names one, else softmax + q/k norms -> qwen3_moe, sigmoid + shared expert -> glm4_moe.
+The HF config.json check is
 `hpc_rl.config.validation`'s (the same check model files get).
 """
 
@@ -12,11 +16,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.config.model import MOE_FAMILIES, ModelArchitecture
 
 GLM4_SPEC = ("slime_plugins.models.glm4", "get_glm_spec")
-HF_MODEL_TYPE_FAMILY = {"qwen3": "qwen3", "glm4": "glm4", "llama": "llama"}
+HF_MODEL_TYPE_FAMILY = {"qwen3": "qwen3", "glm4": "glm4", "llama": "llama", "qwen3_moe": "qwen3_moe",
+                        "glm4_moe": "glm4_moe"}
 DEFAULT_MAX_POSITION_EMBEDDINGS = 4096
+MOE_FIELD_OF_FLAG = {"num_experts": "num_moe_experts", "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+                     "moe_router_topk": "moe_router_topk", "moe_layer_freq": "moe_layer_freq",
+                     "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+                     "moe_router_score_function": "moe_router_score_function",
+                     "moe_router_topk_scaling_factor": "moe_router_topk_scaling_factor",
+                     "moe_router_num_groups": "moe_router_num_groups", "moe_router_group_topk": "moe_router_group_topk",
+                     "moe_router_pre_softmax": "moe_router_pre_softmax",
+                     "moe_router_enable_expert_bias": "moe_router_enable_expert_bias"}
+"""Megatron's MoE architecture flag -> ModelArchitecture field (one rename: --num-experts)."""
 
 
 def _family(flags: dict[str, Any], problems: list[str]) -> str:
@@ -113,6 +127,41 @@ def _overridden_fields(flags: dict[str, Any], base: dict[str, Any], problems: li
     return fields
 
 
+def _apply_moe_flags(flags: dict[str, Any], fields: dict[str, Any], problems: list[str], hf_type: str | None) -> None:
+    """The MoE flags on top of `fields`, with Megatron's defaults (moe_ffn_hidden_size: ffn_hidden_size)."""
+    given = [flag for flag in MOE_FIELD_OF_FLAG if flag in flags and flags[flag] is not False]
+    if not given:
+        return
+    if "num_experts" not in flags and not fields.get("num_moe_experts"):
+        problems.append(" ".join("--" + f.replace("_", "-") for f in given) + " without --num-experts: Megatron "
+                        "builds a dense model and ignores them; add --num-experts")
+        return
+    fields.update({MOE_FIELD_OF_FLAG[flag]: flags[flag] for flag in given})
+    if fields.get("moe_ffn_hidden_size") is None:
+        fields["moe_ffn_hidden_size"] = fields.get("ffn_hidden_size")
+    if "spec" in flags:
+        problems.append("--spec with --num-experts: GLM-4.5 MoE models are built from Megatron's own GPT layer spec "
+                        "(slime's glm4.5 scripts pass no --spec); drop --spec")
+    fields["family"] = _moe_family(fields, problems, hf_type)
+
+
+def _moe_family(fields: dict[str, Any], problems: list[str], hf_type: str | None) -> str:
+    """config.json's model_type when it is an MoE family (the HF check then compares every field), else from
+    the flags: qwen3_moe (softmax router, q/k norms, no shared expert), glm4_moe (sigmoid router, shared expert)."""
+    if hf_type in MOE_FAMILIES:
+        return hf_type
+    sigmoid = fields.get("moe_router_score_function", "softmax") == "sigmoid"
+    shared = bool(fields.get("moe_shared_expert_intermediate_size"))
+    if sigmoid and shared:
+        return "glm4_moe"
+    if not sigmoid and not shared and fields.get("qk_layernorm"):
+        return "qwen3_moe"
+    problems.append("the MoE flags describe neither Qwen3-MoE (--moe-router-score-function softmax, --qk-layernorm, no "
+                    "shared expert) nor GLM-4.5 (--moe-router-score-function sigmoid with "
+                    "--moe-shared-expert-intermediate-size), the MoE families hpc_rl builds")
+    return "qwen3_moe"
+
+
 def architecture_from_flags(
     flags: dict[str, Any],
     *,
@@ -126,6 +175,8 @@ def architecture_from_flags(
     problems = _required_behaviour_problems(flags, from_scratch=base is None)
     fields = _scratch_fields(flags, hf_config, problems) if base is None else _overridden_fields(flags, base, problems)
     hf_type = (hf_config or {}).get("model_type")
+    if fields:
+        _apply_moe_flags(flags, fields, problems, hf_type)
     if fields and hf_type in HF_MODEL_TYPE_FAMILY and HF_MODEL_TYPE_FAMILY[hf_type] != fields["family"]:
         hint = " (add --spec slime_plugins.models.glm4 get_glm_spec)" if hf_type == "glm4" else ""
         problems.append(f"the flags describe a {fields['family']} model but config.json says model_type {hf_type!r}{hint}")

@@ -16,6 +16,9 @@ from typing import Any
 
 import yaml
 
+from hpc_rl.config.hf_config_check import attention_mismatches, moe_mismatches
+from hpc_rl.config.moe_layer_freq import LayerFreqError, expand_layer_freq
+
 MODEL_FAMILIES = ("qwen3", "glm4", "llama", "qwen3_moe", "glm4_moe")
 MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -73,8 +76,8 @@ class ModelArchitecture:
     moe_router_topk: int = 2
     """Experts each token is routed to (HF num_experts_per_tok)."""
     moe_layer_freq: list[int] | None = None
-    """Per layer: 1 = MoE MLP, 0 = dense MLP of ffn_hidden_size (None: every layer is MoE). slime's
-    `[0]*1+[1]*45` spelling is expanded at parse time; GLM-4.5's first_k_dense_replace and Qwen3-MoE's
+    """Per layer: 1 = MoE MLP, 0 = dense MLP of ffn_hidden_size (None: every layer is MoE). Megatron's other
+    spellings (an int N: every N-th layer; slime's `[0]*1+[1]*45`) are expanded to this list on load; GLM-4.5's first_k_dense_replace and Qwen3-MoE's
     mlp_only_layers / decoder_sparse_step are this list."""
     moe_shared_expert_intermediate_size: int | None = None
     """Inner width of the shared expert(s), all shared experts fused (HF n_shared_experts x
@@ -117,6 +120,9 @@ class ModelArchitecture:
         if self.family in MOE_FAMILIES and not self.is_moe:
             raise ValueError(f"family {self.family!r} is a mixture-of-experts family: set num_moe_experts")
         if self.is_moe:
+            if self.family not in MOE_FAMILIES:
+                raise ValueError(f"family {self.family!r} is dense but num_moe_experts is set: a mixture-of-experts "
+                                 f"model is one of {', '.join(MOE_FAMILIES)}")
             if self.moe_ffn_hidden_size is None:
                 raise ValueError("num_moe_experts is set: set moe_ffn_hidden_size (HF moe_intermediate_size) too")
             if not 1 <= self.moe_router_topk <= self.num_moe_experts:
@@ -125,9 +131,11 @@ class ModelArchitecture:
             if self.moe_router_score_function not in MOE_SCORE_FUNCTIONS:
                 raise ValueError(f"moe_router_score_function: {self.moe_router_score_function!r} is not one of "
                                  f"{', '.join(MOE_SCORE_FUNCTIONS)}")
-            if self.moe_layer_freq is not None and len(self.moe_layer_freq) != self.num_layers:
-                raise ValueError(f"moe_layer_freq has {len(self.moe_layer_freq)} entries for {self.num_layers} "
-                                 f"layers: give one 0/1 per layer")
+            if self.moe_layer_freq is not None:
+                try:
+                    self.moe_layer_freq = expand_layer_freq(self.moe_layer_freq, self.num_layers)
+                except LayerFreqError as error:
+                    raise ValueError(f"moe_layer_freq: {error}") from error
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ModelArchitecture":
@@ -165,7 +173,8 @@ def _hf_rope_theta(config: dict[str, Any]) -> float | None:
 
 
 def architecture_mismatches(arch: ModelArchitecture, hf_config: dict[str, Any]) -> list[str]:
-    """Fields where the architecture file disagrees with an HF config.json, as readable lines."""
+    """Fields where the architecture file disagrees with an HF config.json, as readable lines (attention
+    details and mixture-of-experts keys: `hpc_rl.config.hf_config_check`)."""
     heads = _hf_value(hf_config, "num_attention_heads")
     hidden = _hf_value(hf_config, "hidden_size")
     head_dim = _hf_value(hf_config, "head_dim", default=(hidden // heads if hidden and heads else None))
@@ -189,7 +198,7 @@ def architecture_mismatches(arch: ModelArchitecture, hf_config: dict[str, Any]) 
         same = math.isclose(float(ours), float(hf_value), rel_tol=1e-9) if isinstance(ours, float) else ours == hf_value
         if not same:
             problems.append(f"{name}: model file says {ours!r}, config.json says {hf_value!r}")
-    return problems
+    return problems + attention_mismatches(arch, hf_config) + moe_mismatches(arch, hf_config)
 
 
 def load_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:

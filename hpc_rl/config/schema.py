@@ -39,6 +39,9 @@ class ClusterConfig:
     """Engines share the trainer's GPUs; memory is released/resumed around each train step."""
     device: str = "cuda"
     """cuda (NCCL, SGLang) or cpu (gloo, hpc_rl's CPU engine): the single CPU switch."""
+    gpu_memory_gib: float = 79.6
+    """Memory of one GPU in GiB, for the per-GPU memory plan that `--dry-run` prints and submit checks
+    (default: an H100 80GB, 81559 MiB as nvidia-smi reports it)."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
@@ -184,7 +187,7 @@ class TrainingConfig:
     moe_router_dtype: str | None = None
     """Router logits/probabilities dtype: fp32 | fp64 | None (the model's dtype)."""
     moe_router_load_balancing_type: str = "aux_loss"
-    """aux_loss | seq_aux_loss | sinkhorn | none."""
+    """aux_loss | seq_aux_loss | global_aux_loss | sinkhorn | none."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of the load-balancing loss (0: off)."""
     moe_router_bias_update_rate: float = 1e-3
@@ -325,6 +328,17 @@ class OptimizerConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0: off)."""
+    # Megatron's optimizer offload (GPU runs; slime's Qwen3-30B-A3B and GLM-4.5 recipes carry these flags).
+    optimizer_cpu_offload: bool = False
+    """Keep the optimizer state (fp32 main params, Adam moments) in host memory and step it on the CPU
+    (Megatron's hybrid device optimizer); needs use_precision_aware_optimizer, as in Megatron."""
+    optimizer_offload_fraction: float = 1.0
+    """Share of the optimizer state optimizer_cpu_offload moves to host memory (Megatron-LM's default 1.0)."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """Overlap the CPU optimizer step with the gradient copies to host and the parameter copies back."""
+    use_precision_aware_optimizer: bool = False
+    """Megatron's precision-aware optimizer (Transformer Engine's FusedAdam; fp32 main params kept as the
+    16-bit remainders of the bf16 params)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "sgd"):

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from hpc_rl.config.moe_layer_freq import LayerFreqError, parse_layer_freq
 from hpc_rl.config.schema import RunConfig, SGLangConfig
 from hpc_rl.config.slime_flags import (
     ALIASES, COMPAT_FLAGS, MODEL_FLAGS, MODEL_SWITCHES, MODEL_VALUE_FLAGS, REFUSED_FLAGS, UNBUILDABLE_MODEL_FLAGS,
@@ -99,6 +100,11 @@ def _megatron_value(name: str, value: Any, where: str) -> Any:
     if name in MODEL_SWITCHES:
         return coerce_value(value, bool, where)
     kind = MODEL_VALUE_FLAGS[name]
+    if name == "moe_layer_freq":
+        try:
+            return parse_layer_freq(value)
+        except LayerFreqError as error:
+            raise ConfigError(f"{where}: --moe-layer-freq {error}") from error
     if kind is list:
         values = value if isinstance(value, list) else [value]
         return [str(v) for v in values]
@@ -262,7 +268,7 @@ def _one_flag(token: str, values: list[str]) -> list[Setting]:
         return [Setting(resolve_key(key.replace("-", "_"), f"--set {key}"), parse_cli_scalar(raw), f"--set {key}")]
     name = token[2:].replace("-", "_")
     where = f"command line {token}"
-    value: Any = values if name == "spec" else _cli_value(values)
+    value: Any = values if name == "spec" else " ".join(values) if name == "moe_layer_freq" else _cli_value(values)
     special = slime_flag_settings(name, value, where)
     if special is not None:
         return special

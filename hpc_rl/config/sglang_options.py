@@ -110,6 +110,14 @@ def _unknown(flag: str, kinds: Mapping[str, str], source: str) -> str:
     return f"{flag} is not an option of {source}{hint}"
 
 
+def attention_dp_size(options: Mapping[str, Any]) -> int:
+    """Attention data-parallel groups inside one engine: `--attn-dp-size`, or slime's older spelling
+    `--enable-dp-attention --dp-size N`, which SGLang 0.5.23 turns into `--attn-dp-size N`."""
+    if options.get("attn_dp_size"):
+        return int(options["attn_dp_size"])
+    return int(options.get("dp_size") or 1) if options.get("enable_dp_attention") else 1
+
+
 ENGINE_KINDS = ("auto", "sglang", "cpu")
 
 

@@ -45,15 +45,37 @@ MODEL_SWITCHES = (
     "post_self_attn_layernorm",
     "post_mlp_layernorm",
 )
+
+# --- Mixture of experts (issue 19): Megatron's MoE architecture flags, read with Megatron's meanings into
+# ModelArchitecture's MoE fields (hpc_rl.config.megatron_model; --num-experts is num_moe_experts). The MoE
+# training flags (--moe-token-dispatcher-type, --moe-grouped-gemm, --moe-permute-fusion, --moe-enable-deepep,
+# --moe-router-dtype, --moe-router-load-balancing-type, --moe-aux-loss-coeff, --moe-router-bias-update-rate,
+# --moe-token-drop-policy, --moe-expert-capacity-factor, --expert-model-parallel-size,
+# --expert-tensor-parallel-size, --use-routing-replay, --use-rollout-routing-replay) and Megatron's optimizer
+# offload flags (--optimizer-cpu-offload, --optimizer-offload-fraction, --overlap-cpu-optimizer-d2h-h2d,
+# --use-precision-aware-optimizer) are TrainingConfig / OptimizerConfig fields under the same names.
+MOE_MODEL_VALUE_FLAGS: dict[str, type] = {
+    "num_experts": int,
+    "moe_ffn_hidden_size": int,
+    "moe_router_topk": int,
+    "moe_layer_freq": object,  # an int or a list expression: hpc_rl.config.moe_layer_freq
+    "moe_shared_expert_intermediate_size": int,
+    "moe_router_score_function": str,
+    "moe_router_topk_scaling_factor": float,
+    "moe_router_num_groups": int,
+    "moe_router_group_topk": int,
+}
+MOE_MODEL_SWITCHES = ("moe_router_pre_softmax", "moe_router_enable_expert_bias")
+MODEL_VALUE_FLAGS.update(MOE_MODEL_VALUE_FLAGS)
+MODEL_SWITCHES += MOE_MODEL_SWITCHES
+# --- end of the MoE block
+
 MODEL_FLAGS = frozenset(MODEL_VALUE_FLAGS) | frozenset(MODEL_SWITCHES)
 
 # Architectures hpc_rl cannot build: flag -> reason.
 UNBUILDABLE_MODEL_FLAGS: dict[str, str] = {
-    **{name: "hpc_rl builds dense decoder models only (no MoE layers, router or expert weight mapping)"
-       for name in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
-                    "moe_shared_expert_intermediate_size", "moe_router_load_balancing_type",
-                    "moe_grouped_gemm", "moe_token_dispatcher_type", "moe_aux_loss_coeff",
-                    "moe_router_score_function", "moe_router_pre_softmax", "moe_router_enable_expert_bias")},
+    "moe_shared_expert_gate": ("hpc_rl builds Qwen3-MoE and GLM-4.5 MoE models; a gated shared expert "
+                               "(Qwen2-MoE, Qwen3-Next) is neither"),
     **{name: "hpc_rl has no multi-latent attention (DeepSeek MLA): use a GQA/MHA model"
        for name in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim",
                     "qk_pos_emb_head_dim")},

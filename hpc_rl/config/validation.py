@@ -1,6 +1,7 @@
 """Submit-time validation of a whole `RunConfig`: every problem in one pass, before anything is queued.
 
-Owns: cross-section rules (batch arithmetic, GPU topology, parallel sizes vs the model), file
+Owns: cross-section rules (batch arithmetic, GPU topology, parallel sizes vs the model; experts, optimizer
+offload and the per-GPU memory plan through `moe_checks` and `memory_plan`), file
 checks (`file_checks`, skippable with `--no-check-files` for rendering a job away from the cluster's
 filesystem), single-field ranges (`value_ranges`), plug-in import + signature checks, and the model
 architecture vs the HF checkpoint's config.json. Each problem names the field (or file:line) and the fix.
@@ -10,10 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_rl.config.memory_plan import plan_memory
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
+from hpc_rl.config.parallel_layout import ParallelLayout
+from hpc_rl.config.moe_checks import device_notes, moe_problems, optimizer_problems, sglang_moe_problems
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.file_checks import path_problems, prompt_file_problems
 from hpc_rl.config.value_ranges import range_problems
@@ -26,6 +31,7 @@ CONFIG_PLUGINS = {"rollout.custom_rm_path": "reward", "rollout.dynamic_sampling_
                   "algorithm.custom_advantage_function_path": "advantage"}
 """Config field (section.name) -> its kind in `hpc_rl.plugins.PLUGIN_KINDS` (the signatures' one home).
 A field the schema does not have (yet) is skipped."""
+log = logging.getLogger(__name__)
 WANDB_SETTINGS = ("wandb_mode", "wandb_project", "wandb_team", "wandb_group", "wandb_key", "wandb_host", "wandb_dir",
                   "wandb_run_id")
 
@@ -164,6 +170,11 @@ def _architecture(config: RunConfig) -> tuple[ModelArchitecture | None, str, lis
         return None, "", [Problem("model", str(error))]
 
 
+def run_architecture(config: RunConfig) -> ModelArchitecture | None:
+    """The run's architecture (model flags, else the model file), or None when neither gives one."""
+    return _architecture(config)[0]
+
+
 def _model_problems(config: RunConfig) -> list[Problem]:
     arch, model_path, found = _architecture(config)
     if arch is None:
@@ -217,14 +228,6 @@ def _plugin_problems(config: RunConfig) -> list[Problem]:
 def _single_field_problems(config: RunConfig) -> list[Problem]:
     problems = [Problem(p.field, p.message) for p in range_problems(config)]
     training, rollout = config.training, config.rollout
-    if training.expert_model_parallel_size != 1:
-        problems.append(Problem("training.expert_model_parallel_size",
-                                f"{training.expert_model_parallel_size}: hpc_rl builds dense models (no experts to "
-                                f"shard); set 1"))
-    if training.expert_tensor_parallel_size not in (None, 1):
-        problems.append(Problem("training.expert_tensor_parallel_size",
-                                f"{training.expert_tensor_parallel_size}: hpc_rl builds dense models (no experts); "
-                                f"set 1 or leave it out"))
     if rollout.max_turns is not None and not rollout.custom_generate_function_path:
         problems.append(Problem("rollout.max_turns", "is read by a custom generate function only; set "
                                                      "custom_generate_function_path or drop max_turns"))
@@ -273,11 +276,24 @@ def _wandb_problems(config: RunConfig) -> list[Problem]:
     return []
 
 
+def _moe_and_memory_problems(config: RunConfig) -> list[Problem]:
+    """Experts, optimizer offload, SGLang's MoE options; then (cuda runs whose layout is sound) the per-GPU
+    memory plan (`hpc_rl.config.memory_plan`)."""
+    arch = run_architecture(config)
+    found = moe_problems(config, arch) + optimizer_problems(config) + sglang_moe_problems(config, arch)
+    problems = [Problem(where, message) for where, message in found]
+    sound = arch is not None and ParallelLayout.of(config.training, config.cluster.trainer_world_size, arch).splits(arch)
+    if arch is not None and config.cluster.device == "cuda" and sound and config.cluster.rollout_num_gpus_per_engine >= 1:
+        problems += [Problem(where, message) for where, message in plan_memory(config, arch).problems()]
+    return problems
+
+
 def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Problem]:
     """Every problem found in `config` (empty list = valid). With check_files, every line of the
     prompt files is checked too (not a sample of them)."""
     problems = (_single_field_problems(config) + _batch_problems(config) + _topology_problems(config)
                 + _model_problems(config))
+    problems += _moe_and_memory_problems(config)
     problems += _routing_replay_problems(config)
     if check_files:
         problems += [Problem(p.field, p.message) for p in path_problems(config) + prompt_file_problems(config)]
@@ -292,3 +308,5 @@ def validate(config: RunConfig, *, check_files: bool = True) -> None:
     problems = collect_problems(config, check_files=check_files)
     if problems:
         raise ValidationFailed(problems)
+    for note in device_notes(config, run_architecture(config)):
+        log.info(note)

@@ -6,7 +6,8 @@ checkpoint code do not know which one they hold. Megatron's optimizer computes t
 over unique shards and skips steps with non-finite gradients itself.
 
 NOT RUN on this project's CPU machines (Megatron's optimizer allocates on CUDA): written against
-megatron-core 0.16.1's signatures; exercise it on a GPU node before relying on it.
+megatron-core 0.16.1's signatures; exercise it on a GPU node before relying on it. Only
+`megatron_optimizer_fields` runs in the unit tests (Megatron's `OptimizerConfig` is built from it on CPU).
 """
 
 from __future__ import annotations
@@ -21,6 +22,22 @@ from hpc_rl.training.optimizer import StepResult, learning_rate
 _NEVER = 10**12  # "no decay" for Megatron's scheduler, which needs a decay horizon
 
 
+def megatron_optimizer_fields(config: OptimizerConfig, *, params_dtype: torch.dtype,
+                              distributed: bool) -> dict[str, Any]:
+    """Megatron's `OptimizerConfig` fields for `config`, offload settings included (slime passes Megatron's
+    --optimizer-cpu-offload, --optimizer-offload-fraction, --overlap-cpu-optimizer-d2h-h2d and
+    --use-precision-aware-optimizer straight through; the fraction's default is Megatron-LM's CLI one, 1.0)."""
+    return dict(
+        optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
+        adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
+        clip_grad=config.clip_grad, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        params_dtype=params_dtype, use_distributed_optimizer=distributed,
+        optimizer_cpu_offload=config.optimizer_cpu_offload,
+        optimizer_offload_fraction=config.optimizer_offload_fraction if config.optimizer_cpu_offload else 0.0,
+        overlap_cpu_optimizer_d2h_h2d=config.overlap_cpu_optimizer_d2h_h2d,
+        use_precision_aware_optimizer=config.use_precision_aware_optimizer)
+
+
 class MegatronActorOptimizer:
     """`get_megatron_optimizer([ddp_model])` with slime's lr/wd schedule."""
 
@@ -32,10 +49,7 @@ class MegatronActorOptimizer:
         self.ddp_model, self.config = ddp_model, config
         distributed = bool(getattr(ddp_model.ddp_config, "use_distributed_optimizer", False))
         megatron_config = MegatronOptimizerConfig(
-            optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
-            adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
-            clip_grad=config.clip_grad, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-            params_dtype=params_dtype, use_distributed_optimizer=distributed)
+            **megatron_optimizer_fields(config, params_dtype=params_dtype, distributed=distributed))
         self.optimizer = get_megatron_optimizer(megatron_config, [ddp_model])
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr,

@@ -26,3 +26,10 @@ def seed_argv(name: str) -> list[str]:
     for file_name in seed["files"]:
         argv += flags_of(file_name)
     return argv
+
+
+def config_field(config: Any, path: str) -> Any:
+    """`config.cluster.colocate` for 'cluster.colocate' (any depth)."""
+    for part in path.split("."):
+        config = getattr(config, part)
+    return config

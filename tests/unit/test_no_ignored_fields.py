@@ -22,6 +22,7 @@ READ_ELSEWHERE = {
     "global_batch_size": "sets num_steps_per_rollout (derived as slime does in config/loading.py; validation checks "
                          "rollout_batch_size * n_samples_per_prompt == global_batch_size * num_steps_per_rollout)",
     "extra_args": "read through SGLangConfig.server_options() (launch/driver.py passes them to every engine)",
+    "gpu_memory_gib": "read by the per-GPU memory plan (config/memory_plan.py) that submit checks and --dry-run prints",
 }
 
 

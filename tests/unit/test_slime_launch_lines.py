@@ -13,7 +13,7 @@ from hpc_rl.config import ConfigError, load_config
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.config.loading import load_resolved_config, write_resolved_config
 from hpc_rl.submit import main
-from tests.unit.slime_lines import flags_of, seed_argv, seeds
+from tests.unit.slime_lines import config_field, flags_of, seed_argv, seeds
 
 QWEN3_4B = flags_of("qwen3_4B_model_args.txt")
 TINY = flags_of("tiny_qwen3_model_args.txt")
@@ -74,7 +74,8 @@ def test_model_flags_are_checked_against_hf_config(in_repo: Path) -> None:
 
 
 @pytest.mark.parametrize(("flags", "reason"), [
-    (["--num-experts", "64"], "dense decoder models only"),
+    (["--num-experts", "64", "--moe-shared-expert-gate"], "gated shared expert"),
+    (["--moe-router-topk", "8"], "without --num-experts: Megatron builds a dense model"),
     (["--normalization", "LayerNorm"], "RMSNorm models only"),
     (["--spec", "my_plugins.models", "get_spec"], "GLM4 spec"),
     (["--post-self-attn-layernorm"], "come together"),
@@ -175,12 +176,6 @@ ARCH_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_at
                "tie_word_embeddings", "qk_layernorm", "add_qkv_bias", "add_bias_linear", "post_sublayer_norms")
 
 
-def _field(config: Any, path: str) -> Any:
-    for part in path.split("."):
-        config = getattr(config, part)
-    return config
-
-
 @pytest.mark.parametrize("seed", sorted(RECIPE_OF_SEED))
 def test_yaml_recipes_are_the_seed_lines(seed: str, in_repo: Path) -> None:
     """The shipped recipes hold the seed's numbers (eval_top_p 1, GLM without a memory fraction, ...)."""
@@ -188,7 +183,7 @@ def test_yaml_recipes_are_the_seed_lines(seed: str, in_repo: Path) -> None:
 
     from_line, from_yaml = load_config([], seed_argv(seed)), load_config([RECIPE_OF_SEED[seed]])
     for path in SAME_FIELDS:
-        assert _field(from_yaml, path) == _field(from_line, path), path
+        assert config_field(from_yaml, path) == config_field(from_line, path), path
     file_arch = ModelArchitecture.from_yaml(from_yaml.model)
     for name in ARCH_FIELDS:
         assert getattr(file_arch, name) == getattr(from_line.model_args, name), name

@@ -33,7 +33,7 @@ def problems_for(flags: list[str], *, check_files: bool = True) -> str:
     (["--rollout-top-p", "0"], "rollout.rollout_top_p: 0.0 must be within (0, 1]"),
     (["--rollout-top-k", "0"], "rollout.rollout_top_k: 0 must be -1 (off) or >= 1"),
     (["--eval-top-p", "1.5"], "eval.eval_top_p: 1.5 must be within (0, 1]"),
-    (["--expert-model-parallel-size", "2"], "hpc_rl builds dense models"),
+    (["--expert-model-parallel-size", "2"], "training.expert_model_parallel_size: 2: the model is dense"),
     (["--max-turns", "3"], "rollout.max_turns: is read by a custom generate function only"),
     (["--offload-train"], "this run is not colocated"),
 ])

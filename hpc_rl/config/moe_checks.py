@@ -1,0 +1,160 @@
+"""Submit-time checks of the mixture-of-experts, optimizer-offload and SGLang MoE settings, and their notes.
+
+Owns: what Megatron-core 0.16.1 or SGLang 0.5.23 would refuse only after the queue wait, as problems that
+name the numbers: the trainer's expert layout (`parallel_layout`), the MoE training values (dispatcher,
+router dtype, load balancing, drop policy, capacity factor), DeepEP and the flex dispatcher only on cuda,
+routing replay only for MoE models, group-limited routing, top-1 softmax routing; Megatron's optimizer
+offload rules; SGLang's MoE engine options against the engine's GPUs and the model's experts (attention DP,
+EP, dense-MLP TP, DP LM head); and one note line per GPU-only choice a cpu run keeps, with the same numerics.
+"""
+
+from __future__ import annotations
+
+from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.config.parallel_layout import ParallelLayout, layout_problems
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.config.sglang_options import attention_dp_size, engine_kind
+
+DISPATCHERS = ("alltoall", "allgather", "flex")
+ROUTER_DTYPES = (None, "fp32", "fp64")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+DROP_POLICIES = ("probs", "position")
+CAPACITY_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+
+Problems = list[tuple[str, str]]
+
+
+def _choice(field: str, value: object, allowed: tuple[object, ...]) -> Problems:
+    if value in allowed:
+        return []
+    return [(field, f"{value!r} is not one of {', '.join(str(a) for a in allowed)}")]
+
+
+def _training_value_problems(config: RunConfig, arch: ModelArchitecture) -> Problems:
+    training = config.training
+    problems = (_choice("training.moe_token_dispatcher_type", training.moe_token_dispatcher_type, DISPATCHERS)
+                + _choice("training.moe_router_dtype", training.moe_router_dtype, ROUTER_DTYPES)
+                + _choice("training.moe_router_load_balancing_type", training.moe_router_load_balancing_type,
+                          LOAD_BALANCING_TYPES)
+                + _choice("training.moe_token_drop_policy", training.moe_token_drop_policy, DROP_POLICIES))
+    if training.moe_expert_capacity_factor is not None and \
+            training.moe_router_load_balancing_type not in CAPACITY_BALANCING_TYPES:
+        problems.append(("training.moe_expert_capacity_factor", f"works with load balancing "
+                         f"{', '.join(CAPACITY_BALANCING_TYPES)} only (Megatron), not "
+                         f"{training.moe_router_load_balancing_type!r}"))
+    if training.moe_enable_deepep and training.moe_token_dispatcher_type != "flex":
+        problems.append(("training.moe_enable_deepep", f"DeepEP runs behind the flex dispatcher only (Megatron): add "
+                                                       f"--moe-token-dispatcher-type flex (it is "
+                                                       f"{training.moe_token_dispatcher_type!r})"))
+    if config.cluster.device == "cpu":
+        if training.moe_token_dispatcher_type == "flex":
+            problems.append(("training.moe_token_dispatcher_type", "flex dispatches through DeepEP, a CUDA library; "
+                                                                   "on device cpu use alltoall or allgather"))
+        if training.moe_enable_deepep:
+            problems.append(("training.moe_enable_deepep", "DeepEP is a CUDA library; on device cpu drop it"))
+    if arch.moe_router_topk == 1 and arch.moe_router_score_function == "softmax" and not arch.moe_router_pre_softmax \
+            and training.moe_router_load_balancing_type != "sinkhorn":
+        problems.append(("model", "top-1 softmax routing needs --moe-router-pre-softmax (a softmax over the one "
+                                  "chosen expert has zero gradient; Megatron refuses it)"))
+    if arch.moe_router_group_topk is not None:
+        groups = arch.moe_router_num_groups
+        if not groups or (arch.num_moe_experts or 0) % groups or arch.moe_router_group_topk > groups:
+            problems.append(("model", f"group-limited routing: moe_router_num_groups ({groups}) must divide the "
+                                      f"{arch.num_moe_experts} experts and be >= moe_router_group_topk "
+                                      f"({arch.moe_router_group_topk})"))
+    return problems
+
+
+def moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Problems:
+    """The trainer side: layout, MoE values, routing replay."""
+    training = config.training
+    if arch is None:
+        return []
+    layout = ParallelLayout.of(training, config.cluster.trainer_world_size, arch)
+    problems = layout_problems(layout, arch, training)
+    if not arch.is_moe:
+        for name in ("use_routing_replay", "use_rollout_routing_replay"):
+            if getattr(training, name):
+                problems.append((f"training.{name}", "replays the routers' expert choices; this model is dense (no "
+                                                     "experts): drop it"))
+        return problems
+    return problems + _training_value_problems(config, arch)
+
+
+def optimizer_problems(config: RunConfig) -> Problems:
+    """Megatron's optimizer-offload rules (checked for cuda runs; on cpu the flags change nothing)."""
+    optimizer = config.optimizer
+    if config.cluster.device != "cuda":
+        return []
+    problems = []
+    if optimizer.optimizer_cpu_offload and not optimizer.use_precision_aware_optimizer:
+        problems.append(("optimizer.optimizer_cpu_offload", "needs --use-precision-aware-optimizer (Megatron's hybrid "
+                                                            "device optimizer runs on that code path): add it"))
+    if optimizer.use_precision_aware_optimizer and optimizer.optimizer != "adam":
+        problems.append(("optimizer.use_precision_aware_optimizer", f"works with adam only (Megatron), not "
+                                                                    f"{optimizer.optimizer!r}"))
+    if optimizer.overlap_cpu_optimizer_d2h_h2d and not optimizer.optimizer_cpu_offload:
+        problems.append(("optimizer.overlap_cpu_optimizer_d2h_h2d", "is read only with --optimizer-cpu-offload: add "
+                                                                    "it or drop this flag"))
+    return problems
+
+
+def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Problems:
+    """SGLang's MoE engine options against the engine's GPUs and the model (SGLang checks them at start)."""
+    if engine_kind(config.rollout.engine, config.cluster.device) != "sglang":
+        return []
+    options = config.sglang.server_options()
+    gpus = config.cluster.rollout_num_gpus_per_engine
+    problems = []
+    if int(options.get("dp_size") or 1) > 1 and not options.get("enable_dp_attention"):
+        problems.append(("sglang.extra_args.dp_size", (
+            f"{options['dp_size']} without enable_dp_attention starts {options['dp_size']} server replicas of "
+            f"{gpus} GPU(s) each, but an engine has rollout_num_gpus_per_engine = {gpus} GPUs: add "
+            f"--sglang-enable-dp-attention (attention data parallelism inside the engine) or run more engines")))
+    attention_dp = attention_dp_size(options)
+    if gpus % attention_dp:
+        problems.append(("sglang.extra_args.dp_size", f"attention DP {attention_dp} does not divide the engine's "
+                                                      f"{gpus} GPUs (rollout_num_gpus_per_engine)"))
+    if options.get("enable_dp_lm_head") and attention_dp == 1:
+        problems.append(("sglang.extra_args.enable_dp_lm_head", "needs attention DP (SGLang): add "
+                                                                "--sglang-enable-dp-attention --sglang-dp-size N"))
+    dense_tp = options.get("moe_dense_tp_size")
+    if dense_tp is not None and dense_tp not in (1, gpus):
+        problems.append(("sglang.extra_args.moe_dense_tp_size", f"{dense_tp}: SGLang takes 1 or the engine's TP size "
+                                                                f"({gpus})"))
+    ep_key = "ep_size" if "ep_size" in options else "expert_parallel_size"
+    ep = int(options.get(ep_key) or 1)
+    if ep > 1 and arch is not None and not arch.is_moe:
+        problems.append((f"sglang.extra_args.{ep_key}", f"{ep}: the model is dense (no experts to split); drop it"))
+    elif ep > 1 and arch is not None:
+        if gpus % ep:
+            problems.append((f"sglang.extra_args.{ep_key}", f"EP {ep} does not divide the engine's {gpus} GPUs "
+                                                            f"(rollout_num_gpus_per_engine)"))
+        slots = (arch.num_moe_experts or 0) + int(options.get("ep_num_redundant_experts") or 0)
+        if slots % ep:
+            problems.append((f"sglang.extra_args.{ep_key}", (
+                f"the model's {arch.num_moe_experts} experts (+ ep_num_redundant_experts) = {slots} do not split "
+                f"over EP {ep}: add --sglang-ep-num-redundant-experts to make them divide, or change EP")))
+    return problems
+
+
+def device_notes(config: RunConfig, arch: ModelArchitecture | None) -> list[str]:
+    """One line per GPU-only choice that a cpu run keeps, saying what runs instead (the same numerics)."""
+    if config.cluster.device != "cpu":
+        return []
+    training, optimizer = config.training, config.optimizer
+    notes = []
+    if arch is not None and arch.is_moe and training.moe_grouped_gemm:
+        notes.append("--moe-grouped-gemm is a GPU kernel choice; on cpu each local expert runs as its own matmul, "
+                     "with the same numerics")
+    if arch is not None and arch.is_moe and training.moe_permute_fusion:
+        notes.append("--moe-permute-fusion is a GPU kernel choice; on cpu tokens are permuted by plain torch ops, "
+                     "with the same numerics")
+    offload = [flag for flag, on in (("--optimizer-cpu-offload", optimizer.optimizer_cpu_offload),
+                                     ("--overlap-cpu-optimizer-d2h-h2d", optimizer.overlap_cpu_optimizer_d2h_h2d),
+                                     ("--use-precision-aware-optimizer", optimizer.use_precision_aware_optimizer))
+               if on]
+    if offload:
+        notes.append(f"{' '.join(offload)}: Megatron's GPU optimizer options; on cpu the trainer's Adam keeps its "
+                     f"fp32 state in host memory already, so they change nothing")
+    return notes

@@ -1,0 +1,121 @@
+"""How many parameters a model has, where Megatron and SGLang place them, and how many a token uses.
+
+Owns: counting a `ModelArchitecture`'s parameters by kind (embeddings, attention, dense MLP, routed
+experts, shared experts, routers, norms), per layer range (a pipeline stage), split into the parts that
+tensor parallelism divides, that expert parallelism divides and that every rank replicates; and the
+active count (a token uses top-k of the routed experts). The vocabulary is counted unpadded (Megatron's
+padding adds < 0.1%). Pure arithmetic for `hpc_rl.config.memory_plan`; checked against the published
+totals of Qwen3-4B, Qwen3-30B-A3B and GLM-4.5-Air in the unit tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpc_rl.config.model import ModelArchitecture
+
+
+@dataclass(frozen=True)
+class ParameterShare:
+    """Parameters of a set of layers (and embeddings), by how parallelism splits them."""
+
+    tensor_parallel: int = 0
+    """Split over TP: q/k/v/out projections and their biases, dense MLPs, shared experts."""
+    vocab_parallel: int = 0
+    """Split over the vocabulary's TP ranks: input embedding, untied output layer."""
+    attention: int = 0
+    """Of tensor_parallel: the attention projections (SGLang splits them over its attention-TP group)."""
+    dense_mlp: int = 0
+    """Of tensor_parallel: the dense MLPs (SGLang splits them over --moe-dense-tp-size in MoE models)."""
+    experts: int = 0
+    """Routed experts: split over EP x ETP."""
+    replicated: int = 0
+    """On every rank: norms, q/k norms, routers and their expert biases."""
+    active_experts: int = 0
+    """Of experts: the top-k share a token passes through."""
+
+    def __add__(self, other: ParameterShare) -> ParameterShare:
+        return ParameterShare(*(a + b for a, b in zip(self._values(), other._values())))
+
+    def _values(self) -> tuple[int, ...]:
+        return (self.tensor_parallel, self.vocab_parallel, self.attention, self.dense_mlp, self.experts,
+                self.replicated, self.active_experts)
+
+    @property
+    def total(self) -> int:
+        return self.tensor_parallel + self.vocab_parallel + self.experts + self.replicated
+
+    @property
+    def active(self) -> int:
+        return self.total - self.experts + self.active_experts
+
+    @property
+    def dense(self) -> int:
+        """Everything but the routed experts (what the dense optimizer shards hold)."""
+        return self.total - self.experts
+
+
+def _attention(arch: ModelArchitecture) -> ParameterShare:
+    h, d = arch.hidden_size, arch.kv_channels
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    weights = h * q + 2 * h * kv + q * h
+    biases = (q + 2 * kv if arch.add_qkv_bias or arch.add_bias_linear else 0) + (h if arch.add_bias_linear else 0)
+    norms = h + (2 * d if arch.qk_layernorm else 0) + (h if arch.post_sublayer_norms else 0)
+    return ParameterShare(tensor_parallel=weights + biases, attention=weights + biases, replicated=norms)
+
+
+def _swiglu(arch: ModelArchitecture, inner: int) -> int:
+    return 3 * arch.hidden_size * inner + (2 * inner + arch.hidden_size if arch.add_bias_linear else 0)
+
+
+def _mlp(arch: ModelArchitecture, moe: bool) -> ParameterShare:
+    h = arch.hidden_size
+    norms = h + (h if arch.post_sublayer_norms else 0)
+    if not moe:
+        mlp = _swiglu(arch, arch.ffn_hidden_size)
+        return ParameterShare(tensor_parallel=mlp, dense_mlp=mlp, replicated=norms)
+    experts = arch.num_moe_experts or 0
+    one_expert = _swiglu(arch, arch.moe_ffn_hidden_size or arch.ffn_hidden_size)
+    shared = _swiglu(arch, arch.moe_shared_expert_intermediate_size) if arch.moe_shared_expert_intermediate_size else 0
+    router = experts * h + (experts if arch.moe_router_enable_expert_bias else 0)
+    return ParameterShare(tensor_parallel=shared, experts=experts * one_expert, replicated=norms + router,
+                          active_experts=arch.moe_router_topk * one_expert)
+
+
+def layer_range_share(arch: ModelArchitecture, first: int, last: int, *, embedding: bool,
+                      output: bool) -> ParameterShare:
+    """Layers first..last-1, plus the input embedding and/or the output layer and final norm."""
+    moe_layers = arch.moe_layers()
+    share = ParameterShare()
+    for layer in range(first, last):
+        share = share + _attention(arch) + _mlp(arch, moe_layers[layer])
+    vocab = arch.vocab_size * arch.hidden_size
+    if embedding:
+        share = share + ParameterShare(vocab_parallel=vocab)
+    if output:
+        share = share + ParameterShare(vocab_parallel=0 if arch.tie_word_embeddings and embedding else vocab,
+                                       replicated=arch.hidden_size)
+    return share
+
+
+def model_share(arch: ModelArchitecture) -> ParameterShare:
+    """The whole model (tied embeddings counted once)."""
+    return layer_range_share(arch, 0, arch.num_layers, embedding=True, output=True)
+
+
+def stage_shares(arch: ModelArchitecture, pipeline_stages: int) -> list[ParameterShare]:
+    """Each pipeline stage's layers (an even split, as hpc_rl builds them); a tied output layer on the
+    last stage is a copy of the embedding there."""
+    per_stage = arch.num_layers // pipeline_stages
+    return [layer_range_share(arch, stage * per_stage, (stage + 1) * per_stage, embedding=stage == 0,
+                              output=stage == pipeline_stages - 1)
+            if pipeline_stages > 1 else model_share(arch)
+            for stage in range(pipeline_stages)]
+
+
+def format_count(count: float) -> str:
+    """1234567890 -> '1.23B'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.2f}{suffix}"
+    return str(int(count))
