@@ -11,6 +11,7 @@ other word maps to `<unk>`, so real datasets still load and run (as nonsense) on
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,6 +170,11 @@ def make_tiny_moe_model(output_dir: str | Path, spec: TinyMoeSpec | None = None)
     _randomize_moe(model, spec)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
+    if spec.family == "qwen3_moe":  # the Hub's key (Qwen3-30B-A3B), which transformers 4.x readers (SGLang) know
+        config_file = output_dir / "config.json"
+        fields = json.loads(config_file.read_text())
+        fields["num_experts"] = fields.pop("num_local_experts", spec.num_experts)
+        config_file.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
     return output_dir
 
 

@@ -46,7 +46,6 @@ from hpc_rl.training.offload import TrainerOffload
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.sync_address import weight_sync_address
 from hpc_rl.training.train_batch import TrainBatch, read_batches_file
-from hpc_rl.weights.export import ExpertLayout
 from hpc_rl.weights.sender import LOAD_FORMAT, WeightSender
 
 log = logging.getLogger(__name__)
@@ -204,7 +203,7 @@ class TrainerCommands:
                 self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size, rank=self.info.rank,
                 world_size=self.info.world_size, engine_tp_size=command.engine_tp_size,
                 bucket_bytes=command.bucket_bytes, dtype=None if self.info.on_cpu else torch.bfloat16,
-                api_key=self.engine_api_key, pp_size=self.info.pp_size, experts=ExpertLayout.current(self.arch))
+                api_key=self.engine_api_key, pp_size=self.info.pp_size)
         index = self.colocated_sender.engine_index
         url = command.engine_urls[index] if index < len(command.engine_urls) else ""
         return self.colocated_sender.sync(version=command.weight_version, engine_url=url,
@@ -220,8 +219,7 @@ class TrainerCommands:
             self.sender = WeightSender(self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size,
                                        dp_rank=self.info.dp_rank, rank=self.info.rank,
                                        bucket_bytes=command.bucket_bytes, dtype=dtype, pp_group=pp_group,
-                                       pp_rank=self.info.pp_rank, pp_size=self.info.pp_size,
-                                       experts=ExpertLayout.current(self.arch))
+                                       pp_rank=self.info.pp_rank, pp_size=self.info.pp_size)
         self.sender.set_bucket_bytes(command.bucket_bytes)
         plan = self.sender.plan_buckets()
         if self.info.rank == 0:

@@ -6,7 +6,10 @@ stage: the embedding on the first stage, the final norm and output layer on the 
 layers Megatron assigns to the stage (an even split; `num_layers` must divide by PP). With tied
 embeddings and PP > 1 the last stage holds a copy of the embedding as its output layer, made equal
 to the first stage's at build time and kept equal by `finalize_model_grads` (embedding group).
-Does not own weights (see `hpc_rl.weights.hf_import` / `hpc_rl.training.checkpoint`), process
+MoE architectures get the architecture's routing math and the `training` section's MoE settings under
+Megatron's names (`moe_config_fields`); on CPU the GPU-only kernel choices are turned off
+(`cpu_switch.cpu_moe_overrides`, the same numerics) and Megatron's MoE layer is made runnable
+(`cpu_switch.prepare_megatron_moe`). Does not own weights (see `hpc_rl.weights.hf_import` / `hpc_rl.training.checkpoint`), process
 groups (`parallel`) or running the stages (`pipeline`).
 
 Vocabulary padding: the embedding is padded to a multiple of `VOCAB_PAD_MULTIPLE` that does not
@@ -90,12 +93,16 @@ def transformer_config(
     dtype = params_dtype or (torch.float32 if on_cpu else torch.bfloat16)
     extra = cpu_fusion_overrides() if on_cpu else {}
     moe = moe_config_fields(arch, training)
+    if moe and training.tensor_model_parallel_size > 1 and not training.sequence_parallel:
+        raise ValueError(f"training.tensor_model_parallel_size={training.tensor_model_parallel_size} with a MoE model "
+                         f"needs training.sequence_parallel (--sequence-parallel): Megatron's MoE layer refuses to "
+                         f"train under TP without it")
     if on_cpu and moe:
         moe, notes = cpu_moe_overrides(moe)
-        for note in notes:  # once per process: one line, not one per model built
+        for note in notes:  # once per process (submit prints the user's note line; this is the trainer's log)
             if note not in _noted:
                 _noted.add(note)
-                log.warning("%s", note)
+                log.info("%s", note)
     recompute = {}
     if training.recompute_granularity:
         recompute = {

@@ -30,7 +30,7 @@ from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.protocol.http_client import EngineHTTPTransportError, request_blocking
 from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights.colocated import serialize_share, update_weights_from_tensor_body
-from hpc_rl.weights.export import NO_EXPERTS, ExpertLayout, export_param, named_megatron_params
+from hpc_rl.weights.export import ExpertLayout, export_param, named_megatron_params
 from hpc_rl.weights.hf_mapping import export_dtype
 from hpc_rl.weights.sender import WeightSender
 
@@ -60,7 +60,7 @@ class ColocatedWeightSender:
     def __init__(self, model: torch.nn.Module, arch: ModelArchitecture, *, tp_group: dist.ProcessGroup | None,
                  tp_size: int, rank: int, world_size: int, engine_tp_size: int, bucket_bytes: int,
                  dtype: torch.dtype | None = None, api_key: str | None = None, pp_size: int = 1,
-                 experts: ExpertLayout = NO_EXPERTS) -> None:
+                 experts: ExpertLayout | None = None) -> None:
         if pp_size > 1:
             raise ValueError("colocated weight updates need pipeline_model_parallel_size 1 (every rank sends full "
                              "tensors to the engine on its GPU); use decoupled mode with pipeline parallelism")
@@ -68,7 +68,7 @@ class ColocatedWeightSender:
             raise ValueError(f"{world_size} trainer ranks do not split into engines of {engine_tp_size} GPUs")
         self.params = named_megatron_params(model)
         self.arch, self.tp_group, self.rank, self.api_key = arch, tp_group, rank, api_key
-        self.experts = experts
+        self.experts = experts if experts is not None else ExpertLayout.current(arch)
         self.engine_index, self.engine_rank = colocated_engine_of(rank, engine_tp_size)
         self.engine_tp_size = engine_tp_size
         self._planner = WeightSender(model, arch, tp_group=tp_group, tp_size=tp_size, dp_rank=0, rank=rank,

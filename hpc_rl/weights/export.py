@@ -106,12 +106,11 @@ def gather_full(megatron_name: str, local: torch.Tensor, tp_group: dist.ProcessG
 def gather_expert(megatron_name: str, params: Mapping[str, torch.Tensor], experts: ExpertLayout) -> torch.Tensor:
     """One routed expert's full tensor on every rank of this expert replica (expert-TP x EP): its EP
     rank gathers it over the expert-TP group, then broadcasts it over the EP group."""
+    if experts.ep_size == 1:
+        return gather_full(megatron_name, params[megatron_name], experts.tp_group)
     owner = experts.owner(megatron_name)
-    if experts.ep_size == 1 or owner == experts.ep_rank:
-        full = gather_full(megatron_name, params[megatron_name], experts.tp_group)
-        if experts.ep_size == 1:
-            return full
-        full = full.contiguous()
+    if owner == experts.ep_rank:
+        full = gather_full(megatron_name, params[megatron_name], experts.tp_group).contiguous()
     else:
         template = params[experts.template(megatron_name)]
         full = torch.empty(full_shape(megatron_name, template.shape, experts.tp_size), dtype=template.dtype,
@@ -122,7 +121,7 @@ def gather_expert(megatron_name: str, params: Mapping[str, torch.Tensor], expert
 
 
 def full_tensor(megatron_name: str, params: Mapping[str, torch.Tensor], tp_group: dist.ProcessGroup | None,
-                experts: ExpertLayout = NO_EXPERTS) -> torch.Tensor:
+                experts: ExpertLayout) -> torch.Tensor:
     """The full tensor of one parameter: a collective on the TP group (dense), on the expert replica
     (routed experts)."""
     if hf_mapping.is_expert_param(megatron_name):
@@ -131,16 +130,21 @@ def full_tensor(megatron_name: str, params: Mapping[str, torch.Tensor], tp_group
 
 
 def export_param(megatron_name: str, params: Mapping[str, torch.Tensor], arch: ModelArchitecture,
-                 tp_group: dist.ProcessGroup | None, experts: ExpertLayout = NO_EXPERTS) -> list[tuple[str, torch.Tensor]]:
-    """HF (name, full tensor) pairs of one Megatron parameter (a collective: see `full_tensor`)."""
+                 tp_group: dist.ProcessGroup | None, experts: ExpertLayout | None = None,
+                 ) -> list[tuple[str, torch.Tensor]]:
+    """HF (name, full tensor) pairs of one Megatron parameter (a collective: see `full_tensor`).
+    `experts`: None reads the layout from Megatron's groups (a MoE model needs them initialised)."""
+    if experts is None:
+        experts = ExpertLayout.current(arch) if hf_mapping.is_expert_param(megatron_name) else NO_EXPERTS
     return hf_mapping.to_hf(megatron_name, full_tensor(megatron_name, params, tp_group, experts), arch)
 
 
 def export_hf_state_dict(model: torch.nn.Module, arch: ModelArchitecture, tp_group: dist.ProcessGroup | None = None,
-                         experts: ExpertLayout = NO_EXPERTS) -> Iterator[tuple[str, torch.Tensor]]:
+                         experts: ExpertLayout | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor this pipeline stage holds (all of them at PP=1), in `hf_mapping.name_map`
     order; all TP ranks of the stage (and, under EP, every rank of its expert replica) must iterate it
-    together."""
+    together. `experts`: None reads the layout from Megatron's groups."""
     params = named_megatron_params(model)
+    experts = experts if experts is not None else ExpertLayout.current(arch)
     for megatron_name, _ in stage_name_map(arch, stage_layout(model)):
         yield from export_param(megatron_name, params, arch, tp_group, experts)

@@ -40,7 +40,6 @@ from hpc_rl.weights.bucket_layout import dtype_from_name, dtype_name, pack_bucke
 from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights import hf_mapping
 from hpc_rl.weights.export import (
-    NO_EXPERTS,
     ExpertLayout,
     export_param,
     full_shape_and_dtype,
@@ -144,9 +143,11 @@ class WeightSender:
     def __init__(self, model: torch.nn.Module, arch: ModelArchitecture, *, tp_group: dist.ProcessGroup | None,
                  tp_size: int, dp_rank: int, rank: int, bucket_bytes: int, dtype: torch.dtype | None = None,
                  pp_group: dist.ProcessGroup | None = None, pp_rank: int = 0, pp_size: int = 1,
-                 experts: ExpertLayout = NO_EXPERTS) -> None:
+                 experts: ExpertLayout | None = None) -> None:
         self.params = named_megatron_params(model)
-        self.arch, self.tp_group, self.tp_size, self.experts = arch, tp_group, tp_size, experts
+        self.arch, self.tp_group, self.tp_size = arch, tp_group, tp_size
+        self.experts = experts if experts is not None else ExpertLayout.current(arch)
+        """Where the routed experts live (None: from Megatron's groups; a dense model has none)."""
         self.dp_rank, self.rank, self.bucket_bytes = dp_rank, rank, bucket_bytes
         self.pp_group, self.pp_rank, self.pp_size = pp_group, pp_rank, pp_size
         if pp_size > 1 and pp_group is None:

@@ -3,7 +3,8 @@
 Owns: the engine's weight-update groups (joined through `hpc_rl.weights.process_group`), receiving
 one bucket from trainer rank 0 (per tensor, or one `flattened_bucket` laid out by
 `hpc_rl.weights.bucket_layout`), reading a colocated share from shared memory
-(`hpc_rl.weights.colocated`), and copying tensors into the model by HF parameter name. The
+(`hpc_rl.weights.colocated`), and copying tensors into the model by HF parameter name (the
+checkpoint's names, also for MoE experts that transformers keeps fused in memory). The
 scheduler decides when these run (between decode steps); this module never touches requests.
 """
 
@@ -20,10 +21,32 @@ from hpc_rl.weights.colocated import read_shared_memory_bucket
 from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
 
 
+def fused_expert_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each routed expert's weights under the checkpoint's names, as views into transformers 5's fused
+    expert tensors (Qwen3-MoE, GLM-4.5 and the other `*Experts` modules): `<prefix>.gate_up_proj`
+    [E, 2I, H] holds expert K's `<prefix>.K.gate_proj.weight` in rows [K, :I] and its `up_proj` in
+    [K, I:]; `<prefix>.down_proj` [E, H, I] holds `<prefix>.K.down_proj.weight` at [K] (transformers'
+    own checkpoint conversion: MergeModulelist(dim=0), Concatenate(dim=1)). Writing a view writes the
+    model's tensor, so weight updates by HF name reach fused experts like any other parameter."""
+    views: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3):
+            continue
+        inner = gate_up.shape[1] // 2
+        for expert in range(gate_up.shape[0]):
+            views[f"{prefix}.{expert}.gate_proj.weight"] = gate_up[expert, :inner]
+            views[f"{prefix}.{expert}.up_proj.weight"] = gate_up[expert, inner:]
+            views[f"{prefix}.{expert}.down_proj.weight"] = down[expert]
+    return views
+
+
 def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer by HF name, tied aliases included (e.g. `lm_head.weight`)."""
+    """Every parameter and buffer by HF name, tied aliases included (e.g. `lm_head.weight`), and fused
+    experts under their per-expert checkpoint names (`fused_expert_views`)."""
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(dict(model.named_buffers(remove_duplicate=False)))
+    tensors.update(fused_expert_views(model))
     return tensors
 
 
