@@ -90,8 +90,8 @@ def check_routed_experts(batch: TrainBatch, *, num_layers: int, topk: int) -> No
         if tuple(routing.shape[1:]) != (num_layers, topk):
             raise ValueError(f"sample {index}: routed experts of shape {tuple(routing.shape)}, expected "
                              f"[rows, {num_layers}, {topk}] (the model's num_layers and moe_router_topk)")
-        trained = [i for i, flag in enumerate(mask) if flag]
-        needed = len(tokens) - response + trained[-1] if trained else 0
+        last_trained = next((i for i in range(len(mask) - 1, -1, -1) if mask[i]), None)  # usually the last
+        needed = 0 if last_trained is None else len(tokens) - response + last_trained
         if len(routing) < needed:
             raise ValueError(f"sample {index}: the engine's routed experts cover its first {len(routing)} tokens, "
                              f"but its trained tokens depend on the first {needed}")
