@@ -166,10 +166,14 @@ class RoutingReplay:
         return router_tokens(micro, sp_size=self.sp_size, sp_rank=self.sp_rank)
 
     def _keep(self, micro: MicroBatch) -> None:
+        if not self.routers:  # a pipeline stage of dense layers only
+            return
         indices = [router.router_replay.get_recorded_indices() for _, router in self.routers]
         self._recorded[id(micro)] = torch.stack(indices).to("cpu", self._record_dtype)
 
     def _replay(self, micro: MicroBatch, batch: TrainBatch | None, keep_for_backward: bool) -> None:
+        if not self.routers:  # a pipeline stage of dense layers only
+            return
         tokens = self._tokens(micro)
         if batch is not None:
             assert batch.routed_experts is not None

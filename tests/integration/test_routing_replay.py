@@ -10,7 +10,8 @@ and equal the DP2 layout's under the same shifted routing, so the layouts agree 
 Then, at EP2, training steps: with rollout routing replay the reference model keeps its own routing (the
 KL to it is > 0 under the shifted routing, 0 under the natural one), the step's router metrics say the
 replayed routing was used for every token and how often the trainer would have chosen it itself; with
-`use_routing_replay` and two steps per rollout, the old-log-prob pass's record is what both steps use;
+`use_routing_replay` and two steps per rollout, the old-log-prob pass's record is what both steps use (with
+the engines' log-probs as the old ones, a pass that only records);
 with a capacity factor and an aux loss (no replay), the dropped fraction and the aux loss per layer.
 """
 
@@ -56,7 +57,7 @@ def make_batch():
                       rewards=[rng.gauss(0, 1) for _ in tokens], rollout_logprobs=[[-1.0] * r for r in responses])
 
 
-def build(hf_dir: str, *, kl: bool = False, **training_fields):
+def build(hf_dir: str, *, kl: bool = False, rollout_logprobs: bool = False, **training_fields):
     from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.training.parallel import init_parallel
@@ -66,7 +67,7 @@ def build(hf_dir: str, *, kl: bool = False, **training_fields):
                                  **training_fields})
     info = init_parallel(training, device="cpu")
     algorithm = AlgorithmConfig(use_kl_loss=kl, kl_loss_coef=0.1 if kl else 0.0, kl_loss_type="low_var_kl",
-                                eps_clip=0.2)
+                                eps_clip=0.2, use_rollout_logprobs=rollout_logprobs)
     parts = build_trainer(arch=moe_arch(), training=training, algorithm=algorithm,
                           optimizer_config=OptimizerConfig(lr=0.05, lr_warmup_iters=0, clip_grad=0.0),
                           checkpoints=CheckpointConfig(hf_checkpoint=hf_dir), info=info)
@@ -150,10 +151,12 @@ def training_steps(hf_dir: str, batch, natural_tables: dict[int, np.ndarray]) ->
         mine, indices = share(batch, info)
         steps[kind] = parts.trainer.train_rollout(with_routing(mine, tables, indices))
         parallel_state.destroy_model_parallel()
-    parts, info = build(hf_dir, expert_model_parallel_size=2, use_rollout_routing_replay=False,
-                        use_routing_replay=True, num_steps_per_rollout=2, global_batch_size=2)
-    steps["recorded"] = parts.trainer.train_rollout(share(batch.select(range(4)), info)[0])
-    parallel_state.destroy_model_parallel()
+    for kind, engine_logprobs in (("recorded", False), ("recorded_only", True)):  # old-log-prob pass / none
+        parts, info = build(hf_dir, expert_model_parallel_size=2, use_rollout_routing_replay=False,
+                            use_routing_replay=True, num_steps_per_rollout=2, global_batch_size=2,
+                            rollout_logprobs=engine_logprobs)
+        steps[kind] = parts.trainer.train_rollout(share(batch.select(range(4)), info)[0])
+        parallel_state.destroy_model_parallel()
     parts, info = build(hf_dir, expert_model_parallel_size=2, use_rollout_routing_replay=False,
                         moe_expert_capacity_factor=0.5, moe_aux_loss_coeff=0.01)
     steps["capacity"] = parts.trainer.train_rollout(share(batch, info)[0])
@@ -192,9 +195,10 @@ def test_replay_lays_every_tokens_routing_out_in_every_parallel_layout(tmp_path:
         for layer in (1, 2, 3):
             assert 1.0 <= natural[f"moe/max_over_mean_load/layer_{layer}"] <= NUM_EXPERTS / TOPK
         assert "moe/max_over_mean_load/layer_0" not in natural  # the dense layer
-        first, second = rank["steps"]["recorded"]
-        assert first["moe/replayed_routing_agreement"] == second["moe/replayed_routing_agreement"] == 1.0
-        assert first["moe/routing_agreement"] > 0.99  # the record is the routing at these weights
+        for kind in ("recorded", "recorded_only"):
+            first, second = rank["steps"][kind]
+            assert first["moe/replayed_routing_agreement"] == second["moe/replayed_routing_agreement"] == 1.0, kind
+            assert first["moe/routing_agreement"] > 0.99, kind  # the record is the routing at these weights
         capacity = rank["steps"]["capacity"][0]  # no replay: no agreement; drops and the aux loss reported
         assert "moe/routing_agreement" not in capacity and "moe/dropped_fraction/layer_0" not in capacity
         assert 0.0 < capacity["moe/dropped_fraction"] < 1.0 and capacity["moe/load_balancing_loss"] > 0.0
