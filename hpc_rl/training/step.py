@@ -46,9 +46,9 @@ from hpc_rl.training.losses import (
     PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for, sum_of_sample_mean, sum_of_tokens,
 )
 from hpc_rl.training.micro_batches import MicroBatch, build_microbatch, choose_qkv_format
+from hpc_rl.training.moe_routing import MoeRouting
 from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
 from hpc_rl.training.parallel import ParallelInfo
-from hpc_rl.training.moe_routing import MoeRouting
 from hpc_rl.training.pipeline import NO_HOOKS, PipelineSchedule, StageHooks
 from hpc_rl.training.train_batch import TrainBatch
 
