@@ -36,6 +36,9 @@ class PluginKind:
     """The positional arguments hpc_rl passes, in order (slime's names)."""
     is_async: bool | None
     """True: must be `async def`; False: must be a plain function; None: either."""
+    keywords: tuple[str, ...] = ()
+    """The arguments hpc_rl passes by name (slime calls some plug-ins with keywords only): each must be a
+    parameter of the function, or it takes **kwargs."""
 
 
 PLUGIN_KINDS: dict[str, PluginKind] = {
@@ -54,6 +57,43 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
                        False),
     # -> None: fills rollout_data["advantages"] and ["returns"]
     "advantage": PluginKind("algorithm.custom_advantage_function_path", ("args", "rollout_data"), False),
+    # -> Sample | None (after generation, before the reward); rollout_id= and evaluation= if it names them
+    "sample_hook": PluginKind("rollout.rollout_sample_hook_path", ("args", "sample"), None),
+    # -> None: marks sample.remove_sample on the kept groups
+    "sample_filter": PluginKind("rollout.rollout_sample_filter_path", ("args", "samples"), False),
+    # -> None: every scored group of the rollout, dropped ones included
+    "all_samples_process": PluginKind("rollout.rollout_all_samples_process_path",
+                                      ("args", "all_samples", "data_source"), False),
+    # -> bool: skip hpc_rl's rollout/* scalars
+    "rollout_log": PluginKind("rollout.custom_rollout_log_function_path",
+                              ("rollout_id", "args", "samples", "rollout_extra_metrics", "rollout_time"), False),
+    # -> bool: skip hpc_rl's eval/* scalars
+    "eval_rollout_log": PluginKind("eval.custom_eval_rollout_log_function_path",
+                                   ("rollout_id", "args", "data", "extra_metrics"), False),
+    # -> (raw_rewards, rewards): replaces the group normalisation of the rewards
+    "reward_post_process": PluginKind("rollout.custom_reward_post_process_path", ("args", "samples"), False),
+    # trainer ranks: -> None, after the process groups are up
+    "megatron_init": PluginKind("training.custom_megatron_init_path", ("args",), False),
+    # trainer ranks: -> None, before each log-prob pass ("" old, "ref_" reference)
+    "before_log_prob_hook": PluginKind("training.custom_megatron_before_log_prob_hook_path",
+                                       ("args", "model", "store_prefix"), False),
+    # trainer ranks: -> None, before each optimizer step's forward/backward
+    "before_train_step_hook": PluginKind("training.custom_megatron_before_train_step_hook_path",
+                                         ("args", "rollout_id", "step_id", "model", "optimizer",
+                                          "opt_param_scheduler"), False),
+    # trainer ranks: -> None, may change rollout_data["loss_masks"] / ["advantages"] before training
+    "rollout_data_postprocess": PluginKind("algorithm.rollout_data_postprocess_path",
+                                           ("args", "rollout_id", "rollout_data"), False),
+    # trainer ranks: -> this rank's GPTModel (pre_process, post_process by keyword; vp_stage too if it names it)
+    "model_provider": PluginKind("training.custom_model_provider_path", (), False,
+                                 keywords=("pre_process", "post_process")),
+    # trainer ranks: -> None, after a disk weight sync's files are written (publish them on a non-POSIX filesystem)
+    "update_weight_post_write": PluginKind("rollout.custom_update_weight_post_write_path",
+                                           ("args", "version_dir", "rollout_engines"), False),
+    # -> (pg_loss, loss_masks, metrics): slime calls it with keywords only
+    "tis": PluginKind("algorithm.custom_tis_function_path", (), False,
+                      keywords=("args", "pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks",
+                                "total_lengths", "response_lengths")),
 }
 """Every plug-in point hpc_rl calls, by kind."""
 
@@ -61,7 +101,8 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
 def load_plugin(kind: str, path: str, *, base_dir: str | None = None) -> Callable[..., Any]:
     """The callable `path` names, checked against `PLUGIN_KINDS[kind]` (raises PluginError naming the setting)."""
     spec = PLUGIN_KINDS[kind]
-    return load_callable(path, list(spec.params), require_async=spec.is_async, base_dir=base_dir, what=spec.setting)
+    return load_callable(path, list(spec.params), require_async=spec.is_async, base_dir=base_dir, what=spec.setting,
+                         keywords=spec.keywords)
 
 
 class PluginError(ValueError):
@@ -154,8 +195,9 @@ def _import_module(module_name: str, original: str, base_dir: str | None = None)
         ) from exc
 
 
-def _positional_capacity(fn: Callable[..., Any]) -> tuple[int, float, list[str]]:
-    """(required positional count, max positional count (inf with *args), positional names)."""
+def _positional_capacity(fn: Callable[..., Any], keywords: Sequence[str] = ()) -> tuple[int, float, list[str]]:
+    """(required positional count, max positional count (inf with *args), positional names); parameters named in
+    `keywords` are passed by name, so they are not counted as required positionally."""
     sig = inspect.signature(fn)
     required = 0
     maximum: float = 0
@@ -164,12 +206,21 @@ def _positional_capacity(fn: Callable[..., Any]) -> tuple[int, float, list[str]]
         if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
             names.append(p.name)
             maximum += 1
-            if p.default is inspect.Parameter.empty:
+            if p.default is inspect.Parameter.empty and not (
+                    p.name in keywords and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD):
                 required += 1
         elif p.kind is inspect.Parameter.VAR_POSITIONAL:
             maximum = float("inf")
-        elif p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty:
+        elif (p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty
+              and p.name not in keywords):
             raise PluginError(f"has a required keyword-only parameter {p.name!r} that hpc_rl never passes")
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    by_name = {p.name for p in sig.parameters.values() if p.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    unknown = [k for k in keywords if k not in by_name]
+    if unknown and not takes_any:
+        raise PluginError(f"is called with the keyword argument(s) {', '.join(unknown)}, which it does not take "
+                          f"(name them as parameters or add **kwargs)")
     return required, maximum, names
 
 
@@ -196,6 +247,7 @@ def load_callable(
     require_async: bool | None = None,
     base_dir: str | None = None,
     what: str = "plug-in",
+    keywords: Sequence[str] = (),
 ) -> Callable[..., Any]:
     """Import the callable named by ``path`` and check it can be called as ``fn(*expected_params)``.
 
@@ -207,6 +259,7 @@ def load_callable(
     check_names: also require the leading positional parameter names to equal ``expected_params``.
     require_async: True -> must be ``async def``; False -> must not be; None -> either.
     what: the plug-in's role for error messages, e.g. ``"--custom-rm-path"``.
+    keywords: the arguments hpc_rl will pass by name: each must be a parameter (or **kwargs must take it).
 
     Raises :class:`PluginError` naming the path and the problem.
     """
@@ -225,7 +278,7 @@ def load_callable(
     if expected_params is not None:
         n = len(expected_params)
         try:
-            required, maximum, names = _positional_capacity(obj)
+            required, maximum, names = _positional_capacity(obj, keywords)
         except PluginError as exc:
             raise PluginError(f"{what} {path!r}: {exc}") from None
         except (TypeError, ValueError):

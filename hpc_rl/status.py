@@ -2,21 +2,28 @@
 
 Owns: asking the live controller (StatusRequest over the authenticated protocol, address from
 `<run_dir>/controller.address`), falling back to the last `status.json` the controller wrote, and
-adding Slurm's view (`squeue`/`sacct`) when the run was submitted to Slurm; printing it readably
-(or as JSON with --json).
+adding Slurm's view (`squeue`/`sacct`) when the run was submitted to Slurm; whether the run still lives
+(`run_lock`: the lock's holder by Slurm's job state, its pid or its heartbeat; a status.json that says
+"running" with no holder left is a run that ended without recording it): a dead run is shown as
+"dead since <time>" with why and the last line of its log, and its status.json is corrected (when it can
+be written); printing it readably (or as JSON with --json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from hpc_rl.controller.address import CONTROLLER_ADDRESS_FILE
+from hpc_rl.launch.run_lock import Liveness, LockHolder, holder_liveness, read_lock
 from hpc_rl.protocol import BlockingClient, Hello, load_secret, secret_path
 from hpc_rl.protocol.messages import StatusReply, StatusRequest
+from hpc_rl.telemetry.run_files import write_text_atomically
 
 
 class StatusUnavailable(Exception):
@@ -72,6 +79,51 @@ def saved_status(run_dir: Path) -> tuple[dict[str, Any], str]:
     return status, "status.json (run ended)" if ended else "status.json (controller not running)"
 
 
+def last_log_line(run_dir: Path) -> str:
+    """The last non-empty line of the run's controller log ('' if none)."""
+    try:
+        with open(run_dir / "logs" / "controller.log", "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 65536))
+            lines = [line for line in handle.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def dead_run(run_dir: Path, status: dict[str, Any], holder: LockHolder | None,
+             liveness: Liveness | None) -> dict[str, Any] | None:
+    """Why and since when the run is dead although nothing recorded its end; None when it lives (its lock's
+    holder does) or it ended and said so."""
+    if status.get("state") not in (None, "running"):  # it ended and said so (a Slurm job's lock stays)
+        return None
+    if holder is not None and liveness is not None:
+        if liveness.alive:
+            return None
+        return {"dead_since": holder.heartbeat_at, "why": f"{holder.describe()}: {liveness.why}"}
+    if status.get("state") != "running":  # no holder, and nothing says it ever ran
+        return None
+    times = [t for t in (status.get("updated_at"), _mtime(run_dir / "logs" / "controller.log")) if t]
+    return {"dead_since": max(times) if times else None,
+            "why": "no process holds the run dir and status.json was not updated at its end"}
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def _record_death(run_dir: Path, status: dict[str, Any]) -> None:
+    """status.json says what status found (best effort: the disk may still be full)."""
+    saved = {k: v for k, v in status.items() if k not in ("source", "slurm")}
+    try:
+        write_text_atomically(run_dir / "status.json", json.dumps(saved, indent=1, default=str))
+    except OSError:
+        pass
+
+
 def collect_status(run_dir: Path) -> dict[str, Any]:
     why_not_live = ""
     try:
@@ -80,9 +132,23 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
         status, why_not_live = None, str(error)
     source = "controller (live)"
     if status is None:
+        holder = read_lock(run_dir)
+        liveness = holder_liveness(holder) if holder is not None else None
         status, source = saved_status(run_dir)
+        if liveness is not None and liveness.alive:
+            source = f"status.json; the run lives ({holder.describe()}; {liveness.why})"  # type: ignore[union-attr]
         if why_not_live:
             source += f"; {why_not_live}"
+        dead = dead_run(run_dir, status, holder, liveness)
+        if dead is not None:
+            status.update(state="dead", dead_since=dead["dead_since"], dead_why=dead["why"],
+                          last_log_line=last_log_line(run_dir))
+            if isinstance(status.get("components"), dict):
+                for engine in status["components"].get("engines", {}).values():
+                    engine["state"] = "stopped"
+            _record_death(run_dir, status)
+            source = "status.json and the run dir's lock (the run is dead)"
+            source += f"; {why_not_live}" if why_not_live else ""
     status["source"] = source
     from hpc_rl.launch.slurm_status import describe_slurm_status, read_job_id
 
@@ -91,9 +157,20 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
     return status
 
 
+def _when(stamp: Any) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(stamp)))
+    except (TypeError, ValueError):
+        return "an unknown time"
+
+
 def format_status(status: dict[str, Any]) -> str:
     lines = [f"run dir: {status.get('run_dir', '?')}   (source: {status['source']})"]
-    if status.get("state"):
+    if status.get("state") == "dead":
+        lines.append(f"run: dead since {_when(status.get('dead_since'))} ({status.get('dead_why', '')})")
+        if status.get("last_log_line"):
+            lines.append(f"last log line: {status['last_log_line']}")
+    elif status.get("state"):
         lines.append(f"run: {status['state']}")
     if "rollout_id" in status:
         lines.append(f"rollout {status['rollout_id']}/{status.get('num_rollout', '?')}, weight version "

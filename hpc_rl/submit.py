@@ -20,7 +20,7 @@ from hpc_rl.config.loading import config_to_dict
 from hpc_rl.config.memory_plan import plan_summary
 from hpc_rl.config.validation import ValidationFailed, run_architecture, validate
 from hpc_rl.launch.submit_args import EXIT_INVALID, assign_run_dir, default_executor, parse_submit_args
-from hpc_rl.launch.topology import plan_topology
+from hpc_rl.launch.topology import plan_run_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
 
 __all__ = ["EXIT_INVALID", "main"]
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         options = parse_submit_args(argv)
         config = load_config(options.config_files, options.config_flags)
         validate(config, check_files=options.check_files)
-        topology = plan_topology(config.cluster)
+        topology = plan_run_topology(config)
     except ConfigErrors as errors:
         print(f"hpc_rl.submit: the config has {len(errors.messages)} problem(s); nothing was submitted:", file=sys.stderr)
         print("\n".join(f"  - {m}" for m in errors.messages), file=sys.stderr)
@@ -74,15 +74,36 @@ def main(argv: list[str] | None = None) -> int:
         print("dry run: the config is valid; nothing was started or submitted.")
         return 0
     config = assign_run_dir(config)
-    write_resolved_config(config, config.run_dir)
-    create_secret(secret_path(config.run_dir), overwrite=True)
-    if executor == "local":
-        from hpc_rl.launch.local import run_local
+    from hpc_rl.launch.run_attempts import finished_already, keep_previous_config
+    from hpc_rl.launch.run_lock import RunDirLocked, acquire
 
-        return run_local(config)
-    from hpc_rl.launch.slurm_submit import submit_slurm
+    try:  # before anything is written: a live run's secret and config stay as they are
+        lock = acquire(config.run_dir, role="submit")
+    except RunDirLocked as busy:
+        print(f"hpc_rl.submit: {busy}; nothing was started", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        if lock.taken_over is not None and lock.taken_over[0].pid != lock.holder.pid:
+            print(f"hpc_rl.submit: taking over {config.run_dir} from a run that is gone "
+                  f"({lock.taken_over[0].describe()}; {lock.taken_over[1]})", file=sys.stderr)
+        done = finished_already(config)
+        if done is not None:
+            print(f"hpc_rl: {done}", flush=True)
+            return 0
+        changes = keep_previous_config(config.run_dir, config)
+        if changes:
+            print(f"hpc_rl.submit: {changes}", file=sys.stderr, flush=True)
+        write_resolved_config(config, config.run_dir)
+        create_secret(secret_path(config.run_dir), overwrite=True)
+        if executor == "local":
+            from hpc_rl.launch.local import run_local
 
-    return submit_slurm(config, wait=options.wait)
+            return run_local(config)
+        from hpc_rl.launch.slurm_submit import submit_slurm
+
+        return submit_slurm(config, wait=options.wait, lock=lock)
+    finally:
+        lock.release()  # no-op once the driver (same process) or the queued job holds it
 
 
 if __name__ == "__main__":

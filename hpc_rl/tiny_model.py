@@ -63,6 +63,19 @@ def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     return tokenizer
 
 
+def _config_fields(spec: TinyModelSpec, tokenizer) -> dict:  # noqa: ANN001 - a transformers tokenizer
+    """The HF config fields every tiny family shares (shape, vocabulary, special tokens, float32)."""
+    return dict(
+        vocab_size=len(TINY_VOCAB), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.rms_norm_eps,
+        tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), torch_dtype="float32",
+    )
+
+
 def make_tiny_model(output_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
     """Write a randomly initialised tiny Qwen3 checkpoint + tokenizer to `output_dir`; return it."""
     import torch
@@ -72,23 +85,8 @@ def make_tiny_model(output_dir: str | Path, spec: TinyModelSpec | None = None) -
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(TINY_VOCAB),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=spec.rms_norm_eps,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-        bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        torch_dtype="float32",
-    )
+    config = Qwen3Config(**_config_fields(spec, tokenizer),
+                         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
     torch.manual_seed(spec.seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
     model.save_pretrained(output_dir)
@@ -102,6 +100,9 @@ class TinyMoeSpec(TinyModelSpec):
 
     family: str = "qwen3_moe"
     """qwen3_moe (Qwen3MoeForCausalLM) | glm4_moe (Glm4MoeForCausalLM)."""
+    tie_word_embeddings: bool = False
+    """Untied, as the real checkpoints: SGLang 0.5.23's Qwen3-MoE always builds its own lm_head (a tied
+    checkpoint, which has no lm_head.weight, serves uniform log-probs there)."""
     num_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 32
@@ -140,16 +141,8 @@ def make_tiny_moe_model(output_dir: str | Path, spec: TinyMoeSpec | None = None)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    common = dict(
-        vocab_size=len(TINY_VOCAB), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.rms_norm_eps,
-        tie_word_embeddings=spec.tie_word_embeddings, moe_intermediate_size=spec.moe_intermediate_size,
-        num_experts_per_tok=spec.num_experts_per_tok, norm_topk_prob=True, bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), torch_dtype="float32",
-    )
+    common = dict(_config_fields(spec, tokenizer), moe_intermediate_size=spec.moe_intermediate_size,
+                  num_experts_per_tok=spec.num_experts_per_tok, norm_topk_prob=True)
     if spec.family == "qwen3_moe":
         config = Qwen3MoeConfig(**common, num_experts=spec.num_experts, mlp_only_layers=list(range(spec.dense_layers)),
                                 decoder_sparse_step=1,
@@ -157,7 +150,8 @@ def make_tiny_moe_model(output_dir: str | Path, spec: TinyMoeSpec | None = None)
         model_class = Qwen3MoeForCausalLM
     elif spec.family == "glm4_moe":
         config = Glm4MoeConfig(**common, n_routed_experts=spec.num_experts, n_shared_experts=spec.n_shared_experts,
-                               first_k_dense_replace=spec.dense_layers, routed_scaling_factor=spec.routed_scaling_factor,
+                               first_k_dense_replace=spec.dense_layers,
+                               routed_scaling_factor=spec.routed_scaling_factor,
                                n_group=1, topk_group=1, attention_bias=True, use_qk_norm=False,
                                partial_rotary_factor=0.5,
                                rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta,

@@ -8,13 +8,18 @@
 # What comes up (all on loopback, from Debian's packages; needs root, no systemd):
 #   munged, a private MariaDB on 127.0.0.1:3307 + slurmdbd (accounting: submitit learns that a job was
 #   cancelled or timed out only from sacct), slurmctld, and one slurmd per virtual node node1..nodeN
-#   (N = HPC_RL_SLURM_NODES, default 3; each node: 16 CPUs, 8 fake GPUs = gres files -> /dev/null).
-#   Partitions `debug` (default) and `gpu` both hold every node, so the reference recipes
+#   (N = HPC_RL_SLURM_NODES, default 3; each node: 16 CPUs, 8 fake GPUs = gres files -> /dev/null, so
+#   Slurm itself sets CUDA_VISIBLE_DEVICES / SLURM_STEP_GPUS in every step that asks for GPUs).
+#   Partitions `debug` (default) and `gpu` both hold node1..nodeN, so the reference recipes
 #   (partition: gpu) can be submitted here too.
+#   Partition `sortorder` holds a second set, node9 node10 node11 (HPC_RL_SLURM_SORTORDER_NODES): names
+#   whose sorted order (node10 < node11 < node9, as torchrun sorts them) differs from Slurm's, for the
+#   multi-node placement tests; no other partition uses them, so other tests never land there.
 # Facts behind the settings: /work/shared/notes/slurm.md (Slurm 22.05 without cgroups or systemd).
 set -euo pipefail
 
 NODES=${HPC_RL_SLURM_NODES:-3}
+SORTORDER_NODES=${HPC_RL_SLURM_SORTORDER_NODES-node9 node10 node11}
 STATE=${HPC_RL_SLURM_STATE:-/var/lib/hpc-rl-slurm}
 CONF_DIR=/etc/slurm
 CLUSTER=hpcrl-local
@@ -72,14 +77,38 @@ write_if_changed() {  # write_if_changed PATH MODE < content
   CONFIG_CHANGED=1
 }
 
+all_nodes() {  # every virtual node's name, node1..nodeN then the sortorder set
+  local i
+  for i in $(seq 1 "$NODES"); do echo "node$i"; done
+  for name in $SORTORDER_NODES; do echo "$name"; done
+}
+
+node_port() {  # node_port NAME: nodeK listens on 6830+K
+  local number=${1#node}
+  [[ "$number" =~ ^[0-9]+$ ]] || die "node name $1 must be node<number>"
+  echo $((6830 + number))
+}
+
+configured_nodes() {  # the node names of the slurm.conf in place (empty when none)
+  [ -f "$CONF_DIR/slurm.conf" ] && grep -oE '^NodeName=[^ ]+' "$CONF_DIR/slurm.conf" | cut -d= -f2 | tr '\n' ' '
+  return 0
+}
+
 write_configs() {
   mkdir -p "$CONF_DIR" "$STATE"/{log,run,ctld,gpu} "$STATE"/spool
   for i in 0 1 2 3 4 5 6 7; do ln -sfn /dev/null "$STATE/gpu/nvidia$i"; done
-  local node_lines="" names=""
-  for i in $(seq 1 "$NODES"); do
-    node_lines+="NodeName=node$i NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((6830 + i)) CPUs=16 RealMemory=64000 Gres=gpu:8 State=UNKNOWN"$'\n'
-    names+="node$i "
+  local node_lines="" names="" gres_lines="" name sortorder_line=""
+  [ -z "$(all_nodes | sort | uniq -d)" ] || die "node names repeat: $(all_nodes | tr '\n' ' ')"
+  for name in $(all_nodes); do
+    node_lines+="NodeName=$name NodeHostname=localhost NodeAddr=127.0.0.1 Port=$(node_port "$name") CPUs=16 RealMemory=64000 Gres=gpu:8 State=UNKNOWN"$'\n'
+    gres_lines+="NodeName=$name Name=gpu File=$STATE/gpu/nvidia[0-7]"$'\n'
+    names+="$name "
   done
+  local first
+  first=$(for i in $(seq 1 "$NODES"); do echo -n "node$i,"; done)
+  if [ -n "$SORTORDER_NODES" ]; then
+    sortorder_line="PartitionName=sortorder Nodes=$(echo $SORTORDER_NODES | tr ' ' ',') Default=NO MaxTime=INFINITE State=UP"
+  fi
   write_if_changed "$CONF_DIR/slurm.conf" 644 <<EOF
 $MARKER
 ClusterName=$CLUSTER
@@ -118,13 +147,14 @@ AccountingStorageHost=localhost
 AccountingStoragePort=6819
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
-${node_lines}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-PartitionName=gpu Nodes=ALL Default=NO MaxTime=INFINITE State=UP
+${node_lines}PartitionName=debug Nodes=${first%,} Default=YES MaxTime=INFINITE State=UP
+PartitionName=gpu Nodes=${first%,} Default=NO MaxTime=INFINITE State=UP
+$sortorder_line
 EOF
   write_if_changed "$CONF_DIR/gres.conf" 644 <<EOF
 $MARKER
 AutoDetect=off
-NodeName=node[1-$NODES] Name=gpu File=$STATE/gpu/nvidia[0-7]
+${gres_lines%$'\n'}
 EOF
   write_if_changed "$CONF_DIR/cgroup.conf" 644 <<EOF
 $MARKER
@@ -186,6 +216,7 @@ EOF
 }
 
 start_slurm() {
+  local previous_nodes=$1 name
   if ! alive "$STATE/run/slurmdbd.pid"; then
     /usr/sbin/slurmdbd
     wait_for 30 slurmdbd sacctmgr -n -i list cluster
@@ -193,15 +224,21 @@ start_slurm() {
   if ! sacctmgr -n -P list cluster format=cluster | grep -qx "$CLUSTER"; then
     sacctmgr -i add cluster "$CLUSTER" >/dev/null
   fi
+  if alive "$STATE/run/slurmctld.pid" && [ "$previous_nodes" != "$(configured_nodes)" ]; then
+    # 22.05 cannot add nodes on reconfigure: restart slurmctld (running jobs are kept in its state)
+    log "node set changed ($previous_nodes-> $(configured_nodes)): restarting slurmctld"
+    stop_pidfile "$STATE/run/slurmctld.pid" slurmctld
+  fi
   if ! alive "$STATE/run/slurmctld.pid"; then
     /usr/sbin/slurmctld -i
+    [ "$CONFIG_CHANGED" = 1 ] && { wait_for 30 slurmctld scontrol ping; scontrol reconfigure || true; }
   elif [ "$CONFIG_CHANGED" = 1 ]; then
     # running jobs keep running: slurmctld and every slurmd re-read slurm.conf
     scontrol reconfigure && log "configuration changed: scontrol reconfigure"
   fi
   wait_for 30 slurmctld scontrol ping
-  for i in $(seq 1 "$NODES"); do
-    alive "$STATE/run/slurmd-node$i.pid" || /usr/sbin/slurmd -N "node$i"
+  for name in $(all_nodes); do
+    alive "$STATE/run/slurmd-$name.pid" || /usr/sbin/slurmd -N "$name"
   done
   # Nodes that were down (e.g. after an unclean stop) come back with ReturnToService=2 once slurmd
   # registers; resume any that stay DOWN/DRAIN.
@@ -210,7 +247,7 @@ start_slurm() {
     states=$(sinfo -h -N -o '%N %T' 2>/dev/null | sort -u)
     if [ -n "$states" ] && ! echo "$states" | grep -qvE ' (idle|mixed|allocated)$'; then break; fi
     if echo "$states" | grep -qE ' (down|drained|draining)'; then
-      scontrol update nodename="node[1-$NODES]" state=resume >/dev/null 2>&1 || true
+      scontrol update nodename="$(all_nodes | tr '\n' ',' | sed 's/,$//')" state=resume >/dev/null 2>&1 || true
     fi
     [ "$SECONDS" -lt "$deadline" ] || die "nodes not idle after 40s: $(echo "$states" | tr '\n' ' ')"
     sleep 0.3
@@ -231,11 +268,13 @@ cmd_up() {
   local start=$SECONDS
   [ "$(id -u)" = 0 ] || die "run as root (the daemons run as root on this test cluster)"
   install_packages
+  local previous_nodes
+  previous_nodes=$(configured_nodes)
   write_configs
   start_munge
   start_mariadb
-  start_slurm
-  log "up in $((SECONDS - start))s: $NODES node(s), partitions debug (default) and gpu"
+  start_slurm "$previous_nodes"
+  log "up in $((SECONDS - start))s: $NODES node(s) in partitions debug (default) and gpu; sortorder: ${SORTORDER_NODES:-none}"
   sinfo
 }
 

@@ -2,7 +2,9 @@
 # The test command of README.md: set up what is missing (tools/setup_env.sh: torch's CPU wheel, then
 # hpc_rl[test], into a venv it creates when none is active), then fast unit tests, then the slow
 # integration tests (real controller, router, CPU engines, torchrun ranks), then the Slurm tests when a
-# cluster is up (tools/local_slurm.sh up starts one; .ci/run does).
+# cluster is up (tools/local_slurm.sh up starts one; .ci/run does). `gpu` (not in the default stages) runs
+# tests/gpu on this node's GPUs: every GPU-only path, each skipped with its reason where CUDA, a second GPU
+# or the GPU environment (requirements/gpu.in) is missing, and a table of what ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup_env.sh
@@ -15,16 +17,16 @@ run() {  # pytest, with "no tests collected" (exit 5) not counted as a failure
   if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then exit "$code"; fi
 }
 
-stages=("$@")  # unit | slow | slurm, any of them (default: all three, in that order)
+stages=("$@")  # unit | slow | slurm | gpu, any of them (default: unit slow slurm, in that order)
 [ "${#stages[@]}" -gt 0 ] || stages=(unit slow slurm)
 for stage in "${stages[@]}"; do
   case "$stage" in
     unit)
       echo "== unit tests"
-      run -q -m "not slow and not slurm" tests --timeout=300 ;;
+      run -q -m "not slow and not slurm and not gpu" tests --timeout=300 ;;
     slow)
       echo "== integration tests (slow: real processes)"
-      run -q -m "slow and not slurm" tests --timeout=900 ;;
+      run -q -m "slow and not slurm and not gpu" tests --timeout=900 ;;
     slurm)
       if [ "${HPC_RL_SLURM_TESTS:-auto}" != "0" ] && command -v sinfo >/dev/null 2>&1 && sinfo -h >/dev/null 2>&1; then
         echo "== Slurm tests (local cluster)"
@@ -32,6 +34,9 @@ for stage in "${stages[@]}"; do
       else
         echo "== Slurm tests skipped: no reachable Slurm cluster (tools/local_slurm.sh up starts one)"
       fi ;;
-    *) echo "usage: $0 [unit] [slow] [slurm]" >&2; exit 2 ;;
+    gpu)
+      echo "== GPU checks (tests/gpu; skipped without CUDA)"
+      run -q -rs -m gpu tests/gpu --timeout=3600 ;;
+    *) echo "usage: $0 [unit] [slow] [slurm] [gpu]" >&2; exit 2 ;;
   esac
 done

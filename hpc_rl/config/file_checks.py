@@ -87,6 +87,15 @@ def path_problems(config: RunConfig) -> list[FileProblem]:
     for dataset in config.eval.eval_prompt_data:
         if not Path(dataset.path).exists():
             problems.append(FileProblem(f"eval.eval_prompt_data[{dataset.name}]", f"{dataset.path} does not exist"))
+    checkpoint = config.checkpoint
+    if checkpoint.ref_ckpt_step is not None and checkpoint.ref_load and Path(checkpoint.ref_load).is_dir():
+        wanted = Path(checkpoint.ref_load) / f"iter_{checkpoint.ref_ckpt_step:07d}"
+        if not wanted.is_dir():
+            problems.append(FileProblem("checkpoint.ref_ckpt_step", f"{wanted} does not exist: no iteration "
+                                        f"{checkpoint.ref_ckpt_step} in ref_load"))
+    custom_config = config.rollout.custom_config_path
+    if custom_config and not Path(custom_config).is_file():
+        problems.append(FileProblem("rollout.custom_config_path", f"{custom_config} does not exist"))
     return problems
 
 
@@ -95,7 +104,15 @@ def prompt_file_problems(config: RunConfig) -> list[FileProblem]:
     keys = DataKeys(input_key=rollout.input_key, label_key=rollout.label_key, metadata_key=rollout.metadata_key,
                     tool_key=rollout.tool_key)
     problems = data_file_problems(rollout.prompt_data, keys, "rollout.prompt_data", skip_bad_lines=rollout.skip_bad_lines)
-    for dataset in config.eval.eval_prompt_data:
-        problems += data_file_problems(dataset.path, keys, f"eval.eval_prompt_data[{dataset.name}]",
+    evaluation = config.eval
+    eval_keys = DataKeys(input_key=evaluation.eval_input_key or keys.input_key,
+                         label_key=evaluation.eval_label_key or keys.label_key, metadata_key=keys.metadata_key,
+                         tool_key=evaluation.eval_tool_key or keys.tool_key)
+    for dataset in evaluation.eval_prompt_data:
+        own_keys = DataKeys(input_key=dataset.input_key or eval_keys.input_key,
+                            label_key=dataset.label_key or eval_keys.label_key,
+                            metadata_key=dataset.metadata_key or eval_keys.metadata_key,
+                            tool_key=dataset.tool_key or eval_keys.tool_key)
+        problems += data_file_problems(dataset.path, own_keys, f"eval.eval_prompt_data[{dataset.name}]",
                                        skip_bad_lines=rollout.skip_bad_lines)
     return problems

@@ -2,7 +2,8 @@
 
 Owns: generating that text from the schema (field docstrings are read from the schema's source with
 `ast`, so the help cannot drift from the code) and from `slime_flags`' tables (Megatron model flags,
-behaviour-stating flags, aliases, refused flags). Nothing here changes a config.
+behaviour-stating flags, aliases, refused flags), and what hpc_rl does with each of slime's own flags
+(`slime_flag_status`), listed in slime's groups. Nothing here changes a config.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from typing import Any
 
 from hpc_rl.config import schema
 from hpc_rl.config.settings_sources import flat_index, section_types
-from hpc_rl.config.slime_flags import ALIASES, COMPAT_FLAGS, MODEL_FLAGS, REFUSED_FLAGS, UNBUILDABLE_MODEL_FLAGS
+from hpc_rl.config.slime_flag_list import GROUP_TITLES, slime_flag_list, slime_list_source
+from hpc_rl.config.slime_flags import (
+    ALIASES, COMPAT_FLAGS, EXPANDING_FLAGS, MODEL_FLAGS, REFUSED_FLAGS, UNBUILDABLE_MODEL_FLAGS,
+)
 from hpc_rl.config.typing_rules import type_name
 
 
@@ -66,6 +70,43 @@ def _names(names: Any) -> str:
     return " ".join("--" + n.replace("_", "-") for n in sorted(names))
 
 
+def slime_flag_status(name: str) -> str:
+    """What hpc_rl does with slime's flag `name` (rollout_batch_size), in one line."""
+    refused = {**REFUSED_FLAGS, **UNBUILDABLE_MODEL_FLAGS}
+    if name in refused:
+        return f"refused: {refused[name]}"
+    if name in COMPAT_FLAGS:
+        compat = COMPAT_FLAGS[name]
+        return f"accepted ({' | '.join(map(str, compat.accepted))}): {compat.behaviour}"
+    if name in ALIASES:
+        return f"-> {ALIASES[name]}"
+    if name in EXPANDING_FLAGS:
+        return "sets " + ", ".join(f"{path} = {template.format('<value>')}" for path, template in EXPANDING_FLAGS[name])
+    if name in MODEL_FLAGS:
+        return "the model architecture (Megatron's model flags)"
+    index = flat_index()
+    if name in index:
+        return f"-> {index[name]}"
+    if name.startswith("no_") and name[3:] in index:
+        return f"-> {index[name[3:]]} = false"
+    return "not known to hpc_rl yet (an unknown setting)"
+
+
+def slime_flag_lines() -> list[str]:
+    """slime's own flags in slime's groups, each with what hpc_rl does with it."""
+    by_group: dict[str, list[str]] = {}
+    for flag in slime_flag_list():
+        by_group.setdefault(flag.group, []).append(f"  {flag.flag}: {slime_flag_status(flag.name)}")
+    commit, date = slime_list_source()
+    lines = [f"slime's own flags (slime/utils/arguments.py of THUDM/slime {commit[:10]}, {date}), by slime's groups:"]
+    for group, title in GROUP_TITLES.items():
+        if group in by_group:
+            lines += [f" {title}:", *by_group.pop(group)]
+    for group, rest in by_group.items():
+        lines += [f" {group}:", *rest]
+    return lines
+
+
 def submit_help(usage: str) -> str:
     lines = [usage.rstrip(), "", "config fields (defaults < YAML files < flags):"]
     for path, flag, kind, default, meaning in field_rows():
@@ -80,4 +121,5 @@ def submit_help(usage: str) -> str:
     lines += ["", "aliases:"] + [f"  --{a.replace('_', '-')} -> {path}" for a, path in ALIASES.items()]
     lines += ["", "refused (with what to do instead):"]
     lines += [f"  --{name.replace('_', '-')}: {reason}" for name, reason in {**REFUSED_FLAGS, **UNBUILDABLE_MODEL_FLAGS}.items()]
+    lines += ["", *slime_flag_lines()]
     return "\n".join(lines)

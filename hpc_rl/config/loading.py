@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from hpc_rl.config.eval_config_file import eval_datasets_from_file
 from hpc_rl.config.megatron_model import architecture_from_flags
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import EvalDataset, RunConfig
@@ -27,7 +28,10 @@ from hpc_rl.config.settings_sources import (
     read_yaml_settings, section_types, yaml_settings_and_problems,
 )
 from hpc_rl.config.settings_sources import _field_hint as field_hint
-from hpc_rl.config.slime_flags import PLUGIN_PATH_FIELDS, SLIME_PLUGIN_PATHS, SLIME_RM_MODULES
+from hpc_rl.config.slime_flags import (
+    APPENDED_FIELDS, PLUGIN_PATH_FIELDS, SLIME_PLUGIN_PATHS, SLIME_RM_MODULES, as_slime_module_path,
+)
+from hpc_rl.config.training_modes import derive_mode_settings
 from hpc_rl.config.typing_rules import ConfigError, ConfigErrors, coerce_value
 
 RESOLVED_CONFIG_NAME = "config.resolved.yaml"
@@ -41,8 +45,18 @@ def _messages(error: ConfigError) -> list[str]:
     return error.messages if isinstance(error, ConfigErrors) else [str(error)]
 
 
+LEGACY_EVAL_NAME = "aime"
+"""slime's name for a lone --eval-prompt-data path (its "[legacy] only one eval_prompt_data" rule)."""
+
+
 def _eval_datasets(value: Any, where: str) -> list[EvalDataset]:
-    """name/path pairs from a flat list [n, p, ...], a mapping {n: p}, or [{name, path}, ...]."""
+    """name/path pairs from a flat list [n, p, ...], a mapping {n: p}, or [{name, path}, ...]; one path
+    alone is named `aime`, as slime names it."""
+    if isinstance(value, str) or isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        path = value if isinstance(value, str) else value[0]
+        log.info("--eval-prompt-data %s: one path without a name; named %r as slime does ([legacy] rule)",
+                 path, LEGACY_EVAL_NAME)
+        return [EvalDataset(name=LEGACY_EVAL_NAME, path=path)]
     if isinstance(value, dict):
         return [EvalDataset(name=str(k), path=str(v)) for k, v in value.items()]
     if isinstance(value, list) and all(isinstance(v, dict) for v in value):
@@ -55,15 +69,17 @@ def _eval_datasets(value: Any, where: str) -> list[EvalDataset]:
 
 
 def _slime_plugin_path(path: str, value: Any, raw: dict[str, dict[str, Any]], where: str) -> Any:
-    """slime's plug-in import paths -> hpc_rl's equivalents, with one log line each."""
-    if not isinstance(value, str) or not value.startswith("slime."):
+    """slime's (and vime's) plug-in import paths -> hpc_rl's equivalents, with one log line each."""
+    slime_value = as_slime_module_path(value) if isinstance(value, str) else None
+    if slime_value is None:
         return value
     flag = "--" + path.split(".")[1].replace("_", "-")
-    module = value.rpartition(".")[0]
-    if value in SLIME_PLUGIN_PATHS:
-        target = SLIME_PLUGIN_PATHS[value]
-        log.info("%s %s is slime's; hpc_rl uses %s", flag, value, target or "its built-in default")
-        return target
+    module = slime_value.rpartition(".")[0]
+    for known in (value, slime_value):
+        if known in SLIME_PLUGIN_PATHS:
+            target = SLIME_PLUGIN_PATHS[known]
+            log.info("%s %s is slime's; hpc_rl uses %s", flag, value, target or "its built-in default")
+            return target
     if path == "rollout.custom_rm_path" and module in SLIME_RM_MODULES:
         rm_type = SLIME_RM_MODULES[module]
         log.info("%s %s is slime's %s reward; hpc_rl uses rm_type %s", flag, value, rm_type, rm_type)
@@ -93,6 +109,8 @@ def _apply_setting(setting: Setting, raw: dict[str, dict[str, Any]], top: dict[s
         raw[section][name] = _eval_datasets(setting.value, where)
     elif setting.path == "sglang.extra_args":
         raw[section].setdefault(name, {}).update(coerce_value(setting.value, dict[str, Any], where))
+    elif setting.path in APPENDED_FIELDS:  # slime's action="append": every occurrence adds
+        raw[section][name] = [*raw[section].get(name, []), *coerce_value(setting.value, field_hint(setting.path), where)]
     else:
         value = coerce_value(setting.value, field_hint(setting.path), where)
         raw[section][name] = _slime_plugin_path(setting.path, value, raw, where) if setting.path in PLUGIN_PATH_FIELDS \
@@ -165,6 +183,13 @@ def build_config(settings: list[Setting]) -> RunConfig:
         except ConfigError as error:
             problems += _messages(error)
     top[MODEL_ARGS_FIELD] = _model_args(raw, top, problems)
+    problems += derive_mode_settings(raw, lambda section, name: _given_or_default(raw, section, name))
+    if raw["eval"].get("eval_config"):  # slime's --eval-config replaces --eval-prompt-data; the resolved config
+        try:                            # keeps the datasets it read (every process reads them, not the file)
+            raw["eval"]["eval_prompt_data"] = eval_datasets_from_file(raw["eval"].pop("eval_config"),
+                                                                      wheres.get("eval.eval_config", "config"))
+        except ConfigError as error:
+            problems += _messages(error)
     _derive_slime_values(raw)
     sections: dict[str, Any] = {}
     for name, section_type in section_types().items():

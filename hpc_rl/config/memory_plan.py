@@ -1,11 +1,12 @@
 """The per-GPU memory plan of a GPU run: what the trainer and the engines hold in each phase, and whether it fits.
 
 Owns: bytes per GPU for the trainer (bf16 weights, the reference model's weights when a KL term needs
-them, fp32 gradient buffers, the distributed optimizer's state on the GPU or in host memory with
+them and a megatron distillation teacher's, fp32 gradient buffers, all but the frozen ones twice with PPO's critic, the distributed optimizer's state on the GPU or in host memory with
 `--optimizer-cpu-offload`, activations at the micro-batch's tokens with and without recompute, the fp32
 log-softmax of the logits) and for an engine (bf16 weights as SGLang splits them, the static pool of
 `mem_fraction_static` that holds weights + KV cache); the phases they share a GPU in (colocated:
-generation, training, weight push; decoupled: each side alone); the problems of a phase over
+generation, training with `training.train_memory_margin_bytes` kept free (vime's --train-memory-margin-bytes, which
+the trainer's onload checks too), weight push; decoupled: each side alone); the problems of a phase over
 `cluster.gpu_memory_gib`; the `--dry-run` text. Pure arithmetic over the config.
 
 These are estimates, written from how Megatron-core 0.16.1 and SGLang 0.5.23 allocate, never measured on a
@@ -243,12 +244,17 @@ def trainer_memory(config: RunConfig, arch: ModelArchitecture, layout: ParallelL
         kept, recompute = _activations(arch, config, range(stage * per_stage, (stage + 1) * per_stage), tokens,
                                        in_flight=layout.pp - stage)
         last = stage == layout.pp - 1
+        # Training modes: the distillation teacher (opd_type megatron) is one more frozen model beside the
+        # reference; PPO's critic is a second trained model of the same size, resident with the actor.
+        frozen = int(bool(config.algorithm.use_kl_loss or config.algorithm.kl_coef)) + int(
+            config.distillation.use_opd and config.distillation.opd_type == "megatron")
+        trained = 2 if config.algorithm.advantage_estimator == "ppo" else 1
         memory = TrainerMemory(
-            parameters=params, dense_parameters=dense, expert_parameters=experts, weights=params * BF16,
-            reference_weights=params * BF16 if config.algorithm.use_kl_loss or config.algorithm.kl_coef else 0,
-            grads=params * FP32, optimizer_on_gpu=int(shards * full * (1 - offloaded)),
-            optimizer_on_gpu_without_offload=int(shards * full),
-            optimizer_in_host=int(shards * HOST_OPTIMIZER_BYTES * offloaded),
+            parameters=params, dense_parameters=dense, expert_parameters=experts, weights=params * BF16 * trained,
+            reference_weights=params * BF16 * frozen,
+            grads=params * FP32 * trained, optimizer_on_gpu=int(shards * full * (1 - offloaded)) * trained,
+            optimizer_on_gpu_without_offload=int(shards * full) * trained,
+            optimizer_in_host=int(shards * HOST_OPTIMIZER_BYTES * offloaded) * trained,
             activations=recompute if training.recompute_granularity == "full" else kept,
             activations_no_recompute=kept, activations_full_recompute=recompute,
             logits=tokens * math.ceil(arch.vocab_size / layout.tp) * LOGITS_BYTES if last else 0, tokens=tokens)
@@ -319,7 +325,8 @@ def _phases(config: RunConfig, t: TrainerMemory, e: EngineMemory) -> tuple[Phase
                ("engine static pool", e.static), ("engine runtime", ENGINE_RUNTIME),
                ("engine process", PROCESS_OVERHEAD))),
         Phase("colocated training", "training", TRAINING_ADVICE,
-              (*training, ("released engine", ENGINE_RELEASED + PROCESS_OVERHEAD))),
+              (*training, ("released engine", ENGINE_RELEASED + PROCESS_OVERHEAD),
+               ("train memory margin", config.training.train_memory_margin_bytes))),
         Phase("colocated weight push", "rollout.update_weight_buffer_size",
               "lower --update-weight-buffer-size, or add --optimizer-cpu-offload",
               (("trainer weights", push_trainer), ("engine weights", e.weights), ("bucket", bucket),

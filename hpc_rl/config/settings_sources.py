@@ -3,7 +3,7 @@
 Owns: the flat slime-style key index (`rollout_batch_size` finds `rollout.rollout_batch_size`, built
 on first use, never at import), resolving a key to its field path, YAML with line numbers, argv
 tokenising (`--flag v1 v2`, `--flag=v`, `--no-flag`, `--set a.b=v`), and routing slime's other
-flags through `hpc_rl.config.slime_flags` (Megatron model flags -> `megatron.<flag>` settings,
+flags through `hpc_rl.config.slime_flags` (and vime's `--vllm-*` through `hpc_rl.config.vllm_flags`) (Megatron model flags -> `megatron.<flag>` settings,
 behaviour-stating flags accepted, aliases renamed, the rest refused with their reason). Every
 problem of a source is collected (`ConfigErrors`), not just the first.
 """
@@ -23,9 +23,11 @@ import yaml
 from hpc_rl.config.moe_layer_freq import LayerFreqError, parse_layer_freq
 from hpc_rl.config.schema import RunConfig, SGLangConfig
 from hpc_rl.config.slime_flags import (
-    ALIASES, COMPAT_FLAGS, MODEL_FLAGS, MODEL_SWITCHES, MODEL_VALUE_FLAGS, REFUSED_FLAGS, UNBUILDABLE_MODEL_FLAGS,
+    ALIASES, COMPAT_FLAGS, EXPANDING_FLAGS, MODEL_FLAGS, MODEL_SWITCHES, MODEL_VALUE_FLAGS, REFUSED_FLAGS,
+    UNBUILDABLE_MODEL_FLAGS,
 )
 from hpc_rl.config.typing_rules import ConfigError, ConfigErrors, coerce_value, parse_cli_scalar
+from hpc_rl.config.vllm_flags import VLLM_PREFIX, vllm_settings
 
 TOP_LEVEL_FIELDS = ("model", "run_dir")
 MODEL_ARGS_FIELD = "model_args"
@@ -123,6 +125,11 @@ def slime_flag_settings(name: str, value: Any, where: str) -> list[Setting] | No
         raise ConfigError(f"{where}: {_flag(name)} is refused: {REFUSED_FLAGS[name]}")
     if name in UNBUILDABLE_MODEL_FLAGS:
         raise ConfigError(f"{where}: {_flag(name)} is refused: {UNBUILDABLE_MODEL_FLAGS[name]}")
+    if name in EXPANDING_FLAGS:
+        return [Setting(path, template.format(value), where) for path, template in EXPANDING_FLAGS[name]]
+    if name.startswith(VLLM_PREFIX) or name.startswith("no_" + VLLM_PREFIX):
+        name = VLLM_PREFIX + "no_" + name[len("no_" + VLLM_PREFIX):] if name.startswith("no_") else name
+        return [Setting(path, setting, where) for path, setting in vllm_settings(name, value, where).items()]
     if name in COMPAT_FLAGS:
         compat = COMPAT_FLAGS[name]
         if _accepts(compat.accepted, value):
@@ -134,6 +141,10 @@ def slime_flag_settings(name: str, value: Any, where: str) -> list[Setting] | No
     if name in ALIASES:
         return [Setting(ALIASES[name], value, where)]
     return None
+
+
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's parser where PyYAML has it (the same nodes and line marks, several times faster)."""
 
 
 def _construct(node: yaml.Node) -> Any:
@@ -175,7 +186,7 @@ def yaml_settings_and_problems(path: str | Path) -> tuple[list[Setting], list[st
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        root = yaml.compose(path.read_text())
+        root = yaml.compose(path.read_text(), Loader=_YAML_LOADER)
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {error}") from error
     if root is None:
@@ -222,11 +233,17 @@ def _tokens(argv: list[str]) -> list[tuple[str, list[str]]]:
     return pairs
 
 
+@functools.cache
+def _section_hints(section: str) -> Mapping[str, Any]:
+    """A section's field types, resolved once (typing.get_type_hints compiles every annotation string each call)."""
+    return MappingProxyType(typing.get_type_hints(section_types()[section]))
+
+
 def _field_hint(path: str) -> Any:
     if path in TOP_LEVEL_FIELDS:
         return str
     section, name = path.split(".", 1)
-    return typing.get_type_hints(section_types()[section])[name]
+    return _section_hints(section)[name]
 
 
 def _is_list_field(path: str) -> bool:

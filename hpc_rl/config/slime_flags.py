@@ -111,9 +111,6 @@ COMPAT_FLAGS: dict[str, CompatFlag] = {
         (True,), "hpc_rl never adds a random suffix to the W&B group (--wandb-group, default: the run name)"),
     "use_distributed_optimizer": CompatFlag((True,), "hpc_rl always uses Megatron's distributed optimizer on GPU"),
     "train_backend": CompatFlag(("megatron",), "hpc_rl trains with Megatron-core only"),
-    "rollout_function_path": CompatFlag(
-        ("slime.rollout.sglang_rollout.generate_rollout",),
-        "hpc_rl's controller runs slime's default rollout; per-sample logic goes in --custom-generate-function-path"),
 }
 
 # Other spellings of hpc_rl fields: flag name -> field path (value passed through).
@@ -134,22 +131,16 @@ REFUSED_FLAGS: dict[str, str] = {
     "wandb_random_suffix": "not offered: the W&B group is --wandb-group (default: the run name), without a suffix",
     "debug_rollout_only": ("not offered: to try rollouts and rewards without training, score a file with "
                            "`python -m hpc_rl.rewards` or run with --num-rollout 1"),
-    "debug_train_only": "not offered: a run always generates its own rollouts (hpc_rl has no engine-less mode)",
-    "save_debug_rollout_data": ("not offered: every rollout's samples are summarised in <run_dir>/rollouts.jsonl; "
-                                "there is no replay format"),
     "load_debug_rollout_data": "not offered: hpc_rl cannot replay saved rollouts; drop the flag",
     "no_load_optim": ("not offered: --load restores weights, optimizer and the rollout position together; to start "
                       "from a checkpoint's weights with a fresh optimizer, give it as --ref-load and leave --load empty"),
     "finetune": ("not offered: to start at iteration 0 from a checkpoint's weights, give it as --ref-load (or convert it "
                  "with tools/convert_torch_dist_to_hf.py for --hf-checkpoint) and leave --load empty"),
     "num_data_workers": "not needed: the controller streams the prompt file itself; there are no data workers to size",
-    "rollout_max_prompt_len": ("not applied: hpc_rl does not drop over-long prompts when it loads the data; filter "
-                               "the prompt file beforehand (rollout_max_context_len bounds prompt + response)"),
     "custom_pg_loss_reducer_function_path": (
         "not offered: the policy loss is reduced by sum_of_sample_mean (or per token with "
         "--calculate-per-token-loss); for another reduction write the whole loss as --loss-type custom_loss "
         "--custom-loss-function-path, which receives sum_of_sample_mean and may ignore it"),
-    "offload_rollout": "not needed: colocated engines always release their memory during training",
     "no_offload_rollout": "not offered: colocated engines must release their memory for the trainer",
 }
 
@@ -162,7 +153,23 @@ SLIME_PLUGIN_PATHS: dict[str, str | None] = {
     "slime.rollout.sglang_rollout.generate": None,
     "slime.rollout.rm_hub.async_rm": None,
     "slime.rollout.rm_hub.batched_async_rm": None,
+    # Training modes: slime's on-policy-distillation reward (teacher log-probs come from the teacher client; the
+    # task reward is slime's post-process's 0.0). hpc_rl.config.training_modes derives the teacher URL.
+    "slime.rollout.on_policy_distillation.reward_func": "hpc_rl.rollout.teacher.distillation_reward",
+    "slime.rollout.on_policy_distillation.post_process_rewards": "hpc_rl.rollout.teacher.distillation_post_process",
+    # vime (slime on vLLM): its default generate function
+    "vime.rollout.vllm_rollout.generate": None,
 }
+SLIME_FORK_PREFIXES = ("vime.",)
+"""Forks of slime whose modules mirror slime's (`vime.rollout.filter_hub...` is `slime.rollout.filter_hub...`)."""
+
+
+def as_slime_module_path(value: str) -> str | None:
+    """`value` as slime's import path (a fork's prefix replaced), or None when it is neither slime's nor a fork's."""
+    if value.startswith("slime."):
+        return value
+    fork = next((p for p in SLIME_FORK_PREFIXES if value.startswith(p)), None)
+    return "slime." + value[len(fork):] if fork else None
 # slime reward modules given as --custom-rm-path -> the rm_type that computes the same reward here.
 SLIME_RM_MODULES: dict[str, str] = {
     "slime.rollout.rm_hub.deepscaler": "deepscaler",
@@ -172,4 +179,99 @@ SLIME_RM_MODULES: dict[str, str] = {
     "slime.rollout.rm_hub.remote_rm": "remote_rm",
 }
 PLUGIN_PATH_FIELDS = ("rollout.custom_rm_path", "rollout.dynamic_sampling_filter_path", "rollout.buffer_filter_path",
-                      "rollout.custom_generate_function_path")
+                      "rollout.custom_generate_function_path", "rollout.custom_reward_post_process_path")
+
+
+# ---- The rest of slime's arguments.py (issues 25/26): every flag of hpc_rl/config/slime_arguments.tsv is a
+# config field, an alias, accepted at hpc_rl's behaviour, or refused with the reason. Flags owned by other
+# issues (MoE, MTP, SFT/OPD/critic) are theirs.
+SLIME_REST_COMPAT: dict[str, CompatFlag] = {
+    "use_fault_tolerance": CompatFlag(
+        (True,), "hpc_rl always health-checks its engines, takes a failed one out of the router, re-queues its "
+                 "samples and restarts it (controller.max_engine_restarts); the --rollout-health-check-* flags "
+                 "set the checks"),
+    "offload_rollout": CompatFlag((True,), "colocated engines always release their memory while the trainer works"),
+    "distributed_backend": CompatFlag(("nccl", "gloo"), "hpc_rl uses NCCL on cuda and gloo on cpu (cluster.device)"),
+    "rollout_data_transport": CompatFlag(
+        ("object-store",), "the controller sends rollout data to the trainer ranks over its own TCP protocol "
+                           "(arrays as raw bytes); there is no Ray object store or NIXL"),
+    "eval_function_path": CompatFlag(
+        ("slime.rollout.sglang_rollout.generate_rollout", "vime.rollout.vllm_rollout.generate_rollout"),
+        "hpc_rl's controller runs slime's default eval rollout; per-sample logic goes in --custom-generate-function-path"),
+    "rollout_skip_special_tokens": CompatFlag(
+        (True,), "hpc_rl's engines drop special tokens from the response text rewards read (SGLang's default)"),
+    "data_source_path": CompatFlag(
+        ("slime.rollout.data_source.RolloutDataSourceWithBuffer", "vime.rollout.data_source.RolloutDataSourceWithBuffer"),
+        "the controller draws prompts from --prompt-data (a checkpointed cursor, shuffled per epoch) after the "
+        "partial-rollout buffer, as slime's default data source does; another data source class is not offered"),
+    "data_pad_size_multiplier": CompatFlag(
+        (128,), "hpc_rl pads packed micro-batches itself (to the TP size under sequence parallelism, 2*CP under "
+                "context parallelism); the padding does not change the loss"),
+}
+SLIME_REST_REFUSED: dict[str, str] = {
+    "qwen_gdn_backend": "hpc_rl has no gated-delta-net (Qwen3.5 / Qwen3-Next linear attention) layers yet; drop it",
+    "freeze_indexer": "hpc_rl has no DSA-indexer models (DeepSeek-V3.2 / GLM-5 sparse attention); drop it",
+    "allgather_cp": ("not offered: hpc_rl's context parallelism splits packed sequences with Megatron's ring "
+                     "attention; drop it"),
+    "release_train": ("not offered: hpc_rl keeps the trainer processes and offloads their memory while engines "
+                      "generate (training.offload_train); recreating them every step is not needed"),
+    "multimodal_keys": "hpc_rl trains text-only models (no image/audio inputs); drop it",
+    "use_stateless_adam": "not offered: hpc_rl's optimizers are Megatron's Adam/SGD with their state; drop it",
+    "load_forge_rollout_data": "not offered: hpc_rl cannot replay saved rollouts; drop it",
+    "load_debug_rollout_data_subsample": "not offered: hpc_rl cannot replay saved rollouts (--load-debug-rollout-data)",
+    "memory_snapshot_dir": ("not offered: hpc_rl records no CUDA memory snapshots; use torch.cuda.memory's recorder "
+                            "in a --custom-megatron-init-path hook"),
+    "memory_snapshot_num_steps": "not offered: hpc_rl records no CUDA memory snapshots",
+    "record_memory_history": "not offered: hpc_rl records no CUDA memory snapshots",
+    "memory_recorder": "not offered: hpc_rl records no CUDA memory snapshots",
+    "profile_target": "not offered: hpc_rl has no built-in profiler; run the trainer under nsys or torch.profiler",
+    "use_distributed_post": ("not offered: hpc_rl's controller sends every request itself over keep-alive "
+                             "connections; there are no Ray actors to spread the posts over: drop it"),
+    "rollout_buffer_url": ("not offered: slime's external rollout-buffer server; put agent/multi-turn logic in "
+                           "--custom-generate-function-path"),
+    "fetch_trajectory_retry_times": "belongs to slime's rollout-buffer server (--rollout-buffer-url), not offered",
+    "rollout_task_type": "belongs to slime's rollout-buffer server (--rollout-buffer-url), not offered",
+    "min_batch_collection_ratio": "belongs to slime's rollout-buffer server (--rollout-buffer-url), not offered",
+    "megatron_deepgemm_forward_layers": "GPU kernel selection (DeepGEMM block-FP8) hpc_rl does not offer; drop it",
+    "megatron_deepgemm_forward_modules": "GPU kernel selection (DeepGEMM block-FP8) hpc_rl does not offer; drop it",
+    "megatron_deepgemm_moe_forward_layers": "GPU kernel selection (DeepGEMM block-FP8) hpc_rl does not offer; drop it",
+    "megatron_deepgemm_moe_forward_modules": "GPU kernel selection (DeepGEMM block-FP8) hpc_rl does not offer; drop it",
+    "ci_test": "slime's own CI switch; hpc_rl's tests are tools/run_tests.sh: drop it",
+    "ci_disable_kl_checker": "slime's own CI switch; drop it",
+    "ci_train_rollout_logprob_abs_diff_threshold": "slime's own CI switch; drop it",
+    "ci_save_grad_norm": "slime's own CI switch; drop it",
+    "ci_load_grad_norm": "slime's own CI switch; drop it",
+    "async_save": ("not offered: hpc_rl writes each checkpoint synchronously and commits it atomically (every rank "
+                   "done, then the tracker), so a preempted job never leaves a half-written one; drop it"),
+    "disable_rollout_global_dataset": ("not offered: the controller always draws prompts from --prompt-data; a "
+                                       "rollout function that manages its own data is not offered (per-sample logic "
+                                       "goes in --custom-generate-function-path)"),
+    "check_weight_update_equal": ("not offered: hpc_rl's tests check that engines serve the trainer's weights "
+                                  "(engine and trainer log-probs equal on a tiny model); drop it"),
+    **{name: ("belongs to --update-weight-mode delta, which hpc_rl does not offer (it needs slime's SGLang patches: "
+              "/pull_weights and per-host local checkpoints); full syncs over --update-weight-transport disk or nccl "
+              "need none of it: drop it")
+       for name in ("update_weight_delta_encoding", "update_weight_delta_checksum", "update_weight_local_checkpoint_dir")},
+    "custom_convert_samples_to_train_data_path": (
+        "not offered: the controller packs samples for the trainer itself (tokens, loss masks, rollout log-probs, "
+        "weight versions); change samples with --rollout-sample-hook-path or --rollout-sample-filter-path and "
+        "rewards with --custom-reward-post-process-path"),
+    "padded_vocab_size": ("hpc_rl pads the vocabulary itself (to a multiple of 128 x TP, Megatron's rule) and masks "
+                          "the padded logits; drop it"),
+}
+APPENDED_FIELDS = ("rollout.rollout_sample_hook_path",)
+EXPANDING_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
+    "dump_details": (("logging.save_debug_rollout_data", "{}/rollout_data/{{rollout_id}}.jsonl"),
+                     ("training.save_debug_train_data", "{}/train_data/{{rollout_id}}_{{rank}}.pt")),
+}
+"""slime flags that set several fields (slime's --dump-details DIR: the rollout and train dumps under DIR):
+flag -> (field path, value template with the flag's value for {})."""
+"""Fields of slime's `action="append"` flags: each occurrence (and each YAML list) adds to the list."""
+SLIME_REST_ALIASES: dict[str, str] = {
+    "rollout_health_check_interval": "controller.engine_health_interval",
+    "rollout_health_check_timeout": "controller.engine_health_timeout",
+    "rollout_health_check_first_wait": "controller.engine_health_first_wait",
+}
+COMPAT_FLAGS.update(SLIME_REST_COMPAT)
+REFUSED_FLAGS.update(SLIME_REST_REFUSED)
+ALIASES.update(SLIME_REST_ALIASES)

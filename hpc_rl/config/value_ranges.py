@@ -1,12 +1,14 @@
 """Value ranges of single fields, checked at submit time: a batch of 0 or an lr of -1 never queues.
 
-Owns: the table of which fields must be >= 1, >= 0, > 0 or within [0, 1], and the sampling-parameter
+Owns: the table of which fields must be >= 1, >= 0, > 0 or within [0, 1], refusing NaN and infinity in
+any number of the config, and the sampling-parameter
 rules SGLang itself enforces (temperature >= 0, top_p in (0, 1], top_k -1 or >= 1), for the training
 and the eval sampling alike. Each problem names the field, the value and the allowed range.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -37,19 +39,29 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "training.micro_batch_size", "training.max_tokens_per_gpu", "training.tensor_model_parallel_size",
         "training.pipeline_model_parallel_size", "training.context_parallel_size", "training.recompute_num_layers",
         "training.num_threads", "slurm.cpus_per_gpu", "checkpoint.save_interval", "eval.eval_interval", "eval.n_samples_per_eval_prompt",
-        "eval.eval_max_response_len", "sglang.server_concurrency", "slurm.cpus_per_task")},
+        "eval.eval_max_response_len", "sglang.server_concurrency", "slurm.cpus_per_task",
+        "rollout.rollout_max_prompt_len", "checkpoint.keep_last")},
     **{path: _at_least(0) for path in (
         "cluster.rollout_num_gpus", "rollout.max_staleness", "rollout.reward_workers", "algorithm.kl_loss_coef", "algorithm.kl_coef",
         "algorithm.tis_clip_low", "optimizer.min_lr", "optimizer.lr_warmup_iters", "optimizer.lr_decay_iters",
         "optimizer.weight_decay", "optimizer.clip_grad", "controller.max_engine_restarts",
-        "slurm.requeue_signal_seconds", "slurm.max_num_timeout")},
+        "slurm.requeue_signal_seconds", "slurm.max_num_timeout", "training.max_nonfinite_steps")},
     **{path: _POSITIVE for path in (
         "optimizer.lr", "optimizer.adam_eps", "algorithm.eps_clip", "algorithm.eps_clip_high", "algorithm.tis_clip",
-        "controller.registration_timeout", "controller.engine_health_interval", "controller.engine_request_timeout")},
+        "controller.registration_timeout", "controller.engine_health_interval", "controller.engine_request_timeout",
+        "controller.engine_admin_timeout", "rollout.reward_timeout")},
     **{path: _UNIT for path in ("algorithm.gamma", "algorithm.lambd", "sglang.mem_fraction_static",
                                 "optimizer.optimizer_offload_fraction")},
     "cluster.gpu_memory_gib": _POSITIVE,
     **{path: _BETA for path in ("optimizer.adam_beta1", "optimizer.adam_beta2")},
+    # slime / vime flags of issues 25 and 26
+    **{path: _at_least(0) for path in ("training.train_memory_margin_bytes", "controller.engine_health_first_wait")},
+    **{path: _POSITIVE for path in ("controller.engine_health_timeout",)},
+    **{path: _at_least(0) for path in ("checkpoint.ref_ckpt_step", "checkpoint.start_rollout_id")},
+    **{path: _at_least(1) for path in ("algorithm.ref_update_interval", "eval.eval_max_prompt_len",
+                                       "eval.eval_max_context_len", "training.log_probs_max_tokens_per_gpu",
+                                       "training.distributed_timeout_minutes")},
+    **{path: _at_least(0) for path in ("eval.eval_min_new_tokens",)},
 }
 
 # (temperature, top_p, top_k) field paths of each sampling setting.
@@ -75,11 +87,23 @@ def _sampling_problems(config: RunConfig) -> Iterator[RangeProblem]:
             yield RangeProblem(top_k_path, f"{top_k} must be -1 (off) or >= 1; SGLang rejects it")
 
 
+def _nonfinite_problems(config: RunConfig) -> Iterator[RangeProblem]:
+    """Every number of the config that is NaN or infinite (`--lr inf`, `--rollout-temperature nan`: YAML and
+    Python's float() read both): none has a meaning, and a NaN passes every range test."""
+    for section, name, number in config.section_fields():
+        numbers = number if isinstance(number, list) else [number]
+        if any(isinstance(n, float) and not math.isfinite(n) for n in numbers):
+            yield RangeProblem(f"{section}.{name}", f"{number} is not a finite number; give a real value")
+
+
 def range_problems(config: RunConfig) -> list[RangeProblem]:
-    """Every field outside its allowed range, and every sampling value SGLang would refuse."""
+    """Every field outside its allowed range, every NaN or infinity, and every sampling value SGLang would
+    refuse."""
+    nonfinite = list(_nonfinite_problems(config))
+    skip = {problem.field for problem in nonfinite}
     problems = []
     for path, (test, allowed) in RANGES.items():
         value = _value(config, path)
-        if value is not None and not isinstance(value, bool) and not test(value):
+        if path not in skip and value is not None and not isinstance(value, bool) and not test(value):
             problems.append(RangeProblem(path, f"{value} is out of range: must be {allowed}"))
-    return problems + list(_sampling_problems(config))
+    return nonfinite + problems + [p for p in _sampling_problems(config) if p.field not in skip]

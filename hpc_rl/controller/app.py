@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import time
 from pathlib import Path
@@ -41,12 +42,15 @@ from hpc_rl.controller.rollout_stack import build_rollout_stack
 from hpc_rl.controller.run_loop import RunLoop
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
+from hpc_rl.engines.gpu_step import PLACEMENT_DIR, reported_devices
 from hpc_rl.protocol import Connection, Envelope, Secret, Server
 from hpc_rl.protocol.errors import ProtocolError
 from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, ResumeState,
                                       StatusReply, StatusRequest, WeightPlan)
 from hpc_rl.rewards.pool import RewardPool
+from hpc_rl.rewards.reward_thread import RewardThread
 from hpc_rl.rollout import EngineClient
+from hpc_rl.rollout.teacher import TeacherLogprobs
 from hpc_rl.telemetry.run_files import describe_write_error, write_text_atomically
 
 log = logging.getLogger(__name__)
@@ -67,23 +71,33 @@ class Controller:
 
     def __init__(self, config: RunConfig, *, secret: Secret, router: RouterMembership | None,
                  router_url: str | None, restart_engine: RestartFn | None = None,
-                 host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> None:
+                 host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+                 teacher_url: str | None = None) -> None:
         self.config = config
+        self.teacher_url = teacher_url
+        """On-policy distillation: the teacher engine the driver started (None: none, or slime's --rm-url)."""
         self.run_dir = Path(config.run_dir)
         self.secret = secret
         self.host, self.port = host, port
-        self.registry = Registry(trainer_world_size=config.cluster.trainer_world_size,
-                                 num_engines=config.cluster.num_engines)
+        self.registry = Registry(trainer_world_size=config.cluster.trainer_world_size,  # external ones, else the job's
+                                 num_engines=len(config.rollout.rollout_external_engine_addrs) or config.cluster.num_engines)
         self.channel = TrainerChannel(config.cluster.trainer_world_size)
         self.fleet = EngineFleet(self.registry, router, api_key=api_key, restart=restart_engine,
                                  max_restarts=config.controller.max_engine_restarts,
-                                 health_interval_s=config.controller.engine_health_interval)
+                                 health_interval_s=config.controller.engine_health_interval,
+                                 health_timeout_s=config.controller.engine_health_timeout,
+                                 health_first_wait_s=config.controller.engine_health_first_wait,
+                                 admin_timeout_s=config.controller.engine_admin_timeout,
+                                 devices_of=lambda index: reported_devices(self.run_dir, index))
         self.router_url = router_url
         self.server: Server | None = None
         self.loop: RunLoop | None = None
         self.client: EngineClient | None = None
         self.reward_pool: RewardPool | None = None
         """Worker processes for rule-based rewards (`rollout.reward_workers`), once the stack is built."""
+        self.teacher: TeacherLogprobs | None = None
+        self.reward_thread: RewardThread | None = None
+        """The thread custom reward functions run on, once the stack is built."""
         self.stopping = False
         self.started_at = time.time()
         self.last_error = ""
@@ -118,9 +132,11 @@ class Controller:
 
     async def _start_rollout_stack(self) -> None:
         stack = await asyncio.to_thread(build_rollout_stack, self.config, registry=self.registry,
-                                        channel=self.channel, fleet=self.fleet, router_url=self.router_url)
+                                        channel=self.channel, fleet=self.fleet, router_url=self.router_url,
+                                        teacher_url=self.teacher_url)
         self.client, self.loop = stack.client, stack.loop
-        self.reward_pool = stack.reward_pool
+        self.reward_pool, self.teacher = stack.reward_pool, stack.teacher
+        self.reward_thread = stack.reward_thread
         await self.client.start()
         if self.reward_pool is not None:
             await self.reward_pool.start()
@@ -136,6 +152,13 @@ class Controller:
         await self.ready()
         await self.fleet.register(engine_index, url, tp_size=tp_size, serving=True)
         log.info("engine %d registered at %s", engine_index, url)
+
+    async def hand_gpus_to_trainer(self) -> None:
+        """Colocated, before the trainer starts: the engines release all their memory (see
+        `WeightUpdates.hand_gpus_to_trainer`); nothing in decoupled runs."""
+        await self.ready()
+        assert self.loop is not None
+        await self.loop.weights.hand_gpus_to_trainer()
 
     async def run(self) -> dict[str, Any]:
         """Wait for everyone, resume if a checkpoint says so, run every rollout, stop the trainers."""
@@ -155,6 +178,8 @@ class Controller:
         log.info("all components registered: %d trainer rank(s), %d engine(s)", len(self.registry.trainers),
                  len(self.registry.engines))
         resume = await self._wait_resume_state()
+        if not (resume and resume.get("controller_state")):  # a fresh start: an earlier attempt's records go
+            self.loop.recorder.forget_from(0)
         if resume and resume.get("controller_state"):
             self.loop.restore(resume["controller_state"])
             next_id = self.loop.next_rollout_id
@@ -171,7 +196,7 @@ class Controller:
             raise
         self.stopping = True
         await self.loop.trainers.stop("run complete")
-        self.outcome = "finished"
+        self.outcome = "stopped" if self.loop.stopped_for_requeue else "finished"  # a USR2 stop is not the end
         return metrics
 
     async def close(self) -> None:
@@ -190,6 +215,10 @@ class Controller:
             await self.client.close()
         if self.reward_pool is not None:
             self.reward_pool.close()
+        if self.teacher is not None:
+            self.teacher.close()
+        if self.reward_thread is not None:
+            self.reward_thread.close()
         if self.server is not None:
             await self.server.close()
         if self.loop is not None:
@@ -203,7 +232,19 @@ class Controller:
                                                       pid=hello.pid, info=dict(hello.info)))
             except ValueError as error:
                 raise ProtocolError(str(error)) from None
+            if len(self.registry.trainers) == self.registry.trainer_world_size:
+                self._write_trainer_devices()
         return {"run_dir": str(self.run_dir)}
+
+    def _write_trainer_devices(self) -> None:
+        """`placement/trainers.json`: each rank's GPU as it reported it (engines report theirs beside it)."""
+        devices = {str(rank): t.info.get("device") for rank, t in sorted(self.registry.trainers.items())}
+        path = self.run_dir / PLACEMENT_DIR / "trainers.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(path, json.dumps(devices, indent=1) + "\n")
+        except OSError as error:
+            log.warning("trainer placement not written: %s", describe_write_error(error, path))
 
     async def _on_close(self, conn: Connection, error: BaseException | None) -> None:
         hello = conn.hello

@@ -32,6 +32,11 @@ class Checkpoints:
         self.num_rollout = num_rollout
         self._saved_rollout: int | None = None
 
+    @property
+    def saved_rollout(self) -> int | None:
+        """The rollout this run saved last (None: none yet)."""
+        return self._saved_rollout
+
     def due(self, rollout_id: int, *, stopping: bool) -> bool:
         return every(self.checkpoint.save_interval, rollout_id) or stopping or (
             rollout_id + 1 == self.num_rollout and self.checkpoint.save is not None)

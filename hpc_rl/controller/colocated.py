@@ -8,7 +8,7 @@ Owns the order of the memory moves and the colocated weight path (slime's, with 
     train          [save, if due: needs the whole trainer state]
     after train    trainer: offload grads, optimizer
                    [sync due] engines: resume(weights) -> begin -> per bucket /update_weights_from_tensor
-                              (every trainer rank -> the engine on its GPUs) -> end
+                              (every trainer rank -> the engine on its GPU, paired by device identity) -> end
                    trainer: offload weights
                    engines: resume(kv_cache, cuda_graph) -> continue
 
@@ -29,9 +29,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hpc_rl.controller.engine_admin import EngineAdmin
-from hpc_rl.controller.registry import EngineInfo
+from hpc_rl.controller.registry import EngineInfo, Registry
 from hpc_rl.controller.trainer_channel import TrainerChannel, merge_metrics
 from hpc_rl.protocol.messages import ColocatedSyncCommand, TrainerMemoryCommand
+from hpc_rl.weights.device_identity import PlacementError, pair_ranks_with_engines
 
 log = logging.getLogger(__name__)
 
@@ -77,19 +78,32 @@ class ColocatedMemory:
         return metrics
 
 
+def colocated_pairs(registry: Registry) -> list[list[int]]:
+    """Per trainer rank, [engine index, engine TP rank] of the engine on its GPU: paired by what each
+    process is (its node and the GPU Slurm gave it), never by rank numbers (torchrun sorts nodes by name,
+    Slurm does not). Every registered engine counts, a failed one too (its ranks still gather for the
+    others). PlacementError names the ranks that share no GPU with any engine."""
+    ranks = {rank: str(trainer.info.get("device") or "") for rank, trainer in registry.trainers.items()}
+    unknown = sorted(rank for rank, device in ranks.items() if not device)
+    if unknown:
+        raise PlacementError(f"trainer ranks {unknown} did not report their GPU (their Hello has no 'device')")
+    pairs = pair_ranks_with_engines(ranks, {i: e.devices for i, e in registry.engines.items()})
+    return [list(pairs[rank]) for rank in range(registry.trainer_world_size)]
+
+
 async def push_weights_colocated(*, version: int, channel: TrainerChannel, engines: list[EngineInfo],
-                                 admins: dict[int, EngineAdmin], num_engines: int, engine_tp_size: int,
+                                 admins: dict[int, EngineAdmin], num_engines: int, rank_engines: list[list[int]],
                                  bucket_bytes: int, timeout_s: float = 600.0) -> dict[str, float]:
     """Open a weight-update session on every live engine, have every trainer rank send its buckets to the
-    engine on its GPUs (`ColocatedSyncCommand`), close the sessions. The caller paused the engines and
-    resumed their weights."""
+    engine on its GPU (`ColocatedSyncCommand`, ranks paired by `colocated_pairs`), close the sessions. The
+    caller paused the engines and resumed their weights."""
     start = time.perf_counter()
     urls = [""] * num_engines
     for engine in engines:
         urls[engine.engine_index] = engine.url
     await asyncio.gather(*(admins[e.engine_index].begin_weight_update() for e in engines))
     done = await channel.run(lambda rank, seq: ColocatedSyncCommand(
-        seq=seq, weight_version=version, engine_urls=urls, engine_tp_size=engine_tp_size, bucket_bytes=bucket_bytes),
+        seq=seq, weight_version=version, engine_urls=urls, rank_engines=rank_engines, bucket_bytes=bucket_bytes),
         timeout_s=timeout_s)
     await asyncio.gather(*(admins[e.engine_index].end_weight_update() for e in engines))
     seconds = time.perf_counter() - start

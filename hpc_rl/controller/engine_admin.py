@@ -3,7 +3,10 @@
 Owns: pause/continue, the weight-update session (init group, begin, update per bucket, end,
 destroy; `weight_update` pipelines begin, every bucket and end on one connection), release/resume of
 memory (colocated mode), health and model info — one async method per SGLang endpoint, with the API
-key, a timeout, and errors that name the engine and the endpoint. The HTTP is
+key, a timeout, and errors that name the engine and the endpoint. Every call is bounded
+(`controller.engine_admin_timeout`: no answer for that long fails it), a call unanswered for
+STUCK_NOTICE_S is logged naming the engine and the endpoint, and a call in flight vouches for the engine's
+health only while it shows progress (IN_FLIGHT_TRUST_S): a stuck engine is health-probed and failed. The HTTP is
 hpc_rl.protocol.http_client's (keep-alive, pipelined, JSON by orjson).
 Does not own: /generate and /abort_request (hpc_rl.rollout.engine_client), or when to call what
 (hpc_rl.controller.weight_sync and the loop).
@@ -12,6 +15,7 @@ Does not own: /generate and /abort_request (hpc_rl.rollout.engine_client), or wh
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +24,22 @@ import orjson
 from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError, ReadGate
 
 
+log = logging.getLogger(__name__)
+
+STUCK_NOTICE_S = 5.0
+"""An admin call without an answer for this long is logged (once per call), naming engine and endpoint."""
+IN_FLIGHT_TRUST_S = 10.0
+"""A call in flight vouches for its engine (no health probe) while the engine answered within this long."""
+DEFAULT_ADMIN_TIMEOUT_S = 300.0
+"""`controller.engine_admin_timeout`'s default."""
+
+
 class EngineAdminError(RuntimeError):
-    """An admin call failed; the message names the engine URL and endpoint."""
+    """An admin call failed; the message names the engine URL and endpoint (`url`: the engine's)."""
+
+    def __init__(self, message: str, *, url: str = "") -> None:
+        super().__init__(message)
+        self.url = url
 
 
 @dataclass(frozen=True)
@@ -43,33 +61,66 @@ class BucketUpdate:
 class EngineAdmin:
     """Admin endpoints of one engine (its connections come from the controller's `EngineConnections`)."""
 
-    def __init__(self, url: str, connections: EngineConnections, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, connections: EngineConnections, *,
+                 timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S) -> None:
         self.url = url.rstrip("/")
         self.connection = connections.to(self.url)
         self.timeout_s = timeout_s
         self.calls_in_flight = 0
+        self.in_flight: list[str] = []
+        """Endpoints of the calls in flight, oldest first (what a stuck engine was asked)."""
+        self._started: list[float] = []
+        """When each call in flight began (the same order)."""
 
     async def _call(self, method: str, endpoint: str, body: dict[str, Any] | None = None,
-                    timeout_s: float | None = None) -> Any:
+                    timeout_s: float | None = None, *, notice: bool = True) -> Any:
         encoded = orjson.dumps(body) if body is not None else None
-        self.calls_in_flight += 1
+        self._begin(endpoint, notice=notice)
         try:
             status, answer = await self.connection.request(method, endpoint, encoded, timeout_s or self.timeout_s)
         except EngineHTTPTransportError as error:
-            raise EngineAdminError(f"{self.url}{endpoint} failed: {error}") from error
+            raise EngineAdminError(f"{self.url}{endpoint} failed: {error}", url=self.url) from error
         finally:
-            self.calls_in_flight -= 1
+            self._end(endpoint)
         return _checked(self.url, endpoint, status, answer)
 
+    def _begin(self, endpoint: str, *, notice: bool) -> None:
+        loop = asyncio.get_running_loop()
+        self.calls_in_flight += 1
+        self.in_flight.append(endpoint)
+        self._started.append(loop.time())
+        if notice:
+            loop.call_later(STUCK_NOTICE_S, self._notice_if_silent, endpoint)
+
+    def _end(self, endpoint: str) -> None:
+        self.calls_in_flight -= 1
+        index = self.in_flight.index(endpoint)
+        del self.in_flight[index], self._started[index]
+
+    def _notice_if_silent(self, endpoint: str) -> None:
+        if endpoint in self.in_flight and self.silent_for() >= STUCK_NOTICE_S:
+            log.warning("engine %s: %s has had no answer for %.0f s (it is failed as dead if it does not answer "
+                        "/health either; controller.engine_admin_timeout %g s bounds the call)", self.url, endpoint,
+                        self.silent_for(), self.timeout_s)
+
+    def silent_for(self) -> float:
+        """Seconds since the engine last showed life on a call in flight (0 when none is in flight)."""
+        if not self.calls_in_flight:
+            return 0.0
+        return asyncio.get_running_loop().time() - max(self._started[0], self.connection.progress_at())
+
     def known_alive(self, seconds: float) -> bool:
-        """Whether the engine answered an admin call in the last `seconds` or has one in flight (a weight
-        update: its own timeout watches the engine): then no health probe. A probe of an engine busy with a
-        call opens a second connection: a round during a 10 s sync at 1,024 engines made 1,024 of them."""
-        return self.calls_in_flight > 0 or asyncio.get_running_loop().time() - self.connection.answered_at < seconds
+        """Whether the engine answered an admin call in the last `seconds`, or has one in flight that showed
+        progress in the last max(`seconds`, IN_FLIGHT_TRUST_S): then no health probe. A probe of an engine
+        busy with a call opens a second connection (a round during a 10 s sync at 1,024 engines made 1,024
+        of them); a silent call vouches for nothing (a stopped engine stalled a sync unnoticed: issue 24)."""
+        if self.calls_in_flight:
+            return self.silent_for() < max(seconds, IN_FLIGHT_TRUST_S)
+        return asyncio.get_running_loop().time() - self.connection.answered_at < seconds
 
     async def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
-            await self._call("GET", "/health", timeout_s=timeout_s)
+            await self._call("GET", "/health", timeout_s=timeout_s, notice=False)  # its timeout says it
             return True
         except EngineAdminError:
             return False
@@ -116,22 +167,24 @@ class EngineAdmin:
         requests: list[tuple[str, str, bytes | None]] = [("POST", "/begin_weight_update", b"{}")]
         requests += [("POST", "/update_weights_from_distributed", bucket.body) for bucket in buckets]
         requests.append(("POST", "/end_weight_update", b"{}"))
-        answers = await self._exchange(requests, gate)
+        # not noticed per engine: a stuck engine stalls every engine's broadcast, so update_every_engine
+        # watches the fan-out as a whole and names the one that does not answer /health
+        answers = await self._exchange(requests, gate, notice=False)
         for index, ((_, endpoint, _), (status, answer)) in enumerate(zip(requests, answers)):
             if status != 200:  # 200 bodies are not read: only the status matters here
                 what = f"{endpoint} (bucket {index} of {len(buckets)})" if 0 < index <= len(buckets) else endpoint
                 _checked(self.url, what, status, answer)
 
-    async def _exchange(self, requests: list[tuple[str, str, bytes | None]],
-                        gate: ReadGate | None = None) -> list[tuple[int, bytes]]:
-        self.calls_in_flight += 1
+    async def _exchange(self, requests: list[tuple[str, str, bytes | None]], gate: ReadGate | None = None, *,
+                        notice: bool = True) -> list[tuple[int, bytes]]:
+        first = requests[0][1] if len(requests) == 1 else f"{requests[0][1]} ... {requests[-1][1]}"
+        self._begin(first, notice=notice)
         try:
             return await self.connection.exchange(requests, self.timeout_s, gate=gate)
         except EngineHTTPTransportError as error:
-            first = requests[0][1] if len(requests) == 1 else f"{requests[0][1]} ... {requests[-1][1]}"
-            raise EngineAdminError(f"{self.url}{first} failed: {error}") from error
+            raise EngineAdminError(f"{self.url}{first} failed: {error}", url=self.url) from error
         finally:
-            self.calls_in_flight -= 1
+            self._end(first)
 
     async def end_weight_update(self) -> None:
         await self._call("POST", "/end_weight_update", {})
@@ -150,7 +203,8 @@ class EngineAdmin:
 def _checked(url: str, endpoint: str, status: int, answer: bytes) -> Any:
     """The JSON (or text) of a 200 answer; EngineAdminError naming the engine and endpoint otherwise."""
     if status != 200:
-        raise EngineAdminError(f"{url}{endpoint} answered HTTP {status}: {answer[:500].decode(errors='replace')}")
+        raise EngineAdminError(f"{url}{endpoint} answered HTTP {status}: {answer[:500].decode(errors='replace')}",
+                               url=url)
     try:
         return orjson.loads(answer) if answer else None
     except orjson.JSONDecodeError:

@@ -4,7 +4,8 @@ Owns: one `EngineAdmin` per engine (over one `EngineConnections` pool), adding/r
 sglang-router (registrations made together go as one batch), the health-check task (concurrent
 probes, a bounded number at a time; an engine that dies or stops answering is marked FAILED and
 leaves the router at once, so its in-flight samples fail over to the others and are re-queued by the
-rollout client), and asking the launcher to restart it. A restarted engine stays STARTING (not behind the router) until the loop
+rollout client), and asking the launcher to restart it. An engine is first probed `health_first_wait_s`
+after it registered (slime's --rollout-health-check-first-wait), at start and after each restart. A restarted engine stays STARTING (not behind the router) until the loop
 has pushed the current weights to it, then `mark_serving` puts it back.
 """
 
@@ -16,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from hpc_rl.protocol.http_client import EngineConnections
-from hpc_rl.controller.engine_admin import EngineAdmin
+from hpc_rl.controller.engine_admin import DEFAULT_ADMIN_TIMEOUT_S, EngineAdmin
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
 from hpc_rl.controller.stopping import stop_task
 
@@ -24,6 +25,8 @@ log = logging.getLogger(__name__)
 
 RestartFn = Callable[[int], Awaitable[str]]
 """Restart engine i (same placement) and return its URL once it answers /health."""
+DevicesOf = Callable[[int], list[str]]
+"""The GPUs engine i's TP ranks run on, as its step read them back (its placement report)."""
 
 
 class RouterMembership(Protocol):
@@ -40,14 +43,23 @@ class EngineFleet:
 
     def __init__(self, registry: Registry, router: RouterMembership | None, *, api_key: str | None,
                  restart: RestartFn | None, max_restarts: int, health_interval_s: float,
-                 health_timeout_s: float = 10.0, health_concurrency: int = 64) -> None:
+                 health_timeout_s: float = 10.0, health_first_wait_s: float = 0.0,
+                 health_concurrency: int = 64, admin_timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S,
+                 devices_of: DevicesOf | None = None) -> None:
         self.registry = registry
+        self.admin_timeout_s = admin_timeout_s
+        """Bound of every admin call (`controller.engine_admin_timeout`)."""
+        self.devices_of = devices_of
+        """Read at each registration (a restarted engine reports again); None: not known (unit tests)."""
         self.router = router
         self.api_key = api_key
         self.restart = restart
         self.max_restarts = max_restarts
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
+        self.health_first_wait_s = health_first_wait_s
+        self._first_probe_at: dict[int, float] = {}
+        """Engine index -> event-loop time of its first health check (registration + first wait)."""
         self.health_concurrency = health_concurrency
         """Health probes in flight at once (a round over 1,024 engines is 16 waves, not 1,024 in a row)."""
         self.connections: EngineConnections | None = None
@@ -60,6 +72,8 @@ class EngineFleet:
         self.events: list[dict[str, Any]] = []
         self.on_serving: Callable[[], Awaitable[None]] | None = None
         """Called after an engine joined the router (the rollout client wakes requests waiting for one)."""
+        self.on_failed: Callable[[int], None] | None = None
+        """Called when an engine is failed (the weight updates drop a weight-update group it was in)."""
         self._router_adds: list[tuple[str, asyncio.Future[None]]] = []
         self._router_adder: asyncio.Task[None] | None = None
 
@@ -86,11 +100,13 @@ class EngineFleet:
         assert self.connections is not None, "start() first"
         previous = self.registry.engines.get(engine_index)
         info = EngineInfo(engine_index=engine_index, url=url, tp_size=tp_size,
-                          restarts=previous.restarts if previous else 0)
+                          restarts=previous.restarts if previous else 0,
+                          devices=self.devices_of(engine_index) if self.devices_of is not None else [])
         self.registry.add_engine(info)
         if previous is not None:
             self.connections.forget(previous.url)  # a new process: the old one's connections are dead
-        self.admins[engine_index] = EngineAdmin(url, self.connections)
+        self.admins[engine_index] = EngineAdmin(url, self.connections, timeout_s=self.admin_timeout_s)
+        self._first_probe_at[engine_index] = asyncio.get_running_loop().time() + self.health_first_wait_s
         if serving:
             await self._router_add(url)
             self.registry.set_engine_state(engine_index, EngineState.SERVING)
@@ -156,13 +172,14 @@ class EngineFleet:
             await self.check_health()
 
     async def check_health(self) -> None:
-        """Probe every engine that is not FAILED (and neither answered an admin call in the last interval
-        nor has one in flight),
-        `health_concurrency` at a time, and fail those that do not answer: one round costs about one timeout, not one per engine (sequential probes at 10 s
+        """Probe every engine that is not FAILED, past its first wait, and neither answered an admin call in
+        the last interval nor has one in flight, `health_concurrency` at a time, and fail those that do not answer: one round costs about one timeout, not one per engine (sequential probes at 10 s
         each let a loaded 1,024-engine round run for minutes)."""
         # An engine that answered an admin call within the interval is alive: during a weight sync that
         # is every engine, and a round of 1,024 probes costs the controller ~0.1 CPU s.
+        now = asyncio.get_running_loop().time()
         engines = [e for e in self.registry.engines.values() if e.state != EngineState.FAILED
+                   and now >= self._first_probe_at.get(e.engine_index, 0.0)
                    and not self.admins[e.engine_index].known_alive(self.health_interval_s)]
         limit = asyncio.Semaphore(self.health_concurrency)
 
@@ -174,7 +191,10 @@ class EngineFleet:
         for engine, incarnation, healthy in await asyncio.gather(*(probe(e) for e in engines)):
             current = self.registry.engines.get(engine.engine_index)
             if not healthy and current is not None and current.incarnation == incarnation:  # not restarted meanwhile
-                await self.fail_engine(engine.engine_index, "health check failed")
+                admin = self.admins[engine.engine_index]
+                stuck = (f" while {admin.in_flight[0]} had no answer for {admin.silent_for():.0f} s"
+                         if admin.in_flight else "")
+                await self.fail_engine(engine.engine_index, f"health check failed{stuck}")
 
     async def fail_engine(self, engine_index: int, reason: str) -> None:
         """Take an engine out (router first, so no new request goes there) and restart it if allowed."""
@@ -186,6 +206,10 @@ class EngineFleet:
         # exit, the health check timed out) must not start a second restart.
         self.registry.set_engine_state(engine_index, EngineState.FAILED, reason)
         self._event("failed", engine_index, reason)
+        if self.connections is not None:  # its calls in flight (a stuck update) end now, not at their bound
+            self.connections.forget(engine.url)
+        if self.on_failed is not None:
+            self.on_failed(engine_index)
         if was_serving:
             try:
                 await self._router_call("remove_worker", engine.url)

@@ -47,6 +47,8 @@ class EngineInfo:
     incarnation: int = 0
     """Which registration this is (set by the registry, unique in the run): a restarted engine reuses
     its index and URL, so only this tells the new process from the one the weight group was built with."""
+    devices: list[str] = field(default_factory=list)
+    """The GPU of each TP rank, as its step read it back from Slurm (`<node>/gpu<id>`; hpc_rl.engines.gpu_step)."""
 
 
 class Registry:
@@ -129,7 +131,8 @@ class Registry:
 
     def snapshot(self) -> dict[str, Any]:
         return {
-            "trainers": {r: {"host": t.host, "pid": t.pid} for r, t in sorted(self.trainers.items())},
-            "engines": {i: {"url": e.url, "state": e.state.value, "restarts": e.restarts, "last_error": e.last_error}
-                        for i, e in sorted(self.engines.items())},
+            "trainers": {r: {"host": t.host, "pid": t.pid, "device": t.info.get("device")}
+                         for r, t in sorted(self.trainers.items())},
+            "engines": {i: {"url": e.url, "state": e.state.value, "restarts": e.restarts, "last_error": e.last_error,
+                            "devices": e.devices} for i, e in sorted(self.engines.items())},
         }

@@ -37,19 +37,22 @@ from hpc_rl.controller.trainers import Trainers
 from hpc_rl.controller.weight_updates import WeightUpdates
 from hpc_rl.telemetry.recorder import RunRecorder
 
-Evaluate = Callable[[int], Awaitable[dict[str, float]]]
-"""Eval rollouts with the engines' current weights (the argument: their version); eval/... metrics."""
+Evaluate = Callable[[int, int], Awaitable[dict[str, float]]]
+"""Eval rollouts with the engines' current weights (the arguments: their version, and the rollout id the eval
+follows, 0 before training); eval/... metrics."""
 
 
 class RunLoop:
     """Rollouts `next_rollout_id` .. `num_rollout` - 1, one call per step into the part that owns it."""
 
     def __init__(self, *, rollouts: Rollouts, trainers: Trainers, weights: WeightUpdates, checkpoints: Checkpoints,
-                 recorder: RunRecorder, evaluate: Evaluate | None, eval_config: EvalConfig, num_rollout: int) -> None:
+                 recorder: RunRecorder, evaluate: Evaluate | None, eval_config: EvalConfig, num_rollout: int,
+                 first_rollout_id: int = 0) -> None:
         self.rollouts, self.trainers, self.weights = rollouts, trainers, weights
         self.checkpoints, self.recorder, self.evaluate = checkpoints, recorder, evaluate
         self.eval_config, self.num_rollout = eval_config, num_rollout
-        self.next_rollout_id = 0
+        self.next_rollout_id = first_rollout_id
+        """Where a run that does not resume starts (checkpoint.start_rollout_id); `restore` moves it."""
         self.stop_requested = False
         """Set on a timeout/preemption warning: save at the next rollout boundary and stop (requeue)."""
         self.stopped_for_requeue = False
@@ -59,7 +62,7 @@ class RunLoop:
         try:
             await self.weights.start(resumed=resumed and self.next_rollout_id > 0)
             if self.evaluate and self.next_rollout_id == 0 and not self.eval_config.skip_eval_before_train:
-                self.recorder.eval_before_training(await self.evaluate(self.weights.version))
+                self.recorder.eval_before_training(await self.evaluate(self.weights.version, 0))
             for rollout_id in range(self.next_rollout_id, self.num_rollout):
                 start = time.perf_counter()
                 result = await self.rollouts.next(rollout_id)  # generate, score, filter; partial buffer in and out
@@ -73,7 +76,7 @@ class RunLoop:
                 metrics |= await self.weights.after_train(version, sync_due=sync_due)
                 if self.evaluate and every(self.eval_config.eval_interval, rollout_id):
                     eval_start = time.perf_counter()
-                    metrics |= await self.evaluate(self.weights.version)
+                    metrics |= await self.evaluate(self.weights.version, rollout_id)
                     metrics["time/eval"] = time.perf_counter() - eval_start
                 metrics |= await self.checkpoints.save_if_due(rollout_id, self.weights.version,
                                                               stopping=self.stop_requested)

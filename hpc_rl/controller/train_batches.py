@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -54,10 +55,21 @@ class RewardShaping:
     n_samples_per_prompt: int
     std_normalization: bool = True
     disabled: bool = False
+    post_process: Callable[[list[Sample]], Any] | None = None
+    """slime's --custom-reward-post-process-path, `args` bound: samples -> (raw_rewards, rewards)."""
 
 
 def normalized_rewards(groups: list[Group], shaping: RewardShaping) -> list[float]:
-    """Per sample, in group order: r - mean (/ std for grpo-like) within its group, or raw."""
+    """Per sample, in group order: r - mean (/ std for grpo-like) within its group, or raw; or what the custom
+    reward post-process function returns."""
+    if shaping.post_process is not None:
+        samples = [s for g in groups for s in g]
+        result = shaping.post_process(samples)
+        rewards = result[1] if isinstance(result, tuple) and len(result) == 2 else None
+        if rewards is None or len(rewards) != len(samples):
+            raise ValueError(f"rollout.custom_reward_post_process_path must return (raw_rewards, rewards) with "
+                             f"{len(samples)} rewards each; got {type(result).__name__}")
+        return [float(r) for r in rewards]
     raw = [float(s.reward if s.reward is not None else 0.0) for g in groups for s in g]
     if shaping.disabled or shaping.advantage_estimator not in NORMALIZED_ESTIMATORS:
         return raw
@@ -100,6 +112,9 @@ def pack_samples(samples: list[Sample], rewards: list[float]) -> dict[str, np.nd
         "sample_indices": np.array([s.index for s in samples], dtype=np.int64),
         "weight_versions": versions,
     }
+    teacher = _teacher_logprobs(samples, total_response)
+    if teacher is not None:
+        arrays["teacher_logprobs"] = teacher
     if any(s.routed_experts is not None for s in samples):
         arrays.update(pack_routed_experts(samples))
     return arrays
@@ -119,6 +134,17 @@ def pack_routed_experts(samples: list[Sample]) -> dict[str, np.ndarray]:
         raise ValueError(f"samples' routed experts differ in [num_layers, topk]: {sorted(shapes)}")
     return {"routed_experts": np.concatenate(routing, axis=0),
             "routed_expert_rows": np.array([len(r) for r in routing], dtype=np.int32)}
+
+
+def _teacher_logprobs(samples: list[Sample], total_response: int) -> np.ndarray | None:
+    """On-policy distillation with a teacher server: every sample's teacher log-probs, concatenated (or None)."""
+    if all(s.teacher_logprobs is None for s in samples):
+        return None
+    missing = [s.index for s in samples if s.teacher_logprobs is None or len(s.teacher_logprobs) != s.response_length]
+    if missing:
+        raise ValueError(f"samples {missing[:5]} have no teacher log-probs for every response token")
+    return np.fromiter(chain.from_iterable(s.teacher_logprobs or () for s in samples), dtype=np.float32,
+                       count=total_response)
 
 
 def split_for_data_parallel(groups: list[Group], shaping: RewardShaping, dp_size: int) -> list[dict[str, np.ndarray]]:

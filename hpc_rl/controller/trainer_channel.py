@@ -4,6 +4,9 @@ Owns: one command queue per rank (a rank asks `NextCommand`, the controller answ
 command when there is one), sequence numbers, collecting `CommandDone` from every rank, the weight
 plan that rank 0 sends during a sync, and failing everything pending when a rank is lost.
 Every rank runs every command in the same order: they are collective operations on the trainer side.
+A command whose caller stopped waiting (cancelled: a signal, a timeout) is abandoned, not forgotten: the
+ranks still run it, their CommandDone is expected and quietly absorbed, and `idle` says when they are
+free again (so a stop can still save a checkpoint, and no "command N, which is not running" error).
 """
 
 from __future__ import annotations
@@ -35,8 +38,15 @@ class TrainerChannel:
         self._queues: dict[int, asyncio.Queue[Message]] = {r: asyncio.Queue() for r in range(world_size)}
         self._seq = 0
         self._pending: _Pending | None = None
+        self._abandoned: _Pending | None = None
+        """A command whose caller stopped waiting; the ranks still run it and report it done."""
         self._weight_plan: asyncio.Future[WeightPlan] | None = None
         self.failure: TrainerFailed | None = None
+
+    @property
+    def idle(self) -> bool:
+        """No command is running on the ranks (neither awaited nor abandoned)."""
+        return self._pending is None and self._abandoned is None
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -65,6 +75,8 @@ class TrainerChannel:
             return await asyncio.wait_for(asyncio.shield(pending.future), timeout_s)
         finally:
             self._pending = None
+            if not pending.future.done():  # cancelled or timed out: the ranks still run it
+                self._abandoned = pending
 
     def expect_weight_plan(self) -> asyncio.Future[WeightPlan]:
         """Call before sending a sync command: the future gets the plan rank 0 sends during it."""
@@ -77,6 +89,12 @@ class TrainerChannel:
         self._weight_plan.set_result(plan)
 
     def on_done(self, done: CommandDone) -> None:
+        abandoned = self._abandoned
+        if abandoned is not None and done.seq == abandoned.seq:
+            abandoned.done[done.rank] = done
+            if len(abandoned.done) == self.world_size or not done.ok:
+                self._abandoned = None  # a failed rank runs nothing more of it
+            return
         pending = self._pending
         if pending is None or done.seq != pending.seq:
             raise TrainerFailed(f"trainer rank {done.rank} finished command {done.seq}, which is not running")

@@ -2,7 +2,8 @@
 each sync's sequence in every mode.
 
     decoupled (sync or async):  pause (retract | abort) -> push (weight_sync.push_weights_to_engines:
-                                the broadcast group) -> engines serve the version -> continue
+                                the broadcast group; or weight_disk, through the shared filesystem)
+                                -> engines serve the version -> continue
     colocated, async:           the same, pushed through /update_weights_from_tensor (colocated.py)
     colocated, sync mode:       before_train: the engines hand the GPUs to the trainer; after_train:
                                 the memory moves back with the new weights (order in colocated.py)
@@ -23,11 +24,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpc_rl.config.schema import ClusterConfig, ControllerConfig, RolloutConfig
-from hpc_rl.controller.colocated import KV_TAGS, TRAINER_TAGS, WEIGHTS_TAG, ColocatedMemory, push_weights_colocated
+from hpc_rl.controller.colocated import (KV_TAGS, TRAINER_TAGS, WEIGHTS_TAG, ColocatedMemory, colocated_pairs,
+                                         push_weights_colocated)
+from hpc_rl.controller.engine_admin import EngineAdmin
 from hpc_rl.controller.engine_fleet import EngineFleet
-from hpc_rl.controller.registry import EngineState, Registry
+from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
 from hpc_rl.controller.trainer_channel import TrainerChannel
-from hpc_rl.controller.weight_sync import WeightGroupState, push_weights_to_engines
+from hpc_rl.controller.weight_disk import push_weights_through_disk
+from hpc_rl.controller.weight_sync import WeightGroupBroken, WeightGroupState, push_weights_to_engines
+from hpc_rl.protocol.messages import AbortWeightGroupCommand
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +49,12 @@ class WeightSyncSettings:
     bucket_bytes: int
     timeout_s: float
     num_engines: int
-    engine_tp_size: int
+    transport: str = "nccl"
+    """nccl (the broadcast group) or disk (rollout.update_weight_transport: weight_disk)."""
+    disk_dir: str | None = None
+    keep_disk_files: bool = False
+    external_engines: bool = False
+    """The engines are another job's (rollout.rollout_external_engine_addrs): they may hold an earlier run's group."""
 
     @classmethod
     def from_sections(cls, cluster: ClusterConfig, rollout: RolloutConfig,
@@ -52,7 +62,10 @@ class WeightSyncSettings:
         return cls(backend="gloo" if cluster.device == "cpu" else "nccl", colocate=cluster.colocate,
                    async_rollout=rollout.async_rollout, update_weights_interval=rollout.update_weights_interval,
                    bucket_bytes=rollout.update_weight_buffer_size, timeout_s=controller.engine_request_timeout,
-                   num_engines=cluster.num_engines, engine_tp_size=cluster.rollout_num_gpus_per_engine)
+                   num_engines=cluster.num_engines,
+                   transport=rollout.update_weight_transport, disk_dir=rollout.update_weight_disk_dir,
+                   keep_disk_files=rollout.update_weight_disk_keep_files,
+                   external_engines=bool(rollout.rollout_external_engine_addrs))
 
 
 class WeightUpdates:
@@ -72,6 +85,26 @@ class WeightUpdates:
         """Colocated mode: the trainer's offload state and the memory moves (None: decoupled)."""
         self.moves_memory = settings.colocate and not settings.async_rollout
         """Colocated sync mode: engines and trainer trade the GPUs around every train step."""
+        self.engines_released = False
+        """Colocated: the engines released all their memory for the trainer's start (`hand_gpus_to_trainer`)."""
+        self.abort_due = ""
+        """Why the trainer must abort its weight-update group before its next command (a member engine failed
+        after the last sync: on NCCL a broadcast to it may never complete); "" when not."""
+
+    def engine_failed(self, engine_index: int) -> None:
+        """The fleet failed an engine: if it was in the live weight-update group, the group is dropped (the
+        next sync builds a new one) and the trainer aborts its side before it runs anything else."""
+        if any(index == engine_index for index, _, _ in self.group.members):
+            self.group.members = []
+            self.abort_due = f"engine {engine_index} failed while in the weight-update group"
+
+    async def abort_group_if_due(self) -> None:
+        """Have the trainer abort a weight-update group a failed engine was in (see `engine_failed`)."""
+        if self.abort_due:
+            reason, self.abort_due = self.abort_due, ""
+            log.warning("aborting the trainer's weight-update group: %s", reason)
+            await self.channel.run(lambda rank, seq: AbortWeightGroupCommand(seq=seq, reason=reason),
+                                   timeout_s=self.settings.timeout_s)
 
     def restore(self, version: int) -> None:
         """A resumed run: the checkpoint's trainer holds `version` (the engines get it in `start`)."""
@@ -79,22 +112,42 @@ class WeightUpdates:
         self.engines_serve(version)
 
     def sync_due(self, rollout_id: int) -> bool:
-        """Every `update_weights_interval` rollouts, and after the last one."""
+        """Every `update_weights_interval` rollouts, and after the last one; never in a trainer-only job (SFT)."""
+        if self.settings.num_engines == 0:
+            return False
         interval = self.settings.update_weights_interval
         return bool(interval) and (rollout_id + 1) % interval == 0 or rollout_id + 1 == self.num_rollout
 
+    async def hand_gpus_to_trainer(self) -> None:
+        """Colocated, before the trainer starts (slime's order): the engines sized their KV cache from the free
+        GPU memory; now they release all of it (weights, KV cache, CUDA graphs) so the trainer builds its model
+        and optimizer on GPUs the engines do not hold. `start` gives it back with the trainer's weights."""
+        if self.moves_memory:
+            await self.engines_call("release_memory", [*KV_TAGS, WEIGHTS_TAG])
+            self.engines_released = True
+
     async def start(self, *, resumed: bool) -> None:
         """Before the first rollout: colocated sync mode gives the GPUs to the engines (generation comes
-        first); a resumed run pushes the checkpoint's weights (the engines loaded the initial ones)."""
+        first) and, when they released everything for the trainer's start, their weights are the trainer's
+        (slime pushes them once at start too); a resumed run pushes the checkpoint's weights (the engines
+        loaded the initial ones)."""
+        if self.moves_memory and self.engines_released:  # as after a train step: the memory moves back with weights
+            self.engines_released = False
+            metrics = await self._colocated_after_train(self.version, sync_due=True)
+            log.info("weights v%d given to the colocated engines before the first rollout (%.2f s)", self.version,
+                     metrics.get("time/colocated_after_train", 0.0))
+            return
         if self.moves_memory:
             assert self.colocated is not None
             await self.colocated.trainer("offload", TRAINER_TAGS)
-        if resumed:
+        if resumed and self.settings.num_engines:
             await self.sync(self.version, reason="resumed from a checkpoint")
 
     async def before_train(self, sync_due: bool) -> dict[str, Any]:
-        """Colocated sync mode: the engines release their memory and the trainer onloads (else nothing)."""
+        """Colocated sync mode: the engines release their memory and the trainer onloads; decoupled: the trainer
+        aborts a weight-update group an engine broke since the last sync (see `engine_failed`)."""
         if not self.moves_memory:
+            await self.abort_group_if_due()
             return {}
         assert self.colocated is not None
         return await self.colocated.before_train(sync_due)
@@ -130,6 +183,12 @@ class WeightUpdates:
             if isinstance(result, BaseException):
                 await self.fleet.fail_engine(index, f"{method} failed: {result}")
 
+    async def _engine_stuck(self, admin: EngineAdmin, why: str) -> None:
+        """An engine found stuck during the weight update (weight_sync's watchdog): failed as dead (restarted)."""
+        index = next((i for i, known in self.fleet.admins.items() if known is admin), None)
+        if index is not None:
+            await self.fleet.fail_engine(index, why)
+
     def _waiting_engines(self) -> list[int]:
         return [e.engine_index for e in self.registry.live_engines() if e.state == EngineState.STARTING]
 
@@ -141,19 +200,50 @@ class WeightUpdates:
         if not engines:  # all restarting: each gets the trainer's current version before it serves
             log.warning("weights v%d not pushed: no engine is up", version)
             return {}
+        if self.colocated is None and settings.transport == "disk":
+            assert settings.disk_dir is not None, "validation requires update_weight_disk_dir with disk"
+            return await push_weights_through_disk(version=version, channel=self.channel, engines=engines,
+                                                   admins=self.fleet.admins, disk_dir=settings.disk_dir,
+                                                   keep_files=settings.keep_disk_files, timeout_s=settings.timeout_s)
         if self.colocated is None:
-            return await push_weights_to_engines(version=version, channel=self.channel, engines=engines,
-                                                 admins=self.fleet.admins, group=self.group, backend=settings.backend,
-                                                 bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s)
+            return await self._broadcast(version, engines)
         was_offloaded = WEIGHTS_TAG in self.colocated.trainer_offloaded
         await self.colocated.trainer("onload", [WEIGHTS_TAG])
         metrics = await push_weights_colocated(
             version=version, channel=self.channel, engines=engines, admins=self.fleet.admins,
-            num_engines=settings.num_engines, engine_tp_size=settings.engine_tp_size,
+            num_engines=settings.num_engines, rank_engines=colocated_pairs(self.registry),
             bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s)
         if was_offloaded:
             await self.colocated.trainer("offload", [WEIGHTS_TAG])
         return metrics
+
+    async def _broadcast(self, version: int, engines: list[EngineInfo]) -> dict[str, float]:
+        """The decoupled push. An engine that breaks it (dies or fails mid-update) is failed (restarted, and
+        given the weights before it serves again), the trainer has aborted the broken group, and the push is
+        made once more, over a new group of the engines still up; a second break fails the run."""
+        settings = self.settings
+
+        async def push(over: list[EngineInfo]) -> dict[str, float]:
+            return await push_weights_to_engines(version=version, channel=self.channel, engines=over,
+                                                 admins=self.fleet.admins, group=self.group, backend=settings.backend,
+                                                 bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s,
+                                                 on_stuck=self._engine_stuck,
+                                                 clear_stale_groups=settings.external_engines)
+
+        await self.abort_group_if_due()
+        try:
+            return await push(engines)
+        except WeightGroupBroken as broken:  # the trainer aborted its side already
+            start = time.perf_counter()
+            for index in broken.engines:
+                await self.fleet.fail_engine(index, f"broke weight sync v{version}: {broken}")
+            self.abort_due = ""
+            survivors = self.registry.live_engines()
+            log.warning("weight sync v%d: engine(s) %s failed mid-update; pushing again to %d engine(s)", version,
+                        broken.engines, len(survivors))
+            metrics = await push(survivors) if survivors else {}
+            metrics["weight_sync/recovery_seconds"] = time.perf_counter() - start
+            return metrics
 
     async def _now_serving(self, version: int, waiting: list[int]) -> None:
         self.version = version

@@ -84,11 +84,19 @@ def row_to_record(row: Any, index: int, keys: DataKeys, where: str) -> PromptRec
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any | DataError]]:
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    """Lines are decoded one by one: a line that is not UTF-8 is a DataError naming it (skippable with
+    skip_bad_lines), not a UnicodeDecodeError that ends the read with no line number."""
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            where = f"{path}:{line_number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield where, DataError(f"{where}: not UTF-8 (byte 0x{raw[error.start]:02x} at column "
+                                       f"{error.start + 1}); re-encode the file as UTF-8")
+                continue
             if not line.strip():
                 continue
-            where = f"{path}:{line_number}"
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as error:
@@ -205,14 +213,17 @@ PromptEncoder = Callable[[str | list[dict[str, Any]], dict[str, Any]], list[int]
 """(prompt, metadata) -> prompt token ids (chat template applied or not)."""
 
 
-def make_prompt_encoder(tokenizer: Any, *, apply_chat_template: bool) -> PromptEncoder:
-    """How prompts become token ids: the tokenizer's chat template (add_generation_prompt) or plain encode."""
+def make_prompt_encoder(tokenizer: Any, *, apply_chat_template: bool,
+                        chat_template_kwargs: dict[str, Any] | None = None) -> PromptEncoder:
+    """How prompts become token ids: the tokenizer's chat template (add_generation_prompt; with
+    `chat_template_kwargs` as extra template variables, slime's --apply-chat-template-kwargs) or plain encode."""
+    extra = dict(chat_template_kwargs or {})
 
     def encode(prompt: str | list[dict[str, Any]], metadata: dict[str, Any]) -> list[int]:
         if apply_chat_template:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             text = tokenizer.apply_chat_template(
-                messages, tools=metadata.get("tools"), tokenize=False, add_generation_prompt=True
+                messages, tools=metadata.get("tools"), tokenize=False, add_generation_prompt=True, **extra
             )
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if isinstance(prompt, list):

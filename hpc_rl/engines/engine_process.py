@@ -20,11 +20,11 @@ from hpc_rl.engines.sglang_launch import SglangLaunchSpec, build_sglang_command,
 
 def cpu_engine_command(model_path: str | Path, *, host: str, port: int, max_running_requests: int = 64,
                        weight_version: str = "default", num_threads: int = 1,
-                       extra_args: Sequence[str] = ()) -> list[str]:
+                       extra_args: Sequence[str] = (), python: str = sys.executable) -> list[str]:
     """argv of `python -m hpc_rl.engines.cpu` (the driver's engine steps and CpuEngineProcess). The api
     key is not on it: it travels in the environment (`API_KEY_ENV`)."""
     return [
-        sys.executable, "-m", "hpc_rl.engines.cpu", "--model-path", str(model_path),
+        python, "-m", "hpc_rl.engines.cpu", "--model-path", str(model_path),
         "--host", host, "--port", str(port), "--max-running-requests", str(max_running_requests),
         "--weight-version", weight_version, "--num-threads", str(num_threads), *extra_args,
     ]

@@ -31,11 +31,10 @@ import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from hpc_rl.config.schema import ROUTER_POLICIES
 from hpc_rl.engines import API_KEY_ENV
 from hpc_rl.engines.child_process import ChildProcess, ChildProcessFailed, free_port, http_ok, wait_until
 from hpc_rl.protocol.http_client import request_blocking
-
-ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
 def build_router_command(*, host: str, port: int, prometheus_port: int, policy: str = "cache_aware",

@@ -31,7 +31,8 @@ from hpc_rl.config.sglang_options import renamed_options
 
 # Flags hpc_rl sets itself: a pass-through option may not override them.
 RESERVED_OPTIONS = frozenset(
-    {"model_path", "tp_size", "tensor_parallel_size", "host", "port", "api_key", "config"}
+    {"model_path", "tp_size", "tensor_parallel_size", "host", "port", "api_key", "config", "base_gpu_id", "nnodes",
+     "node_rank", "dist_init_addr", "nccl_init_addr"}
 )
 
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
@@ -82,6 +83,8 @@ class SglangLaunchSpec:
     """Engine on the trainer's GPUs: `--enable-memory-saver`, so releasing memory really frees it."""
     return_routed_experts: bool = False
     """`--enable-return-routed-experts`: answers carry each token's routed experts (rollout routing replay)."""
+    base_gpu_id: int | None = None
+    """Position of the engine's first GPU in its step's GPU list (`--base-gpu-id`; launch.step_plan)."""
 
     def __post_init__(self) -> None:
         if self.rollout_num_gpus_per_engine < 1:
@@ -92,7 +95,8 @@ class SglangLaunchSpec:
         if clashes:
             raise ValueError(
                 f"sglang options {clashes} are set by hpc_rl (hf_checkpoint, rollout_num_gpus_per_engine, "
-                "host, port, api_key, config): remove them from the sglang_* options"
+                "host, port, api_key, config, base_gpu_id, nnodes, node_rank, dist_init_addr: Slurm's placement): "
+                "remove them from the sglang_* options"
             )
 
 
@@ -134,6 +138,8 @@ def build_sglang_command(spec: SglangLaunchSpec) -> list[str]:
         command += ["--api-key", spec.api_key]
     if spec.api_key_file:
         command += ["--config", spec.api_key_file]
+    if spec.base_gpu_id is not None:
+        command += ["--base-gpu-id", str(spec.base_gpu_id)]
     for key in sorted(spec.sglang_options):
         command += render_option(key, spec.sglang_options[key])
     if spec.colocated and "--enable-memory-saver" not in command:

@@ -2,13 +2,20 @@
 
 Owns: reading `<run_dir>/config.resolved.yaml` and the secret, per-component log files under
 `<run_dir>/logs/`, starting sglang-router, one engine step per `EnginePlacement` (CPU engine or
-SGLang), the torchrun trainer step (c10d rendezvous on the first trainer node), registering engines
+SGLang; or, with rollout.rollout_external_engine_addrs, attaching to engines another job serves: none started,
+an unreachable one named at start, a failed one waited for instead of restarted), the torchrun trainer step (c10d rendezvous on the first trainer node), registering engines
 with the controller, supervising the steps (a dead engine goes to the fleet's failure path and is
-restarted; a dead trainer ends the run with its log tail), and the shutdown order. The same code runs
+restarted; a dead trainer ends the run with its log tail), and the shutdown order. The training modes: a
+trainer-only job (SFT) starts no engine and no router; an on-policy-distillation teacher given as
+`opd_teacher_hf_checkpoint` is one more engine step (its own het group), health-checked behind the job's key,
+handed to the controller by URL, and stopped with the engines (a teacher that dies fails the run). The same code runs
 locally (`LocalStepLauncher`) and inside a Slurm allocation (`SrunStepLauncher`); only the launcher differs.
 
 Shutdown (success, failure, SIGINT/SIGTERM/scancel alike), every task the driver started is either
-awaited or cancelled on purpose, so asyncio never reports an exception "never retrieved":
+awaited or cancelled on purpose, so asyncio never reports an exception "never retrieved". SIGTERM (scancel,
+preemption, `kill`) first saves the rollout the trainer last trained if that fits in the grace time
+(`term_grace_s`: Slurm's KillWait minus a margin; 10 s on this machine) and sends the ranks their stop
+command (`controller.signal_stop`); SIGINT (Ctrl-C) stops at once:
 
     signal ──> controller.stopping (a trainer or engine that now disconnects is not a failure)
            ──> cancel the main task ──> shutdown():
@@ -44,38 +51,34 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpc_rl.config import RunConfig, load_resolved_config
-from hpc_rl.config.sglang_options import engine_kind
+from hpc_rl.config.sglang_options import engine_kind, external_engine_url
 from hpc_rl.controller.app import Controller
+from hpc_rl.controller.signal_stop import stop_with_checkpoint
 from hpc_rl.controller.stopping import log_task_error, stop_task
 from hpc_rl.engines import API_KEY_ENV
-from hpc_rl.engines.child_process import free_port, log_tail, planned_port
-from hpc_rl.engines.engine_process import cpu_engine_command
+from hpc_rl.engines.child_process import free_port, http_ok, log_tail, planned_port
 from hpc_rl.engines.router import RouterProcess
-from hpc_rl.engines.sglang_launch import (
-    ROUTED_EXPERTS_FLAG,
-    SGLANG_ON_CPU_ENV,
-    SGLANG_PYTHON_ENV,
-    SglangLaunchSpec,
-    build_sglang_command,
-    build_sglang_env,
-    sglang_device_options,
-    write_api_key_file,
-)
+from hpc_rl.engines.gpu_step import engine_report_path
+from hpc_rl.engines.sglang_launch import SGLANG_ON_CPU_ENV, build_sglang_env, write_api_key_file
 from hpc_rl.launch.batch_guard import RESTARTS_FILE, restarts_used
 from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
 from hpc_rl.launch.node_health import NodeLoss, lost_nodes, query_node_states
-from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher, StepSpec
+from hpc_rl.launch.orphans import become_subreaper, end_children, environ_has
+from hpc_rl.launch.run_lock import RunDirLocked, acquire
+from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher
 from hpc_rl.launch.trainer_exit import describe_trainer_exit
-from hpc_rl.launch.topology import EnginePlacement, JobTopology, plan_topology
+from hpc_rl.launch.step_plan import (
+    engine_step, sglang_api_key_path, teacher_engine_config, teacher_step, trainer_step,
+)
+from hpc_rl.launch.topology import DIST_INIT_PORT_OFFSET, EnginePlacement, JobTopology, node_rank_port, plan_run_topology
 from hpc_rl.protocol.http_client import EngineConnection, EngineHTTPTransportError
 from hpc_rl.protocol.secret import Secret, engine_api_key, load_secret, secret_path
 from hpc_rl.telemetry.run_files import RunLogFileHandler
-from hpc_rl.weights.device_identity import DEVICE_ID_ENV, device_identity
 
 log = logging.getLogger("hpc_rl.driver")
 
@@ -83,8 +86,6 @@ EXIT_OK, EXIT_FAILED, EXIT_REQUEUE, EXIT_INTERRUPTED = 0, 1, 3, 130
 CONTROLLER_ENV = "HPC_RL_CONTROLLER"
 RUN_DIR_ENV = "HPC_RL_RUN_DIR"
 TRAINER_NODE_ADDRESSES_ENV = "HPC_RL_TRAINER_NODE_ADDRESSES"  # read by hpc_rl.training.sync_address
-SGLANG_API_KEY_FILE = "sglang_api_key.yaml"
-"""In the run dir, 0600: the engine key for SGLang's `--config` (written by the driver)."""
 
 
 ENGINE_BIND_RETRIES = 2
@@ -93,10 +94,20 @@ ENGINE_HEALTH_POLL_S = 0.1
 """How often a starting engine's /health is asked (a refused connection until it listens; issue 11)."""
 ENGINE_HEALTH_TIMEOUT_S = 2.0
 """How long one /health poll may take."""
+EXTERNAL_ENGINE_WAIT_S = 10.0
+"""At start, how long an external engine (rollout.rollout_external_engine_addrs) may take to answer /health."""
+EXTERNAL_ENGINE_RETURN_S = 600.0
+"""After an external engine failed: how long the run waits for it to answer again (another job restarts it)."""
 NODE_WATCH_INTERVAL_S = 2.0
 """On Slurm, how often the driver asks whether the job's nodes are alive (one `sinfo` call)."""
 NODE_REQUEUE_WAIT_S = 120.0
 """After requeuing for a lost node: how long an engine restart waits for Slurm to stop this attempt."""
+
+LOCAL_OS_PICKS = 0
+"""A local run's controller and rendezvous store bind port 0 (the OS picks a free port as they bind):
+a planned port can be taken by another run between the plan and the bind (two local runs once failed
+with "Address already in use" on torchrun's store). The router and engines have planned ports, and
+are started again on free ones when theirs are taken."""
 
 JOB_PORT_SLOTS = 300
 """Slurm jobs whose ids differ by less than this never share a planned port (15000 + slot * 50 stays
@@ -114,16 +125,26 @@ class PortPlan:
     router_metrics: int
     rendezvous: int
     engines: list[int]
+    """Each engine's HTTP port (a multi-node engine's node-rank 0)."""
+    spans: dict[int, list[int]] = field(default_factory=dict)
+    """A local run's multi-node engines: [distributed-init port, node-rank 1's port, ...] (on Slurm they follow
+    from node-rank 0's port: `topology.node_rank_port`)."""
+    teacher: int | None = None
+    """The on-policy-distillation teacher engine's port (when the job starts one)."""
 
     @classmethod
     def for_job(cls, topology: JobTopology, *, local: bool) -> "PortPlan":
-        if local:
-            return cls(planned_port(), planned_port(), planned_port(), planned_port(),
-                       [planned_port() for _ in topology.engines])
+        if local:  # the controller and torchrun's rendezvous store bind port 0: the OS picks a free one
+            return cls(LOCAL_OS_PICKS, planned_port(), planned_port(), LOCAL_OS_PICKS,
+                       [planned_port() for _ in topology.engines],
+                       {e.engine_index: [planned_port() for _ in range(e.num_nodes)]
+                        for e in topology.engines if e.num_nodes > 1},
+                       teacher=planned_port() if topology.teacher is not None else None)
         offset = (int(os.environ.get("SLURM_JOB_ID", "0")) % JOB_PORT_SLOTS) * 50
         return cls(topology.controller_port + offset, topology.router_port + offset,
                    topology.router_metrics_port + offset, topology.rendezvous_port + offset,
-                   [e.port + offset for e in topology.engines])
+                   [e.port + offset for e in topology.engines],
+                   teacher=topology.teacher.port + offset if topology.teacher is not None else None)
 
     def avoiding_busy(self, host: str, engine_hosts: list[str]) -> "PortPlan":
         """This plan with each port that is in use on `host` replaced by a free one (engines only when
@@ -141,7 +162,16 @@ class PortPlan:
                         checked("router metrics", self.router_metrics, "127.0.0.1"),
                         checked("rendezvous", self.rendezvous),
                         [checked(f"engine {i}", port) if engine_hosts[i] == host else port
-                         for i, port in enumerate(self.engines)])
+                         for i, port in enumerate(self.engines)], self.spans, teacher=self.teacher)
+
+    def engine_node_ports(self, placement: EnginePlacement) -> tuple[list[int], int]:
+        """A multi-node engine's port of each node-rank and node-rank 0's distributed-init port."""
+        port = self.engines[placement.engine_index]
+        if placement.engine_index in self.spans:
+            dist_init, *followers = self.spans[placement.engine_index]
+            return [port, *followers], dist_init
+        return ([node_rank_port(port, rank) for rank in range(placement.num_nodes)],
+                port + DIST_INIT_PORT_OFFSET)
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -155,43 +185,28 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+ROUTER_BIND_RETRIES = 2
+"""The router is started again on free ports this many times when its ports are taken."""
+
+
+def _router_answers_with_key(router: RouterProcess, api_key: str, timeout_s: float) -> bool:
+    """True once the router answers a keyed request (`/workers`): it is ours (another run's router on the
+    port answers /liveness, but refuses our key); False when ours exited first (its port was taken)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not router.process.alive():
+            return False
+        if http_ok(f"{router.url}/workers", timeout=2.0, api_key=api_key or None):
+            return True
+        time.sleep(0.1)
+    raise RuntimeError(f"sglang-router did not answer at {router.url} within {timeout_s:.0f} s; "
+                       f"see {router.process.log_path}")
+
+
 def bind_failed(log_text: str) -> bool:
     """A server's log says its port was taken (Python, aiohttp, Rust and SGLang wordings)."""
     text = log_text.lower()
     return "address already in use" in text or "errno 98" in text or "eaddrinuse" in text
-
-
-def sglang_api_key_path(config: RunConfig) -> Path:
-    """Where SGLang engines read the engine key from (`--config`)."""
-    return Path(config.run_dir or "<run_dir>") / SGLANG_API_KEY_FILE
-
-
-def engine_command(config: RunConfig, placement: EnginePlacement, host: str, port: int) -> list[str]:
-    """The engine step's argv: hpc_rl's CPU engine (device cpu; key in `API_KEY_ENV`) or
-    sglang.launch_server (key in the run dir's `SGLANG_API_KEY_FILE`). No key on either."""
-    if engine_kind(config.rollout.engine, config.cluster.device) == "cpu":
-        return cpu_engine_command(config.checkpoint.hf_checkpoint, host=host, port=port,
-                                  max_running_requests=config.sglang.server_concurrency, weight_version="0",
-                                  extra_args=(["--enable-memory-saver"] if config.cluster.colocate else [])
-                                  + ([ROUTED_EXPERTS_FLAG] if config.training.use_rollout_routing_replay else []))
-    spec = SglangLaunchSpec(hf_checkpoint=config.checkpoint.hf_checkpoint, host=host, port=port,
-                            rollout_num_gpus_per_engine=config.cluster.rollout_num_gpus_per_engine,
-                            api_key_file=str(sglang_api_key_path(config)),
-                            sglang_options=sglang_device_options(config.cluster.device, config.sglang.server_options()),
-                            python=os.environ.get(SGLANG_PYTHON_ENV) or sys.executable,
-                            colocated=config.cluster.colocate,
-                            return_routed_experts=config.training.use_rollout_routing_replay)
-    return build_sglang_command(spec)
-
-
-def trainer_command(config: RunConfig, run_dir: Path, rendezvous: str, *, local: bool = False) -> list[str]:
-    """torchrun over every trainer node (one torchrun per node; it forks the ranks); in a local run its
-    stores listen on loopback only (bound_torchrun, with STORE_ADDRESS_ENV set by the driver)."""
-    return [sys.executable, "-m", "hpc_rl.launch.bound_torchrun", *(["--local-addr=127.0.0.1"] if local else []),
-            f"--nnodes={config.cluster.actor_num_nodes}",
-            f"--nproc-per-node={config.cluster.actor_num_gpus_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous}", f"--rdzv-id={os.environ.get('SLURM_JOB_ID', 'local')}",
-            "--max-restarts=0", "-m", "hpc_rl.training", str(run_dir)]
 
 
 def _log_since(path: Path, offset: int) -> str:
@@ -235,13 +250,15 @@ class Driver:
 
     _node_watch: asyncio.Task[None] | None = None
     """The node watch task (Slurm only; started in `run`, stopped first in `shutdown`)."""
+    teacher_step: StepHandle | None = None
+    """On-policy distillation's teacher engine (topology.teacher), once started."""
 
     def __init__(self, run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> None:
         self.run_dir = Path(run_dir).resolve()
         self.config = load_resolved_config(self.run_dir)
         self.launcher = launcher
         self.local = local
-        self.topology = plan_topology(self.config.cluster)
+        self.topology = plan_run_topology(self.config)
         self.ports = PortPlan.for_job(self.topology, local=local)
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -271,6 +288,10 @@ class Driver:
         """A node was lost and the job could not be requeued: the run fails with this."""
         self._node_check = asyncio.Lock()
         """One check at a time: an engine restart asking about its node waits for the watch's decision."""
+        self.graceful_stop: asyncio.Task[None] | None = None
+        """After SIGTERM: the task that saves what the grace time allows and ends the controller's run."""
+        self.controller_run: asyncio.Task[dict[str, object]] | None = None
+        """The controller's run, from its start on (also after `run` took over its outcome)."""
 
     # -- engines -------------------------------------------------------------------------------------------
     async def start_engine(self, index: int, *, retry_on_bind_failure: int = ENGINE_BIND_RETRIES,
@@ -285,19 +306,18 @@ class Driver:
         log_start = log_path.stat().st_size if log_path.exists() else 0
         env = build_sglang_env({}, {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
         env[API_KEY_ENV] = self.engine_key  # in the environment: `ps` shows argv, not this
-        env[DEVICE_ID_ENV] = device_identity(het_group=placement.het_group, node_index=placement.node_index,
-                                             gpu_index=placement.gpu_ids[0])  # weight groups refuse duplicates
         if engine_kind(self.config.rollout.engine, self.config.cluster.device) == "sglang":
             env.update(SGLANG_ON_CPU_ENV if self.config.cluster.device == "cpu" else {})
             write_api_key_file(sglang_api_key_path(self.config), self.engine_key)
             _create_private(log_path)  # SGLang logs its server args, the key among them
-        if self.config.cluster.device == "cuda" and not self.local:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, placement.gpu_ids))
-        step = self.launcher.start(StepSpec(
-            name=f"engine-{index}", argv=engine_command(self.config, placement, host, port), env=env,
-            het_group=placement.het_group, node_index=placement.node_index, num_nodes=1, tasks_per_node=1,
-            gpus_per_task=len(placement.gpu_ids) if self.config.cluster.device == "cuda" else 0,
-            overlap=self.topology.colocate, log_path=log_path))
+        for node_rank in range(placement.num_nodes):  # this attempt writes its own
+            engine_report_path(self.run_dir, index, node_rank).unlink(missing_ok=True)
+        node_ports, dist_init_port = self.ports.engine_node_ports(placement)
+        node_hosts = [self.launcher.node_address(placement.het_group, placement.node_index + rank)
+                      for rank in range(placement.num_nodes)]
+        step = self.launcher.start(engine_step(self.config, self.topology, index, host=host, port=port,
+                                               run_dir=self.run_dir, env=env, local=self.local, node_hosts=node_hosts,
+                                               node_ports=node_ports, dist_init_port=dist_init_port))
         self.engine_steps[index] = step
         url = f"http://{host}:{port}"
         try:
@@ -317,27 +337,87 @@ class Driver:
             return await self.start_engine(index, retry_on_bind_failure=retry_on_bind_failure - 1, tried=tried)
         return url
 
+    async def start_teacher(self) -> str:
+        """On-policy distillation's teacher: the engine command (CPU engine or SGLang, as the rollout engines)
+        on the teacher's checkpoint and GPUs, on its own het group; returns its URL once /health answers."""
+        placement = self.topology.teacher
+        assert placement is not None and self.ports.teacher is not None
+        config = teacher_engine_config(self.config)
+        host = self.launcher.node_address(placement.het_group, placement.node_index)
+        log_path = self.logs / "teacher.log"
+        env = build_sglang_env({}, {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+        env[API_KEY_ENV] = self.engine_key  # in the environment: `ps` shows argv, not this
+        if engine_kind(config.rollout.engine, config.cluster.device) == "sglang":
+            env.update(SGLANG_ON_CPU_ENV if config.cluster.device == "cpu" else {})
+            write_api_key_file(sglang_api_key_path(config), self.engine_key)
+            _create_private(log_path)
+        self.teacher_step = self.launcher.start(teacher_step(self.config, self.topology, host=host,
+                                                             port=self.ports.teacher, run_dir=self.run_dir, env=env,
+                                                             local=self.local))
+        url = f"http://{host}:{self.ports.teacher}"
+        await _wait_healthy(url, self.teacher_step, 600.0, log_path, self.engine_key)
+        log.info("teacher (on-policy distillation) serving %s at %s", config.checkpoint.hf_checkpoint, url)
+        return url
+
+    # -- external engines (rollout.rollout_external_engine_addrs) ---------------------------------------------
+    async def attach_external_engine(self, index: int, wait_s: float = EXTERNAL_ENGINE_WAIT_S) -> tuple[str, int]:
+        """An engine another job serves: its URL and TP size once it answers /health and, with the job's engine
+        key, /server_info. RuntimeError naming its address when it does not."""
+        address = self.config.rollout.rollout_external_engine_addrs[index]
+        url = external_engine_url(address)
+        where = f"external engine {index} at {url} (rollout.rollout_external_engine_addrs: {address})"
+        engine = EngineConnection(url, api_key=self.engine_key, connecting=asyncio.Semaphore(1))
+        deadline, last = time.monotonic() + wait_s, "no answer"
+        try:
+            while True:
+                try:
+                    status, _ = await engine.request("GET", "/health", None, ENGINE_HEALTH_TIMEOUT_S)
+                    if status == 200:
+                        break
+                    last = f"/health answered HTTP {status}"
+                except EngineHTTPTransportError as error:
+                    last = str(error)
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"{where} is unreachable: {last} (after {wait_s:.0f} s); is it running, and "
+                                       "reachable from this node?")
+                await asyncio.sleep(ENGINE_HEALTH_POLL_S * 5)
+            status, answer = await engine.request("GET", "/server_info", None, 30.0)
+        except EngineHTTPTransportError as error:
+            raise RuntimeError(f"{where}: /server_info failed: {error}") from None
+        finally:
+            engine.close()
+        if status != 200:
+            raise RuntimeError(f"{where}: /server_info answered HTTP {status}"
+                               + (": it needs another api key than this job's: start it without --api-key"
+                                  if status == 401 else ""))
+        return url, int(json.loads(answer).get("tp_size") or 1)
+
     async def restart_engine(self, index: int) -> str:
+        if self.config.rollout.rollout_external_engine_addrs:  # not ours to start: wait until it answers again
+            log.warning("external engine %d failed; waiting up to %.0f s for it to answer again", index,
+                        EXTERNAL_ENGINE_RETURN_S)
+            return (await self.attach_external_engine(index, EXTERNAL_ENGINE_RETURN_S))[0]
         old = self.engine_steps.get(index)
         if old is not None:
             await asyncio.to_thread(old.stop, 5.0)
-        node = self.node_of_engine(index)
-        if node is not None:  # a step on a dead node waits in srun until Slurm ends the job: do not start one
-            for loss in await self.check_nodes([node]):
+        nodes = self.nodes_of_engine(index)
+        if nodes:  # a step on a dead node waits in srun until Slurm ends the job: do not start one
+            for loss in await self.check_nodes(nodes):
                 if self.node_requeued:  # Slurm stops this attempt now (SIGTERM); a restart would only race it
                     await asyncio.sleep(NODE_REQUEUE_WAIT_S)
-                raise RuntimeError(f"engine {index} is not restarted: {loss.describe(self.steps_on(node))}")
+                raise RuntimeError(f"engine {index} is not restarted: {loss.describe(self.steps_on(loss.node))}")
         return await self.start_engine(index)
 
     # -- nodes (Slurm) -------------------------------------------------------------------------------------
-    def node_of_engine(self, index: int) -> str | None:
+    def nodes_of_engine(self, index: int) -> list[str]:
+        """The nodes engine `index` runs on (a multi-node engine: all of them; [] when not known)."""
         placement = self.topology.engines[index]
-        nodes = self._hostnames(placement.het_group)
-        return nodes[placement.node_index] if nodes and placement.node_index < len(nodes) else None
+        nodes = self._hostnames(placement.het_group) or []
+        return nodes[placement.node_index:placement.node_index + placement.num_nodes]
 
     def steps_on(self, node: str) -> list[str]:
         """The names of this run's steps with a task on `node` ('trainer', 'engine-0', ...)."""
-        steps = [f"engine-{i}" for i in range(len(self.topology.engines)) if self.node_of_engine(i) == node]
+        steps = [f"engine-{i}" for i in range(len(self.topology.engines)) if node in self.nodes_of_engine(i)]
         trainer_nodes = (self._hostnames(0) or [])[:self.config.cluster.actor_num_nodes]
         if node in trainer_nodes:
             steps.insert(0, f"trainer (node {trainer_nodes.index(node)} of {len(trainer_nodes)})")
@@ -346,7 +426,8 @@ class Driver:
         return steps
 
     def job_nodes(self) -> list[str]:
-        groups = {0, *(e.het_group for e in self.topology.engines)}
+        groups = {0, *(e.het_group for e in self.topology.engines),
+                  *([self.topology.teacher.het_group] if self.topology.teacher else [])}
         return sorted({node for group in groups for node in (self._hostnames(group) or [])})
 
     def _hostnames(self, het_group: int) -> list[str] | None:
@@ -408,30 +489,44 @@ class Driver:
     async def run(self) -> int:
         secret = load_secret(secret_path(self.run_dir))
         self.engine_key = engine_api_key(secret)
+        external = [await self.attach_external_engine(i)  # first: an unreachable one fails the run at once
+                    for i in range(len(self.config.rollout.rollout_external_engine_addrs))]
         # Engines need neither the router nor the controller until they register: they load (seconds of
         # imports and the model) while those two come up (issue 11). The tasks run from the first await.
         starts = [asyncio.create_task(self.start_engine(i), name=f"start engine {i}")
                   for i in range(len(self.topology.engines))]
+        if self.topology.teacher is not None:
+            starts.append(asyncio.create_task(self.start_teacher(), name="start the teacher"))
         try:
             await self._start_control_plane(secret)
             urls = await asyncio.gather(*starts)
+            urls = urls[:len(self.topology.engines)]
         except BaseException:  # a failure or a signal: no engine start is left running (shutdown stops the steps)
             for start in starts:
                 start.cancel()
             await asyncio.gather(*starts, return_exceptions=True)
             raise
         assert self.controller is not None
-        await asyncio.gather(*(self.controller.register_engine(i, url, tp_size=self.config.cluster.rollout_num_gpus_per_engine)
-                               for i, url in enumerate(urls)))  # together: one batch for the router (engine_fleet)
+        sizes = [self.config.cluster.rollout_num_gpus_per_engine] * len(urls)
+        if external:
+            urls, sizes = [url for url, _ in external], [size for _, size in external]
+            log.info("attached %d external engine(s): %s", len(urls), ", ".join(urls))
+        await asyncio.gather(*(self.controller.register_engine(i, url, tp_size=size)
+                               for i, (url, size) in enumerate(zip(urls, sizes))))  # one batch for the router
         if self.trainer_step is None:
+            await self.controller.hand_gpus_to_trainer()  # colocated: the trainer builds on free GPUs (slime's order)
             self._start_trainer()
         assert self.trainer_step is not None
-        run = self.run_task = asyncio.create_task(self.controller.run(), name="controller-run")
+        run = asyncio.create_task(self.controller.run(), name="controller-run")
+        self.run_task = self.controller_run = run
         while not run.done():
             await asyncio.wait({run}, timeout=1.0)
             self._supervise(run)
             if self.node_failure is not None:
                 raise RuntimeError(self.node_failure)
+        if self.graceful_stop is not None:  # SIGTERM: it ended the run (and read its outcome)
+            await self.graceful_stop
+            raise StoppedBySignal()
         self.run_task = None  # its outcome is ours now: raised from here, not left to shutdown()
         try:
             run.result()
@@ -449,16 +544,17 @@ class Driver:
         return EXIT_REQUEUE if self.controller.loop and self.controller.loop.stopped_for_requeue else EXIT_OK
 
     async def _start_control_plane(self, secret: Secret) -> None:
-        """The router, then the controller (listening), then (not colocated) the trainer step."""
-        # Loopback: its only client is this process's controller (its /v1/models answers without the key).
-        self.router = RouterProcess(log_path=self.logs / "router.log", host="127.0.0.1", port=self.ports.router,
-                                    prometheus_port=self.ports.router_metrics,
-                                    policy=self.config.sglang.router_policy, api_key=self.engine_key)
-        self.router.start()
-        await asyncio.to_thread(self.router.wait_listening, 60.0)
-        self.controller = Controller(self.config, secret=secret, router=self.router, router_url=self.router.url,
+        """The router (not in a trainer-only job), then the controller (listening), then (not colocated) the
+        trainer step."""
+        if not self.topology.trainer_only:
+            self.router = await self._start_router()
+        teacher = self.topology.teacher
+        teacher_url = (f"http://{self.launcher.node_address(teacher.het_group, teacher.node_index)}:{self.ports.teacher}"
+                       if teacher is not None else None)
+        self.controller = Controller(self.config, secret=secret, router=self.router,
+                                     router_url=self.router.url if self.router else None,
                                      restart_engine=self.restart_engine, host=self.host, port=self.ports.controller,
-                                     api_key=self.engine_key)
+                                     api_key=self.engine_key, teacher_url=teacher_url)
         self.controller.restarts = self.restarts
         await self.controller.start()
         if not self.local:
@@ -467,22 +563,43 @@ class Driver:
         if not self.topology.colocate:  # trainer ranks load while the engines do (issue 11); colocated
             self._start_trainer()       # ranks wait: SGLang sizes its KV cache from the GPU memory then free
 
+    async def _start_router(self, retries: int = ROUTER_BIND_RETRIES) -> RouterProcess:
+        """sglang-router on loopback (its only client is this process's controller; its /v1/models answers
+        without the key), answering with the job's key. When its ports are taken (another run's router,
+        which would answer /liveness too) it is started again on free ports, at most `retries` times."""
+        log_path = self.logs / "router.log"
+        for attempt in range(retries + 1):
+            offset = log_path.stat().st_size if log_path.exists() else 0
+            router = RouterProcess(log_path=log_path, host="127.0.0.1", port=self.ports.router,
+                                   prometheus_port=self.ports.router_metrics,
+                                   policy=self.config.sglang.router_policy, api_key=self.engine_key)
+            router.start()
+            if await asyncio.to_thread(_router_answers_with_key, router, self.engine_key, 60.0):
+                return router
+            router.stop()
+            output = _log_since(log_path, offset)
+            if not bind_failed(output) or attempt == retries:
+                raise RuntimeError(f"sglang-router did not start at {router.url}; its log {log_path} says:\n"
+                                   f"{output[-3000:]}")
+            taken = (self.ports.router, self.ports.router_metrics)
+            self.ports.router, self.ports.router_metrics = free_port("127.0.0.1"), free_port("127.0.0.1")
+            log.warning("sglang-router could not bind port %d or %d on 127.0.0.1; retrying on ports %d and %d",
+                        *taken, self.ports.router, self.ports.router_metrics)
+        raise AssertionError("unreachable")
+
     def _start_trainer(self) -> None:
         assert self.controller is not None
         rendezvous = f"{self.host}:{self.ports.rendezvous}"
-        trainer_env = {CONTROLLER_ENV: f"{self.host}:{self.controller.address[1]}", RUN_DIR_ENV: str(self.run_dir),
+        trainer_env = {**self.config.training.train_env_vars,  # slime's --train-env-vars; hpc_rl's own win
+                       CONTROLLER_ENV: f"{self.host}:{self.controller.address[1]}", RUN_DIR_ENV: str(self.run_dir),
                        "OMP_NUM_THREADS": str(self.config.training.num_threads), "HF_HUB_OFFLINE": "1",
                        # trainer rank 0 advertises its node's address for the weight group (training.sync_address)
                        TRAINER_NODE_ADDRESSES_ENV: ",".join(self.launcher.node_address(0, node)
                                                             for node in range(self.config.cluster.actor_num_nodes))}
         if self.local:  # every store of the trainer on loopback (see the README's "What listens")
             trainer_env[STORE_ADDRESS_ENV] = "127.0.0.1"
-        self.trainer_step = self.launcher.start(StepSpec(
-            name="trainer", argv=trainer_command(self.config, self.run_dir, rendezvous, local=self.local),
-            env=trainer_env,
-            het_group=0, num_nodes=self.config.cluster.actor_num_nodes, tasks_per_node=1,
-            gpus_per_task=self.config.cluster.actor_num_gpus_per_node if self.config.cluster.device == "cuda" else 0,
-            log_path=self.logs / "trainer.log"))
+        self.trainer_step = self.launcher.start(trainer_step(self.config, self.run_dir, rendezvous, env=trainer_env,
+                                                             local=self.local))
 
     async def explain_trainer_failure(self, seen_by_controller: str, wait_s: float = 30.0) -> str:
         """Which rank died and how (torchrun's report, once the step has exited: it stops the other
@@ -516,6 +633,48 @@ class Driver:
         if self.requeue_requested and self.controller is not None and self.controller.loop is not None:
             self.controller.loop.stop_requested = True
 
+    def stop_gracefully(self, main: asyncio.Task[Any]) -> None:
+        """SIGTERM: save what the grace time allows, then stop (one before the controller runs stops at
+        once). Another SIGTERM changes nothing: Slurm delivers scancel's to the batch step twice (to the
+        guard's process group and through the guard); SIGINT stops at once."""
+        if self.graceful_stop is not None:
+            log.info("SIGTERM again: already stopping (SIGINT stops at once)")
+            return
+        if self.controller_run is None or self.controller is None:
+            self.note_stopping()
+            main.cancel()
+            return
+        self.graceful_stop = asyncio.create_task(self._stop_gracefully(self.controller_run), name="graceful stop")
+
+    async def stopped_by_signal_meanwhile(self, error: Exception, wait_s: float = 1.0) -> bool:
+        """Whether a SIGTERM comes within `wait_s` of the run ending with `error` (then its graceful stop
+        has run). On Slurm, scancel and preemption signal every step at once: an engine or the trainer can
+        die a moment before the driver's own SIGTERM arrives, and the run must then stop (saving what it
+        can), not fail with a traceback."""
+        deadline = time.monotonic() + wait_s
+        while self.graceful_stop is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.graceful_stop is None:
+            return False
+        log.warning("SIGTERM came as the run ended with %s: %s (Slurm signals every step at once): a stop, not a "
+                    "failure", type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        await self.graceful_stop
+        return True
+
+    async def _stop_gracefully(self, run: asyncio.Task[Any]) -> None:
+        assert self.controller is not None
+        grace = term_grace_s(local=self.local)
+        message = f"SIGTERM: stopping; a checkpoint is saved if one can be within {grace:.0f} s"
+        log.warning(message)
+        print(f"hpc_rl: {message}", file=sys.stderr, flush=True)
+        began = time.perf_counter()
+        self.controller.fleet.restart = None  # an engine that dies now (Slurm signals every step) stays down
+        await self.controller.fleet.stop_monitoring()
+        outcome = await stop_with_checkpoint(self.controller.loop, self.controller.channel, run, grace)
+        self.controller.outcome = "stopped"
+        log.warning("%s (%.1f s after SIGTERM)", outcome, time.perf_counter() - began)
+        print(f"hpc_rl: {outcome} ({time.perf_counter() - began:.1f} s after SIGTERM)", file=sys.stderr, flush=True)
+
     def note_stopping(self) -> None:
         """A stop was asked for (signal): from now on a component that goes away is not a failure."""
         if self.controller is not None:
@@ -528,6 +687,10 @@ class Driver:
             self.controller.channel.fail(_trainer_failed(
                 f"{describe_trainer_exit(code, self.logs / 'trainer.log', self.trainer_node_names())}; "
                 f"last lines of {self.logs / 'trainer.log'}:\n{log_tail(self.logs / 'trainer.log')}"))
+        if self.teacher_step is not None and self.teacher_step.poll() is not None and not run.done() \
+                and self.controller.channel.failure is None:
+            raise RuntimeError(f"the distillation teacher exited with code {self.teacher_step.poll()}; last lines of "
+                               f"{self.logs / 'teacher.log'}:\n{log_tail(self.logs / 'teacher.log')}")
         for index, task in list(self._engine_failures.items()):
             if task.done():
                 del self._engine_failures[index]
@@ -556,12 +719,52 @@ class Driver:
         began = time.perf_counter()
         if self.trainer_step is not None:
             await asyncio.to_thread(self.trainer_step.stop, 15.0)
-        await asyncio.gather(*(asyncio.to_thread(step.stop, 5.0) for step in self.engine_steps.values()))
+        await asyncio.gather(*(asyncio.to_thread(step.stop, 5.0) for step in
+                               [*self.engine_steps.values(), *([self.teacher_step] if self.teacher_step else [])]))
         if self.router is not None:
             await asyncio.to_thread(self.router.stop)
         if self.controller is not None:
             await self.controller.close()
+        if self.local:  # what a killed torchrun agent left (its ranks' helpers) was adopted here: end it
+            mine = str(self.run_dir)
+            ended = await asyncio.to_thread(end_children, keep=lambda pid: not environ_has(pid, RUN_DIR_ENV, mine))
+            for pid in ended:
+                log.warning("ended pid %d, a process of the run left behind by its parent", pid)
         log.info("every process of the run stopped in %.2f s", time.perf_counter() - began)
+
+
+class StoppedBySignal(Exception):
+    """SIGTERM ended the run (after saving what it could): exit code EXIT_INTERRUPTED, no traceback."""
+
+
+TERM_GRACE_LOCAL_S = 10.0
+"""What SIGTERM grants a run on this machine before it must be gone (a `kill`, `docker stop` and systemd
+give 10 s before SIGKILL)."""
+TERM_GRACE_MARGIN_S = 3.0
+"""Of Slurm's KillWait, what is kept for stopping the processes after the save."""
+
+
+def term_grace_s(*, local: bool) -> float:
+    """Seconds from SIGTERM to the end of the save: locally TERM_GRACE_LOCAL_S; in a Slurm job, Slurm's
+    KillWait (SIGTERM to SIGKILL on scancel and preemption; default 30 s) minus TERM_GRACE_MARGIN_S."""
+    if local:
+        return TERM_GRACE_LOCAL_S
+    try:
+        shown = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        shown = ""
+    return max(0.0, slurm_kill_wait_s(shown) - TERM_GRACE_MARGIN_S)
+
+
+def slurm_kill_wait_s(scontrol_config: str, default: float = 30.0) -> float:
+    """KillWait from `scontrol show config` ("KillWait = 30 sec"); Slurm's default when absent."""
+    for line in scontrol_config.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "KillWait":
+            words = value.split()
+            if words and words[0].isdigit():
+                return float(words[0])
+    return default
 
 
 def _trainer_failed(message: str):  # -> TrainerFailed
@@ -602,6 +805,26 @@ def run_driver(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> i
     A run that fails because a trainer rank died starts again from the last checkpoint, up to
     `controller.max_restarts` times (every process of the failed attempt is stopped first); each
     restart is printed, logged and listed in status.json under "restarts"."""
+    job_id = None if local else os.environ.get("SLURM_JOB_ID") or None
+    try:  # one run per run dir (a requeued attempt of this job, or this process's submit, hands it over)
+        lock = acquire(Path(run_dir).resolve(), role="driver", job_id=job_id)
+    except RunDirLocked as busy:
+        print(f"hpc_rl: {busy}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    lock.start_heartbeat()
+    if local:
+        become_subreaper()  # orphans of the run's processes come here, and are ended at shutdown
+    code = EXIT_FAILED
+    try:
+        code = _run_attempts(run_dir, launcher, local=local)
+    finally:
+        if not local:  # the job may run again (a requeue); Slurm's state of it says when it ended for good
+            lock.keep()
+        lock.release()
+    return code
+
+
+def _run_attempts(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> int:
     restarts = requeued_attempts(Path(run_dir).resolve())
     # before the first Driver: its constructor already logs (ports found in use on the node)
     setup_logging(Path(run_dir).resolve(), load_resolved_config(Path(run_dir).resolve()).logging.log_level)
@@ -657,11 +880,14 @@ async def _drive(driver: Driver) -> int:
         driver.note_stopping()
         task.cancel()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, interrupt)
+    loop.add_signal_handler(signal.SIGINT, interrupt)
+    loop.add_signal_handler(signal.SIGTERM, lambda: driver.stop_gracefully(task))
     loop.add_signal_handler(signal.SIGUSR2, driver.request_checkpoint)
     try:
         return await driver.run()
+    except StoppedBySignal:
+        log.info("stopped by SIGTERM")
+        return EXIT_INTERRUPTED
     except asyncio.CancelledError:
         log.info("interrupted by a signal; stopping every process of the run")
         print("hpc_rl: interrupted; stopping every process of the run", file=sys.stderr, flush=True)
@@ -669,6 +895,8 @@ async def _drive(driver: Driver) -> int:
             log.error("the job is being ended by Slurm because node(s) %s failed", ", ".join(driver.lost))
         return EXIT_INTERRUPTED
     except Exception as error:
+        if not driver.local and await driver.stopped_by_signal_meanwhile(error):
+            return EXIT_INTERRUPTED
         driver.failure = error
         log.exception("run failed")
         print(f"hpc_rl: the run failed: {error}", file=sys.stderr, flush=True)
@@ -689,7 +917,7 @@ def main(argv: list[str] | None = None) -> int:
         from hpc_rl.launch.srun_launcher import SrunStepLauncher
 
         config = load_resolved_config(args.run_dir)  # engines' srun steps get their component's CPUs
-        cpus = engine_cpus_per_task(config, plan_topology(config.cluster))
+        cpus = engine_cpus_per_task(config, plan_run_topology(config))
         return run_driver(args.run_dir, SrunStepLauncher(cpus_per_task=cpus), local=False)
     return run_driver(args.run_dir, LocalStepLauncher(), local=True)
 

@@ -2,19 +2,22 @@
 
 Owns what `slurm/*.sbatch` does before starting the driver: load + validate the config exactly as
 `hpc_rl.submit` does, write `<run_dir>/config.resolved.yaml` and the 0600 secret. A run dir that
-already holds a resolved config is left as it is (a requeued job resumes), so this is idempotent.
+already holds a resolved config is left as it is (a requeued job resumes), so this is idempotent; one that
+a live run holds (`run_lock`) is refused before anything is written.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-from hpc_rl.config import ConfigError, load_config, write_resolved_config
+from hpc_rl.config import ConfigError, RunConfig, load_config, write_resolved_config
 from hpc_rl.config.loading import RESOLVED_CONFIG_NAME
 from hpc_rl.config.validation import ValidationFailed, validate
+from hpc_rl.launch.run_lock import RunDirLocked, acquire
 from hpc_rl.launch.submit_args import EXIT_INVALID, assign_run_dir, parse_submit_args
-from hpc_rl.launch.topology import plan_topology
+from hpc_rl.launch.topology import plan_run_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
 
 
@@ -25,16 +28,27 @@ def prepare_run(argv: list[str]) -> Path:
     if not config.run_dir:
         raise ConfigError("--run-dir is required (a directory every node of the job can read)")
     run_dir = Path(config.run_dir).resolve()
+    job_id = os.environ.get("SLURM_JOB_ID") or None
+    lock = acquire(run_dir, role="prepare_run", job_id=job_id)  # RunDirLocked: a live run holds it
+    try:
+        _prepare(run_dir, config, options.check_files)
+    finally:
+        if job_id:
+            lock.hand_to_job(job_id)  # this job's driver takes it over
+        lock.release()
+    return run_dir
+
+
+def _prepare(run_dir: Path, config: RunConfig, check_files: bool) -> None:
     if (run_dir / RESOLVED_CONFIG_NAME).exists():
         print(f"hpc_rl.prepare_run: resuming {run_dir} (its config.resolved.yaml is kept)", file=sys.stderr)
     else:
-        validate(config, check_files=options.check_files)
-        plan_topology(config.cluster)
+        validate(config, check_files=check_files)
+        plan_run_topology(config)
         config = assign_run_dir(config)
         write_resolved_config(config, config.run_dir)
     if not secret_path(run_dir).exists():
         create_secret(secret_path(run_dir))
-    return run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationFailed as failure:
         print(f"hpc_rl.prepare_run: the config has {len(failure.problems)} problem(s):\n{failure}", file=sys.stderr)
         return EXIT_INVALID
-    except (ConfigError, ValueError) as error:
+    except (ConfigError, ValueError, RunDirLocked) as error:
         print(f"hpc_rl.prepare_run: {error}", file=sys.stderr)
         return EXIT_INVALID
     print(run_dir)

@@ -18,6 +18,7 @@ from hpc_rl.config.schema import RunConfig
 from hpc_rl.launch.sbatch_render import engine_cpus_per_task, render_batch_script, submitit_folder, submitit_parameters
 from hpc_rl.launch.slurm_status import JOB_ID_FILE, record_job_id
 from hpc_rl.launch.srun_launcher import srun_argv
+from hpc_rl.launch.step_plan import engine_step, teacher_step, trainer_step
 from hpc_rl.launch.steps import StepSpec
 from hpc_rl.launch.submitit_het import (
     DEFAULT_DRIVER,
@@ -26,8 +27,10 @@ from hpc_rl.launch.submitit_het import (
     HetSlurmJob,
     guarded_python,
 )
-from hpc_rl.launch.topology import JobTopology, plan_topology
+from hpc_rl.launch.run_lock import RunLock
+from hpc_rl.launch.topology import JobTopology, plan_run_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
+from hpc_rl.telemetry.scalars import tensorboard_dir
 
 EXIT_OK, EXIT_FAILED, EXIT_NOT_FINISHED, EXIT_INTERRUPTED = 0, 1, 3, 130
 
@@ -40,21 +43,24 @@ def make_executor(config: RunConfig, topology: JobTopology) -> HetSlurmExecutor:
     return executor
 
 
-def submit_job(config: RunConfig, *, driver: str = DEFAULT_DRIVER) -> HetSlurmJob:
-    """Submit the run in `config.run_dir` (already holding config.resolved.yaml); returns the job."""
+def submit_job(config: RunConfig, *, driver: str = DEFAULT_DRIVER, lock: RunLock | None = None) -> HetSlurmJob:
+    """Submit the run in `config.run_dir` (already holding config.resolved.yaml); returns the job. With
+    `lock` (the run dir's, taken by submit), the queued job holds the run dir from then on."""
     run_dir = Path(config.run_dir)
     if not secret_path(run_dir).exists():
         create_secret(secret_path(run_dir))
-    topology = plan_topology(config.cluster)
+    topology = plan_run_topology(config)
     executor = make_executor(config, topology)
     job = executor.submit(HetJobDriver(str(run_dir), driver, engine_cpus_per_task(config, topology)))
     record_job_id(run_dir, job.job_id)
+    if lock is not None:
+        lock.hand_to_job(job.job_id)
     return job  # type: ignore[return-value]
 
 
 def submission_summary(config: RunConfig, job: HetSlurmJob) -> str:
     run_dir = Path(config.run_dir)
-    tensorboard = config.logging.tensorboard_dir or str(run_dir / "tensorboard")
+    tensorboard = tensorboard_dir(config, run_dir)
     return "\n".join([
         f"submitted Slurm job {job.job_id} ({config.logging.run_name})",
         f"  run dir:      {run_dir}",
@@ -136,39 +142,36 @@ def wait_for_job(job: HetSlurmJob, *, poll_seconds: float = 2.0, out=sys.stderr)
     return EXIT_OK if state.upper() in ("COMPLETED", "UNKNOWN") else EXIT_FAILED
 
 
-def submit_slurm(config: RunConfig, wait: bool = False) -> int:
+def submit_slurm(config: RunConfig, wait: bool = False, lock: RunLock | None = None) -> int:
     """`python -m hpc_rl.submit ... --executor slurm`: submit, print the summary, optionally wait."""
-    job = submit_job(config)
+    job = submit_job(config, lock=lock)
     print(submission_summary(config, job), flush=True)
     return wait_for_job(job) if wait else EXIT_OK
 
 
 def planned_steps(config: RunConfig, topology: JobTopology, run_dir: Path) -> list[StepSpec]:
-    """The steps the driver starts, with their argv (for `--dry-run`; the driver builds the same)."""
+    """The steps the driver starts (`launch.step_plan`, as the driver builds them), for `--dry-run`."""
     from hpc_rl.launch import driver
 
-    device_gpus = config.cluster.device == "cuda"
     ports = driver.PortPlan.for_job(topology, local=False)
     steps = []
     for placement in topology.engines:
-        host = f"<node {placement.node_index} of het group {placement.het_group}>"
-        steps.append(StepSpec(
-            name=f"engine-{placement.engine_index}",
-            argv=driver.engine_command(config, placement, host, ports.engines[placement.engine_index]),
-            het_group=placement.het_group, node_index=placement.node_index,
-            gpus_per_task=len(placement.gpu_ids) if device_gpus else 0, overlap=topology.colocate,
-            log_path=run_dir / "logs" / f"engine-{placement.engine_index}.log"))
-    steps.append(StepSpec(
-        name="trainer", argv=driver.trainer_command(config, run_dir, f"<first trainer node>:{ports.rendezvous}"),
-        het_group=0, num_nodes=config.cluster.actor_num_nodes,
-        gpus_per_task=config.cluster.actor_num_gpus_per_node if device_gpus else 0,
-        log_path=run_dir / "logs" / "trainer.log"))
+        node_ports, dist_init_port = ports.engine_node_ports(placement)
+        hosts = [f"<node {placement.node_index + rank} of het group {placement.het_group}>"
+                 for rank in range(placement.num_nodes)]
+        steps.append(engine_step(config, topology, placement.engine_index, run_dir=run_dir, env={}, local=False,
+                                 host=hosts[0], port=ports.engines[placement.engine_index], node_hosts=hosts,
+                                 node_ports=node_ports, dist_init_port=dist_init_port))
+    if topology.teacher is not None:  # on-policy distillation's teacher engine (its own het group)
+        steps.append(teacher_step(config, topology, host=f"<node 0 of het group {topology.teacher.het_group}>",
+                                  port=ports.teacher or topology.teacher.port, run_dir=run_dir, env={}, local=False))
+    steps.append(trainer_step(config, run_dir, f"<first trainer node>:{ports.rendezvous}", env={}, local=False))
     return steps
 
 
 def render_slurm_dry_run(config: RunConfig) -> str:
     """The exact sbatch script submitit would submit, then the srun command of every step."""
-    topology = plan_topology(config.cluster)
+    topology = plan_run_topology(config)
     run_dir = Path(config.run_dir or "<run_dir>")
     folder = submitit_folder(run_dir)
     lines = [f"# sbatch script submitit would write to {folder}/ and submit (a dry run writes nothing)",
@@ -176,7 +179,8 @@ def render_slurm_dry_run(config: RunConfig) -> str:
              "", "# job steps the driver starts inside the allocation (ports shift by job id % 300 * 50; any in use on the driver's node are replaced)"]
     het_job = len(topology.groups) > 1
     for spec in planned_steps(config, topology, run_dir):
-        nodelist = [f"<node {spec.node_index} of het group {spec.het_group}>"] if spec.node_index is not None else None
+        nodelist = ([f"<node {spec.node_index + rank} of het group {spec.het_group}>" for rank in range(spec.num_nodes)]
+                    if spec.node_index is not None else None)
         argv = srun_argv(spec, het_job=het_job, nodelist=nodelist, cpus_per_task=engine_cpus_per_task(config, topology))
         lines.append(f"# {spec.name} -> {spec.log_path}")
         lines.append(" ".join(argv))

@@ -13,6 +13,14 @@ Facts behind the flags (measured on Slurm 22.05, notes/slurm.md and tests/slurm)
   behind it ("step creation temporarily disabled"): engines pinned to a node use `--exact` (their own
   GPUs, their own CPUs); colocated engines use `--overlap` (they share the trainer's GPUs on purpose).
 - `--het-group` is only valid in a het job (SLURM_HET_SIZE set); colocated runs are plain jobs.
+- Containers (`slurm.container_image`): Pyxis/enroot takes `--container-image`, `--container-mounts`
+  (SRC:DST[:FLAGS],...) and `--container-workdir` as srun options; Apptainer runs inside the task:
+  `srun ... -- apptainer exec --nv --bind SRC:DST,... --pwd DIR IMAGE argv`. Both pass the step's
+  environment in (Slurm's GPU variables included).
+- A step's GPUs are what it asks for (`--gpus-per-node`; Slurm then sets `CUDA_VISIBLE_DEVICES`,
+  `SLURM_STEP_GPUS` in it). `--overlap` with `--gpus-per-node=1` gives every such step the node's
+  FIRST GPU (measured: two overlapping steps both got GPU 0), so a colocated engine asks for the GPUs
+  of its node that the trainer's step holds and picks its own by SGLang's `--base-gpu-id`.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 
 from hpc_rl.engines.child_process import start_process_group
-from hpc_rl.launch.steps import LocalStep, StepSpec
+from hpc_rl.launch.steps import ContainerSpec, LocalStep, StepSpec
 
 
 def srun_argv(
@@ -45,8 +53,8 @@ def srun_argv(
     ]
     if nodelist:
         argv.append(f"--nodelist={','.join(nodelist)}")
-    if spec.gpus_per_task and not spec.overlap:
-        argv.append(f"--gpus-per-node={spec.gpus_per_task * spec.tasks_per_node}")
+    if spec.gpus_per_node:  # with --overlap too: a step that asks for no GPUs may see none (ConstrainDevices)
+        argv.append(f"--gpus-per-node={spec.gpus_per_node}")
     if spec.overlap:
         argv.append("--overlap")
     elif spec.node_index is not None:
@@ -55,8 +63,35 @@ def srun_argv(
             argv.append(f"--cpus-per-task={cpus_per_task}")
     if spec.num_nodes * spec.tasks_per_node > 1:
         argv.append("--label")
+    container = spec.container
+    if container is not None and container.runtime == "pyxis":
+        argv += pyxis_options(container)
     argv += ["--kill-on-bad-exit=1", "--unbuffered", "--"]
+    if container is not None and container.runtime == "apptainer":
+        return argv + apptainer_prefix(container) + list(spec.argv)
     return argv + list(spec.argv)
+
+
+def pyxis_options(container: ContainerSpec) -> list[str]:
+    """Pyxis/enroot's srun options: the image, the bind mounts, the working directory."""
+    options = [f"--container-image={container.image}"]
+    if container.mounts:
+        options.append(f"--container-mounts={','.join(container.mounts)}")
+    if container.workdir:
+        options.append(f"--container-workdir={container.workdir}")
+    return options
+
+
+def apptainer_prefix(container: ContainerSpec) -> list[str]:
+    """What each task runs before the step's argv: `apptainer exec [--nv] --bind ... [--pwd DIR] IMAGE`."""
+    prefix = ["apptainer", "exec"]
+    if container.gpus:
+        prefix.append("--nv")
+    if container.mounts:
+        prefix += ["--bind", ",".join(container.mounts)]
+    if container.workdir:
+        prefix += ["--pwd", container.workdir]
+    return prefix + [container.image]
 
 
 def expand_hostnames(nodelist: str) -> list[str]:

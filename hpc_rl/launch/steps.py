@@ -17,6 +17,22 @@ from typing import Protocol
 from hpc_rl.engines.child_process import start_process_group, stop_process_group
 
 
+@dataclass(frozen=True, kw_only=True)
+class ContainerSpec:
+    """The container every task of a Slurm step runs in (rendered by `srun_launcher.srun_argv`)."""
+
+    image: str
+    """Pyxis: an enroot image reference or .sqsh file; Apptainer: a .sif file (or any URI it runs)."""
+    runtime: str = "pyxis"
+    """pyxis (srun --container-image ...) | apptainer (srun ... apptainer exec ...)."""
+    mounts: tuple[str, ...] = ()
+    """SRC:DST[:FLAGS] bind mounts (the run dir and working directory among them)."""
+    workdir: str = ""
+    """Working directory inside the container ("" : the runtime's default)."""
+    gpus: bool = True
+    """Apptainer: `--nv` (the host's NVIDIA driver and devices inside the container)."""
+
+
 @dataclass(kw_only=True)
 class StepSpec:
     """One job step: a command, where it runs, and where its output goes."""
@@ -35,12 +51,15 @@ class StepSpec:
     """Tasks per node (torchrun: 1 per node; it forks the ranks itself)."""
     node_index: int | None = None
     """Pin to the i-th node of the component (engines); None = the first num_nodes nodes."""
-    gpus_per_task: int = 0
-    """GPUs per task (0: none requested)."""
+    gpus_per_node: int = 0
+    """GPUs the step asks Slurm for on each of its nodes (0: none requested); what it got is read back in
+    the step (`SLURM_STEP_GPUS`, `CUDA_VISIBLE_DEVICES`), never set by the driver (`launch.step_plan`)."""
     overlap: bool = False
-    """Share resources with other steps (colocated engines on the trainer's GPUs)."""
+    """Share resources with other steps (colocated engines on the trainer's GPUs, which they ask for too)."""
     log_path: Path | None = None
     """File receiving stdout+stderr."""
+    container: ContainerSpec | None = None
+    """Run the step's tasks in this container (Slurm steps only; `slurm.container_image`)."""
 
 
 class StepHandle(Protocol):

@@ -200,6 +200,8 @@ class _Link(asyncio.BufferedProtocol):
         self.waiting: deque[asyncio.Future[tuple[int, bytes]]] = deque()
         self.requests_sent = 0
         self.last_answer_at = 0.0
+        self.answer_seen_at = float("-inf")
+        """When an answer last arrived on this connection (only answers: for telling a stuck engine)."""
         self.closed_early = False
         """The peer closed while requests waited and none of them had been answered."""
         self.on_lost: Callable[[_Link], None] | None = None
@@ -227,7 +229,7 @@ class _Link(asyncio.BufferedProtocol):
             self.fail(EngineHTTPTransportError(f"{self.url}: {error}"))
             return
         if responses:
-            self.last_answer_at = asyncio.get_running_loop().time()
+            self.last_answer_at = self.answer_seen_at = asyncio.get_running_loop().time()
         for response in responses:
             if self.waiting:
                 future = self.waiting.popleft()
@@ -405,6 +407,11 @@ class EngineConnection:
 
     async def request(self, method: str, path: str, body: bytes | None, timeout_s: float) -> tuple[int, bytes]:
         return (await self.exchange([(method, path, body)], timeout_s))[0]
+
+    def progress_at(self) -> float:
+        """Event-loop time this engine last showed life: an exchange completed, or an answer arrived on one
+        of its connections."""
+        return max([self.answered_at, *(link.answer_seen_at for link in self._links)])
 
     def close(self) -> None:
         for link in list(self._links):

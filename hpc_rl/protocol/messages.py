@@ -178,6 +178,17 @@ class TrainCommand(Message):
 
 
 @dataclass(kw_only=True)
+class EvalLossCommand(Message):
+    """Forward only, no update: this rank's share of a held-out set (flat arrays as a TrainCommand's); the done
+    message carries its loss and greedy accuracy over the assistant tokens (SFT's eval)."""
+
+    TYPE: ClassVar[str] = "eval_loss"
+    seq: int
+    batch: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
 class SyncWeightsCommand(Message):
     """Send the current weights to the engines as `weight_version` (rank 0 broadcasts)."""
 
@@ -192,17 +203,44 @@ class SyncWeightsCommand(Message):
 
 
 @dataclass(kw_only=True)
+class DiskWeightsCommand(Message):
+    """Write the current weights as an HF directory at `path` (every rank takes part; slime's
+    --update-weight-transport disk): the engines then load it with /update_weights_from_disk."""
+
+    TYPE: ClassVar[str] = "disk_weights"
+    seq: int
+    weight_version: int
+    path: str
+    engine_urls: list[str] = field(default_factory=list)
+    """The engines that will read it (handed to the post-write hook, slime's rollout_engines)."""
+
+
+@dataclass(kw_only=True)
 class ColocatedSyncCommand(Message):
-    """Colocated mode: every rank sends the current weights to the engine on its own GPUs, per bucket,
+    """Colocated mode: every rank sends the current weights to the engine on its own GPU, per bucket,
     through `/update_weights_from_tensor` (no weight-update group; the controller opens the session)."""
 
     TYPE: ClassVar[str] = "colocated_sync"
+    VERSION: ClassVar[int] = 2
+    """2: ranks are paired with engines by the GPU they share (`rank_engines`), not by rank arithmetic."""
     seq: int
     weight_version: int
     engine_urls: list[str]
     """By engine index; "" for an engine that is down (its ranks still take part in the TP gathers)."""
-    engine_tp_size: int
+    rank_engines: list[list[int]]
+    """Per trainer rank: [engine index, engine TP rank] of the engine whose TP rank runs on the rank's GPU
+    (paired by device identity, `weights.device_identity.pair_ranks_with_engines`)."""
     bucket_bytes: int
+
+
+@dataclass(kw_only=True)
+class AbortWeightGroupCommand(Message):
+    """An engine broke a weight sync: rank 0 aborts the weight-update group without waiting for its pending
+    broadcasts (on NCCL they never complete); the next sync builds a new group."""
+
+    TYPE: ClassVar[str] = "abort_weight_group"
+    seq: int
+    reason: str = ""
 
 
 @dataclass(kw_only=True)

@@ -4,32 +4,45 @@ Owns: `RewardSpec` (what to score with: rm type, custom function path, reward se
 mode, the opaque `args` handed to custom functions), the dispatch per sample (custom function >
 per-sample `metadata["rm_type"]` > `spec.rm_type`), the group-mode call of a custom function, when
 a batch opens `remote_rm`'s HTTP session (remote.py's), and `RewardError`: any failure is raised with
-the sample's `index` and the rm type in its message, never turned into a silent 0.
+the sample's `index` and the rm type in its message, never turned into a silent 0. A reward that is NaN
+or infinite is such a failure too, and every call is bounded by `timeout_s` (`rollout.reward_timeout`):
+custom functions run on `RewardThread`, off the caller's event loop.
 
     reward_group(spec, samples)
-      custom_rm_path and group_rm -> await fn(args, samples)          one call, len checked
+      custom_rm_path and group_rm -> await fn(args, samples)          one call, len checked (reward thread)
       otherwise, concurrently for each sample:
-        custom_rm_path            -> await fn(args, sample)
+        custom_rm_path            -> await fn(args, sample)           (reward thread)
         remote_rm                 -> POST {prompt, response, label} with retries (remote.py)
         deepscaler|dapo|math|f1   -> score(...) directly (sync, cheap; scoring.py), or, with
                                      `spec.pool`, the whole group in a worker process (pool.py)
 
-It does not write `sample.reward`; the caller does, so a failed group leaves samples untouched.
+It does not write `sample.reward`; the caller does, so a failed group leaves samples untouched. With
+`category_key` (slime's --log-reward-category) the reward object's value under that key is kept in
+`sample.metadata[REWARD_CATEGORY]` for the rollout metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import math
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_rl.data.samples import Sample
 from hpc_rl.rewards.plugins import RewardFunction, load_reward_function
 from hpc_rl.rewards.pool import RewardPool
+from hpc_rl.rewards.reward_thread import RewardThread, RewardTimeout, bounded
 from hpc_rl.retry_policy import RetryPolicy
-from hpc_rl.rewards.remote import REMOTE_RM_RETRY, RewardSession, post_for_reward, reward_payload, reward_session
+from hpc_rl.rewards.remote import REMOTE_RM_RETRY, post_for_reward, reward_payload, reward_session
 from hpc_rl.rewards.scoring import REMOTE_RM, check_rm_type, resolve_rm_type, score, split_boxed_prefix
+
+if TYPE_CHECKING:
+    from hpc_rl.rewards.remote import RewardSession
+
+
+REWARD_CATEGORY = "reward_category"
+"""`sample.metadata` key of the reward object's category (`RewardSpec.category_key`)."""
 
 
 class RewardError(RuntimeError):
@@ -55,6 +68,10 @@ class RewardSpec:
     """Call the custom function once per group with the list of samples."""
     reward_key: str | None = None
     """When a custom function or the server returns an object, the key holding the reward."""
+    category_key: str | None = None
+    """When it returns an object, the key whose value is kept as the sample's reward category."""
+    proxy: str | None = None
+    """HTTP proxy for the reward server's calls (slime's --http-proxy)."""
     retry: RetryPolicy = REMOTE_RM_RETRY
     """remote_rm retry policy."""
     remote_timeout_s: float = 120.0
@@ -63,6 +80,10 @@ class RewardSpec:
     """Passed as-is as the first argument of custom functions (slime passes its args namespace)."""
     pool: RewardPool | None = None
     """Worker processes for rule-based rewards (`rollout.reward_workers`); None: scored on the event loop."""
+    timeout_s: float = 300.0
+    """Bound of one reward call (a sample's; a group's with group_rm): `rollout.reward_timeout`."""
+    thread: RewardThread | None = None
+    """Where custom functions run (off the caller's event loop); None: on the caller's loop, still bounded."""
 
     def __post_init__(self) -> None:
         if self.custom_rm_path is None:
@@ -102,18 +123,31 @@ def _as_reward(value: Any, reward_key: str | None, source: str) -> float:
     raise TypeError(f"{source} returned {value!r} ({type(value).__name__}), not a number")
 
 
+def _keep_category(spec: RewardSpec, sample: Sample, value: Any) -> Any:
+    if spec.category_key is not None and isinstance(value, dict):
+        sample.metadata[REWARD_CATEGORY] = value.get(spec.category_key)
+    return value
+
+
+async def _call_custom(spec: RewardSpec, make: Callable[[], Awaitable[Any]]) -> Any:
+    """A custom function's call: on the reward thread when there is one, bounded by the timeout either way."""
+    if spec.thread is not None:
+        return await spec.thread.call(make, spec.timeout_s)
+    return await bounded(make(), spec.timeout_s)
+
+
 async def _reward_one(spec: RewardSpec, sample: Sample, session: RewardSession | None) -> float:
     if spec.custom_rm_path is not None:
         function: RewardFunction = load_reward_function(spec.custom_rm_path, group=False)
-        return _as_reward(await function(spec.args, sample), spec.reward_key, spec.custom_rm_path)
+        value = await _call_custom(spec, lambda: function(spec.args, sample))
+        return _as_reward(_keep_category(spec, sample, value), spec.reward_key, spec.custom_rm_path)
     rm_type = resolve_rm_type(spec.rm_type, sample.metadata)
     if split_boxed_prefix(rm_type)[1] == REMOTE_RM:
         if session is None or not spec.rm_url:
             raise ValueError("remote_rm needs rm_url")
         payload = reward_payload(sample.prompt, sample.response_text, sample.label)
-        return _as_reward(
-            await post_for_reward(session, spec.rm_url, payload, spec.retry), spec.reward_key, spec.rm_url
-        )
+        answer = await bounded(post_for_reward(session, spec.rm_url, payload, spec.retry), spec.timeout_s)
+        return _as_reward(_keep_category(spec, sample, answer), spec.reward_key, spec.rm_url)
     return score(rm_type, sample.response_text, sample.label, sample.metadata)
 
 
@@ -167,11 +201,12 @@ async def _reward_custom_group(spec: RewardSpec, samples: list[Sample]) -> list[
     indices = [s.index for s in samples]
     try:
         function = load_reward_function(spec.custom_rm_path, group=True)
-        rewards = await function(spec.args, samples)
+        rewards = await _call_custom(spec, lambda: function(spec.args, samples))
         if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
             got = f"{len(rewards)} values" if isinstance(rewards, (list, tuple)) else repr(rewards)
             raise ValueError(f"expected a list of {len(samples)} rewards (one per sample), got {got}")
-        return [_as_reward(value, spec.reward_key, spec.custom_rm_path) for value in rewards]
+        return [_as_reward(_keep_category(spec, sample, value), spec.reward_key, spec.custom_rm_path)
+                for sample, value in zip(samples, rewards)]
     except Exception as error:
         raise RewardError(
             f"reward failed for samples with index {indices} ({spec.label}): {type(error).__name__}: {error}",
@@ -187,7 +222,12 @@ async def _reward_in_pool(spec: RewardSpec, pool: RewardPool, samples: list[Samp
               {"rm_type": s.metadata["rm_type"]} if s.metadata and "rm_type" in s.metadata else None)
              for s in samples]
     try:
-        results = await pool.score(items)
+        results = await bounded(pool.score(items), spec.timeout_s)
+    except RewardTimeout as error:
+        pool.close()  # a grader stuck in sympy: its worker is killed, the pool starts again when next used
+        indices = [s.index for s in samples]
+        raise RewardError(f"reward failed for samples {indices} ({spec.label}): RewardTimeout: {error}",
+                          indices=indices, rm_type=spec.label) from error
     except Exception as error:  # the pool broke twice, or a label would not pickle
         raise RewardError(f"reward workers failed for samples {[s.index for s in samples]} "
                           f"({spec.label}): {type(error).__name__}: {error}",
@@ -200,16 +240,27 @@ async def _reward_in_pool(spec: RewardSpec, pool: RewardPool, samples: list[Samp
 
 
 async def reward_group(spec: RewardSpec, samples: Sequence[Sample]) -> list[float]:
-    """One reward per sample, in order. If any fails: RewardError naming every failed sample."""
+    """One reward per sample, in order. If any fails, or is NaN or infinite: RewardError naming every failed
+    sample."""
     samples = list(samples)
     if not samples:
         return []
+    rewards = await _rewards(spec, samples)
+    nonfinite = [_sample_failure(spec, sample, f"ValueError: the reward is {value}, not a finite number (a NaN "
+                                 "would silently skip the whole optimizer step)")
+                 for sample, value in zip(samples, rewards) if not math.isfinite(value)]
+    if nonfinite:
+        _raise_failures(nonfinite)
+    return rewards
+
+
+async def _rewards(spec: RewardSpec, samples: list[Sample]) -> list[float]:
     if spec.custom_rm_path is not None and spec.group_rm:
         return await _reward_custom_group(spec, samples)
     if spec.pool is not None and spec.custom_rm_path is None and not _needs_session(spec, samples):
         return await _reward_in_pool(spec, spec.pool, samples)
     if _needs_session(spec, samples):
-        async with reward_session(spec.remote_timeout_s) as session:
+        async with reward_session(spec.remote_timeout_s, spec.proxy) as session:
             results = await asyncio.gather(
                 *(_guarded(spec, s, session) for s in samples), return_exceptions=True
             )

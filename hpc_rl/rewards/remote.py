@@ -3,7 +3,8 @@
 Owns: the request body (`{"prompt", "response", "label"}`, as slime sends it), the default retry
 budget (`REMOTE_RM_RETRY`, slime's; the policy itself is `hpc_rl.retry_policy`'s), decoding the
 server's JSON answer, and the HTTP session (`reward_session`; the caller opens one per batch and passes
-it in), so aiohttp is imported here only. Not the conversion of the answer to a float.
+it in), so aiohttp is imported here only, when a session is opened (a run without remote rewards never
+imports it: a quarter second of the driver's start-up). Not the conversion of the answer to a float.
 
 Why aiohttp here and not hpc_rl.protocol.http_client (the one client for engines and the router): the
 reward server is the user's, outside the job, often behind https, a proxy or redirects, which that
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from hpc_rl.retry_policy import RetryPolicy
+
+if TYPE_CHECKING:
+    from aiohttp import ClientSession as RewardSession
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +33,12 @@ REMOTE_RM_RETRY = RetryPolicy(max_transport_retries=9, base_delay_s=1.0, max_del
 """slime's: 10 attempts; 1 s, 2 s, 4 s ... capped at 30 s, plus up to 1 s of jitter."""
 
 
-RewardSession = aiohttp.ClientSession
+def reward_session(timeout_s: float, proxy: str | None = None) -> RewardSession:
+    """The session for one batch of `post_for_reward` calls; `timeout_s` bounds each call (all its reads);
+    every call goes through `proxy` when given (slime's --http-proxy)."""
+    import aiohttp
 
-
-def reward_session(timeout_s: float) -> RewardSession:
-    """The session for one batch of `post_for_reward` calls; `timeout_s` bounds each call (all its reads)."""
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s), proxy=proxy)
 
 
 def reward_payload(prompt: Any, response: str, label: Any) -> dict[str, Any]:
@@ -51,6 +53,8 @@ async def post_for_reward(
     Retried: connection errors, timeouts, HTTP error statuses, bodies that are not JSON.
     After the last attempt a RemoteRewardError carries the last cause.
     """
+    import aiohttp  # imported already: `session` is one
+
     for attempt in range(policy.max_attempts):
         try:
             async with session.post(url, json=payload) as response:

@@ -1,6 +1,7 @@
 """Eval rollouts: every prompt of each `eval_prompt_data` dataset, `n_samples_per_eval_prompt` samples each.
 
-Owns: loading the eval datasets, generating them with the eval sampling overrides (no dynamic
+Owns: loading the eval datasets (each with its own data keys and sampling when an --eval-config file gave
+them: `dataset_keys`, `dataset_sampling`), generating them with the eval sampling overrides (no dynamic
 sampling, no buffer, nothing aborted), scoring per prompt group, and the metrics
 
     eval/<name>/reward_mean        mean reward over all samples
@@ -16,11 +17,14 @@ hits eval requests, they come back aborted and are resumed (not lost).
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptRecord, make_group
 from hpc_rl.data.samples import Group, SampleStatus
 from hpc_rl.rollout.engine_client import EngineClient
+from hpc_rl.rollout.sample_metrics import SampleMetricOptions, sample_metrics
+from hpc_rl.rollout.sample_plugins import SamplePlugins
 from hpc_rl.rollout.generate import (
     GenerateFn,
     GenerationSession,
@@ -31,15 +35,45 @@ from hpc_rl.rollout.generate import (
 )
 from hpc_rl.rollout.scheduler import RewardFn
 
+log = logging.getLogger(__name__)
+
+
+def drop_long_prompts(name: str, records: list[PromptRecord], encoder: PromptEncoder,
+                      max_prompt_len: int) -> list[PromptRecord]:
+    """The records whose encoded prompt has at most `max_prompt_len` tokens (slime's --eval-max-prompt-len),
+    with one log line naming how many were left out."""
+    kept = [r for r in records if len(encoder(r.prompt, r.metadata)) <= max_prompt_len]
+    if len(kept) < len(records):
+        log.info("eval dataset %s: %d of %d prompts are longer than eval_max_prompt_len %d tokens and are left out",
+                 name, len(records) - len(kept), len(records), max_prompt_len)
+    return kept
+
+
+def dataset_keys(dataset: Any, keys: DataKeys) -> DataKeys:
+    """The data keys of one eval dataset: its own (an --eval-config file's), else `keys`."""
+    return DataKeys(input_key=dataset.input_key or keys.input_key, label_key=dataset.label_key or keys.label_key,
+                    metadata_key=dataset.metadata_key or keys.metadata_key, tool_key=dataset.tool_key or keys.tool_key)
+
+
+def dataset_sampling(dataset: Any, n_samples: int, params: SamplingParams) -> tuple[int, SamplingParams]:
+    """(samples per prompt, sampling params) of one eval dataset: its own settings over the eval section's."""
+    own = {"temperature": dataset.temperature, "top_p": dataset.top_p, "top_k": dataset.top_k,
+           "max_new_tokens": dataset.max_response_len, "min_new_tokens": dataset.min_new_tokens,
+           "stop": dataset.stop, "stop_token_ids": dataset.stop_token_ids}
+    return (dataset.n_samples_per_eval_prompt or n_samples,
+            {**params, **{key: value for key, value in own.items() if value is not None}})
+
 
 def load_eval_datasets(evaluation: Any, keys: DataKeys) -> list[tuple[str, list[PromptRecord]]]:
-    """(name, records) for each `EvalConfig.eval_prompt_data` entry."""
-    return [(d.name, PromptDataset.load(d.path, keys).records) for d in evaluation.eval_prompt_data]
+    """(name, records) for each `EvalConfig.eval_prompt_data` entry (each with its own keys, if it has any)."""
+    return [(d.name, PromptDataset.load(d.path, dataset_keys(d, keys)).records) for d in evaluation.eval_prompt_data]
 
 
 async def _eval_group(group: Group, fn: GenerateFn, args: Any, params: SamplingParams,
-                      session: GenerationSession, reward_fn: RewardFn) -> None:
+                      session: GenerationSession, reward_fn: RewardFn, plugins: SamplePlugins,
+                      rollout_id: int | None) -> None:
     await asyncio.gather(*(run_generate(fn, args, s, params, session) for s in group))
+    await plugins.apply_hooks_to_group(args, group, rollout_id=rollout_id, evaluation=True)
     scored = [s for s in group if s.status is not SampleStatus.FAILED]
     rewards = await reward_fn(scored) if scored else []
     for sample, reward in zip(scored, rewards):
@@ -68,21 +102,28 @@ def eval_metrics(name: str, groups: list[Group]) -> dict[str, float]:
 async def run_eval(*, client: EngineClient, datasets: list[tuple[str, list[PromptRecord]]], encoder: PromptEncoder,
                    reward_fn: RewardFn, n_samples: int, sampling_params: SamplingParams, args: Any = None,
                    generate_fn: GenerateFn = default_generate, weight_version: int = 0,
-                   max_context_len: int | None = None, retry: RetryPolicy | None = None) -> dict[str, float]:
+                   max_context_len: int | None = None, retry: RetryPolicy | None = None,
+                   metric_options: SampleMetricOptions | None = None, plugins: SamplePlugins | None = None,
+                   rollout_id: int | None = None,
+                   per_dataset: dict[str, tuple[int, SamplingParams]] | None = None) -> dict[str, float]:
     """Generate and score every dataset (all concurrently, limited by the client); return the metrics."""
     session = GenerationSession(client, weight_version=weight_version, retry=retry, max_context_len=max_context_len,
                                 batch_across_groups=True)  # every eval group is waited for
-    per_dataset: list[tuple[str, list[Group]]] = []
     next_index = 0
+    settings = per_dataset or {}
+    generated: list[tuple[str, list[Group]]] = []
     for name, records in datasets:
+        count = settings.get(name, (n_samples, sampling_params))[0]
         groups = []
         for row, record in enumerate(records):
-            groups.append(make_group(record, group_index=row, first_sample_index=next_index, n_samples=n_samples,
+            groups.append(make_group(record, group_index=row, first_sample_index=next_index, n_samples=count,
                                      prompt_token_ids=encoder(record.prompt, record.metadata)))
-            next_index += n_samples
-        per_dataset.append((name, groups))
-    tasks = [asyncio.create_task(_eval_group(g, generate_fn, args, sampling_params, session, reward_fn))
-             for _, groups in per_dataset for g in groups]
+            next_index += count
+        generated.append((name, groups))
+    plugins = plugins or SamplePlugins()
+    tasks = [asyncio.create_task(_eval_group(g, generate_fn, args, settings.get(name, (n_samples, sampling_params))[1],
+                                             session, reward_fn, plugins, rollout_id))
+             for name, groups in generated for g in groups]
     try:
         await asyncio.gather(*tasks)
     finally:
@@ -92,7 +133,11 @@ async def run_eval(*, client: EngineClient, datasets: list[tuple[str, list[Promp
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # read every outcome (the first error is raised)
     metrics: dict[str, float] = {}
-    for name, groups in per_dataset:
+    for name, groups in generated:
         metrics.update(eval_metrics(name, groups))
+        if metric_options is not None:
+            metrics.update(sample_metrics(groups, metric_options, f"eval/{name}/"))
+    if plugins.skip_eval_scalars(rollout_id, args, generated, metrics):
+        metrics = {}
     metrics.update(session.metrics.as_dict(prefix="eval/"))
     return metrics

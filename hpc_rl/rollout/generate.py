@@ -114,10 +114,12 @@ def rollout_sampling_params(rollout: Any) -> SamplingParams:
 
 
 def eval_sampling_params(rollout: Any, evaluation: Any) -> SamplingParams:
-    """Rollout params with the `EvalConfig` overrides (eval_max_response_len, eval_temperature, ...)."""
+    """Rollout params with the `EvalConfig` overrides (eval_max_response_len, eval_temperature, ...,
+    eval_min_new_tokens)."""
     params = rollout_sampling_params(rollout)
     overrides = {"max_new_tokens": evaluation.eval_max_response_len, "temperature": evaluation.eval_temperature,
-                 "top_p": evaluation.eval_top_p, "top_k": evaluation.eval_top_k}
+                 "top_p": evaluation.eval_top_p, "top_k": evaluation.eval_top_k,
+                 "min_new_tokens": evaluation.eval_min_new_tokens}
     params.update({k: v for k, v in overrides.items() if v is not None})
     return params
 

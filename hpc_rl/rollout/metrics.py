@@ -49,6 +49,8 @@ class RolloutMetrics:
     """reason -> count (filter reasons, "filter", "failed", "surplus", "unfinished", "stale")."""
     groups_to_buffer: int = 0
     samples_stale_reset: int = 0
+    prompts_too_long: int = 0
+    """Prompts drawn and dropped because they leave no room for a response (rollout_max_prompt_len)."""
     wasted_tokens: int = 0
     """Generated tokens thrown away: dropped groups, unfinished groups without partial rollout, stale resets."""
     kept_response_tokens: int = 0

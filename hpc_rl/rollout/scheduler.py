@@ -3,7 +3,8 @@
 Owns one rollout step, `await RolloutScheduler.run(rollout_id, weight_version)`:
 
     groups in:  partial buffer first (buffer filter, default FIFO; stale samples reset), then the
-                prompt source (next_records -> encode -> make_group); first wave = over_sampling_batch_size
+                prompt source (next_records -> encode -> make_group; a prompt longer than max_prompt_len is
+                dropped, counted, the first named); first wave = over_sampling_batch_size
     per group:  generate every unfinished sample concurrently (generate fn, via GenerationSession)
                 -> as soon as the whole group is generated: reward_fn(group) (concurrently with others)
     as groups finish:  failed sample -> drop("failed"); filter(args, group) -> keep | drop(reason);
@@ -32,9 +33,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpc_rl.data.prompts import PromptEncoder, PromptSource, make_group
+from hpc_rl.data.prompts import DataError, PromptEncoder, PromptSource, make_group
 from hpc_rl.data.samples import Group, Sample, SampleStatus
-from hpc_rl.rollout.engine_client import EngineClient
+from hpc_rl.rollout.engine_client import EngineClient, longest_served_prompt
 from hpc_rl.rollout.filters import GroupFilter, filter_verdict, load_buffer_filter, load_group_filter
 from hpc_rl.rollout.generate import (
     GenerateFn,
@@ -47,6 +48,8 @@ from hpc_rl.rollout.generate import (
     run_generate,
 )
 from hpc_rl.rollout.metrics import RolloutMetrics
+from hpc_rl.rollout.sample_metrics import SampleMetricOptions, sample_metrics
+from hpc_rl.rollout.sample_plugins import SamplePlugins
 from hpc_rl.rollout.partial_buffer import (
     FINISHED,
     PartialRolloutBuffer,
@@ -82,17 +85,37 @@ class SchedulerSettings:
     max_context_len: int | None = None
     max_dropped_per_kept: int = 100
     """Give up (raise) when the filter dropped this many groups per group wanted: the filter or reward is broken."""
+    max_prompt_len: int | None = None
+    """Longer prompts (tokens) are dropped when drawn; None: no limit."""
+    max_prompt_len_why: str = ""
+    """Where the limit comes from, for the message."""
     routed_experts: RoutingShape | None = None
     """Ask the engines for each token's routed experts, of this shape (`training.use_rollout_routing_replay`)."""
 
     @classmethod
-    def from_config(cls, rollout: Any, routed_experts: RoutingShape | None = None) -> SchedulerSettings:
+    def from_config(cls, rollout: Any, engine_context_len: int | None = None,
+                    routed_experts: RoutingShape | None = None) -> SchedulerSettings:
+        limit, why = prompt_length_limit(rollout, engine_context_len)
         return cls(rollout_batch_size=rollout.rollout_batch_size, n_samples_per_prompt=rollout.n_samples_per_prompt,
                    over_sampling_batch_size=rollout.over_sampling_batch_size,
                    partial_rollout=rollout.partial_rollout,
                    mask_offpolicy_in_partial_rollout=rollout.mask_offpolicy_in_partial_rollout,
                    max_staleness=rollout.max_staleness, max_context_len=rollout.rollout_max_context_len,
-                   routed_experts=routed_experts)
+                   max_prompt_len=limit, max_prompt_len_why=why, routed_experts=routed_experts)
+
+
+def prompt_length_limit(rollout: Any, engine_context_len: int | None) -> tuple[int | None, str]:
+    """The longest prompt a rollout uses, and why: `rollout_max_prompt_len`; else, as slime derives it,
+    `rollout_max_context_len - 1`; else the longest prompt the engines serve with room for a response
+    (SGLang refuses a prompt of context - 6 tokens or more); None when nothing bounds it."""
+    if rollout.rollout_max_prompt_len is not None:
+        return rollout.rollout_max_prompt_len, "rollout_max_prompt_len"
+    if rollout.rollout_max_context_len is not None:
+        return rollout.rollout_max_context_len - 1, "rollout_max_context_len - 1: room for one response token"
+    if engine_context_len:
+        return (longest_served_prompt(engine_context_len),
+                f"the engines' context length {engine_context_len} leaves no room for a response beyond it")
+    return None, ""
 
 
 class _GroupRun:
@@ -111,7 +134,8 @@ class RolloutScheduler:
                  encoder: PromptEncoder, reward_fn: RewardFn, sampling_params: SamplingParams, args: Any = None,
                  group_filter: GroupFilter | None = None, buffer: PartialRolloutBuffer | None = None,
                  generate_fn: GenerateFn = default_generate, retry: RetryPolicy | None = None,
-                 stop_timeout_s: float = 60.0) -> None:
+                 stop_timeout_s: float = 60.0, metric_options: SampleMetricOptions | None = None,
+                 plugins: SamplePlugins | None = None) -> None:
         self.settings = settings
         self.client = client
         self.source = source
@@ -124,11 +148,20 @@ class RolloutScheduler:
         self.generate_fn = generate_fn
         self.retry = retry or RetryPolicy()
         self.stop_timeout_s = stop_timeout_s
+        self.metric_options = metric_options or SampleMetricOptions()
+        """slime's optional --log-* sample metrics of the kept groups."""
+        self.plugins = plugins or SamplePlugins()
+        """slime's sample hooks, sample filter, all-samples process and rollout log function."""
+        self._rollout_id: int | None = None
+        self._filtered_out: list[Group] = []
+        """This rollout's scored groups the dynamic-sampling filter dropped (for the all-samples process)."""
         self.next_group_index = 0
         self.next_sample_index = 0
         self.weight_version = 0
         self._session: GenerationSession | None = None
         self._running = False
+        self._too_long_said = False
+        self._too_long_in_a_row = 0
 
     @classmethod
     def from_config(cls, rollout: Any, *, args: Any, client: EngineClient, source: PromptSource,
@@ -137,7 +170,9 @@ class RolloutScheduler:
         """Everything from the rollout section (`RolloutConfig`); `args` is what plug-ins receive
         (`hpc_rl.config.plugin_args`). Plug-ins are resolved here: a bad path fails before generation."""
         kwargs: dict[str, Any] = {
-            "settings": SchedulerSettings.from_config(rollout, routed_experts), "client": client, "source": source,
+            "settings": SchedulerSettings.from_config(rollout, getattr(client, "context_length", None),
+                                                      routed_experts),
+            "client": client, "source": source,
             "encoder": encoder, "reward_fn": reward_fn, "sampling_params": rollout_sampling_params(rollout),
             "args": args, "group_filter": load_group_filter(rollout.dynamic_sampling_filter_path),
             "buffer": PartialRolloutBuffer(load_buffer_filter(rollout.buffer_filter_path), args=args),
@@ -161,14 +196,37 @@ class RolloutScheduler:
                     metrics.wasted_tokens += reset_sample(sample)
                     metrics.samples_stale_reset += 1
         n = self.settings.n_samples_per_prompt
-        for record in self.source.next_records(count - len(groups)) if count > len(groups) else []:
-            groups.append(make_group(record, group_index=self.next_group_index,
-                                     first_sample_index=self.next_sample_index, n_samples=n,
-                                     prompt_token_ids=self.encoder(record.prompt, record.metadata)))
-            self.next_group_index += 1
-            self.next_sample_index += n
+        while len(groups) < count:
+            for record in self.source.next_records(count - len(groups)):
+                prompt_token_ids = self.encoder(record.prompt, record.metadata)
+                if self._too_long(record, len(prompt_token_ids), metrics):
+                    continue
+                groups.append(make_group(record, group_index=self.next_group_index,
+                                         first_sample_index=self.next_sample_index, n_samples=n,
+                                         prompt_token_ids=prompt_token_ids))
+                self.next_group_index += 1
+                self.next_sample_index += n
         metrics.groups_submitted += len(groups)
         return groups
+
+    def _too_long(self, record: Any, length: int, metrics: RolloutMetrics) -> bool:
+        """Whether the prompt is dropped for its length (counted; the first one is named in the log)."""
+        limit = self.settings.max_prompt_len
+        if limit is None or length <= limit:
+            self._too_long_in_a_row = 0
+            return False
+        metrics.prompts_too_long += 1
+        self._too_long_in_a_row += 1
+        where = getattr(self.source.dataset, "path", "the prompt data")
+        if self._too_long_in_a_row > len(self.source.dataset):
+            raise DataError(f"{where}: every prompt drawn in a whole pass is longer than {limit} tokens "
+                            f"({self.settings.max_prompt_len_why}); shorten them or raise the limit")
+        if not self._too_long_said:
+            self._too_long_said = True
+            log.warning("%s: data row %d has %d prompt tokens, more than %d (%s): such prompts are dropped when "
+                        "drawn, counted in rollout/prompts_too_long (said once)", where, record.row, length, limit,
+                        self.settings.max_prompt_len_why)
+        return True
 
     async def _process_group(self, run: _GroupRun, session: GenerationSession) -> str:
         """'scored' | 'failed' | 'unfinished' (the session stopped before the group was generated)."""
@@ -182,6 +240,7 @@ class RolloutScheduler:
             return "failed"
         if session.stopped.is_set() or any(s.status not in FINISHED for s in run.group):
             return "unfinished"
+        await self.plugins.apply_hooks_to_group(self.args, run.group, rollout_id=self._rollout_id, evaluation=False)
         run.scoring = True
         rewards = await self.reward_fn(run.group)
         if len(rewards) != len(run.group):
@@ -206,6 +265,7 @@ class RolloutScheduler:
         settings = self.settings
         target = settings.rollout_batch_size
         metrics = RolloutMetrics()
+        self._rollout_id, self._filtered_out = rollout_id, []
         # Without a filter or over-sampling every submitted group is waited for: batch across groups.
         every_group_needed = self.group_filter is None and (settings.over_sampling_batch_size or target) <= target
         session = GenerationSession(self.client, weight_version=self.weight_version, retry=self.retry,
@@ -247,6 +307,7 @@ class RolloutScheduler:
                             kept.append(group)
                         else:
                             self._drop(group, reason or "filter", metrics)
+                            self._filtered_out.append(group)
                 dropped = sum(metrics.groups_dropped.values())
                 if dropped > settings.max_dropped_per_kept * target:
                     raise RuntimeError(
@@ -261,7 +322,15 @@ class RolloutScheduler:
         self._finish_kept(kept, metrics)
         metrics.buffer_size = len(self.buffer)
         metrics.wall_time_s = time.monotonic() - started
-        out = {**metrics.as_dict(), **session.metrics.as_dict(), **_sample_stats(kept, self.weight_version)}
+        removed = self.plugins.filter_kept(self.args, kept)
+        self.plugins.process_all(self.args, kept + self._filtered_out, self.source)
+        self._filtered_out = []
+        out = {**metrics.as_dict(), **session.metrics.as_dict(), **_sample_stats(kept, self.weight_version),
+               **sample_metrics(kept, self.metric_options, "rollout/")}
+        if self.plugins.sample_filter is not None:
+            out["rollout/samples_removed_by_filter"] = float(removed)
+        if self.plugins.skip_rollout_scalars(rollout_id, self.args, kept, out, metrics.wall_time_s):
+            out = {key: value for key, value in out.items() if not key.startswith("rollout/")}
         return RolloutResult(groups=kept, metrics=out)
 
     async def _stop(self, session: GenerationSession, runs: dict[asyncio.Task[str], _GroupRun],

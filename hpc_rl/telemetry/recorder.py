@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from hpc_rl.data.samples import Group
-from hpc_rl.telemetry.run_files import ROLLOUT_RECORDS, append_rollout_record, drop_rollout_records_from
+from hpc_rl.telemetry.run_files import (
+    ROLLOUT_RECORDS, append_rollout_record, drop_rollout_records_from, write_debug_rollout_data,
+)
 from hpc_rl.telemetry.scalars import ScalarLog, progress_line
 
 log = logging.getLogger(__name__)
@@ -23,25 +25,35 @@ class RunRecorder:
     """One run's per-rollout output; `last` and `history` are the metrics recorded so far."""
 
     def __init__(self, run_dir: str | Path, scalars: ScalarLog, *, num_rollout: int,
-                 print_fn: Callable[[str], None] = print) -> None:
+                 print_fn: Callable[[str], None] = print, eval_sampling: str = "",
+                 debug_rollout_data: str | None = None) -> None:
         self.records = Path(run_dir) / ROLLOUT_RECORDS
+        self.debug_rollout_data = debug_rollout_data
+        """logging.save_debug_rollout_data: every trained sample of each rollout, to this path template."""
         self.scalars = scalars
         self.num_rollout = num_rollout
         self.print = print_fn
+        self.eval_sampling = eval_sampling
+        """How eval samples ("greedy", "temperature 0.6"), shown next to its scores."""
         self.last: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
 
     def eval_before_training(self, metrics: dict[str, Any]) -> None:
         self.scalars.log(metrics, 0)
-        self.print(progress_line(-1, self.num_rollout, metrics).replace("rollout 0/", "eval before training /"))
+        self.print(progress_line(-1, self.num_rollout, metrics, eval_sampling=self.eval_sampling)
+                   .replace("rollout 0/", "eval before training /"))
 
     def rollout(self, rollout_id: int, metrics: dict[str, Any], groups: list[Group]) -> None:
         """Rollout `rollout_id` is done: scalars at step rollout_id + 1, its record, its progress line."""
         self.scalars.log(metrics, rollout_id + 1)
         append_rollout_record(self.records, rollout_id, metrics, groups)
-        self.print(progress_line(rollout_id, self.num_rollout, metrics))
+        if self.debug_rollout_data:
+            write_debug_rollout_data(self.debug_rollout_data, rollout_id, groups)
         self.last = metrics
         self.history.append(metrics)
+        rewards = [m["rollout/reward_mean"] for m in self.history if "rollout/reward_mean" in m]
+        self.print(progress_line(rollout_id, self.num_rollout, metrics, rewards_so_far=rewards,
+                                 eval_sampling=self.eval_sampling))
 
     def forget_from(self, first_redone: int) -> None:
         """A resumed run redoes rollouts >= `first_redone`: drop their records (the stopped attempt wrote them)."""

@@ -3,7 +3,8 @@ says so once instead of once per line.
 
 Owns `describe_write_error` ("no space left on <dir>" for ENOSPC/EDQUOT, else the OS's words),
 `write_text_atomically` (a temporary file renamed into place; the temporary file never stays behind),
-`rollouts.jsonl`'s records (`append_rollout_record`; `drop_rollout_records_from`: a resumed run forgets the
+`rollouts.jsonl`'s records (`append_rollout_record`: a line is appended whole or not at all;
+`drop_rollout_records_from`: a resumed run forgets the
 lines of the rollouts it redoes) and
 `RunLogFileHandler` (a FileHandler that, when its file cannot be written, prints ONE line on stderr and
 drops file output until a write succeeds again; Python's own prints "--- Logging error ---" and a
@@ -57,8 +58,36 @@ def append_rollout_record(path: str | Path, rollout_id: int, metrics: dict[str, 
               "start_rollout_ids": [s.metadata.get("start_rollout_id") for g in groups for s in g[:1]],
               "weight_versions_first_token": [s.weight_versions[0] if s.weight_versions else None
                                               for s in samples]}
-    with open(path, "a") as handle:
-        handle.write(json.dumps(record, default=float) + "\n")
+    append_line(path, json.dumps(record, default=float))
+
+
+def append_line(path: str | Path, line: str) -> None:
+    """Append `line` whole or not at all: one write(2) to the end; when it fails or comes up short (a full
+    disk), the file is cut back to its previous size, so no reader ever meets half a record, and the
+    OSError names the file."""
+    data = (line + "\n").encode()
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(descriptor).st_size
+        try:
+            written = os.write(descriptor, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes written")
+        except OSError as error:
+            os.ftruncate(descriptor, size)
+            raise OSError(error.errno, describe_write_error(error, path)) from error
+    finally:
+        os.close(descriptor)
+
+
+def write_debug_rollout_data(template: str, rollout_id: int, groups: list[Group]) -> Path:
+    """slime's --save-debug-rollout-data: every sample of the rollout, all fields, one JSON object per line."""
+    path = Path(template.format(rollout_id=rollout_id))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        for sample in (s for g in groups for s in g):
+            handle.write(json.dumps(sample.to_dict(), default=str) + "\n")
+    return path
 
 
 def drop_rollout_records_from(path: str | Path, first_redone: int) -> int:

@@ -13,6 +13,7 @@ scalars to `logging.tensorboard_dir` (default <run_dir>/tensorboard).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 from pathlib import Path
@@ -28,25 +29,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.config:
         parser.error(f"no config: pass the resolved config path or set {CONFIG_ENV}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
-
-    from hpc_rl.training.cpu_switch import light_megatron_import
-
-    with light_megatron_import():  # seconds of start-up on CPU (issue 11)
-        from hpc_rl.config.loading import load_resolved_config
-        from hpc_rl.config.model import ModelArchitecture
-        from hpc_rl.config.plugin_args import plugin_args
-        from hpc_rl.telemetry.scalars import ScalarLog
-        from hpc_rl.training.actor import build_trainer
-        from hpc_rl.training.commands import BatchFileCommands, JsonlBatchSource, TrainerCommands
-        from hpc_rl.training.parallel import init_parallel, shutdown_parallel
+    # force: a rank forked from a preloaded launcher (preload) inherits the launcher's root handlers
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s", force=True)
+    preload()
+    from hpc_rl.config.loading import load_resolved_config
+    from hpc_rl.config.model import ModelArchitecture
+    from hpc_rl.config.plugin_args import plugin_args
+    from hpc_rl.telemetry.scalars import ScalarLog, tensorboard_dir
+    from hpc_rl.training.actor import build_trainer
+    from hpc_rl.training.commands import BatchFileCommands, JsonlBatchSource, TrainerCommands
+    from hpc_rl.training.parallel import init_parallel, shutdown_parallel
 
     config = load_resolved_config(args.config)
     arch = ModelArchitecture.from_yaml(config.model)
     info = init_parallel(config.training, device=config.cluster.device)
     parts = build_trainer(arch=arch, training=config.training, algorithm=config.algorithm,
                           optimizer_config=config.optimizer, checkpoints=config.checkpoint, info=info,
-                          model_file=config.model, plugin_args=plugin_args(config))
+                          model_file=config.model, plugin_args=plugin_args(config),
+                          distillation=config.distillation, critic=config.critic)
     config_path = Path(args.config).resolve()
     run_dir = Path(config.run_dir) if config.run_dir else (config_path if config_path.is_dir() else config_path.parent)
     save_dir = config.checkpoint.save or str(run_dir / "checkpoints")
@@ -62,19 +62,46 @@ def main(argv: list[str] | None = None) -> None:
 
         from hpc_rl.protocol.messages import ResumeState
 
-        hello = {"tp_rank": info.tp_rank, "tp_size": info.tp_size, "dp_rank": info.dp_rank, "dp_size": info.dp_size}
+        from hpc_rl.weights.device_identity import trainer_rank_device
+
+        # the device: the controller pairs colocated ranks with the engine on the same GPU by it
+        hello = {"tp_rank": info.tp_rank, "tp_size": info.tp_size, "dp_rank": info.dp_rank, "dp_size": info.dp_size,
+                 "device": trainer_rank_device()}
         resume = (ResumeState(rank=0, rollout_id=resumed.rollout_id, controller_state=resumed.controller_state)
                   if info.rank == 0 and resumed is not None else None)
         source = ControllerLink(run_dir, rank=info.rank, world_size=info.world_size, info=hello, resume=resume)
         engine_key = _engine_key(run_dir)
-    tensorboard = config.logging.tensorboard_dir or str(run_dir / "tensorboard")
+        from hpc_rl.training.term_deferral import defer_sigterm_in_slurm_step
+
+        defer_sigterm_in_slurm_step()  # scancel/preemption: the controller may still save with us
+    tensorboard = tensorboard_dir(config, run_dir)
     scalars = ScalarLog(tensorboard if info.rank == 0 else None, filename_suffix=".trainer")
     try:
         TrainerCommands(parts, arch=arch, info=info, source=source, save_dir=save_dir, scalars=scalars,
-                        engine_api_key=engine_key, offload_train=config.training.offload_train).run()
+                        engine_api_key=engine_key, offload_train=config.training.offload_train,
+                        train_memory_margin_bytes=config.training.train_memory_margin_bytes,
+                        checkpoint_config=config.checkpoint, keep_last=config.checkpoint.keep_last,
+                        max_nonfinite_steps=config.training.max_nonfinite_steps).run()
     finally:
         scalars.close()
         shutdown_parallel()
+
+
+TRAINER_MODULES = ("hpc_rl.config.loading", "hpc_rl.config.model", "hpc_rl.config.plugin_args",
+                   "hpc_rl.telemetry.scalars", "hpc_rl.training.actor", "hpc_rl.training.commands",
+                   "hpc_rl.training.parallel", "hpc_rl.training.controller_link")
+"""What a rank imports before it builds anything (torch and Megatron-core among them: seconds of CPU)."""
+
+
+def preload() -> None:
+    """Import TRAINER_MODULES (Megatron the light way on CPU: `light_megatron_import`, issue 11); at once
+    when already imported. A launcher that calls this and then forks its ranks (`hpc_rl.launch.bound_torchrun
+    --fork-preloaded-ranks`) saves each rank its own imports (issue 23)."""
+    from hpc_rl.training.cpu_switch import light_megatron_import
+
+    with light_megatron_import():
+        for module in TRAINER_MODULES:
+            importlib.import_module(module)
 
 
 def _engine_key(run_dir: Path) -> str:

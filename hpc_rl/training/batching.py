@@ -7,6 +7,9 @@ Owns (pure functions on sample lengths, no torch):
     ``target`` bins (every DP rank must run the same number of micro-batches).
   * :func:`balanced_partitions` - Karmarkar-Karp (largest differencing method) k-way partition,
     optionally with equal item counts (slime's ``get_seqlen_balanced_partitions``).
+  * :func:`flops_balanced_microbatches` - slime's --balance-by-flops: as many bins as the token cap
+    needs, filled by Karmarkar-Karp on each sample's forward cost ``c * L + L^2`` (attention's quadratic
+    term), so long and short samples share the work evenly; the cap is not enforced (slime's warning).
   * :func:`schedule_microbatches` - the three together: pack a step's samples, round the bin count
     up to a multiple of ``dp_size``, assign bins to ranks (KK with ``balance_data``, else round robin).
 
@@ -26,6 +29,8 @@ from collections.abc import Sequence
 
 __all__ = [
     "balanced_partitions",
+    "flops_balanced_microbatches",
+    "flops_linear_coefficient",
     "equalize_microbatch_count",
     "microbatch_target_count",
     "pack_microbatches",
@@ -171,6 +176,26 @@ def balanced_partitions(lengths: Sequence[int], k: int, equal_size: bool = True)
     if any(not p for p in result):
         raise AssertionError("Karmarkar-Karp produced an empty partition")  # impossible for n >= k
     return result
+
+
+def flops_linear_coefficient(*, hidden_size: int, num_attention_heads: int, num_query_groups: int,
+                             kv_channels: int, ffn_hidden_size: int, swiglu: bool = True) -> float:
+    """c of a sample's forward cost c * L + L^2 (per layer, up to a constant factor): the per-token FLOPs of
+    the linear layers (QKV, output projection, MLP) over the per-token-pair FLOPs of attention (QK^T and AV)."""
+    q, kv = num_attention_heads * kv_channels, num_query_groups * kv_channels
+    linear = 2 * (hidden_size * (q + 2 * kv) + q * hidden_size + (3 if swiglu else 2) * hidden_size * ffn_hidden_size)
+    quadratic = 4 * q
+    return linear / quadratic
+
+
+def flops_balanced_microbatches(lengths: Sequence[int], max_tokens: int, linear_coefficient: float) -> list[list[int]]:
+    """ceil(total tokens / max_tokens) micro-batches (one per sample when that is more), balanced by
+    Karmarkar-Karp on c * L + L^2; each bin's indices sorted."""
+    count = max(1, math.ceil(sum(lengths) / max_tokens))
+    if count >= len(lengths):
+        return [[i] for i in range(len(lengths))]
+    workloads = [linear_coefficient * length + length * length for length in lengths]
+    return [sorted(part) for part in balanced_partitions(workloads, count, equal_size=False)]
 
 
 def microbatch_target_count(num_bins: int, dp_size: int) -> int:

@@ -3,7 +3,9 @@
 Owns the layout (Megatron's conventions, so Megatron/slime tools find their way around)::
 
     <save>/latest_checkpointed_iteration.txt      "5"  (written last, by rename: the commit point)
-    <save>/iter_0000005/                           torch_dist: model + AdamW state (sharded tensors)
+    <save>/iter_0000005/                           torch_dist: model + AdamW state (sharded tensors); without
+                                                   the AdamW state with checkpoint.save_optim off; with the
+                                                   reference model under `ref_model.` when it is updated
     <save>/iter_0000005/hpc_rl_state.json          rollout_id, optimizer steps, controller state
     <save>/iter_0000005/rng/rank_00000.pt          per-rank torch RNG state
 
@@ -13,7 +15,8 @@ disk, a quota) raises `CheckpointSaveFailed` on the ranks that saw it, saying "n
 when that is the cause (torch reports a full disk as "unexpected pos 704 vs 598", or as a
 CheckpointException that is not even an Exception), after rank 0 removed the partial files. The iteration number
 is the rollout id. A directory without `hpc_rl_state.json` (what the HF converter writes) holds
-weights only: loading it starts a fresh run. Does not own HF loading (`hpc_rl.weights.hf_import`).
+weights only: loading it starts a fresh run. `iteration=` loads a given iteration of a root instead of the
+tracker's (slime's --ref-ckpt-step). Does not own HF loading (`hpc_rl.weights.hf_import`).
 """
 
 from __future__ import annotations
@@ -30,10 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_rl.training.checkpoint_files import STATE_FILE, TRACKER, iteration_dir, latest_iteration
 from hpc_rl.training.optimizer import ActorOptimizer
 
-TRACKER = "latest_checkpointed_iteration.txt"
-STATE_FILE = "hpc_rl_state.json"
 LOW_SPACE_BYTES = 16 << 20
 """A failed save with less than this free on the checkpoint's file system is reported as a full disk."""
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -100,24 +102,14 @@ def describe_save_failure(root: Path, iteration: int, error: BaseException) -> s
             f"{first_line}; {free_text}); its partial files were removed and {kept}")
 
 
-def iteration_dir(root: str | Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def latest_iteration(root: str | Path) -> int | None:
-    """The committed iteration of a checkpoint root, or None when there is none."""
-    tracker = Path(root) / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    if text == "release":
-        return 0
-    return int(text)
-
-
-def resolve_checkpoint_dir(path: str | Path) -> Path:
-    """A torch_dist directory from a checkpoint root (via the tracker), an iter dir, or a plain dir."""
+def resolve_checkpoint_dir(path: str | Path, iteration: int | None = None) -> Path:
+    """A torch_dist directory from a checkpoint root (via the tracker, or `iteration`), an iter dir, or a plain dir."""
     path = Path(path)
+    if iteration is not None:
+        directory = iteration_dir(path, iteration)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"{path}: no iteration {iteration} ({directory.name}) to load")
+        return directory
     iteration = latest_iteration(path)
     if iteration is not None:
         return iteration_dir(path, iteration)
@@ -133,6 +125,10 @@ class TrainerState:
     rollout_id: int
     optimizer_steps: int = 0
     controller_state: dict[str, Any] = field(default_factory=dict)
+    has_optimizer: bool = True
+    """False: saved with checkpoint.save_optim off (the weights and position only)."""
+    has_ref_model: bool = False
+    """True: the reference model's weights are saved too (algorithm.ref_update_interval)."""
 
 
 def _sharded(model: torch.nn.Module, optimizer: ActorOptimizer | None, *, is_loading: bool = False) -> dict[str, Any]:
@@ -141,6 +137,13 @@ def _sharded(model: torch.nn.Module, optimizer: ActorOptimizer | None, *, is_loa
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state(model_sd, is_loading=is_loading)
     return state
+
+
+REF_PREFIX = "ref_model."
+
+
+def _ref_sharded(ref_model: torch.nn.Module) -> dict[str, Any]:
+    return ref_model.sharded_state_dict(prefix=REF_PREFIX)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -194,10 +197,16 @@ def _write_and_commit(root: Path, iteration: int, sharded: dict[str, Any],
 
 
 def save_checkpoint(root: str | Path, model: torch.nn.Module, optimizer: ActorOptimizer,
-                    state: TrainerState) -> Path:
-    """Collective: every trainer rank calls it. Returns the committed iteration directory."""
+                    state: TrainerState, *, save_optim: bool = True,
+                    ref_model: torch.nn.Module | None = None) -> Path:
+    """Collective: every trainer rank calls it. Returns the committed iteration directory. `save_optim`
+    False leaves the optimizer state out; a `ref_model` is saved beside the actor (an updated reference)."""
     rank = dist.get_rank()
     state.optimizer_steps = optimizer.steps_done
+    state.has_optimizer, state.has_ref_model = save_optim, ref_model is not None
+    sharded = _sharded(_unwrap(model), optimizer if save_optim else None)
+    if ref_model is not None:
+        sharded["ref_model"] = _ref_sharded(ref_model)
 
     def extras(tmp: Path) -> None:
         (tmp / "rng").mkdir(exist_ok=True)
@@ -205,7 +214,7 @@ def save_checkpoint(root: str | Path, model: torch.nn.Module, optimizer: ActorOp
         if rank == 0:
             (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1, sort_keys=True))
 
-    return _save_atomically(Path(root), state.rollout_id, _sharded(_unwrap(model), optimizer), extras)
+    return _save_atomically(Path(root), state.rollout_id, sharded, extras)
 
 
 def save_model_weights(root: str | Path, model: torch.nn.Module, iteration: int = 0) -> Path:
@@ -220,11 +229,11 @@ def _load_model_state(model: torch.nn.Module, state: dict[str, Any], directory: 
         raise KeyError(f"{directory}: checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
-def load_model_weights(path: str | Path, model: torch.nn.Module) -> Path:
+def load_model_weights(path: str | Path, model: torch.nn.Module, iteration: int | None = None) -> Path:
     """Load model weights only (the reference model, or a converted checkpoint) at any TP size."""
     from megatron.core import dist_checkpointing
 
-    directory = resolve_checkpoint_dir(path)
+    directory = resolve_checkpoint_dir(path, iteration)
     inner = _unwrap(model)
     loaded = dist_checkpointing.load({"model": inner.sharded_state_dict()}, str(directory))
     _load_model_state(inner, loaded["model"], directory)
@@ -242,10 +251,25 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: ActorOp
         return None
     state = TrainerState(**json.loads(state_file.read_text()))
     inner = _unwrap(model)
-    loaded = dist_checkpointing.load(_sharded(inner, optimizer, is_loading=True), str(directory))
+    loaded = dist_checkpointing.load(_sharded(inner, optimizer if state.has_optimizer else None, is_loading=True),
+                                     str(directory))
     _load_model_state(inner, loaded["model"], directory)
-    optimizer.restore(loaded["optimizer"], state.optimizer_steps)
+    if state.has_optimizer:
+        optimizer.restore(loaded["optimizer"], state.optimizer_steps)
+    else:
+        optimizer.restore_steps(state.optimizer_steps)  # fresh moments, the schedule where it was
     return state
+
+
+def load_ref_model(path: str | Path, ref_model: torch.nn.Module) -> Path:
+    """The reference model a checkpoint saved beside the actor (`TrainerState.has_ref_model`)."""
+    from megatron.core import dist_checkpointing
+
+    directory = resolve_checkpoint_dir(path)
+    loaded = dist_checkpointing.load({"ref_model": _ref_sharded(ref_model)}, str(directory))
+    state = {key.removeprefix(REF_PREFIX): value for key, value in loaded["ref_model"].items()}
+    _load_model_state(ref_model, state, directory)
+    return directory
 
 
 def restore_rng_state(path: str | Path) -> None:

@@ -5,10 +5,16 @@ Owns `TrainerCommands.run()`: ask the command source for the next command, run i
 share for `TrainCommand`), so collectives line up. Commands are `hpc_rl.protocol.messages` types:
 
     TrainCommand(rollout_id, batch arrays)  -> RolloutTrainer.train_rollout, metrics to TensorBoard
+                                               (optimizer moments reset before it, reference updated
+                                               after it, as optimizer/algorithm ask)
+    EvalLossCommand(batch arrays)           -> eval_loss.evaluate_loss (SFT's held-out loss, no update)
     SyncWeightsCommand(version, group, ...) -> WeightPlan from rank 0, then the bucket broadcasts
-    SaveCommand(rollout_id, controller_state) -> checkpoint.save_checkpoint
+    SaveCommand(rollout_id, controller_state) -> checkpoint.save_checkpoint (+ the HF copy, save_hf)
+    DiskWeightsCommand(version, path)       -> the weights as an HF directory at path (disk transport), then
+                                               the post-write hook
     TrainerMemoryCommand(action, tags)       -> colocated: offload/onload (hpc_rl.training.offload)
     ColocatedSyncCommand(version, engine_urls) -> colocated: /update_weights_from_tensor per bucket
+    AbortWeightGroupCommand                  -> rank 0 aborts a weight-update group an engine broke
     StopCommand                              -> leave
 
 A command source is anything with `next_command()`, `done(seq, metrics)`, `failed(seq, error)`
@@ -28,8 +34,13 @@ from typing import Any, Protocol
 import torch
 
 from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.config.precision import trainer_dtype_name
+from hpc_rl.config.schema import CheckpointConfig
 from hpc_rl.protocol.messages import (
+    AbortWeightGroupCommand,
     ColocatedSyncCommand,
+    DiskWeightsCommand,
+    EvalLossCommand,
     Message,
     SaveCommand,
     StopCommand,
@@ -41,7 +52,11 @@ from hpc_rl.protocol.messages import (
 from hpc_rl.telemetry.scalars import ScalarLog
 from hpc_rl.training import checkpoint
 from hpc_rl.training.actor import TrainerParts
+from hpc_rl.training.checkpoint_files import prune_iterations
+from hpc_rl.training.nonfinite import NonFiniteSteps, check_finite_weights
+from hpc_rl.training.eval_loss import evaluate_loss
 from hpc_rl.engines.child_process import free_port
+from hpc_rl.training.critic import critic_save_dir
 from hpc_rl.training.offload import TrainerOffload
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.sync_address import weight_sync_address
@@ -49,6 +64,12 @@ from hpc_rl.training.train_batch import TrainBatch, read_batches_file
 from hpc_rl.weights.sender import LOAD_FORMAT, WeightSender
 
 log = logging.getLogger(__name__)
+
+
+def export_dtype(on_cpu: bool) -> torch.dtype:
+    """What every weight update exports in: the trainer's parameter dtype (`config.precision`), which the
+    engines were started with (SGLang `--dtype`), so both compute in the same precision."""
+    return getattr(torch, trainer_dtype_name("cpu" if on_cpu else "cuda"))
 
 
 class CommandSource(Protocol):
@@ -125,14 +146,22 @@ class TrainerCommands:
 
     def __init__(self, parts: TrainerParts, *, arch: ModelArchitecture, info: ParallelInfo, source: CommandSource,
                  save_dir: str | None, scalars: ScalarLog | None = None, engine_api_key: str | None = None,
-                 offload_train: bool = True) -> None:
+                 offload_train: bool = True, train_memory_margin_bytes: int = 0,
+                 checkpoint_config: CheckpointConfig | None = None, keep_last: int | None = None,
+                 max_nonfinite_steps: int = 3) -> None:
         self.parts, self.arch, self.info, self.source = parts, arch, info, source
         self.save_dir, self.scalars = save_dir, scalars
+        self.checkpoint_config = checkpoint_config or CheckpointConfig()
+        """save_optim, save_hf (and its hf_checkpoint side files) for SaveCommand."""
+        self.keep_last = keep_last
+        """checkpoint.keep_last: rank 0 removes older checkpoints after each save."""
+        self.nonfinite = NonFiniteSteps(max_nonfinite_steps)
         self.sender: WeightSender | None = None
         self.engine_api_key = engine_api_key
         """Colocated mode: this rank posts its weights to its engine itself (derived from the job secret)."""
-        self.offload = TrainerOffload(models=[parts.actor, parts.ref_model], optimizer=parts.optimizer,
-                                      enabled=offload_train)
+        self.offload = TrainerOffload(models=[parts.actor, parts.ref_model, parts.teacher_model, parts.critic_model],
+                                      optimizer=[parts.optimizer, parts.critic_optimizer], enabled=offload_train,
+                                      margin_bytes=train_memory_margin_bytes)
         """Colocated: training.offload_train false keeps the state on the device (slime's --no-offload-train)."""
         self.colocated_sender = None
         self.group_address: tuple[str, int] | None = None
@@ -153,6 +182,10 @@ class TrainerCommands:
             self.sender.close()
 
     def execute(self, command: Message) -> dict[str, Any]:
+        if isinstance(command, AbortWeightGroupCommand):
+            return self.abort_weight_group(command)
+        if self.sender is not None:  # the GPU would wait for the group's broadcasts before any new work
+            self.sender.synchronize()
         if isinstance(command, TrainerMemoryCommand):
             return self.memory(command)
         if isinstance(command, ColocatedSyncCommand):
@@ -160,20 +193,59 @@ class TrainerCommands:
         self.offload.require_onloaded(type(command).__name__)
         if isinstance(command, TrainCommand):
             return self.train(command)
+        if isinstance(command, EvalLossCommand):
+            return evaluate_loss(self.parts.trainer, TrainBatch.from_arrays(command.batch, command.meta))
         if isinstance(command, SyncWeightsCommand):
             return self.send_weights(command)
+        if isinstance(command, DiskWeightsCommand):
+            return self.write_weights(command)
         if isinstance(command, SaveCommand):
             root = self.save_dir or ""
             if not root:
                 raise ValueError("SaveCommand but checkpoint.save is not set")
-            path = checkpoint.save_checkpoint(root, self.parts.actor, self.parts.optimizer, checkpoint.TrainerState(
-                rollout_id=command.rollout_id, controller_state=command.controller_state))
-            return {"checkpoint": str(path)}
+            return self.save(root, command)
         raise ValueError(f"unknown trainer command {type(command).__name__}")
+
+    def save(self, root: str, command: SaveCommand) -> dict[str, Any]:
+        trainer, config = self.parts.trainer, self.checkpoint_config
+        path = checkpoint.save_checkpoint(
+            root, self.parts.actor, self.parts.optimizer,
+            checkpoint.TrainerState(rollout_id=command.rollout_id, controller_state=command.controller_state),
+            save_optim=config.save_optim,
+            ref_model=self.parts.ref_model if trainer.algorithm.ref_update_interval else None)
+        out, roots = {"checkpoint": str(path)}, [root]
+        if self.parts.critic_model is not None and self.parts.critic_optimizer is not None:  # PPO's critic
+            roots.append(critic_save_dir(self.parts.critic_config, root) or "")
+            out["critic_checkpoint"] = str(checkpoint.save_checkpoint(
+                roots[-1], self.parts.critic_model, self.parts.critic_optimizer,
+                checkpoint.TrainerState(rollout_id=command.rollout_id), save_optim=config.save_optim))
+        if self.keep_last and self.info.rank == 0:
+            for kept_root in roots:
+                for old in prune_iterations(kept_root, self.keep_last):
+                    log.info("removed %s (checkpoint.keep_last=%d)", old, self.keep_last)
+        if config.save_hf:
+            from hpc_rl.training.hf_save import hf_output_dir, save_hf_checkpoint
+
+            out["hf_checkpoint"] = str(save_hf_checkpoint(
+                self.parts.actor, self.arch, hf_output_dir(config.save_hf, command.rollout_id),
+                reference_dir=config.hf_checkpoint or None, info=self.info, tp_group=trainer.tp_group))
+        return out
 
     def train(self, command: TrainCommand) -> dict[str, Any]:
         batch = TrainBatch.from_arrays(command.batch, command.meta)
-        steps = self.parts.trainer.train_rollout(batch)
+        trainer = self.parts.trainer
+        if "num_rollout" in command.meta:  # the lr schedule's length (slime: decay over every step of the run)
+            total = int(command.meta["num_rollout"]) * trainer.training.num_steps_per_rollout
+            for optimizer in (self.parts.optimizer, self.parts.critic_optimizer):
+                if optimizer is not None:
+                    optimizer.set_run_length(total)
+        if self.parts.optimizer.config.reset_optimizer_states:
+            self.parts.optimizer.reset_state()
+        steps = trainer.train_rollout(batch, command.rollout_id)
+        self.nonfinite.check(command.rollout_id, steps)
+        interval = trainer.algorithm.ref_update_interval
+        if interval and (command.rollout_id + 1) % interval == 0:
+            trainer.update_reference()
         if self.info.rank == 0:
             for offset, metrics in enumerate(steps):
                 step = self.parts.optimizer.steps_done - len(steps) + offset + 1  # steps done, as rollout/* counts rollouts
@@ -193,32 +265,66 @@ class TrainerCommands:
     def colocated_sync(self, command: ColocatedSyncCommand) -> dict[str, Any]:
         if "weights" in self.offload.offloaded_tags:
             self.offload.require_onloaded("a colocated weight update")
+        check_finite_weights(self.parts.actor, device=self.info.device, rank=self.info.rank)
         if self.colocated_sender is None:
             from megatron.core import parallel_state
 
             from hpc_rl.weights.colocated_sender import ColocatedWeightSender
+            from hpc_rl.weights.device_identity import trainer_rank_device
 
             tp_group = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
+            pp_group = parallel_state.get_pipeline_model_parallel_group() if self.info.pp_size > 1 else None
             self.colocated_sender = ColocatedWeightSender(
                 self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size, rank=self.info.rank,
-                world_size=self.info.world_size, engine_tp_size=command.engine_tp_size,
-                bucket_bytes=command.bucket_bytes, dtype=None if self.info.on_cpu else torch.bfloat16,
-                api_key=self.engine_api_key, pp_size=self.info.pp_size)
-        index = self.colocated_sender.engine_index
-        url = command.engine_urls[index] if index < len(command.engine_urls) else ""
-        return self.colocated_sender.sync(version=command.weight_version, engine_url=url,
-                                          bucket_bytes=command.bucket_bytes)
+                world_size=self.info.world_size, bucket_bytes=command.bucket_bytes,
+                dtype=export_dtype(self.info.on_cpu), api_key=self.engine_api_key, pp_group=pp_group,
+                pp_rank=self.info.pp_rank, pp_size=self.info.pp_size, device=trainer_rank_device())
+        engine, _ = command.rank_engines[self.info.rank]
+        url = command.engine_urls[engine] if 0 <= engine < len(command.engine_urls) else ""
+        metrics = self.colocated_sender.sync(version=command.weight_version, engine_url=url,
+                                             bucket_bytes=command.bucket_bytes, rank_engines=command.rank_engines)
+        self._engines_updated()
+        return metrics
+
+    def write_weights(self, command: DiskWeightsCommand) -> dict[str, Any]:
+        """slime's disk transport: the weights as an HF directory the engines load, then the post-write hook."""
+        from hpc_rl.training.hf_save import save_hf_checkpoint
+
+        trainer, config = self.parts.trainer, self.checkpoint_config
+        path = save_hf_checkpoint(self.parts.actor, self.arch, command.path, reference_dir=config.hf_checkpoint or None,
+                                  info=self.info, tp_group=trainer.tp_group)
+        hook_path = getattr(trainer.plugin_args, "custom_update_weight_post_write_path", None)
+        if hook_path:
+            from hpc_rl.plugins import load_plugin
+
+            load_plugin("update_weight_post_write", hook_path)(trainer.plugin_args, str(path), list(command.engine_urls))
+        self._engines_updated()
+        return {"path": str(path)}
+
+    def _engines_updated(self) -> None:
+        """The engines now serve the actor's weights (keep_old_actor keeps a copy for the old log-probs)."""
+        if self.parts.trainer.algorithm.keep_old_actor:
+            self.parts.trainer.remember_rollout_weights()
+
+    def abort_weight_group(self, command: AbortWeightGroupCommand) -> dict[str, Any]:
+        """Rank 0 drops the weight-update group an engine broke (nothing waits for it); every rank answers."""
+        if self.sender is not None:
+            log.warning("aborting the weight-update group: %s", command.reason)
+            self.sender.abort_group()
+        self.group_address = None
+        return {}
 
     def send_weights(self, command: SyncWeightsCommand) -> dict[str, Any]:
+        check_finite_weights(self.parts.actor, device=self.info.device, rank=self.info.rank)
         if self.sender is None:
             from megatron.core import parallel_state
 
             tp_group = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
             pp_group = parallel_state.get_pipeline_model_parallel_group() if self.info.pp_size > 1 else None
-            dtype = torch.bfloat16 if not self.info.on_cpu else None
             self.sender = WeightSender(self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size,
                                        dp_rank=self.info.dp_rank, rank=self.info.rank,
-                                       bucket_bytes=command.bucket_bytes, dtype=dtype, pp_group=pp_group,
+                                       bucket_bytes=command.bucket_bytes, dtype=export_dtype(self.info.on_cpu),
+                                       pp_group=pp_group,
                                        pp_rank=self.info.pp_rank, pp_size=self.info.pp_size)
         self.sender.set_bucket_bytes(command.bucket_bytes)
         plan = self.sender.plan_buckets()
@@ -236,4 +342,5 @@ class TrainerCommands:
         for index in range(len(plan)):
             self.sender.send_bucket(index)
         self.sender.finish()
+        self._engines_updated()
         return {"buckets": len(plan), "bytes": sum(b.num_bytes for b in plan)}

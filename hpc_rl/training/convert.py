@@ -88,11 +88,17 @@ def write_hf_checkpoint(state: dict, output_dir: str | Path, reference_dir: str 
         total = sum(t.numel() * t.element_size() for t in state.values())
         (output_dir / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    if reference_dir is not None:
-        for name in COPIED_FILES:
-            if (Path(reference_dir) / name).is_file():
-                shutil.copy2(Path(reference_dir) / name, output_dir / name)
+    copy_side_files(reference_dir, output_dir)
     return output_dir
+
+
+def copy_side_files(reference_dir: str | Path | None, output_dir: str | Path) -> None:
+    """config.json, tokenizer and generation files of the original HF directory (`COPIED_FILES`) into output_dir."""
+    if reference_dir is None:
+        return
+    for name in COPIED_FILES:
+        if (Path(reference_dir) / name).is_file():
+            shutil.copy2(Path(reference_dir) / name, Path(output_dir) / name)
 
 
 def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: str | Path, *,

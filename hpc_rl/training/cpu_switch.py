@@ -94,21 +94,29 @@ def light_megatron_import() -> Iterator[None]:
     imports torch dynamo and inductor (~2 s of CPU on this machine kind); within the block torch.compile
     is `deferred_compile(torch.compile)`, so a kernel compiles at its first call as before. Megatron's
     dynamic inference context imports wandb only to log from it (~0.8 s; hpc_rl's trainer never builds
-    one): within the block `import wandb` fails as when it is not installed, and works again after."""
+    one), and its timers import torch.utils.tensorboard (and with it tensorboard, ~0.4 s) only to write
+    timers to a writer hpc_rl never passes (hpc_rl writes its own event files: hpc_rl.telemetry): within
+    the block these imports fail as when the packages are not installed (Megatron takes that path), and
+    work again after (issue 23)."""
     if cuda_available() or "megatron.core" in sys.modules:
         yield
         return
     original_compile = torch.compile
-    had_wandb = "wandb" in sys.modules
+    blocked = [name for name in UNUSED_BY_THE_TRAINER if name not in sys.modules]
     torch.compile = deferred_compile(original_compile)  # type: ignore[assignment]
-    if not had_wandb:
-        sys.modules["wandb"] = None  # type: ignore[assignment]  (import raises ImportError)
+    for name in blocked:
+        sys.modules[name] = None  # type: ignore[assignment]  (import raises ImportError)
     try:
         yield
     finally:
         torch.compile = original_compile  # type: ignore[assignment]
-        if not had_wandb and sys.modules.get("wandb", 0) is None:
-            del sys.modules["wandb"]
+        for name in blocked:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
+
+
+UNUSED_BY_THE_TRAINER = ("wandb", "torch.utils.tensorboard")
+"""What Megatron-core imports optionally (ImportError is a path it takes) and hpc_rl's CPU trainer never uses."""
 
 
 def cpu_fusion_overrides() -> dict[str, Any]:

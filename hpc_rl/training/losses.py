@@ -1,7 +1,8 @@
 """Policy-gradient losses, KL estimators, entropy and loss reduction, as pure torch functions.
 
 Owns: the per-token formulas slime uses (PPO clip with clip-higher and dual clip, GSPO, CISPO,
-REINFORCE, TIS, KL estimators k1/k2/k3/low_var_kl, entropy), the reducers ("sum of sample means" and
+REINFORCE, TIS and a custom TIS function's hook, off-policy sequence masking (OPSM), KL estimators
+k1/k2/k3/low_var_kl (unbiased with an importance ratio), entropy), the reducers ("sum of sample means" and
 per-token sums), the scale that makes a step's gradient independent of micro-batching, and
 :func:`policy_loss_and_metrics`, which assembles the total loss of one micro-batch.
 
@@ -37,19 +38,25 @@ __all__ = [
     "gspo_ppo_kl",
     "log_probs_from_logits",
     "masked_token_mean",
+    "opsm_mask",
     "policy_loss",
     "policy_loss_and_metrics",
     "policy_loss_type_for",
     "reinforce_loss",
+    "sft_loss",
     "step_loss_scale",
     "sum_of_sample_mean",
     "sum_of_tokens",
     "tis_weights",
+    "value_loss",
 ]
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 POLICY_LOSS_TYPES = ("ppo", "gspo", "cispo", "reinforce")
 PerSample = Sequence[Tensor]
+TisFunction = Callable[..., tuple[Tensor, PerSample, dict[str, Tensor]]]
+"""slime's `--custom-tis-function-path`, called as fn(pg_loss=, train_log_probs=, rollout_log_probs=, loss_masks=)
+(the caller binds args, total_lengths and response_lengths); returns (pg_loss, loss_masks, per-token metrics)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,6 +223,38 @@ def tis_weights(
     return w, metrics
 
 
+def sft_loss(log_probs: PerSample, loss_masks: PerSample, *, per_token: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
+    """SFT (slime's sft_loss): loss = -R(log p(token)) over the trained (assistant) tokens, R the step's reducer
+    (:func:`sum_of_sample_mean`, or :func:`sum_of_tokens` with ``per_token``); metrics: ``loss``."""
+    reduce = sum_of_tokens if per_token else sum_of_sample_mean
+    loss = -reduce(torch.cat(list(log_probs)) if len(log_probs) else torch.zeros(0), loss_masks)
+    return loss, {"loss": loss.detach()}
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float) -> tuple[Tensor, Tensor]:
+    """PPO's clipped value loss per token (slime's value_loss_function, no 1/2 factor): with
+    V_clip = V_old + clamp(V - V_old, -value_clip, value_clip), L_t = max((V_clip - R)^2, (V - R)^2);
+    clipfrac = 1.0 where |V - V_old| > value_clip. Reduce both with the step's reducer."""
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    loss = torch.maximum((clipped - returns).square(), (values - returns).square())
+    return loss, ((values - old_values).abs() > value_clip).float()
+
+
+def opsm_mask(log_probs: PerSample, old_log_probs: PerSample, advantages: PerSample, loss_masks: PerSample,
+              delta: float) -> tuple[Tensor, Tensor]:
+    """Off-policy sequence masking (slime's --use-opsm): a token with a negative advantage in a sample whose
+    masked mean (logp_old - logp) exceeds `delta` gets no policy loss. Returns (keep, masked), both per token
+    and concatenated: keep = 1 - masked. Needs each sample's full response (as GSPO); no gradient."""
+    masked = []
+    with torch.no_grad():
+        for lp, old, adv, m in zip(log_probs, old_log_probs, advantages, loss_masks, strict=True):
+            m = m.to(lp.dtype)
+            sequence_kl = ((old - lp) * m).sum() / m.sum().clamp_min(1)
+            masked.append(((adv < 0) & (sequence_kl > delta)).to(lp.dtype))
+    flat = torch.cat(masked) if masked else torch.zeros(0)
+    return 1.0 - flat, flat
+
+
 # ---------------------------------------------------------------------------------------------
 # Reduction
 # ---------------------------------------------------------------------------------------------
@@ -315,6 +354,12 @@ class PolicyLossConfig:
     """--use-unbiased-kl: weight the KL estimate by exp(logp - logp_old)."""
     use_tis: bool = False
     """--use-tis: multiply the pg loss by clamp(exp(logp_old - logp_rollout), tis_clip_low, tis_clip)."""
+    get_mismatch_metrics: bool = False
+    """--get-mismatch-metrics: run the TIS function (the custom one) for its train/rollout mismatch metrics."""
+    use_opsm: bool = False
+    """--use-opsm: off-policy sequence masking (see opsm_mask)."""
+    opsm_delta: float = 1e-4
+    """--opsm-delta: the sequence-level log-ratio above which OPSM masks negative-advantage tokens."""
     tis_clip: float = 2.0
     """--tis-clip: upper TIS clamp."""
     tis_clip_low: float = 0.0
@@ -354,6 +399,8 @@ def policy_loss_and_metrics(
     entropy: PerSample | None = None,
     ref_log_probs: PerSample | None = None,
     rollout_log_probs: PerSample | None = None,
+    train_log_probs: PerSample | None = None,
+    tis_function: TisFunction | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Total loss of one micro-batch and its metrics, from per-sample tensors.
 
@@ -363,12 +410,17 @@ def policy_loss_and_metrics(
     divides per-token sums by the step's token count) before backward.
 
     ``old_log_probs=None`` means on-policy (logp_old = logp.detach()). With ``use_tis``,
-    ``rollout_log_probs`` is required and w = clamp(exp(logp_old - logp_rollout)) multiplies pg_loss.
+    ``rollout_log_probs`` is required and w = clamp(exp(logp_old - logp_rollout)) multiplies pg_loss; a
+    ``tis_function`` (slime's custom TIS, also run by ``get_mismatch_metrics``) replaces that weighting: it
+    returns the weighted pg loss, the loss masks its numerator keeps (denominators stay the original
+    masks', as slime's) and per-token metrics. ``train_log_probs``: the trainer's own old log-probs for TIS
+    (default: old_log_probs). With ``use_opsm`` the pg loss of masked tokens is dropped (opsm_mask).
 
     Metrics are detached and reduced with the same R, so they are SUMS over this micro-batch's
     samples: divide the step's sum by global_batch_size (or tokens) to log means. Keys (slime's):
     loss, pg_loss, pg_clipfrac, ppo_kl (= R(logp_old - logp)), entropy_loss, kl_loss (with
-    use_kl_loss), ois, tis, tis_clipfrac, tis_abs (with use_tis), train_rollout_logprob_abs_diff
+    use_kl_loss), ois, tis, tis_clipfrac, tis_abs (with use_tis; a tis_function's own keys), opsm_clipfrac
+    (with use_opsm), train_rollout_logprob_abs_diff
     (= R|logp_old - logp_rollout|, whenever rollout_log_probs is given).
     """
     reduce: Callable[[Tensor | PerSample, PerSample], Tensor] = (
@@ -395,15 +447,26 @@ def policy_loss_and_metrics(
             )
 
     metrics: dict[str, Tensor] = {}
+    if config.use_opsm:
+        keep, masked = opsm_mask(log_probs, old_log_probs, advantages, loss_masks, config.opsm_delta)
+        pg = pg * keep.to(pg)
+        metrics["opsm_clipfrac"] = reduce(masked, loss_masks)
     rollout = torch.cat(list(rollout_log_probs)) if rollout_log_probs else None
-    if config.use_tis:
+    if config.use_tis or config.get_mismatch_metrics:
         if rollout is None:
-            raise ValueError("use_tis needs rollout_log_probs (the inference engine's log-probs)")
-        w, tis_metrics = tis_weights(old.detach(), rollout, config.tis_clip_low, config.tis_clip)
-        pg = pg * w
+            raise ValueError("use_tis / get_mismatch_metrics need rollout_log_probs (the inference engine's log-probs)")
+        trained = torch.cat(list(train_log_probs)).detach() if train_log_probs is not None else old.detach()
+        if tis_function is not None:
+            pg, kept_masks, tis_metrics = tis_function(
+                pg_loss=pg, train_log_probs=list(train_log_probs or [o.detach() for o in old_log_probs]),
+                rollout_log_probs=list(rollout_log_probs or []), loss_masks=list(loss_masks))
+            pg = pg * torch.cat(list(kept_masks)).to(pg)
+        else:
+            w, tis_metrics = tis_weights(trained, rollout, config.tis_clip_low, config.tis_clip)
+            pg = pg * w
         metrics["ois"] = reduce(torch.exp(-ppo_kl.detach()), loss_masks)
         for key, value in tis_metrics.items():
-            metrics[key] = reduce(value, loss_masks)
+            metrics[key] = reduce(torch.as_tensor(value).detach(), loss_masks)
 
     pg_loss = reduce(pg, loss_masks)
     loss = pg_loss

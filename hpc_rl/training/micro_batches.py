@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from hpc_rl.training.context_parallel import ContextParallelSplit, gather_with_local_grad, split_packed
 from hpc_rl.training.layer_specs import PackedSequenceAttention
-from hpc_rl.training.logprobs import vocab_parallel_logprobs
+from hpc_rl.training.logprobs import vocab_parallel_greedy_hits, vocab_parallel_logprobs
 from hpc_rl.training.model_provider import causal_mask
 
 QKV_FORMATS = ("thd", "bshd")
@@ -99,14 +99,15 @@ class MicroBatch:
         return model(self.tokens, self.position_ids, self.attention_mask, packed_seq_params=self.packed_seq_params)
 
     def response_logprobs(self, logits: torch.Tensor, *, vocab_size: int, tp_group: dist.ProcessGroup | None = None,
-                          with_entropy: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+                          with_entropy: bool = False,
+                          chunk_size: int = -1) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Per-sample log-probs (and entropies) of the response tokens, from `forward`'s logits.
 
         Shifted position t scores token t + 1, so a sample starting at `o` with length L and r
         response tokens is scored at positions [o + L - r - 1, o + L - 1).
         """
         if self.context_parallel is not None:
-            log_probs, entropy = self._gathered_logprobs(logits, vocab_size, tp_group, with_entropy)
+            log_probs, entropy = self._gathered_logprobs(logits, vocab_size, tp_group, with_entropy, chunk_size)
             rows, columns = self._response_positions(log_probs.device)
             log_probs = log_probs[rows, columns]
             entropy = None if entropy is None else entropy[rows, columns]
@@ -114,10 +115,30 @@ class MicroBatch:
             rows, columns = self._response_positions(logits.device)
             log_probs, entropy = vocab_parallel_logprobs(logits[rows, columns], self.tokens[rows, columns + 1],
                                                          vocab_size=vocab_size, tp_group=tp_group,
-                                                         with_entropy=with_entropy)
+                                                         with_entropy=with_entropy, chunk_size=chunk_size)
         per_sample = list(log_probs.split(self.response_lengths))
         per_entropy = None if entropy is None else list(entropy.split(self.response_lengths))
         return per_sample, per_entropy
+
+    def response_greedy_hits(self, logits: torch.Tensor, *, vocab_size: int,
+                             tp_group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+        """Per sample, 1.0 at each response token that is the argmax of its position's logits."""
+        if self.context_parallel is not None:
+            split, group = self.context_parallel, self.cp_group
+            assert self.targets is not None and group is not None
+            local = vocab_parallel_greedy_hits(logits, self.targets, vocab_size=vocab_size, tp_group=tp_group)
+            hits = gather_with_local_grad(local[0], group).index_select(0, split.order).unsqueeze(0)
+            rows, columns = self._response_positions(hits.device)
+            hits = hits[rows, columns]
+        else:
+            rows, columns = self._response_positions(logits.device)
+            hits = vocab_parallel_greedy_hits(logits[rows, columns], self.tokens[rows, columns + 1],
+                                              vocab_size=vocab_size, tp_group=tp_group)
+        return list(hits.split(self.response_lengths))
+
+    def response_positions(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, column) of the position that scores each response token (critic values are read there too)."""
+        return self._response_positions(device)
 
     def _response_positions(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, column) of every response token's score, sample after sample: one gather for the
@@ -133,12 +154,12 @@ class MicroBatch:
                 torch.tensor(columns, dtype=torch.long, device=device))
 
     def _gathered_logprobs(self, logits: torch.Tensor, vocab_size: int, tp_group: dist.ProcessGroup | None,
-                           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           with_entropy: bool, chunk_size: int = -1) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[1, T_padded] log-probs (entropies) of the whole packed row, in global order, on every CP rank."""
         split, targets, group = self.context_parallel, self.targets, self.cp_group
         assert split is not None and targets is not None and group is not None
         log_probs, entropy = vocab_parallel_logprobs(logits, targets, vocab_size=vocab_size, tp_group=tp_group,
-                                                     with_entropy=with_entropy)
+                                                     with_entropy=with_entropy, chunk_size=chunk_size)
 
         def to_global(values: torch.Tensor) -> torch.Tensor:
             return gather_with_local_grad(values[0], group).index_select(0, split.order).unsqueeze(0)

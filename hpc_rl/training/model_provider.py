@@ -9,7 +9,8 @@ to the first stage's at build time and kept equal by `finalize_model_grads` (emb
 MoE architectures get the architecture's routing math and the `training` section's MoE settings under
 Megatron's names (`moe_config_fields`); on CPU the GPU-only kernel choices are turned off
 (`cpu_switch.cpu_moe_overrides`, the same numerics) and Megatron's MoE layer is made runnable
-(`cpu_switch.prepare_megatron_moe`). Does not own weights (see `hpc_rl.weights.hf_import` / `hpc_rl.training.checkpoint`), process
+(`cpu_switch.prepare_megatron_moe`). Does not own weights (see `hpc_rl.weights.hf_import` /
+`hpc_rl.training.checkpoint`), process
 groups (`parallel`) or running the stages (`pipeline`).
 
 Vocabulary padding: the embedding is padded to a multiple of `VOCAB_PAD_MULTIPLE` that does not
@@ -82,6 +83,21 @@ def moe_config_fields(arch: ModelArchitecture, training: TrainingConfig) -> dict
     }
 
 
+def check_moe_training(arch: ModelArchitecture, training: TrainingConfig) -> None:
+    """Refuse MoE layouts Megatron cannot train, before a model is built (converters only load and save)."""
+    if not arch.is_moe:
+        return
+    if training.tensor_model_parallel_size > 1 and not training.sequence_parallel:
+        raise ValueError(f"training.tensor_model_parallel_size={training.tensor_model_parallel_size} with a MoE model "
+                         f"needs training.sequence_parallel (--sequence-parallel): Megatron's MoE layer refuses to "
+                         f"train under TP without it")
+    if training.moe_token_dispatcher_type == "allgather" and training.expert_model_parallel_size > 1:
+        raise ValueError("training.moe_token_dispatcher_type=allgather with expert_model_parallel_size > 1: Megatron's "
+                         "allgather dispatcher all-gathers equal token counts over the EP group, and an EP group spans "
+                         "data-parallel ranks whose micro-batches hold different numbers of tokens (gloo refuses the "
+                         "sizes, NCCL would hang): use alltoall (slime's)")
+
+
 def transformer_config(
     arch: ModelArchitecture,
     training: TrainingConfig,
@@ -93,10 +109,6 @@ def transformer_config(
     dtype = params_dtype or (torch.float32 if on_cpu else torch.bfloat16)
     extra = cpu_fusion_overrides() if on_cpu else {}
     moe = moe_config_fields(arch, training)
-    if moe and training.tensor_model_parallel_size > 1 and not training.sequence_parallel:
-        raise ValueError(f"training.tensor_model_parallel_size={training.tensor_model_parallel_size} with a MoE model "
-                         f"needs training.sequence_parallel (--sequence-parallel): Megatron's MoE layer refuses to "
-                         f"train under TP without it")
     if on_cpu and moe:
         moe, notes = cpu_moe_overrides(moe)
         for note in notes:  # once per process (submit prints the user's note line; this is the trainer's log)

@@ -19,6 +19,12 @@ With `training.offload_train: false` (slime's `--no-offload-train`) the same com
 device: an offload only hands the allocator's cached, unused blocks back to the driver (slime's clear_memory),
 so the engines' KV cache must fit beside the whole trainer (size `--sglang-mem-fraction-static` for that).
 
+Before an onload puts state back, it checks that the device has room for it plus
+`training.train_memory_margin_bytes` (vime's --train-memory-margin-bytes: headroom for the trainer's
+transient allocations beside the engines' memory) and raises `NotEnoughDeviceMemory`, naming the numbers
+and the knobs, instead of failing with an out-of-memory error part-way through the onload. On CPU there is
+no device memory to ask (`device_free_bytes` is None) and the check is skipped.
+
 Colocated order (the controller drives it, `hpc_rl.controller.colocated`):
     generation: offloaded ──> onload all ──> train ──> [save] ──> offload grads, optimizer
     ──> weight update to the engines (reads the weights) ──> offload weights ──> engines resume KV cache
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +45,28 @@ log = logging.getLogger(__name__)
 
 class OffloadedStateError(RuntimeError):
     """Trainer state used while it is offloaded (a colocated ordering bug)."""
+
+
+class NotEnoughDeviceMemory(RuntimeError):
+    """An onload would leave less than the margin free on the device."""
+
+
+def cuda_free_bytes() -> int | None:
+    """Free bytes of the current CUDA device, or None without one (CPU runs: nothing to check)."""
+    if not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info()  # GPU only
+    return int(free)
+
+
+def onload_problem(*, free_bytes: int | None, needed_bytes: int, margin_bytes: int) -> str | None:
+    """Why an onload of `needed_bytes` must not start (None: it fits with `margin_bytes` to spare)."""
+    if free_bytes is None or needed_bytes == 0 or free_bytes >= needed_bytes + margin_bytes:
+        return None
+    gib = 1024**3
+    return (f"onloading the trainer needs {needed_bytes / gib:.2f} GiB plus the {margin_bytes / gib:.2f} GiB margin "
+            f"(training.train_memory_margin_bytes), but the device has {free_bytes / gib:.2f} GiB free beside the "
+            f"engines: lower --sglang-mem-fraction-static (or --train-memory-margin-bytes)")
 
 
 @dataclass
@@ -52,7 +80,7 @@ class _Offloaded:
 def _optimizers(optimizer: object) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside hpc_rl's optimizer wrappers and Megatron's (chained ones included)."""
     found: list[torch.optim.Optimizer] = []
-    stack, seen = [optimizer], set()
+    stack, seen = list(optimizer) if isinstance(optimizer, list) else [optimizer], set()
     while stack:
         current = stack.pop()
         if current is None or id(current) in seen:
@@ -81,10 +109,14 @@ def optimizer_tensors(optimizer: object) -> list[torch.Tensor]:
 class TrainerOffload:
     """Offload/onload of one trainer rank's model, reference model, grads and optimizer state."""
 
-    def __init__(self, *, models: Iterable[torch.nn.Module], optimizer: object, enabled: bool = True) -> None:
+    def __init__(self, *, models: Iterable[torch.nn.Module], optimizer: object, enabled: bool = True,
+                 margin_bytes: int = 0, device_free_bytes: Callable[[], int | None] = cuda_free_bytes) -> None:
         self.models = [m for m in models if m is not None]
         self.optimizer = optimizer
         self.enabled = enabled
+        self.margin_bytes = margin_bytes
+        """Bytes that must stay free on the device after an onload (training.train_memory_margin_bytes)."""
+        self.device_free_bytes = device_free_bytes
         """False: offload/onload move nothing (the state stays on the device; see the module docstring)."""
         self._told_kept = False
         self._offloaded: dict[str, list[_Offloaded]] = {}
@@ -162,7 +194,13 @@ class TrainerOffload:
     @torch.no_grad()
     def onload(self, tags: Iterable[str] | None = None) -> dict[str, float]:
         start, moved = time.perf_counter(), 0
-        for tag in list(tags) if tags is not None else list(self._offloaded):
+        tags = list(tags) if tags is not None else list(self._offloaded)
+        needed = sum(entry.nbytes for tag in tags for entry in self._offloaded.get(tag, []))
+        problem = onload_problem(free_bytes=self.device_free_bytes() if needed else None, needed_bytes=needed,
+                                 margin_bytes=self.margin_bytes)
+        if problem is not None:
+            raise NotEnoughDeviceMemory(problem)
+        for tag in tags:
             for entry in self._offloaded.pop(tag, []):
                 entry.storage.resize_(entry.nbytes)
                 if entry.host_copy is None:

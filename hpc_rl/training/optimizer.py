@@ -9,11 +9,12 @@ On CPU Megatron's optimizer does not run (hard-coded CUDA), so a plain `torch.op
 expert-data-parallel group, the rest over the data-parallel group. On GPU the same interface wraps
 Megatron's optimizer (not run here).
 The schedule follows Megatron's `OptimizerParamScheduler` (linear warmup from 0, then constant,
-linear or cosine decay to `min_lr`). Does not own checkpointing of this state (`checkpoint`).
+linear or cosine decay to `min_lr`), over the whole run unless lr_decay_iters says otherwise (`schedule_for_run`). Does not own checkpointing of this state (`checkpoint`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,14 @@ def learning_rate(config: OptimizerConfig, steps_done: int) -> float:
     else:
         raise ValueError(f"optimizer.lr_decay_style {config.lr_decay_style!r}: use constant, linear or cosine")
     return config.min_lr + (config.lr - config.min_lr) * coefficient
+
+
+def schedule_for_run(config: OptimizerConfig, total_steps: int) -> OptimizerConfig:
+    """The schedule of a run of `total_steps` optimizer steps (slime's: lr_decay_iters defaults to every step of
+    the run; lr_warmup_fraction is a share of lr_decay_iters)."""
+    decay = config.lr_decay_iters or total_steps
+    warmup = int(config.lr_warmup_fraction * decay) if config.lr_warmup_fraction is not None else config.lr_warmup_iters
+    return dataclasses.replace(config, lr_decay_iters=decay, lr_warmup_iters=warmup, lr_warmup_fraction=None)
 
 
 def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False) -> torch.nn.Module:
@@ -68,6 +77,20 @@ def grad_sum_loss_multiplier(ddp_model: torch.nn.Module) -> int:
     return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
 
 
+@torch.no_grad()
+def reset_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Zero Adam's moments and step counts in place (the tensors stay, so an offload keeps its storages)."""
+    for group in optimizer.param_groups:
+        if "step" in group:
+            group["step"] = 0
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key in ("step", "exp_avg", "exp_avg_sq") and isinstance(value, torch.Tensor):
+                value.zero_()
+            elif key == "step":
+                state[key] = 0
+
+
 @dataclass
 class StepResult:
     grad_norm: float
@@ -84,7 +107,8 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
         self.ddp_model = ddp_model
         self.config = config
         self.params = [p for p in ddp_model.parameters() if p.requires_grad]
-        self.has_experts = any(not getattr(p, "allreduce", True) for p in self.params)
+        self.has_experts = getattr(getattr(ddp_model, "config", None), "num_moe_experts", None) is not None
+        """A MoE model: every rank joins the expert norm's all-reduce, also a pipeline stage without MoE layers."""
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]  # norms and biases, as Megatron
         self.torch_optimizer = torch.optim.AdamW(
@@ -92,6 +116,10 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
             lr=learning_rate(config, 0), betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
         )
         self.steps_done = 0
+
+    def set_run_length(self, total_steps: int) -> None:
+        """The run has `total_steps` optimizer steps: its decay and warm-up follow (`schedule_for_run`)."""
+        self.config = schedule_for_run(self.config, total_steps)
 
     def ordered_params(self) -> list[torch.nn.Parameter]:
         """Parameters in the optimizer's state-id order."""
@@ -172,6 +200,16 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
             for key, value in entries.items():
                 target[key].copy_(value)
             target["step"] = torch.tensor(float(steps_done))
+        self.steps_done = steps_done
+
+    @torch.no_grad()
+    def reset_state(self) -> None:
+        """Adam's moments and step count back to zero (slime's --reset-optimizer-states); the lr schedule
+        (steps_done) goes on."""
+        reset_adam_state(self.torch_optimizer)
+
+    def restore_steps(self, steps_done: int) -> None:
+        """Resume the schedule at `steps_done` without optimizer state (a checkpoint saved with save_optim off)."""
         self.steps_done = steps_done
 
     def ensure_state(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hpc_rl.config.schema import OptimizerConfig
-from hpc_rl.training.optimizer import StepResult, learning_rate
+from hpc_rl.training.optimizer import StepResult, learning_rate, reset_adam_state, schedule_for_run
 
 _NEVER = 10**12  # "no decay" for Megatron's scheduler, which needs a decay horizon
 
@@ -58,6 +58,12 @@ class MegatronActorOptimizer:
             wd_incr_steps=1, wd_incr_style="constant")
         self.steps_done = 0
 
+    def set_run_length(self, total_steps: int) -> None:
+        """The run's length decides the decay (and a warm-up fraction): Megatron's scheduler reads both per step."""
+        self.config = schedule_for_run(self.config, total_steps)
+        self.scheduler.lr_warmup_steps = self.config.lr_warmup_iters
+        self.scheduler.lr_decay_steps = self.config.lr_decay_iters or _NEVER
+
     def zero_grad(self) -> None:
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -73,6 +79,16 @@ class MegatronActorOptimizer:
             self.steps_done += 1
         self.zero_grad()
         return StepResult(grad_norm=float(grad_norm or 0.0), lr=lr, skipped=not success)
+
+    def reset_state(self) -> None:
+        """slime's --reset-optimizer-states over Megatron's (chained) optimizer: moments and steps to zero."""
+        for chained in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            reset_adam_state(chained.optimizer)
+
+    def restore_steps(self, steps_done: int) -> None:
+        """Resume the schedule at `steps_done` without optimizer state (a checkpoint saved with save_optim off)."""
+        self.scheduler.step(increment=steps_done)
+        self.steps_done = steps_done
 
     def sharded_state(self, model_sharded_state_dict: dict[str, Any], *, is_loading: bool = False) -> dict[str, Any]:
         return {"optimizer": self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading),

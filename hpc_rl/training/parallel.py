@@ -9,6 +9,8 @@ CP sequence split (`hpc_rl.training.context_parallel`).
 
 from __future__ import annotations
 
+import datetime
+
 import os
 from collections.abc import MutableMapping
 from dataclasses import dataclass
@@ -98,7 +100,8 @@ def init_parallel(training: TrainingConfig, *, device: str = "cpu") -> ParallelI
     if not dist.is_initialized():
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend="gloo" if on_cpu else "nccl")
+        dist.init_process_group(backend="gloo" if on_cpu else "nccl", timeout=datetime.timedelta(
+            minutes=training.distributed_timeout_minutes))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=training.tensor_model_parallel_size,

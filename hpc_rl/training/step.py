@@ -14,6 +14,13 @@ loss and its metrics are computed on the last stage only; the other stages run t
 forward and backward. After the optimizer step the last stage broadcasts the step's metrics over
 the pipeline group, so every rank (global rank 0 included, which reports them) returns the same.
 
+Training modes (one loop, issue 21): SFT (loss_type sft_loss) computes no reference, old log-probs or
+advantages, only -log p of the assistant tokens; on-policy distillation takes the teacher's log-probs (a
+teacher model on these ranks, or a teacher server's, in the batch) and subtracts opd_kl_coef * (logp_old -
+logp_teacher) from the advantages; PPO trains the critic (`critic.train_critic`) first on each rollout, its
+values (before its update) giving the actor's GAE advantages, and the actor not at all for
+num_critic_only_steps rollouts.
+
 Ref log-probs are computed for the whole rollout before its first update, on the same micro-batches
 the training pass uses, so with ref == actor weights the KL term is exactly 0. Old log-probs come
 from the training pass itself (detached) when there is one optimizer step per rollout and no KL
@@ -25,25 +32,32 @@ A MoE actor's routers replay or record in these passes and report their health p
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.schema import AlgorithmConfig, TrainingConfig
+from hpc_rl.config.schema import AlgorithmConfig, CriticConfig, DistillationConfig, TrainingConfig
 from hpc_rl.training.advantages import compute_advantages, masked_whiten
 from hpc_rl.training.custom_hooks import (
     check_custom_loss_result, load_custom_advantages, load_custom_loss, run_custom_advantages, trainer_args,
 )
-from hpc_rl.training.batching import equalize_microbatch_count, pack_microbatches
+from hpc_rl.training.batching import (
+    equalize_microbatch_count, flops_balanced_microbatches, flops_linear_coefficient, pack_microbatches,
+)
 from hpc_rl.weights.json_collectives import broadcast_json
 from hpc_rl.training.losses import (
-    PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for, sum_of_sample_mean, sum_of_tokens,
+    PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for, sft_loss, sum_of_sample_mean,
+    sum_of_tokens,
 )
 from hpc_rl.training.micro_batches import MicroBatch, build_microbatch, choose_qkv_format
 from hpc_rl.training.moe_routing import MoeRouting
@@ -51,6 +65,8 @@ from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.pipeline import NO_HOOKS, PipelineSchedule, StageHooks
 from hpc_rl.training.train_batch import TrainBatch
+from hpc_rl.plugins import load_plugin
+from hpc_rl.training.critic import critic_metrics, train_critic
 
 
 def policy_loss_config(algorithm: AlgorithmConfig, training: TrainingConfig) -> PolicyLossConfig:
@@ -61,11 +77,14 @@ def policy_loss_config(algorithm: AlgorithmConfig, training: TrainingConfig) -> 
         entropy_coef=algorithm.entropy_coef, use_kl_loss=algorithm.use_kl_loss,
         kl_loss_coef=algorithm.kl_loss_coef, kl_loss_type=algorithm.kl_loss_type, use_tis=algorithm.use_tis,
         tis_clip=algorithm.tis_clip, tis_clip_low=algorithm.tis_clip_low,
-        calculate_per_token_loss=training.calculate_per_token_loss,
+        calculate_per_token_loss=training.calculate_per_token_loss, use_unbiased_kl=algorithm.use_unbiased_kl,
+        use_opsm=algorithm.use_opsm, opsm_delta=algorithm.opsm_delta,
+        get_mismatch_metrics=algorithm.get_mismatch_metrics,
     )
 
 
-def old_logprobs_need_own_pass(training: TrainingConfig, algorithm: AlgorithmConfig, *, has_ref: bool) -> bool:
+def old_logprobs_need_own_pass(training: TrainingConfig, algorithm: AlgorithmConfig, *, has_ref: bool,
+                               distilling: bool = False) -> bool:
     """Whether the old log-probs need a forward pass of their own before the first update.
 
     Old log-probs are the actor's at the weights the rollout's training starts from (slime
@@ -77,12 +96,38 @@ def old_logprobs_need_own_pass(training: TrainingConfig, algorithm: AlgorithmCon
     (`num_steps_per_rollout` > 1), or (b) something needs them before the loss: KL reward shaping
     (`kl_coef` != 0 with a reference) enters the advantages, which are computed first, and a custom
     advantage function receives them (slime's `rollout_data["log_probs"]`).
-    `use_rollout_logprobs` takes them from the engine instead (no pass either way).
+    `use_rollout_logprobs` takes them from the engine instead (no pass either way). With `keep_old_actor`
+    (slime's --keep-old-actor) they come from the weights the engines generated with, so from a pass of
+    their own at those weights. `use_rollout_entropy` wants that pass's entropies. On-policy distillation's
+    penalty is computed from them (`distilling`). SFT and --disable-compute-advantages-and-returns need none.
     """
-    if algorithm.use_rollout_logprobs:
+    if algorithm.use_rollout_logprobs or skips_advantages(algorithm):
         return False
     return (training.num_steps_per_rollout > 1 or (has_ref and algorithm.kl_coef != 0.0)
-            or algorithm.custom_advantage_function_path is not None)
+            or algorithm.custom_advantage_function_path is not None or algorithm.keep_old_actor
+            or algorithm.use_rollout_entropy or distilling)
+
+
+def skips_advantages(algorithm: AlgorithmConfig) -> bool:
+    """SFT, or slime's --disable-compute-advantages-and-returns: no reference, old log-probs or advantages."""
+    return algorithm.loss_type == "sft_loss" or algorithm.disable_compute_advantages_and_returns
+
+
+@dataclass
+class CriticPart:
+    """PPO's critic on this rank (`hpc_rl.training.actor.build_critic` builds it): model, optimizer, settings."""
+
+    model: torch.nn.Module
+    optimizer: ActorOptimizer
+    config: CriticConfig
+
+
+LossOfMicro = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(micro-batch, model output) -> (its loss as a sum over its samples, metrics summed likewise)."""
+
+
+def _optional_plugin(kind: str, path: str | None) -> Any:
+    return load_plugin(kind, path) if path else None
 
 
 class RolloutTrainer:
@@ -91,10 +136,14 @@ class RolloutTrainer:
     def __init__(self, *, actor: torch.nn.Module, optimizer: ActorOptimizer, ref_model: torch.nn.Module | None,
                  arch: ModelArchitecture, training: TrainingConfig, algorithm: AlgorithmConfig,
                  info: ParallelInfo, separate_old_logprob_pass: bool | None = None,
-                 plugin_args: SimpleNamespace | None = None) -> None:
+                 plugin_args: SimpleNamespace | None = None, teacher_model: torch.nn.Module | None = None,
+                 distillation: DistillationConfig | None = None, critic: CriticPart | None = None) -> None:
         from megatron.core import parallel_state
 
         self.actor, self.optimizer, self.ref_model = actor, optimizer, ref_model
+        self.teacher_model, self.critic = teacher_model, critic
+        self.distillation = distillation or DistillationConfig()
+        """use_opd: the teacher's log-probs come from `teacher_model` (megatron) or the batch (sglang)."""
         self.arch, self.training, self.algorithm, self.info = arch, training, algorithm, info
         self.loss_config = policy_loss_config(algorithm, training)
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if info.tp_size > 1 else None
@@ -103,7 +152,9 @@ class RolloutTrainer:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group() if info.pp_size > 1 else None
         self.pipeline = PipelineSchedule.for_model(actor, device=info.device)
         self.grad_sum_multiplier = grad_sum_loss_multiplier(actor)
-        self.separate_old_logprob_pass = (old_logprobs_need_own_pass(training, algorithm, has_ref=ref_model is not None)
+        self.critic_pipeline = PipelineSchedule.for_model(critic.model, device=info.device) if critic else None
+        self.separate_old_logprob_pass = (old_logprobs_need_own_pass(training, algorithm, has_ref=ref_model is not None,
+                                                                     distilling=self.distillation.use_opd)
                                           if separate_old_logprob_pass is None else separate_old_logprob_pass)
         """False: the old log-probs are the training pass's own, detached (see old_logprobs_need_own_pass)."""
         if algorithm.use_kl_loss and ref_model is None:
@@ -118,20 +169,88 @@ class RolloutTrainer:
                                   if algorithm.custom_advantage_function_path else None)
         self.moe = MoeRouting(actor, arch, training, info) if arch.is_moe else None
         """Routing replay and router metrics of a MoE actor (`moe_routing`)."""
+        self.custom_tis = load_plugin("tis", algorithm.custom_tis_function_path) if algorithm.custom_tis_function_path \
+            else None
+        self.before_log_prob_hook = _optional_plugin("before_log_prob_hook",
+                                                     training.custom_megatron_before_log_prob_hook_path)
+        self.before_train_step_hook = _optional_plugin("before_train_step_hook",
+                                                       training.custom_megatron_before_train_step_hook_path)
+        self.rollout_data_postprocess = _optional_plugin("rollout_data_postprocess",
+                                                         algorithm.rollout_data_postprocess_path)
+        self._entropy: dict[str, dict[int, torch.Tensor]] = {}
+        """use_rollout_entropy: the old and ref passes' per-sample entropies ("entropy", "ref_entropy")."""
+        self._train_logprobs: dict[int, torch.Tensor] | None = None
+        """get_mismatch_metrics with use_rollout_logprobs: the trainer's own old log-probs, for the TIS function."""
+        self.rollout_weights: list[torch.Tensor] | None = None
+        """keep_old_actor: host copies of the actor's parameters as the engines last received them."""
+
+    # ------------------------------------------------------------------ weights kept beside the actor
+
+    def _actor_params(self) -> list[torch.nn.Parameter]:
+        return list(self.actor.parameters())
+
+    @torch.no_grad()
+    def remember_rollout_weights(self) -> None:
+        """The engines now serve the actor's current weights: keep a host copy for the old log-probs
+        (keep_old_actor; slime's old_actor backup)."""
+        params = self._actor_params()
+        if self.rollout_weights is None:
+            self.rollout_weights = [torch.empty(p.shape, dtype=p.dtype, device="cpu",
+                                                pin_memory=p.device.type == "cuda") for p in params]
+        for copy, param in zip(self.rollout_weights, params):
+            copy.copy_(param)
+
+    @torch.no_grad()
+    def update_reference(self) -> None:
+        """The reference model takes the actor's weights (slime's --ref-update-interval)."""
+        if self.ref_model is None:
+            raise ValueError("algorithm.ref_update_interval needs a reference model (use_kl_loss or kl_coef)")
+        for ref_param, param in zip(self.ref_model.parameters(), self._actor_params(), strict=True):
+            ref_param.copy_(param)
+
+    @torch.no_grad()
+    def _old_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        """The old log-probs' own pass: at the engines' weights with keep_old_actor, else the current ones
+        (a MoE actor's routers replay or record in it)."""
+        if not self.algorithm.keep_old_actor or self.rollout_weights is None:
+            return self._actor_logprobs(batch, micros)
+        params = self._actor_params()
+        current = [p.detach().to("cpu", copy=True) for p in params]
+        for param, old in zip(params, self.rollout_weights):
+            param.copy_(old)
+        try:
+            return self._actor_logprobs(batch, micros)
+        finally:
+            for param, value in zip(params, current):
+                param.copy_(value)
 
     # ------------------------------------------------------------------ micro-batches
 
-    def _step_microbatches(self, batch: TrainBatch, step_indices: Sequence[int]) -> list[MicroBatch]:
+    def _step_microbatches(self, batch: TrainBatch, step_indices: Sequence[int],
+                           max_tokens_per_gpu: int | None = None, *,
+                           same_count_on_every_dp_rank: bool = True) -> list[MicroBatch]:
+        """The micro-batches of the samples at `step_indices`; a training step needs the same count on every
+        DP rank (collectives per micro-batch), a forward-only pass alone (SFT's eval) does not."""
         lengths = [batch.total_lengths[i] for i in step_indices]
         if self.training.use_dynamic_batch_size:
-            if not self.training.max_tokens_per_gpu:
+            cap = max_tokens_per_gpu or self.training.max_tokens_per_gpu
+            if not cap:
                 raise ValueError("training.use_dynamic_batch_size needs training.max_tokens_per_gpu")
             # max_tokens_per_gpu counts one GPU's tokens: a CP group holds cp_size times that (slime's rule)
-            bins = pack_microbatches(lengths, self.training.max_tokens_per_gpu * self.info.cp_size)
-            count = torch.tensor(len(bins), device=self.info.device)
-            if self.info.dp_size > 1:
-                dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
-            bins = equalize_microbatch_count(bins, int(count), lengths)
+            if self.training.balance_by_flops:
+                arch = self.arch
+                coefficient = flops_linear_coefficient(
+                    hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
+                    num_query_groups=arch.num_query_groups, kv_channels=arch.kv_channels,
+                    ffn_hidden_size=arch.ffn_hidden_size)
+                bins = flops_balanced_microbatches(lengths, cap * self.info.cp_size, coefficient)
+            else:
+                bins = pack_microbatches(lengths, cap * self.info.cp_size)
+            if same_count_on_every_dp_rank:
+                count = torch.tensor(len(bins), device=self.info.device)
+                if self.info.dp_size > 1:
+                    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
+                bins = equalize_microbatch_count(bins, int(count), lengths)
         else:
             size = self.training.micro_batch_size
             bins = [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
@@ -149,35 +268,48 @@ class RolloutTrainer:
 
     def _response_logprobs(self, micro: MicroBatch, logits: torch.Tensor, *, with_entropy: bool):
         return micro.response_logprobs(logits, vocab_size=self.arch.vocab_size, tp_group=self.tp_group,
-                                       with_entropy=with_entropy)
+                                       with_entropy=with_entropy, chunk_size=self.training.log_probs_chunk_size)
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, micros: list[MicroBatch],
-                  hooks: StageHooks = NO_HOOKS) -> dict[int, torch.Tensor]:
-        """Per-sample response log-probs, by batch index; empty on stages other than the last."""
+                  store_prefix: str | None = None, hooks: StageHooks = NO_HOOKS) -> dict[int, torch.Tensor]:
+        """Per-sample response log-probs, by batch index; empty on stages other than the last. `store_prefix`
+        (slime's: "" old, "ref_" reference) names the pass for the before-log-prob hook; with
+        use_rollout_entropy the pass's entropies are kept under store_prefix + "entropy". `hooks` run around each
+        micro-batch's forward on this stage (a MoE actor's routing replay)."""
+        if store_prefix is not None and self.before_log_prob_hook is not None:
+            self.before_log_prob_hook(self.plugin_args, model, store_prefix)
+        entropy_key = None if store_prefix is None else store_prefix + "entropy"
+        with_entropy = entropy_key is not None and self.algorithm.use_rollout_entropy
         out: dict[int, torch.Tensor] = {}
-        for micro, values in zip(micros, self.pipeline.forward_only(
-                model, micros, lambda m, logits: self._response_logprobs(m, logits, with_entropy=False)[0], hooks)):
+        entropies: dict[int, torch.Tensor] = {}
+        for micro, (values, entropy) in zip(micros, self.pipeline.forward_only(
+                model, micros, lambda m, logits: self._response_logprobs(m, logits, with_entropy=with_entropy),
+                hooks)):
             out.update(zip(micro.indices, values))
+            if entropy is not None:
+                entropies.update(zip(micro.indices, entropy))
+        if with_entropy:
+            self._entropy[entropy_key] = entropies  # type: ignore[index]
         return out
 
-    def _old_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
-        """The actor's log-probs before the first update (a MoE actor's routers replay or record)."""
+    def _actor_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        """The actor's old log-probs pass as it stands (a MoE actor's routers replay or record)."""
         if self.moe is None:
-            return self._logprobs(self.actor, micros)
+            return self._logprobs(self.actor, micros, "")
         with self.moe.old_pass(batch) as hooks:
-            return self._logprobs(self.actor, micros, hooks)
+            return self._logprobs(self.actor, micros, "", hooks)
 
     # ------------------------------------------------------------------ the rollout
 
-    def train_rollout(self, batch: TrainBatch) -> list[dict[str, float]]:
+    def train_rollout(self, batch: TrainBatch, rollout_id: int = 0) -> list[dict[str, float]]:
         try:
-            return self._train_rollout(batch)
+            return self._train_rollout(batch, rollout_id)
         finally:
             if self.moe is not None:
                 self.moe.end_rollout()
 
-    def _train_rollout(self, batch: TrainBatch) -> list[dict[str, float]]:
+    def _train_rollout(self, batch: TrainBatch, rollout_id: int) -> list[dict[str, float]]:
         steps = self.training.num_steps_per_rollout
         if len(batch) == 0 or len(batch) % steps:
             raise ValueError(f"{len(batch)} samples do not split into num_steps_per_rollout={steps} steps")
@@ -185,42 +317,161 @@ class RolloutTrainer:
         plan = [self._step_microbatches(batch, range(s * per_step, (s + 1) * per_step)) for s in range(steps)]
         device = self.info.device
         masks = [torch.as_tensor(m, dtype=torch.float32, device=device) for m in batch.loss_masks]
-        all_micros = [m for step in plan for m in step]
+        all_micros = self.logprob_microbatches(batch, plan, per_step)
+        if self.algorithm.loss_type == "sft_loss":
+            return [self._step(rollout_id, step, batch, micros, masks, self._sft_loss(masks))
+                    for step, micros in enumerate(plan)]
 
-        ref = self._logprobs(self.ref_model, all_micros) if self.ref_model is not None else None
+        self._entropy = {}
+        ref = self._logprobs(self.ref_model, all_micros, "ref_") if self.ref_model is not None else None
+        self._train_logprobs = None
         if self.algorithm.use_rollout_logprobs:
             if batch.rollout_logprobs is None:
                 raise ValueError("algorithm.use_rollout_logprobs is set but the batch has no rollout log-probs")
             old = {i: torch.as_tensor(lp, dtype=torch.float32, device=device)
                    for i, lp in enumerate(batch.rollout_logprobs)}
-            if self.moe is not None and self.moe.needs_record_pass():
+            if self.algorithm.get_mismatch_metrics:  # the mismatch is the trainer's log-probs vs the engine's
+                self._train_logprobs = self._old_logprobs(batch, all_micros)  # (also records a MoE's routing)
+            elif self.moe is not None and self.moe.needs_record_pass():
                 self._old_logprobs(batch, all_micros)  # records the routing later steps replay
         elif self.separate_old_logprob_pass:
             old = self._old_logprobs(batch, all_micros)
         else:
             old = None  # the training pass's own log-probs, detached (losses: old_log_probs=None)
-        if not self.info.is_last_stage:  # log-probs, advantages and the loss live on the last stage
-            return [self._train_step(batch, micros, masks, old, ref, [], None) for micros in plan]
-        kl = None
-        if ref is not None and old is not None:
-            kl = [approx_kl(old[i], ref[i], self.algorithm.kl_loss_type) for i in range(len(batch))]
+        teacher = self._teacher_logprobs(batch, all_micros)
         rollout = ([torch.as_tensor(lp, dtype=torch.float32, device=device) for lp in batch.rollout_logprobs]
                    if batch.rollout_logprobs is not None else None)
+        if not self.info.is_last_stage:  # log-probs, advantages and the loss live on the last stage
+            return [self._step(rollout_id, step, batch, micros, masks,
+                               self._policy_loss(batch, masks, old, ref, [], rollout, None))
+                    for step, micros in enumerate(plan)]
+        values, critic_steps = train_critic(self, batch, plan, masks) if self.critic is not None else (None, [])
+        if self.critic is not None and rollout_id < self.critic.config.num_critic_only_steps:
+            return [critic_metrics(m) for m in critic_steps]  # the actor waits for a trained critic
+        advantages = self._advantages(batch, masks, old, ref, rollout, teacher, values)
+        if self.rollout_data_postprocess is not None:
+            masks, advantages = self._postprocess(rollout_id, batch, masks, old, ref, rollout, advantages)
+        if self.training.save_debug_train_data and self.info.tp_rank == 0 and self.info.cp_rank == 0:
+            self._save_debug_train_data(rollout_id, batch, masks, old, ref, rollout, advantages)
+        actor_steps = [self._step(rollout_id, step, batch, micros, masks,
+                                  self._policy_loss(batch, masks, old, ref, advantages, rollout, teacher))
+                       for step, micros in enumerate(plan)]
+        for actor_step, critic_step in zip(actor_steps, critic_steps):
+            actor_step.update(critic_metrics(critic_step))
+        return actor_steps
+
+    def _teacher_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor] | None:
+        """On-policy distillation: the teacher's log-probs of the response tokens, by batch index."""
+        if not self.distillation.use_opd:
+            return None
+        if self.teacher_model is not None:
+            return self._logprobs(self.teacher_model, micros, "teacher_")
+        if batch.teacher_logprobs is None:
+            raise ValueError("on-policy distillation (opd_type sglang): the batch carries no teacher log-probs")
+        return {i: torch.as_tensor(lp, dtype=torch.float32, device=self.info.device)
+                for i, lp in enumerate(batch.teacher_logprobs)}
+
+    def _advantages(self, batch: TrainBatch, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
+                    ref: dict[int, torch.Tensor] | None, rollout: list[torch.Tensor] | None,
+                    teacher: dict[int, torch.Tensor] | None,
+                    values: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Per-sample advantages (the estimator's, or the custom function's; OPD's penalty; whitening); the
+        returns are kept for a custom loss. None with --disable-compute-advantages-and-returns."""
+        if self.algorithm.disable_compute_advantages_and_returns:
+            self._returns = []
+            return []
+        n, device = len(batch), self.info.device
+        kl = None
+        if ref is not None and old is not None:
+            kl = [approx_kl(old[i], ref[i], self.algorithm.kl_loss_type) for i in range(n)]
+        student = [old[i] if old is not None else rollout[i] for i in range(n)] if teacher is not None else None
         if self.custom_advantages is not None:
-            advantages, returns = self._custom_advantages(batch, masks, old, ref, rollout, kl)
+            advantages, returns = self._custom_advantages(batch, masks, old, ref, rollout, kl, values)
         else:
             advantages, returns = compute_advantages(
                 self.algorithm.advantage_estimator, rewards=batch.rewards, loss_masks=masks, kl=kl,
-                kl_coef=self.algorithm.kl_coef, gamma=self.algorithm.gamma, lambd=self.algorithm.lambd,
+                kl_coef=self.algorithm.kl_coef, gamma=self.algorithm.gamma, lambd=self.algorithm.lambd, values=values,
                 normalize_advantages=self.algorithm.normalize_advantages,
-                all_reduce=self._dp_sum if self.info.dp_size > 1 else None)
+                all_reduce=self._dp_sum if self.info.dp_size > 1 else None, student_log_probs=student,
+                teacher_log_probs=[teacher[i] for i in range(n)] if teacher is not None else None,
+                opd_kl_coef=self.distillation.opd_kl_coef)
         self._returns = [r.to(device) for r in returns]
-        advantages = [a.to(device) for a in advantages]
-        return [self._train_step(batch, micros, masks, old, ref, advantages, rollout) for micros in plan]
+        return [a.to(device) for a in advantages]
+
+    def _sft_loss(self, masks: list[torch.Tensor]) -> LossOfMicro:
+        per_token = self.loss_config.calculate_per_token_loss
+
+        def loss_of(micro: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            log_probs, _ = self._response_logprobs(micro, logits, with_entropy=False)
+            return sft_loss(log_probs, [masks[i] for i in micro.indices], per_token=per_token)
+
+        return loss_of
+
+    def _save_debug_train_data(self, rollout_id: int, batch: TrainBatch, masks: list[torch.Tensor],
+                               old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
+                               rollout: list[torch.Tensor] | None, advantages: list[torch.Tensor]) -> None:
+        """slime's --save-debug-train-data: what this DP rank trains on, per sample, in one torch file."""
+        template = self.training.save_debug_train_data or ""
+        path = Path(template.format(rollout_id=rollout_id, rank=self.info.dp_rank))
+        if "{rank}" not in template and self.info.dp_size > 1:
+            path = path.with_name(f"{path.name}.rank{self.info.dp_rank}")
+        n = len(batch)
+        data = {"rollout_id": rollout_id, "dp_rank": self.info.dp_rank,
+                "tokens": [torch.as_tensor(t) for t in batch.tokens], "response_lengths": list(batch.response_lengths),
+                "loss_masks": [m.cpu() for m in masks], "rewards": list(batch.rewards),
+                "advantages": [a.cpu() for a in advantages], "returns": [r.cpu() for r in self._returns],
+                "log_probs": [old[i].cpu() for i in range(n)] if old is not None else None,
+                "ref_log_probs": [ref[i].cpu() for i in range(n)] if ref is not None else None,
+                "rollout_log_probs": [r.cpu() for r in rollout] if rollout is not None else None}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, path)
+
+    def logprob_microbatches(self, batch: TrainBatch, plan: list[list[MicroBatch]], per_step: int) -> list[MicroBatch]:
+        """The micro-batches of the forward-only passes: the training ones, or (log_probs_max_tokens_per_gpu with
+        dynamic batch size) each step's samples packed again under that cap."""
+        cap = self.training.log_probs_max_tokens_per_gpu
+        if not (cap and self.training.use_dynamic_batch_size):
+            return [m for step in plan for m in step]
+        return [m for s in range(len(plan))
+                for m in self._step_microbatches(batch, range(s * per_step, (s + 1) * per_step), cap)]
+
+    def _step(self, rollout_id: int, step_id: int, batch: TrainBatch, micros: list[MicroBatch],
+              masks: list[torch.Tensor], loss_of: LossOfMicro) -> dict[str, float]:
+        """One of the actor's optimizer steps (slime's before-train-step hook first)."""
+        if self.before_train_step_hook is not None:
+            self.before_train_step_hook(self.plugin_args, rollout_id, step_id, self.actor, self.optimizer,
+                                        getattr(self.optimizer, "scheduler", None))
+        return self._train_step(batch, micros, masks, loss_of)
+
+    def _postprocess(self, rollout_id: int, batch: TrainBatch, masks: list[torch.Tensor],
+                     old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
+                     rollout: list[torch.Tensor] | None,
+                     advantages: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """slime's `rollout_data_postprocess_path(args, rollout_id, rollout_data)`: it may change the loss masks
+        and the advantages (each checked against the sample's response length)."""
+        n = len(batch)
+        rollout_data: dict[str, Any] = {
+            "rewards": list(batch.rewards), "loss_masks": list(masks), "advantages": list(advantages),
+            "returns": list(self._returns), "response_lengths": list(batch.response_lengths),
+            "total_lengths": list(batch.total_lengths),
+            "log_probs": [old[i] for i in range(n)] if old is not None else None,
+            "ref_log_probs": [ref[i] for i in range(n)] if ref is not None else None, "rollout_log_probs": rollout,
+            **{key: [values[i] for i in range(n)] for key, values in self._entropy.items() if values}}
+        self.rollout_data_postprocess(self.plugin_args, rollout_id, rollout_data)
+        out = []
+        for key in ("loss_masks", "advantages"):
+            values = rollout_data[key]
+            if len(values) != n or any(torch.as_tensor(v).numel() != m.numel() for v, m in zip(values, masks)):
+                raise ValueError(f"algorithm.rollout_data_postprocess_path: rollout_data[{key!r}] must stay one tensor "
+                                 f"per sample, as long as its response")
+            out.append([torch.as_tensor(v, dtype=torch.float32, device=m.device).reshape(-1)
+                        for v, m in zip(values, masks)])
+        return out[0], out[1]
 
     def _custom_advantages(self, batch: TrainBatch, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
                            ref: dict[int, torch.Tensor] | None, rollout: list[torch.Tensor] | None,
-                           kl: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                           kl: list[torch.Tensor] | None,
+                           values: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """slime's `custom_advantage_function_path(args, rollout_data)`, then advantage whitening if asked."""
         n = len(batch)
         rollout_data: dict[str, Any] = {
@@ -228,8 +479,10 @@ class RolloutTrainer:
             "total_lengths": list(batch.total_lengths),
             "log_probs": [old[i] for i in range(n)] if old is not None else None,
             "ref_log_probs": [ref[i] for i in range(n)] if ref is not None else None,
-            "rollout_log_probs": rollout, "values": None,
+            "rollout_log_probs": rollout, "values": values,
             "kl": kl if kl is not None else [torch.zeros_like(m) for m in masks]}
+        for key, entropies in self._entropy.items():  # use_rollout_entropy: slime's "entropy", "ref_entropy"
+            rollout_data[key] = [entropies[i] for i in range(n)] if entropies else None
         path = self.algorithm.custom_advantage_function_path or ""
         advantages, returns = run_custom_advantages(self.custom_advantages, path, self.plugin_args, rollout_data, masks)
         if self.algorithm.normalize_advantages and advantages:
@@ -251,7 +504,8 @@ class RolloutTrainer:
             "log_probs": [old[i] for i in idx] if old is not None else [lp.detach() for lp in log_probs],
             "ref_log_probs": [ref[i] for i in idx] if ref is not None else None,
             "rollout_log_probs": [rollout[i] for i in idx] if rollout is not None else None,
-            "advantages": [advantages[i] for i in idx], "returns": [self._returns[i] for i in idx],
+            "advantages": [advantages[i] for i in idx] if advantages else None,
+            "returns": [self._returns[i] for i in idx] if self._returns else None,
             "loss_masks": micro_masks, "rewards": [batch.rewards[i] for i in idx],
             "response_lengths": list(micro.response_lengths), "total_lengths": list(micro.total_lengths),
             "unconcat_tokens": [torch.as_tensor(batch.tokens[i], device=self.info.device) for i in idx]}
@@ -262,14 +516,48 @@ class RolloutTrainer:
         dist.all_reduce(tensor, group=self.dp_group)
         return tensor
 
+    def _policy_loss(self, batch: TrainBatch, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
+                     ref: dict[int, torch.Tensor] | None, advantages: list[torch.Tensor],
+                     rollout: list[torch.Tensor] | None, teacher: dict[int, torch.Tensor] | None) -> LossOfMicro:
+        reduce = sum_of_tokens if self.loss_config.calculate_per_token_loss else sum_of_sample_mean
+
+        def loss_from_logits(micro: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            idx = micro.indices
+            log_probs, entropy = self._response_logprobs(micro, logits, with_entropy=True)
+            if self.custom_loss is not None:
+                return self._custom_loss(batch, micro, logits, log_probs, entropy, masks, old, ref, advantages,
+                                         rollout)
+            trained = self._train_logprobs
+            loss, metrics = policy_loss_and_metrics(
+                self.loss_config, log_probs=log_probs,
+                old_log_probs=[old[i] for i in idx] if old is not None else None,
+                advantages=[advantages[i] for i in idx], loss_masks=[masks[i] for i in idx], entropy=entropy,
+                ref_log_probs=[ref[i] for i in idx] if ref is not None else None,
+                rollout_log_probs=[rollout[i] for i in idx] if rollout is not None else None,
+                train_log_probs=[trained[i] for i in idx] if trained is not None else None,
+                tis_function=functools.partial(self.custom_tis, args=self.plugin_args,
+                                               total_lengths=list(micro.total_lengths),
+                                               response_lengths=list(micro.response_lengths))
+                if self.custom_tis is not None else None)
+            if teacher is not None:  # slime's opd_reverse_kl: the penalty's KL, reduced like the loss
+                student = [old[i] if old is not None else rollout[i] for i in idx]  # type: ignore[index]
+                metrics["opd_reverse_kl"] = reduce(
+                    torch.cat([s.detach() - teacher[i] for s, i in zip(student, idx)]), [masks[i] for i in idx])
+            return loss, metrics
+
+        return loss_from_logits
+
     def _train_step(self, batch: TrainBatch, micros: list[MicroBatch], masks: list[torch.Tensor],
-                    old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
-                    advantages: list[torch.Tensor], rollout: list[torch.Tensor] | None) -> dict[str, float]:
+                    loss_of: LossOfMicro, *, model: torch.nn.Module | None = None,
+                    optimizer: ActorOptimizer | None = None, pipeline: PipelineSchedule | None = None) -> dict[str, float]:
+        """One optimizer step of `model` (default: the actor) over `micros`, with `loss_of` each micro-batch's."""
+        model, optimizer = model or self.actor, optimizer or self.optimizer
+        pipeline = pipeline or self.pipeline
         start = time.perf_counter()
         samples = sum(len(m.indices) for m in micros)
         tokens_here = sum(batch.total_lengths[i] for m in micros for i in m.indices)
         counts = torch.tensor([float(samples), float(tokens_here),
-                               float(sum(sum(batch.loss_masks[i]) for m in micros for i in m.indices))],
+                               float(sum(float(masks[i].sum()) for m in micros for i in m.indices))],
                               device=self.info.device)
         if self.info.dp_size > 1:
             dist.all_reduce(counts, group=self.dp_group)
@@ -284,26 +572,19 @@ class RolloutTrainer:
         sums: dict[str, float] = {}
 
         def micro_loss(micro: MicroBatch, logits: torch.Tensor) -> torch.Tensor:  # last stage only
-            idx = micro.indices
-            log_probs, entropy = self._response_logprobs(micro, logits, with_entropy=True)
-            if self.custom_loss is not None:
-                loss, metrics = self._custom_loss(batch, micro, logits, log_probs, entropy, masks, old, ref,
-                                                  advantages, rollout)
+            if self.training.recompute_loss_function:  # slime's --recompute-loss-function: keep only the logits
+                loss, metrics = torch.utils.checkpoint.checkpoint(loss_of, micro, logits, use_reentrant=False)
             else:
-                loss, metrics = policy_loss_and_metrics(
-                    self.loss_config, log_probs=log_probs,
-                    old_log_probs=[old[i] for i in idx] if old is not None else None,
-                    advantages=[advantages[i] for i in idx], loss_masks=[masks[i] for i in idx], entropy=entropy,
-                    ref_log_probs=[ref[i] for i in idx] if ref is not None else None,
-                    rollout_log_probs=[rollout[i] for i in idx] if rollout is not None else None)
+                loss, metrics = loss_of(micro, logits)
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             return loss * scale
 
-        self.actor.train()
-        with (self.moe.training_pass(batch) if self.moe is not None else nullcontext(NO_HOOKS)) as hooks:
-            self.pipeline.forward_backward(self.actor, micros, micro_loss, hooks)
-        result = self.optimizer.step()
+        model.train()
+        moe = self.moe if model is self.actor else None  # the actor's routers (a critic's are not tracked)
+        with (moe.training_pass(batch) if moe is not None else nullcontext(NO_HOOKS)) as hooks:
+            pipeline.forward_backward(model, micros, micro_loss, hooks)
+        result = optimizer.step()
         out: dict[str, float] = {}
         if self.info.is_last_stage:
             names = sorted(sums)
@@ -314,8 +595,8 @@ class RolloutTrainer:
         if self.pp_group is not None:  # the loss metrics to every stage (rank 0 reports them)
             out = dict(broadcast_json(out, src=dist.get_global_rank(self.pp_group, self.info.pp_size - 1),
                                       group=self.pp_group, device=self.info.device))
-        if self.moe is not None:
-            out.update(self.moe.step_metrics(len(micros)))
+        if moe is not None:
+            out.update(moe.step_metrics(len(micros)))
         seconds = time.perf_counter() - start
         out.update({"grad_norm": result.grad_norm, "lr": result.lr, "step_time": seconds,
                     "tokens_per_second": global_tokens / seconds, "samples": global_samples,

@@ -14,8 +14,10 @@ Owns the two serializations of one engine TP rank's share of a bucket, and the r
   format; hpc_rl never unpickles it).
 * CPU twin (hpc_rl's CPU engine): no pickle. The trainer packs the bucket into a file in /dev/shm
   (shared memory of the node) and sends a descriptor: base64 of JSON `{"format", "path",
-  "total_bytes", "tensors": [{"name", "dtype", "shape", "offset"}]}`. The engine maps the file, copies
-  the tensors into its model before answering, and the trainer then removes the file.
+  "total_bytes", "tensors": [{"name", "dtype", "shape", "offset"}], "device"}`. The engine maps the file,
+  copies the tensors into its model before answering, and the trainer then removes the file. `device` is
+  the sender's GPU (`<node>/gpu<id>`): the engine refuses one it cannot see, as SGLang refuses the UUID of
+  a GPU outside its process (`Invalid device_uuid`: a share sent to another node's engine).
 
 Which one is used follows the tensors' device (cuda -> IPC handles, cpu -> shared memory).
 """
@@ -28,7 +30,7 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -87,8 +89,9 @@ class SharedMemoryBucket:
 
 
 def write_shared_memory_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]],
-                               directory: str = SHARED_MEMORY_DIR) -> SharedMemoryBucket:
-    """Pack the tensors (CPU) into a new 0600 file in shared memory; return it and its descriptor."""
+                               directory: str = SHARED_MEMORY_DIR, *, device: str | None = None) -> SharedMemoryBucket:
+    """Pack the tensors (CPU) into a new 0600 file in shared memory; return it and its descriptor (naming
+    the sender's `device` when given)."""
     named = [(n, t.detach().cpu()) for n, t in named_tensors]
     layout = compute_layout([n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named])
     handle, name = tempfile.mkstemp(prefix=SHARED_MEMORY_PREFIX, dir=directory)
@@ -108,11 +111,15 @@ def write_shared_memory_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]
     described = {"format": SHARED_MEMORY_FORMAT, "path": str(path), "total_bytes": layout.total_bytes,
                  "tensors": [{"name": s.name, "dtype": dtype_name(s.dtype), "shape": list(s.shape), "offset": s.offset}
                              for s in layout.slots]}
+    if device:
+        described["device"] = device
     return SharedMemoryBucket(path=path, descriptor=base64.b64encode(json.dumps(described).encode()).decode("ascii"))
 
 
-def read_shared_memory_bucket(payload: str, directory: str = SHARED_MEMORY_DIR) -> list[tuple[str, torch.Tensor]]:
-    """The engine side: check a descriptor and return views of its tensors (mapped, copy-on-write)."""
+def read_shared_memory_bucket(payload: str, directory: str = SHARED_MEMORY_DIR, *,
+                              check_device: Callable[[str], None] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The engine side: check a descriptor and return views of its tensors (mapped, copy-on-write);
+    `check_device` is called with the sender's device first (it raises to refuse the share)."""
     try:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError, TypeError) as error:
@@ -133,6 +140,8 @@ def read_shared_memory_bucket(payload: str, directory: str = SHARED_MEMORY_DIR) 
         if isinstance(error, PayloadError):
             raise
         raise PayloadError(f"bad {SHARED_MEMORY_FORMAT} descriptor: {error!r}") from None
+    if check_device is not None and described.get("device"):
+        check_device(str(described["device"]))
     if path.parent != Path(os.path.realpath(directory)) or not path.name.startswith(SHARED_MEMORY_PREFIX):
         raise PayloadError(f"{path} is not an hpc_rl weight bucket in {directory}")
     if [s.offset for s in layout.slots] != [int(t["offset"]) for t in tensors] or layout.total_bytes != total:
@@ -163,11 +172,13 @@ def update_weights_from_tensor_body(
     return body
 
 
-def serialize_share(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, SharedMemoryBucket | None]:
-    """This rank's share in the form its engine reads: IPC handles for CUDA tensors, else a shared-memory
-    bucket (returned so the caller removes it once the engine answered)."""
+def serialize_share(named_tensors: Sequence[tuple[str, torch.Tensor]], *,
+                    device: str | None = None) -> tuple[str, SharedMemoryBucket | None]:
+    """This rank's share in the form its engine reads: IPC handles for CUDA tensors (they carry the GPU's
+    UUID), else a shared-memory bucket naming the sender's `device` (returned so the caller removes it once
+    the engine answered)."""
     if named_tensors and named_tensors[0][1].is_cuda:
         return serialize_named_tensors(named_tensors), None
-    bucket = write_shared_memory_bucket(named_tensors)
+    bucket = write_shared_memory_bucket(named_tensors, device=device)
     return bucket.descriptor, bucket
 

@@ -1,19 +1,29 @@
-"""Trainer side of a colocated weight update: every rank hands its weights to the engine on its own GPUs.
+"""Trainer side of a colocated weight update: every rank hands its weights to the engine on its own GPU.
 
-Owns `ColocatedWeightSender`. Colocated engines overlap the trainer's GPUs (engine i, TP size t, on the
-GPUs of trainer ranks i*t .. i*t+t-1), so no NCCL group can join them (NCCL refuses two ranks on one
-device). Per bucket (the same buckets as the broadcast path, `WeightSender.plan_buckets`):
+Owns `ColocatedWeightSender`. Colocated engines overlap the trainer's GPUs, so no NCCL group can join them
+(NCCL refuses two ranks on one device). Which engine (and engine TP rank) shares a rank's GPU comes from
+the controller with every command (`rank_engines`: paired by node and GPU identity, never by rank
+numbers: torchrun orders nodes by name, Slurm by its own list). Per bucket (the same buckets as the
+broadcast path, `WeightSender.plan_buckets`):
 
     every rank:    gather its TP shards into full HF tensors (a TP collective, as the broadcast path;
                    routed experts from their EP rank over the EP group: `export.gather_expert`)
                    serialize them for the engine rank on its GPU (`weights.colocated.serialize_share`:
-                   CUDA IPC handles on GPU, a /dev/shm bucket on CPU)
-    engine group:  gather the t shares (strings, no pickle between ranks) on its first rank
-    first rank:    POST /update_weights_from_tensor (shares in engine TP-rank order) to its engine
+                   CUDA IPC handles on GPU, a /dev/shm bucket on CPU naming the sender's GPU)
+    engine group:  gather the t shares (strings, no pickle between ranks) on the engine's TP rank 0's rank
+    that rank:     POST /update_weights_from_tensor (shares in engine TP-rank order) to its engine
     engine group:  agree on the outcome (every rank raises if the engine refused), then free the bucket
+    after the last bucket (GPU): release the IPC handles the engines closed and the cached blocks
 
 The controller opens and closes the engine's weight-update session (begin/end) around the command.
-Pipeline parallelism is not supported here (every rank needs every full tensor; PP splits them).
+
+Pipeline parallelism: each rank holds only its stage's layers, yet every engine GPU needs all of them. As in
+slime's colocated path, each parameter goes from the stage that holds it to every stage over the pipeline groups
+(`WeightSender.export_everywhere`: TP shards, then each stage's TP gather), so every rank has the bucket's full
+tensors before it serializes its share: the buckets (planned over the whole model, the same on every rank) cost
+one broadcast per parameter per pipeline group, and no rank holds more than one bucket. A multi-node engine
+changes nothing here: its TP ranks on every node are paired with the trainer ranks on their GPUs, and the
+engine group (gloo, over the trainer's world) gathers their shares on node-rank 0's GPU 0 rank, which posts them.
 """
 
 from __future__ import annotations
@@ -30,16 +40,11 @@ from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.protocol.http_client import EngineHTTPTransportError, request_blocking
 from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights.colocated import serialize_share, update_weights_from_tensor_body
-from hpc_rl.weights.export import ExpertLayout, export_param, named_megatron_params
-from hpc_rl.weights.hf_mapping import export_dtype
+from hpc_rl.weights.export import named_megatron_params
+from hpc_rl.weights.hf_mapping import tensor_send_dtype
 from hpc_rl.weights.sender import WeightSender
 
 log = logging.getLogger(__name__)
-
-
-def colocated_engine_of(rank: int, engine_tp_size: int) -> tuple[int, int]:
-    """(engine index, engine TP rank) of the engine sharing trainer rank `rank`'s GPU."""
-    return divmod(rank, engine_tp_size)
 
 
 def post_update(url: str, body: dict[str, Any], *, api_key: str | None, timeout_s: float) -> None:
@@ -58,53 +63,74 @@ class ColocatedWeightSender:
     """Per-bucket `/update_weights_from_tensor` from the trainer ranks to their colocated engines."""
 
     def __init__(self, model: torch.nn.Module, arch: ModelArchitecture, *, tp_group: dist.ProcessGroup | None,
-                 tp_size: int, rank: int, world_size: int, engine_tp_size: int, bucket_bytes: int,
-                 dtype: torch.dtype | None = None, api_key: str | None = None, pp_size: int = 1,
-                 experts: ExpertLayout | None = None) -> None:
-        if pp_size > 1:
-            raise ValueError("colocated weight updates need pipeline_model_parallel_size 1 (every rank sends full "
-                             "tensors to the engine on its GPU); use decoupled mode with pipeline parallelism")
-        if world_size % engine_tp_size:
-            raise ValueError(f"{world_size} trainer ranks do not split into engines of {engine_tp_size} GPUs")
+                 tp_size: int, rank: int, world_size: int, bucket_bytes: int, dtype: torch.dtype | None = None,
+                 api_key: str | None = None, pp_group: dist.ProcessGroup | None = None, pp_rank: int = 0,
+                 pp_size: int = 1, device: str | None = None) -> None:
         self.params = named_megatron_params(model)
-        self.arch, self.tp_group, self.rank, self.api_key = arch, tp_group, rank, api_key
-        self.experts = experts if experts is not None else ExpertLayout.current(arch)
-        self.engine_index, self.engine_rank = colocated_engine_of(rank, engine_tp_size)
-        self.engine_tp_size = engine_tp_size
+        self.arch, self.tp_group, self.rank, self.world_size, self.api_key = arch, tp_group, rank, world_size, api_key
+        self.device = device
+        """This rank's device identity, written into CPU shares (the CPU engine checks it, as SGLang the UUID)."""
         self._planner = WeightSender(model, arch, tp_group=tp_group, tp_size=tp_size, dp_rank=0, rank=rank,
-                                     bucket_bytes=bucket_bytes, dtype=dtype)
+                                     bucket_bytes=bucket_bytes, dtype=dtype, pp_group=pp_group, pp_rank=pp_rank,
+                                     pp_size=pp_size)
         self.dtype = self._planner.dtype
+        self.rank_engines: list[tuple[int, int]] = []
+        self.engine_index, self.engine_rank = -1, -1
         self.engine_group: dist.ProcessGroup | None = None
-        if engine_tp_size > 1:  # every rank builds every engine's group, in the same order (a collective)
-            for first in range(0, world_size, engine_tp_size):
-                group = dist.new_group(list(range(first, first + engine_tp_size)), backend="gloo")
-                if first == self.engine_index * engine_tp_size:
-                    self.engine_group = group
 
-    def sync(self, *, version: int, engine_url: str, bucket_bytes: int, timeout_s: float = 600.0) -> dict[str, Any]:
+    def pair(self, rank_engines: list[list[int]]) -> None:
+        """Take the controller's pairing; when it changed, every rank builds every engine's group of ranks
+        (a collective: every rank gets the same command), ordered by engine TP rank."""
+        pairs = [(int(engine), int(tp_rank)) for engine, tp_rank in rank_engines]
+        if len(pairs) != self.world_size:
+            raise ValueError(f"the controller paired {len(pairs)} trainer ranks with engines; there are {self.world_size}")
+        if pairs == self.rank_engines:
+            return
+        self.rank_engines = pairs
+        self.engine_index, self.engine_rank = pairs[self.rank]
+        self.engine_group = None
+        members: dict[int, list[tuple[int, int]]] = {}
+        for rank, (engine, tp_rank) in enumerate(pairs):
+            members.setdefault(engine, []).append((tp_rank, rank))
+        for engine in sorted(members):
+            ranks = [rank for _, rank in sorted(members[engine])]
+            if len(ranks) < 2:
+                continue
+            group = dist.new_group(ranks, backend="gloo")  # every rank calls it, in the same order
+            if engine == self.engine_index:
+                self.engine_group = group
+
+    def sync(self, *, version: int, engine_url: str, bucket_bytes: int, rank_engines: list[list[int]],
+             timeout_s: float = 600.0) -> dict[str, Any]:
         """Send every bucket to this rank's engine as `version` (an empty URL: that engine is down, skip it
         after taking part in the TP gathers the other engines need)."""
         start = time.perf_counter()
+        self.pair(rank_engines)
         self._planner.set_bucket_bytes(bucket_bytes)
         plan = self._planner.plan_buckets()
         for index, meta in enumerate(plan):
             named: list[tuple[str, torch.Tensor]] = []
-            for source in meta.megatron_names:
-                named.extend(export_param(source, self.params, self.arch, self.tp_group, self.experts))
+            for source in meta.megatron_names:  # every rank: the full tensors (TP gather; under PP, from each stage)
+                named.extend(self._planner.export_everywhere(source))
             if not engine_url:
                 continue
-            named = [(name, tensor.to(export_dtype(name, self.dtype)).contiguous()) for name, tensor in named]
+            named = [(name, tensor.to(tensor_send_dtype(name, self.dtype)).contiguous()) for name, tensor in named]
             last = index == len(plan) - 1
             self._send_bucket(named, engine_url, weight_version=str(version) if last else None, flush_cache=last,
                               timeout_s=timeout_s)
+        if torch.cuda.is_available():  # GPU only: the last IPC handles the engines closed, and cached blocks
+            torch.cuda.ipc_collect()
+            torch.cuda.empty_cache()
         return {"buckets": len(plan), "bytes": sum(b.num_bytes for b in plan),
                 "seconds": time.perf_counter() - start}
 
     def _send_bucket(self, named: list[tuple[str, torch.Tensor]], url: str, *, weight_version: str | None,
                      flush_cache: bool, timeout_s: float) -> None:
-        share, shared_memory = serialize_share(named)
+        share, shared_memory = serialize_share(named, device=self.device)
         try:
-            shares = [share] if self.engine_group is None else all_gather_json(share, group=self.engine_group)
+            gathered = ([[self.engine_rank, share]] if self.engine_group is None
+                        else all_gather_json([self.engine_rank, share], group=self.engine_group))
+            shares = [item[1] for item in sorted(gathered)]  # engine TP-rank order
             error = ""
             if self.engine_rank == 0:
                 try:

@@ -55,7 +55,7 @@ FLOAT32_HF_SUFFIXES = (".mlp.gate.e_score_correction_bias",)
 moe_router_bias_update_rate (1e-3), below bf16's resolution at 1.0; HF and SGLang keep it in float32."""
 
 
-def export_dtype(hf_name: str, dtype: torch.dtype) -> torch.dtype:
+def tensor_send_dtype(hf_name: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype an HF tensor is sent in when the model is sent in `dtype`."""
     return torch.float32 if hf_name.endswith(FLOAT32_HF_SUFFIXES) else dtype
 
@@ -133,7 +133,8 @@ def _moe_mlp_rows(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
     for expert in range(arch.num_moe_experts or 0):
         rows.append((f"mlp.experts.local_experts.{expert}.linear_fc1.weight",
                      _gated_hf(f"mlp.experts.{expert}.", fused=False)))
-        rows.append((f"mlp.experts.local_experts.{expert}.linear_fc2.weight", [f"mlp.experts.{expert}.down_proj.weight"]))
+        rows.append((f"mlp.experts.local_experts.{expert}.linear_fc2.weight",
+                     [f"mlp.experts.{expert}.down_proj.weight"]))
     if arch.moe_shared_expert_intermediate_size:
         rows.append(("mlp.shared_experts.linear_fc1.weight", _gated_hf("mlp.shared_experts.", fused=False)))
         rows.append(("mlp.shared_experts.linear_fc2.weight", ["mlp.shared_experts.down_proj.weight"]))

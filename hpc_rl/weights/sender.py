@@ -12,6 +12,7 @@ Protocol (driven by the controller, `hpc_rl.controller.weight_sync`)::
     rank 0:      sender.connect(addr, port, world_size, group_name, backend)   # blocks until engines join
     every rank:  for i in range(len(plan)): sender.send_bucket(i)   # TP ranks of DP rank 0 gather
     rank 0:      sender.close()                        # when the engine set changes / at exit
+    rank 0:      sender.abort_group()                  # an engine broke a sync (the controller says so)
 
 Every rank of the first TP group (DP rank 0) takes part in each gather of a dense parameter; under
 expert parallelism every rank of the first expert replica (expert-DP rank 0: expert TP x EP) takes part
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.weights.bucket_layout import dtype_from_name, dtype_name, pack_bucket
+from hpc_rl.weights.collective_stream import CollectiveStream
 from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights import hf_mapping
 from hpc_rl.weights.export import (
@@ -44,6 +46,7 @@ from hpc_rl.weights.export import (
     export_param,
     full_shape_and_dtype,
     full_tensor,
+    gather_full,
     named_megatron_params,
 )
 from hpc_rl.weights.process_group import (
@@ -74,7 +77,7 @@ class BucketMeta:
 def _plan(entries: Iterable[tuple[str, list[tuple[str, tuple[int, ...]]]]], dtype: torch.dtype,
           bucket_bytes: int) -> list[BucketMeta]:
     """Whole Megatron parameters per bucket, up to `bucket_bytes`; each HF tensor in its export dtype
-    (`hf_mapping.export_dtype`), a bucket of mixed dtypes ordered by falling dtype size (aligned)."""
+    (`hf_mapping.tensor_send_dtype`), a bucket of mixed dtypes ordered by falling dtype size (aligned)."""
     buckets: list[BucketMeta] = []
     current: list[tuple[str, list[int], torch.dtype]] = []
     sources: list[str] = []
@@ -92,7 +95,7 @@ def _plan(entries: Iterable[tuple[str, list[tuple[str, tuple[int, ...]]]]], dtyp
         size = 0
 
     for source, hf_entries in entries:
-        typed = [(name, list(shape), hf_mapping.export_dtype(name, dtype)) for name, shape in hf_entries]
+        typed = [(name, list(shape), hf_mapping.tensor_send_dtype(name, dtype)) for name, shape in hf_entries]
         nbytes = sum(torch.empty((), dtype=d).element_size() * int(torch.Size(s).numel()) for _, s, d in typed)
         if size and size + nbytes > bucket_bytes:
             flush()
@@ -107,33 +110,45 @@ class _PipelinedBroadcaster:
     """Two reused uint8 buffers: bucket i+1 is packed while bucket i is still being broadcast.
 
     gloo (and NCCL) run an async broadcast on their own thread/stream, so the copy into the other
-    buffer overlaps the transfer; `wait()` before a buffer is refilled and at the end of a sync.
+    buffer overlaps the transfer; `wait()` before a buffer is refilled and at the end of a sync. With a
+    `CollectiveStream` (the weight group's), waits complete as NCCL's do: the CPU moves on, and on the
+    gloo twin a buffer whose broadcast is still in flight is replaced, not overwritten (on a GPU the
+    refill would queue behind the broadcast on the stream).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stream: CollectiveStream | None = None) -> None:
         self.buffers: list[torch.Tensor | None] = [None, None]
         self.pending: list[Any] = [None, None]
         self.turn = 0
+        self.stream = stream
 
     def send(self, named: list[tuple[str, torch.Tensor]], nbytes: int, group: dist.ProcessGroup,
              capacity: int) -> list[str]:
         slot = self.turn
         self.turn ^= 1
-        if self.pending[slot] is not None:
-            self.pending[slot].wait()
+        work = self.pending[slot]
+        if work is not None:
+            if self.stream is None:
+                work.wait()
+            elif self.stream.reusable(work):
+                self.stream.wait(work)
+            else:
+                self.buffers[slot] = None  # still in flight (twin): a new buffer, the old one stays its input
             self.pending[slot] = None
         buffer = self.buffers[slot]
         if buffer is None or buffer.numel() < nbytes:
             device = named[0][1].device if named else "cpu"
             buffer = self.buffers[slot] = torch.empty(max(nbytes, capacity), dtype=torch.uint8, device=device)
         packed, layout = pack_bucket(named, out=buffer)
-        self.pending[slot] = dist.broadcast(packed, src=0, group=group, async_op=True)
+        work = self.pending[slot] = dist.broadcast(packed, src=0, group=group, async_op=True)
+        if self.stream is not None:
+            self.stream.issued(work, f"broadcast of {len(named)} tensor(s)")
         return layout.request_fields()["names"]
 
     def wait(self) -> None:
         for slot, work in enumerate(self.pending):
             if work is not None:
-                work.wait()
+                work.wait() if self.stream is None else self.stream.wait(work)
                 self.pending[slot] = None
 
 
@@ -159,6 +174,8 @@ class WeightSender:
         self._model = model
         self._comm_device = next(iter(self.params.values())).device  # NCCL needs CUDA tensors, gloo CPU ones
         self.group: dist.ProcessGroup | None = None
+        self.stream: CollectiveStream | None = None
+        """The group's collectives as NCCL completes them (gloo: its twin); set by `connect`."""
         self._broadcaster = _PipelinedBroadcaster()
         self._plan: list[BucketMeta] | None = None
         self._sources: dict[str, tuple[int, tuple[int, ...], str]] | None = None
@@ -198,13 +215,16 @@ class WeightSender:
         return self._sources
 
     def connect(self, master_address: str, master_port: int, world_size: int, *,
-                group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo") -> None:
+                group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo", timeout_s: float = 600.0) -> None:
         """Rank 0 hosts the weight-update group (rank 0 of `world_size`); other ranks do nothing."""
         if self.rank != 0:
             return
         self.close()
         self.group = init_weight_update_group(master_address=master_address, master_port=master_port, rank=0,
-                                              world_size=world_size, group_name=group_name, backend=backend)
+                                              world_size=world_size, group_name=group_name, backend=backend,
+                                              timeout_seconds=timeout_s)
+        self.stream = CollectiveStream(backend, timeout_s=timeout_s)
+        self._broadcaster = _PipelinedBroadcaster(self.stream)
 
     def send_bucket(self, index: int) -> None:
         """Gather, pack, and broadcast bucket `index` (rank 0). Dense parameters are gathered by the TP
@@ -226,7 +246,7 @@ class WeightSender:
         if self.group is None:
             raise RuntimeError("send_bucket before connect(): rank 0 has no weight-update group")
         position = {name: i for i, name in enumerate(meta.names)}
-        named = sorted(((name, tensor.to(hf_mapping.export_dtype(name, self.dtype))) for name, tensor in named),
+        named = sorted(((name, tensor.to(hf_mapping.tensor_send_dtype(name, self.dtype))) for name, tensor in named),
                        key=lambda item: position.get(item[0], -1))
         capacity = max(b.num_bytes for b in self.plan_buckets())
         names = self._broadcaster.send(named, meta.num_bytes, self.group, capacity)
@@ -251,9 +271,51 @@ class WeightSender:
         dist.recv(full, src=dist.get_global_rank(self.pp_group, owner), group=self.pp_group)
         return hf_mapping.to_hf(source, full, self.arch)
 
+    def export_everywhere(self, source: str) -> list[tuple[str, torch.Tensor]]:
+        """The HF tensors of `source` on every rank (colocated: each rank feeds the engine on its own GPU), a
+        collective over the TP group (a routed expert: over the expert replica, `export.gather_expert`) and,
+        under PP, over the pipeline group. At PP=1 the gather; under PP, as slime's colocated path: a TP-split
+        dense parameter's shards go from the owning stage to every stage over the pipeline groups (each carries
+        one TP rank's shard), then every stage gathers them over its TP group; any other parameter (a routed
+        expert gathered on the owning stage included) goes whole from the owning stage."""
+        if self.pp_size == 1:
+            return export_param(source, self.params, self.arch, self.tp_group, self.experts)
+        assert self.pp_group is not None
+        owner, shape, dtype = self._source_metadata()[source]
+        src = dist.get_global_rank(self.pp_group, owner)
+        split = hf_mapping.tp_split(source).dim
+        if split is not None and self.tp_size > 1 and not hf_mapping.is_expert_param(source):
+            shard_shape = list(shape)
+            shard_shape[split] //= self.tp_size
+            shard = (self.params[source].detach().contiguous() if owner == self.pp_rank else
+                     torch.empty(shard_shape, dtype=dtype_from_name(dtype), device=self._comm_device))
+            dist.broadcast(shard, src=src, group=self.pp_group)
+            full = gather_full(source, shard, self.tp_group)
+        else:
+            full = (full_tensor(source, self.params, self.tp_group, self.experts).contiguous()
+                    if owner == self.pp_rank else
+                    torch.empty(shape, dtype=dtype_from_name(dtype), device=self._comm_device))
+            dist.broadcast(full, src=src, group=self.pp_group)
+        return hf_mapping.to_hf(source, full, self.arch)
+
     def finish(self) -> None:
-        """Wait until the last broadcasts completed (end of a sync; buffers may then be refilled)."""
+        """The end of a sync: its last broadcasts are waited for as the group's backend does (NCCL: the GPU
+        stream waits, the CPU moves on)."""
         self._broadcaster.wait()
+
+    def synchronize(self) -> None:
+        """Where the GPU would next make this rank wait for the group's broadcasts (the gloo twin blocks
+        here, and hangs until the group's timeout on a broadcast that broke; see `collective_stream`)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def abort_group(self) -> None:
+        """Abort the group (an engine broke the sync): pending broadcasts are dropped; the next sync builds a
+        new group. Nothing waits on the broken one (on NCCL, waiting would hang until the watchdog)."""
+        if self.stream is not None:
+            self.stream.abort(self.group)
+        self.group, self.stream = None, None
+        self._broadcaster = _PipelinedBroadcaster()
 
     def send_all(self) -> list[BucketMeta]:
         """Every bucket in order (for callers that drive the engines themselves, e.g. tests)."""
@@ -265,9 +327,11 @@ class WeightSender:
 
     def close(self) -> None:
         self.finish()
+        self.synchronize()  # the twin's pending broadcasts end before their group does
         if self.group is not None:
             destroy_weight_update_group(self.group)
             self.group = None
+        self.stream = None
 
 
 def broadcast_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], group: dist.ProcessGroup,

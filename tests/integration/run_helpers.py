@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,6 +36,18 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def placement(run_dir: Path) -> tuple[dict[int, str], dict[int, list[str]], dict[int, dict[str, Any]]]:
+    """Where a run's processes were: trainer rank -> GPU and engine -> its TP ranks' GPUs, as the controller
+    registered them (`<node>/gpu<id>`), and each engine step's own report of what it was given."""
+    folder = run_dir / "placement"
+    trainers = {int(rank): device for rank, device in json.loads((folder / "trainers.json").read_text()).items()}
+    components = json.loads((run_dir / "status.json").read_text())["components"]
+    engines = {int(index): info["devices"] for index, info in components["engines"].items()}
+    reports = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in folder.glob("engine-*.json")
+               if ".node" not in p.stem}  # node-rank 0's (a multi-node engine's others: engine-<i>.node<k>.json)
+    return trainers, engines, reports
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2) -> None:
@@ -92,3 +105,36 @@ def engine_pids_now(run_dir: Path) -> dict[int, int]:
             if f"--port {port} " in cmd + " ":
                 pids[index] = int(pid)
     return pids
+
+
+_RANK_REGISTERED = re.compile(r"trainer rank (\d+)/\d+ \(host \S+ pid (\d+)\)")
+
+
+def trainer_rank_pids(run_dir: Path) -> dict[int, int]:
+    """Each trainer rank's process id, as the rank itself told the controller (controller.log; the latest
+    registration of each rank). Works however the ranks were started: a rank forked from a preloaded
+    torchrun (CPU) has torchrun's command line and environment, not `-m hpc_rl.training` and RANK."""
+    log = run_dir / "logs" / "controller.log"
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return {int(rank): int(pid) for rank, pid in _RANK_REGISTERED.findall(text)}
+
+
+def processes_of_run(run_dir: Path) -> list[str]:
+    """Live processes of a run: those naming its run dir on their command line, and those started with it in
+    their environment (`HPC_RL_RUN_DIR`: torchrun's agent, its ranks and every process they start, such as
+    the multiprocessing helpers of Megatron's checkpoint writer, whose command lines name nothing)."""
+    marker = f"HPC_RL_RUN_DIR={run_dir}".encode()
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and (str(run_dir).encode() in cmdline or marker in environ):
+            shown = cmdline.replace(b"\0", b" ").decode(errors="replace")[:200]
+            found.append(f"{pid}: {shown}")
+    return found

@@ -83,3 +83,22 @@ def test_an_engine_gives_up_after_its_bind_retries(tmp_path: Path, monkeypatch: 
                      r"by another program; giving up after 2 attempt\(s\)", message), message
     assert "address already in use" in message.lower(), "the engine's own words are shown"
     assert all(step.poll() is not None for step in driver.engine_steps.values()), "no engine left running"
+
+
+def test_a_router_whose_ports_are_taken_starts_on_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Two local runs once collided on a planned port: the router is started again on free ports, and a
+    local run's controller and torchrun rendezvous store bind port 0 (the OS picks as they bind)."""
+    driver = local_driver(tmp_path / "run", monkeypatch)
+    assert driver.ports.controller == 0 and driver.ports.rendezvous == 0
+    taken = driver.ports.router
+    router = None
+    try:
+        with squatting(taken), caplog.at_level("WARNING", logger="hpc_rl.driver"):
+            router = asyncio.run(driver._start_router())
+        assert router.port != taken and router.process.alive()
+        assert f"sglang-router could not bind port {taken}" in caplog.text
+        assert router.worker_urls() == []  # ours: it answers with the job's key
+    finally:
+        if router is not None:
+            router.stop()

@@ -4,9 +4,10 @@ Tiny random checkpoints made by transformers (layer 0 dense, layer 1 MoE: 4 expe
 shared expert, the sigmoid router with a non-zero e_score_correction_bias and a scaling factor, partial
 rotary and QKV bias). Three process launches, each checking everything it can:
 
-* TP2 x EP2 (4 ranks, ETP 2 then slime's ETP 1, sequence parallel, alltoall): logits equal transformers';
+* 4 ranks: TP2 x EP2 (ETP 2 then slime's ETP 1, sequence parallel, alltoall): logits equal transformers';
   at ETP 1 one optimizer step, every rank exporting every HF tensor (the colocated path's export), and
-  HF -> torch_dist conversion;
+  HF -> torch_dist conversion; then PP2 x EP2 (stage 0 holds the dense layer, stage 1 the MoE layer): the
+  same step, each stage exporting its tensors;
 * EP2 (2 ranks, alltoall): the same step, export and conversion, and a full checkpoint (weights, AdamW
   state, expert bias);
 * EP1 (1 rank): the reference step; torch_dist -> HF of both conversions is bit-exact; the EP2 checkpoint
@@ -43,7 +44,7 @@ def make_models(root: Path) -> dict[str, tuple[str, str]]:
     """family -> (HF dir, architecture file)."""
     from hpc_rl.tiny_model import TinyMoeSpec, make_tiny_moe_model
 
-    specs = {"qwen3_moe": TinyMoeSpec(dense_layers=1),
+    specs = {"qwen3_moe": TinyMoeSpec(dense_layers=1, tie_word_embeddings=True),
              "glm4_moe": TinyMoeSpec(family="glm4_moe", dense_layers=1, routed_scaling_factor=2.5,
                                      tie_word_embeddings=False)}
     out = {}
@@ -55,10 +56,11 @@ def make_models(root: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _training(tp: int, ep: int, etp: int | None):
+def _training(tp: int, ep: int, etp: int | None, pp: int = 1):
     from hpc_rl.config.schema import TrainingConfig
 
     return TrainingConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, expert_model_parallel_size=ep,
+                          pipeline_model_parallel_size=pp,
                           expert_tensor_parallel_size=etp, moe_token_dispatcher_type="alltoall", global_batch_size=8,
                           micro_batch_size=2, qkv_format="thd")
 
@@ -109,7 +111,8 @@ def _exported(parts, arch, info) -> dict[str, torch.Tensor]:
     from hpc_rl.weights.export import ExpertLayout, export_hf_state_dict
 
     tp_group = parallel_state.get_tensor_model_parallel_group() if info.tp_size > 1 else None
-    return {name: t.clone() for name, t in export_hf_state_dict(parts.actor, arch, tp_group, ExpertLayout.current(arch))}
+    exported = export_hf_state_dict(parts.actor, arch, tp_group, ExpertLayout.current(arch))
+    return {name: tensor.clone() for name, tensor in exported}
 
 
 def _moments(parts) -> dict[str, torch.Tensor]:
@@ -129,19 +132,19 @@ def _step(parts, info) -> dict[str, float]:
     return parts.trainer.train_rollout(batch.select(range(info.dp_rank * share, (info.dp_rank + 1) * share)))[0]
 
 
-def layout_rank(models: dict[str, tuple[str, str]], layouts: list[tuple[int, int, int | None, tuple[str, ...]]],
-                work: str) -> dict:
-    """For each (tp, ep, etp, checks) in turn: the checks ("logits", "step", "convert", "save") per family."""
+def layout_rank(models: dict[str, tuple[str, str]],
+                layouts: list[tuple[int, int, int | None, int, tuple[str, ...]]], work: str) -> dict:
+    """For each (tp, ep, etp, pp, checks) in turn: the checks ("logits", "step", "convert", "save") per family."""
     from hpc_rl.config.model import ModelArchitecture
     from hpc_rl.training.checkpoint import TrainerState, save_checkpoint
     from hpc_rl.training.convert import hf_to_torch_dist
     from hpc_rl.training.parallel import shutdown_parallel
 
     out: dict = {}
-    for tp, ep, etp, checks in layouts:
-        training = _training(tp, ep, etp)
+    for tp, ep, etp, pp, checks in layouts:
+        training = _training(tp, ep, etp, pp)
         info = _reinit(training)
-        tag = f"tp{tp}_ep{ep}_etp{etp or tp}"
+        tag = f"tp{tp}_ep{ep}_etp{etp or tp}" + (f"_pp{pp}" if pp > 1 else "")
         for family, (hf_dir, model_file) in models.items():
             arch = ModelArchitecture.from_yaml(model_file)
             if "logits" in checks:
@@ -198,9 +201,9 @@ def test_moe_families_match_transformers_and_agree_across_ep_tp_etp(tmp_path: Pa
 
     models = make_models(tmp_path)
     work = str(tmp_path)
-    wide = run_ranks(layout_rank, 4, models, [(2, 2, None, ("logits",)), (2, 2, 1, ("logits", "step", "convert"))],
-                     work, timeout=600)
-    ep2 = run_ranks(layout_rank, 2, models, [(1, 2, None, ("logits", "step", "convert", "save"))], work, timeout=400)
+    wide = run_ranks(layout_rank, 4, models, [(2, 2, None, 1, ("logits",)), (2, 2, 1, 1, ("logits", "step", "convert")),
+                                              (1, 2, None, 2, ("step",))], work, timeout=900)
+    ep2 = run_ranks(layout_rank, 2, models, [(1, 2, None, 1, ("logits", "step", "convert", "save"))], work, timeout=400)
     converted = ["tp2_ep2_etp1", "tp1_ep2_etp1"]
     reference = run_ranks(reference_rank, 1, models, work, converted, timeout=400)[0]
 
@@ -217,16 +220,22 @@ def test_moe_families_match_transformers_and_agree_across_ep_tp_etp(tmp_path: Pa
         base_metrics, base_params = reference[("ep1", family, "metrics")], reference[("ep1", family, "params")]
         assert base_metrics["grad_norm"] > 0
         original = load_file(str(Path(hf_dir) / "model.safetensors"))
-        assert set(base_params) == set(original) - ({"lm_head.weight"} if ARCHS[family]["tie_word_embeddings"] else set())
-        for tag, outs in (("tp2_ep2_etp1", wide), ("tp1_ep2_etp1", ep2)):
+        tied = {"lm_head.weight"} if ARCHS[family]["tie_word_embeddings"] else set()
+        assert set(base_params) == set(original) - tied
+        for tag, outs in (("tp2_ep2_etp1", wide), ("tp1_ep2_etp1", ep2), ("tp1_ep2_etp1_pp2", wide)):
             for rank, out in enumerate(outs):
                 where = (family, tag, rank)
                 for metric in STEP_METRICS:
                     assert _close(out[(tag, family, "metrics")][metric], base_metrics[metric], 1e-5), (*where, metric)
                 params = out[(tag, family, "params")]
-                assert set(params) == set(base_params), where  # every expert on every rank
-                for name, value in base_params.items():
-                    assert _close(params[name], value, 1e-5), (*where, name)
+                if tag.endswith("pp2"):  # a stage's tensors: layer 0 (dense) on stage 0, layer 1 (MoE) on stage 1
+                    assert any(".layers.1.mlp.experts.3." in name for name in params) == (rank >= 2), where
+                else:
+                    assert set(params) == set(base_params), where  # every expert on every rank
+                for name, value in params.items():
+                    assert _close(value, base_params[name], 1e-5), (*where, name)
+        staged = set().union(*(out[("tp1_ep2_etp1_pp2", family, "params")] for out in wide))
+        assert staged == set(base_params), family
         if family == "glm4_moe":  # Megatron moved the expert bias (aux-loss-free balancing) and it travelled
             bias = "model.layers.1.mlp.gate.e_score_correction_bias"
             assert not torch.equal(base_params[bias], original[bias])

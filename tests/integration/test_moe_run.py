@@ -38,3 +38,22 @@ def test_tiny_moe_run_learns_and_engine_logprobs_equal_the_trainers(tmp_path: Pa
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "Traceback" not in trainer_log
     assert processes_mentioning(str(run_dir)) == []
+
+
+def test_colocated_moe_run_serves_every_expert_to_both_engines(tmp_path: Path) -> None:
+    """Colocated at EP2: each trainer rank hands the whole model (its experts and, gathered over EP, the other
+    rank's) to the engine on its device through /update_weights_from_tensor; both engines then compute the
+    trainer's log-probs."""
+    run_dir = tmp_path / "colocated"
+    result = subprocess.run(submit_argv(run_dir, "--colocate", "--rollout-num-gpus", "2", "--num-rollout", "3",
+                                        "--eval-interval", "100", config="configs/tiny_moe_cpu.yaml"),
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = records(run_dir)
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert row["metrics"]["train/train_rollout_logprob_abs_diff"] < 1e-4, (row["rollout_id"], row["metrics"])
+    controller_log = (run_dir / "logs" / "controller.log").read_text()
+    # one before rollout 0 (the engines freed the GPUs for the trainer's start), then one after each step
+    assert controller_log.count("2 colocated engine(s) through /update_weights_from_tensor") == 4
+    assert processes_mentioning(str(run_dir)) == []

@@ -87,7 +87,7 @@ def recorded_tables(trainer, micros, indices: list[int]) -> dict[int, np.ndarray
 
     replay = trainer.moe.replay
     with replay.recording() as hooks:
-        trainer._logprobs(trainer.actor, micros, hooks)
+        trainer._logprobs(trainer.actor, micros, hooks=hooks)
     tables = {}
     for micro in micros:
         record = replay._recorded[id(micro)]
@@ -130,7 +130,7 @@ def layouts_rank(hf_dir: str) -> dict:
                 values = trainer._logprobs(trainer.actor, micros)
             else:
                 with trainer.moe.replay.replaying(with_routing(mine, tables, indices)) as hooks:
-                    values = trainer._logprobs(trainer.actor, micros, hooks)
+                    values = trainer._logprobs(trainer.actor, micros, hooks=hooks)
             result[kind] = {indices[i]: v.tolist() for i, v in values.items()}
         out[name] = result
         parallel_state.destroy_model_parallel()

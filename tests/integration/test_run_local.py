@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.run_helpers import (engine_pids, interrupt, processes_mentioning, records, run_to_end, start_run,
-                                           wait_for)
+from tests.integration.run_helpers import (engine_pids, interrupt, processes_mentioning, processes_of_run, records,
+                                           run_to_end, start_run, trainer_rank_pids, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def test_tiny_default_run_learns(tmp_path: Path) -> None:
     assert processes_mentioning(str(run_dir)) == []
 
 
-@pytest.mark.parametrize("mode", ["sync-decoupled", "sync-colocated", "async-decoupled", "async-colocated"])
+@pytest.mark.parametrize("mode", ["sync-decoupled", "sync-colocated", "async-decoupled"])  # async + colocated: refused
 def test_modes_mechanics(tmp_path: Path, mode: str) -> None:
     """First-step ppo_kl == 0 exactly, a new weight version served after every sync, staleness bounded."""
     run_dir = tmp_path / mode
@@ -146,14 +146,15 @@ def test_resume_continues_rollout_ids_and_data_order(tmp_path: Path) -> None:
 
 
 def test_dead_trainer_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
+    """... and leaves nothing behind: not the helpers of Megatron's checkpoint writer either (a spawned
+    Manager and the resource tracker outlived the run with parent PID 1 before; issue 24)."""
     run_dir = tmp_path / "dead-trainer"
-    process = start_run(run_dir, "--num-rollout", "200", "--eval-interval", "1000")
+    process = start_run(run_dir, "--num-rollout", "200", "--eval-interval", "1000", "--save-interval", "1")
     try:
-        wait_for(lambda: len(records(run_dir)) >= 2, 300, "two rollouts")
-        trainers = [line for line in processes_mentioning("-m hpc_rl.training")
-                    if "torch.distributed.run" not in line and "bound_torchrun" not in line]  # not the agent
+        wait_for(lambda: len(records(run_dir)) >= 2, 300, "two rollouts (each saved)")
+        trainers = trainer_rank_pids(run_dir)
         assert trainers, "no trainer rank found"
-        os.kill(int(trainers[0].split(":")[0]), signal.SIGKILL)
+        os.kill(trainers[0], signal.SIGKILL)
         code = process.wait(120)
     finally:
         if process.poll() is None:
@@ -162,3 +163,4 @@ def test_dead_trainer_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
     assert code == 1
     assert "trainer" in output and "the run failed" in output
     assert processes_mentioning(str(run_dir)) == []
+    assert processes_of_run(run_dir) == []

@@ -30,7 +30,13 @@ def test_tiny_run_learns_with_real_sglang_on_cpu(tmp_path: Path) -> None:
                             env={**os.environ, SGLANG_PYTHON_ENV: str(SGLANG_PYTHON)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "server_args=" in (run_dir / "logs" / "engine-0.log").read_text()  # SGLang's start line, not the CPU engine
-    rewards = [r["metrics"]["rollout/reward_mean"] for r in records(run_dir)]
+    rows = records(run_dir)
+    rewards = [r["metrics"]["rollout/reward_mean"] for r in rows]
     first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
     assert last - first >= 0.3, f"reward went {first:.3f} -> {last:.3f}"
+    # SGLang serves the trainer's dtype (float32 here, passed as --dtype): after every sync its log-probs are the
+    # trainer's (with its `auto` dtype it served float16: a gap of 2.8e-4; the run's guard now fails at 1e-4)
+    assert "dtype='float32'" in (run_dir / "logs" / "engine-0.log").read_text()
+    for row in rows[1:]:
+        assert row["metrics"]["train/first_step_train_rollout_logprob_abs_diff"] < 1e-5, (row["rollout_id"], row["metrics"])
     assert processes_mentioning(str(run_dir)) == []

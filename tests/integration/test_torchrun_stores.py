@@ -14,7 +14,7 @@ import pytest
 
 from hpc_rl.config.loading import load_config
 from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
-from hpc_rl.launch.driver import trainer_command
+from hpc_rl.launch.step_plan import trainer_command
 
 pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.integration.run_helpers import processes_mentioning, records, wait_for
+from tests.integration.run_helpers import processes_mentioning, records, trainer_rank_pids, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,12 +85,10 @@ def pids_of(run_dir: Path, marker: str, environ: dict[str, str] | None = None) -
 
 
 def trainer_rank_pid(run_dir: Path, rank: int) -> int:
-    """The trainer rank's own process (torchrun's child, not torchrun or srun)."""
-    pids = [pid for pid in pids_of(run_dir, "-m hpc_rl.training", {"RANK": str(rank)})
-            if not any(agent in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-                       for agent in ("torch.distributed.run", "bound_torchrun"))]
-    assert len(pids) == 1, f"expected one process of trainer rank {rank}, found {pids}"
-    return pids[0]
+    """The trainer rank's own process (torchrun's child, not torchrun or srun), as it registered."""
+    pid = trainer_rank_pids(run_dir).get(rank)
+    assert pid is not None and Path(f"/proc/{pid}").exists(), f"no live process of trainer rank {rank} ({pid})"
+    return pid
 
 
 def measure(fault: str, run_dir: Path, process: subprocess.Popen[str], num_rollout: int, fault_at: float,

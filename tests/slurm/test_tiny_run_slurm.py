@@ -1,6 +1,8 @@
 """The embedded default through a real het job on the local cluster, with the real driver.
 
-Decoupled: trainer ranks on 2 virtual nodes (het group 0), the CPU engine on a third (het group 1).
+Decoupled: trainer ranks on 2 virtual nodes (het group 0), the CPU engines on a third (het group 1).
+The first run asks Slurm for the fake GPUs a GPU run would use (`slurm.gpus_for_cpu_runs`): each step
+sees the GPUs Slurm gave it (two engines on one node, each with a GPU of its own).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.run_helpers import processes_mentioning, records, wait_for
+from tests.integration.run_helpers import placement, processes_mentioning, records, wait_for
 from tests.slurm.fault_runs import let_requeued_job_finish
 
 pytestmark = pytest.mark.slurm
@@ -29,10 +31,14 @@ def submit(run_dir: Path, *flags: str, wait: bool = True) -> subprocess.Popen[st
 
 
 def test_tiny_run_completes_through_a_het_job(run_dir: Path) -> None:
-    process = submit(run_dir, "--num-rollout", "5")
+    process = submit(run_dir, "--num-rollout", "5", "--rollout-num-gpus", "2", "--set", "slurm.gpus_for_cpu_runs=true")
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-3000:]
     assert "COMPLETED" in output
+    trainers, engines, reports = placement(run_dir)
+    assert trainers == {0: "node1/gpu0", 1: "node2/gpu0"}  # one GPU per trainer node, from Slurm
+    assert sorted(engines.values()) == [["node3/gpu0"], ["node3/gpu1"]]  # one each, Slurm's choice of which
+    assert all(r["base_gpu_id"] == 0 and len(r["step_gpus"]) == 1 for r in reports.values()), reports
     rows = records(run_dir)
     assert [r["rollout_id"] for r in rows] == [0, 1, 2, 3, 4]
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))

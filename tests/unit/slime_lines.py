@@ -1,4 +1,5 @@
-"""The seed launch lines of issue 10 (stored in tests/unit/data/slime_launch_lines) as argv lists."""
+"""The seed launch lines of issue 10 and vime's of issue 25 (stored in tests/unit/data/slime_launch_lines) as argv
+lists, and the resolved config a dry run prints."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ def flags_of(file_name: str) -> list[str]:
     return shlex.split((LINES_DIR / file_name).read_text(), comments=True)
 
 
-def seeds() -> dict[str, dict[str, Any]]:
-    return yaml.safe_load((LINES_DIR / "seeds.yaml").read_text())
+def seeds(seeds_file: str = "seeds.yaml") -> dict[str, dict[str, Any]]:
+    return yaml.safe_load((LINES_DIR / seeds_file).read_text())
 
 
-def seed_argv(name: str) -> list[str]:
-    seed = seeds()[name]
+def seed_argv(name: str, seeds_file: str = "seeds.yaml") -> list[str]:
+    seed = seeds(seeds_file)[name]
     argv = shlex.split(seed["head"])
     for file_name in seed["files"]:
         argv += flags_of(file_name)
@@ -33,3 +34,9 @@ def config_field(config: Any, path: str) -> Any:
     for part in path.split("."):
         config = getattr(config, part)
     return config
+
+
+def resolved_from_dry_run(output: str) -> dict[str, Any]:
+    """The resolved config `python -m hpc_rl.submit ... --dry-run` printed."""
+    text = output.split("# resolved config\n", 1)[1].split("# executor:", 1)[0]
+    return yaml.safe_load(text)

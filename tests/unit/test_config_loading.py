@@ -88,8 +88,9 @@ def test_resolved_config_round_trip(tmp_path: Path) -> None:
 
 
 def test_eval_pairs_must_be_even() -> None:
+    """One path alone is slime's legacy form (named aime: tests/unit/test_vime_launch_lines.py); 3 is an error."""
     with pytest.raises(ConfigError, match="name/path pairs, got an odd count"):
-        load_config([], ["--eval-prompt-data", "aime"])
+        load_config([], ["--eval-prompt-data", "aime", "/a.jsonl", "gsm8k"])
 
 
 def test_importing_the_config_changes_no_state() -> None:

@@ -256,6 +256,7 @@ def test_driver_shutdown_cancels_the_controller_run_before_stopping_the_trainer(
         driver.controller = controller  # type: ignore[assignment]
         driver.trainer_step = FakeTrainerStep(controller.channel, events, asyncio.get_running_loop())  # type: ignore[assignment]
         driver.engine_steps, driver.router, driver._engine_failures = {}, None, {}
+        driver.local = False  # (a local driver also ends the orphans it adopted: none here)
         driver.run_task = asyncio.create_task(controller.run())  # type: ignore[arg-type]
         await asyncio.sleep(0.05)  # the signal arrives while the run waits on the trainer
         await driver.shutdown()

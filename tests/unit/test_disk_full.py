@@ -148,3 +148,18 @@ def test_log_file_on_a_full_device_says_so_once(tmp_path: Path) -> None:
     assert lines == ["hpc_rl: log file /dev/full: no space left on /dev (writing full); its lines are lost until "
                      "it can be written again"]  # logging's own: 50 x "--- Logging error ---" + traceback
     assert handler.dropped == 50
+
+
+def test_rollouts_jsonl_on_a_full_disk_is_named_and_never_left_with_half_a_line(full_tmpfs: Path) -> None:
+    from hpc_rl.telemetry.run_files import append_rollout_record
+
+    (full_tmpfs / "filler").unlink()
+    (full_tmpfs / "filler").write_bytes(b"\0" * (60 << 10))  # ~4 KiB left: a few records fit, then not
+    records = full_tmpfs / "rollouts.jsonl"
+    metrics = {f"rollout/metric_{i}": float(i) for i in range(40)}
+    with pytest.raises(OSError) as failure:
+        for rollout_id in range(1000):
+            append_rollout_record(records, rollout_id, metrics, [])
+    assert f"no space left on {full_tmpfs} (writing rollouts.jsonl)" in str(failure.value)
+    lines = records.read_text().splitlines(keepends=True)
+    assert lines and all(line.endswith("\n") and json.loads(line)["rollout_id"] == i for i, line in enumerate(lines))

@@ -227,7 +227,7 @@ def test_router_with_a_key_runs_through_the_env_launcher(tmp_path, monkeypatch):
 
 def test_driver_engine_commands_carry_no_key(tmp_path):
     from hpc_rl.config import load_config
-    from hpc_rl.launch.driver import engine_command, sglang_api_key_path
+    from hpc_rl.launch.step_plan import engine_command, sglang_api_key_path
     from hpc_rl.launch.topology import plan_topology
 
     config = load_config(["configs/tiny_cpu.yaml"])

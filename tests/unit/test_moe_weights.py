@@ -54,7 +54,8 @@ def test_moe_layer_rows_follow_the_checkpoint_names() -> None:
     assert names[layer + "mlp.router.expert_bias"] == ["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert names[layer + "mlp.experts.local_experts.3.linear_fc1.weight"] == [
         "model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight"]
-    assert names[layer + "mlp.experts.local_experts.3.linear_fc2.weight"] == ["model.layers.1.mlp.experts.3.down_proj.weight"]
+    assert names[layer + "mlp.experts.local_experts.3.linear_fc2.weight"] == [
+        "model.layers.1.mlp.experts.3.down_proj.weight"]
     assert names[layer + "mlp.shared_experts.linear_fc1.weight"] == [
         "model.layers.1.mlp.shared_experts.gate_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight"]
     # layer 0 is dense (moe_layer_freq [0, 1]): GLM-4.5's dense MLP is unfused, unlike GLM4's gate_up_proj
@@ -96,8 +97,9 @@ def test_expert_helpers_and_tp_layout() -> None:
     for replicated in ("decoder.layers.5.mlp.router.weight", "decoder.layers.5.mlp.router.expert_bias",
                        "decoder.layers.5.pre_mlp_layernorm.weight"):
         assert hf_mapping.tp_split(replicated).dim is None
-    assert hf_mapping.export_dtype("model.layers.1.mlp.gate.e_score_correction_bias", torch.bfloat16) == torch.float32
-    assert hf_mapping.export_dtype("model.layers.1.mlp.gate.weight", torch.bfloat16) == torch.bfloat16
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert hf_mapping.tensor_send_dtype(bias, torch.bfloat16) == torch.float32
+    assert hf_mapping.tensor_send_dtype("model.layers.1.mlp.gate.weight", torch.bfloat16) == torch.bfloat16
 
 
 class FakeMoELayer(torch.nn.Module):
@@ -199,7 +201,8 @@ def test_cpu_moe_overrides_turn_off_gpu_kernels_with_a_note_each() -> None:
     assert changed == {"moe_grouped_gemm": False, "moe_permute_fusion": False, "moe_enable_deepep": False,
                        "moe_token_dispatcher_type": "alltoall", "moe_router_topk": 2}
     assert len(notes) == 3 and all("same" in note for note in notes)
-    assert cpu_moe_overrides({"moe_token_dispatcher_type": "alltoall"}) == ({"moe_token_dispatcher_type": "alltoall"}, [])
+    unchanged = {"moe_token_dispatcher_type": "alltoall"}
+    assert cpu_moe_overrides(unchanged) == (unchanged, [])
 
 
 def test_alltoall_split_sizes_become_host_ints_at_the_copy_point() -> None:
@@ -215,3 +218,19 @@ def test_alltoall_split_sizes_become_host_ints_at_the_copy_point() -> None:
     _cpu_alltoall_split_sizes(fake_dispatcher, "before_ep_alltoall", tokens)
     assert fake_dispatcher.input_splits == [3, 1] and fake_dispatcher.output_splits == [2, 2]
     assert all(type(size) is int for size in fake_dispatcher.input_splits)
+
+
+def test_moe_layouts_megatron_cannot_train_are_refused_before_building() -> None:
+    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.training.model_provider import check_moe_training
+
+    arch = moe_arch()
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        check_moe_training(arch, TrainingConfig(tensor_model_parallel_size=2))
+    with pytest.raises(ValueError, match="allgather.*use alltoall"):
+        check_moe_training(arch, TrainingConfig(expert_model_parallel_size=2, moe_token_dispatcher_type="allgather"))
+    check_moe_training(arch, TrainingConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                                            expert_model_parallel_size=2))
+    check_moe_training(arch, TrainingConfig(moe_token_dispatcher_type="allgather"))  # EP 1: nothing to all-gather
+    check_moe_training(moe_arch(family="qwen3", num_moe_experts=None, moe_ffn_hidden_size=None, moe_layer_freq=None),
+                       TrainingConfig(tensor_model_parallel_size=2))  # dense models are not concerned

@@ -90,3 +90,18 @@ def test_chat_template_and_groups(tiny_model_dir: Path) -> None:
     assert [s.index for s in group] == [40, 41, 42, 43]
     assert all(s.group_index == 5 and s.label == dataset.records[3].label for s in group)
     assert group[0].metadata["data_row"] == 3
+
+
+def test_a_line_that_is_not_utf8_is_named_and_skippable(tmp_path) -> None:
+    from hpc_rl.data.prompts import DataError, DataKeys, PromptDataset
+
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "a", "label": 1}\n{"prompt": "caf\xe9", "label": 2}\n{"prompt": "c", "label": 3}\n')
+    try:
+        PromptDataset.load(path, DataKeys())
+    except DataError as error:  # the old code: UnicodeDecodeError with no line
+        assert f"{path}:2: not UTF-8 (byte 0xe9 at column 16)" in str(error)
+    else:
+        raise AssertionError("a non-UTF-8 line was accepted")
+    dataset = PromptDataset.load(path, DataKeys(), skip_bad_lines=True)
+    assert [r.label for r in dataset.records] == [1, 3] and dataset.skipped_lines == 1

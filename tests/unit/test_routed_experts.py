@@ -15,7 +15,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from hpc_rl.config.schema import RunConfig, TrainingConfig
+from hpc_rl.config.schema import SFT_ROLLOUT, RunConfig, TrainingConfig
 from hpc_rl.controller.train_batches import pack_samples
 from hpc_rl.data.routed_experts import compact_expert_ids, routing_from_json, routing_to_json
 from hpc_rl.data.samples import Sample, SampleStatus
@@ -212,10 +212,15 @@ def test_validation_names_what_replay_cannot_do(tmp_path, in_repo) -> None:
         tmp_path, use_rollout_routing_replay=True, moe_expert_capacity_factor=1.0,
         moe_router_load_balancing_type="sinkhorn"))
     assert [p.where for p in problems] == ["training.use_rollout_routing_replay", "training.moe_expert_capacity_factor"]
+    sft = routing_config(tmp_path, use_rollout_routing_replay=True)
+    sft.rollout.rollout_function_path = SFT_ROLLOUT  # no engine routes the data's chats
+    assert [p.where for p in _routing_replay_problems(sft)] == ["training.use_rollout_routing_replay"]
+    sft.training.use_rollout_routing_replay, sft.training.use_routing_replay = False, True
+    assert _routing_replay_problems(sft) == []
 
 
 def test_engines_are_launched_to_return_routed_experts(tmp_path, in_repo) -> None:
-    from hpc_rl.launch.driver import engine_command
+    from hpc_rl.launch.step_plan import engine_command
     from hpc_rl.launch.topology import EnginePlacement
 
     spec = SglangLaunchSpec(hf_checkpoint="/m", host="h", port=1, return_routed_experts=True)

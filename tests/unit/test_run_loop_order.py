@@ -113,8 +113,9 @@ async def recording_trainer_rank(channel: TrainerChannel, events: list[str]) -> 
 
 
 def run_mode(tmp_path: Path, *, colocate: bool, async_rollout: bool, num_rollout: int = 2,
-             update_weights_interval: int = 1, engine_state: EngineState = EngineState.SERVING) -> list[str]:
-    config = load_config(["configs/tiny_cpu.yaml"], ["--set", f"run_dir={tmp_path}"])
+             update_weights_interval: int = 1, engine_state: EngineState = EngineState.SERVING,
+             flags: tuple[str, ...] = (), trainer_starts_after_engines: bool = False) -> list[str]:
+    config = load_config(["configs/tiny_cpu.yaml"], ["--set", f"run_dir={tmp_path}", *flags])
     config.rollout.update_weights_interval = update_weights_interval
     config.cluster.colocate = colocate
     config.rollout.async_rollout = async_rollout
@@ -124,13 +125,16 @@ def run_mode(tmp_path: Path, *, colocate: bool, async_rollout: bool, num_rollout
 
     async def main() -> None:
         registry = Registry(trainer_world_size=1, num_engines=1)
-        registry.add_trainer(TrainerInfo(rank=0, world_size=1, host="h", pid=1, info={"dp_rank": 0, "dp_size": 1}))
-        registry.add_engine(EngineInfo(engine_index=0, url="http://e0", state=engine_state))
+        registry.add_trainer(TrainerInfo(rank=0, world_size=1, host="h", pid=1,
+                                         info={"dp_rank": 0, "dp_size": 1, "device": "h/gpu0"}))
+        registry.add_engine(EngineInfo(engine_index=0, url="http://e0", state=engine_state, devices=["h/gpu0"]))
         channel = TrainerChannel(1)
         recorder = RunRecorder(tmp_path, ScalarLog(None), num_rollout=num_rollout, print_fn=lambda line: None)
         loop = assemble_loop(config, scheduler=FakeScheduler(events), registry=registry, channel=channel,  # type: ignore[arg-type]
                              fleet=FakeFleet(events), recorder=recorder, evaluate=None,  # type: ignore[arg-type]
                              num_rollout=num_rollout)
+        if trainer_starts_after_engines:  # what the driver does before starting a colocated trainer
+            await loop.weights.hand_gpus_to_trainer()
         trainer = asyncio.create_task(recording_trainer_rank(channel, events))
         try:
             await loop.run(resumed=False)
@@ -167,6 +171,18 @@ def test_colocated_sync_trades_the_gpus_and_saves_while_the_trainer_holds_everyt
     assert run_mode(tmp_path, colocate=True, async_rollout=False) == expected
 
 
+def test_colocated_engines_free_the_gpus_for_the_trainers_start_then_serve_its_weights(tmp_path: Path) -> None:
+    """slime's order: the engines release everything before the trainer builds its model; the trainer then
+    offloads and the engines get its weights (v0) before the first rollout."""
+    events = run_mode(tmp_path, colocate=True, async_rollout=False, num_rollout=1, trainer_starts_after_engines=True)
+    assert events[:10] == ["engine release_memory(kv_cache+cuda_graph+weights)", "trainer offload(grads+optimizer)",
+                           "engine resume_memory(weights)", "engine begin_weight_update()",
+                           "trainer send to colocated engines v0", "engine end_weight_update()", "engines serve v0",
+                           "trainer offload(weights)", "engine resume_memory(kv_cache+cuda_graph)",
+                           "engine resume_generation()"]
+    assert events[10] == "generate 0"
+
+
 def test_async_generates_the_next_rollout_while_training_and_pauses_with_abort(tmp_path: Path) -> None:
     events = run_mode(tmp_path, colocate=False, async_rollout=True)
     # rollout 1 started before training 0 was done (in sync mode it starts after the engines resume)
@@ -193,3 +209,10 @@ def test_a_sync_with_no_live_engine_pushes_nothing(tmp_path: Path) -> None:
     joined: "send_bucket before connect()"); the trainer's version is what a restarted engine gets."""
     events = run_mode(tmp_path, colocate=False, async_rollout=False, num_rollout=1, engine_state=EngineState.FAILED)
     assert events == ["generate 0", "trainer train 0", "engines serve v1", "trainer save 0 (next 1, v1)"]
+
+
+def test_start_rollout_id_starts_a_fresh_run_there(tmp_path: Path) -> None:
+    """slime's --start-rollout-id: rollouts start_rollout_id .. num_rollout - 1, schedules by rollout id."""
+    events = run_mode(tmp_path, colocate=False, async_rollout=False, num_rollout=3, flags=("--start-rollout-id", "2"))
+    assert [e for e in events if e.startswith(("generate", "trainer train", "trainer save"))] == [
+        "generate 2", "trainer train 2", "trainer save 2 (next 3, v1)"]

@@ -66,6 +66,7 @@ class SlowProbeAdminForTest:
     def __init__(self, index: int) -> None:
         self.index = index
         self.probed = False
+        self.in_flight: list[str] = []  # no admin call in flight
 
     def known_alive(self, seconds: float) -> bool:
         return self.index == 5  # engine 5 just answered a weight-update call: no probe needed
@@ -139,5 +140,52 @@ def test_stop_aborts_once_while_the_aborted_requests_come_back() -> None:
         asyncio.get_running_loop().call_later(0.5, late._done, "missed")
         assert await late.stop(timeout_s=10.0, abort_every_s=0.2)
         assert client.abort_rounds >= 2  # re-aborted once nothing came back for abort_every_s
+
+    asyncio.run(scenario())
+
+
+class AnswerlessAdminForTest:
+    """A fake of EngineAdmin for an engine that never answers /health (still compiling, or dead)."""
+
+    def __init__(self) -> None:
+        self.probes = 0
+        self.in_flight: list[str] = []  # no admin call in flight
+
+    def known_alive(self, seconds: float) -> bool:
+        return False
+
+    async def healthy(self, timeout_s: float) -> bool:
+        self.probes += 1
+        return False
+
+
+def test_slimes_health_check_flags_set_the_fleets_checks() -> None:
+    """--rollout-health-check-first-wait: no probe until that long after an engine registered; then a silent
+    engine is failed. --rollout-health-check-interval/-timeout reach the fleet the controller builds."""
+    from hpc_rl.config import load_config
+    from hpc_rl.controller.app import Controller
+    from hpc_rl.protocol import Secret
+
+    config = load_config([], ["--use-fault-tolerance", "--rollout-health-check-interval", "7",
+                              "--rollout-health-check-timeout", "3", "--rollout-health-check-first-wait", "0.3"])
+    fleet = Controller(config, secret=Secret(b"k" * 32), router=None, router_url=None).fleet  # builds nothing yet
+    assert (fleet.health_interval_s, fleet.health_timeout_s, fleet.health_first_wait_s) == (7.0, 3.0, 0.3)
+
+    async def scenario() -> None:
+        registry = Registry(trainer_world_size=1, num_engines=1)
+        fleet = EngineFleet(registry, None, api_key=None, restart=None, max_restarts=0, health_interval_s=3600,
+                            health_first_wait_s=0.3)
+        await fleet.start()
+        try:
+            await fleet.register(0, "http://127.0.0.1:9", serving=True)
+            admin = AnswerlessAdminForTest()
+            fleet.admins[0] = admin  # type: ignore[assignment]
+            await fleet.check_health()
+            assert admin.probes == 0 and registry.engines[0].state == EngineState.SERVING  # in its first wait
+            await asyncio.sleep(0.35)
+            await fleet.check_health()
+            assert admin.probes == 1 and registry.engines[0].state == EngineState.FAILED
+        finally:
+            await fleet.close()
 
     asyncio.run(scenario())

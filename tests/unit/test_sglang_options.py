@@ -67,7 +67,7 @@ def test_validation_reports_a_bad_sglang_option_before_submission():
                                                      ("sglang", "cpu", "sglang.launch_server"),
                                                      ("auto", "cuda", "sglang.launch_server")])
 def test_the_driver_launches_the_chosen_engine(engine, device, expected):
-    from hpc_rl.launch.driver import engine_command
+    from hpc_rl.launch.step_plan import engine_command
     from hpc_rl.launch.topology import plan_topology
 
     config = RunConfig()

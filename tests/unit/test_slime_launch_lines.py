@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from hpc_rl.config import ConfigError, load_config
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.config.loading import load_resolved_config, write_resolved_config
 from hpc_rl.submit import main
-from tests.unit.slime_lines import config_field, flags_of, seed_argv, seeds
+from tests.unit.slime_lines import config_field, flags_of, resolved_from_dry_run, seed_argv, seeds
 
 QWEN3_4B = flags_of("qwen3_4B_model_args.txt")
 TINY = flags_of("tiny_qwen3_model_args.txt")
-
-
-def resolved_from_dry_run(output: str) -> dict[str, Any]:
-    text = output.split("# resolved config\n", 1)[1].split("# executor:", 1)[0]
-    return yaml.safe_load(text)
 
 
 @pytest.mark.parametrize("name", sorted(seeds()))
@@ -142,7 +135,7 @@ def test_slime_plugin_paths_map_with_one_log_line(caplog: pytest.LogCaptureFixtu
     assert config.rollout.custom_generate_function_path is None
     assert len([r for r in caplog.records if "is slime's" in r.getMessage()]) == 3
     with pytest.raises(ConfigError, match="slime module hpc_rl has no equivalent"):
-        load_config([], ["--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func"])
+        load_config([], ["--custom-rm-path", "slime.rollout.rm_hub.gpqa.compute_gpqa_reward"])
 
 
 def test_model_flags_become_the_run_model_file(tmp_path: Path) -> None:

@@ -106,7 +106,7 @@ def test_bad_time_and_extra_lines_say_where() -> None:
 
 
 def test_srun_argv_pins_engines_and_states_task_counts() -> None:
-    engine = StepSpec(name="engine-1", argv=["serve"], het_group=1, node_index=0, gpus_per_task=2)
+    engine = StepSpec(name="engine-1", argv=["serve"], het_group=1, node_index=0, gpus_per_node=2)
     assert srun_argv(engine, het_job=True, nodelist=["node3"], cpus_per_task=8) == [
         "srun", "--het-group=1", "--job-name=engine-1", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1",
         "--nodelist=node3", "--gpus-per-node=2", "--exact", "--cpus-per-task=8", "--kill-on-bad-exit=1",
@@ -114,9 +114,10 @@ def test_srun_argv_pins_engines_and_states_task_counts() -> None:
     trainer = StepSpec(name="trainer", argv=["torchrun"], num_nodes=2)
     argv = srun_argv(trainer, het_job=False)
     assert "--het-group=0" not in argv and "--ntasks=2" in argv and "--label" in argv and "--exact" not in argv
-    colocated = StepSpec(name="engine-0", argv=["serve"], node_index=0, gpus_per_task=2, overlap=True)
+    colocated = StepSpec(name="engine-0", argv=["serve"], node_index=0, gpus_per_node=8, overlap=True)
     argv = srun_argv(colocated, het_job=False, nodelist=["node1"])
-    assert "--overlap" in argv and not any(a.startswith("--gpus") for a in argv)
+    # asks for its node's GPUs too: a step that asks for none may see none (ConstrainDevices)
+    assert "--overlap" in argv and "--gpus-per-node=8" in argv and "--exact" not in argv
 
 
 SACCT = """JobID|State|NodeList

@@ -98,10 +98,23 @@ def test_deferred_compile_compiles_once_at_the_first_call() -> None:
 def test_light_megatron_import_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "megatron.core", raising=False)
     monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
     original = torch.compile
     with light_megatron_import():
         assert torch.compile is not original
         with pytest.raises(ImportError):
             import wandb  # noqa: F401
+        with pytest.raises(ImportError):  # Megatron's timers import it only to write to a writer never given
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     assert torch.compile is original
-    assert "wandb" not in sys.modules  # importable again after the block
+    assert "wandb" not in sys.modules and "torch.utils.tensorboard" not in sys.modules  # importable again after
+
+
+def test_the_local_driver_imports_no_aiohttp_before_it_starts_the_steps() -> None:
+    """What `python -m hpc_rl.submit --executor local` imports before its first step starts is start-up on
+    the trainer's critical path: aiohttp is only for remote rewards (rewards.remote opens it per session)."""
+    import subprocess
+
+    probe = "import sys, hpc_rl.submit, hpc_rl.launch.local; print('aiohttp' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO)
+    assert result.stdout.strip() == "False"

@@ -118,3 +118,4 @@ def test_a_stale_address_is_reported_and_the_saved_status_shown(tmp_path: Path) 
     got = status_cli.collect_status(run_dir)
     assert got["rollout_id"] == 5
     assert f"controller at 127.0.0.1:{port} did not answer (ConnectionRefusedError" in got["source"]
+    assert got["state"] == "dead"  # no process holds the run dir: its "running" is not the truth

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpc_rl.training.offload import OffloadedStateError, TrainerOffload
+from hpc_rl.training.offload import NotEnoughDeviceMemory, OffloadedStateError, TrainerOffload, onload_problem
 
 
 class AdamWrapperForTest:
@@ -93,3 +93,22 @@ def test_no_offload_train_keeps_the_state_on_the_device() -> None:
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match="unknown offload tag"):
         offload.offload(["kv_cache"])
+
+
+def test_onload_keeps_the_train_memory_margin_free() -> None:
+    """vime's --train-memory-margin-bytes: an onload that would leave less than the margin free on the device
+    stops before it moves anything, naming the numbers (a fake free-memory probe stands in for the GPU's)."""
+    model = model_with_grad_buffer(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    needed = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    free = {"bytes": needed + 100}
+    offload = TrainerOffload(models=[model], optimizer=AdamWrapperForTest(model), margin_bytes=1000,
+                             device_free_bytes=lambda: free["bytes"])
+    offload.offload(["weights"])
+    with pytest.raises(NotEnoughDeviceMemory, match=r"plus the 0.00 GiB margin \(training.train_memory_margin_bytes\)"):
+        offload.onload(["weights"])
+    assert offload.offloaded_tags == ["weights"]  # nothing was moved back
+    free["bytes"] = needed + 1000
+    offload.onload(["weights"])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert onload_problem(free_bytes=None, needed_bytes=10**12, margin_bytes=10**9) is None  # CPU: no device to ask

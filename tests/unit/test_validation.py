@@ -122,8 +122,19 @@ def test_reward_required_and_remote_needs_url() -> None:
     assert "rollout.rm_url: rm_type remote_rm needs rm_url" in problems_for(["--rm-type", "remote_rm"])
 
 
-def test_colocate_needs_whole_engines_per_node_and_no_pipeline() -> None:
+def test_colocate_needs_whole_engines_per_node_and_takes_a_pipeline() -> None:
     text = problems_for(["--colocate", "--actor-num-gpus-per-node", "3", "--rollout-num-gpus", "3",
                          "--rollout-num-gpus-per-engine", "2", "--pipeline-model-parallel-size", "3"])
     assert "an engine of 2 GPUs must sit on the GPUs of whole trainer ranks" in text
-    assert "colocate: every trainer rank hands full tensors" in text
+    assert "training.pipeline_model_parallel_size: colocate" not in text  # colocated pushes work at PP > 1 now
+
+
+@pytest.mark.parametrize(("flags", "field", "words"), [
+    (["--ref-update-interval", "2"], "algorithm.ref_update_interval", "needs use_kl_loss or kl_coef"),
+    (["--ref-ckpt-step", "3"], "checkpoint.ref_ckpt_step", "ref_load, which is not set"),
+    (["--keep-old-actor", "--use-rollout-logprobs"], "algorithm.keep_old_actor", "drop one of them"),
+    (["--save-hf", "/out/{step}"], "checkpoint.save_hf", "only {rollout_id} in braces"),
+])
+def test_slime_checkpoint_flags_are_checked_at_submit(flags: list[str], field: str, words: str) -> None:
+    problems = [p for p in collect_problems(load_config([], flags), check_files=False) if p.where == field]
+    assert problems and words in problems[0].message

@@ -37,8 +37,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="as SGLang's flag: answers carry each token's routed experts when a request asks "
                              "(return_routed_experts); needs a MoE model")
+    parser.add_argument("--base-gpu-id", type=int, default=0,
+                        help="as SGLang's flag: position of the engine's first GPU in its step's GPU list (the CPU "
+                             "engine computes on CPU; its device identity, checked against colocated shares, "
+                             "comes from it: hpc_rl.engines.gpu_step)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+                        help="as SGLang's flag: the weights' and activations' dtype (auto: float32, the trainer's "
+                             "on CPU); the driver passes the dtype the trainer exports")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="as SGLang's flag: nodes the engine spans (node-rank 0 serves the API; "
+                             "hpc_rl.engines.cpu.node_group)")
+    parser.add_argument("--node-rank", type=int, default=0, help="as SGLang's flag: this process's node")
+    parser.add_argument("--dist-init-addr", default=None,
+                        help="as SGLang's flag: HOST:PORT where the node-ranks meet (node-rank 0's address)")
     parser.add_argument("--log-level", default="warning")
     return parser
+
+
+def model_dtype(name: str) -> torch.dtype:
+    """SGLang's --dtype names: auto (float32 here), float/float32, bfloat16, half/float16."""
+    return {"auto": torch.float32, "float": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+            "half": torch.float16, "float16": torch.float16}[name]
 
 
 def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str | None:
@@ -59,19 +78,20 @@ def exit_on_scheduler_death(error: BaseException) -> None:
     os._exit(1)
 
 
-def load_model(model_path: str, model_impl: str, attn_implementation: str) -> torch.nn.Module:
-    """The engine's model: its own Qwen3 forward (`native`; `auto` picks it where it applies and eager
-    attention is asked for) or transformers' (SGLang's `--model-impl transformers` likewise)."""
+def load_model(model_path: str, model_impl: str, attn_implementation: str,
+               dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The engine's model, in `dtype`: its own Qwen3 forward (`native`; `auto` picks it where it applies and
+    eager attention is asked for) or transformers' (SGLang's `--model-impl transformers` likewise)."""
     from hpc_rl.engines.cpu.native_qwen3 import load_native_qwen3, native_support, read_config
 
     reason = native_support(read_config(model_path))
     if model_impl == "native" and reason is not None:
         raise SystemExit(f"--model-impl native: {model_path}: {reason}; use --model-impl transformers")
     if model_impl == "native" or (model_impl == "auto" and reason is None and attn_implementation == "eager"):
-        return load_native_qwen3(model_path)
+        return load_native_qwen3(model_path, dtype)
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
                                                 attn_implementation=attn_implementation).eval()
 
 
@@ -91,8 +111,22 @@ def main(argv: list[str] | None = None) -> None:
     from hpc_rl.engines.cpu.scheduler import Scheduler
     from hpc_rl.engines.cpu.server import EngineServer, ServerInfo
 
+    nodes = None
+    if args.nnodes > 1:  # as SGLang: the node-ranks meet before loading (node-rank 0 waits for every node)
+        from hpc_rl.engines.cpu.node_group import EngineNodes
+        from hpc_rl.weights.device_identity import own_device_identity
+
+        if not args.dist_init_addr:
+            raise SystemExit("--nnodes > 1 needs --dist-init-addr HOST:PORT (node-rank 0's address)")
+        nodes = EngineNodes(nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
+                            device_id=own_device_identity())
+    model = load_model(args.model_path, args.model_impl, args.attn_implementation, model_dtype(args.dtype))
+    if nodes is not None and args.node_rank > 0:
+        from hpc_rl.engines.cpu.follower import serve_follower
+
+        serve_follower(model, nodes, host=args.host, port=args.port, memory_saver=args.enable_memory_saver)
+        return
     tokenizer = load_engine_tokenizer(args.model_path)
-    model = load_model(args.model_path, args.model_impl, args.attn_implementation)
     context_length = args.context_length or int(getattr(model.config, "max_position_embeddings", 4096))
     routed_experts = None
     if args.enable_return_routed_experts:
@@ -108,9 +142,10 @@ def main(argv: list[str] | None = None) -> None:
                           routed_experts=routed_experts)
     info = ServerInfo(model_path=args.model_path, host=args.host, port=args.port, api_key=api_key,
                       max_running_requests=args.max_running_requests, context_length=context_length,
-                      architectures=list(model.config.architectures or []), model_type=model.config.model_type)
+                      architectures=list(model.config.architectures or []), model_type=model.config.model_type,
+                      dtype=str(model_dtype(args.dtype)).removeprefix("torch."), base_gpu_id=args.base_gpu_id)
     scheduler.start()
-    app = EngineServer(scheduler, info).build_app()
+    app = EngineServer(scheduler, info, nodes=nodes).build_app()
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=1.0)
     exit_without_teardown(0)  # stopped (SIGTERM), the scheduler has ended: skip seconds of teardown
 

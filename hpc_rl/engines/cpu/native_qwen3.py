@@ -213,7 +213,7 @@ class NativeQwen3ForCausalLM(nn.Module):
             causal = torch.ones(length, total, dtype=torch.bool).tril(diagonal=total - length)
             allowed = allowed & causal[None, None]
         additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-        cos, sin = self._rope(positions)
+        cos, sin = (part.to(dtype) for part in self._rope(positions))  # computed in float32, used in the model's
         x = self.model.embed_tokens(input_ids)
         keys, values = [], []
         for index, layer in enumerate(self.model.layers):

@@ -42,6 +42,11 @@ class EngineStateError(RuntimeError):
     """A control call SGLang would crash or refuse on; the HTTP layer answers 400 with the reason."""
 
 
+class EngineFatalError(RuntimeError):
+    """An error SGLang's scheduler process dies of (e.g. CUDA IPC handles of a GPU it cannot see): raised in
+    a scheduler call, it reaches the caller and then ends the scheduler, and so the engine."""
+
+
 class SchedulerDied(RuntimeError):
     """The scheduler thread ended on an error (e.g. an out-of-vocabulary input id): nothing runs any more.
     SGLang's process exits here; `python -m hpc_rl.engines.cpu` exits too (`on_fatal`)."""
@@ -245,6 +250,9 @@ class Scheduler:
                 continue
             try:
                 future.set_result(function())
+            except EngineFatalError as error:
+                future.set_exception(error)
+                raise  # the loop dies of it (on_fatal), as SGLang's scheduler does
             except BaseException as error:  # noqa: BLE001 - handed to the HTTP handler
                 future.set_exception(error)
 

@@ -10,7 +10,9 @@ scheduler decides when these run (between decode steps); this module never touch
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from hpc_rl.weights.bucket_layout import compute_layout, dtype_from_name, unpack_bucket
 from hpc_rl.weights.colocated import read_shared_memory_bucket
+from hpc_rl.weights.device_identity import refuse_invisible_device
 from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
 
 
@@ -67,8 +70,9 @@ def load_named(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) 
 
 def read_tensor_share(payload: str) -> list[tuple[str, torch.Tensor]]:
     """This engine's share of an `/update_weights_from_tensor` body: a shared-memory descriptor (the
-    CPU twin of SGLang's CUDA IPC handles; a pickle is refused with PayloadError, a ValueError)."""
-    return read_shared_memory_bucket(payload)
+    CPU twin of SGLang's CUDA IPC handles; a pickle is refused with PayloadError, a ValueError). A share
+    from a GPU this engine's step cannot see raises InvisibleDeviceError: SGLang's scheduler dies on it."""
+    return read_shared_memory_bucket(payload, check_device=refuse_invisible_device)
 
 
 def load_from_disk(model: torch.nn.Module, model_path: str, *, require_all: bool = False) -> None:
@@ -127,11 +131,29 @@ class WeightUpdateGroups:
         destroy_weight_update_group(group)
 
 
+FAULT_EXIT_IN_SYNC_ENV = "HPC_RL_FAULT_EXIT_IN_WEIGHT_SYNC"
+"""Fault injection (tests/integration/test_weight_sync_faults.py): a file path. The first CPU engine to be asked
+for a broadcast bucket while that file does not exist creates it and exits at once, before receiving: an
+engine process that dies mid-sync (a GPU fault, the OOM killer). Unset in every real run."""
+
+
+def die_mid_sync_if_asked(environ: Mapping[str, str] = os.environ) -> None:
+    marker = environ.get(FAULT_EXIT_IN_SYNC_ENV)
+    if not marker:
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return
+    os._exit(1)
+
+
 def receive_bucket(
     group: dist.ProcessGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
     load_format: str | None,
 ) -> list[tuple[str, torch.Tensor]]:
     """Receive one bucket broadcast by rank 0: one tensor per name, or one flattened uint8 tensor."""
+    die_mid_sync_if_asked()
     if load_format == "flattened_bucket":
         layout = compute_layout(names, dtypes, shapes)
         buffer = torch.empty(layout.total_bytes, dtype=torch.uint8)

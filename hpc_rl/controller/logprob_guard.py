@@ -1,0 +1,71 @@
+"""The train/rollout log-prob mismatch after a sync, and the run's failure when it is too large.
+
+Owns `LogprobGuard`: which weight version the engines serve (told by every sync), and the check after a
+rollout is trained. When every token of the rollout was generated with the version the trainer held
+before training, and that version reached the engines through a sync, the trainer's log-probs of those
+tokens before its first update (`train/first_step_train_rollout_logprob_abs_diff`, the mean |old - rollout|
+per token) measure only how the engines compute the same weights: ~1e-7 in float32 on CPU, ~1e-2 with bf16
+kernels on GPUs. A larger gap means the engines serve other weights or another precision (a failed or
+misrouted update; SGLang's `auto` dtype serving a float32 checkpoint in float16 gave 2.8e-4), and the run
+stops with `LogprobMismatch` naming the rollout, the gap and the threshold. Rollouts with older tokens
+(async, `update_weights_interval` > 1, partial rollouts) are measured, not checked.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hpc_rl.data.samples import Group
+
+log = logging.getLogger(__name__)
+
+FIRST_STEP_GAP = "train/first_step_train_rollout_logprob_abs_diff"
+DEFAULT_THRESHOLDS = {"cpu": 1e-4, "cuda": 0.1}
+"""controller.max_logprob_mismatch when unset, by cluster.device: float32 twins agree to ~1e-7 (the float16
+mistake is 2.8e-4); bf16 SGLang against bf16 Megatron differ by ~1e-2 per token, a wrong update by far more."""
+
+
+class LogprobMismatch(RuntimeError):
+    """After a sync, the engines' log-probs are not the trainer's (see the module docstring)."""
+
+
+def threshold_for(device: str, configured: float | None) -> float | None:
+    """The threshold in force: the configured one (<= 0: no check), else the device's default."""
+    if configured is None:
+        return DEFAULT_THRESHOLDS.get(device)
+    return configured if configured > 0 else None
+
+
+def generated_with(groups: list[Group], version: int) -> bool:
+    """Every generated token of every sample came from weight version `version`."""
+    versions = {v for group in groups for sample in group for v in sample.weight_versions}
+    return versions == {version}
+
+
+class LogprobGuard:
+    """Knows what the engines serve; checks each trained rollout against the threshold."""
+
+    def __init__(self, threshold: float | None) -> None:
+        self.threshold = threshold
+        self.served_version: int | None = None
+        """The version the last sync pushed (None before any: the engines serve the checkpoint they loaded)."""
+
+    def note_served(self, version: int) -> None:
+        self.served_version = version
+
+    def check(self, rollout_id: int, groups: list[Group], trainer_version: int, metrics: dict[str, Any]) -> None:
+        """Raise LogprobMismatch when rollout `rollout_id` was generated entirely with the synced version the
+        trainer held and its first step's gap exceeds the threshold."""
+        gap = metrics.get(FIRST_STEP_GAP)
+        if self.threshold is None or gap is None or self.served_version != trainer_version:
+            return
+        if not generated_with(groups, trainer_version):
+            return
+        if float(gap) > self.threshold:
+            raise LogprobMismatch(
+                f"rollout {rollout_id}: the engines' log-probs differ from the trainer's by {float(gap):.3g} per token "
+                f"(mean |trainer - rollout|) right after weight sync v{trainer_version}; the limit is "
+                f"{self.threshold:g} (controller.max_logprob_mismatch). The engines serve other weights or another "
+                "precision than the trainer: a failed or misrouted update, or an engine dtype (sglang dtype) other "
+                "than the trainer's")

@@ -1,0 +1,51 @@
+"""Weight syncs through the shared filesystem (slime's --update-weight-transport disk, full mode).
+
+Owns one disk sync: every trainer rank takes part in writing the weights as an HF directory
+`<update_weight_disk_dir>/weights_v<version>` (written under a temporary name and renamed when complete, by the
+trainer: `hpc_rl.training.hf_save`), then every engine loads it with SGLang's `/update_weights_from_disk`
+(`weight_version` set), and the previous version's directory is removed unless `keep_files`. No collective joins
+trainer and engines, so they may run in separate Slurm jobs or partitions; the directory must be on a
+filesystem both see. Not here: pausing and resuming the engines around it (`weight_updates`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from hpc_rl.controller.engine_admin import EngineAdmin
+from hpc_rl.controller.registry import EngineInfo
+from hpc_rl.controller.trainer_channel import TrainerChannel
+from hpc_rl.protocol.messages import DiskWeightsCommand
+
+log = logging.getLogger(__name__)
+
+
+def version_dir(disk_dir: str | Path, version: int) -> Path:
+    return Path(disk_dir) / f"weights_v{version:06d}"
+
+
+async def push_weights_through_disk(*, version: int, channel: TrainerChannel, engines: list[EngineInfo],
+                                    admins: dict[int, EngineAdmin], disk_dir: str, keep_files: bool,
+                                    timeout_s: float = 600.0) -> dict[str, float]:
+    """The trainer writes `version`, every engine in `engines` loads it; timing metrics."""
+    start = time.perf_counter()
+    path = version_dir(disk_dir, version)
+    urls = [e.url for e in engines]
+    await channel.run(lambda rank, seq: DiskWeightsCommand(seq=seq, weight_version=version, path=str(path),
+                                                           engine_urls=urls), timeout_s=timeout_s)
+    written = time.perf_counter()
+    await asyncio.gather(*(admins[e.engine_index].update_weights_from_disk(str(path), str(version))
+                           for e in engines))
+    if not keep_files:
+        for old in Path(disk_dir).glob("weights_v*"):
+            if old != path and old.is_dir() and not old.name.endswith(".tmp"):
+                shutil.rmtree(old, ignore_errors=True)
+    done = time.perf_counter()
+    log.info("weights v%d -> %d engine(s) through %s: written in %.2f s, loaded in %.2f s", version, len(engines),
+             path, written - start, done - written)
+    return {"weight_sync/seconds": done - start, "weight_sync/write_seconds": written - start,
+            "weight_sync/load_seconds": done - written}

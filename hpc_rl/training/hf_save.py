@@ -1,0 +1,85 @@
+"""HF checkpoints written during training (slime's --save-hf): a run's models usable without a conversion step.
+
+Owns: writing the actor's weights, as the engines receive them (HF names and layouts, TP shards gathered by
+`hpc_rl.weights.export`), into an HF directory with the config, tokenizer and generation files of
+`checkpoint.hf_checkpoint` (`convert.write_hf_checkpoint`, the converter's writer). Collective over the trainer
+world: the ranks of DP replica 0 (CP rank 0) gather, and TP rank 0 of each pipeline stage writes its stage's
+tensors; with pipeline parallelism each stage writes its own safetensors file and global rank 0 indexes them
+once every stage is done. The directory is written under `<name>.tmp` and renamed when complete, so a crash
+never leaves a directory that looks whole.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.training.convert import copy_side_files, write_hf_checkpoint
+from hpc_rl.training.parallel import ParallelInfo
+from hpc_rl.weights.export import export_hf_state_dict
+
+
+def hf_output_dir(template: str, rollout_id: int) -> Path:
+    """slime's rule: `save_hf.format(rollout_id=...)`."""
+    return Path(template.format(rollout_id=rollout_id))
+
+
+def _stage_file(pp_rank: int, pp_size: int) -> str:
+    return f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
+
+
+def _index_stages(tmp: Path, pp_size: int, reference_dir: str | None) -> None:
+    from safetensors import safe_open
+
+    weight_map, total = {}, 0
+    for pp_rank in range(pp_size):
+        name = _stage_file(pp_rank, pp_size)
+        with safe_open(str(tmp / name), framework="pt") as shard:
+            for key in shard.keys():
+                weight_map[key] = name
+                tensor = shard.get_slice(key)
+                total += math.prod(tensor.get_shape()) * _itemsize(tensor.get_dtype())
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    copy_side_files(reference_dir, tmp)
+
+
+def _itemsize(safetensors_dtype: str) -> int:
+    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}.get(safetensors_dtype, 1)
+
+
+def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArchitecture, output_dir: str | Path, *,
+                       reference_dir: str | None, info: ParallelInfo,
+                       tp_group: dist.ProcessGroup | None) -> Path:
+    """Collective: every trainer rank calls it. Returns the finished directory."""
+    output_dir = Path(output_dir)
+    tmp = output_dir.with_name(output_dir.name + ".tmp")
+    if info.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    if info.dp_rank == 0 and info.cp_rank == 0:
+        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in export_hf_state_dict(model, arch, tp_group)}
+        if info.tp_rank == 0:
+            if info.pp_size == 1:
+                write_hf_checkpoint(state, tmp, reference_dir)
+            else:
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / _stage_file(info.pp_rank, info.pp_size)),
+                          metadata={"format": "pt"})
+    dist.barrier()
+    if info.rank == 0:
+        if info.pp_size > 1:
+            _index_stages(tmp, info.pp_size, reference_dir)
+        if output_dir.exists():
+            shutil.rmtree(output_dir)
+        tmp.rename(output_dir)
+    dist.barrier()
+    return output_dir

@@ -1,0 +1,89 @@
+"""Pieces of stopping safely (issue 24): a trainer command abandoned by a signal is absorbed when the ranks
+finish it (the old "TrainerFailed: ... command N, which is not running" traceback), the trainer names NaN/inf
+steps and stops past training.max_nonfinite_steps in a row, non-finite weights are never synced, and a
+rank in a Slurm step serves the controller after SIGTERM for a bounded time (a real process)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hpc_rl.controller.trainer_channel import TrainerChannel
+from hpc_rl.protocol.messages import CommandDone, StopCommand
+from hpc_rl.training.nonfinite import NonFiniteSteps, NonFiniteTraining, check_finite_weights
+
+
+def test_an_abandoned_command_is_absorbed_and_the_channel_idles_after_it() -> None:
+    async def scenario() -> None:
+        channel = TrainerChannel(world_size=2)
+        run = asyncio.create_task(channel.run(lambda rank, seq: StopCommand(seq=seq, reason="x")))
+        await asyncio.sleep(0)
+        assert not channel.idle
+        run.cancel()  # a signal: the loop stops waiting, the ranks go on with the command
+        await asyncio.gather(run, return_exceptions=True)
+        assert not channel.idle
+        channel.on_done(CommandDone(rank=0, seq=1, ok=True))  # old: TrainerFailed "... which is not running"
+        assert not channel.idle
+        channel.on_done(CommandDone(rank=1, seq=1, ok=True))
+        assert channel.idle and channel.failure is None
+
+    asyncio.run(scenario())
+
+
+def test_nonfinite_steps_are_named_and_stop_the_run_past_the_limit(caplog) -> None:
+    steps = NonFiniteSteps(max_in_a_row=1)
+    steps.check(0, [{"loss": 0.1, "grad_norm": 0.5, "skipped": 0.0}])
+    steps.check(1, [{"loss": float("nan"), "grad_norm": float("nan"), "skipped": 1.0}])
+    assert "rollout 1, optimizer step 1 of 1: loss nan, grad_norm nan; the step was skipped (1 in a row" in caplog.text
+    steps.check(2, [{"loss": 0.1, "grad_norm": 0.5, "skipped": 0.0}])  # recovered: the count starts again
+    steps.check(3, [{"loss": 0.2, "grad_norm": float("inf"), "skipped": 1.0}])
+    with pytest.raises(NonFiniteTraining, match="rollout 4, optimizer step 1 of 1: grad_norm inf.*2 in a row.*stopping"):
+        steps.check(4, [{"loss": 0.2, "grad_norm": float("inf"), "skipped": 1.0}])
+
+
+def test_nonfinite_weights_are_never_synced() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    check_finite_weights(model, device="cpu", rank=0)
+    with torch.no_grad():
+        model[1].bias.fill_(float("inf"))
+    with pytest.raises(NonFiniteTraining, match=r"not finite \(1.bias on rank 0\): they are not synced"):
+        check_finite_weights(model, device="cpu", rank=0)
+
+
+RANK = """
+import sys, time
+from hpc_rl.training.term_deferral import defer_sigterm_in_slurm_step
+print(defer_sigterm_in_slurm_step(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_rank_in_a_slurm_step_outlives_sigterm_for_its_grace_only() -> None:
+    env = {**os.environ, "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "1", "PYTHONPATH": os.getcwd()}
+    code = RANK.replace("print(defer_sigterm_in_slurm_step(), flush=True)",  # a 1 s grace instead of 25 s
+                        "from hpc_rl.training.term_deferral import defer_sigterm\ndefer_sigterm(1.0)\n"
+                        "print(True, flush=True)")
+    rank = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "True"
+        os.kill(rank.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert rank.poll() is None, "the rank died at once: the controller could not save with it"
+        assert rank.wait(10) == 143  # gone after its grace, as SIGTERM would have ended it
+    finally:
+        rank.kill()
+    plain = subprocess.Popen([sys.executable, "-c", RANK], env={**os.environ, "SLURM_STEP_ID": ""},
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert plain.stdout is not None and plain.stdout.readline().strip() == "False"  # not in a Slurm step
+        os.kill(plain.pid, signal.SIGTERM)
+        assert plain.wait(10) == -signal.SIGTERM
+    finally:
+        plain.kill()
