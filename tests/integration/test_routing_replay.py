@@ -41,7 +41,7 @@ def moe_arch():
 
     return dataclasses.replace(ModelArchitecture.from_yaml(TINY_QWEN3), family="qwen3_moe", num_layers=NUM_LAYERS,
                                num_moe_experts=NUM_EXPERTS, moe_ffn_hidden_size=32, moe_router_topk=TOPK,
-                               moe_layer_freq=[0, 1, 1, 1])
+                               moe_layer_freq=[0, 1, 1, 1], tie_word_embeddings=False)
 
 
 def make_batch():
