@@ -29,7 +29,7 @@ exchange, no extra copy.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,20 +215,24 @@ class WeightSender:
         return self._sources
 
     def connect(self, master_address: str, master_port: int, world_size: int, *,
-                group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo", timeout_s: float = 600.0) -> None:
-        """Rank 0 hosts the weight-update group (rank 0 of `world_size`); other ranks do nothing."""
+                group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo", timeout_s: float = 600.0,
+                give_up: Callable[[], str] | None = None) -> None:
+        """Rank 0 hosts the weight-update group (rank 0 of `world_size`); other ranks do nothing. `give_up`
+        is asked while the engines join (WeightGroupJoinAbandoned when it answers why to stop waiting)."""
         if self.rank != 0:
             return
         self.close()
         self.group = init_weight_update_group(master_address=master_address, master_port=master_port, rank=0,
                                               world_size=world_size, group_name=group_name, backend=backend,
-                                              timeout_seconds=timeout_s)
+                                              timeout_seconds=timeout_s, give_up=give_up)
         self.stream = CollectiveStream(backend, timeout_s=timeout_s)
         self._broadcaster = _PipelinedBroadcaster(self.stream)
 
-    def send_bucket(self, index: int) -> None:
+    def send_bucket(self, index: int, *, broadcast: bool = True) -> None:
         """Gather, pack, and broadcast bucket `index` (rank 0). Dense parameters are gathered by the TP
-        ranks of DP rank 0, routed experts by the ranks of expert-DP rank 0 (expert TP x EP)."""
+        ranks of DP rank 0, routed experts by the ranks of expert-DP rank 0 (expert TP x EP). Without
+        `broadcast` (rank 0 has no group: the engines never all joined) the gathers still run, so the peers
+        that wait on rank 0 in them do not hang, and nothing is sent."""
         dense_turn, expert_turn = self.dp_rank == 0, self.experts.dp_rank == 0
         if not (dense_turn or expert_turn):
             return
@@ -241,7 +245,7 @@ class WeightSender:
                 named.extend(export_param(source, self.params, self.arch, self.tp_group, self.experts))
             else:
                 named.extend(self._from_pipeline(source))
-        if self.rank != 0:
+        if self.rank != 0 or not broadcast:
             return
         if self.group is None:
             raise RuntimeError("send_bucket before connect(): rank 0 has no weight-update group")

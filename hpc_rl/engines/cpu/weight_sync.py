@@ -10,14 +10,14 @@ scheduler decides when these run (between decode steps); this module never touch
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from hpc_rl.engines.cpu.faults import (EXIT_IN_GROUP_INIT, EXIT_IN_WEIGHT_SYNC, STOP_IN_WEIGHT_SYNC,
+                                     fail_here_if_asked)
 from hpc_rl.weights.bucket_layout import compute_layout, dtype_from_name, unpack_bucket
 from hpc_rl.weights.colocated import read_shared_memory_bucket
 from hpc_rl.weights.device_identity import refuse_invisible_device
@@ -105,6 +105,7 @@ class WeightUpdateGroups:
     def init(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
              group_name: str, backend: str) -> None:
         """Join as rank `rank_offset` (an engine of TP 1); blocks until all ranks joined."""
+        fail_here_if_asked(EXIT_IN_GROUP_INIT)
         with self._lock:
             if group_name in self._groups:
                 raise ValueError(f"weight update group {group_name!r} already exists: destroy it first")
@@ -131,29 +132,12 @@ class WeightUpdateGroups:
         destroy_weight_update_group(group)
 
 
-FAULT_EXIT_IN_SYNC_ENV = "HPC_RL_FAULT_EXIT_IN_WEIGHT_SYNC"
-"""Fault injection (tests/integration/test_weight_sync_faults.py): a file path. The first CPU engine to be asked
-for a broadcast bucket while that file does not exist creates it and exits at once, before receiving: an
-engine process that dies mid-sync (a GPU fault, the OOM killer). Unset in every real run."""
-
-
-def die_mid_sync_if_asked(environ: Mapping[str, str] = os.environ) -> None:
-    marker = environ.get(FAULT_EXIT_IN_SYNC_ENV)
-    if not marker:
-        return
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-    except FileExistsError:
-        return
-    os._exit(1)
-
-
 def receive_bucket(
     group: dist.ProcessGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
     load_format: str | None,
 ) -> list[tuple[str, torch.Tensor]]:
     """Receive one bucket broadcast by rank 0: one tensor per name, or one flattened uint8 tensor."""
-    die_mid_sync_if_asked()
+    fail_here_if_asked(EXIT_IN_WEIGHT_SYNC, STOP_IN_WEIGHT_SYNC)
     if load_format == "flattened_bucket":
         layout = compute_layout(names, dtypes, shapes)
         buffer = torch.empty(layout.total_bytes, dtype=torch.uint8)
