@@ -130,6 +130,27 @@ def _optional_plugin(kind: str, path: str | None) -> Any:
     return load_plugin(kind, path) if path else None
 
 
+
+def moe_aux_loss_scale(num_micros: int, cp_size: int, per_token_loss: bool, global_tokens: float) -> float:
+    """The factor Megatron's schedule gives the MoE load-balancing losses' gradient (`MoEAuxLossAutoScaler`),
+    which its own `forward_step` sets and this pipeline must too: each micro-batch's aux loss is a mean over
+    its tokens, so without per-token loss it is averaged over the micro-batches (times CP, which DDP's
+    DP x CP average undoes); with it, DDP sums and Megatron divides every gradient by the global token count
+    afterwards (`finalize_model_grads`), which the step applies here up front, as it does to the main loss."""
+    if per_token_loss:
+        return 1.0 / max(global_tokens, 1.0)
+    return cp_size / max(num_micros, 1)
+
+
+def set_moe_aux_loss_scale(num_micros: int, cp_size: int, per_token_loss: bool, global_tokens: float, *,
+                           device: str | torch.device) -> None:
+    """Set `moe_aux_loss_scale`'s factor for the coming backward passes (one value for the whole step)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    factor = moe_aux_loss_scale(num_micros, cp_size, per_token_loss, global_tokens)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(factor, dtype=torch.float32, device=device))
+
+
 class RolloutTrainer:
     """`train_rollout(batch)` -> one metrics dict per optimizer step."""
 
@@ -581,6 +602,9 @@ class RolloutTrainer:
             return loss * scale
 
         model.train()
+        if self.arch.is_moe:
+            set_moe_aux_loss_scale(len(micros), self.info.cp_size, self.loss_config.calculate_per_token_loss,
+                                   global_trained, device=self.info.device)
         moe = self.moe if model is self.actor else None  # the actor's routers (a critic's are not tracked)
         with (moe.training_pass(batch) if moe is not None else nullcontext(NO_HOOKS)) as hooks:
             pipeline.forward_backward(model, micros, micro_loss, hooks)

@@ -70,8 +70,10 @@ def test_the_only_engine_lost_in_eval_in_group_set_up_and_stuck_mid_sync_costs_n
     failures = [detail for event, detail in events if event == "failed"]
     assert len(failures) == 3, events
     assert failures[0].startswith("process exited")  # 1. in the eval
-    # 2. (named by its failed init call, or by the driver that saw its process exit first)
-    assert "/init_weights_update_group failed" in failures[1] or failures[1].startswith("process exited")
+    # 2. (named by its failed init call, by the driver that saw its process exit, or by a health probe that
+    # found it gone: whichever comes first under load)
+    assert "/init_weights_update_group failed" in failures[1] or failures[1].startswith(
+        ("process exited", "health check failed")), failures
     assert failures[2].startswith("stuck in a weight update")  # 3.
     # the first two restarted processes failed in their first sync; the third served once it had the weights
     assert [event for event, _ in events] == ["failed", "restarting", "restarted"] * 3 + ["serving"], events
