@@ -319,6 +319,28 @@ def _single_field_problems(config: RunConfig) -> list[Problem]:
     return problems
 
 
+def _routing_replay_problems(config: RunConfig) -> list[Problem]:
+    """use_routing_replay / use_rollout_routing_replay: what Megatron's RouterReplay and R3 need on a MoE model."""
+    training = config.training
+    flags = [name for name in ("use_routing_replay", "use_rollout_routing_replay") if getattr(training, name)]
+    if not flags:
+        return []
+    where = f"training.{flags[-1]}"
+    problems = []  # (a dense model with either flag: the MoE rules' refusal)
+    if "sinkhorn" in str(training.moe_router_load_balancing_type):
+        problems.append(Problem(where, "Megatron's sinkhorn routing chooses experts without the replay hook: use "
+                                       "--moe-router-load-balancing-type aux_loss / seq_aux_loss / none"))
+    if training.use_rollout_routing_replay and is_sft(config.rollout.rollout_function_path):
+        problems.append(Problem("training.use_rollout_routing_replay",
+                                "SFT trains on the data's chats, which no engine routed: drop it (or use "
+                                "--use-routing-replay)"))
+    if training.use_rollout_routing_replay and training.moe_expert_capacity_factor is not None:
+        problems.append(Problem("training.moe_expert_capacity_factor",
+                                "drops tokens over an expert's capacity, which the engines never do, so the replayed "
+                                "rollout routing would not be the one used: unset it with use_rollout_routing_replay"))
+    return problems
+
+
 def _wandb_problems(config: RunConfig) -> list[Problem]:
     logging_config = config.logging
     if not logging_config.use_wandb:
@@ -481,6 +503,7 @@ def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Pro
     problems = (_single_field_problems(config) + _batch_problems(config) + _topology_problems(config)
                 + _model_problems(config) + _slime_flag_problems(config) + _gpu_cluster_problems(config))
     problems += _moe_and_memory_problems(config)
+    problems += _routing_replay_problems(config)
     if check_files:
         problems += [Problem(p.field, p.message) for p in path_problems(config) + prompt_file_problems(config)]
     problems += _plugin_problems(config)

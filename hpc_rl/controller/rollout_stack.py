@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpc_rl.config import plugin_args
+from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import RolloutConfig, RunConfig
 from hpc_rl.config.training_modes import is_sft
 from hpc_rl.controller.checkpoints import Checkpoints
@@ -44,6 +45,7 @@ from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params,
 from hpc_rl.rollout.eval import dataset_sampling, drop_long_prompts, eval_prompt_length_limit
 from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
+from hpc_rl.rollout.routed_experts import RoutingShape
 from hpc_rl.rollout.sample_metrics import SampleMetricOptions
 from hpc_rl.rollout.sample_plugins import SamplePlugins
 from hpc_rl.rollout.scheduler import RewardFn
@@ -61,6 +63,14 @@ def num_rollouts(rollout: RolloutConfig, dataset_size: int) -> int:
         return rollout.num_rollout
     epochs = rollout.num_epoch or 1
     return max(1, epochs * dataset_size // rollout.rollout_batch_size)
+
+
+def rollout_routing_shape(config: RunConfig) -> RoutingShape | None:
+    """With `training.use_rollout_routing_replay`: the routed experts the engines return (every layer's top-k)."""
+    if not config.training.use_rollout_routing_replay:
+        return None
+    arch = ModelArchitecture.from_yaml(config.model)  # the run's one architecture file (model flags: model.yaml)
+    return RoutingShape(num_layers=arch.num_layers, topk=arch.moe_router_topk)
 
 
 @dataclass
@@ -171,7 +181,8 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     scheduler = RolloutScheduler.from_config(rollout, args=args, client=client, source=source, encoder=encoder,
                                              reward_fn=scored_with_teacher if teacher else reward_fn,
                                              metric_options=metric_options,
-                                             plugins=SamplePlugins.from_config(rollout, config.eval))
+                                             plugins=SamplePlugins.from_config(rollout, config.eval),
+                                             routed_experts=rollout_routing_shape(config))
     num_rollout = num_rollouts(rollout, len(dataset))
     loop = assemble_loop(config, scheduler=scheduler, registry=registry, channel=channel, fleet=fleet,
                          recorder=run_recorder(config, num_rollout),

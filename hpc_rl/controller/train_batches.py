@@ -3,8 +3,9 @@
 Owns: group reward normalisation (the rollout-side part of GRPO/GSPO/CISPO/REINFORCE++-baseline:
 it needs whole groups, which the DP split breaks up; this is its only home), the token-balanced DP
 split (Karmarkar-Karp with equal counts, `training.batching`'s pure-Python one), and packing a list
-of samples into flat numpy arrays (concatenated tokens plus per-sample lengths). Advantages per
-token, KL and losses are the trainer's. numpy only: the controller never imports torch.
+of samples into flat numpy arrays (concatenated tokens plus per-sample lengths; with rollout routing
+replay the engines' routed experts too, rows concatenated). Advantages per token, KL and losses are
+the trainer's. numpy only: the controller never imports torch.
 """
 
 from __future__ import annotations
@@ -100,8 +101,7 @@ def pack_samples(samples: list[Sample], rewards: list[float]) -> dict[str, np.nd
         raise ValueError("a sample has fewer rollout log-probs than response tokens")
     versions = np.fromiter(chain.from_iterable(s.weight_versions for s in samples), dtype=np.int64,
                            count=sum(len(s.weight_versions) for s in samples))
-    teacher = _teacher_logprobs(samples, total_response)
-    return ({"teacher_logprobs": teacher} if teacher is not None else {}) | {
+    arrays = {
         "tokens": tokens,
         "prompt_lengths": prompt_lengths,
         "response_lengths": response_lengths,
@@ -112,6 +112,28 @@ def pack_samples(samples: list[Sample], rewards: list[float]) -> dict[str, np.nd
         "sample_indices": np.array([s.index for s in samples], dtype=np.int64),
         "weight_versions": versions,
     }
+    teacher = _teacher_logprobs(samples, total_response)
+    if teacher is not None:
+        arrays["teacher_logprobs"] = teacher
+    if any(s.routed_experts is not None for s in samples):
+        arrays.update(pack_routed_experts(samples))
+    return arrays
+
+
+def pack_routed_experts(samples: list[Sample]) -> dict[str, np.ndarray]:
+    """The samples' routed experts as one [rows, num_layers, topk] array and the rows of each sample
+    (rollout routing replay: every trained sample must carry the engine's routing)."""
+    missing = [s.index for s in samples if s.routed_experts is None]
+    if missing:
+        raise ValueError(f"samples {missing[:8]} have no routed experts while others have: with "
+                         "training.use_rollout_routing_replay every sample must come from an engine answer "
+                         "(a custom generate function must call generate_turn)")
+    routing = [s.routed_experts for s in samples]
+    shapes = {r.shape[1:] for r in routing}
+    if len(shapes) != 1:
+        raise ValueError(f"samples' routed experts differ in [num_layers, topk]: {sorted(shapes)}")
+    return {"routed_experts": np.concatenate(routing, axis=0),
+            "routed_expert_rows": np.array([len(r) for r in routing], dtype=np.int32)}
 
 
 def _teacher_logprobs(samples: list[Sample], total_response: int) -> np.ndarray | None:

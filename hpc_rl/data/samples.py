@@ -11,6 +11,10 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
+from hpc_rl.data.routed_experts import routing_from_json, routing_to_json
+
 
 class SampleStatus(str, enum.Enum):
     """Where a sample is in its life."""
@@ -61,6 +65,9 @@ class Sample:
     """On-policy distillation with a teacher server: the teacher's log-prob of each response token."""
     rid: str = ""
     """Request id of the last engine request for this sample (for aborts)."""
+    routed_experts: np.ndarray | None = field(default=None, compare=False)
+    """[positions, num_layers, topk] experts the engine routed each token to, prompt and response but
+    the last token (`hpc_rl.data.routed_experts`); only with `training.use_rollout_routing_replay`."""
 
     @property
     def response_length(self) -> int:
@@ -77,12 +84,16 @@ class Sample:
         """JSON-safe form (checkpoints, status files)."""
         data = asdict(self)
         data["status"] = self.status.value
+        if self.routed_experts is not None:
+            data["routed_experts"] = routing_to_json(self.routed_experts)
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Sample":
         data = dict(data)
         data["status"] = SampleStatus(data.get("status", SampleStatus.PENDING.value))
+        if data.get("routed_experts") is not None:
+            data["routed_experts"] = routing_from_json(data["routed_experts"])
         return cls(**data)
 
 

@@ -35,6 +35,9 @@ RESERVED_OPTIONS = frozenset(
      "node_rank", "dist_init_addr", "nccl_init_addr"}
 )
 
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+"""SGLang's (and the CPU engine's) flag for returning each token's routed experts."""
+
 SGLANG_ON_CPU_OPTIONS: dict[str, Any] = {
     # Real SGLang 0.5.23 on a CPU node (measured: tools/install_sglang_cpu.sh, tests -m sglang_cpu).
     "device": "cpu",
@@ -78,6 +81,8 @@ class SglangLaunchSpec:
     """Interpreter that has the `sglang` package."""
     colocated: bool = False
     """Engine on the trainer's GPUs: `--enable-memory-saver`, so releasing memory really frees it."""
+    return_routed_experts: bool = False
+    """`--enable-return-routed-experts`: answers carry each token's routed experts (rollout routing replay)."""
     base_gpu_id: int | None = None
     """Position of the engine's first GPU in its step's GPU list (`--base-gpu-id`; launch.step_plan)."""
 
@@ -139,6 +144,8 @@ def build_sglang_command(spec: SglangLaunchSpec) -> list[str]:
         command += render_option(key, spec.sglang_options[key])
     if spec.colocated and "--enable-memory-saver" not in command:
         command.append("--enable-memory-saver")
+    if spec.return_routed_experts and ROUTED_EXPERTS_FLAG not in command:
+        command.append(ROUTED_EXPERTS_FLAG)
     return command
 
 

@@ -39,6 +39,7 @@ from hpc_rl.config.sglang_options import engine_kind
 from hpc_rl.engines.engine_process import cpu_engine_command
 from hpc_rl.engines.gpu_step import engine_report_path
 from hpc_rl.engines.sglang_launch import (
+    ROUTED_EXPERTS_FLAG,
     SGLANG_PYTHON_ENV,
     SglangLaunchSpec,
     build_sglang_command,
@@ -137,6 +138,8 @@ def engine_command(config: RunConfig, placement: EnginePlacement, host: str, por
     spanning = multi_node_options(placement, dist_init_addr)
     if engine_kind(config.rollout.engine, config.cluster.device) == "cpu":
         extra = ["--base-gpu-id", str(base_gpu_id), "--dtype", str(options.get("dtype") or dtype), *spanning]
+        if config.training.use_rollout_routing_replay:
+            extra.append(ROUTED_EXPERTS_FLAG)
         return cpu_engine_command(config.checkpoint.hf_checkpoint, host=host, port=port,
                                   max_running_requests=config.sglang.server_concurrency, weight_version="0",
                                   extra_args=extra + (["--enable-memory-saver"] if config.cluster.colocate else []),
@@ -150,7 +153,12 @@ def engine_command(config: RunConfig, placement: EnginePlacement, host: str, por
     spec = SglangLaunchSpec(hf_checkpoint=config.checkpoint.hf_checkpoint, host=host, port=port,
                             rollout_num_gpus_per_engine=tp_size, api_key_file=str(sglang_api_key_path(config)),
                             sglang_options=options, python=python or step_python(config, local=local),
+<<<<<<< HEAD
                             colocated=config.cluster.colocate, base_gpu_id=sglang_base_gpu_id)
+=======
+                            colocated=config.cluster.colocate, base_gpu_id=base_gpu_id,
+                            return_routed_experts=config.training.use_rollout_routing_replay)
+>>>>>>> moe-replay
     return build_sglang_command(spec) + spanning
 
 
@@ -182,12 +190,14 @@ def engine_step(config: RunConfig, topology: JobTopology, index: int, *, host: s
 
 
 def teacher_engine_config(config: RunConfig) -> RunConfig:
-    """The config an engine command reads, for the distillation teacher: its checkpoint and GPUs, never colocated."""
+    """The config an engine command reads, for the distillation teacher: its checkpoint and GPUs, never colocated,
+    and no routed experts in its answers (only the policy's engines feed rollout routing replay)."""
     return dataclasses.replace(
         config, checkpoint=dataclasses.replace(config.checkpoint,
                                                hf_checkpoint=config.distillation.opd_teacher_hf_checkpoint or ""),
         cluster=dataclasses.replace(config.cluster, colocate=False,
-                                    rollout_num_gpus_per_engine=config.cluster.opd_teacher_num_gpus))
+                                    rollout_num_gpus_per_engine=config.cluster.opd_teacher_num_gpus),
+        training=dataclasses.replace(config.training, use_rollout_routing_replay=False))
 
 
 def teacher_step(config: RunConfig, topology: JobTopology, *, host: str, port: int, run_dir: Path,

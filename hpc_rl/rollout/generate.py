@@ -7,6 +7,9 @@ Owns:
 - `generate_turn(sample, sampling_params)`: continue a sample by one engine call. It sends
   prompt + already generated tokens with `max_new_tokens` reduced by what the sample has (and capped
   by `max_context_len`), appends tokens, logprobs and per-token weight versions, and sets the status.
+  With `training.use_rollout_routing_replay` it asks for each token's routed experts too and keeps the
+  last answer's (routed_experts.py): they cover the whole sequence sent, so a resumed sample's earlier
+  tokens carry the routing the engine recomputed for them.
   Transport failures (an engine died) keep the tokens, back off, and resubmit the rest; after
   `RetryPolicy.max_transport_retries` consecutive failures the sample is FAILED with the error in
   `metadata["error"]`. Samples that call at the same moment share a batched request (engine_client.py;
@@ -47,6 +50,8 @@ from hpc_rl.retry_policy import RetryPolicy
 from hpc_rl.rollout.engine_client import (EngineClient, EngineHTTPError, GenerateAnswer, StopGeneration,
                                           TransportError)
 from hpc_rl.rollout.metrics import GenerationMetrics
+from hpc_rl.rollout.routed_experts import (REQUEST_FIELD, RoutedExpertsError, RoutingShape,
+                                           routed_experts_from_answer)
 
 SamplingParams = dict[str, Any]
 GenerateFn = Callable[[Any, Sample, SamplingParams], Awaitable[Sample]]
@@ -164,8 +169,12 @@ class GenerationSession:
 
     def __init__(self, client: EngineClient, *, weight_version: int = 0, retry: RetryPolicy | None = None,
                  max_context_len: int | None = None, return_logprob: bool = True,
-                 batch_across_groups: bool = False) -> None:
+                 batch_across_groups: bool = False, routed_experts: RoutingShape | None = None) -> None:
         self.client = client
+        self.routed_experts = routed_experts
+        """Ask the engines for each token's routed experts (`training.use_rollout_routing_replay`), of this
+        shape; every answer with tokens must carry them (the sample keeps the last answer's, which cover
+        its whole sequence: each request sends prompt + response so far)."""
         self.batch_across_groups = batch_across_groups
         """Requests of different groups sent at the same moment may share a batched request (True when the
         caller waits for every group anyway); False: one batched request per group, so a group's answer
@@ -298,6 +307,8 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
             "sampling_params": {**sampling_params, "max_new_tokens": budget},
             "return_logprob": session.return_logprob,
         }
+        if session.routed_experts is not None:
+            payload[REQUEST_FIELD] = True
         session.in_flight.add(rid)
         metrics.requests_sent += 1
         answer: GenerateAnswer | None = None
@@ -343,6 +354,9 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
         if len(logprobs) != len(token_ids):  # none asked for, or a malformed answer: pad or cut
             logprobs = (logprobs + [0.0] * len(token_ids))[:len(token_ids)]
         versions = parse_weight_versions(meta, len(token_ids), session.weight_version)
+        if session.routed_experts is not None:
+            _keep_routed_experts(sample, meta, session.routed_experts, len(payload["input_ids"]) + len(token_ids),
+                                 generated=bool(token_ids))
         _append(sample, token_ids, logprobs, versions, str(body.get("text") or ""), trained=True)
         metrics.generated_tokens += len(token_ids)
         finish = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) \
@@ -362,6 +376,23 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
             continue
         metrics.requests_finished += 1
         return _finish(sample, SampleStatus.TRUNCATED if finish == "length" else SampleStatus.COMPLETED)
+
+
+def _keep_routed_experts(sample: Sample, meta: dict[str, Any], shape: RoutingShape, sequence_length: int, *,
+                         generated: bool) -> None:
+    """The answer's routed experts replace the sample's (they cover its whole sequence). An answer
+    without any is fine only when it generated nothing (aborted while queued, or no engine call)."""
+    try:
+        routing = routed_experts_from_answer(meta, shape=shape, sequence_length=sequence_length)
+    except RoutedExpertsError as error:
+        raise RunEndingGenerationError(f"sample {sample.index}: {error}") from None
+    if routing is not None:
+        sample.routed_experts = routing
+    elif generated:
+        raise RunEndingGenerationError(
+            "training.use_rollout_routing_replay is set but the engine answered without meta_info.routed_experts: "
+            "it was not launched with --enable-return-routed-experts (hpc_rl adds it to the engines it starts; "
+            "an engine started by hand needs it), or it does not serve a MoE model")
 
 
 async def default_generate(args: Any, sample: Sample, sampling_params: SamplingParams) -> Sample:

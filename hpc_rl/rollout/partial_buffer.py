@@ -40,6 +40,7 @@ def reset_sample(sample: Sample) -> int:
     sample.weight_versions = []
     sample.loss_mask = None
     sample.response_text = ""
+    sample.routed_experts = None
     sample.reward = None
     sample.status = SampleStatus.PENDING
     sample.metadata.pop("error", None)

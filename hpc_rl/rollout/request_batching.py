@@ -2,9 +2,10 @@
 
 Owns the pure part of request batching (no I/O): which single requests may share a batched body
 (`batchable`), the batched body (`merge_payloads`: SGLang's batched `input_ids`, one `rid` per item,
-one shared `sampling_params` / `return_logprob` or one per item), how the samples queued at one
-moment are cut into requests (`plan_batches`: one per engine, whole GRPO groups, at most the engine's
-concurrency each), and the answer list mapped back to the samples (`split_answer`).
+one shared `sampling_params` / `return_logprob` or one per item, one `return_routed_experts` for the
+whole batch as SGLang takes it), how the samples queued at one moment are cut into requests
+(`plan_batches`: one per engine, whole GRPO groups, at most the engine's concurrency each), and the
+answer list mapped back to the samples (`split_answer`).
 
 Why: per-request overhead (HTTP, JSON, the router, the engine's handler) dominated generation at RL
 shapes: 128 samples x 4 tokens took 253 ms as 128 requests through the router and 37 ms as one batched
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-BATCHABLE_KEYS = frozenset({"rid", "input_ids", "sampling_params", "return_logprob"})
+BATCHABLE_KEYS = frozenset({"rid", "input_ids", "sampling_params", "return_logprob", "return_routed_experts"})
 """A single request with only these keys (the rollout's own) can join a batch; anything else (text,
 stream, images, a custom function's extras) is sent alone, as it came."""
 
@@ -51,6 +52,8 @@ def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
                             "sampling_params": _shared_or_each([p.get("sampling_params") or {} for p in payloads])}
     if any("return_logprob" in p for p in payloads):
         body["return_logprob"] = _shared_or_each([bool(p.get("return_logprob", False)) for p in payloads])
+    if any(p.get("return_routed_experts") for p in payloads):  # SGLang takes one value for a whole batch
+        body["return_routed_experts"] = True
     return body
 
 

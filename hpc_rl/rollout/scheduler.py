@@ -57,6 +57,7 @@ from hpc_rl.rollout.partial_buffer import (
     reset_sample,
     violates_staleness,
 )
+from hpc_rl.rollout.routed_experts import RoutingShape
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +89,19 @@ class SchedulerSettings:
     """Longer prompts (tokens) are dropped when drawn; None: no limit."""
     max_prompt_len_why: str = ""
     """Where the limit comes from, for the message."""
+    routed_experts: RoutingShape | None = None
+    """Ask the engines for each token's routed experts, of this shape (`training.use_rollout_routing_replay`)."""
 
     @classmethod
-    def from_config(cls, rollout: Any, engine_context_len: int | None = None) -> SchedulerSettings:
+    def from_config(cls, rollout: Any, engine_context_len: int | None = None,
+                    routed_experts: RoutingShape | None = None) -> SchedulerSettings:
         limit, why = prompt_length_limit(rollout, engine_context_len)
         return cls(rollout_batch_size=rollout.rollout_batch_size, n_samples_per_prompt=rollout.n_samples_per_prompt,
                    over_sampling_batch_size=rollout.over_sampling_batch_size,
                    partial_rollout=rollout.partial_rollout,
                    mask_offpolicy_in_partial_rollout=rollout.mask_offpolicy_in_partial_rollout,
                    max_staleness=rollout.max_staleness, max_context_len=rollout.rollout_max_context_len,
-                   max_prompt_len=limit, max_prompt_len_why=why)
+                   max_prompt_len=limit, max_prompt_len_why=why, routed_experts=routed_experts)
 
 
 def prompt_length_limit(rollout: Any, engine_context_len: int | None) -> tuple[int | None, str]:
@@ -171,11 +175,13 @@ class RolloutScheduler:
 
     @classmethod
     def from_config(cls, rollout: Any, *, args: Any, client: EngineClient, source: PromptSource,
-                    encoder: PromptEncoder, reward_fn: RewardFn, **overrides: Any) -> RolloutScheduler:
+                    encoder: PromptEncoder, reward_fn: RewardFn, routed_experts: RoutingShape | None = None,
+                    **overrides: Any) -> RolloutScheduler:
         """Everything from the rollout section (`RolloutConfig`); `args` is what plug-ins receive
         (`hpc_rl.config.plugin_args`). Plug-ins are resolved here: a bad path fails before generation."""
         kwargs: dict[str, Any] = {
-            "settings": SchedulerSettings.from_config(rollout, getattr(client, "context_length", None)),
+            "settings": SchedulerSettings.from_config(rollout, getattr(client, "context_length", None),
+                                                      routed_experts),
             "client": client, "source": source,
             "encoder": encoder, "reward_fn": reward_fn, "sampling_params": rollout_sampling_params(rollout),
             "args": args, "group_filter": load_group_filter(rollout.dynamic_sampling_filter_path),
@@ -273,7 +279,8 @@ class RolloutScheduler:
         # Without a filter or over-sampling every submitted group is waited for: batch across groups.
         every_group_needed = self.group_filter is None and (settings.over_sampling_batch_size or target) <= target
         session = GenerationSession(self.client, weight_version=self.weight_version, retry=self.retry,
-                                    max_context_len=settings.max_context_len, batch_across_groups=every_group_needed)
+                                    max_context_len=settings.max_context_len, batch_across_groups=every_group_needed,
+                                    routed_experts=settings.routed_experts)
         self._session = session
         kept: list[Group] = []
         surplus: list[Group] = []

@@ -255,8 +255,8 @@ class TrainerCommands:
                 step = self.parts.optimizer.steps_done - len(steps) + offset + 1  # steps done, as rollout/* counts rollouts
                 if self.scalars is not None:
                     self.scalars.log({f"train/{k}": v for k, v in metrics.items()}, step)
-                log.info("rollout %d step %d: %s", command.rollout_id, step,
-                         " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+                log.info("rollout %d step %d: %s", command.rollout_id, step,  # per-layer MoE metrics: TensorBoard only
+                         " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if "/layer_" not in k))
         return {"steps": steps, "rollout_id": command.rollout_id}
 
     def memory(self, command: TrainerMemoryCommand) -> dict[str, Any]:

@@ -139,6 +139,23 @@ def _set_input_tensor(model: torch.nn.Module, tensor: torch.Tensor | None) -> No
     inner.set_input_tensor(tensor)
 
 
+class StageHooks:
+    """Called around each micro-batch's compute on this stage (no-ops here; `routing_replay` and
+    `router_health` override them): what runs inside the model depends on the micro-batch."""
+
+    def before_forward(self, micro: Any) -> None:
+        """Right before `micro`'s forward pass on this stage."""
+
+    def after_forward(self, micro: Any) -> None:
+        """Right after `micro`'s forward pass on this stage (before its output is sent on)."""
+
+    def before_backward(self, micro: Any) -> None:
+        """Right before `micro`'s backward pass (activation recomputation runs inside it)."""
+
+
+NO_HOOKS = StageHooks()
+
+
 @dataclass
 class _MicroState:
     input: torch.Tensor | None = None
@@ -190,26 +207,27 @@ class PipelineSchedule:
     # ------------------------------------------------------------------ entry points
 
     def forward_only(self, model: torch.nn.Module, micros: Sequence[Any],
-                     on_output: Callable[[Any, torch.Tensor], T]) -> list[T]:
+                     on_output: Callable[[Any, torch.Tensor], T], hooks: StageHooks = NO_HOOKS) -> list[T]:
         """`on_output(micro, logits)` for every micro-batch, on the last stage (empty list elsewhere).
 
         Call it under `torch.no_grad()`.
         """
         results: list[T] = []
         self._run(forward_only(len(micros), self.pp_size, self.pp_rank), model, micros,
-                  lambda micro, logits: results.append(on_output(micro, logits)), training=False)
+                  lambda micro, logits: results.append(on_output(micro, logits)), training=False, hooks=hooks)
         return results
 
     def forward_backward(self, model: torch.nn.Module, micros: Sequence[Any],
-                         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
+                         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], hooks: StageHooks = NO_HOOKS) -> None:
         """Forward and backward of every micro-batch in 1F1B order; `loss_fn(micro, logits)` runs on
         the last stage and returns the scalar to backpropagate (already scaled by the caller)."""
-        self._run(one_f_one_b(len(micros), self.pp_size, self.pp_rank), model, micros, loss_fn, training=True)
+        self._run(one_f_one_b(len(micros), self.pp_size, self.pp_rank), model, micros, loss_fn, training=True,
+                  hooks=hooks)
 
     # ------------------------------------------------------------------ execution
 
     def _run(self, ops: list[Op], model: torch.nn.Module, micros: Sequence[Any],
-             on_output: Callable[[Any, torch.Tensor], Any], *, training: bool) -> None:
+             on_output: Callable[[Any, torch.Tensor], Any], *, training: bool, hooks: StageHooks) -> None:
         states = [_MicroState() for _ in micros]
         if self.pp_size > 1:
             self._warm_up()
@@ -217,10 +235,13 @@ class PipelineSchedule:
             if isinstance(op, Exchange):
                 self._exchange(op, states, micros, training=training)
             elif op.kind == "forward":
+                hooks.before_forward(micros[op.micro])
                 self._forward(model, micros[op.micro], states[op.micro], on_output, training=training)
+                hooks.after_forward(micros[op.micro])
             else:
                 # Megatron DDP's grad reduction (overlapped on GPU) starts on the last micro-batch only
                 no_sync = getattr(model, "no_sync", None) if op.micro != len(micros) - 1 else None
+                hooks.before_backward(micros[op.micro])
                 with no_sync() if no_sync is not None else nullcontext():
                     self._backward(states[op.micro])
         if self.pp_size > 1:

@@ -30,6 +30,8 @@ the training pass uses, so with ref == actor weights the KL term is exactly 0. O
 from the training pass itself (detached) when there is one optimizer step per rollout and no KL
 reward shaping (`old_logprobs_need_own_pass`), else from their own pass before the first update on
 the same micro-batches: either way logp_old == logp bit for bit on the first step (ppo_kl == 0).
+
+A MoE actor's routers replay or record in these passes and report their health per step (`moe_routing`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -61,10 +64,14 @@ from hpc_rl.training.losses import (
     sum_of_tokens,
 )
 from hpc_rl.training.micro_batches import MicroBatch, build_microbatch, choose_qkv_format
+<<<<<<< HEAD
 from hpc_rl.training.mtp_model import mtp_model_of
+=======
+from hpc_rl.training.moe_routing import MoeRouting
+>>>>>>> moe-replay
 from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
 from hpc_rl.training.parallel import ParallelInfo
-from hpc_rl.training.pipeline import PipelineSchedule
+from hpc_rl.training.pipeline import NO_HOOKS, PipelineSchedule, StageHooks
 from hpc_rl.training.train_batch import TrainBatch
 from hpc_rl.plugins import load_plugin
 from hpc_rl.training.critic import critic_metrics, train_critic
@@ -189,6 +196,8 @@ class RolloutTrainer:
                             if algorithm.loss_type == "custom_loss" and algorithm.custom_loss_function_path else None)
         self.custom_advantages = (load_custom_advantages(algorithm.custom_advantage_function_path)
                                   if algorithm.custom_advantage_function_path else None)
+        self.moe = MoeRouting(actor, arch, training, info) if arch.is_moe else None
+        """Routing replay and router metrics of a MoE actor (`moe_routing`)."""
         self.custom_tis = load_plugin("tis", algorithm.custom_tis_function_path) if algorithm.custom_tis_function_path \
             else None
         self.before_log_prob_hook = _optional_plugin("before_log_prob_hook",
@@ -229,16 +238,17 @@ class RolloutTrainer:
             ref_param.copy_(param)
 
     @torch.no_grad()
-    def _old_logprobs(self, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
-        """The old log-probs' own pass: at the engines' weights with keep_old_actor, else the current ones."""
+    def _old_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        """The old log-probs' own pass: at the engines' weights with keep_old_actor, else the current ones
+        (a MoE actor's routers replay or record in it)."""
         if not self.algorithm.keep_old_actor or self.rollout_weights is None:
-            return self._logprobs(self.actor, micros, "")
+            return self._actor_logprobs(batch, micros)
         params = self._actor_params()
         current = [p.detach().to("cpu", copy=True) for p in params]
         for param, old in zip(params, self.rollout_weights):
             param.copy_(old)
         try:
-            return self._logprobs(self.actor, micros, "")
+            return self._actor_logprobs(batch, micros)
         finally:
             for param, value in zip(params, current):
                 param.copy_(value)
@@ -291,10 +301,11 @@ class RolloutTrainer:
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, micros: list[MicroBatch],
-                  store_prefix: str | None = None) -> dict[int, torch.Tensor]:
+                  store_prefix: str | None = None, hooks: StageHooks = NO_HOOKS) -> dict[int, torch.Tensor]:
         """Per-sample response log-probs, by batch index; empty on stages other than the last. `store_prefix`
         (slime's: "" old, "ref_" reference) names the pass for the before-log-prob hook; with
-        use_rollout_entropy the pass's entropies are kept under store_prefix + "entropy"."""
+        use_rollout_entropy the pass's entropies are kept under store_prefix + "entropy". `hooks` run around each
+        micro-batch's forward on this stage (a MoE actor's routing replay)."""
         if store_prefix is not None and self.before_log_prob_hook is not None:
             self.before_log_prob_hook(self.plugin_args, model, store_prefix)
         entropy_key = None if store_prefix is None else store_prefix + "entropy"
@@ -302,7 +313,8 @@ class RolloutTrainer:
         out: dict[int, torch.Tensor] = {}
         entropies: dict[int, torch.Tensor] = {}
         for micro, (values, entropy) in zip(micros, self.pipeline.forward_only(
-                model, micros, lambda m, logits: self._response_logprobs(m, logits, with_entropy=with_entropy))):
+                model, micros, lambda m, logits: self._response_logprobs(m, logits, with_entropy=with_entropy),
+                hooks)):
             out.update(zip(micro.indices, values))
             if entropy is not None:
                 entropies.update(zip(micro.indices, entropy))
@@ -310,9 +322,23 @@ class RolloutTrainer:
             self._entropy[entropy_key] = entropies  # type: ignore[index]
         return out
 
+    def _actor_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
+        """The actor's old log-probs pass as it stands (a MoE actor's routers replay or record)."""
+        if self.moe is None:
+            return self._logprobs(self.actor, micros, "")
+        with self.moe.old_pass(batch) as hooks:
+            return self._logprobs(self.actor, micros, "", hooks)
+
     # ------------------------------------------------------------------ the rollout
 
     def train_rollout(self, batch: TrainBatch, rollout_id: int = 0) -> list[dict[str, float]]:
+        try:
+            return self._train_rollout(batch, rollout_id)
+        finally:
+            if self.moe is not None:
+                self.moe.end_rollout()
+
+    def _train_rollout(self, batch: TrainBatch, rollout_id: int) -> list[dict[str, float]]:
         steps = self.training.num_steps_per_rollout
         if len(batch) == 0 or len(batch) % steps:
             raise ValueError(f"{len(batch)} samples do not split into num_steps_per_rollout={steps} steps")
@@ -334,9 +360,11 @@ class RolloutTrainer:
             old = {i: torch.as_tensor(lp, dtype=torch.float32, device=device)
                    for i, lp in enumerate(batch.rollout_logprobs)}
             if self.algorithm.get_mismatch_metrics:  # the mismatch is the trainer's log-probs vs the engine's
-                self._train_logprobs = self._old_logprobs(all_micros)
+                self._train_logprobs = self._old_logprobs(batch, all_micros)  # (also records a MoE's routing)
+            elif self.moe is not None and self.moe.needs_record_pass():
+                self._old_logprobs(batch, all_micros)  # records the routing later steps replay
         elif self.separate_old_logprob_pass:
-            old = self._old_logprobs(all_micros)
+            old = self._old_logprobs(batch, all_micros)
         else:
             old = None  # the training pass's own log-probs, detached (losses: old_log_probs=None)
         teacher = self._teacher_logprobs(batch, all_micros)
@@ -614,7 +642,9 @@ class RolloutTrainer:
         if self.arch.is_moe:
             set_moe_aux_loss_scale(len(micros), self.info.cp_size, self.loss_config.calculate_per_token_loss,
                                    global_trained, device=self.info.device)
-        pipeline.forward_backward(model, micros, micro_loss)
+        moe = self.moe if model is self.actor else None  # the actor's routers (a critic's are not tracked)
+        with (moe.training_pass(batch) if moe is not None else nullcontext(NO_HOOKS)) as hooks:
+            pipeline.forward_backward(model, micros, micro_loss, hooks)
         result = optimizer.step()
         out: dict[str, float] = {}
         if self.info.is_last_stage:
@@ -628,6 +658,8 @@ class RolloutTrainer:
         if self.pp_group is not None:  # the loss metrics to every stage (rank 0 reports them)
             out = dict(broadcast_json(out, src=dist.get_global_rank(self.pp_group, self.info.pp_size - 1),
                                       group=self.pp_group, device=self.info.device))
+        if moe is not None:
+            out.update(moe.step_metrics(len(micros)))
         seconds = time.perf_counter() - start
         out.update({"grad_norm": result.grad_norm, "lr": result.lr, "step_time": seconds,
                     "tokens_per_second": global_tokens / seconds, "samples": global_samples,

@@ -1,9 +1,10 @@
 """`TrainBatch`: one DP rank's share of a rollout, as the trainer consumes it.
 
 Owns: the per-sample view (token ids, prompt/response lengths, loss masks, normalised rewards,
-rollout log-probs) and its conversion from/to the flat numpy arrays the controller sends in a
-`TrainCommand` (`hpc_rl.controller.train_batches.pack_samples`: concatenated tokens plus per-sample
-lengths) and from JSONL rows (the `--batches-file` used before a controller exists).
+rollout log-probs, the engines' routed experts) and its conversion from/to the flat numpy arrays the
+controller sends in a `TrainCommand` (`hpc_rl.controller.train_batches.pack_samples`: concatenated
+tokens plus per-sample lengths) and from JSONL rows (the `--batches-file` used before a controller
+exists).
 `rewards` are already group-normalised (the rollout side does it: it sees whole groups). A teacher server's
 log-probs (on-policy distillation, `teacher_logprobs`) travel beside the engine's.
 """
@@ -18,6 +19,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from hpc_rl.data.routed_experts import compact_expert_ids
 
 
 @dataclass(kw_only=True)
@@ -34,6 +37,9 @@ class TrainBatch:
     """Per sample, after group normalisation (= the GRPO advantage of every response token)."""
     rollout_logprobs: list[list[float]] | None = None
     """Per response token, the engine's log-prob of the sampled token (None if not returned)."""
+    routed_experts: list[np.ndarray] | None = None
+    """Per sample, [rows, num_layers, topk] experts the engine routed its first `rows` tokens to
+    (rollout routing replay; `hpc_rl.data.routed_experts`), None when the engines returned none."""
     teacher_logprobs: list[list[float]] | None = None
     """On-policy distillation with a teacher server: per response token, the teacher's log-prob of it."""
     meta: dict[str, Any] = field(default_factory=dict)
@@ -52,6 +58,13 @@ class TrainBatch:
             for i, (lp, r) in enumerate(zip(getattr(self, name) or [], self.response_lengths)):
                 if len(lp) != r:
                     raise ValueError(f"sample {i}: {len(lp)} {name.replace('_', ' ')} for {r} response tokens")
+        if self.routed_experts is not None:
+            if len(self.routed_experts) != n:
+                raise ValueError(f"TrainBatch.routed_experts has {len(self.routed_experts)} entries for {n} samples")
+            for i, (routing, toks) in enumerate(zip(self.routed_experts, self.tokens)):
+                if routing.ndim != 3 or len(routing) > len(toks):
+                    raise ValueError(f"sample {i}: routed experts of shape {routing.shape} for {len(toks)} tokens "
+                                     "(expected [rows <= tokens, num_layers, topk])")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -69,6 +82,7 @@ class TrainBatch:
             loss_masks=[self.loss_masks[i] for i in indices],
             rewards=[self.rewards[i] for i in indices],
             rollout_logprobs=None if self.rollout_logprobs is None else [self.rollout_logprobs[i] for i in indices],
+            routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in indices],
             teacher_logprobs=None if self.teacher_logprobs is None else [self.teacher_logprobs[i] for i in indices],
             meta=dict(self.meta),
         )
@@ -92,9 +106,13 @@ class TrainBatch:
                 teacher.append(flat_teacher[r_off : r_off + r].astype(np.float64).tolist())
             t_off += p + r
             r_off += r
+        routing = None
+        if "routed_experts" in arrays:  # views of the received buffer, one per sample
+            cuts = np.cumsum(arrays["routed_expert_rows"].astype(np.int64))[:-1]
+            routing = np.split(arrays["routed_experts"], cuts)
         return cls(tokens=tokens, response_lengths=response, loss_masks=masks,
                    rewards=arrays["rewards"].astype(np.float64).tolist(),
-                   rollout_logprobs=logprobs if logprobs else None,
+                   rollout_logprobs=logprobs if logprobs else None, routed_experts=routing,
                    teacher_logprobs=teacher if flat_teacher is not None else None, meta=dict(meta or {}))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
@@ -111,17 +129,24 @@ class TrainBatch:
             out["rollout_logprobs"] = np.array([x for lp in self.rollout_logprobs for x in lp], dtype=np.float32)
         if self.teacher_logprobs is not None:
             out["teacher_logprobs"] = np.array([x for lp in self.teacher_logprobs for x in lp], dtype=np.float32)
+        if self.routed_experts is not None:
+            out["routed_experts"] = np.concatenate(self.routed_experts, axis=0)
+            out["routed_expert_rows"] = np.array([len(r) for r in self.routed_experts], dtype=np.int32)
         return out
 
     @classmethod
     def from_rows(cls, rows: Sequence[Mapping[str, Any]]) -> TrainBatch:
-        """From JSON rows {"tokens", "response_length", "reward", optional "loss_mask", "rollout_logprobs"}."""
+        """From JSON rows {"tokens", "response_length", "reward", optional "loss_mask", "rollout_logprobs",
+        "routed_experts" ([rows][num_layers][topk] ids)}."""
         masks = [list(row.get("loss_mask") or [1] * int(row["response_length"])) for row in rows]
         has_lp = all(row.get("rollout_logprobs") is not None for row in rows)
+        has_routing = all(row.get("routed_experts") is not None for row in rows)
         return cls(tokens=[list(map(int, row["tokens"])) for row in rows],
                    response_lengths=[int(row["response_length"]) for row in rows], loss_masks=masks,
                    rewards=[float(row["reward"]) for row in rows],
-                   rollout_logprobs=[list(map(float, row["rollout_logprobs"])) for row in rows] if has_lp else None)
+                   rollout_logprobs=[list(map(float, row["rollout_logprobs"])) for row in rows] if has_lp else None,
+                   routed_experts=[compact_expert_ids(np.asarray(row["routed_experts"], dtype=np.int64))
+                                   for row in rows] if has_routing else None)
 
 
 def read_batches_file(path: str | Path) -> Iterator[TrainBatch]:

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--random-seed", type=int, default=None)
     parser.add_argument("--enable-memory-saver", action="store_true",
                         help="as SGLang's flag: releasing the `weights` tag discards them (colocated mode)")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="as SGLang's flag: answers carry each token's routed experts when a request asks "
+                             "(return_routed_experts); needs a MoE model")
     parser.add_argument("--base-gpu-id", type=int, default=0,
                         help="as SGLang's flag: position of the engine's first GPU in its step's GPU list (the CPU "
                              "engine computes on CPU; its device identity, checked against colocated shares, "
@@ -129,9 +132,18 @@ def main(argv: list[str] | None = None) -> None:
         return
     tokenizer = load_engine_tokenizer(args.model_path)
     context_length = args.context_length or int(getattr(model.config, "max_position_embeddings", 4096))
+    routed_experts = None
+    if args.enable_return_routed_experts:
+        from hpc_rl.engines.cpu.routed_experts import RoutedExpertsCapture
+
+        try:
+            routed_experts = RoutedExpertsCapture(model)
+        except ValueError as error:
+            raise SystemExit(f"{args.model_path}: {error}") from None
     scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
                           context_length=context_length, weight_version=args.weight_version,
-                          on_fatal=exit_on_scheduler_death, memory_saver=args.enable_memory_saver)
+                          on_fatal=exit_on_scheduler_death, memory_saver=args.enable_memory_saver,
+                          routed_experts=routed_experts)
     info = ServerInfo(model_path=args.model_path, host=args.host, port=args.port, api_key=api_key,
                       max_running_requests=args.max_running_requests, context_length=context_length,
                       architectures=list(model.config.architectures or []), model_type=model.config.model_type,

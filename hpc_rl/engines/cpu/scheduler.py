@@ -32,6 +32,7 @@ from hpc_rl.engines.cpu.requests import (
     render_response,
     response_texts,
 )
+from hpc_rl.engines.cpu.routed_experts import RoutedExpertsCapture
 from hpc_rl.engines.cpu.sampling import find_stop_string, sample_next_tokens
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,10 @@ class Scheduler:
     def __init__(self, model: torch.nn.Module, tokenizer, *, max_running_requests: int,
                  context_length: int, weight_version: str,
                  on_fatal: Callable[[BaseException], None] | None = None,
-                 memory_saver: bool = False) -> None:
+                 memory_saver: bool = False, routed_experts: RoutedExpertsCapture | None = None) -> None:
         self.model = model
+        self.routed_experts = routed_experts
+        """The model's routers' choices of each forward (`--enable-return-routed-experts`), else None."""
         self.tokenizer = tokenizer
         self.max_running_requests = max_running_requests
         self.context_length = context_length
@@ -264,6 +267,11 @@ class Scheduler:
         if self._running:
             tokens = torch.tensor([request.output_ids[-1] for request in self._running], dtype=torch.long)
             self._batch, logits = kv_batch.decode_step(self.model, self._batch, tokens)
+            if self.routed_experts is not None:
+                ids = self.routed_experts.take(len(self._running), 1)
+                for row, request in enumerate(self._running):
+                    if request.routed_experts is not None:
+                        request.routed_experts.append(ids[row])
             self._sample_and_retire(list(range(len(self._running))), logits)
 
     def _admit(self, newcomers: list[GenerationRequest]) -> None:
@@ -273,6 +281,12 @@ class Scheduler:
         batch, last_logits, full_logits = kv_batch.prefill(
             self.model, [r.context for r in newcomers], full_logits=wants_input_logprobs
         )
+        if self.routed_experts is not None:  # a (re-)prefill routes every context token again
+            length = max(len(r.context) for r in newcomers)
+            ids = self.routed_experts.take(len(newcomers), length)
+            for row, request in enumerate(newcomers):
+                if request.return_routed_experts:
+                    request.routed_experts = [ids[row, length - len(request.context):]]
         if full_logits is not None:
             for request, logits in zip(newcomers, full_logits):
                 if request.return_logprob and request.logprob_start_len >= 0 and request.input_logprobs is None:
