@@ -153,12 +153,8 @@ def engine_command(config: RunConfig, placement: EnginePlacement, host: str, por
     spec = SglangLaunchSpec(hf_checkpoint=config.checkpoint.hf_checkpoint, host=host, port=port,
                             rollout_num_gpus_per_engine=tp_size, api_key_file=str(sglang_api_key_path(config)),
                             sglang_options=options, python=python or step_python(config, local=local),
-<<<<<<< HEAD
-                            colocated=config.cluster.colocate, base_gpu_id=sglang_base_gpu_id)
-=======
-                            colocated=config.cluster.colocate, base_gpu_id=base_gpu_id,
+                            colocated=config.cluster.colocate, base_gpu_id=sglang_base_gpu_id,
                             return_routed_experts=config.training.use_rollout_routing_replay)
->>>>>>> moe-replay
     return build_sglang_command(spec) + spanning
 
 

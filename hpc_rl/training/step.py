@@ -64,11 +64,8 @@ from hpc_rl.training.losses import (
     sum_of_tokens,
 )
 from hpc_rl.training.micro_batches import MicroBatch, build_microbatch, choose_qkv_format
-<<<<<<< HEAD
 from hpc_rl.training.mtp_model import mtp_model_of
-=======
 from hpc_rl.training.moe_routing import MoeRouting
->>>>>>> moe-replay
 from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.pipeline import NO_HOOKS, PipelineSchedule, StageHooks

@@ -19,15 +19,12 @@ SGLang behaviour reproduced here (srt/managers/io_struct.py, tokenizer_manager.p
   text (kept in `output_ids`), a matched stop string cut off (both unless `no_stop_trim`).
 - `weight_versions` spans; with no output token `[{"version": v, "start": 0, "end": 0}]`.
 - `cached_tokens` is always 0: the CPU engine has no prefix (radix) cache, every prompt is prefilled.
-<<<<<<< HEAD
 - `meta_info` carries SGLang's other fields (`num_retractions` counted, `reasoning_tokens` 0, `dp_rank` and
   `cached_tokens_details` null, `output_token_logprobs_length`, `response_sent_to_client_ts`); the first
   `input_token_logprobs` entry is `null` at any `logprob_start_len`, as SGLang's.
 - `sampling_params.n` > 1: each prompt n times in a row, each item a fresh random rid (SGLang ignores the
   body's rid then); a different `n` per item is a 400. Sampling-param errors are SGLang's bodies and texts.
-=======
 - `return_routed_experts` (one value for a batch) and `routed_experts_start_len`: see routed_experts.py.
->>>>>>> moe-replay
 """
 
 from __future__ import annotations
@@ -43,13 +40,9 @@ from typing import Any
 import torch
 
 from hpc_rl.engines.http_api import RequestError, per_item, request_ids
-<<<<<<< HEAD
+from hpc_rl.engines.cpu.routed_experts import encode_routed_experts
 from hpc_rl.engines.cpu.sampling import (SamplingParams, UnknownSamplingKey, UnsupportedSamplingValue, make_generator,
                                          parse_sampling_params)
-=======
-from hpc_rl.engines.cpu.routed_experts import encode_routed_experts
-from hpc_rl.engines.cpu.sampling import SamplingParams, make_generator, parse_sampling_params
->>>>>>> moe-replay
 
 DETOKENIZE_CONTEXT_TOKENS = 5
 """SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens decoded before the output."""
@@ -75,16 +68,13 @@ class GenerationRequest:
     input_logprobs: list[float | None] | None = None
     weight_versions: list[dict] = field(default_factory=list)
     finish_reason: dict | None = None
-<<<<<<< HEAD
     num_retractions: int = 0
     """Times a pause (retract) sent it back to the queue (SGLang's meta_info field)."""
-=======
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     routed_experts: list[torch.Tensor] | None = None
     """[tokens, num_layers, topk] int32 chunks, one row per token run through the model so far
     (`routed_experts.RoutedExpertsCapture`; None unless the engine captures and the request asked)."""
->>>>>>> moe-replay
 
     def append(self, token: int, logprob: float, weight_version: str) -> None:
         """Record one generated token and the weight version that produced it."""
@@ -191,18 +181,15 @@ def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedG
     raw_params = per_item(body, "sampling_params", count, {})
     return_logprob = per_item(body, "return_logprob", count, False)
     start_lens = per_item(body, "logprob_start_len", count, -1)
-<<<<<<< HEAD
     samples = parallel_samples(raw_params)
     if samples > 1:  # SGLang: each prompt n times in a row, every item a fresh rid (the body's rid is not used)
         prompts, raw_params, return_logprob, start_lens = (
             [item for item in items for _ in range(samples)] for items in (prompts, raw_params, return_logprob, start_lens))
         rids, batched = [uuid.uuid4().hex for _ in prompts], True
-=======
     return_routed_experts = bool(body.get("return_routed_experts", False))  # one value for a batch, as SGLang
     routed_start = body.get("routed_experts_start_len", 0)
     if isinstance(routed_start, bool) or not isinstance(routed_start, int):
         raise RequestError("routed_experts_start_len must be an integer")
->>>>>>> moe-replay
     requests = []
     parsed: dict[int, SamplingParams] = {}  # a batch usually shares one sampling_params object: parse it once
     for index, prompt in enumerate(prompts):
