@@ -117,6 +117,7 @@ def one_run(mode: str, rollouts: int, skip: int, extra: list[str]) -> dict[str, 
                 *MODES[mode], *extra] if mode != "trl" else [
                 sys.executable, str(REPO / "benchmarks" / "bench_vs_trl.py"), "--trl-child", "--steps", str(rollouts)]
         load_start = float(Path("/proc/loadavg").read_text().split()[0])
+        spawned = time.perf_counter()
         process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         sampler = Sampler(process.pid)
         sampler.start()
@@ -145,6 +146,8 @@ def one_run(mode: str, rollouts: int, skip: int, extra: list[str]) -> dict[str, 
     steady = rows[first:last]
     for key in ("time/rollout", "time/train", "time/weight_sync", "time/step") if steady else ():
         result[f"median_ms/{key[5:]}"] = statistics.median(r.get(key, 0.0) for r in steady) * 1000
+    result["startup_s"] = stamps[min(stamps)] - spawned
+    result["cpu_s/startup"] = sum(v for k, v in sampler.at(stamps[min(stamps)]).items() if "(" not in k)
     result["loadavg"] = load_start
     return result
 

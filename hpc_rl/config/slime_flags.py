@@ -23,6 +23,7 @@ MODEL_VALUE_FLAGS: dict[str, type] = {
     "num_query_groups": int,
     "kv_channels": int,
     "vocab_size": int,
+    "make_vocab_size_divisible_by": int,
     "norm_epsilon": float,
     "rotary_base": float,
     "rotary_percent": float,

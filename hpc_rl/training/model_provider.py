@@ -9,8 +9,9 @@ to the first stage's at build time and kept equal by `finalize_model_grads` (emb
 Does not own weights (see `hpc_rl.weights.hf_import` / `hpc_rl.training.checkpoint`), process
 groups (`parallel`) or running the stages (`pipeline`).
 
-Vocabulary padding: the embedding is padded to a multiple of `VOCAB_PAD_MULTIPLE` that does not
-depend on TP (unlike Megatron's `128 * tp`), so torch_dist checkpoints reshard between TP sizes.
+Vocabulary padding: the embedding is padded to a multiple of the architecture's
+`make_vocab_size_divisible_by` (Megatron's flag, default `VOCAB_PAD_MULTIPLE`) and of TP, not of their product
+(Megatron pads to `128 * tp`), so torch_dist checkpoints reshard between TP sizes that divide it.
 The padded logits are masked out when log-probs are computed (`hpc_rl.training.logprobs`).
 """
 
@@ -149,7 +150,8 @@ def build_gpt_model(
         model = GPTModel(
             config=config,
             transformer_layer_spec=build_block_spec(arch, use_te=use_transformer_engine(device), num_layers=layers),
-            vocab_size=padded_vocab_size(arch.vocab_size, training.tensor_model_parallel_size),
+            vocab_size=padded_vocab_size(arch.vocab_size, training.tensor_model_parallel_size,
+                                         arch.make_vocab_size_divisible_by),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=first,
             post_process=last,
