@@ -20,7 +20,7 @@ from hpc_rl.config.loading import config_to_dict
 from hpc_rl.config.memory_plan import plan_summary
 from hpc_rl.config.validation import ValidationFailed, run_architecture, validate
 from hpc_rl.launch.submit_args import EXIT_INVALID, assign_run_dir, default_executor, parse_submit_args
-from hpc_rl.launch.topology import plan_topology
+from hpc_rl.launch.topology import plan_run_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
 
 __all__ = ["EXIT_INVALID", "main"]
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         options = parse_submit_args(argv)
         config = load_config(options.config_files, options.config_flags)
         validate(config, check_files=options.check_files)
-        topology = plan_topology(config.cluster)
+        topology = plan_run_topology(config)
     except ConfigErrors as errors:
         print(f"hpc_rl.submit: the config has {len(errors.messages)} problem(s); nothing was submitted:", file=sys.stderr)
         print("\n".join(f"  - {m}" for m in errors.messages), file=sys.stderr)

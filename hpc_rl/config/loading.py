@@ -31,6 +31,7 @@ from hpc_rl.config.settings_sources import _field_hint as field_hint
 from hpc_rl.config.slime_flags import (
     APPENDED_FIELDS, PLUGIN_PATH_FIELDS, SLIME_PLUGIN_PATHS, SLIME_RM_MODULES, as_slime_module_path,
 )
+from hpc_rl.config.training_modes import derive_mode_settings
 from hpc_rl.config.typing_rules import ConfigError, ConfigErrors, coerce_value
 
 RESOLVED_CONFIG_NAME = "config.resolved.yaml"
@@ -182,6 +183,7 @@ def build_config(settings: list[Setting]) -> RunConfig:
         except ConfigError as error:
             problems += _messages(error)
     top[MODEL_ARGS_FIELD] = _model_args(raw, top, problems)
+    problems += derive_mode_settings(raw, lambda section, name: _given_or_default(raw, section, name))
     if raw["eval"].get("eval_config"):  # slime's --eval-config replaces --eval-prompt-data; the resolved config
         try:                            # keeps the datasets it read (every process reads them, not the file)
             raw["eval"]["eval_prompt_data"] = eval_datasets_from_file(raw["eval"].pop("eval_config"),

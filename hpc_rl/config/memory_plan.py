@@ -1,7 +1,7 @@
 """The per-GPU memory plan of a GPU run: what the trainer and the engines hold in each phase, and whether it fits.
 
 Owns: bytes per GPU for the trainer (bf16 weights, the reference model's weights when a KL term needs
-them, fp32 gradient buffers, the distributed optimizer's state on the GPU or in host memory with
+them and a megatron distillation teacher's, fp32 gradient buffers, all but the frozen ones twice with PPO's critic, the distributed optimizer's state on the GPU or in host memory with
 `--optimizer-cpu-offload`, activations at the micro-batch's tokens with and without recompute, the fp32
 log-softmax of the logits) and for an engine (bf16 weights as SGLang splits them, the static pool of
 `mem_fraction_static` that holds weights + KV cache); the phases they share a GPU in (colocated:
@@ -244,12 +244,17 @@ def trainer_memory(config: RunConfig, arch: ModelArchitecture, layout: ParallelL
         kept, recompute = _activations(arch, config, range(stage * per_stage, (stage + 1) * per_stage), tokens,
                                        in_flight=layout.pp - stage)
         last = stage == layout.pp - 1
+        # Training modes: the distillation teacher (opd_type megatron) is one more frozen model beside the
+        # reference; PPO's critic is a second trained model of the same size, resident with the actor.
+        frozen = int(bool(config.algorithm.use_kl_loss or config.algorithm.kl_coef)) + int(
+            config.distillation.use_opd and config.distillation.opd_type == "megatron")
+        trained = 2 if config.algorithm.advantage_estimator == "ppo" else 1
         memory = TrainerMemory(
-            parameters=params, dense_parameters=dense, expert_parameters=experts, weights=params * BF16,
-            reference_weights=params * BF16 if config.algorithm.use_kl_loss or config.algorithm.kl_coef else 0,
-            grads=params * FP32, optimizer_on_gpu=int(shards * full * (1 - offloaded)),
-            optimizer_on_gpu_without_offload=int(shards * full),
-            optimizer_in_host=int(shards * HOST_OPTIMIZER_BYTES * offloaded),
+            parameters=params, dense_parameters=dense, expert_parameters=experts, weights=params * BF16 * trained,
+            reference_weights=params * BF16 * frozen,
+            grads=params * FP32 * trained, optimizer_on_gpu=int(shards * full * (1 - offloaded)) * trained,
+            optimizer_on_gpu_without_offload=int(shards * full) * trained,
+            optimizer_in_host=int(shards * HOST_OPTIMIZER_BYTES * offloaded) * trained,
             activations=recompute if training.recompute_granularity == "full" else kept,
             activations_no_recompute=kept, activations_full_recompute=recompute,
             logits=tokens * math.ceil(arch.vocab_size / layout.tp) * LOGITS_BYTES if last else 0, tokens=tokens)

@@ -18,9 +18,16 @@ from hpc_rl.config.model import ModelArchitecture
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 RM_TYPES = ("deepscaler", "dapo", "math", "f1", "remote_rm", "tiny_task")
-LOSS_TYPES = ("policy_loss", "custom_loss")
+LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 WANDB_MODES = ("online", "offline", "disabled")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+SGLANG_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
+SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
+VIME_ROLLOUT = "vime.rollout.vllm_rollout.generate_rollout"
+"""vime's (slime on vLLM) default rollout: the same generation as slime's."""
+ROLLOUT_FUNCTIONS = (SGLANG_ROLLOUT, VIME_ROLLOUT, SFT_ROLLOUT)
+LOSS_MASK_TYPES = ("qwen", "qwen3")
+OPD_TYPES = ("sglang", "megatron")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 """sglang-router 0.3.2's load-balancing policies."""
 
@@ -43,6 +50,12 @@ class ClusterConfig:
     """Engines share the trainer's GPUs; memory is released/resumed around each train step."""
     device: str = "cuda"
     """cuda (NCCL, SGLang) or cpu (gloo, hpc_rl's CPU engine): the single CPU switch."""
+    debug_train_only: bool = False
+    """A trainer-only job (slime's --debug-train-only): no engines and no router, rollout_num_gpus 0; what SFT
+    (rollout_function_path slime.rollout.sft_rollout.generate_rollout) runs, and it sets this itself."""
+    opd_teacher_num_gpus: int = 0
+    """GPUs of the on-policy-distillation teacher engine the job starts (distillation.opd_teacher_hf_checkpoint;
+    its tensor-parallel size, on a het group of its own); 0: no teacher component (1 when that path is set)."""
     gpu_memory_gib: float = 79.6
     """Memory of one GPU in GiB, for the per-GPU memory plan that `--dry-run` prints and submit checks
     (default: an H100 80GB, 81559 MiB as nvidia-smi reports it)."""
@@ -57,6 +70,8 @@ class ClusterConfig:
 
     @property
     def num_engines(self) -> int:
+        if self.debug_train_only:
+            return 0
         return max(1, self.rollout_num_gpus // max(1, self.rollout_num_gpus_per_engine))
 
 
@@ -165,7 +180,9 @@ class RolloutConfig:
     """HTTP proxy for the calls to the reward server (rm_type remote_rm; slime's --http-proxy)."""
     custom_reward_post_process_path: str | None = None
     """Import path of slime's `fn(args, samples) -> (raw_rewards, rewards)`, called on the controller with each
-    rollout's samples; its rewards replace the group-normalised ones the trainer receives."""
+    rollout's samples; its rewards replace the group-normalised ones the trainer receives. slime's on-policy-
+    distillation one (slime.rollout.on_policy_distillation.post_process_rewards) is hpc_rl's
+    hpc_rl.rollout.teacher.distillation_post_process: rewards 0, the teacher at rm_url (distillation.opd_teacher_url)."""
     update_weights_interval: int = 1
     """Sync weights to the engines every this many rollouts."""
     update_weight_buffer_size: int = 512 * 1024**2
@@ -185,6 +202,12 @@ class RolloutConfig:
     custom_update_weight_post_write_path: str | None = None
     """Import path of slime's `hook(args, version_dir, rollout_engines)`, called on every trainer rank after a disk
     sync's files are written and before the engines read them (rollout_engines: the engines' URLs here)."""
+    rollout_external_engine_addrs: list[str] = field(default_factory=list)
+    """SGLang servers this job did not start (host:port or http://host:port; e.g. an inference job on another
+    partition), used as the job's engines instead of starting any: health-checked (one that stops answering is
+    waited for, then given the current weights), weights pushed over the weight-update group or, with
+    update_weight_transport disk, through the shared filesystem. They must not need an api key other than the
+    job's, and must reach trainer rank 0's node for the group (slime's --rollout-external-engine-addrs)."""
     max_staleness: int | None = None
     """Async mode: no sample is trained more than this many weight versions after its first token."""
     async_rollout: bool = False
@@ -193,6 +216,14 @@ class RolloutConfig:
     engine: str = "auto"
     """Rollout engine: sglang (real SGLang, on cuda or cpu), cpu (hpc_rl's CPU engine, cluster.device cpu)
     or auto (sglang on cuda, cpu on cpu)."""
+    # Training modes (SFT): slime's names.
+    rollout_function_path: str = SGLANG_ROLLOUT
+    """slime's rollout function: slime.rollout.sglang_rollout.generate_rollout (generate with the engines) or
+    slime.rollout.sft_rollout.generate_rollout (SFT: the data's chats, loss on the assistant turns, no engines)."""
+    loss_mask_type: str = "qwen"
+    """SFT: how a chat's turns are rendered for their loss masks (slime's --loss-mask-type): qwen (each message
+    rendered by the chat template alone) | qwen3 (each message rendered after a user turn, as in a conversation:
+    Qwen3's template then adds its empty think block). Any chat template works with either (GLM's too)."""
 
     def __post_init__(self) -> None:
         if self.rm_type is not None and self.rm_type not in RM_TYPES:
@@ -384,6 +415,8 @@ class AlgorithmConfig:
     custom_advantage_function_path: str | None = None
     """Import path of slime's `fn(args, rollout_data)` that sets rollout_data["advantages"] and ["returns"]
     (per-sample token tensors) in place of advantage_estimator's; called on the trainer per rollout."""
+    disable_compute_advantages_and_returns: bool = False
+    """No advantages, returns, reference or old log-probs (slime's flag; what sft_loss needs, which reads none)."""
     ref_update_interval: int | None = None
     """Every this many rollouts the reference model takes the actor's weights (slime's --ref-update-interval;
     None: the reference stays fixed). The updated reference is saved with each checkpoint."""
@@ -417,7 +450,7 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"algorithm.loss_type: {self.loss_type!r} is not one of {', '.join(LOSS_TYPES)} "
-                             f"(slime's sft_loss and value_loss are not offered)")
+                             f"(slime's value_loss is the critic's own, chosen by advantage_estimator ppo)")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
                 f"algorithm.advantage_estimator: {self.advantage_estimator!r} is not one of "
@@ -445,8 +478,10 @@ class OptimizerConfig:
     """Floor of the decayed learning rate."""
     lr_warmup_iters: int = 0
     """Linear warm-up steps."""
+    lr_warmup_fraction: float | None = None
+    """Warm-up as a fraction of lr_decay_iters (Megatron's; in place of lr_warmup_iters)."""
     lr_decay_iters: int | None = None
-    """Steps of decay (default: all steps of the run)."""
+    """Steps of decay (default: all steps of the run, num_rollout * num_steps_per_rollout, as slime)."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9
@@ -742,6 +777,53 @@ class ControllerConfig:
 
 
 @dataclass(kw_only=True)
+class DistillationConfig:
+    """On-policy distillation (slime's --use-opd): a per-token reverse-KL penalty against a teacher's log-probs,
+    added to the advantages of whatever advantage_estimator computes."""
+
+    use_opd: bool = False
+    """Distil from a teacher on the student's own samples."""
+    opd_type: str | None = None
+    """sglang (teacher log-probs from a teacher SGLang server) | megatron (teacher loaded on the trainer ranks)."""
+    opd_kl_coef: float = 1.0
+    """Weight of the penalty: A_t -= opd_kl_coef * (logp_student_t - logp_teacher_t)."""
+    opd_teacher_load: str | None = None
+    """megatron: the teacher's torch_dist checkpoint, or an HF directory (the student's architecture and tokenizer)."""
+    opd_teacher_ckpt_step: int | None = None
+    """megatron: which iteration of opd_teacher_load (default: its latest)."""
+    opd_teacher_hf_checkpoint: str | None = None
+    """sglang: start the teacher as a component of this job, serving this HF directory (its own GPUs, health-
+    checked, behind the job's engine key; cluster.opd_teacher_num_gpus GPUs). Without it, the teacher is
+    slime's --rm-url server."""
+    opd_teacher_url: str | None = None
+    """sglang: /generate URL of a teacher server started outside the job (slime's --rm-url with its OPD reward)."""
+
+    def __post_init__(self) -> None:
+        if self.opd_type is not None and self.opd_type not in OPD_TYPES:
+            raise ValueError(f"distillation.opd_type: {self.opd_type!r} is not one of {', '.join(OPD_TYPES)}")
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    """PPO's critic (advantage_estimator ppo): a value model beside the actor, on the same trainer ranks and
+    parallel layout, with its own optimizer and checkpoints."""
+
+    num_critic_only_steps: int = 0
+    """The first this many rollouts train the critic only (the actor's weights stay)."""
+    value_clip: float = 0.2
+    """Value clipping: the new value moves at most this far from the old one in the clipped term."""
+    megatron_config_path: str | None = None
+    """slime's role file (`megatron: [{role: critic, overrides: {lr: ...}}, {role: actor, ...}]`): read at submit
+    into critic_optimizer / critic_load / critic_save and, for role actor, into the optimizer and checkpoint."""
+    critic_optimizer: dict[str, Any] = field(default_factory=dict)
+    """The critic's optimizer settings that differ from the actor's, by optimizer field name (lr, min_lr, ...)."""
+    critic_load: str | None = None
+    """Critic checkpoint to resume from (default: <checkpoint.load>/critic)."""
+    critic_save: str | None = None
+    """Where critic checkpoints go (default: <checkpoint.save, else run_dir/checkpoints>/critic)."""
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """One complete run: every section plus the model architecture file."""
 
@@ -763,6 +845,8 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
     def section_fields(self) -> Iterator[tuple[str, str, Any]]:
         """(section, field, value) of every field of every section (model_args included when set)."""

@@ -6,7 +6,8 @@ set of `launch_server` option names of the pinned SGLang (from SGLang's own pars
 tools/list_sglang_options.py), slime's option names that the pinned version renamed, and the problems of
 a set of options: unknown names, names argparse would find ambiguous (SGLang 0.5.23 exits at start on
 `--cuda-graph-bs`: "ambiguous option: could match --cuda-graph-bs-decode, --cuda-graph-bs-prefill"),
-abbreviations, and values of the wrong shape (a flag given a value, a list to a one-value option).
+abbreviations, and values of the wrong shape (a flag given a value, a list to a one-value option); and an
+external engine's address (`external_engine_url`, slime's --rollout-external-engine-addrs).
 Pure apart from reading that file (and importing sglang when present). Kept in config (tier 0) so that the
 validator checks options at submit time without importing the engines' launch code.
 """
@@ -140,3 +141,20 @@ def engine_problems(engine: str, device: str, sglang_options: Mapping[str, Any])
     if kind == "cpu":
         return {}
     return {f"sglang.{key}": problem for key, problem in option_problems(sglang_options).items()}
+
+
+def external_engine_url(address: str) -> str:
+    """An external engine's base URL from slime's `host:port` or `http://host:port` (IPv6 bracketed); ValueError
+    saying what is wrong and what to write."""
+    from urllib.parse import urlsplit
+
+    url = (address if "://" in address else f"http://{address}").rstrip("/")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as error:
+        raise ValueError(f"{address!r} is not host:port or http://host:port ({error})") from None
+    if parts.scheme != "http" or not parts.hostname or port is None or parts.path or parts.query:
+        raise ValueError(f"{address!r} is not host:port or http://host:port (an SGLang server's address, e.g. "
+                         "10.0.0.5:30000; IPv6 as [::1]:30000)")
+    return url

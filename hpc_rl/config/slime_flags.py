@@ -112,9 +112,6 @@ COMPAT_FLAGS: dict[str, CompatFlag] = {
         (True,), "hpc_rl never adds a random suffix to the W&B group (--wandb-group, default: the run name)"),
     "use_distributed_optimizer": CompatFlag((True,), "hpc_rl always uses Megatron's distributed optimizer on GPU"),
     "train_backend": CompatFlag(("megatron",), "hpc_rl trains with Megatron-core only"),
-    "rollout_function_path": CompatFlag(
-        ("slime.rollout.sglang_rollout.generate_rollout", "vime.rollout.vllm_rollout.generate_rollout"),
-        "hpc_rl's controller runs slime's default rollout; per-sample logic goes in --custom-generate-function-path"),
 }
 
 # Other spellings of hpc_rl fields: flag name -> field path (value passed through).
@@ -135,7 +132,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "wandb_random_suffix": "not offered: the W&B group is --wandb-group (default: the run name), without a suffix",
     "debug_rollout_only": ("not offered: to try rollouts and rewards without training, score a file with "
                            "`python -m hpc_rl.rewards` or run with --num-rollout 1"),
-    "debug_train_only": "not offered: a run always generates its own rollouts (hpc_rl has no engine-less mode)",
     "load_debug_rollout_data": "not offered: hpc_rl cannot replay saved rollouts; drop the flag",
     "no_load_optim": ("not offered: --load restores weights, optimizer and the rollout position together; to start "
                       "from a checkpoint's weights with a fresh optimizer, give it as --ref-load and leave --load empty"),
@@ -158,6 +154,10 @@ SLIME_PLUGIN_PATHS: dict[str, str | None] = {
     "slime.rollout.sglang_rollout.generate": None,
     "slime.rollout.rm_hub.async_rm": None,
     "slime.rollout.rm_hub.batched_async_rm": None,
+    # Training modes: slime's on-policy-distillation reward (teacher log-probs come from the teacher client; the
+    # task reward is slime's post-process's 0.0). hpc_rl.config.training_modes derives the teacher URL.
+    "slime.rollout.on_policy_distillation.reward_func": "hpc_rl.rollout.teacher.distillation_reward",
+    "slime.rollout.on_policy_distillation.post_process_rewards": "hpc_rl.rollout.teacher.distillation_post_process",
     # vime (slime on vLLM): its default generate function
     "vime.rollout.vllm_rollout.generate": None,
 }
@@ -180,7 +180,7 @@ SLIME_RM_MODULES: dict[str, str] = {
     "slime.rollout.rm_hub.remote_rm": "remote_rm",
 }
 PLUGIN_PATH_FIELDS = ("rollout.custom_rm_path", "rollout.dynamic_sampling_filter_path", "rollout.buffer_filter_path",
-                      "rollout.custom_generate_function_path")
+                      "rollout.custom_generate_function_path", "rollout.custom_reward_post_process_path")
 
 
 # ---- The rest of slime's arguments.py (issues 25/26): every flag of hpc_rl/config/slime_arguments.tsv is a
@@ -253,11 +253,6 @@ SLIME_REST_REFUSED: dict[str, str] = {
               "/pull_weights and per-host local checkpoints); full syncs over --update-weight-transport disk or nccl "
               "need none of it: drop it")
        for name in ("update_weight_delta_encoding", "update_weight_delta_checksum", "update_weight_local_checkpoint_dir")},
-    "rollout_external_engine_addrs": (
-        "not offered yet: hpc_rl starts its engines as steps of the job, so it can restart a failed one on its GPUs "
-        "and give it the job's engine key; engines another job serves are not attached. Run the engines in this "
-        "job (--rollout-num-gpus, on another partition with --set slurm.rollout_partition=P) and, across "
-        "partitions, sync weights with --update-weight-transport disk"),
     "custom_convert_samples_to_train_data_path": (
         "not offered: the controller packs samples for the trainer itself (tokens, loss masks, rollout log-probs, "
         "weight versions); change samples with --rollout-sample-hook-path or --rollout-sample-filter-path and "

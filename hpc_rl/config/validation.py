@@ -26,7 +26,8 @@ from hpc_rl.config.settings_sources import flat_index
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.file_checks import path_problems, prompt_file_problems
 from hpc_rl.config.value_ranges import range_problems
-from hpc_rl.config.sglang_options import engine_problems
+from hpc_rl.config.sglang_options import engine_kind, engine_problems, external_engine_url
+from hpc_rl.config.training_modes import is_sft, mode_problems
 from hpc_rl.plugins import PluginError, load_plugin
 
 CONFIG_PLUGINS = {"rollout.custom_rm_path": "reward", "rollout.dynamic_sampling_filter_path": "dynamic_sampling_filter",
@@ -106,7 +107,7 @@ def _batch_problems(config: RunConfig) -> list[Problem]:
         ))
     if training.use_dynamic_batch_size and not training.max_tokens_per_gpu:
         problems.append(Problem("training.max_tokens_per_gpu", "use_dynamic_batch_size needs max_tokens_per_gpu"))
-    if rollout.rm_type is None and rollout.custom_rm_path is None:
+    if rollout.rm_type is None and rollout.custom_rm_path is None and not is_sft(rollout.rollout_function_path):
         problems.append(Problem("rollout.rm_type", "no reward: set rm_type (e.g. deepscaler) or custom_rm_path"))
     if rollout.rm_type == "remote_rm" and not rollout.rm_url:
         problems.append(Problem("rollout.rm_url", "rm_type remote_rm needs rm_url"))
@@ -162,33 +163,62 @@ def _topology_problems(config: RunConfig) -> list[Problem]:
                 f"colocate: engines share the trainer's GPUs, so rollout_num_gpus ({cluster.rollout_num_gpus}) "
                 f"must equal actor_num_nodes * actor_num_gpus_per_node ({world})",
             ))
-        if cluster.rollout_num_gpus_per_engine >= 1 and cluster.actor_num_gpus_per_node % cluster.rollout_num_gpus_per_engine:
+        engine_tp, per_node = cluster.rollout_num_gpus_per_engine, cluster.actor_num_gpus_per_node
+        if engine_tp >= 1 and per_node % engine_tp and engine_tp % per_node:
             problems.append(Problem(
                 "cluster.rollout_num_gpus_per_engine",
-                f"colocate: an engine of {cluster.rollout_num_gpus_per_engine} GPUs must sit on the GPUs of whole "
-                f"trainer ranks of one node; it does not divide actor_num_gpus_per_node ({cluster.actor_num_gpus_per_node})",
+                f"colocate: an engine of {engine_tp} GPUs must sit on the GPUs of whole trainer ranks: it must divide "
+                f"actor_num_gpus_per_node ({per_node}) or, spanning nodes, be a multiple of it",
             ))
-        if training.pipeline_model_parallel_size > 1:
-            problems.append(Problem(
-                "training.pipeline_model_parallel_size",
-                "colocate: every trainer rank hands full tensors to the engine on its GPUs, which pipeline "
-                "parallelism splits; use pipeline_model_parallel_size 1 or decoupled mode (colocate: false)",
-            ))
-    elif cluster.rollout_num_gpus < 1:
+    elif (cluster.rollout_num_gpus < 1 and not config.rollout.rollout_external_engine_addrs
+          and not cluster.debug_train_only):
         problems.append(Problem("cluster.rollout_num_gpus", "decoupled mode needs rollout_num_gpus >= 1"))
+    problems += _engine_span_problems(config) + _external_engine_problems(config)
     if cluster.device == "cuda":
         if cluster.actor_num_gpus_per_node > cluster.num_gpus_per_node:
             problems.append(Problem(
                 "cluster.actor_num_gpus_per_node",
                 f"{cluster.actor_num_gpus_per_node} exceeds num_gpus_per_node ({cluster.num_gpus_per_node})",
             ))
-        if cluster.rollout_num_gpus_per_engine > cluster.num_gpus_per_node:
-            problems.append(Problem(
-                "cluster.rollout_num_gpus_per_engine",
-                f"an engine cannot span nodes: {cluster.rollout_num_gpus_per_engine} > num_gpus_per_node "
-                f"({cluster.num_gpus_per_node})",
-            ))
     return problems
+
+
+def _external_engine_problems(config: RunConfig) -> list[Problem]:
+    """slime's --rollout-external-engine-addrs: each address well formed; engines another job runs cannot share
+    the trainer's GPUs."""
+    addresses = config.rollout.rollout_external_engine_addrs
+    problems = []
+    for index, address in enumerate(addresses):
+        try:
+            external_engine_url(address)
+        except ValueError as error:
+            problems.append(Problem(f"rollout.rollout_external_engine_addrs[{index}]", str(error)))
+    if addresses and config.cluster.colocate:
+        problems.append(Problem("rollout.rollout_external_engine_addrs",
+                                "external engines run on GPUs this job does not hold, so they cannot be colocated "
+                                "with the trainer: drop --colocate (or the external engines)"))
+    return problems
+
+
+def _engine_span_problems(config: RunConfig) -> list[Problem]:
+    """An engine larger than a node spans whole nodes (SGLang's --nnodes splits its TP ranks evenly); the CPU
+    engine cannot follow such an engine's weight-update group (each node's TP ranks join it in SGLang)."""
+    cluster = config.cluster
+    engine_tp = cluster.rollout_num_gpus_per_engine
+    per_node = cluster.actor_num_gpus_per_node if cluster.colocate else cluster.num_gpus_per_node
+    if engine_tp <= per_node or per_node < 1:
+        return []
+    if engine_tp % per_node:
+        return [] if cluster.colocate else [Problem("cluster.rollout_num_gpus_per_engine",
+                        f"an engine of {engine_tp} GPUs spans nodes of {per_node} GPUs, so it takes whole nodes: make "
+                        f"it a multiple of {per_node} (SGLang splits an engine's TP ranks evenly over its --nnodes)")]
+    if (not cluster.colocate and config.rollout.update_weight_transport != "disk"
+            and engine_kind(config.rollout.engine, cluster.device) == "cpu"):
+        return [Problem("cluster.rollout_num_gpus_per_engine",
+                        f"the CPU engine spans {engine_tp // per_node} nodes here, and cannot join a weight-update "
+                        "group with the TP ranks of every node (as SGLang does): use colocated mode, "
+                        "--update-weight-transport disk, or engines of at most one node")]
+    return []
 
 
 def _architecture(config: RunConfig) -> tuple[ModelArchitecture | None, str, list[Problem]]:
@@ -443,6 +473,7 @@ def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Pro
     if check_files:
         problems += [Problem(p.field, p.message) for p in path_problems(config) + prompt_file_problems(config)]
     problems += _plugin_problems(config)
+    problems += [Problem(field, message) for field, message in mode_problems(config, check_files=check_files)]
     problems += [Problem(field, message) for field, message in engine_problems(
         config.rollout.engine, config.cluster.device, config.sglang.server_options()).items()]
     return problems

@@ -50,6 +50,7 @@ from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextComm
 from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rewards.reward_thread import RewardThread
 from hpc_rl.rollout import EngineClient
+from hpc_rl.rollout.teacher import TeacherLogprobs
 from hpc_rl.telemetry.run_files import describe_write_error, write_text_atomically
 
 log = logging.getLogger(__name__)
@@ -70,13 +71,16 @@ class Controller:
 
     def __init__(self, config: RunConfig, *, secret: Secret, router: RouterMembership | None,
                  router_url: str | None, restart_engine: RestartFn | None = None,
-                 host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> None:
+                 host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+                 teacher_url: str | None = None) -> None:
         self.config = config
+        self.teacher_url = teacher_url
+        """On-policy distillation: the teacher engine the driver started (None: none, or slime's --rm-url)."""
         self.run_dir = Path(config.run_dir)
         self.secret = secret
         self.host, self.port = host, port
-        self.registry = Registry(trainer_world_size=config.cluster.trainer_world_size,
-                                 num_engines=config.cluster.num_engines)
+        self.registry = Registry(trainer_world_size=config.cluster.trainer_world_size,  # external ones, else the job's
+                                 num_engines=len(config.rollout.rollout_external_engine_addrs) or config.cluster.num_engines)
         self.channel = TrainerChannel(config.cluster.trainer_world_size)
         self.fleet = EngineFleet(self.registry, router, api_key=api_key, restart=restart_engine,
                                  max_restarts=config.controller.max_engine_restarts,
@@ -91,6 +95,7 @@ class Controller:
         self.client: EngineClient | None = None
         self.reward_pool: RewardPool | None = None
         """Worker processes for rule-based rewards (`rollout.reward_workers`), once the stack is built."""
+        self.teacher: TeacherLogprobs | None = None
         self.reward_thread: RewardThread | None = None
         """The thread custom reward functions run on, once the stack is built."""
         self.stopping = False
@@ -127,9 +132,10 @@ class Controller:
 
     async def _start_rollout_stack(self) -> None:
         stack = await asyncio.to_thread(build_rollout_stack, self.config, registry=self.registry,
-                                        channel=self.channel, fleet=self.fleet, router_url=self.router_url)
+                                        channel=self.channel, fleet=self.fleet, router_url=self.router_url,
+                                        teacher_url=self.teacher_url)
         self.client, self.loop = stack.client, stack.loop
-        self.reward_pool = stack.reward_pool
+        self.reward_pool, self.teacher = stack.reward_pool, stack.teacher
         self.reward_thread = stack.reward_thread
         await self.client.start()
         if self.reward_pool is not None:
@@ -209,6 +215,8 @@ class Controller:
             await self.client.close()
         if self.reward_pool is not None:
             self.reward_pool.close()
+        if self.teacher is not None:
+            self.teacher.close()
         if self.reward_thread is not None:
             self.reward_thread.close()
         if self.server is not None:

@@ -5,11 +5,15 @@ Owns handing each part its own sections: the prompt source (rollout's data field
 the trainers (algorithm), the weight path (cluster, rollout, controller), checkpoints (checkpoint),
 the recorder (logging). Plug-ins (custom reward, filters, generate function) receive the whole config
 as slime's flat `args`: that is slime's contract, so `plugin_args(config)` is built here too.
+The training modes are built here as well, as parts of the same loop: SFT's trainer-only rollouts and eval
+loss (`rollout.sft`, no engine), on-policy distillation's teacher log-probs fetched with each group's reward
+(`rollout.teacher`); PPO's critic lives on the trainer ranks only.
 Not here: the controller process itself (`app`), the loop (`run_loop`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
@@ -18,6 +22,7 @@ from typing import Any
 
 from hpc_rl.config import plugin_args
 from hpc_rl.config.schema import RolloutConfig, RunConfig
+from hpc_rl.config.training_modes import is_sft
 from hpc_rl.controller.checkpoints import Checkpoints
 from hpc_rl.controller.engine_fleet import EngineFleet
 from hpc_rl.controller.logprob_guard import LogprobGuard, threshold_for
@@ -26,6 +31,7 @@ from hpc_rl.controller.rollouts import Rollouts
 from hpc_rl.controller.run_loop import Evaluate, RunLoop
 from hpc_rl.controller.trainer_channel import TrainerChannel
 from hpc_rl.controller.trainers import Trainers, reward_shaping
+from hpc_rl.data.chat_loss_masks import ChatLossMasks
 from hpc_rl.controller.weight_updates import WeightSyncSettings, WeightUpdates
 from hpc_rl.data.prompt_tokenizer import load_prompt_tokenizer
 from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptSource, make_prompt_encoder
@@ -41,6 +47,8 @@ from hpc_rl.rollout.generate import load_generate_function
 from hpc_rl.rollout.sample_metrics import SampleMetricOptions
 from hpc_rl.rollout.sample_plugins import SamplePlugins
 from hpc_rl.rollout.scheduler import RewardFn
+from hpc_rl.rollout.sft import SftRollouts, checkpoint_stop_token_ids, sft_eval_samples
+from hpc_rl.rollout.teacher import TeacherLogprobs
 from hpc_rl.telemetry.recorder import RunRecorder
 from hpc_rl.telemetry.scalars import ScalarLog, eval_sampling_note, tensorboard_dir
 
@@ -61,6 +69,8 @@ class RolloutStack:
     loop: RunLoop
     reward_pool: RewardPool | None = None
     """Started and closed by the controller (`rollout.reward_workers` > 0)."""
+    teacher: TeacherLogprobs | None = None
+    """On-policy distillation with a teacher server (closed by the controller)."""
     reward_thread: RewardThread | None = None
     """Where custom reward functions run (closed by the controller)."""
 
@@ -107,10 +117,13 @@ def make_evaluate(config: RunConfig, client: EngineClient, keys: DataKeys, encod
 
 
 def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: TrainerChannel, fleet: EngineFleet,
-                        router_url: str | None) -> RolloutStack:
+                        router_url: str | None, teacher_url: str | None = None) -> RolloutStack:
     """Tokenizer, prompts, engine client, scheduler, eval and every part of the loop (seconds: run it in a
-    thread; a bad prompt file or plug-in path raises here)."""
+    thread; a bad prompt file or plug-in path raises here). `teacher_url`: the teacher the driver started
+    (on-policy distillation with opd_teacher_hf_checkpoint)."""
     rollout = config.rollout
+    if is_sft(rollout.rollout_function_path):
+        return build_sft_stack(config, registry=registry, channel=channel, fleet=fleet)
     encoder = make_prompt_encoder(load_prompt_tokenizer(config.checkpoint.hf_checkpoint),
                                   apply_chat_template=rollout.apply_chat_template,
                                   chat_template_kwargs=rollout.apply_chat_template_kwargs)
@@ -137,27 +150,77 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     async def eval_reward_fn(samples: list[Any]) -> list[float]:
         return await reward_group(eval_spec, samples)
 
+    teacher = None
+    distillation = config.distillation
+    if distillation.use_opd and distillation.opd_type == "sglang":
+        teacher = TeacherLogprobs(teacher_url or distillation.opd_teacher_url or "",
+                                  api_key=fleet.api_key if teacher_url else None,
+                                  temperature=rollout.rollout_temperature,
+                                  timeout_s=config.controller.engine_request_timeout)
+
+    async def scored_with_teacher(samples: list[Any]) -> list[float]:
+        """The group's rewards and, for distillation, its teacher log-probs (both before the filter sees it)."""
+        assert teacher is not None
+        rewards, _ = await asyncio.gather(reward_fn(samples), teacher.score(samples))
+        return rewards
+
     metric_options = SampleMetricOptions.from_config(config.logging, rollout)
     scheduler = RolloutScheduler.from_config(rollout, args=args, client=client, source=source, encoder=encoder,
-                                             reward_fn=reward_fn, metric_options=metric_options,
+                                             reward_fn=scored_with_teacher if teacher else reward_fn,
+                                             metric_options=metric_options,
                                              plugins=SamplePlugins.from_config(rollout, config.eval))
     num_rollout = num_rollouts(rollout, len(dataset))
-    eval_temperature = (config.eval.eval_temperature if config.eval.eval_temperature is not None
-                        else rollout.rollout_temperature)
-    recorder = RunRecorder(config.run_dir, ScalarLog.for_controller(tensorboard_dir(config, config.run_dir), config,
-                                                                    run_dir=config.run_dir),
-                           num_rollout=num_rollout, print_fn=lambda line: print(line, flush=True),
-                           eval_sampling=eval_sampling_note(eval_temperature, config.eval.n_samples_per_eval_prompt),
-                           debug_rollout_data=config.logging.save_debug_rollout_data)
     loop = assemble_loop(config, scheduler=scheduler, registry=registry, channel=channel, fleet=fleet,
-                         recorder=recorder,
+                         recorder=run_recorder(config, num_rollout),
                          evaluate=make_evaluate(config, client, keys, encoder, eval_reward_fn, args, metric_options),
                          num_rollout=num_rollout)
-    return RolloutStack(client=client, loop=loop, reward_pool=pool, reward_thread=thread)
+    return RolloutStack(client=client, loop=loop, reward_pool=pool, reward_thread=thread, teacher=teacher)
 
 
-def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler, registry: Registry, channel: TrainerChannel,
-                  fleet: EngineFleet, recorder: RunRecorder, evaluate: Evaluate | None, num_rollout: int) -> RunLoop:
+def run_recorder(config: RunConfig, num_rollout: int) -> RunRecorder:
+    eval_temperature = (config.eval.eval_temperature if config.eval.eval_temperature is not None
+                        else config.rollout.rollout_temperature)
+    return RunRecorder(config.run_dir, ScalarLog.for_controller(tensorboard_dir(config, config.run_dir), config,
+                                                                run_dir=config.run_dir),
+                       num_rollout=num_rollout, print_fn=lambda line: print(line, flush=True),
+                       eval_sampling=eval_sampling_note(eval_temperature, config.eval.n_samples_per_eval_prompt),
+                       debug_rollout_data=config.logging.save_debug_rollout_data)
+
+
+def build_sft_stack(config: RunConfig, *, registry: Registry, channel: TrainerChannel,
+                    fleet: EngineFleet) -> RolloutStack:
+    """A trainer-only job's loop (SFT): the data's chats as rollouts, the held-out chats' loss as its eval."""
+    rollout = config.rollout
+    hf = config.checkpoint.hf_checkpoint
+    masks = ChatLossMasks(load_prompt_tokenizer(hf), rendering=rollout.loss_mask_type,
+                          stop_token_ids=checkpoint_stop_token_ids(hf))
+    dataset, keys = load_prompts(rollout)
+    source = SftRollouts(PromptSource(dataset, shuffle=rollout.rollout_shuffle, seed=rollout.rollout_seed), masks,
+                         rollout_batch_size=rollout.rollout_batch_size)
+    num_rollout = num_rollouts(rollout, len(dataset))
+    trainers = Trainers(channel, registry, shaping=reward_shaping(config.algorithm, rollout.n_samples_per_prompt),
+                        num_rollout=num_rollout)
+    evaluate = None
+    if config.eval.eval_prompt_data and config.eval.eval_interval:
+        held_out = sft_eval_samples([(d.name, d.path) for d in config.eval.eval_prompt_data], keys, masks)
+
+        async def evaluate(weight_version: int, rollout_id: int) -> dict[str, float]:
+            metrics: dict[str, float] = {}
+            for name, samples in held_out.items():
+                metrics |= await trainers.evaluate_loss(name, samples)
+            return metrics
+
+    client = EngineClient(registry, router_url=None, per_engine_concurrency=1,
+                          request_timeout_s=config.controller.engine_request_timeout, api_key=fleet.api_key)
+    loop = assemble_loop(config, scheduler=source, registry=registry, channel=channel, fleet=fleet,
+                         recorder=run_recorder(config, num_rollout), evaluate=evaluate, num_rollout=num_rollout,
+                         trainers=trainers)
+    return RolloutStack(client=client, loop=loop)
+
+
+def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler | SftRollouts, registry: Registry,
+                  channel: TrainerChannel, fleet: EngineFleet, recorder: RunRecorder, evaluate: Evaluate | None,
+                  num_rollout: int, trainers: Trainers | None = None) -> RunLoop:
     """The loop's parts, each given its own sections of `config`."""
     rollout = config.rollout
     guard = LogprobGuard(threshold_for(config.cluster.device, config.controller.max_logprob_mismatch))
@@ -174,9 +237,9 @@ def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler, registry: R
                         num_rollout=num_rollout)
     post_process = (functools.partial(load_plugin("reward_post_process", rollout.custom_reward_post_process_path),
                                       plugin_args(config)) if rollout.custom_reward_post_process_path else None)
-    trainers = Trainers(channel, registry, shaping=reward_shaping(config.algorithm, rollout.n_samples_per_prompt,
-                                                                  post_process),
-                        num_rollout=num_rollout, guard=guard)
+    trainers = trainers or Trainers(channel, registry, num_rollout=num_rollout, guard=guard,
+                                    shaping=reward_shaping(config.algorithm, rollout.n_samples_per_prompt,
+                                                           post_process))
     checkpoints = Checkpoints(config.checkpoint, trainers=trainers, rollouts=rollouts, colocated=weights.colocated,
                               num_rollout=num_rollout)
     return RunLoop(rollouts=rollouts, trainers=trainers, weights=weights, checkpoints=checkpoints, recorder=recorder,

@@ -100,7 +100,8 @@ def pack_samples(samples: list[Sample], rewards: list[float]) -> dict[str, np.nd
         raise ValueError("a sample has fewer rollout log-probs than response tokens")
     versions = np.fromiter(chain.from_iterable(s.weight_versions for s in samples), dtype=np.int64,
                            count=sum(len(s.weight_versions) for s in samples))
-    return {
+    teacher = _teacher_logprobs(samples, total_response)
+    return ({"teacher_logprobs": teacher} if teacher is not None else {}) | {
         "tokens": tokens,
         "prompt_lengths": prompt_lengths,
         "response_lengths": response_lengths,
@@ -111,6 +112,17 @@ def pack_samples(samples: list[Sample], rewards: list[float]) -> dict[str, np.nd
         "sample_indices": np.array([s.index for s in samples], dtype=np.int64),
         "weight_versions": versions,
     }
+
+
+def _teacher_logprobs(samples: list[Sample], total_response: int) -> np.ndarray | None:
+    """On-policy distillation with a teacher server: every sample's teacher log-probs, concatenated (or None)."""
+    if all(s.teacher_logprobs is None for s in samples):
+        return None
+    missing = [s.index for s in samples if s.teacher_logprobs is None or len(s.teacher_logprobs) != s.response_length]
+    if missing:
+        raise ValueError(f"samples {missing[:5]} have no teacher log-probs for every response token")
+    return np.fromiter(chain.from_iterable(s.teacher_logprobs or () for s in samples), dtype=np.float32,
+                       count=total_response)
 
 
 def split_for_data_parallel(groups: list[Group], shaping: RewardShaping, dp_size: int) -> list[dict[str, np.ndarray]]:

@@ -1,8 +1,8 @@
 """What the loop asks of the trainer ranks: train on a rollout, save a checkpoint, stop.
 
 Owns turning a rollout's groups into each data-parallel rank's `TrainCommand` (group-normalised rewards
-and the token-balanced split are `train_batches`'), the train metrics a rollout reports, and the save
-and stop commands. Not here: the command queue, sequence numbers and completion (`trainer_channel`),
+and the token-balanced split are `train_batches`'), the train metrics a rollout reports, SFT's held-out
+loss (`evaluate_loss`: an `EvalLossCommand` per rank, no update), and the save and stop commands. Not here: the command queue, sequence numbers and completion (`trainer_channel`),
 and what the ranks do with a command (`hpc_rl.training`).
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 from hpc_rl.config.schema import AlgorithmConfig
 from hpc_rl.controller.logprob_guard import LogprobGuard
 from hpc_rl.controller.registry import Registry
-from hpc_rl.controller.train_batches import RewardShaping, split_for_data_parallel
+from hpc_rl.controller.train_batches import RewardShaping, pack_samples, split_for_data_parallel
 from hpc_rl.controller.trainer_channel import TrainerChannel, merge_metrics
-from hpc_rl.data.samples import Group
-from hpc_rl.protocol.messages import SaveCommand, StopCommand, TrainCommand
+from hpc_rl.data.samples import Group, Sample
+from hpc_rl.protocol.messages import EvalLossCommand, SaveCommand, StopCommand, TrainCommand
 
 
 def reward_shaping(algorithm: AlgorithmConfig, n_samples_per_prompt: int,
@@ -73,6 +73,18 @@ class Trainers:
         if self.guard is not None:
             self.guard.check(rollout_id, groups, weight_version, metrics)
         return metrics
+
+    async def evaluate_loss(self, name: str, samples: list[Sample]) -> dict[str, float]:
+        """SFT's eval: loss and greedy accuracy of the assistant tokens of `samples`, dealt to the DP ranks in
+        order of length (shares may differ by one, or be empty: a forward-only pass needs no equal counts);
+        eval/<name>/... metrics."""
+        dp_of = {rank: int(t.info.get("dp_rank", 0)) for rank, t in self.registry.trainers.items()}
+        dp_size = max(1, int(next(iter(self.registry.trainers.values())).info.get("dp_size", 1)))
+        by_length = sorted(range(len(samples)), key=lambda i: samples[i].total_length)
+        parts = [by_length[rank::dp_size] for rank in range(dp_size)]
+        batches = [pack_samples([samples[i] for i in sorted(part)], [0.0] * len(part)) for part in parts]
+        done = await self.channel.run(lambda rank, seq: EvalLossCommand(seq=seq, batch=batches[dp_of[rank]]))
+        return {f"eval/{name}/{key}": value for key, value in merge_metrics(done).items()}
 
     async def save(self, rollout_id: int, controller_state: dict[str, Any]) -> float:
         """Every rank saves its checkpoint of rollout `rollout_id`, with the controller's state; seconds taken."""

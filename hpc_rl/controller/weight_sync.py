@@ -191,8 +191,10 @@ async def _settled_failures(tasks: list[asyncio.Future[None]], settle_s: float) 
 async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engines: list[EngineInfo],
                                   admins: dict[int, EngineAdmin], group: WeightGroupState, backend: str,
                                   bucket_bytes: int, timeout_s: float = 600.0,
-                                  on_stuck: StuckEngine | None = None) -> dict[str, float]:
-    """Push the trainer's current weights to `engines` as `version`; returns timing metrics."""
+                                  on_stuck: StuckEngine | None = None,
+                                  clear_stale_groups: bool = False) -> dict[str, float]:
+    """Push the trainer's current weights to `engines` as `version`; returns timing metrics. `clear_stale_groups`
+    (external engines, which outlive runs): a group of the new group's name is destroyed on each engine first."""
     start = time.perf_counter()
     members = [(e.engine_index, e.url, e.incarnation) for e in engines]
     new_group = members != group.members
@@ -229,6 +231,10 @@ async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engi
                 old_name = f"{group.group_name}_{group.generation - 1}"
                 await asyncio.gather(*(admins[i].destroy_weight_group(old_name) for i, _, _ in group.members
                                        if i in admins), return_exceptions=True)
+            if clear_stale_groups:  # an external engine new to the group may hold one of this name from an earlier run
+                joined = {index for index, _, _ in group.members}
+                await asyncio.gather(*(admins[e.engine_index].destroy_weight_group(group_name)
+                                       for e in engines if e.engine_index not in joined), return_exceptions=True)
             await asyncio.gather(*(
                 admins[e.engine_index].init_weight_group(
                     master_address=plan.master_address, master_port=plan.master_port,

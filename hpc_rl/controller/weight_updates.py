@@ -55,6 +55,8 @@ class WeightSyncSettings:
     """nccl (the broadcast group) or disk (rollout.update_weight_transport: weight_disk)."""
     disk_dir: str | None = None
     keep_disk_files: bool = False
+    external_engines: bool = False
+    """The engines are another job's (rollout.rollout_external_engine_addrs): they may hold an earlier run's group."""
 
     @classmethod
     def from_sections(cls, cluster: ClusterConfig, rollout: RolloutConfig,
@@ -64,7 +66,8 @@ class WeightSyncSettings:
                    bucket_bytes=rollout.update_weight_buffer_size, timeout_s=controller.engine_request_timeout,
                    num_engines=cluster.num_engines,
                    transport=rollout.update_weight_transport, disk_dir=rollout.update_weight_disk_dir,
-                   keep_disk_files=rollout.update_weight_disk_keep_files)
+                   keep_disk_files=rollout.update_weight_disk_keep_files,
+                   external_engines=bool(rollout.rollout_external_engine_addrs))
 
 
 class WeightUpdates:
@@ -111,7 +114,9 @@ class WeightUpdates:
         self.engines_serve(version)
 
     def sync_due(self, rollout_id: int) -> bool:
-        """Every `update_weights_interval` rollouts, and after the last one."""
+        """Every `update_weights_interval` rollouts, and after the last one; never in a trainer-only job (SFT)."""
+        if self.settings.num_engines == 0:
+            return False
         interval = self.settings.update_weights_interval
         return bool(interval) and (rollout_id + 1) % interval == 0 or rollout_id + 1 == self.num_rollout
 
@@ -137,7 +142,7 @@ class WeightUpdates:
         if self.moves_memory:
             assert self.colocated is not None
             await self.colocated.trainer("offload", TRAINER_TAGS)
-        if resumed:
+        if resumed and self.settings.num_engines:
             await self.sync(self.version, reason="resumed from a checkpoint", generating=False)
 
     async def before_train(self, sync_due: bool) -> dict[str, Any]:
@@ -232,7 +237,8 @@ class WeightUpdates:
             return await push_weights_to_engines(version=version, channel=self.channel, engines=over,
                                                  admins=self.fleet.admins, group=self.group, backend=settings.backend,
                                                  bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s,
-                                                 on_stuck=self._engine_stuck)
+                                                 on_stuck=self._engine_stuck,
+                                                 clear_stale_groups=settings.external_engines)
 
         await self.abort_group_if_due()
         try:

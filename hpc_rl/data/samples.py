@@ -57,6 +57,8 @@ class Sample:
     """Generation status."""
     reward: float | None = None
     """Scalar reward once scored."""
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation with a teacher server: the teacher's log-prob of each response token."""
     rid: str = ""
     """Request id of the last engine request for this sample (for aborts)."""
 

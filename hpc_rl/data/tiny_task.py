@@ -1,7 +1,7 @@
 """The synthetic task of the embedded default run: "copy the digit".
 
-Owns: the prompt rows (`{"prompt": [{"role": "user", "content": "copy 7"}], "label": "7"}`), their
-files under `data/`, and the rule reward (rm type `tiny_task`): 1.0 when the first digit in the
+Owns: the prompt rows (`{"prompt": [{"role": "user", "content": "copy 7"}], "label": "7"}`), the same task
+as chats for SFT (`{"messages": [user "copy 7", assistant "7"]}`), their files under `data/`, and the rule reward (rm type `tiny_task`): 1.0 when the first digit in the
 response equals the label, else 0.0. An untrained tiny policy (vocabulary of 24 words, 10 of them
 digits) scores about 0.1, and only a policy that reads its prompt can score 1.0, so learning it
 proves the sign of every loss term end to end.
@@ -27,11 +27,17 @@ def tiny_task_rows(count: int, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def write_tiny_task_data(path: str | Path, count: int, seed: int) -> Path:
+def tiny_task_chats(count: int, seed: int) -> list[dict[str, Any]]:
+    """The prompts of `tiny_task_rows(count, seed)` answered right, as chats (SFT data)."""
+    return [{"messages": [*row["prompt"], {"role": "assistant", "content": row["label"]}]}
+            for row in tiny_task_rows(count, seed)]
+
+
+def write_tiny_task_data(path: str | Path, count: int, seed: int, *, chats: bool = False) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
-        for row in tiny_task_rows(count, seed):
+        for row in (tiny_task_chats if chats else tiny_task_rows)(count, seed):
             handle.write(json.dumps(row) + "\n")
     return path
 
@@ -46,3 +52,5 @@ if __name__ == "__main__":
     root = Path(__file__).resolve().parents[2] / "data"
     print(write_tiny_task_data(root / "tiny_copy_train.jsonl", 512, seed=0))
     print(write_tiny_task_data(root / "tiny_copy_eval.jsonl", 64, seed=1))
+    print(write_tiny_task_data(root / "tiny_copy_chat_train.jsonl", 512, seed=0, chats=True))
+    print(write_tiny_task_data(root / "tiny_copy_chat_eval.jsonl", 64, seed=1, chats=True))

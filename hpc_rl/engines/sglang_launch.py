@@ -31,7 +31,8 @@ from hpc_rl.config.sglang_options import renamed_options
 
 # Flags hpc_rl sets itself: a pass-through option may not override them.
 RESERVED_OPTIONS = frozenset(
-    {"model_path", "tp_size", "tensor_parallel_size", "host", "port", "api_key", "config", "base_gpu_id"}
+    {"model_path", "tp_size", "tensor_parallel_size", "host", "port", "api_key", "config", "base_gpu_id", "nnodes",
+     "node_rank", "dist_init_addr", "nccl_init_addr"}
 )
 
 SGLANG_ON_CPU_OPTIONS: dict[str, Any] = {
@@ -89,7 +90,8 @@ class SglangLaunchSpec:
         if clashes:
             raise ValueError(
                 f"sglang options {clashes} are set by hpc_rl (hf_checkpoint, rollout_num_gpus_per_engine, "
-                "host, port, api_key, config, base_gpu_id: Slurm's placement): remove them from the sglang_* options"
+                "host, port, api_key, config, base_gpu_id, nnodes, node_rank, dist_init_addr: Slurm's placement): "
+                "remove them from the sglang_* options"
             )
 
 

@@ -2,9 +2,13 @@
 
 Owns: reading `<run_dir>/config.resolved.yaml` and the secret, per-component log files under
 `<run_dir>/logs/`, starting sglang-router, one engine step per `EnginePlacement` (CPU engine or
-SGLang), the torchrun trainer step (c10d rendezvous on the first trainer node), registering engines
+SGLang; or, with rollout.rollout_external_engine_addrs, attaching to engines another job serves: none started,
+an unreachable one named at start, a failed one waited for instead of restarted), the torchrun trainer step (c10d rendezvous on the first trainer node), registering engines
 with the controller, supervising the steps (a dead engine goes to the fleet's failure path and is
-restarted; a dead trainer ends the run with its log tail), and the shutdown order. The same code runs
+restarted; a dead trainer ends the run with its log tail), and the shutdown order. The training modes: a
+trainer-only job (SFT) starts no engine and no router; an on-policy-distillation teacher given as
+`opd_teacher_hf_checkpoint` is one more engine step (its own het group), health-checked behind the job's key,
+handed to the controller by URL, and stopped with the engines (a teacher that dies fails the run). The same code runs
 locally (`LocalStepLauncher`) and inside a Slurm allocation (`SrunStepLauncher`); only the launcher differs.
 
 Shutdown (success, failure, SIGINT/SIGTERM/scancel alike), every task the driver started is either
@@ -47,12 +51,12 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpc_rl.config import RunConfig, load_resolved_config
-from hpc_rl.config.sglang_options import engine_kind
+from hpc_rl.config.sglang_options import engine_kind, external_engine_url
 from hpc_rl.controller.app import Controller
 from hpc_rl.controller.signal_stop import stop_with_checkpoint
 from hpc_rl.controller.stopping import log_task_error, stop_task
@@ -68,8 +72,10 @@ from hpc_rl.launch.orphans import become_subreaper, end_children, environ_has
 from hpc_rl.launch.run_lock import RunDirLocked, acquire
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher
 from hpc_rl.launch.trainer_exit import describe_trainer_exit
-from hpc_rl.launch.step_plan import engine_step, sglang_api_key_path, trainer_step
-from hpc_rl.launch.topology import JobTopology, plan_topology
+from hpc_rl.launch.step_plan import (
+    engine_step, sglang_api_key_path, teacher_engine_config, teacher_step, trainer_step,
+)
+from hpc_rl.launch.topology import DIST_INIT_PORT_OFFSET, EnginePlacement, JobTopology, node_rank_port, plan_run_topology
 from hpc_rl.protocol.http_client import EngineConnection, EngineHTTPTransportError
 from hpc_rl.protocol.secret import Secret, engine_api_key, load_secret, secret_path
 from hpc_rl.telemetry.run_files import RunLogFileHandler
@@ -88,6 +94,10 @@ ENGINE_HEALTH_POLL_S = 0.1
 """How often a starting engine's /health is asked (a refused connection until it listens; issue 11)."""
 ENGINE_HEALTH_TIMEOUT_S = 2.0
 """How long one /health poll may take."""
+EXTERNAL_ENGINE_WAIT_S = 10.0
+"""At start, how long an external engine (rollout.rollout_external_engine_addrs) may take to answer /health."""
+EXTERNAL_ENGINE_RETURN_S = 600.0
+"""After an external engine failed: how long the run waits for it to answer again (another job restarts it)."""
 NODE_WATCH_INTERVAL_S = 2.0
 """On Slurm, how often the driver asks whether the job's nodes are alive (one `sinfo` call)."""
 NODE_REQUEUE_WAIT_S = 120.0
@@ -115,16 +125,26 @@ class PortPlan:
     router_metrics: int
     rendezvous: int
     engines: list[int]
+    """Each engine's HTTP port (a multi-node engine's node-rank 0)."""
+    spans: dict[int, list[int]] = field(default_factory=dict)
+    """A local run's multi-node engines: [distributed-init port, node-rank 1's port, ...] (on Slurm they follow
+    from node-rank 0's port: `topology.node_rank_port`)."""
+    teacher: int | None = None
+    """The on-policy-distillation teacher engine's port (when the job starts one)."""
 
     @classmethod
     def for_job(cls, topology: JobTopology, *, local: bool) -> "PortPlan":
         if local:  # the controller and torchrun's rendezvous store bind port 0: the OS picks a free one
             return cls(LOCAL_OS_PICKS, planned_port(), planned_port(), LOCAL_OS_PICKS,
-                       [planned_port() for _ in topology.engines])
+                       [planned_port() for _ in topology.engines],
+                       {e.engine_index: [planned_port() for _ in range(e.num_nodes)]
+                        for e in topology.engines if e.num_nodes > 1},
+                       teacher=planned_port() if topology.teacher is not None else None)
         offset = (int(os.environ.get("SLURM_JOB_ID", "0")) % JOB_PORT_SLOTS) * 50
         return cls(topology.controller_port + offset, topology.router_port + offset,
                    topology.router_metrics_port + offset, topology.rendezvous_port + offset,
-                   [e.port + offset for e in topology.engines])
+                   [e.port + offset for e in topology.engines],
+                   teacher=topology.teacher.port + offset if topology.teacher is not None else None)
 
     def avoiding_busy(self, host: str, engine_hosts: list[str]) -> "PortPlan":
         """This plan with each port that is in use on `host` replaced by a free one (engines only when
@@ -142,7 +162,16 @@ class PortPlan:
                         checked("router metrics", self.router_metrics, "127.0.0.1"),
                         checked("rendezvous", self.rendezvous),
                         [checked(f"engine {i}", port) if engine_hosts[i] == host else port
-                         for i, port in enumerate(self.engines)])
+                         for i, port in enumerate(self.engines)], self.spans, teacher=self.teacher)
+
+    def engine_node_ports(self, placement: EnginePlacement) -> tuple[list[int], int]:
+        """A multi-node engine's port of each node-rank and node-rank 0's distributed-init port."""
+        port = self.engines[placement.engine_index]
+        if placement.engine_index in self.spans:
+            dist_init, *followers = self.spans[placement.engine_index]
+            return [port, *followers], dist_init
+        return ([node_rank_port(port, rank) for rank in range(placement.num_nodes)],
+                port + DIST_INIT_PORT_OFFSET)
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -221,13 +250,15 @@ class Driver:
 
     _node_watch: asyncio.Task[None] | None = None
     """The node watch task (Slurm only; started in `run`, stopped first in `shutdown`)."""
+    teacher_step: StepHandle | None = None
+    """On-policy distillation's teacher engine (topology.teacher), once started."""
 
     def __init__(self, run_dir: str | Path, launcher: StepLauncher, *, local: bool) -> None:
         self.run_dir = Path(run_dir).resolve()
         self.config = load_resolved_config(self.run_dir)
         self.launcher = launcher
         self.local = local
-        self.topology = plan_topology(self.config.cluster)
+        self.topology = plan_run_topology(self.config)
         self.ports = PortPlan.for_job(self.topology, local=local)
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -279,9 +310,14 @@ class Driver:
             env.update(SGLANG_ON_CPU_ENV if self.config.cluster.device == "cpu" else {})
             write_api_key_file(sglang_api_key_path(self.config), self.engine_key)
             _create_private(log_path)  # SGLang logs its server args, the key among them
-        engine_report_path(self.run_dir, index).unlink(missing_ok=True)  # this attempt writes its own
+        for node_rank in range(placement.num_nodes):  # this attempt writes its own
+            engine_report_path(self.run_dir, index, node_rank).unlink(missing_ok=True)
+        node_ports, dist_init_port = self.ports.engine_node_ports(placement)
+        node_hosts = [self.launcher.node_address(placement.het_group, placement.node_index + rank)
+                      for rank in range(placement.num_nodes)]
         step = self.launcher.start(engine_step(self.config, self.topology, index, host=host, port=port,
-                                               run_dir=self.run_dir, env=env, local=self.local))
+                                               run_dir=self.run_dir, env=env, local=self.local, node_hosts=node_hosts,
+                                               node_ports=node_ports, dist_init_port=dist_init_port))
         self.engine_steps[index] = step
         url = f"http://{host}:{port}"
         try:
@@ -301,27 +337,87 @@ class Driver:
             return await self.start_engine(index, retry_on_bind_failure=retry_on_bind_failure - 1, tried=tried)
         return url
 
+    async def start_teacher(self) -> str:
+        """On-policy distillation's teacher: the engine command (CPU engine or SGLang, as the rollout engines)
+        on the teacher's checkpoint and GPUs, on its own het group; returns its URL once /health answers."""
+        placement = self.topology.teacher
+        assert placement is not None and self.ports.teacher is not None
+        config = teacher_engine_config(self.config)
+        host = self.launcher.node_address(placement.het_group, placement.node_index)
+        log_path = self.logs / "teacher.log"
+        env = build_sglang_env({}, {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+        env[API_KEY_ENV] = self.engine_key  # in the environment: `ps` shows argv, not this
+        if engine_kind(config.rollout.engine, config.cluster.device) == "sglang":
+            env.update(SGLANG_ON_CPU_ENV if config.cluster.device == "cpu" else {})
+            write_api_key_file(sglang_api_key_path(config), self.engine_key)
+            _create_private(log_path)
+        self.teacher_step = self.launcher.start(teacher_step(self.config, self.topology, host=host,
+                                                             port=self.ports.teacher, run_dir=self.run_dir, env=env,
+                                                             local=self.local))
+        url = f"http://{host}:{self.ports.teacher}"
+        await _wait_healthy(url, self.teacher_step, 600.0, log_path, self.engine_key)
+        log.info("teacher (on-policy distillation) serving %s at %s", config.checkpoint.hf_checkpoint, url)
+        return url
+
+    # -- external engines (rollout.rollout_external_engine_addrs) ---------------------------------------------
+    async def attach_external_engine(self, index: int, wait_s: float = EXTERNAL_ENGINE_WAIT_S) -> tuple[str, int]:
+        """An engine another job serves: its URL and TP size once it answers /health and, with the job's engine
+        key, /server_info. RuntimeError naming its address when it does not."""
+        address = self.config.rollout.rollout_external_engine_addrs[index]
+        url = external_engine_url(address)
+        where = f"external engine {index} at {url} (rollout.rollout_external_engine_addrs: {address})"
+        engine = EngineConnection(url, api_key=self.engine_key, connecting=asyncio.Semaphore(1))
+        deadline, last = time.monotonic() + wait_s, "no answer"
+        try:
+            while True:
+                try:
+                    status, _ = await engine.request("GET", "/health", None, ENGINE_HEALTH_TIMEOUT_S)
+                    if status == 200:
+                        break
+                    last = f"/health answered HTTP {status}"
+                except EngineHTTPTransportError as error:
+                    last = str(error)
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"{where} is unreachable: {last} (after {wait_s:.0f} s); is it running, and "
+                                       "reachable from this node?")
+                await asyncio.sleep(ENGINE_HEALTH_POLL_S * 5)
+            status, answer = await engine.request("GET", "/server_info", None, 30.0)
+        except EngineHTTPTransportError as error:
+            raise RuntimeError(f"{where}: /server_info failed: {error}") from None
+        finally:
+            engine.close()
+        if status != 200:
+            raise RuntimeError(f"{where}: /server_info answered HTTP {status}"
+                               + (": it needs another api key than this job's: start it without --api-key"
+                                  if status == 401 else ""))
+        return url, int(json.loads(answer).get("tp_size") or 1)
+
     async def restart_engine(self, index: int) -> str:
+        if self.config.rollout.rollout_external_engine_addrs:  # not ours to start: wait until it answers again
+            log.warning("external engine %d failed; waiting up to %.0f s for it to answer again", index,
+                        EXTERNAL_ENGINE_RETURN_S)
+            return (await self.attach_external_engine(index, EXTERNAL_ENGINE_RETURN_S))[0]
         old = self.engine_steps.get(index)
         if old is not None:
             await asyncio.to_thread(old.stop, 5.0)
-        node = self.node_of_engine(index)
-        if node is not None:  # a step on a dead node waits in srun until Slurm ends the job: do not start one
-            for loss in await self.check_nodes([node]):
+        nodes = self.nodes_of_engine(index)
+        if nodes:  # a step on a dead node waits in srun until Slurm ends the job: do not start one
+            for loss in await self.check_nodes(nodes):
                 if self.node_requeued:  # Slurm stops this attempt now (SIGTERM); a restart would only race it
                     await asyncio.sleep(NODE_REQUEUE_WAIT_S)
-                raise RuntimeError(f"engine {index} is not restarted: {loss.describe(self.steps_on(node))}")
+                raise RuntimeError(f"engine {index} is not restarted: {loss.describe(self.steps_on(loss.node))}")
         return await self.start_engine(index)
 
     # -- nodes (Slurm) -------------------------------------------------------------------------------------
-    def node_of_engine(self, index: int) -> str | None:
+    def nodes_of_engine(self, index: int) -> list[str]:
+        """The nodes engine `index` runs on (a multi-node engine: all of them; [] when not known)."""
         placement = self.topology.engines[index]
-        nodes = self._hostnames(placement.het_group)
-        return nodes[placement.node_index] if nodes and placement.node_index < len(nodes) else None
+        nodes = self._hostnames(placement.het_group) or []
+        return nodes[placement.node_index:placement.node_index + placement.num_nodes]
 
     def steps_on(self, node: str) -> list[str]:
         """The names of this run's steps with a task on `node` ('trainer', 'engine-0', ...)."""
-        steps = [f"engine-{i}" for i in range(len(self.topology.engines)) if self.node_of_engine(i) == node]
+        steps = [f"engine-{i}" for i in range(len(self.topology.engines)) if node in self.nodes_of_engine(i)]
         trainer_nodes = (self._hostnames(0) or [])[:self.config.cluster.actor_num_nodes]
         if node in trainer_nodes:
             steps.insert(0, f"trainer (node {trainer_nodes.index(node)} of {len(trainer_nodes)})")
@@ -330,7 +426,8 @@ class Driver:
         return steps
 
     def job_nodes(self) -> list[str]:
-        groups = {0, *(e.het_group for e in self.topology.engines)}
+        groups = {0, *(e.het_group for e in self.topology.engines),
+                  *([self.topology.teacher.het_group] if self.topology.teacher else [])}
         return sorted({node for group in groups for node in (self._hostnames(group) or [])})
 
     def _hostnames(self, het_group: int) -> list[str] | None:
@@ -392,21 +489,30 @@ class Driver:
     async def run(self) -> int:
         secret = load_secret(secret_path(self.run_dir))
         self.engine_key = engine_api_key(secret)
+        external = [await self.attach_external_engine(i)  # first: an unreachable one fails the run at once
+                    for i in range(len(self.config.rollout.rollout_external_engine_addrs))]
         # Engines need neither the router nor the controller until they register: they load (seconds of
         # imports and the model) while those two come up (issue 11). The tasks run from the first await.
         starts = [asyncio.create_task(self.start_engine(i), name=f"start engine {i}")
                   for i in range(len(self.topology.engines))]
+        if self.topology.teacher is not None:
+            starts.append(asyncio.create_task(self.start_teacher(), name="start the teacher"))
         try:
             await self._start_control_plane(secret)
             urls = await asyncio.gather(*starts)
+            urls = urls[:len(self.topology.engines)]
         except BaseException:  # a failure or a signal: no engine start is left running (shutdown stops the steps)
             for start in starts:
                 start.cancel()
             await asyncio.gather(*starts, return_exceptions=True)
             raise
         assert self.controller is not None
-        await asyncio.gather(*(self.controller.register_engine(i, url, tp_size=self.config.cluster.rollout_num_gpus_per_engine)
-                               for i, url in enumerate(urls)))  # together: one batch for the router (engine_fleet)
+        sizes = [self.config.cluster.rollout_num_gpus_per_engine] * len(urls)
+        if external:
+            urls, sizes = [url for url, _ in external], [size for _, size in external]
+            log.info("attached %d external engine(s): %s", len(urls), ", ".join(urls))
+        await asyncio.gather(*(self.controller.register_engine(i, url, tp_size=size)
+                               for i, (url, size) in enumerate(zip(urls, sizes))))  # one batch for the router
         if self.trainer_step is None:
             await self.controller.hand_gpus_to_trainer()  # colocated: the trainer builds on free GPUs (slime's order)
             self._start_trainer()
@@ -438,11 +544,17 @@ class Driver:
         return EXIT_REQUEUE if self.controller.loop and self.controller.loop.stopped_for_requeue else EXIT_OK
 
     async def _start_control_plane(self, secret: Secret) -> None:
-        """The router, then the controller (listening), then (not colocated) the trainer step."""
-        self.router = await self._start_router()
-        self.controller = Controller(self.config, secret=secret, router=self.router, router_url=self.router.url,
+        """The router (not in a trainer-only job), then the controller (listening), then (not colocated) the
+        trainer step."""
+        if not self.topology.trainer_only:
+            self.router = await self._start_router()
+        teacher = self.topology.teacher
+        teacher_url = (f"http://{self.launcher.node_address(teacher.het_group, teacher.node_index)}:{self.ports.teacher}"
+                       if teacher is not None else None)
+        self.controller = Controller(self.config, secret=secret, router=self.router,
+                                     router_url=self.router.url if self.router else None,
                                      restart_engine=self.restart_engine, host=self.host, port=self.ports.controller,
-                                     api_key=self.engine_key)
+                                     api_key=self.engine_key, teacher_url=teacher_url)
         self.controller.restarts = self.restarts
         await self.controller.start()
         if not self.local:
@@ -575,6 +687,10 @@ class Driver:
             self.controller.channel.fail(_trainer_failed(
                 f"{describe_trainer_exit(code, self.logs / 'trainer.log', self.trainer_node_names())}; "
                 f"last lines of {self.logs / 'trainer.log'}:\n{log_tail(self.logs / 'trainer.log')}"))
+        if self.teacher_step is not None and self.teacher_step.poll() is not None and not run.done() \
+                and self.controller.channel.failure is None:
+            raise RuntimeError(f"the distillation teacher exited with code {self.teacher_step.poll()}; last lines of "
+                               f"{self.logs / 'teacher.log'}:\n{log_tail(self.logs / 'teacher.log')}")
         for index, task in list(self._engine_failures.items()):
             if task.done():
                 del self._engine_failures[index]
@@ -603,7 +719,8 @@ class Driver:
         began = time.perf_counter()
         if self.trainer_step is not None:
             await asyncio.to_thread(self.trainer_step.stop, 15.0)
-        await asyncio.gather(*(asyncio.to_thread(step.stop, 5.0) for step in self.engine_steps.values()))
+        await asyncio.gather(*(asyncio.to_thread(step.stop, 5.0) for step in
+                               [*self.engine_steps.values(), *([self.teacher_step] if self.teacher_step else [])]))
         if self.router is not None:
             await asyncio.to_thread(self.router.stop)
         if self.controller is not None:
@@ -800,7 +917,7 @@ def main(argv: list[str] | None = None) -> int:
         from hpc_rl.launch.srun_launcher import SrunStepLauncher
 
         config = load_resolved_config(args.run_dir)  # engines' srun steps get their component's CPUs
-        cpus = engine_cpus_per_task(config, plan_topology(config.cluster))
+        cpus = engine_cpus_per_task(config, plan_run_topology(config))
         return run_driver(args.run_dir, SrunStepLauncher(cpus_per_task=cpus), local=False)
     return run_driver(args.run_dir, LocalStepLauncher(), local=True)
 

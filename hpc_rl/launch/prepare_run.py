@@ -17,7 +17,7 @@ from hpc_rl.config.loading import RESOLVED_CONFIG_NAME
 from hpc_rl.config.validation import ValidationFailed, validate
 from hpc_rl.launch.run_lock import RunDirLocked, acquire
 from hpc_rl.launch.submit_args import EXIT_INVALID, assign_run_dir, parse_submit_args
-from hpc_rl.launch.topology import plan_topology
+from hpc_rl.launch.topology import plan_run_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
 
 
@@ -44,7 +44,7 @@ def _prepare(run_dir: Path, config: RunConfig, check_files: bool) -> None:
         print(f"hpc_rl.prepare_run: resuming {run_dir} (its config.resolved.yaml is kept)", file=sys.stderr)
     else:
         validate(config, check_files=check_files)
-        plan_topology(config.cluster)
+        plan_run_topology(config)
         config = assign_run_dir(config)
         write_resolved_config(config, config.run_dir)
     if not secret_path(run_dir).exists():

@@ -93,7 +93,8 @@ def component_cpus_per_task(config: RunConfig, group: HetGroup) -> int | None:
         return slurm.cpus_per_task
     if cluster.device != "cuda":
         return None
-    gpus_per_task = cluster.rollout_num_gpus_per_engine if group.role == "rollout" else 1
+    gpus_per_task = {"rollout": min(cluster.rollout_num_gpus_per_engine, group.gpus_per_node),
+                     "teacher": cluster.opd_teacher_num_gpus}.get(group.role, 1)
     return slurm.cpus_per_gpu * gpus_per_task
 
 
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from hpc_rl.config import load_config
-    from hpc_rl.launch.topology import plan_topology
+    from hpc_rl.launch.topology import plan_run_topology
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     config = load_config([args[0]], args[1:])
     script_path = f"slurm/{Path(args[0]).stem}.sbatch"
-    print(render_standalone_script(config, plan_topology(config.cluster), config_path=args[0],
+    print(render_standalone_script(config, plan_run_topology(config), config_path=args[0],
                                    script_path=script_path), end="")
     return 0
 

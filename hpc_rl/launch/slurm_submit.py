@@ -18,7 +18,7 @@ from hpc_rl.config.schema import RunConfig
 from hpc_rl.launch.sbatch_render import engine_cpus_per_task, render_batch_script, submitit_folder, submitit_parameters
 from hpc_rl.launch.slurm_status import JOB_ID_FILE, record_job_id
 from hpc_rl.launch.srun_launcher import srun_argv
-from hpc_rl.launch.step_plan import engine_step, trainer_step
+from hpc_rl.launch.step_plan import engine_step, teacher_step, trainer_step
 from hpc_rl.launch.steps import StepSpec
 from hpc_rl.launch.submitit_het import (
     DEFAULT_DRIVER,
@@ -28,7 +28,7 @@ from hpc_rl.launch.submitit_het import (
     guarded_python,
 )
 from hpc_rl.launch.run_lock import RunLock
-from hpc_rl.launch.topology import JobTopology, plan_topology
+from hpc_rl.launch.topology import JobTopology, plan_run_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
 from hpc_rl.telemetry.scalars import tensorboard_dir
 
@@ -49,7 +49,7 @@ def submit_job(config: RunConfig, *, driver: str = DEFAULT_DRIVER, lock: RunLock
     run_dir = Path(config.run_dir)
     if not secret_path(run_dir).exists():
         create_secret(secret_path(run_dir))
-    topology = plan_topology(config.cluster)
+    topology = plan_run_topology(config)
     executor = make_executor(config, topology)
     job = executor.submit(HetJobDriver(str(run_dir), driver, engine_cpus_per_task(config, topology)))
     record_job_id(run_dir, job.job_id)
@@ -154,17 +154,24 @@ def planned_steps(config: RunConfig, topology: JobTopology, run_dir: Path) -> li
     from hpc_rl.launch import driver
 
     ports = driver.PortPlan.for_job(topology, local=False)
-    steps = [engine_step(config, topology, placement.engine_index, run_dir=run_dir, env={}, local=False,
-                         host=f"<node {placement.node_index} of het group {placement.het_group}>",
-                         port=ports.engines[placement.engine_index])
-             for placement in topology.engines]
+    steps = []
+    for placement in topology.engines:
+        node_ports, dist_init_port = ports.engine_node_ports(placement)
+        hosts = [f"<node {placement.node_index + rank} of het group {placement.het_group}>"
+                 for rank in range(placement.num_nodes)]
+        steps.append(engine_step(config, topology, placement.engine_index, run_dir=run_dir, env={}, local=False,
+                                 host=hosts[0], port=ports.engines[placement.engine_index], node_hosts=hosts,
+                                 node_ports=node_ports, dist_init_port=dist_init_port))
+    if topology.teacher is not None:  # on-policy distillation's teacher engine (its own het group)
+        steps.append(teacher_step(config, topology, host=f"<node 0 of het group {topology.teacher.het_group}>",
+                                  port=ports.teacher or topology.teacher.port, run_dir=run_dir, env={}, local=False))
     steps.append(trainer_step(config, run_dir, f"<first trainer node>:{ports.rendezvous}", env={}, local=False))
     return steps
 
 
 def render_slurm_dry_run(config: RunConfig) -> str:
     """The exact sbatch script submitit would submit, then the srun command of every step."""
-    topology = plan_topology(config.cluster)
+    topology = plan_run_topology(config)
     run_dir = Path(config.run_dir or "<run_dir>")
     folder = submitit_folder(run_dir)
     lines = [f"# sbatch script submitit would write to {folder}/ and submit (a dry run writes nothing)",
@@ -172,7 +179,8 @@ def render_slurm_dry_run(config: RunConfig) -> str:
              "", "# job steps the driver starts inside the allocation (ports shift by job id % 300 * 50; any in use on the driver's node are replaced)"]
     het_job = len(topology.groups) > 1
     for spec in planned_steps(config, topology, run_dir):
-        nodelist = [f"<node {spec.node_index} of het group {spec.het_group}>"] if spec.node_index is not None else None
+        nodelist = ([f"<node {spec.node_index + rank} of het group {spec.het_group}>" for rank in range(spec.num_nodes)]
+                    if spec.node_index is not None else None)
         argv = srun_argv(spec, het_job=het_job, nodelist=nodelist, cpus_per_task=engine_cpus_per_task(config, topology))
         lines.append(f"# {spec.name} -> {spec.log_path}")
         lines.append(" ".join(argv))

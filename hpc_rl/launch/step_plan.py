@@ -5,10 +5,17 @@ the driver sets (Slurm's GPU plugin overwrites `CUDA_VISIBLE_DEVICES` in a step 
 `ConstrainDevices=yes` a step that asked for none sees none):
 
     trainer step        --gpus-per-node=G on each trainer node; rank LOCAL_RANK uses position LOCAL_RANK
+    distillation teacher  --exact --gpus-per-node=T on its own het group (opd_teacher_num_gpus), the engine
+                        command on the teacher's checkpoint, `--base-gpu-id 0` (no placement report: no weights
+                        are ever sent to it)
     colocated engine    --overlap --gpus-per-node=G: the same G GPUs of its node as the trainer's step
                         (in the same order), and SGLang `--base-gpu-id` = its first GPU's position there
     decoupled engine    --exact --gpus-per-node=T: T GPUs of its own, `--base-gpu-id 0`
-    local run           no Slurm: positions on this machine (decoupled engines after the trainer's GPUs)
+    multi-node engine   one step over its N nodes, one task per node, each holding its node's GPUs (colocated:
+                        --overlap, the trainer's); SGLang `--nnodes N --dist-init-addr <node 0>:<port>`, and each
+                        task's `--node-rank`, `--host`, `--port` filled in by gpu_step from its task rank
+    local run           no Slurm: positions on this machine (decoupled engines after the trainer's GPUs); an
+                        engine that spans nodes needs Slurm (`hpc_rl.launch.local` refuses it)
 
 Every engine step starts through `hpc_rl.engines.gpu_step`, which reads back what Slurm gave the step,
 checks the planned positions exist, reports the engine's device identities to
@@ -21,6 +28,7 @@ the run dir and the working directory are mounted at their paths. The driver its
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -58,6 +66,8 @@ def sglang_api_key_path(config: RunConfig) -> Path:
 
 def engine_base_gpu_id(config: RunConfig, topology: JobTopology, placement: EnginePlacement, *, local: bool) -> int:
     """The position of the engine's first GPU in the GPU list its step sees (SGLang's `--base-gpu-id`)."""
+    if placement.num_nodes > 1 and not local:
+        return 0  # whole nodes: every GPU of each node the step holds
     if topology.colocate:
         return placement.gpu_ids[0]  # the step holds its node's GPUs, as the trainer's step does
     if local:  # one machine: the trainer's ranks take the first GPUs
@@ -109,15 +119,24 @@ def step_environment(config: RunConfig, env: dict[str, str], *, local: bool) -> 
     return env
 
 
+def multi_node_options(placement: EnginePlacement, dist_init_addr: str) -> list[str]:
+    """SGLang's multi-node flags every node-rank shares (`--node-rank`, `--host`, `--port` are each task's:
+    `hpc_rl.engines.gpu_step` fills them in); none for an engine on one node."""
+    if placement.num_nodes == 1:
+        return []
+    return ["--nnodes", str(placement.num_nodes), "--dist-init-addr", dist_init_addr]
+
+
 def engine_command(config: RunConfig, placement: EnginePlacement, host: str, port: int, *, base_gpu_id: int = 0,
-                   local: bool = False) -> list[str]:
+                   local: bool = False, dist_init_addr: str = "") -> list[str]:
     """The engine's own argv: hpc_rl's CPU engine (key in `API_KEY_ENV`) or sglang.launch_server (key in
-    the run dir's `SGLANG_API_KEY_FILE`). No key on either."""
+    the run dir's `SGLANG_API_KEY_FILE`). No key on either. A multi-node engine's argv is node-rank 0's."""
     tp_size = config.cluster.rollout_num_gpus_per_engine
     dtype = trainer_dtype_name(config.cluster.device)
     options = config.sglang.server_options()
+    spanning = multi_node_options(placement, dist_init_addr)
     if engine_kind(config.rollout.engine, config.cluster.device) == "cpu":
-        extra = ["--base-gpu-id", str(base_gpu_id), "--dtype", str(options.get("dtype") or dtype)]
+        extra = ["--base-gpu-id", str(base_gpu_id), "--dtype", str(options.get("dtype") or dtype), *spanning]
         return cpu_engine_command(config.checkpoint.hf_checkpoint, host=host, port=port,
                                   max_running_requests=config.sglang.server_concurrency, weight_version="0",
                                   extra_args=extra + (["--enable-memory-saver"] if config.cluster.colocate else []),
@@ -129,21 +148,59 @@ def engine_command(config: RunConfig, placement: EnginePlacement, host: str, por
                             rollout_num_gpus_per_engine=tp_size, api_key_file=str(sglang_api_key_path(config)),
                             sglang_options=options, python=python or step_python(config, local=local),
                             colocated=config.cluster.colocate, base_gpu_id=base_gpu_id)
-    return build_sglang_command(spec)
+    return build_sglang_command(spec) + spanning
 
 
 def engine_step(config: RunConfig, topology: JobTopology, index: int, *, host: str, port: int, run_dir: Path,
-                env: dict[str, str], local: bool) -> StepSpec:
-    """Engine `index`'s step: its argv behind the placement check, and what it asks Slurm for."""
+                env: dict[str, str], local: bool, node_hosts: list[str] | None = None,
+                node_ports: list[int] | None = None, dist_init_port: int | None = None) -> StepSpec:
+    """Engine `index`'s step: its argv behind the placement check, and what it asks Slurm for. A multi-node
+    engine gets the address and port of each of its node-ranks (`node_hosts`, `node_ports`; node-rank 0's are
+    `host`, `port`) and node-rank 0's distributed-init port."""
     placement = topology.engines[index]
     base = engine_base_gpu_id(config, topology, placement, local=local)
     check = [step_python(config, local=local), "-m", "hpc_rl.engines.gpu_step", "--base-gpu-id", str(base),
-             "--tp-size", str(len(placement.gpu_ids)), "--report", str(engine_report_path(run_dir, index)), "--"]
-    return StepSpec(name=f"engine-{index}", argv=check + engine_command(config, placement, host, port, base_gpu_id=base, local=local),
+             "--tp-size", str(len(placement.gpu_ids)), "--report", str(engine_report_path(run_dir, index))]
+    dist_init_addr = ""
+    if placement.num_nodes > 1:
+        hosts = node_hosts or [host] * placement.num_nodes
+        ports = node_ports or placement.node_ports()
+        check += ["--nnodes", str(placement.num_nodes), "--node-hosts", ",".join(hosts),
+                  "--node-ports", ",".join(map(str, ports))]
+        dist_init_addr = f"{host}:{dist_init_port or placement.dist_init_port}"
+    argv = [*check, "--", *engine_command(config, placement, host, port, base_gpu_id=base, local=local,
+                                          dist_init_addr=dist_init_addr)]
+    return StepSpec(name=f"engine-{index}", argv=argv,
                     env=step_environment(config, env, local=local), het_group=placement.het_group,
-                    node_index=placement.node_index, num_nodes=1, tasks_per_node=1,
+                    node_index=placement.node_index, num_nodes=placement.num_nodes, tasks_per_node=1,
                     gpus_per_node=engine_gpus_asked(config, topology, placement), overlap=topology.colocate,
                     log_path=run_dir / "logs" / f"engine-{index}.log",
+                    container=None if local else container_spec(config, run_dir))
+
+
+def teacher_engine_config(config: RunConfig) -> RunConfig:
+    """The config an engine command reads, for the distillation teacher: its checkpoint and GPUs, never colocated."""
+    return dataclasses.replace(
+        config, checkpoint=dataclasses.replace(config.checkpoint,
+                                               hf_checkpoint=config.distillation.opd_teacher_hf_checkpoint or ""),
+        cluster=dataclasses.replace(config.cluster, colocate=False,
+                                    rollout_num_gpus_per_engine=config.cluster.opd_teacher_num_gpus))
+
+
+def teacher_step(config: RunConfig, topology: JobTopology, *, host: str, port: int, run_dir: Path,
+                 env: dict[str, str], local: bool) -> StepSpec:
+    """On-policy distillation's teacher engine (topology.teacher): GPUs of its own (locally: after the trainer's
+    and the decoupled engines')."""
+    placement = topology.teacher
+    assert placement is not None
+    taken = topology.trainer_procs_per_node + (0 if topology.colocate else sum(len(e.gpu_ids) for e in topology.engines))
+    base = taken if local else 0
+    return StepSpec(name="teacher", argv=engine_command(teacher_engine_config(config), placement, host, port,
+                                                         base_gpu_id=base, local=local),
+                    env=step_environment(config, env, local=local), het_group=placement.het_group,
+                    node_index=placement.node_index, num_nodes=1, tasks_per_node=1,
+                    gpus_per_node=len(placement.gpu_ids) if asks_slurm_for_gpus(config) else 0, overlap=False,
+                    log_path=run_dir / "logs" / "teacher.log",
                     container=None if local else container_spec(config, run_dir))
 
 

@@ -178,6 +178,17 @@ class TrainCommand(Message):
 
 
 @dataclass(kw_only=True)
+class EvalLossCommand(Message):
+    """Forward only, no update: this rank's share of a held-out set (flat arrays as a TrainCommand's); the done
+    message carries its loss and greedy accuracy over the assistant tokens (SFT's eval)."""
+
+    TYPE: ClassVar[str] = "eval_loss"
+    seq: int
+    batch: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
 class SyncWeightsCommand(Message):
     """Send the current weights to the engines as `weight_version` (rank 0 broadcasts)."""
 

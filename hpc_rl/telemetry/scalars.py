@@ -83,7 +83,9 @@ def progress_line(rollout_id: int, num_rollout: int, metrics: dict[str, Any], *,
     the first ones (one rollout's mean is noisy), a nonzero gradient norm, the policy's entropy. Not
     shown: ppo_kl and pg_loss, exactly 0 on every step of an on-policy GRPO run that learns (one optimizer
     step per rollout: the policy is the rollout's; group-normalised advantages have mean 0); they are in
-    TensorBoard. Eval says how it samples (greedy eval scores above sampled training rewards)."""
+    TensorBoard. Eval says how it samples (greedy eval scores above sampled training rewards). The training
+    modes add theirs: SFT's loss (and its held-out eval: loss, exact match), PPO's value loss, distillation's
+    reverse KL to the teacher."""
     parts = [f"rollout {rollout_id + 1}/{num_rollout}"]
     if "rollout/reward_mean" in metrics:
         parts.append(f"reward {metrics['rollout/reward_mean']:.3f}")
@@ -94,7 +96,9 @@ def progress_line(rollout_id: int, num_rollout: int, metrics: dict[str, Any], *,
                      f"{sum(first) / len(first):.3f})")
     if "rollout/response_len_mean" in metrics:
         parts.append(f"resp len {metrics['rollout/response_len_mean']:.1f}")
-    for key, label in (("train/grad_norm", "grad_norm"), ("train/entropy_loss", "entropy")):
+    modes = (("train/loss", "loss"),) if "train/pg_loss" not in metrics else ()  # SFT: no policy loss
+    for key, label in (*modes, ("train/grad_norm", "grad_norm"), ("train/entropy_loss", "entropy"),
+                       ("train/value_loss", "value_loss"), ("train/opd_reverse_kl", "opd_kl")):
         if key in metrics:
             parts.append(f"{label} {metrics[key]:.3g}")
     if metrics.get("train/skipped"):
@@ -108,6 +112,8 @@ def progress_line(rollout_id: int, num_rollout: int, metrics: dict[str, Any], *,
              if k.startswith("eval/") and k.endswith("/reward_mean")]
     if evals and eval_sampling:
         evals[-1] += f" ({eval_sampling})"
+    evals += [f"eval {k[len('eval/'):].replace('/', ' ')} {v:.3f}" for k, v in metrics.items()
+              if k.startswith("eval/") and k.endswith(("/loss", "/exact_match"))]  # SFT's held-out chats
     parts.extend(evals)
     return " | ".join(parts)
 

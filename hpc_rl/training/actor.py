@@ -1,9 +1,11 @@
-"""Assemble a trainer rank: actor (DDP + AdamW), frozen reference model, initial weights.
+"""Assemble a trainer rank: actor (DDP + AdamW), frozen reference model, initial weights; the training
+modes' extra models: the on-policy-distillation teacher (opd_type megatron) and PPO's critic.
 
 Owns: where the initial weights come from (slime's rules: `load` if it holds a checkpoint, else
 `ref_load`, else `hf_checkpoint`; each of `load`/`ref_load` may be a torch_dist checkpoint or an HF
 directory; `ref_ckpt_step` picks an iteration of `ref_load`; a checkpoint that saved an updated reference
-restores it) and building the `RolloutTrainer`. Does not own the command loop (`__main__`).
+restores it; the teacher from `opd_teacher_load`; the critic from its own checkpoint, else the actor's initial
+weights with a fresh value head) and building the `RolloutTrainer`. Does not own the command loop (`__main__`).
 """
 
 from __future__ import annotations
@@ -13,18 +15,22 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+from hpc_rl.config.schema import (
+    AlgorithmConfig, CheckpointConfig, CriticConfig, DistillationConfig, OptimizerConfig, TrainingConfig,
+)
 from hpc_rl.plugins import load_plugin
 from hpc_rl.training import checkpoint
+from hpc_rl.training.critic import critic_load_dir, critic_optimizer_config, install_value_head
 from hpc_rl.training.custom_hooks import trainer_args
 from hpc_rl.training.model_provider import build_gpt_model
 from hpc_rl.training.optimizer import ActorOptimizer, wrap_ddp
 from hpc_rl.training.parallel import ParallelInfo
-from hpc_rl.training.step import RolloutTrainer
+from hpc_rl.training.step import CriticPart, RolloutTrainer, skips_advantages
 from hpc_rl.weights.hf_import import is_hf_checkpoint, load_hf_into_model
 
 
@@ -88,27 +94,64 @@ class TrainerParts:
     ref_model: torch.nn.Module | None
     trainer: RolloutTrainer
     resumed: checkpoint.TrainerState | None
+    teacher_model: torch.nn.Module | None = None
+    critic_model: torch.nn.Module | None = None
+    critic_optimizer: ActorOptimizer | None = None
+    critic_config: CriticConfig | None = None
+
+
+def _frozen(model: torch.nn.Module) -> torch.nn.Module:
+    model.eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model
+
+
+def _optimized(model: torch.nn.Module, config: OptimizerConfig, info: ParallelInfo) -> tuple[torch.nn.Module, Any]:
+    """`model` in Megatron's DDP with its optimizer (the CPU twin's AdamW, or Megatron's on GPU)."""
+    if info.on_cpu:
+        ddp = wrap_ddp(model)
+        return ddp, ActorOptimizer(ddp, config)
+    from hpc_rl.training.optimizer_gpu import MegatronActorOptimizer
+
+    ddp = wrap_ddp(model, distributed_optimizer=True)
+    return ddp, MegatronActorOptimizer(ddp, config, params_dtype=ddp.config.params_dtype)
+
+
+def build_critic(*, arch: ModelArchitecture, training: TrainingConfig, optimizer_config: OptimizerConfig,
+                 critic: CriticConfig, checkpoints: CheckpointConfig, initial_source: str, info: ParallelInfo,
+                 model_file: str | Path | None = None) -> tuple[torch.nn.Module, Any]:
+    """The critic and its optimizer: resumed from its own checkpoint when one exists, else the actor's initial
+    weights with a fresh value head (slime: the critic starts from the actor's checkpoint and re-initialises
+    the output layer it cannot load)."""
+    device = "cpu" if info.on_cpu else "cuda"
+    model = build_model(arch, training, device=device)
+    resume_from = critic_load_dir(critic, checkpoints.load)
+    resuming = bool(resume_from) and checkpoint.latest_iteration(resume_from) is not None
+    if not resuming:
+        load_weights(model, initial_source, arch, info, model_file=model_file)
+    ddp, optimizer = _optimized(install_value_head(model, seed=training.seed), critic_optimizer_config(
+        optimizer_config, critic), info)
+    if resuming:
+        checkpoint.load_checkpoint(resume_from, ddp, optimizer)
+    return ddp, optimizer
 
 
 def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorithm: AlgorithmConfig,
                   optimizer_config: OptimizerConfig, checkpoints: CheckpointConfig, info: ParallelInfo,
-                  model_file: str | Path | None = None, plugin_args: SimpleNamespace | None = None) -> TrainerParts:
-    """Actor + optimizer (+ reference model when the KL loss or KL shaping needs one), loaded.
+                  model_file: str | Path | None = None, plugin_args: SimpleNamespace | None = None,
+                  distillation: DistillationConfig | None = None, critic: CriticConfig | None = None) -> TrainerParts:
+    """Actor + optimizer (+ reference model when the KL loss or KL shaping needs one, + the teacher for
+    opd_type megatron, + the critic for advantage_estimator ppo), loaded.
     `plugin_args`: the run's flat config for custom loss/advantage functions (default: these sections').
     slime's --custom-megatron-init-path hook runs first (the process groups are up, no model yet)."""
     device = "cpu" if info.on_cpu else "cuda"  # cluster.device, as init_parallel checked it
+    distillation = distillation or DistillationConfig()
     if training.custom_megatron_init_path:
         load_plugin("megatron_init", training.custom_megatron_init_path)(
             plugin_args if plugin_args is not None else trainer_args(training, algorithm))
-    if info.on_cpu:
-        actor = wrap_ddp(freeze_parameters(build_model(arch, training), training))
-        optimizer: ActorOptimizer = ActorOptimizer(actor, optimizer_config)
-    else:  # Megatron's optimizer (GPU only; see optimizer_gpu)
-        from hpc_rl.training.optimizer_gpu import MegatronActorOptimizer
-
-        actor = wrap_ddp(freeze_parameters(build_model(arch, training, device=device), training),
-                         distributed_optimizer=True)
-        optimizer = MegatronActorOptimizer(actor, optimizer_config, params_dtype=actor.config.params_dtype)  # type: ignore[assignment]
+    actor, optimizer = _optimized(freeze_parameters(build_model(arch, training, device=device), training),
+                                  optimizer_config, info)
     resumed = None
     if _has_checkpoint(checkpoints.load) and not is_hf_checkpoint(checkpoints.load):
         resumed = checkpoint.load_checkpoint(checkpoints.load, actor, optimizer)
@@ -121,7 +164,7 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
         load_weights(actor, source, arch, info, model_file=model_file,
                      iteration=checkpoints.ref_ckpt_step if source == checkpoints.ref_load else None)
     ref_model = None
-    if algorithm.use_kl_loss or algorithm.kl_coef != 0.0:
+    if (algorithm.use_kl_loss or algorithm.kl_coef != 0.0) and not skips_advantages(algorithm):
         ref_source = next((p for p in (checkpoints.ref_load, checkpoints.hf_checkpoint) if _has_checkpoint(p)), None)
         if ref_source is None:
             raise FileNotFoundError("the KL term needs reference weights: set checkpoint.ref_load")
@@ -131,11 +174,28 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
         else:
             load_weights(ref_model, ref_source, arch, info, model_file=model_file,
                          iteration=checkpoints.ref_ckpt_step if ref_source == checkpoints.ref_load else None)
-        ref_model.eval()
-        for param in ref_model.parameters():
-            param.requires_grad_(False)
+        _frozen(ref_model)
+    teacher_model = None
+    if distillation.use_opd and distillation.opd_type == "megatron":
+        teacher_model = build_model(arch, training, device=device)
+        load_weights(teacher_model, distillation.opd_teacher_load or "", arch, info, model_file=model_file,
+                     iteration=distillation.opd_teacher_ckpt_step)
+        _frozen(teacher_model)
+    critic_part = None
+    if algorithm.advantage_estimator == "ppo":
+        critic = critic or CriticConfig()
+        initial = next(p for p in (checkpoints.ref_load, checkpoints.hf_checkpoint) if _has_checkpoint(p))
+        critic_model, critic_optimizer = build_critic(
+            arch=arch, training=training, optimizer_config=optimizer_config, critic=critic, checkpoints=checkpoints,
+            initial_source=initial, info=info, model_file=model_file)
+        critic_part = CriticPart(model=critic_model, optimizer=critic_optimizer, config=critic)
     if resumed is not None:
         checkpoint.restore_rng_state(checkpoints.load)
     trainer = RolloutTrainer(actor=actor, optimizer=optimizer, ref_model=ref_model, arch=arch, training=training,
-                             algorithm=algorithm, info=info, plugin_args=plugin_args)
-    return TrainerParts(actor=actor, optimizer=optimizer, ref_model=ref_model, trainer=trainer, resumed=resumed)
+                             algorithm=algorithm, info=info, plugin_args=plugin_args, teacher_model=teacher_model,
+                             distillation=distillation, critic=critic_part)
+    return TrainerParts(actor=actor, optimizer=optimizer, ref_model=ref_model, trainer=trainer, resumed=resumed,
+                        teacher_model=teacher_model,
+                        critic_model=critic_part.model if critic_part else None,
+                        critic_optimizer=critic_part.optimizer if critic_part else None,
+                        critic_config=critic_part.config if critic_part else None)

@@ -1,8 +1,8 @@
 """Rewards -> per-token advantages and returns, as pure torch functions (slime's estimators).
 
 Owns: the per-token advantages of grpo/gspo/cispo, REINFORCE++ discounted returns, REINFORCE++-baseline,
-PPO's token rewards and GAE(gamma, lambda), masked whitening (``--normalize-advantages``) and the
-:func:`compute_advantages` dispatcher.
+PPO's token rewards and GAE(gamma, lambda), the on-policy-distillation penalty, masked whitening
+(``--normalize-advantages``) and the :func:`compute_advantages` dispatcher.
 
 Does not own: group reward normalisation (GRPO, Dr.GRPO, REINFORCE++-baseline: the controller's
 ``controller.train_batches.group_normalized_rewards``, which needs whole groups), the KL between
@@ -26,6 +26,7 @@ __all__ = [
     "gae_advantages_and_returns",
     "grpo_advantages",
     "masked_whiten",
+    "opd_penalized_advantages",
     "ppo_token_rewards",
     "reinforce_plus_plus_baseline_advantages",
     "reinforce_plus_plus_returns",
@@ -123,6 +124,22 @@ def gae_advantages_and_returns(
     return advs, rets
 
 
+def opd_penalized_advantages(advantages: Sequence[Tensor], student_log_probs: Sequence[Tensor],
+                             teacher_log_probs: Sequence[Tensor], opd_kl_coef: float) -> tuple[list[Tensor], list[Tensor]]:
+    """On-policy distillation (slime's apply_opd_kl_to_advantages): per token, the reverse-KL sample
+    k_t = logp_student_t - logp_teacher_t, and A_t - opd_kl_coef * k_t, whatever estimator made A.
+    The student's log-probs are the old ones (recomputed, or the rollout's with use_rollout_logprobs).
+    Returns (advantages, reverse_kl); whitening (normalize_advantages) comes after, as in slime."""
+    penalized, reverse_kl = [], []
+    for i, (adv, student, teacher) in enumerate(zip(advantages, student_log_probs, teacher_log_probs, strict=True)):
+        if student.shape != teacher.shape:
+            raise ValueError(f"sample {i}: {teacher.numel()} teacher log-probs for {student.numel()} response tokens")
+        kl = student.float() - teacher.float().to(student.device)
+        penalized.append(adv - opd_kl_coef * kl)
+        reverse_kl.append(kl)
+    return penalized, reverse_kl
+
+
 def masked_whiten(
     values: Tensor,
     mask: Tensor,
@@ -167,6 +184,9 @@ def compute_advantages(
     values: Sequence[Tensor] | None = None,
     normalize_advantages: bool = False,
     all_reduce: Callable[[Tensor], Tensor] | None = None,
+    student_log_probs: Sequence[Tensor] | None = None,
+    teacher_log_probs: Sequence[Tensor] | None = None,
+    opd_kl_coef: float = 0.0,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """Per-sample (advantages, returns) for one of slime's estimators.
 
@@ -176,6 +196,8 @@ def compute_advantages(
       grpo/gspo/cispo: A = returns = r~ broadcast;  reinforce_plus_plus: A = returns = G;
       reinforce_plus_plus_baseline: A = returns = r~ - kl_coef * kl;
       ppo: GAE on ppo_token_rewards with ``values`` (returns = A + V).
+    With ``teacher_log_probs`` (on-policy distillation), A gets :func:`opd_penalized_advantages` against
+    ``student_log_probs``; returns are left as the estimator made them (slime's order).
     ``normalize_advantages`` then whitens A over all trained tokens (see :func:`masked_whiten`).
     """
     if kl is None and estimator not in _STD_NORMALIZED:  # only the estimators that shape with KL read it
@@ -197,6 +219,11 @@ def compute_advantages(
         )
     else:
         raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}")
+
+    if teacher_log_probs is not None:
+        if student_log_probs is None:
+            raise ValueError("on-policy distillation needs the student's log-probs")
+        advantages, _ = opd_penalized_advantages(advantages, student_log_probs, teacher_log_probs, opd_kl_coef)
 
     if normalize_advantages and advantages:
         flat = masked_whiten(torch.cat(advantages), torch.cat(list(loss_masks)), all_reduce=all_reduce)

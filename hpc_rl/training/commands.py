@@ -7,6 +7,7 @@ share for `TrainCommand`), so collectives line up. Commands are `hpc_rl.protocol
     TrainCommand(rollout_id, batch arrays)  -> RolloutTrainer.train_rollout, metrics to TensorBoard
                                                (optimizer moments reset before it, reference updated
                                                after it, as optimizer/algorithm ask)
+    EvalLossCommand(batch arrays)           -> eval_loss.evaluate_loss (SFT's held-out loss, no update)
     SyncWeightsCommand(version, group, ...) -> WeightPlan from rank 0, then the bucket broadcasts
     SaveCommand(rollout_id, controller_state) -> checkpoint.save_checkpoint (+ the HF copy, save_hf)
     DiskWeightsCommand(version, path)       -> the weights as an HF directory at path (disk transport), then
@@ -39,6 +40,7 @@ from hpc_rl.protocol.messages import (
     AbortWeightGroupCommand,
     ColocatedSyncCommand,
     DiskWeightsCommand,
+    EvalLossCommand,
     Message,
     SaveCommand,
     StopCommand,
@@ -52,7 +54,9 @@ from hpc_rl.training import checkpoint
 from hpc_rl.training.actor import TrainerParts
 from hpc_rl.training.checkpoint_files import prune_iterations
 from hpc_rl.training.nonfinite import NonFiniteSteps, check_finite_weights
+from hpc_rl.training.eval_loss import evaluate_loss
 from hpc_rl.engines.child_process import free_port
+from hpc_rl.training.critic import critic_save_dir
 from hpc_rl.training.offload import TrainerOffload
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.sync_address import weight_sync_address
@@ -155,8 +159,9 @@ class TrainerCommands:
         self.sender: WeightSender | None = None
         self.engine_api_key = engine_api_key
         """Colocated mode: this rank posts its weights to its engine itself (derived from the job secret)."""
-        self.offload = TrainerOffload(models=[parts.actor, parts.ref_model], optimizer=parts.optimizer,
-                                      enabled=offload_train, margin_bytes=train_memory_margin_bytes)
+        self.offload = TrainerOffload(models=[parts.actor, parts.ref_model, parts.teacher_model, parts.critic_model],
+                                      optimizer=[parts.optimizer, parts.critic_optimizer], enabled=offload_train,
+                                      margin_bytes=train_memory_margin_bytes)
         """Colocated: training.offload_train false keeps the state on the device (slime's --no-offload-train)."""
         self.colocated_sender = None
         self.group_address: tuple[str, int] | None = None
@@ -188,6 +193,8 @@ class TrainerCommands:
         self.offload.require_onloaded(type(command).__name__)
         if isinstance(command, TrainCommand):
             return self.train(command)
+        if isinstance(command, EvalLossCommand):
+            return evaluate_loss(self.parts.trainer, TrainBatch.from_arrays(command.batch, command.meta))
         if isinstance(command, SyncWeightsCommand):
             return self.send_weights(command)
         if isinstance(command, DiskWeightsCommand):
@@ -206,10 +213,16 @@ class TrainerCommands:
             checkpoint.TrainerState(rollout_id=command.rollout_id, controller_state=command.controller_state),
             save_optim=config.save_optim,
             ref_model=self.parts.ref_model if trainer.algorithm.ref_update_interval else None)
+        out, roots = {"checkpoint": str(path)}, [root]
+        if self.parts.critic_model is not None and self.parts.critic_optimizer is not None:  # PPO's critic
+            roots.append(critic_save_dir(self.parts.critic_config, root) or "")
+            out["critic_checkpoint"] = str(checkpoint.save_checkpoint(
+                roots[-1], self.parts.critic_model, self.parts.critic_optimizer,
+                checkpoint.TrainerState(rollout_id=command.rollout_id), save_optim=config.save_optim))
         if self.keep_last and self.info.rank == 0:
-            for old in prune_iterations(root, self.keep_last):
-                log.info("removed %s (checkpoint.keep_last=%d)", old, self.keep_last)
-        out = {"checkpoint": str(path)}
+            for kept_root in roots:
+                for old in prune_iterations(kept_root, self.keep_last):
+                    log.info("removed %s (checkpoint.keep_last=%d)", old, self.keep_last)
         if config.save_hf:
             from hpc_rl.training.hf_save import hf_output_dir, save_hf_checkpoint
 
@@ -221,6 +234,11 @@ class TrainerCommands:
     def train(self, command: TrainCommand) -> dict[str, Any]:
         batch = TrainBatch.from_arrays(command.batch, command.meta)
         trainer = self.parts.trainer
+        if "num_rollout" in command.meta:  # the lr schedule's length (slime: decay over every step of the run)
+            total = int(command.meta["num_rollout"]) * trainer.training.num_steps_per_rollout
+            for optimizer in (self.parts.optimizer, self.parts.critic_optimizer):
+                if optimizer is not None:
+                    optimizer.set_run_length(total)
         if self.parts.optimizer.config.reset_optimizer_states:
             self.parts.optimizer.reset_state()
         steps = trainer.train_rollout(batch, command.rollout_id)
@@ -255,11 +273,12 @@ class TrainerCommands:
             from hpc_rl.weights.device_identity import trainer_rank_device
 
             tp_group = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
+            pp_group = parallel_state.get_pipeline_model_parallel_group() if self.info.pp_size > 1 else None
             self.colocated_sender = ColocatedWeightSender(
                 self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size, rank=self.info.rank,
                 world_size=self.info.world_size, bucket_bytes=command.bucket_bytes,
-                dtype=export_dtype(self.info.on_cpu), api_key=self.engine_api_key, pp_size=self.info.pp_size,
-                device=trainer_rank_device())
+                dtype=export_dtype(self.info.on_cpu), api_key=self.engine_api_key, pp_group=pp_group,
+                pp_rank=self.info.pp_rank, pp_size=self.info.pp_size, device=trainer_rank_device())
         engine, _ = command.rank_engines[self.info.rank]
         url = command.engine_urls[engine] if 0 <= engine < len(command.engine_urls) else ""
         metrics = self.colocated_sender.sync(version=command.weight_version, engine_url=url,

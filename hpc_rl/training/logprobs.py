@@ -22,6 +22,19 @@ def _sum_over_tp(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     return reduce_from_tensor_model_parallel_region(tensor, group=group)
 
 
+def _this_shard(logits: torch.Tensor, vocab_size: int,
+                tp_group: dist.ProcessGroup | None) -> tuple[torch.Tensor, int, int]:
+    """This TP rank's float32 logits with the padded vocabulary masked, its first vocabulary id and its width."""
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    logits = logits.float()
+    part = logits.shape[-1]
+    start = tp_rank * part
+    if start + part > vocab_size:
+        padded = torch.arange(start, start + part, device=logits.device) >= vocab_size
+        logits = logits.masked_fill(padded, _MASKED)
+    return logits, start, part
+
+
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -47,13 +60,7 @@ def vocab_parallel_logprobs(
         entropy = torch.cat([e for _, e in parts]).reshape(targets.shape) if with_entropy else None  # type: ignore[misc]
         return log_probs, entropy
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-    logits = logits.float()
-    part = logits.shape[-1]
-    start = tp_rank * part
-    if start + part > vocab_size:
-        padded = torch.arange(start, start + part, device=logits.device) >= vocab_size
-        logits = logits.masked_fill(padded, _MASKED)
+    logits, start, part = _this_shard(logits, vocab_size, tp_group)
     maximum = logits.detach().max(dim=-1, keepdim=True).values
     if tp_size > 1:
         dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=tp_group)
@@ -69,3 +76,20 @@ def vocab_parallel_logprobs(
         probs = torch.exp(shifted - log_sum_exp.unsqueeze(-1))
         entropy = log_sum_exp - _sum_over_tp((probs * shifted).sum(dim=-1), tp_group)
     return log_probs, entropy
+
+
+@torch.no_grad()
+def vocab_parallel_greedy_hits(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int,
+                               tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """1.0 where the target is the argmax of the (unpadded) vocabulary, per position (ties count as hits):
+    greedy decoding would emit it. `logits` [..., V_local] vocab-parallel, `targets` [...]."""
+    logits, start, part = _this_shard(logits, vocab_size, tp_group)
+    maximum = logits.max(dim=-1).values
+    local = targets.long() - start
+    in_shard = (local >= 0) & (local < part)
+    target_logit = torch.where(in_shard, logits.gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1),
+                               torch.full_like(maximum, _MASKED))
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=tp_group)
+        dist.all_reduce(target_logit, op=dist.ReduceOp.MAX, group=tp_group)
+    return (target_logit >= maximum).float()

@@ -43,10 +43,12 @@ __all__ = [
     "policy_loss_and_metrics",
     "policy_loss_type_for",
     "reinforce_loss",
+    "sft_loss",
     "step_loss_scale",
     "sum_of_sample_mean",
     "sum_of_tokens",
     "tis_weights",
+    "value_loss",
 ]
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -219,6 +221,23 @@ def tis_weights(
         w = ratio.clamp(clip_low, clip_high)
         metrics = {"tis": ratio, "tis_clipfrac": (w != ratio).float(), "tis_abs": (ratio - 1.0).abs()}
     return w, metrics
+
+
+def sft_loss(log_probs: PerSample, loss_masks: PerSample, *, per_token: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
+    """SFT (slime's sft_loss): loss = -R(log p(token)) over the trained (assistant) tokens, R the step's reducer
+    (:func:`sum_of_sample_mean`, or :func:`sum_of_tokens` with ``per_token``); metrics: ``loss``."""
+    reduce = sum_of_tokens if per_token else sum_of_sample_mean
+    loss = -reduce(torch.cat(list(log_probs)) if len(log_probs) else torch.zeros(0), loss_masks)
+    return loss, {"loss": loss.detach()}
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float) -> tuple[Tensor, Tensor]:
+    """PPO's clipped value loss per token (slime's value_loss_function, no 1/2 factor): with
+    V_clip = V_old + clamp(V - V_old, -value_clip, value_clip), L_t = max((V_clip - R)^2, (V - R)^2);
+    clipfrac = 1.0 where |V - V_old| > value_clip. Reduce both with the step's reducer."""
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    loss = torch.maximum((clipped - returns).square(), (values - returns).square())
+    return loss, ((values - old_values).abs() > value_clip).float()
 
 
 def opsm_mask(log_probs: PerSample, old_log_probs: PerSample, advantages: PerSample, loss_masks: PerSample,

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from hpc_rl.training.context_parallel import ContextParallelSplit, gather_with_local_grad, split_packed
 from hpc_rl.training.layer_specs import PackedSequenceAttention
-from hpc_rl.training.logprobs import vocab_parallel_logprobs
+from hpc_rl.training.logprobs import vocab_parallel_greedy_hits, vocab_parallel_logprobs
 from hpc_rl.training.model_provider import causal_mask
 
 QKV_FORMATS = ("thd", "bshd")
@@ -119,6 +119,26 @@ class MicroBatch:
         per_sample = list(log_probs.split(self.response_lengths))
         per_entropy = None if entropy is None else list(entropy.split(self.response_lengths))
         return per_sample, per_entropy
+
+    def response_greedy_hits(self, logits: torch.Tensor, *, vocab_size: int,
+                             tp_group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+        """Per sample, 1.0 at each response token that is the argmax of its position's logits."""
+        if self.context_parallel is not None:
+            split, group = self.context_parallel, self.cp_group
+            assert self.targets is not None and group is not None
+            local = vocab_parallel_greedy_hits(logits, self.targets, vocab_size=vocab_size, tp_group=tp_group)
+            hits = gather_with_local_grad(local[0], group).index_select(0, split.order).unsqueeze(0)
+            rows, columns = self._response_positions(hits.device)
+            hits = hits[rows, columns]
+        else:
+            rows, columns = self._response_positions(logits.device)
+            hits = vocab_parallel_greedy_hits(logits[rows, columns], self.tokens[rows, columns + 1],
+                                              vocab_size=vocab_size, tp_group=tp_group)
+        return list(hits.split(self.response_lengths))
+
+    def response_positions(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, column) of the position that scores each response token (critic values are read there too)."""
+        return self._response_positions(device)
 
     def _response_positions(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, column) of every response token's score, sample after sample: one gather for the

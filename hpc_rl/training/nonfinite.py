@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-WATCHED = ("loss", "pg_loss", "grad_norm")
+WATCHED = ("loss", "pg_loss", "grad_norm", "value_loss", "critic_grad_norm")  # the last two: PPO's critic
 
 
 class NonFiniteTraining(RuntimeError):
@@ -39,7 +39,7 @@ class NonFiniteSteps:
         """Log every bad step; raise NonFiniteTraining past `max_in_a_row` of them in a row."""
         for offset, metrics in enumerate(steps):
             bad = {key: metrics[key] for key in WATCHED if key in metrics and not math.isfinite(float(metrics[key]))}
-            if not bad and not metrics.get("skipped"):
+            if not bad and not metrics.get("skipped") and not metrics.get("critic_skipped"):
                 self.in_a_row = 0
                 continue
             self.in_a_row += 1

@@ -80,7 +80,7 @@ class _Offloaded:
 def _optimizers(optimizer: object) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside hpc_rl's optimizer wrappers and Megatron's (chained ones included)."""
     found: list[torch.optim.Optimizer] = []
-    stack, seen = [optimizer], set()
+    stack, seen = list(optimizer) if isinstance(optimizer, list) else [optimizer], set()
     while stack:
         current = stack.pop()
         if current is None or id(current) in seen:

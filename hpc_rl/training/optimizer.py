@@ -7,11 +7,12 @@ On CPU Megatron's optimizer does not run (hard-coded CUDA), so a plain `torch.op
 `main_grad` with the clipping norm computed over unique shards of every TP and PP rank
 (notes/megatron-cpu.md). On GPU the same interface wraps Megatron's optimizer (not run here).
 The schedule follows Megatron's `OptimizerParamScheduler` (linear warmup from 0, then constant,
-linear or cosine decay to `min_lr`). Does not own checkpointing of this state (`checkpoint`).
+linear or cosine decay to `min_lr`), over the whole run unless lr_decay_iters says otherwise (`schedule_for_run`). Does not own checkpointing of this state (`checkpoint`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,14 @@ def learning_rate(config: OptimizerConfig, steps_done: int) -> float:
     else:
         raise ValueError(f"optimizer.lr_decay_style {config.lr_decay_style!r}: use constant, linear or cosine")
     return config.min_lr + (config.lr - config.min_lr) * coefficient
+
+
+def schedule_for_run(config: OptimizerConfig, total_steps: int) -> OptimizerConfig:
+    """The schedule of a run of `total_steps` optimizer steps (slime's: lr_decay_iters defaults to every step of
+    the run; lr_warmup_fraction is a share of lr_decay_iters)."""
+    decay = config.lr_decay_iters or total_steps
+    warmup = int(config.lr_warmup_fraction * decay) if config.lr_warmup_fraction is not None else config.lr_warmup_iters
+    return dataclasses.replace(config, lr_decay_iters=decay, lr_warmup_iters=warmup, lr_warmup_fraction=None)
 
 
 def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False) -> torch.nn.Module:
@@ -103,6 +112,10 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
             lr=learning_rate(config, 0), betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
         )
         self.steps_done = 0
+
+    def set_run_length(self, total_steps: int) -> None:
+        """The run has `total_steps` optimizer steps: its decay and warm-up follow (`schedule_for_run`)."""
+        self.config = schedule_for_run(self.config, total_steps)
 
     def ordered_params(self) -> list[torch.nn.Parameter]:
         """Parameters in the optimizer's state-id order."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hpc_rl.config.schema import OptimizerConfig
-from hpc_rl.training.optimizer import StepResult, learning_rate, reset_adam_state
+from hpc_rl.training.optimizer import StepResult, learning_rate, reset_adam_state, schedule_for_run
 
 _NEVER = 10**12  # "no decay" for Megatron's scheduler, which needs a decay horizon
 
@@ -57,6 +57,12 @@ class MegatronActorOptimizer:
             lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay, end_wd=config.weight_decay,
             wd_incr_steps=1, wd_incr_style="constant")
         self.steps_done = 0
+
+    def set_run_length(self, total_steps: int) -> None:
+        """The run's length decides the decay (and a warm-up fraction): Megatron's scheduler reads both per step."""
+        self.config = schedule_for_run(self.config, total_steps)
+        self.scheduler.lr_warmup_steps = self.config.lr_warmup_iters
+        self.scheduler.lr_decay_steps = self.config.lr_decay_iters or _NEVER
 
     def zero_grad(self) -> None:
         self.ddp_model.zero_grad_buffer()

@@ -14,6 +14,13 @@ loss and its metrics are computed on the last stage only; the other stages run t
 forward and backward. After the optimizer step the last stage broadcasts the step's metrics over
 the pipeline group, so every rank (global rank 0 included, which reports them) returns the same.
 
+Training modes (one loop, issue 21): SFT (loss_type sft_loss) computes no reference, old log-probs or
+advantages, only -log p of the assistant tokens; on-policy distillation takes the teacher's log-probs (a
+teacher model on these ranks, or a teacher server's, in the batch) and subtracts opd_kl_coef * (logp_old -
+logp_teacher) from the advantages; PPO trains the critic (`critic.train_critic`) first on each rollout, its
+values (before its update) giving the actor's GAE advantages, and the actor not at all for
+num_critic_only_steps rollouts.
+
 Ref log-probs are computed for the whole rollout before its first update, on the same micro-batches
 the training pass uses, so with ref == actor weights the KL term is exactly 0. Old log-probs come
 from the training pass itself (detached) when there is one optimizer step per rollout and no KL
@@ -25,7 +32,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -35,7 +43,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.schema import AlgorithmConfig, TrainingConfig
+from hpc_rl.config.schema import AlgorithmConfig, CriticConfig, DistillationConfig, TrainingConfig
 from hpc_rl.training.advantages import compute_advantages, masked_whiten
 from hpc_rl.training.custom_hooks import (
     check_custom_loss_result, load_custom_advantages, load_custom_loss, run_custom_advantages, trainer_args,
@@ -45,7 +53,8 @@ from hpc_rl.training.batching import (
 )
 from hpc_rl.weights.json_collectives import broadcast_json
 from hpc_rl.training.losses import (
-    PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for, sum_of_sample_mean, sum_of_tokens,
+    PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for, sft_loss, sum_of_sample_mean,
+    sum_of_tokens,
 )
 from hpc_rl.training.micro_batches import MicroBatch, build_microbatch, choose_qkv_format
 from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
@@ -53,6 +62,7 @@ from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.pipeline import PipelineSchedule
 from hpc_rl.training.train_batch import TrainBatch
 from hpc_rl.plugins import load_plugin
+from hpc_rl.training.critic import critic_metrics, train_critic
 
 
 def policy_loss_config(algorithm: AlgorithmConfig, training: TrainingConfig) -> PolicyLossConfig:
@@ -69,7 +79,8 @@ def policy_loss_config(algorithm: AlgorithmConfig, training: TrainingConfig) -> 
     )
 
 
-def old_logprobs_need_own_pass(training: TrainingConfig, algorithm: AlgorithmConfig, *, has_ref: bool) -> bool:
+def old_logprobs_need_own_pass(training: TrainingConfig, algorithm: AlgorithmConfig, *, has_ref: bool,
+                               distilling: bool = False) -> bool:
     """Whether the old log-probs need a forward pass of their own before the first update.
 
     Old log-probs are the actor's at the weights the rollout's training starts from (slime
@@ -83,13 +94,32 @@ def old_logprobs_need_own_pass(training: TrainingConfig, algorithm: AlgorithmCon
     advantage function receives them (slime's `rollout_data["log_probs"]`).
     `use_rollout_logprobs` takes them from the engine instead (no pass either way). With `keep_old_actor`
     (slime's --keep-old-actor) they come from the weights the engines generated with, so from a pass of
-    their own at those weights. `use_rollout_entropy` wants that pass's entropies.
+    their own at those weights. `use_rollout_entropy` wants that pass's entropies. On-policy distillation's
+    penalty is computed from them (`distilling`). SFT and --disable-compute-advantages-and-returns need none.
     """
-    if algorithm.use_rollout_logprobs:
+    if algorithm.use_rollout_logprobs or skips_advantages(algorithm):
         return False
     return (training.num_steps_per_rollout > 1 or (has_ref and algorithm.kl_coef != 0.0)
             or algorithm.custom_advantage_function_path is not None or algorithm.keep_old_actor
-            or algorithm.use_rollout_entropy)
+            or algorithm.use_rollout_entropy or distilling)
+
+
+def skips_advantages(algorithm: AlgorithmConfig) -> bool:
+    """SFT, or slime's --disable-compute-advantages-and-returns: no reference, old log-probs or advantages."""
+    return algorithm.loss_type == "sft_loss" or algorithm.disable_compute_advantages_and_returns
+
+
+@dataclass
+class CriticPart:
+    """PPO's critic on this rank (`hpc_rl.training.actor.build_critic` builds it): model, optimizer, settings."""
+
+    model: torch.nn.Module
+    optimizer: ActorOptimizer
+    config: CriticConfig
+
+
+LossOfMicro = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(micro-batch, model output) -> (its loss as a sum over its samples, metrics summed likewise)."""
 
 
 def _optional_plugin(kind: str, path: str | None) -> Any:
@@ -102,10 +132,14 @@ class RolloutTrainer:
     def __init__(self, *, actor: torch.nn.Module, optimizer: ActorOptimizer, ref_model: torch.nn.Module | None,
                  arch: ModelArchitecture, training: TrainingConfig, algorithm: AlgorithmConfig,
                  info: ParallelInfo, separate_old_logprob_pass: bool | None = None,
-                 plugin_args: SimpleNamespace | None = None) -> None:
+                 plugin_args: SimpleNamespace | None = None, teacher_model: torch.nn.Module | None = None,
+                 distillation: DistillationConfig | None = None, critic: CriticPart | None = None) -> None:
         from megatron.core import parallel_state
 
         self.actor, self.optimizer, self.ref_model = actor, optimizer, ref_model
+        self.teacher_model, self.critic = teacher_model, critic
+        self.distillation = distillation or DistillationConfig()
+        """use_opd: the teacher's log-probs come from `teacher_model` (megatron) or the batch (sglang)."""
         self.arch, self.training, self.algorithm, self.info = arch, training, algorithm, info
         self.loss_config = policy_loss_config(algorithm, training)
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if info.tp_size > 1 else None
@@ -114,7 +148,9 @@ class RolloutTrainer:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group() if info.pp_size > 1 else None
         self.pipeline = PipelineSchedule.for_model(actor, device=info.device)
         self.grad_sum_multiplier = grad_sum_loss_multiplier(actor)
-        self.separate_old_logprob_pass = (old_logprobs_need_own_pass(training, algorithm, has_ref=ref_model is not None)
+        self.critic_pipeline = PipelineSchedule.for_model(critic.model, device=info.device) if critic else None
+        self.separate_old_logprob_pass = (old_logprobs_need_own_pass(training, algorithm, has_ref=ref_model is not None,
+                                                                     distilling=self.distillation.use_opd)
                                           if separate_old_logprob_pass is None else separate_old_logprob_pass)
         """False: the old log-probs are the training pass's own, detached (see old_logprobs_need_own_pass)."""
         if algorithm.use_kl_loss and ref_model is None:
@@ -184,7 +220,10 @@ class RolloutTrainer:
     # ------------------------------------------------------------------ micro-batches
 
     def _step_microbatches(self, batch: TrainBatch, step_indices: Sequence[int],
-                           max_tokens_per_gpu: int | None = None) -> list[MicroBatch]:
+                           max_tokens_per_gpu: int | None = None, *,
+                           same_count_on_every_dp_rank: bool = True) -> list[MicroBatch]:
+        """The micro-batches of the samples at `step_indices`; a training step needs the same count on every
+        DP rank (collectives per micro-batch), a forward-only pass alone (SFT's eval) does not."""
         lengths = [batch.total_lengths[i] for i in step_indices]
         if self.training.use_dynamic_batch_size:
             cap = max_tokens_per_gpu or self.training.max_tokens_per_gpu
@@ -200,10 +239,11 @@ class RolloutTrainer:
                 bins = flops_balanced_microbatches(lengths, cap * self.info.cp_size, coefficient)
             else:
                 bins = pack_microbatches(lengths, cap * self.info.cp_size)
-            count = torch.tensor(len(bins), device=self.info.device)
-            if self.info.dp_size > 1:
-                dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
-            bins = equalize_microbatch_count(bins, int(count), lengths)
+            if same_count_on_every_dp_rank:
+                count = torch.tensor(len(bins), device=self.info.device)
+                if self.info.dp_size > 1:
+                    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
+                bins = equalize_microbatch_count(bins, int(count), lengths)
         else:
             size = self.training.micro_batch_size
             bins = [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
@@ -255,6 +295,9 @@ class RolloutTrainer:
         device = self.info.device
         masks = [torch.as_tensor(m, dtype=torch.float32, device=device) for m in batch.loss_masks]
         all_micros = self.logprob_microbatches(batch, plan, per_step)
+        if self.algorithm.loss_type == "sft_loss":
+            return [self._step(rollout_id, step, batch, micros, masks, self._sft_loss(masks))
+                    for step, micros in enumerate(plan)]
 
         self._entropy = {}
         ref = self._logprobs(self.ref_model, all_micros, "ref_") if self.ref_model is not None else None
@@ -270,30 +313,74 @@ class RolloutTrainer:
             old = self._old_logprobs(all_micros)
         else:
             old = None  # the training pass's own log-probs, detached (losses: old_log_probs=None)
-        if not self.info.is_last_stage:  # log-probs, advantages and the loss live on the last stage
-            return [self._step(rollout_id, step, batch, micros, masks, old, ref, [], None)
-                    for step, micros in enumerate(plan)]
-        kl = None
-        if ref is not None and old is not None:
-            kl = [approx_kl(old[i], ref[i], self.algorithm.kl_loss_type) for i in range(len(batch))]
+        teacher = self._teacher_logprobs(batch, all_micros)
         rollout = ([torch.as_tensor(lp, dtype=torch.float32, device=device) for lp in batch.rollout_logprobs]
                    if batch.rollout_logprobs is not None else None)
-        if self.custom_advantages is not None:
-            advantages, returns = self._custom_advantages(batch, masks, old, ref, rollout, kl)
-        else:
-            advantages, returns = compute_advantages(
-                self.algorithm.advantage_estimator, rewards=batch.rewards, loss_masks=masks, kl=kl,
-                kl_coef=self.algorithm.kl_coef, gamma=self.algorithm.gamma, lambd=self.algorithm.lambd,
-                normalize_advantages=self.algorithm.normalize_advantages,
-                all_reduce=self._dp_sum if self.info.dp_size > 1 else None)
-        self._returns = [r.to(device) for r in returns]
-        advantages = [a.to(device) for a in advantages]
+        if not self.info.is_last_stage:  # log-probs, advantages and the loss live on the last stage
+            return [self._step(rollout_id, step, batch, micros, masks,
+                               self._policy_loss(batch, masks, old, ref, [], rollout, None))
+                    for step, micros in enumerate(plan)]
+        values, critic_steps = train_critic(self, batch, plan, masks) if self.critic is not None else (None, [])
+        if self.critic is not None and rollout_id < self.critic.config.num_critic_only_steps:
+            return [critic_metrics(m) for m in critic_steps]  # the actor waits for a trained critic
+        advantages = self._advantages(batch, masks, old, ref, rollout, teacher, values)
         if self.rollout_data_postprocess is not None:
             masks, advantages = self._postprocess(rollout_id, batch, masks, old, ref, rollout, advantages)
         if self.training.save_debug_train_data and self.info.tp_rank == 0 and self.info.cp_rank == 0:
             self._save_debug_train_data(rollout_id, batch, masks, old, ref, rollout, advantages)
-        return [self._step(rollout_id, step, batch, micros, masks, old, ref, advantages, rollout)
-                for step, micros in enumerate(plan)]
+        actor_steps = [self._step(rollout_id, step, batch, micros, masks,
+                                  self._policy_loss(batch, masks, old, ref, advantages, rollout, teacher))
+                       for step, micros in enumerate(plan)]
+        for actor_step, critic_step in zip(actor_steps, critic_steps):
+            actor_step.update(critic_metrics(critic_step))
+        return actor_steps
+
+    def _teacher_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor] | None:
+        """On-policy distillation: the teacher's log-probs of the response tokens, by batch index."""
+        if not self.distillation.use_opd:
+            return None
+        if self.teacher_model is not None:
+            return self._logprobs(self.teacher_model, micros, "teacher_")
+        if batch.teacher_logprobs is None:
+            raise ValueError("on-policy distillation (opd_type sglang): the batch carries no teacher log-probs")
+        return {i: torch.as_tensor(lp, dtype=torch.float32, device=self.info.device)
+                for i, lp in enumerate(batch.teacher_logprobs)}
+
+    def _advantages(self, batch: TrainBatch, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
+                    ref: dict[int, torch.Tensor] | None, rollout: list[torch.Tensor] | None,
+                    teacher: dict[int, torch.Tensor] | None,
+                    values: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Per-sample advantages (the estimator's, or the custom function's; OPD's penalty; whitening); the
+        returns are kept for a custom loss. None with --disable-compute-advantages-and-returns."""
+        if self.algorithm.disable_compute_advantages_and_returns:
+            self._returns = []
+            return []
+        n, device = len(batch), self.info.device
+        kl = None
+        if ref is not None and old is not None:
+            kl = [approx_kl(old[i], ref[i], self.algorithm.kl_loss_type) for i in range(n)]
+        student = [old[i] if old is not None else rollout[i] for i in range(n)] if teacher is not None else None
+        if self.custom_advantages is not None:
+            advantages, returns = self._custom_advantages(batch, masks, old, ref, rollout, kl, values)
+        else:
+            advantages, returns = compute_advantages(
+                self.algorithm.advantage_estimator, rewards=batch.rewards, loss_masks=masks, kl=kl,
+                kl_coef=self.algorithm.kl_coef, gamma=self.algorithm.gamma, lambd=self.algorithm.lambd, values=values,
+                normalize_advantages=self.algorithm.normalize_advantages,
+                all_reduce=self._dp_sum if self.info.dp_size > 1 else None, student_log_probs=student,
+                teacher_log_probs=[teacher[i] for i in range(n)] if teacher is not None else None,
+                opd_kl_coef=self.distillation.opd_kl_coef)
+        self._returns = [r.to(device) for r in returns]
+        return [a.to(device) for a in advantages]
+
+    def _sft_loss(self, masks: list[torch.Tensor]) -> LossOfMicro:
+        per_token = self.loss_config.calculate_per_token_loss
+
+        def loss_of(micro: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            log_probs, _ = self._response_logprobs(micro, logits, with_entropy=False)
+            return sft_loss(log_probs, [masks[i] for i in micro.indices], per_token=per_token)
+
+        return loss_of
 
     def _save_debug_train_data(self, rollout_id: int, batch: TrainBatch, masks: list[torch.Tensor],
                                old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
@@ -324,12 +411,12 @@ class RolloutTrainer:
                 for m in self._step_microbatches(batch, range(s * per_step, (s + 1) * per_step), cap)]
 
     def _step(self, rollout_id: int, step_id: int, batch: TrainBatch, micros: list[MicroBatch],
-              masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
-              advantages: list[torch.Tensor], rollout: list[torch.Tensor] | None) -> dict[str, float]:
+              masks: list[torch.Tensor], loss_of: LossOfMicro) -> dict[str, float]:
+        """One of the actor's optimizer steps (slime's before-train-step hook first)."""
         if self.before_train_step_hook is not None:
             self.before_train_step_hook(self.plugin_args, rollout_id, step_id, self.actor, self.optimizer,
                                         getattr(self.optimizer, "scheduler", None))
-        return self._train_step(batch, micros, masks, old, ref, advantages, rollout)
+        return self._train_step(batch, micros, masks, loss_of)
 
     def _postprocess(self, rollout_id: int, batch: TrainBatch, masks: list[torch.Tensor],
                      old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
@@ -358,7 +445,8 @@ class RolloutTrainer:
 
     def _custom_advantages(self, batch: TrainBatch, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
                            ref: dict[int, torch.Tensor] | None, rollout: list[torch.Tensor] | None,
-                           kl: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                           kl: list[torch.Tensor] | None,
+                           values: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """slime's `custom_advantage_function_path(args, rollout_data)`, then advantage whitening if asked."""
         n = len(batch)
         rollout_data: dict[str, Any] = {
@@ -366,7 +454,7 @@ class RolloutTrainer:
             "total_lengths": list(batch.total_lengths),
             "log_probs": [old[i] for i in range(n)] if old is not None else None,
             "ref_log_probs": [ref[i] for i in range(n)] if ref is not None else None,
-            "rollout_log_probs": rollout, "values": None,
+            "rollout_log_probs": rollout, "values": values,
             "kl": kl if kl is not None else [torch.zeros_like(m) for m in masks]}
         for key, entropies in self._entropy.items():  # use_rollout_entropy: slime's "entropy", "ref_entropy"
             rollout_data[key] = [entropies[i] for i in range(n)] if entropies else None
@@ -391,7 +479,8 @@ class RolloutTrainer:
             "log_probs": [old[i] for i in idx] if old is not None else [lp.detach() for lp in log_probs],
             "ref_log_probs": [ref[i] for i in idx] if ref is not None else None,
             "rollout_log_probs": [rollout[i] for i in idx] if rollout is not None else None,
-            "advantages": [advantages[i] for i in idx], "returns": [self._returns[i] for i in idx],
+            "advantages": [advantages[i] for i in idx] if advantages else None,
+            "returns": [self._returns[i] for i in idx] if self._returns else None,
             "loss_masks": micro_masks, "rewards": [batch.rewards[i] for i in idx],
             "response_lengths": list(micro.response_lengths), "total_lengths": list(micro.total_lengths),
             "unconcat_tokens": [torch.as_tensor(batch.tokens[i], device=self.info.device) for i in idx]}
@@ -402,9 +491,43 @@ class RolloutTrainer:
         dist.all_reduce(tensor, group=self.dp_group)
         return tensor
 
+    def _policy_loss(self, batch: TrainBatch, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
+                     ref: dict[int, torch.Tensor] | None, advantages: list[torch.Tensor],
+                     rollout: list[torch.Tensor] | None, teacher: dict[int, torch.Tensor] | None) -> LossOfMicro:
+        reduce = sum_of_tokens if self.loss_config.calculate_per_token_loss else sum_of_sample_mean
+
+        def loss_from_logits(micro: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            idx = micro.indices
+            log_probs, entropy = self._response_logprobs(micro, logits, with_entropy=True)
+            if self.custom_loss is not None:
+                return self._custom_loss(batch, micro, logits, log_probs, entropy, masks, old, ref, advantages,
+                                         rollout)
+            trained = self._train_logprobs
+            loss, metrics = policy_loss_and_metrics(
+                self.loss_config, log_probs=log_probs,
+                old_log_probs=[old[i] for i in idx] if old is not None else None,
+                advantages=[advantages[i] for i in idx], loss_masks=[masks[i] for i in idx], entropy=entropy,
+                ref_log_probs=[ref[i] for i in idx] if ref is not None else None,
+                rollout_log_probs=[rollout[i] for i in idx] if rollout is not None else None,
+                train_log_probs=[trained[i] for i in idx] if trained is not None else None,
+                tis_function=functools.partial(self.custom_tis, args=self.plugin_args,
+                                               total_lengths=list(micro.total_lengths),
+                                               response_lengths=list(micro.response_lengths))
+                if self.custom_tis is not None else None)
+            if teacher is not None:  # slime's opd_reverse_kl: the penalty's KL, reduced like the loss
+                student = [old[i] if old is not None else rollout[i] for i in idx]  # type: ignore[index]
+                metrics["opd_reverse_kl"] = reduce(
+                    torch.cat([s.detach() - teacher[i] for s, i in zip(student, idx)]), [masks[i] for i in idx])
+            return loss, metrics
+
+        return loss_from_logits
+
     def _train_step(self, batch: TrainBatch, micros: list[MicroBatch], masks: list[torch.Tensor],
-                    old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
-                    advantages: list[torch.Tensor], rollout: list[torch.Tensor] | None) -> dict[str, float]:
+                    loss_of: LossOfMicro, *, model: torch.nn.Module | None = None,
+                    optimizer: ActorOptimizer | None = None, pipeline: PipelineSchedule | None = None) -> dict[str, float]:
+        """One optimizer step of `model` (default: the actor) over `micros`, with `loss_of` each micro-batch's."""
+        model, optimizer = model or self.actor, optimizer or self.optimizer
+        pipeline = pipeline or self.pipeline
         start = time.perf_counter()
         samples = sum(len(m.indices) for m in micros)
         tokens_here = sum(batch.total_lengths[i] for m in micros for i in m.indices)
@@ -423,37 +546,18 @@ class RolloutTrainer:
         scale = self.grad_sum_multiplier / max(denominator, 1.0)
         sums: dict[str, float] = {}
 
-        def loss_from_logits(micro: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            idx = micro.indices
-            log_probs, entropy = self._response_logprobs(micro, logits, with_entropy=True)
-            if self.custom_loss is not None:
-                return self._custom_loss(batch, micro, logits, log_probs, entropy, masks, old, ref, advantages,
-                                         rollout)
-            trained = self._train_logprobs
-            return policy_loss_and_metrics(
-                self.loss_config, log_probs=log_probs,
-                old_log_probs=[old[i] for i in idx] if old is not None else None,
-                advantages=[advantages[i] for i in idx], loss_masks=[masks[i] for i in idx], entropy=entropy,
-                ref_log_probs=[ref[i] for i in idx] if ref is not None else None,
-                rollout_log_probs=[rollout[i] for i in idx] if rollout is not None else None,
-                train_log_probs=[trained[i] for i in idx] if trained is not None else None,
-                tis_function=functools.partial(self.custom_tis, args=self.plugin_args,
-                                               total_lengths=list(micro.total_lengths),
-                                               response_lengths=list(micro.response_lengths))
-                if self.custom_tis is not None else None)
-
         def micro_loss(micro: MicroBatch, logits: torch.Tensor) -> torch.Tensor:  # last stage only
             if self.training.recompute_loss_function:  # slime's --recompute-loss-function: keep only the logits
-                loss, metrics = torch.utils.checkpoint.checkpoint(loss_from_logits, micro, logits, use_reentrant=False)
+                loss, metrics = torch.utils.checkpoint.checkpoint(loss_of, micro, logits, use_reentrant=False)
             else:
-                loss, metrics = loss_from_logits(micro, logits)
+                loss, metrics = loss_of(micro, logits)
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             return loss * scale
 
-        self.actor.train()
-        self.pipeline.forward_backward(self.actor, micros, micro_loss)
-        result = self.optimizer.step()
+        model.train()
+        pipeline.forward_backward(model, micros, micro_loss)
+        result = optimizer.step()
         out: dict[str, float] = {}
         if self.info.is_last_stage:
             names = sorted(sums)

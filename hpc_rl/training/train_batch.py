@@ -4,7 +4,8 @@ Owns: the per-sample view (token ids, prompt/response lengths, loss masks, norma
 rollout log-probs) and its conversion from/to the flat numpy arrays the controller sends in a
 `TrainCommand` (`hpc_rl.controller.train_batches.pack_samples`: concatenated tokens plus per-sample
 lengths) and from JSONL rows (the `--batches-file` used before a controller exists).
-`rewards` are already group-normalised (the rollout side does it: it sees whole groups).
+`rewards` are already group-normalised (the rollout side does it: it sees whole groups). A teacher server's
+log-probs (on-policy distillation, `teacher_logprobs`) travel beside the engine's.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class TrainBatch:
     """Per sample, after group normalisation (= the GRPO advantage of every response token)."""
     rollout_logprobs: list[list[float]] | None = None
     """Per response token, the engine's log-prob of the sampled token (None if not returned)."""
+    teacher_logprobs: list[list[float]] | None = None
+    """On-policy distillation with a teacher server: per response token, the teacher's log-prob of it."""
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -45,10 +48,10 @@ class TrainBatch:
             if not 0 <= r < len(toks) or len(mask) != r:
                 raise ValueError(f"sample {i}: response length {r} and loss mask {len(mask)} must be equal and "
                                  f"below the token count {len(toks)} (at least one prompt token)")
-        if self.rollout_logprobs is not None:
-            for i, (lp, r) in enumerate(zip(self.rollout_logprobs, self.response_lengths)):
+        for name in ("rollout_logprobs", "teacher_logprobs"):
+            for i, (lp, r) in enumerate(zip(getattr(self, name) or [], self.response_lengths)):
                 if len(lp) != r:
-                    raise ValueError(f"sample {i}: {len(lp)} rollout log-probs for {r} response tokens")
+                    raise ValueError(f"sample {i}: {len(lp)} {name.replace('_', ' ')} for {r} response tokens")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -66,6 +69,7 @@ class TrainBatch:
             loss_masks=[self.loss_masks[i] for i in indices],
             rewards=[self.rewards[i] for i in indices],
             rollout_logprobs=None if self.rollout_logprobs is None else [self.rollout_logprobs[i] for i in indices],
+            teacher_logprobs=None if self.teacher_logprobs is None else [self.teacher_logprobs[i] for i in indices],
             meta=dict(self.meta),
         )
 
@@ -76,19 +80,22 @@ class TrainBatch:
         """From `pack_samples`' flat arrays (tokens, prompt_lengths, response_lengths, loss_masks, ...)."""
         prompt = arrays["prompt_lengths"].astype(np.int64).tolist()
         response = arrays["response_lengths"].astype(np.int64).tolist()
-        tokens, masks, logprobs = [], [], []
-        flat_logprobs = arrays.get("rollout_logprobs")
+        tokens, masks, logprobs, teacher = [], [], [], []
+        flat_logprobs, flat_teacher = arrays.get("rollout_logprobs"), arrays.get("teacher_logprobs")
         t_off = r_off = 0
         for p, r in zip(prompt, response):
             tokens.append(arrays["tokens"][t_off : t_off + p + r].astype(np.int64).tolist())
             masks.append(arrays["loss_masks"][r_off : r_off + r].astype(np.int64).tolist())
             if flat_logprobs is not None and len(flat_logprobs):
                 logprobs.append(flat_logprobs[r_off : r_off + r].astype(np.float64).tolist())
+            if flat_teacher is not None:
+                teacher.append(flat_teacher[r_off : r_off + r].astype(np.float64).tolist())
             t_off += p + r
             r_off += r
         return cls(tokens=tokens, response_lengths=response, loss_masks=masks,
                    rewards=arrays["rewards"].astype(np.float64).tolist(),
-                   rollout_logprobs=logprobs if logprobs else None, meta=dict(meta or {}))
+                   rollout_logprobs=logprobs if logprobs else None,
+                   teacher_logprobs=teacher if flat_teacher is not None else None, meta=dict(meta or {}))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The flat-array form (inverse of `from_arrays`)."""
@@ -102,6 +109,8 @@ class TrainBatch:
         }
         if self.rollout_logprobs is not None:
             out["rollout_logprobs"] = np.array([x for lp in self.rollout_logprobs for x in lp], dtype=np.float32)
+        if self.teacher_logprobs is not None:
+            out["teacher_logprobs"] = np.array([x for lp in self.teacher_logprobs for x in lp], dtype=np.float32)
         return out
 
     @classmethod

@@ -15,7 +15,14 @@ broadcast path, `WeightSender.plan_buckets`):
     after the last bucket (GPU): release the IPC handles the engines closed and the cached blocks
 
 The controller opens and closes the engine's weight-update session (begin/end) around the command.
-Pipeline parallelism is not supported here (every rank needs every full tensor; PP splits them).
+
+Pipeline parallelism: each rank holds only its stage's layers, yet every engine GPU needs all of them. As in
+slime's colocated path, each parameter goes from the stage that holds it to every stage over the pipeline groups
+(`WeightSender.export_everywhere`: TP shards, then each stage's TP gather), so every rank has the bucket's full
+tensors before it serializes its share: the buckets (planned over the whole model, the same on every rank) cost
+one broadcast per parameter per pipeline group, and no rank holds more than one bucket. A multi-node engine
+changes nothing here: its TP ranks on every node are paired with the trainer ranks on their GPUs, and the
+engine group (gloo, over the trainer's world) gathers their shares on node-rank 0's GPU 0 rank, which posts them.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.protocol.http_client import EngineHTTPTransportError, request_blocking
 from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights.colocated import serialize_share, update_weights_from_tensor_body
-from hpc_rl.weights.export import export_param, named_megatron_params
+from hpc_rl.weights.export import named_megatron_params
 from hpc_rl.weights.sender import WeightSender
 
 log = logging.getLogger(__name__)
@@ -55,16 +62,15 @@ class ColocatedWeightSender:
 
     def __init__(self, model: torch.nn.Module, arch: ModelArchitecture, *, tp_group: dist.ProcessGroup | None,
                  tp_size: int, rank: int, world_size: int, bucket_bytes: int, dtype: torch.dtype | None = None,
-                 api_key: str | None = None, pp_size: int = 1, device: str | None = None) -> None:
-        if pp_size > 1:
-            raise ValueError("colocated weight updates need pipeline_model_parallel_size 1 (every rank sends full "
-                             "tensors to the engine on its GPU); use decoupled mode with pipeline parallelism")
+                 api_key: str | None = None, pp_group: dist.ProcessGroup | None = None, pp_rank: int = 0,
+                 pp_size: int = 1, device: str | None = None) -> None:
         self.params = named_megatron_params(model)
         self.arch, self.tp_group, self.rank, self.world_size, self.api_key = arch, tp_group, rank, world_size, api_key
         self.device = device
         """This rank's device identity, written into CPU shares (the CPU engine checks it, as SGLang the UUID)."""
         self._planner = WeightSender(model, arch, tp_group=tp_group, tp_size=tp_size, dp_rank=0, rank=rank,
-                                     bucket_bytes=bucket_bytes, dtype=dtype)
+                                     bucket_bytes=bucket_bytes, dtype=dtype, pp_group=pp_group, pp_rank=pp_rank,
+                                     pp_size=pp_size)
         self.dtype = self._planner.dtype
         self.rank_engines: list[tuple[int, int]] = []
         self.engine_index, self.engine_rank = -1, -1
@@ -102,8 +108,8 @@ class ColocatedWeightSender:
         plan = self._planner.plan_buckets()
         for index, meta in enumerate(plan):
             named: list[tuple[str, torch.Tensor]] = []
-            for source in meta.megatron_names:
-                named.extend(export_param(source, self.params[source], self.arch, self.tp_group))
+            for source in meta.megatron_names:  # every rank: the full tensors (TP gather; under PP, from each stage)
+                named.extend(self._planner.export_everywhere(source))
             if not engine_url:
                 continue
             named = [(name, tensor.to(self.dtype).contiguous()) for name, tensor in named]

@@ -27,9 +27,11 @@ def _decode(data: torch.Tensor) -> Any:
 
 
 def broadcast_json(value: Any, *, src: int, group: dist.ProcessGroup | None,
-                   device: torch.device | str = "cpu") -> Any:
-    """`value` from global rank `src` to every rank of `group`; others pass anything (ignored)."""
-    data = _encode(value, device) if dist.get_rank() == src else None
+                   device: torch.device | str = "cpu", is_source: bool | None = None) -> Any:
+    """`value` from global rank `src` to every rank of `group`; others pass anything (ignored). `is_source`:
+    whether this process is `src` (a group built outside the default world, where `dist.get_rank()` has none)."""
+    source = dist.get_rank() == src if is_source is None else is_source
+    data = _encode(value, device) if source else None
     length = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
     dist.broadcast(length, src=src, group=group)
     if data is None:

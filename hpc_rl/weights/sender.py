@@ -244,6 +244,31 @@ class WeightSender:
         dist.recv(full, src=dist.get_global_rank(self.pp_group, owner), group=self.pp_group)
         return hf_mapping.to_hf(source, full, self.arch)
 
+    def export_everywhere(self, source: str) -> list[tuple[str, torch.Tensor]]:
+        """The HF tensors of `source` on every rank (colocated: each rank feeds the engine on its own GPU), a
+        collective over the TP group and, under PP, over the pipeline group. At PP=1 the TP gather; under PP,
+        as slime's colocated path: a TP-split parameter's shards go from the owning stage to every stage over the
+        pipeline groups (each carries one TP rank's shard), then every stage gathers them over its TP group; any
+        other parameter goes whole from the owning stage."""
+        if self.pp_size == 1:
+            return export_param(source, self.params[source], self.arch, self.tp_group)
+        assert self.pp_group is not None
+        owner, shape, dtype = self._source_metadata()[source]
+        src = dist.get_global_rank(self.pp_group, owner)
+        split = hf_mapping.tp_split(source).dim
+        if split is not None and self.tp_size > 1:
+            shard_shape = list(shape)
+            shard_shape[split] //= self.tp_size
+            shard = (self.params[source].detach().contiguous() if owner == self.pp_rank else
+                     torch.empty(shard_shape, dtype=dtype_from_name(dtype), device=self._comm_device))
+            dist.broadcast(shard, src=src, group=self.pp_group)
+            full = gather_full(source, shard, self.tp_group)
+        else:
+            full = (gather_full(source, self.params[source], self.tp_group).contiguous() if owner == self.pp_rank else
+                    torch.empty(shape, dtype=dtype_from_name(dtype), device=self._comm_device))
+            dist.broadcast(full, src=src, group=self.pp_group)
+        return hf_mapping.to_hf(source, full, self.arch)
+
     def finish(self) -> None:
         """The end of a sync: its last broadcasts are waited for as the group's backend does (NCCL: the GPU
         stream waits, the CPU moves on)."""

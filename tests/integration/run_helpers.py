@@ -45,7 +45,8 @@ def placement(run_dir: Path) -> tuple[dict[int, str], dict[int, list[str]], dict
     trainers = {int(rank): device for rank, device in json.loads((folder / "trainers.json").read_text()).items()}
     components = json.loads((run_dir / "status.json").read_text())["components"]
     engines = {int(index): info["devices"] for index, info in components["engines"].items()}
-    reports = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in folder.glob("engine-*.json")}
+    reports = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in folder.glob("engine-*.json")
+               if ".node" not in p.stem}  # node-rank 0's (a multi-node engine's others: engine-<i>.node<k>.json)
     return trainers, engines, reports
 
 

@@ -76,8 +76,8 @@ def test_loss_type_and_path_go_together(plugin_file: Path) -> None:
     problems = problems_of("--custom-loss-function-path", f"{plugin_file}:good_loss")
     assert any(p.startswith("algorithm.custom_loss_function_path: is called only with loss_type custom_loss")
                for p in problems), problems
-    with pytest.raises(Exception, match="sft_loss and value_loss are not offered"):
-        load_config([], ["--loss-type", "sft_loss"])
+    with pytest.raises(Exception, match="value_loss is the critic's own"):
+        load_config([], ["--loss-type", "value_loss"])
 
 
 def test_advantage_results_are_checked() -> None:

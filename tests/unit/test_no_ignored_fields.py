@@ -22,6 +22,8 @@ READ_ELSEWHERE = {
     "global_batch_size": "sets num_steps_per_rollout (derived as slime does in config/loading.py; validation checks "
                          "rollout_batch_size * n_samples_per_prompt == global_batch_size * num_steps_per_rollout)",
     "extra_args": "read through SGLangConfig.server_options() (launch/driver.py passes them to every engine)",
+    "megatron_config_path": "slime's role file, read when the config is built (config/training_modes.apply_role_file) "
+                            "into critic_optimizer / critic_load / critic_save and the actor's optimizer and checkpoint",
     "gpu_memory_gib": "read by the per-GPU memory plan (config/memory_plan.py) that submit checks and --dry-run prints",
     # slime flags of issue 26
     "custom_config_path": "config.plugin_args reads the file into the `args` every plug-in receives (controller and "

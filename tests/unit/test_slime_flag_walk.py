@@ -25,17 +25,6 @@ TINY = REPO / "configs" / "tiny_cpu.yaml"
 SLIME_MIRROR = Path("/work/.mirror/THUDM+slime/repo")
 
 OWNED_ELSEWHERE = {
-    "--debug-train-only": "issue 21 (training modes: trainer-only runs)",
-    "--use-opd": "issue 21 (on-policy distillation)",
-    "--opd-type": "issue 21 (on-policy distillation)",
-    "--opd-kl-coef": "issue 21 (on-policy distillation)",
-    "--opd-teacher-load": "issue 21 (on-policy distillation)",
-    "--opd-teacher-ckpt-step": "issue 21 (on-policy distillation)",
-    "--value-clip": "issue 21 (PPO critic)",
-    "--num-critic-only-steps": "issue 21 (PPO critic)",
-    "--disable-compute-advantages-and-returns": "issue 21 (SFT / critic)",
-    "--megatron-config-path": "issue 21 (the critic's Megatron role config)",
-    "--loss-mask-type": "issue 21 (SFT's multi-turn loss mask)",
     "--mtp-num-layers": "issue 20 (multi-token prediction)",
     "--mtp-loss-scaling-factor": "issue 20 (multi-token prediction)",
     "--enable-mtp-training": "issue 20 (multi-token prediction)",
@@ -43,6 +32,7 @@ OWNED_ELSEWHERE = {
 """slime flags other issues own, skipped by the walk (the lead removes them as those issues land)."""
 
 SAMPLES: dict[str, list[str]] = {
+    "--rollout-external-engine-addrs": ["10.0.0.5:30000"],
     "--rollout-num-gpus-per-engine": ["1"],
     "--offload": ["--colocate"],
     "--offload-train": ["--colocate"],
@@ -91,6 +81,15 @@ SAMPLES: dict[str, list[str]] = {
     "--update-weight-disk-keep-files": ["--update-weight-transport", "disk", "--update-weight-disk-dir", "/w"],
     "--custom-update-weight-post-write-path": ["tests.unit.plugin_fixtures.record_post_write",
                                                "--update-weight-transport", "disk", "--update-weight-disk-dir", "/w"],
+    "--debug-train-only": ["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout",
+                           "--loss-type", "sft_loss", "--n-samples-per-prompt", "1", "--global-batch-size", "16"],
+    "--use-opd": ["--opd-type", "sglang", "--opd-teacher-hf-checkpoint", "assets/tiny_qwen3_teacher",
+                  "--opd-teacher-num-gpus", "1"],
+    "--opd-type": ["megatron", "--use-opd", "--opd-teacher-load", "/ckpt/teacher"],
+    "--opd-teacher-load": ["/ckpt/teacher", "--use-opd", "--opd-type", "megatron"],
+    "--opd-teacher-ckpt-step": ["3", "--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/ckpt/teacher"],
+    "--megatron-config-path": [str(REPO / "tests" / "unit" / "data" / "megatron_roles.yaml"),
+                               "--advantage-estimator", "ppo"],
     "--balance-by-flops": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "256"],
     "--log-probs-max-tokens-per-gpu": ["512", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "256"],
 }

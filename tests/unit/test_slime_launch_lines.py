@@ -151,7 +151,7 @@ def test_slime_plugin_paths_map_with_one_log_line(caplog: pytest.LogCaptureFixtu
     assert config.rollout.custom_generate_function_path is None
     assert len([r for r in caplog.records if "is slime's" in r.getMessage()]) == 3
     with pytest.raises(ConfigError, match="slime module hpc_rl has no equivalent"):
-        load_config([], ["--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func"])
+        load_config([], ["--custom-rm-path", "slime.rollout.rm_hub.gpqa.compute_gpqa_reward"])
 
 
 def test_model_flags_become_the_run_model_file(tmp_path: Path) -> None:

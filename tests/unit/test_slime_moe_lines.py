@@ -11,7 +11,6 @@ import pytest
 import yaml
 
 from hpc_rl.config import load_config
-from hpc_rl.config.memory_plan import plan_summary
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.submit import main
@@ -49,9 +48,11 @@ def test_qwen3_30b_a3b_line_dry_runs(in_repo: Path, capsys: pytest.CaptureFixtur
     assert "colocated training: 44.8 of 79.6 GiB (fits)" in out and "DOES NOT FIT" not in out  # with the 1 GiB train memory margin
 
 
-def test_glm45_line_resolves_and_only_launch_limits_refuse_it(in_repo: Path) -> None:
-    """GLM-4.5/4.7-355B as slime runs it on 64 GPUs: every MoE number resolves and fits; what stops it is not
-    MoE: its 32-GPU engines span 4 nodes and colocated weight pushes need PP 1 (both the launch/weights layer)."""
+def test_glm45_line_dry_runs_with_engines_over_four_nodes_and_colocated_pp4(in_repo: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """GLM-4.5/4.7-355B as slime runs it on 64 GPUs: every MoE number resolves and fits; its 32-GPU engines span 4
+    nodes each (SGLang --nnodes 4, one srun step per engine with a task per node) and its colocated weight pushes
+    come from a PP 4 trainer (each stage's parameters reach every stage first)."""
     config = load_config([], GLM45_LINE)
     arch = config.model_args
     assert arch is not None
@@ -64,16 +65,21 @@ def test_glm45_line_resolves_and_only_launch_limits_refuse_it(in_repo: Path) -> 
                                         "moe_dense_tp_size": 1, "speculative_algorithm": "EAGLE",
                                         "speculative_num_steps": 3, "speculative_eagle_topk": 1,
                                         "speculative_num_draft_tokens": 4}
-    problems = [str(p) for p in collect_problems(config, check_files=False)]
-    assert len(problems) == 3, problems
-    assert any("an engine cannot span nodes: 32 > num_gpus_per_node (8)" in p for p in problems)
-    assert any("an engine of 32 GPUs must sit on the GPUs of whole trainer ranks of one node" in p for p in problems)
-    assert any("use pipeline_model_parallel_size 1 or decoupled mode" in p for p in problems)
-    summary = plan_summary(config, arch)
-    assert "TP 8 x PP 4 x CP 2 x DP 1 = 64" in summary and "ETP 1 x EP 16 x expert-DP 1 = 16; 160 experts" in summary
-    assert "352.80B parameters, 33.63B active per token" in summary and "DOES NOT FIT" not in summary
-    assert "engine GPU (32 GPU(s) per engine, attention TP 8)" in summary
-    assert "speculative decoding's draft model and its KV cache are not counted" in summary
+    assert [str(p) for p in collect_problems(config, check_files=False)] == []
+    code = main([*GLM45_LINE, "--dry-run", "--no-check-files", "--executor", "slurm"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "TP 8 x PP 4 x CP 2 x DP 1 = 64" in out and "ETP 1 x EP 16 x expert-DP 1 = 16; 160 experts" in out
+    assert "352.80B parameters, 33.63B active per token" in out and "DOES NOT FIT" not in out
+    assert "engine GPU (32 GPU(s) per engine, attention TP 8)" in out and "colocated weight push:" in out
+    assert "speculative decoding's draft model and its KV cache are not counted" in out
+    assert "engine 0: het group 0, nodes 0-3 (SGLang --nnodes 4; node-rank 0 serves HTTP)" in out
+    assert "engine 1: het group 0, nodes 4-7" in out and "under PP each stage's parameters reach every stage" in out
+    engine_steps = [line for line in out.splitlines() if line.startswith("srun --job-name=engine-")]
+    assert len(engine_steps) == 2
+    for step in engine_steps:
+        assert "--nodes=4 --ntasks=4 --ntasks-per-node=1" in step and "--gpus-per-node=8 --overlap" in step
+        assert "--tp-size 32" in step and "--nnodes 4 --dist-init-addr" in step and "--tp-size 8 " in step
 
 
 RECIPE_FIELDS = (

@@ -45,5 +45,6 @@ def test_shapes(nodes: int, per_node: int, rollout_gpus: int, engine_tp: int, co
 
 
 def test_unplaceable_engine() -> None:
-    with pytest.raises(ValueError, match="does not fit on a node"):
-        plan_topology(ClusterConfig(rollout_num_gpus=16, rollout_num_gpus_per_engine=16, num_gpus_per_node=8))
+    """Larger than a node, an engine takes whole nodes (tests/unit/test_multi_node_engines.py); a part-node is refused."""
+    with pytest.raises(ValueError, match="must take whole nodes"):
+        plan_topology(ClusterConfig(rollout_num_gpus=24, rollout_num_gpus_per_engine=12, num_gpus_per_node=8))

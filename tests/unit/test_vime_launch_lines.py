@@ -132,7 +132,7 @@ def test_vime_plugin_paths_map_as_slimes(caplog: pytest.LogCaptureFixture) -> No
     assert rollout.custom_generate_function_path is None
     assert len([r for r in caplog.records if "is slime's" in r.getMessage()]) == 4
     with pytest.raises(ConfigError, match="slime module hpc_rl has no equivalent"):
-        load_config([], ["--custom-rm-path", "vime.rollout.on_policy_distillation.reward_func"])
+        load_config([], ["--custom-rm-path", "vime.rollout.rm_hub.gpqa.compute_gpqa_reward"])
 
 
 def test_train_memory_margin_is_read_and_checked() -> None:

@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
                         help="as SGLang's flag: the weights' and activations' dtype (auto: float32, the trainer's "
                              "on CPU); the driver passes the dtype the trainer exports")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="as SGLang's flag: nodes the engine spans (node-rank 0 serves the API; "
+                             "hpc_rl.engines.cpu.node_group)")
+    parser.add_argument("--node-rank", type=int, default=0, help="as SGLang's flag: this process's node")
+    parser.add_argument("--dist-init-addr", default=None,
+                        help="as SGLang's flag: HOST:PORT where the node-ranks meet (node-rank 0's address)")
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -102,8 +108,22 @@ def main(argv: list[str] | None = None) -> None:
     from hpc_rl.engines.cpu.scheduler import Scheduler
     from hpc_rl.engines.cpu.server import EngineServer, ServerInfo
 
-    tokenizer = load_engine_tokenizer(args.model_path)
+    nodes = None
+    if args.nnodes > 1:  # as SGLang: the node-ranks meet before loading (node-rank 0 waits for every node)
+        from hpc_rl.engines.cpu.node_group import EngineNodes
+        from hpc_rl.weights.device_identity import own_device_identity
+
+        if not args.dist_init_addr:
+            raise SystemExit("--nnodes > 1 needs --dist-init-addr HOST:PORT (node-rank 0's address)")
+        nodes = EngineNodes(nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
+                            device_id=own_device_identity())
     model = load_model(args.model_path, args.model_impl, args.attn_implementation, model_dtype(args.dtype))
+    if nodes is not None and args.node_rank > 0:
+        from hpc_rl.engines.cpu.follower import serve_follower
+
+        serve_follower(model, nodes, host=args.host, port=args.port, memory_saver=args.enable_memory_saver)
+        return
+    tokenizer = load_engine_tokenizer(args.model_path)
     context_length = args.context_length or int(getattr(model.config, "max_position_embeddings", 4096))
     scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
                           context_length=context_length, weight_version=args.weight_version,
@@ -113,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
                       architectures=list(model.config.architectures or []), model_type=model.config.model_type,
                       dtype=str(model_dtype(args.dtype)).removeprefix("torch."), base_gpu_id=args.base_gpu_id)
     scheduler.start()
-    app = EngineServer(scheduler, info).build_app()
+    app = EngineServer(scheduler, info, nodes=nodes).build_app()
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=1.0)
     exit_without_teardown(0)  # stopped (SIGTERM), the scheduler has ended: skip seconds of teardown
 

@@ -4,7 +4,8 @@ Owns: the handlers behind SGLang's routes (the route table, the api-key rule and
 are hpc_rl.engines.http_api's, shared with the simulated engines), request/response JSON shapes, and
 the weight-update session (`/begin_weight_update` ... `/end_weight_update`, required as in SGLang 0.5.23). Model work happens
 on the scheduler thread (`Scheduler.call`); the blocking group rendezvous runs in a worker thread,
-so the server stays responsive while the trainer and the other engines join.
+so the server stays responsive while the trainer and the other engines join. As node-rank 0 of a multi-node
+engine it forwards weight and memory commands to the other node-ranks (`node_group`) on that thread too.
 
 Authentication, as SGLang 0.5.23's `--api-key` (srt/utils/auth.py): with a key, every endpoint needs
 `Authorization: Bearer <key>` (401 otherwise), `/generate` and the info endpoints included; only
@@ -23,7 +24,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from hpc_rl.engines.cpu.follower import loaded_digest, open_node_shares
 from hpc_rl.engines.cpu.memory_occupation import WeightsNotLoaded
+from hpc_rl.engines.cpu.node_group import EngineNodes, FollowerFailed, same_digest
 from hpc_rl.engines.cpu.requests import GenerationRequest, RequestError, parse_generate_body, render_response
 from hpc_rl.engines.cpu.scheduler import EngineFatalError, EngineStateError, Scheduler, SchedulerDied
 from hpc_rl.engines.cpu.weight_sync import (
@@ -31,10 +34,8 @@ from hpc_rl.engines.cpu.weight_sync import (
     load_from_disk,
     load_named,
     named_tensors,
-    read_tensor_share,
     receive_bucket,
 )
-from hpc_rl.weights.device_identity import InvisibleDeviceError
 from hpc_rl.engines.http_api import add_sglang_routes, authorized, json_response, sglang_http_errors, unauthorized
 from hpc_rl.engines.http_api import fail as _fail
 from hpc_rl.engines.http_api import json_body as _json_body
@@ -67,11 +68,13 @@ class ServerInfo:
 class EngineServer:
     """The aiohttp application around one `Scheduler`."""
 
-    def __init__(self, scheduler: Scheduler, info: ServerInfo) -> None:
+    def __init__(self, scheduler: Scheduler, info: ServerInfo, *, nodes: EngineNodes | None = None) -> None:
         self.scheduler = scheduler
         self.info = info
         self.groups = WeightUpdateGroups()
         self.in_weight_update = False
+        self.nodes = nodes
+        """A multi-node engine's node-ranks (this process is node-rank 0); None on one node."""
 
     # ---- plumbing ------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -81,7 +84,32 @@ class EngineServer:
         return app
 
     async def _on_shutdown(self, app: web.Application) -> None:
+        if self.nodes is not None:
+            try:
+                await self._on_scheduler(self.nodes.stop_followers)
+            except (SchedulerDied, RuntimeError) as error:
+                log.warning("the other node-ranks were not told to stop: %s", error)
         await asyncio.to_thread(self.scheduler.stop)
+
+    def _forward(self, command: dict[str, Any], loaded: list[str] | None = None) -> None:
+        """Node-rank 0 (scheduler thread): run `command` on the other node-ranks; with `loaded` (the names this
+        node just loaded), their weights must equal this node's. A follower's fatal refusal, or a follower gone,
+        ends this engine (SGLang's engine dies with any of its schedulers)."""
+        if self.nodes is None:
+            return
+        own = {"digest": loaded_digest(self.scheduler.model, loaded)} if loaded is not None else {}
+        try:
+            answers = self.nodes.forward(command)
+        except FollowerFailed as error:
+            if error.fatal:
+                raise EngineFatalError(str(error)) from error
+            raise RuntimeError(str(error)) from error
+        except RuntimeError as error:
+            raise EngineFatalError(f"a node-rank of this engine is gone: {error}") from error
+        for rank, answer in enumerate(answers, start=1):
+            if loaded is not None and not same_digest(answer.get("digest", []), own["digest"]):
+                raise RuntimeError(f"node-rank {rank} holds other weights than node-rank 0 after the update: its TP "
+                                   "ranks were sent another model (every trainer rank must send the same full tensors)")
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
@@ -237,16 +265,30 @@ class EngineServer:
         return web.Response(status=200, text="Cache flushed.")
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
-        tags = (await _json_body(request)).get("tags") or ALL_MEMORY_TAGS
-        return await self._control(lambda: self.scheduler.release_memory(list(tags)))
+        tags = list((await _json_body(request)).get("tags") or ALL_MEMORY_TAGS)
+
+        def work() -> None:
+            self.scheduler.release_memory(tags)
+            self._forward({"op": "release_memory", "tags": tags})
+
+        return await self._control(work)
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        tags = (await _json_body(request)).get("tags") or ALL_MEMORY_TAGS
-        return await self._control(lambda: self.scheduler.resume_memory(list(tags)))
+        tags = list((await _json_body(request)).get("tags") or ALL_MEMORY_TAGS)
+
+        def work() -> None:
+            self.scheduler.resume_memory(tags)
+            self._forward({"op": "resume_memory", "tags": tags})
+
+        return await self._control(work)
 
     # ---- weights -------------------------------------------------------------------------------
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
+        if self.nodes is not None:
+            return _fail(f"this CPU engine spans {self.nodes.nnodes} nodes: in SGLang each node's TP ranks join the "
+                         "weight-update group with their own ranks, which the CPU engine (one rank) cannot follow; "
+                         "use colocated mode or --update-weight-transport disk")
         try:
             await asyncio.to_thread(
                 self.groups.init, master_address=body["master_address"], master_port=int(body["master_port"]),
@@ -314,11 +356,13 @@ class EngineServer:
         def work() -> None:
             if body.get("abort_all_requests"):
                 self.scheduler.abort(None, abort_all=True)
-            try:
-                weights = read_tensor_share(shares[0])
-            except InvisibleDeviceError as error:  # SGLang: "Invalid device_uuid=..." kills its scheduler
+            nnodes = self.nodes.nnodes if self.nodes is not None else 1
+            try:  # every TP rank of this node opens its own share (SGLang: "Invalid device_uuid=..." kills it)
+                weights = open_node_shares(list(shares), nnodes, 0)
+            except FollowerFailed as error:
                 raise EngineFatalError(str(error)) from error
             load_named(self.scheduler.model, weights)
+            self._forward({"op": "update_weights_from_tensor", "shares": list(shares)}, [n for n, _ in weights])
             if version is not None:
                 self.scheduler.weight_version = str(version)
 
@@ -336,6 +380,8 @@ class EngineServer:
             if body.get("abort_all_requests"):
                 self.scheduler.abort(None, abort_all=True)
             load_from_disk(self.scheduler.model, model_path)
+            self._forward({"op": "update_weights_from_disk", "model_path": model_path},
+                          [name for name, _ in self.scheduler.model.named_parameters()])
             self.info.model_path = model_path
             if version is not None:
                 self.scheduler.weight_version = str(version)
