@@ -110,8 +110,16 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
         self.torch_optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=learning_rate(config, 0), betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+            fused=all(p.device.type == "cpu" for p in self.params) or None,
         )
+        """fused on CPU: torch's one-kernel AdamW, the same update without the default's per-tensor Python loop
+        (the tiny model's 24 tensors: 1.7 ms less CPU per step)."""
         self.steps_done = 0
+        self.finalizes_grads = (dist.is_initialized() and dist.get_world_size() > 1) \
+            or bool(getattr(ddp_model.config, "num_moe_experts", None))
+        """Whether `finalize_model_grads` has work: a dense model trained by one rank has no DP, TP, PP or CP peer
+        to reduce with (Megatron's all-reduce over its one-rank group costs a gloo round trip per step for
+        nothing); a MoE model's routers update their expert bias and counters there even alone."""
 
     def set_run_length(self, total_steps: int) -> None:
         """The run has `total_steps` optimizer steps: its decay and warm-up follow (`schedule_for_run`)."""
@@ -134,10 +142,11 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
-        squares = torch.zeros((), dtype=torch.float64)
-        for param in self.params:
-            if param_is_not_tensor_parallel_duplicate(param) and param_is_not_shared(param):
-                squares += param.main_grad.double().square().sum()
+        grads = [param.main_grad for param in self.params
+                 if param_is_not_tensor_parallel_duplicate(param) and param_is_not_shared(param)]
+        # one norm per tensor (foreach: one call for all), their squares summed in float64
+        squares = torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads \
+            else torch.zeros((), dtype=torch.float64)
         group = parallel_state.get_model_parallel_group()
         if dist.get_world_size(group) > 1:
             dist.all_reduce(squares, group=group)
@@ -147,7 +156,8 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
         """Finish the grad reduction, clip, and step; then zero the grad buffers."""
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads([self.ddp_model])
+        if self.finalizes_grads:
+            finalize_model_grads([self.ddp_model])
         norm = self.grad_norm()
         lr = learning_rate(self.config, self.steps_done)
         skipped = not math.isfinite(norm)
