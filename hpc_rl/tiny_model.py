@@ -1,7 +1,9 @@
 """Tiny Qwen3 checkpoints with a locally built tokenizer, for tests, benchmarks and the CPU demo.
 
 Owns: the tiny word-level vocabulary, its chat template, and writing an HF checkpoint directory
-(config.json, model.safetensors, tokenizer files) with `save_pretrained`. Nothing is downloaded.
+(config.json, model.safetensors, tokenizer files) with `save_pretrained`: dense Qwen3, and the two
+mixture-of-experts families (Qwen3-MoE, GLM-4.5 MoE) made by transformers' own model classes with
+routers decisive enough that top-k choices are not near-ties. Nothing is downloaded.
 The vocabulary covers the synthetic task in `hpc_rl.data.tiny_task` (digits and a few words); any
 other word maps to `<unk>`, so real datasets still load and run (as nonsense) on the tiny model.
 """
@@ -9,6 +11,7 @@ other word maps to `<unk>`, so real datasets still load and run (as nonsense) on
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +63,19 @@ def build_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     return tokenizer
 
 
+def _config_fields(spec: TinyModelSpec, tokenizer) -> dict:  # noqa: ANN001 - a transformers tokenizer
+    """The HF config fields every tiny family shares (shape, vocabulary, special tokens, float32)."""
+    return dict(
+        vocab_size=len(TINY_VOCAB), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.rms_norm_eps,
+        tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), torch_dtype="float32",
+    )
+
+
 def make_tiny_model(output_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
     """Write a randomly initialised tiny Qwen3 checkpoint + tokenizer to `output_dir`; return it."""
     import torch
@@ -69,27 +85,90 @@ def make_tiny_model(output_dir: str | Path, spec: TinyModelSpec | None = None) -
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(TINY_VOCAB),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=spec.rms_norm_eps,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-        bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        torch_dtype="float32",
-    )
+    config = Qwen3Config(**_config_fields(spec, tokenizer),
+                         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
     torch.manual_seed(spec.seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
+    return output_dir
+
+
+@dataclass(kw_only=True)
+class TinyMoeSpec(TinyModelSpec):
+    """Shape of a tiny MoE model (defaults: Qwen3-MoE, 2 layers, 4 experts of which each token uses 2)."""
+
+    family: str = "qwen3_moe"
+    """qwen3_moe (Qwen3MoeForCausalLM) | glm4_moe (Glm4MoeForCausalLM)."""
+    tie_word_embeddings: bool = False
+    """Untied, as the real checkpoints: SGLang 0.5.23's Qwen3-MoE always builds its own lm_head (a tied
+    checkpoint, which has no lm_head.weight, serves uniform log-probs there)."""
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    dense_layers: int = 0
+    """Leading dense layers (Qwen3-MoE's mlp_only_layers 0..k-1, GLM-4.5's first_k_dense_replace)."""
+    n_shared_experts: int = 1
+    """GLM-4.5 only (Qwen3-MoE has none)."""
+    routed_scaling_factor: float = 1.0
+    """GLM-4.5 only."""
+    router_std: float = 1.0
+    """Router weights ~ N(0, router_std): well-separated top-k choices (transformers initialises them
+    near zero, where float rounding could pick a different expert in another implementation)."""
+
+
+def _randomize_moe(model, spec: TinyMoeSpec) -> None:  # noqa: ANN001 - a transformers model
+    """Make every MoE-specific tensor matter: decisive routers, non-zero expert biases, norms and biases."""
+    import torch
+
+    generator = torch.Generator().manual_seed(spec.seed + 1)
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("mlp.gate.weight"):
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * spec.router_std)
+            elif name.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.1)
+            elif name.endswith(("norm.weight", "proj.bias")):
+                tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
+
+
+def make_tiny_moe_model(output_dir: str | Path, spec: TinyMoeSpec | None = None) -> Path:
+    """Write a randomly initialised tiny MoE checkpoint (spec.family) + the tiny tokenizer; return it."""
+    import torch
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    spec = spec or TinyMoeSpec()
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    common = dict(_config_fields(spec, tokenizer), moe_intermediate_size=spec.moe_intermediate_size,
+                  num_experts_per_tok=spec.num_experts_per_tok, norm_topk_prob=True)
+    if spec.family == "qwen3_moe":
+        config = Qwen3MoeConfig(**common, num_experts=spec.num_experts, mlp_only_layers=list(range(spec.dense_layers)),
+                                decoder_sparse_step=1,
+                                rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
+        model_class = Qwen3MoeForCausalLM
+    elif spec.family == "glm4_moe":
+        config = Glm4MoeConfig(**common, n_routed_experts=spec.num_experts, n_shared_experts=spec.n_shared_experts,
+                               first_k_dense_replace=spec.dense_layers,
+                               routed_scaling_factor=spec.routed_scaling_factor,
+                               n_group=1, topk_group=1, attention_bias=True, use_qk_norm=False,
+                               partial_rotary_factor=0.5,
+                               rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta,
+                                                "partial_rotary_factor": 0.5})
+        model_class = Glm4MoeForCausalLM
+    else:
+        raise ValueError(f"TinyMoeSpec.family {spec.family!r}: use qwen3_moe or glm4_moe")
+    torch.manual_seed(spec.seed)
+    model = model_class(config).to(torch.float32)
+    _randomize_moe(model, spec)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    if spec.family == "qwen3_moe":  # the Hub's key (Qwen3-30B-A3B), which transformers 4.x readers (SGLang) know
+        config_file = output_dir / "config.json"
+        fields = json.loads(config_file.read_text())
+        fields["num_experts"] = fields.pop("num_local_experts", spec.num_experts)
+        config_file.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
     return output_dir
 
 
@@ -99,10 +178,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden-size", type=int, default=TinyModelSpec.hidden_size)
     parser.add_argument("--num-layers", type=int, default=TinyModelSpec.num_hidden_layers)
     parser.add_argument("--seed", type=int, default=TinyModelSpec.seed)
+    parser.add_argument("--family", default="qwen3", choices=["qwen3", "qwen3_moe", "glm4_moe"],
+                        help="qwen3 (dense, assets/tiny_qwen3) or a mixture of experts (assets/tiny_qwen3_moe: "
+                             "--family qwen3_moe)")
     args = parser.parse_args(argv)
-    spec = TinyModelSpec(hidden_size=args.hidden_size, num_hidden_layers=args.num_layers, seed=args.seed,
-                         intermediate_size=2 * args.hidden_size)
-    print(make_tiny_model(args.output_dir, spec))
+    if args.family == "qwen3":
+        spec = TinyModelSpec(hidden_size=args.hidden_size, num_hidden_layers=args.num_layers, seed=args.seed,
+                             intermediate_size=2 * args.hidden_size)
+        print(make_tiny_model(args.output_dir, spec))
+    else:
+        moe = TinyMoeSpec(family=args.family, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+                          seed=args.seed, intermediate_size=2 * args.hidden_size)
+        print(make_tiny_moe_model(args.output_dir, moe))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
-"""HF safetensors -> Megatron torch_dist, with slime's command line. One rank, or torchrun (TP x PP ranks):
+"""HF safetensors -> Megatron torch_dist, with slime's command line. One rank, or torchrun (TP x PP x EP ranks):
 
     python tools/convert_hf_to_torch_dist.py ${MODEL_ARGS[@]} --hf-checkpoint HF_DIR --save OUT_DIR
     python tools/convert_hf_to_torch_dist.py --model configs/models/qwen3_4B.yaml --hf-checkpoint HF_DIR --save OUT_DIR
     torchrun --nproc-per-node 2 tools/convert_hf_to_torch_dist.py ... --tensor-model-parallel-size 2
+    torchrun --nproc-per-node 2 tools/convert_hf_to_torch_dist.py ... --expert-model-parallel-size 2   (MoE)
 
 MODEL_ARGS are Megatron's model flags as in slime's scripts/models/*.sh (they may also override a
 --model file's fields). The architecture is checked against HF_DIR/config.json and written to
 OUT_DIR/model.yaml. Writes OUT_DIR/iter_0000000 and OUT_DIR/latest_checkpointed_iteration.txt;
-loadable at any TP and PP size as checkpoint.ref_load / checkpoint.load. Logic: hpc_rl.training.convert.
+loadable at any TP, PP and EP size as checkpoint.ref_load / checkpoint.load. Logic: hpc_rl.training.convert.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="architecture file, configs/models/*.yaml (or give MODEL_ARGS)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP ranks (MoE models)")
+    parser.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                        help="expert TP ranks (MoE; default: the TP size, as Megatron)")
     args, model_flags = parser.parse_known_args(argv)
 
     import yaml
@@ -45,7 +49,9 @@ def main(argv: list[str] | None = None) -> None:
 
     out = hf_to_torch_dist(args.hf_checkpoint, str(model_file), args.save,
                            tensor_parallel_size=args.tensor_model_parallel_size,
-                           pipeline_parallel_size=args.pipeline_model_parallel_size)
+                           pipeline_parallel_size=args.pipeline_model_parallel_size,
+                           expert_parallel_size=args.expert_model_parallel_size,
+                           expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     shutdown_parallel()
     print(out)
 

@@ -99,8 +99,8 @@ def _apply_setting(setting: Setting, raw: dict[str, dict[str, Any]], top: dict[s
     if setting.path.startswith(MEGATRON_PREFIX):
         raw.setdefault("megatron", {})[setting.path[len(MEGATRON_PREFIX):]] = setting.value
         return
-    parts = setting.path.split(".")
-    if parts[:2] == ["sglang", "extra_args"]:
+    parts = setting.path.split(".", 2)
+    if parts[:2] == ["sglang", "extra_args"] and len(parts) == 3:  # one SGLang option: sglang.extra_args.<name>
         raw["sglang"].setdefault("extra_args", {})[parts[2]] = setting.value
         return
     section, name = parts
@@ -108,6 +108,10 @@ def _apply_setting(setting: Setting, raw: dict[str, dict[str, Any]], top: dict[s
     if setting.path == "eval.eval_prompt_data":
         raw[section][name] = _eval_datasets(setting.value, where)
     elif setting.path == "sglang.extra_args":
+        if not isinstance(setting.value, dict):
+            raise ConfigError(f"{where}: expected a mapping of SGLang server options, got {setting.value!r}; write "
+                              "--set 'sglang.extra_args={chunked_prefill_size: 4096}' or one option as "
+                              "--set sglang.extra_args.chunked_prefill_size=4096")
         raw[section].setdefault(name, {}).update(coerce_value(setting.value, dict[str, Any], where))
     elif setting.path in APPENDED_FIELDS:  # slime's action="append": every occurrence adds
         raw[section][name] = [*raw[section].get(name, []), *coerce_value(setting.value, field_hint(setting.path), where)]

@@ -76,6 +76,8 @@ def resolve_key(key: str, where: str) -> str:
     """The field path `key` names (flat slime name, or section.field); ConfigError if none."""
     if "." in key:
         section, name = key.split(".", 1)
+        if section == "sglang" and name.startswith("extra_args.") and len(name) > len("extra_args."):
+            return key  # one SGLang server option (--set sglang.extra_args.chunked_prefill_size=4096)
         if section not in section_types():
             raise ConfigError(f"{where}: unknown section {section!r}; sections: {', '.join(section_types())}")
         names = {f.name for f in dataclasses.fields(section_types()[section])}

@@ -1,7 +1,7 @@
 """Value ranges of single fields, checked at submit time: a batch of 0 or an lr of -1 never queues.
 
 Owns: the table of which fields must be >= 1, >= 0, > 0 or within [0, 1], refusing NaN and infinity in
-any number of the config, and the sampling-parameter
+any number of the config (and numbers past float32's range), and the sampling-parameter
 rules SGLang itself enforces (temperature >= 0, top_p in (0, 1], top_k -1 or >= 1), for the training
 and the eval sampling alike. Each problem names the field, the value and the allowed range.
 """
@@ -87,13 +87,22 @@ def _sampling_problems(config: RunConfig) -> Iterator[RangeProblem]:
             yield RangeProblem(top_k_path, f"{top_k} must be -1 (off) or >= 1; SGLang rejects it")
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: the trainer computes in float32 (bf16 on GPUs, whose range is the same)."""
+
+
 def _nonfinite_problems(config: RunConfig) -> Iterator[RangeProblem]:
     """Every number of the config that is NaN or infinite (`--lr inf`, `--rollout-temperature nan`: YAML and
-    Python's float() read both): none has a meaning, and a NaN passes every range test."""
+    Python's float() read both): none has a meaning, and a NaN passes every range test. Also every number past
+    float32's range (`--lr 1e39`): finite in Python, but torch's optimizer fails on it mid-run ("cannot be
+    converted to type float without overflow"), and nothing in a run needs such a value."""
     for section, name, number in config.section_fields():
         numbers = number if isinstance(number, list) else [number]
         if any(isinstance(n, float) and not math.isfinite(n) for n in numbers):
             yield RangeProblem(f"{section}.{name}", f"{number} is not a finite number; give a real value")
+        elif any(isinstance(n, float) and abs(n) > FLOAT32_MAX for n in numbers):
+            yield RangeProblem(f"{section}.{name}", f"{number} is beyond float32's range (+-{FLOAT32_MAX:.4g}): "
+                                                    "no setting needs it, and torch's float32 math overflows on it")
 
 
 def range_problems(config: RunConfig) -> list[RangeProblem]:

@@ -46,7 +46,8 @@ from hpc_rl.engines.gpu_step import PLACEMENT_DIR, reported_devices
 from hpc_rl.protocol import Connection, Envelope, Secret, Server
 from hpc_rl.protocol.errors import ProtocolError
 from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, ResumeState,
-                                      StatusReply, StatusRequest, WeightPlan)
+                                      StatusReply, StatusRequest, WeightGroupJoinCheck, WeightGroupJoinVerdict,
+                                      WeightPlan)
 from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rewards.reward_thread import RewardThread
 from hpc_rl.rollout import EngineClient
@@ -265,6 +266,8 @@ class Controller:
         if isinstance(message, WeightPlan):
             self.channel.on_weight_plan(message)
             return Ack()
+        if isinstance(message, WeightGroupJoinCheck):
+            return WeightGroupJoinVerdict(give_up=self.channel.join_verdict(message.seq))
         if isinstance(message, StatusRequest):
             return StatusReply(status=self.status())
         if isinstance(message, Ping):

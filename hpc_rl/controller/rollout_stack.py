@@ -41,7 +41,7 @@ from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rewards.reward_thread import RewardThread
 from hpc_rl.rewards.scoring import REMOTE_RM, split_boxed_prefix
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
-from hpc_rl.rollout.eval import dataset_sampling, drop_long_prompts
+from hpc_rl.rollout.eval import dataset_sampling, drop_long_prompts, eval_prompt_length_limit
 from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
 from hpc_rl.rollout.sample_metrics import SampleMetricOptions
@@ -95,9 +95,12 @@ def make_evaluate(config: RunConfig, client: EngineClient, keys: DataKeys, encod
                                label_key=evaluation.eval_label_key or keys.label_key,
                                tool_key=evaluation.eval_tool_key or keys.tool_key)
     datasets = load_eval_datasets(evaluation, keys)
-    if evaluation.eval_max_prompt_len is not None:
-        datasets = [(name, drop_long_prompts(name, records, encoder, evaluation.eval_max_prompt_len))
-                    for name, records in datasets]
+    limit, why = eval_prompt_length_limit(evaluation, config.rollout, client.context_length)
+    too_long: dict[str, float] = {}
+    if limit is not None:  # as for training prompts: no prompt that leaves the engines no room for a response
+        kept = {name: drop_long_prompts(name, records, encoder, limit, why) for name, records in datasets}
+        datasets = [(name, kept[name][0]) for name, _ in datasets]
+        too_long = {f"eval/{name}/prompts_too_long": float(count) for name, (_, count) in kept.items() if count}
     generate_fn = load_generate_function(config.rollout.custom_generate_function_path)
     sampling_params = eval_sampling_params(config.rollout, config.eval)
 
@@ -111,7 +114,7 @@ def make_evaluate(config: RunConfig, client: EngineClient, keys: DataKeys, encod
                               args=args, generate_fn=generate_fn, weight_version=weight_version,
                               max_context_len=evaluation.eval_max_context_len or config.rollout.rollout_max_context_len,
                               metric_options=metric_options, plugins=plugins, rollout_id=rollout_id,
-                              per_dataset=per_dataset)
+                              per_dataset=per_dataset) | too_long
 
     return evaluate
 

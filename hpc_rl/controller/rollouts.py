@@ -1,9 +1,10 @@
 """Rollouts for the loop, one at a time (sync) or one ahead of training (async), with the engines watched.
 
 Owns when a rollout's generation starts (async mode: rollout k+1 starts as soon as rollout k is
-handed to the trainer, and a weight sync waits for it to finish, as slime's train_async.py), watching the engines and the trainer while one generates (a lost fleet or a
-lost rank ends it; a restarted engine gets the current weights at once in sync mode, when the trainer
-is idle), the scheduler's state at each rollout boundary (what a checkpoint saved after rollout k-1
+handed to the trainer, and a weight sync waits for it to finish, as slime's train_async.py), watching the
+engines and the trainer while one generates or an eval runs (a lost fleet or a lost rank ends it; a restarted
+engine gets the current weights at once when the trainer is idle: in sync mode, and during every eval), the
+scheduler's state at each rollout boundary (what a checkpoint saved after rollout k-1
 stores, although rollout k may already be generating), and stopping a rollout started ahead.
 Not here: one rollout's generation, scoring, filtering and partial buffer (`hpc_rl.rollout.scheduler`).
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from hpc_rl.controller.engine_fleet import EngineFleet
 from hpc_rl.controller.stopping import stop_task
@@ -22,6 +24,8 @@ from hpc_rl.controller.weight_updates import WeightUpdates
 from hpc_rl.rollout.scheduler import RolloutResult, RolloutScheduler
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Rollouts:
@@ -92,11 +96,19 @@ class Rollouts:
             raise self.channel.failure
 
     async def _generate(self, rollout_id: int) -> RolloutResult:
-        """One rollout, watching the engines meanwhile. However this ends (result, engine or trainer
-        failure, cancellation), the scheduler's task has ended too and its outcome was read."""
+        """One rollout, watching the engines meanwhile (a restarted engine gets the current weights at once in
+        sync mode, where the trainer is idle while a rollout generates)."""
         self._boundary_states[rollout_id] = self.scheduler.state_dict()
-        run = asyncio.create_task(self.scheduler.run(rollout_id, self.weights.version),
-                                  name=f"rollout {rollout_id} generation")
+        return await self.watch(self.scheduler.run(rollout_id, self.weights.version),
+                                f"rollout {rollout_id} generation", may_sync=not self.overlap)
+
+    async def watch(self, work: Awaitable[T], what: str, *, may_sync: bool = True) -> T:
+        """`work` (a rollout's generation, an eval) while the engines are watched: a lost fleet or a lost rank
+        ends it, and, with `may_sync` (the trainer is idle meanwhile), an engine that restarted gets the current
+        weights now, so `work` can use it: a restarted engine never serves before it has them, and an eval whose
+        only engine restarted does not wait for one forever. However this ends (result, engine or trainer failure,
+        cancellation), `work` has ended too and its outcome was read."""
+        run = asyncio.ensure_future(work)
         outcome_read = False
         try:
             while True:
@@ -109,10 +121,8 @@ class Rollouts:
                     outcome_read = True
                     return run.result()
                 self._check_engines()
-                if self.fleet.engine_waiting.is_set() and not self.overlap:
-                    # A restarted engine: give it the current weights now, so the rollout can use it (in sync
-                    # mode the trainer is idle while a rollout generates).
+                if self.fleet.engine_waiting.is_set() and may_sync:
                     await self.weights.sync(self.weights.version, reason="engine restarted")
         finally:
             if not outcome_read:
-                await stop_task(run, f"rollout {rollout_id} generation")
+                await stop_task(run, what)

@@ -57,13 +57,17 @@ class RunLoop:
         self.stop_requested = False
         """Set on a timeout/preemption warning: save at the next rollout boundary and stop (requeue)."""
         self.stopped_for_requeue = False
+        self.unrecorded: tuple[int, dict[str, Any], list[Any]] | None = None
+        """(rollout id, metrics so far, groups) of a rollout trained but not yet recorded (its sync, eval or save
+        still to come): a stop that cuts the loop there and saves it records it (`record_cut_rollout`)."""
 
     async def run(self, *, resumed: bool) -> dict[str, Any]:
         """However this ends (done, requeue, error, cancellation), a rollout started ahead has stopped."""
         try:
             await self.weights.start(resumed=resumed and self.next_rollout_id > 0)
             if self.evaluate and self.next_rollout_id == 0 and not self.eval_config.skip_eval_before_train:
-                self.recorder.eval_before_training(await self.evaluate(self.weights.version, 0))
+                self.recorder.eval_before_training(await self.rollouts.watch(self.evaluate(self.weights.version, 0),
+                                                                            "eval before training"))
             for rollout_id in range(self.next_rollout_id, self.num_rollout):
                 start = time.perf_counter()
                 result = await self.rollouts.next(rollout_id)  # generate, score, filter; partial buffer in and out
@@ -71,6 +75,7 @@ class RunLoop:
                 sync_due = self.weights.sync_due(rollout_id)
                 metrics |= await self.weights.before_train(sync_due)  # colocated: the engines hand over the GPUs
                 metrics |= await self.trainers.train(rollout_id, result.groups, self.weights.version)
+                self.unrecorded = (rollout_id, metrics, result.groups)  # trained: a stop that saves it records it
                 version = self.weights.version + 1
                 if self.weights.moves_memory:  # colocated: save now, while the trainer holds its whole state
                     metrics |= await self.checkpoints.save_if_due(rollout_id, version, stopping=self.stop_requested)
@@ -80,15 +85,20 @@ class RunLoop:
                                                           generating=self.rollouts.generating)
                 if self.evaluate and every(self.eval_config.eval_interval, rollout_id):
                     eval_start = time.perf_counter()
-                    metrics |= await self.evaluate(self.weights.version, rollout_id)
+                    metrics |= await self.rollouts.watch(self.evaluate(self.weights.version, rollout_id),
+                                                         f"eval after rollout {rollout_id}")  # engines watched
                     metrics["time/eval"] = time.perf_counter() - eval_start
-                metrics |= await self.checkpoints.save_if_due(rollout_id, self.weights.version,
-                                                              stopping=self.stop_requested)
+                stopping = self.stop_requested
+                if not stopping:
+                    metrics |= await self.checkpoints.save_if_due(rollout_id, self.weights.version, stopping=False)
                 metrics |= {"rollout/weight_version": float(self.weights.version),
                             "rollout/buffer_size": float(self.rollouts.buffer_size),
                             "time/step": time.perf_counter() - start}
                 self.recorder.rollout(rollout_id, metrics, result.groups)
-                self.next_rollout_id = rollout_id + 1
+                self.unrecorded = None
+                if stopping:  # recorded first: a save the stop's kill cuts short leaves an older checkpoint, whose
+                    await self.checkpoints.save_if_due(rollout_id, self.weights.version, stopping=True)  # resume
+                self.next_rollout_id = rollout_id + 1  # drops this record; one that lands after the grace keeps it
                 if self.stop_requested and rollout_id + 1 < self.num_rollout:
                     self.stopped_for_requeue = True
                     self.recorder.print(f"stopping after rollout {rollout_id + 1} for requeue (checkpoint saved)")
@@ -96,6 +106,17 @@ class RunLoop:
         finally:
             await self.rollouts.stop_ahead()
         return self.recorder.last
+
+    def record_cut_rollout(self, rollout_id: int) -> bool:
+        """A stop cut the loop after rollout `rollout_id` trained and saved it: its record is written (with the
+        metrics it had), so rollouts.jsonl holds every rollout the checkpoint holds. Whether there was one."""
+        if self.unrecorded is None or self.unrecorded[0] != rollout_id:
+            return False
+        _, metrics, groups = self.unrecorded
+        self.recorder.rollout(rollout_id, metrics, groups)
+        self.unrecorded = None
+        self.next_rollout_id = rollout_id + 1
+        return True
 
     def restore(self, controller_state: dict[str, Any]) -> None:
         """Continue from a checkpoint's controller state (`Checkpoints.controller_state`)."""

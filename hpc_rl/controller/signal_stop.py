@@ -4,8 +4,11 @@
             ──> wait, at most `grace_s`, until the trainer ranks run nothing (the loop generates, evaluates
                 or talks to engines) or the loop has stopped by itself
             ──> cut the loop there: the rollout in flight is dropped (its prompts are still ahead of the
-                data cursor the checkpoint stores, so a resume draws them again)
-            ──> save the rollout the ranks last trained, if it is not saved yet (bounded by what is left)
+                data cursor the checkpoint stores, so a resume draws them again); a weight sync cut there
+                (an engine stuck or dying in it: Slurm signals the engines too) has rank 0 abort its group
+                first, or the save would wait behind broadcasts that never complete
+            ──> save the rollout the ranks last trained, if it is not saved yet (bounded by what is left),
+                and write its record if the cut came before it (the resume starts after it)
             ──> StopCommand to the ranks
     A rollout still training when the grace ends is cut without a new checkpoint (the last one stays).
 
@@ -62,18 +65,30 @@ async def _save_last_trained(loop: RunLoop, channel: TrainerChannel, deadline: f
     if channel.failure is not None:
         return f"no checkpoint: the trainer was lost ({channel.failure})"
     if cut_busy or not channel.idle or trained is None:
-        return (f"no new checkpoint: the trainer ranks were busy when the {grace_s:.0f} s grace time ended "
-                "(the last checkpoint is kept)")
+        if channel.running == "SaveCommand":  # the ranks go on: it may land before the processes are killed
+            return (f"no new checkpoint confirmed: a save was still being written when the {grace_s:.0f} s grace "
+                    "time ended (it counts only if it completes before the kill; a resume takes the newest "
+                    "complete checkpoint)")
+        return (f"no new checkpoint: the trainer ranks were busy ({channel.running or 'between commands'}) when the "
+                f"{grace_s:.0f} s grace time ended (the last checkpoint is kept)")
     rollout_id, version = trained
     if loop.checkpoints.saved_rollout == rollout_id:
         return f"rollout {rollout_id} was already saved"
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         return "no new checkpoint: no grace time left to save (the last checkpoint is kept)"
+    try:  # a weight sync the stop cut (an engine stuck or dying in it) left rank 0 broadcasts that never complete:
+        await asyncio.wait_for(loop.weights.abort_group_if_due(), remaining)  # the save would queue behind them
+    except TimeoutError:
+        return "no new checkpoint: aborting the weight-update group of the cut sync did not finish within the grace"
+    except Exception as error:  # noqa: BLE001 - said, then the run stops as asked
+        return f"no new checkpoint: aborting the cut sync's weight-update group failed: {type(error).__name__}: {error}"
+    remaining = deadline - time.monotonic()
     try:
         metrics = await asyncio.wait_for(loop.checkpoints.save_if_due(rollout_id, version, stopping=True), remaining)
     except TimeoutError:
         return f"no new checkpoint: saving rollout {rollout_id} did not finish within the grace time"
     except Exception as error:  # noqa: BLE001 - said, then the run stops as asked
         return f"no new checkpoint: saving rollout {rollout_id} failed: {type(error).__name__}: {error}"
+    loop.record_cut_rollout(rollout_id)  # the resume starts after it: its record must be there
     return f"checkpoint of rollout {rollout_id} saved in {metrics.get('time/save', 0.0):.1f} s"

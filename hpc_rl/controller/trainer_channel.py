@@ -2,7 +2,8 @@
 
 Owns: one command queue per rank (a rank asks `NextCommand`, the controller answers with the next
 command when there is one), sequence numbers, collecting `CommandDone` from every rank, the weight
-plan that rank 0 sends during a sync, and failing everything pending when a rank is lost.
+plan that rank 0 sends during a sync (and the verdict it asks for while the engines join a new group:
+`give_up_join`), and failing everything pending when a rank is lost.
 Every rank runs every command in the same order: they are collective operations on the trainer side.
 A command whose caller stopped waiting (cancelled: a signal, a timeout) is abandoned, not forgotten: the
 ranks still run it, their CommandDone is expected and quietly absorbed, and `idle` says when they are
@@ -28,6 +29,8 @@ class _Pending:
     seq: int
     done: dict[int, CommandDone]
     future: asyncio.Future[list[CommandDone]]
+    name: str = ""
+    """The command's type (what the ranks are busy with)."""
 
 
 class TrainerChannel:
@@ -41,12 +44,20 @@ class TrainerChannel:
         self._abandoned: _Pending | None = None
         """A command whose caller stopped waiting; the ranks still run it and report it done."""
         self._weight_plan: asyncio.Future[WeightPlan] | None = None
+        self._join_given_up: tuple[int, str] | None = None
+        """(seq of a sync command, why): rank 0 stops waiting for the engines to join its new weight-update group."""
         self.failure: TrainerFailed | None = None
 
     @property
     def idle(self) -> bool:
         """No command is running on the ranks (neither awaited nor abandoned)."""
         return self._pending is None and self._abandoned is None
+
+    @property
+    def running(self) -> str:
+        """The type of the command the ranks run ("" when idle): what a stop that could not wait was cut at."""
+        command = self._pending or self._abandoned
+        return command.name if command is not None else ""
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -70,7 +81,9 @@ class TrainerChannel:
         pending = _Pending(seq=seq, done={}, future=loop.create_future())
         self._pending = pending
         for rank in range(self.world_size):
-            self._queues[rank].put_nowait(make_command(rank, seq))
+            command = make_command(rank, seq)
+            pending.name = type(command).__name__
+            self._queues[rank].put_nowait(command)
         try:
             return await asyncio.wait_for(asyncio.shield(pending.future), timeout_s)
         finally:
@@ -87,6 +100,17 @@ class TrainerChannel:
         if self._weight_plan is None or self._weight_plan.done():
             raise TrainerFailed("trainer sent a weight plan outside a sync")
         self._weight_plan.set_result(plan)
+
+    def give_up_join(self, reason: str) -> None:
+        """The running sync command's new weight-update group will not be complete (an engine died or failed
+        before joining): rank 0's next WeightGroupJoinCheck tells it to stop waiting (see `join_verdict`)."""
+        if self._pending is not None:
+            self._join_given_up = (self._pending.seq, reason)
+
+    def join_verdict(self, seq: int) -> str:
+        """What rank 0 asking about sync command `seq` is told: "" (keep waiting) or why it stops waiting."""
+        given_up = self._join_given_up
+        return given_up[1] if given_up is not None and given_up[0] == seq else ""
 
     def on_done(self, done: CommandDone) -> None:
         abandoned = self._abandoned

@@ -18,6 +18,12 @@ Owns the SGLang protocol sequence on the engine side and its interleaving with t
 The group is rebuilt only when the set of engine processes changed: a restarted engine (same index and
 URL, new incarnation) joins a new group, whether or not a sync happened while it was down.
 
+An engine that dies (or fails) before the new group is complete (its /init_weights_update_group fails) would
+hold rank 0, which waits for every member, until the group's timeout (600 s): the controller tells rank 0 to
+stop waiting (`TrainerChannel.give_up_join`, asked by rank 0 every half second), drops the other engines' init
+calls and raises `WeightGroupBroken` naming the engine, which is failed and restarted as below; the push is
+made again over a new group of the engines still up.
+
 An engine that dies (or fails) mid-update breaks the group: on NCCL the broadcast never completes, rank 0
 does not notice (its `wait()` does not block) and its next GPU work would hang until NCCL's watchdog.
 The controller knows at once (the engine's update call fails): it has rank 0 abort the group
@@ -170,6 +176,7 @@ async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpd
         raise WeightGroupBroken(str(error), broken) from error
     except asyncio.CancelledError:
         every.cancel()
+        every.add_done_callback(lambda gathered: gathered.cancelled() or gathered.exception())  # read: no warning
         raise
     finally:
         gate.open()
@@ -224,6 +231,35 @@ async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engi
         log.warning("weight sync v%d broken (%s): aborting the weight-update group", version, error)
         await channel.run(lambda rank, seq: AbortWeightGroupCommand(seq=seq, reason=str(error)), timeout_s=timeout_s)
 
+    async def give_up_the_group(inits: list[asyncio.Future[None]]) -> None:
+        """An engine failed its init call (it died, or answered an error): the new group will never be complete.
+        Rank 0, which waits for every member, is told to stop (its sync command then ends without a broadcast;
+        one that had joined after all has the group aborted); the other engines' init calls are dropped (they
+        are up: on gloo their join waits for the lost member until the group's timeout, on NCCL it returned
+        already); WeightGroupBroken names the engines whose call failed."""
+        nonlocal trainer_outcome_read
+        first = next(init.exception() for init in inits if init.done() and init.exception() is not None)
+        if not isinstance(first, EngineAdminError):
+            for init in inits:
+                init.cancel()
+            await asyncio.gather(*inits, return_exceptions=True)
+            raise first
+        log.warning("weight sync v%d: %s before the weight-update group was complete; rank 0 stops waiting for it",
+                    version, first)
+        channel.give_up_join(str(first))
+        trainer_outcome_read = True
+        try:
+            done = await trainer_task  # a TrainerFailed is the loop's to report
+            if "join_abandoned" not in done[0].metrics:  # rank 0 had joined and broadcast: the group is broken
+                await channel.run(lambda rank, seq: AbortWeightGroupCommand(seq=seq, reason=str(first)),
+                                  timeout_s=timeout_s)
+        finally:
+            for init in inits:
+                init.cancel()
+            outcomes = await asyncio.gather(*inits, return_exceptions=True)
+        raise WeightGroupBroken(str(first), [position for position, outcome in enumerate(outcomes)
+                                             if isinstance(outcome, EngineAdminError)])
+
     try:
         plan = await asyncio.wait_for(asyncio.shield(plan_future), timeout_s)
         if new_group:
@@ -235,12 +271,12 @@ async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engi
                 joined = {index for index, _, _ in group.members}
                 await asyncio.gather(*(admins[e.engine_index].destroy_weight_group(group_name)
                                        for e in engines if e.engine_index not in joined), return_exceptions=True)
-            await asyncio.gather(*(
-                admins[e.engine_index].init_weight_group(
-                    master_address=plan.master_address, master_port=plan.master_port,
-                    rank_offset=offsets[e.engine_index], world_size=world_size, group_name=group_name,
-                    backend=backend)
-                for e in engines))
+            inits = [asyncio.ensure_future(admins[e.engine_index].init_weight_group(
+                master_address=plan.master_address, master_port=plan.master_port, rank_offset=offsets[e.engine_index],
+                world_size=world_size, group_name=group_name, backend=backend)) for e in engines]
+            await asyncio.wait(inits, return_when=asyncio.FIRST_EXCEPTION)
+            if any(init.done() and init.exception() is not None for init in inits):
+                await give_up_the_group(inits)  # raises WeightGroupBroken (or what the trainer failed with)
             group.members = members
         buckets = [BucketUpdate.of(names=bucket["names"], dtypes=bucket["dtypes"], shapes=bucket["shapes"],
                                    group_name=group_name,

@@ -101,7 +101,8 @@ class WeightUpdates:
             self.abort_due = f"engine {engine_index} failed while in the weight-update group"
 
     async def abort_group_if_due(self) -> None:
-        """Have the trainer abort a weight-update group a failed engine was in (see `engine_failed`)."""
+        """Have the trainer abort a weight-update group a failed engine was in (see `engine_failed`), or one a
+        cut sync left with broadcasts pending (a stop: the save that follows would wait behind them)."""
         if self.abort_due:
             reason, self.abort_due = self.abort_due, ""
             log.warning("aborting the trainer's weight-update group: %s", reason)
@@ -242,18 +243,23 @@ class WeightUpdates:
 
         await self.abort_group_if_due()
         try:
-            return await push(engines)
-        except WeightGroupBroken as broken:  # the trainer aborted its side already
-            start = time.perf_counter()
-            for index in broken.engines:
-                await self.fleet.fail_engine(index, f"broke weight sync v{version}: {broken}")
-            self.abort_due = ""
-            survivors = self.registry.live_engines()
-            log.warning("weight sync v%d: engine(s) %s failed mid-update; pushing again to %d engine(s)", version,
-                        broken.engines, len(survivors))
-            metrics = await push(survivors) if survivors else {}
-            metrics["weight_sync/recovery_seconds"] = time.perf_counter() - start
-            return metrics
+            try:
+                return await push(engines)
+            except WeightGroupBroken as broken:  # the trainer aborted its side already
+                start = time.perf_counter()
+                for index in broken.engines:
+                    await self.fleet.fail_engine(index, f"broke weight sync v{version}: {broken}")
+                self.abort_due = ""
+                survivors = self.registry.live_engines()
+                log.warning("weight sync v%d: engine(s) %s failed mid-update; pushing again to %d engine(s)", version,
+                            broken.engines, len(survivors))
+                metrics = await push(survivors) if survivors else {}
+                metrics["weight_sync/recovery_seconds"] = time.perf_counter() - start
+                return metrics
+        except asyncio.CancelledError:  # cut (a stop): rank 0 may have broadcasts pending that will never complete
+            self.group.members = []
+            self.abort_due = f"weight sync v{version} was cut short"
+            raise
 
     async def _now_serving(self, version: int, waiting: list[int]) -> None:
         self.version = version

@@ -176,9 +176,12 @@ def start_process_group(command: Sequence[str], *, env: Mapping[str, str] | None
 def stop_process_group(popen: subprocess.Popen, grace_seconds: float,
                        on_timeout: Callable[[], None] | None = None) -> int | None:
     """SIGTERM the group of `popen`, wait `grace_seconds` (then `on_timeout()`), SIGKILL whatever is
-    left of the group (children may outlive their leader), and return the leader's exit code."""
+    left of the group (children may outlive their leader), and return the leader's exit code. SIGCONT follows
+    the SIGTERM, as Slurm's does: a stopped process (SIGSTOP, a stuck engine being restarted) handles it now
+    instead of being SIGKILLed after the whole grace."""
     if popen.poll() is None:
         signal_group(popen.pid, signal.SIGTERM)
+        signal_group(popen.pid, signal.SIGCONT)
         try:
             popen.wait(timeout=grace_seconds)
         except subprocess.TimeoutExpired:

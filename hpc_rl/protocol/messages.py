@@ -269,6 +269,26 @@ class WeightPlan(Message):
 
 
 @dataclass(kw_only=True)
+class WeightGroupJoinCheck(Message):
+    """Trainer rank 0 -> controller, every half second while it waits for the engines to join a new weight-update
+    group (sync command `seq`): should it go on waiting? (An engine that dies before joining never comes; only the
+    controller knows, from the engine's failed init call.)"""
+
+    TYPE: ClassVar[str] = "weight_group_join_check"
+    rank: int
+    seq: int
+
+
+@dataclass(kw_only=True)
+class WeightGroupJoinVerdict(Message):
+    """The controller's answer to a WeightGroupJoinCheck: "" (keep waiting) or why rank 0 stops waiting (it then
+    ends the sync command without broadcasting; the controller rebuilds the group without the lost engine)."""
+
+    TYPE: ClassVar[str] = "weight_group_join_verdict"
+    give_up: str = ""
+
+
+@dataclass(kw_only=True)
 class SaveCommand(Message):
     """Save a checkpoint after rollout `rollout_id`, with the controller's state inside it."""
 

@@ -24,6 +24,7 @@ It does not write `sample.reward`; the caller does, so a failed group leaves sam
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ from hpc_rl.rewards.reward_thread import RewardThread, RewardTimeout, bounded
 from hpc_rl.retry_policy import RetryPolicy
 from hpc_rl.rewards.remote import REMOTE_RM_RETRY, post_for_reward, reward_payload, reward_session
 from hpc_rl.rewards.scoring import REMOTE_RM, check_rm_type, resolve_rm_type, score, split_boxed_prefix
+from hpc_rl.rewards.sympy_bound import take_give_ups
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from hpc_rl.rewards.remote import RewardSession
@@ -148,7 +152,17 @@ async def _reward_one(spec: RewardSpec, sample: Sample, session: RewardSession |
         payload = reward_payload(sample.prompt, sample.response_text, sample.label)
         answer = await bounded(post_for_reward(session, spec.rm_url, payload, spec.retry), spec.timeout_s)
         return _as_reward(_keep_category(spec, sample, answer), spec.reward_key, spec.rm_url)
-    return score(rm_type, sample.response_text, sample.label, sample.metadata)
+    take_give_ups()  # a custom function's graders on this thread are not this sample's
+    reward = score(rm_type, sample.response_text, sample.label, sample.metadata)
+    name_give_ups(sample, rm_type, take_give_ups())
+    return reward
+
+
+def name_give_ups(sample: Sample, rm_type: str, give_ups: list[str]) -> None:
+    """Say which sample a grader's bounded sympy gave up on (its comparison counted as "not equal")."""
+    for note in give_ups:
+        log.warning("reward of sample index %d (rm_type %r): %s; that comparison counts as not equal",
+                    sample.index, rm_type, note)
 
 
 def _sample_rm_type(spec: RewardSpec, sample: Sample) -> str:
@@ -232,11 +246,13 @@ async def _reward_in_pool(spec: RewardSpec, pool: RewardPool, samples: list[Samp
         raise RewardError(f"reward workers failed for samples {[s.index for s in samples]} "
                           f"({spec.label}): {type(error).__name__}: {error}",
                           indices=[s.index for s in samples], rm_type=spec.label) from error
+    for sample, (_, _, give_ups) in zip(samples, results):
+        name_give_ups(sample, resolve_rm_type(spec.rm_type, sample.metadata), give_ups)
     failures: list[BaseException] = [_sample_failure(spec, sample, str(message))
-                                     for sample, (ok, message) in zip(samples, results) if not ok]
+                                     for sample, (ok, message, _) in zip(samples, results) if not ok]
     if failures:
         _raise_failures(failures)
-    return [float(value) for _, value in results]
+    return [float(value) for _, value, _ in results]
 
 
 async def reward_group(spec: RewardSpec, samples: Sequence[Sample]) -> list[float]:

@@ -7,8 +7,8 @@ It does not extract answers from responses (see `boxed_answer`) nor normalise st
 `math_normalize`).
 
 sympy only sees expressions with at most two distinct letters and no `^{`, `^(`, `^12`, `^2^`
-(slime's guards against hanging or evaluating arbitrary text); a parse or simplify failure means
-"not equal", never an error.
+(slime's guards against hanging or evaluating arbitrary text), within `sympy_bound`'s caps and time
+limit; a parse or simplify failure, a refusal or a time-out means "not equal", never an error.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import functools
 import re
 from typing import Any
 
+from hpc_rl.rewards.sympy_bound import run_bounded, within_bounds
 from hpc_rl.rewards.math_normalize import (
     is_integer_string,
     normalize_for_sympy,
@@ -57,14 +58,19 @@ def _sympy() -> tuple[Any, Any, tuple[Any, ...]]:
 
 
 def sympy_difference_is_zero(ground_truth: str, given: str) -> bool:
-    """True when sympy simplifies `(ground_truth)-(given)` to 0 (both already normalised)."""
+    """True when sympy simplifies `(ground_truth)-(given)` to 0 (both already normalised), within the bounds
+    of `sympy_bound` (a refusal or a time-out is "not equal", noted for the caller)."""
     difference = f"({ground_truth})-({given})"
-    if not _safe_for_sympy(difference):
+    if not _safe_for_sympy(difference) or not within_bounds(difference):
         return False
     try:
-        sympy, sympy_parser, transformations = _sympy()
-        parsed = sympy_parser.parse_expr(difference.replace("^", "**"), transformations=transformations)
-        return bool(sympy.simplify(parsed) == 0)
+        sympy, sympy_parser, transformations = _sympy()  # imported before the timer starts: never cut mid-import
+
+        def simplifies_to_zero() -> bool:
+            parsed = sympy_parser.parse_expr(difference.replace("^", "**"), transformations=transformations)
+            return bool(sympy.simplify(parsed) == 0)
+
+        return bool(run_bounded(simplifies_to_zero, difference))
     except Exception:  # noqa: BLE001 -- sympy raises many types on odd text; slime treats all as unequal
         return False
 

@@ -1,4 +1,4 @@
-"""Rule-based rewards in worker processes, off the controller's event loop (`rollout.reward_workers`).
+r"""Rule-based rewards in worker processes, off the controller's event loop (`rollout.reward_workers`).
 
 Owns `RewardPool`: a pool of `reward_workers` processes (spawned, so nothing of the controller's event
 loop or sockets is inherited) that score a group's samples with `scoring.score` (deepscaler, dapo,
@@ -39,20 +39,23 @@ log = logging.getLogger(__name__)
 
 ScoreItem = tuple[str | None, str, Any, dict[str, Any] | None]
 """(rm type, response text, label, metadata: at most the sample's rm_type override) of one sample."""
-ScoreResult = tuple[bool, float | str]
-"""(True, reward) or (False, "ErrorType: message")."""
+ScoreResult = tuple[bool, float | str, list[str]]
+"""(True, reward, give-ups) or (False, "ErrorType: message", give-ups): give-ups are the symbolic comparisons
+the grader gave up on (`sympy_bound.take_give_ups`), for the caller to name the sample."""
 
 
 def score_items(items: list[ScoreItem]) -> list[ScoreResult]:
     """Run in a worker: each item's reward, or its error as text (exceptions may not pickle)."""
     from hpc_rl.rewards.scoring import score
+    from hpc_rl.rewards.sympy_bound import take_give_ups
 
     results: list[ScoreResult] = []
     for rm_type, response, label, metadata in items:
         try:
-            results.append((True, score(rm_type, response, label, metadata)))
+            reward = score(rm_type, response, label, metadata)
+            results.append((True, reward, take_give_ups()))
         except Exception as error:  # noqa: BLE001 - reported per sample by the caller
-            results.append((False, f"{type(error).__name__}: {error}"))
+            results.append((False, f"{type(error).__name__}: {error}", take_give_ups()))
     return results
 
 

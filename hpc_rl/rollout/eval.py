@@ -9,6 +9,8 @@ sampling, no buffer, nothing aborted), scoring per prompt group, and the metrics
     eval/<name>/response_len_mean  mean response tokens
     eval/<name>/truncated_ratio    share of samples that hit the length limit
     eval/<name>/failed_samples     samples whose generation failed (scored as reward 0, not correct)
+    eval/<name>/prompts_too_long   prompts left out of every eval: longer than `eval_prompt_length_limit`
+                                   (the rule training prompts follow), counted at load and said once
 
 Runs in its own `GenerationSession`, so it can overlap a training rollout: if that rollout's abort_all
 hits eval requests, they come back aborted and are resumed (not lost).
@@ -20,7 +22,7 @@ import asyncio
 import logging
 from typing import Any
 
-from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptRecord, make_group
+from hpc_rl.data.prompts import DataError, DataKeys, PromptDataset, PromptEncoder, PromptRecord, make_group
 from hpc_rl.data.samples import Group, SampleStatus
 from hpc_rl.rollout.engine_client import EngineClient
 from hpc_rl.rollout.sample_metrics import SampleMetricOptions, sample_metrics
@@ -33,20 +35,42 @@ from hpc_rl.rollout.generate import (
     default_generate,
     run_generate,
 )
-from hpc_rl.rollout.scheduler import RewardFn
+from hpc_rl.rollout.scheduler import RewardFn, length_limit
 
 log = logging.getLogger(__name__)
 
 
-def drop_long_prompts(name: str, records: list[PromptRecord], encoder: PromptEncoder,
-                      max_prompt_len: int) -> list[PromptRecord]:
-    """The records whose encoded prompt has at most `max_prompt_len` tokens (slime's --eval-max-prompt-len),
-    with one log line naming how many were left out."""
-    kept = [r for r in records if len(encoder(r.prompt, r.metadata)) <= max_prompt_len]
-    if len(kept) < len(records):
-        log.info("eval dataset %s: %d of %d prompts are longer than eval_max_prompt_len %d tokens and are left out",
-                 name, len(records) - len(kept), len(records), max_prompt_len)
-    return kept
+def eval_prompt_length_limit(evaluation: Any, rollout: Any, engine_context_len: int | None) -> tuple[int | None, str]:
+    """The longest eval prompt, and why: `eval_max_prompt_len` (slime's --eval-max-prompt-len); else, as for
+    rollouts, the eval's context length (`eval_max_context_len`, else `rollout_max_context_len`) - 1; else what
+    the engines' context leaves room for; None when nothing bounds it."""
+    return length_limit([("eval_max_prompt_len", evaluation.eval_max_prompt_len)],
+                        [("eval_max_context_len", evaluation.eval_max_context_len),
+                         ("rollout_max_context_len", rollout.rollout_max_context_len)], engine_context_len)
+
+
+def drop_long_prompts(name: str, records: list[PromptRecord], encoder: PromptEncoder, max_prompt_len: int,
+                      why: str = "eval_max_prompt_len") -> tuple[list[PromptRecord], int]:
+    """(the records whose encoded prompt has at most `max_prompt_len` tokens, how many were left out), with one
+    warning naming the count and the first such data row; a dataset of only such prompts is a DataError."""
+    kept, first_dropped, dropped = [], None, 0
+    for record in records:
+        length = len(encoder(record.prompt, record.metadata))
+        if length <= max_prompt_len:
+            kept.append(record)
+            continue
+        dropped += 1
+        first_dropped = first_dropped or (record.row, length)
+    if first_dropped is None:
+        return kept, 0
+    row, length = first_dropped
+    if not kept:
+        raise DataError(f"eval dataset {name}: every one of its {len(records)} prompts is longer than {max_prompt_len} "
+                        f"tokens ({why}; data row {row} has {length}); shorten them or raise the limit")
+    log.warning("eval dataset %s: %d of %d prompts are longer than %d tokens (%s; data row %d has %d): they are left "
+                "out of every eval, counted in eval/%s/prompts_too_long (said once)", name, dropped, len(records),
+                max_prompt_len, why, row, length, name)
+    return kept, dropped
 
 
 def dataset_keys(dataset: Any, keys: DataKeys) -> DataKeys:

@@ -104,10 +104,20 @@ def prompt_length_limit(rollout: Any, engine_context_len: int | None) -> tuple[i
     """The longest prompt a rollout uses, and why: `rollout_max_prompt_len`; else, as slime derives it,
     `rollout_max_context_len - 1`; else the longest prompt the engines serve with room for a response
     (SGLang refuses a prompt of context - 6 tokens or more); None when nothing bounds it."""
-    if rollout.rollout_max_prompt_len is not None:
-        return rollout.rollout_max_prompt_len, "rollout_max_prompt_len"
-    if rollout.rollout_max_context_len is not None:
-        return rollout.rollout_max_context_len - 1, "rollout_max_context_len - 1: room for one response token"
+    return length_limit([("rollout_max_prompt_len", rollout.rollout_max_prompt_len)],
+                        [("rollout_max_context_len", rollout.rollout_max_context_len)], engine_context_len)
+
+
+def length_limit(prompt_lens: list[tuple[str, int | None]], context_lens: list[tuple[str, int | None]],
+                 engine_context_len: int | None) -> tuple[int | None, str]:
+    """The first prompt length set (field, tokens), else the first context length set minus one, else what the
+    engines' context leaves; and why. The rule of `prompt_length_limit`, for rollouts and eval alike."""
+    for name, value in prompt_lens:
+        if value is not None:
+            return value, name
+    for name, value in context_lens:
+        if value is not None:
+            return value - 1, f"{name} - 1: room for one response token"
     if engine_context_len:
         return (longest_served_prompt(engine_context_len),
                 f"the engines' context length {engine_context_len} leaves no room for a response beyond it")

@@ -27,7 +27,7 @@ from hpc_rl.plugins import load_plugin
 from hpc_rl.training import checkpoint
 from hpc_rl.training.critic import critic_load_dir, critic_optimizer_config, install_value_head
 from hpc_rl.training.custom_hooks import trainer_args
-from hpc_rl.training.model_provider import build_gpt_model
+from hpc_rl.training.model_provider import build_gpt_model, check_moe_training
 from hpc_rl.training.optimizer import ActorOptimizer, wrap_ddp
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.step import CriticPart, RolloutTrainer, skips_advantages
@@ -42,7 +42,9 @@ def load_weights(model: torch.nn.Module, source: str | Path, arch: ModelArchitec
             raise ValueError(f"checkpoint.ref_ckpt_step {iteration}: {source} is an HF directory, not a torch_dist "
                              "root with iterations")
         inner = model.module if hasattr(model, "module") else model
-        load_hf_into_model(inner, source, arch, tp_rank=info.tp_rank, tp_size=info.tp_size, model_file=model_file)
+        load_hf_into_model(inner, source, arch, tp_rank=info.tp_rank, tp_size=info.tp_size,
+                           model_file=model_file, expert_tp_rank=info.expert_tp_rank,
+                           expert_tp_size=info.expert_tp_size)
     else:
         checkpoint.load_model_weights(source, model, iteration)
 
@@ -146,6 +148,7 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
     `plugin_args`: the run's flat config for custom loss/advantage functions (default: these sections').
     slime's --custom-megatron-init-path hook runs first (the process groups are up, no model yet)."""
     device = "cpu" if info.on_cpu else "cuda"  # cluster.device, as init_parallel checked it
+    check_moe_training(arch, training)
     distillation = distillation or DistillationConfig()
     if training.custom_megatron_init_path:
         load_plugin("megatron_init", training.custom_megatron_init_path)(

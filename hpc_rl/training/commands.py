@@ -8,7 +8,9 @@ share for `TrainCommand`), so collectives line up. Commands are `hpc_rl.protocol
                                                (optimizer moments reset before it, reference updated
                                                after it, as optimizer/algorithm ask)
     EvalLossCommand(batch arrays)           -> eval_loss.evaluate_loss (SFT's held-out loss, no update)
-    SyncWeightsCommand(version, group, ...) -> WeightPlan from rank 0, then the bucket broadcasts
+    SyncWeightsCommand(version, group, ...) -> WeightPlan from rank 0, then the bucket broadcasts (none when
+                                               the controller told rank 0 to stop waiting for the engines
+                                               to join a new group: {"join_abandoned": why})
     SaveCommand(rollout_id, controller_state) -> checkpoint.save_checkpoint (+ the HF copy, save_hf)
     DiskWeightsCommand(version, path)       -> the weights as an HF directory at path (disk transport), then
                                                the post-write hook
@@ -17,8 +19,8 @@ share for `TrainCommand`), so collectives line up. Commands are `hpc_rl.protocol
     AbortWeightGroupCommand                  -> rank 0 aborts a weight-update group an engine broke
     StopCommand                              -> leave
 
-A command source is anything with `next_command()`, `done(seq, metrics)`, `failed(seq, error)`
-and `send_weight_plan(plan)`: `ControllerLink` (the real controller) or `BatchFileCommands`
+A command source is anything with `next_command()`, `done(seq, metrics)`, `failed(seq, error)`,
+`send_weight_plan(plan)` and `join_verdict(seq)`: `ControllerLink` (the real controller) or `BatchFileCommands`
 (a JSONL file of rollouts, for runs and tests before/without a controller).
 """
 
@@ -61,6 +63,7 @@ from hpc_rl.training.offload import TrainerOffload
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.sync_address import weight_sync_address
 from hpc_rl.training.train_batch import TrainBatch, read_batches_file
+from hpc_rl.weights.process_group import WeightGroupJoinAbandoned
 from hpc_rl.weights.sender import LOAD_FORMAT, WeightSender
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,7 @@ class CommandSource(Protocol):
     def done(self, seq: int, metrics: dict[str, Any] | None = None) -> None: ...
     def failed(self, seq: int, error: str) -> None: ...
     def send_weight_plan(self, plan: WeightPlan) -> None: ...
+    def join_verdict(self, seq: int) -> str: ...
 
 
 class RolloutBatchSource(Protocol):
@@ -328,6 +332,7 @@ class TrainerCommands:
                                        pp_rank=self.info.pp_rank, pp_size=self.info.pp_size)
         self.sender.set_bucket_bytes(command.bucket_bytes)
         plan = self.sender.plan_buckets()
+        abandoned = ""
         if self.info.rank == 0:
             if command.new_group or self.group_address is None:
                 address = weight_sync_address(os.environ)
@@ -337,10 +342,17 @@ class TrainerCommands:
                 weight_version=command.weight_version, master_address=address, master_port=port,
                 buckets=[b.to_dict() for b in plan], load_format=LOAD_FORMAT))
             if command.new_group:  # else the engines are still in the group built last time
-                self.sender.connect(address, port, command.world_size, group_name=command.group_name,
-                                    backend=command.backend)
-        for index in range(len(plan)):
-            self.sender.send_bucket(index)
+                try:
+                    self.sender.connect(address, port, command.world_size, group_name=command.group_name,
+                                        backend=command.backend, give_up=lambda: self.source.join_verdict(command.seq))
+                except WeightGroupJoinAbandoned as gave_up:  # an engine will not come: the controller rebuilds
+                    log.warning("weight sync v%d: %s", command.weight_version, gave_up)
+                    self.group_address = None
+                    abandoned = str(gave_up)
+        for index in range(len(plan)):  # every rank gathers as usual (TP/PP peers wait for rank 0 to take part)
+            self.sender.send_bucket(index, broadcast=not abandoned)
+        if abandoned:
+            return {"join_abandoned": abandoned}
         self.sender.finish()
         self._engines_updated()
         return {"buckets": len(plan), "bytes": sum(b.num_bytes for b in plan)}

@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from hpc_rl.protocol import BlockingClient, Hello, load_secret, secret_path
-from hpc_rl.protocol.messages import Ack, CommandDone, Message, NextCommand, ResumeState, WeightPlan
+from hpc_rl.protocol.messages import (Ack, CommandDone, Message, NextCommand, ResumeState, WeightGroupJoinCheck,
+                                      WeightGroupJoinVerdict, WeightPlan)
 
 CONTROLLER_ENV = "HPC_RL_CONTROLLER"
 
 
 class ControllerLink:
-    """`next_command()` / `done(seq, metrics)` / `failed(seq, error)` / `send_weight_plan(plan)`."""
+    """`next_command()` / `done(seq, metrics)` / `failed(seq, error)` / `send_weight_plan(plan)` /
+    `join_verdict(seq)`."""
 
     def __init__(self, run_dir: str | Path, *, rank: int, world_size: int, info: dict[str, Any],
                  address: str | None = None, timeout_s: float | None = None,
@@ -50,6 +52,14 @@ class ControllerLink:
 
     def send_weight_plan(self, plan: WeightPlan) -> None:
         self._expect_ack(self.client.request(plan))
+
+    def join_verdict(self, seq: int) -> str:
+        """Rank 0, waiting for the engines to join the weight-update group of sync command `seq`: "" to keep
+        waiting, else why to stop (the controller knows an engine will not come)."""
+        reply = self.client.request(WeightGroupJoinCheck(rank=self.rank, seq=seq))
+        if not isinstance(reply, WeightGroupJoinVerdict):
+            raise RuntimeError(f"controller answered {reply.TYPE!r} instead of 'weight_group_join_verdict'")
+        return reply.give_up
 
     def _expect_ack(self, reply: Message) -> None:
         if not isinstance(reply, Ack):

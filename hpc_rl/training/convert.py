@@ -1,8 +1,8 @@
 """Checkpoint conversion HF <-> Megatron torch_dist (the logic behind tools/convert_*.py).
 
-Owns: HF safetensors -> torch_dist (run on any number of TP x PP ranks; the result reshards on load
-because torch_dist stores global tensors, layers under global indices, and our vocab padding does
-not depend on TP), and
+Owns: HF safetensors -> torch_dist (run on any number of TP x PP x EP ranks; the result reshards on
+load because torch_dist stores global tensors, layers and experts under global indices, and our vocab
+padding does not depend on TP), and
 torch_dist -> HF safetensors on one CPU process, with config.json, tokenizer and generation files
 copied from the original HF directory. The architecture file is checked against config.json
 before anything is converted. Bit-exact both ways: only reshuffles, no arithmetic.
@@ -37,8 +37,10 @@ def ensure_process_group() -> None:
 
 
 def hf_to_torch_dist(hf_dir: str | Path, model_file: str | Path, save_dir: str | Path, *,
-                     tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> Path:
-    """Collective over the world's ranks: write `save_dir/iter_0000000` (+ tracker). Returns it."""
+                     tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
+                     expert_tensor_parallel_size: int | None = None) -> Path:
+    """Collective over the world's ranks: write `save_dir/iter_0000000` (+ tracker). Returns it.
+    Each rank reads only its shards (its experts under EP); the remaining ranks are data-parallel."""
     from hpc_rl.config.schema import TrainingConfig
     from hpc_rl.training.checkpoint import save_model_weights
     from hpc_rl.training.model_provider import build_gpt_model
@@ -49,10 +51,14 @@ def hf_to_torch_dist(hf_dir: str | Path, model_file: str | Path, save_dir: str |
     check_architecture(arch, hf_dir, model_file)
     ensure_process_group()
     training = TrainingConfig(tensor_model_parallel_size=tensor_parallel_size,
-                              pipeline_model_parallel_size=pipeline_parallel_size)
+                              pipeline_model_parallel_size=pipeline_parallel_size,
+                              expert_model_parallel_size=expert_parallel_size,
+                              expert_tensor_parallel_size=expert_tensor_parallel_size)
     info = init_parallel(training, device="cpu")
     model = build_gpt_model(arch, training)
-    load_hf_into_model(model, hf_dir, arch, tp_rank=info.tp_rank, tp_size=info.tp_size, model_file=model_file)
+    load_hf_into_model(model, hf_dir, arch, tp_rank=info.tp_rank, tp_size=info.tp_size,
+                           model_file=model_file, expert_tp_rank=info.expert_tp_rank,
+                           expert_tp_size=info.expert_tp_size)
     return save_model_weights(save_dir, model, iteration=0)
 
 

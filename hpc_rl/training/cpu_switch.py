@@ -7,7 +7,8 @@ They are applied once, and only when CUDA is absent, so a GPU process is never t
 One more is scoped, not process-wide: `tensor_cuda_is_identity()`, for building a pipeline stage
 whose output layer shares the first stage's embedding (Megatron moves that weight with `.cuda()`
 before all-reducing it over the embedding group, LanguageModule.setup_embeddings_and_output_layer).
-Also owns the CPU-safe RNG set-up, the fusion switches every CPU `TransformerConfig` needs, and
+Also owns the CPU-safe RNG set-up, the fusion switches every CPU `TransformerConfig` needs, the MoE
+ones (`prepare_megatron_moe`, `cpu_moe_overrides`: notes/megatron-moe-cpu.md), and
 `light_megatron_import()`, which keeps importing Megatron on CPU from costing seconds of start-up for
 code it never runs there (issue 11).
 Does not own process groups (`hpc_rl.training.parallel`) or model building.
@@ -16,6 +17,7 @@ Does not own process groups (`hpc_rl.training.parallel`) or model building.
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +26,8 @@ from typing import Any
 import torch
 
 _applied = False
+_moe_prepared = False
+log = logging.getLogger(__name__)
 
 
 def cuda_available() -> bool:
@@ -140,3 +144,98 @@ def seed_megatron_rng(seed: int) -> None:
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=on_cpu, force_reset=True)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=on_cpu)
     torch.manual_seed(seed)
+
+
+class _NoCudaStream:
+    """Stands in for the CUDA side stream Megatron's alltoall dispatcher creates once per process."""
+
+
+def _cpu_alltoall_split_sizes(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
+    """The CPU twin of `MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`.
+
+    On GPU that method copies the split sizes to the host on a side stream at `cuda_dtoh_point`
+    (as numpy arrays, which NCCL's all_to_all_single takes) and waits on an event at
+    `cuda_sync_point`. On CPU everything already is on the host: at the same point the EP split sizes
+    become lists of ints (gloo's all_to_all_single refuses tensors and numpy arrays as split sizes),
+    and there is nothing to wait for. The dispatch itself, its permutations and its all-to-alls are
+    Megatron's own code."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for attribute in ("input_splits", "output_splits"):
+            value = getattr(self, attribute)
+            if value is not None and not isinstance(value, list):
+                setattr(self, attribute, [int(size) for size in value.tolist()])
+    return tokens_per_expert
+
+
+def _uneven_gather_twin(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Megatron's `_gather_along_first_dim`, with its uneven case (`output_split_sizes`, which the
+    alltoall dispatcher uses under TP > 1) done the way gloo can: NCCL all-gathers chunks of different
+    sizes, gloo refuses them ("invalid tensor size"), so each rank's chunk is padded to the largest,
+    gathered, and trimmed. Same result; equal sizes go to Megatron's own code."""
+
+    @functools.wraps(original)
+    def gather(input_: torch.Tensor, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False,
+               ) -> torch.Tensor:
+        sizes = None if output_split_sizes is None else [int(size) for size in output_split_sizes]
+        if sizes is None or group.size() == 1 or len(set(sizes)) == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        import torch.distributed as dist
+
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        chunks = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(chunks, padded.contiguous(), group=group)
+        return torch.cat([chunk[:size] for chunk, size in zip(chunks, sizes)], dim=0)
+
+    return gather
+
+
+def prepare_megatron_moe() -> None:
+    """Make Megatron's MoE layer runnable in this process; idempotent (call before building one).
+
+    On any device: megatron-core 0.16.1's `RouterGatingLinearFunction` reads the module global
+    `te_general_gemm`, defined only when Transformer Engine imports; without TE the router's forward
+    raises NameError. It is set to None, which selects Megatron's own torch path (a TE install keeps
+    its kernel). On CPU only: the alltoall token dispatcher's CUDA stream and host copies get their CPU
+    twin (`_cpu_alltoall_split_sizes`), and its uneven TP all-gather (TP > 1) gloo's
+    (`_uneven_gather_twin`), so slime's dispatcher runs on gloo as it is."""
+    global _moe_prepared
+    if _moe_prepared:
+        return
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if not cuda_available():
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoCudaStream()
+        MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_alltoall_split_sizes
+        mappings._gather_along_first_dim = _uneven_gather_twin(mappings._gather_along_first_dim)
+    _moe_prepared = True
+
+
+GPU_ONLY_MOE_KERNELS = {
+    "moe_grouped_gemm": (False, "grouped GEMM is a GPU kernel; each local expert runs as its own MLP "
+                                "(Megatron's SequentialMLP), the same math"),
+    "moe_permute_fusion": (False, "fused token permutation is a GPU kernel; Megatron's unfused permutation "
+                                  "runs, the same math"),
+    "moe_enable_deepep": (False, "DeepEP is a GPU kernel; Megatron's alltoall dispatcher moves the same "
+                                 "tokens to the same experts"),
+}
+
+
+def cpu_moe_overrides(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The MoE TransformerConfig `fields` with GPU-only kernel choices turned off for a CPU build, and
+    one note line per change (the numerics do not change: these are kernels, not math)."""
+    changed = dict(fields)
+    notes = []
+    for name, (cpu_value, why) in GPU_ONLY_MOE_KERNELS.items():
+        if changed.get(name) and changed[name] != cpu_value:
+            changed[name] = cpu_value
+            notes.append(f"{name}={fields[name]} on CPU: {why}")
+    if changed.get("moe_token_dispatcher_type") == "flex":
+        changed["moe_token_dispatcher_type"] = "alltoall"
+        notes.append("moe_token_dispatcher_type=flex on CPU (DeepEP/HybridEP, GPU kernels): Megatron's alltoall "
+                     "dispatcher runs instead, the same routing")
+    return changed, notes

@@ -1,4 +1,4 @@
-"""Megatron layer specs for the model families hpc_rl supports (Qwen3, GLM4, Llama).
+"""Megatron layer specs for the model families hpc_rl supports (Qwen3, GLM4, Llama, Qwen3-MoE, GLM-4.5 MoE).
 
 Owns: choosing the Transformer Engine spec (`cluster.device: cuda`) or Megatron's local spec (cpu),
 the RMSNorm that works with sequence parallel (Megatron's torch norm wrapper refuses SP), the
@@ -7,7 +7,10 @@ kernels, this one runs Megatron's own attention under a block-diagonal causal ma
 fast), and GLM4's
 "sandwich" norms (a norm on the attention output and on the MLP output, before each residual add),
 which Megatron's TransformerLayer has no slot for: they are small subclasses of `SelfAttention` and
-`MLP` that normalise their own output. Does not own the TransformerConfig (`model_provider`).
+`MLP` that normalise their own output. MoE layers are Megatron's own (`MoELayer`: TopKRouter,
+SequentialMLP experts on CPU / TEGroupedMLP with grouped GEMM on GPU, SharedExpertMLP, the token
+dispatcher of `moe_token_dispatcher_type`), mixed with dense layers per `moe_layer_freq`.
+Does not own the TransformerConfig (`model_provider`).
 """
 
 from __future__ import annotations
@@ -168,26 +171,60 @@ def _replace_norms(spec: ModuleSpec, norm: type) -> None:
             setattr(attention, field, norm)
 
 
-def build_block_spec(arch: ModelArchitecture, *, use_te: bool = False,
-                     num_layers: int | None = None) -> TransformerBlockSubmodules:
-    """Layer spec (as block submodules, so the final norm is ours too) for `arch`.
-
-    `num_layers`: how many layers this pipeline stage builds (default: all of them); Megatron takes a
-    block spec's layer list as this stage's layers and numbers them from the stage's offset.
-    """
+def _layer_spec(arch: ModelArchitecture, *, use_te: bool, num_experts: int | None,
+                moe_grouped_gemm: bool) -> ModuleSpec:
+    """One decoder layer's spec: a dense MLP (`num_experts` None) or Megatron's MoE layer (router,
+    experts, shared experts and token dispatcher, all Megatron's own modules)."""
     if use_te:
-        from megatron.core.extensions.transformer_engine import TENorm
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
-        final_norm: type = TENorm
+        layer = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                                                           qk_layernorm=arch.qk_layernorm)
     else:
-        layer = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+        # The local experts are Megatron's SequentialMLP (one MLP per local expert): grouped GEMM is a
+        # GPU kernel (model_provider turns it off on CPU, with a note); the math is the same.
+        layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                         qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
         _replace_norms(layer, SequenceParallelRMSNorm)
         layer.submodules.self_attention.submodules.core_attention = PackedSequenceAttention
-        final_norm = SequenceParallelRMSNorm
+        if num_experts is not None:
+            # A MoE layer's pre-MLP norm is its own module, saved as `pre_mlp_layernorm.weight` as the
+            # TE spec saves it (the local spec would file it under the dense MLP's fused-norm name,
+            # which a MoE layer does not have): torch_dist checkpoints then move between CPU and GPU.
+            keys = dict(layer.submodules.sharded_state_dict_keys_map)
+            keys.pop("pre_mlp_layernorm.", None)
+            layer.submodules.sharded_state_dict_keys_map = keys
     if arch.post_sublayer_norms:
         layer.submodules.self_attention.module = PostNormSelfAttention
-        layer.submodules.mlp.module = PostNormMLP
+        if num_experts is None:
+            layer.submodules.mlp.module = PostNormMLP
+        else:
+            raise ValueError("post_sublayer_norms (GLM4's sandwich norms) with MoE layers is not a supported "
+                             "architecture: GLM-4.5's MoE family has no post norms")
+    return layer
+
+
+def build_block_spec(arch: ModelArchitecture, *, use_te: bool = False, num_layers: int | None = None,
+                     layer_offset: int = 0, moe_grouped_gemm: bool = False) -> TransformerBlockSubmodules:
+    """Layer spec (as block submodules, so the final norm is ours too) for `arch`.
+
+    `num_layers`: how many layers this pipeline stage builds (default: all of them), starting at the
+    global layer `layer_offset`; Megatron takes a block spec's layer list as this stage's layers and
+    numbers them from the stage's offset. A MoE architecture gets, per layer, the MoE layer or the
+    dense one as `arch.moe_layers()` says (Megatron's moe_layer_freq pattern; GLM-4.5's first dense
+    layers, Qwen3-MoE's mlp_only_layers).
+    """
+    final_norm: type
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm = TENorm
+    else:
+        final_norm = SequenceParallelRMSNorm
     count = arch.num_layers if num_layers is None else num_layers
-    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=final_norm)
+    pattern = arch.moe_layers()[layer_offset: layer_offset + count]
+    specs: dict[bool, ModuleSpec] = {}
+    for is_moe in set(pattern):
+        specs[is_moe] = _layer_spec(arch, use_te=use_te, num_experts=arch.num_moe_experts if is_moe else None,
+                                    moe_grouped_gemm=moe_grouped_gemm)
+    return TransformerBlockSubmodules(layer_specs=[specs[is_moe] for is_moe in pattern], layer_norm=final_norm)

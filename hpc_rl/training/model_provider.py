@@ -6,7 +6,11 @@ stage: the embedding on the first stage, the final norm and output layer on the 
 layers Megatron assigns to the stage (an even split; `num_layers` must divide by PP). With tied
 embeddings and PP > 1 the last stage holds a copy of the embedding as its output layer, made equal
 to the first stage's at build time and kept equal by `finalize_model_grads` (embedding group).
-Does not own weights (see `hpc_rl.weights.hf_import` / `hpc_rl.training.checkpoint`), process
+MoE architectures get the architecture's routing math and the `training` section's MoE settings under
+Megatron's names (`moe_config_fields`); on CPU the GPU-only kernel choices are turned off
+(`cpu_switch.cpu_moe_overrides`, the same numerics) and Megatron's MoE layer is made runnable
+(`cpu_switch.prepare_megatron_moe`). Does not own weights (see `hpc_rl.weights.hf_import` /
+`hpc_rl.training.checkpoint`), process
 groups (`parallel`) or running the stages (`pipeline`).
 
 Vocabulary padding: the embedding is padded to a multiple of the architecture's
@@ -17,6 +21,7 @@ The padded logits are masked out when log-probs are computed (`hpc_rl.training.l
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -26,10 +31,18 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import TrainingConfig
-from hpc_rl.training.cpu_switch import cpu_fusion_overrides, cuda_available, tensor_cuda_is_identity
+from hpc_rl.training.cpu_switch import (
+    cpu_fusion_overrides,
+    cpu_moe_overrides,
+    cuda_available,
+    prepare_megatron_moe,
+    tensor_cuda_is_identity,
+)
 from hpc_rl.training.layer_specs import build_block_spec, use_transformer_engine
 
 VOCAB_PAD_MULTIPLE = 128
+log = logging.getLogger(__name__)
+_noted: set[str] = set()
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int = 1, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
@@ -71,6 +84,21 @@ def moe_config_fields(arch: ModelArchitecture, training: TrainingConfig) -> dict
     }
 
 
+def check_moe_training(arch: ModelArchitecture, training: TrainingConfig) -> None:
+    """Refuse MoE layouts Megatron cannot train, before a model is built (converters only load and save)."""
+    if not arch.is_moe:
+        return
+    if training.tensor_model_parallel_size > 1 and not training.sequence_parallel:
+        raise ValueError(f"training.tensor_model_parallel_size={training.tensor_model_parallel_size} with a MoE model "
+                         f"needs training.sequence_parallel (--sequence-parallel): Megatron's MoE layer refuses to "
+                         f"train under TP without it")
+    if training.moe_token_dispatcher_type == "allgather" and training.expert_model_parallel_size > 1:
+        raise ValueError("training.moe_token_dispatcher_type=allgather with expert_model_parallel_size > 1: Megatron's "
+                         "allgather dispatcher all-gathers equal token counts over the EP group, and an EP group spans "
+                         "data-parallel ranks whose micro-batches hold different numbers of tokens (gloo refuses the "
+                         "sizes, NCCL would hang): use alltoall (slime's)")
+
+
 def transformer_config(
     arch: ModelArchitecture,
     training: TrainingConfig,
@@ -81,6 +109,13 @@ def transformer_config(
     on_cpu = not cuda_available()
     dtype = params_dtype or (torch.float32 if on_cpu else torch.bfloat16)
     extra = cpu_fusion_overrides() if on_cpu else {}
+    moe = moe_config_fields(arch, training)
+    if on_cpu and moe:
+        moe, notes = cpu_moe_overrides(moe)
+        for note in notes:  # once per process (submit prints the user's note line; this is the trainer's log)
+            if note not in _noted:
+                _noted.add(note)
+                log.info("%s", note)
     recompute = {}
     if training.recompute_granularity:
         recompute = {
@@ -115,7 +150,7 @@ def transformer_config(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         **recompute,
-        **moe_config_fields(arch, training),
+        **moe,
         **extra,
     )
 
@@ -138,18 +173,23 @@ def build_gpt_model(
         raise ValueError(f"training.pipeline_model_parallel_size={pipeline} does not divide the model's "
                          f"num_layers={arch.num_layers}: pick a PP size that divides it")
     config = transformer_config(arch, training, params_dtype=params_dtype)
-    first, last, layers = True, True, arch.num_layers
+    if arch.is_moe:
+        prepare_megatron_moe()
+    first, last, layers, offset = True, True, arch.num_layers, 0
     if pipeline > 1:
         from megatron.core import parallel_state
         from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         layers = get_num_layers_to_build(config)
+        offset = get_transformer_layer_offset(config)
     with tensor_cuda_is_identity():  # the tied output layer's init all-reduce (PP > 1) calls .cuda()
         model = GPTModel(
             config=config,
-            transformer_layer_spec=build_block_spec(arch, use_te=use_transformer_engine(device), num_layers=layers),
+            transformer_layer_spec=build_block_spec(arch, use_te=use_transformer_engine(device), num_layers=layers,
+                                                    layer_offset=offset, moe_grouped_gemm=config.moe_grouped_gemm),
             vocab_size=padded_vocab_size(arch.vocab_size, training.tensor_model_parallel_size,
                                          arch.make_vocab_size_divisible_by),
             max_sequence_length=arch.max_position_embeddings,

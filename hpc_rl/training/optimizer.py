@@ -4,8 +4,10 @@ Owns: wrapping the model in Megatron's `DistributedDataParallel` (grads land in 
 buffers and are reduced over DP by `finalize_model_grads`, which also sums the SP / q-k norm grads
 over TP and a tied embedding's over the first and last pipeline stages), and one optimizer step.
 On CPU Megatron's optimizer does not run (hard-coded CUDA), so a plain `torch.optim.AdamW` steps on
-`main_grad` with the clipping norm computed over unique shards of every TP and PP rank
-(notes/megatron-cpu.md). On GPU the same interface wraps Megatron's optimizer (not run here).
+`main_grad` with the clipping norm computed over unique shards of every TP, PP and EP rank
+(notes/megatron-cpu.md); MoE expert gradients are reduced by Megatron's DDP over the
+expert-data-parallel group, the rest over the data-parallel group. On GPU the same interface wraps
+Megatron's optimizer (not run here).
 The schedule follows Megatron's `OptimizerParamScheduler` (linear warmup from 0, then constant,
 linear or cosine decay to `min_lr`), over the whole run unless lr_decay_iters says otherwise (`schedule_for_run`). Does not own checkpointing of this state (`checkpoint`).
 """
@@ -89,6 +91,13 @@ def reset_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 state[key] = 0
 
 
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm of `grads` in float64: one norm per tensor (one foreach call for all), squared and summed."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack(torch._foreach_norm(grads)).double().square().sum()
+
+
 @dataclass
 class StepResult:
     grad_norm: float
@@ -105,6 +114,8 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
         self.ddp_model = ddp_model
         self.config = config
         self.params = [p for p in ddp_model.parameters() if p.requires_grad]
+        self.has_experts = getattr(getattr(ddp_model, "config", None), "num_moe_experts", None) is not None
+        """A MoE model: every rank joins the expert norm's all-reduce, also a pipeline stage without MoE layers."""
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]  # norms and biases, as Megatron
         self.torch_optimizer = torch.optim.AdamW(
@@ -115,8 +126,7 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
         """fused on CPU: torch's one-kernel AdamW, the same update without the default's per-tensor Python loop
         (the tiny model's 24 tensors: 1.7 ms less CPU per step)."""
         self.steps_done = 0
-        self.finalizes_grads = (dist.is_initialized() and dist.get_world_size() > 1) \
-            or bool(getattr(ddp_model.config, "num_moe_experts", None))
+        self.finalizes_grads = (dist.is_initialized() and dist.get_world_size() > 1) or self.has_experts
         """Whether `finalize_model_grads` has work: a dense model trained by one rank has no DP, TP, PP or CP peer
         to reduce with (Megatron's all-reduce over its one-rank group costs a gloo round trip per step for
         nothing); a MoE model's routers update their expert bias and counters there even alone."""
@@ -135,22 +145,28 @@ class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the sam
             param.grad = None
 
     def grad_norm(self) -> float:
-        """L2 norm of all gradients over every TP and PP rank, each parameter counted once: TP
-        duplicates (norms) on one TP rank, the tied embedding on the first stage only (the last
-        stage's output-layer copy is marked `shared` by Megatron)."""
+        """L2 norm of all gradients over every TP, PP and EP rank, each parameter counted once: TP
+        duplicates (norms, routers) on one TP rank, the tied embedding on the first stage only (the last
+        stage's output-layer copy is marked `shared` by Megatron), routed experts (Megatron marks them
+        `allreduce=False`) summed over the expert-TP x EP x PP group that holds one copy of them, the rest
+        over the TP x PP group (Megatron's optimizer does the same with its dense and expert groups)."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
-        grads = [param.main_grad for param in self.params
-                 if param_is_not_tensor_parallel_duplicate(param) and param_is_not_shared(param)]
-        # one norm per tensor (foreach: one call for all), their squares summed in float64
-        squares = torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads \
-            else torch.zeros((), dtype=torch.float64)
-        group = parallel_state.get_model_parallel_group()
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(squares, group=group)
-        return float(squares.sqrt())
+        dense, experts = [], []
+        for param in self.params:
+            if not getattr(param, "allreduce", True):
+                experts.append(param.main_grad)
+            elif param_is_not_tensor_parallel_duplicate(param) and param_is_not_shared(param):
+                dense.append(param.main_grad)
+        groups = [(_sum_of_squares(dense), parallel_state.get_model_parallel_group())]
+        if self.has_experts:
+            groups.append((_sum_of_squares(experts), parallel_state.get_expert_tensor_model_pipeline_parallel_group()))
+        for squares, group in groups:
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(squares, group=group)
+        return float(torch.stack([squares for squares, _ in groups]).sum().sqrt())
 
     def step(self) -> StepResult:
         """Finish the grad reduction, clip, and step; then zero the grad buffers."""

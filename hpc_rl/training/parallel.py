@@ -37,6 +37,12 @@ class ParallelInfo:
     pp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    expert_tp_rank: int = 0
+    expert_tp_size: int = 1
+    expert_dp_rank: int = 0
+    """This rank's replica of the experts: ranks with the same expert-DP rank hold one copy of them."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -123,6 +129,11 @@ def current_parallel_info(*, on_cpu: bool | None = None) -> ParallelInfo:
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         cp_rank=parallel_state.get_context_parallel_rank(),
         cp_size=parallel_state.get_context_parallel_world_size(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        expert_tp_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
         on_cpu=(not torch.cuda.is_available()) if on_cpu is None else on_cpu,
     )
 

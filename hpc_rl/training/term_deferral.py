@@ -5,7 +5,10 @@ then saves the rollout the ranks last trained (`hpc_rl.controller.signal_stop`) 
 it: a rank that dies on the spot leaves no checkpoint (issue 24). So in a Slurm step a rank that gets
 SIGTERM goes on executing commands until its StopCommand, until the controller goes away, or until
 RANK_TERM_GRACE_S have passed; then it exits as SIGTERM would have made it (after the atexit handlers:
-Megatron's checkpoint writer stops its helper processes). A second SIGTERM ends it at once.
+Megatron's checkpoint writer stops its helper processes). The SIGTERMs that follow within SAME_STOP_S are
+the same stop passed on (torchrun's agent sends each rank one as soon as it gets its own); a SIGTERM after
+that ends the rank at once. Megatron's checkpoint writer keeps a helper process (a Manager) that
+Slurm's SIGTERM reaches too: it is started with SIGTERM ignored (`keep_checkpoint_writer_through_sigterm`).
 
 Outside Slurm a rank's only SIGTERM comes from the driver stopping the trainer step (the user's signals
 reach the driver alone: steps run in their own sessions), so it keeps Python's default there.
@@ -14,16 +17,24 @@ reach the driver alone: steps run in their own sessions), so it keeps Python's d
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Mapping
+from multiprocessing.managers import SyncManager
 from types import FrameType
 
 log = logging.getLogger(__name__)
 
 RANK_TERM_GRACE_S = 25.0
 """Below Slurm's default KillWait (30 s), after which Slurm kills the step anyway."""
+SAME_STOP_S = 5.0
+"""SIGTERMs this soon after the first are the same stop, passed on: slurmd signals every process of the step, and
+torchrun's agent, signalled too, sends every rank its own SIGTERM at once (measured on the local cluster: 13 ms
+after slurmd's), as srun does with its own. Before, the rank took the agent's as "a second SIGTERM" and exited at
+once: after a scancel no rank lived to save a checkpoint, whatever Slurm's KillWait."""
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
@@ -31,7 +42,8 @@ def in_slurm_step(environ: Mapping[str, str]) -> bool:
     return bool(environ.get("SLURM_STEP_ID")) and bool(environ.get("SLURM_JOB_ID"))
 
 
-def defer_sigterm(grace_s: float = RANK_TERM_GRACE_S, exit_fn: Callable[[int], object] | None = None) -> None:
+def defer_sigterm(grace_s: float = RANK_TERM_GRACE_S, exit_fn: Callable[[int], object] | None = None, *,
+                  same_stop_s: float = SAME_STOP_S) -> None:
     """Install the handler (call from the main thread, after the controller link is up)."""
     if exit_fn is None:
         from hpc_rl.engines.child_process import exit_without_teardown
@@ -40,9 +52,16 @@ def defer_sigterm(grace_s: float = RANK_TERM_GRACE_S, exit_fn: Callable[[int], o
     chosen_exit = exit_fn
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        first = time.monotonic()
         log.warning("SIGTERM: serving the controller's last commands for at most %.0f s (a checkpoint may be "
-                    "saved), then exiting; a second SIGTERM exits now", grace_s)
-        signal.signal(signal.SIGTERM, lambda *_: chosen_exit(EXIT_TERMINATED))
+                    "saved), then exiting; a SIGTERM more than %.0f s later exits now", grace_s, same_stop_s)
+
+        def again(signum: int, frame: FrameType | None) -> None:
+            if time.monotonic() - first < same_stop_s:
+                return  # the same stop, passed on by torchrun's agent or srun (SAME_STOP_S)
+            chosen_exit(EXIT_TERMINATED)
+
+        signal.signal(signal.SIGTERM, again)
         timer = threading.Timer(grace_s, chosen_exit, args=(EXIT_TERMINATED,))
         timer.daemon = True
         timer.start()
@@ -51,8 +70,45 @@ def defer_sigterm(grace_s: float = RANK_TERM_GRACE_S, exit_fn: Callable[[int], o
 
 
 def defer_sigterm_in_slurm_step() -> bool:
-    """`defer_sigterm()` when this rank runs in a Slurm step; whether it did."""
+    """`defer_sigterm()` and `keep_checkpoint_writer_through_sigterm()` when this rank runs in a Slurm step;
+    whether it did."""
     if not in_slurm_step(os.environ):
         return False
     defer_sigterm()
+    keep_checkpoint_writer_through_sigterm()
+    return True
+
+
+_writer_manager: SyncManager | None = None
+
+
+def _ignore_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def keep_checkpoint_writer_through_sigterm() -> bool:
+    """Megatron's checkpoint writer (megatron-core 0.16.1, `filesystem_async`) passes its results through a
+    multiprocessing Manager it spawns: a fresh interpreter, with Python's default SIGTERM. Slurm signals every
+    process of the step, so a scancel killed that Manager and the save the controller asked for in the grace
+    failed with "Broken pipe" (measured on the local cluster). The Manager is started here instead, when the
+    writer first asks for it, with SIGTERM ignored: it still ends with the rank (multiprocessing shuts it down
+    at exit; a killed rank's is ended by torchrun's agent, a subreaper, and Slurm's SIGKILL). Whether Megatron's
+    writer has that hook (another Megatron: nothing is changed)."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return False
+    if not callable(getattr(filesystem_async, "_get_write_results_queue", None)) \
+            or not hasattr(filesystem_async, "_results_queue"):
+        return False
+
+    def results_queue() -> object:
+        global _writer_manager
+        if filesystem_async._results_queue is None:
+            _writer_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+            _writer_manager.start(initializer=_ignore_sigterm)
+            filesystem_async._results_queue = _writer_manager.Queue()
+        return filesystem_async._results_queue
+
+    filesystem_async._get_write_results_queue = results_queue
     return True

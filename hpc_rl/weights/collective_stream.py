@@ -12,7 +12,8 @@ peer's socket closes, so the CPU path never saw that hang. The twin makes gloo b
     synchronize()   NCCL: nothing (the GPU blocks by itself);  twin: waits for every pending work; one that
                     failed (a peer died) hangs until the group's timeout, then raises CollectiveTimeout
     abort(group)    both: abort the communicator (ncclCommAbort; gloo's abort): pending work is dropped,
-                    nothing waits for it, the group is gone
+                    nothing waits for it, the group is gone (the twin's gloo abort, which waits for a
+                    collective in flight, runs on a thread of its own: NCCL's returns at once)
 
 The trainer calls `synchronize()` where the GPU would next make the CPU wait (the start of its next
 command), so a test sees the hang on the CPU path; the controller bounds it with `abort` (an
@@ -21,6 +22,7 @@ command), so a test sees the hang on the CPU path; the controller bounds it with
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -75,7 +77,15 @@ class CollectiveStream:
             self.pending.pop(0)
 
     def abort(self, group: dist.ProcessGroup | None) -> None:
-        """Abort the group's communicator: its pending collectives are dropped, nothing waits for them."""
+        """Abort the group's communicator: its pending collectives are dropped, nothing waits for them. NCCL's
+        abort returns at once; gloo's waits for a collective in flight to end, which a peer that is alive but
+        stopped (SIGSTOP, a hung GPU) never lets happen (measured: the abort did not return within 10 s): the
+        twin aborts on a thread of its own and returns, as NCCL does (the group is gone for the caller)."""
         self.pending.clear()
-        if group is not None:
+        if group is None:
+            return
+        if not self.twin:
             c10d._abort_process_group(group)
+            return
+        threading.Thread(target=c10d._abort_process_group, args=(group,), name="abort weight-update group",
+                         daemon=True).start()

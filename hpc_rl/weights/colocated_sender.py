@@ -6,7 +6,8 @@ the controller with every command (`rank_engines`: paired by node and GPU identi
 numbers: torchrun orders nodes by name, Slurm by its own list). Per bucket (the same buckets as the
 broadcast path, `WeightSender.plan_buckets`):
 
-    every rank:    gather its TP shards into full HF tensors (a TP collective, as the broadcast path)
+    every rank:    gather its TP shards into full HF tensors (a TP collective, as the broadcast path;
+                   routed experts from their EP rank over the EP group: `export.gather_expert`)
                    serialize them for the engine rank on its GPU (`weights.colocated.serialize_share`:
                    CUDA IPC handles on GPU, a /dev/shm bucket on CPU naming the sender's GPU)
     engine group:  gather the t shares (strings, no pickle between ranks) on the engine's TP rank 0's rank
@@ -40,6 +41,7 @@ from hpc_rl.protocol.http_client import EngineHTTPTransportError, request_blocki
 from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights.colocated import serialize_share, update_weights_from_tensor_body
 from hpc_rl.weights.export import named_megatron_params
+from hpc_rl.weights.hf_mapping import tensor_send_dtype
 from hpc_rl.weights.sender import WeightSender
 
 log = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ class ColocatedWeightSender:
                 named.extend(self._planner.export_everywhere(source))
             if not engine_url:
                 continue
-            named = [(name, tensor.to(self.dtype).contiguous()) for name, tensor in named]
+            named = [(name, tensor.to(tensor_send_dtype(name, self.dtype)).contiguous()) for name, tensor in named]
             last = index == len(plan) - 1
             self._send_bucket(named, engine_url, weight_version=str(version) if last else None, flush_cache=last,
                               timeout_s=timeout_s)

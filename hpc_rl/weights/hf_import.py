@@ -2,8 +2,9 @@
 
 Owns: reading `*.safetensors` (single file or sharded with an index) into an HF state dict, checking
 the architecture file against `config.json` first (a wrong rotary base trains silently wrong), and
-copying each rank's shards into the model's parameters: under pipeline parallelism only the
-global layers (and ends) this rank's stage holds, and a tied output layer on the last stage from
+copying each rank's shards into the model's parameters (and the routers' expert-bias buffers): under
+pipeline parallelism only the global layers (and ends) this rank's stage holds, under expert
+parallelism only this rank's experts (sharded over the expert-TP group), and a tied output layer on the last stage from
 the HF embedding. The name/layout logic is `hf_mapping`'s, the stage's slice is `stage`'s.
 """
 
@@ -76,28 +77,38 @@ class HFTensorReader:
 
 @torch.no_grad()
 def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path, arch: ModelArchitecture,
-                       *, tp_rank: int, tp_size: int, model_file: str | Path | None = None) -> None:
-    """Copy an HF checkpoint into this rank's Megatron parameters (every parameter must be covered)."""
+                       *, tp_rank: int, tp_size: int, model_file: str | Path | None = None,
+                       expert_tp_rank: int | None = None, expert_tp_size: int | None = None) -> None:
+    """Copy an HF checkpoint into this rank's Megatron parameters (every parameter must be covered).
+    Routed experts: only this rank's (expert parallelism), sharded over the expert-TP group (default:
+    the TP rank and size, Megatron's default expert TP)."""
     check_architecture(arch, hf_dir, model_file)
-    load_hf_state_into_model(model, HFTensorReader(hf_dir), arch, tp_rank=tp_rank, tp_size=tp_size)
+    load_hf_state_into_model(model, HFTensorReader(hf_dir), arch, tp_rank=tp_rank, tp_size=tp_size,
+                             expert_tp_rank=expert_tp_rank, expert_tp_size=expert_tp_size)
 
 
 @torch.no_grad()
 def load_hf_state_into_model(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor] | HFTensorReader,
-                             arch: ModelArchitecture, *, tp_rank: int, tp_size: int) -> None:
+                             arch: ModelArchitecture, *, tp_rank: int, tp_size: int,
+                             expert_tp_rank: int | None = None, expert_tp_size: int | None = None) -> None:
     """Like `load_hf_into_model` from a state dict or reader; one Megatron parameter at a time."""
     params = global_named_params(model)
     vocab_param = params.get(EMBEDDING, params.get(OUTPUT_LAYER))
     padded = vocab_param.shape[0] * tp_size if vocab_param is not None else None
     covered = set()
     for name, hf_names in stage_name_map(arch, stage_layout(model), with_tied_output=True):
+        expert = hf_mapping.is_expert_param(name)
+        if expert and name not in params:
+            continue  # another EP rank's expert
         missing = [n for n in hf_names if n not in hf_state]
         if missing:
             raise KeyError(f"HF checkpoint lacks {', '.join(missing)} (needed for {name})")
         if name not in params:
             raise KeyError(f"the Megatron model has no parameter {name} (architecture file vs model spec?)")
         full = hf_mapping.to_megatron(name, [hf_state[n] for n in hf_names], arch, padded_vocab=padded)
-        piece = hf_mapping.shard(name, full, tp_rank, tp_size)
+        piece = (hf_mapping.shard(name, full, tp_rank if expert_tp_rank is None else expert_tp_rank,
+                                  tp_size if expert_tp_size is None else expert_tp_size)
+                 if expert else hf_mapping.shard(name, full, tp_rank, tp_size))
         param = params[name]
         if piece.shape != param.shape:
             raise ValueError(f"{name}: HF gives shard {tuple(piece.shape)}, model has {tuple(param.shape)}")

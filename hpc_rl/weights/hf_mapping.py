@@ -12,6 +12,17 @@ Layout facts (notes/megatron-cpu.md):
   * Row-parallel (`linear_proj`, `linear_fc2`) shard on columns; embedding/output on (padded) rows.
   * Norms (input, pre-MLP, q/k, final, GLM4 post norms) are replicated.
   * Tied embeddings: Megatron has no `output_layer.weight`; HF may still list `lm_head.weight`.
+
+MoE layers (Qwen3-MoE, GLM-4.5; HF's on-disk names, which SGLang and `save_pretrained` use, not
+transformers 5's fused in-memory `experts.gate_up_proj`):
+  * `mlp.gate.weight` <-> `mlp.router.weight`; `mlp.gate.e_score_correction_bias` <->
+    `mlp.router.expert_bias` (a buffer in Megatron); `post_attention_layernorm` <-> the layer's own
+    `pre_mlp_layernorm` (no fused dense fc1 in a MoE layer).
+  * `mlp.experts.G.{gate,up,down}_proj` <-> `mlp.experts.local_experts.G.linear_fc{1,2}`, with G the
+    GLOBAL expert index in canonical names (an EP rank's local expert K is G = ep_rank * E / EP + K;
+    `stage.global_named_params` renames). Each expert's fc1 is [gate; up] and TP-shards as a dense
+    fc1 does, over the expert-TP group.
+  * `mlp.shared_experts.{gate,up,down}_proj` <-> `mlp.shared_experts.linear_fc{1,2}` (dense layout).
 """
 
 from __future__ import annotations
@@ -29,15 +40,33 @@ _LOCAL_TO_CANONICAL = {
     ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
     ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
 }
+_MOE_PRE_MLP_NORM = ".pre_mlp_layernorm.weight"
+"""A MoE layer's pre-MLP norm: its own module in both specs (no dense linear_fc1 to fuse it into)."""
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+"""A routed expert's parameter, canonically under its GLOBAL expert index (an EP=1 model's name)."""
+EXPERT_BIAS_SUFFIX = ".mlp.router.expert_bias"
+"""Megatron's aux-loss-free routing bias: a float32 buffer (not a parameter) that finalize_model_grads
+updates; loaded, checkpointed, exported and synced like a weight (HF e_score_correction_bias)."""
 
 
-def canonical_name(name: str) -> str:
-    """Strip DDP/`module.` prefixes and rename local-spec norms to the TE-style checkpoint names."""
+FLOAT32_HF_SUFFIXES = (".mlp.gate.e_score_correction_bias",)
+"""HF tensors sent in float32 whatever the export dtype: the expert bias moves in steps of
+moe_router_bias_update_rate (1e-3), below bf16's resolution at 1.0; HF and SGLang keep it in float32."""
+
+
+def tensor_send_dtype(hf_name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype an HF tensor is sent in when the model is sent in `dtype`."""
+    return torch.float32 if hf_name.endswith(FLOAT32_HF_SUFFIXES) else dtype
+
+
+def canonical_name(name: str, *, moe_layer: bool = False) -> str:
+    """Strip DDP/`module.` prefixes and rename local-spec norms to the TE-style checkpoint names.
+    `moe_layer`: the name belongs to a MoE layer, whose pre-MLP norm keeps its own name."""
     while name.startswith("module."):
         name = name[len("module.") :]
     for local, canonical in _LOCAL_TO_CANONICAL.items():
-        if name.endswith(local):
+        if name.endswith(local) and not (moe_layer and local == _MOE_PRE_MLP_NORM):
             return name[: -len(local)] + canonical
     return name
 
@@ -50,9 +79,70 @@ def local_spec_name(name: str) -> str:
     return name
 
 
-def _layer_suffixes(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
-    """(Megatron suffix, HF suffixes) of one decoder layer, in export order."""
-    fc1_hf = ["mlp.gate_up_proj.weight"] if arch.family == "glm4" else ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
+def is_expert_param(name: str) -> bool:
+    """True for a routed expert's weight (`...mlp.experts.local_experts.G.linear_fc{1,2}.weight`)."""
+    return _EXPERT.match(name) is not None
+
+
+def expert_index(name: str) -> int:
+    """The expert index in a routed expert's name."""
+    match = _EXPERT.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a routed expert's parameter")
+    return int(match.group(2))
+
+
+def with_expert_index(name: str, index: int) -> str:
+    """The same parameter of expert `index` in the same layer."""
+    match = _EXPERT.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a routed expert's parameter")
+    return f"{match.group(1)}{index}{match.group(3)}"
+
+
+def expert_owner(global_index: int, num_experts: int, ep_size: int) -> int:
+    """The EP rank holding expert `global_index` (Megatron gives each EP rank a contiguous block)."""
+    return global_index // (num_experts // ep_size)
+
+
+def _gated_hf(prefix: str, fused: bool) -> list[str]:
+    return [f"{prefix}gate_up_proj.weight"] if fused else [f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"]
+
+
+def _dense_mlp_rows(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
+    fc1_hf = _gated_hf("mlp.", fused=arch.family == "glm4")
+    rows = [("mlp.linear_fc1.layer_norm_weight", ["post_attention_layernorm.weight"]),
+            ("mlp.linear_fc1.weight", fc1_hf)]
+    if arch.add_bias_linear:
+        rows.append(("mlp.linear_fc1.bias", [s.replace(".weight", ".bias") for s in fc1_hf]))
+    rows.append(("mlp.linear_fc2.weight", ["mlp.down_proj.weight"]))
+    if arch.add_bias_linear:
+        rows.append(("mlp.linear_fc2.bias", ["mlp.down_proj.bias"]))
+    if arch.post_sublayer_norms:
+        rows.append(("mlp.post_mlp_layernorm.weight", ["post_mlp_layernorm.weight"]))
+    return rows
+
+
+def _moe_mlp_rows(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
+    """A MoE layer's MLP rows: HF `mlp.gate` is Megatron's router, `mlp.experts.G.*` its routed experts
+    (G global), `mlp.shared_experts.*` its shared experts (all of them fused into one MLP in both)."""
+    rows = [("pre_mlp_layernorm.weight", ["post_attention_layernorm.weight"]),
+            ("mlp.router.weight", ["mlp.gate.weight"])]
+    if arch.moe_router_enable_expert_bias:
+        rows.append(("mlp.router.expert_bias", ["mlp.gate.e_score_correction_bias"]))
+    for expert in range(arch.num_moe_experts or 0):
+        rows.append((f"mlp.experts.local_experts.{expert}.linear_fc1.weight",
+                     _gated_hf(f"mlp.experts.{expert}.", fused=False)))
+        rows.append((f"mlp.experts.local_experts.{expert}.linear_fc2.weight",
+                     [f"mlp.experts.{expert}.down_proj.weight"]))
+    if arch.moe_shared_expert_intermediate_size:
+        rows.append(("mlp.shared_experts.linear_fc1.weight", _gated_hf("mlp.shared_experts.", fused=False)))
+        rows.append(("mlp.shared_experts.linear_fc2.weight", ["mlp.shared_experts.down_proj.weight"]))
+    return rows
+
+
+def _layer_suffixes(arch: ModelArchitecture, moe: bool = False) -> list[tuple[str, list[str]]]:
+    """(Megatron suffix, HF suffixes) of one decoder layer (a MoE layer with `moe`), in export order."""
     rows: list[tuple[str, list[str]]] = [
         ("self_attention.linear_qkv.layer_norm_weight", ["input_layernorm.weight"]),
         ("self_attention.linear_qkv.weight", ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -69,23 +159,16 @@ def _layer_suffixes(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
         rows.append(("self_attention.linear_proj.bias", ["self_attn.o_proj.bias"]))
     if arch.post_sublayer_norms:
         rows.append(("self_attention.post_self_attn_layernorm.weight", ["post_self_attn_layernorm.weight"]))
-    rows.append(("mlp.linear_fc1.layer_norm_weight", ["post_attention_layernorm.weight"]))
-    rows.append(("mlp.linear_fc1.weight", fc1_hf))
-    if arch.add_bias_linear:
-        rows.append(("mlp.linear_fc1.bias", [s.replace(".weight", ".bias") for s in fc1_hf]))
-    rows.append(("mlp.linear_fc2.weight", ["mlp.down_proj.weight"]))
-    if arch.add_bias_linear:
-        rows.append(("mlp.linear_fc2.bias", ["mlp.down_proj.bias"]))
-    if arch.post_sublayer_norms:
-        rows.append(("mlp.post_mlp_layernorm.weight", ["post_mlp_layernorm.weight"]))
-    return rows
+    return rows + (_moe_mlp_rows(arch) if moe else _dense_mlp_rows(arch))
 
 
 def name_map(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
-    """Every Megatron parameter (canonical name) with its HF names, in a stable export order."""
+    """Every Megatron parameter (canonical name; experts under global indices) with its HF names, in a
+    stable export order."""
     rows: list[tuple[str, list[str]]] = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"])]
-    for layer in range(arch.num_layers):
-        for suffix, hf_suffixes in _layer_suffixes(arch):
+    suffixes = {moe: _layer_suffixes(arch, moe) for moe in set(arch.moe_layers())}
+    for layer, moe in enumerate(arch.moe_layers()):
+        for suffix, hf_suffixes in suffixes[moe]:
             rows.append((f"decoder.layers.{layer}.{suffix}", [f"model.layers.{layer}.{s}" for s in hf_suffixes]))
     rows.append(("decoder.final_layernorm.weight", ["model.norm.weight"]))
     if not arch.tie_word_embeddings:
@@ -97,9 +180,17 @@ def hf_names_of(megatron_name: str, arch: ModelArchitecture) -> list[str]:
     """HF names produced by one canonical Megatron parameter."""
     match = _LAYER.match(megatron_name)
     if match:
-        layer, suffix = match.groups()
-        for mine, hf_suffixes in _layer_suffixes(arch):
-            if mine == suffix:
+        layer, suffix = int(match.group(1)), match.group(2)
+        moe = 0 <= layer < arch.num_layers and arch.moe_layers()[layer]
+        expert = _EXPERT.match(megatron_name)
+        if moe and expert is not None and int(expert.group(2)) < (arch.num_moe_experts or 0):
+            hf = (_gated_hf(f"mlp.experts.{expert.group(2)}.", fused=False) if suffix.endswith("linear_fc1.weight")
+                  else [f"mlp.experts.{expert.group(2)}.down_proj.weight"] if suffix.endswith("linear_fc2.weight")
+                  else None)
+            if hf is not None:
+                return [f"model.layers.{layer}.{s}" for s in hf]
+        for mine, hf_suffixes in _layer_suffixes(arch, moe):
+            if mine == suffix and ".local_experts." not in mine:
                 return [f"model.layers.{layer}.{s}" for s in hf_suffixes]
     else:
         top = {"embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
@@ -233,7 +324,11 @@ def hf_to_megatron_state(hf_state: Mapping[str, torch.Tensor], arch: ModelArchit
 
 def megatron_to_hf_state(megatron_state: Mapping[str, torch.Tensor], arch: ModelArchitecture) -> dict[str, torch.Tensor]:
     """An HF state dict from full Megatron tensors (canonical or local-spec names)."""
-    by_canonical = {canonical_name(k): v for k, v in megatron_state.items()}
+    moe = arch.moe_layers()
+    by_canonical = {}
+    for key, value in megatron_state.items():
+        match = _LAYER.match(canonical_name(key))
+        by_canonical[canonical_name(key, moe_layer=bool(match) and moe[int(match.group(1))])] = value
     out: dict[str, torch.Tensor] = {}
     for megatron_name, _ in name_map(arch):
         if megatron_name not in by_canonical:

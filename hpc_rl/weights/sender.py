@@ -14,7 +14,10 @@ Protocol (driven by the controller, `hpc_rl.controller.weight_sync`)::
     rank 0:      sender.close()                        # when the engine set changes / at exit
     rank 0:      sender.abort_group()                  # an engine broke a sync (the controller says so)
 
-Every rank of the first TP group (DP rank 0) takes part in each gather; other DP ranks return at once.
+Every rank of the first TP group (DP rank 0) takes part in each gather of a dense parameter; under
+expert parallelism every rank of the first expert replica (expert-DP rank 0: expert TP x EP) takes part
+in each routed expert's gather (its EP rank gathers it, then broadcasts it over the EP group:
+`export.gather_expert`), one expert parameter at a time. Other ranks return at once.
 
 Pipeline parallel: rank 0 (stage 0) holds only its stage's parameters. `plan_buckets` then gathers
 each stage's (name, full shape, dtype) over the pipeline group once per sender, so every rank plans
@@ -26,7 +29,7 @@ exchange, no extra copy.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +41,14 @@ from hpc_rl.weights.bucket_layout import dtype_from_name, dtype_name, pack_bucke
 from hpc_rl.weights.collective_stream import CollectiveStream
 from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights import hf_mapping
-from hpc_rl.weights.export import export_param, full_shape, gather_full, named_megatron_params
+from hpc_rl.weights.export import (
+    ExpertLayout,
+    export_param,
+    full_shape_and_dtype,
+    full_tensor,
+    gather_full,
+    named_megatron_params,
+)
 from hpc_rl.weights.process_group import (
     DEFAULT_GROUP_NAME,
     destroy_weight_update_group,
@@ -66,27 +76,31 @@ class BucketMeta:
 
 def _plan(entries: Iterable[tuple[str, list[tuple[str, tuple[int, ...]]]]], dtype: torch.dtype,
           bucket_bytes: int) -> list[BucketMeta]:
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    """Whole Megatron parameters per bucket, up to `bucket_bytes`; each HF tensor in its export dtype
+    (`hf_mapping.tensor_send_dtype`), a bucket of mixed dtypes ordered by falling dtype size (aligned)."""
     buckets: list[BucketMeta] = []
-    current: dict[str, list] = {"names": [], "shapes": [], "sources": []}
+    current: list[tuple[str, list[int], torch.dtype]] = []
+    sources: list[str] = []
     size = 0
 
     def flush() -> None:
         nonlocal size
-        if current["names"]:
-            buckets.append(BucketMeta(names=current["names"], dtypes=[dtype_name(dtype)] * len(current["names"]),
-                                      shapes=current["shapes"], num_bytes=size, megatron_names=current["sources"]))
-        current.update(names=[], shapes=[], sources=[])
+        if current:
+            ordered = sorted(current, key=lambda item: -torch.empty((), dtype=item[2]).element_size())
+            buckets.append(BucketMeta(names=[n for n, _, _ in ordered], dtypes=[dtype_name(d) for _, _, d in ordered],
+                                      shapes=[s for _, s, _ in ordered], num_bytes=size,
+                                      megatron_names=list(sources)))
+        current.clear()
+        sources.clear()
         size = 0
 
     for source, hf_entries in entries:
-        nbytes = sum(itemsize * int(torch.Size(shape).numel()) for _, shape in hf_entries)
+        typed = [(name, list(shape), hf_mapping.tensor_send_dtype(name, dtype)) for name, shape in hf_entries]
+        nbytes = sum(torch.empty((), dtype=d).element_size() * int(torch.Size(s).numel()) for _, s, d in typed)
         if size and size + nbytes > bucket_bytes:
             flush()
-        current["sources"].append(source)
-        for name, shape in hf_entries:
-            current["names"].append(name)
-            current["shapes"].append(list(shape))
+        sources.append(source)
+        current.extend(typed)
         size += nbytes
     flush()
     return buckets
@@ -143,14 +157,19 @@ class WeightSender:
 
     def __init__(self, model: torch.nn.Module, arch: ModelArchitecture, *, tp_group: dist.ProcessGroup | None,
                  tp_size: int, dp_rank: int, rank: int, bucket_bytes: int, dtype: torch.dtype | None = None,
-                 pp_group: dist.ProcessGroup | None = None, pp_rank: int = 0, pp_size: int = 1) -> None:
+                 pp_group: dist.ProcessGroup | None = None, pp_rank: int = 0, pp_size: int = 1,
+                 experts: ExpertLayout | None = None) -> None:
         self.params = named_megatron_params(model)
         self.arch, self.tp_group, self.tp_size = arch, tp_group, tp_size
+        self.experts = experts if experts is not None else ExpertLayout.current(arch)
+        """Where the routed experts live (None: from Megatron's groups; a dense model has none)."""
         self.dp_rank, self.rank, self.bucket_bytes = dp_rank, rank, bucket_bytes
         self.pp_group, self.pp_rank, self.pp_size = pp_group, pp_rank, pp_size
         if pp_size > 1 and pp_group is None:
             raise ValueError("pipeline_model_parallel_size > 1 needs the pipeline group")
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self._in_first_pipeline = pp_group is None or dist.get_global_rank(pp_group, 0) == 0
+        """This rank's pipeline group holds rank 0: under PP its member at a stage sends that stage's tensors."""
         self.dtype = dtype or next(iter(self.params.values())).dtype
         self._model = model
         self._comm_device = next(iter(self.params.values())).device  # NCCL needs CUDA tensors, gloo CPU ones
@@ -184,8 +203,10 @@ class WeightSender:
     def _source_metadata(self) -> dict[str, tuple[int, tuple[int, ...], str]]:
         if self._sources is None:
             names = [name for name, _ in stage_name_map(self.arch, stage_layout(self._model))]  # all at PP=1
-            local = {name: (self.pp_rank, full_shape(name, self.params[name].shape, self.tp_size),
-                            dtype_name(self.params[name].dtype)) for name in names}
+            local = {}
+            for name in names:  # another EP rank's experts too: shaped like this rank's
+                shape, dtype = full_shape_and_dtype(name, self.params, self.tp_size, self.experts)
+                local[name] = (self.pp_rank, shape, dtype_name(dtype))
             if self.pp_size > 1:
                 stages = all_gather_json(local, group=self.pp_group, device=self._comm_device)
                 local = {name: (int(owner), tuple(shape), dtype)
@@ -194,48 +215,58 @@ class WeightSender:
         return self._sources
 
     def connect(self, master_address: str, master_port: int, world_size: int, *,
-                group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo", timeout_s: float = 600.0) -> None:
-        """Rank 0 hosts the weight-update group (rank 0 of `world_size`); other ranks do nothing."""
+                group_name: str = DEFAULT_GROUP_NAME, backend: str = "gloo", timeout_s: float = 600.0,
+                give_up: Callable[[], str] | None = None) -> None:
+        """Rank 0 hosts the weight-update group (rank 0 of `world_size`); other ranks do nothing. `give_up`
+        is asked while the engines join (WeightGroupJoinAbandoned when it answers why to stop waiting)."""
         if self.rank != 0:
             return
         self.close()
         self.group = init_weight_update_group(master_address=master_address, master_port=master_port, rank=0,
                                               world_size=world_size, group_name=group_name, backend=backend,
-                                              timeout_seconds=timeout_s)
+                                              timeout_seconds=timeout_s, give_up=give_up)
         self.stream = CollectiveStream(backend, timeout_s=timeout_s)
         self._broadcaster = _PipelinedBroadcaster(self.stream)
 
-    def send_bucket(self, index: int) -> None:
-        """Gather (TP ranks of DP rank 0), pack, and broadcast bucket `index` (rank 0)."""
-        if self.dp_rank != 0:
+    def send_bucket(self, index: int, *, broadcast: bool = True) -> None:
+        """Gather, pack, and broadcast bucket `index` (rank 0). Dense parameters are gathered by the TP
+        ranks of DP rank 0, routed experts by the ranks of expert-DP rank 0 (expert TP x EP). Without
+        `broadcast` (rank 0 has no group: the engines never all joined) the gathers still run, so the peers
+        that wait on rank 0 in them do not hang, and nothing is sent."""
+        dense_turn, expert_turn = self.dp_rank == 0, self.experts.dp_rank == 0
+        if not (dense_turn or expert_turn):
             return
         meta = self.plan_buckets()[index]
         named: list[tuple[str, torch.Tensor]] = []
         for source in meta.megatron_names:
+            if not (expert_turn if hf_mapping.is_expert_param(source) else dense_turn):
+                continue
             if self.pp_size == 1:
-                named.extend(export_param(source, self.params[source], self.arch, self.tp_group))
+                named.extend(export_param(source, self.params, self.arch, self.tp_group, self.experts))
             else:
                 named.extend(self._from_pipeline(source))
-        if self.rank != 0:
+        if self.rank != 0 or not broadcast:
             return
         if self.group is None:
             raise RuntimeError("send_bucket before connect(): rank 0 has no weight-update group")
-        named = [(name, tensor.to(self.dtype)) for name, tensor in named]
+        position = {name: i for i, name in enumerate(meta.names)}
+        named = sorted(((name, tensor.to(hf_mapping.tensor_send_dtype(name, self.dtype))) for name, tensor in named),
+                       key=lambda item: position.get(item[0], -1))
         capacity = max(b.num_bytes for b in self.plan_buckets())
         names = self._broadcaster.send(named, meta.num_bytes, self.group, capacity)
         if names != meta.names:
             raise RuntimeError(f"bucket {index}: packed names differ from the announced plan")
 
     def _from_pipeline(self, source: str) -> list[tuple[str, torch.Tensor]]:
-        """Under PP: the HF tensors of `source` on rank 0 (empty elsewhere); the owning stage's TP
-        group gathers it and its TP rank 0 sends it to stage 0, where rank 0 receives it."""
+        """Under PP: the HF tensors of `source` on rank 0 (empty elsewhere); the owning stage gathers it
+        (TP group, or expert replica) and its rank in rank 0's pipeline group sends it to rank 0."""
         owner, shape, dtype = self._source_metadata()[source]
         assert self.pp_group is not None
         if owner == self.pp_rank:
-            full = gather_full(source, self.params[source], self.tp_group)
+            full = full_tensor(source, self.params, self.tp_group, self.experts)
             if owner == 0:
                 return hf_mapping.to_hf(source, full, self.arch)
-            if self.tp_rank == 0:
+            if self._in_first_pipeline:
                 dist.send(full.contiguous(), dst=dist.get_global_rank(self.pp_group, 0), group=self.pp_group)
             return []
         if self.rank != 0:
@@ -246,17 +277,18 @@ class WeightSender:
 
     def export_everywhere(self, source: str) -> list[tuple[str, torch.Tensor]]:
         """The HF tensors of `source` on every rank (colocated: each rank feeds the engine on its own GPU), a
-        collective over the TP group and, under PP, over the pipeline group. At PP=1 the TP gather; under PP,
-        as slime's colocated path: a TP-split parameter's shards go from the owning stage to every stage over the
-        pipeline groups (each carries one TP rank's shard), then every stage gathers them over its TP group; any
-        other parameter goes whole from the owning stage."""
+        collective over the TP group (a routed expert: over the expert replica, `export.gather_expert`) and,
+        under PP, over the pipeline group. At PP=1 the gather; under PP, as slime's colocated path: a TP-split
+        dense parameter's shards go from the owning stage to every stage over the pipeline groups (each carries
+        one TP rank's shard), then every stage gathers them over its TP group; any other parameter (a routed
+        expert gathered on the owning stage included) goes whole from the owning stage."""
         if self.pp_size == 1:
-            return export_param(source, self.params[source], self.arch, self.tp_group)
+            return export_param(source, self.params, self.arch, self.tp_group, self.experts)
         assert self.pp_group is not None
         owner, shape, dtype = self._source_metadata()[source]
         src = dist.get_global_rank(self.pp_group, owner)
         split = hf_mapping.tp_split(source).dim
-        if split is not None and self.tp_size > 1:
+        if split is not None and self.tp_size > 1 and not hf_mapping.is_expert_param(source):
             shard_shape = list(shape)
             shard_shape[split] //= self.tp_size
             shard = (self.params[source].detach().contiguous() if owner == self.pp_rank else
@@ -264,7 +296,8 @@ class WeightSender:
             dist.broadcast(shard, src=src, group=self.pp_group)
             full = gather_full(source, shard, self.tp_group)
         else:
-            full = (gather_full(source, self.params[source], self.tp_group).contiguous() if owner == self.pp_rank else
+            full = (full_tensor(source, self.params, self.tp_group, self.experts).contiguous()
+                    if owner == self.pp_rank else
                     torch.empty(shape, dtype=dtype_from_name(dtype), device=self._comm_device))
             dist.broadcast(full, src=src, group=self.pp_group)
         return hf_mapping.to_hf(source, full, self.arch)

@@ -5,7 +5,9 @@ the output side), reading it off a built Megatron model (Megatron numbers a stag
 globally in `layer_number` while its module names count from 0), renaming a stage's parameters to
 global canonical names (`decoder.layers.<local>.` -> `decoder.layers.<offset + local>.`), and the
 slice of `hf_mapping.name_map` a stage holds. With PP=1 the layout is the whole model and every
-name is unchanged. Pure, except `stage_layout`, which only reads attributes (no Megatron import).
+layer index is unchanged. Under expert parallelism a rank's local experts are renamed to their global
+expert index the same way (`local_experts.K` -> `local_experts.<first local + K>`, also from TE's
+grouped `linear_fc1.weightK`). Pure, except `stage_layout`, which only reads attributes (no Megatron import).
 
 Tied embeddings under PP: the last stage's `output_layer.weight` is a copy of the first stage's
 embedding (Megatron keeps them equal). It is loaded from the HF embedding (`with_tied_output`) but
@@ -80,13 +82,54 @@ def global_name(local_name: str, layer_offset: int) -> str:
     return f"decoder.layers.{int(match.group(1)) + layer_offset}.{match.group(2)}"
 
 
-def global_named_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """This stage's parameters under global canonical names (DDP/`module.` prefixes stripped)."""
-    named = [(hf_mapping.canonical_name(name), param) for name, param in model.named_parameters()]
-    if not any(_LOCAL_LAYER.match(name) for name, _ in named):
-        return dict(named)
+_GROUPED_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
+"""Transformer Engine's grouped-GEMM experts (TEGroupedMLP): local expert K's weight is `weightK`."""
+
+
+def _moe_layers(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Local module prefix of each MoE MLP (`decoder.layers.N.mlp.`) -> its experts' global indices."""
+    out = {}
+    for prefix, module in model.named_modules():
+        indices = getattr(module, "local_expert_indices", None)
+        if indices is not None and hasattr(module, "router"):
+            out[hf_mapping.canonical_name(prefix) + "."] = [int(i) for i in indices]
+    return out
+
+
+def _expert_global_name(name: str, moe: dict[str, list[int]]) -> str:
+    """A local expert's parameter under its global expert index (SequentialMLP's naming)."""
+    for prefix, indices in moe.items():
+        if not name.startswith(prefix + "experts."):
+            continue
+        grouped = _GROUPED_EXPERT.match(name)
+        if grouped is not None:
+            head, linear, kind, local = grouped.groups()
+            return f"{head}local_experts.{indices[int(local)]}.{linear}.{kind}"
+        if name.startswith(prefix + "experts.local_experts."):
+            tail = name[len(prefix + "experts.local_experts."):]
+            local, rest = tail.split(".", 1)
+            return f"{prefix}experts.local_experts.{indices[int(local)]}.{rest}"
+    return name
+
+
+def global_named_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This stage's parameters under global canonical names (DDP/`module.` prefixes stripped; routed
+    experts under their global expert index), plus the routers' `expert_bias` buffers (Megatron updates
+    them itself; they are weights for the engines and checkpoints)."""
+    named: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
+    moe = _moe_layers(model)
+    if moe:
+        named += [(name, buffer) for name, buffer in model.named_buffers()
+                  if name.endswith(hf_mapping.EXPERT_BIAS_SUFFIX)]
+    renamed = []
+    for name, tensor in named:
+        stripped = hf_mapping.canonical_name(name, moe_layer=True)  # prefixes only, for the MoE lookup
+        in_moe_layer = any(stripped.startswith(prefix.removesuffix("mlp.")) for prefix in moe)
+        renamed.append((_expert_global_name(hf_mapping.canonical_name(name, moe_layer=in_moe_layer), moe), tensor))
+    if not any(_LOCAL_LAYER.match(name) for name, _ in renamed):
+        return dict(renamed)
     offset = stage_layout(model).layer_offset
-    return {global_name(name, offset): param for name, param in named}
+    return {global_name(name, offset): tensor for name, tensor in renamed}
 
 
 def stage_name_map(arch: ModelArchitecture, layout: StageLayout, *,

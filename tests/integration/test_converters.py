@@ -77,3 +77,29 @@ def test_converter_refuses_flags_that_disagree_with_config_json(tmp_path: Path) 
                              "--hf-checkpoint", str(ROOT / "assets" / "tiny_qwen3"), "--save", str(tmp_path / "o")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "rotary_base" in result.stderr
+
+
+def test_slime_command_lines_round_trip_a_moe_model_at_ep2(tmp_path: Path) -> None:
+    """slime's MoE conversion line (`torchrun --nproc-per-node N convert_hf_to_torch_dist.py ${MODEL_ARGS[@]}
+    --expert-model-parallel-size N`, qwen3-30B-A3B.sh's flag set) and the reverse line: every tensor back bit-exact."""
+    from hpc_rl.engines.child_process import free_port
+    from tests.unit.slime_lines import flags_of
+
+    hf_dir = ROOT / "assets" / "tiny_qwen3_moe"
+    save_dir, out_dir = tmp_path / "torch_dist", tmp_path / "hf_back"
+    forward = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                              str(ROOT / "tools/convert_hf_to_torch_dist.py"),
+                              *flags_of("tiny_qwen3_moe_model_args.txt"), "--expert-model-parallel-size", "2",
+                              "--hf-checkpoint", str(hf_dir), "--save", str(save_dir)],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert forward.returncode == 0, forward.stderr[-3000:]
+    reverse = subprocess.run([sys.executable, str(ROOT / "tools/convert_torch_dist_to_hf.py"),
+                              "--input-dir", str(save_dir), "--output-dir", str(out_dir),
+                              "--origin-hf-dir", str(hf_dir)], capture_output=True, text=True, timeout=300)
+    assert reverse.returncode == 0, reverse.stderr[-3000:]
+    original, back = load_file(str(hf_dir / "model.safetensors")), load_file(str(out_dir / "model.safetensors"))
+    assert set(back) == set(original)
+    assert any(".mlp.experts.3.down_proj." in name for name in back)
+    for name, tensor in back.items():
+        assert tensor.dtype == original[name].dtype and torch.equal(tensor, original[name]), name

@@ -102,3 +102,16 @@ def test_importing_the_config_changes_no_state() -> None:
             "print(s.flat_index.cache_info().currsize)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "0"
+
+
+def test_sglang_extra_args_as_a_mapping_or_one_option_on_the_command_line(tmp_path: Path) -> None:
+    config = load_config([write(tmp_path, "sglang:\n  extra_args: {enable_memory_saver: true}\n")], [
+        "--set", 'sglang.extra_args={"chunked_prefill_size": 4096}',  # old: IndexError while loading
+        "--set", "sglang.extra_args.mem_fraction_static=0.5",  # old: "sglang has no field 'extra_args.mem_...'"
+        "--set", "sglang.extra_args={schedule_policy: lpm}"])
+    assert config.sglang.extra_args == {"enable_memory_saver": True, "chunked_prefill_size": 4096,
+                                        "mem_fraction_static": 0.5, "schedule_policy": "lpm"}
+    with pytest.raises(ConfigError) as refused:
+        load_config([], ["--set", "sglang.extra_args=4096"])
+    assert ("--set sglang.extra_args: sglang.extra_args: expected a mapping of SGLang server options, got 4096; write --set "
+            "'sglang.extra_args={chunked_prefill_size: 4096}'") in str(refused.value)

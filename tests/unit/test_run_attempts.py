@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from hpc_rl.config import load_config, write_resolved_config
 from hpc_rl.config.validation import ValidationFailed, validate
 from hpc_rl.launch.driver import slurm_kill_wait_s, term_grace_s
@@ -86,3 +88,15 @@ def test_sigterm_grace_comes_from_slurms_kill_wait() -> None:
     assert slurm_kill_wait_s("MinJobAge = 300 sec\nKillWait                = 5 sec\n") == 5.0
     assert slurm_kill_wait_s("") == 30.0  # Slurm's default
     assert term_grace_s(local=True) == 10.0
+
+
+def test_numbers_past_float32_are_refused_at_submit_naming_the_field(tmp_path: Path, monkeypatch) -> None:
+    """`--lr 1e39` is finite, so it passed submit and failed inside torch's AdamW ("cannot be converted to type
+    float without overflow", no field named)."""
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ValidationFailed) as refused:
+        validate(tiny(tmp_path, "--lr", "1e39", "--set", "controller.engine_admin_timeout=1e300"), check_files=False)
+    text = str(refused.value)
+    assert "optimizer.lr: 1e+39 is beyond float32's range (+-3.403e+38)" in text
+    assert "controller.engine_admin_timeout: 1e+300 is beyond float32's range" in text
+    validate(tiny(tmp_path, "--lr", "3e38"), check_files=False)  # the edge itself is a number float32 holds

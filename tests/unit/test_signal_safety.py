@@ -25,14 +25,15 @@ def test_an_abandoned_command_is_absorbed_and_the_channel_idles_after_it() -> No
         channel = TrainerChannel(world_size=2)
         run = asyncio.create_task(channel.run(lambda rank, seq: StopCommand(seq=seq, reason="x")))
         await asyncio.sleep(0)
-        assert not channel.idle
+        assert not channel.idle and channel.running == "StopCommand"
         run.cancel()  # a signal: the loop stops waiting, the ranks go on with the command
         await asyncio.gather(run, return_exceptions=True)
         assert not channel.idle
         channel.on_done(CommandDone(rank=0, seq=1, ok=True))  # old: TrainerFailed "... which is not running"
         assert not channel.idle
+        assert channel.running == "StopCommand"  # what a stop that could not wait names
         channel.on_done(CommandDone(rank=1, seq=1, ok=True))
-        assert channel.idle and channel.failure is None
+        assert channel.idle and channel.failure is None and channel.running == ""
 
     asyncio.run(scenario())
 
@@ -87,3 +88,55 @@ def test_a_rank_in_a_slurm_step_outlives_sigterm_for_its_grace_only() -> None:
         assert plain.wait(10) == -signal.SIGTERM
     finally:
         plain.kill()
+
+
+def test_sigterms_passed_on_by_torchruns_agent_are_the_same_stop() -> None:
+    """scancel: slurmd signals the rank, and torchrun's agent, signalled too, sends the rank its own SIGTERM 13 ms
+    later (measured on the local cluster). That one is the same stop, not a second one: the rank must go on
+    serving the controller (old: it exited at once, so no checkpoint was ever saved after a scancel)."""
+    env = {**os.environ, "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "1", "PYTHONPATH": os.getcwd()}
+    code = RANK.replace("print(defer_sigterm_in_slurm_step(), flush=True)",
+                        "from hpc_rl.training.term_deferral import defer_sigterm\ndefer_sigterm(30.0, same_stop_s=1.5)\n"
+                        "print(True, flush=True)")
+    rank = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "True"
+        os.kill(rank.pid, signal.SIGTERM)  # slurmd's
+        time.sleep(0.02)
+        os.kill(rank.pid, signal.SIGTERM)  # the agent's, passed on
+        os.kill(rank.pid, signal.SIGTERM)  # srun's
+        time.sleep(0.8)
+        assert rank.poll() is None, "the rank took a passed-on SIGTERM for a second one and exited"
+        time.sleep(1.0)
+        os.kill(rank.pid, signal.SIGTERM)  # a real second one, after the window: at once
+        assert rank.wait(5) == 143
+    finally:
+        rank.kill()
+
+
+def test_the_checkpoint_writers_manager_outlives_slurms_sigterm(monkeypatch) -> None:
+    """Megatron's async checkpoint writer passes results through a Manager process; Slurm's SIGTERM reaches it
+    too, and a scancel's save then failed with "Broken pipe" (measured on the local cluster). The Manager the
+    rank starts in a Slurm step ignores SIGTERM: the queue still works after one (a real Manager process)."""
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from hpc_rl.training import term_deferral
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    monkeypatch.setattr(filesystem_async, "_get_write_results_queue", filesystem_async._get_write_results_queue)
+    assert term_deferral.keep_checkpoint_writer_through_sigterm()
+    queue = filesystem_async._get_write_results_queue()  # as the writer asks for it, from the module's global
+    manager = term_deferral._writer_manager
+    assert isinstance(manager, SyncManager) and manager._process is not None
+    try:
+        os.kill(manager._process.pid, signal.SIGTERM)  # old: the default Manager died here
+        time.sleep(0.5)
+        assert manager._process.is_alive()
+        queue.put({"written": 1})
+        assert queue.get(timeout=5) == {"written": 1}
+        assert filesystem_async._get_write_results_queue() is queue  # one Manager per rank
+    finally:
+        manager.shutdown()
+        term_deferral._writer_manager = None

@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from hpc_rl.engines.cpu.faults import EXIT_IN_GENERATE, fail_here_if_asked
 from hpc_rl.engines.cpu.follower import loaded_digest, open_node_shares
 from hpc_rl.engines.cpu.memory_occupation import WeightsNotLoaded
 from hpc_rl.engines.cpu.node_group import EngineNodes, FollowerFailed, same_digest
@@ -155,6 +156,7 @@ class EngineServer:
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        fail_here_if_asked(EXIT_IN_GENERATE)
         body = await _read_json(request)
         try:
             parsed = parse_generate_body(body, tokenizer=self.scheduler.tokenizer,

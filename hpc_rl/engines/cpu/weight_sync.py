@@ -3,30 +3,53 @@
 Owns: the engine's weight-update groups (joined through `hpc_rl.weights.process_group`), receiving
 one bucket from trainer rank 0 (per tensor, or one `flattened_bucket` laid out by
 `hpc_rl.weights.bucket_layout`), reading a colocated share from shared memory
-(`hpc_rl.weights.colocated`), and copying tensors into the model by HF parameter name. The
+(`hpc_rl.weights.colocated`), and copying tensors into the model by HF parameter name (the
+checkpoint's names, also for MoE experts that transformers keeps fused in memory). The
 scheduler decides when these run (between decode steps); this module never touches requests.
 """
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from hpc_rl.engines.cpu.faults import (EXIT_IN_GROUP_INIT, EXIT_IN_WEIGHT_SYNC, STOP_IN_WEIGHT_SYNC,
+                                     fail_here_if_asked)
 from hpc_rl.weights.bucket_layout import compute_layout, dtype_from_name, unpack_bucket
 from hpc_rl.weights.colocated import read_shared_memory_bucket
 from hpc_rl.weights.device_identity import refuse_invisible_device
 from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
 
 
+def fused_expert_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each routed expert's weights under the checkpoint's names, as views into transformers 5's fused
+    expert tensors (Qwen3-MoE, GLM-4.5 and the other `*Experts` modules): `<prefix>.gate_up_proj`
+    [E, 2I, H] holds expert K's `<prefix>.K.gate_proj.weight` in rows [K, :I] and its `up_proj` in
+    [K, I:]; `<prefix>.down_proj` [E, H, I] holds `<prefix>.K.down_proj.weight` at [K] (transformers'
+    own checkpoint conversion: MergeModulelist(dim=0), Concatenate(dim=1)). Writing a view writes the
+    model's tensor, so weight updates by HF name reach fused experts like any other parameter."""
+    views: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3):
+            continue
+        inner = gate_up.shape[1] // 2
+        for expert in range(gate_up.shape[0]):
+            views[f"{prefix}.{expert}.gate_proj.weight"] = gate_up[expert, :inner]
+            views[f"{prefix}.{expert}.up_proj.weight"] = gate_up[expert, inner:]
+            views[f"{prefix}.{expert}.down_proj.weight"] = down[expert]
+    return views
+
+
 def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer by HF name, tied aliases included (e.g. `lm_head.weight`)."""
+    """Every parameter and buffer by HF name, tied aliases included (e.g. `lm_head.weight`), and fused
+    experts under their per-expert checkpoint names (`fused_expert_views`)."""
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(dict(model.named_buffers(remove_duplicate=False)))
+    tensors.update(fused_expert_views(model))
     return tensors
 
 
@@ -82,6 +105,7 @@ class WeightUpdateGroups:
     def init(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
              group_name: str, backend: str) -> None:
         """Join as rank `rank_offset` (an engine of TP 1); blocks until all ranks joined."""
+        fail_here_if_asked(EXIT_IN_GROUP_INIT)
         with self._lock:
             if group_name in self._groups:
                 raise ValueError(f"weight update group {group_name!r} already exists: destroy it first")
@@ -108,29 +132,12 @@ class WeightUpdateGroups:
         destroy_weight_update_group(group)
 
 
-FAULT_EXIT_IN_SYNC_ENV = "HPC_RL_FAULT_EXIT_IN_WEIGHT_SYNC"
-"""Fault injection (tests/integration/test_weight_sync_faults.py): a file path. The first CPU engine to be asked
-for a broadcast bucket while that file does not exist creates it and exits at once, before receiving: an
-engine process that dies mid-sync (a GPU fault, the OOM killer). Unset in every real run."""
-
-
-def die_mid_sync_if_asked(environ: Mapping[str, str] = os.environ) -> None:
-    marker = environ.get(FAULT_EXIT_IN_SYNC_ENV)
-    if not marker:
-        return
-    try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-    except FileExistsError:
-        return
-    os._exit(1)
-
-
 def receive_bucket(
     group: dist.ProcessGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
     load_format: str | None,
 ) -> list[tuple[str, torch.Tensor]]:
     """Receive one bucket broadcast by rank 0: one tensor per name, or one flattened uint8 tensor."""
-    die_mid_sync_if_asked()
+    fail_here_if_asked(EXIT_IN_WEIGHT_SYNC, STOP_IN_WEIGHT_SYNC)
     if load_format == "flattened_bucket":
         layout = compute_layout(names, dtypes, shapes)
         buffer = torch.empty(layout.total_bytes, dtype=torch.uint8)
