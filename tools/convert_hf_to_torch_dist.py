@@ -4,6 +4,8 @@
     python tools/convert_hf_to_torch_dist.py --model configs/models/qwen3_4B.yaml --hf-checkpoint HF_DIR --save OUT_DIR
     torchrun --nproc-per-node 2 tools/convert_hf_to_torch_dist.py ... --tensor-model-parallel-size 2
     torchrun --nproc-per-node 2 tools/convert_hf_to_torch_dist.py ... --expert-model-parallel-size 2   (MoE)
+    torchrun --nproc-per-node 2 tools/convert_hf_to_torch_dist.py ... --pipeline-model-parallel-size 2 \
+        --decoder-last-pipeline-num-layers 23                                          (uneven stages)
 
 MODEL_ARGS are Megatron's model flags as in slime's scripts/models/*.sh (they may also override a
 --model file's fields). The architecture is checked against HF_DIR/config.json and written to
@@ -28,6 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP ranks (MoE models)")
     parser.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                         help="expert TP ranks (MoE; default: the TP size, as Megatron)")
+    parser.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                        help="layers of the first pipeline stage (default: an even split)")
+    parser.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                        help="layers of the last pipeline stage (default: an even split)")
     args, model_flags = parser.parse_known_args(argv)
 
     import yaml
@@ -51,7 +57,9 @@ def main(argv: list[str] | None = None) -> None:
                            tensor_parallel_size=args.tensor_model_parallel_size,
                            pipeline_parallel_size=args.pipeline_model_parallel_size,
                            expert_parallel_size=args.expert_model_parallel_size,
-                           expert_tensor_parallel_size=args.expert_tensor_parallel_size)
+                           expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                           first_stage_layers=args.decoder_first_pipeline_num_layers,
+                           last_stage_layers=args.decoder_last_pipeline_num_layers)
     shutdown_parallel()
     print(out)
 

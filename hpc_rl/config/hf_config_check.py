@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hpc_rl.config.model import ModelArchitecture
 
-ROUTER_SCORE_OF_TYPE = {"qwen3_moe": "softmax", "glm4_moe": "sigmoid"}
-EXPERT_BIAS_OF_TYPE = {"qwen3_moe": False, "glm4_moe": True}
-NORM_TOPK_PROB_DEFAULT = {"qwen3_moe": False, "glm4_moe": True}
-SHARED_EXPERTS_DEFAULT = {"qwen3_moe": 0, "glm4_moe": 1}
-FIRST_DENSE_DEFAULT = {"glm4_moe": 1}
+ROUTER_SCORE_OF_TYPE = {"qwen3_moe": "softmax", "glm4_moe": "sigmoid", "deepseek_v3": "sigmoid",
+                        "glm4_moe_lite": "sigmoid"}
+EXPERT_BIAS_OF_TYPE = {"qwen3_moe": False, "glm4_moe": True, "deepseek_v3": True, "glm4_moe_lite": True}
+NORM_TOPK_PROB_DEFAULT = {"qwen3_moe": False, "glm4_moe": True, "deepseek_v3": True, "glm4_moe_lite": True}
+SHARED_EXPERTS_DEFAULT = {"qwen3_moe": 0, "glm4_moe": 1, "deepseek_v3": 1, "glm4_moe_lite": 1}
+FIRST_DENSE_DEFAULT = {"glm4_moe": 1, "deepseek_v3": 3, "glm4_moe_lite": 1}
 QK_NORM_OF_TYPE = {"qwen3": True, "qwen3_moe": True, "llama": False, "glm4": False}
 HALF_ROTARY_TYPES = ("glm4", "glm4_moe")  # their config classes default partial_rotary_factor to 0.5
 
@@ -62,6 +63,8 @@ def attention_mismatches(arch: ModelArchitecture, hf: dict[str, Any]) -> list[st
 def hf_dense_layers(hf: dict[str, Any], num_layers: int) -> list[int] | None:
     """Indices of the layers with a dense MLP in an HF MoE config (None: the config does not say)."""
     model_type = hf.get("model_type", "")
+    if isinstance(hf.get("mlp_layer_types"), list):  # Glm4MoeLite: "dense" | "sparse" per layer
+        return [layer for layer, kind in enumerate(hf["mlp_layer_types"][:num_layers]) if kind == "dense"]
     if "first_k_dense_replace" in hf or model_type in FIRST_DENSE_DEFAULT:
         first = hf.get("first_k_dense_replace", FIRST_DENSE_DEFAULT.get(model_type, 0)) or 0
         return list(range(min(first, num_layers)))
@@ -115,7 +118,8 @@ def _routing_mismatches(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str
                         f"config.json's routed_scaling_factor is {scaling!r}")
     groups = hf.get("n_group") or 1
     hf_grouping = (groups, hf.get("topk_group")) if groups > 1 else None
-    ours = (arch.moe_router_num_groups, arch.moe_router_group_topk) if arch.moe_router_group_topk else None
+    ours = ((arch.moe_router_num_groups, arch.moe_router_group_topk)  # one group (Moonlight's flags): no grouping
+            if arch.moe_router_group_topk and (arch.moe_router_num_groups or 1) > 1 else None)
     if hf_grouping != ours:
         problems.append(f"moe_router_num_groups/moe_router_group_topk: model file says {ours}, config.json's "
                         f"n_group/topk_group say {hf_grouping}")

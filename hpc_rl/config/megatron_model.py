@@ -7,7 +7,9 @@ refusing what hpc_rl cannot build with the reason, and overriding a model file's
 given (as `MODEL_ARGS+=(--rotary-base 10000)` does in slime). The MoE flags (`--num-experts 128
 --moe-ffn-hidden-size 768 --moe-layer-freq [0]*1+[1]*45 ...`) likewise, with Megatron's defaults
 (moe_ffn_hidden_size = ffn_hidden_size, top-2, every layer MoE), and the MoE family: config.json's
-model_type when it names one, else softmax + q/k norms -> qwen3_moe, sigmoid + shared expert -> glm4_moe.
+model_type when it names one, else softmax + q/k norms -> qwen3_moe, sigmoid + shared expert -> glm4_moe,
+multi-latent attention -> deepseek_v3. The MLA flags (`--multi-latent-attention --q-lora-rank ... --rotary-scaling-factor
+--mscale --mscale-all-dim --mtp-num-layers`) likewise, with Megatron-LM's defaults (`_apply_mla_flags`).
 The HF config.json check is
 `hpc_rl.config.validation`'s (the same check model files get).
 """
@@ -16,11 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpc_rl.config.model import MOE_FAMILIES, ModelArchitecture
+from hpc_rl.config.mla_fields import hf_yarn_fields
+from hpc_rl.config.model import MLA_FAMILIES, MOE_FAMILIES, ModelArchitecture
 
 GLM4_SPEC = ("slime_plugins.models.glm4", "get_glm_spec")
 HF_MODEL_TYPE_FAMILY = {"qwen3": "qwen3", "glm4": "glm4", "llama": "llama", "qwen3_moe": "qwen3_moe",
-                        "glm4_moe": "glm4_moe"}
+                        "glm4_moe": "glm4_moe", "deepseek_v3": "deepseek_v3", "glm4_moe_lite": "glm4_moe_lite"}
 DEFAULT_MAX_POSITION_EMBEDDINGS = 4096
 MOE_FIELD_OF_FLAG = {"num_experts": "num_moe_experts", "moe_ffn_hidden_size": "moe_ffn_hidden_size",
                      "moe_router_topk": "moe_router_topk", "moe_layer_freq": "moe_layer_freq",
@@ -31,6 +34,10 @@ MOE_FIELD_OF_FLAG = {"num_experts": "num_moe_experts", "moe_ffn_hidden_size": "m
                      "moe_router_pre_softmax": "moe_router_pre_softmax",
                      "moe_router_enable_expert_bias": "moe_router_enable_expert_bias"}
 """Megatron's MoE architecture flag -> ModelArchitecture field (one rename: --num-experts)."""
+MLA_FLAG_DEFAULTS = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64,
+                     "v_head_dim": 128, "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+"""Megatron-LM's defaults of the MLA flags (megatron/training/arguments.py, _add_mla_args); the flag names are
+the ModelArchitecture fields."""
 
 
 def _family(flags: dict[str, Any], problems: list[str]) -> str:
@@ -154,6 +161,8 @@ def _moe_family(fields: dict[str, Any], problems: list[str], hf_type: str | None
         return hf_type
     sigmoid = fields.get("moe_router_score_function", "softmax") == "sigmoid"
     shared = bool(fields.get("moe_shared_expert_intermediate_size"))
+    if fields.get("multi_latent_attention"):
+        return "deepseek_v3"  # Glm4MoeLite has the same layers and names; config.json's model_type says which
     if sigmoid and shared:
         return "glm4_moe"
     if not sigmoid and not shared and fields.get("qk_layernorm"):
@@ -162,6 +171,34 @@ def _moe_family(fields: dict[str, Any], problems: list[str], hf_type: str | None
                     "shared expert) nor GLM-4.5 (--moe-router-score-function sigmoid with "
                     "--moe-shared-expert-intermediate-size), the MoE families hpc_rl builds")
     return "qwen3_moe"
+
+
+def _apply_mla_flags(flags: dict[str, Any], fields: dict[str, Any], problems: list[str],
+                     hf_config: dict[str, Any] | None) -> None:
+    """The MLA / YaRN / MTP flags on top of `fields`, with Megatron-LM's defaults. What Megatron has no flag
+    for (YaRN's original_max_position_embeddings, beta_fast, beta_slow) comes from config.json when given.
+    Megatron's MLA layers take no q/k/v bias, so --add-qkv-bias (GLM-4.7-Flash's line) changes nothing there."""
+    if "mtp_num_layers" in flags:
+        fields["mtp_num_layers"] = flags["mtp_num_layers"] or None
+    mla_flags = [name for name in (*MLA_FLAG_DEFAULTS, "rope_type") if name in flags]
+    if not flags.get("multi_latent_attention") and not fields.get("multi_latent_attention"):
+        if mla_flags:
+            problems.append(" ".join("--" + f.replace("_", "-") for f in mla_flags) + " without "
+                            "--multi-latent-attention: Megatron ignores them; add --multi-latent-attention")
+        return
+    if not fields.get("multi_latent_attention"):
+        fields.update(MLA_FLAG_DEFAULTS)
+        fields["multi_latent_attention"] = True
+    fields.update({name: flags[name] for name in MLA_FLAG_DEFAULTS if name in flags})
+    if flags.get("rope_type") not in (None, "yarn", "rope"):
+        problems.append(f"--rope-type {flags['rope_type']}: Megatron's MLA takes yarn or rope")
+    elif flags.get("rope_type") == "rope" and fields["rotary_scaling_factor"] != 1.0:
+        problems.append(f"--rope-type rope with --rotary-scaling-factor {fields['rotary_scaling_factor']}: Megatron's "
+                        f"MLA then rotates without YaRN but still scales the softmax by YaRN's mscale; drop "
+                        f"--rope-type (YaRN, Megatron's MLA default) or the factor")
+    if hf_config is not None and fields["rotary_scaling_factor"] > 1.0:
+        fields.update(hf_yarn_fields(hf_config))
+    fields["add_qkv_bias"] = False
 
 
 def architecture_from_flags(
@@ -178,7 +215,11 @@ def architecture_from_flags(
     fields = _scratch_fields(flags, hf_config, problems) if base is None else _overridden_fields(flags, base, problems)
     hf_type = (hf_config or {}).get("model_type")
     if fields:
+        _apply_mla_flags(flags, fields, problems, hf_config)
         _apply_moe_flags(flags, fields, problems, hf_type)
+        if fields.get("multi_latent_attention") and not fields.get("num_moe_experts"):
+            problems.append("--multi-latent-attention without --num-experts: hpc_rl builds MLA for the MoE families "
+                            f"{', '.join(MLA_FAMILIES)} (DeepSeek-V3, Kimi-K2, Moonlight, GLM-4.7-Flash)")
     if fields and hf_type in HF_MODEL_TYPE_FAMILY and HF_MODEL_TYPE_FAMILY[hf_type] != fields["family"]:
         hint = " (add --spec slime_plugins.models.glm4 get_glm_spec)" if hf_type == "glm4" else ""
         problems.append(f"the flags describe a {fields['family']} model but config.json says model_type {hf_type!r}{hint}")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.parallel_layout import ParallelLayout
 from hpc_rl.config.parameter_counts import ParameterShare, format_count, model_share, stage_shares
+from hpc_rl.config.pipeline_split import PipelineSplitError, training_split
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sglang_options import attention_dp_size
 
@@ -196,6 +197,11 @@ def _layer_activation_elements(arch: ModelArchitecture, moe: bool) -> int:
     h, d = arch.hidden_size, arch.kv_channels
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
     attention = 2 * h + (q + 2 * kv if arch.qk_layernorm else kv) + (q + kv) + q
+    if arch.multi_latent_attention:  # latents and their norms, up-projected q and kv, rotated k, output
+        heads, nope, rope = arch.num_attention_heads, arch.qk_head_dim or 0, arch.qk_pos_emb_head_dim or 0
+        latent = 2 * (arch.q_lora_rank or 0) + 2 * (arch.kv_lora_rank or 0) + rope
+        attention = 2 * h + latent + heads * (nope + rope) + heads * (nope + (arch.v_head_dim or 0)) \
+            + heads * (nope + rope) + heads * (arch.v_head_dim or 0)
     if not moe:
         return attention + 2 * h + 3 * arch.ffn_hidden_size
     experts, inner = arch.num_moe_experts or 0, arch.moe_ffn_hidden_size or arch.ffn_hidden_size
@@ -204,7 +210,7 @@ def _layer_activation_elements(arch: ModelArchitecture, moe: bool) -> int:
     return attention + routed + shared
 
 
-def _activations(arch: ModelArchitecture, config: RunConfig, layers: range, tokens: int,
+def _activations(arch: ModelArchitecture, config: RunConfig, layers: list[int], tokens: int,
                  in_flight: int) -> tuple[int, int]:
     """(no recompute, full recompute) bytes of one stage's layers, times the micro-batches in flight (1F1B:
     PP - stage). Full recompute keeps each unit's input (uniform: units of recompute_num_layers layers; block:
@@ -231,8 +237,8 @@ def trainer_memory(config: RunConfig, arch: ModelArchitecture, layout: ParallelL
     """The fullest pipeline stage's GPU."""
     training, optimizer = config.training, config.optimizer
     tokens, _ = tokens_per_micro_batch(config)
-    stages = stage_shares(arch, layout.pp)
-    per_stage = arch.num_layers // layout.pp
+    split = training_split(arch.num_layers, training)
+    stages = stage_shares(arch, layout.pp, split)
     best: TrainerMemory | None = None
     for stage, share in enumerate(stages):
         dense = (share.tensor_parallel + share.vocab_parallel) // layout.tp + share.replicated
@@ -241,9 +247,9 @@ def trainer_memory(config: RunConfig, arch: ModelArchitecture, layout: ParallelL
         shards = dense / layout.dense_optimizer_shards + experts / layout.expert_optimizer_shards
         full = PRECISION_AWARE_OPTIMIZER_BYTES if optimizer.use_precision_aware_optimizer else OPTIMIZER_BYTES
         offloaded = optimizer.optimizer_offload_fraction if optimizer.optimizer_cpu_offload else 0.0
-        kept, recompute = _activations(arch, config, range(stage * per_stage, (stage + 1) * per_stage), tokens,
-                                       in_flight=layout.pp - stage)
         last = stage == layout.pp - 1
+        layers = list(split.layers(stage)) + ([arch.num_layers - 1] * (arch.mtp_num_layers or 0) if last else [])
+        kept, recompute = _activations(arch, config, layers, tokens, in_flight=layout.pp - stage)
         # Training modes: the distillation teacher (opd_type megatron) is one more frozen model beside the
         # reference; PPO's critic is a second trained model of the same size, resident with the actor.
         frozen = int(bool(config.algorithm.use_kl_loss or config.algorithm.kl_coef)) + int(
@@ -291,6 +297,8 @@ def engine_memory(config: RunConfig, arch: ModelArchitecture, gpu: int) -> Engin
     static = int(fraction * gpu)
     kv_heads = math.ceil(arch.num_query_groups / attention_tp)
     kv_per_token = arch.num_layers * 2 * kv_heads * arch.kv_channels * BF16
+    if arch.multi_latent_attention:  # SGLang caches MLA's latent and rotary key, whole on every attention-TP rank
+        kv_per_token = arch.num_layers * ((arch.kv_lora_rank or 0) + (arch.qk_pos_emb_head_dim or 0)) * BF16
     return EngineMemory(gpus_per_engine=gpus, attention_tp=attention_tp, weights=weights, static=static,
                         kv_cache=static - weights, kv_bytes_per_token=kv_per_token, mem_fraction_static=fraction,
                         fraction_is_auto=auto)
@@ -353,6 +361,21 @@ def plan_summary(config: RunConfig, arch: ModelArchitecture | None) -> str:
     if arch is None:
         return "parallel layout and memory plan: no model architecture"
     layout = ParallelLayout.of(config.training, config.cluster.trainer_world_size, arch)
+    described = layout.describe() + _stages_line(config, arch)
     if config.cluster.device != "cuda":
-        return f"{layout.describe()}\nmemory plan: device {config.cluster.device}, no GPU memory to plan"
-    return f"{layout.describe()}\n{plan_memory(config, arch).describe()}"
+        return f"{described}\nmemory plan: device {config.cluster.device}, no GPU memory to plan"
+    return f"{described}\n{plan_memory(config, arch).describe()}"
+
+
+def _stages_line(config: RunConfig, arch: ModelArchitecture) -> str:
+    """Which layers each pipeline stage holds, when there are stages or MTP layers to place."""
+    try:
+        split = training_split(arch.num_layers, config.training)
+    except PipelineSplitError as error:
+        return f"\n  pipeline stages: {error}"
+    if len(split.counts) == 1 and not arch.mtp_num_layers:
+        return ""
+    stages = [f"layers {r.start}-{r.stop - 1}" for r in (split.layers(s) for s in range(len(split.counts)))]
+    if arch.mtp_num_layers:
+        stages[-1] += f" + {arch.mtp_num_layers} MTP layer(s)"
+    return "\n  pipeline stages: " + " | ".join(stages)

@@ -17,10 +17,14 @@ from typing import Any
 import yaml
 
 from hpc_rl.config.hf_config_check import attention_mismatches, moe_mismatches
+from hpc_rl.config.mla_fields import mla_field_problem, mla_mismatches
 from hpc_rl.config.moe_layer_freq import LayerFreqError, expand_layer_freq
 
-MODEL_FAMILIES = ("qwen3", "glm4", "llama", "qwen3_moe", "glm4_moe")
-MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
+MODEL_FAMILIES = ("qwen3", "glm4", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite")
+MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
+"""Multi-latent attention on MoE: DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi-K2, Moonlight) and
+Glm4MoeLiteForCausalLM (GLM-4.7-Flash); the same layers and names, different HF model_type."""
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", *MLA_FAMILIES)
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
@@ -29,8 +33,9 @@ class ModelArchitecture:
     """A decoder-only transformer, in Megatron's terms (names follow Megatron's TransformerConfig)."""
 
     family: str
-    """Mapping family for HF <-> Megatron names: qwen3 | glm4 | llama | qwen3_moe | glm4_moe (the HF
-    model_type of the checkpoint: Qwen3MoeForCausalLM, Glm4MoeForCausalLM)."""
+    """Mapping family for HF <-> Megatron names: qwen3 | glm4 | llama | qwen3_moe | glm4_moe | deepseek_v3 |
+    glm4_moe_lite (the HF model_type of the checkpoint: Qwen3MoeForCausalLM, Glm4MoeForCausalLM,
+    DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM)."""
     num_layers: int
     """Number of transformer layers (HF num_hidden_layers)."""
     hidden_size: int
@@ -102,9 +107,45 @@ class ModelArchitecture:
     moe_router_group_topk: int | None = None
     """Group-limited routing: groups each token may use (HF topk_group)."""
 
+    # Multi-latent attention, YaRN and multi-token prediction (issue 20; Megatron's MLATransformerConfig
+    # names: hpc_rl.config.mla_fields documents the HF keys each one is checked against).
+    multi_latent_attention: bool = False
+    """DeepSeek's multi-latent attention (Megatron's MLASelfAttention) instead of GQA; kv_channels and
+    num_query_groups are then unused."""
+    q_lora_rank: int | None = None
+    """Rank of the query's low-rank projection (HF q_lora_rank; None: one full q projection, Moonlight)."""
+    kv_lora_rank: int | None = None
+    """Rank of the compressed key/value latent (HF kv_lora_rank)."""
+    qk_head_dim: int | None = None
+    """Per-head query/key width without rotary (HF qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int | None = None
+    """Per-head rotary query/key width (HF qk_rope_head_dim)."""
+    v_head_dim: int | None = None
+    """Per-head value width (HF v_head_dim)."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN's scaling factor (HF rope_scaling factor); 1.0: plain RoPE."""
+    mscale: float = 1.0
+    """YaRN's mscale (HF rope_scaling mscale): scales the rotary cos/sin with mscale_all_dim."""
+    mscale_all_dim: float = 0.0
+    """YaRN's mscale_all_dim (HF rope_scaling mscale_all_dim): also scales the softmax."""
+    original_max_position_embeddings: int = 4096
+    """YaRN's pre-training context (HF rope_scaling original_max_position_embeddings)."""
+    beta_fast: float = 32.0
+    """YaRN's beta_fast (HF rope_scaling beta_fast)."""
+    beta_slow: float = 1.0
+    """YaRN's beta_slow (HF rope_scaling beta_slow)."""
+    mtp_num_layers: int | None = None
+    """Multi-token-prediction layers after the decoder (Megatron's MTP block; HF num_nextn_predict_layers,
+    the layers model.layers.<num_layers + k>.* SGLang's EAGLE/NextN draft loads); None: none built."""
+
     @property
     def is_moe(self) -> bool:
         return self.num_moe_experts is not None
+
+    @property
+    def yarn(self) -> bool:
+        """YaRN rotary scaling is on (a factor above 1)."""
+        return self.rotary_scaling_factor > 1.0
 
     def moe_layers(self) -> list[bool]:
         """Per layer: True if its MLP is a MoE layer (all False for a dense model)."""
@@ -143,6 +184,9 @@ class ModelArchitecture:
                     self.moe_layer_freq = expand_layer_freq(self.moe_layer_freq, self.num_layers)
                 except LayerFreqError as error:
                     raise ValueError(f"moe_layer_freq: {error}") from error
+        problem = mla_field_problem(self)
+        if problem:
+            raise ValueError(problem)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ModelArchitecture":
@@ -181,7 +225,8 @@ def _hf_rope_theta(config: dict[str, Any]) -> float | None:
 
 def architecture_mismatches(arch: ModelArchitecture, hf_config: dict[str, Any]) -> list[str]:
     """Fields where the architecture file disagrees with an HF config.json, as readable lines (attention
-    details and mixture-of-experts keys: `hpc_rl.config.hf_config_check`)."""
+    details and mixture-of-experts keys: `hpc_rl.config.hf_config_check`; MLA, YaRN, MTP:
+    `hpc_rl.config.mla_fields`)."""
     heads = _hf_value(hf_config, "num_attention_heads")
     hidden = _hf_value(hf_config, "hidden_size")
     head_dim = _hf_value(hf_config, "head_dim", default=(hidden // heads if hidden and heads else None))
@@ -197,6 +242,8 @@ def architecture_mismatches(arch: ModelArchitecture, hf_config: dict[str, Any]) 
         "vocab_size": _hf_value(hf_config, "vocab_size", "padded_vocab_size"),
         "tie_word_embeddings": _hf_value(hf_config, "tie_word_embeddings", default=False),
     }
+    if arch.multi_latent_attention:  # MLA has no GQA head dim: HF head_dim is the rotary width there
+        del expected["kv_channels"]
     problems = []
     for name, hf_value in expected.items():
         if hf_value is None:
@@ -205,7 +252,8 @@ def architecture_mismatches(arch: ModelArchitecture, hf_config: dict[str, Any]) 
         same = math.isclose(float(ours), float(hf_value), rel_tol=1e-9) if isinstance(ours, float) else ours == hf_value
         if not same:
             problems.append(f"{name}: model file says {ours!r}, config.json says {hf_value!r}")
-    return problems + attention_mismatches(arch, hf_config) + moe_mismatches(arch, hf_config)
+    attention = [] if arch.multi_latent_attention else attention_mismatches(arch, hf_config)
+    return problems + attention + mla_mismatches(arch, hf_config) + moe_mismatches(arch, hf_config)
 
 
 def load_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:

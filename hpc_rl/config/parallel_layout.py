@@ -58,9 +58,9 @@ class ParallelLayout:
         return max(1, self.expert_dp)
 
     def splits(self, arch: ModelArchitecture) -> bool:
-        """Every size divides: the layers over PP, the world into both groupings, the experts over EP."""
-        return (self.dp > 0 and self.expert_dp > 0 and arch.num_layers % self.pp == 0
-                and (arch.num_moe_experts or self.ep) % self.ep == 0)
+        """Every size divides: the world into both groupings, the experts over EP (the layers over PP:
+        `pipeline_split`)."""
+        return (self.dp > 0 and self.expert_dp > 0 and (arch.num_moe_experts or self.ep) % self.ep == 0)
 
     def describe(self) -> str:
         lines = [f"parallel layout ({self.world} trainer GPU(s)): TP {self.tp} x PP {self.pp} x CP {self.cp} x "

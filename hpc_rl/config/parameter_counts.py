@@ -3,7 +3,9 @@
 Owns: counting a `ModelArchitecture`'s parameters by kind (embeddings, attention, dense MLP, routed
 experts, shared experts, routers, norms), per layer range (a pipeline stage), split into the parts that
 tensor parallelism divides, that expert parallelism divides and that every rank replicates; and the
-active count (a token uses top-k of the routed experts). The vocabulary is counted unpadded (Megatron's
+active count (a token uses top-k of the routed experts). Multi-latent attention counts its q/kv down
+projections as replicated (Transformer Engine's duplicated linears); MTP layers sit on the last stage.
+The vocabulary is counted unpadded (Megatron's
 padding adds < 0.1%). Pure arithmetic for `hpc_rl.config.memory_plan`; checked against the published
 totals of Qwen3-4B, Qwen3-30B-A3B and GLM-4.5-Air in the unit tests.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.config.pipeline_split import StageSplit, stage_split
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,23 @@ class ParameterShare:
         return self.total - self.experts
 
 
+def _mla_attention(arch: ModelArchitecture) -> ParameterShare:
+    """Multi-latent attention: the q/kv down projections (and their latent norms) are replicated on every
+    TP rank (Transformer Engine's duplicated linears), the up projections and the output projection split."""
+    h, heads = arch.hidden_size, arch.num_attention_heads
+    q_head = (arch.qk_head_dim or 0) + (arch.qk_pos_emb_head_dim or 0)
+    kv_rank, rope, v_head = arch.kv_lora_rank or 0, arch.qk_pos_emb_head_dim or 0, arch.v_head_dim or 0
+    q_rank = arch.q_lora_rank
+    down = (h * q_rank if q_rank else 0) + h * (kv_rank + rope)
+    split = ((q_rank if q_rank else h) * heads * q_head + kv_rank * heads * ((arch.qk_head_dim or 0) + v_head)
+             + heads * v_head * h)
+    norms = h + kv_rank + (q_rank or 0) + (h if arch.post_sublayer_norms else 0)
+    return ParameterShare(tensor_parallel=split, attention=split, replicated=down + norms)
+
+
 def _attention(arch: ModelArchitecture) -> ParameterShare:
+    if arch.multi_latent_attention:
+        return _mla_attention(arch)
     h, d = arch.hidden_size, arch.kv_channels
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
     weights = h * q + 2 * h * kv + q * h
@@ -82,11 +101,26 @@ def _mlp(arch: ModelArchitecture, moe: bool) -> ParameterShare:
                           active_experts=arch.moe_router_topk * one_expert)
 
 
+def mtp_share(arch: ModelArchitecture) -> ParameterShare:
+    """The MTP layers (after the decoder, on the last pipeline stage): each has two input norms, the [2h -> h]
+    projection (TP-split), a decoder layer shaped like the last one, and its final norm; the embedding and the
+    output layer are the model's own."""
+    if not arch.mtp_num_layers:
+        return ParameterShare()
+    h = arch.hidden_size
+    one = (ParameterShare(tensor_parallel=2 * h * h, replicated=3 * h) + _attention(arch)
+           + _mlp(arch, arch.moe_layers()[-1]))
+    share = ParameterShare()
+    for _ in range(arch.mtp_num_layers):
+        share = share + one
+    return share
+
+
 def layer_range_share(arch: ModelArchitecture, first: int, last: int, *, embedding: bool,
                       output: bool) -> ParameterShare:
-    """Layers first..last-1, plus the input embedding and/or the output layer and final norm."""
+    """Layers first..last-1, plus the input embedding and/or the output layer, final norm and MTP layers."""
     moe_layers = arch.moe_layers()
-    share = ParameterShare()
+    share = mtp_share(arch) if output else ParameterShare()
     for layer in range(first, last):
         share = share + _attention(arch) + _mlp(arch, moe_layers[layer])
     vocab = arch.vocab_size * arch.hidden_size
@@ -103,11 +137,11 @@ def model_share(arch: ModelArchitecture) -> ParameterShare:
     return layer_range_share(arch, 0, arch.num_layers, embedding=True, output=True)
 
 
-def stage_shares(arch: ModelArchitecture, pipeline_stages: int) -> list[ParameterShare]:
-    """Each pipeline stage's layers (an even split, as hpc_rl builds them); a tied output layer on the
-    last stage is a copy of the embedding there."""
-    per_stage = arch.num_layers // pipeline_stages
-    return [layer_range_share(arch, stage * per_stage, (stage + 1) * per_stage, embedding=stage == 0,
+def stage_shares(arch: ModelArchitecture, pipeline_stages: int, split: StageSplit | None = None) -> list[ParameterShare]:
+    """Each pipeline stage's layers (`split`, default: the even split); a tied output layer on the last stage
+    is a copy of the embedding there."""
+    split = split or stage_split(arch.num_layers, pipeline_stages)
+    return [layer_range_share(arch, split.layers(stage).start, split.layers(stage).stop, embedding=stage == 0,
                               output=stage == pipeline_stages - 1)
             if pipeline_stages > 1 else model_share(arch)
             for stage in range(pipeline_stages)]

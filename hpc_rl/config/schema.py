@@ -293,6 +293,16 @@ class TrainingConfig:
     use_rollout_routing_replay: bool = False
     """The trainer's routers use the experts the engines chose for each token (SGLang's
     --enable-return-routed-experts)."""
+    # Uneven pipeline stages and multi-token prediction (issue 20; Megatron-LM's flag names).
+    decoder_first_pipeline_num_layers: int | None = None
+    """Layers of the first pipeline stage (None: an even split); the middle stages split the rest evenly."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Layers of the last pipeline stage (None: an even split)."""
+    enable_mtp_training: bool = False
+    """Train the MTP layers (model mtp_num_layers) on the rollout's tokens with their own loss; without it they
+    are not run and reach the engines unchanged."""
+    mtp_loss_scaling_factor: float = 0.2
+    """Weight of the MTP loss, divided by the number of MTP layers (slime's default 0.2)."""
     recompute_granularity: str | None = None
     """Activation recompute: full | selective | None."""
     recompute_method: str | None = None

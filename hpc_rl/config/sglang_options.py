@@ -26,9 +26,9 @@ from typing import Any
 PINNED_SGLANG_VERSION = "0.5.23"
 OPTION_LIST = Path(__file__).with_name(f"sglang_options_{PINNED_SGLANG_VERSION}.txt")
 
-SLIME_RENAMES = {"cuda_graph_bs": "cuda_graph_bs_decode"}
-"""slime's option -> the pinned SGLang's. 0.5.23 split `--cuda-graph-bs` into decode and prefill batch
-sizes; slime's recipes mean the decode graphs (the only ones older SGLang captured)."""
+SLIME_RENAMES = {"cuda_graph_bs": "cuda_graph_bs_decode", "cuda_graph_max_bs": "cuda_graph_max_bs_decode"}
+"""slime's option -> the pinned SGLang's. 0.5.23 split `--cuda-graph-bs` and `--cuda-graph-max-bs` into decode
+and prefill batch sizes; slime's recipes mean the decode graphs (the only ones older SGLang captured)."""
 
 
 @dataclass(frozen=True)

@@ -71,18 +71,36 @@ MODEL_VALUE_FLAGS.update(MOE_MODEL_VALUE_FLAGS)
 MODEL_SWITCHES += MOE_MODEL_SWITCHES
 # --- end of the MoE block
 
+# --- Multi-latent attention, YaRN and multi-token prediction (issue 20): Megatron's MLA flags, read with
+# Megatron-LM's defaults into ModelArchitecture's MLA fields (hpc_rl.config.megatron_model). --rope-type is
+# checked there (MLA rotates with YaRN; rope only at factor 1). The training side is TrainingConfig's under
+# the same names: --enable-mtp-training, --mtp-loss-scaling-factor, --decoder-first-pipeline-num-layers,
+# --decoder-last-pipeline-num-layers. SGLang's --sglang-speculative-* options pass through as sglang options.
+MLA_MODEL_VALUE_FLAGS: dict[str, type] = {
+    "q_lora_rank": int,
+    "kv_lora_rank": int,
+    "qk_head_dim": int,
+    "qk_pos_emb_head_dim": int,
+    "v_head_dim": int,
+    "rotary_scaling_factor": float,
+    "mscale": float,
+    "mscale_all_dim": float,
+    "rope_type": str,
+    "mtp_num_layers": int,
+}
+MLA_MODEL_SWITCHES = ("multi_latent_attention",)
+MODEL_VALUE_FLAGS.update(MLA_MODEL_VALUE_FLAGS)
+MODEL_SWITCHES += MLA_MODEL_SWITCHES
+# --- end of the MLA block
+
 MODEL_FLAGS = frozenset(MODEL_VALUE_FLAGS) | frozenset(MODEL_SWITCHES)
 
 # Architectures hpc_rl cannot build: flag -> reason.
 UNBUILDABLE_MODEL_FLAGS: dict[str, str] = {
     "moe_shared_expert_gate": ("hpc_rl builds Qwen3-MoE and GLM-4.5 MoE models; a gated shared expert "
                                "(Qwen2-MoE, Qwen3-Next) is neither"),
-    **{name: "hpc_rl has no multi-latent attention (DeepSeek MLA): use a GQA/MHA model"
-       for name in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim",
-                    "qk_pos_emb_head_dim")},
-    "mtp_num_layers": "hpc_rl has no multi-token-prediction heads",
-    "use_rope_scaling": "hpc_rl applies plain RoPE; a scaled-RoPE model (Llama 3.1 style) would train silently wrong",
-    "rotary_scaling_factor": "hpc_rl applies plain RoPE; a scaled-RoPE model would train silently wrong",
+    "use_rope_scaling": ("hpc_rl applies plain RoPE, or YaRN inside multi-latent attention; a Llama-3.1-style "
+                         "scaled RoPE would train silently wrong"),
     "apply_layernorm_1p": "hpc_rl builds RMSNorm models only",
 }
 
@@ -113,6 +131,18 @@ COMPAT_FLAGS: dict[str, CompatFlag] = {
     "use_distributed_optimizer": CompatFlag((True,), "hpc_rl always uses Megatron's distributed optimizer on GPU"),
     "train_backend": CompatFlag(("megatron",), "hpc_rl trains with Megatron-core only"),
 }
+
+# Issue 20's (MLA recipes): flags of slime's Moonlight / GLM-4.7-Flash lines that state what hpc_rl does.
+COMPAT_FLAGS.update({
+    "no_masked_softmax_fusion": CompatFlag(
+        (True,), "hpc_rl never uses Megatron's masked-softmax fusion (Transformer Engine's attention on GPU, an "
+                  "unfused float32 softmax on CPU)"),
+    "no_position_embedding": CompatFlag((True,), "rotary models have no learned position embedding; hpc_rl never "
+                                                 "builds one"),
+    "make_vocab_size_divisible_by": CompatFlag(
+        (64, 128), "hpc_rl pads the embedding to a multiple of 128 rows at every TP size (torch_dist checkpoints "
+                   "then reshard); the padded rows never reach a log-prob, a converted checkpoint or an engine"),
+})
 
 # Other spellings of hpc_rl fields: flag name -> field path (value passed through).
 ALIASES: dict[str, str] = {

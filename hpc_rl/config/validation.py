@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_rl.config.memory_plan import plan_memory
+from hpc_rl.config.mla_checks import mla_problems, speculative_notes
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
 from hpc_rl.config.precision import TRAINER_DTYPES, trainer_dtype_name
 from hpc_rl.config.parallel_layout import ParallelLayout
@@ -26,7 +27,8 @@ from hpc_rl.config.settings_sources import flat_index
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.file_checks import path_problems, prompt_file_problems
 from hpc_rl.config.value_ranges import range_problems
-from hpc_rl.config.sglang_options import engine_kind, engine_problems, external_engine_url
+from hpc_rl.config.pipeline_split import PipelineSplitError, training_split
+from hpc_rl.config.sglang_options import attention_dp_size, engine_kind, engine_problems, external_engine_url
 from hpc_rl.config.training_modes import is_sft, mode_problems
 from hpc_rl.plugins import PluginError, load_plugin
 
@@ -253,18 +255,17 @@ def _model_problems(config: RunConfig) -> list[Problem]:
             "training.tensor_model_parallel_size",
             f"TP {tp} does not divide the model's {arch.num_query_groups} KV heads ({model_path})",
         ))
-    engine_tp = config.cluster.rollout_num_gpus_per_engine
-    if arch.num_attention_heads % engine_tp:
+    # SGLang splits attention heads over the engine's attention-TP group (its GPUs / attention DP)
+    engine_tp = config.cluster.rollout_num_gpus_per_engine // attention_dp_size(config.sglang.server_options())
+    if engine_tp and arch.num_attention_heads % engine_tp:
         problems.append(Problem(
             "cluster.rollout_num_gpus_per_engine",
-            f"engine TP {engine_tp} does not divide the model's {arch.num_attention_heads} heads",
+            f"engine (attention) TP {engine_tp} does not divide the model's {arch.num_attention_heads} heads",
         ))
-    if arch.num_layers % config.training.pipeline_model_parallel_size:
-        problems.append(Problem(
-            "training.pipeline_model_parallel_size",
-            f"PP {config.training.pipeline_model_parallel_size} does not divide the model's num_layers "
-            f"({arch.num_layers}, {model_path}): every pipeline stage holds num_layers / PP layers",
-        ))
+    try:
+        training_split(arch.num_layers, config.training)
+    except PipelineSplitError as error:
+        problems.append(Problem("training.pipeline_model_parallel_size", f"{error} ({model_path})"))
     hf_config = Path(config.checkpoint.hf_checkpoint) / "config.json" if config.checkpoint.hf_checkpoint else None
     if hf_config is not None and hf_config.is_file():
         try:
@@ -334,12 +335,22 @@ def _moe_and_memory_problems(config: RunConfig) -> list[Problem]:
     """Experts, optimizer offload, SGLang's MoE options; then (cuda runs whose layout is sound) the per-GPU
     memory plan (`hpc_rl.config.memory_plan`)."""
     arch = run_architecture(config)
-    found = moe_problems(config, arch) + optimizer_problems(config) + sglang_moe_problems(config, arch)
+    found = (moe_problems(config, arch) + optimizer_problems(config) + sglang_moe_problems(config, arch)
+             + mla_problems(config, arch))
     problems = [Problem(where, message) for where, message in found]
-    sound = arch is not None and ParallelLayout.of(config.training, config.cluster.trainer_world_size, arch).splits(arch)
+    sound = (arch is not None and ParallelLayout.of(config.training, config.cluster.trainer_world_size, arch).splits(arch)
+             and _pipeline_splits(arch, config))
     if arch is not None and config.cluster.device == "cuda" and sound and config.cluster.rollout_num_gpus_per_engine >= 1:
         problems += [Problem(where, message) for where, message in plan_memory(config, arch).problems()]
     return problems
+
+
+def _pipeline_splits(arch: ModelArchitecture, config: RunConfig) -> bool:
+    try:
+        training_split(arch.num_layers, config.training)
+    except PipelineSplitError:
+        return False
+    return True
 
 
 def _slime_flag_problems(config: RunConfig) -> list[Problem]:
@@ -484,5 +495,5 @@ def validate(config: RunConfig, *, check_files: bool = True) -> None:
     problems = collect_problems(config, check_files=check_files)
     if problems:
         raise ValidationFailed(problems)
-    for note in device_notes(config, run_architecture(config)):
+    for note in device_notes(config, run_architecture(config)) + speculative_notes(config):
         log.info(note)

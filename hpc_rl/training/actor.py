@@ -77,11 +77,11 @@ def freeze_parameters(model: torch.nn.Module, training: TrainingConfig) -> torch
     only, frozen = training.only_train_params_name_list, training.freeze_params_name_list
     if not only and not frozen:
         return model
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters():  # never unfreezes (MTP layers without MTP training stay frozen)
         if only:
-            param.requires_grad_(any(re.search(pattern, name) for pattern in only))
+            param.requires_grad_(param.requires_grad and any(re.search(pattern, name) for pattern in only))
         else:
-            param.requires_grad_(not any(re.search(pattern, name) for pattern in frozen or ()))
+            param.requires_grad_(param.requires_grad and not any(re.search(pattern, name) for pattern in frozen or ()))
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("training.only_train_params_name_list / freeze_params_name_list leave no parameter to train")
     return model

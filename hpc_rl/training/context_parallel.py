@@ -231,12 +231,14 @@ def context_parallel_attention(attend: Attend, query: torch.Tensor, key: torch.T
     device = query.device
     order = torch.tensor(gather_order(padded, cp_size), dtype=torch.long, device=device)
     rows = torch.tensor(local_rows(padded, cp_size, cp_rank), dtype=torch.long, device=device)
-    both = gather_with_reduce_scatter_grad(torch.stack((key, value), dim=1), group)
-    both = both.index_select(0, order)  # [T_padded, 2, groups, d] in global order
+    key_width = key.shape[-1]  # MLA's keys are wider than its values: gathered side by side, split after
+    both = gather_with_reduce_scatter_grad(torch.cat((key, value), dim=-1), group)
+    both = both.index_select(0, order)  # [T_padded, groups, d_k + d_v] in global order
+    all_keys, all_values = both[..., :key_width], both[..., key_width:]
     total = both.shape[0]
     if total <= block_mask_max_tokens:
         mask = packed_causal_mask(torch.tensor(padded, dtype=torch.long, device=device).cumsum(0), total, rows)
-        return attend(query.unsqueeze(1), both[:, 0].unsqueeze(1).contiguous(), both[:, 1].unsqueeze(1).contiguous(),
+        return attend(query.unsqueeze(1), all_keys.unsqueeze(1).contiguous(), all_values.unsqueeze(1).contiguous(),
                       mask[None, None])
     outputs = []
     local_start = global_start = 0
@@ -247,9 +249,9 @@ def context_parallel_attention(attend: Attend, query: torch.Tensor, key: torch.T
         q_rows = rows[local_start: local_start + share] - global_start
         visible = int(q_rows.max()) + 1  # keys [0, visible) of this sequence can be seen
         mask = torch.arange(visible, device=device)[None, :] > q_rows[:, None]
-        keys = both[global_start: global_start + visible]
+        span = slice(global_start, global_start + visible)
         outputs.append(attend(query[local_start: local_start + share].unsqueeze(1),
-                              keys[:, 0].unsqueeze(1).contiguous(), keys[:, 1].unsqueeze(1).contiguous(),
+                              all_keys[span].unsqueeze(1).contiguous(), all_values[span].unsqueeze(1).contiguous(),
                               mask[None, None]))
         local_start += share
         global_start += length

@@ -5,7 +5,9 @@ load because torch_dist stores global tensors, layers and experts under global i
 padding does not depend on TP), and
 torch_dist -> HF safetensors on one CPU process, with config.json, tokenizer and generation files
 copied from the original HF directory. The architecture file is checked against config.json
-before anything is converted. Bit-exact both ways: only reshuffles, no arithmetic.
+before anything is converted. Bit-exact both ways: only reshuffles, no arithmetic. MTP layers travel like
+any layer (HF layers num_layers + k); DeepSeek's per-MTP-layer embedding and head copies are written back
+from the model's own.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.weights.mla_mapping import mtp_copies
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "tokenizer.model",
@@ -38,7 +41,8 @@ def ensure_process_group() -> None:
 
 def hf_to_torch_dist(hf_dir: str | Path, model_file: str | Path, save_dir: str | Path, *,
                      tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, expert_parallel_size: int = 1,
-                     expert_tensor_parallel_size: int | None = None) -> Path:
+                     expert_tensor_parallel_size: int | None = None, first_stage_layers: int | None = None,
+                     last_stage_layers: int | None = None) -> Path:
     """Collective over the world's ranks: write `save_dir/iter_0000000` (+ tracker). Returns it.
     Each rank reads only its shards (its experts under EP); the remaining ranks are data-parallel."""
     from hpc_rl.config.schema import TrainingConfig
@@ -53,7 +57,9 @@ def hf_to_torch_dist(hf_dir: str | Path, model_file: str | Path, save_dir: str |
     training = TrainingConfig(tensor_model_parallel_size=tensor_parallel_size,
                               pipeline_model_parallel_size=pipeline_parallel_size,
                               expert_model_parallel_size=expert_parallel_size,
-                              expert_tensor_parallel_size=expert_tensor_parallel_size)
+                              expert_tensor_parallel_size=expert_tensor_parallel_size,
+                              decoder_first_pipeline_num_layers=first_stage_layers,
+                              decoder_last_pipeline_num_layers=last_stage_layers)
     info = init_parallel(training, device="cpu")
     model = build_gpt_model(arch, training)
     load_hf_into_model(model, hf_dir, arch, tp_rank=info.tp_rank, tp_size=info.tp_size,
@@ -119,4 +125,6 @@ def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: s
     model = build_gpt_model(arch, TrainingConfig())
     load_model_weights(load_dir, model)
     state = {name: tensor.clone() for name, tensor in export_hf_state_dict(model, arch)}
+    for copy, source in mtp_copies(arch):  # DeepSeek's per-MTP-layer embedding / head copies
+        state[copy] = state[source].clone()
     return write_hf_checkpoint(state, output_dir, hf_reference)

@@ -8,7 +8,8 @@ One more is scoped, not process-wide: `tensor_cuda_is_identity()`, for building 
 whose output layer shares the first stage's embedding (Megatron moves that weight with `.cuda()`
 before all-reducing it over the embedding group, LanguageModule.setup_embeddings_and_output_layer).
 Also owns the CPU-safe RNG set-up, the fusion switches every CPU `TransformerConfig` needs, the MoE
-ones (`prepare_megatron_moe`, `cpu_moe_overrides`: notes/megatron-moe-cpu.md), and
+ones (`prepare_megatron_moe`, `cpu_moe_overrides`: notes/megatron-moe-cpu.md), the MLA one
+(`prepare_megatron_mla`), and
 `light_megatron_import()`, which keeps importing Megatron on CPU from costing seconds of start-up for
 code it never runs there (issue 11).
 Does not own process groups (`hpc_rl.training.parallel`) or model building.
@@ -213,6 +214,37 @@ def prepare_megatron_moe() -> None:
         MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_alltoall_split_sizes
         mappings._gather_along_first_dim = _uneven_gather_twin(mappings._gather_along_first_dim)
     _moe_prepared = True
+
+
+def _cp_rank_positions(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """Megatron's `get_pos_emb_on_this_cp_rank` (this CP rank's two of 2*CP chunks) without its pinned CUDA
+    index tensor: the CPU twin, the same chunks."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    picked = chunks.index_select(seq_dim, index)
+    return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2:])
+
+
+def prepare_megatron_mla() -> None:
+    """Make Megatron's MLA layer buildable without Transformer Engine; idempotent (call before building one).
+
+    megatron-core 0.16.1's `multi_latent_attention` imports TE's layer classes from
+    `megatron.core.extensions.transformer_engine`, which imports without TE by standing a MagicMock in for
+    it: the import succeeds, `HAVE_TE` is set True and `TELinear` is a mock, so `MLASelfAttention.__init__`
+    raises `isinstance() arg 2 must be a type` (its fp8 check). Without TE this sets the module to what its
+    own ImportError branch would (HAVE_TE False, the TE classes None); a TE install is left alone. On CPU, YaRN's
+    cos/sin cache under context parallelism gets `_cp_rank_positions` (Megatron pins a CUDA index tensor)."""
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
+    from megatron.core.transformer import multi_latent_attention
+
+    if not te_extension.HAVE_TE and multi_latent_attention.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
+        for name in ("TEColumnParallelLinear", "TELinear", "Linear", "set_save_original_input"):
+            setattr(multi_latent_attention, name, None)
+    if not cuda_available():  # YaRN's cos/sin cache under CP slices with a pinned index tensor (CUDA-only)
+        yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cp_rank_positions
 
 
 GPU_ONLY_MOE_KERNELS = {

@@ -158,7 +158,7 @@ class PostNormMLP(MLP):
         return _normalise_output(getattr(self, POST_MLP_NORM), super().forward(*args, **kwargs))
 
 
-def _replace_norms(spec: ModuleSpec, norm: type) -> None:
+def replace_norms(spec: ModuleSpec, norm: type) -> None:
     sub = spec.submodules
     for field in ("input_layernorm", "pre_mlp_layernorm"):
         current = getattr(sub, field)
@@ -174,7 +174,12 @@ def _replace_norms(spec: ModuleSpec, norm: type) -> None:
 def _layer_spec(arch: ModelArchitecture, *, use_te: bool, num_experts: int | None,
                 moe_grouped_gemm: bool) -> ModuleSpec:
     """One decoder layer's spec: a dense MLP (`num_experts` None) or Megatron's MoE layer (router,
-    experts, shared experts and token dispatcher, all Megatron's own modules)."""
+    experts, shared experts and token dispatcher, all Megatron's own modules); multi-latent attention:
+    `mla_layers.mla_layer_spec`."""
+    if arch.multi_latent_attention:
+        from hpc_rl.training.mla_layers import mla_layer_spec
+
+        return mla_layer_spec(arch, use_te=use_te, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -185,7 +190,7 @@ def _layer_spec(arch: ModelArchitecture, *, use_te: bool, num_experts: int | Non
         # GPU kernel (model_provider turns it off on CPU, with a note); the math is the same.
         layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                          qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
-        _replace_norms(layer, SequenceParallelRMSNorm)
+        replace_norms(layer, SequenceParallelRMSNorm)
         layer.submodules.self_attention.submodules.core_attention = PackedSequenceAttention
         if num_experts is not None:
             # A MoE layer's pre-MLP norm is its own module, saved as `pre_mlp_layernorm.weight` as the

@@ -89,14 +89,35 @@ class MicroBatch:
     targets: torch.Tensor | None = None
     """[1, T_local] next-token id of each local position (CP only)."""
     cp_group: dist.ProcessGroup | None = None
+    mtp_loss_mask: torch.Tensor | None = None
+    """Like `tokens`: 1 where the next token is a trained response token (the MTP layers' targets, set by
+    the trainer with MTP training; `mtp_model.MTPGPTModel`), else None."""
 
     @property
     def packed(self) -> bool:
         return self.packed_seq_params is not None
 
     def forward(self, model: torch.nn.Module) -> torch.Tensor:
-        """Vocab-parallel logits, [b, s, V_local] or [1, T, V_local]."""
-        return model(self.tokens, self.position_ids, self.attention_mask, packed_seq_params=self.packed_seq_params)
+        """Vocab-parallel logits, [b, s, V_local] or [1, T, V_local] (with `mtp_loss_mask`: the MTP loss
+        attached to them)."""
+        extra = {} if self.mtp_loss_mask is None else {"loss_mask": self.mtp_loss_mask}
+        return model(self.tokens, self.position_ids, self.attention_mask, packed_seq_params=self.packed_seq_params,
+                     **extra)
+
+    def next_token_mask(self, loss_masks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[b, s] (or [1, T_local]): at position t, the loss mask of the response token at t + 1 (0 at prompt
+        and padding positions); `loss_masks` per sample of this micro-batch, in order."""
+        if self.context_parallel is None:
+            mask = torch.zeros(self.tokens.shape, dtype=torch.float32, device=self.tokens.device)
+            rows, columns = self._response_positions(self.tokens.device)
+            mask[rows, columns] = torch.cat([m.to(mask.device, torch.float32) for m in loss_masks])
+            return mask
+        split = self.context_parallel
+        full = torch.zeros(sum(split.padded_lengths), dtype=torch.float32, device=self.tokens.device)
+        for start, length, response, mask in zip(self.starts, self.total_lengths, self.response_lengths, loss_masks):
+            first = start + length - response - 1
+            full[first: first + response] = mask.to(full.device, torch.float32)
+        return full[split.rows].unsqueeze(0)
 
     def response_logprobs(self, logits: torch.Tensor, *, vocab_size: int, tp_group: dist.ProcessGroup | None = None,
                           with_entropy: bool = False,

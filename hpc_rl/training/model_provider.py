@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import TrainingConfig
@@ -35,10 +35,13 @@ from hpc_rl.training.cpu_switch import (
     cpu_fusion_overrides,
     cpu_moe_overrides,
     cuda_available,
+    prepare_megatron_mla,
     prepare_megatron_moe,
     tensor_cuda_is_identity,
 )
-from hpc_rl.training.layer_specs import build_block_spec, use_transformer_engine
+from hpc_rl.config.pipeline_split import PipelineSplitError, training_split
+from hpc_rl.training.layer_specs import SequenceParallelRMSNorm, build_block_spec, use_transformer_engine
+from hpc_rl.training.mtp_model import MTPGPTModel, mtp_block_spec
 
 VOCAB_PAD_MULTIPLE = 128
 log = logging.getLogger(__name__)
@@ -84,6 +87,28 @@ def moe_config_fields(arch: ModelArchitecture, training: TrainingConfig) -> dict
     }
 
 
+def mla_config_fields(arch: ModelArchitecture, training: TrainingConfig) -> dict[str, object]:
+    """MLATransformerConfig's multi-latent-attention, YaRN and MTP fields for `arch` (empty for GQA), and the
+    uneven pipeline split: YaRN when rotary_scaling_factor > 1, else plain RoPE on the rotary dims."""
+    fields: dict[str, object] = {}
+    if training.decoder_first_pipeline_num_layers is not None:
+        fields["num_layers_in_first_pipeline_stage"] = training.decoder_first_pipeline_num_layers
+    if training.decoder_last_pipeline_num_layers is not None:
+        fields["num_layers_in_last_pipeline_stage"] = training.decoder_last_pipeline_num_layers
+    if not arch.multi_latent_attention:
+        return fields
+    fields.update(
+        multi_latent_attention=True, q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank,
+        qk_head_dim=arch.qk_head_dim, qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim, v_head_dim=arch.v_head_dim,
+        rope_type="yarn" if arch.yarn else "rope", rotary_base=arch.rotary_base, rotary_percent=arch.rotary_percent,
+        rotary_scaling_factor=arch.rotary_scaling_factor, mscale=arch.mscale, mscale_all_dim=arch.mscale_all_dim,
+        original_max_position_embeddings=arch.original_max_position_embeddings, beta_fast=arch.beta_fast,
+        beta_slow=arch.beta_slow, apply_rope_fusion=False)
+    if arch.mtp_num_layers:
+        fields.update(mtp_num_layers=arch.mtp_num_layers, mtp_loss_scaling_factor=training.mtp_loss_scaling_factor)
+    return fields
+
+
 def check_moe_training(arch: ModelArchitecture, training: TrainingConfig) -> None:
     """Refuse MoE layouts Megatron cannot train, before a model is built (converters only load and save)."""
     if not arch.is_moe:
@@ -116,6 +141,9 @@ def transformer_config(
             if note not in _noted:
                 _noted.add(note)
                 log.info("%s", note)
+    mla = mla_config_fields(arch, training)
+    config_class = MLATransformerConfig if arch.multi_latent_attention else TransformerConfig
+    extra = {**extra, **{key: mla.pop(key) for key in list(mla) if key == "apply_rope_fusion"}}
     recompute = {}
     if training.recompute_granularity:
         recompute = {
@@ -123,7 +151,7 @@ def transformer_config(
             "recompute_method": training.recompute_method,
             "recompute_num_layers": training.recompute_num_layers,
         }
-    return TransformerConfig(
+    return config_class(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -151,6 +179,7 @@ def transformer_config(
         fp16=dtype == torch.float16,
         **recompute,
         **moe,
+        **mla,
         **extra,
     )
 
@@ -169,12 +198,15 @@ def build_gpt_model(
     Needs Megatron's groups (`parallel.init_parallel`) when pipeline_model_parallel_size > 1.
     """
     pipeline = training.pipeline_model_parallel_size
-    if arch.num_layers % pipeline:
-        raise ValueError(f"training.pipeline_model_parallel_size={pipeline} does not divide the model's "
-                         f"num_layers={arch.num_layers}: pick a PP size that divides it")
+    try:
+        training_split(arch.num_layers, training)
+    except PipelineSplitError as error:
+        raise ValueError(f"training.pipeline_model_parallel_size={pipeline}: {error}") from None
     config = transformer_config(arch, training, params_dtype=params_dtype)
     if arch.is_moe:
         prepare_megatron_moe()
+    if arch.multi_latent_attention:
+        prepare_megatron_mla()
     first, last, layers, offset = True, True, arch.num_layers, 0
     if pipeline > 1:
         from megatron.core import parallel_state
@@ -185,11 +217,20 @@ def build_gpt_model(
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         layers = get_num_layers_to_build(config)
         offset = get_transformer_layer_offset(config)
+    use_te = use_transformer_engine(device)
+    block = build_block_spec(arch, use_te=use_te, num_layers=layers, layer_offset=offset,
+                             moe_grouped_gemm=config.moe_grouped_gemm)
+    model_class, mtp = GPTModel, {}
+    if arch.mtp_num_layers:  # Megatron's MTP block, on the last stage (its default placement)
+        model_class = MTPGPTModel
+        if last:
+            mtp["mtp_block_spec"] = mtp_block_spec(block, arch.mtp_num_layers, use_te=use_te,
+                                                   norm=None if use_te else SequenceParallelRMSNorm)
     with tensor_cuda_is_identity():  # the tied output layer's init all-reduce (PP > 1) calls .cuda()
-        model = GPTModel(
+        model = model_class(
             config=config,
-            transformer_layer_spec=build_block_spec(arch, use_te=use_transformer_engine(device), num_layers=layers,
-                                                    layer_offset=offset, moe_grouped_gemm=config.moe_grouped_gemm),
+            transformer_layer_spec=block,
+            **mtp,
             vocab_size=padded_vocab_size(arch.vocab_size, training.tensor_model_parallel_size,
                                          arch.make_vocab_size_divisible_by),
             max_sequence_length=arch.max_position_embeddings,
@@ -203,6 +244,12 @@ def build_gpt_model(
         )
     if not cuda_available():
         model = model.to(torch.float32 if params_dtype is None else params_dtype)
+    if isinstance(model, MTPGPTModel):
+        model.vocab_size_unpadded = arch.vocab_size
+        model.reset_mtp_metrics()
+        if getattr(model, "mtp", None) is not None and not training.enable_mtp_training:
+            for param in model.mtp.parameters():  # not trained: synced to the engines exactly as loaded
+                param.requires_grad = False
     return model
 
 

@@ -14,6 +14,10 @@ loss and its metrics are computed on the last stage only; the other stages run t
 forward and backward. After the optimizer step the last stage broadcasts the step's metrics over
 the pipeline group, so every rank (global rank 0 included, which reports them) returns the same.
 
+MTP layers (`--enable-mtp-training`) learn in the training pass: each micro-batch carries its MTP
+targets (`MicroBatch.mtp_loss_mask`, the trained response tokens) and the model attaches their loss
+(`mtp_model`), scaled per trained token of the whole step; train/mtp_<k>_loss and mtp_loss are logged.
+
 Training modes (one loop, issue 21): SFT (loss_type sft_loss) computes no reference, old log-probs or
 advantages, only -log p of the assistant tokens; on-policy distillation takes the teacher's log-probs (a
 teacher model on these ranks, or a teacher server's, in the batch) and subtracts opd_kl_coef * (logp_old -
@@ -57,6 +61,7 @@ from hpc_rl.training.losses import (
     sum_of_tokens,
 )
 from hpc_rl.training.micro_batches import MicroBatch, build_microbatch, choose_qkv_format
+from hpc_rl.training.mtp_model import mtp_model_of
 from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.pipeline import PipelineSchedule
@@ -124,6 +129,27 @@ LossOfMicro = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str,
 
 def _optional_plugin(kind: str, path: str | None) -> Any:
     return load_plugin(kind, path) if path else None
+
+
+
+def moe_aux_loss_scale(num_micros: int, cp_size: int, per_token_loss: bool, global_tokens: float) -> float:
+    """The factor Megatron's schedule gives the MoE load-balancing losses' gradient (`MoEAuxLossAutoScaler`),
+    which its own `forward_step` sets and this pipeline must too: each micro-batch's aux loss is a mean over
+    its tokens, so without per-token loss it is averaged over the micro-batches (times CP, which DDP's
+    DP x CP average undoes); with it, DDP sums and Megatron divides every gradient by the global token count
+    afterwards (`finalize_model_grads`), which the step applies here up front, as it does to the main loss."""
+    if per_token_loss:
+        return 1.0 / max(global_tokens, 1.0)
+    return cp_size / max(num_micros, 1)
+
+
+def set_moe_aux_loss_scale(num_micros: int, cp_size: int, per_token_loss: bool, global_tokens: float, *,
+                           device: str | torch.device) -> None:
+    """Set `moe_aux_loss_scale`'s factor for the coming backward passes (one value for the whole step)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    factor = moe_aux_loss_scale(num_micros, cp_size, per_token_loss, global_tokens)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(factor, dtype=torch.float32, device=device))
 
 
 class RolloutTrainer:
@@ -487,6 +513,34 @@ class RolloutTrainer:
         result = self.custom_loss(self.plugin_args, loss_batch, logits, lambda values: reduce(values, micro_masks))
         return check_custom_loss_result(result, self.algorithm.custom_loss_function_path or "")
 
+    def _start_mtp(self, batch: TrainBatch, micros: list[MicroBatch], masks: list[torch.Tensor],
+                   global_trained: float) -> Any:
+        """With MTP training: each micro-batch's MTP targets and the step's MTP loss scale (the factor over the
+        depths, per trained token of the whole step, as `micro_loss` scales the policy loss). None without."""
+        if not (self.training.enable_mtp_training and self.arch.mtp_num_layers):
+            return None
+        model = mtp_model_of(self.actor)
+        for micro in micros:
+            micro.mtp_loss_mask = micro.next_token_mask([masks[i] for i in micro.indices])
+        if model is None:  # a stage without the MTP layers
+            return None
+        model.mtp_loss_scale = (self.training.mtp_loss_scaling_factor / self.arch.mtp_num_layers
+                                * self.grad_sum_multiplier / max(global_trained, 1.0))
+        model.reset_mtp_metrics()
+        return model
+
+    def _mtp_metrics(self, model: Any) -> dict[str, float]:
+        """slime's train/mtp_<k>_loss (mean cross entropy per trained token, k from 1) and their sum mtp_loss."""
+        from megatron.core import parallel_state
+
+        sums = torch.tensor([*model.mtp_loss_sums, *model.mtp_token_counts], dtype=torch.float64,
+                            device=self.info.device)
+        if self.info.dp_size * self.info.cp_size > 1:  # each CP rank scored its own chunks' targets
+            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        depths = len(model.mtp_loss_sums)
+        losses = [float(sums[k]) / max(float(sums[depths + k]), 1.0) for k in range(depths)]
+        return {**{f"mtp_{k + 1}_loss": loss for k, loss in enumerate(losses)}, "mtp_loss": sum(losses)}
+
     def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, group=self.dp_group)
         return tensor
@@ -555,7 +609,11 @@ class RolloutTrainer:
                 sums[key] = sums.get(key, 0.0) + float(value)
             return loss * scale
 
+        mtp = self._start_mtp(batch, micros, masks, global_trained) if model is self.actor else None
         model.train()
+        if self.arch.is_moe:
+            set_moe_aux_loss_scale(len(micros), self.info.cp_size, self.loss_config.calculate_per_token_loss,
+                                   global_trained, device=self.info.device)
         pipeline.forward_backward(model, micros, micro_loss)
         result = optimizer.step()
         out: dict[str, float] = {}
@@ -565,6 +623,8 @@ class RolloutTrainer:
             if self.info.dp_size > 1:
                 dist.all_reduce(totals, group=self.dp_group)
             out = {k: float(v) / max(denominator, 1.0) for k, v in zip(names, totals)}
+            if mtp is not None:
+                out.update(self._mtp_metrics(mtp))
         if self.pp_group is not None:  # the loss metrics to every stage (rank 0 reports them)
             out = dict(broadcast_json(out, src=dist.get_global_rank(self.pp_group, self.info.pp_size - 1),
                                       group=self.pp_group, device=self.info.device))

@@ -23,6 +23,8 @@ transformers 5's fused in-memory `experts.gate_up_proj`):
     `stage.global_named_params` renames). Each expert's fc1 is [gate; up] and TP-shards as a dense
     fc1 does, over the expert-TP group.
   * `mlp.shared_experts.{gate,up,down}_proj` <-> `mlp.shared_experts.linear_fc{1,2}` (dense layout).
+
+Multi-latent attention and MTP layers (DeepSeek-V3, GLM-4.7-Flash): `hpc_rl.weights.mla_mapping`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ from dataclasses import dataclass
 import torch
 
 from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.weights.mla_mapping import (
+    MTP_LAYER,
+    MTP_OWN_ROWS,
+    ROW_SPLIT_SUFFIXES,
+    TE_LATENT_NORMS,
+    TRANSFORMER_LAYER,
+    mla_attention_rows,
+    mtp_hf_layer,
+    mtp_rows,
+)
 
 # Megatron local-spec names -> canonical (TE-style) names.
 _LOCAL_TO_CANONICAL = {
@@ -43,7 +55,8 @@ _LOCAL_TO_CANONICAL = {
 _MOE_PRE_MLP_NORM = ".pre_mlp_layernorm.weight"
 """A MoE layer's pre-MLP norm: its own module in both specs (no dense linear_fc1 to fuse it into)."""
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+_EXPERT = re.compile(r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.local_experts\.)"
+                     r"(\d+)(\..+)$")
 """A routed expert's parameter, canonically under its GLOBAL expert index (an EP=1 model's name)."""
 EXPERT_BIAS_SUFFIX = ".mlp.router.expert_bias"
 """Megatron's aux-loss-free routing bias: a float32 buffer (not a parameter) that finalize_model_grads
@@ -65,6 +78,9 @@ def canonical_name(name: str, *, moe_layer: bool = False) -> str:
     `moe_layer`: the name belongs to a MoE layer, whose pre-MLP norm keeps its own name."""
     while name.startswith("module."):
         name = name[len("module.") :]
+    for fused, canonical in TE_LATENT_NORMS.items():  # MLA under Transformer Engine (mla_mapping)
+        if name.endswith(fused):
+            return name[: -len(fused)] + canonical
     for local, canonical in _LOCAL_TO_CANONICAL.items():
         if name.endswith(local) and not (moe_layer and local == _MOE_PRE_MLP_NORM):
             return name[: -len(local)] + canonical
@@ -143,6 +159,8 @@ def _moe_mlp_rows(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
 
 def _layer_suffixes(arch: ModelArchitecture, moe: bool = False) -> list[tuple[str, list[str]]]:
     """(Megatron suffix, HF suffixes) of one decoder layer (a MoE layer with `moe`), in export order."""
+    if arch.multi_latent_attention:
+        return mla_attention_rows(arch) + (_moe_mlp_rows(arch) if moe else _dense_mlp_rows(arch))
     rows: list[tuple[str, list[str]]] = [
         ("self_attention.linear_qkv.layer_norm_weight", ["input_layernorm.weight"]),
         ("self_attention.linear_qkv.weight", ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -173,11 +191,23 @@ def name_map(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
     rows.append(("decoder.final_layernorm.weight", ["model.norm.weight"]))
     if not arch.tie_word_embeddings:
         rows.append(("output_layer.weight", ["lm_head.weight"]))
+    if arch.mtp_num_layers:
+        rows += mtp_rows(arch, suffixes[arch.moe_layers()[-1]])
     return rows
 
 
 def hf_names_of(megatron_name: str, arch: ModelArchitecture) -> list[str]:
     """HF names produced by one canonical Megatron parameter."""
+    mtp = MTP_LAYER.match(megatron_name)
+    if mtp and int(mtp.group(1)) < (arch.mtp_num_layers or 0):
+        depth, rest = int(mtp.group(1)), mtp.group(2)
+        prefix = f"model.layers.{mtp_hf_layer(arch, depth)}."
+        own = dict(MTP_OWN_ROWS)
+        if rest in own:
+            return [prefix + own[rest]]
+        if rest.startswith(TRANSFORMER_LAYER):  # the layer's usual names, at the MTP layer's HF index
+            inner = hf_names_of(f"decoder.layers.{arch.num_layers - 1}.{rest[len(TRANSFORMER_LAYER):]}", arch)
+            return [prefix + name.split(".", 3)[3] for name in inner]
     match = _LAYER.match(megatron_name)
     if match:
         layer, suffix = int(match.group(1)), match.group(2)
@@ -275,7 +305,8 @@ def tp_split(megatron_name: str) -> TPSplit:
     name = canonical_name(megatron_name)
     if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
         return TPSplit(dim=0, gated=True)
-    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")):
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
+                      *ROW_SPLIT_SUFFIXES)):
         return TPSplit(dim=0)
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return TPSplit(dim=1)
@@ -328,7 +359,8 @@ def megatron_to_hf_state(megatron_state: Mapping[str, torch.Tensor], arch: Model
     by_canonical = {}
     for key, value in megatron_state.items():
         match = _LAYER.match(canonical_name(key))
-        by_canonical[canonical_name(key, moe_layer=bool(match) and moe[int(match.group(1))])] = value
+        in_moe = (bool(match) and moe[int(match.group(1))]) or (bool(MTP_LAYER.match(canonical_name(key))) and moe[-1])
+        by_canonical[canonical_name(key, moe_layer=in_moe)] = value
     out: dict[str, torch.Tensor] = {}
     for megatron_name, _ in name_map(arch):
         if megatron_name not in by_canonical:

@@ -11,7 +11,9 @@ grouped `linear_fc1.weightK`). Pure, except `stage_layout`, which only reads att
 
 Tied embeddings under PP: the last stage's `output_layer.weight` is a copy of the first stage's
 embedding (Megatron keeps them equal). It is loaded from the HF embedding (`with_tied_output`) but
-never exported: the engines get the embedding once, from the first stage.
+never exported: the engines get the embedding once, from the first stage. MTP layers sit on the last
+stage with their own copy of the embedding under PP (Megatron keeps it equal to the first stage's through
+the embedding group): loaded likewise, never exported.
 """
 
 from __future__ import annotations
@@ -146,10 +148,12 @@ def stage_name_map(arch: ModelArchitecture, layout: StageLayout, *,
             keep = layout.holds_layer(int(match.group(1)))
         elif name == EMBEDDING:
             keep = layout.first
-        else:  # final norm, untied output layer
+        else:  # final norm, untied output layer, MTP layers
             keep = layout.last
         if keep:
             rows.append((name, hf_names))
     if with_tied_output and arch.tie_word_embeddings and layout.last and not layout.first:
         rows.append((OUTPUT_LAYER, hf_mapping.hf_names_of(EMBEDDING, arch)))
+    if with_tied_output and arch.mtp_num_layers and layout.last and not layout.first:
+        rows.append((EMBEDDING, hf_mapping.hf_names_of(EMBEDDING, arch)))  # the MTP layers' embedding copy
     return rows

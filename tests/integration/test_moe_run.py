@@ -9,32 +9,22 @@ step and after every sync (float32 on both sides: any expert that missed its syn
 
 from __future__ import annotations
 
-import statistics
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.integration.run_helpers import REPO_ROOT, processes_mentioning, records, submit_argv
+from tests.integration.run_helpers import (
+    REPO_ROOT, processes_mentioning, records, run_tiny_recipe_to_learning, submit_argv,
+)
 
 pytestmark = pytest.mark.slow
 
 
 def test_tiny_moe_run_learns_and_engine_logprobs_equal_the_trainers(tmp_path: Path) -> None:
     run_dir = tmp_path / "moe"
-    result = subprocess.run(submit_argv(run_dir, "--eval-interval", "50", config="configs/tiny_moe_cpu.yaml"),
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = records(run_dir)
-    assert len(rows) == 100
-    rewards = [r["metrics"]["rollout/reward_mean"] for r in rows]
-    first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
-    assert 0.05 <= first <= 0.5, f"untrained policy scored {first:.3f}"
-    assert last - first >= 0.3, f"reward went {first:.3f} -> {last:.3f}"
-    for version, row in enumerate(rows, start=1):
-        metrics = row["metrics"]
-        assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-4, (row["rollout_id"], metrics)
-        assert metrics["train/samples"] == 128.0 and metrics["rollout/weight_version"] == float(version)
+    rows = run_tiny_recipe_to_learning(run_dir, "configs/tiny_moe_cpu.yaml", "--eval-interval", "50")
+    assert all(row["metrics"]["train/samples"] == 128.0 for row in rows)
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "Traceback" not in trainer_log
     assert processes_mentioning(str(run_dir)) == []

@@ -24,13 +24,10 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
 SLIME_MIRROR = Path("/work/.mirror/THUDM+slime/repo")
 
-OWNED_ELSEWHERE = {
-    "--mtp-num-layers": "issue 20 (multi-token prediction)",
-    "--mtp-loss-scaling-factor": "issue 20 (multi-token prediction)",
-    "--enable-mtp-training": "issue 20 (multi-token prediction)",
-}
+OWNED_ELSEWHERE: dict[str, str] = {}
 """slime flags other issues own, skipped by the walk (the lead removes them as those issues land)."""
 
+TINY_MLA_MODEL = ["--model", "configs/models/tiny_deepseek_v3.yaml", "--hf-checkpoint", "assets/tiny_deepseek_v3"]
 SAMPLES: dict[str, list[str]] = {
     "--rollout-external-engine-addrs": ["10.0.0.5:30000"],
     "--rollout-num-gpus-per-engine": ["1"],
@@ -90,6 +87,10 @@ SAMPLES: dict[str, list[str]] = {
     "--opd-teacher-ckpt-step": ["3", "--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/ckpt/teacher"],
     "--megatron-config-path": [str(REPO / "tests" / "unit" / "data" / "megatron_roles.yaml"),
                                "--advantage-estimator", "ppo"],
+    # MTP: on the tiny DeepSeek-V3 (hpc_rl maps MTP layers for the MLA families; on the tiny Qwen3 it is an error)
+    "--mtp-num-layers": ["1", *TINY_MLA_MODEL],
+    "--enable-mtp-training": TINY_MLA_MODEL,
+    "--mtp-loss-scaling-factor": ["0.2", "--enable-mtp-training", *TINY_MLA_MODEL],
     "--balance-by-flops": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "256"],
     "--log-probs-max-tokens-per-gpu": ["512", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "256"],
 }

@@ -88,7 +88,7 @@ def test_model_flags_are_checked_against_hf_config(in_repo: Path) -> None:
     (["--normalization", "LayerNorm"], "RMSNorm models only"),
     (["--spec", "my_plugins.models", "get_spec"], "GLM4 spec"),
     (["--post-self-attn-layernorm"], "come together"),
-    (["--multi-latent-attention"], "multi-latent attention"),
+    (["--multi-latent-attention"], "builds MLA for the MoE families"),
 ])
 def test_unbuildable_model_flags_are_refused_with_the_reason(flags: list[str], reason: str) -> None:
     with pytest.raises(ConfigError, match=reason):

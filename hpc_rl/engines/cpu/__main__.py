@@ -88,8 +88,12 @@ def load_model(model_path: str, model_impl: str, attn_implementation: str,
         return load_native_qwen3(model_path, dtype)
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
-                                                attn_implementation=attn_implementation).eval()
+    from hpc_rl.engines.cpu.nextn_draft import attach_draft
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                 attn_implementation=attn_implementation).eval()
+    attach_draft(model, model_path, dtype)  # DeepSeek-V3 / GLM-4.7-Flash MTP layers: where SGLang's draft keeps them
+    return model
 
 
 def main(argv: list[str] | None = None) -> None:

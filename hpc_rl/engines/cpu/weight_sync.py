@@ -4,7 +4,8 @@ Owns: the engine's weight-update groups (joined through `hpc_rl.weights.process_
 one bucket from trainer rank 0 (per tensor, or one `flattened_bucket` laid out by
 `hpc_rl.weights.bucket_layout`), reading a colocated share from shared memory
 (`hpc_rl.weights.colocated`), and copying tensors into the model by HF parameter name (the
-checkpoint's names, also for MoE experts that transformers keeps fused in memory). The
+checkpoint's names, also for MoE experts that transformers keeps fused in memory, and for the MTP layers
+SGLang's NextN draft holds: `nextn_draft`). The
 scheduler decides when these run (between decode steps); this module never touches requests.
 """
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from hpc_rl.engines.cpu.faults import (EXIT_IN_GROUP_INIT, EXIT_IN_WEIGHT_SYNC, STOP_IN_WEIGHT_SYNC,
                                      fail_here_if_asked)
+from hpc_rl.engines.cpu.nextn_draft import draft_tensors, ignored_update
 from hpc_rl.weights.bucket_layout import compute_layout, dtype_from_name, unpack_bucket
 from hpc_rl.weights.colocated import read_shared_memory_bucket
 from hpc_rl.weights.device_identity import refuse_invisible_device
@@ -50,6 +52,7 @@ def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(dict(model.named_buffers(remove_duplicate=False)))
     tensors.update(fused_expert_views(model))
+    tensors.update(draft_tensors(model))  # a DeepSeek-V3 / GLM-4.7-Flash checkpoint's MTP layers (nextn_draft)
     return tensors
 
 
@@ -57,6 +60,7 @@ def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def load_named(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Copy each tensor into the model's tensor of that name (dtype converted); all names checked first."""
     targets = named_tensors(model)
+    weights = [(name, tensor) for name, tensor in weights if not ignored_update(model, name)]
     unknown = [name for name, _ in weights if name not in targets]
     if unknown:
         raise KeyError(f"unknown parameter names (not in the model): {unknown[:5]}")
