@@ -99,6 +99,7 @@ def _scratch_fields(flags: dict[str, Any], hf_config: dict[str, Any] | None, pro
         "num_query_groups": flags.get("num_query_groups", heads) if flags.get("group_query_attention") else heads,
         "kv_channels": flags.get("kv_channels", flags["hidden_size"] // heads),
         "vocab_size": vocab,
+        "make_vocab_size_divisible_by": flags.get("make_vocab_size_divisible_by", 128),
         "rotary_base": flags.get("rotary_base", 10000.0),
         "rotary_percent": flags.get("rotary_percent", 1.0),
         "rotary_interleaved": bool(flags.get("rotary_interleaved")),
@@ -113,7 +114,8 @@ def _scratch_fields(flags: dict[str, Any], hf_config: dict[str, Any] | None, pro
 
 
 _DIRECT = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-           "vocab_size", "norm_epsilon", "rotary_base", "rotary_percent", "max_position_embeddings")
+           "vocab_size", "make_vocab_size_divisible_by", "norm_epsilon", "rotary_base", "rotary_percent",
+           "max_position_embeddings")
 
 
 def _overridden_fields(flags: dict[str, Any], base: dict[str, Any], problems: list[str]) -> dict[str, Any]:

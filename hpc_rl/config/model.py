@@ -50,6 +50,11 @@ class ModelArchitecture:
     """Head dimension (HF head_dim); may differ from hidden_size / num_attention_heads."""
     vocab_size: int
     """Tokenizer vocabulary size as in HF config.json (Megatron pads it for TP)."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron's --make-vocab-size-divisible-by: the trainer's embedding (and output layer) has the vocabulary
+    padded to a multiple of this (and of TP); the padded logits are masked. 128 (Megatron's default) suits GPU
+    kernels; a tiny vocabulary on CPU trains faster unpadded (configs/models/tiny_qwen3.yaml: 8). A torch_dist
+    checkpoint loads only into the padding it was saved with."""
     rotary_base: float = 10000.0
     """RoPE theta (HF rope_theta). A wrong value trains silently wrong."""
     rotary_percent: float = 1.0
@@ -158,6 +163,8 @@ class ModelArchitecture:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_query_groups ({self.num_query_groups})"
             )
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"make_vocab_size_divisible_by ({self.make_vocab_size_divisible_by}) must be >= 1")
         if self.family in MOE_FAMILIES and not self.is_moe:
             raise ValueError(f"family {self.family!r} is a mixture-of-experts family: set num_moe_experts")
         if self.is_moe:

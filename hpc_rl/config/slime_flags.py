@@ -23,6 +23,7 @@ MODEL_VALUE_FLAGS: dict[str, type] = {
     "num_query_groups": int,
     "kv_channels": int,
     "vocab_size": int,
+    "make_vocab_size_divisible_by": int,
     "norm_epsilon": float,
     "rotary_base": float,
     "rotary_percent": float,
@@ -138,9 +139,7 @@ COMPAT_FLAGS.update({
                   "unfused float32 softmax on CPU)"),
     "no_position_embedding": CompatFlag((True,), "rotary models have no learned position embedding; hpc_rl never "
                                                  "builds one"),
-    "make_vocab_size_divisible_by": CompatFlag(
-        (64, 128), "hpc_rl pads the embedding to a multiple of 128 rows at every TP size (torch_dist checkpoints "
-                   "then reshard); the padded rows never reach a log-prob, a converted checkpoint or an engine"),
+    # --make-vocab-size-divisible-by is a model value flag (ModelArchitecture.make_vocab_size_divisible_by)
 })
 
 # Other spellings of hpc_rl fields: flag name -> field path (value passed through).

@@ -1,9 +1,10 @@
 """Rollouts for the loop, one at a time (sync) or one ahead of training (async), with the engines watched.
 
 Owns when a rollout's generation starts (async mode: rollout k+1 starts as soon as rollout k is
-handed to the trainer), watching the engines and the trainer while one generates or an eval runs (a lost
-fleet or a lost rank ends it; a restarted engine gets the current weights at once when the trainer is idle:
-in sync mode, and during every eval), the scheduler's state at each rollout boundary (what a checkpoint saved after rollout k-1
+handed to the trainer, and a weight sync waits for it to finish, as slime's train_async.py), watching the
+engines and the trainer while one generates or an eval runs (a lost fleet or a lost rank ends it; a restarted
+engine gets the current weights at once when the trainer is idle: in sync mode, and during every eval), the
+scheduler's state at each rollout boundary (what a checkpoint saved after rollout k-1
 stores, although rollout k may already be generating), and stopping a rollout started ahead.
 Not here: one rollout's generation, scoring, filtering and partial buffer (`hpc_rl.rollout.scheduler`).
 """
@@ -56,6 +57,18 @@ class Rollouts:
         if self.overlap and rollout_id + 1 < self.num_rollout:
             self._ahead = asyncio.create_task(self._generate(rollout_id + 1), name=f"rollout {rollout_id + 1} (ahead)")
         return result
+
+    async def finish_ahead(self) -> None:
+        """Async mode, before a weight sync: the rollout generated ahead ends with the weights it started with
+        (slime's train_async.py waits for it too), so no request is in flight while the weights change and
+        every sample of it is exactly one version behind the trainer. `next` reads its outcome."""
+        if self._ahead is not None:
+            await asyncio.wait({self._ahead})
+
+    @property
+    def generating(self) -> bool:
+        """A rollout is generating (started ahead and not done)."""
+        return self._ahead is not None and not self._ahead.done()
 
     async def stop_ahead(self) -> None:
         """Stop a rollout started ahead of training (if any) and read its outcome."""

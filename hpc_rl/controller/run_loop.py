@@ -18,8 +18,9 @@ One rollout's data path, and the call below that owns each step:
          TensorBoard, one progress line                                              recorder.rollout
 
 Modes: sync runs the steps in order. Async starts rollout k+1 inside rollouts.next(k), so it generates
-while k trains; the sync pauses the engines with abort and in-flight samples go on with the new weights
-(each token records its version). Colocated (sync): engines and trainer trade the GPUs in
+while k trains; before a sync the loop waits for it to finish (slime's train_async.py), so every sample
+is one weight version behind the trainer and no request is in flight while the weights change (a sync
+with nothing in flight needs no pause/continue pair: SGLang takes its update lock at once). Colocated (sync): engines and trainer trade the GPUs in
 weights.before_train / after_train (colocated.py), and the checkpoint is written in between, while the
 trainer holds its whole state.
 """
@@ -78,7 +79,10 @@ class RunLoop:
                 version = self.weights.version + 1
                 if self.weights.moves_memory:  # colocated: save now, while the trainer holds its whole state
                     metrics |= await self.checkpoints.save_if_due(rollout_id, version, stopping=self.stop_requested)
-                metrics |= await self.weights.after_train(version, sync_due=sync_due)
+                if sync_due:  # async: the rollout generated ahead ends on the weights it started with
+                    await self.rollouts.finish_ahead()
+                metrics |= await self.weights.after_train(version, sync_due=sync_due,
+                                                          generating=self.rollouts.generating)
                 if self.evaluate and every(self.eval_config.eval_interval, rollout_id):
                     eval_start = time.perf_counter()
                     metrics |= await self.rollouts.watch(self.evaluate(self.weights.version, rollout_id),

@@ -1,9 +1,11 @@
 """The loop's side of the engines' weights: which version the trainer holds, when a sync is due, and
 each sync's sequence in every mode.
 
-    decoupled (sync or async):  pause (retract | abort) -> push (weight_sync.push_weights_to_engines:
+    decoupled (sync or async):  [pause (retract)] -> push (weight_sync.push_weights_to_engines:
                                 the broadcast group; or weight_disk, through the shared filesystem)
-                                -> engines serve the version -> continue
+                                -> engines serve the version -> [continue]; the pause/continue pair only
+                                while a rollout generates (an engine restarted mid-rollout in sync mode):
+                                the loop's syncs come between rollouts (async: after the one ahead)
     colocated, async:           the same, pushed through /update_weights_from_tensor (colocated.py)
     colocated, sync mode:       before_train: the engines hand the GPUs to the trainer; after_train:
                                 the memory moves back with the new weights (order in colocated.py)
@@ -142,7 +144,7 @@ class WeightUpdates:
             assert self.colocated is not None
             await self.colocated.trainer("offload", TRAINER_TAGS)
         if resumed and self.settings.num_engines:
-            await self.sync(self.version, reason="resumed from a checkpoint")
+            await self.sync(self.version, reason="resumed from a checkpoint", generating=False)
 
     async def before_train(self, sync_due: bool) -> dict[str, Any]:
         """Colocated sync mode: the engines release their memory and the trainer onloads; decoupled: the trainer
@@ -153,23 +155,31 @@ class WeightUpdates:
         assert self.colocated is not None
         return await self.colocated.before_train(sync_due)
 
-    async def after_train(self, version: int, *, sync_due: bool) -> dict[str, Any]:
-        """The trainer now holds `version`: push it to the engines if a sync is due."""
+    async def after_train(self, version: int, *, sync_due: bool, generating: bool = True) -> dict[str, Any]:
+        """The trainer now holds `version`: push it to the engines if a sync is due (`generating`: whether a
+        rollout is generating meanwhile, see `sync`)."""
         if self.moves_memory:
             return await self._colocated_after_train(version, sync_due=sync_due)
         if sync_due:
-            return await self.sync(version)
+            return await self.sync(version, generating=generating)
         self.version = version  # trainer moved on; engines keep the older version
         return {}
 
-    async def sync(self, version: int, *, reason: str = "") -> dict[str, float]:
-        """Push the trainer's weights as `version` to every live engine; waiting engines start serving."""
+    async def sync(self, version: int, *, reason: str = "", generating: bool = True) -> dict[str, float]:
+        """Push the trainer's weights as `version` to every live engine; waiting engines start serving.
+
+        While a rollout generates, the engines pause around the push (retract: their requests wait and go on
+        with the new weights, each token recording its version). With no request in flight (the loop's syncs
+        between rollouts, in both modes) there is nothing to pause: SGLang's weight-update calls take its model
+        update lock, which waits only for requests in flight, so the pause/continue pair is left out."""
         start = time.perf_counter()
         waiting = self._waiting_engines()
-        await self.engines_call("pause", "abort" if self.settings.async_rollout else "retract")
+        if generating:
+            await self.engines_call("pause", "retract")
         metrics = await self._push(version)
         await self._now_serving(version, waiting)
-        await self.engines_call("resume_generation")
+        if generating:
+            await self.engines_call("resume_generation")
         if reason:
             log.info("weights v%d pushed (%s)", version, reason)
         metrics["time/weight_sync"] = time.perf_counter() - start

@@ -13,8 +13,9 @@ Megatron's names (`moe_config_fields`); on CPU the GPU-only kernel choices are t
 `hpc_rl.training.checkpoint`), process
 groups (`parallel`) or running the stages (`pipeline`).
 
-Vocabulary padding: the embedding is padded to a multiple of `VOCAB_PAD_MULTIPLE` that does not
-depend on TP (unlike Megatron's `128 * tp`), so torch_dist checkpoints reshard between TP sizes.
+Vocabulary padding: the embedding is padded to a multiple of the architecture's
+`make_vocab_size_divisible_by` (Megatron's flag, default `VOCAB_PAD_MULTIPLE`) and of TP, not of their product
+(Megatron pads to `128 * tp`), so torch_dist checkpoints reshard between TP sizes that divide it.
 The padded logits are masked out when log-probs are computed (`hpc_rl.training.logprobs`).
 """
 
@@ -230,7 +231,8 @@ def build_gpt_model(
             config=config,
             transformer_layer_spec=block,
             **mtp,
-            vocab_size=padded_vocab_size(arch.vocab_size, training.tensor_model_parallel_size),
+            vocab_size=padded_vocab_size(arch.vocab_size, training.tensor_model_parallel_size,
+                                         arch.make_vocab_size_divisible_by),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=first,
             post_process=last,

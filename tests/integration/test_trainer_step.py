@@ -5,6 +5,7 @@ checkpoint loadable."""
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -121,10 +122,57 @@ def first_step_and_invariance_rank(hf_dir: str) -> dict:
     grad_scale = max(recorded[0][n].abs().max().item() for n in recorded[0])
     real = parts.trainer.train_rollout(batch)[0]
     second = parts.trainer.train_rollout(batch)[0]
+    one_rank_step = _one_rank_step_against_reference(parts)
     shutdown_parallel()
     return {"fixed": fixed, "dynamic": dyn, "grad_diff": grad_diff, "grad_scale": grad_scale,
             "real": real, "second": second, "tp1_logits": tp1_logits, "per_token": per_token,
-            "token_grad_diff": token_grad_diff, "fused_is_exact": fused_is_exact}
+            "token_grad_diff": token_grad_diff, "fused_is_exact": fused_is_exact, "one_rank_step": one_rank_step}
+
+
+def _one_rank_step_against_reference(parts) -> dict:
+    """One optimizer step of the one-rank dense actor (fused AdamW, foreach norm, no `finalize_model_grads`)
+    against the textbook one on copies of the weights and Adam state: Megatron's finalize, a float64 norm,
+    torch's per-tensor AdamW."""
+    import copy
+
+    import megatron.core.distributed as megatron_distributed
+
+    from hpc_rl.training.optimizer import learning_rate
+
+    optimizer, config = parts.optimizer, parts.optimizer.config
+    generator = torch.Generator().manual_seed(5)
+    for param in optimizer.params:
+        param.main_grad.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    grads = [param.main_grad.clone() for param in optimizer.params]
+    before = [param.detach().clone() for param in optimizer.params]
+    copies = {id(param): param.detach().clone().requires_grad_(True) for param in optimizer.params}
+    reference = torch.optim.AdamW(
+        [{"params": [copies[id(p)] for p in group["params"]], "weight_decay": group["weight_decay"]}
+         for group in optimizer.torch_optimizer.param_groups],
+        lr=learning_rate(config, optimizer.steps_done), betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps, foreach=False, fused=False)
+    reference.load_state_dict(copy.deepcopy(optimizer.torch_optimizer.state_dict()))
+    for group in reference.param_groups:  # the loaded groups carry the actor's fused flag and last lr
+        group.update(fused=False, foreach=False, lr=learning_rate(config, optimizer.steps_done))
+    real_finalize = megatron_distributed.finalize_model_grads
+    real_finalize([optimizer.ddp_model])  # what the step leaves out: it must not change one rank's grads
+    finalize_changed = any(not torch.equal(p.main_grad, g) for p, g in zip(optimizer.params, grads))
+    reference_norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    scale = min(1.0, config.clip_grad / (reference_norm + 1e-6))
+    for param, grad in zip(optimizer.params, grads):
+        copies[id(param)].grad = grad * scale
+    reference.step()
+    calls: list[int] = []
+    megatron_distributed.finalize_model_grads = lambda *a, **k: calls.append(1) or real_finalize(*a, **k)
+    try:
+        result = optimizer.step()
+    finally:
+        megatron_distributed.finalize_model_grads = real_finalize
+    return {"finalize_calls": len(calls), "finalize_changed": finalize_changed,
+            "fused": optimizer.torch_optimizer.defaults["fused"], "clipped": scale < 1.0,
+            "norm": result.grad_norm, "reference_norm": reference_norm,
+            "param_diff": max((p - copies[id(p)]).abs().max().item() for p in optimizer.params),
+            "moved": max((p - b).abs().max().item() for p, b in zip(optimizer.params, before))}
 
 
 def test_first_step_kl_zero_and_microbatch_invariance(tmp_path: Path) -> None:
@@ -151,6 +199,12 @@ def test_first_step_kl_zero_and_microbatch_invariance(tmp_path: Path) -> None:
     assert out["real"]["train_rollout_logprob_abs_diff"] > 0
     # old log-probs from the training pass: the same metrics and bit-identical gradients as their own pass
     assert out["fused_is_exact"]
+    # one dense rank: fused AdamW, no finalize_model_grads (nothing to reduce: it leaves the grads as they are);
+    # the same clipped update and norm as Megatron's finalize + a float64 norm + torch's per-tensor AdamW
+    step = out["one_rank_step"]
+    assert step["fused"] is True and step["finalize_calls"] == 0 and not step["finalize_changed"]
+    assert step["clipped"] and step["norm"] == pytest.approx(step["reference_norm"], rel=1e-6)
+    assert step["moved"] > 1e-4 and step["param_diff"] < 1e-7
 
 
 def train_then_save_rank(hf_dir: str, save_dir: str, resume: bool, tp: int = 1) -> dict:

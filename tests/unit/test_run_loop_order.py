@@ -4,7 +4,8 @@ controller assembles it) against a recording fake trainer rank, fake engines and
 These sequences are the loop's contract with SGLang and the trainer (a colocated engine must release its
 memory before the trainer onloads; a checkpoint is written while the trainer holds its whole state; an
 async sync pauses with abort); they were recorded from the loop before its split into parts and are
-the same after it."""
+the same after it, but for the pause/continue pair around a sync with nothing in flight, left out since
+issue 23 (async mode's sync now waits for the rollout generated ahead, as slime's train_async.py)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ from hpc_rl.telemetry.scalars import ScalarLog
 class FakeScheduler:
     """Each rollout: one group of two scored samples (a fake of rollout.scheduler.RolloutScheduler)."""
 
-    def __init__(self, events: list[str]) -> None:
+    def __init__(self, events: list[str], seconds: float = 0.0) -> None:
         self.events = events
         self.buffer: list[Any] = []
+        self.seconds = seconds
+        """How long each rollout generates (> 0: its end is recorded too, "generated k")."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -44,7 +47,9 @@ class FakeScheduler:
 
     async def run(self, rollout_id: int, weight_version: int) -> RolloutResult:
         self.events.append(f"generate {rollout_id}")
-        await asyncio.sleep(0)
+        await asyncio.sleep(self.seconds)
+        if self.seconds:
+            self.events.append(f"generated {rollout_id}")
         return RolloutResult(groups=[[Sample(index=2 * rollout_id + i, group_index=rollout_id, prompt="p",
                                              prompt_token_ids=[1], response_token_ids=[2], response_logprobs=[-0.5],
                                              weight_versions=[weight_version], reward=float(i))
@@ -72,13 +77,15 @@ class RecordingAdmin:
 class FakeFleet:
     """What the loop reads of the fleet (a fake of controller.engine_fleet.EngineFleet)."""
 
-    def __init__(self, events: list[str]) -> None:
+    def __init__(self, events: list[str], engine_waiting: bool = False) -> None:
         self.engine_waiting = asyncio.Event()
+        if engine_waiting:  # an engine came back and waits for the weights (the fleet clears it once served)
+            self.engine_waiting.set()
         self.fatal = None
         self.admins = {0: RecordingAdmin(events)}
 
     async def mark_serving(self, indices: list[int]) -> None:
-        pass
+        self.engine_waiting.clear()
 
     async def fail_engine(self, index: int, reason: str) -> None:
         raise AssertionError(reason)
@@ -114,7 +121,8 @@ async def recording_trainer_rank(channel: TrainerChannel, events: list[str]) -> 
 
 def run_mode(tmp_path: Path, *, colocate: bool, async_rollout: bool, num_rollout: int = 2,
              update_weights_interval: int = 1, engine_state: EngineState = EngineState.SERVING,
-             flags: tuple[str, ...] = (), trainer_starts_after_engines: bool = False) -> list[str]:
+             flags: tuple[str, ...] = (), trainer_starts_after_engines: bool = False,
+             generation_seconds: float = 0.0, engine_waiting: bool = False) -> list[str]:
     config = load_config(["configs/tiny_cpu.yaml"], ["--set", f"run_dir={tmp_path}", *flags])
     config.rollout.update_weights_interval = update_weights_interval
     config.cluster.colocate = colocate
@@ -130,8 +138,8 @@ def run_mode(tmp_path: Path, *, colocate: bool, async_rollout: bool, num_rollout
         registry.add_engine(EngineInfo(engine_index=0, url="http://e0", state=engine_state, devices=["h/gpu0"]))
         channel = TrainerChannel(1)
         recorder = RunRecorder(tmp_path, ScalarLog(None), num_rollout=num_rollout, print_fn=lambda line: None)
-        loop = assemble_loop(config, scheduler=FakeScheduler(events), registry=registry, channel=channel,  # type: ignore[arg-type]
-                             fleet=FakeFleet(events), recorder=recorder, evaluate=None,  # type: ignore[arg-type]
+        loop = assemble_loop(config, scheduler=FakeScheduler(events, generation_seconds), registry=registry, channel=channel,  # type: ignore[arg-type]
+                             fleet=FakeFleet(events, engine_waiting), recorder=recorder, evaluate=None,  # type: ignore[arg-type]
                              num_rollout=num_rollout)
         if trainer_starts_after_engines:  # what the driver does before starting a colocated trainer
             await loop.weights.hand_gpus_to_trainer()
@@ -151,9 +159,11 @@ def _in_repo(in_repo: Path) -> None:
 
 
 def test_sync_decoupled(tmp_path: Path) -> None:
-    one = ["engine pause(retract)", "trainer broadcast v{v}", "engine init_weight_group()",
+    """No request is in flight between rollouts, so the sync has no pause/continue pair (SGLang's update calls
+    take its model update lock, which waits only for requests in flight)."""
+    one = ["trainer broadcast v{v}", "engine init_weight_group()",
            "engine begin_weight_update()", "engine update bucket", "engine end_weight_update()",
-           "engines serve v{v}", "engine resume_generation()"]
+           "engines serve v{v}"]
     expected = ["generate 0", "trainer train 0", *[e.format(v=1) for e in one], "trainer save 0 (next 1, v1)",
                 "generate 1", "trainer train 1", *[e.format(v=2) for e in one if "init_weight" not in e],
                 "trainer save 1 (next 2, v2)"]
@@ -183,13 +193,20 @@ def test_colocated_engines_free_the_gpus_for_the_trainers_start_then_serve_its_w
     assert events[10] == "generate 0"
 
 
-def test_async_generates_the_next_rollout_while_training_and_pauses_with_abort(tmp_path: Path) -> None:
-    events = run_mode(tmp_path, colocate=False, async_rollout=True)
-    # rollout 1 started before training 0 was done (in sync mode it starts after the engines resume)
-    assert events.index("trainer train 0") < events.index("engine pause(abort)")
-    assert events.index("generate 1") < events.index("engine pause(abort)")
-    assert "engine pause(retract)" not in events
-    assert events[-1] == "trainer save 1 (next 2, v2)" and events.count("generate 1") == 1
+def test_async_generates_the_next_rollout_while_training_and_syncs_after_it(tmp_path: Path) -> None:
+    """slime's train_async.py order: rollout k+1 generates while k trains; the sync waits until it is generated
+    (its samples are all one version behind, no request is in flight while the weights change, so there is no
+    pause/continue pair); rollout k+2 then starts on the new weights."""
+    events = run_mode(tmp_path, colocate=False, async_rollout=True, num_rollout=3, generation_seconds=0.05)
+    # rollout 1 started once rollout 0 went to the trainer (in sync mode: after the sync)
+    assert events.index("trainer train 0") < events.index("generate 1") < events.index("trainer broadcast v1")
+    # each sync after the rollout ahead was generated (training took no time here, generating 0.05 s)
+    assert events.index("generated 1") < events.index("trainer broadcast v1")
+    assert events.index("generated 2") < events.index("trainer broadcast v2")
+    # rollout 2 generates on the weights of the sync after training 0
+    assert events.index("engines serve v1") < events.index("generate 2")
+    assert not [e for e in events if "pause" in e or "resume_generation" in e]
+    assert events[-1] == "trainer save 2 (next 3, v3)" and events.count("generate 1") == 1
 
 
 def test_a_checkpoint_without_a_sync_stores_the_trainers_version_in_every_mode(tmp_path: Path) -> None:
@@ -216,3 +233,13 @@ def test_start_rollout_id_starts_a_fresh_run_there(tmp_path: Path) -> None:
     events = run_mode(tmp_path, colocate=False, async_rollout=False, num_rollout=3, flags=("--start-rollout-id", "2"))
     assert [e for e in events if e.startswith(("generate", "trainer train", "trainer save"))] == [
         "generate 2", "trainer train 2", "trainer save 2 (next 3, v1)"]
+
+
+def test_a_sync_while_a_rollout_generates_pauses_the_engines(tmp_path: Path) -> None:
+    """Sync mode, an engine restarted mid-rollout: it gets the current weights at once, while the other engines'
+    requests are in flight, so the engines pause (retract) around that push and continue after it."""
+    events = run_mode(tmp_path, colocate=False, async_rollout=False, num_rollout=1, generation_seconds=0.05,
+                      engine_state=EngineState.STARTING, engine_waiting=True)
+    assert events[:4] == ["generate 0", "engine pause(retract)", "trainer broadcast v0", "engine init_weight_group()"]
+    assert events.index("engines serve v0") + 1 == events.index("engine resume_generation()")
+    assert events.index("engine resume_generation()") < events.index("generated 0")

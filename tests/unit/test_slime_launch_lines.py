@@ -60,6 +60,22 @@ def test_flags_override_a_model_file(in_repo: Path) -> None:
     assert arch is not None and arch.rotary_base == 10000 and arch.num_layers == 36
 
 
+def test_vocab_padding_follows_megatrons_flag(in_repo: Path) -> None:
+    """--make-vocab-size-divisible-by (slime's GLM-4.7/GLM-5 MODEL_ARGS set it): Megatron's default 128 when
+    left out; the trainer's embedding rows are the vocabulary padded to it (and to TP)."""
+    from hpc_rl.training.model_provider import padded_vocab_size
+
+    assert load_config([], QWEN3_4B).model_args.make_vocab_size_divisible_by == 128  # type: ignore[union-attr]
+    tiny = load_config([], TINY).model_args
+    assert tiny is not None and tiny.make_vocab_size_divisible_by == 8
+    assert padded_vocab_size(tiny.vocab_size, 1, tiny.make_vocab_size_divisible_by) == 24
+    assert padded_vocab_size(tiny.vocab_size, 1) == 128 and padded_vocab_size(tiny.vocab_size, 16, 8) == 32
+    overridden = load_config([], ["--model", "configs/models/qwen3_4B.yaml", "--make-vocab-size-divisible-by", "64"])
+    assert overridden.model_args is not None and overridden.model_args.make_vocab_size_divisible_by == 64
+    with pytest.raises(ConfigError, match="make_vocab_size_divisible_by"):
+        load_config([], [*TINY, "--make-vocab-size-divisible-by", "0"])
+
+
 def test_model_flags_are_checked_against_hf_config(in_repo: Path) -> None:
     config = load_config([], [*TINY, "--rotary-base", "10000", "--hf-checkpoint", "assets/tiny_qwen3"])
     problems = [str(p) for p in collect_problems(config, check_files=False)]
