@@ -66,7 +66,7 @@ def test_vocab_padding_follows_megatrons_flag(in_repo: Path) -> None:
     from hpc_rl.training.model_provider import padded_vocab_size
 
     assert load_config([], QWEN3_4B).model_args.make_vocab_size_divisible_by == 128  # type: ignore[union-attr]
-    tiny = load_config([], TINY).model_args
+    tiny = load_config([], [*TINY, "--make-vocab-size-divisible-by", "8"]).model_args
     assert tiny is not None and tiny.make_vocab_size_divisible_by == 8
     assert padded_vocab_size(tiny.vocab_size, 1, tiny.make_vocab_size_divisible_by) == 24
     assert padded_vocab_size(tiny.vocab_size, 1) == 128 and padded_vocab_size(tiny.vocab_size, 16, 8) == 32
