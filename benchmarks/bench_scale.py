@@ -299,10 +299,10 @@ def instrument_sync(controller: Controller, sim_pid: int) -> tuple[list[float], 
     spent: list[float] = []
     sim_spent: list[float] = []
 
-    async def timed(version: int, *, reason: str = "") -> dict[str, float]:
+    async def timed(version: int, **options: Any) -> dict[str, float]:  # sync's keywords (reason, generating)
         start, sim_start = time.process_time(), process_cpu_s(sim_pid)
         try:
-            return await original(version, reason=reason)
+            return await original(version, **options)
         finally:
             spent.append(time.process_time() - start)
             sim_spent.append(process_cpu_s(sim_pid) - sim_start)
