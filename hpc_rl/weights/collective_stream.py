@@ -29,6 +29,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+_ABORTED_TWIN_GROUPS: list[dist.ProcessGroup] = []
+"""Groups the gloo twin aborted: never destroyed (see `CollectiveStream.abort`)."""
+
 
 class CollectiveTimeout(RuntimeError):
     """The twin of NCCL's watchdog: a weight-group collective did not complete within the group's timeout."""
@@ -87,5 +90,9 @@ class CollectiveStream:
         if not self.twin:
             c10d._abort_process_group(group)
             return
+        # gloo's ProcessGroup destructor also waits for the collective in flight: when the caller drops its last
+        # reference, the thread dropping it would hang as the abort would (seen: the trainer's command thread,
+        # once the abort thread was done). Aborted twin groups are kept for the life of the process.
+        _ABORTED_TWIN_GROUPS.append(group)
         threading.Thread(target=c10d._abort_process_group, args=(group,), name="abort weight-update group",
                          daemon=True).start()
