@@ -47,8 +47,11 @@ ReplaySource = Literal["rollout", "recorded"]
 
 
 def moe_routers(model: torch.nn.Module) -> list[tuple[int, TopKRouter]]:
-    """This stage's MoE routers with their global 0-based layer index, in layer order."""
-    routers = [(int(module.layer_number) - 1, module) for module in model.modules() if isinstance(module, TopKRouter)]
+    """This stage's MoE routers of the decoder with their global 0-based layer index, in layer order. An MTP
+    layer's router is not one of them: it is the draft's (SGLang's routed experts and the telemetry's layers
+    are the decoder's), and Megatron numbers it past the decoder's layers."""
+    routers = [(int(module.layer_number) - 1, module) for name, module in model.named_modules()
+               if isinstance(module, TopKRouter) and ".mtp." not in f".{name}."]
     return sorted(routers, key=lambda pair: pair[0])
 
 
