@@ -16,6 +16,7 @@ reach the driver alone: steps run in their own sessions), so it keeps Python's d
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -83,7 +84,18 @@ _writer_manager: SyncManager | None = None
 
 
 def _ignore_sigterm() -> None:
+    """The writer's Manager: SIGTERM ignored (see below), and SIGKILLed when the rank that started it dies
+    (`PR_SET_PDEATHSIG`): with SIGTERM ignored, a rank killed outright would otherwise leave it (and the
+    resource tracker it holds open) to whichever subreaper adopts it in time, or to PID 1 (seen in CI when
+    the driver was SIGKILLed)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the subreaper and Slurm's SIGKILL still end it
+        return
+    if os.getppid() != parent:  # the rank died before the signal was armed
+        os._exit(0)
 
 
 def keep_checkpoint_writer_through_sigterm() -> bool:

@@ -69,7 +69,8 @@ def test_the_only_engine_lost_in_eval_in_group_set_up_and_stuck_mid_sync_costs_n
     events = engine_events(run_dir)
     failures = [detail for event, detail in events if event == "failed"]
     assert len(failures) == 3, events
-    assert failures[0].startswith("process exited")  # 1. in the eval
+    assert failures[0].startswith(("process exited", "health check failed")), failures  # 1. in the eval (whichever
+    # notices first: the driver's process watch or a health probe, seen in CI)
     # 2. (named by its failed init call, by the driver that saw its process exit, or by a health probe that
     # found it gone: whichever comes first under load)
     assert "/init_weights_update_group failed" in failures[1] or failures[1].startswith(
@@ -90,7 +91,7 @@ def test_the_only_engine_lost_in_eval_in_group_set_up_and_stuck_mid_sync_costs_n
         assert row["metrics"]["train/first_step_train_rollout_logprob_abs_diff"] < 1e-5, row["metrics"]
     assert processes_of_run(run_dir) == []
 
-    died, given_up, stuck_failed, serving = log_times(run_dir, "engine 0: failed process exited",
+    died, given_up, stuck_failed, serving = log_times(run_dir, "engine 0: failed ",
                                                       "rank 0 stops waiting for it", "engine 0: failed stuck in a",
                                                       "engine 0: serving")
     exited, exited_in_init, stopped = (markers[v].stat().st_mtime for v in (EXIT_IN_GENERATE, EXIT_IN_GROUP_INIT,

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +141,39 @@ def test_the_checkpoint_writers_manager_outlives_slurms_sigterm(monkeypatch) -> 
     finally:
         manager.shutdown()
         term_deferral._writer_manager = None
+
+
+def test_the_checkpoint_writers_manager_dies_with_a_killed_rank(tmp_path: Path) -> None:
+    """With SIGTERM ignored, the writer's Manager must still end when its rank is killed outright (SIGKILL):
+    it is armed with PR_SET_PDEATHSIG (old: it and the resource tracker stayed, adopted by PID 1)."""
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "manager.pid"
+    script = (
+        "import os, signal, sys\n"
+        "from megatron.core.dist_checkpointing.strategies import filesystem_async\n"
+        "from hpc_rl.training import term_deferral\n"
+        "assert term_deferral.keep_checkpoint_writer_through_sigterm()\n"
+        "filesystem_async._get_write_results_queue()\n"
+        "open(sys.argv[1], 'w').write(str(term_deferral._writer_manager._process.pid))\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    with open(tmp_path / "rank.log", "w") as log:  # a file, not a pipe: a surviving Manager would hold a pipe open
+        code = subprocess.run([sys.executable, "-c", script, str(pid_file)], stdout=log, stderr=log, timeout=120,
+                              cwd=Path(__file__).resolve().parents[2]).returncode
+    assert code == -signal.SIGKILL, (tmp_path / "rank.log").read_text()[-2000:]
+    manager_pid = int(pid_file.read_text())
+
+    def running() -> bool:
+        try:
+            return Path(f"/proc/{manager_pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = running()
+    if alive:
+        os.kill(manager_pid, signal.SIGKILL)
+    assert not alive, "the Manager outlived its killed rank"
