@@ -45,22 +45,37 @@ def exit_phrase(code: int) -> str:
     return f"exited with code {code}"
 
 
-def root_cause(log_text: str) -> RankFailure | None:
-    """The last root-cause block of torchrun's report in `log_text`, or None."""
-    start = log_text.rfind(ROOT_CAUSE)
-    if start < 0:
+def root_causes(log_text: str) -> list[RankFailure]:
+    """Every root-cause block of torchrun's reports in `log_text`, in order (one per agent that failed: a
+    trainer over several nodes has one agent per node, all writing into the one log)."""
+    failures = []
+    start = log_text.find(ROOT_CAUSE)
+    while start >= 0:
+        first_line = log_text.rfind("\n", 0, start) + 1
+        label_match = _LABEL.match(log_text[first_line:start])
+        fields: dict[str, str] = {}
+        for line in log_text[start:].splitlines()[1:12]:
+            match = _FIELD.match(line)
+            if match and match.group(2) not in fields:
+                fields[match.group(2)] = match.group(3)
+        rank = re.match(r"-?\d+", fields.get("rank", ""))
+        code = re.match(r"-?\d+", fields.get("exitcode", ""))
+        failures.append(RankFailure(rank=int(rank.group()) if rank else None,
+                                    exitcode=int(code.group()) if code else None,
+                                    task_label=int(label_match.group(1)) if label_match else None))
+        start = log_text.find(ROOT_CAUSE, start + len(ROOT_CAUSE))
+    return failures
+
+
+def root_cause(log_text: str, agents: int = 1) -> RankFailure | None:
+    """The failure to name among the last `agents` root-cause blocks (this attempt's): a rank killed by a
+    signal before one that exited with a code (a rank whose peer was killed exits with 1 once the controller
+    refuses it, and its agent may write its block last), else the last block; None without a block."""
+    failures = root_causes(log_text)[-max(agents, 1):]
+    if not failures:
         return None
-    first_line = log_text.rfind("\n", 0, start) + 1
-    label_match = _LABEL.match(log_text[first_line:start])
-    fields: dict[str, str] = {}
-    for line in log_text[start:].splitlines()[1:12]:
-        match = _FIELD.match(line)
-        if match and match.group(2) not in fields:
-            fields[match.group(2)] = match.group(3)
-    rank = re.match(r"-?\d+", fields.get("rank", ""))
-    code = re.match(r"-?\d+", fields.get("exitcode", ""))
-    return RankFailure(rank=int(rank.group()) if rank else None, exitcode=int(code.group()) if code else None,
-                       task_label=int(label_match.group(1)) if label_match else None)
+    killed = [f for f in failures if f.exitcode is not None and f.exitcode < 0]
+    return killed[-1] if killed else failures[-1]
 
 
 def describe_trainer_exit(step_code: int | None, log_path: Path, node_names: list[str] | None = None) -> str:
@@ -71,7 +86,7 @@ def describe_trainer_exit(step_code: int | None, log_path: Path, node_names: lis
     except OSError:
         text = ""
     step = "the trainer step is still running" if step_code is None else f"the trainer step {exit_phrase(step_code)}"
-    failure = root_cause(text)
+    failure = root_cause(text, agents=len(node_names) if node_names else 1)
     if failure is None or failure.rank is None or failure.exitcode is None:
         return f"{step} (torchrun named no failed rank; see {log_path})"
     where = ""

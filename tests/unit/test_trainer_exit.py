@@ -55,3 +55,16 @@ def test_without_a_report_the_step_itself_is_described(tmp_path: Path) -> None:
     text = describe_trainer_exit(-9, tmp_path / "missing.log")
     assert text.startswith("the trainer step was killed by signal 9 (SIGKILL)") and "named no failed rank" in text
     assert exit_phrase(137) == "exited with code 137 (128 + 9: SIGKILL)"
+
+
+def test_the_killed_rank_is_named_though_its_peers_agent_reports_last(tmp_path: Path) -> None:
+    """Two nodes, one agent each: rank 1 SIGKILLed on node2; rank 0 on node1 exits with 1 once the controller
+    refuses it, and its agent's report lands last in the shared log (seen on the local Slurm cluster)."""
+    killed = "".join(f"1: {line}\n" for line in TORCHRUN_REPORT.format(rank=1, code=-9).splitlines())
+    refused = "".join(f"0: {line}\n" for line in TORCHRUN_REPORT.format(rank=0, code=1).splitlines())
+    log = tmp_path / "trainer.log"
+    log.write_text(killed + refused)
+    assert describe_trainer_exit(143, log, ["node1", "node2"]).startswith(
+        "trainer rank 1 (on node2) was killed by signal 9 (SIGKILL);")
+    log.write_text(refused)  # a rank that only exited with a code is still named
+    assert describe_trainer_exit(1, log, ["node1", "node2"]).startswith("trainer rank 0 (on node1) exited with code 1;")
