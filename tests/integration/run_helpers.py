@@ -38,21 +38,21 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_tiny_recipe_to_learning(run_dir: Path, config: str, *flags: str) -> list[dict[str, Any]]:
-    """Run a tiny 100-rollout recipe to its end; check it learned (mean reward of the last 10 rollouts >= the
-    first 10's + 0.3, from an untrained 0.05..0.5) with the engine's log-probs equal to the trainer's after every
-    sync (< 1e-4, float32 both sides) and weight versions 1, 2, ...; return its rollout records."""
-    import statistics
+# Rollouts of the short runs that check a mode or a model family serves the trainer's weights: each sync's
+# log-prob equality shows from the first rollout on. Learning (reward +0.3 over 100 rollouts) is shown once, by
+# test_run_local.py::test_tiny_default_run_learns; SFT, OPD and PPO show theirs in test_training_modes_runs.py.
+SHORT_RUN_ROLLOUTS = 3
 
-    result = subprocess.run(submit_argv(run_dir, *flags, config=config), cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=900)
+
+def run_tiny_recipe_in_sync(run_dir: Path, config: str, *flags: str,
+                            num_rollout: int = SHORT_RUN_ROLLOUTS) -> list[dict[str, Any]]:
+    """Run a tiny recipe for `num_rollout` rollouts; check the engine's log-probs equal the trainer's after every
+    sync (< 1e-4, float32 both sides) and weight versions 1, 2, ...; return its rollout records."""
+    result = subprocess.run(submit_argv(run_dir, "--num-rollout", str(num_rollout), *flags, config=config),
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = records(run_dir)
-    assert len(rows) == 100
-    rewards = [r["metrics"]["rollout/reward_mean"] for r in rows]
-    first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
-    assert 0.05 <= first <= 0.5, f"untrained policy scored {first:.3f}"
-    assert last - first >= 0.3, f"reward went {first:.3f} -> {last:.3f}: {[round(r, 2) for r in rewards]}"
+    assert [r["rollout_id"] for r in rows] == list(range(num_rollout))
     for version, row in enumerate(rows, start=1):
         metrics = row["metrics"]
         assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-4, (row["rollout_id"], metrics)

@@ -1,12 +1,12 @@
 """slime's --rollout-external-engine-addrs (issue 26), real processes: a CPU engine started outside the run (as an
-inference job on another partition would serve) is attached as the run's engine; the tiny run learns on it, its
-weights follow the trainer's after every sync (over the weight-update group), and it outlives the run. An address
+inference job on another partition would serve) is attached as the run's engine; over a few rollouts its weights
+follow the trainer's after every sync (over the weight-update group), and it outlives the run (that GRPO learns
+is shown once, by test_run_local.py::test_tiny_default_run_learns: who started the engine changes nothing there). An address
 nothing answers at fails the run at start, naming it."""
 
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,7 @@ import pytest
 from hpc_rl.engines.child_process import free_port
 from hpc_rl.engines.engine_process import CpuEngineProcess
 from hpc_rl.protocol.http_client import request_blocking
-from tests.integration.run_helpers import records, run_to_end
+from tests.integration.run_helpers import SHORT_RUN_ROLLOUTS, records, run_to_end
 
 pytestmark = pytest.mark.slow
 
@@ -22,21 +22,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_run_attaches_to_an_engine_it_did_not_start_and_its_weights_follow(tmp_path: Path) -> None:
+    """A few rollouts (learning: test_run_local.py::test_tiny_default_run_learns)."""
     with CpuEngineProcess(REPO / "assets" / "tiny_qwen3", log_path=tmp_path / "external.log",
                           max_running_requests=256) as engine:
         engine.wait_healthy(120)
         run_dir = tmp_path / "run"
         result = run_to_end(run_dir, "--rollout-external-engine-addrs", f"127.0.0.1:{engine.port}",
-                            "--rollout-num-gpus", "0", "--eval-interval", "100", timeout_s=600)
+                            "--rollout-num-gpus", "0", "--num-rollout", str(SHORT_RUN_ROLLOUTS),
+                            "--eval-interval", "100", timeout_s=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         rows = records(run_dir)
-        rewards = [r["metrics"]["rollout/reward_mean"] for r in rows]
-        assert len(rows) == 100 and statistics.mean(rewards[-10:]) - statistics.mean(rewards[:10]) >= 0.3, rewards
+        assert [r["rollout_id"] for r in rows] == list(range(SHORT_RUN_ROLLOUTS))
         for row in rows:  # after each sync the external engine serves the trainer's weights
             assert row["metrics"]["train/first_step_train_rollout_logprob_abs_diff"] < 1e-5, row["metrics"]
         assert engine.process.alive()  # not the run's to stop
         status, info = request_blocking("GET", f"{engine.url}/model_info", None, timeout_s=10)
-        assert status == 200 and json.loads(info)["weight_version"] == "100"
+        assert status == 200 and json.loads(info)["weight_version"] == str(SHORT_RUN_ROLLOUTS)
         assert f"attached 1 external engine(s): {engine.url}" in (run_dir / "logs" / "controller.log").read_text()
 
 
