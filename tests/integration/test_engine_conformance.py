@@ -124,9 +124,25 @@ def test_batched_input_ids_answer_a_list_in_order(engine):
     assert [len(a["output_ids"]) for a in answers] == [1, 2, 3]
 
 
+def num_waiting(engine) -> int:
+    """Requests queued in the engine, not running (SGLang's /server_info `internal_states`)."""
+    return requests.get(f"{engine.url}/server_info", timeout=30).json()["internal_states"][0]["num_waiting_reqs"]
+
+
+def until(predicate, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)
+
+
 def test_batched_rid_list_each_item_its_own_request(engine):
     """How the rollout sends a group (hpc_rl.rollout.request_batching): one rid per item, answered by
-    id; aborting one rid ends that item only (the others run on); duplicate rids are refused (400)."""
+    id; aborting one rid ends that item only (the others run on); duplicate rids are refused (400).
+
+    The engine holds the batch (paused: nothing can finish by length) until the abort has landed, so the
+    item to cut cannot outrun its abort (it once did, on a quiet machine, when both raced). Aborting a row of
+    the running batch, step by step, is tests/unit/test_engines_cpu.py's."""
     duplicate = generate(engine, {"input_ids": [[9], [10]], "rid": ["same", "same"],
                                   "sampling_params": greedy(1)})
     assert duplicate.status_code == 400 and "Duplicate request IDs" in duplicate.json()["error"]["message"]
@@ -134,10 +150,17 @@ def test_batched_rid_list_each_item_its_own_request(engine):
             "sampling_params": [greedy(8, ignore_eos=True), greedy(500, ignore_eos=True)]}
     answer: list = []
     sender = threading.Thread(target=lambda: answer.append(generate(engine, body)))
-    sender.start()
-    while sender.is_alive():  # until the batch answers: an abort before the item arrives is a no-op
-        requests.post(f"{engine.url}/abort_request", json={"rid": "cut-1"}, timeout=30)
-        sender.join(timeout=0.2)
+    paused = requests.post(f"{engine.url}/pause_generation", json={"mode": "retract"}, timeout=30)
+    assert paused.status_code == 200, paused.text
+    try:
+        sender.start()
+        until(lambda: num_waiting(engine) == 2, "both items of the batch to be queued behind the pause")
+        assert requests.post(f"{engine.url}/abort_request", json={"rid": "cut-1"}, timeout=30).status_code == 200
+        until(lambda: num_waiting(engine) == 1, "the abort of cut-1 (keep-1 still queued)")
+    finally:
+        requests.post(f"{engine.url}/continue_generation", json={}, timeout=30)
+    sender.join(timeout=120)
+    assert answer, "the batch did not answer within 120 s of continue_generation"
     kept, cut = answer[0].json()
     assert [kept["meta_info"]["id"], cut["meta_info"]["id"]] == ["keep-1", "cut-1"]
     assert kept["meta_info"]["finish_reason"] == {"type": "length", "length": 8} and len(kept["output_ids"]) == 8
@@ -254,7 +277,10 @@ def test_unknown_sampling_key_gets_sglangs_schema_error(engine):
 
 
 def test_pause_retract_is_counted_in_num_retractions(engine):
-    body = {"rid": "retracted", "input_ids": [9, 15], "stream": True, "sampling_params": greedy(60, ignore_eos=True)}
+    """The pause must land while the request runs: 500 tokens (0.7 s on the CPU engine at load 10), not 60
+    (0.09 s, within a pause request's round trip under load). Still a race in principle: a running request
+    can only be held by an engine hook (a queued one by a pause, as test_batched_rid_list_... does)."""
+    body = {"rid": "retracted", "input_ids": [9, 15], "stream": True, "sampling_params": greedy(500, ignore_eos=True)}
     with requests.post(f"{engine.url}/generate", json=body, stream=True, timeout=120) as response:
         events = response.iter_lines()
         first = next(line for line in events if line)  # running: its first token is back
@@ -262,7 +288,7 @@ def test_pause_retract_is_counted_in_num_retractions(engine):
         assert requests.post(f"{engine.url}/continue_generation", json={}, timeout=30).status_code == 200
         rest = [line for line in events if line and line != b"data: [DONE]"]
     final = orjson.loads((rest or [first])[-1][len(b"data: "):])
-    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
+    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 500}
     assert final["meta_info"]["num_retractions"] >= 1
 
 
