@@ -1,24 +1,15 @@
 """Small drivers for the Slurm tests: same signature as `hpc_rl.launch.driver.run_driver`, no model.
 
 Each one exercises the het-job mechanics the real driver relies on (srun steps in both components,
-node names, USR2 -> save -> requeue -> resume) in seconds instead of minutes.
+node names, stopping steps) in seconds instead of minutes.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 from hpc_rl.launch.steps import StepLauncher, StepSpec
-
-EXIT_REQUEUE = 3
-_checkpoint_requested = False
-
-
-def request_checkpoint() -> None:
-    global _checkpoint_requested
-    _checkpoint_requested = True
 
 
 def where_driver(run_dir: str, launcher: StepLauncher, *, local: bool) -> int:
@@ -36,41 +27,6 @@ def where_driver(run_dir: str, launcher: StepLauncher, *, local: bool) -> int:
     (out / "addresses").write_text(f"{launcher.node_address(0, 0)} {launcher.node_address(0, 1)} "
                                    f"{launcher.node_address(1, 0)}\n")
     return 0 if codes == [0, 0] else 1
-
-
-def sleeping_driver(run_dir: str, launcher: StepLauncher, *, local: bool) -> int:
-    """Long-running steps on every virtual node (for the scancel test); marks itself as started."""
-    out = Path(run_dir)
-    tag = out.name
-    steps = [
-        launcher.start(StepSpec(name="sleep-trainer", het_group=0, num_nodes=2,
-                                argv=["bash", "-c", f"exec -a hpcrl-sleep-{tag} sleep 600"])),
-        launcher.start(StepSpec(name="sleep-engine", het_group=1, node_index=0,
-                                argv=["bash", "-c", f"exec -a hpcrl-sleep-{tag} sleep 600"])),
-    ]
-    (out / "started").write_text("yes\n")
-    for step in steps:
-        step.wait()
-    return 0
-
-
-def counting_driver(run_dir: str, launcher: StepLauncher, *, local: bool) -> int:
-    """Counts to `target` (one per second), resuming from `progress`; saves and asks for a requeue on USR2."""
-    out = Path(run_dir)
-    target = int((out / "target").read_text())
-    progress = out / "progress"
-    count = int(progress.read_text()) if progress.exists() else 0
-    with open(out / "starts", "a") as starts:
-        starts.write(f"{count}\n")
-    while count < target:
-        if _checkpoint_requested:
-            progress.write_text(f"{count}\n")
-            print(f"saved at {count}; asking for a requeue", file=sys.stderr, flush=True)
-            return EXIT_REQUEUE
-        time.sleep(1.0)
-        count += 1
-        progress.write_text(f"{count}\n")
-    return 0
 
 
 def stopping_driver(run_dir: str, launcher: StepLauncher, *, local: bool) -> int:

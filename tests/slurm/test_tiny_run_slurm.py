@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hpc_rl.launch.slurm_status import component_states, job_state
 from tests.integration.run_helpers import placement, processes_mentioning, records, wait_for
 from tests.slurm.fault_runs import let_requeued_job_finish
 
@@ -49,6 +50,8 @@ def test_tiny_run_completes_through_a_het_job(run_dir: Path) -> None:
 
 
 def test_scancel_mid_run_leaves_no_process(run_dir: Path) -> None:
+    """The one scancel test (test_het_jobs.py had a twin with sleeping steps): every process of the run, on
+    every node, ends, and Slurm accounts the job as cancelled."""
     process = submit(run_dir, "--num-rollout", "500", wait=False)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output
@@ -56,6 +59,7 @@ def test_scancel_mid_run_leaves_no_process(run_dir: Path) -> None:
     wait_for(lambda: len(records(run_dir)) >= 2, 300, "two rollouts")
     subprocess.run(["scancel", job_id], check=True)
     wait_for(lambda: processes_mentioning(str(run_dir)) == [], 90, "every process of the job to end")
+    wait_for(lambda: job_state(component_states(job_id)).startswith("CANCELLED"), 30, "state CANCELLED")
 
 
 def submitit_logs(run_dir: Path) -> str:
@@ -71,7 +75,8 @@ def set_num_rollout(run_dir: Path, num_rollout: int) -> None:
 
 
 def test_time_limit_checkpoint_requeue_resume(run_dir: Path) -> None:
-    """A 2-minute limit: USR2 -> save at a rollout boundary -> requeue -> resume -> all rollouts done once.
+    """A 2-minute limit: USR2 -> save at a rollout boundary -> requeue -> resume -> all rollouts done once
+    (the one requeue-on-time-limit test: test_het_jobs.py's twin with a counting driver went).
 
     What it proves does not depend on the machine's speed: the run asks for far more rollouts than an
     allocation can do; once the first allocation has stopped for requeue after rollout k (the time
