@@ -28,8 +28,8 @@ pytestmark = pytest.mark.slow
 def test_colocated_tiny_run_serves_the_trainers_weights_after_every_sync(tmp_path: Path) -> None:
     """A few rollouts (learning: test_run_local.py::test_tiny_default_run_learns)."""
     run_dir = tmp_path / "colocated"
-    result = run_to_end(run_dir, "--colocate", "--num-rollout", str(SHORT_RUN_ROLLOUTS), "--eval-interval", "100",
-                        timeout_s=900)
+    result = run_to_end(run_dir, "--colocate", "--num-rollout", str(SHORT_RUN_ROLLOUTS),
+                        "--eval-interval", str(SHORT_RUN_ROLLOUTS), timeout_s=900)  # an eval after the last sync
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = records(run_dir)
     assert [r["rollout_id"] for r in rows] == list(range(SHORT_RUN_ROLLOUTS))

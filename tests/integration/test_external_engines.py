@@ -1,8 +1,8 @@
 """slime's --rollout-external-engine-addrs (issue 26), real processes: a CPU engine started outside the run (as an
 inference job on another partition would serve) is attached as the run's engine; over a few rollouts its weights
-follow the trainer's after every sync (over the weight-update group), and it outlives the run (that GRPO learns
-is shown once, by test_run_local.py::test_tiny_default_run_learns: who started the engine changes nothing there). An address
-nothing answers at fails the run at start, naming it."""
+follow the trainer's after every sync (over the weight-update group), and it outlives the run. An address nothing
+answers at fails the run at start, naming it. That GRPO learns is shown once, by test_run_local.py::
+test_tiny_default_run_learns: who started the engine changes nothing there."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_a_run_attaches_to_an_engine_it_did_not_start_and_its_weights_follow(tmp
         run_dir = tmp_path / "run"
         result = run_to_end(run_dir, "--rollout-external-engine-addrs", f"127.0.0.1:{engine.port}",
                             "--rollout-num-gpus", "0", "--num-rollout", str(SHORT_RUN_ROLLOUTS),
-                            "--eval-interval", "100", timeout_s=600)
+                            "--eval-interval", str(SHORT_RUN_ROLLOUTS), timeout_s=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         rows = records(run_dir)
         assert [r["rollout_id"] for r in rows] == list(range(SHORT_RUN_ROLLOUTS))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.run_helpers import processes_mentioning, run_tiny_recipe_in_sync
+from tests.integration.run_helpers import SHORT_RUN_ROLLOUTS, processes_mentioning, run_tiny_recipe_in_sync
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 def test_tiny_mla_run_with_mtp_engine_logprobs_equal_the_trainers_after_every_sync(tmp_path: Path) -> None:
     """Three rollouts (learning: test_run_local.py::test_tiny_default_run_learns)."""
     run_dir = tmp_path / "mla"
-    rows = run_tiny_recipe_in_sync(run_dir, "configs/tiny_mla_cpu.yaml", "--eval-interval", "100")
+    rows = run_tiny_recipe_in_sync(run_dir, "configs/tiny_mla_cpu.yaml", "--eval-interval", str(SHORT_RUN_ROLLOUTS))
     mtp = [r["metrics"]["train/mtp_1_loss"] for r in rows]
     assert all(r["metrics"]["train/mtp_loss"] == r["metrics"]["train/mtp_1_loss"] for r in rows)
     assert all(math.isfinite(loss) and loss > 0 for loss in mtp), mtp

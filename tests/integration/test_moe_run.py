@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.run_helpers import (
-    REPO_ROOT, processes_mentioning, records, run_tiny_recipe_in_sync, submit_argv,
+    REPO_ROOT, SHORT_RUN_ROLLOUTS, processes_mentioning, records, run_tiny_recipe_in_sync, submit_argv,
 )
 from tests.integration.test_run_local import tensorboard_scalars
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 def test_tiny_moe_run_engine_logprobs_equal_the_trainers_after_every_sync(tmp_path: Path) -> None:
     """Three rollouts at EP 2 (learning: test_run_local.py::test_tiny_default_run_learns)."""
     run_dir = tmp_path / "moe"
-    rows = run_tiny_recipe_in_sync(run_dir, "configs/tiny_moe_cpu.yaml", "--eval-interval", "100")
+    rows = run_tiny_recipe_in_sync(run_dir, "configs/tiny_moe_cpu.yaml", "--eval-interval", str(SHORT_RUN_ROLLOUTS))
     assert all(row["metrics"]["train/samples"] == 128.0 for row in rows)
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "Traceback" not in trainer_log
