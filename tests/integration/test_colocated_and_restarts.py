@@ -1,7 +1,7 @@
 """Colocated mode end to end on the CPU twin, and restarted engines rejoining the weight-update group.
 
 Real processes (controller, sglang-router, CPU engines started with --enable-memory-saver, a torchrun
-trainer rank): the colocated tiny run learns with weights handed over through shared memory and
+trainer rank): the colocated tiny run gets its weights handed over through shared memory and
 `/update_weights_from_tensor`, with no weight-update group (the engine and trainer rank 0 share a device,
 which the group join refuses), the engine serving the trainer's weights after every sync (a few rollouts:
 that GRPO learns is shown once, by test_run_local.py::test_tiny_default_run_learns, and colocated by

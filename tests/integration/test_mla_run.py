@@ -9,8 +9,8 @@ rollout must report the MTP loss, and every sync must land: the engine refuses a
 shape its draft layer does not have, which would fail the run.
 
 That GRPO learns is shown once, by the dense default's 100-rollout run (test_run_local.py::
-test_tiny_default_run_learns); that the MTP layer gets gradients and hands them to the engine's draft layer is
-test_mla_models.py's (on the trainer's own ranks, exact).
+test_tiny_default_run_learns). That the MTP layer gets gradients, and that every tensor (the MTP layer's too)
+reaches an engine, is test_mla_models.py's, exactly, on the trainer's own ranks.
 """
 
 from __future__ import annotations
