@@ -37,7 +37,10 @@ def tensorboard_scalars(run_dir: Path, tag: str) -> list[float]:
 
 
 def test_tiny_default_run_learns(tmp_path: Path) -> None:
-    """The README's first command: GRPO raises the mean reward by >= 0.3 (smoothed), visible in TensorBoard."""
+    """The README's first command: GRPO raises the mean reward by >= 0.3 (smoothed), visible in TensorBoard.
+
+    The suite's one 100-rollout GRPO learning run: the colocated, external-engine, MoE and MLA runs check in
+    3 rollouts that their engines serve the trainer's weights (SFT, OPD and PPO learn in test_training_modes_runs)."""
     run_dir = tmp_path / "learn"
     start = time.monotonic()
     result = run_to_end(run_dir, timeout_s=600)
