@@ -46,7 +46,7 @@ from hpc_rl.engines.gpu_step import PLACEMENT_DIR, reported_devices
 from hpc_rl.protocol import Connection, Envelope, Secret, Server
 from hpc_rl.protocol.errors import ProtocolError
 from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, ResumeState,
-                                      StatusReply, StatusRequest, WeightGroupJoinCheck, WeightGroupJoinVerdict,
+                                      StatusReply, StatusRequest, TrainerHeartbeat, WeightGroupJoinCheck, WeightGroupJoinVerdict,
                                       WeightPlan)
 from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rewards.reward_thread import RewardThread
@@ -82,7 +82,8 @@ class Controller:
         self.host, self.port = host, port
         self.registry = Registry(trainer_world_size=config.cluster.trainer_world_size,  # external ones, else the job's
                                  num_engines=len(config.rollout.rollout_external_engine_addrs) or config.cluster.num_engines)
-        self.channel = TrainerChannel(config.cluster.trainer_world_size)
+        self.channel = TrainerChannel.with_timeout(config.cluster.trainer_world_size,
+                                                   config.controller.trainer_command_timeout)
         self.fleet = EngineFleet(self.registry, router, api_key=api_key, restart=restart_engine,
                                  max_restarts=config.controller.max_engine_restarts,
                                  health_interval_s=config.controller.engine_health_interval,
@@ -235,6 +236,8 @@ class Controller:
                 raise ProtocolError(str(error)) from None
             if len(self.registry.trainers) == self.registry.trainer_world_size:
                 self._write_trainer_devices()
+            self.channel.heard_from(hello.rank)
+            return {"run_dir": str(self.run_dir), "heartbeat_interval_s": self.channel.heartbeat_interval_s}
         return {"run_dir": str(self.run_dir)}
 
     def _write_trainer_devices(self) -> None:
@@ -258,6 +261,9 @@ class Controller:
 
     async def _handle(self, conn: Connection, envelope: Envelope) -> Message | None:
         message = envelope.message
+        if isinstance(message, TrainerHeartbeat):
+            self.channel.heard_from(message.rank)
+            return Ack()
         if isinstance(message, NextCommand):
             return await self.channel.next_command(message.rank)
         if isinstance(message, CommandDone):
@@ -325,6 +331,7 @@ class Controller:
                                    / last["time/step"]) if last.get("time/step") else None,
             "components": self._components(),
             "engine_events": self.fleet.events[-20:],
+            "warnings": self.channel.liveness_warnings() + (loop.recorder.warnings if loop else []),
             "last_error": self.last_error or (str(self.channel.failure) if self.channel.failure else ""),
             "restarts": self.restarts,
             "updated_at": time.time(),

@@ -196,9 +196,16 @@ class EngineFleet:
                          if admin.in_flight else "")
                 await self.fail_engine(engine.engine_index, f"health check failed{stuck}")
 
-    async def fail_engine(self, engine_index: int, reason: str) -> None:
-        """Take an engine out (router first, so no new request goes there) and restart it if allowed."""
+    async def fail_engine(self, engine_index: int, reason: str, *, incarnation: int | None = None) -> None:
+        """Take an engine out (router first, so no new request goes there) and restart it if allowed.
+        `incarnation`: the process the failure was seen on (`EngineInfo.incarnation`); a report about a process
+        that was restarted since (a weight sync it broke, answered up to ABORT_GRACE_S later) is ignored: failing
+        the new process for it restarted a healthy engine again and again (issue 37)."""
         engine = self.registry.engines[engine_index]
+        if incarnation is not None and engine.incarnation != incarnation:
+            log.info("engine %d: %s (its previous process; restarted since, the new one is kept)", engine_index,
+                     reason)
+            return
         if engine.state == EngineState.FAILED:
             return
         was_serving = engine.state == EngineState.SERVING
