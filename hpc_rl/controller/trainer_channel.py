@@ -49,6 +49,9 @@ class TrainerUnresponsive(TrainerFailed):
     """A trainer rank stopped answering (no heartbeat) while a command ran: stopped (SIGSTOP) or frozen. Its
     process is still there, so nothing exits on its own: the run must stop it."""
 
+    process_alive = True
+    """The driver does not wait for torchrun to report the rank's exit (there is none to wait for)."""
+
 
 @dataclass
 class _Pending:
