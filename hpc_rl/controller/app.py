@@ -143,6 +143,12 @@ class Controller:
         if self.reward_pool is not None:
             await self.reward_pool.start()
         self.fleet.on_serving = self.client.wake_waiters
+        self.fleet.on_router_lost = self._router_lost
+
+    def _router_lost(self) -> None:
+        """The router exited (the fleet reported it): single requests go to the engines directly too."""
+        if self.client is not None:
+            self.client.router_url = None
 
     @property
     def address(self) -> tuple[str, int]:
