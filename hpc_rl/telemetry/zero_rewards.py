@@ -1,6 +1,7 @@
 """The warning for a run that learns nothing: every sample's reward 0 for `ZERO_REWARD_ROLLOUTS` rollouts in a row.
 
-Owns counting such rollouts and saying so once, loudly (a log warning, a line on stderr, status's `warnings`).
+Owns counting such rollouts and saying so once, loudly (a log warning, which the driver also puts on stderr
+between the progress lines; status's `warnings`).
 All-zero rewards give zero advantages under GRPO: the run trains on nothing while it looks healthy. Usual
 causes: labels the reward type cannot read (a list or null `label` for deepscaler/math/dapo: refused at submit
 since issue 37, but a custom reward or a later row can still do it), a wrong `rm_type` or `label_key`, a
@@ -10,7 +11,6 @@ response length that cuts every answer off. Rollouts without a reward (SFT) are 
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 from hpc_rl.data.samples import Group
@@ -44,5 +44,4 @@ class ZeroRewardWatch:
                             f"({self.after} in a row): nothing is learned (zero advantages). Check that the "
                             "data's label fits the reward type (rollout.rm_type, rollout.label_key) and that "
                             "responses are not cut off (rollout.rollout_max_response_len)")
-            log.warning("%s", self.warning)
-            print(f"hpc_rl: WARNING: {self.warning}", file=sys.stderr, flush=True)
+            log.warning("%s", self.warning)  # the driver sends warnings to stderr too, between the progress lines

@@ -1,5 +1,6 @@
-"""A run whose rewards are all 0 for ZERO_REWARD_ROLLOUTS rollouts in a row warns once, loudly: log, stderr and
-status's warnings (issue 37 case 5: such a run trained on zeros and ended "run finished" without a word)."""
+"""A run whose rewards are all 0 for ZERO_REWARD_ROLLOUTS rollouts in a row warns once, loudly: a log warning
+(on stderr too, in a run) and status's warnings (issue 37 case 5: such a run trained on zeros and ended
+"run finished" without a word)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def groups_with(*rewards: float | None) -> list[list[Sample]]:
     return [[Sample(group_index=0, index=i, prompt="p", prompt_token_ids=[1], reward=r) for i, r in enumerate(rewards)]]
 
 
-def test_all_zero_rollouts_in_a_row_warn_once_through_log_stderr_and_status(tmp_path: Path, capsys, caplog) -> None:
+def test_all_zero_rollouts_in_a_row_warn_once_through_the_log_and_status(tmp_path: Path, caplog) -> None:
     recorder = RunRecorder(tmp_path, NoScalarsFake(), num_rollout=100, print_fn=lambda line: None)  # type: ignore[arg-type]
     metrics = {"rollout/reward_mean": 0.0}
     with caplog.at_level(logging.WARNING):
@@ -38,7 +39,6 @@ def test_all_zero_rollouts_in_a_row_warn_once_through_log_stderr_and_status(tmp_
     assert len(recorder.warnings) == 1
     assert recorder.warnings[0].startswith(f"every reward was 0 in rollouts 0-{ZERO_REWARD_ROLLOUTS - 1}")
     assert "label" in recorder.warnings[0] and "rm_type" in recorder.warnings[0]
-    assert capsys.readouterr().err.count("hpc_rl: WARNING: every reward was 0") == 1
     assert [r.getMessage() for r in caplog.records].count(recorder.warnings[0]) == 1
 
 
