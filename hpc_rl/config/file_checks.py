@@ -79,11 +79,11 @@ def data_file_problems(path: str, keys: DataKeys, field: str, *, skip_bad_lines:
         return [FileProblem(field, f"{path}: cannot be read: {error}")]
     if unscorable:
         more = f" (and {len(unscorable) - BAD_LINES_QUOTED} more)" if len(unscorable) > BAD_LINES_QUOTED else ""
+        quoted = "; ".join(unscorable[:BAD_LINES_QUOTED])
         return [FileProblem(field, f"{len(unscorable)} label(s) the reward cannot score, in the first "
-                                   f"{min(good, LABEL_ROWS_CHECKED)} row(s): {'; '.join(unscorable[:BAD_LINES_QUOTED])}"
-                                   f"{more}; every such sample would get reward 0 and train nothing. Fix the labels, "
-                                   "set rollout.label_key / rm_type to what the data holds, or score with "
-                                   "custom_rm_path")]
+                                   f"{min(good, LABEL_ROWS_CHECKED)} row(s): {quoted}{more}; every such sample "
+                                   "would get reward 0 and train nothing. Fix the labels, set rollout.label_key / "
+                                   "rm_type to what the data holds, or score with custom_rm_path")]
     if not good:
         reason = f"; {len(bad)} bad row(s), the first: {bad[0]}" if bad else " (the file is empty)"
         return [FileProblem(field, f"{path} has no usable prompt{reason}")]
@@ -127,8 +127,8 @@ def prompt_file_problems(config: RunConfig) -> list[FileProblem]:
     keys = DataKeys(input_key=rollout.input_key, label_key=rollout.label_key, metadata_key=rollout.metadata_key,
                     tool_key=rollout.tool_key)
     rm_type = None if rollout.custom_rm_path else rollout.rm_type  # a custom reward reads labels its own way
-    problems = data_file_problems(rollout.prompt_data, keys, "rollout.prompt_data", skip_bad_lines=rollout.skip_bad_lines,
-                                  rm_type=rm_type)
+    problems = data_file_problems(rollout.prompt_data, keys, "rollout.prompt_data",
+                                  skip_bad_lines=rollout.skip_bad_lines, rm_type=rm_type)
     evaluation = config.eval
     eval_keys = DataKeys(input_key=evaluation.eval_input_key or keys.input_key,
                          label_key=evaluation.eval_label_key or keys.label_key, metadata_key=keys.metadata_key,

@@ -46,8 +46,8 @@ from hpc_rl.engines.gpu_step import PLACEMENT_DIR, reported_devices
 from hpc_rl.protocol import Connection, Envelope, Secret, Server
 from hpc_rl.protocol.errors import ProtocolError
 from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, ResumeState,
-                                      StatusReply, StatusRequest, TrainerHeartbeat, WeightGroupJoinCheck, WeightGroupJoinVerdict,
-                                      WeightPlan)
+                                      StatusReply, StatusRequest, TrainerHeartbeat, WeightGroupJoinCheck,
+                                      WeightGroupJoinVerdict, WeightPlan)
 from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rewards.reward_thread import RewardThread
 from hpc_rl.rollout import EngineClient

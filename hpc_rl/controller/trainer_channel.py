@@ -117,7 +117,8 @@ class TrainerChannel:
         self._heard[rank] = time.monotonic()
         said = self.silent_ranks.pop(rank, None)
         if said is not None:
-            log.warning("trainer rank %d answers again, after %s s of silence", rank, _seconds(time.monotonic() - said[0]))
+            log.warning("trainer rank %d answers again, after %s s of silence", rank,
+                        _seconds(time.monotonic() - said[0]))
 
     def check_liveness(self, now: float | None = None) -> None:
         """Name the ranks silent past `silence_warn_s` in the command that runs; fail it past
@@ -144,8 +145,8 @@ class TrainerChannel:
 
     def _describe_silence(self, rank: int, now: float) -> str:
         last, command = self.silent_ranks[rank]
-        return (f"trainer rank {rank} has not answered for {_seconds(now - last)} s during {command}: stopped or hung? "
-                f"(the run fails after controller.trainer_command_timeout={self.silence_timeout_s:g} s)")
+        return (f"trainer rank {rank} has not answered for {_seconds(now - last)} s during {command}: stopped or "
+                f"hung? (the run fails after controller.trainer_command_timeout={self.silence_timeout_s:g} s)")
 
     def liveness_warnings(self) -> list[str]:
         """What status says about the silent ranks now (empty while every rank answers)."""

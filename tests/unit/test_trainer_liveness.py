@@ -140,3 +140,12 @@ def test_the_heartbeat_thread_of_a_real_link_beats_a_real_controller(tmp_path: P
     beats, silent_for = asyncio.run(main())
     assert beats >= 5
     assert silent_for < 0.5
+
+
+def test_status_prints_the_warnings_a_run_reports() -> None:
+    from hpc_rl.status import format_status
+
+    text = format_status({"source": "controller (live)", "state": "running", "rollout_id": 171, "num_rollout": 400,
+                          "warnings": ["trainer rank 0 has not answered for 45 s during TrainCommand: stopped or hung?"]})
+    assert "run: running" in text
+    assert "WARNING: trainer rank 0 has not answered for 45 s during TrainCommand: stopped or hung?" in text

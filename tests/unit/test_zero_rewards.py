@@ -23,11 +23,13 @@ class NoScalarsFake:
 
 
 def groups_with(*rewards: float | None) -> list[list[Sample]]:
-    return [[Sample(group_index=0, index=i, prompt="p", prompt_token_ids=[1], reward=r) for i, r in enumerate(rewards)]]
+    return [[Sample(group_index=0, index=i, prompt="p", prompt_token_ids=[1], reward=r)
+             for i, r in enumerate(rewards)]]
 
 
 def test_all_zero_rollouts_in_a_row_warn_once_through_the_log_and_status(tmp_path: Path, caplog) -> None:
-    recorder = RunRecorder(tmp_path, NoScalarsFake(), num_rollout=100, print_fn=lambda line: None)  # type: ignore[arg-type]
+    recorder = RunRecorder(tmp_path, NoScalarsFake(), num_rollout=100,  # type: ignore[arg-type]
+                           print_fn=lambda line: None)
     metrics = {"rollout/reward_mean": 0.0}
     with caplog.at_level(logging.WARNING):
         for rollout_id in range(ZERO_REWARD_ROLLOUTS - 1):
