@@ -6,7 +6,9 @@
        │   trainer ranks ├─ Hello(trainer, rank, dp_rank) ──> registry; rank 0: ResumeState ──> resume
        │   (torchrun)    ├─ NextCommand ──> TrainCommand | SyncWeightsCommand | SaveCommand | StopCommand
        │                 ├─ WeightPlan (rank 0, during a sync)            (trainer_channel)
-       │                 └─ CommandDone(metrics)
+       │                 ├─ CommandDone(metrics)
+       │                 └─ TrainerHeartbeat (a thread of each rank, own connection): a rank silent during a
+       │                    command is named, then fails the run (controller.trainer_command_timeout)
        ├─ engines: driver calls register_engine(i, url) after /health; health task watches them
        │   (engine_fleet); generation goes through sglang-router; admin calls go to each engine
        └─ status: `python -m hpc_rl.status` sends StatusRequest; status.json in the run dir too
