@@ -184,6 +184,8 @@ def format_status(status: dict[str, Any]) -> str:
     for index, engine in components.get("engines", {}).items():
         extra = f", restarts {engine['restarts']}" if engine.get("restarts") else ""
         lines.append(f"engine {index}: {engine['state']} at {engine['url']}{extra}")
+    for warning in status.get("warnings") or []:  # a silent trainer rank, a run that cannot score
+        lines.append(f"WARNING: {warning}")
     if status.get("slurm"):
         lines.append(f"slurm: {status['slurm']}")
     if status.get("last_error"):

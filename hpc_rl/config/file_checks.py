@@ -3,7 +3,10 @@ every line of the prompt files parses, before anything is queued.
 
 Owns: what makes an HF checkpoint usable (config.json, weights, a tokenizer) and the whole-file scan
 of prompt data (every line: valid JSON, the input key holding a prompt, the label key present), with
-the first few bad lines quoted and the count of the rest. `--no-check-files` skips all of it.
+the first few bad lines quoted and the count of the rest; and, on the first LABEL_ROWS_CHECKED rows, that
+the label is one the reward type can score (`data.label_shapes`: a list or null label for deepscaler is
+refused naming file, line and field; always, `skip_bad_lines` or not: such data trains on zeros).
+`--no-check-files` skips all of it.
 """
 
 from __future__ import annotations
@@ -13,8 +16,13 @@ from typing import NamedTuple
 
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.data.prompts import DataError, DataKeys, iter_rows, row_to_record
+from hpc_rl.data.label_shapes import label_problem
 
 BAD_LINES_QUOTED = 3
+LABEL_ROWS_CHECKED = 1000
+"""Rows whose label shape is checked against the reward type (the brief's "first rows"): a dataset's labels
+share one shape, so its first rows say which, and a file with a few odd labels further down gets errors naming
+those samples at scoring time."""
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
@@ -43,24 +51,39 @@ def hf_checkpoint_problems(path: str) -> list[FileProblem]:
                         f"directory `huggingface-cli download` wrote")]
 
 
-def data_file_problems(path: str, keys: DataKeys, field: str, *, skip_bad_lines: bool) -> list[FileProblem]:
+def data_file_problems(path: str, keys: DataKeys, field: str, *, skip_bad_lines: bool,
+                       rm_type: str | None = None) -> list[FileProblem]:
     """Every row of a prompt file checked; the first bad lines quoted, the rest counted.
-    With skip_bad_lines, bad lines are allowed but a file with no usable prompt is not."""
+    With skip_bad_lines, bad lines are allowed but a file with no usable prompt is not. With `rm_type` (a rule
+    reward scores this file), the first LABEL_ROWS_CHECKED rows' labels must be ones it can score."""
     if not path or not Path(path).is_file():
         return []
     bad: list[str] = []
+    unscorable: list[str] = []
     good = 0
     try:
         for index, (where, row) in enumerate(iter_rows(path)):
             try:
                 if isinstance(row, DataError):
                     raise row
-                row_to_record(row, index, keys, where)
+                record = row_to_record(row, index, keys, where)
                 good += 1
+                if rm_type and keys.label_key is not None and index < LABEL_ROWS_CHECKED:
+                    row_type = str(record.metadata.get("rm_type") or rm_type)
+                    why = label_problem(row_type, record.label)
+                    if why is not None:
+                        unscorable.append(f"{where}: field {keys.label_key!r} {why}")
             except DataError as error:
                 bad.append(str(error))
     except (DataError, OSError, ValueError) as error:
         return [FileProblem(field, f"{path}: cannot be read: {error}")]
+    if unscorable:
+        more = f" (and {len(unscorable) - BAD_LINES_QUOTED} more)" if len(unscorable) > BAD_LINES_QUOTED else ""
+        quoted = "; ".join(unscorable[:BAD_LINES_QUOTED])
+        return [FileProblem(field, f"{len(unscorable)} label(s) the reward cannot score, in the first "
+                                   f"{min(good, LABEL_ROWS_CHECKED)} row(s): {quoted}{more}; every such sample "
+                                   "would get reward 0 and train nothing. Fix the labels, set rollout.label_key / "
+                                   "rm_type to what the data holds, or score with custom_rm_path")]
     if not good:
         reason = f"; {len(bad)} bad row(s), the first: {bad[0]}" if bad else " (the file is empty)"
         return [FileProblem(field, f"{path} has no usable prompt{reason}")]
@@ -103,7 +126,9 @@ def prompt_file_problems(config: RunConfig) -> list[FileProblem]:
     rollout = config.rollout
     keys = DataKeys(input_key=rollout.input_key, label_key=rollout.label_key, metadata_key=rollout.metadata_key,
                     tool_key=rollout.tool_key)
-    problems = data_file_problems(rollout.prompt_data, keys, "rollout.prompt_data", skip_bad_lines=rollout.skip_bad_lines)
+    rm_type = None if rollout.custom_rm_path else rollout.rm_type  # a custom reward reads labels its own way
+    problems = data_file_problems(rollout.prompt_data, keys, "rollout.prompt_data",
+                                  skip_bad_lines=rollout.skip_bad_lines, rm_type=rm_type)
     evaluation = config.eval
     eval_keys = DataKeys(input_key=evaluation.eval_input_key or keys.input_key,
                          label_key=evaluation.eval_label_key or keys.label_key, metadata_key=keys.metadata_key,
@@ -114,5 +139,5 @@ def prompt_file_problems(config: RunConfig) -> list[FileProblem]:
                             metadata_key=dataset.metadata_key or eval_keys.metadata_key,
                             tool_key=dataset.tool_key or eval_keys.tool_key)
         problems += data_file_problems(dataset.path, own_keys, f"eval.eval_prompt_data[{dataset.name}]",
-                                       skip_bad_lines=rollout.skip_bad_lines)
+                                       skip_bad_lines=rollout.skip_bad_lines, rm_type=rm_type)
     return problems

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -260,9 +261,26 @@ def write_resolved_config(config: RunConfig, run_dir: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
+    write_private_if_secret(tmp, text, secret=holds_secret(config))
     tmp.replace(path)
     return path
+
+
+def holds_secret(config: RunConfig) -> bool:
+    """Whether the resolved config carries a credential (`logging.wandb_key`): then only its owner may read it,
+    as the run's secret (0600)."""
+    return bool(config.logging.wandb_key)
+
+
+def write_private_if_secret(path: str | Path, text: str, *, secret: bool) -> None:
+    """Write `path` (replaced if there): mode 0600 when `secret`, else 0644 (both whatever the umask says, and
+    from the first byte: the file is never readable by others with the key in it, not even for an instant)."""
+    mode = 0o600 if secret else 0o644
+    Path(path).unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w") as handle:
+        os.fchmod(handle.fileno(), mode)
+        handle.write(text)
 
 
 def load_resolved_config(path: str | Path) -> RunConfig:

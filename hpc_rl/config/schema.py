@@ -779,6 +779,10 @@ class ControllerConfig:
     neither the call nor /health is failed sooner, by the health check (restart path)."""
     max_engine_restarts: int = 3
     """Restarts of a failed engine before the run fails."""
+    trainer_command_timeout: float = 600.0
+    """Seconds a trainer rank may stay silent (no heartbeat: stopped, frozen) while a command runs before the run
+    fails naming it; named in the log and status after min(30 s, half of this). A long step that computes keeps
+    beating: this bounds silence, not a step's length (default: NCCL's 10 min collective watchdog)."""
     max_restarts: int = 0
     """Restarts of the whole run from its last checkpoint after a trainer rank dies (0: fail at once)."""
     max_logprob_mismatch: float | None = None

@@ -49,7 +49,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{path: _POSITIVE for path in (
         "optimizer.lr", "optimizer.adam_eps", "algorithm.eps_clip", "algorithm.eps_clip_high", "algorithm.tis_clip",
         "controller.registration_timeout", "controller.engine_health_interval", "controller.engine_request_timeout",
-        "controller.engine_admin_timeout", "rollout.reward_timeout")},
+        "controller.engine_admin_timeout", "rollout.reward_timeout", "controller.trainer_command_timeout")},
     **{path: _UNIT for path in ("algorithm.gamma", "algorithm.lambd", "sglang.mem_fraction_static",
                                 "optimizer.optimizer_offload_fraction")},
     "cluster.gpu_memory_gib": _POSITIVE,

@@ -6,7 +6,9 @@
        │   trainer ranks ├─ Hello(trainer, rank, dp_rank) ──> registry; rank 0: ResumeState ──> resume
        │   (torchrun)    ├─ NextCommand ──> TrainCommand | SyncWeightsCommand | SaveCommand | StopCommand
        │                 ├─ WeightPlan (rank 0, during a sync)            (trainer_channel)
-       │                 └─ CommandDone(metrics)
+       │                 ├─ CommandDone(metrics)
+       │                 └─ TrainerHeartbeat (a thread of each rank, own connection): a rank silent during a
+       │                    command is named, then fails the run (controller.trainer_command_timeout)
        ├─ engines: driver calls register_engine(i, url) after /health; health task watches them
        │   (engine_fleet); generation goes through sglang-router; admin calls go to each engine
        └─ status: `python -m hpc_rl.status` sends StatusRequest; status.json in the run dir too
@@ -46,8 +48,8 @@ from hpc_rl.engines.gpu_step import PLACEMENT_DIR, reported_devices
 from hpc_rl.protocol import Connection, Envelope, Secret, Server
 from hpc_rl.protocol.errors import ProtocolError
 from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, ResumeState,
-                                      StatusReply, StatusRequest, WeightGroupJoinCheck, WeightGroupJoinVerdict,
-                                      WeightPlan)
+                                      StatusReply, StatusRequest, TrainerHeartbeat, WeightGroupJoinCheck,
+                                      WeightGroupJoinVerdict, WeightPlan)
 from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rewards.reward_thread import RewardThread
 from hpc_rl.rollout import EngineClient
@@ -82,7 +84,8 @@ class Controller:
         self.host, self.port = host, port
         self.registry = Registry(trainer_world_size=config.cluster.trainer_world_size,  # external ones, else the job's
                                  num_engines=len(config.rollout.rollout_external_engine_addrs) or config.cluster.num_engines)
-        self.channel = TrainerChannel(config.cluster.trainer_world_size)
+        self.channel = TrainerChannel.with_timeout(config.cluster.trainer_world_size,
+                                                   config.controller.trainer_command_timeout)
         self.fleet = EngineFleet(self.registry, router, api_key=api_key, restart=restart_engine,
                                  max_restarts=config.controller.max_engine_restarts,
                                  health_interval_s=config.controller.engine_health_interval,
@@ -142,6 +145,12 @@ class Controller:
         if self.reward_pool is not None:
             await self.reward_pool.start()
         self.fleet.on_serving = self.client.wake_waiters
+        self.fleet.on_router_lost = self._router_lost
+
+    def _router_lost(self) -> None:
+        """The router exited (the fleet reported it): single requests go to the engines directly too."""
+        if self.client is not None:
+            self.client.router_url = None
 
     @property
     def address(self) -> tuple[str, int]:
@@ -235,6 +244,8 @@ class Controller:
                 raise ProtocolError(str(error)) from None
             if len(self.registry.trainers) == self.registry.trainer_world_size:
                 self._write_trainer_devices()
+            self.channel.heard_from(hello.rank)
+            return {"run_dir": str(self.run_dir), "heartbeat_interval_s": self.channel.heartbeat_interval_s}
         return {"run_dir": str(self.run_dir)}
 
     def _write_trainer_devices(self) -> None:
@@ -258,6 +269,9 @@ class Controller:
 
     async def _handle(self, conn: Connection, envelope: Envelope) -> Message | None:
         message = envelope.message
+        if isinstance(message, TrainerHeartbeat):
+            self.channel.heard_from(message.rank)
+            return Ack()
         if isinstance(message, NextCommand):
             return await self.channel.next_command(message.rank)
         if isinstance(message, CommandDone):
@@ -325,6 +339,7 @@ class Controller:
                                    / last["time/step"]) if last.get("time/step") else None,
             "components": self._components(),
             "engine_events": self.fleet.events[-20:],
+            "warnings": self.channel.liveness_warnings() + (loop.recorder.warnings if loop else []),
             "last_error": self.last_error or (str(self.channel.failure) if self.channel.failure else ""),
             "restarts": self.restarts,
             "updated_at": time.time(),

@@ -6,7 +6,9 @@ probes, a bounded number at a time; an engine that dies or stops answering is ma
 leaves the router at once, so its in-flight samples fail over to the others and are re-queued by the
 rollout client), and asking the launcher to restart it. An engine is first probed `health_first_wait_s`
 after it registered (slime's --rollout-health-check-first-wait), at start and after each restart. A restarted engine stays STARTING (not behind the router) until the loop
-has pushed the current weights to it, then `mark_serving` puts it back.
+has pushed the current weights to it, then `mark_serving` puts it back. The router's own exit is noticed by
+the same task (reaped: no zombie) and reported (log, status event "router exited"); engines are then reached
+directly (`on_router_lost`), and no more membership calls go to it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class RouterMembership(Protocol):
         """Add them all and return once the router lists every one."""
 
     def remove_worker(self, url: str) -> None: ...
+
+    # Optional: `exit_code() -> int | None` (RouterProcess has it): the fleet's health task reports its exit.
 
 
 class EngineFleet:
@@ -74,6 +78,8 @@ class EngineFleet:
         """Called after an engine joined the router (the rollout client wakes requests waiting for one)."""
         self.on_failed: Callable[[int], None] | None = None
         """Called when an engine is failed (the weight updates drop a weight-update group it was in)."""
+        self.on_router_lost: Callable[[], None] | None = None
+        """Called once the router has exited (generation then goes to the engines directly)."""
         self._router_adds: list[tuple[str, asyncio.Future[None]]] = []
         self._router_adder: asyncio.Task[None] | None = None
 
@@ -169,7 +175,23 @@ class EngineFleet:
     async def _monitor_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
+            self.check_router()
             await self.check_health()
+
+    def check_router(self) -> None:
+        """A router that exited is reaped and reported once; the fleet stops using it (see the module docstring)."""
+        exit_code = getattr(self.router, "exit_code", None)
+        code = exit_code() if exit_code is not None else None
+        if code is None:
+            return
+        log_path = getattr(getattr(self.router, "process", None), "log_path", "the router's log")
+        message = (f"sglang-router exited with code {code} (see {log_path}); engines are reached directly from "
+                   "now on (cache-aware routing is lost)")
+        log.error("%s", message)
+        self.events.append({"event": "router exited", "engine": None, "detail": message})
+        self.router = None
+        if self.on_router_lost is not None:
+            self.on_router_lost()
 
     async def check_health(self) -> None:
         """Probe every engine that is not FAILED, past its first wait, and neither answered an admin call in
@@ -196,9 +218,16 @@ class EngineFleet:
                          if admin.in_flight else "")
                 await self.fail_engine(engine.engine_index, f"health check failed{stuck}")
 
-    async def fail_engine(self, engine_index: int, reason: str) -> None:
-        """Take an engine out (router first, so no new request goes there) and restart it if allowed."""
+    async def fail_engine(self, engine_index: int, reason: str, *, incarnation: int | None = None) -> None:
+        """Take an engine out (router first, so no new request goes there) and restart it if allowed.
+        `incarnation`: the process the failure was seen on (`EngineInfo.incarnation`); a report about a process
+        that was restarted since (a weight sync it broke, answered up to ABORT_GRACE_S later) is ignored: failing
+        the new process for it restarted a healthy engine again and again (issue 37)."""
         engine = self.registry.engines[engine_index]
+        if incarnation is not None and engine.incarnation != incarnation:
+            log.info("engine %d: %s (its previous process; restarted since, the new one is kept)", engine_index,
+                     reason)
+            return
         if engine.state == EngineState.FAILED:
             return
         was_serving = engine.state == EngineState.SERVING

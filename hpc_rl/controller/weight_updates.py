@@ -247,8 +247,10 @@ class WeightUpdates:
                 return await push(engines)
             except WeightGroupBroken as broken:  # the trainer aborted its side already
                 start = time.perf_counter()
+                members = {e.engine_index: e.incarnation for e in engines}  # a broken one may be restarted already
                 for index in broken.engines:
-                    await self.fleet.fail_engine(index, f"broke weight sync v{version}: {broken}")
+                    await self.fleet.fail_engine(index, f"broke weight sync v{version}: {broken}",
+                                                 incarnation=members.get(index))
                 self.abort_due = ""
                 survivors = self.registry.live_engines()
                 log.warning("weight sync v%d: engine(s) %s failed mid-update; pushing again to %d engine(s)", version,

@@ -121,6 +121,12 @@ class RouterProcess:
     def stop(self) -> None:
         self.process.stop()
 
+    def exit_code(self) -> int | None:
+        """The router's exit code once it has exited (reaped: no zombie is left), None while it runs or before
+        it was started."""
+        popen = self.process.popen
+        return popen.poll() if popen is not None else None
+
     def list_workers(self) -> list[dict]:
         """The registered workers as the router reports them (dicts with at least `url`)."""
         status, body = _request("GET", f"{self.url}/workers", api_key=self.api_key)

@@ -531,7 +531,7 @@ class Driver:
         try:
             run.result()
         except Exception as error:
-            if _is_trainer_failure(error):
+            if _is_trainer_failure(error) and not getattr(error, "process_alive", False):  # (a stopped rank: no exit)
                 explained = _trainer_failed(await self.explain_trainer_failure(str(error)))
                 self.controller.last_error = f"TrainerFailed: {explained}"  # what status.json shows
                 raise explained from error

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from hpc_rl.config.loading import RESOLVED_CONFIG_NAME, config_to_dict
+from hpc_rl.config.loading import RESOLVED_CONFIG_NAME, config_to_dict, write_private_if_secret
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.training.checkpoint_files import latest_state
 
@@ -63,7 +63,12 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """`section.field: old -> new` for every setting that differs (nested sections flattened)."""
     old, new = _flat(before), _flat(after)
-    return [f"{key}: {old.get(key, '(unset)')!r} -> {new.get(key, '(unset)')!r}"
+
+    def shown(flat: dict[str, Any], key: str) -> str:
+        value = flat.get(key, "(unset)")
+        return "<a key, not shown>" if key == "logging.wandb_key" and value not in (None, "(unset)") else repr(value)
+
+    return [f"{key}: {shown(old, key)} -> {shown(new, key)}"
             for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
 
 
@@ -79,7 +84,7 @@ def keep_previous_config(run_dir: str | Path, config: RunConfig) -> str | None:
     attempt = len(list(history.glob("attempt-*.yaml"))) + 1
     kept = history / f"attempt-{attempt}.yaml"
     text = previous.read_text()
-    kept.write_text(text)
+    write_private_if_secret(kept, text, secret=previous.stat().st_mode & 0o077 == 0)  # a W&B key stays 0600
     try:
         before = yaml.safe_load(text) or {}
     except yaml.YAMLError:

@@ -68,6 +68,13 @@ class LockHolder:
     heartbeat_at: float = 0.0
     """The file's mtime when read (not stored in the file)."""
 
+    def stop_command(self) -> str:
+        """How a user stops this holder: `scancel <job>` for a Slurm job, else `kill <pid>` (on its host)."""
+        if self.job_id:
+            return f"scancel {self.job_id}"
+        here = self.host in ("", socket.gethostname())
+        return f"kill {self.pid}" if here else f"kill {self.pid} on {self.host}"
+
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started_at))
         job = f"Slurm job {self.job_id}, " if self.job_id else ""
@@ -262,7 +269,7 @@ def acquire(run_dir: str | Path, *, role: str, job_id: str | None = None,
         if liveness.alive:
             raise RunDirLocked(
                 f"{run_dir} is in use by a live run ({holder.describe()}; {liveness.why}). One run per run dir: "
-                f"wait for it to end or stop it (scancel {holder.job_id} / kill {holder.pid}), "
+                f"wait for it to end or stop it ({holder.stop_command()}), "
                 "or pass another --run-dir")
         stale = path.with_name(f".{path.name}.stale-{uuid.uuid4().hex}")
         try:

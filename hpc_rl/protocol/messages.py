@@ -57,7 +57,8 @@ class Message:
 
 # --- the messages ---------------------------------------------------------------------------------------
 
-Role = Literal["trainer", "engine", "status", "launcher"]
+Role = Literal["trainer", "engine", "status", "launcher", "trainer_heartbeat"]
+"""trainer_heartbeat: a trainer rank's heartbeat thread, on a connection of its own (`TrainerHeartbeat`)."""
 
 
 @dataclass(kw_only=True)
@@ -317,6 +318,15 @@ class CommandDone(Message):
     ok: bool = True
     error: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class TrainerHeartbeat(Message):
+    """Trainer rank -> controller, from a thread of the rank on a connection of its own, every few seconds: the
+    process runs (a SIGSTOPped rank stops every thread; a long step computing does not stop this one)."""
+
+    TYPE: ClassVar[str] = "trainer_heartbeat"
+    rank: int
 
 
 @dataclass(kw_only=True)

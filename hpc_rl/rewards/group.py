@@ -122,9 +122,19 @@ def _as_reward(value: Any, reward_key: str | None, source: str) -> float:
         if reward_key not in value:
             raise KeyError(f"{source} returned an object without {reward_key!r} (keys {sorted(value)})")
         value = value[reward_key]
+    if isinstance(value, bool):  # (a bool is an int): slime takes it as 1/0, so it is, but said once per source
+        if source not in _BOOL_SOURCES_WARNED:
+            _BOOL_SOURCES_WARNED.add(source)
+            log.warning("%s returned a bool (%r) as a reward: taken as %.1f (True 1.0, False 0.0); return a float "
+                        "to say so explicitly (said once per reward source)", source, value, float(value))
+        return float(value)
     if isinstance(value, (int, float)):
         return float(value)
     raise TypeError(f"{source} returned {value!r} ({type(value).__name__}), not a number")
+
+
+_BOOL_SOURCES_WARNED: set[str] = set()
+"""Reward sources (plug-in path, reward URL) already warned about returning bools (`_as_reward`)."""
 
 
 def _keep_category(spec: RewardSpec, sample: Sample, value: Any) -> Any:
@@ -133,17 +143,18 @@ def _keep_category(spec: RewardSpec, sample: Sample, value: Any) -> Any:
     return value
 
 
-async def _call_custom(spec: RewardSpec, make: Callable[[], Awaitable[Any]]) -> Any:
-    """A custom function's call: on the reward thread when there is one, bounded by the timeout either way."""
+async def _call_custom(spec: RewardSpec, make: Callable[[], Awaitable[Any]], what: str = "") -> Any:
+    """A custom function's call: on the reward thread when there is one, bounded by the timeout either way.
+    `what` ("sample index 19") names it when a call queued behind it times out."""
     if spec.thread is not None:
-        return await spec.thread.call(make, spec.timeout_s)
+        return await spec.thread.call(make, spec.timeout_s, what=what)
     return await bounded(make(), spec.timeout_s)
 
 
 async def _reward_one(spec: RewardSpec, sample: Sample, session: RewardSession | None) -> float:
     if spec.custom_rm_path is not None:
         function: RewardFunction = load_reward_function(spec.custom_rm_path, group=False)
-        value = await _call_custom(spec, lambda: function(spec.args, sample))
+        value = await _call_custom(spec, lambda: function(spec.args, sample), f"sample index {sample.index}")
         return _as_reward(_keep_category(spec, sample, value), spec.reward_key, spec.custom_rm_path)
     rm_type = resolve_rm_type(spec.rm_type, sample.metadata)
     if split_boxed_prefix(rm_type)[1] == REMOTE_RM:
@@ -215,7 +226,7 @@ async def _reward_custom_group(spec: RewardSpec, samples: list[Sample]) -> list[
     indices = [s.index for s in samples]
     try:
         function = load_reward_function(spec.custom_rm_path, group=True)
-        rewards = await _call_custom(spec, lambda: function(spec.args, samples))
+        rewards = await _call_custom(spec, lambda: function(spec.args, samples), f"samples with index {indices}")
         if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
             got = f"{len(rewards)} values" if isinstance(rewards, (list, tuple)) else repr(rewards)
             raise ValueError(f"expected a list of {len(samples)} rewards (one per sample), got {got}")

@@ -5,7 +5,9 @@ CRC-32C of the length, the record, masked CRC-32C of the record) around hand-enc
 protobufs (`wall_time`, `step`, `file_version` on the first record, `summary.value[].{tag,
 simple_value}`), the same fields torch's `SummaryWriter.add_scalar` writes. The controller logs its
 scalars through this so it never imports torch (issue 11: a light control plane); TensorBoard reads
-the file like any other.
+the file like any other. A write that fails (a full disk, a quota) raises OSError naming this file (the errno
+kept): "no space left on /scratch/run/tensorboard (writing events.out.tfevents...)", not a bare "[Errno 28] No
+space left on device" that names nothing (issue 37).
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+from hpc_rl.telemetry.run_files import describe_write_error
+
+T = TypeVar("T")
 
 _CRC32C_POLY = 0x82F63B78  # Castagnoli, reflected
 _CRC32C_TABLE = []
@@ -74,20 +82,28 @@ class ScalarEventFile:
     """Appends scalar events to one new event file in `log_dir` (name as TensorBoard expects)."""
 
     def __init__(self, log_dir: str | Path, *, filename_suffix: str = "") -> None:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
         now = time.time()
         name = f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.0{filename_suffix}"
         self.path = Path(log_dir) / name
-        self._file = open(self.path, "ab")
-        self._file.write(frame_record(encode_version_event(now)))
-        self._file.flush()
+        self._named(lambda: Path(log_dir).mkdir(parents=True, exist_ok=True))
+        self._file = self._named(lambda: open(self.path, "ab"))
+        self._named(lambda: self._file.write(frame_record(encode_version_event(now))))
+        self._named(self._file.flush)
+
+    def _named(self, write: Callable[[], T]) -> T:
+        """`write()`, its OSError said with this file's name (the errno kept, for callers that test it)."""
+        try:
+            return write()
+        except OSError as error:
+            raise OSError(error.errno, f"TensorBoard event file: {describe_write_error(error, self.path)}") from error
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
-        self._file.write(frame_record(encode_scalar_event(tag, float(value), int(step), time.time())))
+        record = frame_record(encode_scalar_event(tag, float(value), int(step), time.time()))
+        self._named(lambda: self._file.write(record))
 
     def flush(self) -> None:
-        self._file.flush()
+        self._named(self._file.flush)
 
     def close(self) -> None:
         if not self._file.closed:
-            self._file.close()
+            self._named(self._file.close)

@@ -17,6 +17,7 @@ from hpc_rl.telemetry.run_files import (
     ROLLOUT_RECORDS, append_rollout_record, drop_rollout_records_from, write_debug_rollout_data,
 )
 from hpc_rl.telemetry.scalars import ScalarLog, progress_line
+from hpc_rl.telemetry.zero_rewards import ZeroRewardWatch
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,13 @@ class RunRecorder:
         """How eval samples ("greedy", "temperature 0.6"), shown next to its scores."""
         self.last: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
+        self.zero_rewards = ZeroRewardWatch()
+        """Warns once when every reward was 0 for many rollouts in a row (`zero_rewards`)."""
+
+    @property
+    def warnings(self) -> list[str]:
+        """What status shows under warnings about the rollouts recorded (a run that cannot score)."""
+        return [self.zero_rewards.warning] if self.zero_rewards.warning else []
 
     def eval_before_training(self, metrics: dict[str, Any]) -> None:
         self.scalars.log(metrics, 0)
@@ -54,6 +62,7 @@ class RunRecorder:
         rewards = [m["rollout/reward_mean"] for m in self.history if "rollout/reward_mean" in m]
         self.print(progress_line(rollout_id, self.num_rollout, metrics, rewards_so_far=rewards,
                                  eval_sampling=self.eval_sampling))
+        self.zero_rewards.see(rollout_id, metrics, groups)
 
     def forget_from(self, first_redone: int) -> None:
         """A resumed run redoes rollouts >= `first_redone`: drop their records (the stopped attempt wrote them)."""

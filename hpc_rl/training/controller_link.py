@@ -2,7 +2,8 @@
 
 Owns: the blocking client (trainer ranks are not asyncio programs), the Hello that carries the
 rank's parallel coordinates and, on rank 0, what a loaded checkpoint says about resuming; and the
-three calls of the command loop. Rank 0 sends what a loaded checkpoint says about resuming in a
+three calls of the command loop; the rank's heartbeat thread (`heartbeat`), at the interval the controller's
+Welcome asks for (none when it asks for none). Rank 0 sends what a loaded checkpoint says about resuming in a
 `ResumeState` right after the handshake (the Hello, read before authentication, only announces it). No Megatron here.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 from hpc_rl.protocol import BlockingClient, Hello, load_secret, secret_path
 from hpc_rl.protocol.messages import (Ack, CommandDone, Message, NextCommand, ResumeState, WeightGroupJoinCheck,
                                       WeightGroupJoinVerdict, WeightPlan)
+from hpc_rl.training.heartbeat import HeartbeatThread
 
 CONTROLLER_ENV = "HPC_RL_CONTROLLER"
 
@@ -40,6 +42,10 @@ class ControllerLink:
         self.client = BlockingClient(host, int(port), secret, hello=hello, timeout=timeout_s)
         if resume is not None:
             self._expect_ack(self.client.request(resume))
+        interval = float(self.client.welcome.info.get("heartbeat_interval_s") or 0)
+        self.heartbeat = (HeartbeatThread(host, int(port), secret, rank=rank, interval_s=interval).start()
+                          if interval > 0 else None)
+        """Beats while this process runs, whatever the command loop does (see `hpc_rl.training.heartbeat`)."""
 
     def next_command(self) -> Message:
         return self.client.request(NextCommand(rank=self.rank))
@@ -66,4 +72,6 @@ class ControllerLink:
             raise RuntimeError(f"controller answered {reply.TYPE!r} instead of 'ack'")
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         self.client.close()

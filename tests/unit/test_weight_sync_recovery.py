@@ -85,7 +85,9 @@ class RecordingFleet:
         self.on_failed = None
         self.engine_waiting = asyncio.Event()
 
-    async def fail_engine(self, index: int, reason: str) -> None:
+    async def fail_engine(self, index: int, reason: str, *, incarnation: int | None = None) -> None:
+        if incarnation is not None and self.registry.engines[index].incarnation != incarnation:
+            return  # its previous process's failure (the real fleet ignores it too)
         self.failed.append(index)
         self.registry.set_engine_state(index, EngineState.FAILED, reason)
         if self.on_failed is not None:
