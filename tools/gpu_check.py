@@ -339,9 +339,8 @@ def check_optimizer_step(ctx: Context) -> dict[str, Any]:
 
 
 def check_optimizer_nan_step(ctx: Context) -> dict[str, Any]:
-    if "parts" not in ctx.state:
-        raise Skip("optimizer_keeps_loaded_weights did not build the trainer")
-    parts = ctx.state["parts"]
+    parts = _trainer(ctx)  # its own: an applied NaN step must not spoil the checks after it
+    _loss_step(parts)  # Adam's moments exist, as in a run
     before, steps = _weights(parts.actor), parts.optimizer.steps_done
     result = _loss_step(parts, poison=True)
     moved = _largest_change(before, _weights(parts.actor))
@@ -553,8 +552,9 @@ def check_weight_stream(ctx: Context) -> dict[str, Any]:
 
     if "parts" not in ctx.state:
         raise Skip("optimizer_keeps_loaded_weights did not build the trainer")
-    sender = WeightSender(ctx.state["parts"].actor, _tiny_arch(), tp_group=parallel_state.get_tensor_model_parallel_group(),
-                          tp_size=1, dp_rank=0, rank=0, bucket_bytes=1 << 14, dtype=torch.bfloat16)
+    sender = WeightSender(ctx.state["parts"].actor, _tiny_arch(), tp_size=1, dp_rank=0, rank=0,
+                          tp_group=parallel_state.get_tensor_model_parallel_group(), bucket_bytes=1 << 14,
+                          dtype=torch.bfloat16)
     backend = "gloo" if ctx.on_cpu else "nccl"
     start = time.perf_counter()
     sender.connect("127.0.0.1", free_port(), 1, group_name="gpu_check", backend=backend, timeout_s=120)
@@ -625,11 +625,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="the logits checks' dtype (the trainer runs bf16 on cuda, fp32 on cpu)")
     parser.add_argument("--random-shape", choices=sorted(RANDOM_SHAPES), default=None,
                         help="the random Qwen3 of logits_random_shape (default: 0.5b on cuda, small on cpu)")
-    parser.add_argument("--only", nargs="*", default=None, help="run these checks (and what they build on)")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="run only these checks (nccl_init always runs; one that needs an earlier check's "
+                             "trainer says skipped)")
     parser.add_argument("--report", type=Path, default=Path("gpu_check.json"))
     parser.add_argument("--fake-fault", nargs="*", choices=sorted(FAKE_FAULTS), default=[],
                         help="tests only: fake these optimizer faults, to see the checks fail")
     args = parser.parse_args(argv)
+    args.report.parent.mkdir(parents=True, exist_ok=True)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -668,7 +671,6 @@ def main(argv: list[str] | None = None) -> int:
     report["seconds"] = round(time.perf_counter() - started, 1)
     report["summary"] = {status: sorted(n for n, o in report["checks"].items() if o["status"] == status)
                          for status in ("passed", "failed", "skipped")}
-    args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(json.dumps(report, indent=1, default=str))
     print(f"report: {args.report} ({report['seconds']} s; {len(report['summary']['failed'])} failed, "
           f"{len(report['summary']['skipped'])} skipped)")

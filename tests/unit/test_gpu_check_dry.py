@@ -104,7 +104,7 @@ def test_without_cuda_the_gpu_mode_says_so_and_fails(tmp_path: Path) -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: tests/gpu runs the real check")
-    report_path = tmp_path / "report.json"
+    report_path = tmp_path / "runs" / "report.json"  # its folder made, as run_tests.sh gpu needs
     result = subprocess.run([sys.executable, str(TOOL), "--report", str(report_path)], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
