@@ -266,18 +266,24 @@ def _weights(model: Any) -> dict[str, Any]:
     return {name: p.detach().float().cpu().clone() for name, p in inner.named_parameters()}
 
 
-def _loaded_weights(ctx: Context) -> dict[str, Any]:
-    """The tiny checkpoint in a model built as the actor is, without an optimizer: what 'loaded' means."""
-    import torch
-
+def _loaded_weights(ctx: Context, dtype: Any) -> dict[str, Any]:
+    """The tiny checkpoint in a model built as the actor is (its dtype), without an optimizer: what 'loaded'
+    means."""
     from hpc_rl.config.schema import TrainingConfig
     from hpc_rl.training.model_provider import build_gpt_model
     from hpc_rl.weights.hf_import import load_hf_into_model
 
-    model = build_gpt_model(_tiny_arch(), TrainingConfig(), device="cpu" if ctx.on_cpu else "cuda")
+    model = build_gpt_model(_tiny_arch(), TrainingConfig(), params_dtype=dtype,
+                            device="cpu" if ctx.on_cpu else "cuda")
     load_hf_into_model(model, TINY_CHECKPOINT, _tiny_arch(), tp_rank=0, tp_size=1)
-    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()
-            if torch.is_tensor(p)}
+    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
+
+
+def _group_lrs(optimizer: Any) -> list[float] | None:
+    """The lrs in the param groups of the optimizer inside hpc_rl's (Megatron's scheduler sets them after each
+    step, for the next one); None when it has none to show."""
+    groups = getattr(getattr(optimizer, "optimizer", None), "param_groups", None)
+    return sorted({float(group["lr"]) for group in groups}) if groups else None
 
 
 def _largest_change(before: dict[str, Any], after: dict[str, Any]) -> float:
@@ -303,9 +309,9 @@ def _loss_step(parts: Any, *, poison: bool = False) -> Any:
 
 
 def check_optimizer_keeps_loaded_weights(ctx: Context) -> dict[str, Any]:
-    loaded = _loaded_weights(ctx)
     parts = _trainer(ctx)
     ctx.state["parts"] = parts
+    loaded = _loaded_weights(ctx, next(parts.actor.parameters()).dtype)
     built = _weights(parts.actor)
     at_build = _largest_change(loaded, built)
     expect(at_build == 0.0, f"the actor does not hold the loaded weights after build_trainer (max |diff| {at_build})")
@@ -357,13 +363,15 @@ def check_optimizer_lr_warmup(ctx: Context) -> dict[str, Any]:
 
     parts = _trainer(ctx, optimizer=OptimizerConfig(lr=LR, lr_warmup_fraction=0.5, clip_grad=1.0))
     parts.optimizer.set_run_length(4)  # warm-up of 2 steps: lr 0, then lr/2
-    before = _weights(parts.actor)
+    before, group_lrs = _weights(parts.actor), _group_lrs(parts.optimizer)
     first = _loss_step(parts)
     moved = _largest_change(before, _weights(parts.actor))
     second = _loss_step(parts)
-    figures = {"lr_step_1": first.lr, "lr_step_2": second.lr, "max_abs_change_step_1": moved}
+    figures = {"lr_step_1": first.lr, "lr_step_2": second.lr, "max_abs_change_step_1": moved,
+               "param_group_lrs_before_step_1": group_lrs}
     expect(first.lr == 0.0 and abs(second.lr - LR / 2) < 1e-12, f"warm-up lrs reported {figures}")
-    expect(moved == 0.0, f"step 1 of a warm-up (lr 0) moved the weights by {moved:.4g}: a stale lr was applied")
+    expect(moved == 0.0, f"step 1 of a warm-up (lr 0) moved the weights by {moved:.4g}: a stale lr was applied "
+                         f"(or the step replaced the weights: see optimizer_keeps_loaded_weights); {figures}")
     return figures
 
 
