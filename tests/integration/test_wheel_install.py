@@ -2,8 +2,8 @@
 non-editable into a fresh venv, and run from a directory outside the checkout, every module imports and
 `python -m hpc_rl.submit` answers --help and a recipe's --dry-run (issue 29 item 6).
 
-The fresh venv sees this venv's packages (torch, megatron-core, ... are not reinstalled: no network) through a
-.pth line naming this venv's site-packages, placed after its own; `python -m venv --system-site-packages` alone
+The fresh venv sees this interpreter's packages (torch, megatron-core, ... are not reinstalled: no network) through
+.pth lines naming its site directories, placed after the venv's own; `python -m venv --system-site-packages` alone
 would give the base interpreter's, not this venv's. The checkout's editable hpc_rl install is a meta-path finder
 that the .pth line does not load, and PYTHONPATH is cleared, so the wheel's copy is the one imported: the test
 checks `hpc_rl.__file__` is inside the fresh venv.
@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -50,7 +49,11 @@ def fresh_venv(tmp_path: Path, env: dict[str, str]) -> Path:
     python = venv / "bin" / "python"
     purelib = run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                   tmp_path, env).stdout.strip()
-    Path(purelib, "base_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # every site directory this interpreter imports from (its venv's, and the system's under a venv made with
+    # --system-site-packages), after the fresh venv's own; plain path lines: their .pth files (the editable
+    # hpc_rl finder) are not run
+    sites = [entry for entry in sys.path if Path(entry).name in ("site-packages", "dist-packages")]
+    Path(purelib, "base_venv.pth").write_text("\n".join(dict.fromkeys(sites)) + "\n")
     return python
 
 
