@@ -77,6 +77,11 @@ def test_the_wheel_installs_and_runs_from_outside_the_checkout(tmp_path: Path) -
         checkout_modules.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     assert not report["failures"], report["failures"]
     assert set(report["modules"]) == checkout_modules, sorted(checkout_modules ^ set(report["modules"]))
+    installed = Path(report["file"]).parent
+    data_files = [path.relative_to(REPO / "hpc_rl") for path in (REPO / "hpc_rl").rglob("*")
+                  if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts]
+    assert data_files and all((installed / path).is_file() for path in data_files), \
+        [str(path) for path in data_files if not (installed / path).is_file()]
 
     help_text = run([str(python), "-m", "hpc_rl.submit", "--help"], outside, env).stdout
     assert "--dry-run" in help_text
