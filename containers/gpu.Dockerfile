@@ -35,4 +35,7 @@ RUN python3 -m pip install --upgrade pip \
 
 COPY setup.cfg setup.py pyproject.toml README.md ./
 COPY hpc_rl/ hpc_rl/
-RUN python3 -m pip install --no-deps . && python3 -c "import hpc_rl, sglang, megatron.core, transformer_engine"
+# Every module of the installed copy imports (from /, so the source tree here does not stand in for it).
+RUN python3 -m pip install --no-deps . \
+ && cd / && python3 -m hpc_rl.launch.install_check \
+ && python3 -c "import sglang, megatron.core, transformer_engine"
