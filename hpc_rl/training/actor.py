@@ -25,6 +25,8 @@ from hpc_rl.config.schema import (
 )
 from hpc_rl.plugins import load_plugin
 from hpc_rl.training import checkpoint
+from hpc_rl.training.checkpoint_files import iteration_dir
+from hpc_rl.training.checkpoint_manifest import choose_resume
 from hpc_rl.training.critic import critic_load_dir, critic_optimizer_config, install_value_head
 from hpc_rl.training.custom_hooks import trainer_args
 from hpc_rl.training.model_provider import build_gpt_model, check_moe_training
@@ -50,8 +52,15 @@ def load_weights(model: torch.nn.Module, source: str | Path, arch: ModelArchitec
 
 
 def _has_checkpoint(path: str | None) -> bool:
-    return bool(path) and (is_hf_checkpoint(path) or checkpoint.latest_iteration(path) is not None
+    return bool(path) and (is_hf_checkpoint(path) or choose_resume(path).exists  # (an unreadable tracker too)
                            or Path(path, ".metadata").exists())
+
+
+def resume_source(checkpoints: CheckpointConfig) -> str | None:
+    """`load`, or its iteration `ckpt_step` (a torch_dist dir, loaded as it is)."""
+    if checkpoints.load and checkpoints.ckpt_step is not None:
+        return str(iteration_dir(checkpoints.load, checkpoints.ckpt_step))
+    return checkpoints.load
 
 
 def build_model(arch: ModelArchitecture, training: TrainingConfig, *, device: str = "cpu") -> torch.nn.Module:
@@ -156,8 +165,9 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
     actor, optimizer = _optimized(freeze_parameters(build_model(arch, training, device=device), training),
                                   optimizer_config, info)
     resumed = None
-    if _has_checkpoint(checkpoints.load) and not is_hf_checkpoint(checkpoints.load):
-        resumed = checkpoint.load_checkpoint(checkpoints.load, actor, optimizer)
+    load = resume_source(checkpoints)
+    if _has_checkpoint(load) and not is_hf_checkpoint(load or ""):
+        resumed = checkpoint.load_checkpoint(load or "", actor, optimizer)
     else:
         source = next((p for p in (checkpoints.load, checkpoints.ref_load, checkpoints.hf_checkpoint)
                        if _has_checkpoint(p)), None)
@@ -173,7 +183,7 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
             raise FileNotFoundError("the KL term needs reference weights: set checkpoint.ref_load")
         ref_model = build_model(arch, training, device=device)
         if resumed is not None and resumed.has_ref_model:  # an updated reference (algorithm.ref_update_interval)
-            checkpoint.load_ref_model(checkpoints.load or "", ref_model)
+            checkpoint.load_ref_model(load or "", ref_model)
         else:
             load_weights(ref_model, ref_source, arch, info, model_file=model_file,
                          iteration=checkpoints.ref_ckpt_step if ref_source == checkpoints.ref_load else None)
@@ -193,7 +203,7 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
             initial_source=initial, info=info, model_file=model_file)
         critic_part = CriticPart(model=critic_model, optimizer=critic_optimizer, config=critic)
     if resumed is not None:
-        checkpoint.restore_rng_state(checkpoints.load)
+        checkpoint.restore_rng_state(load or "")
     trainer = RolloutTrainer(actor=actor, optimizer=optimizer, ref_model=ref_model, arch=arch, training=training,
                              algorithm=algorithm, info=info, plugin_args=plugin_args, teacher_model=teacher_model,
                              distillation=distillation, critic=critic_part)

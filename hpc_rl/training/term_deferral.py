@@ -11,7 +11,9 @@ that ends the rank at once. Megatron's checkpoint writer keeps a helper process 
 Slurm's SIGTERM reaches too: it is started with SIGTERM ignored (`keep_checkpoint_writer_through_sigterm`).
 
 Outside Slurm a rank's only SIGTERM comes from the driver stopping the trainer step (the user's signals
-reach the driver alone: steps run in their own sessions), so it keeps Python's default there.
+reach the driver alone: steps run in their own sessions), so it keeps Python's default there. The writer's
+Manager is started the same way everywhere, with the parent-death signal armed: a driver SIGKILLed on this
+machine took the rank with it and left the Manager and its resource tracker to PID 1 (5 of 14 trials, issue 37).
 """
 
 from __future__ import annotations
@@ -71,12 +73,12 @@ def defer_sigterm(grace_s: float = RANK_TERM_GRACE_S, exit_fn: Callable[[int], o
 
 
 def defer_sigterm_in_slurm_step() -> bool:
-    """`defer_sigterm()` and `keep_checkpoint_writer_through_sigterm()` when this rank runs in a Slurm step;
-    whether it did."""
+    """`keep_checkpoint_writer_through_sigterm()` everywhere (its Manager dies with the rank, locally too: issue
+    37), and `defer_sigterm()` when this rank runs in a Slurm step; whether it deferred."""
+    keep_checkpoint_writer_through_sigterm()
     if not in_slurm_step(os.environ):
         return False
     defer_sigterm()
-    keep_checkpoint_writer_through_sigterm()
     return True
 
 
