@@ -25,8 +25,7 @@ from hpc_rl.config.schema import (
 )
 from hpc_rl.plugins import load_plugin
 from hpc_rl.training import checkpoint
-from hpc_rl.training.checkpoint_files import iteration_dir
-from hpc_rl.training.checkpoint_manifest import choose_resume
+from hpc_rl.training.checkpoint_manifest import choose_resume, resume_directory
 from hpc_rl.training.critic import critic_load_dir, critic_optimizer_config, install_value_head
 from hpc_rl.training.custom_hooks import trainer_args
 from hpc_rl.training.model_provider import build_gpt_model, check_moe_training
@@ -57,9 +56,10 @@ def _has_checkpoint(path: str | None) -> bool:
 
 
 def resume_source(checkpoints: CheckpointConfig) -> str | None:
-    """`load`, or its iteration `ckpt_step` (a torch_dist dir, loaded as it is)."""
+    """`load`, or with `ckpt_step` the iteration dir `checkpoint_manifest.resume_directory` picks (loaded as it is)."""
     if checkpoints.load and checkpoints.ckpt_step is not None:
-        return str(iteration_dir(checkpoints.load, checkpoints.ckpt_step))
+        chosen = resume_directory(checkpoints.load, checkpoints.ckpt_step, checkpoints.start_rollout_id)
+        return str(chosen) if chosen is not None else checkpoints.load
     return checkpoints.load
 
 

@@ -183,20 +183,30 @@ class ResumeChoice:
 
 
 def choose_resume(root: str | Path, ckpt_step: int | None = None, *, weights_only: bool = False) -> ResumeChoice:
-    """The newest whole iteration of `root` at or below the tracker's, or iteration `ckpt_step` when given
-    (then no other is tried; `weights_only`: its weights are enough, its state file may be lost)."""
+    """The newest whole iteration of `root` at or below the tracker's; with `ckpt_step`, the newest whole one
+    above it (a run's own later position wins, so a requeued attempt of a run started from `ckpt_step` continues
+    where it stopped, as with start_rollout_id), else iteration `ckpt_step` (`weights_only`: its weights are
+    enough, its state file may be lost)."""
     root = Path(root)
-    found = iterations(root)
     if ckpt_step is not None:
+        newer = _choose_newest(root, above=ckpt_step)
+        if newer.iteration is not None:
+            return newer
         problem = check_iteration(iteration_dir(root, ckpt_step), need_state=not weights_only)
         if problem is None:
-            return ResumeChoice(root, ckpt_step)
-        return ResumeChoice(root, None, [(iteration_dir(root, ckpt_step).name + " (checkpoint.ckpt_step)", problem)])
+            return ResumeChoice(root, ckpt_step, newer.skipped)
+        return ResumeChoice(root, None, [*newer.skipped,
+                                         (iteration_dir(root, ckpt_step).name + " (checkpoint.ckpt_step)", problem)])
+    return _choose_newest(root)
+
+
+def _choose_newest(root: Path, above: int = -1) -> ResumeChoice:
+    found = [i for i in iterations(root) if i > above]
     committed, tracker_problem = tracker_iteration(root)
     skipped: list[tuple[str, str]] = []
     if tracker_problem is not None:
         skipped.append((TRACKER, f"{tracker_problem}; every iteration dir was tried"))
-    elif committed is not None:
+    elif committed is not None and committed > above:
         if committed not in found:
             skipped.append((iteration_dir(root, committed).name, f"the directory {TRACKER} names is missing"))
         found = [i for i in found if i <= committed]  # above the tracker: renamed, never committed
@@ -206,6 +216,15 @@ def choose_resume(root: str | Path, ckpt_step: int | None = None, *, weights_onl
             return ResumeChoice(root, iteration, skipped)
         skipped.append((iteration_dir(root, iteration).name, problem))
     return ResumeChoice(root, None, skipped)
+
+
+def resume_directory(load: str | Path, ckpt_step: int | None, start_rollout_id: int | None) -> Path | None:
+    """What a trainer resumes from: `choose_resume`'s directory (checkpoint.ckpt_step, and its weights only when
+    start_rollout_id is given too); None: nothing to resume (a new run)."""
+    choice = choose_resume(load, ckpt_step, weights_only=ckpt_step is not None and start_rollout_id is not None)
+    if choice.directory is None and choice.exists:
+        raise FileNotFoundError(f"{load}: {choice.skipped_line()}")
+    return choice.directory
 
 
 def usable_directory(root: str | Path) -> Path | None:

@@ -155,3 +155,14 @@ def test_a_resume_moves_the_records_it_redoes_aside_never_deleting_them(tmp_path
     assert [json.loads(line)["rollout_id"] for line in records.read_text().splitlines()] == list(range(8))
     redone = tmp_path / REDONE_RECORDS
     assert [json.loads(line)["rollout_id"] for line in redone.read_text().splitlines()] == [8, 9, 10, 11]
+
+
+def test_ckpt_step_gives_way_to_a_newer_whole_checkpoint_of_the_run_it_started(tmp_path: Path) -> None:
+    from hpc_rl.training.checkpoint_manifest import resume_directory
+
+    (saved(tmp_path, 9) / STATE_FILE).unlink()
+    assert choose_resume(tmp_path, 9).iteration is None  # its position is lost
+    assert resume_directory(tmp_path, 9, 10) == iteration_dir(tmp_path, 9)  # its weights, from rollout 10
+    saved(tmp_path, 11)  # what that run saved next: a requeue with the same settings continues from it
+    assert resume_directory(tmp_path, 9, 10) == iteration_dir(tmp_path, 11)
+    assert choose_resume(tmp_path, 9).iteration == 11
