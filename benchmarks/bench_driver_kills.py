@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.integration.driver_kills import LEFT_AFTER_S, kill_driver  # noqa: E402
+from tests.integration.driver_kills import LEFT_AFTER_S, WATCHED_S, kill_driver  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             left_total += len(outcome.left)
             if outcome.gone_s is not None:
                 gone.append(outcome.gone_s)
+            late = (f"gone by themselves {outcome.left_gone_s:.1f} s after the kill" if outcome.left_gone_s is not None
+                    else f"still there after {WATCHED_S:.0f} s, ended")
             shown = f"all gone in {outcome.gone_s:.1f} s" if outcome.gone_s is not None else \
-                f"{len(outcome.left)} left after {LEFT_AFTER_S:.0f} s: {outcome.left}"
+                f"{len(outcome.left)} left after {LEFT_AFTER_S:.0f} s ({late}): {outcome.left}"
             print(f"trial {trial + 1}/{args.trials}: killed {outcome.point}; {shown}", flush=True)
             shutil.rmtree(base / f"run-{trial}", ignore_errors=True)
     finally:

@@ -63,6 +63,10 @@ def check_resume(config: RunConfig, command: str = "the same command with") -> t
     if choice is None or choice.iteration is not None or not choice.exists:
         return (choice.skipped_line() if choice is not None else None), None
     load = config.checkpoint.load or ""
+    start = config.checkpoint.start_rollout_id
+    if start is not None and config.checkpoint.ckpt_step is None:  # asked for: a start without the checkpoints
+        return (f"{choice.skipped_line()}; starting at rollout {start} from checkpoint.ref_load / hf_checkpoint "
+                "as checkpoint.start_rollout_id asks"), None
     lines = [f"no usable checkpoint in {load}; nothing was started:"]
     lines += [f"  {what}: {why}" for what, why in choice.skipped]
     hints = _continue_hints(load, command)
@@ -70,7 +74,9 @@ def check_resume(config: RunConfig, command: str = "the same command with") -> t
         lines.append("To continue from the weights of an iteration (its rollout records kept, the optimizer and data "
                      f"cursor afresh when its {STATE_FILE} is lost), run:")
         lines += [f"  {hint}" for hint in hints]
-    lines.append("Or restore the named files and run the same command again; or start a new run in a new --run-dir.")
+    lines.append("Or restore the named files and run the same command again; or start a new run in a new --run-dir "
+                 f"(or here, from the initial weights: {command} --start-rollout-id 0; rollouts.jsonl's records "
+                 "it redoes are kept in rollouts.redone.jsonl).")
     return None, "\n".join(lines)
 
 

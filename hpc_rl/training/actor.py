@@ -56,11 +56,16 @@ def _has_checkpoint(path: str | None) -> bool:
 
 
 def resume_source(checkpoints: CheckpointConfig) -> str | None:
-    """`load`, or with `ckpt_step` the iteration dir `checkpoint_manifest.resume_directory` picks (loaded as it is)."""
-    if checkpoints.load and checkpoints.ckpt_step is not None:
-        chosen = resume_directory(checkpoints.load, checkpoints.ckpt_step, checkpoints.start_rollout_id)
-        return str(chosen) if chosen is not None else checkpoints.load
-    return checkpoints.load
+    """`load` (an HF dir, or a root whose newest whole iteration is loaded), or the iteration dir
+    `checkpoint_manifest.resume_directory` picks with `ckpt_step`; None when load holds no whole checkpoint and
+    start_rollout_id asks for a start anyway (then ref_load / hf_checkpoint give the weights)."""
+    load = checkpoints.load
+    if not load or is_hf_checkpoint(load):
+        return load
+    if checkpoints.ckpt_step is None and checkpoints.start_rollout_id is None:
+        return load
+    chosen = resume_directory(load, checkpoints.ckpt_step, checkpoints.start_rollout_id)
+    return str(chosen) if chosen is not None else (None if choose_resume(load).exists else load)
 
 
 def build_model(arch: ModelArchitecture, training: TrainingConfig, *, device: str = "cpu") -> torch.nn.Module:
@@ -169,8 +174,7 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
     if _has_checkpoint(load) and not is_hf_checkpoint(load or ""):
         resumed = checkpoint.load_checkpoint(load or "", actor, optimizer)
     else:
-        source = next((p for p in (checkpoints.load, checkpoints.ref_load, checkpoints.hf_checkpoint)
-                       if _has_checkpoint(p)), None)
+        source = next((p for p in (load, checkpoints.ref_load, checkpoints.hf_checkpoint) if _has_checkpoint(p)), None)
         if source is None:
             raise FileNotFoundError("no initial weights: set checkpoint.load, checkpoint.ref_load or "
                                     "checkpoint.hf_checkpoint to an HF directory or a torch_dist checkpoint")

@@ -220,9 +220,10 @@ def _choose_newest(root: Path, above: int = -1) -> ResumeChoice:
 
 def resume_directory(load: str | Path, ckpt_step: int | None, start_rollout_id: int | None) -> Path | None:
     """What a trainer resumes from: `choose_resume`'s directory (checkpoint.ckpt_step, and its weights only when
-    start_rollout_id is given too); None: nothing to resume (a new run)."""
+    start_rollout_id is given too); None: nothing to resume (a new run; also when no checkpoint is whole and the
+    user asked for a start with start_rollout_id)."""
     choice = choose_resume(load, ckpt_step, weights_only=ckpt_step is not None and start_rollout_id is not None)
-    if choice.directory is None and choice.exists:
+    if choice.directory is None and choice.exists and start_rollout_id is None:
         raise FileNotFoundError(f"{load}: {choice.skipped_line()}")
     return choice.directory
 

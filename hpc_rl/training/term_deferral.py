@@ -85,12 +85,8 @@ def defer_sigterm_in_slurm_step() -> bool:
 _writer_manager: SyncManager | None = None
 
 
-def _ignore_sigterm() -> None:
-    """The writer's Manager: SIGTERM ignored (see below), and SIGKILLed when the rank that started it dies
-    (`PR_SET_PDEATHSIG`): with SIGTERM ignored, a rank killed outright would otherwise leave it (and the
-    resource tracker it holds open) to whichever subreaper adopts it in time, or to PID 1 (seen in CI when
-    the driver was SIGKILLed)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (`PR_SET_PDEATHSIG`); exit now when it is already gone."""
     parent = os.getppid()
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -98,6 +94,35 @@ def _ignore_sigterm() -> None:
         return
     if os.getppid() != parent:  # the rank died before the signal was armed
         os._exit(0)
+
+
+def _ignore_sigterm() -> None:
+    """The writer's Manager: SIGTERM ignored (see below), and SIGKILLed when the rank that started it dies
+    (`PR_SET_PDEATHSIG`): with SIGTERM ignored, a rank killed outright would otherwise leave it (and the
+    resource tracker it holds open) to whichever subreaper adopts it in time, or to PID 1 (seen in CI when
+    the driver was SIGKILLed)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
+
+
+def _arm_write_workers(filesystem_async: object) -> None:
+    """Megatron's writer forks one process per write bucket (`write_preloaded_data`) during every save. A rank
+    killed in a save left them behind, blocked on the queues the rank held, with the resource tracker they keep
+    open (seen locally after the driver's SIGKILL, issue 37: 2 of 20 kills). Each now dies with the rank (armed
+    first thing in the forked worker; never in the rank itself, should the writer call it in process)."""
+    writer = getattr(filesystem_async, "FileSystemWriterAsync", None)
+    original = getattr(writer, "write_preloaded_data", None)
+    if writer is None or not callable(original) or getattr(original, "hpc_rl_armed", False):
+        return
+    installer = os.getpid()
+
+    def write_preloaded_data(*args: object, **kwargs: object) -> object:
+        if os.getpid() != installer:
+            _die_with_parent()
+        return original(*args, **kwargs)
+
+    write_preloaded_data.hpc_rl_armed = True  # type: ignore[attr-defined]
+    writer.write_preloaded_data = staticmethod(write_preloaded_data)  # type: ignore[union-attr]
 
 
 def keep_checkpoint_writer_through_sigterm() -> bool:
@@ -125,4 +150,5 @@ def keep_checkpoint_writer_through_sigterm() -> bool:
         return filesystem_async._results_queue
 
     filesystem_async._get_write_results_queue = results_queue
+    _arm_write_workers(filesystem_async)
     return True

@@ -21,6 +21,8 @@ from tests.integration.run_helpers import processes_of_run, start_run, wait_for
 
 LEFT_AFTER_S = 20.0
 """What is still alive this long after the kill was left behind (the issue saw a pair for 40+ s)."""
+WATCHED_S = 60.0
+"""How long what was left is watched before it is ended (whether it goes by itself, late)."""
 
 
 @dataclass
@@ -30,6 +32,9 @@ class KillOutcome:
     gone_s: float | None
     """Seconds from the kill until no process of the run was left (None: some were left)."""
     left: list[str] = field(default_factory=list)
+    """What was alive LEFT_AFTER_S after the kill: pid, parent, state, kernel wait channel, command line."""
+    left_gone_s: float | None = None
+    """Seconds from the kill until what was left went by itself (None: still there after WATCHED_S; ended then)."""
 
 
 def _saving(checkpoints: Path) -> str | None:
@@ -38,6 +43,16 @@ def _saving(checkpoints: Path) -> str | None:
                      and p.name.startswith("iter_")), None)
     except OSError:
         return None
+
+
+def _described(line: str) -> str:
+    pid = line.split(":", 1)[0]
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "-"
+    except OSError:
+        return line
+    return f"{pid} (parent {fields[1]}, state {fields[0]}, wchan {wchan}):{line.split(':', 1)[1][:90]}"
 
 
 def _end(lines: list[str]) -> None:
@@ -91,5 +106,12 @@ def kill_driver(run_dir: Path, *, point: str, rng: random.Random, timeout_s: flo
             break
         time.sleep(0.1)
     left = processes_of_run(run_dir)
-    _end(left)
-    return KillOutcome(point=where, gone_s=gone, left=left)
+    described = [_described(line) for line in left]
+    left_gone: float | None = None
+    while left and time.monotonic() - killed < WATCHED_S:
+        if not processes_of_run(run_dir):
+            left_gone = time.monotonic() - killed
+            break
+        time.sleep(0.2)
+    _end(processes_of_run(run_dir))
+    return KillOutcome(point=where, gone_s=gone, left=described, left_gone_s=left_gone)

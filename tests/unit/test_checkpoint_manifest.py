@@ -132,6 +132,9 @@ def test_no_whole_checkpoint_is_refused_naming_files_and_the_flags_to_continue(t
     assert (skipped, refusal) == (None, None)  # what the hint says: iteration 9's weights, from rollout 10
     skipped, refusal = check_resume(tiny(tmp_path, "--ckpt-step", "9"))  # its position is lost: not without asking
     assert refusal is not None and "iter_0000009 (checkpoint.ckpt_step): hpc_rl_state.json is missing" in refusal
+    skipped, refusal = check_resume(tiny(tmp_path, "--start-rollout-id", "0"))  # asked: from the initial weights
+    assert refusal is None and skipped is not None and skipped.endswith(
+        "starting at rollout 0 from checkpoint.ref_load / hf_checkpoint as checkpoint.start_rollout_id asks")
 
 
 def test_submit_exits_2_before_starting_anything(tmp_path: Path, monkeypatch, capsys) -> None:
