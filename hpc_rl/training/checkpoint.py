@@ -10,7 +10,9 @@ Owns the layout (Megatron's conventions, so Megatron/slime tools find their way 
     <save>/iter_0000005/rng/rank_00000.pt          per-rank torch RNG state
 
 Every rank writes into `iter_XXXXXXX.tmp/`; after a barrier rank 0 writes its manifest
-(`checkpoint_manifest`: every file and its size), renames it and then replaces the tracker file, so a crash at any point leaves the previous checkpoint loadable. A save that fails (a full
+(`checkpoint_manifest`: every file and its size), renames it and then replaces the tracker file, so a
+crash at any point leaves the previous checkpoint loadable; a load takes the newest whole iteration
+(`checkpoint_manifest.usable_directory`), not blindly the tracker's. A save that fails (a full
 disk, a quota) raises `CheckpointSaveFailed` on the ranks that saw it, saying "no space left on <path>"
 when that is the cause (torch reports a full disk as "unexpected pos 704 vs 598", or as a
 CheckpointException that is not even an Exception), after rank 0 removed the partial files. The iteration number
