@@ -169,3 +169,25 @@ def test_ckpt_step_gives_way_to_a_newer_whole_checkpoint_of_the_run_it_started(t
     saved(tmp_path, 11)  # what that run saved next: a requeue with the same settings continues from it
     assert resume_directory(tmp_path, 9, 10) == iteration_dir(tmp_path, 11)
     assert choose_resume(tmp_path, 9).iteration == 11
+
+
+def test_a_requeued_driver_refuses_before_starting_anything_and_names_what_it_skipped(tmp_path: Path, monkeypatch,
+                                                                                         caplog) -> None:
+    from hpc_rl.config import write_resolved_config
+    from hpc_rl.launch.driver import _resume_refused
+
+    monkeypatch.chdir(REPO)
+    root = tmp_path / "ckpt"
+    saved(root, 7)
+    (saved(root, 9) / "metadata.json").unlink()
+    write_resolved_config(tiny(tmp_path), tmp_path)
+    with caplog.at_level("WARNING", logger="hpc_rl.driver"):
+        assert _resume_refused(tmp_path) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"resuming from {iteration_dir(root, 7)}; skipped iter_0000009: metadata.json is missing (the manifest lists "
+        "it, 2000 bytes)"]
+    (iteration_dir(root, 7) / STATE_FILE).write_text("{")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hpc_rl.driver"):
+        assert _resume_refused(tmp_path) == 2
+    assert "no usable checkpoint" in caplog.records[0].getMessage()
