@@ -68,10 +68,13 @@ class RunRecorder:
 
     def recover(self, record: dict[str, Any] | None) -> bool:
         """A checkpoint's copy of its last rollout's record (`Checkpoints.controller_state`): written when
-        rollouts.jsonl lacks it (the attempt died after the checkpoint committed, before the record). Whether it was."""
+        rollouts.jsonl lacks it but holds the rollout before it (the attempt died after the checkpoint committed,
+        before the record; a new run dir that loads another run's checkpoint has neither: its history is that
+        run's). Whether it was."""
         if not isinstance(record, dict) or not isinstance(record.get("rollout_id"), int):
             return False
-        if record["rollout_id"] in recorded_rollouts(self.records):
+        rollout_id, recorded = record["rollout_id"], recorded_rollouts(self.records)
+        if rollout_id in recorded or (rollout_id > 0 and rollout_id - 1 not in recorded):
             return False
         append_line(self.records, json.dumps({**record, "recovered_from_checkpoint": True}))
         log.warning("%s: rollout %d's record was missing (its attempt died after the checkpoint was committed, "

@@ -114,3 +114,11 @@ def test_the_fault_hook_kills_once_and_only_at_its_rollout(tmp_path: Path) -> No
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9 and marker.exists()
+
+
+def test_a_new_run_dir_that_loads_another_runs_checkpoint_does_not_get_a_stray_record(tmp_path: Path) -> None:
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+    saves = run_loop(tmp_path / "first", num_rollout=4)
+    run_loop(tmp_path / "second", num_rollout=6, restore=saves[-1])  # --load the first run's checkpoints
+    assert [r["rollout_id"] for r in recorded(tmp_path / "second")] == [4, 5]
