@@ -10,6 +10,7 @@ resolved config, the job topology, the trainer's parallel layout and the per-GPU
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
 
 import yaml
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print("dry run: the config is valid; nothing was started or submitted.")
         return 0
     config = assign_run_dir(config)
-    from hpc_rl.launch.run_attempts import finished_already, keep_previous_config
+    from hpc_rl.launch.run_attempts import check_resume, finished_already, keep_previous_config
     from hpc_rl.launch.run_lock import RunDirLocked, acquire
 
     try:  # before anything is written: a live run's secret and config stay as they are
@@ -86,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         if lock.taken_over is not None and lock.taken_over[0].pid != lock.holder.pid:
             print(f"hpc_rl.submit: taking over {config.run_dir} from a run that is gone "
                   f"({lock.taken_over[0].describe()}; {lock.taken_over[1]})", file=sys.stderr)
+        _, refusal = check_resume(config, "python -m hpc_rl.submit " + shlex.join(argv))
+        if refusal is not None:  # checkpoints, none whole: never a silent start from rollout 0
+            print(f"hpc_rl.submit: {refusal}", file=sys.stderr, flush=True)
+            return EXIT_INVALID
         done = finished_already(config)
         if done is not None:
             print(f"hpc_rl: {done}", flush=True)

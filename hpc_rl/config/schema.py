@@ -553,6 +553,10 @@ class CheckpointConfig:
     ref_ckpt_step: int | None = None
     """Load this iteration of ref_load (a torch_dist root) as the reference, and as the start when load holds no
     checkpoint, instead of its latest (slime's --ref-ckpt-step)."""
+    ckpt_step: int | None = None
+    """Resume from this iteration of load when load holds no whole checkpoint newer than it (Megatron's --ckpt-step,
+    which slime passes on; a newer one is this run's own later position: a requeued attempt continues from it). It
+    must be whole; its weights only when its hpc_rl_state.json is lost: add start_rollout_id."""
     start_rollout_id: int | None = None
     """First rollout id of a run that does not resume from a checkpoint with its position (None: 0): rollouts
     start_rollout_id .. num_rollout - 1 run, the schedules (eval, save) follow the ids (slime's

@@ -57,7 +57,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     # slime / vime flags of issues 25 and 26
     **{path: _at_least(0) for path in ("training.train_memory_margin_bytes", "controller.engine_health_first_wait")},
     **{path: _POSITIVE for path in ("controller.engine_health_timeout",)},
-    **{path: _at_least(0) for path in ("checkpoint.ref_ckpt_step", "checkpoint.start_rollout_id")},
+    **{path: _at_least(0) for path in ("checkpoint.ref_ckpt_step", "checkpoint.ckpt_step", "checkpoint.start_rollout_id")},
     **{path: _at_least(1) for path in ("algorithm.ref_update_interval", "eval.eval_max_prompt_len",
                                        "eval.eval_max_context_len", "training.log_probs_max_tokens_per_gpu",
                                        "training.distributed_timeout_minutes")},

@@ -188,8 +188,8 @@ class Controller:
         log.info("all components registered: %d trainer rank(s), %d engine(s)", len(self.registry.trainers),
                  len(self.registry.engines))
         resume = await self._wait_resume_state()
-        if not (resume and resume.get("controller_state")):  # a fresh start: an earlier attempt's records go
-            self.loop.recorder.forget_from(0)
+        if not (resume and resume.get("controller_state")):  # a fresh start (at checkpoint.start_rollout_id): the
+            self.loop.recorder.forget_from(self.loop.next_rollout_id)  # records it redoes move to rollouts.redone
         if resume and resume.get("controller_state"):
             self.loop.restore(resume["controller_state"])
             next_id = self.loop.next_rollout_id

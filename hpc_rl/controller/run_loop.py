@@ -78,7 +78,8 @@ class RunLoop:
                 self.unrecorded = (rollout_id, metrics, result.groups)  # trained: a stop that saves it records it
                 version = self.weights.version + 1
                 if self.weights.moves_memory:  # colocated: save now, while the trainer holds its whole state
-                    metrics |= await self.checkpoints.save_if_due(rollout_id, version, stopping=self.stop_requested)
+                    metrics |= await self.checkpoints.save_if_due(rollout_id, version, stopping=self.stop_requested,
+                                                                  unrecorded=self.unrecorded)
                 if sync_due:  # async: the rollout generated ahead ends on the weights it started with
                     await self.rollouts.finish_ahead()
                 metrics |= await self.weights.after_train(version, sync_due=sync_due,
@@ -90,7 +91,8 @@ class RunLoop:
                     metrics["time/eval"] = time.perf_counter() - eval_start
                 stopping = self.stop_requested
                 if not stopping:
-                    metrics |= await self.checkpoints.save_if_due(rollout_id, self.weights.version, stopping=False)
+                    metrics |= await self.checkpoints.save_if_due(rollout_id, self.weights.version, stopping=False,
+                                                                  unrecorded=self.unrecorded)
                 metrics |= {"rollout/weight_version": float(self.weights.version),
                             "rollout/buffer_size": float(self.rollouts.buffer_size),
                             "time/step": time.perf_counter() - start}
@@ -124,3 +126,4 @@ class RunLoop:
         self.weights.restore(int(controller_state["weight_version"]))
         self.next_rollout_id = int(controller_state["next_rollout_id"])
         self.recorder.forget_from(self.next_rollout_id)
+        self.recorder.recover(controller_state.get("rollout_record"))  # the attempt died before writing it

@@ -85,7 +85,8 @@ async def _save_last_trained(loop: RunLoop, channel: TrainerChannel, deadline: f
         return f"no new checkpoint: aborting the cut sync's weight-update group failed: {type(error).__name__}: {error}"
     remaining = deadline - time.monotonic()
     try:
-        metrics = await asyncio.wait_for(loop.checkpoints.save_if_due(rollout_id, version, stopping=True), remaining)
+        metrics = await asyncio.wait_for(loop.checkpoints.save_if_due(rollout_id, version, stopping=True,
+                                                                   unrecorded=loop.unrecorded), remaining)
     except TimeoutError:
         return f"no new checkpoint: saving rollout {rollout_id} did not finish within the grace time"
     except Exception as error:  # noqa: BLE001 - said, then the run stops as asked

@@ -69,6 +69,7 @@ from hpc_rl.launch.batch_guard import RESTARTS_FILE, restarts_used
 from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
 from hpc_rl.launch.node_health import NodeLoss, lost_nodes, query_node_states
 from hpc_rl.launch.orphans import become_subreaper, end_children, environ_has
+from hpc_rl.launch.submit_args import EXIT_INVALID
 from hpc_rl.launch.run_lock import RunDirLocked, acquire
 from hpc_rl.launch.steps import LocalStepLauncher, StepHandle, StepLauncher
 from hpc_rl.launch.trainer_exit import describe_trainer_exit
@@ -829,6 +830,8 @@ def _run_attempts(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -
     # before the first Driver: its constructor already logs (ports found in use on the node)
     setup_logging(Path(run_dir).resolve(), load_resolved_config(Path(run_dir).resolve()).logging.log_level)
     while True:
+        if (refused := _resume_refused(Path(run_dir).resolve())) is not None:
+            return refused
         driver = Driver(run_dir, launcher, local=local)
         driver.restarts = restarts
         code = asyncio.run(_drive(driver))
@@ -844,6 +847,20 @@ def _run_attempts(run_dir: str | Path, launcher: StepLauncher, *, local: bool) -
                    f"{restarts[-1]['reason']}")
         log.warning(message)
         print(f"hpc_rl: {message}", file=sys.stderr, flush=True)
+
+
+def _resume_refused(run_dir: Path) -> int | None:
+    """Before any process of an attempt starts: which checkpoint it resumes from (one line when some were
+    skipped), or EXIT_INVALID when the checkpoint dir holds checkpoints and none is whole (run_attempts)."""
+    from hpc_rl.launch.run_attempts import check_resume
+
+    skipped, refusal = check_resume(load_resolved_config(run_dir), "the same command with")
+    if refusal is not None:
+        log.error("%s", refusal)
+        return EXIT_INVALID
+    if skipped is not None:
+        log.warning("%s", skipped)
+    return None
 
 
 def requeued_attempts(run_dir: Path) -> list[dict[str, Any]]:

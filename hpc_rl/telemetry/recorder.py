@@ -1,12 +1,14 @@
 """What a run leaves behind for each rollout: TensorBoard scalars, a line in `rollouts.jsonl`, the
 progress line on stdout; and the metrics history the controller's status reads.
 
-Owns the order of those three and forgetting the records of rollouts a resumed run redoes. The record's
+Owns the order of those three, forgetting the records of rollouts a resumed run redoes, and recovering the
+record a checkpoint carries when the attempt died before writing it. The record's
 format is `run_files.rollout_record`'s; the scalars and the progress line are `scalars`'.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +16,8 @@ from typing import Any
 
 from hpc_rl.data.samples import Group
 from hpc_rl.telemetry.run_files import (
-    ROLLOUT_RECORDS, append_rollout_record, drop_rollout_records_from, write_debug_rollout_data,
+    REDONE_RECORDS, ROLLOUT_RECORDS, append_line, append_rollout_record, drop_rollout_records_from, recorded_rollouts,
+    write_debug_rollout_data,
 )
 from hpc_rl.telemetry.scalars import ScalarLog, progress_line
 from hpc_rl.telemetry.zero_rewards import ZeroRewardWatch
@@ -68,9 +71,25 @@ class RunRecorder:
         """A resumed run redoes rollouts >= `first_redone`: drop their records (the stopped attempt wrote them)."""
         dropped = drop_rollout_records_from(self.records, first_redone)
         if dropped:
-            log.warning("%s: dropped %d record(s) of rollouts >= %d, written after the checkpoint by the "
+            log.warning("%s: moved %d record(s) of rollouts >= %d to %s, written after the checkpoint by the "
                         "attempt that was stopped (those rollouts are redone now)", ROLLOUT_RECORDS, dropped,
-                        first_redone)
+                        first_redone, REDONE_RECORDS)
+
+    def recover(self, record: dict[str, Any] | None) -> bool:
+        """A checkpoint's copy of its last rollout's record (`Checkpoints.controller_state`): written when
+        rollouts.jsonl lacks it but holds the rollout before it (the attempt died after the checkpoint committed,
+        before the record; a new run dir that loads another run's checkpoint has neither: its history is that
+        run's). Whether it was."""
+        if not isinstance(record, dict) or not isinstance(record.get("rollout_id"), int):
+            return False
+        rollout_id, recorded = record["rollout_id"], recorded_rollouts(self.records)
+        if rollout_id in recorded or (rollout_id > 0 and rollout_id - 1 not in recorded):
+            return False
+        append_line(self.records, json.dumps({**record, "recovered_from_checkpoint": True}))
+        log.warning("%s: rollout %d's record was missing (its attempt died after the checkpoint was committed, "
+                    "before the record was written): written from the checkpoint", ROLLOUT_RECORDS,
+                    record["rollout_id"])
+        return True
 
     def close(self) -> None:
         self.scalars.close()

@@ -4,8 +4,8 @@ says so once instead of once per line.
 Owns `describe_write_error` ("no space left on <dir>" for ENOSPC/EDQUOT, else the OS's words),
 `write_text_atomically` (a temporary file renamed into place; the temporary file never stays behind),
 `rollouts.jsonl`'s records (`append_rollout_record`: a line is appended whole or not at all;
-`drop_rollout_records_from`: a resumed run forgets the
-lines of the rollouts it redoes) and
+`drop_rollout_records_from`: a resumed run moves the lines of the rollouts it redoes to
+`rollouts.redone.jsonl`, never deleting one) and
 `RunLogFileHandler` (a FileHandler that, when its file cannot be written, prints ONE line on stderr and
 drops file output until a write succeeds again; Python's own prints "--- Logging error ---" and a
 traceback for every record).
@@ -48,9 +48,9 @@ def write_text_atomically(path: str | Path, text: str) -> None:
         raise
 
 
-def append_rollout_record(path: str | Path, rollout_id: int, metrics: dict[str, Any], groups: list[Group]) -> None:
-    """One JSON line: the rollout's metrics and which samples were trained (index, data row and start
-    rollout of each group, the version of each sample's first token)."""
+def rollout_record(rollout_id: int, metrics: dict[str, Any], groups: list[Group]) -> dict[str, Any]:
+    """A rollout's record: its metrics and which samples were trained (index, data row and start rollout of
+    each group, the version of each sample's first token); plain JSON types (a checkpoint carries it too)."""
     samples = [s for g in groups for s in g]
     record = {"rollout_id": rollout_id, "metrics": metrics,
               "sample_indices": [s.index for s in samples],
@@ -58,7 +58,29 @@ def append_rollout_record(path: str | Path, rollout_id: int, metrics: dict[str, 
               "start_rollout_ids": [s.metadata.get("start_rollout_id") for g in groups for s in g[:1]],
               "weight_versions_first_token": [s.weight_versions[0] if s.weight_versions else None
                                               for s in samples]}
-    append_line(path, json.dumps(record, default=float))
+    return json.loads(json.dumps(record, default=float))
+
+
+def append_rollout_record(path: str | Path, rollout_id: int, metrics: dict[str, Any], groups: list[Group]) -> None:
+    """One JSON line: `rollout_record`."""
+    append_line(path, json.dumps(rollout_record(rollout_id, metrics, groups)))
+
+
+def recorded_rollouts(path: str | Path) -> set[int]:
+    """The rollout ids rollouts.jsonl holds records of."""
+    found: set[int] = set()
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return found
+    for line in lines:
+        try:
+            rollout_id = json.loads(line)["rollout_id"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(rollout_id, int):
+            found.add(rollout_id)
+    return found
 
 
 def append_line(path: str | Path, line: str) -> None:
@@ -90,14 +112,20 @@ def write_debug_rollout_data(template: str, rollout_id: int, groups: list[Group]
     return path
 
 
+REDONE_RECORDS = "rollouts.redone.jsonl"
+"""Beside rollouts.jsonl: the records a resume took out of it (rollouts redone after an older checkpoint), kept."""
+
+
 def drop_rollout_records_from(path: str | Path, first_redone: int) -> int:
-    """Remove the records of rollouts >= `first_redone` (written after the checkpoint a run resumes from,
-    by the attempt that was stopped: they are redone). Returns how many were removed. Lines that are
-    not records (a line cut short by the stop) go too."""
+    """Move the records of rollouts >= `first_redone` (written after the checkpoint a run resumes from,
+    by the attempt that was stopped: they are redone) from `path` to `rollouts.redone.jsonl` beside it (appended:
+    a resume never destroys a record). Returns how many were moved. Lines that are not records (a line cut
+    short by the stop) go too (dropped)."""
     path = Path(path)
     if not path.is_file():
         return 0
     kept: list[str] = []
+    moved: list[str] = []
     dropped = 0
     for line in path.read_text().splitlines():
         try:
@@ -108,10 +136,13 @@ def drop_rollout_records_from(path: str | Path, first_redone: int) -> int:
         if isinstance(rollout_id, int) and rollout_id < first_redone:
             kept.append(line)
         else:
-            dropped += 1
-    if dropped:
+            moved.append(line)
+    if moved:
+        for line in moved:  # first: a crash between the two leaves a record twice, never none
+            append_line(path.with_name(REDONE_RECORDS), line)
+    if moved or dropped:
         write_text_atomically(path, "".join(line + "\n" for line in kept))
-    return dropped
+    return len(moved) + dropped
 
 
 class RunLogFileHandler(logging.FileHandler):

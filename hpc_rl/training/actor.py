@@ -25,6 +25,7 @@ from hpc_rl.config.schema import (
 )
 from hpc_rl.plugins import load_plugin
 from hpc_rl.training import checkpoint
+from hpc_rl.training.checkpoint_manifest import choose_resume, resume_directory
 from hpc_rl.training.critic import critic_load_dir, critic_optimizer_config, install_value_head
 from hpc_rl.training.custom_hooks import trainer_args
 from hpc_rl.training.model_provider import build_gpt_model, check_moe_training
@@ -50,8 +51,21 @@ def load_weights(model: torch.nn.Module, source: str | Path, arch: ModelArchitec
 
 
 def _has_checkpoint(path: str | None) -> bool:
-    return bool(path) and (is_hf_checkpoint(path) or checkpoint.latest_iteration(path) is not None
+    return bool(path) and (is_hf_checkpoint(path) or choose_resume(path).exists  # (an unreadable tracker too)
                            or Path(path, ".metadata").exists())
+
+
+def resume_source(checkpoints: CheckpointConfig) -> str | None:
+    """`load` (an HF dir, or a root whose newest whole iteration is loaded), or the iteration dir
+    `checkpoint_manifest.resume_directory` picks with `ckpt_step`; None when load holds no whole checkpoint and
+    start_rollout_id asks for a start anyway (then ref_load / hf_checkpoint give the weights)."""
+    load = checkpoints.load
+    if not load or is_hf_checkpoint(load):
+        return load
+    if checkpoints.ckpt_step is None and checkpoints.start_rollout_id is None:
+        return load
+    chosen = resume_directory(load, checkpoints.ckpt_step, checkpoints.start_rollout_id)
+    return str(chosen) if chosen is not None else (None if choose_resume(load).exists else load)
 
 
 def build_model(arch: ModelArchitecture, training: TrainingConfig, *, device: str = "cpu") -> torch.nn.Module:
@@ -156,11 +170,11 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
     actor, optimizer = _optimized(freeze_parameters(build_model(arch, training, device=device), training),
                                   optimizer_config, info)
     resumed = None
-    if _has_checkpoint(checkpoints.load) and not is_hf_checkpoint(checkpoints.load):
-        resumed = checkpoint.load_checkpoint(checkpoints.load, actor, optimizer)
+    load = resume_source(checkpoints)
+    if _has_checkpoint(load) and not is_hf_checkpoint(load or ""):
+        resumed = checkpoint.load_checkpoint(load or "", actor, optimizer)
     else:
-        source = next((p for p in (checkpoints.load, checkpoints.ref_load, checkpoints.hf_checkpoint)
-                       if _has_checkpoint(p)), None)
+        source = next((p for p in (load, checkpoints.ref_load, checkpoints.hf_checkpoint) if _has_checkpoint(p)), None)
         if source is None:
             raise FileNotFoundError("no initial weights: set checkpoint.load, checkpoint.ref_load or "
                                     "checkpoint.hf_checkpoint to an HF directory or a torch_dist checkpoint")
@@ -173,7 +187,7 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
             raise FileNotFoundError("the KL term needs reference weights: set checkpoint.ref_load")
         ref_model = build_model(arch, training, device=device)
         if resumed is not None and resumed.has_ref_model:  # an updated reference (algorithm.ref_update_interval)
-            checkpoint.load_ref_model(checkpoints.load or "", ref_model)
+            checkpoint.load_ref_model(load or "", ref_model)
         else:
             load_weights(ref_model, ref_source, arch, info, model_file=model_file,
                          iteration=checkpoints.ref_ckpt_step if ref_source == checkpoints.ref_load else None)
@@ -193,7 +207,7 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
             initial_source=initial, info=info, model_file=model_file)
         critic_part = CriticPart(model=critic_model, optimizer=critic_optimizer, config=critic)
     if resumed is not None:
-        checkpoint.restore_rng_state(checkpoints.load)
+        checkpoint.restore_rng_state(load or "")
     trainer = RolloutTrainer(actor=actor, optimizer=optimizer, ref_model=ref_model, arch=arch, training=training,
                              algorithm=algorithm, info=info, plugin_args=plugin_args, teacher_model=teacher_model,
                              distillation=distillation, critic=critic_part)

@@ -9,8 +9,10 @@ Owns the layout (Megatron's conventions, so Megatron/slime tools find their way 
     <save>/iter_0000005/hpc_rl_state.json          rollout_id, optimizer steps, controller state
     <save>/iter_0000005/rng/rank_00000.pt          per-rank torch RNG state
 
-Every rank writes into `iter_XXXXXXX.tmp/`; after a barrier rank 0 renames it and then replaces the
-tracker file, so a crash at any point leaves the previous checkpoint loadable. A save that fails (a full
+Every rank writes into `iter_XXXXXXX.tmp/`; after a barrier rank 0 writes its manifest
+(`checkpoint_manifest`: every file and its size), renames it and then replaces the tracker file, so a
+crash at any point leaves the previous checkpoint loadable; a load takes the newest whole iteration
+(`checkpoint_manifest.usable_directory`), not blindly the tracker's. A save that fails (a full
 disk, a quota) raises `CheckpointSaveFailed` on the ranks that saw it, saying "no space left on <path>"
 when that is the cause (torch reports a full disk as "unexpected pos 704 vs 598", or as a
 CheckpointException that is not even an Exception), after rank 0 removed the partial files. The iteration number
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rl.training.checkpoint_files import STATE_FILE, TRACKER, iteration_dir, latest_iteration
+from hpc_rl.training.checkpoint_manifest import usable_directory, write_manifest
 from hpc_rl.training.optimizer import ActorOptimizer
 
 LOW_SPACE_BYTES = 16 << 20
@@ -110,9 +113,9 @@ def resolve_checkpoint_dir(path: str | Path, iteration: int | None = None) -> Pa
         if not directory.is_dir():
             raise FileNotFoundError(f"{path}: no iteration {iteration} ({directory.name}) to load")
         return directory
-    iteration = latest_iteration(path)
-    if iteration is not None:
-        return iteration_dir(path, iteration)
+    directory = usable_directory(path)  # the newest whole iteration (checkpoint_manifest), not blindly the tracker's
+    if directory is not None:
+        return directory
     if (path / ".metadata").exists() or (path / "metadata.json").exists():
         return path
     raise FileNotFoundError(f"{path}: no {TRACKER} and not a torch_dist checkpoint directory")
@@ -186,6 +189,7 @@ def _write_and_commit(root: Path, iteration: int, sharded: dict[str, Any],
         write_extras(tmp)
     dist.barrier()
     if rank == 0:
+        write_manifest(tmp)  # every rank's files are written (the barrier): their sizes are the commit's record
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -11,7 +11,9 @@ that ends the rank at once. Megatron's checkpoint writer keeps a helper process 
 Slurm's SIGTERM reaches too: it is started with SIGTERM ignored (`keep_checkpoint_writer_through_sigterm`).
 
 Outside Slurm a rank's only SIGTERM comes from the driver stopping the trainer step (the user's signals
-reach the driver alone: steps run in their own sessions), so it keeps Python's default there.
+reach the driver alone: steps run in their own sessions), so it keeps Python's default there. The writer's
+Manager is started the same way everywhere, with the parent-death signal armed: a driver SIGKILLed on this
+machine took the rank with it and left the Manager and its resource tracker to PID 1 (5 of 14 trials, issue 37).
 """
 
 from __future__ import annotations
@@ -71,16 +73,27 @@ def defer_sigterm(grace_s: float = RANK_TERM_GRACE_S, exit_fn: Callable[[int], o
 
 
 def defer_sigterm_in_slurm_step() -> bool:
-    """`defer_sigterm()` and `keep_checkpoint_writer_through_sigterm()` when this rank runs in a Slurm step;
-    whether it did."""
+    """`keep_checkpoint_writer_through_sigterm()` everywhere (its Manager dies with the rank, locally too: issue
+    37), and `defer_sigterm()` when this rank runs in a Slurm step; whether it deferred."""
+    keep_checkpoint_writer_through_sigterm()
     if not in_slurm_step(os.environ):
         return False
     defer_sigterm()
-    keep_checkpoint_writer_through_sigterm()
     return True
 
 
 _writer_manager: SyncManager | None = None
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (`PR_SET_PDEATHSIG`); exit now when it is already gone."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the subreaper and Slurm's SIGKILL still end it
+        return
+    if os.getppid() != parent:  # the rank died before the signal was armed
+        os._exit(0)
 
 
 def _ignore_sigterm() -> None:
@@ -89,13 +102,27 @@ def _ignore_sigterm() -> None:
     resource tracker it holds open) to whichever subreaper adopts it in time, or to PID 1 (seen in CI when
     the driver was SIGKILLed)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    parent = os.getppid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the subreaper and Slurm's SIGKILL still end it
+    _die_with_parent()
+
+
+def _arm_write_workers(filesystem_async: object) -> None:
+    """Megatron's writer forks one process per write bucket (`write_preloaded_data`) during every save. A rank
+    killed in a save left them behind, blocked on the queues the rank held, with the resource tracker they keep
+    open (seen locally after the driver's SIGKILL, issue 37: 2 of 20 kills). Each now dies with the rank (armed
+    first thing in the forked worker; never in the rank itself, should the writer call it in process)."""
+    writer = getattr(filesystem_async, "FileSystemWriterAsync", None)
+    original = getattr(writer, "write_preloaded_data", None)
+    if writer is None or not callable(original) or getattr(original, "hpc_rl_armed", False):
         return
-    if os.getppid() != parent:  # the rank died before the signal was armed
-        os._exit(0)
+    installer = os.getpid()
+
+    def write_preloaded_data(*args: object, **kwargs: object) -> object:
+        if os.getpid() != installer:
+            _die_with_parent()
+        return original(*args, **kwargs)
+
+    write_preloaded_data.hpc_rl_armed = True  # type: ignore[attr-defined]
+    writer.write_preloaded_data = staticmethod(write_preloaded_data)  # type: ignore[union-attr]
 
 
 def keep_checkpoint_writer_through_sigterm() -> bool:
@@ -123,4 +150,5 @@ def keep_checkpoint_writer_through_sigterm() -> bool:
         return filesystem_async._results_queue
 
     filesystem_async._get_write_results_queue = results_queue
+    _arm_write_workers(filesystem_async)
     return True

@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc_rl.controller.fault_hooks import KILL_CONTROLLER_AFTER_SAVE
 from tests.integration.run_helpers import processes_mentioning, records, trainer_rank_pids, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,12 +57,14 @@ TABLE_HEADER = ("| fault | exit | rollouts done | samples lost | samples duplica
                 "|---|---|---|---|---|---|---|")
 
 
-def submit(run_dir: Path, num_rollout: int, *flags: str) -> subprocess.Popen[str]:
+def submit(run_dir: Path, num_rollout: int, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """`env`: added to this process's environment (the job gets it: sbatch exports the submitter's)."""
     argv = [sys.executable, "-m", "hpc_rl.submit", "configs/tiny_cpu.yaml", "--executor", "slurm",
             "--run-dir", str(run_dir), "--actor-num-nodes", "2", "--num-rollout", str(num_rollout),
             "--rollout-max-response-len", "24", "--eval-interval", "100000",
             "--save", str(run_dir / "ckpt"), "--save-interval", "1", *flags, "--wait"]
-    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
 
 
 def pids_of(run_dir: Path, marker: str, environ: dict[str, str] | None = None) -> list[int]:
@@ -234,14 +237,16 @@ def driver_pid(run_dir: Path) -> int:
 
 def kill_controller(run_dir: Path, *, max_restarts: int = 1, num_rollout: int = 5,
                     after_rollouts: int = 2) -> FaultOutcome:
-    """SIGKILL the driver (the controller's process) after `after_rollouts` rollouts; the batch guard
-    requeues the job (max_restarts > 0), which resumes from its last checkpoint."""
-    process = submit(run_dir, num_rollout, "--set", f"controller.max_restarts={max_restarts}")
-    wait_for(lambda: len(records(run_dir)) >= after_rollouts or process.poll() is not None, 600,
-             f"{after_rollouts} rollouts")
-    pid = driver_pid(run_dir)
-    fault_at = time.time()
-    os.kill(pid, signal.SIGKILL)
+    """SIGKILL the driver (the controller's process) in the riskiest window of rollout `after_rollouts`: its
+    checkpoint committed, its record not yet written (the controller's fault hook kills itself there, once: the
+    window is hit every time, not by luck); the batch guard requeues the job (max_restarts > 0), which resumes
+    from that checkpoint and must write the record the killed attempt could not (issue 37, case 7)."""
+    marker = run_dir / "fault-controller-killed"
+    process = submit(run_dir, num_rollout, "--set", f"controller.max_restarts={max_restarts}",
+                     env={KILL_CONTROLLER_AFTER_SAVE: f"{after_rollouts}:{marker}"})
+    wait_for(lambda: marker.exists() or process.poll() is not None, 600, f"the kill after rollout {after_rollouts}'s save")
+    fault_at = marker.stat().st_mtime if marker.exists() else time.time()
+    assert [r["rollout_id"] for r in records(run_dir)] == list(range(after_rollouts)), "killed before the record"
     if max_restarts:
         let_requeued_job_finish((run_dir / "slurm_job_id").read_text().strip())
     return measure(f"controller (driver) SIGKILL, max_restarts={max_restarts}", run_dir, process, num_rollout,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.run_helpers import records
 from tests.slurm.fault_runs import kill_controller, kill_engine_node, kill_trainer_rank, two_jobs_and_a_port_squatter
 
 pytestmark = pytest.mark.slurm
@@ -37,9 +38,13 @@ def test_trainer_rank_killed_restarts_from_the_checkpoint(run_dir: Path) -> None
 
 
 def test_controller_killed_the_job_is_requeued_and_resumes(run_dir: Path) -> None:
+    """Killed after rollout 2's checkpoint committed and before its record was written (the fault hook: every
+    time, not one run in a few); the resumed job writes that record from the checkpoint (issue 37, case 7:
+    rollouts.jsonl held [0, 1, 3, 4])."""
     outcome = kill_controller(run_dir, max_restarts=1, num_rollout=5, after_rollouts=2)
     assert outcome.exit_code == 0, outcome.output[-3000:]
     assert outcome.rollout_ids == list(range(5))
+    assert [r.get("recovered_from_checkpoint", False) for r in records(run_dir)] == [False, False, True, False, False]
     assert (outcome.samples_lost, outcome.samples_duplicated) == (0, 0)
     assert outcome.left_behind == []
     controller_log = (run_dir / "logs" / "controller.log").read_text()

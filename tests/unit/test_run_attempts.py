@@ -14,6 +14,7 @@ from hpc_rl.config.validation import ValidationFailed, validate
 from hpc_rl.launch.driver import slurm_kill_wait_s, term_grace_s
 from hpc_rl.launch.run_attempts import CONFIG_HISTORY, config_changes, finished_already, keep_previous_config
 from hpc_rl.training.checkpoint_files import STATE_FILE, TRACKER, iteration_dir, prune_iterations
+from hpc_rl.training.checkpoint_manifest import write_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,6 +29,9 @@ def fake_checkpoint(root: Path, rollout_id: int) -> None:
     directory.mkdir(parents=True)
     (directory / STATE_FILE).write_text(json.dumps({"rollout_id": rollout_id,
                                                     "controller_state": {"next_rollout_id": rollout_id + 1}}))
+    for name in (".metadata", "metadata.json", "__0_0.distcp"):
+        (directory / name).write_bytes(b"x" * 64)
+    write_manifest(directory)
     (root / TRACKER).write_text(str(rollout_id))
 
 

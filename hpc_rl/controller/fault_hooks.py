@@ -1,0 +1,35 @@
+"""Fault injection for the controller: its process killed at a chosen moment, for tests of what a requeue or a
+restart does then (tests/slurm/test_faults_slurm.py, tests/integration/test_checkpoint_safety.py).
+
+Owns the fault points. The variable's value is `<rollout id>:<marker file>`: the first controller to reach the
+point for that rollout while the marker does not exist creates it and SIGKILLs its own process (the driver's:
+the controller runs in it), so the fault happens once per run and the requeued attempt runs normally. Unset in
+real runs (nothing here runs then but one environment lookup per checkpoint).
+
+    variable                                   point                                        then
+    HPC_RL_FAULT_KILL_CONTROLLER_AFTER_SAVE    the checkpoint of that rollout has committed,  SIGKILL
+                                               before the rollout's record is written
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping
+
+KILL_CONTROLLER_AFTER_SAVE = "HPC_RL_FAULT_KILL_CONTROLLER_AFTER_SAVE"
+
+
+def kill_here_if_asked(variable: str, rollout_id: int, environ: Mapping[str, str] = os.environ) -> None:
+    """SIGKILL this process when `variable` names `rollout_id` and its marker is not there yet (then create it)."""
+    value = environ.get(variable)
+    if not value:
+        return
+    wanted, _, marker = value.partition(":")
+    if not marker or wanted.strip() != str(rollout_id):
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
