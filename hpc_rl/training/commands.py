@@ -163,7 +163,8 @@ class TrainerCommands:
         self.sender: WeightSender | None = None
         self.engine_api_key = engine_api_key
         """Colocated mode: this rank posts its weights to its engine itself (derived from the job secret)."""
-        self.offload = TrainerOffload(models=[parts.actor, parts.ref_model, parts.teacher_model, parts.critic_model],
+        # the reference's and teacher's weights live in host memory already (`host_weights`): not offloaded
+        self.offload = TrainerOffload(models=[parts.actor, parts.critic_model],
                                       optimizer=[parts.optimizer, parts.critic_optimizer], enabled=offload_train,
                                       margin_bytes=train_memory_margin_bytes)
         """Colocated: training.offload_train false keeps the state on the device (slime's --no-offload-train)."""

@@ -52,6 +52,7 @@ import torch.utils.checkpoint
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import AlgorithmConfig, CriticConfig, DistillationConfig, TrainingConfig
 from hpc_rl.training.advantages import compute_advantages, masked_whiten
+from hpc_rl.training.host_weights import HostResidentModel
 from hpc_rl.training.custom_hooks import (
     check_custom_loss_result, load_custom_advantages, load_custom_loss, run_custom_advantages, trainer_args,
 )
@@ -168,6 +169,11 @@ class RolloutTrainer:
 
         self.actor, self.optimizer, self.ref_model = actor, optimizer, ref_model
         self.teacher_model, self.critic = teacher_model, critic
+        self.ref_weights = (HostResidentModel(ref_model, actor=actor, device=info.device)
+                            if ref_model is not None else None)
+        """The reference's weights in host memory, swapped with the actor's for its pass (`host_weights`)."""
+        self.teacher_weights = (HostResidentModel(teacher_model, actor=actor, device=info.device)
+                                if teacher_model is not None else None)
         self.distillation = distillation or DistillationConfig()
         """use_opd: the teacher's log-probs come from `teacher_model` (megatron) or the batch (sglang)."""
         self.arch, self.training, self.algorithm, self.info = arch, training, algorithm, info
@@ -229,10 +235,9 @@ class RolloutTrainer:
     @torch.no_grad()
     def update_reference(self) -> None:
         """The reference model takes the actor's weights (slime's --ref-update-interval)."""
-        if self.ref_model is None:
+        if self.ref_weights is None:
             raise ValueError("algorithm.ref_update_interval needs a reference model (use_kl_loss or kl_coef)")
-        for ref_param, param in zip(self.ref_model.parameters(), self._actor_params(), strict=True):
-            ref_param.copy_(param)
+        self.ref_weights.copy_from(self.actor)
 
     @torch.no_grad()
     def _old_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
@@ -319,6 +324,12 @@ class RolloutTrainer:
             self._entropy[entropy_key] = entropies  # type: ignore[index]
         return out
 
+    def _frozen_logprobs(self, frozen: HostResidentModel, micros: list[MicroBatch],
+                         store_prefix: str) -> dict[int, torch.Tensor]:
+        """A frozen model's log-probs (the reference's, the teacher's), its weights swapped in for the actor's."""
+        with frozen.on_device() as model:
+            return self._logprobs(model, micros, store_prefix)
+
     def _actor_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
         """The actor's old log-probs pass as it stands (a MoE actor's routers replay or record)."""
         if self.moe is None:
@@ -349,7 +360,7 @@ class RolloutTrainer:
                     for step, micros in enumerate(plan)]
 
         self._entropy = {}
-        ref = self._logprobs(self.ref_model, all_micros, "ref_") if self.ref_model is not None else None
+        ref = self._frozen_logprobs(self.ref_weights, all_micros, "ref_") if self.ref_weights is not None else None
         self._train_logprobs = None
         if self.algorithm.use_rollout_logprobs:
             if batch.rollout_logprobs is None:
@@ -390,8 +401,8 @@ class RolloutTrainer:
         """On-policy distillation: the teacher's log-probs of the response tokens, by batch index."""
         if not self.distillation.use_opd:
             return None
-        if self.teacher_model is not None:
-            return self._logprobs(self.teacher_model, micros, "teacher_")
+        if self.teacher_weights is not None:
+            return self._frozen_logprobs(self.teacher_weights, micros, "teacher_")
         if batch.teacher_logprobs is None:
             raise ValueError("on-policy distillation (opd_type sglang): the batch carries no teacher log-probs")
         return {i: torch.as_tensor(lp, dtype=torch.float32, device=self.info.device)
