@@ -254,10 +254,6 @@ def _critic_problems(config: RunConfig) -> list[tuple[str, str]]:
         problems.append(("critic.value_clip", f"{critic.value_clip} must be > 0"))
     if critic.num_critic_only_steps < 0:
         problems.append(("critic.num_critic_only_steps", "must be >= 0"))
-    if training.pipeline_model_parallel_size > 1 or training.context_parallel_size > 1:
-        problems.append(("training.pipeline_model_parallel_size",
-                         "the critic's values are read on TP/DP layouts only here (PP and CP not built for the "
-                         "value head yet): use pipeline_model_parallel_size 1 and context_parallel_size 1"))
     if config.algorithm.loss_type != "policy_loss":
         problems.append(("algorithm.loss_type", "PPO trains the actor with policy_loss (and the critic with its "
                                                 "value loss)"))

@@ -378,24 +378,34 @@ class RolloutTrainer:
         teacher = self._teacher_logprobs(batch, all_micros)
         rollout = ([torch.as_tensor(lp, dtype=torch.float32, device=device) for lp in batch.rollout_logprobs]
                    if batch.rollout_logprobs is not None else None)
-        if not self.info.is_last_stage:  # log-probs, advantages and the loss live on the last stage
-            return [self._step(rollout_id, step, batch, micros, masks,
-                               self._policy_loss(batch, masks, old, ref, [], rollout, None))
-                    for step, micros in enumerate(plan)]
+        # PPO's critic first, on every pipeline stage (its values live on the last)
         values, critic_steps = train_critic(self, batch, plan, masks) if self.critic is not None else (None, [])
         if self.critic is not None and rollout_id < self.critic.config.num_critic_only_steps:
             return [critic_metrics(m) for m in critic_steps]  # the actor waits for a trained critic
+        if not self.info.is_last_stage:  # log-probs, advantages and the loss live on the last stage
+            actor_steps = [self._step(rollout_id, step, batch, micros, masks,
+                                      self._policy_loss(batch, masks, old, ref, [], rollout, None))
+                           for step, micros in enumerate(plan)]
+        else:
+            actor_steps = self._last_stage_steps(rollout_id, batch, plan, masks, old, ref, rollout, teacher, values)
+        for actor_step, critic_step in zip(actor_steps, critic_steps):
+            actor_step.update(critic_metrics(critic_step))
+        return actor_steps
+
+    def _last_stage_steps(self, rollout_id: int, batch: TrainBatch, plan: list[list[MicroBatch]],
+                          masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
+                          ref: dict[int, torch.Tensor] | None, rollout: list[torch.Tensor] | None,
+                          teacher: dict[int, torch.Tensor] | None,
+                          values: list[torch.Tensor] | None) -> list[dict[str, float]]:
+        """The actor's steps where the logits are: advantages, slime's post-process and debug dump, the loss."""
         advantages = self._advantages(batch, masks, old, ref, rollout, teacher, values)
         if self.rollout_data_postprocess is not None:
             masks, advantages = self._postprocess(rollout_id, batch, masks, old, ref, rollout, advantages)
         if self.training.save_debug_train_data and self.info.tp_rank == 0 and self.info.cp_rank == 0:
             self._save_debug_train_data(rollout_id, batch, masks, old, ref, rollout, advantages)
-        actor_steps = [self._step(rollout_id, step, batch, micros, masks,
-                                  self._policy_loss(batch, masks, old, ref, advantages, rollout, teacher))
-                       for step, micros in enumerate(plan)]
-        for actor_step, critic_step in zip(actor_steps, critic_steps):
-            actor_step.update(critic_metrics(critic_step))
-        return actor_steps
+        return [self._step(rollout_id, step, batch, micros, masks,
+                           self._policy_loss(batch, masks, old, ref, advantages, rollout, teacher))
+                for step, micros in enumerate(plan)]
 
     def _teacher_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor] | None:
         """On-policy distillation: the teacher's log-probs of the response tokens, by batch index."""
