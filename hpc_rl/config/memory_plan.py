@@ -29,6 +29,7 @@ from hpc_rl.config.parameter_counts import ParameterShare, format_count, model_s
 from hpc_rl.config.pipeline_split import PipelineSplitError, training_split
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sglang_options import attention_dp_size
+from hpc_rl.config.training_modes import frozen_model_roles
 
 GIB = 1024**3
 BF16, FP32 = 2, 4
@@ -288,7 +289,7 @@ def trainer_memory(config: RunConfig, arch: ModelArchitecture, layout: ParallelL
         # Training modes: the distillation teacher (opd_type megatron) is one more frozen model beside the
         # reference, both in host memory; PPO's critic is a second trained model of the same size, resident with
         # the actor.
-        frozen = frozen_models(config)
+        frozen = len(frozen_model_roles(config.algorithm, config.distillation))
         trained = 2 if config.algorithm.advantage_estimator == "ppo" else 1
         optimizer_on_gpu = int(shards * full * (1 - offloaded)) * trained
         offload_train = config.cluster.colocate and config.training.offload_train
@@ -306,14 +307,6 @@ def trainer_memory(config: RunConfig, arch: ModelArchitecture, layout: ParallelL
             best = memory
     assert best is not None
     return best
-
-
-def frozen_models(config: RunConfig) -> int:
-    """Frozen models beside the actor: the reference (a KL term) and a megatron distillation teacher."""
-    algorithm, distillation = config.algorithm, config.distillation
-    skips = algorithm.loss_type == "sft_loss" or algorithm.disable_compute_advantages_and_returns
-    reference = bool(algorithm.use_kl_loss or algorithm.kl_coef) and not skips
-    return int(reference) + int(distillation.use_opd and distillation.opd_type == "megatron")
 
 
 def _training_peak(memory: TrainerMemory) -> int:

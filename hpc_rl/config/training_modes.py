@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from hpc_rl.config.schema import (
-    LOSS_MASK_TYPES, ROLLOUT_FUNCTIONS, SFT_ROLLOUT, OptimizerConfig, RunConfig,
+    LOSS_MASK_TYPES, ROLLOUT_FUNCTIONS, SFT_ROLLOUT, AlgorithmConfig, DistillationConfig, OptimizerConfig, RunConfig,
 )
 from hpc_rl.config.typing_rules import ConfigError, coerce_value
 
@@ -236,6 +236,19 @@ def _distillation_problems(config: RunConfig) -> list[tuple[str, str]]:
     if config.algorithm.disable_compute_advantages_and_returns:
         problems.append(("algorithm.disable_compute_advantages_and_returns", "OPD adds its penalty to the advantages"))
     return problems
+
+
+def frozen_model_roles(algorithm: AlgorithmConfig, distillation: DistillationConfig) -> list[str]:
+    """The frozen models a trainer rank holds beside the actor (in host memory, swapped in for their pass): the
+    reference when a KL term needs one (not with SFT or --disable-compute-advantages-and-returns, which compute
+    no KL), and a teacher for on-policy distillation with opd_type megatron."""
+    roles = []
+    kl = algorithm.use_kl_loss or algorithm.kl_coef != 0.0
+    if kl and not (algorithm.loss_type == "sft_loss" or algorithm.disable_compute_advantages_and_returns):
+        roles.append("reference")
+    if distillation.use_opd and distillation.opd_type == "megatron":
+        roles.append("teacher")
+    return roles
 
 
 def _critic_problems(config: RunConfig) -> list[tuple[str, str]]:

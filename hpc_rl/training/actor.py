@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.config.training_modes import frozen_model_roles
 from hpc_rl.config.schema import (
     AlgorithmConfig, CheckpointConfig, CriticConfig, DistillationConfig, OptimizerConfig, TrainingConfig,
 )
@@ -34,7 +35,7 @@ from hpc_rl.training.host_weights import move_to_host
 from hpc_rl.training.model_provider import build_gpt_model, check_moe_training
 from hpc_rl.training.optimizer import ActorOptimizer, wrap_ddp
 from hpc_rl.training.parallel import ParallelInfo
-from hpc_rl.training.step import CriticPart, RolloutTrainer, skips_advantages
+from hpc_rl.training.step import CriticPart, RolloutTrainer
 from hpc_rl.weights.hf_import import is_hf_checkpoint, load_hf_into_model
 
 
@@ -249,15 +250,8 @@ def build_role(role: str, inputs: RoleInputs) -> BuiltRole:
 
 def trainer_roles(algorithm: AlgorithmConfig, distillation: DistillationConfig) -> list[str]:
     """The roles a run builds, frozen ones first (each leaves the device before the next is built)."""
-    roles = []
-    if (algorithm.use_kl_loss or algorithm.kl_coef != 0.0) and not skips_advantages(algorithm):
-        roles.append("reference")
-    if distillation.use_opd and distillation.opd_type == "megatron":
-        roles.append("teacher")
-    roles.append("actor")
-    if algorithm.advantage_estimator == "ppo":
-        roles.append("critic")
-    return roles
+    return [*frozen_model_roles(algorithm, distillation), "actor",
+            *(["critic"] if algorithm.advantage_estimator == "ppo" else [])]
 
 
 def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorithm: AlgorithmConfig,

@@ -26,7 +26,9 @@ values (before its update) giving the actor's GAE advantages, and the actor not 
 num_critic_only_steps rollouts.
 
 Ref log-probs are computed for the whole rollout before its first update, on the same micro-batches
-the training pass uses, so with ref == actor weights the KL term is exactly 0. Old log-probs come
+the training pass uses, so with ref == actor weights the KL term is exactly 0. The reference and a Megatron
+teacher keep their weights in host memory and swap in for their pass, the actor's weights waiting in host
+memory meanwhile (`host_weights`): one model's weights on the device at a time. Old log-probs come
 from the training pass itself (detached) when there is one optimizer step per rollout and no KL
 reward shaping (`old_logprobs_need_own_pass`), else from their own pass before the first update on
 the same micro-batches: either way logp_old == logp bit for bit on the first step (ppo_kl == 0).
