@@ -137,8 +137,7 @@ class WeightSource:
     """Where a role's initial weights may come from: an HF directory or a torch_dist checkpoint (at `iteration`)."""
 
     path: str | None
-    iteration: int | None
-    field: str
+    iteration: int | None = None
 
 
 def weight_sources(role: str, checkpoints: CheckpointConfig,
@@ -148,12 +147,9 @@ def weight_sources(role: str, checkpoints: CheckpointConfig,
     from `ref_load`, else `hf_checkpoint`; the teacher from `opd_teacher_load` (at opd_teacher_ckpt_step).
     A role's own checkpoint (the actor's or critic's trainer state, an updated reference) comes first
     (`build_role`)."""
-    ref = WeightSource(checkpoints.ref_load, checkpoints.ref_ckpt_step, "checkpoint.ref_load")
-    hf = WeightSource(checkpoints.hf_checkpoint, None, "checkpoint.hf_checkpoint")
-    table = {"actor": [WeightSource(checkpoints.load, None, "checkpoint.load"), ref, hf],
-             "reference": [ref, hf], "critic": [ref, hf],
-             "teacher": [WeightSource(distillation.opd_teacher_load, distillation.opd_teacher_ckpt_step,
-                                      "distillation.opd_teacher_load")]}
+    ref, hf = WeightSource(checkpoints.ref_load, checkpoints.ref_ckpt_step), WeightSource(checkpoints.hf_checkpoint)
+    table = {"actor": [WeightSource(checkpoints.load), ref, hf], "reference": [ref, hf], "critic": [ref, hf],
+             "teacher": [WeightSource(distillation.opd_teacher_load, distillation.opd_teacher_ckpt_step)]}
     return table[role]
 
 

@@ -1,7 +1,8 @@
 """Issue 29: the model roles on a real gloo trainer rank (Megatron-core on CPU). The reference and a Megatron
 teacher keep their weights in host memory and swap in for their pass: the swapped reference pass gives exactly
 the log-probs of a separate, always-resident model built and loaded the same way, the actor's weights are out
-of the device during it, and training after it starts from the actor's own weights (first-step KL 0)."""
+of the device during it, and training after it starts from the actor's own weights (first-step KL 0). The
+actor's weights are loaded before its optimizer is built (Megatron's mixed-precision optimizer copies them)."""
 
 from __future__ import annotations
 
@@ -25,15 +26,28 @@ def swapped_and_resident_rank(hf_dir: str) -> dict:
     from hpc_rl.training.actor import _frozen, build_model, build_trainer, load_weights
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
 
+    from hpc_rl.training import actor as actor_module
+
     training = TrainingConfig(global_batch_size=8, micro_batch_size=4, qkv_format="thd")
     info = init_parallel(training, device="cpu")
     arch = ModelArchitecture.from_yaml(ARCH_FILE)
+    at_optimizer_build: list[list[torch.Tensor]] = []
+    real_optimized = actor_module._optimized
+
+    def recording_optimized(model, config, info):  # what the model holds when its optimizer is built
+        at_optimizer_build.append([p.detach().clone() for p in model.parameters()])
+        return real_optimized(model, config, info)
+
+    actor_module._optimized = recording_optimized
     parts = build_trainer(arch=arch, training=training, optimizer_config=OptimizerConfig(lr=1e-3),
                           algorithm=AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1),
                           checkpoints=CheckpointConfig(hf_checkpoint=hf_dir, ref_load=hf_dir), info=info,
                           model_file=ARCH_FILE, distillation=DistillationConfig(
                               use_opd=True, opd_type="megatron", opd_teacher_load=str(TEACHER)))
+    actor_module._optimized = real_optimized
     trainer = parts.trainer
+    (before_optimizer,) = at_optimizer_build
+    out_loaded = all(torch.equal(a, b) for a, b in zip(before_optimizer, parts.actor.parameters(), strict=True))
     resident = {}
     for name, path in (("ref", hf_dir), ("teacher", str(TEACHER))):
         model = build_model(arch, training)
@@ -51,6 +65,7 @@ def swapped_and_resident_rank(hf_dir: str) -> dict:
            "teacher_resident": trainer._logprobs(resident["teacher"], micros)}
     hook.remove()
     out["actor_bytes_during_ref_pass"] = actor_bytes
+    out["loaded_before_optimizer"] = out_loaded
     out["actor_back"] = all(torch.equal(p, b) for p, b in zip(parts.actor.parameters(), actor_before, strict=True))
     out["first_step"] = trainer.train_rollout(batch)[0]
     shutdown_parallel()
@@ -64,6 +79,7 @@ def test_reference_and_teacher_swap_in_from_host_memory_with_resident_log_probs(
     (out,) = run_ranks(swapped_and_resident_rank, 1, hf_dir)
     assert out["actor_bytes_during_ref_pass"] and set(out["actor_bytes_during_ref_pass"]) == {0}
     assert out["actor_back"]
+    assert out["loaded_before_optimizer"]  # the actor's weights were in before its optimizer was built
     for role in ("ref", "teacher"):
         swapped, resident = out[f"{role}_swapped"], out[f"{role}_resident"]
         assert sorted(swapped) == list(range(8))
