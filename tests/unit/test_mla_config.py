@@ -236,6 +236,13 @@ def test_gqa_fields_mla_does_not_read_are_not_checked_against_config_json(tmp_pa
     from hpc_rl.config.validation import validate
 
     validate(config)  # what submit runs: the model flags against config.json (num_query_groups 2 vs 4 before)
+    from hpc_rl.config.validation import collect_problems
+
+    tp4 = load_config([ROOT / "configs/tiny_cpu.yaml"],
+                      ["--hf-checkpoint", str(mla_dir), *flags_of("tiny_deepseek_v3_model_args.txt"),
+                       "--tensor-model-parallel-size", "4", "--sequence-parallel", "--actor-num-gpus-per-node", "4"])
+    assert tp4.model_args is not None and tp4.model_args.num_query_groups == 2  # inherited, unused by MLA
+    assert [str(p) for p in collect_problems(tp4, check_files=False)] == []  # TP 4 splits MLA's 4 heads
     import json
 
     hf = json.loads((mla_dir / "config.json").read_text())
