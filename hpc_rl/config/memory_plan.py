@@ -68,7 +68,8 @@ class TrainerMemory:
     swap_buffer_in_host: int
     """The actor's weights while a frozen model is on the GPU (0 without one)."""
     colocated_offload_in_host: int
-    """Colocated with offload_train: the weights and GPU optimizer state offloaded during generation."""
+    """Colocated with offload_train: the weights and GPU optimizer state offloaded during generation (beyond the
+    swap buffer, which holds the actor's weights then too)."""
     grads: int
     optimizer_on_gpu: int
     optimizer_on_gpu_without_offload: int
@@ -296,7 +297,9 @@ def trainer_memory(config: RunConfig, arch: ModelArchitecture, layout: ParallelL
         memory = TrainerMemory(
             parameters=params, dense_parameters=dense, expert_parameters=experts, weights=params * BF16 * trained,
             frozen_weights_in_host=params * BF16 * frozen, swap_buffer_in_host=params * BF16 if frozen else 0,
-            colocated_offload_in_host=params * BF16 * trained + optimizer_on_gpu if offload_train else 0,
+            # the actor's weights offloaded for the engines reuse the swap buffer (one host copy)
+            colocated_offload_in_host=(params * BF16 * (trained - (1 if frozen else 0)) + optimizer_on_gpu
+                                       if offload_train else 0),
             grads=params * FP32 * trained, optimizer_on_gpu=optimizer_on_gpu,
             optimizer_on_gpu_without_offload=int(shards * full) * trained,
             optimizer_in_host=int(shards * HOST_OPTIMIZER_BYTES * offloaded) * trained,

@@ -56,13 +56,17 @@ def host_bytes(module: torch.nn.Module) -> int:
 class HostResidentModel:
     """A frozen model whose weights live in host memory, and the actor whose weights make room for it."""
 
-    def __init__(self, module: torch.nn.Module, *, actor: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, module: torch.nn.Module, *, actor: torch.nn.Module, device: torch.device,
+                 actor_host_buffers: dict[str, list[torch.Tensor]] | None = None) -> None:
         self.module = module
         self.device = device
         self.pin = device.type == "cuda"  # GPU only: pinned host memory; on CPU the twin runs the same calls
         move_to_host(module, pin=self.pin)
-        self.displaced = TrainerOffload(models=[actor], optimizer=None, device_free_bytes=_no_device_check)
-        """The actor's weights, moved to host memory while the frozen model is on the device."""
+        self.displaced = TrainerOffload(models=[actor], optimizer=None, device_free_bytes=_no_device_check,
+                                        host_buffers=actor_host_buffers)
+        """The actor's weights, moved to host memory while the frozen model is on the device (into
+        `actor_host_buffers` when given: one host copy of the actor for every frozen model and the colocated
+        offload, whose moves never overlap)."""
 
     def params(self) -> list[torch.nn.Parameter]:
         return list(self.module.parameters())

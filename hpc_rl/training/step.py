@@ -171,10 +171,15 @@ class RolloutTrainer:
 
         self.actor, self.optimizer, self.ref_model = actor, optimizer, ref_model
         self.teacher_model, self.critic = teacher_model, critic
-        self.ref_weights = (HostResidentModel(ref_model, actor=actor, device=info.device)
+        self.actor_host_buffers: dict[str, list[torch.Tensor]] = {}
+        """Host memory for the actor's weights while a frozen model is on the device (one copy, shared with the
+        colocated offload: `commands.TrainerCommands`)."""
+        self.ref_weights = (HostResidentModel(ref_model, actor=actor, device=info.device,
+                                              actor_host_buffers=self.actor_host_buffers)
                             if ref_model is not None else None)
         """The reference's weights in host memory, swapped with the actor's for its pass (`host_weights`)."""
-        self.teacher_weights = (HostResidentModel(teacher_model, actor=actor, device=info.device)
+        self.teacher_weights = (HostResidentModel(teacher_model, actor=actor, device=info.device,
+                                                  actor_host_buffers=self.actor_host_buffers)
                                 if teacher_model is not None else None)
         self.distillation = distillation or DistillationConfig()
         """use_opd: the teacher's log-probs come from `teacher_model` (megatron) or the batch (sglang)."""

@@ -65,3 +65,23 @@ def test_move_to_host_leaves_host_tensors_alone_without_pinning() -> None:
     pointers = [p.data_ptr() for p in frozen.parameters()]
     move_to_host(frozen, pin=False)
     assert [p.data_ptr() for p in frozen.parameters()] == pointers
+
+
+def test_the_reference_the_teacher_and_the_colocated_offload_share_one_host_copy_of_the_actor() -> None:
+    from hpc_rl.training.offload import TrainerOffload
+
+    actor, reference = linear_pair(3)
+    _, teacher = linear_pair(4)
+    shared: dict[str, list[torch.Tensor]] = {}
+    swaps = [HostResidentModel(m, actor=actor, device=torch.device("cpu"), actor_host_buffers=shared)
+             for m in (reference, teacher)]
+    colocated = TrainerOffload(models=[actor], optimizer=None, host_buffers=shared)
+    before = [p.detach().clone() for p in actor.parameters()]
+    for swap in swaps:
+        with swap.on_device():
+            pass
+    colocated.offload(["weights"])
+    colocated.onload(["weights"])
+    assert len(shared["weights"]) == 1  # the actor's one storage (its DDP-like buffer), copied once
+    assert shared["weights"][0].numel() == sum(p.numel() * 4 for p in actor.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(actor.parameters(), before, strict=True))

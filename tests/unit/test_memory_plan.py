@@ -194,3 +194,6 @@ def test_reference_weights_are_host_memory_not_gpu(recipe: str, model: str, flag
     without = plan_memory(load_config([recipe], [*flags, "--no-use-kl-loss"]), arch(model)).trainer
     assert (without.frozen_weights_in_host, without.swap_buffer_in_host) == (0, 0)
     assert without.state == trainer.state  # the reference costs the GPU nothing
+    # colocated: the actor's weights leave for the engines into the swap buffer (one host copy of the actor)
+    assert trainer.colocated_offload_in_host == trainer.optimizer_on_gpu
+    assert without.colocated_offload_in_host == without.weights + without.optimizer_on_gpu
