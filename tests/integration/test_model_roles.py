@@ -86,3 +86,22 @@ def test_reference_and_teacher_swap_in_from_host_memory_with_resident_log_probs(
         assert all(torch.equal(swapped[i], resident[i]) for i in range(8)), role  # bit for bit
     assert not torch.equal(out["ref_swapped"][0], out["teacher_swapped"][0])  # two different models swapped in
     assert out["first_step"]["kl_loss"] == 0.0  # the reference == the actor's initial weights, restored after
+
+
+def test_colocated_run_with_a_reference_serves_the_trainers_weights(tmp_path: Path) -> None:
+    """The reference's swap and the colocated offload share the actor's host copy: after every rollout (reference
+    pass, training, offload for the engines, weight push) the engines' log-probs are the trainer's."""
+    from tests.integration.run_helpers import processes_mentioning, records, run_to_end
+
+    run_dir = tmp_path / "colocated_kl"
+    result = run_to_end(run_dir, "--colocate", "--use-kl-loss", "--kl-loss-coef", "0.01", "--num-rollout", "6",
+                        "--eval-interval", "50", timeout_s=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = records(run_dir)
+    assert len(rows) == 6
+    for row in rows:
+        metrics = row["metrics"]
+        assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-5, (row["rollout_id"], metrics)
+        assert "train/kl_loss" in metrics
+    assert rows[0]["metrics"]["train/kl_loss"] == 0.0 and rows[-1]["metrics"]["train/kl_loss"] > 0.0
+    assert processes_mentioning(str(run_dir)) == []
