@@ -1,9 +1,12 @@
 """The per-GPU memory plan of a GPU run: what the trainer and the engines hold in each phase, and whether it fits.
 
-Owns: bytes per GPU for the trainer (bf16 weights, the reference model's weights when a KL term needs
-them and a megatron distillation teacher's, fp32 gradient buffers, all but the frozen ones twice with PPO's critic, the distributed optimizer's state on the GPU or in host memory with
-`--optimizer-cpu-offload`, activations at the micro-batch's tokens with and without recompute, the fp32
-log-softmax of the logits) and for an engine (bf16 weights as SGLang splits them, the static pool of
+Owns: bytes per GPU for the trainer (bf16 weights, fp32 gradient buffers, both twice with PPO's critic, the
+distributed optimizer's state on the GPU or in host memory with `--optimizer-cpu-offload`, activations at the
+micro-batch's tokens with and without recompute, the fp32 log-softmax of the logits), the trainer's host memory
+(the reference model's weights when a KL term needs them and a megatron distillation teacher's live there and
+swap in for their pass in place of the actor's, which wait in a host buffer meanwhile: `training.host_weights`;
+the offloaded optimizer; colocated, the weights and optimizer state offloaded during generation) per GPU and per
+node, and for an engine (bf16 weights as SGLang splits them, the static pool of
 `mem_fraction_static` that holds weights + KV cache); the phases they share a GPU in (colocated:
 generation, training with `training.train_memory_margin_bytes` kept free (vime's --train-memory-margin-bytes, which
 the trainer's onload checks too), weight push; decoupled: each side alone); the problems of a phase over
@@ -26,6 +29,7 @@ from hpc_rl.config.parameter_counts import ParameterShare, format_count, model_s
 from hpc_rl.config.pipeline_split import PipelineSplitError, training_split
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sglang_options import attention_dp_size
+from hpc_rl.config.training_modes import frozen_model_roles
 
 GIB = 1024**3
 BF16, FP32 = 2, 4
@@ -58,7 +62,14 @@ class TrainerMemory:
     dense_parameters: int
     expert_parameters: int
     weights: int
-    reference_weights: int
+    """The trained models' (the actor's, and PPO's critic's): the frozen ones are in host memory."""
+    frozen_weights_in_host: int
+    """The reference's and a megatron teacher's weights, in host memory (swapped in for their pass)."""
+    swap_buffer_in_host: int
+    """The actor's weights while a frozen model is on the GPU (0 without one)."""
+    colocated_offload_in_host: int
+    """Colocated with offload_train: the weights and GPU optimizer state offloaded during generation (beyond the
+    swap buffer, which holds the actor's weights then too)."""
     grads: int
     optimizer_on_gpu: int
     optimizer_on_gpu_without_offload: int
@@ -72,8 +83,15 @@ class TrainerMemory:
 
     @property
     def state(self) -> int:
-        """What stays between steps: weights, reference weights, gradients, optimizer on the GPU."""
-        return self.weights + self.reference_weights + self.grads + self.optimizer_on_gpu
+        """What stays on the GPU between steps: weights, gradients, optimizer state (no frozen model's weights:
+        they swap in for their pass in place of the actor's)."""
+        return self.weights + self.grads + self.optimizer_on_gpu
+
+    @property
+    def host(self) -> int:
+        """Host memory this GPU's trainer rank holds."""
+        return (self.frozen_weights_in_host + self.swap_buffer_in_host + self.optimizer_in_host
+                + self.colocated_offload_in_host)
 
 
 @dataclass(frozen=True)
@@ -152,18 +170,37 @@ class MemoryPlan:
         return (f" (dense {format_count(t.dense_parameters)} over TP {layout.tp}, experts "
                 f"{format_count(t.expert_parameters)} over EP {layout.ep} x ETP {layout.etp}; PP {layout.pp})")
 
+    def _host_line(self) -> str:
+        t = self.trainer
+        parts = [(label, size) for label, size in (
+            ("reference/teacher weights", t.frozen_weights_in_host), ("actor weights while swapped out",
+                                                                      t.swap_buffer_in_host),
+            ("optimizer", t.optimizer_in_host), ("colocated offload", t.colocated_offload_in_host)) if size]
+        listed = " + ".join(f"{label} {_gib(size)}" for label, size in parts) or "nothing"
+        return (f"  trainer host memory: {_gib(t.host)} GiB per GPU ({listed}); {_gib(self.host_per_node)} GiB per "
+                f"node ({self.gpus_per_node} trainer GPUs)")
+
+    @property
+    def host_per_node(self) -> int:
+        """Host memory the trainer ranks of one node hold."""
+        return self.trainer.host * self.gpus_per_node
+
     def describe(self) -> str:
         t, e, gpu = self.trainer, self.engine, self.gpu
         lines = [f"memory plan per GPU ({_gib(gpu)} GiB, cluster.gpu_memory_gib; estimates):",
                  f"  model: {format_count(self.model.total)} parameters, {format_count(self.model.active)} active "
                  f"per token; {_gib(self.model.total * BF16)} GiB in bf16",
                  f"  trainer GPU: {format_count(t.parameters)} parameters{self._split()}; weights {_gib(t.weights)}, "
-                 f"reference weights {_gib(t.reference_weights)}, fp32 grads {_gib(t.grads)} GiB",
+                 f"fp32 grads {_gib(t.grads)} GiB (reference weights on the GPU: none, they swap in from host memory)"
+                 if t.frozen_weights_in_host else
+                 f"  trainer GPU: {format_count(t.parameters)} parameters{self._split()}; weights {_gib(t.weights)}, "
+                 f"fp32 grads {_gib(t.grads)} GiB",
                  f"    optimizer: {_gib(t.optimizer_on_gpu)} GiB on the GPU, {_gib(t.optimizer_in_host)} GiB in host "
                  f"memory ({_gib(t.optimizer_in_host * self.gpus_per_node)} GiB per node; without "
                  f"--optimizer-cpu-offload: {_gib(t.optimizer_on_gpu_without_offload)} GiB on the GPU)",
                  f"    activations at {t.tokens} tokens: {_gib(t.activations_full_recompute)} GiB with full "
                  f"recompute, {_gib(t.activations_no_recompute)} GiB without; logits {_gib(t.logits)} GiB",
+                 self._host_line(),
                  f"  engine GPU ({e.gpus_per_engine} GPU(s) per engine, attention TP {e.attention_tp}): weights "
                  f"{_gib(e.weights)} GiB, static pool {_gib(e.static)} GiB at mem_fraction_static "
                  f"{e.mem_fraction_static:.2f}{' (SGLang picks it)' if e.fraction_is_auto else ''} -> KV cache "
@@ -251,14 +288,19 @@ def trainer_memory(config: RunConfig, arch: ModelArchitecture, layout: ParallelL
         layers = list(split.layers(stage)) + ([arch.num_layers - 1] * (arch.mtp_num_layers or 0) if last else [])
         kept, recompute = _activations(arch, config, layers, tokens, in_flight=layout.pp - stage)
         # Training modes: the distillation teacher (opd_type megatron) is one more frozen model beside the
-        # reference; PPO's critic is a second trained model of the same size, resident with the actor.
-        frozen = int(bool(config.algorithm.use_kl_loss or config.algorithm.kl_coef)) + int(
-            config.distillation.use_opd and config.distillation.opd_type == "megatron")
+        # reference, both in host memory; PPO's critic is a second trained model of the same size, resident with
+        # the actor.
+        frozen = len(frozen_model_roles(config.algorithm, config.distillation))
         trained = 2 if config.algorithm.advantage_estimator == "ppo" else 1
+        optimizer_on_gpu = int(shards * full * (1 - offloaded)) * trained
+        offload_train = config.cluster.colocate and config.training.offload_train
         memory = TrainerMemory(
             parameters=params, dense_parameters=dense, expert_parameters=experts, weights=params * BF16 * trained,
-            reference_weights=params * BF16 * frozen,
-            grads=params * FP32 * trained, optimizer_on_gpu=int(shards * full * (1 - offloaded)) * trained,
+            frozen_weights_in_host=params * BF16 * frozen, swap_buffer_in_host=params * BF16 if frozen else 0,
+            # the actor's weights offloaded for the engines reuse the swap buffer (one host copy)
+            colocated_offload_in_host=(params * BF16 * (trained - (1 if frozen else 0)) + optimizer_on_gpu
+                                       if offload_train else 0),
+            grads=params * FP32 * trained, optimizer_on_gpu=optimizer_on_gpu,
             optimizer_on_gpu_without_offload=int(shards * full) * trained,
             optimizer_in_host=int(shards * HOST_OPTIMIZER_BYTES * offloaded) * trained,
             activations=recompute if training.recompute_granularity == "full" else kept,
@@ -310,7 +352,7 @@ TRAINING_ADVICE = ("add --optimizer-cpu-offload --use-precision-aware-optimizer,
 
 def _phases(config: RunConfig, t: TrainerMemory, e: EngineMemory) -> tuple[Phase, ...]:
     bucket = config.rollout.update_weight_buffer_size
-    training = (("trainer weights", t.weights), ("reference weights", t.reference_weights), ("grads", t.grads),
+    training = (("trainer weights", t.weights), ("grads", t.grads),
                 ("optimizer", t.optimizer_on_gpu), ("activations", t.activations), ("logits", t.logits),
                 ("trainer process", PROCESS_OVERHEAD))
     if not config.cluster.colocate:
@@ -325,7 +367,7 @@ def _phases(config: RunConfig, t: TrainerMemory, e: EngineMemory) -> tuple[Phase
                       (("static pool", e.static), ("bucket", bucket), ("engine process", PROCESS_OVERHEAD))))
     offloaded = config.training.offload_train
     resident = 0 if offloaded else t.state
-    push_trainer = t.weights + t.reference_weights + (0 if offloaded else t.grads + t.optimizer_on_gpu)
+    push_trainer = t.weights + (0 if offloaded else t.grads + t.optimizer_on_gpu)
     return (
         Phase("colocated generation", "sglang.mem_fraction_static",
               "lower --sglang-mem-fraction-static" + ("" if offloaded else " or drop --no-offload-train"),

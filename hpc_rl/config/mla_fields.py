@@ -38,8 +38,17 @@ MLA_SHAPE_FIELDS = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_hea
 HF_KEY_OF_FIELD = {"q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_head_dim": "qk_nope_head_dim",
                    "qk_pos_emb_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim"}
 MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "kimi_k2")
+GQA_ONLY_FIELDS = ("kv_channels", "num_query_groups")
+"""Fields MLA does not read (Megatron's MLASelfAttention sizes its heads by num_attention_heads and the MLA
+widths): a model file that inherits or states them is not checked against config.json's num_key_value_heads /
+head_dim (which an MLA config.json sets to other things: head_dim is the rotary width there)."""
 GROUP_SCORE_TOP = 2
 """DeepSeek-V3 scores an expert group by the sum of its best two experts' scores (transformers, SGLang)."""
+
+
+def fields_unused_by(arch: ModelArchitecture) -> tuple[str, ...]:
+    """The shape fields this architecture's attention does not use (not compared with config.json)."""
+    return GQA_ONLY_FIELDS if arch.multi_latent_attention else ()
 
 
 def mla_field_problem(arch: ModelArchitecture) -> str | None:

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from hpc_rl.config.hf_config_check import attention_mismatches, moe_mismatches
-from hpc_rl.config.mla_fields import mla_field_problem, mla_mismatches
+from hpc_rl.config.mla_fields import fields_unused_by, mla_field_problem, mla_mismatches
 from hpc_rl.config.moe_layer_freq import LayerFreqError, expand_layer_freq
 
 MODEL_FAMILIES = ("qwen3", "glm4", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite")
@@ -242,8 +242,8 @@ def architecture_mismatches(arch: ModelArchitecture, hf_config: dict[str, Any]) 
         "vocab_size": _hf_value(hf_config, "vocab_size", "padded_vocab_size"),
         "tie_word_embeddings": _hf_value(hf_config, "tie_word_embeddings", default=False),
     }
-    if arch.multi_latent_attention:  # MLA has no GQA head dim: HF head_dim is the rotary width there
-        del expected["kv_channels"]
+    for unused in fields_unused_by(arch):  # MLA reads neither GQA field (mla_fields.GQA_ONLY_FIELDS)
+        del expected[unused]
     problems = []
     for name, hf_value in expected.items():
         if hf_value is None:

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from hpc_rl.config.schema import (
-    LOSS_MASK_TYPES, ROLLOUT_FUNCTIONS, SFT_ROLLOUT, OptimizerConfig, RunConfig,
+    LOSS_MASK_TYPES, ROLLOUT_FUNCTIONS, SFT_ROLLOUT, AlgorithmConfig, DistillationConfig, OptimizerConfig, RunConfig,
 )
 from hpc_rl.config.typing_rules import ConfigError, coerce_value
 
@@ -238,6 +238,19 @@ def _distillation_problems(config: RunConfig) -> list[tuple[str, str]]:
     return problems
 
 
+def frozen_model_roles(algorithm: AlgorithmConfig, distillation: DistillationConfig) -> list[str]:
+    """The frozen models a trainer rank holds beside the actor (in host memory, swapped in for their pass): the
+    reference when a KL term needs one (not with SFT or --disable-compute-advantages-and-returns, which compute
+    no KL), and a teacher for on-policy distillation with opd_type megatron."""
+    roles = []
+    kl = algorithm.use_kl_loss or algorithm.kl_coef != 0.0
+    if kl and not (algorithm.loss_type == "sft_loss" or algorithm.disable_compute_advantages_and_returns):
+        roles.append("reference")
+    if distillation.use_opd and distillation.opd_type == "megatron":
+        roles.append("teacher")
+    return roles
+
+
 def _critic_problems(config: RunConfig) -> list[tuple[str, str]]:
     critic, training = config.critic, config.training
     problems = []
@@ -254,10 +267,6 @@ def _critic_problems(config: RunConfig) -> list[tuple[str, str]]:
         problems.append(("critic.value_clip", f"{critic.value_clip} must be > 0"))
     if critic.num_critic_only_steps < 0:
         problems.append(("critic.num_critic_only_steps", "must be >= 0"))
-    if training.pipeline_model_parallel_size > 1 or training.context_parallel_size > 1:
-        problems.append(("training.pipeline_model_parallel_size",
-                         "the critic's values are read on TP/DP layouts only here (PP and CP not built for the "
-                         "value head yet): use pipeline_model_parallel_size 1 and context_parallel_size 1"))
     if config.algorithm.loss_type != "policy_loss":
         problems.append(("algorithm.loss_type", "PPO trains the actor with policy_loss (and the critic with its "
                                                 "value loss)"))

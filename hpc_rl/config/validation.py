@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hpc_rl.config.memory_plan import plan_memory
 from hpc_rl.config.mla_checks import mla_problems, speculative_notes
+from hpc_rl.config.mla_fields import fields_unused_by
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
 from hpc_rl.config.precision import TRAINER_DTYPES, trainer_dtype_name
 from hpc_rl.config.parallel_layout import ParallelLayout
@@ -250,10 +251,13 @@ def _model_problems(config: RunConfig) -> list[Problem]:
         return found
     problems = []
     tp = config.training.tensor_model_parallel_size
-    if arch.num_query_groups % tp:
+    # MLA has no KV-head groups (mla_fields.GQA_ONLY_FIELDS): TP splits its attention heads
+    heads, kind = ((arch.num_attention_heads, "attention heads") if "num_query_groups" in fields_unused_by(arch)
+                   else (arch.num_query_groups, "KV heads"))
+    if heads % tp:
         problems.append(Problem(
             "training.tensor_model_parallel_size",
-            f"TP {tp} does not divide the model's {arch.num_query_groups} KV heads ({model_path})",
+            f"TP {tp} does not divide the model's {heads} {kind} ({model_path})",
         ))
     # SGLang splits attention heads over the engine's attention-TP group (its GPUs / attention DP)
     engine_tp = config.cluster.rollout_num_gpus_per_engine // attention_dp_size(config.sglang.server_options())

@@ -1,17 +1,21 @@
-"""Assemble a trainer rank: actor (DDP + AdamW), frozen reference model, initial weights; the training
-modes' extra models: the on-policy-distillation teacher (opd_type megatron) and PPO's critic.
+"""Assemble a trainer rank: its model roles (actor, reference, on-policy-distillation teacher, PPO's critic),
+built through one path (`build_role`), and the `RolloutTrainer` over them.
 
-Owns: where the initial weights come from (slime's rules: `load` if it holds a checkpoint, else
-`ref_load`, else `hf_checkpoint`; each of `load`/`ref_load` may be a torch_dist checkpoint or an HF
-directory; `ref_ckpt_step` picks an iteration of `ref_load`; a checkpoint that saved an updated reference
-restores it; the teacher from `opd_teacher_load`; the critic from its own checkpoint, else the actor's initial
-weights with a fresh value head) and building the `RolloutTrainer`. Does not own the command loop (`__main__`).
+Owns: where each role's initial weights come from (`weight_sources`, slime's rules: the actor from `load` if it
+holds a checkpoint, else `ref_load`, else `hf_checkpoint`; each of `load`/`ref_load` may be a torch_dist
+checkpoint or an HF directory; `ref_ckpt_step` picks an iteration of `ref_load`; a checkpoint that saved an
+updated reference restores it; the teacher from `opd_teacher_load`; the critic from its own checkpoint, else the
+actor's initial weights with a fresh value head); the order a role is built in (module, weights, then DDP and
+the optimizer for the trained roles, host memory for the frozen ones: `build_role`). Does not own the command
+loop (`__main__`), the swap of frozen weights onto the device (`host_weights`) nor the passes (`step`).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import re
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 
 from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.config.training_modes import frozen_model_roles
 from hpc_rl.config.schema import (
     AlgorithmConfig, CheckpointConfig, CriticConfig, DistillationConfig, OptimizerConfig, TrainingConfig,
 )
@@ -28,10 +33,11 @@ from hpc_rl.training import checkpoint
 from hpc_rl.training.checkpoint_manifest import choose_resume, resume_directory
 from hpc_rl.training.critic import critic_load_dir, critic_optimizer_config, install_value_head
 from hpc_rl.training.custom_hooks import trainer_args
+from hpc_rl.training.host_weights import move_to_host
 from hpc_rl.training.model_provider import build_gpt_model, check_moe_training
 from hpc_rl.training.optimizer import ActorOptimizer, wrap_ddp
 from hpc_rl.training.parallel import ParallelInfo
-from hpc_rl.training.step import CriticPart, RolloutTrainer, skips_advantages
+from hpc_rl.training.step import CriticPart, RolloutTrainer
 from hpc_rl.weights.hf_import import is_hf_checkpoint, load_hf_into_model
 
 
@@ -134,23 +140,132 @@ def _optimized(model: torch.nn.Module, config: OptimizerConfig, info: ParallelIn
     return ddp, MegatronActorOptimizer(ddp, config, params_dtype=ddp.config.params_dtype)
 
 
-def build_critic(*, arch: ModelArchitecture, training: TrainingConfig, optimizer_config: OptimizerConfig,
-                 critic: CriticConfig, checkpoints: CheckpointConfig, initial_source: str, info: ParallelInfo,
-                 model_file: str | Path | None = None) -> tuple[torch.nn.Module, Any]:
-    """The critic and its optimizer: resumed from its own checkpoint when one exists, else the actor's initial
-    weights with a fresh value head (slime: the critic starts from the actor's checkpoint and re-initialises
-    the output layer it cannot load)."""
-    device = "cpu" if info.on_cpu else "cuda"
-    model = build_model(arch, training, device=device)
-    resume_from = critic_load_dir(critic, checkpoints.load)
-    resuming = bool(resume_from) and checkpoint.latest_iteration(resume_from) is not None
-    if not resuming:
-        load_weights(model, initial_source, arch, info, model_file=model_file)
-    ddp, optimizer = _optimized(install_value_head(model, seed=training.seed), critic_optimizer_config(
-        optimizer_config, critic), info)
-    if resuming:
-        checkpoint.load_checkpoint(resume_from, ddp, optimizer)
-    return ddp, optimizer
+# ------------------------------------------------------------------ the model roles, built through one path
+
+ROLES = ("actor", "reference", "teacher", "critic")
+FROZEN_ROLES = ("reference", "teacher")
+"""Their weights live in (pinned) host memory between passes (`host_weights`)."""
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where a role's initial weights may come from: an HF directory or a torch_dist checkpoint (at `iteration`)."""
+
+    path: str | None
+    iteration: int | None = None
+
+
+def weight_sources(role: str, checkpoints: CheckpointConfig,
+                   distillation: DistillationConfig) -> list[WeightSource]:
+    """Each role's initial weights, first existing source wins (slime's order): the actor from `load`, else
+    `ref_load` (at ref_ckpt_step), else `hf_checkpoint`; the reference and the critic (whose value head is fresh)
+    from `ref_load`, else `hf_checkpoint`; the teacher from `opd_teacher_load` (at opd_teacher_ckpt_step).
+    A role's own checkpoint (the actor's or critic's trainer state, an updated reference) comes first
+    (`build_role`)."""
+    ref, hf = WeightSource(checkpoints.ref_load, checkpoints.ref_ckpt_step), WeightSource(checkpoints.hf_checkpoint)
+    table = {"actor": [WeightSource(checkpoints.load), ref, hf], "reference": [ref, hf], "critic": [ref, hf],
+             "teacher": [WeightSource(distillation.opd_teacher_load, distillation.opd_teacher_ckpt_step)]}
+    return table[role]
+
+
+MISSING_WEIGHTS = {
+    "actor": "no initial weights: set checkpoint.load, checkpoint.ref_load or checkpoint.hf_checkpoint to an HF "
+             "directory or a torch_dist checkpoint",
+    "reference": "the KL term needs reference weights: set checkpoint.ref_load",
+    "critic": "PPO's critic starts from the actor's initial weights: set checkpoint.ref_load or "
+              "checkpoint.hf_checkpoint",
+    "teacher": "on-policy distillation with opd_type megatron needs the teacher's weights: set "
+               "distillation.opd_teacher_load to an HF directory or a torch_dist checkpoint",
+}
+
+
+def first_weight_source(role: str, checkpoints: CheckpointConfig, distillation: DistillationConfig) -> WeightSource:
+    source = next((s for s in weight_sources(role, checkpoints, distillation) if _has_checkpoint(s.path)), None)
+    if source is None:
+        raise FileNotFoundError(MISSING_WEIGHTS[role])
+    return source
+
+
+def saved_trainer_state(path: str | None) -> checkpoint.TrainerState | None:
+    """The trainer state of the torch_dist checkpoint at `path` (None: no checkpoint, an HF directory, or weights
+    only), read before any model is built so the frozen roles know whether an updated reference was saved."""
+    if not _has_checkpoint(path) or is_hf_checkpoint(path or ""):
+        return None
+    state_file = checkpoint.resolve_checkpoint_dir(path or "") / checkpoint.STATE_FILE
+    if not state_file.is_file():
+        return None
+    return checkpoint.TrainerState(**json.loads(state_file.read_text()))
+
+
+@dataclass(frozen=True)
+class RoleInputs:
+    """What every role is built from (one rank's view of the run)."""
+
+    arch: ModelArchitecture
+    training: TrainingConfig
+    optimizer: OptimizerConfig
+    checkpoints: CheckpointConfig
+    distillation: DistillationConfig
+    critic: CriticConfig
+    info: ParallelInfo
+    model_file: str | Path | None
+    load: str | None
+    """What the actor resumes from (`resume_source`): `checkpoints.load`, or the iteration `ckpt_step` picks."""
+    saved: checkpoint.TrainerState | None
+    """The actor's checkpoint at `load`, when it holds trainer state (a resume)."""
+
+
+@dataclass
+class BuiltRole:
+    model: torch.nn.Module
+    """DDP-wrapped for the trained roles; a frozen module with host-resident weights for the others."""
+    optimizer: Any = None
+    resumed: checkpoint.TrainerState | None = None
+
+
+def _resume_dir(role: str, inputs: RoleInputs) -> str | None:
+    """A trained role's own checkpoint: the actor's trainer state at `load`, the critic's at <load>/critic."""
+    if role == "actor":
+        return inputs.load if inputs.saved is not None else None
+    if role == "critic":
+        path = critic_load_dir(inputs.critic, inputs.checkpoints.load)
+        return path if path and checkpoint.latest_iteration(path) is not None else None
+    return None
+
+
+def build_role(role: str, inputs: RoleInputs) -> BuiltRole:
+    """One role's model on this rank: build its stage, load its weights, then (trained roles) Megatron DDP and the
+    optimizer, built after the weights are in (Megatron's mixed-precision optimizer copies the fp32 main
+    parameters when it is built) and then a resume from the role's own checkpoint; (frozen roles) eval, no
+    grads, weights moved to (pinned) host memory before the next role is built, so the device never holds two
+    models' weights."""
+    if role not in ROLES:
+        raise ValueError(f"unknown model role {role!r}: one of {', '.join(ROLES)}")
+    arch, training, info = inputs.arch, inputs.training, inputs.info
+    module = build_model(arch, training, device="cpu" if info.on_cpu else "cuda")
+    resume_from = _resume_dir(role, inputs)
+    if role == "reference" and inputs.saved is not None and inputs.saved.has_ref_model:
+        checkpoint.load_ref_model(inputs.load or "", module)  # updated by algorithm.ref_update_interval
+    elif resume_from is None:
+        checkpoints = dataclasses.replace(inputs.checkpoints, load=inputs.load)  # the actor's first source
+        source = first_weight_source(role, checkpoints, inputs.distillation)
+        load_weights(module, source.path or "", arch, info, model_file=inputs.model_file, iteration=source.iteration)
+    if role in FROZEN_ROLES:
+        return BuiltRole(model=move_to_host(_frozen(module), pin=not info.on_cpu))
+    if role == "actor":
+        module, config = freeze_parameters(module, training), inputs.optimizer
+    else:
+        module, config = install_value_head(module, seed=training.seed), critic_optimizer_config(
+            inputs.optimizer, inputs.critic)
+    ddp, optimizer = _optimized(module, config, info)
+    resumed = checkpoint.load_checkpoint(resume_from, ddp, optimizer) if resume_from else None
+    return BuiltRole(model=ddp, optimizer=optimizer, resumed=resumed)
+
+
+def trainer_roles(algorithm: AlgorithmConfig, distillation: DistillationConfig) -> list[str]:
+    """The roles a run builds, frozen ones first (each leaves the device before the next is built)."""
+    return [*frozen_model_roles(algorithm, distillation), "actor",
+            *(["critic"] if algorithm.advantage_estimator == "ppo" else [])]
 
 
 def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorithm: AlgorithmConfig,
@@ -158,61 +273,31 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
                   model_file: str | Path | None = None, plugin_args: SimpleNamespace | None = None,
                   distillation: DistillationConfig | None = None, critic: CriticConfig | None = None) -> TrainerParts:
     """Actor + optimizer (+ reference model when the KL loss or KL shaping needs one, + the teacher for
-    opd_type megatron, + the critic for advantage_estimator ppo), loaded.
+    opd_type megatron, + the critic for advantage_estimator ppo), loaded, each through `build_role`.
     `plugin_args`: the run's flat config for custom loss/advantage functions (default: these sections').
     slime's --custom-megatron-init-path hook runs first (the process groups are up, no model yet)."""
-    device = "cpu" if info.on_cpu else "cuda"  # cluster.device, as init_parallel checked it
     check_moe_training(arch, training)
-    distillation = distillation or DistillationConfig()
+    distillation, critic = distillation or DistillationConfig(), critic or CriticConfig()
     if training.custom_megatron_init_path:
         load_plugin("megatron_init", training.custom_megatron_init_path)(
             plugin_args if plugin_args is not None else trainer_args(training, algorithm))
-    actor, optimizer = _optimized(freeze_parameters(build_model(arch, training, device=device), training),
-                                  optimizer_config, info)
-    resumed = None
     load = resume_source(checkpoints)
-    if _has_checkpoint(load) and not is_hf_checkpoint(load or ""):
-        resumed = checkpoint.load_checkpoint(load or "", actor, optimizer)
-    else:
-        source = next((p for p in (load, checkpoints.ref_load, checkpoints.hf_checkpoint) if _has_checkpoint(p)), None)
-        if source is None:
-            raise FileNotFoundError("no initial weights: set checkpoint.load, checkpoint.ref_load or "
-                                    "checkpoint.hf_checkpoint to an HF directory or a torch_dist checkpoint")
-        load_weights(actor, source, arch, info, model_file=model_file,
-                     iteration=checkpoints.ref_ckpt_step if source == checkpoints.ref_load else None)
-    ref_model = None
-    if (algorithm.use_kl_loss or algorithm.kl_coef != 0.0) and not skips_advantages(algorithm):
-        ref_source = next((p for p in (checkpoints.ref_load, checkpoints.hf_checkpoint) if _has_checkpoint(p)), None)
-        if ref_source is None:
-            raise FileNotFoundError("the KL term needs reference weights: set checkpoint.ref_load")
-        ref_model = build_model(arch, training, device=device)
-        if resumed is not None and resumed.has_ref_model:  # an updated reference (algorithm.ref_update_interval)
-            checkpoint.load_ref_model(load or "", ref_model)
-        else:
-            load_weights(ref_model, ref_source, arch, info, model_file=model_file,
-                         iteration=checkpoints.ref_ckpt_step if ref_source == checkpoints.ref_load else None)
-        _frozen(ref_model)
-    teacher_model = None
-    if distillation.use_opd and distillation.opd_type == "megatron":
-        teacher_model = build_model(arch, training, device=device)
-        load_weights(teacher_model, distillation.opd_teacher_load or "", arch, info, model_file=model_file,
-                     iteration=distillation.opd_teacher_ckpt_step)
-        _frozen(teacher_model)
-    critic_part = None
-    if algorithm.advantage_estimator == "ppo":
-        critic = critic or CriticConfig()
-        initial = next(p for p in (checkpoints.ref_load, checkpoints.hf_checkpoint) if _has_checkpoint(p))
-        critic_model, critic_optimizer = build_critic(
-            arch=arch, training=training, optimizer_config=optimizer_config, critic=critic, checkpoints=checkpoints,
-            initial_source=initial, info=info, model_file=model_file)
-        critic_part = CriticPart(model=critic_model, optimizer=critic_optimizer, config=critic)
-    if resumed is not None:
+    inputs = RoleInputs(arch=arch, training=training, optimizer=optimizer_config, checkpoints=checkpoints,
+                        distillation=distillation, critic=critic, info=info, model_file=model_file,
+                        load=load, saved=saved_trainer_state(load))
+    built = {role: build_role(role, inputs) for role in trainer_roles(algorithm, distillation)}
+    actor, ref, teacher, critic_role = (built["actor"], built.get("reference"), built.get("teacher"),
+                                        built.get("critic"))
+    if actor.resumed is not None:
         checkpoint.restore_rng_state(load or "")
-    trainer = RolloutTrainer(actor=actor, optimizer=optimizer, ref_model=ref_model, arch=arch, training=training,
-                             algorithm=algorithm, info=info, plugin_args=plugin_args, teacher_model=teacher_model,
-                             distillation=distillation, critic=critic_part)
-    return TrainerParts(actor=actor, optimizer=optimizer, ref_model=ref_model, trainer=trainer, resumed=resumed,
-                        teacher_model=teacher_model,
+    critic_part = (CriticPart(model=critic_role.model, optimizer=critic_role.optimizer, config=critic)
+                   if critic_role is not None else None)
+    trainer = RolloutTrainer(actor=actor.model, optimizer=actor.optimizer, ref_model=ref.model if ref else None,
+                             arch=arch, training=training, algorithm=algorithm, info=info, plugin_args=plugin_args,
+                             teacher_model=teacher.model if teacher else None, distillation=distillation,
+                             critic=critic_part)
+    return TrainerParts(actor=actor.model, optimizer=actor.optimizer, ref_model=trainer.ref_model, trainer=trainer,
+                        resumed=actor.resumed, teacher_model=trainer.teacher_model,
                         critic_model=critic_part.model if critic_part else None,
                         critic_optimizer=critic_part.optimizer if critic_part else None,
                         critic_config=critic_part.config if critic_part else None)

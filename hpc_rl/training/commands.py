@@ -163,9 +163,12 @@ class TrainerCommands:
         self.sender: WeightSender | None = None
         self.engine_api_key = engine_api_key
         """Colocated mode: this rank posts its weights to its engine itself (derived from the job secret)."""
-        self.offload = TrainerOffload(models=[parts.actor, parts.ref_model, parts.teacher_model, parts.critic_model],
+        # the reference's and teacher's weights live in host memory already (`host_weights`): not offloaded; the
+        # actor's host copy is the one its weights use while a frozen model is on the device
+        self.offload = TrainerOffload(models=[parts.actor, parts.critic_model],
                                       optimizer=[parts.optimizer, parts.critic_optimizer], enabled=offload_train,
-                                      margin_bytes=train_memory_margin_bytes)
+                                      margin_bytes=train_memory_margin_bytes,
+                                      host_buffers=parts.trainer.actor_host_buffers)
         """Colocated: training.offload_train false keeps the state on the device (slime's --no-offload-train)."""
         self.colocated_sender = None
         self.group_address: tuple[str, int] | None = None

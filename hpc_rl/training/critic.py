@@ -11,6 +11,10 @@ trains it before the actor on each rollout, on the same micro-batches, in the tr
 (`step.RolloutTrainer._train_step`). Not here: the value loss's formula (`losses.value_loss`), GAE
 (`advantages`).
 
+Pipeline parallel: every stage runs the critic's passes (the critic's own `PipelineSchedule`); the value head
+sits on the last stage only, where the values, the returns and the value loss are computed. Context parallel:
+the values are gathered over CP as the actor's log-probs are (`response_values`).
+
 Tensor parallel: the head is replicated on every TP rank and sees the full hidden state (the final norm's
 output is not sharded); under sequence parallelism it runs on this rank's sequence shard and its output is
 gathered, its parameters marked sequence-parallel so their gradients are summed over TP (as slime's
@@ -27,6 +31,7 @@ import torch
 
 from hpc_rl.config.schema import CriticConfig, OptimizerConfig
 from hpc_rl.training.advantages import gae_advantages_and_returns, ppo_token_rewards
+from hpc_rl.training.context_parallel import gather_with_local_grad
 from hpc_rl.training.losses import sum_of_sample_mean, sum_of_tokens, value_loss
 
 VALUE_HEAD_INIT_STD = 0.02
@@ -81,12 +86,16 @@ def critic_load_dir(critic: CriticConfig, actor_load: str | None) -> str | None:
 
 def response_values(micro: Any, output: torch.Tensor) -> list[torch.Tensor]:
     """Per-sample values at the positions that score each response token (the state before it; slime's
-    get_values), from the critic's [b, s, 1] or [1, T, 1] output. Not under context parallelism (refused at
-    submit: the positions would have to be gathered over CP first)."""
-    if micro.context_parallel is not None:
-        raise ValueError("critic values under context parallelism are not built; use context_parallel_size 1")
-    rows, columns = micro.response_positions(output.device)
-    return list(output[rows, columns, 0].float().split(micro.response_lengths))
+    get_values), from the critic's [b, s, 1] or [1, T, 1] output. Under context parallelism this rank holds
+    two chunks of each sequence: the per-position values are all-gathered over CP and put back in global
+    order first (backward: this rank's slice only, as the actor's log-probs), so every CP rank reads every
+    sample's values and computes the same value loss."""
+    values = output[..., 0].float()
+    split = micro.context_parallel
+    if split is not None:
+        values = gather_with_local_grad(values[0], micro.cp_group).index_select(0, split.order).unsqueeze(0)
+    rows, columns = micro.response_positions(values.device)
+    return list(values[rows, columns].split(micro.response_lengths))
 
 
 def critic_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -95,15 +104,24 @@ def critic_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return {(k if k.startswith("value_") else f"critic_{k}"): v for k, v in metrics.items()}
 
 
+def _no_loss_here(micro: Any, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    raise AssertionError("the value loss is computed on the last pipeline stage only")
+
+
 def train_critic(trainer: Any, batch: Any, plan: list[list[Any]],
-                 masks: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[dict[str, float]]]:
+                 masks: list[torch.Tensor]) -> tuple[list[torch.Tensor] | None, list[dict[str, float]]]:
     """PPO's critic, first on each rollout (slime's order): its values before the update (the actor's GAE uses
     them), GAE returns of the task reward (slime gives the critic kl_coef 0), then one value-loss step per
-    optimizer step of the rollout. Returns (old values per sample, each step's metrics)."""
+    optimizer step of the rollout. Returns (old values per sample, each step's metrics); on a pipeline stage
+    before the last, which runs only its chunk's passes, the values are None (the metrics are the last stage's,
+    broadcast by the step)."""
     critic, pipeline = trainer.critic, trainer.critic_pipeline
     all_micros = [m for step in plan for m in step]
     with torch.no_grad():
         outputs = pipeline.forward_only(critic.model, all_micros, response_values)
+    if not pipeline.is_last:  # an earlier stage runs its chunk's passes; values and returns live on the last
+        return None, [trainer._train_step(batch, micros, masks, _no_loss_here, model=critic.model,
+                                          optimizer=critic.optimizer, pipeline=pipeline) for micros in plan]
     by_index: dict[int, torch.Tensor] = {}
     for micro, values in zip(all_micros, outputs):
         by_index.update(zip(micro.indices, values))

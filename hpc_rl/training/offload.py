@@ -110,7 +110,8 @@ class TrainerOffload:
     """Offload/onload of one trainer rank's model, reference model, grads and optimizer state."""
 
     def __init__(self, *, models: Iterable[torch.nn.Module], optimizer: object, enabled: bool = True,
-                 margin_bytes: int = 0, device_free_bytes: Callable[[], int | None] = cuda_free_bytes) -> None:
+                 margin_bytes: int = 0, device_free_bytes: Callable[[], int | None] = cuda_free_bytes,
+                 host_buffers: dict[str, list[torch.Tensor]] | None = None) -> None:
         self.models = [m for m in models if m is not None]
         self.optimizer = optimizer
         self.enabled = enabled
@@ -120,8 +121,10 @@ class TrainerOffload:
         """False: offload/onload move nothing (the state stays on the device; see the module docstring)."""
         self._told_kept = False
         self._offloaded: dict[str, list[_Offloaded]] = {}
-        self._host_buffers: dict[str, list[torch.Tensor]] = {}
-        """Host copies kept across cycles (pinned memory is slow to allocate), by tag, in storage order."""
+        self._host_buffers: dict[str, list[torch.Tensor]] = host_buffers if host_buffers is not None else {}
+        """Host copies kept across cycles (pinned memory is slow to allocate), by tag, in storage order; shared
+        with other offloads of the same leading models whose moves never overlap this one's (the actor's weights
+        make room for a frozen model in training, and leave for the engines in generation: one host copy)."""
 
     # ---- what belongs to which tag -------------------------------------------------------------------
     def _tensors(self, tag: str) -> list[torch.Tensor]:

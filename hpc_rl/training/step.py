@@ -26,7 +26,9 @@ values (before its update) giving the actor's GAE advantages, and the actor not 
 num_critic_only_steps rollouts.
 
 Ref log-probs are computed for the whole rollout before its first update, on the same micro-batches
-the training pass uses, so with ref == actor weights the KL term is exactly 0. Old log-probs come
+the training pass uses, so with ref == actor weights the KL term is exactly 0. The reference and a Megatron
+teacher keep their weights in host memory and swap in for their pass, the actor's weights waiting in host
+memory meanwhile (`host_weights`): one model's weights on the device at a time. Old log-probs come
 from the training pass itself (detached) when there is one optimizer step per rollout and no KL
 reward shaping (`old_logprobs_need_own_pass`), else from their own pass before the first update on
 the same micro-batches: either way logp_old == logp bit for bit on the first step (ppo_kl == 0).
@@ -52,6 +54,7 @@ import torch.utils.checkpoint
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import AlgorithmConfig, CriticConfig, DistillationConfig, TrainingConfig
 from hpc_rl.training.advantages import compute_advantages, masked_whiten
+from hpc_rl.training.host_weights import HostResidentModel
 from hpc_rl.training.custom_hooks import (
     check_custom_loss_result, load_custom_advantages, load_custom_loss, run_custom_advantages, trainer_args,
 )
@@ -168,6 +171,16 @@ class RolloutTrainer:
 
         self.actor, self.optimizer, self.ref_model = actor, optimizer, ref_model
         self.teacher_model, self.critic = teacher_model, critic
+        self.actor_host_buffers: dict[str, list[torch.Tensor]] = {}
+        """Host memory for the actor's weights while a frozen model is on the device (one copy, shared with the
+        colocated offload: `commands.TrainerCommands`)."""
+        self.ref_weights = (HostResidentModel(ref_model, actor=actor, device=info.device,
+                                              actor_host_buffers=self.actor_host_buffers)
+                            if ref_model is not None else None)
+        """The reference's weights in host memory, swapped with the actor's for its pass (`host_weights`)."""
+        self.teacher_weights = (HostResidentModel(teacher_model, actor=actor, device=info.device,
+                                                  actor_host_buffers=self.actor_host_buffers)
+                                if teacher_model is not None else None)
         self.distillation = distillation or DistillationConfig()
         """use_opd: the teacher's log-probs come from `teacher_model` (megatron) or the batch (sglang)."""
         self.arch, self.training, self.algorithm, self.info = arch, training, algorithm, info
@@ -229,10 +242,9 @@ class RolloutTrainer:
     @torch.no_grad()
     def update_reference(self) -> None:
         """The reference model takes the actor's weights (slime's --ref-update-interval)."""
-        if self.ref_model is None:
+        if self.ref_weights is None:
             raise ValueError("algorithm.ref_update_interval needs a reference model (use_kl_loss or kl_coef)")
-        for ref_param, param in zip(self.ref_model.parameters(), self._actor_params(), strict=True):
-            ref_param.copy_(param)
+        self.ref_weights.copy_from(self.actor)
 
     @torch.no_grad()
     def _old_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
@@ -319,6 +331,12 @@ class RolloutTrainer:
             self._entropy[entropy_key] = entropies  # type: ignore[index]
         return out
 
+    def _frozen_logprobs(self, frozen: HostResidentModel, micros: list[MicroBatch],
+                         store_prefix: str) -> dict[int, torch.Tensor]:
+        """A frozen model's log-probs (the reference's, the teacher's), its weights swapped in for the actor's."""
+        with frozen.on_device() as model:
+            return self._logprobs(model, micros, store_prefix)
+
     def _actor_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
         """The actor's old log-probs pass as it stands (a MoE actor's routers replay or record)."""
         if self.moe is None:
@@ -349,7 +367,7 @@ class RolloutTrainer:
                     for step, micros in enumerate(plan)]
 
         self._entropy = {}
-        ref = self._logprobs(self.ref_model, all_micros, "ref_") if self.ref_model is not None else None
+        ref = self._frozen_logprobs(self.ref_weights, all_micros, "ref_") if self.ref_weights is not None else None
         self._train_logprobs = None
         if self.algorithm.use_rollout_logprobs:
             if batch.rollout_logprobs is None:
@@ -367,31 +385,41 @@ class RolloutTrainer:
         teacher = self._teacher_logprobs(batch, all_micros)
         rollout = ([torch.as_tensor(lp, dtype=torch.float32, device=device) for lp in batch.rollout_logprobs]
                    if batch.rollout_logprobs is not None else None)
-        if not self.info.is_last_stage:  # log-probs, advantages and the loss live on the last stage
-            return [self._step(rollout_id, step, batch, micros, masks,
-                               self._policy_loss(batch, masks, old, ref, [], rollout, None))
-                    for step, micros in enumerate(plan)]
+        # PPO's critic first, on every pipeline stage (its values live on the last)
         values, critic_steps = train_critic(self, batch, plan, masks) if self.critic is not None else (None, [])
         if self.critic is not None and rollout_id < self.critic.config.num_critic_only_steps:
             return [critic_metrics(m) for m in critic_steps]  # the actor waits for a trained critic
+        if not self.info.is_last_stage:  # log-probs, advantages and the loss live on the last stage
+            actor_steps = [self._step(rollout_id, step, batch, micros, masks,
+                                      self._policy_loss(batch, masks, old, ref, [], rollout, None))
+                           for step, micros in enumerate(plan)]
+        else:
+            actor_steps = self._last_stage_steps(rollout_id, batch, plan, masks, old, ref, rollout, teacher, values)
+        for actor_step, critic_step in zip(actor_steps, critic_steps):
+            actor_step.update(critic_metrics(critic_step))
+        return actor_steps
+
+    def _last_stage_steps(self, rollout_id: int, batch: TrainBatch, plan: list[list[MicroBatch]],
+                          masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
+                          ref: dict[int, torch.Tensor] | None, rollout: list[torch.Tensor] | None,
+                          teacher: dict[int, torch.Tensor] | None,
+                          values: list[torch.Tensor] | None) -> list[dict[str, float]]:
+        """The actor's steps where the logits are: advantages, slime's post-process and debug dump, the loss."""
         advantages = self._advantages(batch, masks, old, ref, rollout, teacher, values)
         if self.rollout_data_postprocess is not None:
             masks, advantages = self._postprocess(rollout_id, batch, masks, old, ref, rollout, advantages)
         if self.training.save_debug_train_data and self.info.tp_rank == 0 and self.info.cp_rank == 0:
             self._save_debug_train_data(rollout_id, batch, masks, old, ref, rollout, advantages)
-        actor_steps = [self._step(rollout_id, step, batch, micros, masks,
-                                  self._policy_loss(batch, masks, old, ref, advantages, rollout, teacher))
-                       for step, micros in enumerate(plan)]
-        for actor_step, critic_step in zip(actor_steps, critic_steps):
-            actor_step.update(critic_metrics(critic_step))
-        return actor_steps
+        return [self._step(rollout_id, step, batch, micros, masks,
+                           self._policy_loss(batch, masks, old, ref, advantages, rollout, teacher))
+                for step, micros in enumerate(plan)]
 
     def _teacher_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor] | None:
         """On-policy distillation: the teacher's log-probs of the response tokens, by batch index."""
         if not self.distillation.use_opd:
             return None
-        if self.teacher_model is not None:
-            return self._logprobs(self.teacher_model, micros, "teacher_")
+        if self.teacher_weights is not None:
+            return self._frozen_logprobs(self.teacher_weights, micros, "teacher_")
         if batch.teacher_logprobs is None:
             raise ValueError("on-policy distillation (opd_type sglang): the batch carries no teacher log-probs")
         return {i: torch.as_tensor(lp, dtype=torch.float32, device=self.info.device)

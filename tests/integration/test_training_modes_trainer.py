@@ -108,3 +108,22 @@ def test_critic_and_megatron_teacher_on_the_trainer(tmp_path: Path) -> None:
     resumed = train(tmp_path, "resume", [*flags, "--load", str(tmp_path / "ckpt")], [rows] * 9)
     assert sorted(resumed) == [8]  # rollouts 0..7 were done: the batches file continues at 8
     assert resumed[8]["value_loss"] < 0.5 * losses[0], (resumed[8], losses)
+
+
+def test_critic_at_context_and_pipeline_parallel(tmp_path: Path) -> None:
+    """Issue 29: the critic at CP 2 and at PP 2 (two gloo ranks each; the tiny analogue of slime's
+    test_qwen3_4B_ppo_train_critic_only.py at CP 2) reads the same values and takes the same first step as on one
+    rank: its value losses before and after one critic step equal the one-rank run's, and the actor trains after
+    the critic-only rollouts."""
+    rows = batch_rows(1)
+    flags = ["--advantage-estimator", "ppo", "--num-critic-only-steps", "2"]
+    one_rank = train(tmp_path, "one", flags, [rows] * 3)
+    two_ranks = ["--actor-num-gpus-per-node", "2"]
+    layouts = {"cp2": train(tmp_path, "cp2", [*flags, *two_ranks, "--context-parallel-size", "2"], [rows] * 3),
+               "pp2": train(tmp_path, "pp2", [*flags, *two_ranks, "--pipeline-model-parallel-size", "2"], [rows] * 3)}
+    assert one_rank[1]["value_loss"] < one_rank[0]["value_loss"]  # the critic learns
+    for name, steps in layouts.items():
+        for rollout in (0, 1):
+            assert steps[rollout]["value_loss"] == pytest.approx(one_rank[rollout]["value_loss"], rel=1e-4), name
+        assert "pg_loss" not in steps[1] and "pg_loss" in steps[2], name  # then the actor trains
+        assert steps[2]["pg_loss"] == pytest.approx(one_rank[2]["pg_loss"], rel=1e-3, abs=1e-6), name

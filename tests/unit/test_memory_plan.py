@@ -89,8 +89,9 @@ def test_trainer_memory_per_gpu_by_hand() -> None:
     layout = ParallelLayout.of(offloaded.training, 8, model)
     memory = trainer_memory(offloaded, model, layout)
     assert (memory.dense_parameters, memory.expert_parameters) == (dense, experts)
-    assert (memory.weights, memory.reference_weights, memory.grads) == (
-        (dense + experts) * BF16, (dense + experts) * BF16, (dense + experts) * FP32)
+    assert (memory.weights, memory.frozen_weights_in_host, memory.swap_buffer_in_host, memory.grads) == (
+        (dense + experts) * BF16, (dense + experts) * BF16, (dense + experts) * BF16, (dense + experts) * FP32)
+    assert memory.state == memory.weights + memory.grads + memory.optimizer_on_gpu  # no reference on the GPU
     shards = dense / 2 + experts / 1
     assert memory.optimizer_on_gpu == 0
     assert memory.optimizer_in_host == int(shards * HOST_OPTIMIZER_BYTES)
@@ -114,12 +115,12 @@ def test_qwen3_30b_recipe_plan_fits_and_prints() -> None:
 
 
 def test_plan_refuses_with_the_numbers() -> None:
-    small_gpu = plan_memory(qwen3_30b("--gpu-memory-gib", "40"), arch("qwen3_30B_A3B"))
+    small_gpu = plan_memory(qwen3_30b("--gpu-memory-gib", "36"), arch("qwen3_30B_A3B"))
     problems = dict(small_gpu.problems())
     assert list(problems) == ["training"]
-    assert problems["training"].startswith("colocated training needs 44.8 GiB per GPU (trainer weights 7.5, "
-                                           "reference weights 7.5, grads 15.0, activations 1.6, logits 7.2")
-    assert "over the GPU's 40.0 GiB (cluster.gpu_memory_gib): add --optimizer-cpu-offload" in problems["training"]
+    assert problems["training"].startswith("colocated training needs 37.3 GiB per GPU (trainer weights 7.5, "
+                                           "grads 15.0, activations 1.6, logits 7.2")
+    assert "over the GPU's 36.0 GiB (cluster.gpu_memory_gib): add --optimizer-cpu-offload" in problems["training"]
 
 
 def test_offload_and_recompute_decide_whether_it_fits() -> None:
@@ -163,3 +164,36 @@ def test_recompute_block_keeps_the_other_layers() -> None:
     block_all = trainer_memory(qwen3_30b("--recompute-method", "block", "--recompute-num-layers", "48"), model, layout)
     block_half = trainer_memory(qwen3_30b("--recompute-method", "block", "--recompute-num-layers", "24"), model, layout)
     assert uniform.activations == block_all.activations < block_half.activations < uniform.activations_no_recompute
+
+
+@pytest.mark.parametrize(("recipe", "model", "flags"), [
+    ("configs/glm4_5_air_grpo.yaml", "glm4_5_air", ["--use-kl-loss"]),  # EP16 on 2x8 trainer GPUs, with a KL term
+    ("configs/qwen3_30b_a3b_grpo.yaml", "qwen3_30B_A3B", []),  # slime's Qwen3-30B-A3B line (use_kl_loss)
+])
+def test_reference_weights_are_host_memory_not_gpu(recipe: str, model: str, flags: list[str]) -> None:
+    """Issue 29: one model on the GPU. The reference swaps in from host memory for its pass, so no phase on the
+    GPU counts its weights; the host memory per GPU and per node counts them (and the actor's weights, which
+    wait in a host buffer during the reference pass)."""
+    from hpc_rl.config.memory_plan import plan_summary
+
+    config = load_config([recipe], flags)
+    assert config.algorithm.use_kl_loss
+    plan = plan_memory(config, arch(model))
+    trainer = plan.trainer
+    if recipe.startswith("configs/glm"):
+        assert (plan.layout.ep, config.cluster.actor_num_nodes, plan.gpus_per_node) == (16, 2, 8)
+    assert all(label != "reference weights" for phase in plan.phases for label, _ in phase.parts)
+    assert trainer.state == trainer.weights + trainer.grads + trainer.optimizer_on_gpu
+    assert trainer.frozen_weights_in_host == trainer.weights == trainer.parameters * BF16 > 0
+    assert trainer.swap_buffer_in_host == trainer.weights
+    assert plan.host_per_node == 8 * trainer.host
+    assert trainer.host == (2 * trainer.weights + trainer.optimizer_in_host + trainer.colocated_offload_in_host)
+    text = plan_summary(config, arch(model))
+    assert "reference weights on the GPU: none" in text
+    assert "GiB per node (8 trainer GPUs)" in text and f"{plan.host_per_node / GIB:.1f} GiB per node" in text
+    without = plan_memory(load_config([recipe], [*flags, "--no-use-kl-loss"]), arch(model)).trainer
+    assert (without.frozen_weights_in_host, without.swap_buffer_in_host) == (0, 0)
+    assert without.state == trainer.state  # the reference costs the GPU nothing
+    # colocated: the actor's weights leave for the engines into the swap buffer (one host copy of the actor)
+    assert trainer.colocated_offload_in_host == trainer.optimizer_on_gpu
+    assert without.colocated_offload_in_host == without.weights + without.optimizer_on_gpu

@@ -220,3 +220,40 @@ def test_tiny_deepseek_v3_model_file_flags_and_checkpoint_agree() -> None:
     from_flags, _ = architecture_from_argv(flags_of("tiny_deepseek_v3_model_args.txt"),
                                            hf_dir=str(ROOT / "assets/tiny_deepseek_v3"))
     assert from_flags == arch
+
+
+def test_gqa_fields_mla_does_not_read_are_not_checked_against_config_json(tmp_path: Path) -> None:
+    """Issue 29: slime's tiny DeepSeek-V3 flags over configs/tiny_cpu.yaml (whose tiny Qwen3 model states
+    num_query_groups 2) beside a tiny DeepSeek-V3 checkpoint (num_key_value_heads 4) resolve: MLA reads neither
+    num_query_groups nor kv_channels. A GQA model is still held to both."""
+    from hpc_rl.tiny_model import TinyMlaSpec, make_tiny_mla_model, make_tiny_model
+
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "beta_fast": 32.0, "beta_slow": 1.0}  # assets/tiny_deepseek_v3's, which the flags state
+    mla_dir = make_tiny_mla_model(tmp_path / "tiny_deepseek_v3", TinyMlaSpec(yarn=yarn))
+    config = load_config([ROOT / "configs/tiny_cpu.yaml"],
+                         ["--hf-checkpoint", str(mla_dir), *flags_of("tiny_deepseek_v3_model_args.txt")])
+    from hpc_rl.config.validation import validate
+
+    validate(config)  # what submit runs: the model flags against config.json (num_query_groups 2 vs 4 before)
+    from hpc_rl.config.validation import collect_problems
+
+    tp4 = load_config([ROOT / "configs/tiny_cpu.yaml"],
+                      ["--hf-checkpoint", str(mla_dir), *flags_of("tiny_deepseek_v3_model_args.txt"),
+                       "--tensor-model-parallel-size", "4", "--sequence-parallel", "--actor-num-gpus-per-node", "4"])
+    assert tp4.model_args is not None and tp4.model_args.num_query_groups == 2  # inherited, unused by MLA
+    assert [str(p) for p in collect_problems(tp4, check_files=False)] == []  # TP 4 splits MLA's 4 heads
+    import json
+
+    hf = json.loads((mla_dir / "config.json").read_text())
+    arch = ModelArchitecture.from_yaml(ROOT / "configs/models/tiny_deepseek_v3.yaml")
+    assert hf["num_key_value_heads"] != 2  # the GQA number the tiny Qwen3 base states differs from config.json's
+    stated = architecture_mismatches(dataclasses.replace(arch, num_query_groups=2, kv_channels=8), hf)
+    assert stated == architecture_mismatches(arch, hf)
+    assert not [line for line in stated if line.startswith(("num_query_groups", "kv_channels"))]
+    qwen_dir = make_tiny_model(tmp_path / "tiny_qwen3")
+    qwen = ModelArchitecture.from_yaml(ROOT / "configs/models/tiny_qwen3.yaml")
+    qwen_hf = json.loads((qwen_dir / "config.json").read_text())
+    assert architecture_mismatches(qwen, qwen_hf) == []
+    wrong = dataclasses.replace(qwen, num_query_groups=1)
+    assert any(line.startswith("num_query_groups:") for line in architecture_mismatches(wrong, qwen_hf))

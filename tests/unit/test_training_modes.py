@@ -162,9 +162,25 @@ def test_megatron_role_file_sets_the_critic_and_the_actor(tmp_path: Path) -> Non
         error.value)
     assert any("critic.value_clip: is read only with --advantage-estimator ppo" in p
                for p in problems("--value-clip", "0.3"))
-    assert any("PP and CP not built for the value head" in p for p in problems(
-        "--advantage-estimator", "ppo", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2",
-        "--qkv-format", "thd"))
+    assert problems("--advantage-estimator", "ppo", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2",
+                    "--qkv-format", "thd") == []  # the critic at CP > 1 (and PP > 1): issue 29
+
+
+def test_slimes_ppo_critic_only_line_resolves(tmp_path: Path) -> None:
+    """slime's tests/test_qwen3_4B_ppo_train_critic_only.py: Qwen3-4B, TP2 + SP, CP2, colocated on 8 GPUs,
+    critic-only rollouts first, the critic's own lr from its role file."""
+    from tests.unit.slime_lines import flags_of
+
+    roles = tmp_path / "roles.yaml"
+    roles.write_text("megatron:\n  - {name: default, role: critic, overrides: {lr: 1e-5}}\n")
+    config = load_config([], [*flags_of("qwen3_4B_model_args.txt"), *flags_of("qwen3_4B_ppo_critic_only_rest.txt"),
+                              "--megatron-config-path", str(roles)])
+    assert [str(p) for p in collect_problems(config, check_files=False)] == []
+    training = config.training
+    assert (training.tensor_model_parallel_size, training.context_parallel_size, config.cluster.colocate,
+            config.cluster.trainer_world_size) == (2, 2, True, 8)
+    assert (config.algorithm.advantage_estimator, config.critic.num_critic_only_steps,
+            config.critic.critic_optimizer) == ("ppo", 2, {"lr": 1e-5})
 
 
 def test_lr_schedule_runs_over_the_whole_run_with_a_warmup_fraction() -> None:
