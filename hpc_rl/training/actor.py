@@ -110,14 +110,9 @@ def _frozen(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _optimized(model: torch.nn.Module, config: OptimizerConfig, info: ParallelInfo) -> tuple[torch.nn.Module, Any]:
-    """`model` in Megatron's DDP with its optimizer (the CPU twin's AdamW, or Megatron's on GPU)."""
-    if info.on_cpu:
-        ddp = wrap_ddp(model)
-        return ddp, ActorOptimizer(ddp, config)
-    from hpc_rl.training.optimizer_gpu import MegatronActorOptimizer
-
+    """`model` in Megatron's DDP with Megatron's distributed optimizer (one path on CPU and GPU)."""
     ddp = wrap_ddp(model, distributed_optimizer=True)
-    return ddp, MegatronActorOptimizer(ddp, config, params_dtype=ddp.config.params_dtype)
+    return ddp, ActorOptimizer(ddp, config)
 
 
 def build_critic(*, arch: ModelArchitecture, training: TrainingConfig, optimizer_config: OptimizerConfig,
@@ -166,6 +161,7 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
                                     "checkpoint.hf_checkpoint to an HF directory or a torch_dist checkpoint")
         load_weights(actor, source, arch, info, model_file=model_file,
                      iteration=checkpoints.ref_ckpt_step if source == checkpoints.ref_load else None)
+        optimizer.reload_model_params()  # the loaded weights into the fp32 main copies
     ref_model = None
     if (algorithm.use_kl_loss or algorithm.kl_coef != 0.0) and not skips_advantages(algorithm):
         ref_source = next((p for p in (checkpoints.ref_load, checkpoints.hf_checkpoint) if _has_checkpoint(p)), None)

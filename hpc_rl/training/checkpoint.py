@@ -248,6 +248,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: ActorOp
     state_file = directory / STATE_FILE
     if not state_file.is_file():
         load_model_weights(directory, model)
+        optimizer.reload_model_params()
         return None
     state = TrainerState(**json.loads(state_file.read_text()))
     inner = _unwrap(model)

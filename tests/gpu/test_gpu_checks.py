@@ -2,7 +2,7 @@
 reason; `bash tools/run_tests.sh gpu` prints what ran and what did not.
 
     Transformer Engine layer spec   == Megatron's local spec == transformers, on the tiny checkpoint
-    optimizer_gpu.py                Megatron's distributed optimizer steps a bf16 model
+    optimizer.py                    Megatron's distributed optimizer steps a bf16 model
     bf16 export                     the weight export the engines receive, in their dtype
     NCCL weight-update group        2 GPUs: trainer rank 0 broadcasts to an engine rank; wait() returns at once
     colocated tiny run on SGLang    CUDA IPC /update_weights_from_tensor, memory saver release/resume, trainer
