@@ -28,7 +28,7 @@ from hpc_rl.training import checkpoint
 from hpc_rl.training.critic import critic_load_dir, critic_optimizer_config, install_value_head
 from hpc_rl.training.custom_hooks import trainer_args
 from hpc_rl.training.model_provider import build_gpt_model, check_moe_training
-from hpc_rl.training.optimizer import ActorOptimizer, wrap_ddp
+from hpc_rl.training.optimizer import ActorOptimizer, wants_distributed_optimizer, wrap_ddp
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.step import CriticPart, RolloutTrainer, skips_advantages
 from hpc_rl.weights.hf_import import is_hf_checkpoint, load_hf_into_model
@@ -110,8 +110,9 @@ def _frozen(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _optimized(model: torch.nn.Module, config: OptimizerConfig, info: ParallelInfo) -> tuple[torch.nn.Module, Any]:
-    """`model` in Megatron's DDP with Megatron's distributed optimizer (one path on CPU and GPU)."""
-    ddp = wrap_ddp(model, distributed_optimizer=True)
+    """`model` in Megatron's DDP with Megatron's optimizer (one path on CPU and GPU): the distributed one for adam;
+    Megatron's DistributedOptimizer refuses SGD, which steps unsharded (`optimizer.wants_distributed_optimizer`)."""
+    ddp = wrap_ddp(model, distributed_optimizer=wants_distributed_optimizer(config))
     return ddp, ActorOptimizer(ddp, config)
 
 

@@ -210,7 +210,7 @@ def save_checkpoint(root: str | Path, model: torch.nn.Module, optimizer: ActorOp
 
     def extras(tmp: Path) -> None:
         (tmp / "rng").mkdir(exist_ok=True)
-        torch.save({"torch": torch.get_rng_state()}, tmp / "rng" / f"rank_{rank:05d}.pt")
+        torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
         if rank == 0:
             (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1, sort_keys=True))
 
@@ -273,8 +273,30 @@ def load_ref_model(path: str | Path, ref_model: torch.nn.Module) -> Path:
     return directory
 
 
+def rng_state() -> dict[str, Any]:
+    """This rank's random state: torch's CPU generator, CUDA's (when there is a GPU) and Megatron's tensor-parallel
+    RNG tracker's named states (the forked streams its dropout and init draw from; none on CPU, where the tracker is
+    the inference one)."""
+    from megatron.core import tensor_parallel
+
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    state["tracker"] = {name: value for name, value in tracker.items() if isinstance(value, torch.Tensor)}
+    return state
+
+
 def restore_rng_state(path: str | Path) -> None:
-    """Set this rank's torch RNG to the saved one; call it after every model is built (init draws)."""
+    """Set this rank's RNGs (`rng_state`) to the saved ones; call it after every model is built (init draws)."""
+    from megatron.core import tensor_parallel
+
     rng_file = resolve_checkpoint_dir(path) / "rng" / f"rank_{dist.get_rank():05d}.pt"
-    if rng_file.is_file():
-        torch.set_rng_state(torch.load(rng_file)["torch"])
+    if not rng_file.is_file():
+        return
+    state = torch.load(rng_file)
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if state.get("tracker"):
+        tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))

@@ -85,6 +85,12 @@ def schedule_for_run(config: OptimizerConfig, total_steps: int) -> OptimizerConf
     return dataclasses.replace(config, lr_decay_iters=decay, lr_warmup_iters=warmup, lr_warmup_fraction=None)
 
 
+def wants_distributed_optimizer(config: OptimizerConfig) -> bool:
+    """Megatron's distributed optimizer (state sharded over DP) for adam; megatron-core 0.16.1's DistributedOptimizer
+    asserts "Only Adam and HybridDeviceOptimizer currently supported", so sgd runs Megatron's unsharded one."""
+    return config.optimizer == "adam"
+
+
 def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False) -> torch.nn.Module:
     """Megatron DDP around `model` (fp32 grad buffers; the distributed optimizer's sharded buffers when asked).
 
@@ -328,8 +334,8 @@ class ActorOptimizer:
                             for key, value in states.items()}
                 continue
             main = getattr(param, "main_param", param)  # Float16Optimizer's fp32 copy, else the parameter itself
-            if main in chained.optimizer.state:
-                return {"param": main, **chained.optimizer.state[main]}
+            if any(main is stepped for group in chained.optimizer.param_groups for stepped in group["params"]):
+                return {"param": main, **chained.optimizer.state.get(main, {})}
         raise KeyError("the parameter is not one this optimizer steps (frozen, or of another model)")
 
     def ensure_state(self) -> None:
