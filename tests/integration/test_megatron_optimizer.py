@@ -120,8 +120,8 @@ def optimizer_rank(hf_dir: str, save_dir: str) -> dict[str, Any]:
     groups = sorted({g["lr"] for o in warm.torch_optimizers for g in o.param_groups})  # what the step runs at
     out["warmup"] = {"lr": warm.step().lr, "next": warm.lr, "groups": groups}
     decay = ActorOptimizer(parts.actor, OptimizerConfig(lr=LR, min_lr=1e-4, lr_decay_style="linear"))
+    decay.restore_steps(50)  # the trainer's order: the checkpoint is loaded, then the run's length is known
     decay.set_run_length(100)
-    decay.restore_steps(50)
     out["decay"] = {"groups": sorted({g["lr"] for o in decay.torch_optimizers for g in o.param_groups})}
     _random_grads(decay, 5)
     out["decay"]["lr"] = decay.step().lr
