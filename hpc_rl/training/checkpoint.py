@@ -3,11 +3,11 @@
 Owns the layout (Megatron's conventions, so Megatron/slime tools find their way around)::
 
     <save>/latest_checkpointed_iteration.txt      "5"  (written last, by rename: the commit point)
-    <save>/iter_0000005/                           torch_dist: model + AdamW state (sharded tensors); without
-                                                   the AdamW state with checkpoint.save_optim off; with the
+    <save>/iter_0000005/                           torch_dist: model + Megatron's optimizer state (sharded
+                                                   tensors, reshardable); without it with save_optim off; with the
                                                    reference model under `ref_model.` when it is updated
     <save>/iter_0000005/hpc_rl_state.json          rollout_id, optimizer steps, controller state
-    <save>/iter_0000005/rng/rank_00000.pt          per-rank torch RNG state
+    <save>/iter_0000005/rng/rank_00000.pt          per-rank RNG states: torch's, CUDA's, Megatron's RNG tracker's
 
 Every rank writes into `iter_XXXXXXX.tmp/`; after a barrier rank 0 renames it and then replaces the
 tracker file, so a crash at any point leaves the previous checkpoint loadable. A save that fails (a full
@@ -241,7 +241,8 @@ def load_model_weights(path: str | Path, model: torch.nn.Module, iteration: int 
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: ActorOptimizer) -> TrainerState | None:
-    """Resume: weights, AdamW state and trainer state (RNG: `restore_rng_state`). Weights-only dirs return None."""
+    """Resume: weights, optimizer state and trainer state (RNG: `restore_rng_state`). Weights-only dirs return None;
+    without optimizer state the loaded weights become the optimizer's fp32 main copies (`reload_model_params`)."""
     from megatron.core import dist_checkpointing
 
     directory = resolve_checkpoint_dir(path)

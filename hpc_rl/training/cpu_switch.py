@@ -7,6 +7,10 @@ They are applied once, and only when CUDA is absent, so a GPU process is never t
 One more is scoped, not process-wide: `tensor_cuda_is_identity()`, for building a pipeline stage
 whose output layer shares the first stage's embedding (Megatron moves that weight with `.cuda()`
 before all-reducing it over the embedding group, LanguageModule.setup_embeddings_and_output_layer).
+Megatron's optimizer (`get_megatron_optimizer`, its mixed-precision and distributed classes, clipping) runs on CPU
+with two more: `prepare_megatron_optimizer` (its small state tensors made on the host instead of `device='cuda'`,
+in its own modules only) and the scoped `host_optimizer_calls` (CUDA type names for host tensors, `.cuda()` the
+identity, during calls into it).
 Also owns the CPU-safe RNG set-up, the fusion switches every CPU `TransformerConfig` needs, the MoE
 ones (`prepare_megatron_moe`, `cpu_moe_overrides`: notes/megatron-moe-cpu.md), the MLA one
 (`prepare_megatron_mla`), and
