@@ -1,13 +1,14 @@
-"""Milliseconds of one optimizer step on the tiny model, one CPU rank: Megatron's optimizer as the trainer builds it
-(`training.optimizer.ActorOptimizer`) against the floor of a bare fused torch AdamW with the same clipping.
+"""Milliseconds of one optimizer step on the tiny model, one CPU rank: Megatron's optimizer as the trainer
+builds it (`training.optimizer.ActorOptimizer`) against the floor of a bare fused torch AdamW with the same
+clipping.
 
     python benchmarks/bench_optimizer_step.py [--steps 200] [--model configs/models/tiny_qwen3.yaml]
 
 Rows: Megatron's distributed optimizer over fp32 parameters (the CPU trainer's default), its unsharded
 FP32Optimizer, the distributed optimizer over bf16 parameters with fp32 main copies (the GPU's structure), and
-`torch.optim.AdamW(fused=True)` stepping on `main_grad` after a foreach-norm clip (what the CPU trainer ran before
-issue 29). Each step gets fresh random gradients in the DDP buffers; the time is the median of `--steps` steps
-after 10 warm-up steps (CPU time of this process, so a loaded machine moves it less than wall time).
+`torch.optim.AdamW(fused=True)` stepping on `main_grad` after a foreach-norm clip (what the CPU trainer ran
+before issue 29). Each step gets fresh random gradients in the DDP buffers; the time is the median of `--steps`
+steps after 10 warm-up steps (CPU time of this process, so a loaded machine moves it less than wall time).
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def main() -> None:
             param.main_grad.copy_(torch.randn(param.shape, generator=generator))
 
     rows = {}
-    for name, dtype, distributed in (("Megatron distributed optimizer, fp32 params (CPU default)", torch.float32, True),
-                                     ("Megatron FP32Optimizer (unsharded), fp32 params", torch.float32, False),
-                                     ("Megatron distributed optimizer, bf16 params + fp32 main", torch.bfloat16, True)):
+    cases = (("Megatron distributed optimizer, fp32 params (CPU default)", torch.float32, True),
+             ("Megatron FP32Optimizer (unsharded), fp32 params", torch.float32, False),
+             ("Megatron distributed optimizer, bf16 params + fp32 main", torch.bfloat16, True))
+    for name, dtype, distributed in cases:
         ddp = wrap_ddp(build_gpt_model(arch, training, params_dtype=dtype), distributed_optimizer=distributed)
         optimizer = ActorOptimizer(ddp, config)
 
