@@ -207,6 +207,9 @@ class ActorOptimizer:
             _load_states_without_step(chained)
         self.scheduler = megatron_scheduler(self.optimizer, config)
         self.steps_done = 0
+        self._parts: list[Any] = []
+        self._slots: dict[int, str] = {}
+        """Each of Megatron's optimizers' sharded state from the last `sharded_state` (restore fills it in)."""
         has_experts = getattr(ddp_model.config, "num_moe_experts", None) is not None
         self.finalizes_grads = ((dist.is_initialized() and dist.get_world_size() > 1) or has_experts
                                 or ddp_model.ddp_config.overlap_grad_reduce)
@@ -257,6 +260,13 @@ class ActorOptimizer:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item() > 0)
 
+    def grad_norm(self) -> float:
+        """The L2 norm of the step's gradients as Megatron's optimizer computes it (after `prepare_grads`): each
+        parameter counted once over every TP, PP, EP (and, distributed, DP) rank: TP duplicates and the tied
+        output layer left out, routed experts over their own group (`ChainedOptimizer.get_grad_norm`)."""
+        with host_optimizer_calls():
+            return float(self.optimizer.get_grad_norm() or 0.0)
+
     def step(self) -> StepResult:
         """Finish the grad reduction, check, clip and step (or skip a non-finite step on every rank); then zero
         the grad buffers."""
@@ -268,7 +278,8 @@ class ActorOptimizer:
         lr = self.lr
         with host_optimizer_calls():
             found_inf = self.optimizer.prepare_grads()
-            norm = float(self.optimizer.get_grad_norm() or 0.0)
+        norm = self.grad_norm()
+        with host_optimizer_calls():
             skipped = self._any_rank(found_inf or not math.isfinite(norm))
             if not skipped:
                 for chained in self.chained:
@@ -285,25 +296,57 @@ class ActorOptimizer:
         return StepResult(grad_norm=norm, lr=lr, skipped=skipped)
 
     def sharded_state(self, model_sharded_state_dict: dict[str, Any], *, is_loading: bool = False) -> dict[str, Any]:
-        """Megatron's optimizer state as sharded tensors (moments and fp32 main copies), resharded on load to any
-        TP/PP/DP layout: the distributed optimizer's `fully_reshardable` format (its default in megatron-core 0.16.1,
-        `fully_sharded_model_space`, builds flattened ShardedTensors that 0.16.1's own dist_checkpointing refuses:
-        "ShardedTensor.flattened_range is not supported")."""
+        """Megatron's optimizer state (moments and fp32 main copies) as sharded tensors keyed by parameter name, and
+        Adam's step count: loadable at any TP/PP/DP/EP layout.
+
+        Each of Megatron's optimizers gives its `sharded_state_dict` in the distributed optimizer's
+        `fully_reshardable` format (its default in megatron-core 0.16.1, `fully_sharded_model_space`, builds
+        flattened ShardedTensors that 0.16.1's own dist_checkpointing refuses: "ShardedTensor.flattened_range is not
+        supported"). How many optimizers Megatron chains depends on the layout (the experts get their own one at
+        EP > 1 only), so their sharded tensors are saved as one flat dict by key, and the rest of each one's state
+        is its live state at load (`restore`), with the saved step count. (The flat dict's names are positions:
+        dist_checkpointing matches sharded tensors by their own keys and offsets, and the layers of a stage share
+        one key.)"""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedBase
+
         self.ensure_state()  # Megatron's state_dict() reads one step count off the state (torch's Adam, no TE/apex)
         with host_optimizer_calls():
-            return self.optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
-                                                     metadata=SHARDED_OPTIMIZER_METADATA)
+            self._parts = [chained.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
+                                                      metadata=SHARDED_OPTIMIZER_METADATA) for chained in self.chained]
+        sharded = [value for part in self._parts for value in nested_values(part) if isinstance(value, ShardedBase)]
+        self._slots = {id(value): str(index) for index, value in enumerate(sharded)}
+        tensors = {self._slots[id(value)]: value for value in sharded}
+        return {"adam_step": self._adam_step(), "tensors": tensors}
+
+    def _adam_step(self) -> int:
+        """Adam's step count (the same for every parameter: Megatron's optimizers keep it so)."""
+        steps = [float(state["step"]) for torch_optimizer in self.torch_optimizers
+                 for state in torch_optimizer.state.values() if "step" in state]
+        return int(max(steps)) if steps else 0
 
     def restore(self, loaded: dict[str, Any], steps_done: int) -> None:
-        """Load a loaded `sharded_state` (moments and main copies) and put the schedule at `steps_done`."""
-        with host_optimizer_calls():
-            self.optimizer.load_state_dict(loaded)
+        """Load a loaded `sharded_state` (made with is_loading=True just before) into Megatron's optimizers and put
+        the schedule at `steps_done`."""
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+        from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+        tensors, step = loaded["tensors"], int(loaded["adam_step"])
+        for chained, part in zip(self.chained, self._parts):
+            part = dict_list_map_inplace(lambda value: tensors[self._slots[id(value)]]
+                                         if isinstance(value, ShardedBase) else value, part)
+            for group in part.get("optimizer", {}).get("param_groups", []):
+                if "step" in group:
+                    group["step"] = step
+            with host_optimizer_calls():
+                chained.load_state_dict(part)
+        self._parts, self._slots = [], {}
         for torch_optimizer in self.torch_optimizers:
             # megatron-core 0.16.1 (torch's Adam, no TE/apex) gives every parameter's state the SAME loaded "step"
             # tensor, which torch's foreach Adam then increments once per parameter: each its own again.
             for state in torch_optimizer.state.values():
                 if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = state["step"].detach().clone()
+                    state["step"] = torch.tensor(float(step))
         self.steps_done = steps_done
         self._reschedule()
 
