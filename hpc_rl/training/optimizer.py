@@ -320,9 +320,12 @@ class ActorOptimizer:
         return {"adam_step": self._adam_step(), "tensors": tensors}
 
     def _adam_step(self) -> int:
-        """Adam's step count (the same for every parameter: Megatron's optimizers keep it so)."""
+        """Adam's step count (the same for every parameter: Megatron's optimizers keep it so): in each parameter's
+        state (torch's Adam) or in the param groups (Transformer Engine's and apex's FusedAdam)."""
         steps = [float(state["step"]) for torch_optimizer in self.torch_optimizers
                  for state in torch_optimizer.state.values() if "step" in state]
+        steps += [float(group["step"]) for torch_optimizer in self.torch_optimizers
+                  for group in torch_optimizer.param_groups if group.get("step") is not None]
         return int(max(steps)) if steps else 0
 
     def restore(self, loaded: dict[str, Any], steps_done: int) -> None:
