@@ -208,8 +208,9 @@ class ActorOptimizer:
         self.scheduler = megatron_scheduler(self.optimizer, config)
         self.steps_done = 0
         self._parts: list[Any] = []
-        self._slots: dict[int, str] = {}
         """Each of Megatron's optimizers' sharded state from the last `sharded_state` (restore fills it in)."""
+        self._slots: dict[int, str] = {}
+        """Each sharded tensor of `_parts` (by id) -> its name in the flat dict `sharded_state` returns."""
         has_experts = getattr(ddp_model.config, "num_moe_experts", None) is not None
         self.finalizes_grads = ((dist.is_initialized() and dist.get_world_size() > 1) or has_experts
                                 or ddp_model.ddp_config.overlap_grad_reduce)
