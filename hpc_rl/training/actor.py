@@ -35,7 +35,7 @@ from hpc_rl.training.critic import critic_load_dir, critic_optimizer_config, ins
 from hpc_rl.training.custom_hooks import trainer_args
 from hpc_rl.training.host_weights import move_to_host
 from hpc_rl.training.model_provider import build_gpt_model, check_moe_training
-from hpc_rl.training.optimizer import ActorOptimizer, wrap_ddp
+from hpc_rl.training.optimizer import ActorOptimizer, wants_distributed_optimizer, wrap_ddp
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.step import CriticPart, RolloutTrainer
 from hpc_rl.weights.hf_import import is_hf_checkpoint, load_hf_into_model
@@ -130,14 +130,10 @@ def _frozen(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _optimized(model: torch.nn.Module, config: OptimizerConfig, info: ParallelInfo) -> tuple[torch.nn.Module, Any]:
-    """`model` in Megatron's DDP with its optimizer (the CPU twin's AdamW, or Megatron's on GPU)."""
-    if info.on_cpu:
-        ddp = wrap_ddp(model)
-        return ddp, ActorOptimizer(ddp, config)
-    from hpc_rl.training.optimizer_gpu import MegatronActorOptimizer
-
-    ddp = wrap_ddp(model, distributed_optimizer=True)
-    return ddp, MegatronActorOptimizer(ddp, config, params_dtype=ddp.config.params_dtype)
+    """`model` in Megatron's DDP with Megatron's optimizer (one path on CPU and GPU): the distributed one for adam;
+    Megatron's DistributedOptimizer refuses SGD, which steps unsharded (`optimizer.wants_distributed_optimizer`)."""
+    ddp = wrap_ddp(model, distributed_optimizer=wants_distributed_optimizer(config))
+    return ddp, ActorOptimizer(ddp, config)
 
 
 # ------------------------------------------------------------------ the model roles, built through one path

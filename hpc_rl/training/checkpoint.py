@@ -3,11 +3,11 @@
 Owns the layout (Megatron's conventions, so Megatron/slime tools find their way around)::
 
     <save>/latest_checkpointed_iteration.txt      "5"  (written last, by rename: the commit point)
-    <save>/iter_0000005/                           torch_dist: model + AdamW state (sharded tensors); without
-                                                   the AdamW state with checkpoint.save_optim off; with the
+    <save>/iter_0000005/                           torch_dist: model + Megatron's optimizer state (sharded
+                                                   tensors, reshardable); without it with save_optim off; with the
                                                    reference model under `ref_model.` when it is updated
     <save>/iter_0000005/hpc_rl_state.json          rollout_id, optimizer steps, controller state
-    <save>/iter_0000005/rng/rank_00000.pt          per-rank torch RNG state
+    <save>/iter_0000005/rng/rank_00000.pt          per-rank RNG states: torch's, CUDA's, Megatron's RNG tracker's
 
 Every rank writes into `iter_XXXXXXX.tmp/`; after a barrier rank 0 writes its manifest
 (`checkpoint_manifest`: every file and its size), renames it and then replaces the tracker file, so a
@@ -214,7 +214,7 @@ def save_checkpoint(root: str | Path, model: torch.nn.Module, optimizer: ActorOp
 
     def extras(tmp: Path) -> None:
         (tmp / "rng").mkdir(exist_ok=True)
-        torch.save({"torch": torch.get_rng_state()}, tmp / "rng" / f"rank_{rank:05d}.pt")
+        torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
         if rank == 0:
             (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1, sort_keys=True))
 
@@ -245,13 +245,15 @@ def load_model_weights(path: str | Path, model: torch.nn.Module, iteration: int 
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: ActorOptimizer) -> TrainerState | None:
-    """Resume: weights, AdamW state and trainer state (RNG: `restore_rng_state`). Weights-only dirs return None."""
+    """Resume: weights, optimizer state and trainer state (RNG: `restore_rng_state`). Weights-only dirs return None;
+    without optimizer state the loaded weights become the optimizer's fp32 main copies (`reload_model_params`)."""
     from megatron.core import dist_checkpointing
 
     directory = resolve_checkpoint_dir(path)
     state_file = directory / STATE_FILE
     if not state_file.is_file():
         load_model_weights(directory, model)
+        optimizer.reload_model_params()
         return None
     state = TrainerState(**json.loads(state_file.read_text()))
     inner = _unwrap(model)
@@ -276,8 +278,30 @@ def load_ref_model(path: str | Path, ref_model: torch.nn.Module) -> Path:
     return directory
 
 
+def rng_state() -> dict[str, Any]:
+    """This rank's random state: torch's CPU generator, CUDA's (when there is a GPU) and Megatron's tensor-parallel
+    RNG tracker's named states (the forked streams its dropout and init draw from; none on CPU, where the tracker is
+    the inference one)."""
+    from megatron.core import tensor_parallel
+
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    state["tracker"] = {name: value for name, value in tracker.items() if isinstance(value, torch.Tensor)}
+    return state
+
+
 def restore_rng_state(path: str | Path) -> None:
-    """Set this rank's torch RNG to the saved one; call it after every model is built (init draws)."""
+    """Set this rank's RNGs (`rng_state`) to the saved ones; call it after every model is built (init draws)."""
+    from megatron.core import tensor_parallel
+
     rng_file = resolve_checkpoint_dir(path) / "rng" / f"rank_{dist.get_rank():05d}.pt"
-    if rng_file.is_file():
-        torch.set_rng_state(torch.load(rng_file)["torch"])
+    if not rng_file.is_file():
+        return
+    state = torch.load(rng_file)
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if state.get("tracker"):
+        tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))

@@ -7,6 +7,10 @@ They are applied once, and only when CUDA is absent, so a GPU process is never t
 One more is scoped, not process-wide: `tensor_cuda_is_identity()`, for building a pipeline stage
 whose output layer shares the first stage's embedding (Megatron moves that weight with `.cuda()`
 before all-reducing it over the embedding group, LanguageModule.setup_embeddings_and_output_layer).
+Megatron's optimizer (`get_megatron_optimizer`, its mixed-precision and distributed classes, clipping) runs on CPU
+with two more: `prepare_megatron_optimizer` (its small state tensors made on the host instead of `device='cuda'`,
+in its own modules only) and the scoped `host_optimizer_calls` (CUDA type names for host tensors, `.cuda()` the
+identity, during calls into it).
 Also owns the CPU-safe RNG set-up, the fusion switches every CPU `TransformerConfig` needs, the MoE
 ones (`prepare_megatron_moe`, `cpu_moe_overrides`: notes/megatron-moe-cpu.md), the MLA one
 (`prepare_megatron_mla`), and
@@ -20,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -60,6 +65,93 @@ def tensor_cuda_is_identity() -> Iterator[None]:
         yield
     finally:
         torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+class _HostTorch(types.ModuleType):
+    """`torch` as Megatron's optimizer modules see it on a CPU-only build: everything is torch's own, except that a
+    tensor asked for on `device="cuda"` (or `torch.device("cuda")`) is made on the host, where the parameters are."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        return _on_host(value) if name in _FACTORIES else value
+
+
+_FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full", "zeros_like", "empty_like", "arange"})
+
+
+def _on_host(factory: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(factory)
+    def make(*args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return make
+
+
+MEGATRON_OPTIMIZER_MODULES = (
+    "megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer", "megatron.core.optimizer.grad_scaler", "megatron.core.utils",
+)
+"""The modules whose `torch` becomes `_HostTorch` on CPU: Megatron's optimizer classes, gradient clipping, grad
+scaler, and the torch fallbacks of apex's multi-tensor kernels (`local_multi_tensor_l2_norm` in megatron.core.utils)."""
+
+_optimizer_prepared = False
+
+
+def prepare_megatron_optimizer() -> None:
+    """Make Megatron's optimizer (`get_megatron_optimizer`, its mixed-precision and distributed classes, clipping)
+    runnable on a CPU-only build; idempotent, and nothing on a GPU.
+
+    megatron-core 0.16.1 makes its small state tensors with a hard-coded `device='cuda'` (the unit loss scale
+    `_scale_one`, `found_inf`, apex's dummy overflow buffers, the gradient norm's all-reduce buffer in
+    `get_grad_norm_fp32`, the grad scaler's scale): these modules get `_HostTorch`, which makes them on the host.
+    The rest of the switch is scoped (`host_optimizer_calls`)."""
+    global _optimizer_prepared
+    if _optimizer_prepared or cuda_available():
+        return
+    import importlib
+
+    for name in MEGATRON_OPTIMIZER_MODULES:
+        importlib.import_module(name).torch = _HostTorch()
+    _optimizer_prepared = True
+
+
+_TENSOR_TYPE = torch.Tensor.type
+
+
+def _cuda_type_name(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """`Tensor.type()` as a CUDA tensor answers (`torch.cuda.BFloat16Tensor`) for a host tensor; with arguments
+    (a cast) torch's own."""
+    name = _TENSOR_TYPE(self, *args, **kwargs)
+    if args or kwargs or self.device.type != "cpu":
+        return name
+    return name.replace("torch.", "torch.cuda.", 1)
+
+
+@contextmanager
+def host_optimizer_calls() -> Iterator[None]:
+    """Within the block (a call into Megatron's optimizer), on a CPU-only build: `Tensor.type()` names host tensors
+    as CUDA ones, and `tensor.cuda()` returns the tensor itself. Megatron sorts parameters into its fp16/bf16 and
+    fp32 groups by those names (`Float16OptimizerWithFloat16Params`, `DistributedOptimizer`) and asserts
+    `torch.cuda.FloatTensor` gradients before clipping; its state loading moves tensors with `.cuda()`. On a GPU
+    the block changes nothing."""
+    if cuda_available():
+        yield
+        return
+    prepare_megatron_optimizer()
+    original_cuda = torch.Tensor.cuda
+    torch.Tensor.type = _cuda_type_name  # type: ignore[method-assign,assignment]
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = _TENSOR_TYPE  # type: ignore[method-assign]
+        torch.Tensor.cuda = original_cuda  # type: ignore[method-assign]
 
 
 def deferred_compile(compile_fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -51,8 +51,17 @@ def use_transformer_engine(device: str) -> bool:
     return True
 
 
+def parameter_device(config: TransformerConfig) -> torch.device:
+    """Where Megatron's own layers put their parameters, so that a layer of hpc_rl's sits beside them: the host
+    with `use_cpu_initialization`, else the current CUDA device (the host on a CPU-only build: cpu_switch)."""
+    if config.use_cpu_initialization:
+        return torch.device("cpu")
+    return torch.device(torch.cuda.current_device())
+
+
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
-    """`torch.nn.RMSNorm` with Megatron's constructor; marks its weight for SP grad all-reduce.
+    """`torch.nn.RMSNorm` with Megatron's constructor; marks its weight for SP grad all-reduce. Its weight has the
+    config's params_dtype on Megatron's device (`parameter_device`), as Megatron's layers beside it.
 
     Under sequence parallel each TP rank normalises its own slice of tokens, so the weight's
     gradient is partial per rank; `finalize_model_grads` sums grads of params flagged
@@ -60,7 +69,7 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, device=parameter_device(config), dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
 
 

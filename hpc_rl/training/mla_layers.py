@@ -37,7 +37,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.training.layer_specs import PackedSequenceAttention, SequenceParallelRMSNorm, replace_norms
+from hpc_rl.training.layer_specs import (
+    PackedSequenceAttention, SequenceParallelRMSNorm, parameter_device, replace_norms,
+)
 
 MLA_LOCAL_TO_TE_KEYS = {
     "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
@@ -52,7 +54,8 @@ class DuplicatedLinear(torch.nn.Module):
 
     def __init__(self, input_size: int, output_size: int, config: TransformerConfig) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype,
+                                                   device=parameter_device(config)))
         config.init_method(self.weight)
         self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
 

@@ -1,9 +1,10 @@
 """Build a Megatron `GPTModel` from a model architecture file (`configs/models/*.yaml`).
 
 Owns: `ModelArchitecture` + parallel sizes -> `TransformerConfig` (float32 and fusions off on CPU,
-bf16 on GPU), the padded vocabulary size, and `build_gpt_model`, which builds this rank's pipeline
-stage: the embedding on the first stage, the final norm and output layer on the last, and the
-layers Megatron assigns to the stage (an even split; `num_layers` must divide by PP). With tied
+bf16 on GPU; every parameter, hpc_rl's layers' included, is built in params_dtype on its device: no cast
+after), the padded vocabulary size, and `build_gpt_model`, which builds this rank's pipeline stage: the
+embedding on the first stage, the final norm and output layer on the last, and the layers Megatron assigns
+to the stage (an even split; `num_layers` must divide by PP). With tied
 embeddings and PP > 1 the last stage holds a copy of the embedding as its output layer, made equal
 to the first stage's at build time and kept equal by `finalize_model_grads` (embedding group).
 MoE architectures get the architecture's routing math and the `training` section's MoE settings under
@@ -242,8 +243,6 @@ def build_gpt_model(
             rotary_percent=arch.rotary_percent,
             rotary_base=int(arch.rotary_base),
         )
-    if not cuda_available():
-        model = model.to(torch.float32 if params_dtype is None else params_dtype)
     if isinstance(model, MTPGPTModel):
         model.vocab_size_unpadded = arch.vocab_size
         model.reset_mtp_metrics()

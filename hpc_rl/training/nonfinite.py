@@ -1,7 +1,8 @@
 """NaN and infinity on the trainer: named, counted, and never sent to the engines.
 
 Owns `NonFiniteSteps`: after each rollout's optimizer steps, a step whose loss or gradient norm is NaN or
-infinite (the optimizer skipped it: `skipped`) is logged with its rollout, step and values; more than
+infinite (`training.optimizer.ActorOptimizer` skipped it on every rank: `skipped`; Megatron's own step applies
+such a step in bf16, where it has no grad scaler) is logged with its rollout, step and values; more than
 `training.max_nonfinite_steps` such steps in a row end the run with `NonFiniteTraining`, which the
 controller shows as the trainer's error (a run that silently trains nothing and exits 0 was issue 24).
 And `check_finite_weights`: before weights leave the trainer (a sync), every rank checks its parameters;
@@ -45,8 +46,10 @@ class NonFiniteSteps:
             self.in_a_row += 1
             self.total += 1
             values = ", ".join(f"{key} {value}" for key, value in bad.items()) or "the optimizer skipped it"
-            message = (f"rollout {rollout_id}, optimizer step {offset + 1} of {len(steps)}: {values}; the step was "
-                       f"skipped ({self.in_a_row} in a row, training.max_nonfinite_steps={self.max_in_a_row})")
+            skipped = bool(metrics.get("skipped") or metrics.get("critic_skipped"))
+            what = "the step was skipped" if skipped else "the optimizer applied the step (its gradients were finite)"
+            message = (f"rollout {rollout_id}, optimizer step {offset + 1} of {len(steps)}: {values}; {what} "
+                       f"({self.in_a_row} in a row, training.max_nonfinite_steps={self.max_in_a_row})")
             log.warning(message)
             if self.in_a_row > self.max_in_a_row:
                 raise NonFiniteTraining(

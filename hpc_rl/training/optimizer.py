@@ -1,15 +1,32 @@
-"""The actor's optimizer: Megatron DDP + AdamW, the learning-rate schedule, gradient clipping.
+"""The actor's optimizer, on CPU and GPU alike: Megatron DDP + `get_megatron_optimizer` + `OptimizerParamScheduler`.
 
-Owns: wrapping the model in Megatron's `DistributedDataParallel` (grads land in `param.main_grad`
-buffers and are reduced over DP by `finalize_model_grads`, which also sums the SP / q-k norm grads
-over TP and a tied embedding's over the first and last pipeline stages), and one optimizer step.
-On CPU Megatron's optimizer does not run (hard-coded CUDA), so a plain `torch.optim.AdamW` steps on
-`main_grad` with the clipping norm computed over unique shards of every TP, PP and EP rank
-(notes/megatron-cpu.md); MoE expert gradients are reduced by Megatron's DDP over the
-expert-data-parallel group, the rest over the data-parallel group. On GPU the same interface wraps
-Megatron's optimizer (not run here).
-The schedule follows Megatron's `OptimizerParamScheduler` (linear warmup from 0, then constant,
-linear or cosine decay to `min_lr`), over the whole run unless lr_decay_iters says otherwise (`schedule_for_run`). Does not own checkpointing of this state (`checkpoint`).
+Owns: wrapping the model in Megatron's `DistributedDataParallel` (grads land in `param.main_grad` buffers and are
+reduced over DP by `finalize_model_grads`, which also sums the SP / q-k norm grads over TP and a tied embedding's
+over the first and last pipeline stages), Megatron's optimizer over it, the learning-rate schedule
+(Megatron's `OptimizerParamScheduler`), and one optimizer step. Does not own checkpoint files (`checkpoint`).
+
+One path for both devices, built in one order: model -> `wrap_ddp` (the distributed optimizer's buffers) ->
+`get_megatron_optimizer` (Megatron's classes: `FP32Optimizer` over fp32 parameters,
+`Float16OptimizerWithFloat16Params` or the `DistributedOptimizer` over bf16 parameters with fp32 main copies,
+chained with the experts' optimizer for MoE) -> `OptimizerParamScheduler`. On a CPU-only build Megatron's optimizer
+makes a few small tensors on `device='cuda'` and sorts parameters by CUDA type names; `cpu_switch.
+host_optimizer_calls` switches exactly those lines (measured: megatron-core 0.16.1, torch 2.13 CPU, gloo, DP=2,
+fp32 and bf16, plain and distributed; nothing else in it needed a switch).
+
+What the step adds to Megatron's own `step()` (whose parts it calls in Megatron's order, as `ChainedOptimizer.step`
+does: `prepare_grads`, `get_grad_norm`, `clip_grad_by_total_norm_fp32`, `step_with_ready_grads`): in bf16 without a
+loss scale Megatron builds no grad scaler and applies NaN/inf gradients; here a non-finite gradient norm (or a grad
+scaler's found_inf) on any rank skips the step on every rank (`StepResult.skipped`). The norm is always computed
+(Megatron skips it when clip_grad is 0) because the step and its telemetry report it.
+
+Weights loaded into the model after the optimizer is built (an HF or weights-only checkpoint, a resume without
+optimizer state) reach the fp32 main copies only through `reload_model_params()`: without it the first step
+writes the construction-time weights plus one update back into the model.
+
+The schedule: Megatron's `OptimizerParamScheduler` (linear warm-up from 0, then constant, linear or cosine decay
+to `min_lr`) over the whole run unless lr_decay_iters says otherwise (`schedule_for_run`); it writes the lr of the
+next step into the param groups, so each change of its horizon or position is followed by `step(0)`.
+The scheduler's state is not saved: it is the config's schedule at `steps_done` (saved in the checkpoint's JSON).
 """
 
 from __future__ import annotations
@@ -23,23 +40,41 @@ import torch
 import torch.distributed as dist
 
 from hpc_rl.config.schema import OptimizerConfig
+from hpc_rl.training.cpu_switch import cuda_available, host_optimizer_calls
+
+_NEVER = 10**12
+"""The decay horizon for "no decay": Megatron's scheduler needs one (constant style, no lr_decay_iters)."""
+
+
+SHARDED_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def megatron_scheduler(optimizer: Any, config: OptimizerConfig, steps_done: int = 0) -> Any:
+    """Megatron's `OptimizerParamScheduler` for `config` over `optimizer`'s param groups, at `steps_done` (the lr
+    of the next step is in the param groups)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup = config.lr_warmup_iters
+    decay = max(config.lr_decay_iters or _NEVER, warmup + 1)  # Megatron asserts warm-up < decay
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=decay, lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay,
+        end_wd=config.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+    if steps_done:
+        scheduler.step(increment=steps_done)
+    return scheduler
+
+
+@dataclass
+class _ParamGroups:
+    """Stands in for an optimizer when only the schedule is asked for (`learning_rate`)."""
+
+    param_groups: list[dict[str, Any]]
 
 
 def learning_rate(config: OptimizerConfig, steps_done: int) -> float:
-    """lr for the optimizer step that follows `steps_done` completed steps (Megatron's formula)."""
-    if config.lr_warmup_iters > 0 and steps_done <= config.lr_warmup_iters:
-        return config.lr * steps_done / config.lr_warmup_iters
-    if config.lr_decay_style == "constant" or not config.lr_decay_iters:
-        return config.lr
-    decay_steps = max(config.lr_decay_iters - config.lr_warmup_iters, 1)
-    progress = min(max(steps_done - config.lr_warmup_iters, 0) / decay_steps, 1.0)
-    if config.lr_decay_style == "linear":
-        coefficient = 1.0 - progress
-    elif config.lr_decay_style == "cosine":
-        coefficient = 0.5 * (math.cos(math.pi * progress) + 1.0)
-    else:
-        raise ValueError(f"optimizer.lr_decay_style {config.lr_decay_style!r}: use constant, linear or cosine")
-    return config.min_lr + (config.lr - config.min_lr) * coefficient
+    """lr of the optimizer step that follows `steps_done` completed steps, as Megatron's scheduler gives it."""
+    return megatron_scheduler(_ParamGroups([{}]), config, steps_done).get_lr({})
 
 
 def schedule_for_run(config: OptimizerConfig, total_steps: int) -> OptimizerConfig:
@@ -50,12 +85,23 @@ def schedule_for_run(config: OptimizerConfig, total_steps: int) -> OptimizerConf
     return dataclasses.replace(config, lr_decay_iters=decay, lr_warmup_iters=warmup, lr_warmup_fraction=None)
 
 
+def wants_distributed_optimizer(config: OptimizerConfig) -> bool:
+    """Megatron's distributed optimizer (state sharded over DP) for adam; megatron-core 0.16.1's DistributedOptimizer
+    asserts "Only Adam and HybridDeviceOptimizer currently supported", so sgd runs Megatron's unsharded one."""
+    return config.optimizer == "adam"
+
+
 def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False) -> torch.nn.Module:
-    """Megatron DDP around `model` (fp32 grad buffers; sharded optimizer state on GPU)."""
+    """Megatron DDP around `model` (fp32 grad buffers; the distributed optimizer's sharded buffers when asked).
+
+    The grad reduction overlaps the backward on a GPU only: on CPU it runs in `finalize_model_grads` (the same
+    collectives, after the last micro-batch's backward instead of during it), so a one-rank dense step can leave it
+    out (`ActorOptimizer.finalizes_grads`)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=distributed_optimizer,
-                                               use_distributed_optimizer=distributed_optimizer)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=distributed_optimizer and cuda_available(),
+        use_distributed_optimizer=distributed_optimizer)
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
 
@@ -91,13 +137,6 @@ def reset_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 state[key] = 0
 
 
-def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The squared L2 norm of `grads` in float64: one norm per tensor (one foreach call for all), squared and summed."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    return torch.stack(torch._foreach_norm(grads)).double().square().sum()
-
-
 @dataclass
 class StepResult:
     grad_norm: float
@@ -105,132 +144,256 @@ class StepResult:
     skipped: bool
 
 
-class ActorOptimizer:  # the CPU path; hpc_rl.training.optimizer_gpu has the same interface
-    """AdamW over a DDP-wrapped model's `main_grad`s; `step()` after the micro-batches' backward."""
+def megatron_optimizer_fields(config: OptimizerConfig, *, params_dtype: torch.dtype,
+                              distributed: bool) -> dict[str, Any]:
+    """Megatron's `OptimizerConfig` fields for `config`: the optimizer (adam or sgd), offload settings included
+    (slime passes Megatron's --optimizer-cpu-offload, --optimizer-offload-fraction, --overlap-cpu-optimizer-d2h-h2d
+    and --use-precision-aware-optimizer straight through; the fraction's default is Megatron-LM's CLI one, 1.0)."""
+    return dict(
+        optimizer=config.optimizer, lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
+        adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
+        clip_grad=config.clip_grad, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        params_dtype=params_dtype, use_distributed_optimizer=distributed,
+        optimizer_cpu_offload=config.optimizer_cpu_offload,
+        optimizer_offload_fraction=config.optimizer_offload_fraction if config.optimizer_cpu_offload else 0.0,
+        overlap_cpu_optimizer_d2h_h2d=config.overlap_cpu_optimizer_d2h_h2d,
+        use_precision_aware_optimizer=config.use_precision_aware_optimizer)
+
+
+def _load_states_without_step(optimizer: Any) -> None:
+    """A loading fix for Megatron's `DistributedOptimizer` over torch's Adam (no Transformer Engine or apex, as on
+    this project's CPU machines and the bare one-GPU check): in megatron-core 0.16.1
+    `load_parameter_state_from_fully_reshardable` passes each parameter's tensors without "step" (handled
+    separately, from the param groups) to `_set_main_param_and_optimizer_states`, which copies every key of the live
+    state, torch's per-parameter "step" included, and fails with KeyError 'step'. Here the live step is set aside
+    for that copy and put back; the step Megatron loaded stays. Other optimizers are left as they are."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not isinstance(optimizer, DistributedOptimizer) or optimizer.config.use_precision_aware_optimizer:
+        return
+    original = optimizer._set_main_param_and_optimizer_states
+
+    def set_states(model_param: torch.nn.Parameter, tensors: dict[str, torch.Tensor]) -> None:
+        group_index, group_order = optimizer.model_param_group_index_map[model_param]
+        state = optimizer.optimizer.state[optimizer.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None) if "step" not in tensors else None
+        try:
+            original(model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    optimizer._set_main_param_and_optimizer_states = set_states
+
+
+class ActorOptimizer:
+    """Megatron's optimizer over a DDP-wrapped model, with the run's lr schedule; `step()` after the
+    micro-batches' backward."""
 
     def __init__(self, ddp_model: torch.nn.Module, config: OptimizerConfig) -> None:
-        if config.optimizer not in ("adam", "adamw"):
-            raise ValueError(f"optimizer.optimizer {config.optimizer!r}: only adam is supported")
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
         self.ddp_model = ddp_model
         self.config = config
         self.params = [p for p in ddp_model.parameters() if p.requires_grad]
-        self.has_experts = getattr(getattr(ddp_model, "config", None), "num_moe_experts", None) is not None
-        """A MoE model: every rank joins the expert norm's all-reduce, also a pipeline stage without MoE layers."""
-        decay = [p for p in self.params if p.dim() >= 2]
-        no_decay = [p for p in self.params if p.dim() < 2]  # norms and biases, as Megatron
-        self.torch_optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=learning_rate(config, 0), betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-            fused=all(p.device.type == "cpu" for p in self.params) or None,
-        )
-        """fused on CPU: torch's one-kernel AdamW, the same update without the default's per-tensor Python loop
-        (the tiny model's 24 tensors: 1.7 ms less CPU per step)."""
+        self.params_dtype: torch.dtype = ddp_model.config.params_dtype
+        distributed = bool(getattr(ddp_model.ddp_config, "use_distributed_optimizer", False))
+        megatron_config = MegatronOptimizerConfig(
+            **megatron_optimizer_fields(config, params_dtype=self.params_dtype, distributed=distributed))
+        with host_optimizer_calls():
+            self.optimizer = get_megatron_optimizer(megatron_config, [ddp_model])
+        for chained in self.chained:
+            _load_states_without_step(chained)
+        self.scheduler = megatron_scheduler(self.optimizer, config)
         self.steps_done = 0
-        self.finalizes_grads = (dist.is_initialized() and dist.get_world_size() > 1) or self.has_experts
+        self._parts: list[Any] = []
+        """Each of Megatron's optimizers' sharded state from the last `sharded_state` (restore fills it in)."""
+        self._slots: dict[int, str] = {}
+        """Each sharded tensor of `_parts` (by id) -> its name in the flat dict `sharded_state` returns."""
+        has_experts = getattr(ddp_model.config, "num_moe_experts", None) is not None
+        self.finalizes_grads = ((dist.is_initialized() and dist.get_world_size() > 1) or has_experts
+                                or ddp_model.ddp_config.overlap_grad_reduce)
         """Whether `finalize_model_grads` has work: a dense model trained by one rank has no DP, TP, PP or CP peer
         to reduce with (Megatron's all-reduce over its one-rank group costs a gloo round trip per step for
-        nothing); a MoE model's routers update their expert bias and counters there even alone."""
+        nothing); a MoE model's routers update their expert bias and counters there even alone; an overlapped
+        reduction (GPU) is waited for there."""
+
+    @property
+    def chained(self) -> list[Any]:
+        """Megatron's optimizers inside the (chained) one: the dense parameters', then the experts'."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    @property
+    def torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers (AdamW or SGD) that Megatron's step over the fp32 main parameters."""
+        return [chained.optimizer for chained in self.chained if getattr(chained, "optimizer", None) is not None]
+
+    def _reschedule(self) -> None:
+        """Megatron's scheduler at `steps_done` under `config`: the next step's lr into the param groups."""
+        self.scheduler = megatron_scheduler(self.optimizer, self.config, self.steps_done)
 
     def set_run_length(self, total_steps: int) -> None:
-        """The run has `total_steps` optimizer steps: its decay and warm-up follow (`schedule_for_run`)."""
+        """The run has `total_steps` optimizer steps: its decay and warm-up follow (`schedule_for_run`), from the
+        next step on."""
         self.config = schedule_for_run(self.config, total_steps)
+        self._reschedule()
 
-    def ordered_params(self) -> list[torch.nn.Parameter]:
-        """Parameters in the optimizer's state-id order."""
-        return [p for group in self.torch_optimizer.param_groups for p in group["params"]]
+    @property
+    def lr(self) -> float:
+        """The lr the next step runs at (the first param group's, as Megatron logs it)."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def zero_grad(self) -> None:
         self.ddp_model.zero_grad_buffer()
-        for param in self.params:
-            param.grad = None
+        self.optimizer.zero_grad()
+
+    def reload_model_params(self) -> None:
+        """The model's parameters (just loaded) into the fp32 main copies; call after every load into the model
+        that does not restore this optimizer's state."""
+        with host_optimizer_calls():
+            self.optimizer.reload_model_params()
+
+    def _any_rank(self, flag: bool) -> bool:
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=self.params[0].device if self.params else "cpu")
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item() > 0)
 
     def grad_norm(self) -> float:
-        """L2 norm of all gradients over every TP, PP and EP rank, each parameter counted once: TP
-        duplicates (norms, routers) on one TP rank, the tied embedding on the first stage only (the last
-        stage's output-layer copy is marked `shared` by Megatron), routed experts (Megatron marks them
-        `allreduce=False`) summed over the expert-TP x EP x PP group that holds one copy of them, the rest
-        over the TP x PP group (Megatron's optimizer does the same with its dense and expert groups)."""
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
-
-        dense, experts = [], []
-        for param in self.params:
-            if not getattr(param, "allreduce", True):
-                experts.append(param.main_grad)
-            elif param_is_not_tensor_parallel_duplicate(param) and param_is_not_shared(param):
-                dense.append(param.main_grad)
-        groups = [(_sum_of_squares(dense), parallel_state.get_model_parallel_group())]
-        if self.has_experts:
-            groups.append((_sum_of_squares(experts), parallel_state.get_expert_tensor_model_pipeline_parallel_group()))
-        for squares, group in groups:
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(squares, group=group)
-        return float(torch.stack([squares for squares, _ in groups]).sum().sqrt())
+        """The L2 norm of the step's gradients as Megatron's optimizer computes it (after `prepare_grads`): each
+        parameter counted once over every TP, PP, EP (and, distributed, DP) rank: TP duplicates and the tied
+        output layer left out, routed experts over their own group (`ChainedOptimizer.get_grad_norm`)."""
+        with host_optimizer_calls():
+            return float(self.optimizer.get_grad_norm() or 0.0)
 
     def step(self) -> StepResult:
-        """Finish the grad reduction, clip, and step; then zero the grad buffers."""
+        """Finish the grad reduction, check, clip and step (or skip a non-finite step on every rank); then zero
+        the grad buffers."""
         from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         if self.finalizes_grads:
             finalize_model_grads([self.ddp_model])
+        lr = self.lr
+        with host_optimizer_calls():
+            found_inf = self.optimizer.prepare_grads()
         norm = self.grad_norm()
-        lr = learning_rate(self.config, self.steps_done)
-        skipped = not math.isfinite(norm)
+        with host_optimizer_calls():
+            skipped = self._any_rank(found_inf or not math.isfinite(norm))
+            if not skipped:
+                for chained in self.chained:
+                    parameters = chained.get_parameters() if not getattr(chained, "is_stub_optimizer", False) else []
+                    if parameters and chained.config.clip_grad > 0.0:
+                        clip_grad_by_total_norm_fp32(parameters, max_norm=chained.config.clip_grad, total_norm=norm,
+                                                     use_decoupled_grad=chained.config.
+                                                     use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+                self.optimizer.step_with_ready_grads()
         if not skipped:
-            scale = self.config.clip_grad / (norm + 1e-6) if self.config.clip_grad > 0 else 1.0
-            for param in self.params:
-                grad = param.main_grad
-                if scale < 1.0:
-                    grad.mul_(scale)
-                param.grad = grad.to(param.dtype)
-            for group in self.torch_optimizer.param_groups:
-                group["lr"] = lr
-            self.torch_optimizer.step()
             self.steps_done += 1
+            self.scheduler.step(increment=1)
         self.zero_grad()
         return StepResult(grad_norm=norm, lr=lr, skipped=skipped)
 
     def sharded_state(self, model_sharded_state_dict: dict[str, Any], *, is_loading: bool = False) -> dict[str, Any]:
-        """AdamW's moments as sharded tensors shaped like their parameters (reshardable); the step
-        count lives in the checkpoint's JSON (it is the same for every parameter)."""
-        from megatron.core.dist_checkpointing.optimizer import (
-            get_param_id_to_sharded_param_map,
-            optim_state_to_sharding_state,
-        )
+        """Megatron's optimizer state (moments and fp32 main copies) as sharded tensors keyed by parameter name, and
+        Adam's step count: loadable at any TP/PP/DP/EP layout.
 
-        self.ensure_state()
-        state = self.torch_optimizer.state_dict()
-        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.ordered_params())
-        optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
-        return state
+        Each of Megatron's optimizers gives its `sharded_state_dict` in the distributed optimizer's
+        `fully_reshardable` format (its default in megatron-core 0.16.1, `fully_sharded_model_space`, builds
+        flattened ShardedTensors that 0.16.1's own dist_checkpointing refuses: "ShardedTensor.flattened_range is not
+        supported"). How many optimizers Megatron chains depends on the layout (the experts get their own one at
+        EP > 1 only), so their sharded tensors are saved as one flat dict by key, and the rest of each one's state
+        is its live state at load (`restore`), with the saved step count. (The flat dict's names are positions:
+        dist_checkpointing matches sharded tensors by their own keys and offsets, and the layers of a stage share
+        one key.)"""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-    @torch.no_grad()
+        self.ensure_state()  # Megatron's state_dict() reads one step count off the state (torch's Adam, no TE/apex)
+        with host_optimizer_calls():
+            self._parts = [chained.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
+                                                      metadata=SHARDED_OPTIMIZER_METADATA) for chained in self.chained]
+        sharded = [value for part in self._parts for value in nested_values(part) if isinstance(value, ShardedBase)]
+        self._slots = {id(value): str(index) for index, value in enumerate(sharded)}
+        tensors = {self._slots[id(value)]: value for value in sharded}
+        return {"adam_step": self._adam_step(), "tensors": tensors}
+
+    def _adam_step(self) -> int:
+        """Adam's step count (the same for every parameter: Megatron's optimizers keep it so): in each parameter's
+        state (torch's Adam) or in the param groups (Transformer Engine's and apex's FusedAdam)."""
+        steps = [float(state["step"]) for torch_optimizer in self.torch_optimizers
+                 for state in torch_optimizer.state.values() if "step" in state]
+        steps += [float(group["step"]) for torch_optimizer in self.torch_optimizers
+                  for group in torch_optimizer.param_groups if group.get("step") is not None]
+        return int(max(steps)) if steps else 0
+
     def restore(self, loaded: dict[str, Any], steps_done: int) -> None:
-        """Copy a loaded `sharded_state` into the live state tensors."""
-        params = self.ordered_params()
-        for param_id, entries in loaded["state"].items():
-            target = self.torch_optimizer.state[params[param_id]]
-            for key, value in entries.items():
-                target[key].copy_(value)
-            target["step"] = torch.tensor(float(steps_done))
+        """Load a loaded `sharded_state` (made with is_loading=True just before) into Megatron's optimizers and put
+        the schedule at `steps_done`."""
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+        from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+        tensors, step = loaded["tensors"], int(loaded["adam_step"])
+        for chained, part in zip(self.chained, self._parts):
+            part = dict_list_map_inplace(lambda value: tensors[self._slots[id(value)]]
+                                         if isinstance(value, ShardedBase) else value, part)
+            for group in part.get("optimizer", {}).get("param_groups", []):
+                if "step" in group:
+                    group["step"] = step
+            with host_optimizer_calls():
+                chained.load_state_dict(part)
+        self._parts, self._slots = [], {}
+        for torch_optimizer in self.torch_optimizers:
+            # megatron-core 0.16.1 (torch's Adam, no TE/apex) gives every parameter's state the SAME loaded "step"
+            # tensor, which torch's foreach Adam then increments once per parameter: each its own again.
+            for state in torch_optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = torch.tensor(float(step))
         self.steps_done = steps_done
+        self._reschedule()
 
     @torch.no_grad()
     def reset_state(self) -> None:
         """Adam's moments and step count back to zero (slime's --reset-optimizer-states); the lr schedule
         (steps_done) goes on."""
-        reset_adam_state(self.torch_optimizer)
+        for torch_optimizer in self.torch_optimizers:
+            reset_adam_state(torch_optimizer)
 
     def restore_steps(self, steps_done: int) -> None:
-        """Resume the schedule at `steps_done` without optimizer state (a checkpoint saved with save_optim off)."""
+        """Resume the schedule at `steps_done` without optimizer state (a checkpoint saved with save_optim off);
+        the caller has loaded the weights, which become the main copies here."""
         self.steps_done = steps_done
+        self._reschedule()
+        self.reload_model_params()
+
+    def moments(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """The optimizer state of one model parameter as this rank holds it, shaped like the parameter ("param": its
+        fp32 main copy, "exp_avg", "exp_avg_sq", "step"). One rank only (a DP shard of it under the distributed
+        optimizer when DP > 1): for tests and diagnostics."""
+        for chained in self.chained:
+            if hasattr(chained, "model_param_group_index_map"):  # the distributed optimizer
+                if param in chained.model_param_group_index_map:
+                    states = chained._get_main_param_and_optimizer_states(param)
+                    whole = all(value.numel() == param.numel() for value in states.values() if value.dim())
+                    return {key: value.view(param.shape) if value.dim() and whole else value
+                            for key, value in states.items()}
+                continue
+            main = getattr(param, "main_param", param)  # Float16Optimizer's fp32 copy, else the parameter itself
+            if any(main is stepped for group in chained.optimizer.param_groups for stepped in group["params"]):
+                return {"param": main, **chained.optimizer.state.get(main, {})}
+        raise KeyError("the parameter is not one this optimizer steps (frozen, or of another model)")
 
     def ensure_state(self) -> None:
-        """Create AdamW's state tensors (zeros) so a checkpoint can be loaded into them in place."""
-        for param in self.ordered_params():
-            state = self.torch_optimizer.state[param]
-            if not state:
-                state["step"] = torch.tensor(float(self.steps_done))
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        """Create the optimizer's state tensors (zeros, step `steps_done`) where a parameter has none yet, so a
+        checkpoint can be saved or loaded into them in place."""
+        for chained in self.chained:
+            torch_optimizer = getattr(chained, "optimizer", None)
+            init_state = getattr(chained, "init_state_fn", None)
+            if torch_optimizer is None or init_state is None:
+                continue
+            init_state(torch_optimizer, chained.config)
+            for state in torch_optimizer.state.values():
+                if isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)) and "step" not in state:
+                    state["step"] = torch.tensor(float(self.steps_done))

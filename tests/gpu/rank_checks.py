@@ -50,19 +50,19 @@ def te_local_and_transformers_log_probs() -> dict[str, float]:
 
 
 def megatron_optimizer_steps() -> dict[str, Any]:
-    """`optimizer_gpu.MegatronActorOptimizer` (distributed optimizer, bf16 params): two steps of a loss that
+    """`optimizer.ActorOptimizer` (Megatron's distributed optimizer, bf16 params): two steps of a loss that
     rewards one token; its log-prob must rise, the parameters change and stay finite, the state round-trips."""
     torch, arch, training, info, tokens = _tiny()
     from hpc_rl.config.schema import OptimizerConfig
     from hpc_rl.training.model_provider import build_gpt_model, forward_logits
-    from hpc_rl.training.optimizer import wrap_ddp
-    from hpc_rl.training.optimizer_gpu import MegatronActorOptimizer
+    from hpc_rl.training.optimizer import ActorOptimizer, wrap_ddp
     from hpc_rl.training.parallel import shutdown_parallel
     from hpc_rl.weights.hf_import import load_hf_into_model
 
     actor = wrap_ddp(build_gpt_model(arch, training, device="cuda"), distributed_optimizer=True)
     load_hf_into_model(actor.module, TINY_CHECKPOINT, arch, tp_rank=0, tp_size=1)
-    optimizer = MegatronActorOptimizer(actor, OptimizerConfig(lr=1e-2), params_dtype=actor.config.params_dtype)
+    optimizer = ActorOptimizer(actor, OptimizerConfig(lr=1e-2))
+    optimizer.reload_model_params()  # the loaded weights into the fp32 main copies
     before = [p.detach().float().clone() for p in actor.parameters()]
 
     def target_log_prob() -> torch.Tensor:

@@ -119,9 +119,8 @@ def _moments(parts) -> dict[str, torch.Tensor]:
     """AdamW's exp_avg of each parameter this rank holds, by global canonical name."""
     from hpc_rl.weights.stage import global_named_params
 
-    state = parts.optimizer.torch_optimizer.state
-    return {name: state[p]["exp_avg"].clone() for name, p in global_named_params(parts.actor).items()
-            if p in state}
+    return {name: parts.optimizer.moments(p)["exp_avg"].clone() for name, p in global_named_params(parts.actor).items()
+            if p.requires_grad}
 
 
 def _step(parts, info) -> dict[str, float]:

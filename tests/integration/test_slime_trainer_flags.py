@@ -70,7 +70,7 @@ def train_and_save_rank(hf_dir: str, root: str) -> dict[str, Any]:
                                                batch=make_batch(rollout_id).to_arrays()))
         out[f"ppo_kl_{rollout_id}"] = result["steps"][0]["ppo_kl"]
         out[f"ref_is_actor_{rollout_id}"] = _same(_weights(parts.ref_model), _weights(parts.actor))
-        out[f"adam_step_{rollout_id}"] = float(parts.optimizer.torch_optimizer.state[parts.optimizer.params[0]]["step"])
+        out[f"adam_step_{rollout_id}"] = float(parts.optimizer.moments(parts.optimizer.params[0])["step"])
         saved = commands.execute(SaveCommand(seq=10 + rollout_id, rollout_id=rollout_id,
                                              controller_state={"next_rollout_id": rollout_id + 1}))
         out[f"actor_{rollout_id}"] = _weights(parts.actor)
@@ -148,7 +148,7 @@ def _loss_options(parts, root: str) -> dict[str, Any]:
 def _resume(hf_dir: str, root: str, info) -> dict[str, Any]:
     resumed, _ = _build(hf_dir, root, info, load=f"{root}/ckpt")
     resumed.optimizer.ensure_state()  # zeros unless a checkpoint filled them
-    moments = [s["exp_avg"].abs().sum().item() for s in resumed.optimizer.torch_optimizer.state.values()]
+    moments = [resumed.optimizer.moments(p)["exp_avg"].abs().sum().item() for p in resumed.optimizer.params]
     older, _ = _build(hf_dir, root, info, ref_load=f"{root}/ckpt", ref_ckpt_step=0)
     out = {"rollout_id": resumed.resumed.rollout_id if resumed.resumed else None, "actor": _weights(resumed.actor),
            "ref": _weights(resumed.ref_model), "steps_done": resumed.optimizer.steps_done, "moments": moments,

@@ -130,30 +130,35 @@ def first_step_and_invariance_rank(hf_dir: str) -> dict:
 
 
 def _one_rank_step_against_reference(parts) -> dict:
-    """One optimizer step of the one-rank dense actor (fused AdamW, foreach norm, no `finalize_model_grads`)
-    against the textbook one on copies of the weights and Adam state: Megatron's finalize, a float64 norm,
-    torch's per-tensor AdamW."""
-    import copy
-
+    """One optimizer step of the one-rank dense actor (Megatron's distributed optimizer over fp32 parameters, no
+    `finalize_model_grads`) against the textbook one on copies of the weights and Adam state: Megatron's finalize,
+    a float64 norm, torch's per-tensor AdamW."""
     import megatron.core.distributed as megatron_distributed
 
     from hpc_rl.training.optimizer import learning_rate
 
     optimizer, config = parts.optimizer, parts.optimizer.config
+    (megatron_optimizer,) = optimizer.chained
     generator = torch.Generator().manual_seed(5)
     for param in optimizer.params:
         param.main_grad.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     grads = [param.main_grad.clone() for param in optimizer.params]
     before = [param.detach().clone() for param in optimizer.params]
     copies = {id(param): param.detach().clone().requires_grad_(True) for param in optimizer.params}
+    states = {id(param): megatron_optimizer._get_main_param_and_optimizer_states(param) for param in optimizer.params}
+    lr = learning_rate(config, optimizer.steps_done)
+    decayed = [copies[id(p)] for p in optimizer.params if p.dim() >= 2]  # Megatron's rule: no decay on norms, biases
     reference = torch.optim.AdamW(
-        [{"params": [copies[id(p)] for p in group["params"]], "weight_decay": group["weight_decay"]}
-         for group in optimizer.torch_optimizer.param_groups],
-        lr=learning_rate(config, optimizer.steps_done), betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_eps, foreach=False, fused=False)
-    reference.load_state_dict(copy.deepcopy(optimizer.torch_optimizer.state_dict()))
-    for group in reference.param_groups:  # the loaded groups carry the actor's fused flag and last lr
-        group.update(fused=False, foreach=False, lr=learning_rate(config, optimizer.steps_done))
+        [{"params": decayed, "weight_decay": config.weight_decay},
+         {"params": [copies[id(p)] for p in optimizer.params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, foreach=False, fused=False)
+    step_count = float(optimizer.torch_optimizers[0].state[megatron_optimizer.optimizer.param_groups[0]["params"][0]]
+                       ["step"])
+    for param in optimizer.params:
+        reference.state[copies[id(param)]] = {
+            "step": torch.tensor(step_count),
+            "exp_avg": states[id(param)]["exp_avg"].detach().clone().view(param.shape),
+            "exp_avg_sq": states[id(param)]["exp_avg_sq"].detach().clone().view(param.shape)}
     real_finalize = megatron_distributed.finalize_model_grads
     real_finalize([optimizer.ddp_model])  # what the step leaves out: it must not change one rank's grads
     finalize_changed = any(not torch.equal(p.main_grad, g) for p, g in zip(optimizer.params, grads))
@@ -169,7 +174,7 @@ def _one_rank_step_against_reference(parts) -> dict:
     finally:
         megatron_distributed.finalize_model_grads = real_finalize
     return {"finalize_calls": len(calls), "finalize_changed": finalize_changed,
-            "fused": optimizer.torch_optimizer.defaults["fused"], "clipped": scale < 1.0,
+            "optimizer": type(megatron_optimizer).__name__, "clipped": scale < 1.0, "step_count": step_count,
             "norm": result.grad_norm, "reference_norm": reference_norm,
             "param_diff": max((p - copies[id(p)]).abs().max().item() for p in optimizer.params),
             "moved": max((p - b).abs().max().item() for p, b in zip(optimizer.params, before))}
@@ -199,10 +204,12 @@ def test_first_step_kl_zero_and_microbatch_invariance(tmp_path: Path) -> None:
     assert out["real"]["train_rollout_logprob_abs_diff"] > 0
     # old log-probs from the training pass: the same metrics and bit-identical gradients as their own pass
     assert out["fused_is_exact"]
-    # one dense rank: fused AdamW, no finalize_model_grads (nothing to reduce: it leaves the grads as they are);
-    # the same clipped update and norm as Megatron's finalize + a float64 norm + torch's per-tensor AdamW
+    # one dense rank: Megatron's distributed optimizer (the GPU's), no finalize_model_grads (nothing to reduce: it
+    # leaves the grads as they are); the same clipped update and norm as Megatron's finalize + a float64 norm +
+    # torch's per-tensor AdamW over the same Adam state
     step = out["one_rank_step"]
-    assert step["fused"] is True and step["finalize_calls"] == 0 and not step["finalize_changed"]
+    assert step["optimizer"] == "DistributedOptimizer" and step["step_count"] >= 1
+    assert step["finalize_calls"] == 0 and not step["finalize_changed"]
     assert step["clipped"] and step["norm"] == pytest.approx(step["reference_norm"], rel=1e-6)
     assert step["moved"] > 1e-4 and step["param_diff"] < 1e-7
 

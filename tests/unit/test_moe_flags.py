@@ -178,7 +178,7 @@ def test_megatron_optimizer_config_takes_the_offload_flags(monkeypatch: pytest.M
 
     monkeypatch.setattr(optimizer_config, "is_te_min_version", fake_te_version_at_least)
 
-    from hpc_rl.training.optimizer_gpu import megatron_optimizer_fields
+    from hpc_rl.training.optimizer import megatron_optimizer_fields
 
     config = load_config([], ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
                               "--use-precision-aware-optimizer"]).optimizer

@@ -45,6 +45,9 @@ def test_nonfinite_steps_are_named_and_stop_the_run_past_the_limit(caplog) -> No
     steps.check(1, [{"loss": float("nan"), "grad_norm": float("nan"), "skipped": 1.0}])
     assert "rollout 1, optimizer step 1 of 1: loss nan, grad_norm nan; the step was skipped (1 in a row" in caplog.text
     steps.check(2, [{"loss": 0.1, "grad_norm": 0.5, "skipped": 0.0}])  # recovered: the count starts again
+    steps.check(2, [{"loss": float("inf"), "grad_norm": 0.5, "skipped": 0.0}])  # a step applied is not called skipped
+    assert "loss inf; the optimizer applied the step (its gradients were finite) (1 in a row" in caplog.text
+    steps.check(2, [{"loss": 0.1, "grad_norm": 0.5, "skipped": 0.0}])
     steps.check(3, [{"loss": 0.2, "grad_norm": float("inf"), "skipped": 1.0}])
     with pytest.raises(NonFiniteTraining, match="rollout 4, optimizer step 1 of 1: grad_norm inf.*2 in a row.*stopping"):
         steps.check(4, [{"loss": 0.2, "grad_norm": float("inf"), "skipped": 1.0}])
