@@ -41,12 +41,13 @@ CRITIC_DIR = "critic"
 class ValueHead(torch.nn.Linear):
     """hidden -> one value per position, in place of GPTModel's output layer (same call signature)."""
 
-    def __init__(self, hidden_size: int, *, sequence_parallel: bool, seed: int) -> None:
-        super().__init__(hidden_size, 1, bias=True)
+    def __init__(self, hidden_size: int, *, sequence_parallel: bool, seed: int,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(hidden_size, 1, bias=True, device=device, dtype=dtype)
         self.sequence_parallel = sequence_parallel
         generator = torch.Generator().manual_seed(seed)  # every TP/DP rank draws the same head
         with torch.no_grad():
-            self.weight.copy_(torch.randn(self.weight.shape, generator=generator) * VALUE_HEAD_INIT_STD)
+            self.weight.copy_(torch.randn(self.weight.shape, generator=generator) * VALUE_HEAD_INIT_STD)  # host draw
             self.bias.zero_()
         if sequence_parallel:
             self.weight.sequence_parallel = True  # type: ignore[attr-defined]
@@ -63,10 +64,13 @@ class ValueHead(torch.nn.Linear):
 
 
 def install_value_head(model: torch.nn.Module, *, seed: int) -> torch.nn.Module:
-    """`model` (a GPTModel, not DDP-wrapped) with its output layer replaced by a ValueHead on the last stage."""
+    """`model` (a GPTModel, not DDP-wrapped) with its output layer replaced by a ValueHead on the last stage, on the
+    model's device and in its params_dtype (built before DDP and the optimizer see it: a head left fp32 on the host
+    under a bf16 CUDA model would fail the first forward on a GPU)."""
     if getattr(model, "post_process", True):
+        device = next(model.parameters()).device
         model.output_layer = ValueHead(model.config.hidden_size, sequence_parallel=model.config.sequence_parallel,
-                                       seed=seed)
+                                       seed=seed, device=device, dtype=model.config.params_dtype)
     model.share_embeddings_and_output_weights = False  # the head has its own weight, tied to nothing
     return model
 
