@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hpc_rl.training.local_ranks import run_ranks
+from tests.integration.grad_shards import gather_reduced_grads
 from tests.integration.test_megatron_logits import tiny_models
 from tests.integration.test_trainer_step import _parts, make_batch
 
@@ -108,6 +109,7 @@ def cp_train_rank(hf_dir: str, cp: int) -> dict:
 
     def record_instead_of_step() -> StepResult:  # keep the reduced grads, leave the weights alone
         finalize_model_grads([parts.actor])
+        gather_reduced_grads(parts.actor)  # each CP rank holds its shard of the reduced gradient
         grads.append({n: p.main_grad.clone() for n, p in parts.actor.named_parameters()})
         parts.optimizer.zero_grad()
         return StepResult(grad_norm=0.0, lr=0.0, skipped=True)

@@ -27,6 +27,7 @@ import yaml
 
 from hpc_rl.engines.child_process import free_port
 from hpc_rl.training.local_ranks import run_ranks
+from tests.integration.grad_shards import gather_reduced_grads
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,23 +157,6 @@ def _step_grads(arch, hf_dir: str, training, info, *, colocated_export: bool = F
     out["metrics"] = parts.trainer.train_rollout(batch.select(range(info.dp_rank * share, (info.dp_rank + 1) * share)))[0]
     out["grads"] = grads
     return out
-
-
-def gather_reduced_grads(ddp: torch.nn.Module) -> None:
-    """Under Megatron's distributed optimizer each DP rank holds its shard of the reduced gradient (a
-    reduce-scatter); all-gather the shards so every rank's `main_grad`s are the whole reduced gradients."""
-    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
-
-    for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
-        if not bucket_group.ddp_config.use_distributed_optimizer:
-            continue
-        size, rank = bucket_group.intra_distributed_optimizer_instance_size, \
-            bucket_group.intra_distributed_optimizer_instance_rank
-        for bucket in bucket_group.buckets:
-            if size > 1:
-                local = shard_buffer(bucket.grad_data, size)[rank].clone()
-                torch.distributed.all_gather_into_tensor(
-                    bucket.grad_data, local, group=bucket_group.intra_distributed_optimizer_instance_group)
 
 
 def layouts_rank(models: dict[str, tuple[str, str]], work: str) -> dict:
