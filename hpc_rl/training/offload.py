@@ -89,9 +89,12 @@ def _optimizers(optimizer: object) -> list[torch.optim.Optimizer]:
         if isinstance(current, torch.optim.Optimizer):
             found.append(current)
             continue
-        for attribute in ("torch_optimizer", "optimizer", "chained_optimizers"):
-            value = getattr(current, attribute, None)
-            stack.extend(value if isinstance(value, list) else [value])
+        chained = getattr(current, "chained_optimizers", None)
+        if isinstance(chained, list):  # Megatron's ChainedOptimizer (dense + expert at EP > 1): its `.optimizer`
+            stack.extend(chained)      # property asserts when it chains more than one
+            continue
+        for attribute in ("torch_optimizer", "optimizer"):
+            stack.append(getattr(current, attribute, None))
     return found
 
 

@@ -41,6 +41,10 @@ class FakeControllerCommands:
     def failed(self, seq: int, error: str) -> None:
         raise AssertionError(error)
 
+    def join_verdict(self, seq: int) -> str:
+        """Rank 0 asks while the engines join the group (every 0.5 s, so only when the join is slow): keep waiting."""
+        return ""
+
     def send_weight_plan(self, plan: WeightPlan) -> None:
         assert self.rank == 0
         tmp = Path(self.plan_file + ".tmp")
