@@ -37,7 +37,8 @@ def tensorboard_scalars(run_dir: Path, tag: str) -> list[float]:
 
 
 def test_tiny_default_run_learns(tmp_path: Path) -> None:
-    """The README's first command: GRPO raises the mean reward by >= 0.3 (smoothed), visible in TensorBoard.
+    """The README's first command: GRPO raises the mean reward by >= 0.3 (smoothed), visible in TensorBoard, through
+    Megatron's optimizer (the GPU's), with the engine's log-probs equal to the trainer's at every rollout.
 
     The suite's one 100-rollout GRPO learning run: the colocated, external-engine, MoE and MLA runs check in
     3 rollouts that their engines serve the trainer's weights (SFT, OPD and PPO learn in test_training_modes_runs)."""
@@ -48,6 +49,8 @@ def test_tiny_default_run_learns(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rewards = [r["metrics"]["rollout/reward_mean"] for r in records(run_dir)]
     assert len(rewards) == 100
+    gaps = [r["metrics"]["train/train_rollout_logprob_abs_diff"] for r in records(run_dir)]
+    assert max(gaps) < 1e-4, f"engine and trainer log-probs differ by up to {max(gaps):.2e} (Megatron's optimizer path)"
     first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
     assert 0.05 <= first <= 0.5, f"untrained policy scored {first:.3f}"
     assert last - first >= 0.3, f"reward went {first:.3f} -> {last:.3f} in {elapsed:.0f} s"
