@@ -40,9 +40,9 @@ Why this schedule and not Megatron's, also on GPU (issue 30; not measured on GPU
   Using them on GPU only would leave the GPU's pipeline code untested by CI.
 - Per-micro-batch hooks: `StageHooks.before_backward` tells `routing_replay` / `router_health` whose
   backward (and activation recomputation) runs next; Megatron's `backward_step` takes no such callback.
-- Cost of keeping it: no interleaving (bubble (P-1)/(M+P-1) instead of (P-1)/(v(M+P-1)) with v virtual
-  stages) and p2p not overlapped with compute. What would decide a switch, on >= 2 GPUs (the one-GPU
-  machine cannot run PP > 1 under NCCL): step time and peak memory of a PP 2 and PP 4 step of a real
+- Cost of keeping it: no interleaving (bubble (P-1)/M of the ideal step time instead of (P-1)/(vM) with v
+  virtual stages, Megatron's paper) and p2p not overlapped with compute. What would decide a switch, on
+  >= 2 GPUs (one rank per stage): step time and peak memory of a PP 2 and PP 4 step of a real
   model, this schedule vs `forward_backward_pipelining_without_interleaving` vs the interleaved one with
   `overlap_p2p_comm`, at the M (micro-batches per step) a run uses. With M >> P the bubble is small and
   the difference is the p2p overlap; if that is a few percent of step time this schedule stays.
