@@ -143,15 +143,6 @@ def frame_chunks(
     return _coalesce([prefix, header_bytes, *payload, mac.digest()])
 
 
-def encode_frame(
-    secret: Secret, counter: FrameCounter, header: dict[str, Any], payload: Sequence[Buffer] = ()
-) -> bytes:
-    """One frame as a single bytes object (convenient for small frames and tests); advances ``counter``."""
-    return b"".join(
-        bytes(c) if isinstance(c, memoryview) else c for c in frame_chunks(secret, counter, header, payload)
-    )
-
-
 def parse_prefix(prefix: bytes, max_frame_bytes: int) -> tuple[int, int]:
     """Check a frame's 20-byte prefix; return (header length, payload length). Nothing else is read yet."""
     magic, version, flags, header_len, payload_len = PREFIX.unpack(prefix)

@@ -31,6 +31,21 @@ With P=1 this is F0 B0 F1 B1 ... with no communication: the PP=1 trainer runs ex
 As in Megatron's schedules, Megatron DDP's gradient reduction is held back (`no_sync`) until the
 last micro-batch's backward (on GPU it overlaps that backward; on CPU it runs in the step).
 Not done: interleaved (virtual) stages, overlapping p2p with compute.
+
+Why this schedule and not Megatron's, also on GPU (issue 30; not measured on GPU yet, see below):
+- One code path. megatron-core 0.16.1's schedules allocate on CUDA unconditionally, even at PP 1
+  (`schedules.py`: `total_num_tokens = torch.zeros(..., device="cuda")` in all three schedules;
+  `p2p_communication.py`: receive buffers and shape messages on `torch.cuda.current_device()`), so the
+  CPU twin could not run them (notes/megatron-cpu.md: only a global cuda->cpu TorchFunctionMode hack did).
+  Using them on GPU only would leave the GPU's pipeline code untested by CI.
+- Per-micro-batch hooks: `StageHooks.before_backward` tells `routing_replay` / `router_health` whose
+  backward (and activation recomputation) runs next; Megatron's `backward_step` takes no such callback.
+- Cost of keeping it: no interleaving (bubble (P-1)/M of the ideal step time instead of (P-1)/(vM) with v
+  virtual stages, Megatron's paper) and p2p not overlapped with compute. What would decide a switch, on
+  >= 2 GPUs (one rank per stage): step time and peak memory of a PP 2 and PP 4 step of a real
+  model, this schedule vs `forward_backward_pipelining_without_interleaving` vs the interleaved one with
+  `overlap_p2p_comm`, at the M (micro-batches per step) a run uses. With M >> P the bubble is small and
+  the difference is the p2p overlap; if that is a few percent of step time this schedule stays.
 """
 
 from __future__ import annotations

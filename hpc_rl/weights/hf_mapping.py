@@ -30,7 +30,7 @@ Multi-latent attention and MTP layers (DeepSeek-V3, GLM-4.7-Flash): `hpc_rl.weig
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,14 +84,6 @@ def canonical_name(name: str, *, moe_layer: bool = False) -> str:
     for local, canonical in _LOCAL_TO_CANONICAL.items():
         if name.endswith(local) and not (moe_layer and local == _MOE_PRE_MLP_NORM):
             return name[: -len(local)] + canonical
-    return name
-
-
-def local_spec_name(name: str) -> str:
-    """The inverse of `canonical_name` for models built with Megatron's local spec."""
-    for local, canonical in _LOCAL_TO_CANONICAL.items():
-        if name.endswith(canonical):
-            return name[: -len(canonical)] + local
     return name
 
 
@@ -335,38 +327,6 @@ def unshard(megatron_name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(list(shards), dim=split.dim)
-
-
-# ----------------------------------------------------------------------------- whole state dicts
-
-
-def hf_to_megatron_state(hf_state: Mapping[str, torch.Tensor], arch: ModelArchitecture,
-                         *, padded_vocab: int | None = None) -> dict[str, torch.Tensor]:
-    """Every full Megatron tensor (canonical names) from an HF state dict; missing names raise."""
-    out: dict[str, torch.Tensor] = {}
-    for megatron_name, hf_names in name_map(arch):
-        missing = [n for n in hf_names if n not in hf_state]
-        if missing:
-            raise KeyError(f"HF checkpoint lacks {', '.join(missing)} (needed for {megatron_name})")
-        out[megatron_name] = to_megatron(megatron_name, [hf_state[n] for n in hf_names], arch,
-                                         padded_vocab=padded_vocab)
-    return out
-
-
-def megatron_to_hf_state(megatron_state: Mapping[str, torch.Tensor], arch: ModelArchitecture) -> dict[str, torch.Tensor]:
-    """An HF state dict from full Megatron tensors (canonical or local-spec names)."""
-    moe = arch.moe_layers()
-    by_canonical = {}
-    for key, value in megatron_state.items():
-        match = _LAYER.match(canonical_name(key))
-        in_moe = (bool(match) and moe[int(match.group(1))]) or (bool(MTP_LAYER.match(canonical_name(key))) and moe[-1])
-        by_canonical[canonical_name(key, moe_layer=in_moe)] = value
-    out: dict[str, torch.Tensor] = {}
-    for megatron_name, _ in name_map(arch):
-        if megatron_name not in by_canonical:
-            raise KeyError(f"Megatron state lacks {megatron_name}")
-        out.update(to_hf(megatron_name, by_canonical[megatron_name], arch))
-    return out
 
 
 def hf_param_shapes(arch: ModelArchitecture, megatron_name: str, full_shape: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:

@@ -322,7 +322,8 @@ class WeightSender:
         self._broadcaster = _PipelinedBroadcaster()
 
     def send_all(self) -> list[BucketMeta]:
-        """Every bucket in order (for callers that drive the engines themselves, e.g. tests)."""
+        """Every bucket in order, for a caller that drives the receiving side itself (the one-GPU check
+        tools/gpu_check_weights.py: `weight_stream`)."""
         plan = self.plan_buckets()
         for index in range(len(plan)):
             self.send_bucket(index)

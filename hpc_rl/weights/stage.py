@@ -51,15 +51,6 @@ class StageLayout:
         return self.layer_offset <= layer < self.layer_offset + self.num_layers
 
 
-def even_stage_layout(num_layers: int, pp_size: int, pp_rank: int) -> StageLayout:
-    """Megatron's default split: `num_layers / pp_size` consecutive layers per stage."""
-    if num_layers % pp_size:
-        raise ValueError(f"pipeline_model_parallel_size={pp_size} does not divide num_layers={num_layers}")
-    per_stage = num_layers // pp_size
-    return StageLayout(layer_offset=pp_rank * per_stage, num_layers=per_stage, first=pp_rank == 0,
-                       last=pp_rank == pp_size - 1)
-
-
 def _unwrap(model: torch.nn.Module) -> Any:
     inner: Any = model
     while hasattr(inner, "module"):

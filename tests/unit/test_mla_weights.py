@@ -14,6 +14,7 @@ from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.weights import hf_mapping
 from hpc_rl.weights.mla_mapping import is_mtp_copy, mtp_copies
 from hpc_rl.weights.sender import _plan
+from tests.unit import weight_states
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "assets" / "tiny_deepseek_v3"
@@ -94,9 +95,9 @@ def test_hf_megatron_round_trip_of_every_tensor() -> None:
 
     arch = tiny()
     hf = {n: t for n, t in load_file(str(TINY / "model.safetensors")).items() if not is_mtp_copy(n, arch)}
-    megatron = hf_mapping.hf_to_megatron_state(hf, arch, padded_vocab=128)
+    megatron = weight_states.hf_to_megatron_state(hf, arch, padded_vocab=128)
     assert megatron["embedding.word_embeddings.weight"].shape == (128, 64)
-    back = hf_mapping.megatron_to_hf_state(megatron, arch)
+    back = weight_states.megatron_to_hf_state(megatron, arch)
     assert set(back) == set(hf)
     for name, tensor in back.items():
         assert torch.equal(tensor, hf[name]), name
@@ -111,7 +112,7 @@ def test_the_weight_sync_plan_carries_the_mtp_layer_but_not_the_copies() -> None
 
     arch = tiny()
     hf = load_file(str(TINY / "model.safetensors"))
-    megatron = hf_mapping.hf_to_megatron_state({n: t for n, t in hf.items() if not is_mtp_copy(n, arch)}, arch)
+    megatron = weight_states.hf_to_megatron_state({n: t for n, t in hf.items() if not is_mtp_copy(n, arch)}, arch)
     entries = [(name, hf_mapping.hf_param_shapes(arch, name, megatron[name].shape)) for name, _ in hf_mapping.name_map(arch)]
     planned = {name for bucket in _plan(entries, torch.float32, 20_000) for name in bucket.names}
     assert "model.layers.2.eh_proj.weight" in planned and "model.layers.2.mlp.experts.0.gate_proj.weight" in planned

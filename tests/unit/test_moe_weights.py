@@ -10,6 +10,7 @@ import torch
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.weights import hf_mapping
 from hpc_rl.weights.stage import global_named_params
+from tests.unit import weight_states
 
 
 def moe_arch(**overrides) -> ModelArchitecture:
@@ -73,17 +74,17 @@ def test_moe_layer_rows_follow_the_checkpoint_names() -> None:
 def test_moe_state_round_trip_is_exact(make) -> None:
     a = make()
     hf = random_hf_state(a)
-    megatron = hf_mapping.hf_to_megatron_state(hf, a, padded_vocab=16)
+    megatron = weight_states.hf_to_megatron_state(hf, a, padded_vocab=16)
     fc1 = megatron["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"]
     assert torch.equal(fc1, torch.cat([hf["model.layers.1.mlp.experts.2.gate_proj.weight"],
                                        hf["model.layers.1.mlp.experts.2.up_proj.weight"]]))
-    back = hf_mapping.megatron_to_hf_state(megatron, a)
+    back = weight_states.megatron_to_hf_state(megatron, a)
     assert set(back) == set(hf)
     assert all(torch.equal(back[name], tensor) for name, tensor in hf.items())
     # local-spec names: a MoE layer's pre-MLP norm keeps its own name, a dense layer's is the fused fc1 norm
-    local = {hf_mapping.local_spec_name(name): t for name, t in megatron.items()}
+    local = {weight_states.local_spec_name(name): t for name, t in megatron.items()}
     assert "decoder.layers.1.pre_mlp_layernorm.weight" in local and "decoder.layers.0.pre_mlp_layernorm.weight" in local
-    assert set(hf_mapping.megatron_to_hf_state(local, a)) == set(hf)
+    assert set(weight_states.megatron_to_hf_state(local, a)) == set(hf)
 
 
 def test_expert_helpers_and_tp_layout() -> None:

@@ -9,7 +9,8 @@ import pytest
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.training.pipeline import Compute, Exchange, Op, forward_only, one_f_one_b, stage_output_shape
 from hpc_rl.weights import hf_mapping
-from hpc_rl.weights.stage import StageLayout, even_stage_layout, global_name, stage_name_map
+from hpc_rl.weights.stage import StageLayout, global_name, stage_name_map
+from tests.unit.weight_states import even_stage_layout
 
 _PARTNER = {"send_forward": ("recv_forward", 1), "recv_forward": ("send_forward", -1),
             "send_backward": ("recv_backward", -1), "recv_backward": ("send_backward", 1)}

@@ -42,6 +42,7 @@ from hpc_rl.protocol.messages import (
     encode_message,
 )
 from hpc_rl.protocol.secret import Secret
+from tests.unit.protocol_frames import encode_frame
 
 SECRET = Secret(key=b"s" * 32, origin="/run/test/secret")
 NONCE = bytes(range(32))
@@ -54,7 +55,7 @@ def sender() -> framing.FrameCounter:
 def wire_round_trip(msg: Message, secret: Secret = SECRET) -> Message:
     """Encode to frame bytes and decode them again, as a receiver would."""
     header, parts = message_frame(msg, id=7)
-    data = bytearray(framing.encode_frame(secret, sender(), header, parts))
+    data = bytearray(encode_frame(secret, sender(), header, parts))
     header_len, _ = framing.parse_prefix(bytes(data[: framing.PREFIX.size]), framing.DEFAULT_MAX_FRAME_BYTES)
     h, payload = framing.open_frame(
         secret, sender(), bytes(data[: framing.PREFIX.size]), data[framing.PREFIX.size :], header_len
@@ -238,7 +239,7 @@ def test_adding_a_message_is_five_lines() -> None:
 
 def _frame(secret: Secret = SECRET, counter: framing.FrameCounter | None = None) -> bytes:
     header, parts = message_frame(Ping(payload="hi"), id=1)
-    return framing.encode_frame(secret, counter or sender(), header, parts)
+    return encode_frame(secret, counter or sender(), header, parts)
 
 
 def _open(

@@ -20,6 +20,7 @@ from hpc_rl.protocol.messages import (Arrays, ErrorReply, Hello, Message, Ping, 
                                       StatusRequest)
 from hpc_rl.protocol.secret import Secret
 from hpc_rl.protocol.server import Server, serve
+from tests.unit.protocol_frames import encode_frame
 
 SECRET = Secret(key=b"k" * 32, origin="/run/job/secret")
 WRONG = Secret(key=b"x" * 32, origin="/elsewhere/secret")
@@ -86,7 +87,7 @@ async def wait_until(condition: Callable[[], bool], timeout: float = 3.0) -> Non
 
 def frame_bytes(msg: Message, counter: framing.FrameCounter, secret: Secret = SECRET, id: int = 1) -> bytes:
     header, parts = message_frame(msg, id=id)
-    return framing.encode_frame(secret, counter, header, parts)
+    return encode_frame(secret, counter, header, parts)
 
 
 HELLO = Hello(role="trainer", rank=0, world_size=2, host="h", pid=1)

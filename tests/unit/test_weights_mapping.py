@@ -10,6 +10,7 @@ import torch
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.weights import hf_mapping
+from tests.unit import weight_states
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,7 +91,7 @@ def test_canonical_names() -> None:
             == "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight")
     assert (hf_mapping.canonical_name("decoder.layers.0.pre_mlp_layernorm.weight")
             == "decoder.layers.0.mlp.linear_fc1.layer_norm_weight")
-    assert hf_mapping.local_spec_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == \
+    assert weight_states.local_spec_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == \
         "decoder.layers.0.pre_mlp_layernorm.weight"
 
 
@@ -99,11 +100,11 @@ def test_canonical_names() -> None:
 def test_state_round_trip_is_exact_with_vocab_padding(make) -> None:
     a = make()
     hf = random_hf_state(a)
-    megatron = hf_mapping.hf_to_megatron_state(hf, a, padded_vocab=16)
+    megatron = weight_states.hf_to_megatron_state(hf, a, padded_vocab=16)
     embedding = megatron["embedding.word_embeddings.weight"]
     assert embedding.shape[0] == 16 and torch.count_nonzero(embedding[a.vocab_size:]) == 0
     assert ("output_layer.weight" in megatron) == (not a.tie_word_embeddings)
-    back = hf_mapping.megatron_to_hf_state(megatron, a)
+    back = weight_states.megatron_to_hf_state(megatron, a)
     assert set(back) == set(hf)
     for name, tensor in hf.items():
         assert torch.equal(back[name], tensor), name
@@ -124,7 +125,7 @@ def test_missing_hf_tensor_is_named() -> None:
     hf = random_hf_state(a)
     del hf["model.layers.1.self_attn.k_norm.weight"]
     with pytest.raises(KeyError, match="k_norm"):
-        hf_mapping.hf_to_megatron_state(hf, a)
+        weight_states.hf_to_megatron_state(hf, a)
 
 
 def test_hf_param_shapes_without_data() -> None:
