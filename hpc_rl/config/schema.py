@@ -19,6 +19,8 @@ ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinfor
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 RM_TYPES = ("deepscaler", "dapo", "math", "f1", "remote_rm", "tiny_task")
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
+PG_LOSS_TYPES = ("ppo", "reinforce")
+"""slime's --pg-loss-type choices."""
 WANDB_MODES = ("online", "offline", "disabled")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 SGLANG_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
@@ -407,6 +409,10 @@ class AlgorithmConfig:
     """Lower TIS weight clamp."""
     use_rollout_logprobs: bool = False
     """Use the engine's log-probs as old log-probs instead of recomputing them."""
+    pg_loss_type: str | None = None
+    """Policy-gradient objective (slime's --pg-loss-type): ppo (advantage_estimator's clipped objective: PPO, GSPO
+    or CISPO) | reinforce (-A * logp per token, no clip; with use_tis the TIS weight multiplies it). None: ppo
+    (slime's default without score centering, which hpc_rl does not offer yet)."""
     disable_grpo_std_normalization: bool = False
     """Dr. GRPO: subtract the group mean only."""
     disable_rewards_normalization: bool = False
@@ -468,6 +474,9 @@ class AlgorithmConfig:
             )
         if self.kl_loss_type not in KL_TYPES:
             raise ValueError(f"algorithm.kl_loss_type: {self.kl_loss_type!r} is not one of {', '.join(KL_TYPES)}")
+        if self.pg_loss_type not in (None, *PG_LOSS_TYPES):
+            raise ValueError(f"algorithm.pg_loss_type: {self.pg_loss_type!r} is not one of {', '.join(PG_LOSS_TYPES)} "
+                             f"(or leave it unset for ppo)")
         if self.eps_clip_high is None:
             self.eps_clip_high = self.eps_clip
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
