@@ -156,6 +156,9 @@ class RolloutConfig:
     """Loss-mask tokens of a partial sample that an older policy generated."""
     buffer_filter_path: str | None = None
     """Import path of `fn(args, rollout_id, buffer, num_samples) -> list[list[Sample]]` (default: FIFO)."""
+    buffer_sort_by_staleness: bool = False
+    """The partial-rollout buffer resumes the groups with the oldest generated-token weight version first (slime's
+    --buffer-sort-by-staleness); buffer_filter_path, when given, takes precedence."""
     custom_generate_function_path: str | None = None
     """Import path of `async fn(args, sample, sampling_params) -> Sample` (multi-turn, tools)."""
     max_turns: int | None = None

@@ -329,9 +329,6 @@ SLIME_LATER_REFUSED: dict[str, str] = {
         "not offered yet: score centering needs each generated token's top-k sampler log-probs from the engines, "
         "which hpc_rl's rollouts do not carry (the centering term itself is "
         "hpc_rl.training.losses.score_centering_correction); use --pg-loss-type reinforce with --use-tis"),
-    "buffer_sort_by_staleness": (
-        "not offered yet: the partial-rollout buffer resumes groups first in, first out (or as "
-        "--buffer-filter-path says); drop it"),
     "score_centering_top_k": "belongs to --use-score-centering, which is not offered yet (see there); drop it",
     "rollout_session_id": _OUTLIVE_REASON,
     "rollout_cleanup_timeout": _OUTLIVE_REASON,

@@ -185,7 +185,8 @@ class RolloutScheduler:
             "client": client, "source": source,
             "encoder": encoder, "reward_fn": reward_fn, "sampling_params": rollout_sampling_params(rollout),
             "args": args, "group_filter": load_group_filter(rollout.dynamic_sampling_filter_path),
-            "buffer": PartialRolloutBuffer(load_buffer_filter(rollout.buffer_filter_path), args=args),
+            "buffer": PartialRolloutBuffer(load_buffer_filter(rollout.buffer_filter_path), args=args,
+                                           sort_by_staleness=rollout.buffer_sort_by_staleness),
             "generate_fn": load_generate_function(rollout.custom_generate_function_path)}
         kwargs.update(overrides)
         return cls(**kwargs)

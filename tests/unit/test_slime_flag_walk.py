@@ -192,7 +192,7 @@ def _kinds() -> dict[str, Any]:
 
 # --- issue 34: the flags slime's main added after the list's commit, and the ones it removed ---------------------
 
-LATER_ACCEPTED = {"--pg-loss-type"}
+LATER_ACCEPTED = {"--pg-loss-type", "--buffer-sort-by-staleness"}
 LATER_MODEL_SWITCHES = {"--post-self-attn-layernorm", "--post-mlp-layernorm"}
 """GLM4's sandwich norms: model flags hpc_rl reads already (they come together; the tiny Qwen3 has neither)."""
 
