@@ -232,6 +232,13 @@ def test_flags_slime_removed_keep_their_answer() -> None:
     assert {"--" + name.replace("_", "-") for name in REMOVED_BY_SLIME} == set(expected)
     by_flag = {f.flag: f for f in slime_flag_list()}
     assert {flag: outcome(by_flag[flag])[0] for flag in expected} == expected
+    for name in REMOVED_BY_SLIME:
+        assert slime_flag_status(name).endswith("[slime removed this flag after 2026-08-21; hpc_rl still takes it "
+                                                 "from older launch lines]"), name
+    section = submit_help("usage: test").split("slime's own flags (", 1)[1]
+    assert "\n  --keep-old-actor: -> algorithm.keep_old_actor [slime removed" in section
+    for flag in SLIME_LATER_FLAGS:
+        assert f"\n  {flag.flag}: " in section, flag.flag
 
 
 def test_pg_loss_type_is_a_checked_field() -> None:
