@@ -65,6 +65,14 @@ def mask_offpolicy(sample: Sample, current_version: int) -> int:
     return masked
 
 
+def trained_token_staleness(samples: list[Sample], current_version: int) -> tuple[float, float]:
+    """(mean, max) of `current_version - version` over the tokens the loss trains (loss mask 1) of `samples`
+    (slime's staleness figures); (0, 0) when no token is trained."""
+    lags = [current_version - version for s in samples
+            for version, trained in zip(s.weight_versions, s.effective_loss_mask()) if trained]
+    return (sum(lags) / len(lags), float(max(lags))) if lags else (0.0, 0.0)
+
+
 def oldest_version(group: Group) -> int | None:
     """The oldest weight version of any token generated in the group (None: no sample has tokens yet)."""
     versions = [min(s.weight_versions) for s in group if s.weight_versions]

@@ -55,6 +55,7 @@ from hpc_rl.rollout.partial_buffer import (
     PartialRolloutBuffer,
     mask_offpolicy,
     reset_sample,
+    trained_token_staleness,
     violates_staleness,
 )
 from hpc_rl.rollout.routed_experts import RoutingShape
@@ -407,4 +408,6 @@ def _sample_stats(groups: list[Group], current_version: int) -> dict[str, float]
         "rollout/truncated_ratio": sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
         "rollout/resumed_partial_samples": float(sum("start_rollout_id" in s.metadata for s in samples)),
         "rollout/staleness_max": float(max(lags)) if lags else 0.0,
+        **dict(zip(("rollout/staleness_trained_mean", "rollout/staleness_trained_max"),
+                   trained_token_staleness(samples, current_version))),
     }

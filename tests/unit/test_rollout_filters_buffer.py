@@ -17,6 +17,7 @@ from hpc_rl.rollout.partial_buffer import (
     PartialRolloutBuffer,
     mask_offpolicy,
     reset_sample,
+    trained_token_staleness,
     violates_staleness,
 )
 
@@ -126,3 +127,12 @@ def test_an_explicit_buffer_filter_takes_precedence_over_sort_by_staleness() -> 
     buffer = PartialRolloutBuffer(last_first, sort_by_staleness=True)
     buffer.add([versioned_group(0, [[1]]), versioned_group(1, [[5]])], rollout_id=0)
     assert [g[0].group_index for g in buffer.take(rollout_id=1, num_groups=1)] == [1]
+
+
+def test_trained_token_staleness_counts_the_tokens_the_loss_trains() -> None:
+    a, b = versioned_group(0, [[2, 3, 5], [5]])
+    a.loss_mask = [1, 0, 1]  # the v3 token is not trained (a tool output, or masked off-policy)
+    # current version 5: trained lags a: [3, 0], b: [0] -> mean 1, max 3
+    assert trained_token_staleness([a, b], current_version=5) == (1.0, 3.0)
+    assert trained_token_staleness([b], current_version=5) == (0.0, 0.0)
+    assert trained_token_staleness(versioned_group(1, [[]]), current_version=5) == (0.0, 0.0)
