@@ -16,9 +16,9 @@ from typing import Any
 
 from hpc_rl.config import schema
 from hpc_rl.config.settings_sources import flat_index, section_types
-from hpc_rl.config.slime_flag_list import GROUP_TITLES, slime_flag_list, slime_list_source
+from hpc_rl.config.slime_flag_list import SLIME_LATER_FLAGS, GROUP_TITLES, slime_flag_list, slime_list_source
 from hpc_rl.config.slime_flags import (
-    ALIASES, COMPAT_FLAGS, EXPANDING_FLAGS, MODEL_FLAGS, REFUSED_FLAGS, UNBUILDABLE_MODEL_FLAGS,
+    ALIASES, COMPAT_FLAGS, EXPANDING_FLAGS, MODEL_FLAGS, REFUSED_FLAGS, REMOVED_BY_SLIME, UNBUILDABLE_MODEL_FLAGS,
 )
 from hpc_rl.config.typing_rules import type_name
 
@@ -71,7 +71,13 @@ def _names(names: Any) -> str:
 
 
 def slime_flag_status(name: str) -> str:
-    """What hpc_rl does with slime's flag `name` (rollout_batch_size), in one line."""
+    """What hpc_rl does with slime's flag `name` (rollout_batch_size), in one line (with a note for the flags
+    slime's later main removed)."""
+    status = _flag_status(name)
+    return f"{status} [{REMOVED_BY_SLIME[name]}]" if name in REMOVED_BY_SLIME else status
+
+
+def _flag_status(name: str) -> str:
     refused = {**REFUSED_FLAGS, **UNBUILDABLE_MODEL_FLAGS}
     if name in refused:
         return f"refused: {refused[name]}"
@@ -95,10 +101,11 @@ def slime_flag_status(name: str) -> str:
 def slime_flag_lines() -> list[str]:
     """slime's own flags in slime's groups, each with what hpc_rl does with it."""
     by_group: dict[str, list[str]] = {}
-    for flag in slime_flag_list():
+    for flag in (*slime_flag_list(), *SLIME_LATER_FLAGS):
         by_group.setdefault(flag.group, []).append(f"  {flag.flag}: {slime_flag_status(flag.name)}")
     commit, date = slime_list_source()
-    lines = [f"slime's own flags (slime/utils/arguments.py of THUDM/slime {commit[:10]}, {date}), by slime's groups:"]
+    lines = [f"slime's own flags (slime/utils/arguments.py of THUDM/slime {commit[:10]}, {date}, and those its later "
+             f"main added), by slime's groups:"]
     for group, title in GROUP_TITLES.items():
         if group in by_group:
             lines += [f" {title}:", *by_group.pop(group)]

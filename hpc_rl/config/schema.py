@@ -19,6 +19,8 @@ ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinfor
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 RM_TYPES = ("deepscaler", "dapo", "math", "f1", "remote_rm", "tiny_task")
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
+PG_LOSS_TYPES = ("ppo", "reinforce")
+"""slime's --pg-loss-type choices."""
 WANDB_MODES = ("online", "offline", "disabled")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 SGLANG_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
@@ -154,6 +156,9 @@ class RolloutConfig:
     """Loss-mask tokens of a partial sample that an older policy generated."""
     buffer_filter_path: str | None = None
     """Import path of `fn(args, rollout_id, buffer, num_samples) -> list[list[Sample]]` (default: FIFO)."""
+    buffer_sort_by_staleness: bool = False
+    """The partial-rollout buffer resumes the groups with the oldest generated-token weight version first (slime's
+    --buffer-sort-by-staleness); buffer_filter_path, when given, takes precedence."""
     custom_generate_function_path: str | None = None
     """Import path of `async fn(args, sample, sampling_params) -> Sample` (multi-turn, tools)."""
     max_turns: int | None = None
@@ -407,6 +412,10 @@ class AlgorithmConfig:
     """Lower TIS weight clamp."""
     use_rollout_logprobs: bool = False
     """Use the engine's log-probs as old log-probs instead of recomputing them."""
+    pg_loss_type: str | None = None
+    """Policy-gradient objective (slime's --pg-loss-type): ppo (advantage_estimator's clipped objective: PPO, GSPO
+    or CISPO) | reinforce (-A * logp per token, no clip; with use_tis the TIS weight multiplies it). None: ppo
+    (slime's default without score centering, which hpc_rl does not offer yet)."""
     disable_grpo_std_normalization: bool = False
     """Dr. GRPO: subtract the group mean only."""
     disable_rewards_normalization: bool = False
@@ -468,6 +477,9 @@ class AlgorithmConfig:
             )
         if self.kl_loss_type not in KL_TYPES:
             raise ValueError(f"algorithm.kl_loss_type: {self.kl_loss_type!r} is not one of {', '.join(KL_TYPES)}")
+        if self.pg_loss_type not in (None, *PG_LOSS_TYPES):
+            raise ValueError(f"algorithm.pg_loss_type: {self.pg_loss_type!r} is not one of {', '.join(PG_LOSS_TYPES)} "
+                             f"(or leave it unset for ppo)")
         if self.eps_clip_high is None:
             self.eps_clip_high = self.eps_clip
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:

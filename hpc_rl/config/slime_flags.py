@@ -223,7 +223,8 @@ SLIME_REST_COMPAT: dict[str, CompatFlag] = {
     "distributed_backend": CompatFlag(("nccl", "gloo"), "hpc_rl uses NCCL on cuda and gloo on cpu (cluster.device)"),
     "rollout_data_transport": CompatFlag(
         ("object-store",), "the controller sends rollout data to the trainer ranks over its own TCP protocol "
-                           "(arrays as raw bytes); there is no Ray object store or NIXL"),
+                           "(arrays as raw bytes); there is no Ray object store, NIXL or straw queue (rollout records and "
+                           "the partial buffer live in the run directory on the shared filesystem)"),
     "eval_function_path": CompatFlag(
         ("slime.rollout.sglang_rollout.generate_rollout", "vime.rollout.vllm_rollout.generate_rollout"),
         "hpc_rl's controller runs slime's default eval rollout; per-sample logic goes in --custom-generate-function-path"),
@@ -304,3 +305,49 @@ SLIME_REST_ALIASES: dict[str, str] = {
 COMPAT_FLAGS.update(SLIME_REST_COMPAT)
 REFUSED_FLAGS.update(SLIME_REST_REFUSED)
 ALIASES.update(SLIME_REST_ALIASES)
+
+# ---- Issue 34: what slime's main added after the list's commit (624b824a, 2026-08-21). Each flag is a config
+# field, accepted at hpc_rl's behaviour, or refused with the reason; the walk tries each one
+# (tests/unit/test_slime_flag_walk.py, SLIME_LATER_FLAGS in hpc_rl.config.slime_flag_list).
+_STRAW_REASON = ("belongs to slime's straw rollout-data transport (a lease queue of packed rollout files on a "
+                 "JuiceFS store); hpc_rl's controller keeps rollout records and the partial-rollout buffer in its own "
+                 "run directory on the shared filesystem (run_dir) and sends rollout data to the trainer over its "
+                 "TCP protocol: drop it")
+_OUTLIVE_REASON = ("belongs to engines that outlive the trainer (a rollout session resumed by a later job), which "
+                   "hpc_rl does not offer yet: the engines are the job's and stop with it; drop it")
+SLIME_LATER_REFUSED: dict[str, str] = {
+    "flush_cache_interval": (
+        "in-place weight updates (engines paused with their running requests, a cache flush every N syncs) are "
+        "not offered yet: every sync flushes the engines' cache, which is slime's --flush-cache-interval 1"),
+    "routing_replay_prefetch_microbatches": (
+        "not offered: hpc_rl's routing replay keeps each rollout's routed experts in host memory beside its "
+        "samples (no disk-backed routes to read ahead); drop it"),
+    "force_fp8_ue8m0_scale": (
+        "FP8 rollouts (block-FP8 weight syncs to FP8 engines) are not offered yet: the engines serve the "
+        "trainer's bf16 weights; drop it"),
+    "use_score_centering": (
+        "not offered yet: score centering needs each generated token's top-k sampler log-probs from the engines, "
+        "which hpc_rl's rollouts do not carry (the centering term itself is "
+        "hpc_rl.training.losses.score_centering_correction); use --pg-loss-type reinforce with --use-tis"),
+    "score_centering_top_k": "belongs to --use-score-centering, which is not offered yet (see there); drop it",
+    "rollout_session_id": _OUTLIVE_REASON,
+    "rollout_cleanup_timeout": _OUTLIVE_REASON,
+    "rollout_data_dir": (
+        "not needed: the controller writes rollout records (--save-debug-rollout-data) and the partial-rollout "
+        "buffer under the run directory (run_dir, on the shared filesystem); drop it"),
+    **{name: _STRAW_REASON for name in (
+        "rollout_storage_profile", "rollout_storage_declaration", "rollout_queue_run_id", "rollout_queue_online_gc",
+        "rollout_queue_lease_seconds", "rollout_queue_segment_mib", "rollout_io_concurrency")},
+}
+SLIME_LATER_UNBUILDABLE: dict[str, str] = {
+    "use_gated_attention": ("hpc_rl builds plain (ungated) attention; gated attention (Qwen3-Next / Qwen3.5 output "
+                            "gates) would train silently wrong"),
+}
+# --post-self-attn-layernorm and --post-mlp-layernorm are model switches (MODEL_SWITCHES) already.
+REMOVED_BY_SLIME: dict[str, str] = {
+    name: "slime removed this flag after 2026-08-21; hpc_rl still takes it from older launch lines"
+    for name in ("update_weights_interval", "keep_old_actor", "disable_rollout_global_dataset", "profile_target")
+}
+"""Flags slime's later main no longer defines: hpc_rl answers them as before (a field or a refusal) with this note."""
+REFUSED_FLAGS.update(SLIME_LATER_REFUSED)
+UNBUILDABLE_MODEL_FLAGS.update(SLIME_LATER_UNBUILDABLE)

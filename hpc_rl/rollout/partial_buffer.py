@@ -11,6 +11,10 @@ Such samples are reset (tokens dropped, counted as wasted) and regenerated from 
 of their group is kept. So no trained token is more than k versions older than the policy that
 starts the rollout it is returned in. `max_staleness = None` disables the check.
 
+With `rollout.buffer_sort_by_staleness` (slime's --buffer-sort-by-staleness) the buffer resumes the groups whose
+oldest generated token has the oldest weight version first (ties and groups without tokens keep their FIFO order,
+the latter after all versioned groups); an explicit buffer filter (`rollout.buffer_filter_path`) takes precedence.
+
 Does not own: when groups enter or leave (scheduler.py).
 """
 
@@ -61,12 +65,37 @@ def mask_offpolicy(sample: Sample, current_version: int) -> int:
     return masked
 
 
-class PartialRolloutBuffer:
-    """Unfinished groups waiting for the next rollout (FIFO unless a buffer filter says otherwise)."""
+def trained_token_staleness(samples: list[Sample], current_version: int) -> tuple[float, float]:
+    """(mean, max) of `current_version - version` over the tokens the loss trains (loss mask 1) of `samples`
+    (slime's staleness figures); (0, 0) when no token is trained."""
+    lags = [current_version - version for s in samples
+            for version, trained in zip(s.weight_versions, s.effective_loss_mask()) if trained]
+    return (sum(lags) / len(lags), float(max(lags))) if lags else (0.0, 0.0)
 
-    def __init__(self, buffer_filter: BufferFilter = pop_first, args: Any = None) -> None:
+
+def oldest_version(group: Group) -> int | None:
+    """The oldest weight version of any token generated in the group (None: no sample has tokens yet)."""
+    versions = [min(s.weight_versions) for s in group if s.weight_versions]
+    return min(versions) if versions else None
+
+
+def order_by_staleness(groups: list[Group]) -> list[Group]:
+    """`groups` with the oldest-version groups first; a stable order, groups without tokens last."""
+    def key(group: Group) -> tuple[int, int]:
+        version = oldest_version(group)
+        return (1, 0) if version is None else (0, version)
+    return sorted(groups, key=key)
+
+
+class PartialRolloutBuffer:
+    """Unfinished groups waiting for the next rollout (FIFO unless a buffer filter says otherwise, or oldest weight
+    version first with `sort_by_staleness` and the default filter)."""
+
+    def __init__(self, buffer_filter: BufferFilter = pop_first, args: Any = None, *,
+                 sort_by_staleness: bool = False) -> None:
         self.buffer_filter = buffer_filter
         self.args = args
+        self.sort_by_staleness = sort_by_staleness
         self.groups: list[Group] = []
 
     def __len__(self) -> int:
@@ -84,6 +113,8 @@ class PartialRolloutBuffer:
         """Up to `num_groups` groups chosen by the buffer filter, removed from the buffer."""
         if num_groups <= 0 or not self.groups:
             return []
+        if self.sort_by_staleness and self.buffer_filter is pop_first:
+            self.groups[:] = order_by_staleness(self.groups)
         taken = list(self.buffer_filter(self.args, rollout_id, self.groups, num_groups))[:num_groups]
         # A filter may forget to remove what it returns; never hand a group out twice.
         ids = {id(g) for g in taken}

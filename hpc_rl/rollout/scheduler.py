@@ -55,6 +55,7 @@ from hpc_rl.rollout.partial_buffer import (
     PartialRolloutBuffer,
     mask_offpolicy,
     reset_sample,
+    trained_token_staleness,
     violates_staleness,
 )
 from hpc_rl.rollout.routed_experts import RoutingShape
@@ -185,7 +186,8 @@ class RolloutScheduler:
             "client": client, "source": source,
             "encoder": encoder, "reward_fn": reward_fn, "sampling_params": rollout_sampling_params(rollout),
             "args": args, "group_filter": load_group_filter(rollout.dynamic_sampling_filter_path),
-            "buffer": PartialRolloutBuffer(load_buffer_filter(rollout.buffer_filter_path), args=args),
+            "buffer": PartialRolloutBuffer(load_buffer_filter(rollout.buffer_filter_path), args=args,
+                                           sort_by_staleness=rollout.buffer_sort_by_staleness),
             "generate_fn": load_generate_function(rollout.custom_generate_function_path)}
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -406,4 +408,6 @@ def _sample_stats(groups: list[Group], current_version: int) -> dict[str, float]
         "rollout/truncated_ratio": sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
         "rollout/resumed_partial_samples": float(sum("start_rollout_id" in s.metadata for s in samples)),
         "rollout/staleness_max": float(max(lags)) if lags else 0.0,
+        **dict(zip(("rollout/staleness_trained_mean", "rollout/staleness_trained_max"),
+                   trained_token_staleness(samples, current_version))),
     }

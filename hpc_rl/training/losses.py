@@ -42,6 +42,7 @@ __all__ = [
     "policy_loss",
     "policy_loss_and_metrics",
     "policy_loss_type_for",
+    "score_centering_correction",
     "reinforce_loss",
     "sft_loss",
     "step_loss_scale",
@@ -223,6 +224,38 @@ def tis_weights(
     return w, metrics
 
 
+def score_centering_correction(
+    train_head_log_probs: Tensor, sampler_head_log_probs: Tensor, *, clip_low: float | None = None,
+    clip_high: float | None = None, eps: float = 1e-6,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The head term of score centering (arXiv:2609.20807 eqs. 9, 12, 14, as slime's later main uses it).
+
+    Inputs are [tokens, k] log-probs of the sampler's top-k tokens at each position, normalized over the
+    whole vocabulary: ``train_head_log_probs`` (log p, the trainer's; the only input with a gradient) and
+    ``sampler_head_log_probs`` (log q, the engine's). With head masses P = sum_k p, Q = sum_k q, the tail
+    ratio rho = max(1 - Q, eps) / max(1 - P, eps), the importance weight IS(r) = clamp(r, clip_low,
+    clip_high) (identity when both are None: no TIS), alpha = rho * IS(1 / rho) and w_k = IS(p_k / q_k):
+
+        correction_t = sum_k (q_k * w_k - alpha * p_k) * log p_k        (the bracket without gradient)
+
+    Returns (correction [tokens], Q [tokens], P [tokens]); Q and P are detached. Not wired into the loss yet:
+    the rollouts do not carry the engines' top-k log-probs (slime's --use-score-centering is refused).
+    """
+    def importance(ratio: Tensor) -> Tensor:
+        if clip_low is None and clip_high is None:
+            return ratio
+        return ratio.clamp(0.0 if clip_low is None else clip_low, clip_high)
+
+    with torch.no_grad():
+        p, q = train_head_log_probs.float().exp(), sampler_head_log_probs.float().exp()
+        p_mass, q_mass = p.sum(-1), q.sum(-1)
+        rho = (1.0 - q_mass).clamp_min(eps) / (1.0 - p_mass).clamp_min(eps)
+        alpha = rho * importance(rho.reciprocal())
+        weights = importance((train_head_log_probs.float() - sampler_head_log_probs.float()).exp())
+        residual = q * weights - alpha.unsqueeze(-1) * p
+    return (residual * train_head_log_probs).sum(-1), q_mass, p_mass
+
+
 def sft_loss(log_probs: PerSample, loss_masks: PerSample, *, per_token: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
     """SFT (slime's sft_loss): loss = -R(log p(token)) over the trained (assistant) tokens, R the step's reducer
     (:func:`sum_of_sample_mean`, or :func:`sum_of_tokens` with ``per_token``); metrics: ``loss``."""
@@ -382,8 +415,13 @@ class PolicyLossConfig:
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
 
 
-def policy_loss_type_for(advantage_estimator: str, *, cispo: bool = False) -> str:
-    """slime's mapping: gspo -> "gspo"; cispo -> "cispo"; everything else -> "ppo"."""
+def policy_loss_type_for(advantage_estimator: str, *, cispo: bool = False, pg_loss_type: str | None = None) -> str:
+    """slime's mapping: --pg-loss-type reinforce -> "reinforce"; else gspo -> "gspo"; cispo -> "cispo";
+    everything else -> "ppo" (--pg-loss-type ppo, or unset, keeps the estimator's clipped objective)."""
+    if pg_loss_type == "reinforce":
+        return "reinforce"
+    if pg_loss_type not in (None, "ppo"):
+        raise ValueError(f"pg_loss_type {pg_loss_type!r} is not ppo or reinforce")
     if cispo or advantage_estimator == "cispo":
         return "cispo"
     return "gspo" if advantage_estimator == "gspo" else "ppo"

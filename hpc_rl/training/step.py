@@ -80,7 +80,7 @@ from hpc_rl.training.critic import critic_metrics, train_critic
 def policy_loss_config(algorithm: AlgorithmConfig, training: TrainingConfig) -> PolicyLossConfig:
     """The loss knobs from the `algorithm` section."""
     return PolicyLossConfig(
-        policy_loss_type=policy_loss_type_for(algorithm.advantage_estimator),
+        policy_loss_type=policy_loss_type_for(algorithm.advantage_estimator, pg_loss_type=algorithm.pg_loss_type),
         eps_clip=algorithm.eps_clip, eps_clip_high=algorithm.eps_clip_high, eps_clip_c=algorithm.eps_clip_c,
         entropy_coef=algorithm.entropy_coef, use_kl_loss=algorithm.use_kl_loss,
         kl_loss_coef=algorithm.kl_loss_coef, kl_loss_type=algorithm.kl_loss_type, use_tis=algorithm.use_tis,

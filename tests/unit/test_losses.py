@@ -16,6 +16,7 @@ from hpc_rl.training.losses import (
     policy_loss_and_metrics,
     policy_loss_type_for,
     reinforce_loss,
+    score_centering_correction,
     step_loss_scale,
     sum_of_sample_mean,
     sum_of_tokens,
@@ -228,6 +229,59 @@ def test_policy_loss_type_mapping_and_config_validation() -> None:
     with pytest.raises(ValueError):
         PolicyLossConfig(eps_clip_c=1.0)
     assert PolicyLossConfig(eps_clip=0.2).clip_high == 0.2
+
+
+# --- issue 34: --pg-loss-type and score centering --------------------------------------------------
+
+
+def test_pg_loss_type_reinforce_overrides_the_estimators_objective() -> None:
+    for estimator in ("grpo", "gspo", "cispo", "ppo", "reinforce_plus_plus"):
+        assert policy_loss_type_for(estimator, pg_loss_type="reinforce") == "reinforce"
+    assert policy_loss_type_for("gspo", pg_loss_type="ppo") == "gspo"  # ppo keeps the estimator's clipped loss
+    assert policy_loss_type_for("cispo", pg_loss_type="ppo") == "cispo"
+    assert policy_loss_type_for("grpo", pg_loss_type=None) == "ppo"
+    with pytest.raises(ValueError, match="pg_loss_type"):
+        policy_loss_type_for("grpo", pg_loss_type="a2c")
+
+
+def test_reinforce_with_tis_hand_value_and_gradient() -> None:
+    # One sample, two tokens, logp = [-1, -2], A = 1, TIS ratios exp(old - rollout) = [2, 1] clipped at 1.5.
+    # REINFORCE: pg_t = -A * w_t * logp_t = [1.5, 2.0]; sum_of_sample_mean -> 1.75; d/dlogp = -A * w_t / 2.
+    # (PPO on the same numbers: ratio 1, pg_t = -A * w_t = [-1.5, -1.0], mean -1.25.)
+    def run(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        log_probs = t(-1.0, -2.0).requires_grad_()
+        loss, _ = policy_loss_and_metrics(
+            PolicyLossConfig(policy_loss_type=kind, use_tis=True, tis_clip=1.5),
+            log_probs=[log_probs], old_log_probs=[t(-1.0, -2.0)], advantages=[t(1.0, 1.0)], loss_masks=[t(1, 1)],
+            rollout_log_probs=[t(-1.0 - math.log(2.0), -2.0)])
+        loss.backward()
+        return loss.detach(), log_probs.grad
+    loss, grad = run("reinforce")
+    close(loss, 1.75)
+    close(grad, [-0.75, -0.5])
+    loss, _ = run("ppo")
+    close(loss, -1.25)
+
+
+def test_score_centering_correction_hand_values() -> None:
+    # p = [0.5, 0.25] (P = 0.75), q = [0.4, 0.4] (Q = 0.8): rho = 0.2 / 0.25 = 0.8.
+    train = torch.log(t(0.5, 0.25)).reshape(1, 2).requires_grad_()
+    sampler = torch.log(t(0.4, 0.4)).reshape(1, 2)
+    # No IS bounds: w = p / q and alpha = 1, so q * w - alpha * p = 0: the head term vanishes.
+    correction, q_mass, p_mass = score_centering_correction(train, sampler)
+    close(correction, [0.0])
+    close(q_mass, [0.8])
+    close(p_mass, [0.75])
+    # TIS bounds [0, 1]: w = [1, 0.625], alpha = 0.8 * min(1.25, 1) = 0.8,
+    # residual = [0.4 - 0.4, 0.25 - 0.2] = [0, 0.05]; correction = 0.05 * log 0.25.
+    correction, _, _ = score_centering_correction(train, sampler, clip_low=0.0, clip_high=1.0)
+    close(correction, [0.05 * math.log(0.25)])
+    correction.sum().backward()
+    close(train.grad, [[0.0, 0.05]])  # the gradient flows through log p only, weighted by the residual
+    # A head holding the whole train mass floors 1 - P at eps (no division by zero).
+    full = torch.log(t(0.75, 0.25)).reshape(1, 2)
+    correction, _, _ = score_centering_correction(full, sampler, clip_low=0.0, clip_high=1.0)
+    assert torch.isfinite(correction).all()
 
 
 # --- micro-batching invariance -------------------------------------------------------------------

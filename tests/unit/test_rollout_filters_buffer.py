@@ -17,6 +17,7 @@ from hpc_rl.rollout.partial_buffer import (
     PartialRolloutBuffer,
     mask_offpolicy,
     reset_sample,
+    trained_token_staleness,
     violates_staleness,
 )
 
@@ -94,3 +95,44 @@ def test_mask_offpolicy() -> None:
     fresh = group([None])[0]
     fresh.response_token_ids, fresh.weight_versions = [1], [1]
     assert mask_offpolicy(fresh, 1) == 0 and fresh.loss_mask is None
+
+
+def versioned_group(group_index: int, versions: list[list[int]]) -> list[Sample]:
+    """A partial group whose k-th sample has generated one token per entry of versions[k]."""
+    samples = group([None] * len(versions), group_index)
+    for sample, tokens in zip(samples, versions):
+        sample.response_token_ids = [7] * len(tokens)
+        sample.response_logprobs = [-0.5] * len(tokens)
+        sample.weight_versions = list(tokens)
+    return samples
+
+
+def test_sort_by_staleness_resumes_the_oldest_version_groups_first() -> None:
+    # FIFO order: g0 (oldest token v3), g1 (no tokens yet), g2 (v1), g3 (v3, ties g0), g4 (v2 via its 2nd sample)
+    groups = [versioned_group(0, [[3, 4]]), versioned_group(1, [[]]), versioned_group(2, [[1, 2]]),
+              versioned_group(3, [[3]]), versioned_group(4, [[5], [2, 5]])]
+    fifo = PartialRolloutBuffer()
+    fifo.add([list(g) for g in groups], rollout_id=0)
+    assert [g[0].group_index for g in fifo.take(rollout_id=1, num_groups=5)] == [0, 1, 2, 3, 4]
+    stale_first = PartialRolloutBuffer(sort_by_staleness=True)
+    stale_first.add(groups, rollout_id=0)
+    assert [g[0].group_index for g in stale_first.take(rollout_id=1, num_groups=2)] == [2, 4]
+    assert [g[0].group_index for g in stale_first.take(rollout_id=1, num_groups=3)] == [0, 3, 1]
+    assert len(stale_first) == 0
+
+
+def test_an_explicit_buffer_filter_takes_precedence_over_sort_by_staleness() -> None:
+    def last_first(args, rollout_id, buffer, num_samples):  # a user's filter: newest group first
+        return [buffer.pop() for _ in range(min(num_samples, len(buffer)))]
+    buffer = PartialRolloutBuffer(last_first, sort_by_staleness=True)
+    buffer.add([versioned_group(0, [[1]]), versioned_group(1, [[5]])], rollout_id=0)
+    assert [g[0].group_index for g in buffer.take(rollout_id=1, num_groups=1)] == [1]
+
+
+def test_trained_token_staleness_counts_the_tokens_the_loss_trains() -> None:
+    a, b = versioned_group(0, [[2, 3, 5], [5]])
+    a.loss_mask = [1, 0, 1]  # the v3 token is not trained (a tool output, or masked off-policy)
+    # current version 5: trained lags a: [3, 0], b: [0] -> mean 1, max 3
+    assert trained_token_staleness([a, b], current_version=5) == (1.0, 3.0)
+    assert trained_token_staleness([b], current_version=5) == (0.0, 0.0)
+    assert trained_token_staleness(versioned_group(1, [[]]), current_version=5) == (0.0, 0.0)

@@ -17,7 +17,11 @@ import pytest
 from hpc_rl.config import ConfigError
 from hpc_rl.config.loading import Setting, build_config, parse_cli_settings, read_yaml_settings
 from hpc_rl.config.help_text import slime_flag_status, submit_help
-from hpc_rl.config.slime_flag_list import SLIME_ARGUMENTS_LIST, GROUP_TITLES, SlimeFlag, slime_flag_list, slime_list_source
+from hpc_rl.config.slime_flag_list import (
+    GROUP_TITLES, SLIME_ARGUMENTS_LIST, SLIME_LATER_FLAGS, SLIME_LATER_VALUES, SlimeFlag, slime_flag_list,
+    slime_list_source,
+)
+from hpc_rl.config.slime_flags import REMOVED_BY_SLIME
 from hpc_rl.config.validation import collect_problems
 
 REPO = Path(__file__).resolve().parents[2]
@@ -184,3 +188,62 @@ def test_the_list_is_what_the_tool_reads_from_slime(tmp_path: Path) -> None:
 
 def _kinds() -> dict[str, Any]:
     return {flag.flag: outcome(flag)[0] for flag in walked_flags()}
+
+
+# --- issue 34: the flags slime's main added after the list's commit, and the ones it removed ---------------------
+
+LATER_ACCEPTED = {"--pg-loss-type", "--buffer-sort-by-staleness"}
+LATER_MODEL_SWITCHES = {"--post-self-attn-layernorm", "--post-mlp-layernorm"}
+"""GLM4's sandwich norms: model flags hpc_rl reads already (they come together; the tiny Qwen3 has neither)."""
+
+
+def test_flags_slime_added_later_are_accepted_or_refused_with_a_reason() -> None:
+    listed = {f.flag for f in slime_flag_list()}
+    assert len(SLIME_LATER_FLAGS) == 20 and not listed & {f.flag for f in SLIME_LATER_FLAGS}
+    assert {f.group for f in SLIME_LATER_FLAGS} <= set(GROUP_TITLES)
+    results = {flag.flag: outcome(flag) for flag in SLIME_LATER_FLAGS}
+    assert {flag for flag, (kind, _) in results.items() if kind == "accepted"} == LATER_ACCEPTED, results
+    refused = {flag: reason for flag, (kind, reason) in results.items() if kind == "refused"}
+    assert set(refused) == {f.flag for f in SLIME_LATER_FLAGS} - LATER_ACCEPTED - LATER_MODEL_SWITCHES, results
+    for flag in LATER_MODEL_SWITCHES:
+        kind, message = results[flag]
+        assert kind == "problem" and "come together (GLM4's sandwich norms)" in message
+    assert all(len(reason) > 15 for reason in refused.values())
+    assert "outlive the trainer" in refused["--rollout-session-id"]
+    assert "outlive the trainer" in refused["--rollout-cleanup-timeout"]
+    assert "JuiceFS" in refused["--rollout-queue-lease-seconds"]
+    assert "run directory" in refused["--rollout-data-dir"]
+    assert "--flush-cache-interval 1" in refused["--flush-cache-interval"]
+    for flag in ("--use-gated-attention", "--use-score-centering", "--force-fp8-ue8m0-scale"):
+        assert flag in {f.flag for f in SLIME_LATER_FLAGS} and refused[flag]
+
+
+def test_values_slime_added_later_are_refused_with_a_reason() -> None:
+    by_flag = {f.flag: f for f in slime_flag_list()}
+    for flag, values in SLIME_LATER_VALUES.items():
+        for value in values:
+            with pytest.raises(ConfigError, match=f"{flag} '{value}' is refused: .*straw"):
+                build_config([*tiny_settings(), *parse_cli_settings([by_flag[flag].flag, value])])
+
+
+def test_flags_slime_removed_keep_their_answer() -> None:
+    expected = {"--update-weights-interval": "accepted", "--keep-old-actor": "accepted",
+                "--disable-rollout-global-dataset": "refused", "--profile-target": "refused"}
+    assert {"--" + name.replace("_", "-") for name in REMOVED_BY_SLIME} == set(expected)
+    by_flag = {f.flag: f for f in slime_flag_list()}
+    assert {flag: outcome(by_flag[flag])[0] for flag in expected} == expected
+    for name in REMOVED_BY_SLIME:
+        assert slime_flag_status(name).endswith("[slime removed this flag after 2026-08-21; hpc_rl still takes it "
+                                                 "from older launch lines]"), name
+    section = submit_help("usage: test").split("slime's own flags (", 1)[1]
+    assert "\n  --keep-old-actor: -> algorithm.keep_old_actor [slime removed" in section
+    for flag in SLIME_LATER_FLAGS:
+        assert f"\n  {flag.flag}: " in section, flag.flag
+
+
+def test_pg_loss_type_is_a_checked_field() -> None:
+    config = build_config([*tiny_settings(), *parse_cli_settings(["--pg-loss-type", "reinforce"])])
+    assert config.algorithm.pg_loss_type == "reinforce"
+    assert build_config(list(tiny_settings())).algorithm.pg_loss_type is None
+    with pytest.raises((ConfigError, ValueError), match="pg_loss_type"):
+        build_config([*tiny_settings(), *parse_cli_settings(["--pg-loss-type", "a2c"])])
