@@ -18,11 +18,11 @@ from hpc_rl.controller.fault_hooks import KILL_CONTROLLER_AFTER_SAVE, kill_here_
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry, TrainerInfo
 from hpc_rl.controller.rollout_stack import assemble_loop
 from hpc_rl.controller.trainer_channel import TrainerChannel
-from hpc_rl.protocol.messages import CommandDone, SaveCommand, SyncWeightsCommand, WeightPlan
+from hpc_rl.protocol.messages import SaveCommand
 from hpc_rl.telemetry.recorder import RunRecorder
 from hpc_rl.telemetry.run_files import ROLLOUT_RECORDS
 from hpc_rl.telemetry.scalars import ScalarLog
-from tests.unit.test_run_loop_order import FakeFleet, FakeScheduler
+from tests.unit.test_run_loop_order import FakeFleet, FakeScheduler, answer_command
 
 
 async def saving_trainer_rank(channel: TrainerChannel, saves: list[dict[str, Any]]) -> None:
@@ -31,12 +31,7 @@ async def saving_trainer_rank(channel: TrainerChannel, saves: list[dict[str, Any
         command = await channel.next_command(0)
         if isinstance(command, SaveCommand):
             saves.append(json.loads(json.dumps(command.controller_state)))  # as the JSON file round-trips it
-        if isinstance(command, SyncWeightsCommand):
-            channel.on_weight_plan(WeightPlan(weight_version=command.weight_version, master_address="127.0.0.1",
-                                              master_port=1, buckets=[{"names": ["w"], "dtypes": ["float32"],
-                                                                       "shapes": [[1]], "num_bytes": 4}]))
-        await asyncio.sleep(0)
-        channel.on_done(CommandDone(rank=0, seq=command.seq))
+        await answer_command(channel, command)
 
 
 def run_loop(run_dir: Path, *, num_rollout: int, restore: dict[str, Any] | None = None) -> list[dict[str, Any]]:

@@ -111,12 +111,17 @@ async def recording_trainer_rank(channel: TrainerChannel, events: list[str]) -> 
     while True:
         command = await channel.next_command(0)
         events.append(describe(command))
-        if isinstance(command, SyncWeightsCommand):
-            channel.on_weight_plan(WeightPlan(weight_version=command.weight_version, master_address="127.0.0.1",
-                                              master_port=1, buckets=[{"names": ["w"], "dtypes": ["float32"],
-                                                                       "shapes": [[1]], "num_bytes": 4}]))
-        await asyncio.sleep(0)
-        channel.on_done(CommandDone(rank=0, seq=command.seq))
+        await answer_command(channel, command)
+
+
+async def answer_command(channel: TrainerChannel, command: object) -> None:
+    """What a fake rank 0 does with any command: a sync's plan (one bucket), then done."""
+    if isinstance(command, SyncWeightsCommand):
+        channel.on_weight_plan(WeightPlan(weight_version=command.weight_version, master_address="127.0.0.1",
+                                          master_port=1, buckets=[{"names": ["w"], "dtypes": ["float32"],
+                                                                   "shapes": [[1]], "num_bytes": 4}]))
+    await asyncio.sleep(0)
+    channel.on_done(CommandDone(rank=0, seq=command.seq))  # type: ignore[attr-defined]
 
 
 def run_mode(tmp_path: Path, *, colocate: bool, async_rollout: bool, num_rollout: int = 2,
