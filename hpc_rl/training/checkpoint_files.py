@@ -23,15 +23,39 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
-def latest_iteration(root: str | Path) -> int | None:
-    """The committed iteration of a checkpoint root, or None when there is none."""
+def iterations(root: str | Path) -> list[int]:
+    """The iteration numbers of `root`'s iter_XXXXXXX dirs (not the unfinished `.tmp` ones), newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)) for path in root.iterdir()
+                   if (m := _ITERATION_DIR.match(path.name)) and path.is_dir()), reverse=True)
+
+
+def tracker_iteration(root: str | Path) -> tuple[int | None, str | None]:
+    """(the tracker's iteration, None) or (None, what is wrong with it); (None, None) when there is none."""
     tracker = Path(root) / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
+    try:
+        text = tracker.read_text().strip()
+    except FileNotFoundError:
+        return None, None
+    except OSError as error:
+        return None, f"{TRACKER} cannot be read ({error.strerror})"
     if text == "release":
-        return 0
-    return int(text)
+        return 0, None
+    try:
+        return int(text), None
+    except ValueError:
+        return None, f"{TRACKER} holds {text[:20]!r}, not an iteration number"
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    """The committed iteration of a checkpoint root, or None when there is none; ValueError naming the tracker
+    when it cannot be read or holds no iteration number."""
+    iteration, problem = tracker_iteration(root)
+    if problem is not None:
+        raise ValueError(f"{root}: {problem}")
+    return iteration
 
 
 def latest_state(root: str | Path) -> dict[str, Any] | None:
@@ -55,8 +79,7 @@ def prune_iterations(root: str | Path, keep_last: int) -> list[Path]:
     returns what was removed. Unfinished saves (`*.tmp`) are the saver's to clean."""
     root = Path(root)
     current = latest_iteration(root)
-    found = sorted((int(m.group(1)), path) for path in root.iterdir()
-                   if (m := _ITERATION_DIR.match(path.name)) and path.is_dir())
+    found = [(iteration, iteration_dir(root, iteration)) for iteration in reversed(iterations(root))]
     kept = {iteration for iteration, _ in found[-max(1, keep_last):]} | {current}
     removed = []
     for iteration, path in found:

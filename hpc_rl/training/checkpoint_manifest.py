@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc_rl.training.checkpoint_files import STATE_FILE, TRACKER, iteration_dir
+from hpc_rl.training.checkpoint_files import STATE_FILE, TRACKER, iteration_dir, iterations, tracker_iteration
 
 MANIFEST = "hpc_rl_manifest.json"
 MANIFEST_FORMAT = 1
 TORCH_DIST_METADATA = (".metadata", "metadata.json")
 """torch.distributed.checkpoint's index and Megatron's; a torch_dist dir without them cannot be loaded."""
-_ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
 
 
 def _files(directory: Path) -> dict[str, int]:
@@ -127,32 +125,6 @@ def check_iteration(directory: str | Path, *, need_state: bool = True) -> str | 
 def holds_position(directory: str | Path) -> bool:
     """Whether a whole iteration carries a run's position (hpc_rl_state.json), not weights only."""
     return (Path(directory) / STATE_FILE).is_file()
-
-
-def iterations(root: str | Path) -> list[int]:
-    """The iteration numbers of `root`'s iter_XXXXXXX dirs (not the unfinished `.tmp` ones), newest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted((int(m.group(1)) for path in root.iterdir()
-                   if (m := _ITERATION_DIR.match(path.name)) and path.is_dir()), reverse=True)
-
-
-def tracker_iteration(root: str | Path) -> tuple[int | None, str | None]:
-    """(the tracker's iteration, None) or (None, what is wrong with it); (None, None) when there is none."""
-    tracker = Path(root) / TRACKER
-    try:
-        text = tracker.read_text().strip()
-    except FileNotFoundError:
-        return None, None
-    except OSError as error:
-        return None, f"{TRACKER} cannot be read ({error.strerror})"
-    if text == "release":
-        return 0, None
-    try:
-        return int(text), None
-    except ValueError:
-        return None, f"{TRACKER} holds {text[:20]!r}, not an iteration number"
 
 
 @dataclass
