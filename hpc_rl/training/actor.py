@@ -129,7 +129,7 @@ def _frozen(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _optimized(model: torch.nn.Module, config: OptimizerConfig, info: ParallelInfo) -> tuple[torch.nn.Module, Any]:
+def _optimized(model: torch.nn.Module, config: OptimizerConfig) -> tuple[torch.nn.Module, Any]:
     """`model` in Megatron's DDP with Megatron's optimizer (one path on CPU and GPU): the distributed one for adam;
     Megatron's DistributedOptimizer refuses SGD, which steps unsharded (`optimizer.wants_distributed_optimizer`)."""
     ddp = wrap_ddp(model, distributed_optimizer=wants_distributed_optimizer(config))
@@ -253,7 +253,7 @@ def build_role(role: str, inputs: RoleInputs) -> BuiltRole:
     else:
         module, config = install_value_head(module, seed=training.seed), critic_optimizer_config(
             inputs.optimizer, inputs.critic)
-    ddp, optimizer = _optimized(module, config, info)
+    ddp, optimizer = _optimized(module, config)
     resumed = checkpoint.load_checkpoint(resume_from, ddp, optimizer) if resume_from else None
     return BuiltRole(model=ddp, optimizer=optimizer, resumed=resumed)
 

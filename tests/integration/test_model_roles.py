@@ -34,9 +34,9 @@ def swapped_and_resident_rank(hf_dir: str) -> dict:
     at_optimizer_build: list[list[torch.Tensor]] = []
     real_optimized = actor_module._optimized
 
-    def recording_optimized(model, config, info):  # what the model holds when its optimizer is built
+    def recording_optimized(model, config):  # what the model holds when its optimizer is built
         at_optimizer_build.append([p.detach().clone() for p in model.parameters()])
-        return real_optimized(model, config, info)
+        return real_optimized(model, config)
 
     actor_module._optimized = recording_optimized
     parts = build_trainer(arch=arch, training=training, optimizer_config=OptimizerConfig(lr=1e-3),
