@@ -20,11 +20,20 @@ from hpc_rl.config.hf_config_check import attention_mismatches, moe_mismatches
 from hpc_rl.config.mla_fields import fields_unused_by, mla_field_problem, mla_mismatches
 from hpc_rl.config.moe_layer_freq import LayerFreqError, expand_layer_freq
 
-MODEL_FAMILIES = ("qwen3", "glm4", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite")
+from hpc_rl.models.qwen3_next.config_rules import (
+    HYBRID_FAMILIES,
+    HYBRID_MOE_FAMILIES,
+    architecture_problem as hybrid_problem,
+    check_config as hybrid_mismatches,
+    expand_linear_attention_freq,
+    text_config,
+)
+
+MODEL_FAMILIES = ("qwen3", "glm4", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", *HYBRID_FAMILIES)
 MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
 """Multi-latent attention on MoE: DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi-K2, Moonlight) and
 Glm4MoeLiteForCausalLM (GLM-4.7-Flash); the same layers and names, different HF model_type."""
-MOE_FAMILIES = ("qwen3_moe", "glm4_moe", *MLA_FAMILIES)
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", *MLA_FAMILIES, *HYBRID_MOE_FAMILIES)
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
@@ -138,6 +147,30 @@ class ModelArchitecture:
     """Multi-token-prediction layers after the decoder (Megatron's MTP block; HF num_nextn_predict_layers,
     the layers model.layers.<num_layers + k>.* SGLang's EAGLE/NextN draft loads); None: none built."""
 
+    # Hybrid linear attention (issue 31: Qwen3-Next, Qwen3.5, Qwen3.6; Megatron's TransformerConfig names;
+    # hpc_rl.models.qwen3_next.config_rules documents the config.json keys each is checked against).
+    layernorm_zero_centered_gamma: bool = False
+    """Every RMSNorm scales by 1 + weight (Megatron's --apply-layernorm-1p; Qwen3-Next/Qwen3.5's RMSNorm). The gated
+    norm inside a Gated DeltaNet layer scales by its weight as stored, as in HF."""
+    attention_output_gate: bool = False
+    """Full attention's output is multiplied by sigmoid(a per-head gate) from the q projection (Megatron's
+    --attention-output-gate, slime's --use-gated-attention; HF q_proj rows [q_h | gate_h] per head)."""
+    moe_shared_expert_gate: bool = False
+    """The shared expert's output is multiplied by sigmoid(x . w) (HF mlp.shared_expert_gate)."""
+    linear_attention_freq: list[int] | None = None
+    """Per layer: 1 = Gated DeltaNet linear attention, 0 = full attention (HF layer_types); None: none. Megatron's int
+    N (every N-th layer full attention) is expanded to this list on load."""
+    linear_conv_kernel_dim: int | None = None
+    """Width of the causal convolution over q/k/v in a linear-attention layer (HF linear_conv_kernel_dim)."""
+    linear_key_head_dim: int | None = None
+    """Query/key head width of linear attention (HF linear_key_head_dim)."""
+    linear_value_head_dim: int | None = None
+    """Value head width of linear attention (HF linear_value_head_dim)."""
+    linear_num_key_heads: int | None = None
+    """Query/key heads of linear attention (HF linear_num_key_heads)."""
+    linear_num_value_heads: int | None = None
+    """Value heads of linear attention, a multiple of the key heads (HF linear_num_value_heads)."""
+
     @property
     def is_moe(self) -> bool:
         return self.num_moe_experts is not None
@@ -184,7 +217,12 @@ class ModelArchitecture:
                     self.moe_layer_freq = expand_layer_freq(self.moe_layer_freq, self.num_layers)
                 except LayerFreqError as error:
                     raise ValueError(f"moe_layer_freq: {error}") from error
-        problem = mla_field_problem(self)
+        if self.linear_attention_freq is not None:
+            try:
+                self.linear_attention_freq = expand_linear_attention_freq(self.linear_attention_freq, self.num_layers)
+            except ValueError as error:
+                raise ValueError(f"linear_attention_freq: {error}") from error
+        problem = mla_field_problem(self) or hybrid_problem(self)
         if problem:
             raise ValueError(problem)
 
@@ -227,6 +265,7 @@ def architecture_mismatches(arch: ModelArchitecture, hf_config: dict[str, Any]) 
     """Fields where the architecture file disagrees with an HF config.json, as readable lines (attention
     details and mixture-of-experts keys: `hpc_rl.config.hf_config_check`; MLA, YaRN, MTP:
     `hpc_rl.config.mla_fields`)."""
+    hf_config = text_config(hf_config)  # a vision-language release (Qwen3.5) keeps its language model's keys there
     heads = _hf_value(hf_config, "num_attention_heads")
     hidden = _hf_value(hf_config, "hidden_size")
     head_dim = _hf_value(hf_config, "head_dim", default=(hidden // heads if hidden and heads else None))
@@ -253,7 +292,8 @@ def architecture_mismatches(arch: ModelArchitecture, hf_config: dict[str, Any]) 
         if not same:
             problems.append(f"{name}: model file says {ours!r}, config.json says {hf_value!r}")
     attention = [] if arch.multi_latent_attention else attention_mismatches(arch, hf_config)
-    return problems + attention + mla_mismatches(arch, hf_config) + moe_mismatches(arch, hf_config)
+    return (problems + attention + mla_mismatches(arch, hf_config) + moe_mismatches(arch, hf_config)
+            + hybrid_mismatches(arch, hf_config))
 
 
 def load_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:

@@ -228,6 +228,11 @@ def build_block_spec(arch: ModelArchitecture, *, use_te: bool = False, num_layer
     dense one as `arch.moe_layers()` says (Megatron's moe_layer_freq pattern; GLM-4.5's first dense
     layers, Qwen3-MoE's mlp_only_layers).
     """
+    if arch.linear_attention_freq is not None:  # hybrid Gated DeltaNet families: their own folder
+        from hpc_rl.models.qwen3_next.layers import block_spec
+
+        return block_spec(arch, use_te=use_te, num_layers=num_layers, layer_offset=layer_offset,
+                          moe_grouped_gemm=moe_grouped_gemm)
     final_norm: type
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm

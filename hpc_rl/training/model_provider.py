@@ -143,6 +143,9 @@ def transformer_config(
                 _noted.add(note)
                 log.info("%s", note)
     mla = mla_config_fields(arch, training)
+    from hpc_rl.models.qwen3_next.layers import config_fields as hybrid_config_fields
+
+    mla.update(hybrid_config_fields(arch, context_parallel_size=training.context_parallel_size))
     config_class = MLATransformerConfig if arch.multi_latent_attention else TransformerConfig
     extra = {**extra, **{key: mla.pop(key) for key in list(mla) if key == "apply_rope_fusion"}}
     recompute = {}

@@ -47,6 +47,10 @@ from hpc_rl.weights.mla_mapping import (
     mtp_rows,
 )
 
+GDN_ROW_SPLIT_SUFFIXES = ("self_attention.in_proj.weight", "self_attention.conv1d.weight", "self_attention.A_log",
+                          "self_attention.dt_bias")
+"""A Gated DeltaNet layer's tensors split over TP by heads (rows); in_proj and conv1d part by part (`shard`)."""
+
 # Megatron local-spec names -> canonical (TE-style) names.
 _LOCAL_TO_CANONICAL = {
     ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
@@ -172,13 +176,22 @@ def _layer_suffixes(arch: ModelArchitecture, moe: bool = False) -> list[tuple[st
     return rows + (_moe_mlp_rows(arch) if moe else _dense_mlp_rows(arch))
 
 
+def _rows_of_layer(arch: ModelArchitecture, layer: int, rows: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """Decoder layer `layer`'s rows: the shared ones, or a hybrid family's (hpc_rl.models.qwen3_next.names)."""
+    if arch.linear_attention_freq is None:
+        return rows
+    from hpc_rl.models.qwen3_next.names import hybrid_layer_rows
+
+    return hybrid_layer_rows(arch, layer, rows)
+
+
 def name_map(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
     """Every Megatron parameter (canonical name; experts under global indices) with its HF names, in a
     stable export order."""
     rows: list[tuple[str, list[str]]] = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"])]
     suffixes = {moe: _layer_suffixes(arch, moe) for moe in set(arch.moe_layers())}
     for layer, moe in enumerate(arch.moe_layers()):
-        for suffix, hf_suffixes in suffixes[moe]:
+        for suffix, hf_suffixes in _rows_of_layer(arch, layer, suffixes[moe]):
             rows.append((f"decoder.layers.{layer}.{suffix}", [f"model.layers.{layer}.{s}" for s in hf_suffixes]))
     rows.append(("decoder.final_layernorm.weight", ["model.norm.weight"]))
     if not arch.tie_word_embeddings:
@@ -211,7 +224,7 @@ def hf_names_of(megatron_name: str, arch: ModelArchitecture) -> list[str]:
                   else None)
             if hf is not None:
                 return [f"model.layers.{layer}.{s}" for s in hf]
-        for mine, hf_suffixes in _layer_suffixes(arch, moe):
+        for mine, hf_suffixes in _rows_of_layer(arch, layer, _layer_suffixes(arch, moe)):
             if mine == suffix and ".local_experts." not in mine:
                 return [f"model.layers.{layer}.{s}" for s in hf_suffixes]
     else:
@@ -259,6 +272,12 @@ def _qkv_to_hf(qkv: torch.Tensor, arch: ModelArchitecture) -> list[torch.Tensor]
 def to_megatron(megatron_name: str, hf_tensors: Sequence[torch.Tensor], arch: ModelArchitecture,
                 *, padded_vocab: int | None = None) -> torch.Tensor:
     """The full (unsharded) Megatron tensor from its HF tensors (in `hf_names_of` order)."""
+    if arch.linear_attention_freq is not None:
+        from hpc_rl.models.qwen3_next import names as hybrid
+
+        converted = hybrid.to_megatron(megatron_name, list(hf_tensors), arch)
+        if converted is not None:
+            return converted
     if megatron_name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
         return _qkv_to_megatron(*hf_tensors, arch)
     if megatron_name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
@@ -272,6 +291,12 @@ def to_megatron(megatron_name: str, hf_tensors: Sequence[torch.Tensor], arch: Mo
 def to_hf(megatron_name: str, full: torch.Tensor, arch: ModelArchitecture) -> list[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs from one full Megatron tensor (views where possible, no copies)."""
     names = hf_names_of(megatron_name, arch)
+    if arch.linear_attention_freq is not None:
+        from hpc_rl.models.qwen3_next import names as hybrid
+
+        converted = hybrid.to_hf(megatron_name, full, arch, names)
+        if converted is not None:
+            return converted
     if megatron_name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
         return list(zip(names, _qkv_to_hf(full, arch)))
     if (megatron_name.endswith(("linear_fc1.weight", "linear_fc1.bias"))) and len(names) == 2:
@@ -298,18 +323,31 @@ def tp_split(megatron_name: str) -> TPSplit:
     if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
         return TPSplit(dim=0, gated=True)
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
-                      *ROW_SPLIT_SUFFIXES)):
+                      *ROW_SPLIT_SUFFIXES, *GDN_ROW_SPLIT_SUFFIXES)):
         return TPSplit(dim=0)
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight", "self_attention.out_proj.weight")):
         return TPSplit(dim=1)
     return TPSplit(dim=None)
 
 
-def shard(megatron_name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This TP rank's shard of a full Megatron tensor."""
+def _parts(megatron_name: str, arch: ModelArchitecture | None) -> list[int] | None:
+    """Row counts of the parts each TP rank holds a share of (a Gated DeltaNet layer's in_proj and conv1d)."""
+    if arch is None or arch.linear_attention_freq is None:
+        return None
+    from hpc_rl.models.qwen3_next.names import tp_parts
+
+    return tp_parts(canonical_name(megatron_name), arch)
+
+
+def shard(megatron_name: str, full: torch.Tensor, tp_rank: int, tp_size: int,
+          arch: ModelArchitecture | None = None) -> torch.Tensor:
+    """This TP rank's shard of a full Megatron tensor (`arch`: needed for a Gated DeltaNet layer's parts)."""
     split = tp_split(megatron_name)
     if split.dim is None or tp_size == 1:
         return full
+    parts = _parts(megatron_name, arch)
+    if parts is not None:
+        return torch.cat([part.chunk(tp_size, 0)[tp_rank] for part in full.split(parts, dim=0)], dim=0)
     if split.gated:
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], dim=0)
@@ -318,11 +356,15 @@ def shard(megatron_name: str, full: torch.Tensor, tp_rank: int, tp_size: int) ->
     return full.chunk(tp_size, dim=split.dim)[tp_rank]
 
 
-def unshard(megatron_name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The full tensor from all TP ranks' shards (in rank order)."""
+def unshard(megatron_name: str, shards: Sequence[torch.Tensor], arch: ModelArchitecture | None = None) -> torch.Tensor:
+    """The full tensor from all TP ranks' shards (in rank order; `arch`: as for `shard`)."""
     split = tp_split(megatron_name)
     if split.dim is None or len(shards) == 1:
         return shards[0]
+    parts = _parts(megatron_name, arch)
+    if parts is not None:
+        pieces = [s.split([size // len(shards) for size in parts], dim=0) for s in shards]
+        return torch.cat([piece[index] for index in range(len(parts)) for piece in pieces], dim=0)
     if split.gated:
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
