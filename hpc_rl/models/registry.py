@@ -25,8 +25,11 @@ Hook signatures (arch: an `hpc_rl.config.model.ModelArchitecture`, not imported 
   to_hf(name, full, arch) -> list[(hf name, Tensor)] | None   its inverse (None: the shared one)
   layer_spec(arch, layer, *, use_te, moe, moe_grouped_gemm) -> ModuleSpec   decoder layer `layer`'s Megatron spec
   make_tiny(output_dir, **spec_fields) -> Path    a tiny random HF checkpoint (config.json, safetensors, tokenizer)
-  cpu_engine_loader(model_path, dtype) -> torch.nn.Module | None   the CPU engine's own forward for this family
-                                                   (None from the field: transformers' AutoModelForCausalLM)
+  make_tiny(output_dir, spec=None, **spec_fields) -> Path   (the family's spec dataclass, or its fields)
+  cpu_engine_loader(model_path, dtype) -> torch.nn.Module   the CPU engine's own forward for this family
+                                                   (None in the field: transformers' AutoModelForCausalLM)
+  cpu_engine_support(config) -> str | None        why the own forward does not compute this config.json exactly
+                                                   (None: it does); asked before cpu_engine_loader
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ NameRow = tuple[str, list[str]]
 """(Megatron name or suffix, the HF names or suffixes it becomes, in order)."""
 GPT_LAYER_SPEC = "hpc_rl.training.layer_specs:gpt_layer_spec"
 """Megatron's GPT layer (GQA attention, dense or MoE MLP, GLM4's sandwich norms): the shared layer-spec hook."""
+GQA_LAYER_ROWS = "hpc_rl.models.name_rows:layer_rows"
+"""The shared name rows of a GQA decoder layer (dense or MoE MLP): the default `hf_layer_rows` hook (named by
+path: `name_rows` reads the registry, so the registry does not import it)."""
 
 
 class LazyHook:
@@ -88,12 +94,6 @@ def _shared_layout(*args: Any) -> None:
     return None
 
 
-def _shared_layer_rows(arch: Any, layer: int) -> list[NameRow]:
-    from hpc_rl.models.name_rows import layer_rows
-
-    return layer_rows(arch, layer)
-
-
 @dataclass(frozen=True, kw_only=True)
 class ModelFamily:
     """One model family: what hpc_rl needs to check, build, map, sync and serve it (hooks: the module docstring)."""
@@ -118,13 +118,14 @@ class ModelFamily:
     """The dense MLP's gate and up projections are one HF tensor (`mlp.gate_up_proj`: GLM4)."""
     check_config: Callable[[Any, Mapping[str, Any]], list[str]] = _no_mismatches
     architecture_problem: Callable[[Any], str | None] = _no_problem
-    hf_layer_rows: Callable[[Any, int], list[NameRow]] = _shared_layer_rows
+    hf_layer_rows: Callable[[Any, int], list[NameRow]] = field(default_factory=lambda: lazy_hook(GQA_LAYER_ROWS))
     hf_extra_rows: Callable[[Any, list[NameRow]], list[NameRow]] = _no_rows
     to_megatron: Callable[..., Any] = _shared_layout
     to_hf: Callable[..., Any] = _shared_layout
     layer_spec: Callable[..., Any] = field(default_factory=lambda: lazy_hook(GPT_LAYER_SPEC))
     make_tiny: Callable[..., Path] | None = None
     cpu_engine_loader: Callable[..., Any] | None = None
+    cpu_engine_support: Callable[[Mapping[str, Any]], str | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.hf_model_types:
