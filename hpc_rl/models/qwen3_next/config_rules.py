@@ -10,10 +10,10 @@ line per mismatch). A VLM config.json (Qwen3.5's release) is read through its `t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from hpc_rl.config.model import ModelArchitecture
+ModelArchitecture = Any
+"""A `hpc_rl.config.model.ModelArchitecture` (not imported: config imports this package)."""
 
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 HYBRID_MOE_FAMILIES = ("qwen3_next", "qwen3_5_moe")
@@ -42,12 +42,18 @@ def expand_linear_attention_freq(value: int | list[int], num_layers: int) -> lis
 
 
 def architecture_problem(arch: ModelArchitecture) -> str | None:
-    """Why `arch` cannot be built as a hybrid (None: it can, or it is not one)."""
-    hybrid = arch.family in HYBRID_FAMILIES
+    """The hybrid families' `architecture_problem` hook: linear attention must be described."""
     if arch.linear_attention_freq is None:
         return (f"family {arch.family!r} is a hybrid linear-attention family: set linear_attention_freq (config.json's "
-                f"layer_types)") if hybrid else None
-    if not hybrid:
+                f"layer_types) and the linear_* shapes")
+    return None
+
+
+def hybrid_field_problem(arch: ModelArchitecture) -> str | None:
+    """Why the linear-attention fields of any architecture cannot be built (None: they can, or are unset)."""
+    if arch.linear_attention_freq is None:
+        return None
+    if arch.family not in HYBRID_FAMILIES:
         return (f"linear_attention_freq with family {arch.family!r}: Gated DeltaNet layers are built for the "
                 f"families {', '.join(HYBRID_FAMILIES)}")
     missing = [name for name in LINEAR_SHAPE_FIELDS if getattr(arch, name) is None]
@@ -100,3 +106,28 @@ def check_config(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str]:
         if theirs is not None and ours != theirs:
             problems.append(f"{name}: model file says {ours!r}, config.json ({hf.get('model_type')}) says {theirs!r}")
     return problems
+
+
+def transformer_config_fields(arch: ModelArchitecture, *, context_parallel_size: int = 1) -> dict[str, Any]:
+    """TransformerConfig's hybrid fields for `arch` (empty for other architectures). Context parallelism over a
+    linear-attention layer is refused: its state runs along the whole sequence, and a CP rank holds chunks of it
+    (Megatron 0.16.1 asserts CP 1 for GatedDeltaNet: no CP exchange of the recurrent state is built)."""
+    fields: dict[str, Any] = {}
+    if arch.layernorm_zero_centered_gamma:
+        fields["layernorm_zero_centered_gamma"] = True
+    if arch.attention_output_gate:
+        fields["attention_output_gate"] = True
+    if arch.moe_shared_expert_gate:
+        fields["moe_shared_expert_gate"] = True
+    if arch.linear_attention_freq is None:
+        return fields
+    if context_parallel_size > 1:
+        raise ValueError(f"training.context_parallel_size={context_parallel_size} with Gated DeltaNet linear-attention "
+                         f"layers ({arch.family}): a linear-attention layer carries its state along the whole "
+                         f"sequence, and context parallelism splits the sequence over ranks; no CP exchange of that "
+                         f"state is built (megatron-core 0.16.1 refuses it too). Use context_parallel_size 1")
+    fields.update(experimental_attention_variant="gated_delta_net", linear_attention_freq=list(arch.linear_attention_freq),
+                  linear_conv_kernel_dim=arch.linear_conv_kernel_dim, linear_key_head_dim=arch.linear_key_head_dim,
+                  linear_value_head_dim=arch.linear_value_head_dim, linear_num_key_heads=arch.linear_num_key_heads,
+                  linear_num_value_heads=arch.linear_num_value_heads)
+    return fields

@@ -23,12 +23,10 @@ Owns: each layer's rows (`hybrid_layer_rows`) and the layouts that differ from t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
-
-    from hpc_rl.config.model import ModelArchitecture
+ModelArchitecture = Any
+"""A `hpc_rl.config.model.ModelArchitecture` (not imported: config imports this package)."""
 
 NameRow = tuple[str, list[str]]
 SEPARATE_PROJECTIONS = ("qwen3_5", "qwen3_5_moe")
@@ -68,6 +66,21 @@ def hybrid_layer_rows(arch: ModelArchitecture, layer: int, gpt_rows: list[NameRo
     return renamed
 
 
+def layer_rows(arch: ModelArchitecture, layer: int) -> list[NameRow]:
+    """The family's `hf_layer_rows` hook: the shared GQA rows (hpc_rl.models.name_rows) made hybrid."""
+    from hpc_rl.models.name_rows import layer_rows as gqa_layer_rows
+
+    return hybrid_layer_rows(arch, layer, gqa_layer_rows(arch, layer))
+
+
+def _hf_names(megatron_name: str, arch: ModelArchitecture) -> list[str]:
+    _, _, layer, suffix = megatron_name.split(".", 3)
+    for mine, hf_suffixes in layer_rows(arch, int(layer)):
+        if mine == suffix:
+            return [f"model.layers.{layer}.{hf}" for hf in hf_suffixes]
+    raise KeyError(f"{megatron_name!r} has no HF counterpart for family {arch.family!r}")
+
+
 def _gdn_sizes(arch: ModelArchitecture) -> dict[str, int]:
     qk = arch.linear_num_key_heads * arch.linear_key_head_dim
     v = arch.linear_num_value_heads * arch.linear_value_head_dim
@@ -86,7 +99,7 @@ def tp_parts(megatron_name: str, arch: ModelArchitecture) -> list[int] | None:
     return None
 
 
-def _qwen3_next_in_proj(qkvz: torch.Tensor, ba: torch.Tensor, arch: ModelArchitecture) -> torch.Tensor:
+def _qwen3_next_in_proj(qkvz: Any, ba: Any, arch: ModelArchitecture) -> Any:
     import torch
 
     groups, k_dim = arch.linear_num_key_heads, arch.linear_key_head_dim
@@ -96,7 +109,7 @@ def _qwen3_next_in_proj(qkvz: torch.Tensor, ba: torch.Tensor, arch: ModelArchite
     return torch.cat([part.reshape(-1, qkvz.shape[-1]) for part in (q, k, v, z, b, a)], dim=0)
 
 
-def _qwen3_next_in_proj_to_hf(full: torch.Tensor, arch: ModelArchitecture) -> list[torch.Tensor]:
+def _qwen3_next_in_proj_to_hf(full: Any, arch: ModelArchitecture) -> list[Any]:
     import torch
 
     size = _gdn_sizes(arch)
@@ -108,7 +121,7 @@ def _qwen3_next_in_proj_to_hf(full: torch.Tensor, arch: ModelArchitecture) -> li
     return [qkvz, ba]
 
 
-def _gated_qkv(q_and_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArchitecture) -> torch.Tensor:
+def _gated_qkv(q_and_gate: Any, k: Any, v: Any, arch: ModelArchitecture) -> Any:
     import torch
 
     groups, dim = arch.num_query_groups, arch.kv_channels
@@ -120,7 +133,7 @@ def _gated_qkv(q_and_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch:
                       k.reshape(groups, dim, *tail), v.reshape(groups, dim, *tail)], dim=1).reshape(-1, *tail)
 
 
-def _gated_qkv_to_hf(full: torch.Tensor, arch: ModelArchitecture) -> list[torch.Tensor]:
+def _gated_qkv_to_hf(full: Any, arch: ModelArchitecture) -> list[Any]:
     import torch
 
     groups, dim = arch.num_query_groups, arch.kv_channels
@@ -146,8 +159,11 @@ def to_megatron(megatron_name: str, hf_tensors: list[Any], arch: ModelArchitectu
     return None
 
 
-def to_hf(megatron_name: str, full: Any, arch: ModelArchitecture, names: list[str]) -> list[tuple[str, Any]] | None:
+def to_hf(megatron_name: str, full: Any, arch: ModelArchitecture) -> list[tuple[str, Any]] | None:
     """(HF name, tensor) pairs of one full Megatron tensor where the hybrid layout differs (None: the shared one)."""
+    if not megatron_name.endswith((IN_PROJ, "self_attention.linear_qkv.weight")):
+        return None
+    names = _hf_names(megatron_name, arch)
     if megatron_name.endswith(IN_PROJ):
         if arch.family in SEPARATE_PROJECTIONS:
             size = _gdn_sizes(arch)

@@ -58,10 +58,11 @@ def _randomize(model: Any, seed: int) -> None:
 
 
 def make_tiny(output_dir: str | Path, family: str = "qwen3_next", seed: int = 0, **overrides: Any) -> Path:
-    """Write a randomly initialised tiny `family` checkpoint (config.json, model.safetensors, the tiny tokenizer)."""
+    """Write a randomly initialised tiny `family` checkpoint (config.json, model.safetensors, the tiny tokenizer).
+    With fewer than 4 layers the last one is the full-attention layer (every kind of layer is in the model)."""
     import torch
 
-    from hpc_rl.tiny_model import build_tokenizer
+    from hpc_rl.models.tiny_checkpoint import build_tokenizer
 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -69,6 +70,7 @@ def make_tiny(output_dir: str | Path, family: str = "qwen3_next", seed: int = 0,
     special = dict(vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(
         "<|im_end|>"), pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
     fields = {**tiny_config_fields(family, **overrides), **special}
+    fields["full_attention_interval"] = min(4, fields["num_hidden_layers"])
     if family == "qwen3_next":
         from transformers import Qwen3NextConfig as Config, Qwen3NextForCausalLM as Model
     elif family == "qwen3_5":
@@ -86,3 +88,18 @@ def make_tiny(output_dir: str | Path, family: str = "qwen3_next", seed: int = 0,
     saved["torch_dtype"] = "float32"
     config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     return output_dir
+
+
+def make_tiny_qwen3_next(output_dir: str | Path, **fields: Any) -> Path:
+    """The qwen3_next family's `make_tiny` hook."""
+    return make_tiny(output_dir, family="qwen3_next", **fields)
+
+
+def make_tiny_qwen3_5(output_dir: str | Path, **fields: Any) -> Path:
+    """The qwen3_5 family's `make_tiny` hook."""
+    return make_tiny(output_dir, family="qwen3_5", **fields)
+
+
+def make_tiny_qwen3_5_moe(output_dir: str | Path, **fields: Any) -> Path:
+    """The qwen3_5_moe family's `make_tiny` hook."""
+    return make_tiny(output_dir, family="qwen3_5_moe", **fields)
