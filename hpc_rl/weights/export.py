@@ -94,13 +94,14 @@ def full_shape_and_dtype(megatron_name: str, params: Mapping[str, torch.Tensor],
     return full_shape(megatron_name, local.shape, tp_size), local.dtype
 
 
-def gather_full(megatron_name: str, local: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+def gather_full(megatron_name: str, local: torch.Tensor, tp_group: dist.ProcessGroup | None,
+                arch: ModelArchitecture | None = None) -> torch.Tensor:
     """The full tensor of one parameter on every rank of `tp_group` (a collective on that group)."""
     if tp_group is None or dist.get_world_size(tp_group) == 1 or hf_mapping.tp_split(megatron_name).dim is None:
         return local.detach()
     shards = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
     dist.all_gather(shards, local.detach().contiguous(), group=tp_group)
-    return hf_mapping.unshard(megatron_name, shards)
+    return hf_mapping.unshard(megatron_name, shards, arch)
 
 
 def gather_expert(megatron_name: str, params: Mapping[str, torch.Tensor], experts: ExpertLayout) -> torch.Tensor:
@@ -121,12 +122,12 @@ def gather_expert(megatron_name: str, params: Mapping[str, torch.Tensor], expert
 
 
 def full_tensor(megatron_name: str, params: Mapping[str, torch.Tensor], tp_group: dist.ProcessGroup | None,
-                experts: ExpertLayout) -> torch.Tensor:
+                experts: ExpertLayout, arch: ModelArchitecture | None = None) -> torch.Tensor:
     """The full tensor of one parameter: a collective on the TP group (dense), on the expert replica
     (routed experts)."""
     if hf_mapping.is_expert_param(megatron_name):
         return gather_expert(megatron_name, params, experts)
-    return gather_full(megatron_name, params[megatron_name], tp_group)
+    return gather_full(megatron_name, params[megatron_name], tp_group, arch)
 
 
 def export_param(megatron_name: str, params: Mapping[str, torch.Tensor], arch: ModelArchitecture,
@@ -136,7 +137,7 @@ def export_param(megatron_name: str, params: Mapping[str, torch.Tensor], arch: M
     `experts`: None reads the layout from Megatron's groups (a MoE model needs them initialised)."""
     if experts is None:
         experts = ExpertLayout.current(arch) if hf_mapping.is_expert_param(megatron_name) else NO_EXPERTS
-    return hf_mapping.to_hf(megatron_name, full_tensor(megatron_name, params, tp_group, experts), arch)
+    return hf_mapping.to_hf(megatron_name, full_tensor(megatron_name, params, tp_group, experts, arch), arch)
 
 
 def export_hf_state_dict(model: torch.nn.Module, arch: ModelArchitecture, tp_group: dist.ProcessGroup | None = None,

@@ -108,7 +108,7 @@ def load_hf_state_into_model(model: torch.nn.Module, hf_state: Mapping[str, torc
         full = hf_mapping.to_megatron(name, [hf_state[n] for n in hf_names], arch, padded_vocab=padded)
         piece = (hf_mapping.shard(name, full, tp_rank if expert_tp_rank is None else expert_tp_rank,
                                   tp_size if expert_tp_size is None else expert_tp_size)
-                 if expert else hf_mapping.shard(name, full, tp_rank, tp_size))
+                 if expert else hf_mapping.shard(name, full, tp_rank, tp_size, arch))
         param = params[name]
         if piece.shape != param.shape:
             raise ValueError(f"{name}: HF gives shard {tuple(piece.shape)}, model has {tuple(param.shape)}")

@@ -294,7 +294,7 @@ class WeightSender:
             shard = (self.params[source].detach().contiguous() if owner == self.pp_rank else
                      torch.empty(shard_shape, dtype=dtype_from_name(dtype), device=self._comm_device))
             dist.broadcast(shard, src=src, group=self.pp_group)
-            full = gather_full(source, shard, self.tp_group)
+            full = gather_full(source, shard, self.tp_group, self.arch)
         else:
             full = (full_tensor(source, self.params, self.tp_group, self.experts).contiguous()
                     if owner == self.pp_rank else
