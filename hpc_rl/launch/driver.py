@@ -61,7 +61,7 @@ from hpc_rl.controller.app import Controller
 from hpc_rl.controller.signal_stop import stop_with_checkpoint
 from hpc_rl.controller.stopping import log_task_error, stop_task
 from hpc_rl.engines import API_KEY_ENV
-from hpc_rl.engines.child_process import free_port, http_ok, log_tail, planned_port
+from hpc_rl.process.child_process import free_port, http_ok, log_tail, planned_port
 from hpc_rl.engines.router import RouterProcess
 from hpc_rl.engines.gpu_step import engine_report_path
 from hpc_rl.engines.sglang_launch import SGLANG_ON_CPU_ENV, build_sglang_env, write_api_key_file

@@ -14,7 +14,7 @@ import pytest
 
 from hpc_rl.config import load_config
 from hpc_rl.config.loading import write_resolved_config
-from hpc_rl.engines.child_process import free_port
+from hpc_rl.process.child_process import free_port
 from hpc_rl.launch import driver as driver_module
 from hpc_rl.launch.driver import Driver
 from hpc_rl.launch.steps import LocalStepLauncher

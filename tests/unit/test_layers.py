@@ -5,11 +5,12 @@
                                       the prompt tokenizer (data/prompt_tokenizer.py, torch-free)
     2  training, engines, weights, tiny_model, sim   trainer ranks, engines, the weight path (sim: simulated ones)
     1  rollout, rewards                  generation client, sampling, buffers, reward functions
-    0  config, data, protocol, plugins, telemetry, retry_policy   what every process shares
+    0  config, data, protocol, process, plugins, telemetry, retry_policy   what every process shares
 
 A module may import its own tier or lower ones (function-level imports included: a lazy import is
 still a dependency), and packages do not import each other in a cycle (within tier 2 today: training ->
-weights, training -> engines, engines -> weights). KNOWN_* would list a break someone owns the fix of;
+weights, engines -> weights). The trainer never imports the engines (both start and end child processes
+through `process`, below them): FORBIDDEN_SAME_TIER. KNOWN_* would list a break someone owns the fix of;
 none is left, and the test fails on any new one.
 """
 
@@ -25,7 +26,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hpc_rl"
 TIERS = {
-    "config": 0, "data": 0, "protocol": 0, "plugins": 0, "telemetry": 0, "retry_policy": 0,
+    "config": 0, "data": 0, "protocol": 0, "process": 0, "plugins": 0, "telemetry": 0, "retry_policy": 0,
     "rollout": 1, "rewards": 1,
     "training": 2, "engines": 2, "weights": 2, "tiny_model": 2, "sim": 2,
     "controller": 3,
@@ -35,6 +36,9 @@ TORCH_STACK = ("torch", "transformers", "megatron", "sglang", "tensorboard")
 """Top-level modules the controller never imports (it runs in the driver, on the login/batch node)."""
 
 KNOWN_UPWARD_IMPORTS: set[tuple[str, str]] = set()
+FORBIDDEN_SAME_TIER = {("training", "engines")}
+"""(importer, imported) parts of one tier that must stay apart: the trainer ranks and the engines are
+separate processes that share only the weight wire format (`weights`) and `process`."""
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
@@ -79,6 +83,14 @@ def test_imports_point_down() -> None:
                 wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {mine} (tier {TIERS[mine]}) imports "
                              f"{imported} (tier {TIERS[part_of(imported)]})")
     assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+def test_forbidden_same_tier_imports() -> None:
+    wrong = [f"{path.relative_to(PACKAGE.parent)}:{line}: {part_of(name)} imports {imported}"
+             for name, path in modules().items() if name != "hpc_rl"
+             for imported, line in imports_of(path)
+             if imported.startswith("hpc_rl.") and (part_of(name), part_of(imported)) in FORBIDDEN_SAME_TIER]
+    assert not wrong, "imports between parts that must stay apart:\n" + "\n".join(wrong)
 
 
 def strongly_connected(edges: dict[str, set[str]]) -> list[frozenset[str]]:
