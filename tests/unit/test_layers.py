@@ -208,3 +208,26 @@ def test_controller_build_path_loads_no_torch_and_transformers_only_for_the_toke
                             check=True)
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
     assert loaded == {"transformers": ["data/prompt_tokenizer.py"]}, loaded
+
+
+def test_launch_writes_no_attribute_of_the_controller() -> None:
+    """The driver reaches the controller's state through `controller.driver_interface` only: no assignment
+    to `<...>controller.<attribute>` (or deeper, `controller.loop.<attribute>`) anywhere in launch/."""
+
+    def reaches_controller(node: ast.expr) -> bool:
+        while isinstance(node, ast.Attribute):
+            if node.attr == "controller":
+                return True
+            node = node.value
+        return isinstance(node, ast.Name) and node.id == "controller"
+
+    wrong = []
+    for name, path in modules().items():
+        if part_of(name) != "launch":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            wrong += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}" for target in targets
+                      if isinstance(target, ast.Attribute) and reaches_controller(target.value)]
+    assert not wrong, "launch/ writes the controller's attributes at " + ", ".join(wrong)
