@@ -106,3 +106,20 @@ def test_prepare_run_writes_the_topology_with_the_resolved_config(tmp_path: Path
     run_dir = prepare_run(["configs/tiny_cpu.yaml", "--run-dir", str(tmp_path / "run")])
     plan = load_run_plan(run_dir)
     assert plan.notes == () and plan.topology == plan_run_topology(plan.config)
+
+
+def test_submit_writes_the_topology_it_planned_and_the_local_executor_reads_it(tmp_path: Path, monkeypatch) -> None:
+    from hpc_rl import submit
+    from hpc_rl.launch import local
+
+    seen = {}
+
+    def fake_run_local(config) -> int:  # a fake executor: what it would find in the run dir
+        seen["plan"] = load_run_plan(config.run_dir)
+        return 0
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(local, "run_local", fake_run_local)
+    assert submit.main(["configs/tiny_cpu.yaml", "--executor", "local", "--run-dir", str(tmp_path / "run")]) == 0
+    assert seen["plan"].notes == (), "submit wrote topology.json: nothing planned after it"
+    assert seen["plan"].topology == plan_run_topology(seen["plan"].config)
