@@ -43,7 +43,7 @@ def child(run_dir: str) -> None:
     started = time.perf_counter()
     from hpc_rl.config import load_resolved_config
     from hpc_rl.controller.app import Controller
-    from hpc_rl.engines.child_process import free_port
+    from hpc_rl.process.child_process import free_port
     from hpc_rl.engines.router import RouterProcess
     from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
 

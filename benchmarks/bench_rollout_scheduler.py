@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=256, help="per-engine in-flight limit")
     cli = parser.parse_args()
-    from hpc_rl.engines.child_process import free_port
+    from hpc_rl.process.child_process import free_port
 
     ports = [free_port() for _ in range(cli.engines)]
     context = multiprocessing.get_context("spawn")

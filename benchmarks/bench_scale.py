@@ -56,7 +56,7 @@ from hpc_rl.config import load_config  # noqa: E402
 from hpc_rl.controller.app import Controller  # noqa: E402
 from hpc_rl.engines import API_KEY_ENV  # noqa: E402
 from hpc_rl.engines.router import RouterProcess  # noqa: E402
-from hpc_rl.launch.driver import CONTROLLER_ENV  # noqa: E402
+from hpc_rl.launch.supervisor import CONTROLLER_ENV  # noqa: E402
 from hpc_rl.protocol.secret import create_secret, engine_api_key, secret_path  # noqa: E402
 from hpc_rl.sim.model import EngineModel  # noqa: E402
 from hpc_rl.sim.trainer import plan_buckets, qwen3_hf_tensors  # noqa: E402

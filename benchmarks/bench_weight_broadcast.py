@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from hpc_rl.engines.child_process import free_port
+from hpc_rl.process.child_process import free_port
 
 
 def make_tensors(total_bytes: int, count: int = 400) -> list[tuple[str, torch.Tensor]]:

@@ -1,8 +1,9 @@
 """`python -m hpc_rl.submit CONFIG.yaml [...] [options] [slime flags...]`: validate, then run or submit.
 
 Owns: the command of the login node (its argv is split by `launch.submit_args`). Loads the config (defaults < YAML files < CLI flags),
-validates all of it (exit code 2 with every problem listed), creates the run directory with
-`config.resolved.yaml` and a 0600 secret, then hands over to the local executor (this machine) or
+validates all of it (exit code 2 with every problem listed), plans the job's topology (once: the driver
+and the executors read it back), creates the run directory with `config.resolved.yaml`, `topology.json` and
+a 0600 secret, then hands over to the local executor (this machine) or
 the Slurm executor (a heterogeneous job through submitit). `--dry-run` stops after printing the
 resolved config, the job topology, the trainer's parallel layout and the per-GPU memory plan.
 """
@@ -21,6 +22,7 @@ from hpc_rl.config.loading import config_to_dict
 from hpc_rl.config.memory_plan import plan_summary
 from hpc_rl.config.validation import ValidationFailed, run_architecture, validate
 from hpc_rl.launch.submit_args import EXIT_INVALID, assign_run_dir, default_executor, parse_submit_args
+from hpc_rl.launch.run_plan import write_topology
 from hpc_rl.launch.topology import plan_run_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
 
@@ -99,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         if changes:
             print(f"hpc_rl.submit: {changes}", file=sys.stderr, flush=True)
         write_resolved_config(config, config.run_dir)
+        write_topology(config.run_dir, config, topology)
         create_secret(secret_path(config.run_dir), overwrite=True)
         if executor == "local":
             from hpc_rl.launch.local import run_local

@@ -21,7 +21,7 @@ def check_nccl_init(ctx: Context) -> dict[str, Any]:
     import torch.distributed as dist
 
     from hpc_rl.config.schema import TrainingConfig
-    from hpc_rl.engines.child_process import free_port
+    from hpc_rl.process.child_process import free_port
     from hpc_rl.training.parallel import init_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",

@@ -118,7 +118,7 @@ def check_weight_stream(ctx: Context) -> dict[str, Any]:
     import torch
     from megatron.core import parallel_state
 
-    from hpc_rl.engines.child_process import free_port
+    from hpc_rl.process.child_process import free_port
     from hpc_rl.weights.sender import WeightSender
 
     if "parts" not in ctx.state:

@@ -42,6 +42,7 @@ from hpc_rl.controller.engine_fleet import EngineFleet, RestartFn, RouterMembers
 from hpc_rl.controller.registry import Registry, TrainerInfo
 from hpc_rl.controller.rollout_stack import build_rollout_stack
 from hpc_rl.controller.run_loop import RunLoop
+from hpc_rl.controller.driver_interface import DriverInterface
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.engines.gpu_step import PLACEMENT_DIR, reported_devices
@@ -67,15 +68,15 @@ controller's ~5.5 CPU s in a run of 8,192 samples at 256 simulated engines, 0.18
 (benchmarks/bench_scale.py --engines 256 --modes sync: 0.68 -> 0.52 CPU s per 1,000 samples)."""
 
 
-class Controller:
+class Controller(DriverInterface):
     """One run's controller (see the module docstring for the message flow and shutdown order). It is the
     composition root: it holds the whole resolved config and hands the parts their sections (the loop's
-    parts through `rollout_stack`)."""
+    parts through `rollout_stack`). What the driver may ask of it besides its lifecycle: `DriverInterface`."""
 
     def __init__(self, config: RunConfig, *, secret: Secret, router: RouterMembership | None,
                  router_url: str | None, restart_engine: RestartFn | None = None,
                  host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 teacher_url: str | None = None) -> None:
+                 teacher_url: str | None = None, restarts: list[dict[str, Any]] | None = None) -> None:
         self.config = config
         self.teacher_url = teacher_url
         """On-policy distillation: the teacher engine the driver started (None: none, or slime's --rm-url)."""
@@ -107,8 +108,10 @@ class Controller:
         self.last_error = ""
         self.outcome = "running"
         """'running' until the run ends: then 'finished', 'failed' or 'stopped' (what status.json keeps)."""
-        self.restarts: list[dict[str, Any]] = []
+        self.restarts: list[dict[str, Any]] = restarts if restarts is not None else []
         """Earlier attempts of this job that failed and were restarted by the driver (max_restarts)."""
+        self._stop_for_requeue = False
+        """USR2 came (`request_checkpoint_and_stop`): the loop, once built, saves at a boundary and stops."""
         self._status_task: asyncio.Task[None] | None = None
         self._status_write_failing = False
         self._rollout_stack: asyncio.Task[None] | None = None
@@ -139,6 +142,7 @@ class Controller:
                                         channel=self.channel, fleet=self.fleet, router_url=self.router_url,
                                         teacher_url=self.teacher_url)
         self.client, self.loop = stack.client, stack.loop
+        self.loop.stop_requested |= self._stop_for_requeue  # a USR2 that came while the stack was built
         self.reward_pool, self.teacher = stack.reward_pool, stack.teacher
         self.reward_thread = stack.reward_thread
         await self.client.start()

@@ -13,7 +13,7 @@
     A rollout still training when the grace ends is cut without a new checkpoint (the last one stays).
 
 Owns that sequence and the line that says what came of it. Not here: which signal means what and how
-long the grace is (`hpc_rl.launch.driver`), the save itself (`checkpoints`), the ranks' side.
+long the grace is (`hpc_rl.launch.signals`), the save itself (`checkpoints`), the ranks' side.
 """
 
 from __future__ import annotations

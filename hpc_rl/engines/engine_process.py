@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hpc_rl.engines import API_KEY_ENV
-from hpc_rl.engines.child_process import ChildProcess, free_port, http_ok, wait_until
+from hpc_rl.process.child_process import ChildProcess, free_port, http_ok, wait_until
 from hpc_rl.engines.sglang_launch import SglangLaunchSpec, build_sglang_command, build_sglang_env
 
 

@@ -139,7 +139,7 @@ def main() -> None:
         for pid in end_children():
             print(f"hpc_rl.bound_torchrun: ended pid {pid}, left behind by a trainer rank", file=sys.stderr,
                   flush=True)
-    from hpc_rl.engines.child_process import exit_without_teardown
+    from hpc_rl.process.child_process import exit_without_teardown
 
     exit_without_teardown(0)  # every rank is done: skip the agent's teardown (seconds of GC, issue 11)
 

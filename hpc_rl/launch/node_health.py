@@ -3,7 +3,7 @@
 Owns: asking `sinfo` about a set of nodes, deciding which of them are lost (Slurm marks a node whose
 slurmd stopped answering `*`, "not responding", after a failed ping, then DOWN after `SlurmdTimeout`;
 DRAIN/FAIL states are lost too), and the sentence that names a lost node with the job steps it hosted.
-It does not decide what happens to the job: the driver (`hpc_rl.launch.driver`) watches with this
+It does not decide what happens to the job: the driver (`hpc_rl.launch.node_watch`) watches with this
 module, says which node died and what ran there (log, stderr, status.json), and requeues the job
 itself while `controller.max_restarts` allows (else the run fails), before Slurm's own verdict
 (NODE_FAIL once the node is DOWN, which requeues only where `JobRequeue=1`) can end it for good.

@@ -1,7 +1,7 @@
 """`python -m hpc_rl.launch.prepare_run CONFIG.yaml [flags] --run-dir DIR`: the run dir for `sbatch` users.
 
 Owns what `slurm/*.sbatch` does before starting the driver: load + validate the config exactly as
-`hpc_rl.submit` does, write `<run_dir>/config.resolved.yaml` and the 0600 secret. A run dir that
+`hpc_rl.submit` does, write `<run_dir>/config.resolved.yaml`, its `topology.json` and the 0600 secret. A run dir that
 already holds a resolved config is left as it is (a requeued job resumes), so this is idempotent; one that
 a live run holds (`run_lock`) is refused before anything is written.
 """
@@ -17,6 +17,7 @@ from hpc_rl.config.loading import RESOLVED_CONFIG_NAME
 from hpc_rl.config.validation import ValidationFailed, validate
 from hpc_rl.launch.run_lock import RunDirLocked, acquire
 from hpc_rl.launch.submit_args import EXIT_INVALID, assign_run_dir, parse_submit_args
+from hpc_rl.launch.run_plan import write_topology
 from hpc_rl.launch.topology import plan_run_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
 
@@ -44,9 +45,10 @@ def _prepare(run_dir: Path, config: RunConfig, check_files: bool) -> None:
         print(f"hpc_rl.prepare_run: resuming {run_dir} (its config.resolved.yaml is kept)", file=sys.stderr)
     else:
         validate(config, check_files=check_files)
-        plan_run_topology(config)
+        topology = plan_run_topology(config)
         config = assign_run_dir(config)
         write_resolved_config(config, config.run_dir)
+        write_topology(config.run_dir, config, topology)
     if not secret_path(run_dir).exists():
         create_secret(secret_path(run_dir))
 

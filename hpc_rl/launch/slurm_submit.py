@@ -28,6 +28,7 @@ from hpc_rl.launch.submitit_het import (
     guarded_python,
 )
 from hpc_rl.launch.run_lock import RunLock
+from hpc_rl.launch.run_plan import run_topology
 from hpc_rl.launch.topology import JobTopology, plan_run_topology
 from hpc_rl.protocol.secret import create_secret, secret_path
 from hpc_rl.telemetry.scalars import tensorboard_dir
@@ -49,7 +50,9 @@ def submit_job(config: RunConfig, *, driver: str = DEFAULT_DRIVER, lock: RunLock
     run_dir = Path(config.run_dir)
     if not secret_path(run_dir).exists():
         create_secret(secret_path(run_dir))
-    topology = plan_run_topology(config)
+    topology, note = run_topology(run_dir, config)  # submit's plan (an older run dir: planned now)
+    if note:
+        print(f"hpc_rl: {note}", file=sys.stderr, flush=True)
     executor = make_executor(config, topology)
     job = executor.submit(HetJobDriver(str(run_dir), driver, engine_cpus_per_task(config, topology)))
     record_job_id(run_dir, job.job_id)
@@ -151,9 +154,9 @@ def submit_slurm(config: RunConfig, wait: bool = False, lock: RunLock | None = N
 
 def planned_steps(config: RunConfig, topology: JobTopology, run_dir: Path) -> list[StepSpec]:
     """The steps the driver starts (`launch.step_plan`, as the driver builds them), for `--dry-run`."""
-    from hpc_rl.launch import driver
+    from hpc_rl.launch.ports import PortPlan
 
-    ports = driver.PortPlan.for_job(topology, local=False)
+    ports = PortPlan.for_job(topology, local=False)
     steps = []
     for placement in topology.engines:
         node_ports, dist_init_port = ports.engine_node_ports(placement)

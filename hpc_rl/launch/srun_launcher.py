@@ -30,7 +30,7 @@ import socket
 import subprocess
 from collections.abc import Callable, Mapping
 
-from hpc_rl.engines.child_process import start_process_group
+from hpc_rl.process.child_process import start_process_group
 from hpc_rl.launch.steps import ContainerSpec, LocalStep, StepSpec
 
 

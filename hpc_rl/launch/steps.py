@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from hpc_rl.engines.child_process import start_process_group, stop_process_group
+from hpc_rl.process.child_process import start_process_group, stop_process_group
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -57,7 +57,7 @@ from hpc_rl.training.actor import TrainerParts
 from hpc_rl.training.checkpoint_files import prune_iterations
 from hpc_rl.training.nonfinite import NonFiniteSteps, check_finite_weights
 from hpc_rl.training.eval_loss import evaluate_loss
-from hpc_rl.engines.child_process import free_port
+from hpc_rl.process.child_process import free_port
 from hpc_rl.training.critic import critic_save_dir
 from hpc_rl.training.offload import TrainerOffload
 from hpc_rl.training.parallel import ParallelInfo

@@ -30,7 +30,7 @@ def ensure_process_group() -> None:
     """Join torchrun's world, or make a one-rank gloo world when started as a plain script."""
     import torch.distributed as dist
 
-    from hpc_rl.engines.child_process import free_port
+    from hpc_rl.process.child_process import free_port
 
     if dist.is_initialized():
         return

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from hpc_rl.engines.child_process import free_port
+from hpc_rl.process.child_process import free_port
 
 
 _PRELOAD = ["torch", "megatron.core", "hpc_rl.training.model_provider"]

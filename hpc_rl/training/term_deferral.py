@@ -49,7 +49,7 @@ def defer_sigterm(grace_s: float = RANK_TERM_GRACE_S, exit_fn: Callable[[int], o
                   same_stop_s: float = SAME_STOP_S) -> None:
     """Install the handler (call from the main thread, after the controller link is up)."""
     if exit_fn is None:
-        from hpc_rl.engines.child_process import exit_without_teardown
+        from hpc_rl.process.child_process import exit_without_teardown
 
         exit_fn = exit_without_teardown
     chosen_exit = exit_fn

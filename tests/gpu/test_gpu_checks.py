@@ -53,7 +53,7 @@ def test_the_weight_export_is_bfloat16_and_equals_the_checkpoint() -> None:
 
 def test_an_nccl_weight_group_broadcasts_between_two_gpus_without_blocking_the_cpu() -> None:
     need(gpus=2)
-    from hpc_rl.engines.child_process import free_port
+    from hpc_rl.process.child_process import free_port
 
     results = in_ranks("nccl_weight_group", 2, free_port())
     assert all(r["equal"] for r in results), results

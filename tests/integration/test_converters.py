@@ -82,7 +82,7 @@ def test_converter_refuses_flags_that_disagree_with_config_json(tmp_path: Path) 
 def test_slime_command_lines_round_trip_a_moe_model_at_ep2(tmp_path: Path) -> None:
     """slime's MoE conversion line (`torchrun --nproc-per-node N convert_hf_to_torch_dist.py ${MODEL_ARGS[@]}
     --expert-model-parallel-size N`, qwen3-30B-A3B.sh's flag set) and the reverse line: every tensor back bit-exact."""
-    from hpc_rl.engines.child_process import free_port
+    from hpc_rl.process.child_process import free_port
     from tests.unit.slime_lines import flags_of
 
     hf_dir = ROOT / "assets" / "tiny_qwen3_moe"

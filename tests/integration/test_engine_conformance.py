@@ -21,7 +21,7 @@ import orjson
 import pytest
 import requests
 
-from hpc_rl.engines.child_process import free_port
+from hpc_rl.process.child_process import free_port
 from hpc_rl.engines.engine_process import CpuEngineProcess, SglangEngineProcess
 from hpc_rl.engines.sglang_launch import SGLANG_ON_CPU_ENV, SGLANG_ON_CPU_OPTIONS, SglangLaunchSpec
 

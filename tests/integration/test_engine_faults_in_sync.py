@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from hpc_rl.engines.cpu.faults import EXIT_IN_GENERATE, EXIT_IN_GROUP_INIT, STOP_IN_WEIGHT_SYNC
-from hpc_rl.launch.driver import TERM_GRACE_LOCAL_S
+from hpc_rl.launch.signals import TERM_GRACE_LOCAL_S
 from hpc_rl.training.checkpoint_files import latest_iteration
 from tests.integration.run_helpers import processes_of_run, records, run_to_end, start_run, wait_for
 

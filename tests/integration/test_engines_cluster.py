@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hpc_rl.weights.bucket_layout import order_for_alignment
-from hpc_rl.engines.child_process import free_port
+from hpc_rl.process.child_process import free_port
 from hpc_rl.engines.engine_process import CpuEngineProcess
 from hpc_rl.engines.router import RouterProcess
 from hpc_rl.tiny_model import TinyModelSpec, make_tiny_model

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rl.engines.child_process import free_port
+from hpc_rl.process.child_process import free_port
 from hpc_rl.engines.engine_process import CpuEngineProcess
 from hpc_rl.protocol.http_client import request_blocking
 from tests.integration.run_helpers import SHORT_RUN_ROLLOUTS, records, run_to_end

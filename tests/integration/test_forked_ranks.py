@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpc_rl.config.loading import load_config
-from hpc_rl.engines.child_process import free_port
+from hpc_rl.process.child_process import free_port
 from hpc_rl.launch.bound_torchrun import FORK_FLAG, STORE_ADDRESS_ENV
 from hpc_rl.launch.step_plan import trainer_command
 from hpc_rl.launch.trainer_exit import root_cause

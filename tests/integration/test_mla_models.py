@@ -25,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-from hpc_rl.engines.child_process import free_port
+from hpc_rl.process.child_process import free_port
 from hpc_rl.training.local_ranks import run_ranks
 from tests.integration.grad_shards import gather_reduced_grads
 

@@ -15,7 +15,7 @@ import pytest
 import requests
 import torch
 
-from hpc_rl.engines.child_process import free_port
+from hpc_rl.process.child_process import free_port
 from hpc_rl.engines.engine_process import SglangEngineProcess
 from hpc_rl.engines.sglang_launch import SGLANG_ON_CPU_ENV, SGLANG_ON_CPU_OPTIONS, SglangLaunchSpec
 from tests.integration.test_engine_conformance import SGLANG_PYTHON, needs_sglang

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from hpc_rl.engines.child_process import free_port, http_ok
+from hpc_rl.process.child_process import free_port, http_ok
 from hpc_rl.engines.engine_process import CpuEngineProcess
 from hpc_rl.protocol.http_client import EngineHTTPTransportError, request_blocking
 from hpc_rl.weights.colocated import update_weights_from_tensor_body, write_shared_memory_bucket

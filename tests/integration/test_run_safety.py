@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rl.launch.driver import TERM_GRACE_LOCAL_S
+from hpc_rl.launch.signals import TERM_GRACE_LOCAL_S
 from hpc_rl.training.checkpoint_files import iteration_dir, latest_iteration
 from tests.integration.run_helpers import REPO_ROOT, processes_of_run, records, run_to_end, start_run, wait_for
 

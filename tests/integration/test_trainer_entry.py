@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_torchrun_entry_trains_from_a_batches_file(tmp_path: Path) -> None:
     from hpc_rl.config.loading import load_config, write_resolved_config
     from hpc_rl.tiny_model import make_tiny_model
-    from hpc_rl.engines.child_process import free_port
+    from hpc_rl.process.child_process import free_port
 
     sys.path.insert(0, str(Path(__file__).parent))
     from test_trainer_step import make_batch

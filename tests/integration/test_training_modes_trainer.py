@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rl.engines.child_process import free_port
+from hpc_rl.process.child_process import free_port
 from tests.integration.test_run_local import tensorboard_scalars
 
 pytestmark = pytest.mark.slow

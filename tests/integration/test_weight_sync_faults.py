@@ -40,7 +40,7 @@ def broadcast_to_a_dead_peer(*, abort: bool) -> tuple[float, float, str]:
     import torch
     import torch.distributed as dist
 
-    from hpc_rl.engines.child_process import free_port
+    from hpc_rl.process.child_process import free_port
     from hpc_rl.weights.collective_stream import CollectiveStream, CollectiveTimeout
     from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
 

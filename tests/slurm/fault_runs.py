@@ -406,7 +406,7 @@ def _first_log_after(run_dir: Path, fault_at: float, text: str) -> float | None:
 
 def planned_ports(job_id: str) -> list[int]:
     """The controller, router and engine-0 ports the driver of `job_id` plans (before replacing busy ones)."""
-    from hpc_rl.launch.driver import JOB_PORT_SLOTS
+    from hpc_rl.launch.ports import JOB_PORT_SLOTS
     from hpc_rl.launch.topology import DEFAULT_BASE_PORT
 
     base = DEFAULT_BASE_PORT + (int(job_id) % JOB_PORT_SLOTS) * 50

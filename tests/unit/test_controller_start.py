@@ -47,3 +47,21 @@ def test_ready_builds_the_loop(tmp_path, in_repo) -> None:
             await controller.close()
 
     asyncio.run(scenario())
+
+
+def test_a_checkpoint_request_before_the_loop_exists_is_kept_for_it(tmp_path, in_repo) -> None:
+    """USR2 can come while the rollout stack is still being built (Slurm signals early): the driver hands it
+    to the controller (`DriverInterface`), which applies it to the loop once built."""
+
+    async def scenario() -> None:
+        controller = make_controller(tmp_path, in_repo, str(in_repo / "data" / "tiny_copy_train.jsonl"))
+        try:
+            controller.request_checkpoint_and_stop()  # before start(): no loop yet
+            assert controller.loop is None and not controller.stopped_for_requeue
+            await controller.start()
+            await controller.ready()
+            assert controller.loop is not None and controller.loop.stop_requested
+        finally:
+            await controller.close()
+
+    asyncio.run(scenario())

@@ -227,13 +227,12 @@ class FakeControllerForShutdown:
         self.events = events
         self.stopping = False
         self.channel = TrainerChannel(1)
-        outer = self
 
-        class Fleet:
-            async def stop_monitoring(self) -> None:
-                outer.events.append("monitoring stopped")
+    def note_stopping(self) -> None:
+        self.stopping = True
 
-        self.fleet = Fleet()
+    async def stop_engine_monitoring(self) -> None:
+        self.events.append("monitoring stopped")
 
     async def run(self) -> None:
         try:
@@ -247,6 +246,8 @@ class FakeControllerForShutdown:
 
 def test_driver_shutdown_cancels_the_controller_run_before_stopping_the_trainer() -> None:
     from hpc_rl.launch.driver import Driver
+    from hpc_rl.launch.node_watch import NodeWatch
+    from hpc_rl.launch.servers import Servers
 
     events: list[str] = []
 
@@ -255,7 +256,11 @@ def test_driver_shutdown_cancels_the_controller_run_before_stopping_the_trainer(
         driver = Driver.__new__(Driver)  # only the shutdown path: no config, run dir or processes
         driver.controller = controller  # type: ignore[assignment]
         driver.trainer_step = FakeTrainerStep(controller.channel, events, asyncio.get_running_loop())  # type: ignore[assignment]
-        driver.engine_steps, driver.router, driver._engine_failures = {}, None, {}
+        driver.servers = Servers.__new__(Servers)  # no engine, teacher or router started
+        driver.servers.engine_steps, driver.servers.teacher_step, driver.servers.router = {}, None, None
+        driver.nodes = NodeWatch.__new__(NodeWatch)
+        driver.nodes._task = None  # no node watch (a local run)
+        driver._engine_failures = {}
         driver.local = False  # (a local driver also ends the orphans it adopted: none here)
         driver.run_task = asyncio.create_task(controller.run())  # type: ignore[arg-type]
         await asyncio.sleep(0.05)  # the signal arrives while the run waits on the trainer

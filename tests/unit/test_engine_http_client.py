@@ -159,7 +159,7 @@ def test_sync_callers_go_straight_to_the_engines_whatever_the_proxy_environment(
     """Login and batch nodes often set http_proxy for the internet; urllib honoured it, so the router's
     worker calls, the engines' health polls and the colocated weight updates went to the proxy (no_proxy rarely lists the job's nodes
     or 127.0.0.1) and failed. Engines and the router are on the job's own nodes: no proxy, ever."""
-    from hpc_rl.engines.child_process import http_ok
+    from hpc_rl.process.child_process import http_ok
     from hpc_rl.engines.router import _request
     from hpc_rl.weights.colocated_sender import post_update
 

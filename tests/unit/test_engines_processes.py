@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rl.engines.child_process import (PLANNED_PORTS_START, ChildProcess, ChildProcessFailed, ephemeral_port_range, free_port,
+from hpc_rl.process.child_process import (PLANNED_PORTS_START, ChildProcess, ChildProcessFailed, ephemeral_port_range, free_port,
                                           http_ok, planned_port, wait_until)
 from hpc_rl.engines.engine_process import _HttpEngineProcess
 
@@ -64,7 +64,7 @@ def test_http_ok_is_false_on_a_closed_port():
 
 EXIT_CHILD = """
 import atexit, multiprocessing, os, sys
-from hpc_rl.engines.child_process import exit_without_teardown
+from hpc_rl.process.child_process import exit_without_teardown
 manager = multiprocessing.Manager()  # a child process, as Megatron's checkpoint writer starts one
 print("manager", manager._process.pid)
 atexit.register(lambda: open(sys.argv[1], "w").write("atexit ran"))

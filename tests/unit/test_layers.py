@@ -5,12 +5,13 @@
                                       the prompt tokenizer (data/prompt_tokenizer.py, torch-free)
     2  training, engines, weights, tiny_model, sim   trainer ranks, engines, the weight path (sim: simulated ones)
     1  rollout, rewards                  generation client, sampling, buffers, reward functions
-    0  config, data, protocol, plugins, telemetry, retry_policy,  what every process shares
+    0  config, data, protocol, process, plugins, telemetry, retry_policy,  what every process shares
        models (the family registry and each family's pure modules)
 
 A module may import its own tier or lower ones (function-level imports included: a lazy import is
 still a dependency), and packages do not import each other in a cycle (within tier 2 today: training ->
-weights, training -> engines, engines -> weights). Nor do modules inside one part: the modules of a part
+weights, engines -> weights). The trainer never imports the engines (both start and end child processes
+through `process`, below them): FORBIDDEN_SAME_TIER. Nor do modules inside one part: the modules of a part
 import each other without a cycle (module-level and function-level imports alike, `if TYPE_CHECKING:`
 included; `from pkg import mod` counts as importing pkg.mod). KNOWN_* would list a break someone owns the
 fix of; none is left, and the test fails on any new one.
@@ -33,7 +34,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hpc_rl"
 TIERS = {
-    "config": 0, "data": 0, "protocol": 0, "plugins": 0, "telemetry": 0, "retry_policy": 0, "models": 0,
+    "config": 0, "data": 0, "protocol": 0, "process": 0, "plugins": 0, "telemetry": 0, "retry_policy": 0, "models": 0,
     "rollout": 1, "rewards": 1,
     "training": 2, "engines": 2, "weights": 2, "tiny_model": 2, "sim": 2, "models.layers": 2,
     "controller": 3,
@@ -43,6 +44,9 @@ TORCH_STACK = ("torch", "transformers", "megatron", "sglang", "tensorboard")
 """Top-level modules the controller never imports (it runs in the driver, on the login/batch node)."""
 
 KNOWN_UPWARD_IMPORTS: set[tuple[str, str]] = set()
+FORBIDDEN_SAME_TIER = {("training", "engines")}
+"""(importer, imported) parts of one tier that must stay apart: the trainer ranks and the engines are
+separate processes that share only the weight wire format (`weights`) and `process`."""
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
@@ -93,6 +97,14 @@ def test_imports_point_down() -> None:
                 wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {mine} (tier {TIERS[mine]}) imports "
                              f"{imported} (tier {TIERS[part_of(imported)]})")
     assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+def test_forbidden_same_tier_imports() -> None:
+    wrong = [f"{path.relative_to(PACKAGE.parent)}:{line}: {part_of(name)} imports {imported}"
+             for name, path in modules().items() if name != "hpc_rl"
+             for imported, line in imports_of(path)
+             if imported.startswith("hpc_rl.") and (part_of(name), part_of(imported)) in FORBIDDEN_SAME_TIER]
+    assert not wrong, "imports between parts that must stay apart:\n" + "\n".join(wrong)
 
 
 def strongly_connected(edges: dict[str, set[str]]) -> list[frozenset[str]]:
@@ -247,3 +259,26 @@ def test_controller_build_path_loads_no_torch_and_transformers_only_for_the_toke
                             check=True)
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
     assert loaded == {"transformers": ["data/prompt_tokenizer.py"]}, loaded
+
+
+def test_launch_writes_no_attribute_of_the_controller() -> None:
+    """The driver reaches the controller's state through `controller.driver_interface` only: no assignment
+    to `<...>controller.<attribute>` (or deeper, `controller.loop.<attribute>`) anywhere in launch/."""
+
+    def reaches_controller(node: ast.expr) -> bool:
+        while isinstance(node, ast.Attribute):
+            if node.attr == "controller":
+                return True
+            node = node.value
+        return isinstance(node, ast.Name) and node.id == "controller"
+
+    wrong = []
+    for name, path in modules().items():
+        if part_of(name) != "launch":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            wrong += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}" for target in targets
+                      if isinstance(target, ast.Attribute) and reaches_controller(target.value)]
+    assert not wrong, "launch/ writes the controller's attributes at " + ", ".join(wrong)

@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from hpc_rl.engines.child_process import start_process_group, stop_process_group
+from hpc_rl.process.child_process import start_process_group, stop_process_group
 
 
 def test_a_stopped_process_takes_its_sigterm_at_once(tmp_path) -> None:

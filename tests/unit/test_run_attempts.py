@@ -11,7 +11,7 @@ import pytest
 
 from hpc_rl.config import load_config, write_resolved_config
 from hpc_rl.config.validation import ValidationFailed, validate
-from hpc_rl.launch.driver import slurm_kill_wait_s, term_grace_s
+from hpc_rl.launch.signals import slurm_kill_wait_s, term_grace_s
 from hpc_rl.launch.run_attempts import CONFIG_HISTORY, config_changes, finished_already, keep_previous_config
 from hpc_rl.training.checkpoint_files import STATE_FILE, TRACKER, iteration_dir, prune_iterations
 from hpc_rl.training.checkpoint_manifest import write_manifest

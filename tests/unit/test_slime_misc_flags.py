@@ -13,7 +13,7 @@ from aiohttp import web
 from hpc_rl.config import load_config, write_resolved_config
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.data.samples import Sample
-from hpc_rl.launch.driver import CONTROLLER_ENV, Driver
+from hpc_rl.launch.supervisor import CONTROLLER_ENV, Driver
 from hpc_rl.launch.steps import StepSpec
 from hpc_rl.launch.submit_args import assign_run_dir
 from hpc_rl.rewards import RewardSpec, reward_group

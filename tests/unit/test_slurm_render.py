@@ -171,7 +171,7 @@ def test_standalone_driver_passes_the_engine_cpus_to_srun(tmp_path: Path, monkey
     write_resolved_config(config, tmp_path)
     seen = {}
 
-    def fake_run_driver(run_dir: str, launcher: object, *, local: bool) -> int:
+    def fake_run_driver(run_dir: str, launcher: object, *, local: bool, plan: object = None) -> int:
         seen["cpus"] = getattr(launcher, "cpus_per_task")
         return 0
 

@@ -22,7 +22,7 @@ from hpc_rl.config import load_config, write_resolved_config
 from hpc_rl.controller.engine_fleet import EngineFleet
 from hpc_rl.controller.registry import Registry
 from hpc_rl.data.samples import Sample
-from hpc_rl.engines.child_process import ChildProcess
+from hpc_rl.process.child_process import ChildProcess
 from hpc_rl.engines.router import RouterProcess
 from hpc_rl.launch.run_attempts import config_changes, keep_previous_config
 from hpc_rl.launch.run_lock import RunDirLocked, acquire

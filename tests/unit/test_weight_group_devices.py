@@ -7,7 +7,7 @@ import multiprocessing
 
 import pytest
 
-from hpc_rl.engines.child_process import free_port
+from hpc_rl.process.child_process import free_port
 from hpc_rl.weights.device_identity import device_identity
 from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
 

@@ -15,7 +15,7 @@ from hpc_rl.controller.engine_admin import EngineAdminError
 from hpc_rl.controller.registry import EngineInfo
 from hpc_rl.controller.trainer_channel import TrainerChannel
 from hpc_rl.controller.weight_sync import WeightGroupBroken, WeightGroupState, push_weights_to_engines
-from hpc_rl.engines.child_process import free_port
+from hpc_rl.process.child_process import free_port
 from hpc_rl.protocol.http_client import EngineHTTPTransportError
 from hpc_rl.protocol.messages import CommandDone, SyncWeightsCommand, WeightPlan
 from hpc_rl.weights.process_group import WeightGroupJoinAbandoned, init_weight_update_group

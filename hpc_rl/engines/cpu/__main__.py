@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from hpc_rl.engines import API_KEY_ENV
-from hpc_rl.engines.child_process import exit_without_teardown
+from hpc_rl.process.child_process import exit_without_teardown
 
 
 def build_parser() -> argparse.ArgumentParser:

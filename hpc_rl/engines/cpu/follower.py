@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hpc_rl.engines.child_process import exit_without_teardown
+from hpc_rl.process.child_process import exit_without_teardown
 from hpc_rl.engines.cpu.memory_occupation import MemoryOccupation
 from hpc_rl.engines.cpu.node_group import EngineNodes, FollowerFailed, shares_of_node, weights_digest
 from hpc_rl.engines.cpu.weight_sync import load_from_disk, load_named, named_tensors, read_tensor_share

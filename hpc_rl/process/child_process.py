@@ -45,7 +45,7 @@ def ephemeral_port_range() -> tuple[int, int]:
 
 def planned_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
     """A free port on `host` for a server that binds it seconds later (a local run's plan): drawn between
-    30000 (Slurm jobs' planned ports stay below, see driver.JOB_PORT_SLOTS) and the kernel's ephemeral
+    30000 (Slurm jobs' planned ports stay below, see launch.ports.JOB_PORT_SLOTS) and the kernel's ephemeral
     range, where no outgoing connection can take it meanwhile (a `free_port` port can: a local run once
     lost its torchrun rendezvous port that way). `free_port` when that window is too small or full."""
     rng = rng or random.Random()
