@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin  # noqa: E402
-from hpc_rl.controller.weight_sync import update_every_engine  # noqa: E402
+from hpc_rl.controller.transports.fanout import update_every_engine  # noqa: E402
 from hpc_rl.engines import API_KEY_ENV  # noqa: E402
 from hpc_rl.protocol.http_client import EngineConnections  # noqa: E402
 
@@ -61,7 +61,7 @@ async def rounds(urls: list[str], buckets: list[BucketUpdate], count: int) -> No
         cpu, wall = time.process_time(), time.perf_counter()
         await asyncio.gather(*(admin.pause("retract") for admin in admins))
         paused = time.process_time()
-        await update_every_engine(admins, buckets)  # the controller's fan-out (weight_sync)
+        await update_every_engine(admins, buckets)  # the controller's fan-out (transports.fanout)
         updated = time.process_time()
         await asyncio.gather(*(admin.resume_generation() for admin in admins))
         done = time.process_time()

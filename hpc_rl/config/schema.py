@@ -204,6 +204,13 @@ class RolloutConfig:
     update_weight_disk_keep_files: bool = False
     """With transport disk: keep every version's directory (default: the previous one is removed once the engines
     loaded the new one)."""
+    flush_cache_interval: int = 1
+    """Async mode, decoupled engines, transport nccl: 1 (the default) has the rollout generated ahead finish
+    before each sync and the engines flush their KV cache at every sync. N > 1 updates in place (PipelineRL):
+    the sync pauses the engines with their running requests and KV cache kept, loads the new weights and the
+    same requests go on (each token records the version it came from: TIS/MIS see the mix); every N-th sync
+    flushes the cache instead (the engines retract their requests first, as SGLang requires). 0: never flush
+    (slime's --flush-cache-interval; refused with --colocate, as slime does)."""
     custom_update_weight_post_write_path: str | None = None
     """Import path of slime's `hook(args, version_dir, rollout_engines)`, called on every trainer rank after a disk
     sync's files are written and before the engines read them (rollout_engines: the engines' URLs here)."""

@@ -316,9 +316,6 @@ _STRAW_REASON = ("belongs to slime's straw rollout-data transport (a lease queue
 _OUTLIVE_REASON = ("belongs to engines that outlive the trainer (a rollout session resumed by a later job), which "
                    "hpc_rl does not offer yet: the engines are the job's and stop with it; drop it")
 SLIME_LATER_REFUSED: dict[str, str] = {
-    "flush_cache_interval": (
-        "in-place weight updates (engines paused with their running requests, a cache flush every N syncs) are "
-        "not offered yet: every sync flushes the engines' cache, which is slime's --flush-cache-interval 1"),
     "routing_replay_prefetch_microbatches": (
         "not offered: hpc_rl's routing replay keeps each rollout's routed experts in host memory beside its "
         "samples (no disk-backed routes to read ahead); drop it"),

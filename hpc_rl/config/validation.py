@@ -434,6 +434,7 @@ def _slime_flag_problems(config: RunConfig) -> list[Problem]:
             if getattr(rollout, name):
                 problems.append(Problem(f"rollout.{name}", "is read only with update_weight_transport disk: add "
                                         "--update-weight-transport disk or drop it"))
+    problems += _flush_cache_interval_problems(config)
     custom_config = config.rollout.custom_config_path
     if custom_config and Path(custom_config).is_file():
         try:
@@ -524,3 +525,25 @@ def validate(config: RunConfig, *, check_files: bool = True) -> None:
         raise ValidationFailed(problems)
     for note in device_notes(config, run_architecture(config)) + speculative_notes(config):
         log.info(note)
+
+
+def _flush_cache_interval_problems(config: RunConfig) -> list[Problem]:
+    """In-place weight updates (flush_cache_interval other than 1) need engines that keep generating while the
+    trainer trains (async, decoupled) and a transport whose engine call can keep the cache (SGLang's
+    /update_weights_from_disk and /update_weights_from_tensor always flush)."""
+    rollout, field_name = config.rollout, "rollout.flush_cache_interval"
+    if rollout.flush_cache_interval < 0:
+        return [Problem(field_name, f"{rollout.flush_cache_interval} is negative: give N >= 1 (flush every N-th "
+                        "sync) or 0 (never flush)")]
+    if rollout.flush_cache_interval == 1:
+        return []
+    if config.cluster.colocate:
+        return [Problem(field_name, "in-place weight updates need engines on their own GPUs (slime refuses "
+                        "--flush-cache-interval with --colocate too): drop it or drop --colocate")]
+    if not rollout.async_rollout:
+        return [Problem(field_name, "in-place weight updates happen while the next rollout generates: add "
+                        "--async-rollout (rollout.async_rollout: true) or drop it")]
+    if rollout.update_weight_transport == "disk":
+        return [Problem(field_name, "SGLang's /update_weights_from_disk always flushes the cache, which fails while "
+                        "requests are paused in place: use update_weight_transport nccl or drop it")]
+    return []

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpc_rl.config.schema import CheckpointConfig
-from hpc_rl.controller.colocated import TRAINER_TAGS, ColocatedMemory
+from hpc_rl.controller.colocated_memory import TRAINER_TAGS, ColocatedMemory
 from hpc_rl.controller.fault_hooks import KILL_CONTROLLER_AFTER_SAVE, kill_here_if_asked
 from hpc_rl.controller.rollouts import Rollouts
 from hpc_rl.controller.trainers import Trainers

@@ -9,7 +9,7 @@ STUCK_NOTICE_S is logged naming the engine and the endpoint, and a call in fligh
 health only while it shows progress (IN_FLIGHT_TRUST_S): a stuck engine is health-probed and failed. The HTTP is
 hpc_rl.protocol.http_client's (keep-alive, pipelined, JSON by orjson).
 Does not own: /generate and /abort_request (hpc_rl.rollout.engine_client), or when to call what
-(hpc_rl.controller.weight_sync and the loop).
+(hpc_rl.controller.transports and the loop).
 """
 
 from __future__ import annotations
@@ -50,9 +50,11 @@ class BucketUpdate:
 
     @classmethod
     def of(cls, *, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-           weight_version: str | None, load_format: str | None) -> BucketUpdate:
+           weight_version: str | None, load_format: str | None, flush_cache: bool = True) -> BucketUpdate:
+        """`flush_cache` False: the engine keeps its KV cache (SGLang asserts a flush succeeds after the update,
+        which fails while requests are paused in place)."""
         body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                                "flush_cache": True, "load_format": load_format}
+                                "flush_cache": flush_cache, "load_format": load_format}
         if weight_version is not None:
             body["weight_version"] = weight_version
         return cls(orjson.dumps(body))
@@ -162,7 +164,7 @@ class EngineAdmin:
         """begin, every bucket, end: written back to back on one connection (the engine runs them in
         order, as HTTP/1.1 requires), so the controller spends one write and a parse per call instead of
         a round trip per call; with a `gate`, answers after the first are read when it opens (see
-        weight_sync.update_every_engine). Raises EngineAdminError naming the first endpoint that failed
+        transports.fanout.update_every_engine). Raises EngineAdminError naming the first endpoint that failed
         (the end call is still made, so a failed update does not leave the engine's session open)."""
         requests: list[tuple[str, str, bytes | None]] = [("POST", "/begin_weight_update", b"{}")]
         requests += [("POST", "/update_weights_from_distributed", bucket.body) for bucket in buckets]

@@ -20,8 +20,10 @@ One rollout's data path, and the call below that owns each step:
 Modes: sync runs the steps in order. Async starts rollout k+1 inside rollouts.next(k), so it generates
 while k trains; before a sync the loop waits for it to finish (slime's train_async.py), so every sample
 is one weight version behind the trainer and no request is in flight while the weights change (a sync
-with nothing in flight needs no pause/continue pair: SGLang takes its update lock at once). Colocated (sync): engines and trainer trade the GPUs in
-weights.before_train / after_train (colocated.py), and the checkpoint is written in between, while the
+with nothing in flight needs no pause/continue pair: SGLang takes its update lock at once); with
+rollout.flush_cache_interval other than 1 the sync does not wait: the engines pause in place and the rollout's
+requests go on with the new weights (weight_updates.py). Colocated (sync): engines and trainer trade the GPUs in
+weights.before_train / after_train (colocated_memory.py), and the checkpoint is written in between, while the
 trainer holds its whole state.
 """
 
@@ -80,8 +82,8 @@ class RunLoop:
                 if self.weights.moves_memory:  # colocated: save now, while the trainer holds its whole state
                     metrics |= await self.checkpoints.save_if_due(rollout_id, version, stopping=self.stop_requested,
                                                                   unrecorded=self.unrecorded)
-                if sync_due:  # async: the rollout generated ahead ends on the weights it started with
-                    await self.rollouts.finish_ahead()
+                if sync_due and not self.weights.in_place:  # async: the rollout ahead ends on the weights it
+                    await self.rollouts.finish_ahead()  # started with (in place: its requests pause and go on)
                 metrics |= await self.weights.after_train(version, sync_due=sync_due,
                                                           generating=self.rollouts.generating)
                 if self.evaluate and every(self.eval_config.eval_interval, rollout_id):

@@ -78,7 +78,7 @@ async def _save_last_trained(loop: RunLoop, channel: TrainerChannel, deadline: f
     if remaining <= 0:
         return "no new checkpoint: no grace time left to save (the last checkpoint is kept)"
     try:  # a weight sync the stop cut (an engine stuck or dying in it) left rank 0 broadcasts that never complete:
-        await asyncio.wait_for(loop.weights.abort_group_if_due(), remaining)  # the save would queue behind them
+        await asyncio.wait_for(loop.weights.transport.before_trainer_work(), remaining)  # the save would queue behind them
     except TimeoutError:
         return "no new checkpoint: aborting the weight-update group of the cut sync did not finish within the grace"
     except Exception as error:  # noqa: BLE001 - said, then the run stops as asked

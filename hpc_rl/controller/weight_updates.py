@@ -1,19 +1,27 @@
 """The loop's side of the engines' weights: which version the trainer holds, when a sync is due, and
 each sync's sequence in every mode.
 
-    decoupled (sync or async):  [pause (retract)] -> push (weight_sync.push_weights_to_engines:
-                                the broadcast group; or weight_disk, through the shared filesystem)
-                                -> engines serve the version -> [continue]; the pause/continue pair only
-                                while a rollout generates (an engine restarted mid-rollout in sync mode):
-                                the loop's syncs come between rollouts (async: after the one ahead)
-    colocated, async:           the same, pushed through /update_weights_from_tensor (colocated.py)
+    decoupled (sync or async):  [pause (retract)] -> transport.push (transports.broadcast: the group;
+                                transports.disk: the shared filesystem) -> engines serve the version
+                                -> [continue]; the pause/continue pair only while a rollout generates (an
+                                engine restarted mid-rollout in sync mode): the loop's syncs come between
+                                rollouts (async: after the one ahead)
+    async, in place             flush_cache_interval N != 1 (PipelineRL; slime's --flush-cache-interval):
+                                the sync does not wait for the rollout ahead. pause(in_place): requests stay
+                                in the running batch with their KV cache -> push(flush_cache=False) ->
+                                continue: the same requests go on with the new weights, each token recording
+                                its version. Every N-th sync (none with 0) flushes, in the order SGLang
+                                requires (its /flush_cache fails while requests sit in place): pause(retract),
+                                so the running batch is empty -> push(flush_cache=True) -> continue.
+    colocated, async:           the same as decoupled, pushed through transports.colocated
     colocated, sync mode:       before_train: the engines hand the GPUs to the trainer; after_train:
-                                the memory moves back with the new weights (order in colocated.py)
+                                the memory moves back with the new weights (order in colocated_memory.py)
 
 Owns the trainer's weight version (what a checkpoint stores and what the next sync publishes), the
-sync interval, calling an admin method on every live engine (a failure fails that engine only), and
-what a starting (restarted) engine needs before it serves. Not here: the per-engine HTTP fan-out and
-the group bookkeeping (`weight_sync`), the colocated memory moves (`colocated`), the trainer's side.
+sync interval and which syncs flush, calling an admin method on every live engine (a failure fails that
+engine only), and what a starting (restarted) engine needs before it serves. Not here: how the weights
+travel (`controller.transports`: one module per transport, each with its trainer half in
+`training.transports`), the colocated memory moves (`colocated_memory`).
 """
 
 from __future__ import annotations
@@ -22,52 +30,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from hpc_rl.config.schema import ClusterConfig, ControllerConfig, RolloutConfig
-from hpc_rl.controller.colocated import (KV_TAGS, TRAINER_TAGS, WEIGHTS_TAG, ColocatedMemory, colocated_pairs,
-                                         push_weights_colocated)
-from hpc_rl.controller.engine_admin import EngineAdmin
+from hpc_rl.controller.colocated_memory import KV_TAGS, TRAINER_TAGS, WEIGHTS_TAG, ColocatedMemory
 from hpc_rl.controller.engine_fleet import EngineFleet
-from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
+from hpc_rl.controller.registry import EngineState, Registry
 from hpc_rl.controller.trainer_channel import TrainerChannel
-from hpc_rl.controller.weight_disk import push_weights_through_disk
-from hpc_rl.controller.weight_sync import WeightGroupBroken, WeightGroupState, push_weights_to_engines
-from hpc_rl.protocol.messages import AbortWeightGroupCommand
+from hpc_rl.controller.transports import WeightSyncSettings, WeightTransport, make_transport
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True, kw_only=True)
-class WeightSyncSettings:
-    """The fields of the cluster, rollout and controller sections that decide how weights reach the engines."""
-
-    backend: str
-    """Collective backend of the weight-update group: gloo on CPU, nccl on GPUs."""
-    colocate: bool
-    async_rollout: bool
-    update_weights_interval: int
-    bucket_bytes: int
-    timeout_s: float
-    num_engines: int
-    transport: str = "nccl"
-    """nccl (the broadcast group) or disk (rollout.update_weight_transport: weight_disk)."""
-    disk_dir: str | None = None
-    keep_disk_files: bool = False
-    external_engines: bool = False
-    """The engines are another job's (rollout.rollout_external_engine_addrs): they may hold an earlier run's group."""
-
-    @classmethod
-    def from_sections(cls, cluster: ClusterConfig, rollout: RolloutConfig,
-                      controller: ControllerConfig) -> WeightSyncSettings:
-        return cls(backend="gloo" if cluster.device == "cpu" else "nccl", colocate=cluster.colocate,
-                   async_rollout=rollout.async_rollout, update_weights_interval=rollout.update_weights_interval,
-                   bucket_bytes=rollout.update_weight_buffer_size, timeout_s=controller.engine_request_timeout,
-                   num_engines=cluster.num_engines,
-                   transport=rollout.update_weight_transport, disk_dir=rollout.update_weight_disk_dir,
-                   keep_disk_files=rollout.update_weight_disk_keep_files,
-                   external_engines=bool(rollout.rollout_external_engine_addrs))
+__all__ = ["WeightSyncSettings", "WeightUpdates"]
 
 
 class WeightUpdates:
@@ -81,33 +54,38 @@ class WeightUpdates:
         self.num_rollout = num_rollout
         self.version = 0
         """The trainer's weight version: what a checkpoint stores; the engines serve it after the next sync."""
-        self.group = WeightGroupState()
         self.colocated = ColocatedMemory(channel, self.engines_call, timeout_s=settings.timeout_s) \
             if settings.colocate else None
         """Colocated mode: the trainer's offload state and the memory moves (None: decoupled)."""
+        self.transport: WeightTransport = make_transport(settings, channel=channel, fleet=fleet, registry=registry,
+                                                         memory=self.colocated)
+        """How the weights travel (`controller.transports`)."""
+        self.pushes = 0
+        """Pushes made (to at least one engine): which ones flush (`flush_cache_interval`) counts on it."""
+        self.flushes = 0
+        """Of those, the ones that flushed the engines' cache."""
         self.moves_memory = settings.colocate and not settings.async_rollout
         """Colocated sync mode: engines and trainer trade the GPUs around every train step."""
         self.engines_released = False
         """Colocated: the engines released all their memory for the trainer's start (`hand_gpus_to_trainer`)."""
-        self.abort_due = ""
-        """Why the trainer must abort its weight-update group before its next command (a member engine failed
-        after the last sync: on NCCL a broadcast to it may never complete); "" when not."""
 
     def engine_failed(self, engine_index: int) -> None:
-        """The fleet failed an engine: if it was in the live weight-update group, the group is dropped (the
-        next sync builds a new one) and the trainer aborts its side before it runs anything else."""
-        if any(index == engine_index for index, _, _ in self.group.members):
-            self.group.members = []
-            self.abort_due = f"engine {engine_index} failed while in the weight-update group"
+        """The fleet failed an engine: the transport forgets it (broadcast: a group it was in is dropped, and
+        the trainer aborts its side before it runs anything else)."""
+        self.transport.engine_failed(engine_index)
 
-    async def abort_group_if_due(self) -> None:
-        """Have the trainer abort a weight-update group a failed engine was in (see `engine_failed`), or one a
-        cut sync left with broadcasts pending (a stop: the save that follows would wait behind them)."""
-        if self.abort_due:
-            reason, self.abort_due = self.abort_due, ""
-            log.warning("aborting the trainer's weight-update group: %s", reason)
-            await self.channel.run(lambda rank, seq: AbortWeightGroupCommand(seq=seq, reason=reason),
-                                   timeout_s=self.settings.timeout_s)
+    @property
+    def in_place(self) -> bool:
+        """Syncs update the engines while the rollout ahead generates (`flush_cache_interval` other than 1)."""
+        return self.settings.in_place_updates
+
+    def flush_due(self) -> bool:
+        """Whether the next push flushes the engines' cache: every `flush_cache_interval`-th (1: every one, the
+        default; 0: never); always with a transport whose engine call flushes anyway (disk, colocated)."""
+        interval = self.settings.flush_cache_interval
+        if interval == 1 or not self.transport.keeps_cache:
+            return True
+        return bool(interval) and (self.pushes + 1) % interval == 0
 
     def restore(self, version: int) -> None:
         """A resumed run: the checkpoint's trainer holds `version` (the engines get it in `start`)."""
@@ -150,7 +128,7 @@ class WeightUpdates:
         """Colocated sync mode: the engines release their memory and the trainer onloads; decoupled: the trainer
         aborts a weight-update group an engine broke since the last sync (see `engine_failed`)."""
         if not self.moves_memory:
-            await self.abort_group_if_due()
+            await self.transport.before_trainer_work()
             return {}
         assert self.colocated is not None
         return await self.colocated.before_train(sync_due)
@@ -169,14 +147,17 @@ class WeightUpdates:
         """Push the trainer's weights as `version` to every live engine; waiting engines start serving.
 
         While a rollout generates, the engines pause around the push (retract: their requests wait and go on
-        with the new weights, each token recording its version). With no request in flight (the loop's syncs
-        between rollouts, in both modes) there is nothing to pause: SGLang's weight-update calls take its model
-        update lock, which waits only for requests in flight, so the pause/continue pair is left out."""
+        with the new weights, each token recording its version; in place, when this push keeps the cache: they
+        stay in the running batch with their KV cache, see the module docstring). With no request in flight (the
+        loop's syncs between rollouts, in both modes) there is nothing to pause: SGLang's weight-update calls
+        take its model update lock, which waits only for requests in flight, so the pause/continue pair is left
+        out."""
         start = time.perf_counter()
         waiting = self._waiting_engines()
+        flush = self.flush_due()
         if generating:
-            await self.engines_call("pause", "retract")
-        metrics = await self._push(version)
+            await self.engines_call("pause", "retract" if flush else "in_place")
+        metrics = await self._push(version, flush_cache=flush)
         await self._now_serving(version, waiting)
         if generating:
             await self.engines_call("resume_generation")
@@ -194,74 +175,21 @@ class WeightUpdates:
             if isinstance(result, BaseException):
                 await self.fleet.fail_engine(index, f"{method} failed: {result}")
 
-    async def _engine_stuck(self, admin: EngineAdmin, why: str) -> None:
-        """An engine found stuck during the weight update (weight_sync's watchdog): failed as dead (restarted)."""
-        index = next((i for i, known in self.fleet.admins.items() if known is admin), None)
-        if index is not None:
-            await self.fleet.fail_engine(index, why)
-
     def _waiting_engines(self) -> list[int]:
         return [e.engine_index for e in self.registry.live_engines() if e.state == EngineState.STARTING]
 
-    async def _push(self, version: int) -> dict[str, float]:
-        """The trainer's weights to every live (paused) engine: a broadcast group (decoupled) or, colocated,
-        each trainer rank to the engine on its GPUs (the trainer's weights onloaded for it if need be)."""
+    async def _push(self, version: int, *, flush_cache: bool = True) -> dict[str, float]:
+        """The trainer's weights to every live (paused) engine, through the run's transport."""
         engines = self.registry.live_engines()
-        settings = self.settings
         if not engines:  # all restarting: each gets the trainer's current version before it serves
             log.warning("weights v%d not pushed: no engine is up", version)
             return {}
-        if self.colocated is None and settings.transport == "disk":
-            assert settings.disk_dir is not None, "validation requires update_weight_disk_dir with disk"
-            return await push_weights_through_disk(version=version, channel=self.channel, engines=engines,
-                                                   admins=self.fleet.admins, disk_dir=settings.disk_dir,
-                                                   keep_files=settings.keep_disk_files, timeout_s=settings.timeout_s)
-        if self.colocated is None:
-            return await self._broadcast(version, engines)
-        was_offloaded = WEIGHTS_TAG in self.colocated.trainer_offloaded
-        await self.colocated.trainer("onload", [WEIGHTS_TAG])
-        metrics = await push_weights_colocated(
-            version=version, channel=self.channel, engines=engines, admins=self.fleet.admins,
-            num_engines=settings.num_engines, rank_engines=colocated_pairs(self.registry),
-            bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s)
-        if was_offloaded:
-            await self.colocated.trainer("offload", [WEIGHTS_TAG])
+        metrics = await self.transport.push(version, engines, flush_cache=flush_cache)
+        self.pushes += 1
+        self.flushes += flush_cache
+        if self.settings.flush_cache_interval != 1:
+            metrics["weight_sync/flushed_cache"] = float(flush_cache)
         return metrics
-
-    async def _broadcast(self, version: int, engines: list[EngineInfo]) -> dict[str, float]:
-        """The decoupled push. An engine that breaks it (dies or fails mid-update) is failed (restarted, and
-        given the weights before it serves again), the trainer has aborted the broken group, and the push is
-        made once more, over a new group of the engines still up; a second break fails the run."""
-        settings = self.settings
-
-        async def push(over: list[EngineInfo]) -> dict[str, float]:
-            return await push_weights_to_engines(version=version, channel=self.channel, engines=over,
-                                                 admins=self.fleet.admins, group=self.group, backend=settings.backend,
-                                                 bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s,
-                                                 on_stuck=self._engine_stuck,
-                                                 clear_stale_groups=settings.external_engines)
-
-        await self.abort_group_if_due()
-        try:
-            try:
-                return await push(engines)
-            except WeightGroupBroken as broken:  # the trainer aborted its side already
-                start = time.perf_counter()
-                members = {e.engine_index: e.incarnation for e in engines}  # a broken one may be restarted already
-                for index in broken.engines:
-                    await self.fleet.fail_engine(index, f"broke weight sync v{version}: {broken}",
-                                                 incarnation=members.get(index))
-                self.abort_due = ""
-                survivors = self.registry.live_engines()
-                log.warning("weight sync v%d: engine(s) %s failed mid-update; pushing again to %d engine(s)", version,
-                            broken.engines, len(survivors))
-                metrics = await push(survivors) if survivors else {}
-                metrics["weight_sync/recovery_seconds"] = time.perf_counter() - start
-                return metrics
-        except asyncio.CancelledError:  # cut (a stop): rank 0 may have broadcasts pending that will never complete
-            self.group.members = []
-            self.abort_due = f"weight sync v{version} was cut short"
-            raise
 
     async def _now_serving(self, version: int, waiting: list[int]) -> None:
         self.version = version
@@ -269,7 +197,7 @@ class WeightUpdates:
         await self.fleet.mark_serving(waiting)
 
     async def _colocated_after_train(self, version: int, *, sync_due: bool) -> dict[str, Any]:
-        """Colocated, sync mode (see hpc_rl.controller.colocated): free grads and optimizer state, reload the
+        """Colocated, sync mode (see hpc_rl.controller.colocated_memory): free grads and optimizer state, reload the
         engines' released weights with the new version, free the trainer's weights, give the engines their
         KV cache back and let them generate. (The loop saved a due checkpoint just before.)"""
         assert self.colocated is not None

@@ -17,7 +17,7 @@ each read lands in one reused per-thread buffer, ~16 us less per answer, and a w
 can be read in batches through a `ReadGate`). benchmarks/bench_admin_fanout.py, bench_scale.py and
 docs/scaling.md have the current numbers.
 Does not own: what the calls mean (controller.engine_admin, rollout.engine_client) or when they are
-made (controller.weight_sync, the loop, the rollout client). Plain HTTP only: engines and the
+made (controller.transports, the loop, the rollout client). Plain HTTP only: engines and the
 router listen on the job's own nodes, as before (no TLS was used with aiohttp either), and are
 reached directly whatever http_proxy says (urllib sent the sync calls to the proxy). A user's reward
 server (rewards.remote) is outside the job and may be https: it keeps aiohttp (see there).

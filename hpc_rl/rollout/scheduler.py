@@ -407,6 +407,7 @@ def _sample_stats(groups: list[Group], current_version: int) -> dict[str, float]
         "rollout/response_len_mean": sum(s.response_length for s in samples) / len(samples),
         "rollout/truncated_ratio": sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
         "rollout/resumed_partial_samples": float(sum("start_rollout_id" in s.metadata for s in samples)),
+        "rollout/samples_spanning_versions": float(sum(len(set(s.weight_versions)) > 1 for s in samples)),
         "rollout/staleness_max": float(max(lags)) if lags else 0.0,
         **dict(zip(("rollout/staleness_trained_mean", "rollout/staleness_trained_max"),
                    trained_token_staleness(samples, current_version))),

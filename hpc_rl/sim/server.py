@@ -8,8 +8,8 @@ broadcast are NOT done: `/init_weights_update_group` and `/update_weights_from_d
 their simulated time (the harness measures the orchestration around them).
 
 Refusals reproduced from SGLang: an unknown sampling param (400), stream=true here (400), a weight
-update outside a session (400), a weight update while requests hold KV (in_place pause: 400, as
-flush_cache fails), and memory release while requests run (500: it kills a real SGLang server; the
+update outside a session (400), a weight update that asks for a flush while requests hold KV (in_place pause:
+400, as flush_cache fails), and memory release while requests run (500: it kills a real SGLang server; the
 simulated engine stops serving).
 
 Plus `GET /sim_stats` (this engine) and `GET /sim_fleet_stats` (every engine of the process): busy
@@ -315,7 +315,7 @@ class SimFleetServer:
         body = await _json_body(request)
         if not endpoint.in_weight_update:
             return _fail("update_weights_from_distributed outside a session: call /begin_weight_update first")
-        if endpoint.engine.running:
+        if endpoint.engine.running and body.get("flush_cache", True):
             return _fail("Failed to update parameter online: flush cache failed (requests hold KV cache)")
         seconds = self.model.weight_call_s
         if self.model.broadcast_gbytes_per_s > 0:

@@ -10,13 +10,16 @@ share for `TrainCommand`), so collectives line up. Commands are `hpc_rl.protocol
     EvalLossCommand(batch arrays)           -> eval_loss.evaluate_loss (SFT's held-out loss, no update)
     SyncWeightsCommand(version, group, ...) -> WeightPlan from rank 0, then the bucket broadcasts (none when
                                                the controller told rank 0 to stop waiting for the engines
-                                               to join a new group: {"join_abandoned": why})
+                                               to join a new group: {"join_abandoned": why});
+                                               training.transports.broadcast
     SaveCommand(rollout_id, controller_state) -> checkpoint.save_checkpoint (+ the HF copy, save_hf)
-    DiskWeightsCommand(version, path)       -> the weights as an HF directory at path (disk transport), then
-                                               the post-write hook
+    DiskWeightsCommand(version, path)       -> the weights as an HF directory at path, then the post-write
+                                               hook (training.transports.disk)
     TrainerMemoryCommand(action, tags)       -> colocated: offload/onload (hpc_rl.training.offload)
     ColocatedSyncCommand(version, engine_urls) -> colocated: /update_weights_from_tensor per bucket
+                                               (training.transports.colocated)
     AbortWeightGroupCommand                  -> rank 0 aborts a weight-update group an engine broke
+                                               (training.transports.broadcast)
     StopCommand                              -> leave
 
 A command source is anything with `next_command()`, `done(seq, metrics)`, `failed(seq, error)`,
@@ -27,16 +30,12 @@ A command source is anything with `next_command()`, `done(seq, metrics)`, `faile
 from __future__ import annotations
 
 import logging
-import os
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.precision import trainer_dtype_name
 from hpc_rl.config.schema import CheckpointConfig
 from hpc_rl.protocol.messages import (
     AbortWeightGroupCommand,
@@ -55,24 +54,20 @@ from hpc_rl.telemetry.scalars import ScalarLog
 from hpc_rl.training import checkpoint
 from hpc_rl.training.actor import TrainerParts
 from hpc_rl.training.checkpoint_files import prune_iterations
-from hpc_rl.training.nonfinite import NonFiniteSteps, check_finite_weights
+from hpc_rl.training.nonfinite import NonFiniteSteps
 from hpc_rl.training.eval_loss import evaluate_loss
-from hpc_rl.process.child_process import free_port
 from hpc_rl.training.critic import critic_save_dir
 from hpc_rl.training.offload import TrainerOffload
 from hpc_rl.training.parallel import ParallelInfo
-from hpc_rl.training.sync_address import weight_sync_address
 from hpc_rl.training.train_batch import TrainBatch, read_batches_file
-from hpc_rl.weights.process_group import WeightGroupJoinAbandoned
-from hpc_rl.weights.sender import LOAD_FORMAT, WeightSender
+from hpc_rl.training.transports.base import TransportRank, export_dtype
+from hpc_rl.training.transports.broadcast import TrainerBroadcast
+from hpc_rl.training.transports.colocated import TrainerColocated
+from hpc_rl.training.transports.disk import write_weights
 
 log = logging.getLogger(__name__)
 
-
-def export_dtype(on_cpu: bool) -> torch.dtype:
-    """What every weight update exports in: the trainer's parameter dtype (`config.precision`), which the
-    engines were started with (SGLang `--dtype`), so both compute in the same precision."""
-    return getattr(torch, trainer_dtype_name("cpu" if on_cpu else "cuda"))
+__all__ = ["BatchFileCommands", "JsonlBatchSource", "TrainerCommands", "export_dtype"]
 
 
 class CommandSource(Protocol):
@@ -160,7 +155,6 @@ class TrainerCommands:
         self.keep_last = keep_last
         """checkpoint.keep_last: rank 0 removes older checkpoints after each save."""
         self.nonfinite = NonFiniteSteps(max_nonfinite_steps)
-        self.sender: WeightSender | None = None
         self.engine_api_key = engine_api_key
         """Colocated mode: this rank posts its weights to its engine itself (derived from the job secret)."""
         # the reference's and teacher's weights live in host memory already (`host_weights`): not offloaded; the
@@ -170,8 +164,12 @@ class TrainerCommands:
                                       margin_bytes=train_memory_margin_bytes,
                                       host_buffers=parts.trainer.actor_host_buffers)
         """Colocated: training.offload_train false keeps the state on the device (slime's --no-offload-train)."""
-        self.colocated_sender = None
-        self.group_address: tuple[str, int] | None = None
+        rank = TransportRank(parts=parts, arch=arch, info=info, engines_updated=self._engines_updated)
+        self.broadcast = TrainerBroadcast(rank, source)
+        """The broadcast transport's trainer half (`training.transports.broadcast`)."""
+        self.colocated = TrainerColocated(rank, self.offload, engine_api_key=engine_api_key)
+        """The colocated transport's trainer half (`training.transports.colocated`)."""
+        self.transport_rank = rank
 
     def run(self) -> None:
         while True:
@@ -185,27 +183,25 @@ class TrainerCommands:
                 self.source.failed(command.seq, traceback.format_exc())
                 raise
             self.source.done(command.seq, metrics)
-        if self.sender is not None:
-            self.sender.close()
+        self.broadcast.close()
 
     def execute(self, command: Message) -> dict[str, Any]:
         if isinstance(command, AbortWeightGroupCommand):
-            return self.abort_weight_group(command)
-        if self.sender is not None:  # the GPU would wait for the group's broadcasts before any new work
-            self.sender.synchronize()
+            return self.broadcast.abort(command)
+        self.broadcast.synchronize()  # the GPU would wait for the group's broadcasts before any new work
         if isinstance(command, TrainerMemoryCommand):
             return self.memory(command)
         if isinstance(command, ColocatedSyncCommand):
-            return self.colocated_sync(command)
+            return self.colocated.sync(command)
         self.offload.require_onloaded(type(command).__name__)
         if isinstance(command, TrainCommand):
             return self.train(command)
         if isinstance(command, EvalLossCommand):
             return evaluate_loss(self.parts.trainer, TrainBatch.from_arrays(command.batch, command.meta))
         if isinstance(command, SyncWeightsCommand):
-            return self.send_weights(command)
+            return self.broadcast.sync(command)
         if isinstance(command, DiskWeightsCommand):
-            return self.write_weights(command)
+            return write_weights(self.transport_rank, command, self.checkpoint_config)
         if isinstance(command, SaveCommand):
             root = self.save_dir or ""
             if not root:
@@ -269,93 +265,7 @@ class TrainerCommands:
             return self.offload.onload(command.tags)
         raise ValueError(f"trainer memory action {command.action!r}: use offload or onload")
 
-    def colocated_sync(self, command: ColocatedSyncCommand) -> dict[str, Any]:
-        if "weights" in self.offload.offloaded_tags:
-            self.offload.require_onloaded("a colocated weight update")
-        check_finite_weights(self.parts.actor, device=self.info.device, rank=self.info.rank)
-        if self.colocated_sender is None:
-            from megatron.core import parallel_state
-
-            from hpc_rl.weights.colocated_sender import ColocatedWeightSender
-            from hpc_rl.weights.device_identity import trainer_rank_device
-
-            tp_group = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
-            pp_group = parallel_state.get_pipeline_model_parallel_group() if self.info.pp_size > 1 else None
-            self.colocated_sender = ColocatedWeightSender(
-                self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size, rank=self.info.rank,
-                world_size=self.info.world_size, bucket_bytes=command.bucket_bytes,
-                dtype=export_dtype(self.info.on_cpu), api_key=self.engine_api_key, pp_group=pp_group,
-                pp_rank=self.info.pp_rank, pp_size=self.info.pp_size, device=trainer_rank_device())
-        engine, _ = command.rank_engines[self.info.rank]
-        url = command.engine_urls[engine] if 0 <= engine < len(command.engine_urls) else ""
-        metrics = self.colocated_sender.sync(version=command.weight_version, engine_url=url,
-                                             bucket_bytes=command.bucket_bytes, rank_engines=command.rank_engines)
-        self._engines_updated()
-        return metrics
-
-    def write_weights(self, command: DiskWeightsCommand) -> dict[str, Any]:
-        """slime's disk transport: the weights as an HF directory the engines load, then the post-write hook."""
-        from hpc_rl.training.hf_save import save_hf_checkpoint
-
-        trainer, config = self.parts.trainer, self.checkpoint_config
-        path = save_hf_checkpoint(self.parts.actor, self.arch, command.path, reference_dir=config.hf_checkpoint or None,
-                                  info=self.info, tp_group=trainer.tp_group)
-        hook_path = getattr(trainer.plugin_args, "custom_update_weight_post_write_path", None)
-        if hook_path:
-            from hpc_rl.plugins import load_plugin
-
-            load_plugin("update_weight_post_write", hook_path)(trainer.plugin_args, str(path), list(command.engine_urls))
-        self._engines_updated()
-        return {"path": str(path)}
-
     def _engines_updated(self) -> None:
         """The engines now serve the actor's weights (keep_old_actor keeps a copy for the old log-probs)."""
         if self.parts.trainer.algorithm.keep_old_actor:
             self.parts.trainer.remember_rollout_weights()
-
-    def abort_weight_group(self, command: AbortWeightGroupCommand) -> dict[str, Any]:
-        """Rank 0 drops the weight-update group an engine broke (nothing waits for it); every rank answers."""
-        if self.sender is not None:
-            log.warning("aborting the weight-update group: %s", command.reason)
-            self.sender.abort_group()
-        self.group_address = None
-        return {}
-
-    def send_weights(self, command: SyncWeightsCommand) -> dict[str, Any]:
-        check_finite_weights(self.parts.actor, device=self.info.device, rank=self.info.rank)
-        if self.sender is None:
-            from megatron.core import parallel_state
-
-            tp_group = parallel_state.get_tensor_model_parallel_group() if self.info.tp_size > 1 else None
-            pp_group = parallel_state.get_pipeline_model_parallel_group() if self.info.pp_size > 1 else None
-            self.sender = WeightSender(self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size,
-                                       dp_rank=self.info.dp_rank, rank=self.info.rank,
-                                       bucket_bytes=command.bucket_bytes, dtype=export_dtype(self.info.on_cpu),
-                                       pp_group=pp_group,
-                                       pp_rank=self.info.pp_rank, pp_size=self.info.pp_size)
-        self.sender.set_bucket_bytes(command.bucket_bytes)
-        plan = self.sender.plan_buckets()
-        abandoned = ""
-        if self.info.rank == 0:
-            if command.new_group or self.group_address is None:
-                address = weight_sync_address(os.environ)
-                self.group_address = (address, free_port())
-            address, port = self.group_address
-            self.source.send_weight_plan(WeightPlan(
-                weight_version=command.weight_version, master_address=address, master_port=port,
-                buckets=[b.to_dict() for b in plan], load_format=LOAD_FORMAT))
-            if command.new_group:  # else the engines are still in the group built last time
-                try:
-                    self.sender.connect(address, port, command.world_size, group_name=command.group_name,
-                                        backend=command.backend, give_up=lambda: self.source.join_verdict(command.seq))
-                except WeightGroupJoinAbandoned as gave_up:  # an engine will not come: the controller rebuilds
-                    log.warning("weight sync v%d: %s", command.weight_version, gave_up)
-                    self.group_address = None
-                    abandoned = str(gave_up)
-        for index in range(len(plan)):  # every rank gathers as usual (TP/PP peers wait for rank 0 to take part)
-            self.sender.send_bucket(index, broadcast=not abandoned)
-        if abandoned:
-            return {"join_abandoned": abandoned}
-        self.sender.finish()
-        self._engines_updated()
-        return {"buckets": len(plan), "bytes": sum(b.num_bytes for b in plan)}

@@ -25,7 +25,7 @@ transient allocations beside the engines' memory) and raises `NotEnoughDeviceMem
 and the knobs, instead of failing with an out-of-memory error part-way through the onload. On CPU there is
 no device memory to ask (`device_free_bytes` is None) and the check is skipped.
 
-Colocated order (the controller drives it, `hpc_rl.controller.colocated`):
+Colocated order (the controller drives it, `hpc_rl.controller.colocated_memory`):
     generation: offloaded ──> onload all ──> train ──> [save] ──> offload grads, optimizer
     ──> weight update to the engines (reads the weights) ──> offload weights ──> engines resume KV cache
 """

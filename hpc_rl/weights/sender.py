@@ -6,7 +6,7 @@ the HF tensors one parameter maps to), up to `bucket_bytes`; each is broadcast f
 uint8 tensor in SGLang's `flattened_bucket` layout (`hpc_rl.weights.bucket_layout`), into a buffer
 reused across buckets and syncs (fresh memory is 5x slower to fill: notes/cpu-baselines.md).
 
-Protocol (driven by the controller, `hpc_rl.controller.weight_sync`)::
+Protocol (driven by the controller, `hpc_rl.controller.transports.broadcast`)::
 
     every rank:  plan = sender.plan_buckets()          # metadata only; rank 0 sends it as WeightPlan
     rank 0:      sender.connect(addr, port, world_size, group_name, backend)   # blocks until engines join

@@ -350,3 +350,23 @@ def test_an_out_of_vocabulary_id_ends_the_engine_process(engine):
         time.sleep(0.5)
     assert not engine.process.alive()
     assert engine.process.popen.returncode != 0
+
+
+def test_pause_in_place_keeps_the_request_running_and_refuses_a_flush(engine):
+    """SGLang's in_place pause (in-place weight updates, issue 34): the request stays in the running batch with
+    its KV cache, so /flush_cache fails until it finishes; on continue it goes on, never retracted, every token
+    once. The same race as the retract test above (500 tokens, the pause sent once the first one is back)."""
+    body = {"rid": "in-place", "input_ids": [9, 15], "stream": True, "sampling_params": greedy(500, ignore_eos=True)}
+    with requests.post(f"{engine.url}/generate", json=body, stream=True, timeout=120) as response:
+        events = response.iter_lines()
+        first = next(line for line in events if line)  # running: its first token is back
+        paused = requests.post(f"{engine.url}/pause_generation", json={"mode": "in_place"}, timeout=30)
+        assert paused.status_code == 200
+        flush = requests.post(f"{engine.url}/flush_cache", json={}, timeout=30)
+        assert flush.status_code == 400, flush.text
+        assert requests.post(f"{engine.url}/continue_generation", json={}, timeout=30).status_code == 200
+        rest = [line for line in events if line and line != b"data: [DONE]"]
+    final = orjson.loads((rest or [first])[-1][len(b"data: "):])
+    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 500}
+    assert final["meta_info"]["num_retractions"] == 0
+    assert requests.post(f"{engine.url}/flush_cache", json={}, timeout=30).status_code == 200

@@ -18,7 +18,7 @@ from hpc_rl.controller import engine_admin
 from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin, EngineAdminError
 from hpc_rl.controller.engine_fleet import EngineFleet
 from hpc_rl.controller.registry import EngineState, Registry
-from hpc_rl.controller.weight_sync import update_every_engine
+from hpc_rl.controller.transports.fanout import update_every_engine
 from hpc_rl.engines.engine_process import CpuEngineProcess
 from tests.unit.test_engine_http_client import sim_fleet
 

@@ -14,7 +14,7 @@ from hpc_rl.controller.train_batches import (RewardShaping, group_normalized_rew
                                              pack_samples, split_for_data_parallel)
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.controller.engine_admin import BucketUpdate
-from hpc_rl.controller.weight_sync import WeightGroupState, push_weights_to_engines, rank_offsets
+from hpc_rl.controller.transports.broadcast import WeightGroup, push_weights_to_engines, rank_offsets
 from hpc_rl.data.samples import Sample
 from hpc_rl.protocol.messages import CommandDone, StopCommand, SyncWeightsCommand, WeightPlan
 
@@ -183,7 +183,7 @@ def test_weight_sync_sequence_and_group_reuse() -> None:
         channel = TrainerChannel(1)
         engines = [EngineInfo(engine_index=0, url="http://a"), EngineInfo(engine_index=1, url="http://b")]
         admins = {0: FakeEngineAdmin("e0", calls), 1: FakeEngineAdmin("e1", calls)}
-        group = WeightGroupState()
+        group = WeightGroup()
 
         async def fake_rank0() -> None:
             for _ in range(2):
@@ -225,7 +225,7 @@ def test_restarted_engine_rejoins_the_group_without_a_sync_while_it_was_down() -
         for index, url in enumerate(["http://a", "http://b"]):
             registry.add_engine(EngineInfo(engine_index=index, url=url))
         admins = {0: FakeEngineAdmin("e0", calls), 1: FakeEngineAdmin("e1", calls)}
-        group = WeightGroupState()
+        group = WeightGroup()
         new_groups: list[bool] = []
 
         async def fake_rank0() -> None:

@@ -20,7 +20,7 @@ from hpc_rl.controller.registry import EngineInfo, Registry, TrainerInfo
 from hpc_rl.controller.rollout_stack import assemble_loop
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
-from hpc_rl.controller.weight_sync import WeightGroupState, push_weights_to_engines
+from hpc_rl.controller.transports.broadcast import WeightGroup, push_weights_to_engines
 from hpc_rl.data.samples import Sample
 from hpc_rl.protocol.messages import CommandDone, SyncWeightsCommand, WeightPlan
 from hpc_rl.rollout.scheduler import RolloutResult
@@ -122,7 +122,7 @@ def test_weight_sync_failing_on_both_sides_leaves_nothing_unread() -> None:
         with pytest.raises(EngineAdminError):
             await push_weights_to_engines(version=1, channel=channel, engines=ENGINES,
                                           admins={0: FailingEngineAdmin(trainer_failed)},  # type: ignore[dict-item]
-                                          group=WeightGroupState(), backend="gloo", bucket_bytes=1)
+                                          group=WeightGroup(), backend="gloo", bucket_bytes=1)
         await rank
         assert isinstance(channel.failure, TrainerFailed)
 
@@ -135,7 +135,7 @@ def test_weight_sync_cancelled_then_trainer_lost_leaves_nothing_unread() -> None
     async def main() -> None:
         channel = TrainerChannel(1)
         sync = asyncio.create_task(push_weights_to_engines(version=1, channel=channel, engines=ENGINES, admins={},
-                                                           group=WeightGroupState(), backend="gloo", bucket_bytes=1))
+                                                           group=WeightGroup(), backend="gloo", bucket_bytes=1))
         await channel.next_command(0)  # the rank got the command; no plan comes
         sync.cancel()
         await asyncio.gather(sync, return_exceptions=True)

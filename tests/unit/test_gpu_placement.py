@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpc_rl.config import load_config
-from hpc_rl.controller.colocated import colocated_pairs
+from hpc_rl.controller.transports.colocated import colocated_pairs
 from hpc_rl.controller.registry import EngineInfo, Registry, TrainerInfo
 from hpc_rl.launch.bound_torchrun import with_node_name
 from hpc_rl.launch.srun_launcher import srun_argv

@@ -248,3 +248,18 @@ def test_a_sync_while_a_rollout_generates_pauses_the_engines(tmp_path: Path) -> 
     assert events[:4] == ["generate 0", "engine pause(retract)", "trainer broadcast v0", "engine init_weight_group()"]
     assert events.index("engines serve v0") + 1 == events.index("engine resume_generation()")
     assert events.index("engine resume_generation()") < events.index("generated 0")
+
+
+def test_async_in_place_syncs_while_the_rollout_ahead_generates(tmp_path: Path) -> None:
+    """flush_cache_interval 2 (slime's --flush-cache-interval): the sync does not wait for the rollout ahead; its
+    requests pause in place (kept with their KV cache) around the push and go on; every second sync retracts
+    them instead, so the engines can flush their cache."""
+    events = run_mode(tmp_path, colocate=False, async_rollout=True, num_rollout=3, generation_seconds=0.3,
+                      flags=("--async-rollout", "--flush-cache-interval", "2"))
+    assert events.index("generate 1") < events.index("trainer broadcast v1") < events.index("generated 1")
+    first = events.index("trainer broadcast v1")
+    assert events[first - 1] == "engine pause(in_place)"
+    assert events.index("engines serve v1") + 1 == events.index("engine resume_generation()")
+    second = events.index("trainer broadcast v2")
+    assert events[second - 1] == "engine pause(retract)" and events.index("generate 2") < second
+    assert events.count("engine pause(in_place)") == 1 and events.count("engine pause(retract)") == 1

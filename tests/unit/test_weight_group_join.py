@@ -14,7 +14,7 @@ import pytest
 from hpc_rl.controller.engine_admin import EngineAdminError
 from hpc_rl.controller.registry import EngineInfo
 from hpc_rl.controller.trainer_channel import TrainerChannel
-from hpc_rl.controller.weight_sync import WeightGroupBroken, WeightGroupState, push_weights_to_engines
+from hpc_rl.controller.transports.broadcast import WeightGroupBroken, WeightGroup, push_weights_to_engines
 from hpc_rl.process.child_process import free_port
 from hpc_rl.protocol.http_client import EngineHTTPTransportError
 from hpc_rl.protocol.messages import CommandDone, SyncWeightsCommand, WeightPlan
@@ -94,7 +94,7 @@ def test_an_engine_dying_in_init_is_named_and_rank_0_and_the_others_stop_waiting
         started = time.monotonic()
         with pytest.raises(WeightGroupBroken) as broken:
             await push_weights_to_engines(version=1, channel=channel, engines=engines, admins=admins,  # type: ignore[arg-type]
-                                          group=WeightGroupState(), backend="gloo", bucket_bytes=4, timeout_s=30)
+                                          group=WeightGroup(), backend="gloo", bucket_bytes=4, timeout_s=30)
         trainer.cancel()
         return broken.value, events, time.monotonic() - started
 
@@ -115,7 +115,7 @@ def test_rank_0_that_joined_after_all_has_the_group_aborted() -> None:
         trainer = asyncio.create_task(rank0_waiting_for_the_group(channel, events, joins=True))
         with pytest.raises(WeightGroupBroken):
             await push_weights_to_engines(version=1, channel=channel, engines=engines, admins=admins,  # type: ignore[arg-type]
-                                          group=WeightGroupState(), backend="gloo", bucket_bytes=4, timeout_s=30)
+                                          group=WeightGroup(), backend="gloo", bucket_bytes=4, timeout_s=30)
         trainer.cancel()
         return events
 

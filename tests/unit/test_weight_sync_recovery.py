@@ -13,7 +13,7 @@ from hpc_rl.config.schema import ClusterConfig, ControllerConfig, RolloutConfig
 from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdminError
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
 from hpc_rl.controller.trainer_channel import TrainerChannel
-from hpc_rl.controller.weight_sync import WeightGroupBroken, WeightGroupState, push_weights_to_engines
+from hpc_rl.controller.transports.broadcast import WeightGroupBroken, WeightGroup, push_weights_to_engines
 from hpc_rl.controller.weight_updates import WeightSyncSettings, WeightUpdates
 from hpc_rl.protocol.http_client import EngineHTTPTransportError
 from hpc_rl.protocol.messages import AbortWeightGroupCommand, CommandDone, SyncWeightsCommand, WeightPlan
@@ -56,7 +56,7 @@ async def trainer_rank0(channel: TrainerChannel, events: list[str]) -> None:
 
 
 def test_a_dead_and_a_wedged_engine_are_named_after_rank_0_aborted_the_group(monkeypatch) -> None:
-    monkeypatch.setattr("hpc_rl.controller.weight_sync.ABORT_GRACE_S", 0.2)
+    monkeypatch.setattr("hpc_rl.controller.transports.broadcast.ABORT_GRACE_S", 0.2)
 
     async def scenario() -> None:
         events: list[str] = []
@@ -64,7 +64,7 @@ def test_a_dead_and_a_wedged_engine_are_named_after_rank_0_aborted_the_group(mon
         engines = [EngineInfo(engine_index=i, url=f"e{i}") for i in range(3)]
         admins = {0: ScriptedEngineAdmin("e0", events), 1: ScriptedEngineAdmin("e1", events, dies=True),
                   2: ScriptedEngineAdmin("e2", events, wedged=True)}
-        group = WeightGroupState()
+        group = WeightGroup()
         trainer = asyncio.create_task(trainer_rank0(channel, events))
         with pytest.raises(WeightGroupBroken) as broken:
             await push_weights_to_engines(version=1, channel=channel, engines=engines, admins=admins,  # type: ignore[arg-type]
@@ -137,9 +137,9 @@ def test_an_engine_failing_after_a_sync_has_the_trainer_abort_the_group_before_i
         trainer = asyncio.create_task(trainer_rank0(channel, events))
         await weights._push(1)
         await fleet.fail_engine(1, "process exited with code 1")  # on NCCL a broadcast to it may still be pending
-        assert weights.group.members == [] and weights.abort_due
+        assert weights.transport.group.members == [] and weights.transport.abort_due
         await weights.before_train(sync_due=True)
         trainer.cancel()
-        assert events[-1] == "trainer AbortWeightGroupCommand" and not weights.abort_due
+        assert events[-1] == "trainer AbortWeightGroupCommand" and not weights.transport.abort_due
 
     asyncio.run(scenario())

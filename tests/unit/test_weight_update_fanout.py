@@ -1,5 +1,5 @@
 """The weight update's fan-out at scale: http_client.ReadGate (answers read in one go when the gate
-opens), weight_sync.update_every_engine against simulated engines, and no health probe of an engine busy
+opens), transports.fanout.update_every_engine against simulated engines, and no health probe of an engine busy
 with an admin call. The echo server and simulated fleet helpers are test_engine_http_client's."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin, EngineAdminError
-from hpc_rl.controller.weight_sync import update_every_engine
+from hpc_rl.controller.transports.fanout import update_every_engine
 from hpc_rl.protocol.http_client import EngineConnections, ReadGate
 from tests.unit.test_engine_http_client import echo_app, serve, sim_fleet
 

@@ -11,7 +11,7 @@ both): over-context requests are 400s, and an out-of-vocabulary input id ends th
 ends SGLang's, rather than a 400 that SGLang would never give: a client that sends such ids must see the
 engine die here too (and a dead scheduler never leaves /health answering 200 while requests hang).
 Known differences that remain: `cached_tokens` is always 0 (no prefix cache: every prompt is prefilled);
-`n` > 1 and a streamed batch are refused (400); pause `in_place` behaves as `retract`; `meta_info` lacks
+`n` > 1 and a streamed batch are refused (400); `meta_info` lacks
 SGLang's `cached_tokens_details`, `dp_rank`, `num_retractions`, `output_token_logprobs_length`,
 `reasoning_tokens`, `response_sent_to_client_ts`; schema errors are not SGLang's exact texts.
 """

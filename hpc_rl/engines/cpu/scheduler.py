@@ -147,14 +147,15 @@ class Scheduler:
         self._keep_rows(survivors)
 
     def pause(self, mode: str) -> None:
-        """abort: end everything in flight; retract: back to the queue, KV recomputed on continue.
-
-        in_place is treated like retract: the CPU engine keeps no KV across a pause. (SGLang's
-        in_place keeps it, and then flush_cache and weight updates fail; the outputs are the same.)
-        """
+        """SGLang's three modes. abort: end everything in flight; retract: back to the queue, KV recomputed on
+        continue; in_place: the running requests stay in the batch with their KV cache and go on from there on
+        continue (with whatever weights were loaded meanwhile), so until they finish `flush_cache` fails, and so
+        does a weight update that asks for a flush (`check_flush`)."""
         if mode == "abort":
             self.abort(None, abort_all=True)
-        elif mode in ("retract", "in_place"):
+        elif mode == "in_place":
+            pass
+        elif mode == "retract":
             for request in self._running:
                 request.num_retractions += 1
             self._waiting.extendleft(reversed(self._running))
@@ -170,6 +171,14 @@ class Scheduler:
     def flush_cache(self) -> None:
         if self._running:
             raise EngineStateError("Flush cache failed.")
+
+    def check_flush(self, flush_cache: bool) -> None:
+        """A weight update's `flush_cache`: SGLang flushes after loading and asserts the flush succeeded, which
+        it cannot while requests sit in the running batch (paused in place); refused here before loading."""
+        if flush_cache and self._running:
+            raise EngineStateError(f"Cache flush failed after updating weights: {len(self._running)} request(s) "
+                                   "are paused in place with their KV cache; send flush_cache false, or pause "
+                                   "with mode retract or abort")
 
     def release_memory(self, tags: list[str]) -> None:
         try:

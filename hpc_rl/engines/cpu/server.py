@@ -342,6 +342,7 @@ class EngineServer:
             if body.get("abort_all_requests"):
                 self.scheduler.abort(None, abort_all=True)
             received = receive_bucket(self.groups.get(group_name), names, dtypes, shapes, body.get("load_format"))
+            self.scheduler.check_flush(bool(body.get("flush_cache", True)))  # after the receive: the broadcast ends
             load_named(self.scheduler.model, received)
             if version is not None:
                 self.scheduler.weight_version = str(version)
@@ -367,6 +368,7 @@ class EngineServer:
         def work() -> None:
             if body.get("abort_all_requests"):
                 self.scheduler.abort(None, abort_all=True)
+            self.scheduler.check_flush(bool(body.get("flush_cache", True)))
             nnodes = self.nodes.nnodes if self.nodes is not None else 1
             try:  # every TP rank of this node opens its own share (SGLang: "Invalid device_uuid=..." kills it)
                 weights = open_node_shares(list(shares), nnodes, 0)
@@ -390,6 +392,7 @@ class EngineServer:
         def work() -> None:
             if body.get("abort_all_requests"):
                 self.scheduler.abort(None, abort_all=True)
+            self.scheduler.check_flush(True)  # SGLang's disk update always flushes
             load_from_disk(self.scheduler.model, model_path)
             self._forward({"op": "update_weights_from_disk", "model_path": model_path},
                           [name for name, _ in self.scheduler.model.named_parameters()])

@@ -1,11 +1,14 @@
-"""Weight syncs through the shared filesystem (slime's --update-weight-transport disk, full mode).
+"""The disk transport's controller half: weight syncs through the shared filesystem (slime's
+--update-weight-transport disk, full mode). Its trainer half: `hpc_rl.training.transports.disk`.
 
 Owns one disk sync: every trainer rank takes part in writing the weights as an HF directory
 `<update_weight_disk_dir>/weights_v<version>` (written under a temporary name and renamed when complete, by the
 trainer: `hpc_rl.training.hf_save`), then every engine loads it with SGLang's `/update_weights_from_disk`
 (`weight_version` set), and the previous version's directory is removed unless `keep_files`. No collective joins
 trainer and engines, so they may run in separate Slurm jobs or partitions; the directory must be on a
-filesystem both see. Not here: pausing and resuming the engines around it (`weight_updates`).
+filesystem both see. SGLang's /update_weights_from_disk always flushes the engines' cache, so the engines
+cannot keep requests paused in place across it (`keeps_cache` False). Not here: pausing and resuming the
+engines around it (`weight_updates`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from hpc_rl.controller.engine_admin import EngineAdmin
 from hpc_rl.controller.registry import EngineInfo
 from hpc_rl.controller.trainer_channel import TrainerChannel
+from hpc_rl.controller.transports.base import WeightTransport
 from hpc_rl.protocol.messages import DiskWeightsCommand
 
 log = logging.getLogger(__name__)
@@ -49,3 +53,16 @@ async def push_weights_through_disk(*, version: int, channel: TrainerChannel, en
              path, written - start, done - written)
     return {"weight_sync/seconds": done - start, "weight_sync/write_seconds": written - start,
             "weight_sync/load_seconds": done - written}
+
+
+class DiskTransport(WeightTransport):
+    """`push_weights_through_disk` into `rollout.update_weight_disk_dir`."""
+
+    name = "disk"
+
+    async def push(self, version: int, engines: list[EngineInfo], *, flush_cache: bool = True) -> dict[str, float]:
+        settings = self.settings
+        assert settings.disk_dir is not None, "validation requires update_weight_disk_dir with disk"
+        return await push_weights_through_disk(version=version, channel=self.channel, engines=engines,
+                                               admins=self.fleet.admins, disk_dir=settings.disk_dir,
+                                               keep_files=settings.keep_disk_files, timeout_s=settings.timeout_s)
