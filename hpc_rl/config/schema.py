@@ -541,7 +541,12 @@ class CheckpointConfig:
     """Where weights come from and go to."""
 
     hf_checkpoint: str = ""
-    """HF directory: tokenizer and engine weights (and the actor's start if ref_load is an HF dir)."""
+    """HF directory: tokenizer and engine weights (and the actor's start if ref_load is an HF dir). A block-FP8
+    release (config.json quantization_config quant_method fp8) serves FP8 rollouts: each weight sync sends the
+    weights it quantizes as e4m3 blocks + weight_scale_inv (hpc_rl.weights.fp8_blocks); the trainer reads it
+    dequantized and trains in its own precision."""
+    force_fp8_ue8m0_scale: bool = False
+    """FP8 rollouts: round each block's scale up to a power of two (slime's --force-fp8-ue8m0-scale)."""
     ref_load: str | None = None
     """Frozen reference model: torch_dist dir or HF dir (default: hf_checkpoint)."""
     load: str | None = None

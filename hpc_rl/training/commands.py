@@ -63,6 +63,7 @@ from hpc_rl.training.offload import TrainerOffload
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.sync_address import weight_sync_address
 from hpc_rl.training.train_batch import TrainBatch, read_batches_file
+from hpc_rl.weights.fp8_blocks import Fp8Blocks, read_fp8_blocks
 from hpc_rl.weights.process_group import WeightGroupJoinAbandoned
 from hpc_rl.weights.sender import LOAD_FORMAT, WeightSender
 
@@ -285,7 +286,8 @@ class TrainerCommands:
                 self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size, rank=self.info.rank,
                 world_size=self.info.world_size, bucket_bytes=command.bucket_bytes,
                 dtype=export_dtype(self.info.on_cpu), api_key=self.engine_api_key, pp_group=pp_group,
-                pp_rank=self.info.pp_rank, pp_size=self.info.pp_size, device=trainer_rank_device())
+                pp_rank=self.info.pp_rank, pp_size=self.info.pp_size, device=trainer_rank_device(),
+                fp8=self.engine_fp8())
         engine, _ = command.rank_engines[self.info.rank]
         url = command.engine_urls[engine] if 0 <= engine < len(command.engine_urls) else ""
         metrics = self.colocated_sender.sync(version=command.weight_version, engine_url=url,
@@ -307,6 +309,13 @@ class TrainerCommands:
             load_plugin("update_weight_post_write", hook_path)(trainer.plugin_args, str(path), list(command.engine_urls))
         self._engines_updated()
         return {"path": str(path)}
+
+    def engine_fp8(self) -> Fp8Blocks | None:
+        """The engines' checkpoint's block-FP8 scheme (None: not quantized): weight syncs quantize as it does."""
+        config = self.checkpoint_config
+        if not config.hf_checkpoint:
+            return None
+        return read_fp8_blocks(config.hf_checkpoint, ue8m0=config.force_fp8_ue8m0_scale)
 
     def _engines_updated(self) -> None:
         """The engines now serve the actor's weights (keep_old_actor keeps a copy for the old log-probs)."""
@@ -331,8 +340,8 @@ class TrainerCommands:
             self.sender = WeightSender(self.parts.actor, self.arch, tp_group=tp_group, tp_size=self.info.tp_size,
                                        dp_rank=self.info.dp_rank, rank=self.info.rank,
                                        bucket_bytes=command.bucket_bytes, dtype=export_dtype(self.info.on_cpu),
-                                       pp_group=pp_group,
-                                       pp_rank=self.info.pp_rank, pp_size=self.info.pp_size)
+                                       pp_group=pp_group, pp_rank=self.info.pp_rank, pp_size=self.info.pp_size,
+                                       fp8=self.engine_fp8())
         self.sender.set_bucket_bytes(command.bucket_bytes)
         plan = self.sender.plan_buckets()
         abandoned = ""

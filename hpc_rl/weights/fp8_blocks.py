@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,17 +175,17 @@ def quantize_named(named: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Blocks
     return out
 
 
-def send_entries(hf_entries: Iterable[tuple[str, Sequence[int]]], dtype: torch.dtype, scheme: Fp8Blocks | None,
-                 ) -> list[tuple[str, list[int], torch.dtype]]:
-    """What a sync sends for these (name, shape) entries when the others go in `dtype` (a plan's rows): with a
-    scheme, each quantized weight in e4m3 plus its float32 scale_inv."""
+def send_entries(hf_entries: Iterable[tuple[str, Sequence[int]]], dtype_of: Callable[[str], torch.dtype],
+                 scheme: Fp8Blocks | None) -> list[tuple[str, list[int], torch.dtype]]:
+    """What a sync sends for these (name, shape) entries (a plan's rows): each tensor in `dtype_of(name)`; with
+    a scheme, each weight it quantizes in e4m3 plus its float32 scale_inv."""
     rows: list[tuple[str, list[int], torch.dtype]] = []
     for name, shape in hf_entries:
         if scheme is not None and scheme.quantizes(name, shape):
             rows.append((name, list(shape), FP8_DTYPE))
             rows.append((name + SCALE_SUFFIX, list(scheme.scale_shape(shape)), torch.float32))
         else:
-            rows.append((name, list(shape), dtype))
+            rows.append((name, list(shape), dtype_of(name)))
     return rows
 
 

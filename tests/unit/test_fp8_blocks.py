@@ -96,13 +96,13 @@ def test_quantize_named_and_the_plan_agree() -> None:
     scheme = Fp8Blocks(block=(4, 4))
     named = [("model.layers.0.mlp.up_proj.weight", torch.randn(6, 8)), ("model.norm.weight", torch.ones(8))]
     sent = quantize_named(named, scheme)
-    planned = send_entries([(n, t.shape) for n, t in named], torch.bfloat16, scheme)
+    planned = send_entries([(n, t.shape) for n, t in named], lambda _: torch.bfloat16, scheme)
     assert [(n, list(t.shape), t.dtype) for n, t in sent] == [
         (n, s, torch.float32 if d == torch.bfloat16 else d) for n, s, d in planned]
     assert [row[0] for row in planned] == ["model.layers.0.mlp.up_proj.weight",
                                            "model.layers.0.mlp.up_proj.weight_scale_inv", "model.norm.weight"]
     assert planned[1][1] == [2, 2] and planned[0][2] == FP8_DTYPE and planned[2][2] == torch.bfloat16
-    assert send_entries([(n, t.shape) for n, t in named], torch.bfloat16, None)[0][2] == torch.bfloat16
+    assert send_entries([(n, t.shape) for n, t in named], lambda _: torch.bfloat16, None)[0][2] == torch.bfloat16
 
 
 def test_intake_pairs_a_weight_and_its_scale_across_calls() -> None:
@@ -132,3 +132,32 @@ def test_bad_quantization_configs_name_the_file_and_field(tmp_path: Path) -> Non
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     assert read_fp8_blocks(tmp_path) is None
     assert Fp8Blocks.from_quantization_config(Fp8Blocks(block=(32, 64)).to_quantization_config()).block == (32, 64)
+
+
+def test_an_fp8_plan_quantizes_experts_and_keeps_routers_and_the_bias() -> None:
+    from hpc_rl.weights.bucket_layout import compute_layout, pack_bucket
+    from hpc_rl.weights.sender import _plan, wire_tensors
+
+    layer = "model.layers.1.mlp"
+    hf = {f"{layer}.experts.0.gate_proj.weight": (12, 8), f"{layer}.experts.0.up_proj.weight": (12, 8),
+          f"{layer}.gate.weight": (4, 8), f"{layer}.gate.e_score_correction_bias": (4,),
+          "model.layers.1.post_attention_layernorm.weight": (8,)}
+    entries = [("fc1", list(hf.items())[:2]), ("router", list(hf.items())[2:4]), ("norm", list(hf.items())[4:])]
+    scheme = Fp8Blocks(block=(8, 8))
+    (bucket,) = _plan(entries, torch.bfloat16, bucket_bytes=10**6, fp8=scheme)
+    dtypes = dict(zip(bucket.names, bucket.dtypes))
+    assert dtypes == {f"{layer}.experts.0.gate_proj.weight": "float8_e4m3fn",
+                      f"{layer}.experts.0.gate_proj.weight_scale_inv": "float32",
+                      f"{layer}.experts.0.up_proj.weight": "float8_e4m3fn",
+                      f"{layer}.experts.0.up_proj.weight_scale_inv": "float32",
+                      f"{layer}.gate.weight": "bfloat16", f"{layer}.gate.e_score_correction_bias": "float32",
+                      "model.layers.1.post_attention_layernorm.weight": "bfloat16"}
+    assert bucket.num_bytes == 2 * (12 * 8) + 2 * 2 * 4 + 4 * 8 * 2 + 4 * 4 + 8 * 2
+    assert compute_layout(bucket.names, bucket.dtypes, bucket.shapes).total_bytes == bucket.num_bytes
+    # what send_bucket packs (float32 trainer weights) matches the plan tensor for tensor
+    generator = torch.Generator().manual_seed(3)
+    named = wire_tensors([(n, torch.randn(s, generator=generator)) for n, s in hf.items()], torch.bfloat16, scheme)
+    position = {name: i for i, name in enumerate(bucket.names)}
+    named.sort(key=lambda item: position[item[0]])
+    _, layout = pack_bucket(named)
+    assert layout.request_fields() == {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes}
