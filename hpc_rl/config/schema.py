@@ -808,7 +808,8 @@ class ControllerConfig:
     """Restarts of the whole run from its last checkpoint after a trainer rank dies (0: fail at once)."""
     max_logprob_mismatch: float | None = None
     """Fail the run when, right after a weight sync, the engines' log-probs differ from the trainer's by more
-    than this per token (mean |trainer - rollout|); None: 1e-4 on cpu, 0.1 on cuda; 0: never fail."""
+    than this per token (mean |trainer - rollout|); None: 1e-4 on cpu, 0.1 on cuda, 0.1 with FP8 engines (an FP8
+    hf_checkpoint); 0: never fail."""
 
 
 @dataclass(kw_only=True)

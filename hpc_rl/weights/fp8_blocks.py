@@ -30,7 +30,6 @@ obeys |dequantize(quantize(w)) - w| <= max(|w| * 2**-4, s * 2**-10), s its block
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from hpc_rl.config.model import load_hf_config
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -116,9 +117,9 @@ def read_fp8_blocks(checkpoint_dir: str | Path, *, ue8m0: bool = False) -> Fp8Bl
     """The block-FP8 scheme of an HF directory's config.json (None: not quantized). Another quantization
     method is a ValueError naming the file."""
     path = Path(checkpoint_dir) / "config.json"
-    if not path.is_file():
+    if not str(checkpoint_dir) or not path.is_file():
         return None
-    config = json.loads(path.read_text()).get("quantization_config")
+    config = load_hf_config(checkpoint_dir).get("quantization_config")
     if not config:
         return None
     return Fp8Blocks.from_quantization_config(config, source=f"{path}: quantization_config", ue8m0=ue8m0)

@@ -161,3 +161,14 @@ def test_an_fp8_plan_quantizes_experts_and_keeps_routers_and_the_bias() -> None:
     named.sort(key=lambda item: position[item[0]])
     _, layout = pack_bucket(named)
     assert layout.request_fields() == {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes}
+
+
+def test_fp8_engines_get_their_own_mismatch_limit(tmp_path: Path) -> None:
+    from hpc_rl.config.model import fp8_quantization
+    from hpc_rl.controller.logprob_guard import FP8_ENGINES_THRESHOLD, threshold_for
+
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": RELEASE_CONFIG}))
+    assert fp8_quantization(tmp_path) == RELEASE_CONFIG and fp8_quantization("") is None
+    assert fp8_quantization(tmp_path / "absent") is None
+    assert threshold_for("cpu", None, fp8_engines=True) == FP8_ENGINES_THRESHOLD
+    assert threshold_for("cpu", None) == 1e-4 and threshold_for("cpu", 0.5, fp8_engines=True) == 0.5
