@@ -1,0 +1,45 @@
+"""FP8 rollouts, float32 training: the tiny run with a block-FP8 engine checkpoint (slime's
+scripts/low_precision/run-qwen3-4b-fp8.sh on this machine).
+
+Real processes: controller, router, a CPU engine serving the FP8 checkpoint dequantized, one torchrun trainer
+rank that reads it dequantized and trains in float32. Each sync quantizes the trainer's weights into the
+checkpoint's blocks (e4m3 + weight_scale_inv) and the engine dequantizes them. So the engines' log-probs equal
+the trainer's on rollout 0 (generated before any sync: both hold the checkpoint's weights, dequantized by the
+engine's loader and the trainer's reader alike), and differ by FP8's rounding of the trained weights after each
+sync: the measured mismatch (`train_rollout_logprob_abs_diff`), which TIS corrects. The tiny checkpoint uses 48 x 48 blocks (its config.json
+says so), smaller than the releases' 128 x 128, so every matrix holds several blocks, partial ones included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpc_rl.weights.fp8_blocks import Fp8Blocks
+from hpc_rl.weights.fp8_checkpoint import write_fp8_checkpoint
+from tests.integration.run_helpers import REPO_ROOT, processes_mentioning, run_tiny_recipe_in_sync
+
+pytestmark = pytest.mark.slow
+
+GAP = "train/train_rollout_logprob_abs_diff"
+
+
+@pytest.mark.parametrize("flags", [(), ("--use-tis", "--force-fp8-ue8m0-scale")], ids=["plain", "tis-ue8m0"])
+def test_tiny_run_with_an_fp8_engine_checkpoint_shows_fp8s_mismatch_after_each_sync(tmp_path: Path,
+                                                                                     flags: tuple[str, ...]) -> None:
+    checkpoint = write_fp8_checkpoint(REPO_ROOT / "assets" / "tiny_qwen3", tmp_path / "tiny_fp8",
+                                      Fp8Blocks(block=(48, 48)))
+    run_dir = tmp_path / "fp8"
+    rows = run_tiny_recipe_in_sync(run_dir, "configs/tiny_cpu.yaml", "--hf-checkpoint", str(checkpoint),
+                                   "--eval-interval", "3", *flags, max_logprob_abs_diff=0.1)
+    gaps = [row["metrics"][GAP] for row in rows]
+    print(f"FP8 engines, {' '.join(flags) or 'no TIS'}: {GAP} per rollout {gaps}")
+    assert gaps[0] < 1e-5, gaps  # rollout 0, before any sync: both sides hold the checkpoint's weights
+    # after a step, FP8's rounding shows (a sync that sent the float32 weights would give ~1e-7 here)
+    assert all(1e-3 < gap < 0.1 for gap in gaps[1:]), gaps
+    if "--use-tis" in flags:
+        assert all(row["metrics"]["train/tis_abs"] > 0 for row in rows[1:])
+    for log in (run_dir / "logs").glob("*.log"):
+        assert "Traceback" not in log.read_text(), log
+    assert processes_mentioning(str(run_dir)) == []
