@@ -236,7 +236,8 @@ class TrainerCommands:
 
             out["hf_checkpoint"] = str(save_hf_checkpoint(
                 self.parts.actor, self.arch, hf_output_dir(config.save_hf, command.rollout_id),
-                reference_dir=config.hf_checkpoint or None, info=self.info, tp_group=trainer.tp_group))
+                reference_dir=config.hf_checkpoint or None, info=self.info, tp_group=trainer.tp_group,
+                fp8=self.engine_fp8()))
         return out
 
     def train(self, command: TrainCommand) -> dict[str, Any]:
@@ -301,7 +302,7 @@ class TrainerCommands:
 
         trainer, config = self.parts.trainer, self.checkpoint_config
         path = save_hf_checkpoint(self.parts.actor, self.arch, command.path, reference_dir=config.hf_checkpoint or None,
-                                  info=self.info, tp_group=trainer.tp_group)
+                                  info=self.info, tp_group=trainer.tp_group, fp8=self.engine_fp8())
         hook_path = getattr(trainer.plugin_args, "custom_update_weight_post_write_path", None)
         if hook_path:
             from hpc_rl.plugins import load_plugin

@@ -12,11 +12,13 @@ says so), smaller than the releases' 128 x 128, so every matrix holds several bl
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
-from hpc_rl.weights.fp8_blocks import Fp8Blocks
+from hpc_rl.weights.fp8_blocks import FP8_DTYPE, Fp8Blocks
 from hpc_rl.weights.fp8_checkpoint import write_fp8_checkpoint
 from tests.integration.run_helpers import REPO_ROOT, processes_mentioning, run_tiny_recipe_in_sync
 
@@ -25,19 +27,31 @@ pytestmark = pytest.mark.slow
 GAP = "train/train_rollout_logprob_abs_diff"
 
 
-@pytest.mark.parametrize("flags", [(), ("--use-tis", "--force-fp8-ue8m0-scale")], ids=["plain", "tis-ue8m0"])
+@pytest.mark.parametrize("variant", ["plain", "tis-ue8m0", "disk"])
 def test_tiny_run_with_an_fp8_engine_checkpoint_shows_fp8s_mismatch_after_each_sync(tmp_path: Path,
-                                                                                     flags: tuple[str, ...]) -> None:
+                                                                                     variant: str) -> None:
+    """plain: the broadcast sync; tis-ue8m0: with TIS and power-of-two scales; disk: slime's disk transport, whose
+    HF directories hold the FP8 blocks and keep the checkpoint's quantization_config."""
     checkpoint = write_fp8_checkpoint(REPO_ROOT / "assets" / "tiny_qwen3", tmp_path / "tiny_fp8",
                                       Fp8Blocks(block=(48, 48)))
+    disk = tmp_path / "disk"
+    flags = {"plain": (), "tis-ue8m0": ("--use-tis", "--force-fp8-ue8m0-scale"),
+             "disk": ("--update-weight-transport", "disk", "--update-weight-disk-dir", str(disk),
+                      "--update-weight-disk-keep-files")}[variant]
     run_dir = tmp_path / "fp8"
     rows = run_tiny_recipe_in_sync(run_dir, "configs/tiny_cpu.yaml", "--hf-checkpoint", str(checkpoint),
                                    "--eval-interval", "3", *flags, max_logprob_abs_diff=0.1)
     gaps = [row["metrics"][GAP] for row in rows]
-    print(f"FP8 engines, {' '.join(flags) or 'no TIS'}: {GAP} per rollout {gaps}")
+    print(f"FP8 engines, {variant}: {GAP} per rollout {gaps}")
     assert gaps[0] < 1e-5, gaps  # rollout 0, before any sync: both sides hold the checkpoint's weights
     # after a step, FP8's rounding shows (a sync that sent the float32 weights would give ~1e-7 here)
     assert all(1e-3 < gap < 0.1 for gap in gaps[1:]), gaps
+    if variant == "disk":
+        last = sorted(disk.glob("weights_v*"))[-1]
+        assert json.loads((last / "config.json").read_text())["quantization_config"]["weight_block_size"] == [48, 48]
+        stored = load_file(str(last / "model.safetensors"))
+        assert stored["model.layers.1.mlp.down_proj.weight"].dtype == FP8_DTYPE
+        assert stored["model.layers.1.mlp.down_proj.weight_scale_inv"].shape == (2, 3)
     if "--use-tis" in flags:
         assert all(row["metrics"]["train/tis_abs"] > 0 for row in rows[1:])
     for log in (run_dir / "logs").glob("*.log"):

@@ -98,3 +98,18 @@ def test_moe_experts_of_an_fp8_release_load_dequantized(tmp_path: Path) -> None:
     tensors = named_tensors(load_model(str(fp8_dir), "transformers", "eager"))
     for name in experts:
         assert torch.equal(tensors[name], dequantize_blocks(stored[name], stored[name + "_scale_inv"], BLOCK)), name
+
+
+def test_unquantized_writes_drop_the_references_quantization_config(dense, tmp_path: Path) -> None:
+    from hpc_rl.training.convert import write_hf_checkpoint
+
+    source, fp8_dir = dense
+    state = load_file(str(source / "model.safetensors"))
+    plain = write_hf_checkpoint(state, tmp_path / "plain", fp8_dir)
+    assert "quantization_config" not in json.loads((plain / "config.json").read_text())
+    quantized = write_hf_checkpoint(dict(quantize_named(state.items(), Fp8Blocks(block=BLOCK))), tmp_path / "q",
+                                    fp8_dir)
+    assert json.loads((quantized / "config.json").read_text())["quantization_config"]["weight_block_size"] == [48, 48]
+    # the plain one is an ordinary checkpoint again: the engine loads it as written
+    assert torch.equal(named_tensors(load_model(str(plain), "native", "eager"))["model.layers.0.mlp.up_proj.weight"],
+                       state["model.layers.0.mlp.up_proj.weight"])
