@@ -548,7 +548,12 @@ class CheckpointConfig:
     """Where weights come from and go to."""
 
     hf_checkpoint: str = ""
-    """HF directory: tokenizer and engine weights (and the actor's start if ref_load is an HF dir)."""
+    """HF directory: tokenizer and engine weights (and the actor's start if ref_load is an HF dir). A block-FP8
+    release (config.json quantization_config quant_method fp8) serves FP8 rollouts: each weight sync sends the
+    weights it quantizes as e4m3 blocks + weight_scale_inv (hpc_rl.weights.fp8_blocks); the trainer reads it
+    dequantized and trains in its own precision."""
+    force_fp8_ue8m0_scale: bool = False
+    """FP8 rollouts: round each block's scale up to a power of two (slime's --force-fp8-ue8m0-scale)."""
     ref_load: str | None = None
     """Frozen reference model: torch_dist dir or HF dir (default: hf_checkpoint)."""
     load: str | None = None
@@ -810,7 +815,8 @@ class ControllerConfig:
     """Restarts of the whole run from its last checkpoint after a trainer rank dies (0: fail at once)."""
     max_logprob_mismatch: float | None = None
     """Fail the run when, right after a weight sync, the engines' log-probs differ from the trainer's by more
-    than this per token (mean |trainer - rollout|); None: 1e-4 on cpu, 0.1 on cuda; 0: never fail."""
+    than this per token (mean |trainer - rollout|); None: 1e-4 on cpu, 0.1 on cuda, 0.1 with FP8 engines (an FP8
+    hf_checkpoint); 0: never fail."""
 
 
 @dataclass(kw_only=True)

@@ -23,7 +23,7 @@ import yaml
 from hpc_rl.config.moe_layer_freq import LayerFreqError, parse_layer_freq
 from hpc_rl.config.schema import RunConfig, SGLangConfig
 from hpc_rl.config.slime_flags import (
-    ALIASES, COMPAT_FLAGS, EXPANDING_FLAGS, MODEL_FLAGS, MODEL_SWITCHES, MODEL_VALUE_FLAGS, REFUSED_FLAGS,
+    ANY_VALUE, ALIASES, COMPAT_FLAGS, EXPANDING_FLAGS, MODEL_FLAGS, MODEL_SWITCHES, MODEL_VALUE_FLAGS, REFUSED_FLAGS,
     UNBUILDABLE_MODEL_FLAGS,
 )
 from hpc_rl.config.typing_rules import ConfigError, ConfigErrors, coerce_value, parse_cli_scalar
@@ -116,8 +116,8 @@ def _megatron_value(name: str, value: Any, where: str) -> Any:
 
 
 def _accepts(accepted: tuple[Any, ...], value: Any) -> bool:
-    """`value` is one of `accepted` (True is not 1 here)."""
-    return any(isinstance(a, bool) == isinstance(value, bool) and a == value for a in accepted)
+    """`value` is one of `accepted` (True is not 1 here; ANY_VALUE takes every value)."""
+    return ANY_VALUE in accepted or any(isinstance(a, bool) == isinstance(value, bool) and a == value for a in accepted)
 
 
 def slime_flag_settings(name: str, value: Any, where: str) -> list[Setting] | None:

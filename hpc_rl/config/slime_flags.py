@@ -105,6 +105,10 @@ UNBUILDABLE_MODEL_FLAGS: dict[str, str] = {
 }
 
 
+ANY_VALUE = "any value"
+"""A CompatFlag accepted whatever its value (what it configures is hpc_rl's own behaviour anyway)."""
+
+
 @dataclass(frozen=True)
 class CompatFlag:
     """A flag hpc_rl accepts because it states hpc_rl's own behaviour (at the accepted values only)."""
@@ -319,9 +323,6 @@ SLIME_LATER_REFUSED: dict[str, str] = {
     "routing_replay_prefetch_microbatches": (
         "not offered: hpc_rl's routing replay keeps each rollout's routed experts in host memory beside its "
         "samples (no disk-backed routes to read ahead); drop it"),
-    "force_fp8_ue8m0_scale": (
-        "FP8 rollouts (block-FP8 weight syncs to FP8 engines) are not offered yet: the engines serve the "
-        "trainer's bf16 weights; drop it"),
     "use_score_centering": (
         "not offered yet: score centering needs each generated token's top-k sampler log-probs from the engines, "
         "which hpc_rl's rollouts do not carry (the centering term itself is "
@@ -329,13 +330,20 @@ SLIME_LATER_REFUSED: dict[str, str] = {
     "score_centering_top_k": "belongs to --use-score-centering, which is not offered yet (see there); drop it",
     "rollout_session_id": _OUTLIVE_REASON,
     "rollout_cleanup_timeout": _OUTLIVE_REASON,
-    "rollout_data_dir": (
-        "not needed: the controller writes rollout records (--save-debug-rollout-data) and the partial-rollout "
-        "buffer under the run directory (run_dir, on the shared filesystem); drop it"),
     **{name: _STRAW_REASON for name in (
-        "rollout_storage_profile", "rollout_storage_declaration", "rollout_queue_run_id", "rollout_queue_online_gc",
+        "rollout_storage_declaration", "rollout_queue_run_id", "rollout_queue_online_gc",
         "rollout_queue_lease_seconds", "rollout_queue_segment_mib", "rollout_io_concurrency")},
 }
+SLIME_LATER_COMPAT: dict[str, CompatFlag] = {
+    "rollout_data_dir": CompatFlag((ANY_VALUE,), (
+        "what straw's pool under it holds (prompt tasks, partial rollouts, finished samples, batches to replay) "
+        "hpc_rl keeps in its own run directory on the shared filesystem: rollout records, the partial-rollout "
+        "buffer and the checkpointed controller state under run_dir; the directory given is not used")),
+    "rollout_storage_profile": CompatFlag(("local",), (
+        "hpc_rl's run directory is a plain POSIX directory on the shared filesystem (straw's 'local' profile); "
+        "the JuiceFS profile declares a JuiceFS mount straw checks, which hpc_rl does not use")),
+}
+COMPAT_FLAGS.update(SLIME_LATER_COMPAT)
 SLIME_LATER_UNBUILDABLE: dict[str, str] = {
     "use_gated_attention": ("hpc_rl builds plain (ungated) attention; gated attention (Qwen3-Next / Qwen3.5 output "
                             "gates) would train silently wrong"),

@@ -64,6 +64,7 @@ from hpc_rl.training.transports.base import TransportRank, export_dtype
 from hpc_rl.training.transports.broadcast import TrainerBroadcast
 from hpc_rl.training.transports.colocated import TrainerColocated
 from hpc_rl.training.transports.disk import write_weights
+from hpc_rl.weights.fp8_blocks import Fp8Blocks, read_fp8_blocks
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,8 @@ class TrainerCommands:
                                       margin_bytes=train_memory_margin_bytes,
                                       host_buffers=parts.trainer.actor_host_buffers)
         """Colocated: training.offload_train false keeps the state on the device (slime's --no-offload-train)."""
-        rank = TransportRank(parts=parts, arch=arch, info=info, engines_updated=self._engines_updated)
+        rank = TransportRank(parts=parts, arch=arch, info=info, engines_updated=self._engines_updated,
+                             engine_fp8=self.engine_fp8())
         self.broadcast = TrainerBroadcast(rank, source)
         """The broadcast transport's trainer half (`training.transports.broadcast`)."""
         self.colocated = TrainerColocated(rank, self.offload, engine_api_key=engine_api_key)
@@ -231,7 +233,8 @@ class TrainerCommands:
 
             out["hf_checkpoint"] = str(save_hf_checkpoint(
                 self.parts.actor, self.arch, hf_output_dir(config.save_hf, command.rollout_id),
-                reference_dir=config.hf_checkpoint or None, info=self.info, tp_group=trainer.tp_group))
+                reference_dir=config.hf_checkpoint or None, info=self.info, tp_group=trainer.tp_group,
+                fp8=self.engine_fp8()))
         return out
 
     def train(self, command: TrainCommand) -> dict[str, Any]:
@@ -264,6 +267,13 @@ class TrainerCommands:
         if command.action == "onload":
             return self.offload.onload(command.tags)
         raise ValueError(f"trainer memory action {command.action!r}: use offload or onload")
+
+    def engine_fp8(self) -> Fp8Blocks | None:
+        """The engines' checkpoint's block-FP8 scheme (None: not quantized): weight syncs quantize as it does."""
+        config = self.checkpoint_config
+        if not config.hf_checkpoint:
+            return None
+        return read_fp8_blocks(config.hf_checkpoint, ue8m0=config.force_fp8_ue8m0_scale)
 
     def _engines_updated(self) -> None:
         """The engines now serve the actor's weights (keep_old_actor keeps a copy for the old log-probs)."""

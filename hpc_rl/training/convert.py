@@ -94,17 +94,25 @@ def write_hf_checkpoint(state: dict, output_dir: str | Path, reference_dir: str 
         total = sum(t.numel() * t.element_size() for t in state.values())
         (output_dir / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    copy_side_files(reference_dir, output_dir)
+    copy_side_files(reference_dir, output_dir,
+                    quantized=any(str(tensor.dtype) == "torch.float8_e4m3fn" for tensor in state.values()))
     return output_dir
 
 
-def copy_side_files(reference_dir: str | Path | None, output_dir: str | Path) -> None:
-    """config.json, tokenizer and generation files of the original HF directory (`COPIED_FILES`) into output_dir."""
+def copy_side_files(reference_dir: str | Path | None, output_dir: str | Path, *, quantized: bool = False) -> None:
+    """config.json, tokenizer and generation files of the original HF directory (`COPIED_FILES`) into output_dir.
+    Unless the weights written are `quantized` (FP8 blocks), config.json loses the reference's quantization_config
+    (an FP8 release's): the directory then holds the trained weights unquantized, and says so."""
     if reference_dir is None:
         return
     for name in COPIED_FILES:
         if (Path(reference_dir) / name).is_file():
             shutil.copy2(Path(reference_dir) / name, Path(output_dir) / name)
+    config_path = Path(output_dir) / "config.json"
+    if not quantized and config_path.is_file():
+        config = json.loads(config_path.read_text())
+        if config.pop("quantization_config", None) is not None:
+            config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: str | Path, *,

@@ -23,6 +23,7 @@ from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.training.convert import copy_side_files, write_hf_checkpoint
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.weights.export import export_hf_state_dict
+from hpc_rl.weights.fp8_blocks import Fp8Blocks, quantize_named
 
 
 def hf_output_dir(template: str, rollout_id: int) -> Path:
@@ -34,7 +35,7 @@ def _stage_file(pp_rank: int, pp_size: int) -> str:
     return f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
 
 
-def _index_stages(tmp: Path, pp_size: int, reference_dir: str | None) -> None:
+def _index_stages(tmp: Path, pp_size: int, reference_dir: str | None, *, quantized: bool) -> None:
     from safetensors import safe_open
 
     weight_map, total = {}, 0
@@ -47,7 +48,7 @@ def _index_stages(tmp: Path, pp_size: int, reference_dir: str | None) -> None:
                 total += math.prod(tensor.get_shape()) * _itemsize(tensor.get_dtype())
     (tmp / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    copy_side_files(reference_dir, tmp)
+    copy_side_files(reference_dir, tmp, quantized=quantized)
 
 
 def _itemsize(safetensors_dtype: str) -> int:
@@ -56,8 +57,10 @@ def _itemsize(safetensors_dtype: str) -> int:
 
 def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArchitecture, output_dir: str | Path, *,
                        reference_dir: str | None, info: ParallelInfo,
-                       tp_group: dist.ProcessGroup | None) -> Path:
-    """Collective: every trainer rank calls it. Returns the finished directory."""
+                       tp_group: dist.ProcessGroup | None, fp8: Fp8Blocks | None = None) -> Path:
+    """Collective: every trainer rank calls it. Returns the finished directory. With `fp8` (the engines' checkpoint
+    is a block-FP8 release) the weights it quantizes are written as its blocks, as slime writes them, and config.json
+    keeps the reference's quantization_config; without, they are written unquantized and it is dropped."""
     output_dir = Path(output_dir)
     tmp = output_dir.with_name(output_dir.name + ".tmp")
     if info.rank == 0:
@@ -66,6 +69,8 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArchitecture, output_d
     dist.barrier()
     if info.dp_rank == 0 and info.cp_rank == 0:
         state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in export_hf_state_dict(model, arch, tp_group)}
+        if fp8 is not None:
+            state = dict(quantize_named(state.items(), fp8))
         if info.tp_rank == 0:
             if info.pp_size == 1:
                 write_hf_checkpoint(state, tmp, reference_dir)
@@ -77,7 +82,7 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArchitecture, output_d
     dist.barrier()
     if info.rank == 0:
         if info.pp_size > 1:
-            _index_stages(tmp, info.pp_size, reference_dir)
+            _index_stages(tmp, info.pp_size, reference_dir, quantized=fp8 is not None)
         if output_dir.exists():
             shutil.rmtree(output_dir)
         tmp.rename(output_dir)

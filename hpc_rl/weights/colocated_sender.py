@@ -39,10 +39,11 @@ import torch.distributed as dist
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.protocol.http_client import EngineHTTPTransportError, request_blocking
 from hpc_rl.weights.json_collectives import all_gather_json
+from hpc_rl.weights.bucket_layout import order_for_alignment
 from hpc_rl.weights.colocated import serialize_share, update_weights_from_tensor_body
 from hpc_rl.weights.export import named_megatron_params
-from hpc_rl.weights.hf_mapping import tensor_send_dtype
-from hpc_rl.weights.sender import WeightSender
+from hpc_rl.weights.fp8_blocks import Fp8Blocks
+from hpc_rl.weights.sender import WeightSender, wire_tensors
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +66,14 @@ class ColocatedWeightSender:
     def __init__(self, model: torch.nn.Module, arch: ModelArchitecture, *, tp_group: dist.ProcessGroup | None,
                  tp_size: int, rank: int, world_size: int, bucket_bytes: int, dtype: torch.dtype | None = None,
                  api_key: str | None = None, pp_group: dist.ProcessGroup | None = None, pp_rank: int = 0,
-                 pp_size: int = 1, device: str | None = None) -> None:
+                 pp_size: int = 1, device: str | None = None, fp8: Fp8Blocks | None = None) -> None:
         self.params = named_megatron_params(model)
         self.arch, self.tp_group, self.rank, self.world_size, self.api_key = arch, tp_group, rank, world_size, api_key
         self.device = device
         """This rank's device identity, written into CPU shares (the CPU engine checks it, as SGLang the UUID)."""
         self._planner = WeightSender(model, arch, tp_group=tp_group, tp_size=tp_size, dp_rank=0, rank=rank,
                                      bucket_bytes=bucket_bytes, dtype=dtype, pp_group=pp_group, pp_rank=pp_rank,
-                                     pp_size=pp_size)
+                                     pp_size=pp_size, fp8=fp8)
         self.dtype = self._planner.dtype
         self.rank_engines: list[tuple[int, int]] = []
         self.engine_index, self.engine_rank = -1, -1
@@ -114,7 +115,8 @@ class ColocatedWeightSender:
                 named.extend(self._planner.export_everywhere(source))
             if not engine_url:
                 continue
-            named = [(name, tensor.to(tensor_send_dtype(name, self.dtype)).contiguous()) for name, tensor in named]
+            named = order_for_alignment([(name, tensor.contiguous())  # FP8: e4m3 beside float32 scales
+                                         for name, tensor in wire_tensors(named, self.dtype, self._planner.fp8)])
             last = index == len(plan) - 1
             self._send_bucket(named, engine_url, weight_version=str(version) if last else None, flush_cache=last,
                               timeout_s=timeout_s)

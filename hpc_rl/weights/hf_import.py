@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches, load_hf_config
 from hpc_rl.weights import hf_mapping
+from hpc_rl.weights.fp8_blocks import FP8_DTYPE, SCALE_SUFFIX, dequantize_blocks, read_fp8_blocks
 from hpc_rl.weights.stage import EMBEDDING, OUTPUT_LAYER, global_named_params, stage_layout, stage_name_map
 
 
@@ -43,11 +44,14 @@ class HFTensorReader:
     """Lazy access to the tensors of an HF safetensors checkpoint (sharded or not), by name.
 
     Each rank reads only the tensors it needs, one at a time, so loading a 9B model on 8 ranks of
-    a node does not hold 8 full copies in host memory.
+    a node does not hold 8 full copies in host memory. A block-FP8 release (config.json quantization_config)
+    reads as its dequantized weights: each e4m3 weight times its weight_scale_inv, in float32 (the model's copy
+    casts it once, to bf16 on a GPU trainer), as slime's fp8_cast_bf16 does.
     """
 
     def __init__(self, hf_dir: str | Path) -> None:
         hf_dir = Path(hf_dir)
+        self.fp8 = read_fp8_blocks(hf_dir)
         index = hf_dir / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -69,6 +73,14 @@ class HFTensorReader:
         return list(self.file_of)
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._read(name)
+        if tensor.dtype != FP8_DTYPE or self.fp8 is None:
+            return tensor
+        if name + SCALE_SUFFIX not in self.file_of:
+            raise KeyError(f"{name} is FP8 but its {name + SCALE_SUFFIX} is not in the checkpoint")
+        return dequantize_blocks(tensor, self._read(name + SCALE_SUFFIX), self.fp8.block)
+
+    def _read(self, name: str) -> torch.Tensor:
         path = self.file_of[name]
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.weights.bucket_layout import dtype_from_name, dtype_name, pack_bucket
 from hpc_rl.weights.collective_stream import CollectiveStream
+from hpc_rl.weights.fp8_blocks import FP8_DTYPE, SCALE_SUFFIX, Fp8Blocks, quantize_named, send_entries
 from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights import hf_mapping
 from hpc_rl.weights.export import (
@@ -75,9 +76,11 @@ class BucketMeta:
 
 
 def _plan(entries: Iterable[tuple[str, list[tuple[str, tuple[int, ...]]]]], dtype: torch.dtype,
-          bucket_bytes: int) -> list[BucketMeta]:
+          bucket_bytes: int, fp8: Fp8Blocks | None = None) -> list[BucketMeta]:
     """Whole Megatron parameters per bucket, up to `bucket_bytes`; each HF tensor in its export dtype
-    (`hf_mapping.tensor_send_dtype`), a bucket of mixed dtypes ordered by falling dtype size (aligned)."""
+    (`hf_mapping.tensor_send_dtype`; with `fp8`, each weight the FP8 engine checkpoint quantizes as e4m3 plus
+    its float32 `weight_scale_inv`: `fp8_blocks.send_entries`), a bucket of mixed dtypes ordered by falling
+    dtype size (aligned)."""
     buckets: list[BucketMeta] = []
     current: list[tuple[str, list[int], torch.dtype]] = []
     sources: list[str] = []
@@ -95,7 +98,7 @@ def _plan(entries: Iterable[tuple[str, list[tuple[str, tuple[int, ...]]]]], dtyp
         size = 0
 
     for source, hf_entries in entries:
-        typed = [(name, list(shape), hf_mapping.tensor_send_dtype(name, dtype)) for name, shape in hf_entries]
+        typed = send_entries(hf_entries, lambda name: hf_mapping.tensor_send_dtype(name, dtype), fp8)
         nbytes = sum(torch.empty((), dtype=d).element_size() * int(torch.Size(s).numel()) for _, s, d in typed)
         if size and size + nbytes > bucket_bytes:
             flush()
@@ -104,6 +107,17 @@ def _plan(entries: Iterable[tuple[str, list[tuple[str, tuple[int, ...]]]]], dtyp
         size += nbytes
     flush()
     return buckets
+
+
+def wire_tensors(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype, fp8: Fp8Blocks | None
+                 ) -> list[tuple[str, torch.Tensor]]:
+    """HF tensors as a plan sends them: with `fp8` (the engines' checkpoint is block-FP8), each weight it
+    quantizes as e4m3 + float32 weight_scale_inv, quantized from the trainer's own precision (slime quantizes
+    the bf16 export); every other tensor in its export dtype (`hf_mapping.tensor_send_dtype`)."""
+    if fp8 is not None:
+        named = quantize_named(named, fp8)
+    return [(name, tensor if tensor.dtype == FP8_DTYPE or name.endswith(SCALE_SUFFIX)
+             else tensor.to(hf_mapping.tensor_send_dtype(name, dtype))) for name, tensor in named]
 
 
 class _PipelinedBroadcaster:
@@ -158,8 +172,10 @@ class WeightSender:
     def __init__(self, model: torch.nn.Module, arch: ModelArchitecture, *, tp_group: dist.ProcessGroup | None,
                  tp_size: int, dp_rank: int, rank: int, bucket_bytes: int, dtype: torch.dtype | None = None,
                  pp_group: dist.ProcessGroup | None = None, pp_rank: int = 0, pp_size: int = 1,
-                 experts: ExpertLayout | None = None) -> None:
+                 experts: ExpertLayout | None = None, fp8: Fp8Blocks | None = None) -> None:
         self.params = named_megatron_params(model)
+        self.fp8 = fp8
+        """The engines' checkpoint is block-FP8: each weight it quantizes is sent as e4m3 + weight_scale_inv."""
         self.arch, self.tp_group, self.tp_size = arch, tp_group, tp_size
         self.experts = experts if experts is not None else ExpertLayout.current(arch)
         """Where the routed experts live (None: from Megatron's groups; a dense model has none)."""
@@ -197,7 +213,7 @@ class WeightSender:
                     raise KeyError(f"no pipeline stage holds {megatron_name}")
                 shape = sources[megatron_name][1]
                 entries.append((megatron_name, hf_mapping.hf_param_shapes(self.arch, megatron_name, shape)))
-            self._plan = _plan(entries, self.dtype, self.bucket_bytes)
+            self._plan = _plan(entries, self.dtype, self.bucket_bytes, self.fp8)
         return self._plan
 
     def _source_metadata(self) -> dict[str, tuple[int, tuple[int, ...], str]]:
@@ -249,9 +265,9 @@ class WeightSender:
             return
         if self.group is None:
             raise RuntimeError("send_bucket before connect(): rank 0 has no weight-update group")
+        named = wire_tensors(named, self.dtype, self.fp8)
         position = {name: i for i, name in enumerate(meta.names)}
-        named = sorted(((name, tensor.to(hf_mapping.tensor_send_dtype(name, self.dtype))) for name, tensor in named),
-                       key=lambda item: position.get(item[0], -1))
+        named = sorted(named, key=lambda item: position.get(item[0], -1))
         capacity = max(b.num_bytes for b in self.plan_buckets())
         names = self._broadcaster.send(named, meta.num_bytes, self.group, capacity)
         if names != meta.names:

@@ -33,6 +33,7 @@ OWNED_ELSEWHERE: dict[str, str] = {}
 
 TINY_MLA_MODEL = ["--model", "configs/models/tiny_deepseek_v3.yaml", "--hf-checkpoint", "assets/tiny_deepseek_v3"]
 SAMPLES: dict[str, list[str]] = {
+    "--rollout-storage-profile": ["local"],
     "--rollout-external-engine-addrs": ["10.0.0.5:30000"],
     "--rollout-num-gpus-per-engine": ["1"],
     "--offload": ["--colocate"],
@@ -192,7 +193,8 @@ def _kinds() -> dict[str, Any]:
 
 # --- issue 34: the flags slime's main added after the list's commit, and the ones it removed ---------------------
 
-LATER_ACCEPTED = {"--pg-loss-type", "--buffer-sort-by-staleness", "--flush-cache-interval"}
+LATER_ACCEPTED = {"--pg-loss-type", "--buffer-sort-by-staleness", "--flush-cache-interval",
+                  "--force-fp8-ue8m0-scale", "--rollout-data-dir", "--rollout-storage-profile"}
 LATER_MODEL_SWITCHES = {"--post-self-attn-layernorm", "--post-mlp-layernorm"}
 """GLM4's sandwich norms: model flags hpc_rl reads already (they come together; the tiny Qwen3 has neither)."""
 
@@ -212,8 +214,8 @@ def test_flags_slime_added_later_are_accepted_or_refused_with_a_reason() -> None
     assert "outlive the trainer" in refused["--rollout-session-id"]
     assert "outlive the trainer" in refused["--rollout-cleanup-timeout"]
     assert "JuiceFS" in refused["--rollout-queue-lease-seconds"]
-    assert "run directory" in refused["--rollout-data-dir"]
-    for flag in ("--use-gated-attention", "--use-score-centering", "--force-fp8-ue8m0-scale"):
+    assert "JuiceFS" in refused["--rollout-storage-declaration"]
+    for flag in ("--use-gated-attention", "--use-score-centering"):
         assert flag in {f.flag for f in SLIME_LATER_FLAGS} and refused[flag]
 
 
@@ -246,3 +248,14 @@ def test_pg_loss_type_is_a_checked_field() -> None:
     assert build_config(list(tiny_settings())).algorithm.pg_loss_type is None
     with pytest.raises((ConfigError, ValueError), match="pg_loss_type"):
         build_config([*tiny_settings(), *parse_cli_settings(["--pg-loss-type", "a2c"])])
+
+
+def test_storage_flags_that_map_onto_the_run_directory_are_accepted_and_juicefs_is_refused() -> None:
+    config = build_config([*tiny_settings(), *parse_cli_settings(
+        ["--rollout-data-dir", "/shared/juicefs/jobs/run/rollout_data", "--rollout-storage-profile", "local",
+         "--force-fp8-ue8m0-scale"])])
+    assert config.checkpoint.force_fp8_ue8m0_scale is True
+    with pytest.raises(ConfigError, match="--rollout-storage-profile 'juicefs' is refused: .*JuiceFS"):
+        build_config([*tiny_settings(), *parse_cli_settings(["--rollout-storage-profile", "juicefs"])])
+    assert "run directory" in slime_flag_status("rollout_data_dir")
+    assert slime_flag_status("rollout_data_dir").startswith("accepted (any value)")

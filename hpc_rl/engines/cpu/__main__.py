@@ -85,6 +85,7 @@ def load_model(model_path: str, model_impl: str, attn_implementation: str,
     (SGLang's `--model-impl transformers` likewise)."""
     from hpc_rl.engines.cpu.native_qwen3 import read_config
     from hpc_rl.models.registry import all_families, family_for_hf_model_type
+    from hpc_rl.weights.fp8_blocks import read_fp8_blocks
 
     config = read_config(model_path)
     found = family_for_hf_model_type(config.get("model_type"))
@@ -102,10 +103,28 @@ def load_model(model_path: str, model_impl: str, attn_implementation: str,
 
     from hpc_rl.engines.cpu.nextn_draft import attach_draft
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
-                                                 attn_implementation=attn_implementation).eval()
+    if read_fp8_blocks(model_path) is not None:  # transformers' FP8 loader wants a GPU: dequantize as SGLang's blocks
+        model = _dequantized_transformers_model(model_path, dtype, attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                     attn_implementation=attn_implementation).eval()
     attach_draft(model, model_path, dtype)  # DeepSeek-V3 / GLM-4.7-Flash MTP layers: where SGLang's draft keeps them
     return model
+
+
+def _dequantized_transformers_model(model_path: str, dtype: torch.dtype, attn_implementation: str) -> torch.nn.Module:
+    """A block-FP8 checkpoint as transformers' model in `dtype`: built from its config without the quantization,
+    every weight loaded by name, e4m3 weights dequantized with their weight_scale_inv (`load_from_disk`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpc_rl.engines.cpu.weight_sync import load_from_disk
+
+    config = AutoConfig.from_pretrained(model_path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    load_from_disk(model, model_path, require_all=True)
+    return model.eval()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,8 +4,8 @@ Owns: a Qwen3 causal LM as a torch module whose parameter names are the HF check
 updates, `get_weights_by_name` and `update_weights_from_disk` address it exactly as the transformers
 model), its loading from a checkpoint directory (config.json + *.safetensors), and one cached forward
 call over a left-padded batch (`forward_cached`), used by `kv_batch`. Which checkpoints it takes is
-`native_support`: plain Qwen3 (default RoPE, no sliding window, SiLU, no quantization); anything else
-loads through transformers, as before.
+`native_support`: plain Qwen3 (default RoPE, no sliding window, SiLU; unquantized or block FP8, whose weights
+`weight_sync.load_from_disk` dequantizes); anything else loads through transformers, as before.
 
 Why: importing transformers' Qwen3 modeling pulls torch.distributed.tensor and torch dynamo, ~5 s of
 CPU at engine start on this machine kind, for a forward pass of a few dozen lines. The math is
@@ -51,8 +51,9 @@ def native_support(config: dict[str, Any]) -> str | None:
         return "use_sliding_window is set"
     if config.get("hidden_act", "silu") != "silu":
         return f"hidden_act {config.get('hidden_act')!r}"
-    if config.get("quantization_config"):
-        return "the checkpoint is quantized"
+    quantization = config.get("quantization_config")
+    if quantization and quantization.get("quant_method") != "fp8":
+        return f"the checkpoint is quantized ({quantization.get('quant_method')!r}; block FP8 is dequantized at load)"
     return None
 
 

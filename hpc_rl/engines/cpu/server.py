@@ -43,6 +43,7 @@ from hpc_rl.engines.http_api import json_body as _json_body
 from hpc_rl.engines.http_api import ok as _ok
 from hpc_rl.engines.http_api import read_json as _read_json
 from hpc_rl.engines.http_api import validation_error as _validation_error
+from hpc_rl.weights.fp8_blocks import Fp8Intake, read_fp8_blocks
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,10 @@ class EngineServer:
         self.in_weight_update = False
         self.nodes = nodes
         """A multi-node engine's node-ranks (this process is node-rank 0); None on one node."""
+        fp8 = read_fp8_blocks(info.model_path)
+        self.fp8 = Fp8Intake(fp8.block) if fp8 is not None else None
+        """A block-FP8 checkpoint: the trainer's syncs send e4m3 weights + weight_scale_inv, dequantized here in
+        pairs (a pair may span buckets) as SGLang's FP8 linear layers would use them."""
 
     # ---- plumbing ------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -328,6 +333,10 @@ class EngineServer:
         if not self.in_weight_update:
             return _fail("no weight-update session is open; call begin_weight_update() first")
         self.in_weight_update = False
+        if self.fp8 is not None and self.fp8.pending():
+            missing = self.fp8.pending()
+            self.fp8.clear()
+            return _fail(f"the weight update ended with FP8 tensors whose pair never came: {missing[:5]}")
         return _ok()
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
@@ -343,7 +352,7 @@ class EngineServer:
                 self.scheduler.abort(None, abort_all=True)
             received = receive_bucket(self.groups.get(group_name), names, dtypes, shapes, body.get("load_format"))
             self.scheduler.check_flush(bool(body.get("flush_cache", True)))  # after the receive: the broadcast ends
-            load_named(self.scheduler.model, received)
+            load_named(self.scheduler.model, self.fp8.take(received) if self.fp8 is not None else received)
             if version is not None:
                 self.scheduler.weight_version = str(version)
 
@@ -374,7 +383,7 @@ class EngineServer:
                 weights = open_node_shares(list(shares), nnodes, 0)
             except FollowerFailed as error:
                 raise EngineFatalError(str(error)) from error
-            load_named(self.scheduler.model, weights)
+            load_named(self.scheduler.model, self.fp8.take(weights) if self.fp8 is not None else weights)
             self._forward({"op": "update_weights_from_tensor", "shares": list(shares)}, [n for n, _ in weights])
             if version is not None:
                 self.scheduler.weight_version = str(version)

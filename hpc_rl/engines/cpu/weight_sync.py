@@ -3,7 +3,9 @@
 Owns: the engine's weight-update groups (joined through `hpc_rl.weights.process_group`), receiving
 one bucket from trainer rank 0 (per tensor, or one `flattened_bucket` laid out by
 `hpc_rl.weights.bucket_layout`), reading a colocated share from shared memory
-(`hpc_rl.weights.colocated`), and copying tensors into the model by HF parameter name (the
+(`hpc_rl.weights.colocated`), dequantizing a block-FP8 checkpoint's weights (`hpc_rl.weights.fp8_blocks`:
+its release at load, the trainer's FP8 syncs through `Fp8Intake`), and copying tensors into the model by HF
+parameter name (the
 checkpoint's names, also for MoE experts that transformers keeps fused in memory, and for the MTP layers
 SGLang's NextN draft holds: `nextn_draft`). The
 scheduler decides when these run (between decode steps); this module never touches requests.
@@ -23,6 +25,7 @@ from hpc_rl.engines.cpu.nextn_draft import draft_tensors, ignored_update
 from hpc_rl.weights.bucket_layout import compute_layout, dtype_from_name, unpack_bucket
 from hpc_rl.weights.colocated import read_shared_memory_bucket
 from hpc_rl.weights.device_identity import refuse_invisible_device
+from hpc_rl.weights.fp8_blocks import dequantize_named, read_fp8_blocks
 from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
 
 
@@ -90,9 +93,16 @@ def load_from_disk(model: torch.nn.Module, model_path: str, *, require_all: bool
     weights: list[tuple[str, torch.Tensor]] = []
     for file in files:
         weights.extend(load_file(str(file)).items())
+    fp8 = read_fp8_blocks(model_path)
+    if fp8 is not None:  # an FP8 release: e4m3 weights + weight_scale_inv, served dequantized (SGLang's blocks)
+        weights = dequantize_named(weights, fp8.block, source=model_path)
     if require_all:
         names = {name for name, _ in weights}
-        missing = [name for name, _ in model.named_parameters() if name not in names]
+        views = fused_expert_views(model)  # a fused experts tensor is covered by all its per-expert names
+        fused = {view.rsplit(".", 3)[0] for view in views}
+        covered = {f"{prefix}.{part}" for prefix in fused for part in ("gate_up_proj", "down_proj")
+                   if all(view in names for view in views if view.startswith(prefix + "."))}
+        missing = [name for name, _ in model.named_parameters() if name not in names and name not in covered]
         if missing:
             raise KeyError(f"{model_path}: the checkpoint has no {', '.join(missing[:5])}"
                            f"{' ...' if len(missing) > 5 else ''}")

@@ -14,6 +14,7 @@ from hpc_rl.config.precision import trainer_dtype_name
 from hpc_rl.training.parallel import ParallelInfo
 
 if TYPE_CHECKING:
+    from hpc_rl.weights.fp8_blocks import Fp8Blocks
     from hpc_rl.training.actor import TrainerParts
 
 
@@ -32,6 +33,8 @@ class TransportRank:
     info: ParallelInfo
     engines_updated: Callable[[], None]
     """Called once the engines serve the actor's weights (keep_old_actor keeps a copy for the old log-probs)."""
+    engine_fp8: Fp8Blocks | None = None
+    """The engines' checkpoint's block-FP8 scheme (None: not quantized): every transport quantizes as it does."""
 
     def parallel_groups(self) -> tuple[object | None, object | None]:
         """(TP group, PP group) of this rank; None for a dimension of size 1."""

@@ -63,7 +63,7 @@ class TrainerBroadcast:
             self.sender = WeightSender(self.rank.parts.actor, self.rank.arch, tp_group=tp_group, tp_size=info.tp_size,
                                        dp_rank=info.dp_rank, rank=info.rank, bucket_bytes=bucket_bytes,
                                        dtype=export_dtype(info.on_cpu), pp_group=pp_group,
-                                       pp_rank=info.pp_rank, pp_size=info.pp_size)
+                                       pp_rank=info.pp_rank, pp_size=info.pp_size, fp8=self.rank.engine_fp8)
         self.sender.set_bucket_bytes(bucket_bytes)
         return self.sender
 

@@ -35,7 +35,8 @@ class TrainerColocated:
                 self.rank.parts.actor, self.rank.arch, tp_group=tp_group, tp_size=info.tp_size, rank=info.rank,
                 world_size=info.world_size, bucket_bytes=command.bucket_bytes,
                 dtype=export_dtype(info.on_cpu), api_key=self.engine_api_key, pp_group=pp_group,
-                pp_rank=info.pp_rank, pp_size=info.pp_size, device=trainer_rank_device())
+                pp_rank=info.pp_rank, pp_size=info.pp_size, device=trainer_rank_device(),
+                fp8=self.rank.engine_fp8)
         engine, _ = command.rank_engines[info.rank]
         url = command.engine_urls[engine] if 0 <= engine < len(command.engine_urls) else ""
         metrics = self.sender.sync(version=command.weight_version, engine_url=url,

@@ -17,7 +17,7 @@ def write_weights(rank: TransportRank, command: DiskWeightsCommand, checkpoint: 
 
     trainer = rank.parts.trainer
     path = save_hf_checkpoint(rank.parts.actor, rank.arch, command.path, reference_dir=checkpoint.hf_checkpoint or None,
-                              info=rank.info, tp_group=trainer.tp_group)
+                              info=rank.info, tp_group=trainer.tp_group, fp8=rank.engine_fp8)
     hook_path = getattr(trainer.plugin_args, "custom_update_weight_post_write_path", None)
     if hook_path:
         from hpc_rl.plugins import load_plugin
