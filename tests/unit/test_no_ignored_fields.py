@@ -29,6 +29,13 @@ READ_ELSEWHERE = {
     "custom_config_path": "config.plugin_args reads the file into the `args` every plug-in receives (controller and "
                           "trainer processes both build it there)",
     "update_weight_mode": "slime's full|delta: validation refuses delta, and full is what every sync does",
+    # miles' LoRA flags of issue 33
+    "exclude_modules": "config.lora.target_projections subtracts it from target_modules; training/lora/attach.py "
+                       "adapts what that returns (adapted_layers)",
+    "lora_sync_from_tensor": "the adapter-only weight sync is not built: validation refuses LoRA with engines, so these "
+                             "three are only checked (with each other and --colocate) at submit",
+    "lora_base_cpu_backup": "see lora_sync_from_tensor",
+    "lora_train_only": "see lora_sync_from_tensor",
     "model_name": "slime's model family name: validation checks it names the architecture's family, which is what "
                   "the weight conversion follows",
 }
