@@ -92,6 +92,11 @@ def lora_rank(hf_dir: str, peft_dir: str, out_dir: str, tp: int) -> dict | None:
     out["base_changed_after_ten"] = sorted(n for n, p in model.named_parameters()
                                            if n in base_before and not torch.equal(p.detach(), base_before[n]))
     out["adapters_a_shared"] = [sorted(a.lora_A) for a in adapters]
+    from hpc_rl.config.lora_sizes import layer_adapter_parameters
+
+    # the memory plan's count of adapter parameters on a trainer GPU is what the model holds
+    out["adapter_elements"] = (sum(p.numel() for a in adapters for p in a.parameters()),
+                               layer_adapter_parameters(arch, shared, tp) * arch.num_layers)
     ddp.eval()
     with torch.no_grad():
         out["trained"] = _logits(model, arch, group, tp)
@@ -158,6 +163,8 @@ def _check(ours: dict, hf_dir: str, peft_dir: Path, saved_dir: Path, tp: int) ->
     assert ours["grad_buffer_params"] == len(ours["adapter_names"])
     assert ours["changed_after_one_step"] and all(".lora." in n for n in ours["changed_after_one_step"])
     assert ours["base_changed_after_ten"] == []
+    held, planned = ours["adapter_elements"]
+    assert held == planned
     assert ["shared"] in ours["adapters_a_shared"]  # linear_qkv and linear_fc1 share one A (lora_type lora)
 
     config = json.loads((saved_dir / "adapter_config.json").read_text())
