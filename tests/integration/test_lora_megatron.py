@@ -44,7 +44,7 @@ def lora_rank(hf_dir: str, peft_dir: str, out_dir: str, tp: int) -> dict | None:
     from hpc_rl.config.schema import OptimizerConfig, TrainingConfig
     from hpc_rl.training.logprobs import vocab_parallel_logprobs
     from hpc_rl.training.lora.attach import apply_lora, is_adapter_param
-    from hpc_rl.training.lora.peft_files import load_peft_adapter, save_peft_adapter
+    from hpc_rl.training.lora.peft_files import adapter_state_dict, load_peft_adapter, save_peft_adapter
     from hpc_rl.training.model_provider import build_gpt_model, forward_logits
     from hpc_rl.training.optimizer import ActorOptimizer, wrap_ddp
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
@@ -64,6 +64,10 @@ def lora_rank(hf_dir: str, peft_dir: str, out_dir: str, tp: int) -> dict | None:
     model.eval()
     with torch.no_grad():
         out["peft_loaded"] = _logits(model, arch, group, tp)
+    log_probs = vocab_parallel_logprobs(forward_logits(model, TOKENS)[:, :-1], TOKENS[:, 1:],
+                                        vocab_size=arch.vocab_size, tp_group=group)[0]
+    (-log_probs.mean()).backward()
+    out["peft_loaded_grads"] = adapter_state_dict(model, grads=True)
 
     shared = LoraConfig(lora_rank=RANK, lora_alpha=ALPHA, lora_type="lora", target_modules="linear_qkv,o_proj,"
                         "linear_fc1,down_proj")
@@ -116,6 +120,19 @@ def _peft_logits(hf_dir: str, adapter_dir: str) -> torch.Tensor:
         return model(TOKENS).logits
 
 
+def _peft_grads(hf_dir: str, adapter_dir: str) -> dict[str, torch.Tensor]:
+    """PEFT's adapter gradients of the mean next-token NLL of TOKENS, under the saved names."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True).eval()
+    logits = model(TOKENS).logits
+    nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, TOKENS[:, 1:, None]).mean()
+    nll.backward()
+    return {name.replace(".default", ""): p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
 def _random_peft_adapter(hf_dir: str, out: Path) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -158,6 +175,12 @@ def _check(ours: dict, hf_dir: str, peft_dir: Path, saved_dir: Path, tp: int) ->
     with torch.no_grad():
         base_only = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)(TOKENS).logits
     assert (reference - base_only).abs().max().item() > 1e-2  # the adapter matters
+    expected = _peft_grads(hf_dir, str(peft_dir))
+    ours_grads = ours["peft_loaded_grads"]
+    assert sorted(ours_grads) == sorted(expected) and len(expected) == 2 * 7 * 2
+    grad_gap = max((ours_grads[name] - expected[name]).abs().max().item() for name in expected)
+    print(f"TP{tp} adapter gradients vs PEFT's: max |diff| {grad_gap:.2e}")
+    assert grad_gap < 1e-5 and min(g.abs().max().item() for g in expected.values()) > 1e-4
 
     assert ours["optimized"] == ours["adapter_names"] and ours["adapter_names"]
     assert ours["grad_buffer_params"] == len(ours["adapter_names"])

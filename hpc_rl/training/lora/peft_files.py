@@ -40,15 +40,20 @@ def _whole(adapter: LoraAdapter, tensor: torch.Tensor, split_axis: int | None) -
     return torch.cat(shards, dim=split_axis)
 
 
-def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every adapter matrix, whole, under PEFT's names (a collective over each TP group)."""
+def adapter_state_dict(model: torch.nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every adapter matrix (or, with `grads`, its autograd gradient), whole, under PEFT's names (a collective over
+    each TP group)."""
     out: dict[str, torch.Tensor] = {}
+
+    def value(param: torch.nn.Parameter) -> torch.Tensor:
+        return param.grad if grads else param
+
     for adapter in adapters_of(model):
         column = adapter.geometry.kind == "column"
         for projection in adapter.adapted:
-            out[peft_key(adapter, projection, "lora_A")] = _whole(adapter, adapter.a_of(projection),
+            out[peft_key(adapter, projection, "lora_A")] = _whole(adapter, value(adapter.a_of(projection)),
                                                                   None if column else 1)
-            out[peft_key(adapter, projection, "lora_B")] = _whole(adapter, adapter.lora_B[projection],
+            out[peft_key(adapter, projection, "lora_B")] = _whole(adapter, value(adapter.lora_B[projection]),
                                                                   0 if column else None)
     return out
 
