@@ -32,10 +32,8 @@ READ_ELSEWHERE = {
     # miles' LoRA flags of issue 33
     "exclude_modules": "config.lora.target_projections subtracts it from target_modules; training/lora/attach.py "
                        "adapts what that returns (adapted_layers)",
-    "lora_sync_from_tensor": "the adapter-only weight sync is not built: validation refuses LoRA with engines, so these "
-                             "three are only checked (with each other and --colocate) at submit",
-    "lora_base_cpu_backup": "see lora_sync_from_tensor",
-    "lora_train_only": "see lora_sync_from_tensor",
+    "lora_base_cpu_backup": "the colocated adapter sync is not built: validation refuses LoRA with engines, so it is "
+                            "only checked (needs --colocate) at submit",
     "model_name": "slime's model family name: validation checks it names the architecture's family, which is what "
                   "the weight conversion follows",
 }
