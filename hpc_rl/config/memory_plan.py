@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hpc_rl.config.lora_sizes import layer_adapter_parameters, lora_note
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.parallel_layout import ParallelLayout
 from hpc_rl.config.parameter_counts import ParameterShare, format_count, model_share, stage_shares
@@ -80,6 +81,9 @@ class TrainerMemory:
     logits: int
     tokens: int
     """Tokens of one micro-batch on this GPU."""
+    adapter_parameters: int = 0
+    """LoRA (issue 33): the actor's adapter parameters on this GPU, its only trained ones (the frozen base has
+    no gradients and no optimizer state: Megatron's DDP and optimizer skip parameters without requires_grad)."""
 
     @property
     def state(self) -> int:
@@ -292,17 +296,24 @@ def trainer_memory(config: RunConfig, arch: ModelArchitecture, layout: ParallelL
         # the actor.
         frozen = len(frozen_model_roles(config.algorithm, config.distillation))
         trained = 2 if config.algorithm.advantage_estimator == "ppo" else 1
-        optimizer_on_gpu = int(shards * full * (1 - offloaded)) * trained
+        adapters = layer_adapter_parameters(arch, config.lora, layout.tp) * len(layers) if config.lora.enabled else 0
+        # the actor's trained parameters and optimizer shards: its adapters under LoRA (the critic trains whole)
+        actor_params, actor_shards = (adapters, adapters / layout.dense_optimizer_shards) if adapters else (params,
+                                                                                                            shards)
+        optimizer_on_gpu = int(actor_shards * full * (1 - offloaded)) + int(shards * full * (1 - offloaded)) * (
+            trained - 1)
         offload_train = config.cluster.colocate and config.training.offload_train
         memory = TrainerMemory(
-            parameters=params, dense_parameters=dense, expert_parameters=experts, weights=params * BF16 * trained,
+            parameters=params, dense_parameters=dense, expert_parameters=experts,
+            weights=(params * trained + adapters) * BF16, adapter_parameters=adapters,
             frozen_weights_in_host=params * BF16 * frozen, swap_buffer_in_host=params * BF16 if frozen else 0,
             # the actor's weights offloaded for the engines reuse the swap buffer (one host copy)
             colocated_offload_in_host=(params * BF16 * (trained - (1 if frozen else 0)) + optimizer_on_gpu
                                        if offload_train else 0),
-            grads=params * FP32 * trained, optimizer_on_gpu=optimizer_on_gpu,
-            optimizer_on_gpu_without_offload=int(shards * full) * trained,
-            optimizer_in_host=int(shards * HOST_OPTIMIZER_BYTES * offloaded) * trained,
+            grads=(actor_params + params * (trained - 1)) * FP32, optimizer_on_gpu=optimizer_on_gpu,
+            optimizer_on_gpu_without_offload=int(actor_shards * full) + int(shards * full) * (trained - 1),
+            optimizer_in_host=int(actor_shards * HOST_OPTIMIZER_BYTES * offloaded)
+            + int(shards * HOST_OPTIMIZER_BYTES * offloaded) * (trained - 1),
             activations=recompute if training.recompute_granularity == "full" else kept,
             activations_no_recompute=kept, activations_full_recompute=recompute,
             logits=tokens * math.ceil(arch.vocab_size / layout.tp) * LOGITS_BYTES if last else 0, tokens=tokens)
@@ -393,6 +404,8 @@ def plan_memory(config: RunConfig, arch: ModelArchitecture) -> MemoryPlan:
     notes = []
     if config.sglang.server_options().get("speculative_algorithm"):
         notes.append("speculative decoding's draft model and its KV cache are not counted")
+    if config.lora.enabled:
+        notes.append(lora_note(arch, config.lora, trainer.adapter_parameters, trainer.parameters))
     return MemoryPlan(gpu=gpu, layout=layout, model=model_share(arch), trainer=trainer, engine=engine,
                       phases=_phases(config, trainer, engine), notes=tuple(notes), longest_sample=longest,
                       gpus_per_node=config.cluster.actor_num_gpus_per_node)

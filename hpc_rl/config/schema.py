@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpc_rl.config.lora import LoraConfig
 from hpc_rl.config.model import ModelArchitecture
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
@@ -890,6 +891,7 @@ class RunConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def section_fields(self) -> Iterator[tuple[str, str, Any]]:
         """(section, field, value) of every field of every section (model_args included when set)."""

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_rl.config.lora import lora_problems
 from hpc_rl.config.memory_plan import plan_memory
 from hpc_rl.config.mla_checks import mla_problems, speculative_notes
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
@@ -512,6 +513,8 @@ def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Pro
     if check_files:
         problems += [Problem(p.field, p.message) for p in path_problems(config) + prompt_file_problems(config)]
     problems += _plugin_problems(config)
+    problems += [Problem(field, message) for field, message in lora_problems(
+        config, run_architecture(config), check_files=check_files)]
     problems += [Problem(field, message) for field, message in mode_problems(config, check_files=check_files)]
     problems += [Problem(field, message) for field, message in engine_problems(
         config.rollout.engine, config.cluster.device, config.sglang.server_options()).items()]

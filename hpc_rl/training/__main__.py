@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     parts = build_trainer(arch=arch, training=config.training, algorithm=config.algorithm,
                           optimizer_config=config.optimizer, checkpoints=config.checkpoint, info=info,
                           model_file=config.model, plugin_args=plugin_args(config),
-                          distillation=config.distillation, critic=config.critic)
+                          distillation=config.distillation, critic=config.critic, lora=config.lora)
     config_path = Path(args.config).resolve()
     run_dir = Path(config.run_dir) if config.run_dir else (config_path if config_path.is_dir() else config_path.parent)
     save_dir = config.checkpoint.save or str(run_dir / "checkpoints")

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from hpc_rl.config.lora import LoraConfig
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.training_modes import frozen_model_roles
 from hpc_rl.config.schema import (
@@ -34,6 +35,7 @@ from hpc_rl.training.checkpoint_manifest import choose_resume, resume_directory
 from hpc_rl.training.critic import critic_load_dir, critic_optimizer_config, install_value_head
 from hpc_rl.training.custom_hooks import trainer_args
 from hpc_rl.training.host_weights import move_to_host
+from hpc_rl.training.lora.attach import lora_actor
 from hpc_rl.training.model_provider import build_gpt_model, check_moe_training
 from hpc_rl.training.optimizer import ActorOptimizer, wants_distributed_optimizer, wrap_ddp
 from hpc_rl.training.parallel import ParallelInfo
@@ -209,6 +211,8 @@ class RoleInputs:
     """What the actor resumes from (`resume_source`): `checkpoints.load`, or the iteration `ckpt_step` picks."""
     saved: checkpoint.TrainerState | None
     """The actor's checkpoint at `load`, when it holds trainer state (a resume)."""
+    lora: LoraConfig | None = None
+    """LoRA on the actor (issue 33): adapters on a frozen base; None or lora_rank 0: full training."""
 
 
 @dataclass
@@ -250,6 +254,8 @@ def build_role(role: str, inputs: RoleInputs) -> BuiltRole:
         return BuiltRole(model=move_to_host(_frozen(module), pin=not info.on_cpu))
     if role == "actor":
         module, config = freeze_parameters(module, training), inputs.optimizer
+        if inputs.lora is not None:
+            module = lora_actor(module, inputs.lora, seed=training.seed, start_from_adapter=resume_from is None)
     else:
         module, config = install_value_head(module, seed=training.seed), critic_optimizer_config(
             inputs.optimizer, inputs.critic)
@@ -267,7 +273,8 @@ def trainer_roles(algorithm: AlgorithmConfig, distillation: DistillationConfig) 
 def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorithm: AlgorithmConfig,
                   optimizer_config: OptimizerConfig, checkpoints: CheckpointConfig, info: ParallelInfo,
                   model_file: str | Path | None = None, plugin_args: SimpleNamespace | None = None,
-                  distillation: DistillationConfig | None = None, critic: CriticConfig | None = None) -> TrainerParts:
+                  distillation: DistillationConfig | None = None, critic: CriticConfig | None = None,
+                  lora: LoraConfig | None = None) -> TrainerParts:
     """Actor + optimizer (+ reference model when the KL loss or KL shaping needs one, + the teacher for
     opd_type megatron, + the critic for advantage_estimator ppo), loaded, each through `build_role`.
     `plugin_args`: the run's flat config for custom loss/advantage functions (default: these sections').
@@ -280,7 +287,7 @@ def build_trainer(*, arch: ModelArchitecture, training: TrainingConfig, algorith
     load = resume_source(checkpoints)
     inputs = RoleInputs(arch=arch, training=training, optimizer=optimizer_config, checkpoints=checkpoints,
                         distillation=distillation, critic=critic, info=info, model_file=model_file,
-                        load=load, saved=saved_trainer_state(load))
+                        load=load, saved=saved_trainer_state(load), lora=lora)
     built = {role: build_role(role, inputs) for role in trainer_roles(algorithm, distillation)}
     actor, ref, teacher, critic_role = (built["actor"], built.get("reference"), built.get("teacher"),
                                         built.get("critic"))

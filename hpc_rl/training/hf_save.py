@@ -6,7 +6,8 @@ Owns: writing the actor's weights, as the engines receive them (HF names and lay
 world: the ranks of DP replica 0 (CP rank 0) gather, and TP rank 0 of each pipeline stage writes its stage's
 tensors; with pipeline parallelism each stage writes its own safetensors file and global rank 0 indexes them
 once every stage is done. The directory is written under `<name>.tmp` and renamed when complete, so a crash
-never leaves a directory that looks whole.
+never leaves a directory that looks whole. A LoRA actor (issue 33) is written as a PEFT adapter directory
+(`lora.peft_files`: adapter_model.safetensors + adapter_config.json, the base named by `reference_dir`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch.distributed as dist
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.training.convert import copy_side_files, write_hf_checkpoint
+from hpc_rl.training.lora.attach import adapter_settings
+from hpc_rl.training.lora.peft_files import save_peft_adapter
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.weights.export import export_hf_state_dict
 from hpc_rl.weights.fp8_blocks import Fp8Blocks, quantize_named
@@ -67,7 +70,10 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArchitecture, output_d
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    if info.dp_rank == 0 and info.cp_rank == 0:
+    lora = adapter_settings(model)
+    if lora is not None and info.dp_rank == 0 and info.cp_rank == 0:
+        save_peft_adapter(model, lora, tmp, base_model=reference_dir, write=info.tp_rank == 0)
+    elif info.dp_rank == 0 and info.cp_rank == 0:
         state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in export_hf_state_dict(model, arch, tp_group)}
         if fp8 is not None:
             state = dict(quantize_named(state.items(), fp8))

@@ -1,0 +1,100 @@
+"""The CPU engine serves base + LoRA adapters (issue 33) with PEFT's numerics: a batch mixing an adapter's rows and
+the base's gives PEFT's logits and the base's, on transformers' Qwen3 and on the engine's own; loads from a PEFT
+directory and from PEFT-named tensors agree; SGLang's refusals are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_rl.engines.cpu.lora_serving import EngineLoraAdapters, LoraAdapterError
+
+TOKENS = torch.tensor([[3, 5, 7, 11, 13, 17, 19, 2], [1, 4, 9, 16, 23, 0, 8, 6]])
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[Path, torch.Tensor]:
+    """A PEFT adapter with every matrix random (PEFT starts B at zero), and PEFT's logits for TOKENS."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.3 * torch.randn_like(param))
+        logits = model.eval()(TOKENS).logits
+    directory = tmp_path_factory.mktemp("peft")
+    model.save_pretrained(directory)
+    return directory, logits
+
+
+def _hf(tiny_model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def _native_logits(model: torch.nn.Module) -> torch.Tensor:
+    positions = torch.arange(TOKENS.shape[1]).expand(TOKENS.shape[0], -1)
+    return model.forward_cached(TOKENS, positions, torch.ones_like(TOKENS), None, last_only=False)[0]
+
+
+def test_mixed_batch_rows_get_their_adapter_or_the_base(tiny_model_dir: Path, peft_adapter) -> None:  # noqa: ANN001
+    from hpc_rl.engines.cpu.native_qwen3 import load_native_qwen3
+
+    directory, peft_logits = peft_adapter
+    hf = _hf(tiny_model_dir)
+    with torch.no_grad():
+        base_logits = hf(TOKENS).logits
+    assert (peft_logits - base_logits).abs().max().item() > 1e-2  # the adapter matters
+    adapters = EngineLoraAdapters(hf, max_lora_rank=8)
+    adapters.load_dir("policy", directory)
+    with torch.no_grad(), adapters.rows_of(["policy", None]):
+        mixed = hf(TOKENS).logits
+    assert (mixed[0] - peft_logits[0]).abs().max().item() < 1e-5
+    assert (mixed[1] - base_logits[1]).abs().max().item() < 1e-6
+    with torch.no_grad():
+        assert torch.equal(hf(TOKENS).logits, base_logits)  # no rows named: the base
+
+    native = load_native_qwen3(tiny_model_dir)
+    served = EngineLoraAdapters(native)
+    served.load_dir("policy", directory)
+    with served.rows_of([None, "policy"]):
+        logits = _native_logits(native)
+    assert (logits[1] - peft_logits[1]).abs().max().item() < 1e-5
+    assert (logits[0] - base_logits[0]).abs().max().item() < 1e-5
+
+
+def test_tensors_load_equals_the_directory_and_refusals(tiny_model_dir: Path, peft_adapter) -> None:  # noqa: ANN001
+    import json
+
+    from safetensors.torch import load_file
+
+    directory, peft_logits = peft_adapter
+    hf = _hf(tiny_model_dir)
+    adapters = EngineLoraAdapters(hf, max_lora_rank=4)
+    config = json.loads((directory / "adapter_config.json").read_text())
+    tensors = load_file(str(directory / "adapter_model.safetensors"))
+    adapters.load_tensors("v2", config, tensors)
+    with torch.no_grad(), adapters.rows_of(["v2", "v2"]):
+        assert (hf(TOKENS).logits - peft_logits).abs().max().item() < 1e-5
+
+    with pytest.raises(LoraAdapterError, match="already loaded"):
+        adapters.load_tensors("v2", config, tensors)
+    with pytest.raises(LoraAdapterError, match="not a loaded LoRA adapter"):
+        adapters.check_request("v3")
+    with pytest.raises(LoraAdapterError, match="max-lora-rank 2"):
+        EngineLoraAdapters(hf, max_lora_rank=2).load_tensors("big", config, tensors)
+    with pytest.raises(LoraAdapterError, match="no DoRA"):
+        EngineLoraAdapters(hf).load_tensors("dora", {**config, "use_dora": True}, tensors)
+    with pytest.raises(LoraAdapterError, match="no module"):
+        renamed = {k.replace("layers.0.", "layers.9."): v for k, v in tensors.items()}
+        EngineLoraAdapters(hf).load_tensors("elsewhere", config, renamed)
+    adapters.unload("v2")
+    with pytest.raises(LoraAdapterError, match="is not loaded"):
+        adapters.unload("v2")
