@@ -7,6 +7,13 @@ rollouts, how many samples spanned two weight versions, and how many syncs flush
 1 is today's async mode (each sync waits for the rollout ahead, then flushes); 0 and 4 update in place (the sync
 pauses the rollout ahead's requests with their KV cache and they go on with the new weights).
 Usage: python benchmarks/bench_in_place_updates.py [rollouts] [intervals...]   (default 20 rollouts, 1 0 4)
+
+Measured (Nov 29, 100 rollouts each, 2 shared cores at load 13-20, so +-15% between runs of one setting):
+    1: 422 samples/s, reward 0.084 -> 0.487, 0 samples spanning two versions, 100/100 syncs flushed
+    0: 479 samples/s, reward 0.099 -> 0.490, 5300 spanning (~41%), 0/100 flushed
+    4: 465 samples/s, reward 0.089 -> 0.500, 5425 spanning (~42%), 25/100 flushed
+In place, the sync no longer waits for the rollout ahead (~10% more samples/s here, where training is short);
+the reward curve is the same within noise (TIS/MIS off in the tiny config).
 """
 
 from __future__ import annotations

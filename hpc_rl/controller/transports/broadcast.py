@@ -32,11 +32,13 @@ does not notice (its `wait()` does not block) and its next GPU work would hang u
 The controller knows at once (the engine's update call fails): it has rank 0 abort the group
 (`AbortWeightGroupCommand`), gives the other engines ABORT_GRACE_S to end their update, and raises
 `WeightGroupBroken` naming every engine that failed; the caller fails them (restart) and pushes again
-to the engines still up, over a new group.
-Pausing and resuming generation around the sync is the caller's (the loop knows the mode); the fan-out of
-the update calls is `transports.fanout`. However a
-sync ends (done, engine or trainer error, cancellation), the trainer-side task has ended and its
-outcome was read, and the weight-plan future is settled, so nothing is left for asyncio to complain about.
+to the engines still up, over a new group (`BroadcastTransport.push`).
+
+Pausing and resuming generation around the sync is the caller's (the loop knows the mode); whether the engines
+flush their cache after the update is its too (`flush_cache` of each update call: False while requests are
+paused in place); the fan-out of the update calls is `transports.fanout`. However a sync ends (done, engine or
+trainer error, cancellation), the trainer-side task has ended and its outcome was read, and the weight-plan
+future is settled, so nothing is left for asyncio to complain about.
 """
 
 from __future__ import annotations
