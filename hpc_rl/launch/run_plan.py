@@ -82,8 +82,8 @@ def read_topology(run_dir: str | Path, config: RunConfig) -> JobTopology:
     if document.get("planned_from") != planned_from(config):
         raise TopologyFileError(
             f"{path} was planned from other `cluster` settings (or external engines) than "
-            f"{Path(run_dir) / RESOLVED_CONFIG_NAME} holds now (was that file edited?): submit again with the same --run-dir, which "
-            f"plans both again, or delete {path} to have the driver plan it from {RESOLVED_CONFIG_NAME}")
+            f"{Path(run_dir) / RESOLVED_CONFIG_NAME} holds now (was that file edited?): submit again with the same "
+            f"--run-dir, which plans both again, or delete {path} to have the driver plan it from {RESOLVED_CONFIG_NAME}")
     return _typed(JobTopology, document.get("topology"), "topology", path)
 
 

@@ -157,7 +157,7 @@ class Driver:
         try:
             run.result()
         except Exception as error:
-            if isinstance(error, TrainerFailed) and not getattr(error, "process_alive", False):  # (a stopped rank: no exit)
+            if isinstance(error, TrainerFailed) and not getattr(error, "process_alive", False):  # a stopped rank: no exit
                 explained = TrainerFailed(await self.explain_trainer_failure(str(error)))
                 self.controller.report_error(f"TrainerFailed: {explained}")  # what status.json shows
                 raise explained from error
