@@ -63,7 +63,7 @@ from hpc_rl.training.offload import TrainerOffload
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.sync_address import weight_sync_address
 from hpc_rl.training.train_batch import TrainBatch, read_batches_file
-from hpc_rl.weights.fp8_blocks import Fp8Blocks, read_fp8_blocks
+from hpc_rl.config.fp8_scheme import Fp8Blocks, read_fp8_blocks
 from hpc_rl.weights.process_group import WeightGroupJoinAbandoned
 from hpc_rl.weights.sender import LOAD_FORMAT, WeightSender
 

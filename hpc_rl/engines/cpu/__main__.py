@@ -83,7 +83,7 @@ def load_model(model_path: str, model_impl: str, attn_implementation: str,
     """The engine's model, in `dtype`: its own Qwen3 forward (`native`; `auto` picks it where it applies and
     eager attention is asked for) or transformers' (SGLang's `--model-impl transformers` likewise)."""
     from hpc_rl.engines.cpu.native_qwen3 import load_native_qwen3, native_support, read_config
-    from hpc_rl.weights.fp8_blocks import read_fp8_blocks
+    from hpc_rl.config.fp8_scheme import read_fp8_blocks
 
     reason = native_support(read_config(model_path))
     if model_impl == "native" and reason is not None:

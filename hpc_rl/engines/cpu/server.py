@@ -43,7 +43,8 @@ from hpc_rl.engines.http_api import json_body as _json_body
 from hpc_rl.engines.http_api import ok as _ok
 from hpc_rl.engines.http_api import read_json as _read_json
 from hpc_rl.engines.http_api import validation_error as _validation_error
-from hpc_rl.weights.fp8_blocks import Fp8Intake, read_fp8_blocks
+from hpc_rl.config.fp8_scheme import read_fp8_blocks
+from hpc_rl.weights.fp8_blocks import Fp8Intake
 
 log = logging.getLogger(__name__)
 
