@@ -40,7 +40,8 @@ def plan_rank(model_file: str) -> dict:
     from hpc_rl.config.schema import TrainingConfig
     from hpc_rl.training.model_provider import build_gpt_model
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
-    from hpc_rl.weights.fp8_blocks import FP8_DTYPE, Fp8Blocks
+    from hpc_rl.config.fp8_scheme import Fp8Blocks
+    from hpc_rl.weights.fp8_blocks import FP8_DTYPE
     from hpc_rl.weights.sender import WeightSender
 
     arch = ModelArchitecture.from_yaml(model_file)
@@ -94,7 +95,7 @@ def _run(run_dir: Path, checkpoint: str, rollouts: int, *flags: str) -> list[dic
 
 
 def bench_mismatch(rollouts: int) -> None:
-    from hpc_rl.weights.fp8_blocks import Fp8Blocks
+    from hpc_rl.config.fp8_scheme import Fp8Blocks
     from hpc_rl.weights.fp8_checkpoint import write_fp8_checkpoint
 
     gap, reward = "train/train_rollout_logprob_abs_diff", "rollout/reward_mean"

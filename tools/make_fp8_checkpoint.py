@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from hpc_rl.weights.fp8_blocks import Fp8Blocks
+from hpc_rl.config.fp8_scheme import Fp8Blocks
 from hpc_rl.weights.fp8_checkpoint import write_fp8_checkpoint
 
 

@@ -248,11 +248,3 @@ def load_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:
     with open(Path(checkpoint_dir) / "config.json") as handle:
         return json.load(handle)
 
-
-def fp8_quantization(checkpoint_dir: str | Path | None) -> dict[str, Any] | None:
-    """The `quantization_config` of a block-FP8 release in `checkpoint_dir` (quant_method fp8), else None (no
-    config.json, unquantized, or another method: `hpc_rl.weights.fp8_blocks` refuses those where it matters)."""
-    if not checkpoint_dir or not (Path(checkpoint_dir) / "config.json").is_file():
-        return None
-    quantization = load_hf_config(checkpoint_dir).get("quantization_config") or None
-    return quantization if quantization and quantization.get("quant_method") == "fp8" else None

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_rl.config.lora import lora_problems
+from hpc_rl.config.fp8_scheme import read_fp8_blocks
 from hpc_rl.config.memory_plan import plan_memory
 from hpc_rl.config.mla_checks import mla_problems, speculative_notes
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
@@ -282,6 +283,16 @@ def _model_problems(config: RunConfig) -> list[Problem]:
     return problems
 
 
+def _fp8_problems(config: RunConfig) -> list[Problem]:
+    """An FP8 hf_checkpoint is one hpc_rl can serve (block e4m3, dynamic activations). force_fp8_ue8m0_scale without
+    one does nothing, as in slime (a recipe's line may carry it to a bf16 run)."""
+    try:
+        read_fp8_blocks(config.checkpoint.hf_checkpoint)
+    except ValueError as error:
+        return [Problem("checkpoint.hf_checkpoint", f"{error}; FP8 rollouts need a block-FP8 release")]
+    return []
+
+
 def _plugin_problems(config: RunConfig) -> list[Problem]:
     problems = []
     for path in config.rollout.rollout_sample_hook_path:  # slime's repeatable --rollout-sample-hook-path
@@ -510,6 +521,7 @@ def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Pro
                 + _model_problems(config) + _slime_flag_problems(config) + _gpu_cluster_problems(config))
     problems += _moe_and_memory_problems(config)
     problems += _routing_replay_problems(config)
+    problems += _fp8_problems(config)
     if check_files:
         problems += [Problem(p.field, p.message) for p in path_problems(config) + prompt_file_problems(config)]
     problems += _plugin_problems(config)

@@ -28,8 +28,8 @@ mistake is 2.8e-4); bf16 SGLang against bf16 Megatron differ by ~1e-2 per token,
 
 FP8_ENGINES_THRESHOLD = 0.1
 """The default when the engines serve a block-FP8 checkpoint (FP8 rollouts, the trainer in bf16/fp32): FP8's
-rounding (up to 2**-4 of each weight) is a real gap, ~0.02 per token on the tiny run right after a sync
-(tests/integration/test_fp8_run.py), which TIS corrects; it is checked as the GPU's bf16 gap is."""
+rounding (up to 2**-4 of each weight) is a real gap, 0.003-0.03 per token on the tiny run right after a sync
+(benchmarks/bench_fp8_sync.py mismatch), which TIS corrects; it is checked as the GPU's bf16 gap is."""
 
 
 class LogprobMismatch(RuntimeError):

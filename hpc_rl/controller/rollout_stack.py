@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpc_rl.config import plugin_args
-from hpc_rl.config.model import ModelArchitecture, fp8_quantization
+from hpc_rl.config.fp8_scheme import read_fp8_blocks
+from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import RolloutConfig, RunConfig
 from hpc_rl.config.training_modes import is_sft
 from hpc_rl.controller.checkpoints import Checkpoints
@@ -238,7 +239,7 @@ def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler | SftRollout
     """The loop's parts, each given its own sections of `config`."""
     rollout = config.rollout
     guard = LogprobGuard(threshold_for(config.cluster.device, config.controller.max_logprob_mismatch,
-                                       fp8_engines=fp8_quantization(config.checkpoint.hf_checkpoint) is not None))
+                                       fp8_engines=read_fp8_blocks(config.checkpoint.hf_checkpoint) is not None))
 
     def engines_serve(version: int) -> None:
         scheduler.set_weight_version(version)

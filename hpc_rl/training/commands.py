@@ -64,7 +64,7 @@ from hpc_rl.training.transports.base import TransportRank, export_dtype
 from hpc_rl.training.transports.broadcast import TrainerBroadcast
 from hpc_rl.training.transports.colocated import TrainerColocated
 from hpc_rl.training.transports.disk import write_weights
-from hpc_rl.weights.fp8_blocks import Fp8Blocks, read_fp8_blocks
+from hpc_rl.config.fp8_scheme import Fp8Blocks, read_fp8_blocks
 
 log = logging.getLogger(__name__)
 

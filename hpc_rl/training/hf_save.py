@@ -26,7 +26,8 @@ from hpc_rl.training.lora.attach import adapter_settings
 from hpc_rl.training.lora.peft_files import save_peft_adapter
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.weights.export import export_hf_state_dict
-from hpc_rl.weights.fp8_blocks import Fp8Blocks, quantize_named
+from hpc_rl.config.fp8_scheme import Fp8Blocks
+from hpc_rl.weights.fp8_blocks import quantize_named
 
 
 def hf_output_dir(template: str, rollout_id: int) -> Path:

@@ -42,7 +42,7 @@ from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights.bucket_layout import order_for_alignment
 from hpc_rl.weights.colocated import serialize_share, update_weights_from_tensor_body
 from hpc_rl.weights.export import named_megatron_params
-from hpc_rl.weights.fp8_blocks import Fp8Blocks
+from hpc_rl.config.fp8_scheme import Fp8Blocks
 from hpc_rl.weights.sender import WeightSender, wire_tensors
 
 log = logging.getLogger(__name__)

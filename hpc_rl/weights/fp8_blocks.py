@@ -1,17 +1,16 @@
 """Block-wise FP8 (e4m3) weights as FP8 releases store them: pure functions on tensors and names.
 
-Owns: reading an FP8 checkpoint's `quantization_config` (`Fp8Blocks.from_quantization_config`,
-`read_fp8_blocks`), which HF tensors such a checkpoint quantizes (`Fp8Blocks.quantizes`), quantizing a
-weight into `weight` (float8_e4m3fn) + `weight_scale_inv` (float32, one per block) and back
-(`quantize_blocks`, `dequantize_blocks`), and the same over named tensors and plans (`quantize_named`,
-`dequantize_named`, `send_entries`). Used by the weight sync (trainer side), the CPU engine and the HF
+Owns: quantizing a weight into `weight` (float8_e4m3fn) + `weight_scale_inv` (float32, one per block) and
+back (`quantize_blocks`, `dequantize_blocks`), the same over named tensors and plans (`quantize_named`,
+`dequantize_named`, `send_entries`) and the engine's pairing of the two (`Fp8Intake`). Which checkpoints are
+block-FP8 and which of their tensors they quantize is `hpc_rl.config.fp8_scheme` (`Fp8Blocks`, torch-free, so
+validation and the controller read it too). Used by the weight sync (trainer side), the CPU engine and the HF
 readers; no Megatron, no processes.
 
 Conventions (FP8 releases such as Qwen/Qwen3-4B-Instruct-2507-FP8, Qwen3-30B-A3B-FP8; slime's
 quantizer_fp8 and tools/convert_hf_to_fp8.py; SGLang's `block_quant_dequant`):
   * `quantization_config = {quant_method: "fp8", fmt: "e4m3", activation_scheme: "dynamic",
-    weight_block_size: [bn, bk]}` (128 x 128 in every release); `modules_to_not_convert` lists modules kept
-    in bf16, matched at dot boundaries as SGLang's `is_layer_skipped` does.
+    weight_block_size: [bn, bk]}` (128 x 128 in every release): `hpc_rl.config.fp8_scheme`.
   * A weight [n, k] is cut into ceil(n/bn) x ceil(k/bk) blocks; a partial block at the end is padded with
     zeros (which change no block maximum). Its scale `s = max(|block|) / 448` (448: e4m3's largest finite
     value; the maximum clamped to 1e-12 so an all-zero block gives zeros, not NaN), the stored weight
@@ -20,9 +19,6 @@ quantizer_fp8 and tools/convert_hf_to_fp8.py; SGLang's `block_quant_dequant`):
   * ue8m0 scales (slime's `--force-fp8-ue8m0-scale`, DeepGEMM's `per_block_cast_to_fp8(use_ue8m0=True)`):
     `s = 2 ** ceil(log2(max / 448))`, a power of two >= the plain scale, still float32 in the same block
     layout (the packed layout DeepGEMM wants on Blackwell is the engine's to make).
-  * Quantized: the 2-D linear weights of the decoder layers (attention and MLP projections, routed and
-    shared experts, MLA projections); not quantized: embeddings, lm_head, norms, router gates (`mlp.gate`),
-    biases, and anything in `modules_to_not_convert`.
 
 Error of one round trip (round to nearest in e4m3: 3 mantissa bits, subnormal step 2**-9): every element
 obeys |dequantize(quantize(w)) - w| <= max(|w| * 2**-4, s * 2**-10), s its block's scale.
@@ -31,99 +27,15 @@ obeys |dequantize(quantize(w)) - w| <= max(|w| * 2**-4, s * 2**-10), s its block
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from hpc_rl.config.model import load_hf_config
+from hpc_rl.config.fp8_scheme import SCALE_SUFFIX, Fp8Blocks
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
-SCALE_SUFFIX = "_scale_inv"
-"""`<module>.weight` -> `<module>.weight_scale_inv`."""
 _AMAX_FLOOR = 1e-12
-
-_QUANTIZED_LINEAR = re.compile(
-    r"^(?:model\.)?(?:layers|mtp\.layers)\.\d+\..*(?:_proj|_proj_with_mqa)\.weight$"
-)
-"""A decoder layer's projection weight: q/k/v/o_proj, gate/up/down_proj (dense, routed experts
-`mlp.experts.E.*_proj`, `mlp.shared_experts.*_proj`), MLA's q_a/q_b/kv_a_proj_with_mqa/kv_b_proj."""
-
-
-@dataclass(frozen=True)
-class Fp8Blocks:
-    """One checkpoint's block-FP8 scheme: block shape, scale rounding, modules kept unquantized."""
-
-    block: tuple[int, int] = (128, 128)
-    ue8m0: bool = False
-    """Scales rounded up to powers of two (slime's --force-fp8-ue8m0-scale)."""
-    modules_to_not_convert: tuple[str, ...] = field(default_factory=tuple)
-
-    @classmethod
-    def from_quantization_config(cls, config: dict[str, Any], *, source: str = "quantization_config",
-                                 ue8m0: bool = False) -> Fp8Blocks:
-        """The scheme of an FP8 release's `quantization_config`; a ValueError names `source` and the field for
-        anything else (another method, per-tensor scales, static activations)."""
-        method = config.get("quant_method")
-        if method != "fp8":
-            raise ValueError(f"{source}: quant_method {method!r} is not 'fp8' (only block-FP8 checkpoints are "
-                             "served with FP8 weight syncs)")
-        if config.get("fmt", "e4m3") != "e4m3":
-            raise ValueError(f"{source}: fmt {config.get('fmt')!r}: only e4m3 is supported")
-        if config.get("activation_scheme", "dynamic") != "dynamic":
-            raise ValueError(f"{source}: activation_scheme {config.get('activation_scheme')!r}: only 'dynamic' is "
-                             "supported (static input scales are not synced)")
-        block = config.get("weight_block_size")
-        if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0
-                                                                             for b in block)):
-            raise ValueError(f"{source}: weight_block_size {block!r} must be two positive integers such as "
-                             "[128, 128] (per-tensor FP8 checkpoints are not supported)")
-        skipped = config.get("modules_to_not_convert") or config.get("ignored_layers") or []
-        return cls(block=(int(block[0]), int(block[1])), ue8m0=ue8m0 or config.get("scale_fmt") == "ue8m0",
-                   modules_to_not_convert=tuple(str(m) for m in skipped))
-
-    def to_quantization_config(self) -> dict[str, Any]:
-        """The config.json entry a checkpoint of this scheme carries."""
-        config: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(self.block)}
-        if self.modules_to_not_convert:
-            config["modules_to_not_convert"] = list(self.modules_to_not_convert)
-        if self.ue8m0:
-            config["scale_fmt"] = "ue8m0"
-        return config
-
-    def skips(self, module: str) -> bool:
-        """`module` (a dotted path) is listed in modules_to_not_convert, matched at dot boundaries."""
-        dotted = f".{module}."
-        return any(f".{entry}." in dotted for entry in self.modules_to_not_convert)
-
-    def quantizes(self, hf_name: str, shape: Sequence[int] | None = None) -> bool:
-        """This HF tensor is stored as FP8 blocks (+ its `_scale_inv`) in a checkpoint of this scheme."""
-        if shape is not None and len(shape) != 2:
-            return False
-        if not _QUANTIZED_LINEAR.match(hf_name):
-            return False
-        return not self.skips(hf_name.removesuffix(".weight"))
-
-    def scale_shape(self, shape: Sequence[int]) -> tuple[int, int]:
-        return (math.ceil(shape[0] / self.block[0]), math.ceil(shape[1] / self.block[1]))
-
-
-def read_fp8_blocks(checkpoint_dir: str | Path, *, ue8m0: bool = False) -> Fp8Blocks | None:
-    """The block-FP8 scheme of an HF directory's config.json (None: not quantized). Another quantization
-    method is a ValueError naming the file."""
-    path = Path(checkpoint_dir) / "config.json"
-    if not str(checkpoint_dir) or not path.is_file():
-        return None
-    config = load_hf_config(checkpoint_dir).get("quantization_config")
-    if not config:
-        return None
-    return Fp8Blocks.from_quantization_config(config, source=f"{path}: quantization_config", ue8m0=ue8m0)
-
 
 def _pad_to_blocks(weight: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     rows, cols = weight.shape

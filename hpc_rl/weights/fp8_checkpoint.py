@@ -13,7 +13,8 @@ import json
 import shutil
 from pathlib import Path
 
-from hpc_rl.weights.fp8_blocks import Fp8Blocks, quantize_named
+from hpc_rl.config.fp8_scheme import Fp8Blocks
+from hpc_rl.weights.fp8_blocks import quantize_named
 
 
 def write_fp8_checkpoint(source_dir: str | Path, output_dir: str | Path, scheme: Fp8Blocks | None = None) -> Path:

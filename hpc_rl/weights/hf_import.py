@@ -19,7 +19,8 @@ from safetensors import safe_open
 
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches, load_hf_config
 from hpc_rl.weights import hf_mapping
-from hpc_rl.weights.fp8_blocks import FP8_DTYPE, SCALE_SUFFIX, dequantize_blocks, read_fp8_blocks
+from hpc_rl.config.fp8_scheme import SCALE_SUFFIX, read_fp8_blocks
+from hpc_rl.weights.fp8_blocks import FP8_DTYPE, dequantize_blocks
 from hpc_rl.weights.stage import EMBEDDING, OUTPUT_LAYER, global_named_params, stage_layout, stage_name_map
 
 

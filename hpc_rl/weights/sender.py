@@ -36,10 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_rl.config.fp8_scheme import SCALE_SUFFIX, Fp8Blocks
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.weights.bucket_layout import dtype_from_name, dtype_name, pack_bucket
 from hpc_rl.weights.collective_stream import CollectiveStream
-from hpc_rl.weights.fp8_blocks import FP8_DTYPE, SCALE_SUFFIX, Fp8Blocks, quantize_named, send_entries
+from hpc_rl.weights.fp8_blocks import FP8_DTYPE, quantize_named, send_entries
 from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights import hf_mapping
 from hpc_rl.weights.export import (

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from hpc_rl.weights.fp8_blocks import FP8_DTYPE, Fp8Blocks
+from hpc_rl.config.fp8_scheme import Fp8Blocks
+from hpc_rl.weights.fp8_blocks import FP8_DTYPE
 from hpc_rl.weights.fp8_checkpoint import write_fp8_checkpoint
 from tests.integration.run_helpers import REPO_ROOT, processes_mentioning, run_tiny_recipe_in_sync
 

@@ -1,4 +1,5 @@
-"""hpc_rl.weights.fp8_blocks: block-wise e4m3 quantization as FP8 releases store it (pure, no processes).
+"""hpc_rl.weights.fp8_blocks and hpc_rl.config.fp8_scheme: block-wise e4m3 quantization as FP8 releases store it,
+and which checkpoints and tensors are FP8 (pure, no processes).
 
 The error bound checked: round to nearest in e4m3 keeps 3 mantissa bits (relative error <= 2**-4) and steps
 by 2**-9 below its smallest normal 2**-6, so every element obeys |dq - w| <= max(|w| * 2**-4, s * 2**-10), s
@@ -12,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpc_rl.config.fp8_scheme import Fp8Blocks, read_fp8_blocks
 from hpc_rl.weights.fp8_blocks import (
-    FP8_DTYPE, Fp8Blocks, Fp8Intake, dequantize_blocks, dequantize_named, quantize_blocks, quantize_named,
-    read_fp8_blocks, send_entries,
+    FP8_DTYPE, Fp8Intake, dequantize_blocks, dequantize_named, quantize_blocks, quantize_named, send_entries,
 )
 
 RELEASE_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -123,9 +124,13 @@ def test_bad_quantization_configs_name_the_file_and_field(tmp_path: Path) -> Non
                                                                               "weight_block_size": None}}))
     with pytest.raises(ValueError, match=r"config.json: quantization_config: weight_block_size None"):
         read_fp8_blocks(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
-    with pytest.raises(ValueError, match="quant_method 'awq' is not 'fp8'"):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {**RELEASE_CONFIG, "fmt": "e5m2"}}))
+    with pytest.raises(ValueError, match="fmt 'e5m2': only e4m3"):
         read_fp8_blocks(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
+    assert read_fp8_blocks(tmp_path) is None  # another method: not FP8 rollouts' business
+    with pytest.raises(ValueError, match="quant_method 'awq' is not 'fp8'"):
+        Fp8Blocks.from_quantization_config({"quant_method": "awq"})
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": RELEASE_CONFIG}))
     assert read_fp8_blocks(tmp_path) == Fp8Blocks(block=(128, 128))
     assert read_fp8_blocks(tmp_path, ue8m0=True).ue8m0
@@ -163,12 +168,17 @@ def test_an_fp8_plan_quantizes_experts_and_keeps_routers_and_the_bias() -> None:
     assert layout.request_fields() == {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes}
 
 
-def test_fp8_engines_get_their_own_mismatch_limit(tmp_path: Path) -> None:
-    from hpc_rl.config.model import fp8_quantization
+def test_fp8_engines_get_their_own_mismatch_limit_and_unservable_ones_are_refused_at_submit(tmp_path: Path) -> None:
+    from hpc_rl.config.validation import _fp8_problems
     from hpc_rl.controller.logprob_guard import FP8_ENGINES_THRESHOLD, threshold_for
+    from hpc_rl.config import load_config
 
-    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": RELEASE_CONFIG}))
-    assert fp8_quantization(tmp_path) == RELEASE_CONFIG and fp8_quantization("") is None
-    assert fp8_quantization(tmp_path / "absent") is None
+    assert read_fp8_blocks("") is None and read_fp8_blocks(tmp_path / "absent") is None
     assert threshold_for("cpu", None, fp8_engines=True) == FP8_ENGINES_THRESHOLD
     assert threshold_for("cpu", None) == 1e-4 and threshold_for("cpu", 0.5, fp8_engines=True) == 0.5
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {**RELEASE_CONFIG,
+                                                                              "activation_scheme": "static"}}))
+    config = load_config([Path(__file__).resolve().parents[2] / "configs/tiny_cpu.yaml"])
+    config.checkpoint.hf_checkpoint = str(tmp_path)
+    (problem,) = _fp8_problems(config)
+    assert problem.where == "checkpoint.hf_checkpoint" and "activation_scheme 'static'" in problem.message

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from hpc_rl.engines.cpu.__main__ import load_model
 from hpc_rl.engines.cpu.weight_sync import load_named, named_tensors
-from hpc_rl.weights.fp8_blocks import FP8_DTYPE, Fp8Blocks, Fp8Intake, dequantize_blocks, quantize_named
+from hpc_rl.config.fp8_scheme import Fp8Blocks
+from hpc_rl.weights.fp8_blocks import FP8_DTYPE, Fp8Intake, dequantize_blocks, quantize_named
 from hpc_rl.weights.fp8_checkpoint import write_fp8_checkpoint
 from hpc_rl.weights.hf_import import HFTensorReader
 

@@ -85,7 +85,7 @@ def load_model(model_path: str, model_impl: str, attn_implementation: str,
     (SGLang's `--model-impl transformers` likewise)."""
     from hpc_rl.engines.cpu.native_qwen3 import read_config
     from hpc_rl.models.registry import all_families, family_for_hf_model_type
-    from hpc_rl.weights.fp8_blocks import read_fp8_blocks
+    from hpc_rl.config.fp8_scheme import read_fp8_blocks
 
     config = read_config(model_path)
     found = family_for_hf_model_type(config.get("model_type"))

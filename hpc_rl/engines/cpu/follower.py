@@ -20,6 +20,7 @@ from hpc_rl.process.child_process import exit_without_teardown
 from hpc_rl.engines.cpu.memory_occupation import MemoryOccupation
 from hpc_rl.engines.cpu.node_group import EngineNodes, FollowerFailed, shares_of_node, weights_digest
 from hpc_rl.engines.cpu.weight_sync import load_from_disk, load_named, named_tensors, read_tensor_share
+from hpc_rl.weights.fp8_blocks import Fp8Intake
 from hpc_rl.weights.device_identity import InvisibleDeviceError
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,16 @@ class Follower:
     def __init__(self, model: torch.nn.Module, nodes: EngineNodes, *, memory_saver: bool) -> None:
         self.model, self.nodes = model, nodes
         self.memory = MemoryOccupation(model, memory_saver=memory_saver)
+        self.fp8: Fp8Intake | None = None
+        """An FP8 checkpoint's pairing of e4m3 weights and scales (node-rank 0 names the blocks)."""
 
     def run(self, command: dict[str, Any]) -> dict[str, Any]:
         op = command.get("op")
         if op == "update_weights_from_tensor":
             weights = open_node_shares(list(command["shares"]), self.nodes.nnodes, self.nodes.node_rank)
+            if command.get("fp8_block"):
+                self.fp8 = self.fp8 or Fp8Intake(tuple(command["fp8_block"]))
+                weights = self.fp8.take(weights)
             load_named(self.model, weights)
             return {"digest": loaded_digest(self.model, [name for name, _ in weights])}
         if op == "update_weights_from_disk":

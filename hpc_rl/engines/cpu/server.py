@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from hpc_rl.config.fp8_scheme import read_fp8_blocks
 from hpc_rl.engines.cpu.faults import EXIT_IN_GENERATE, fail_here_if_asked
 from hpc_rl.engines.cpu.follower import loaded_digest, open_node_shares
 from hpc_rl.engines.cpu.memory_occupation import WeightsNotLoaded
@@ -43,7 +44,7 @@ from hpc_rl.engines.http_api import json_body as _json_body
 from hpc_rl.engines.http_api import ok as _ok
 from hpc_rl.engines.http_api import read_json as _read_json
 from hpc_rl.engines.http_api import validation_error as _validation_error
-from hpc_rl.weights.fp8_blocks import Fp8Intake, read_fp8_blocks
+from hpc_rl.weights.fp8_blocks import Fp8Intake
 
 log = logging.getLogger(__name__)
 
@@ -383,8 +384,11 @@ class EngineServer:
                 weights = open_node_shares(list(shares), nnodes, 0)
             except FollowerFailed as error:
                 raise EngineFatalError(str(error)) from error
-            load_named(self.scheduler.model, self.fp8.take(weights) if self.fp8 is not None else weights)
-            self._forward({"op": "update_weights_from_tensor", "shares": list(shares)}, [n for n, _ in weights])
+            command: dict[str, Any] = {"op": "update_weights_from_tensor", "shares": list(shares)}
+            if self.fp8 is not None:  # FP8 blocks: every node-rank pairs and dequantizes them alike
+                weights, command["fp8_block"] = self.fp8.take(weights), list(self.fp8.block)
+            load_named(self.scheduler.model, weights)
+            self._forward(command, [n for n, _ in weights])
             if version is not None:
                 self.scheduler.weight_version = str(version)
 

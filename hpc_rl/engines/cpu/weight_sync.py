@@ -25,7 +25,8 @@ from hpc_rl.engines.cpu.nextn_draft import draft_tensors, ignored_update
 from hpc_rl.weights.bucket_layout import compute_layout, dtype_from_name, unpack_bucket
 from hpc_rl.weights.colocated import read_shared_memory_bucket
 from hpc_rl.weights.device_identity import refuse_invisible_device
-from hpc_rl.weights.fp8_blocks import dequantize_named, read_fp8_blocks
+from hpc_rl.config.fp8_scheme import read_fp8_blocks
+from hpc_rl.weights.fp8_blocks import dequantize_named
 from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
 
 

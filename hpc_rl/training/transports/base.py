@@ -14,7 +14,7 @@ from hpc_rl.config.precision import trainer_dtype_name
 from hpc_rl.training.parallel import ParallelInfo
 
 if TYPE_CHECKING:
-    from hpc_rl.weights.fp8_blocks import Fp8Blocks
+    from hpc_rl.config.fp8_scheme import Fp8Blocks
     from hpc_rl.training.actor import TrainerParts
 
 
