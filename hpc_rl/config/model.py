@@ -20,11 +20,11 @@ from hpc_rl.config.hf_config_check import attention_mismatches, moe_mismatches
 from hpc_rl.config.mla_fields import fields_unused_by, mla_field_problem, mla_mismatches
 from hpc_rl.config.moe_layer_freq import LayerFreqError, expand_layer_freq
 
-MODEL_FAMILIES = ("qwen3", "glm4", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite")
+MODEL_FAMILIES = ("qwen3", "glm4", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "gpt_oss")
 MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
 """Multi-latent attention on MoE: DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi-K2, Moonlight) and
 Glm4MoeLiteForCausalLM (GLM-4.7-Flash); the same layers and names, different HF model_type."""
-MOE_FAMILIES = ("qwen3_moe", "glm4_moe", *MLA_FAMILIES)
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", *MLA_FAMILIES, "gpt_oss")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
@@ -138,6 +138,25 @@ class ModelArchitecture:
     """Multi-token-prediction layers after the decoder (Megatron's MTP block; HF num_nextn_predict_layers,
     the layers model.layers.<num_layers + k>.* SGLang's EAGLE/NextN draft loads); None: none built."""
 
+    # gpt-oss (issue 31; Megatron's TransformerConfig names; hpc_rl.models.gpt_oss checks them against config.json).
+    softmax_type: str = "vanilla"
+    """Megatron's attention softmax: vanilla | learnable (a learnable per-head sink logit in the softmax's
+    denominator: gpt-oss's `self_attn.sinks`)."""
+    window_size: list[int] | None = None
+    """Sliding-window attention as Megatron's (left, right): a query attends keys i-left..i+right (HF
+    sliding_window W is [W - 1, 0]); None: full attention everywhere."""
+    window_attn_skip_freq: int | list[int] | None = None
+    """Which layers use the window (Megatron's): an int N: every N-th layer is full (gpt-oss: 2, layers 1, 3, ...
+    full); a list: 1 = windowed, per layer; None with window_size: every layer windowed."""
+    quick_geglu: bool = False
+    """The gated MLP's activation is quick GELU x * sigmoid(1.702 x) (Megatron's --quick-geglu) instead of SiLU."""
+    glu_linear_offset: float = 0.0
+    """Added to the gated MLP's linear half before the product (gpt-oss: 1.0, `(up + 1) * glu`)."""
+    activation_func_clamp_value: float | None = None
+    """Clamp of the gated MLP's inputs (gpt-oss's swiglu_limit): the gate half above, the linear half both sides."""
+    yarn_correction_range_round_to_int: bool = True
+    """YaRN rounds its correction range to whole dims (HF rope_parameters truncate; gpt-oss: false)."""
+
     @property
     def is_moe(self) -> bool:
         return self.num_moe_experts is not None
@@ -185,6 +204,10 @@ class ModelArchitecture:
                 except LayerFreqError as error:
                     raise ValueError(f"moe_layer_freq: {error}") from error
         problem = mla_field_problem(self)
+        if problem is None and self.family == "gpt_oss":
+            from hpc_rl.models.gpt_oss.architecture import field_problem
+
+            problem = field_problem(self)
         if problem:
             raise ValueError(problem)
 
@@ -253,7 +276,12 @@ def architecture_mismatches(arch: ModelArchitecture, hf_config: dict[str, Any]) 
         if not same:
             problems.append(f"{name}: model file says {ours!r}, config.json says {hf_value!r}")
     attention = [] if arch.multi_latent_attention else attention_mismatches(arch, hf_config)
-    return problems + attention + mla_mismatches(arch, hf_config) + moe_mismatches(arch, hf_config)
+    family: list[str] = []
+    if arch.family == "gpt_oss" or hf_config.get("model_type") == "gpt_oss":
+        from hpc_rl.models.gpt_oss.architecture import gpt_oss_mismatches
+
+        family = gpt_oss_mismatches(arch, hf_config)
+    return problems + attention + mla_mismatches(arch, hf_config) + moe_mismatches(arch, hf_config) + family
 
 
 def load_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:

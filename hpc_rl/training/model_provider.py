@@ -43,6 +43,11 @@ from hpc_rl.training.cpu_switch import (
 from hpc_rl.config.pipeline_split import PipelineSplitError, training_split
 from hpc_rl.training.layer_specs import SequenceParallelRMSNorm, build_block_spec, use_transformer_engine
 from hpc_rl.training.mtp_model import MTPGPTModel, mtp_block_spec
+from hpc_rl.models.gpt_oss.megatron_fields import (
+    position_embedding_type,
+    transformer_config_fields,
+    yarn_config_attributes,
+)
 
 VOCAB_PAD_MULTIPLE = 128
 log = logging.getLogger(__name__)
@@ -152,7 +157,9 @@ def transformer_config(
             "recompute_method": training.recompute_method,
             "recompute_num_layers": training.recompute_num_layers,
         }
-    return config_class(
+    fields = dict(gated_linear_unit=True, activation_func=F.silu)
+    fields.update(transformer_config_fields(arch))  # sinks, sliding windows, clamped quick-GELU GLU (gpt-oss)
+    config = config_class(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -164,8 +171,6 @@ def transformer_config(
         qk_layernorm=arch.qk_layernorm,
         add_qkv_bias=arch.add_qkv_bias,
         add_bias_linear=arch.add_bias_linear,
-        gated_linear_unit=True,
-        activation_func=F.silu,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         rotary_interleaved=arch.rotary_interleaved,
@@ -182,7 +187,11 @@ def transformer_config(
         **moe,
         **mla,
         **extra,
+        **fields,
     )
+    for name, value in yarn_config_attributes(arch).items():  # YaRN on GQA: GPTModel reads these with getattr
+        setattr(config, name, value)
+    return config
 
 
 def build_gpt_model(
@@ -239,7 +248,7 @@ def build_gpt_model(
             post_process=last,
             parallel_output=True,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type=position_embedding_type(arch),
             rotary_percent=arch.rotary_percent,
             rotary_base=int(arch.rotary_base),
         )

@@ -134,6 +134,10 @@ def _dense_mlp_rows(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
 def _moe_mlp_rows(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
     """A MoE layer's MLP rows: HF `mlp.gate` is Megatron's router, `mlp.experts.G.*` its routed experts
     (G global), `mlp.shared_experts.*` its shared experts (all of them fused into one MLP in both)."""
+    if arch.family == "gpt_oss":  # router named mlp.router, expert biases (hpc_rl.models.gpt_oss.names)
+        from hpc_rl.models.gpt_oss.names import moe_mlp_rows
+
+        return moe_mlp_rows(arch)
     rows = [("pre_mlp_layernorm.weight", ["post_attention_layernorm.weight"]),
             ("mlp.router.weight", ["mlp.gate.weight"])]
     if arch.moe_router_enable_expert_bias:
@@ -169,6 +173,10 @@ def _layer_suffixes(arch: ModelArchitecture, moe: bool = False) -> list[tuple[st
         rows.append(("self_attention.linear_proj.bias", ["self_attn.o_proj.bias"]))
     if arch.post_sublayer_norms:
         rows.append(("self_attention.post_self_attn_layernorm.weight", ["post_self_attn_layernorm.weight"]))
+    if arch.softmax_type != "vanilla":  # attention sinks (gpt-oss)
+        from hpc_rl.models.gpt_oss.names import attention_extra_rows
+
+        rows += attention_extra_rows(arch)
     return rows + (_moe_mlp_rows(arch) if moe else _dense_mlp_rows(arch))
 
 
@@ -206,6 +214,12 @@ def hf_names_of(megatron_name: str, arch: ModelArchitecture) -> list[str]:
         moe = 0 <= layer < arch.num_layers and arch.moe_layers()[layer]
         expert = _EXPERT.match(megatron_name)
         if moe and expert is not None and int(expert.group(2)) < (arch.num_moe_experts or 0):
+            if arch.family == "gpt_oss":  # experts with biases
+                from hpc_rl.models.gpt_oss.names import expert_hf_suffixes
+
+                found = expert_hf_suffixes(int(expert.group(2)), suffix)
+                if found is not None:
+                    return [f"model.layers.{layer}.{s}" for s in found]
             hf = (_gated_hf(f"mlp.experts.{expert.group(2)}.", fused=False) if suffix.endswith("linear_fc1.weight")
                   else [f"mlp.experts.{expert.group(2)}.down_proj.weight"] if suffix.endswith("linear_fc2.weight")
                   else None)
@@ -298,7 +312,7 @@ def tp_split(megatron_name: str) -> TPSplit:
     if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
         return TPSplit(dim=0, gated=True)
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
-                      *ROW_SPLIT_SUFFIXES)):
+                      *ROW_SPLIT_SUFFIXES, ".core_attention.softmax_offset")):  # sinks: one per head
         return TPSplit(dim=0)
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return TPSplit(dim=1)
