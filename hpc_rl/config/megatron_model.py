@@ -20,10 +20,12 @@ from typing import Any
 
 from hpc_rl.config.mla_fields import hf_yarn_fields
 from hpc_rl.config.model import MLA_FAMILIES, MOE_FAMILIES, ModelArchitecture
+from hpc_rl.models.gpt_oss.flags import GPT_OSS_SPEC, apply_gpt_oss_flags, gpt_oss_flags_given
 
 GLM4_SPEC = ("slime_plugins.models.glm4", "get_glm_spec")
 HF_MODEL_TYPE_FAMILY = {"qwen3": "qwen3", "glm4": "glm4", "llama": "llama", "qwen3_moe": "qwen3_moe",
-                        "glm4_moe": "glm4_moe", "deepseek_v3": "deepseek_v3", "glm4_moe_lite": "glm4_moe_lite"}
+                        "glm4_moe": "glm4_moe", "deepseek_v3": "deepseek_v3", "glm4_moe_lite": "glm4_moe_lite",
+                        "gpt_oss": "gpt_oss"}
 DEFAULT_MAX_POSITION_EMBEDDINGS = 4096
 MOE_FIELD_OF_FLAG = {"num_experts": "num_moe_experts", "moe_ffn_hidden_size": "moe_ffn_hidden_size",
                      "moe_router_topk": "moe_router_topk", "moe_layer_freq": "moe_layer_freq",
@@ -45,6 +47,8 @@ def _family(flags: dict[str, Any], problems: list[str]) -> str:
     if spec is not None:
         if tuple(spec) == GLM4_SPEC:
             return "glm4"
+        if tuple(spec) == GPT_OSS_SPEC:
+            return "gpt_oss"
         problems.append(f"--spec {' '.join(map(str, spec))}: hpc_rl builds Megatron's GPT layer spec and slime's GLM4 "
                         f"spec ({' '.join(GLM4_SPEC)}) only")
         return "llama"
@@ -59,12 +63,15 @@ def _required_behaviour_problems(flags: dict[str, Any], from_scratch: bool) -> l
     elif normalization is None and from_scratch:
         problems.append("--normalization: Megatron's default is LayerNorm, which hpc_rl does not build; add --normalization RMSNorm")
     position = flags.get("position_embedding_type")
-    if position is not None and position != "rope":
+    if position == "yarn" and not _is_gpt_oss(flags):
+        problems.append("--position-embedding-type yarn: hpc_rl builds YaRN on grouped-query attention for gpt-oss "
+                        f"(--spec {' '.join(GPT_OSS_SPEC)}) only")
+    elif position is not None and position not in ("rope", "yarn"):
         problems.append(f"--position-embedding-type {position}: hpc_rl builds rotary (rope) models only")
     elif position is None and from_scratch and not flags.get("use_rotary_position_embeddings"):
         problems.append("Megatron's default position embedding is learned_absolute, which hpc_rl does not build; "
                         "add --use-rotary-position-embeddings")
-    if from_scratch and not flags.get("swiglu"):
+    if from_scratch and not flags.get("swiglu") and not flags.get("quick_geglu"):
         problems.append("Megatron's default MLP is GeLU, which hpc_rl does not build; add --swiglu")
     if bool(flags.get("post_self_attn_layernorm")) != bool(flags.get("post_mlp_layernorm")):
         problems.append("--post-self-attn-layernorm and --post-mlp-layernorm come together (GLM4's sandwich norms); "
@@ -73,6 +80,10 @@ def _required_behaviour_problems(flags: dict[str, Any], from_scratch: bool) -> l
         problems.append("--num-query-groups without --group-query-attention: Megatron ignores it and builds one KV head "
                         "per query head; add --group-query-attention")
     return problems
+
+
+def _is_gpt_oss(flags: dict[str, Any]) -> bool:
+    return tuple(flags.get("spec") or ()) == GPT_OSS_SPEC
 
 
 def _scratch_fields(flags: dict[str, Any], hf_config: dict[str, Any] | None, problems: list[str]) -> dict[str, Any]:
@@ -148,7 +159,7 @@ def _apply_moe_flags(flags: dict[str, Any], fields: dict[str, Any], problems: li
     fields.update({MOE_FIELD_OF_FLAG[flag]: flags[flag] for flag in given})
     if fields.get("moe_ffn_hidden_size") is None:
         fields["moe_ffn_hidden_size"] = fields.get("ffn_hidden_size")
-    if "spec" in flags:
+    if "spec" in flags and not _is_gpt_oss(flags):
         problems.append("--spec with --num-experts: GLM-4.5 MoE models are built from Megatron's own GPT layer spec "
                         "(slime's glm4.5 scripts pass no --spec); drop --spec")
     fields["family"] = _moe_family(fields, problems, hf_type)
@@ -159,6 +170,8 @@ def _moe_family(fields: dict[str, Any], problems: list[str], hf_type: str | None
     the flags: qwen3_moe (softmax router, q/k norms, no shared expert), glm4_moe (sigmoid router, shared expert)."""
     if hf_type in MOE_FAMILIES:
         return hf_type
+    if fields.get("family") == "gpt_oss":  # slime's gpt-oss spec
+        return "gpt_oss"
     sigmoid = fields.get("moe_router_score_function", "softmax") == "sigmoid"
     shared = bool(fields.get("moe_shared_expert_intermediate_size"))
     if fields.get("multi_latent_attention"):
@@ -180,7 +193,8 @@ def _apply_mla_flags(flags: dict[str, Any], fields: dict[str, Any], problems: li
     Megatron's MLA layers take no q/k/v bias, so --add-qkv-bias (GLM-4.7-Flash's line) changes nothing there."""
     if "mtp_num_layers" in flags:
         fields["mtp_num_layers"] = flags["mtp_num_layers"] or None
-    mla_flags = [name for name in (*MLA_FLAG_DEFAULTS, "rope_type") if name in flags]
+    mla_flags = [name for name in (*MLA_FLAG_DEFAULTS, "rope_type") if name in flags
+                 and not (name == "rotary_scaling_factor" and flags.get("position_embedding_type") == "yarn")]
     if not flags.get("multi_latent_attention") and not fields.get("multi_latent_attention"):
         if mla_flags:
             problems.append(" ".join("--" + f.replace("_", "-") for f in mla_flags) + " without "
@@ -217,6 +231,11 @@ def architecture_from_flags(
     if fields:
         _apply_mla_flags(flags, fields, problems, hf_config)
         _apply_moe_flags(flags, fields, problems, hf_type)
+        if fields.get("family") == "gpt_oss" or hf_type == "gpt_oss":
+            apply_gpt_oss_flags(flags, fields, problems, hf_config)
+        elif gpt_oss_flags_given(flags):
+            problems.append(" ".join("--" + f.replace("_", "-") for f in gpt_oss_flags_given(flags)) + ": hpc_rl "
+                            f"builds these for gpt-oss only (--spec {' '.join(GPT_OSS_SPEC)})")
         if fields.get("multi_latent_attention") and not fields.get("num_moe_experts"):
             problems.append("--multi-latent-attention without --num-experts: hpc_rl builds MLA for the MoE families "
                             f"{', '.join(MLA_FAMILIES)} (DeepSeek-V3, Kimi-K2, Moonlight, GLM-4.7-Flash)")

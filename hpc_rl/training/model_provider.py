@@ -43,7 +43,7 @@ from hpc_rl.training.cpu_switch import (
 from hpc_rl.config.pipeline_split import PipelineSplitError, training_split
 from hpc_rl.training.layer_specs import SequenceParallelRMSNorm, build_block_spec, use_transformer_engine
 from hpc_rl.training.mtp_model import MTPGPTModel, mtp_block_spec
-from hpc_rl.models.gpt_oss.megatron_fields import (
+from hpc_rl.models.gpt_oss.layers import (
     position_embedding_type,
     transformer_config_fields,
     yarn_config_attributes,

@@ -13,16 +13,18 @@ On disk (transformers' GptOssForCausalLM and openai/gpt-oss-*):
 MXFP4 (OCP microscaling): each byte holds two FP4 (E2M1) values, the low nibble first; each block of 32 values
 shares one E8M0 scale byte s, the value's factor 2^(s - 127). E2M1 codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6 and
 8..15 the same negated. Dequantised to bf16 here, once, on import: the trainer trains bf16 weights (slime's
-tools/preprocess_gpt_oss.py does the same offline).
+tools/preprocess_gpt_oss.py does the same offline). torch is imported inside the functions (a family's pure
+modules load no torch on import: the registry's tier).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E8M0_BIAS = 127
@@ -41,8 +43,10 @@ def is_mxfp4(hf_config: dict[str, Any]) -> bool:
     return method == "mxfp4"
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """[..., G, 16] uint8 blocks and [..., G] uint8 scales -> [..., G * 32] values of `dtype`."""
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[..., G, 16] uint8 blocks and [..., G] uint8 scales -> [..., G * 32] values of `dtype` (bf16 by default)."""
+    import torch
+
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_BLOCK // 2:
@@ -53,7 +57,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     values = torch.stack([low, high], dim=-1).flatten(-2)  # [..., G, 32]: low nibble first
     exponent = scales.to(torch.int32) - E8M0_BIAS
     values = torch.ldexp(values, exponent.unsqueeze(-1).to(torch.float32))
-    return values.flatten(-2).to(dtype)
+    return values.flatten(-2).to(dtype or torch.bfloat16)
 
 
 def unfuse_experts(prefix: str, fused: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -75,6 +79,8 @@ def unfuse_experts(prefix: str, fused: Mapping[str, torch.Tensor]) -> dict[str, 
 
 def fuse_experts(prefix: str, per_expert: Mapping[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
     """The inverse of `unfuse_experts`: one layer's fused bf16 tensors (names under `prefix`)."""
+    import torch
+
     def stack(part: str, kind: str) -> torch.Tensor:
         return torch.stack([per_expert[f"{prefix}.{e}.{part}.{kind}"] for e in range(num_experts)])
 
@@ -137,7 +143,7 @@ class PerExpertReader:
                 fused[part] = self._read(f"{prefix}.{part}")
             elif f"{prefix}.{part}_blocks" in self.inner:  # MXFP4: rows are output features; bf16 fused is x @ W
                 weight = dequantize_mxfp4(self.inner[f"{prefix}.{part}_blocks"], self.inner[f"{prefix}.{part}_scales"],
-                                          self.dtype or torch.bfloat16)
+                                          self.dtype)
                 fused[part] = weight.transpose(1, 2)
             if f"{prefix}.{part}_bias" in self.inner:
                 fused[f"{part}_bias"] = self._read(f"{prefix}.{part}_bias")

@@ -1,4 +1,4 @@
-"""gpt-oss's Megatron TransformerConfig fields and rotary choice (imports Megatron: used by the trainer only).
+"""gpt-oss's Megatron TransformerConfig fields and rotary choice (the trainer's tier: imports Megatron when called).
 
 Owns: the fields `model_provider.transformer_config` adds for an architecture with attention sinks, sliding
 windows, the clamped quick-GELU GLU or YaRN on GQA attention (`transformer_config_fields`), the YaRN attributes
