@@ -5,7 +5,9 @@ top-2 with biases, sinks, clamps that cut, YaRN truncate false) is loaded from i
 2-rank launch checks, at TP1 (DP2), TP2 (sequence parallel, expert TP 1: Megatron builds expert biases at ETP 1
 only) and EP2 (alltoall): logits within 1e-4 of
 transformers' eager forward on 12-token rows (past the window), packed (THD) rows equal to each sample run
-alone, and every exported HF tensor bit-equal to the checkpoint's (per-expert names).
+alone, and every exported HF tensor bit-equal to the checkpoint's (per-expert names). The CPU engine
+(transformers' GptOssForCausalLM behind `engines.cpu`, left-padded KV cache) generates from two prompts; its
+log-probs of the prompt and of every generated token equal the trainer's on the same sequences.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ PACKED = [[3, 5, 7, 11, 13, 17, 19, 2, 4, 6, 8, 10], [9, 8, 7, 6, 5, 14, 15, 12]
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, EP)
 
 
-def _rank(hf_dir: str, model_file: str) -> dict:
+def _rank(hf_dir: str, model_file: str, engine_rows: list[list[int]]) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -63,10 +65,34 @@ def _rank(hf_dir: str, model_file: str) -> dict:
             micro = build_microbatch(PACKED, [1, 1], [0, 1], qkv_format="thd", pad_multiple=tp)
             out[(tp, ep, "packed")] = gathered(micro.forward(model))[0, : sum(map(len, PACKED))]
             out[(tp, ep, "alone")] = [gathered(forward_logits(model, torch.tensor([row])))[0] for row in PACKED]
+            if (tp, ep) == (1, 1):
+                out["engine_rows"] = [gathered(forward_logits(model, torch.tensor([row])))[0] for row in engine_rows]
         exported = export_hf_state_dict(model, arch, tp_group if tp > 1 else None, ExpertLayout.current(arch))
         out[(tp, ep, "export")] = {name: tensor.clone() for name, tensor in exported}
     shutdown_parallel()
     return out
+
+
+def _engine_generation(hf_dir: str, prompts: tuple[list[int], ...] = ([3, 5, 7, 11, 13, 17, 19], [9, 8, 7]),
+                       steps: int = 6) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The CPU engine's model and KV-cache path: prompts prefilled together (left-padded), `steps` greedy decode
+    steps; each row's tokens and the log-probs of its tokens after the first."""
+    from hpc_rl.engines.cpu.__main__ import load_model
+    from hpc_rl.engines.cpu.kv_batch import decode_step, prefill
+
+    model = load_model(hf_dir, "auto", "eager")
+    batch, last, per_sequence = prefill(model, list(prompts), full_logits=True)
+    rows = [list(p) for p in prompts]
+    logprobs = [torch.log_softmax(seq[:-1].double(), -1).gather(-1, torch.tensor(p[1:])[:, None])[:, 0]
+                for seq, p in zip(per_sequence, prompts)]
+    for _ in range(steps):
+        chosen = last.argmax(-1)
+        step_logprobs = torch.log_softmax(last.double(), -1).gather(-1, chosen[:, None])[:, 0]
+        for index, token in enumerate(chosen.tolist()):
+            rows[index].append(token)
+            logprobs[index] = torch.cat([logprobs[index], step_logprobs[index:index + 1]])
+        batch, last = decode_step(model, batch, chosen)
+    return rows, logprobs
 
 
 def test_gpt_oss_matches_transformers_at_tp_ep_and_packed(tmp_path: Path) -> None:
@@ -87,7 +113,12 @@ def test_gpt_oss_matches_transformers_at_tp_ep_and_packed(tmp_path: Path) -> Non
     per_expert = PerExpertReader(HFTensorReader(hf_dir))
     checkpoint = {name: per_expert[name] for name in per_expert.keys()}
 
-    results = run_ranks(_rank, 2, str(hf_dir), str(model_file), timeout=600)
+    engine_rows, engine_logprobs = _engine_generation(str(hf_dir))
+    results = run_ranks(_rank, 2, str(hf_dir), str(model_file), engine_rows, timeout=600)
+    for row, engine, trainer in zip(engine_rows, engine_logprobs, results[0]["engine_rows"]):
+        ours = torch.log_softmax(trainer[:-1].double(), -1).gather(-1, torch.tensor(row[1:])[:, None])[:, 0]
+        gap = (ours - engine).abs().max().item()
+        assert gap < 1e-4, f"CPU engine log-probs differ from the trainer's by {gap}"
     for tp, ep in LAYOUTS:
         for rank_out in results:
             gap = (rank_out[(tp, ep, "logits")] - expected).abs().max().item()

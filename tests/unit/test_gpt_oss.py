@@ -188,3 +188,22 @@ def test_name_map_has_sinks_router_bias_and_expert_biases_and_round_trips() -> N
         pairs = hf_mapping.to_hf(name, full, arch)
         assert [n for n, _ in pairs] == hf_names
         assert torch.equal(hf_mapping.to_megatron(name, [t for _, t in pairs], arch), full)
+
+
+def test_cpu_engine_updates_fused_experts_by_per_expert_names() -> None:
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from hpc_rl.engines.cpu.weight_sync import load_named, named_tensors
+
+    config = GptOssConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=32, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=24, num_local_experts=3,
+                          num_experts_per_tok=2, layer_types=["sliding_attention"], sliding_window=4)
+    model = GptOssForCausalLM(config)  # H = 2I: a [E, 2I, H] reading of gate_up_proj would have the right shapes
+    prefix = "model.layers.0.mlp.experts"
+    new = unfuse_experts(prefix, _fused(experts=3, hidden=64, inner=32))
+    assert set(new) <= set(named_tensors(model))
+    load_named(model, list(new.items()))
+    expected = fuse_experts(prefix, new, 3)
+    experts = model.model.layers[0].mlp.experts
+    for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+        assert torch.equal(getattr(experts, name).detach(), expected[f"{prefix}.{name}"]), name

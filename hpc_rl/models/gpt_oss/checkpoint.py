@@ -1,8 +1,10 @@
 """gpt-oss checkpoints as released: fused experts, in bf16 or MXFP4, read under the per-expert names.
 
 Owns: MXFP4 dequantisation (`dequantize_mxfp4`), splitting a layer's fused experts into the per-expert tensors
-`hpc_rl.models.gpt_oss.names` maps (`unfuse_experts`) and back (`fuse_experts`), and a reader that serves a
-checkpoint's tensors under the per-expert names (`PerExpertReader`, used by `hpc_rl.weights.hf_import`).
+`hpc_rl.models.gpt_oss.names` maps (`unfuse_experts`) and back (`fuse_experts`), a reader that serves a
+checkpoint's tensors under the per-expert names (`PerExpertReader`, used by `hpc_rl.weights.hf_import`), and the
+same per-expert names as views into a loaded transformers model's fused experts (`expert_views`, the CPU engine's
+weight updates by HF name).
 
 On disk (transformers' GptOssForCausalLM and openai/gpt-oss-*):
   bf16:  model.layers.L.mlp.experts.gate_up_proj [E, H, 2I] (x @ W; gate = even columns, up = odd),
@@ -93,6 +95,21 @@ def fuse_experts(prefix: str, per_expert: Mapping[str, torch.Tensor], num_expert
         out[f"{prefix}.gate_up_proj_bias"] = torch.stack([gate_b, up_b], dim=-1).flatten(-2).contiguous()
         out[f"{prefix}.down_proj_bias"] = stack("down_proj", "bias")
     return out
+
+
+def expert_views(prefix: str, experts: Any) -> dict[str, torch.Tensor]:
+    """Per-expert names (under `prefix`, a GptOssExperts module's name) -> views into its fused tensors; writing a
+    view writes the module's parameter (gate even / up odd columns of gate_up_proj, transposed)."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    views = {}
+    for expert in range(gate_up.shape[0]):
+        views[f"{prefix}.{expert}.gate_proj.weight"] = gate_up[expert, :, 0::2].t()
+        views[f"{prefix}.{expert}.up_proj.weight"] = gate_up[expert, :, 1::2].t()
+        views[f"{prefix}.{expert}.down_proj.weight"] = down[expert].t()
+        views[f"{prefix}.{expert}.gate_proj.bias"] = experts.gate_up_proj_bias[expert, 0::2]
+        views[f"{prefix}.{expert}.up_proj.bias"] = experts.gate_up_proj_bias[expert, 1::2]
+        views[f"{prefix}.{expert}.down_proj.bias"] = experts.down_proj_bias[expert]
+    return views
 
 
 class PerExpertReader:
