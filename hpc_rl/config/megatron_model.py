@@ -18,14 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpc_rl.config.mla_fields import hf_yarn_fields
-from hpc_rl.config.model import MLA_FAMILIES, MOE_FAMILIES, ModelArchitecture
+from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.models.gpt_oss.flags import GPT_OSS_SPEC, apply_gpt_oss_flags, gpt_oss_flags_given
+from hpc_rl.models.mla import hf_yarn_fields, mla_family_names
+from hpc_rl.models.registry import family_for_hf_model_type
 
 GLM4_SPEC = ("slime_plugins.models.glm4", "get_glm_spec")
-HF_MODEL_TYPE_FAMILY = {"qwen3": "qwen3", "glm4": "glm4", "llama": "llama", "qwen3_moe": "qwen3_moe",
-                        "glm4_moe": "glm4_moe", "deepseek_v3": "deepseek_v3", "glm4_moe_lite": "glm4_moe_lite",
-                        "gpt_oss": "gpt_oss"}
 DEFAULT_MAX_POSITION_EMBEDDINGS = 4096
 MOE_FIELD_OF_FLAG = {"num_experts": "num_moe_experts", "moe_ffn_hidden_size": "moe_ffn_hidden_size",
                      "moe_router_topk": "moe_router_topk", "moe_layer_freq": "moe_layer_freq",
@@ -168,8 +166,9 @@ def _apply_moe_flags(flags: dict[str, Any], fields: dict[str, Any], problems: li
 def _moe_family(fields: dict[str, Any], problems: list[str], hf_type: str | None) -> str:
     """config.json's model_type when it is an MoE family (the HF check then compares every field), else from
     the flags: qwen3_moe (softmax router, q/k norms, no shared expert), glm4_moe (sigmoid router, shared expert)."""
-    if hf_type in MOE_FAMILIES:
-        return hf_type
+    hf_family = family_for_hf_model_type(hf_type)
+    if hf_family is not None and hf_family.moe:
+        return hf_family.name
     if fields.get("family") == "gpt_oss":  # slime's gpt-oss spec
         return "gpt_oss"
     sigmoid = fields.get("moe_router_score_function", "softmax") == "sigmoid"
@@ -238,8 +237,9 @@ def architecture_from_flags(
                             f"builds these for gpt-oss only (--spec {' '.join(GPT_OSS_SPEC)})")
         if fields.get("multi_latent_attention") and not fields.get("num_moe_experts"):
             problems.append("--multi-latent-attention without --num-experts: hpc_rl builds MLA for the MoE families "
-                            f"{', '.join(MLA_FAMILIES)} (DeepSeek-V3, Kimi-K2, Moonlight, GLM-4.7-Flash)")
-    if fields and hf_type in HF_MODEL_TYPE_FAMILY and HF_MODEL_TYPE_FAMILY[hf_type] != fields["family"]:
+                            f"{', '.join(mla_family_names())} (DeepSeek-V3, Kimi-K2, Moonlight, GLM-4.7-Flash)")
+    hf_family = family_for_hf_model_type(hf_type)
+    if fields and hf_family is not None and hf_family.name != fields["family"]:
         hint = " (add --spec slime_plugins.models.glm4 get_glm_spec)" if hf_type == "glm4" else ""
         problems.append(f"the flags describe a {fields['family']} model but config.json says model_type {hf_type!r}{hint}")
     if problems or not fields:

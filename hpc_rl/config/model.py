@@ -1,30 +1,28 @@
 """Model architecture files (`configs/models/*.yaml`) and their agreement with HF `config.json`.
 
-Owns: the `ModelArchitecture` dataclass (what Megatron needs to build a GPTModel), loading it from
-YAML, and comparing it with a HuggingFace checkpoint's `config.json`. Does not build models (that is
-`hpc_rl.training.model_provider`) and does not map weights (that is `hpc_rl.weights`).
+Owns: the `ModelArchitecture` dataclass (what Megatron needs to build a GPTModel) and loading it from
+YAML. Its `family` is a registered model family (`hpc_rl.models`); the comparison with a HuggingFace
+checkpoint's `config.json` is `hpc_rl.models.hf_checks.architecture_mismatches` (re-exported here). Does not
+build models (that is `hpc_rl.training.model_provider`) and does not map weights (that is `hpc_rl.weights`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from hpc_rl.config.hf_config_check import attention_mismatches, moe_mismatches
-from hpc_rl.config.mla_fields import fields_unused_by, mla_field_problem, mla_mismatches
 from hpc_rl.config.moe_layer_freq import LayerFreqError, expand_layer_freq
+from hpc_rl.models.hf_checks import architecture_mismatches
+from hpc_rl.models.mla import mla_field_problem
+from hpc_rl.models.registry import all_families, family, family_names
 
-MODEL_FAMILIES = ("qwen3", "glm4", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "gpt_oss")
-MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
-"""Multi-latent attention on MoE: DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi-K2, Moonlight) and
-Glm4MoeLiteForCausalLM (GLM-4.7-Flash); the same layers and names, different HF model_type."""
-MOE_FAMILIES = ("qwen3_moe", "glm4_moe", *MLA_FAMILIES, "gpt_oss")
+__all__ = ["ModelArchitecture", "architecture_mismatches", "load_hf_config", "moe_family_names"]
+
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
@@ -33,9 +31,9 @@ class ModelArchitecture:
     """A decoder-only transformer, in Megatron's terms (names follow Megatron's TransformerConfig)."""
 
     family: str
-    """Mapping family for HF <-> Megatron names: qwen3 | glm4 | llama | qwen3_moe | glm4_moe | deepseek_v3 |
-    glm4_moe_lite (the HF model_type of the checkpoint: Qwen3MoeForCausalLM, Glm4MoeForCausalLM,
-    DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM)."""
+    """The model family (`hpc_rl/models/<family>/`): qwen3 | glm4 | llama | qwen3_moe | glm4_moe | deepseek_v3 |
+    glm4_moe_lite | any other registered one (the HF model_type of the checkpoint: Qwen3MoeForCausalLM,
+    Glm4MoeForCausalLM, DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM)."""
     num_layers: int
     """Number of transformer layers (HF num_hidden_layers)."""
     hidden_size: int
@@ -108,7 +106,7 @@ class ModelArchitecture:
     """Group-limited routing: groups each token may use (HF topk_group)."""
 
     # Multi-latent attention, YaRN and multi-token prediction (issue 20; Megatron's MLATransformerConfig
-    # names: hpc_rl.config.mla_fields documents the HF keys each one is checked against).
+    # names: hpc_rl.models.mla documents the HF keys each one is checked against).
     multi_latent_attention: bool = False
     """DeepSeek's multi-latent attention (Megatron's MLASelfAttention) instead of GQA; kv_channels and
     num_query_groups are then unused."""
@@ -175,8 +173,8 @@ class ModelArchitecture:
         return [bool(flag) for flag in self.moe_layer_freq]
 
     def __post_init__(self) -> None:
-        if self.family not in MODEL_FAMILIES:
-            raise ValueError(f"family: {self.family!r} is not one of {', '.join(MODEL_FAMILIES)}")
+        if self.family not in family_names():
+            raise ValueError(f"family: {self.family!r} is not one of {', '.join(family_names())}")
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -184,12 +182,12 @@ class ModelArchitecture:
             )
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"make_vocab_size_divisible_by ({self.make_vocab_size_divisible_by}) must be >= 1")
-        if self.family in MOE_FAMILIES and not self.is_moe:
+        if family(self.family).moe and not self.is_moe:
             raise ValueError(f"family {self.family!r} is a mixture-of-experts family: set num_moe_experts")
         if self.is_moe:
-            if self.family not in MOE_FAMILIES:
+            if not family(self.family).moe:
                 raise ValueError(f"family {self.family!r} is dense but num_moe_experts is set: a mixture-of-experts "
-                                 f"model is one of {', '.join(MOE_FAMILIES)}")
+                                 f"model is one of {', '.join(moe_family_names())}")
             if self.moe_ffn_hidden_size is None:
                 raise ValueError("num_moe_experts is set: set moe_ffn_hidden_size (HF moe_intermediate_size) too")
             if not 1 <= self.moe_router_topk <= self.num_moe_experts:
@@ -203,11 +201,7 @@ class ModelArchitecture:
                     self.moe_layer_freq = expand_layer_freq(self.moe_layer_freq, self.num_layers)
                 except LayerFreqError as error:
                     raise ValueError(f"moe_layer_freq: {error}") from error
-        problem = mla_field_problem(self)
-        if problem is None and self.family == "gpt_oss":
-            from hpc_rl.models.gpt_oss.architecture import field_problem
-
-            problem = field_problem(self)
+        problem = mla_field_problem(self) or family(self.family).architecture_problem(self)
         if problem:
             raise ValueError(problem)
 
@@ -232,56 +226,9 @@ class ModelArchitecture:
         return dataclasses.asdict(self)
 
 
-def _hf_value(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        if key in config and config[key] is not None:
-            return config[key]
-    return default
-
-
-def _hf_rope_theta(config: dict[str, Any]) -> float | None:
-    theta = _hf_value(config, "rope_theta")
-    if theta is None and isinstance(config.get("rope_parameters"), dict):
-        theta = config["rope_parameters"].get("rope_theta")
-    return theta
-
-
-def architecture_mismatches(arch: ModelArchitecture, hf_config: dict[str, Any]) -> list[str]:
-    """Fields where the architecture file disagrees with an HF config.json, as readable lines (attention
-    details and mixture-of-experts keys: `hpc_rl.config.hf_config_check`; MLA, YaRN, MTP:
-    `hpc_rl.config.mla_fields`)."""
-    heads = _hf_value(hf_config, "num_attention_heads")
-    hidden = _hf_value(hf_config, "hidden_size")
-    head_dim = _hf_value(hf_config, "head_dim", default=(hidden // heads if hidden and heads else None))
-    expected: dict[str, Any] = {
-        "num_layers": _hf_value(hf_config, "num_hidden_layers", "num_layers"),
-        "hidden_size": hidden,
-        "ffn_hidden_size": _hf_value(hf_config, "intermediate_size", "ffn_hidden_size"),
-        "num_attention_heads": heads,
-        "num_query_groups": _hf_value(hf_config, "num_key_value_heads", "multi_query_group_num", default=heads),
-        "kv_channels": head_dim,
-        "rotary_base": _hf_rope_theta(hf_config),
-        "norm_epsilon": _hf_value(hf_config, "rms_norm_eps", "layernorm_epsilon"),
-        "vocab_size": _hf_value(hf_config, "vocab_size", "padded_vocab_size"),
-        "tie_word_embeddings": _hf_value(hf_config, "tie_word_embeddings", default=False),
-    }
-    for unused in fields_unused_by(arch):  # MLA reads neither GQA field (mla_fields.GQA_ONLY_FIELDS)
-        del expected[unused]
-    problems = []
-    for name, hf_value in expected.items():
-        if hf_value is None:
-            continue
-        ours = getattr(arch, name)
-        same = math.isclose(float(ours), float(hf_value), rel_tol=1e-9) if isinstance(ours, float) else ours == hf_value
-        if not same:
-            problems.append(f"{name}: model file says {ours!r}, config.json says {hf_value!r}")
-    attention = [] if arch.multi_latent_attention else attention_mismatches(arch, hf_config)
-    family: list[str] = []
-    if arch.family == "gpt_oss" or hf_config.get("model_type") == "gpt_oss":
-        from hpc_rl.models.gpt_oss.architecture import gpt_oss_mismatches
-
-        family = gpt_oss_mismatches(arch, hf_config)
-    return problems + attention + mla_mismatches(arch, hf_config) + moe_mismatches(arch, hf_config) + family
+def moe_family_names() -> tuple[str, ...]:
+    """The registered mixture-of-experts families."""
+    return tuple(f.name for f in all_families() if f.moe)
 
 
 def load_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:

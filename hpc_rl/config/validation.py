@@ -18,8 +18,8 @@ from pathlib import Path
 
 from hpc_rl.config.memory_plan import plan_memory
 from hpc_rl.config.mla_checks import mla_problems, speculative_notes
-from hpc_rl.config.mla_fields import fields_unused_by
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
+from hpc_rl.models.mla import fields_unused_by
 from hpc_rl.config.precision import TRAINER_DTYPES, trainer_dtype_name
 from hpc_rl.config.parallel_layout import ParallelLayout
 from hpc_rl.config.plugin_args import custom_config_values
@@ -251,7 +251,7 @@ def _model_problems(config: RunConfig) -> list[Problem]:
         return found
     problems = []
     tp = config.training.tensor_model_parallel_size
-    # MLA has no KV-head groups (mla_fields.GQA_ONLY_FIELDS): TP splits its attention heads
+    # MLA has no KV-head groups (hpc_rl.models.mla.GQA_ONLY_FIELDS): TP splits its attention heads
     heads, kind = ((arch.num_attention_heads, "attention heads") if "num_query_groups" in fields_unused_by(arch)
                    else (arch.num_query_groups, "KV heads"))
     if heads % tp:

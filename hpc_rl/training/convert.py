@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.weights.mla_mapping import mtp_copies
+from hpc_rl.models.deepseek_v3.hf_names import mtp_copies
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "tokenizer.model",

@@ -1,6 +1,8 @@
-"""Megatron layer specs for the model families hpc_rl supports (Qwen3, GLM4, Llama, Qwen3-MoE, GLM-4.5 MoE).
+"""Megatron layer specs: the block of decoder layers each family's `layer_spec` hook chooses, and the GPT layer.
 
-Owns: choosing the Transformer Engine spec (`cluster.device: cuda`) or Megatron's local spec (cpu),
+Owns: `build_block_spec` (one spec per decoder layer, from the architecture's family in `hpc_rl.models`),
+`gpt_layer_spec` (the GQA families' hook: Qwen3, GLM4, Llama, Qwen3-MoE, GLM-4.5 MoE), choosing the
+Transformer Engine spec (`cluster.device: cuda`) or Megatron's local spec (cpu),
 the RMSNorm that works with sequence parallel (Megatron's torch norm wrapper refuses SP), the
 local attention that accepts packed (THD) micro-batches (Megatron's refuses them; TE has real THD
 kernels, this one runs Megatron's own attention under a block-diagonal causal mask: correct, not
@@ -30,6 +32,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.models.registry import family
 from hpc_rl.training.context_parallel import context_parallel_attention, packed_causal_mask
 
 POST_ATTENTION_NORM = "post_self_attn_layernorm"
@@ -207,15 +210,12 @@ def replace_norms(spec: ModuleSpec, norm: type) -> None:
             setattr(attention, field, norm)
 
 
-def _layer_spec(arch: ModelArchitecture, *, use_te: bool, num_experts: int | None,
-                moe_grouped_gemm: bool) -> ModuleSpec:
-    """One decoder layer's spec: a dense MLP (`num_experts` None) or Megatron's MoE layer (router,
-    experts, shared experts and token dispatcher, all Megatron's own modules); multi-latent attention:
-    `mla_layers.mla_layer_spec`."""
-    if arch.multi_latent_attention:
-        from hpc_rl.training.mla_layers import mla_layer_spec
-
-        return mla_layer_spec(arch, use_te=use_te, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+def gpt_layer_spec(arch: ModelArchitecture, layer: int, *, use_te: bool, moe: bool,
+                   moe_grouped_gemm: bool) -> ModuleSpec:
+    """Decoder layer `layer`'s spec in a GQA family: a dense MLP or (`moe`) Megatron's MoE layer (router,
+    experts, shared experts and token dispatcher, all Megatron's own modules). The `layer_spec` hook of the
+    GQA families (multi-latent attention: `hpc_rl.models.deepseek_v3.layers`)."""
+    num_experts = arch.num_moe_experts if moe else None
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -263,9 +263,8 @@ def build_block_spec(arch: ModelArchitecture, *, use_te: bool = False, num_layer
     else:
         final_norm = SequenceParallelRMSNorm
     count = arch.num_layers if num_layers is None else num_layers
-    pattern = arch.moe_layers()[layer_offset: layer_offset + count]
-    specs: dict[bool, ModuleSpec] = {}
-    for is_moe in set(pattern):
-        specs[is_moe] = _layer_spec(arch, use_te=use_te, num_experts=arch.num_moe_experts if is_moe else None,
-                                    moe_grouped_gemm=moe_grouped_gemm)
-    return TransformerBlockSubmodules(layer_specs=[specs[is_moe] for is_moe in pattern], layer_norm=final_norm)
+    pattern = arch.moe_layers()
+    layer_spec = family(arch.family).layer_spec
+    specs = [layer_spec(arch, layer, use_te=use_te, moe=pattern[layer], moe_grouped_gemm=moe_grouped_gemm)
+             for layer in range(layer_offset, layer_offset + count)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm)

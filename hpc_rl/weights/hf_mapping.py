@@ -24,7 +24,10 @@ transformers 5's fused in-memory `experts.gate_up_proj`):
     fc1 does, over the expert-TP group.
   * `mlp.shared_experts.{gate,up,down}_proj` <-> `mlp.shared_experts.linear_fc{1,2}` (dense layout).
 
-Multi-latent attention and MTP layers (DeepSeek-V3, GLM-4.7-Flash): `hpc_rl.weights.mla_mapping`.
+Which rows a decoder layer has is its family's (`hpc_rl.models`: the `hf_layer_rows` / `hf_extra_rows` hooks;
+the shared GQA, dense and MoE rows are `hpc_rl.models.name_rows`); multi-latent attention and MTP layers
+(DeepSeek-V3, GLM-4.7-Flash): `hpc_rl.models.deepseek_v3.hf_names`. A family with its own tensor layout
+answers `to_megatron` / `to_hf` first (its hooks); the shared layouts below are the rest.
 """
 
 from __future__ import annotations
@@ -36,16 +39,16 @@ from dataclasses import dataclass
 import torch
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.weights.mla_mapping import (
+from hpc_rl.models.deepseek_v3.hf_names import (
     MTP_LAYER,
     MTP_OWN_ROWS,
     ROW_SPLIT_SUFFIXES,
     TE_LATENT_NORMS,
     TRANSFORMER_LAYER,
-    mla_attention_rows,
     mtp_hf_layer,
-    mtp_rows,
 )
+from hpc_rl.models.name_rows import gated_hf
+from hpc_rl.models.registry import NameRow, family
 
 # Megatron local-spec names -> canonical (TE-style) names.
 _LOCAL_TO_CANONICAL = {
@@ -78,7 +81,7 @@ def canonical_name(name: str, *, moe_layer: bool = False) -> str:
     `moe_layer`: the name belongs to a MoE layer, whose pre-MLP norm keeps its own name."""
     while name.startswith("module."):
         name = name[len("module.") :]
-    for fused, canonical in TE_LATENT_NORMS.items():  # MLA under Transformer Engine (mla_mapping)
+    for fused, canonical in TE_LATENT_NORMS.items():  # MLA under Transformer Engine (deepseek_v3.hf_names)
         if name.endswith(fused):
             return name[: -len(fused)] + canonical
     for local, canonical in _LOCAL_TO_CANONICAL.items():
@@ -113,86 +116,24 @@ def expert_owner(global_index: int, num_experts: int, ep_size: int) -> int:
     return global_index // (num_experts // ep_size)
 
 
-def _gated_hf(prefix: str, fused: bool) -> list[str]:
-    return [f"{prefix}gate_up_proj.weight"] if fused else [f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"]
-
-
-def _dense_mlp_rows(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
-    fc1_hf = _gated_hf("mlp.", fused=arch.family == "glm4")
-    rows = [("mlp.linear_fc1.layer_norm_weight", ["post_attention_layernorm.weight"]),
-            ("mlp.linear_fc1.weight", fc1_hf)]
-    if arch.add_bias_linear:
-        rows.append(("mlp.linear_fc1.bias", [s.replace(".weight", ".bias") for s in fc1_hf]))
-    rows.append(("mlp.linear_fc2.weight", ["mlp.down_proj.weight"]))
-    if arch.add_bias_linear:
-        rows.append(("mlp.linear_fc2.bias", ["mlp.down_proj.bias"]))
-    if arch.post_sublayer_norms:
-        rows.append(("mlp.post_mlp_layernorm.weight", ["post_mlp_layernorm.weight"]))
-    return rows
-
-
-def _moe_mlp_rows(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
-    """A MoE layer's MLP rows: HF `mlp.gate` is Megatron's router, `mlp.experts.G.*` its routed experts
-    (G global), `mlp.shared_experts.*` its shared experts (all of them fused into one MLP in both)."""
-    if arch.family == "gpt_oss":  # router named mlp.router, expert biases (hpc_rl.models.gpt_oss.names)
-        from hpc_rl.models.gpt_oss.names import moe_mlp_rows
-
-        return moe_mlp_rows(arch)
-    rows = [("pre_mlp_layernorm.weight", ["post_attention_layernorm.weight"]),
-            ("mlp.router.weight", ["mlp.gate.weight"])]
-    if arch.moe_router_enable_expert_bias:
-        rows.append(("mlp.router.expert_bias", ["mlp.gate.e_score_correction_bias"]))
-    for expert in range(arch.num_moe_experts or 0):
-        rows.append((f"mlp.experts.local_experts.{expert}.linear_fc1.weight",
-                     _gated_hf(f"mlp.experts.{expert}.", fused=False)))
-        rows.append((f"mlp.experts.local_experts.{expert}.linear_fc2.weight",
-                     [f"mlp.experts.{expert}.down_proj.weight"]))
-    if arch.moe_shared_expert_intermediate_size:
-        rows.append(("mlp.shared_experts.linear_fc1.weight", _gated_hf("mlp.shared_experts.", fused=False)))
-        rows.append(("mlp.shared_experts.linear_fc2.weight", ["mlp.shared_experts.down_proj.weight"]))
-    return rows
-
-
-def _layer_suffixes(arch: ModelArchitecture, moe: bool = False) -> list[tuple[str, list[str]]]:
-    """(Megatron suffix, HF suffixes) of one decoder layer (a MoE layer with `moe`), in export order."""
-    if arch.multi_latent_attention:
-        return mla_attention_rows(arch) + (_moe_mlp_rows(arch) if moe else _dense_mlp_rows(arch))
-    rows: list[tuple[str, list[str]]] = [
-        ("self_attention.linear_qkv.layer_norm_weight", ["input_layernorm.weight"]),
-        ("self_attention.linear_qkv.weight", ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                              "self_attn.v_proj.weight"]),
-    ]
-    if arch.add_qkv_bias or arch.add_bias_linear:
-        rows.append(("self_attention.linear_qkv.bias", ["self_attn.q_proj.bias", "self_attn.k_proj.bias",
-                                                        "self_attn.v_proj.bias"]))
-    if arch.qk_layernorm:
-        rows.append(("self_attention.q_layernorm.weight", ["self_attn.q_norm.weight"]))
-        rows.append(("self_attention.k_layernorm.weight", ["self_attn.k_norm.weight"]))
-    rows.append(("self_attention.linear_proj.weight", ["self_attn.o_proj.weight"]))
-    if arch.add_bias_linear:
-        rows.append(("self_attention.linear_proj.bias", ["self_attn.o_proj.bias"]))
-    if arch.post_sublayer_norms:
-        rows.append(("self_attention.post_self_attn_layernorm.weight", ["post_self_attn_layernorm.weight"]))
-    if arch.softmax_type != "vanilla":  # attention sinks (gpt-oss)
-        from hpc_rl.models.gpt_oss.names import attention_extra_rows
-
-        rows += attention_extra_rows(arch)
-    return rows + (_moe_mlp_rows(arch) if moe else _dense_mlp_rows(arch))
+def _layer_rows(arch: ModelArchitecture, layer: int) -> list[NameRow]:
+    """(Megatron suffix, HF suffixes) of decoder layer `layer`, in export order (its family's rows)."""
+    return family(arch.family).hf_layer_rows(arch, layer)
 
 
 def name_map(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
     """Every Megatron parameter (canonical name; experts under global indices) with its HF names, in a
     stable export order."""
     rows: list[tuple[str, list[str]]] = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"])]
-    suffixes = {moe: _layer_suffixes(arch, moe) for moe in set(arch.moe_layers())}
-    for layer, moe in enumerate(arch.moe_layers()):
-        for suffix, hf_suffixes in suffixes[moe]:
+    last: list[NameRow] = []
+    for layer in range(arch.num_layers):
+        last = _layer_rows(arch, layer)
+        for suffix, hf_suffixes in last:
             rows.append((f"decoder.layers.{layer}.{suffix}", [f"model.layers.{layer}.{s}" for s in hf_suffixes]))
     rows.append(("decoder.final_layernorm.weight", ["model.norm.weight"]))
     if not arch.tie_word_embeddings:
         rows.append(("output_layer.weight", ["lm_head.weight"]))
-    if arch.mtp_num_layers:
-        rows += mtp_rows(arch, suffixes[arch.moe_layers()[-1]])
+    rows += family(arch.family).hf_extra_rows(arch, last)
     return rows
 
 
@@ -220,12 +161,12 @@ def hf_names_of(megatron_name: str, arch: ModelArchitecture) -> list[str]:
                 found = expert_hf_suffixes(int(expert.group(2)), suffix)
                 if found is not None:
                     return [f"model.layers.{layer}.{s}" for s in found]
-            hf = (_gated_hf(f"mlp.experts.{expert.group(2)}.", fused=False) if suffix.endswith("linear_fc1.weight")
+            hf = (gated_hf(f"mlp.experts.{expert.group(2)}.", fused=False) if suffix.endswith("linear_fc1.weight")
                   else [f"mlp.experts.{expert.group(2)}.down_proj.weight"] if suffix.endswith("linear_fc2.weight")
                   else None)
             if hf is not None:
                 return [f"model.layers.{layer}.{s}" for s in hf]
-        for mine, hf_suffixes in _layer_suffixes(arch, moe):
+        for mine, hf_suffixes in _layer_rows(arch, layer):
             if mine == suffix and ".local_experts." not in mine:
                 return [f"model.layers.{layer}.{s}" for s in hf_suffixes]
     else:
@@ -273,6 +214,9 @@ def _qkv_to_hf(qkv: torch.Tensor, arch: ModelArchitecture) -> list[torch.Tensor]
 def to_megatron(megatron_name: str, hf_tensors: Sequence[torch.Tensor], arch: ModelArchitecture,
                 *, padded_vocab: int | None = None) -> torch.Tensor:
     """The full (unsharded) Megatron tensor from its HF tensors (in `hf_names_of` order)."""
+    own = family(arch.family).to_megatron(megatron_name, hf_tensors, arch)
+    if own is not None:
+        return own
     if megatron_name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
         return _qkv_to_megatron(*hf_tensors, arch)
     if megatron_name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
@@ -285,6 +229,9 @@ def to_megatron(megatron_name: str, hf_tensors: Sequence[torch.Tensor], arch: Mo
 
 def to_hf(megatron_name: str, full: torch.Tensor, arch: ModelArchitecture) -> list[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs from one full Megatron tensor (views where possible, no copies)."""
+    own = family(arch.family).to_hf(megatron_name, full, arch)
+    if own is not None:
+        return own
     names = hf_names_of(megatron_name, arch)
     if megatron_name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
         return list(zip(names, _qkv_to_hf(full, arch)))

@@ -100,10 +100,10 @@ def test_gpt_oss_matches_transformers_at_tp_ep_and_packed(tmp_path: Path) -> Non
 
     from hpc_rl.models.gpt_oss.architecture import architecture_fields_from_hf
     from hpc_rl.models.gpt_oss.checkpoint import PerExpertReader
-    from hpc_rl.models.gpt_oss.tiny import make_tiny_gpt_oss
+    from hpc_rl.models.gpt_oss.tiny import make_tiny
     from hpc_rl.weights.hf_import import HFTensorReader
 
-    hf_dir = make_tiny_gpt_oss(tmp_path / "gpt_oss")
+    hf_dir = make_tiny(tmp_path / "gpt_oss")
     fields = architecture_fields_from_hf(json.loads((hf_dir / "config.json").read_text()))
     model_file = tmp_path / "gpt_oss.yaml"
     model_file.write_text(yaml.safe_dump({**fields, "make_vocab_size_divisible_by": 8}))

@@ -5,18 +5,26 @@
                                       the prompt tokenizer (data/prompt_tokenizer.py, torch-free)
     2  training, engines, weights, tiny_model, sim   trainer ranks, engines, the weight path (sim: simulated ones)
     1  rollout, rewards                  generation client, sampling, buffers, reward functions
-    0  config, data, protocol, plugins, telemetry, retry_policy   what every process shares
+    0  config, data, protocol, plugins, telemetry, retry_policy,  what every process shares
+       models (the family registry and each family's pure modules)
 
 A module may import its own tier or lower ones (function-level imports included: a lazy import is
 still a dependency), and packages do not import each other in a cycle (within tier 2 today: training ->
-weights, training -> engines, engines -> weights). KNOWN_* would list a break someone owns the fix of;
-none is left, and the test fails on any new one.
+weights, training -> engines, engines -> weights). Nor do modules inside one part: the modules of a part
+import each other without a cycle (module-level and function-level imports alike, `if TYPE_CHECKING:`
+included; `from pkg import mod` counts as importing pkg.mod). KNOWN_* would list a break someone owns the
+fix of; none is left, and the test fails on any new one.
+
+`hpc_rl/models/<family>/layers*.py` (a family's Megatron layers) is its own part, "models.layers", in the
+trainer's tier: it may import `hpc_rl.training`, and the registry names it by import path (a lazy hook), so
+config and the controller never load it.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +33,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hpc_rl"
 TIERS = {
-    "config": 0, "data": 0, "protocol": 0, "plugins": 0, "telemetry": 0, "retry_policy": 0,
+    "config": 0, "data": 0, "protocol": 0, "plugins": 0, "telemetry": 0, "retry_policy": 0, "models": 0,
     "rollout": 1, "rewards": 1,
-    "training": 2, "engines": 2, "weights": 2, "tiny_model": 2, "sim": 2,
+    "training": 2, "engines": 2, "weights": 2, "tiny_model": 2, "sim": 2, "models.layers": 2,
     "controller": 3,
     "launch": 4, "submit": 4, "status": 4,
 }
@@ -38,7 +46,13 @@ KNOWN_UPWARD_IMPORTS: set[tuple[str, str]] = set()
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
+FAMILY_LAYERS = re.compile(r"^hpc_rl\.models\.\w+\.layers\w*$")
+"""A model family's Megatron layers (trainer tier), e.g. hpc_rl.models.deepseek_v3.layers."""
+
+
 def part_of(module: str) -> str:
+    if FAMILY_LAYERS.match(module):
+        return "models.layers"
     return module.split(".")[1] if "." in module else module
 
 
@@ -126,6 +140,43 @@ def test_no_new_import_cycles_between_parts() -> None:
                 edges.setdefault(part_of(name), set()).add(part_of(imported))
     new = [sorted(cycle) for cycle in strongly_connected(edges) if not any(cycle <= known for known in KNOWN_CYCLES)]
     assert not new, f"new import cycles between parts: {new}"
+
+
+def imported_modules(path: Path, known: dict[str, Path]) -> set[str]:
+    """The hpc_rl modules `path` imports anywhere in it: `import a.b`, `from a import b` (a.b when a.b is a
+    module, else a)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in found if name in known}
+
+
+def intra_part_cycles(known: dict[str, Path]) -> list[list[str]]:
+    edges: dict[str, set[str]] = {}
+    for name, path in known.items():
+        for imported in imported_modules(path, known):
+            if imported != name and part_of(imported) == part_of(name):
+                edges.setdefault(name, set()).add(imported)
+    return [sorted(cycle) for cycle in strongly_connected(edges)]
+
+
+def test_intra_part_cycle_finder_sees_a_type_checking_import(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("from hpc_rl.config.b import thing\n")
+    (tmp_path / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                   "    from hpc_rl.config import a\n")
+    (tmp_path / "c.py").write_text("def late():\n    from hpc_rl.config.a import x\n")
+    known = {"hpc_rl.config.a": tmp_path / "a.py", "hpc_rl.config.b": tmp_path / "b.py",
+             "hpc_rl.config.c": tmp_path / "c.py"}
+    assert intra_part_cycles(known) == [["hpc_rl.config.a", "hpc_rl.config.b"]]
+
+
+def test_no_import_cycles_inside_a_part() -> None:
+    cycles = intra_part_cycles(modules())
+    assert not cycles, f"modules of one part import each other in a cycle: {cycles}"
 
 
 def test_controller_source_never_names_the_torch_stack() -> None:

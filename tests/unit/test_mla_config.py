@@ -18,7 +18,7 @@ import pytest
 from hpc_rl.config import ConfigError, load_config
 from hpc_rl.config.megatron_model import architecture_from_argv
 from hpc_rl.config.mla_checks import mla_problems, speculative_notes
-from hpc_rl.config.mla_fields import hf_rotary_numbers, megatron_rotary_numbers
+from hpc_rl.models.mla import hf_rotary_numbers, megatron_rotary_numbers
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
 from hpc_rl.config.parameter_counts import format_count, model_share, mtp_share, stage_shares
 from hpc_rl.config.pipeline_split import PipelineSplitError, stage_split, training_split

@@ -12,7 +12,7 @@ import torch
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.weights import hf_mapping
-from hpc_rl.weights.mla_mapping import is_mtp_copy, mtp_copies
+from hpc_rl.models.deepseek_v3.hf_names import is_mtp_copy, mtp_copies
 from hpc_rl.weights.sender import _plan
 from tests.unit import weight_states
 

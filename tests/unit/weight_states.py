@@ -12,7 +12,7 @@ import torch
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.weights import hf_mapping
-from hpc_rl.weights.mla_mapping import MTP_LAYER
+from hpc_rl.models.deepseek_v3.hf_names import MTP_LAYER
 from hpc_rl.weights.stage import StageLayout
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

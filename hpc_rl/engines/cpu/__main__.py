@@ -80,15 +80,24 @@ def exit_on_scheduler_death(error: BaseException) -> None:
 
 def load_model(model_path: str, model_impl: str, attn_implementation: str,
                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The engine's model, in `dtype`: its own Qwen3 forward (`native`; `auto` picks it where it applies and
-    eager attention is asked for) or transformers' (SGLang's `--model-impl transformers` likewise)."""
-    from hpc_rl.engines.cpu.native_qwen3 import load_native_qwen3, native_support, read_config
+    """The engine's model, in `dtype`: its family's own forward (`native`, the family's `cpu_engine_loader` in
+    `hpc_rl.models`: Qwen3's; `auto` picks it where it applies and eager attention is asked for) or transformers'
+    (SGLang's `--model-impl transformers` likewise)."""
+    from hpc_rl.engines.cpu.native_qwen3 import read_config
+    from hpc_rl.models.registry import all_families, family_for_hf_model_type
 
-    reason = native_support(read_config(model_path))
+    config = read_config(model_path)
+    found = family_for_hf_model_type(config.get("model_type"))
+    loader = found.cpu_engine_loader if found is not None else None
+    if loader is None:
+        native = sorted(t for f in all_families() if f.cpu_engine_loader is not None for t in f.hf_model_types)
+        reason = f"model_type {config.get('model_type')!r} is not {' or '.join(repr(t) for t in native)}"
+    else:
+        reason = found.cpu_engine_support(config) if found.cpu_engine_support is not None else None
     if model_impl == "native" and reason is not None:
         raise SystemExit(f"--model-impl native: {model_path}: {reason}; use --model-impl transformers")
     if model_impl == "native" or (model_impl == "auto" and reason is None and attn_implementation == "eager"):
-        return load_native_qwen3(model_path, dtype)
+        return loader(model_path, dtype)
     from transformers import AutoModelForCausalLM
 
     from hpc_rl.engines.cpu.nextn_draft import attach_draft

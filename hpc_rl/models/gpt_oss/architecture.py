@@ -1,8 +1,8 @@
 """gpt-oss's architecture rules and its config.json check, in `ModelArchitecture` terms. Pure: no torch.
 
-Owns: what a gpt-oss architecture must hold (`field_problem`, called by `ModelArchitecture.__post_init__`) and its
-comparison with a GptOssConfig config.json (`gpt_oss_mismatches`, called by `architecture_mismatches` beside the
-shape, attention and MoE checks every family gets):
+Owns: what a gpt-oss architecture must hold (`field_problem`: the family's `architecture_problem` hook) and its
+comparison with a GptOssConfig config.json (`gpt_oss_mismatches`: the `check_config` hook, added to the shape,
+attention and MoE checks every family gets), and the fields a config.json states (`architecture_fields_from_hf`):
 
   ModelArchitecture (Megatron's names)     config.json (transformers' GptOssConfig)
   softmax_type learnable                   always (self_attn.sinks)
@@ -24,12 +24,12 @@ shape, attention and MoE checks every family gets):
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from hpc_rl.config.mla_fields import hf_rope_scaling, hf_rotary_numbers, megatron_rotary_numbers
+from hpc_rl.models.mla import hf_rope_scaling, hf_rotary_numbers, megatron_rotary_numbers
 
-if TYPE_CHECKING:
-    from hpc_rl.config.model import ModelArchitecture
+ModelArchitecture = Any
+"""`arch` is a `hpc_rl.config.model.ModelArchitecture` (not imported: config imports the registry's modules)."""
 
 QUICK_GELU_ALPHA = 1.702
 """Megatron's quick GELU is x * sigmoid(1.702 x): gpt-oss's swiglu_alpha must be this."""

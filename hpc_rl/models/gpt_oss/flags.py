@@ -19,13 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpc_rl.config.moe_layer_freq import LayerFreqError, parse_layer_freq
-
 GPT_OSS_SPEC = ("slime_plugins.models.gpt_oss", "get_gpt_oss_spec")
 GPT_OSS_MODEL_VALUE_FLAGS: dict[str, Any] = {
     "softmax_type": str,
     "window_size": Any,  # "128,0" on a command line, a list in YAML
-    "window_attn_skip_freq": Any,  # an int or a 0/1 list expression, as --moe-layer-freq
+    "window_attn_skip_freq": Any,  # an int or a 0/1 list expression, parsed as --moe-layer-freq is (settings_sources)
     "glu_linear_offset": float,
     "activation_func_clamp_value": float,
     "yarn_original_max_position_embeddings": int,
@@ -53,14 +51,6 @@ def _window_size(value: Any, problems: list[str]) -> list[int] | None:
     return window
 
 
-def _skip_freq(value: Any, problems: list[str]) -> int | list[int] | None:
-    try:
-        return parse_layer_freq(value)
-    except LayerFreqError as error:
-        problems.append(f"--window-attn-skip-freq {error}")
-        return None
-
-
 def gpt_oss_flags_given(flags: dict[str, Any]) -> list[str]:
     """The gpt-oss flags among `flags`."""
     return [name for name in (*GPT_OSS_MODEL_VALUE_FLAGS, *GPT_OSS_MODEL_SWITCHES) if name in flags]
@@ -74,14 +64,14 @@ def apply_gpt_oss_flags(flags: dict[str, Any], fields: dict[str, Any], problems:
     if "window_size" in flags:
         fields["window_size"] = _window_size(flags["window_size"], problems)
     if "window_attn_skip_freq" in flags:
-        fields["window_attn_skip_freq"] = _skip_freq(flags["window_attn_skip_freq"], problems)
+        fields["window_attn_skip_freq"] = flags["window_attn_skip_freq"]
     if flags.get("quick_geglu"):
         fields["quick_geglu"] = True
     for name in ("glu_linear_offset", "activation_func_clamp_value"):
         if name in flags:
             fields[name] = flags[name]
     if flags.get("position_embedding_type") == "yarn":
-        from hpc_rl.config.mla_fields import hf_rope_scaling, hf_yarn_fields
+        from hpc_rl.models.mla import hf_rope_scaling, hf_yarn_fields
 
         fields.update(YARN_DEFAULTS)
         if hf_config is not None:

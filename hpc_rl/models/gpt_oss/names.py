@@ -1,7 +1,7 @@
-"""gpt-oss's HF <-> Megatron parameter names: pure rows for `hpc_rl.weights.hf_mapping`'s name map.
+"""gpt-oss's HF <-> Megatron parameter names: the family's `hf_layer_rows` hook (`layer_rows`). Pure: no torch.
 
-Owns the rows that differ from the other MoE families (every other row, attention q/k/v/o with their biases,
-norms, embedding and output, is the common map's):
+Owns the rows that differ from the other MoE families (every other row, attention q/k/v/o with their biases and
+the norms, is the shared GQA rows of `hpc_rl.models.name_rows`; embedding and output the common map's):
 
   Megatron (canonical)                                      HF (per expert K: slime's bf16 layout, SGLang's
                                                             per-expert names)
@@ -20,10 +20,13 @@ reads those under the per-expert names above and writes them back (`fuse_experts
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.models.name_rows import gqa_attention_rows
+from hpc_rl.models.registry import NameRow
+
+ModelArchitecture = Any
+"""`arch` is a `hpc_rl.config.model.ModelArchitecture` (not imported: config imports the registry's modules)."""
 
 SINKS = ("self_attention.core_attention.softmax_offset", "self_attn.sinks")
 ROUTER_ROWS = [("mlp.router.weight", ["mlp.router.weight"]), ("mlp.router.bias", ["mlp.router.bias"])]
@@ -31,7 +34,7 @@ SOFTMAX_OFFSET_SUFFIX = ".core_attention.softmax_offset"
 """Split by heads over TP, as the q rows are."""
 
 
-def attention_extra_rows(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
+def attention_extra_rows(arch: ModelArchitecture) -> list[NameRow]:
     """The attention's rows beyond q/k/v/o: the sinks (softmax_type learnable)."""
     return [(SINKS[0], [SINKS[1]])] if arch.softmax_type == "learnable" else []
 
@@ -47,7 +50,7 @@ def expert_hf_suffixes(expert: int, megatron_suffix: str) -> list[str] | None:
     return None
 
 
-def moe_mlp_rows(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
+def moe_mlp_rows(arch: ModelArchitecture) -> list[NameRow]:
     """A gpt-oss MoE layer's MLP rows: its pre-MLP norm, the router with its bias, each expert with its biases."""
     rows = [("pre_mlp_layernorm.weight", ["post_attention_layernorm.weight"]), *ROUTER_ROWS]
     for expert in range(arch.num_moe_experts or 0):
@@ -56,3 +59,8 @@ def moe_mlp_rows(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
                 suffix = f"mlp.experts.local_experts.{expert}.{part}.{kind}"
                 rows.append((suffix, expert_hf_suffixes(expert, suffix) or []))
     return rows
+
+
+def layer_rows(arch: ModelArchitecture, layer: int) -> list[NameRow]:
+    """Decoder layer `layer` (every gpt-oss layer is MoE): GQA attention with its sinks, then the MoE MLP."""
+    return gqa_attention_rows(arch) + attention_extra_rows(arch) + moe_mlp_rows(arch)

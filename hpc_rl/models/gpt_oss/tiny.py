@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from hpc_rl.tiny_model import TinyModelSpec, _config_fields, build_tokenizer
+from hpc_rl.models.tiny_checkpoint import TinyModelSpec, build_tokenizer, config_fields, spec_of
 
 
 @dataclass(kw_only=True)
@@ -35,19 +36,19 @@ class TinyGptOssSpec(TinyModelSpec):
     original_max_position_embeddings: int = 4096
 
 
-def make_tiny_gpt_oss(output_dir: str | Path, spec: TinyGptOssSpec | None = None) -> Path:
-    """Write the tiny gpt-oss checkpoint and the tiny tokenizer to `output_dir`; return it."""
+def make_tiny(output_dir: str | Path, spec: TinyGptOssSpec | None = None, **spec_fields: Any) -> Path:
+    """Write the tiny gpt-oss checkpoint and the tiny tokenizer to `output_dir`; return it (the `make_tiny` hook)."""
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    spec = spec or TinyGptOssSpec()
+    spec = spec_of(TinyGptOssSpec, spec, spec_fields)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     layer_types = ["sliding_attention" if layer % 2 == 0 else "full_attention"
                    for layer in range(spec.num_hidden_layers)]
     config = GptOssConfig(
-        **_config_fields(spec, tokenizer), num_local_experts=spec.num_local_experts,
+        **config_fields(spec, tokenizer), num_local_experts=spec.num_local_experts,
         num_experts_per_tok=spec.num_experts_per_tok, sliding_window=spec.sliding_window, layer_types=layer_types,
         swiglu_limit=spec.swiglu_limit, attention_bias=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": spec.rope_theta, "factor": spec.yarn_factor,

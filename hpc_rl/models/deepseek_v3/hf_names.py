@@ -1,6 +1,7 @@
 """HF <-> Megatron names of multi-latent attention and MTP layers (DeepSeek-V3 and GLM-4.7-Flash families).
 
-Owns: the name rows `hf_mapping` adds for an MLA architecture (pure, no Megatron import):
+Owns: the name rows of an MLA family's decoder layers (its `hf_layer_rows` hook, `layer_rows`) and MTP layers
+(its `hf_extra_rows` hook, `mtp_rows`), read by `hpc_rl.weights.hf_mapping` (pure, no Megatron import):
 
   Megatron (canonical)                               HF (DeepseekV3 / Glm4MoeLite checkpoints)
   self_attention.linear_q_down_proj.weight           self_attn.q_a_proj.weight       (replicated over TP)
@@ -30,10 +31,10 @@ checkpoints also hold copies of the embedding and the output layer there (`embed
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.models.name_rows import mlp_rows
+from hpc_rl.models.registry import NameRow
 
 MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 TRANSFORMER_LAYER = "transformer_layer."
@@ -50,7 +51,7 @@ ROW_SPLIT_SUFFIXES = ("linear_q_up_proj.weight", "linear_q_proj.weight", "linear
 """MLA / MTP weights split on rows over TP (column-parallel); the down projections are replicated."""
 
 
-def mla_attention_rows(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
+def mla_attention_rows(arch: Any) -> list[tuple[str, list[str]]]:
     """(Megatron suffix, HF suffixes) of one MLA attention block, input norm first."""
     rows = [("self_attention.linear_qkv.layer_norm_weight", ["input_layernorm.weight"])]
     if arch.q_lora_rank:
@@ -66,12 +67,17 @@ def mla_attention_rows(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
     return rows
 
 
-def mtp_hf_layer(arch: ModelArchitecture, depth: int) -> int:
+def layer_rows(arch: Any, layer: int) -> list[NameRow]:
+    """Decoder layer `layer` of an MLA family: MLA attention, then its MLP (dense or MoE)."""
+    return mla_attention_rows(arch) + mlp_rows(arch, layer)
+
+
+def mtp_hf_layer(arch: Any, depth: int) -> int:
     """The HF layer index of MTP depth `depth` (0-based)."""
     return arch.num_layers + depth
 
 
-def mtp_rows(arch: ModelArchitecture, layer_rows: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+def mtp_rows(arch: Any, layer_rows: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
     """Every MTP layer's (Megatron name, HF names); `layer_rows`: a decoder layer's (suffix, HF suffixes) of
     the layer kind the MTP layers copy (the last decoder layer's)."""
     rows: list[tuple[str, list[str]]] = []
@@ -84,7 +90,7 @@ def mtp_rows(arch: ModelArchitecture, layer_rows: list[tuple[str, list[str]]]) -
     return rows
 
 
-def mtp_copies(arch: ModelArchitecture) -> list[tuple[str, str]]:
+def mtp_copies(arch: Any) -> list[tuple[str, str]]:
     """(HF name of a copy in an MTP layer, HF name it copies): DeepSeek's per-MTP-layer embedding and head."""
     copies = []
     for depth in range(arch.mtp_num_layers or 0):
@@ -95,6 +101,6 @@ def mtp_copies(arch: ModelArchitecture) -> list[tuple[str, str]]:
     return copies
 
 
-def is_mtp_copy(hf_name: str, arch: ModelArchitecture) -> bool:
+def is_mtp_copy(hf_name: str, arch: Any) -> bool:
     """An MTP layer's embedding / head copy (written by converters, never loaded or synced)."""
     return any(hf_name == copy for copy, _ in mtp_copies(arch))

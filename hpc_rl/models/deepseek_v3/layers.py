@@ -1,5 +1,7 @@
 """Multi-latent attention layers from Megatron-core's own MLA spec (DeepSeek-V3, Kimi-K2, Moonlight, GLM-4.7-Flash).
 
+The trainer's side of the deepseek_v3 / glm4_moe_lite families (their `layer_spec` hook, loaded by import path;
+tier 2 in tests/unit/test_layers.py, so it may import `hpc_rl.training`).
 Owns: the decoder layer spec of an MLA architecture: Megatron's `MLASelfAttention` inside its GPT layer
 (`get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True)` on GPU,
 `get_gpt_layer_local_spec(multi_latent_attention=True)` on CPU) with Megatron's MoE or dense MLP, and the CPU
@@ -111,3 +113,9 @@ def mla_layer_spec(arch: ModelArchitecture, *, use_te: bool, num_experts: int | 
         keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
     layer.submodules.sharded_state_dict_keys_map = keys
     return layer
+
+
+def layer_spec(arch: ModelArchitecture, layer: int, *, use_te: bool, moe: bool, moe_grouped_gemm: bool) -> ModuleSpec:
+    """The family hook: decoder layer `layer`'s MLA spec (`moe`: Megatron's MoE layer, else a dense MLP)."""
+    return mla_layer_spec(arch, use_te=use_te, num_experts=arch.num_moe_experts if moe else None,
+                          moe_grouped_gemm=moe_grouped_gemm)

@@ -1,31 +1,31 @@
-"""The HF `config.json` keys beyond a decoder's shape: attention details and every mixture-of-experts key.
+"""The shared HF `config.json` check: a decoder's shape, attention details and every mixture-of-experts key.
 
-Owns: what transformers' `Qwen3MoeConfig` and `Glm4MoeConfig` (and the dense families' configs) say about
-partial rotary, q/k norms, attention biases and routing, turned into `ModelArchitecture` terms:
+Owns: `architecture_mismatches` (the one check of a model file against config.json: shape fields here, MLA /
+YaRN / MTP in `hpc_rl.models.mla`, then the family's own `check_config` hook) and what transformers' configs
+say about partial rotary, q/k norms, attention biases and routing, in `ModelArchitecture` terms:
 `num_experts`/`n_routed_experts` -> num_moe_experts, `moe_intermediate_size` -> moe_ffn_hidden_size,
 `num_experts_per_tok` -> moe_router_topk, `mlp_only_layers`/`decoder_sparse_step`/`first_k_dense_replace`
 -> moe_layer_freq, `n_shared_experts` x `moe_intermediate_size` -> moe_shared_expert_intermediate_size,
 `norm_topk_prob` -> moe_router_pre_softmax (softmax routers), `routed_scaling_factor`, `n_group`/`topk_group`,
 the scoring function and `e_score_correction_bias` (GLM-4.5 always has one). A key the file leaves out takes
-the default of its model type's config class. Called by `hpc_rl.config.model.architecture_mismatches`.
+the default of its model type's config class: the `hf_defaults` of the family reading that model_type
+(`hpc_rl.models.registry`). Pure: no torch; `arch` is a `hpc_rl.config.model.ModelArchitecture` (not
+imported: config imports this module).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.models.mla import fields_unused_by, mla_mismatches
+from hpc_rl.models.registry import family, family_for_hf_model_type
 
-ROUTER_SCORE_OF_TYPE = {"qwen3_moe": "softmax", "glm4_moe": "sigmoid", "deepseek_v3": "sigmoid",
-                        "glm4_moe_lite": "sigmoid"}
-EXPERT_BIAS_OF_TYPE = {"qwen3_moe": False, "glm4_moe": True, "deepseek_v3": True, "glm4_moe_lite": True}
-NORM_TOPK_PROB_DEFAULT = {"qwen3_moe": False, "glm4_moe": True, "deepseek_v3": True, "glm4_moe_lite": True}
-SHARED_EXPERTS_DEFAULT = {"qwen3_moe": 0, "glm4_moe": 1, "deepseek_v3": 1, "glm4_moe_lite": 1}
-FIRST_DENSE_DEFAULT = {"glm4_moe": 1, "deepseek_v3": 3, "glm4_moe_lite": 1}
-QK_NORM_OF_TYPE = {"qwen3": True, "qwen3_moe": True, "llama": False, "glm4": False}
-HALF_ROTARY_TYPES = ("glm4", "glm4_moe")  # their config classes default partial_rotary_factor to 0.5
+
+def _defaults(hf: dict[str, Any]) -> dict[str, Any]:
+    """The config class defaults of config.json's model_type ({} for a model type no family reads)."""
+    found = family_for_hf_model_type(hf.get("model_type"))
+    return dict(found.hf_defaults) if found is not None else {}
 
 
 def _differs(ours: Any, theirs: Any) -> bool:
@@ -39,18 +39,18 @@ def _partial_rotary(hf: dict[str, Any]) -> float:
     if value is None and isinstance(hf.get("rope_parameters"), dict):
         value = hf["rope_parameters"].get("partial_rotary_factor")
     if value is None:
-        value = 0.5 if hf.get("model_type") in HALF_ROTARY_TYPES else 1.0
+        value = _defaults(hf).get("partial_rotary_factor", 1.0)
     return float(value)
 
 
-def attention_mismatches(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str]:
+def attention_mismatches(arch: Any, hf: dict[str, Any]) -> list[str]:
     """Partial rotary, q/k norms and the q/k/v bias (Megatron adds it with add_qkv_bias or add_bias_linear)."""
     problems = []
     rotary = _partial_rotary(hf)
     if _differs(arch.rotary_percent, rotary):
         problems.append(f"rotary_percent: model file says {arch.rotary_percent!r}, config.json's "
                         f"partial_rotary_factor is {rotary!r}")
-    qk_norm = hf.get("use_qk_norm", QK_NORM_OF_TYPE.get(hf.get("model_type", "")))
+    qk_norm = hf.get("use_qk_norm", _defaults(hf).get("use_qk_norm"))
     if qk_norm is not None and arch.qk_layernorm != bool(qk_norm):
         problems.append(f"qk_layernorm: model file says {arch.qk_layernorm!r}, config.json ({hf.get('model_type')}, "
                         f"use_qk_norm) says {bool(qk_norm)!r}")
@@ -62,13 +62,13 @@ def attention_mismatches(arch: ModelArchitecture, hf: dict[str, Any]) -> list[st
 
 def hf_dense_layers(hf: dict[str, Any], num_layers: int) -> list[int] | None:
     """Indices of the layers with a dense MLP in an HF MoE config (None: the config does not say)."""
-    model_type = hf.get("model_type", "")
+    defaults = _defaults(hf)
     if isinstance(hf.get("mlp_layer_types"), list):  # Glm4MoeLite: "dense" | "sparse" per layer
         return [layer for layer, kind in enumerate(hf["mlp_layer_types"][:num_layers]) if kind == "dense"]
-    if "first_k_dense_replace" in hf or model_type in FIRST_DENSE_DEFAULT:
-        first = hf.get("first_k_dense_replace", FIRST_DENSE_DEFAULT.get(model_type, 0)) or 0
+    if "first_k_dense_replace" in hf or "first_k_dense_replace" in defaults:
+        first = hf.get("first_k_dense_replace", defaults.get("first_k_dense_replace", 0)) or 0
         return list(range(min(first, num_layers)))
-    if "mlp_only_layers" in hf or "decoder_sparse_step" in hf or model_type == "qwen3_moe":
+    if "mlp_only_layers" in hf or "decoder_sparse_step" in hf or defaults.get("sparse_step_layers"):
         only = set(hf.get("mlp_only_layers") or [])
         step = hf.get("decoder_sparse_step") or 1
         return [layer for layer in range(num_layers) if layer in only or (layer + 1) % step != 0]
@@ -86,20 +86,21 @@ def _hf_shared_size(hf: dict[str, Any]) -> tuple[bool, int | None]:
     """(known, all shared experts' inner width fused; None: no shared expert)."""
     if hf.get("shared_expert_intermediate_size"):
         return True, int(hf["shared_expert_intermediate_size"])
-    shared = hf.get("n_shared_experts", SHARED_EXPERTS_DEFAULT.get(hf.get("model_type", "")))
+    shared = hf.get("n_shared_experts", _defaults(hf).get("n_shared_experts"))
     if shared is None or not hf.get("moe_intermediate_size"):
         return False, None
     return True, (int(shared) * int(hf["moe_intermediate_size"]) if shared else None)
 
 
-def _routing_mismatches(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str]:
+def _routing_mismatches(arch: Any, hf: dict[str, Any]) -> list[str]:
     model_type = hf.get("model_type", "")
+    defaults = _defaults(hf)
     problems = []
-    score = hf.get("scoring_func", ROUTER_SCORE_OF_TYPE.get(model_type))
+    score = hf.get("scoring_func", defaults.get("scoring_func"))
     if score is not None and score != arch.moe_router_score_function:
         problems.append(f"moe_router_score_function: model file says {arch.moe_router_score_function!r}, "
                         f"config.json ({model_type}) routes with {score!r}")
-    norm = hf.get("norm_topk_prob", NORM_TOPK_PROB_DEFAULT.get(model_type))
+    norm = hf.get("norm_topk_prob", defaults.get("norm_topk_prob"))
     if norm is not None and arch.moe_router_score_function == "softmax" and arch.moe_router_pre_softmax == bool(norm):
         problems.append(f"moe_router_pre_softmax: model file says {arch.moe_router_pre_softmax!r}, but config.json's "
                         f"norm_topk_prob {bool(norm)!r} needs {not norm!r} (true: softmax over all experts, no "
@@ -108,7 +109,7 @@ def _routing_mismatches(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str
         problems.append("moe_router_score_function: config.json's norm_topk_prob false with a sigmoid router: "
                         "Megatron always renormalises the chosen sigmoid scores (top-k > 1), so this checkpoint's "
                         "routing cannot be built")
-    bias = EXPERT_BIAS_OF_TYPE.get(model_type, True if hf.get("topk_method") == "noaux_tc" else None)
+    bias = defaults.get("e_score_correction_bias", True if hf.get("topk_method") == "noaux_tc" else None)
     if bias is not None and bias != arch.moe_router_enable_expert_bias:
         problems.append(f"moe_router_enable_expert_bias: model file says {arch.moe_router_enable_expert_bias!r}, "
                         f"config.json ({model_type}) {'has' if bias else 'has no'} e_score_correction_bias")
@@ -126,7 +127,7 @@ def _routing_mismatches(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str
     return problems
 
 
-def moe_mismatches(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str]:
+def moe_mismatches(arch: Any, hf: dict[str, Any]) -> list[str]:
     """Every MoE field against config.json, as readable lines (a dense file against an MoE checkpoint, too)."""
     experts = _hf_num_experts(hf)
     model_type = hf.get("model_type")
@@ -153,3 +154,56 @@ def moe_mismatches(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str]:
         problems.append(f"moe_layer_freq: the model file's dense-MLP layers are {ours_dense}, config.json's "
                         f"(first_k_dense_replace / mlp_only_layers / decoder_sparse_step) are {dense}")
     return problems + _routing_mismatches(arch, hf)
+
+
+def _hf_value(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if key in config and config[key] is not None:
+            return config[key]
+    return default
+
+
+def _hf_rope_theta(config: dict[str, Any]) -> float | None:
+    theta = _hf_value(config, "rope_theta")
+    if theta is None and isinstance(config.get("rope_parameters"), dict):
+        theta = config["rope_parameters"].get("rope_theta")
+    return theta
+
+
+def shape_mismatches(arch: Any, hf_config: dict[str, Any]) -> list[str]:
+    """A decoder's shape fields against config.json (MLA reads neither GQA field: `mla.fields_unused_by`)."""
+    heads = _hf_value(hf_config, "num_attention_heads")
+    hidden = _hf_value(hf_config, "hidden_size")
+    head_dim = _hf_value(hf_config, "head_dim", default=(hidden // heads if hidden and heads else None))
+    expected: dict[str, Any] = {
+        "num_layers": _hf_value(hf_config, "num_hidden_layers", "num_layers"),
+        "hidden_size": hidden,
+        "ffn_hidden_size": _hf_value(hf_config, "intermediate_size", "ffn_hidden_size"),
+        "num_attention_heads": heads,
+        "num_query_groups": _hf_value(hf_config, "num_key_value_heads", "multi_query_group_num", default=heads),
+        "kv_channels": head_dim,
+        "rotary_base": _hf_rope_theta(hf_config),
+        "norm_epsilon": _hf_value(hf_config, "rms_norm_eps", "layernorm_epsilon"),
+        "vocab_size": _hf_value(hf_config, "vocab_size", "padded_vocab_size"),
+        "tie_word_embeddings": _hf_value(hf_config, "tie_word_embeddings", default=False),
+    }
+    for unused in fields_unused_by(arch):
+        del expected[unused]
+    problems = []
+    for name, hf_value in expected.items():
+        if hf_value is None:
+            continue
+        ours = getattr(arch, name)
+        same = math.isclose(float(ours), float(hf_value), rel_tol=1e-9) if isinstance(ours, float) else ours == hf_value
+        if not same:
+            problems.append(f"{name}: model file says {ours!r}, config.json says {hf_value!r}")
+    return problems
+
+
+def architecture_mismatches(arch: Any, hf_config: dict[str, Any]) -> list[str]:
+    """Fields where the architecture file disagrees with an HF config.json, as readable lines: the shape, the
+    attention details and mixture-of-experts keys (here), MLA / YaRN / MTP (`hpc_rl.models.mla`), then the
+    family's own rules (its `check_config` hook)."""
+    attention = [] if arch.multi_latent_attention else attention_mismatches(arch, hf_config)
+    return (shape_mismatches(arch, hf_config) + attention + mla_mismatches(arch, hf_config)
+            + moe_mismatches(arch, hf_config) + list(family(arch.family).check_config(arch, hf_config)))

@@ -1,7 +1,9 @@
 """Multi-latent attention, YaRN and MTP fields of a `ModelArchitecture`: their rules and their HF config.json keys.
 
 Owns: what an MLA architecture must hold (`mla_field_problem`, called by `ModelArchitecture.__post_init__`)
-and its comparison with a DeepseekV3 / Glm4MoeLite config.json (`mla_mismatches`):
+and its comparison with a DeepseekV3 / Glm4MoeLite config.json (`mla_mismatches`, part of
+`hpc_rl.models.hf_checks.architecture_mismatches`). Shared by every family with `mla` set in the registry
+(deepseek_v3, glm4_moe_lite); config's modules import it (it imports no `hpc_rl.config`):
 
   Megatron (MLATransformerConfig)     HF config.json
   q_lora_rank                         q_lora_rank (null: one q_proj, Moonlight)
@@ -23,21 +25,21 @@ rope_type. Both need the rotary pairs interleaved (HF rope_interleave true: Mega
 de-interleaves) and the correction range rounded (HF truncate true). Group-limited routing: Megatron scores
 a group by its top (topk / group_topk) experts, DeepSeek-V3 (transformers and SGLang) by its top 2, so with
 more than one group the two agree only when topk / group_topk == 2 (DeepSeek-V3: 8 / 4).
-Pure: no torch.
+Pure: no torch; `arch` is a `hpc_rl.config.model.ModelArchitecture` (not imported: config imports this module).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.models.registry import all_families, family
 
 MLA_SHAPE_FIELDS = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 HF_KEY_OF_FIELD = {"q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_head_dim": "qk_nope_head_dim",
                    "qk_pos_emb_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim"}
-MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "kimi_k2")
+OTHER_MLA_MODEL_TYPES = ("deepseek_v2", "kimi_k2")
+"""MLA model types no family reads (a config.json of theirs is still recognised as MLA)."""
 GQA_ONLY_FIELDS = ("kv_channels", "num_query_groups")
 """Fields MLA does not read (Megatron's MLASelfAttention sizes its heads by num_attention_heads and the MLA
 widths): a model file that inherits or states them is not checked against config.json's num_key_value_heads /
@@ -46,21 +48,31 @@ GROUP_SCORE_TOP = 2
 """DeepSeek-V3 scores an expert group by the sum of its best two experts' scores (transformers, SGLang)."""
 
 
-def fields_unused_by(arch: ModelArchitecture) -> tuple[str, ...]:
+def mla_family_names() -> tuple[str, ...]:
+    """The registered families with multi-latent attention."""
+    return tuple(f.name for f in all_families() if f.mla)
+
+
+def mla_model_types() -> tuple[str, ...]:
+    """config.json model types with multi-latent attention (the MLA families' and a few others')."""
+    return tuple(t for f in all_families() if f.mla for t in f.hf_model_types) + OTHER_MLA_MODEL_TYPES
+
+
+def fields_unused_by(arch: Any) -> tuple[str, ...]:
     """The shape fields this architecture's attention does not use (not compared with config.json)."""
     return GQA_ONLY_FIELDS if arch.multi_latent_attention else ()
 
 
-def mla_field_problem(arch: ModelArchitecture) -> str | None:
+def mla_field_problem(arch: Any) -> str | None:
     """Why these MLA/YaRN/MTP fields cannot be built (None: they can)."""
-    from hpc_rl.config.model import MLA_FAMILIES
-
-    if arch.family in MLA_FAMILIES and not arch.multi_latent_attention:
+    mla_families = mla_family_names()
+    if family(arch.family).mla and not arch.multi_latent_attention:
         return f"family {arch.family!r} uses multi-latent attention: set multi_latent_attention (--multi-latent-attention)"
     if arch.multi_latent_attention:
-        if arch.family not in MLA_FAMILIES:
+        if arch.family not in mla_families:
+            architectures = ", ".join(a for name in mla_families for a in family(name).hf_architectures)
             return (f"multi_latent_attention with family {arch.family!r}: hpc_rl builds MLA for "
-                    f"{', '.join(MLA_FAMILIES)} (DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM)")
+                    f"{', '.join(mla_families)} ({architectures})")
         missing = [name for name in MLA_SHAPE_FIELDS if not getattr(arch, name)]
         if missing:
             return f"multi_latent_attention needs {', '.join(missing)} (--{' --'.join(m.replace('_', '-') for m in missing)})"
@@ -81,7 +93,7 @@ def mla_field_problem(arch: ModelArchitecture) -> str | None:
     return group_routing_problem(arch)
 
 
-def group_routing_problem(arch: ModelArchitecture) -> str | None:
+def group_routing_problem(arch: Any) -> str | None:
     """Megatron's group score (top topk/group_topk) must be DeepSeek-V3's (top 2) when there are groups."""
     groups, group_topk = arch.moe_router_num_groups or 1, arch.moe_router_group_topk
     if not arch.multi_latent_attention or groups <= 1 or not group_topk:
@@ -101,7 +113,7 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def megatron_rotary_numbers(arch: ModelArchitecture) -> dict[str, float]:
+def megatron_rotary_numbers(arch: Any) -> dict[str, float]:
     """What Megatron's MLA computes from the fields: the rotary frequencies' inputs, the cos/sin factor and
     the softmax's extra factor."""
     if not arch.yarn:
@@ -159,7 +171,7 @@ def hf_yarn_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _rotary_mismatches(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str]:
+def _rotary_mismatches(arch: Any, hf: dict[str, Any]) -> list[str]:
     scaling = hf_rope_scaling(hf)
     problems = []
     if scaling and scaling["rope_type"] != "yarn":
@@ -178,9 +190,9 @@ def _rotary_mismatches(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str]
     return problems
 
 
-def mla_mismatches(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str]:
+def mla_mismatches(arch: Any, hf: dict[str, Any]) -> list[str]:
     """Every MLA, YaRN and MTP field against config.json (a GQA file against an MLA checkpoint, too)."""
-    hf_is_mla = hf.get("kv_lora_rank") is not None or hf.get("model_type") in MLA_MODEL_TYPES
+    hf_is_mla = hf.get("kv_lora_rank") is not None or hf.get("model_type") in mla_model_types()
     if not arch.multi_latent_attention:
         return [f"multi_latent_attention: the model file has GQA attention, config.json ({hf.get('model_type')}) "
                 f"multi-latent attention (kv_lora_rank {hf.get('kv_lora_rank')})"] if hf_is_mla else []
