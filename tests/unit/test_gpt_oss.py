@@ -10,7 +10,9 @@ import torch
 
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
 from hpc_rl.models.gpt_oss.architecture import architecture_fields_from_hf, window_layers
-from hpc_rl.models.gpt_oss.checkpoint import PerExpertReader, dequantize_mxfp4, fuse_experts, is_mxfp4, unfuse_experts
+from hpc_rl.models.gpt_oss.checkpoint import (
+    PerExpertReader, dequantize_mxfp4, fuse_experts, fused_state, is_mxfp4, unfuse_experts,
+)
 
 HF_20B = {  # openai/gpt-oss-20b's config.json, the fields the check reads
     "model_type": "gpt_oss", "num_hidden_layers": 24, "hidden_size": 2880, "intermediate_size": 2880,
@@ -134,6 +136,12 @@ def test_fused_experts_split_by_interleave_and_fuse_back_bit_exact() -> None:
     assert set(back) == {f"{prefix}.{name}" for name in fused}
     for name, tensor in fused.items():
         assert torch.equal(back[f"{prefix}.{name}"], tensor), name
+    other = "model.layers.1.mlp.experts"
+    state = {"model.norm.weight": torch.ones(2), **per_expert, **unfuse_experts(other, _fused(experts=2))}
+    whole = fused_state(state)  # what the converter and --save-hf write
+    assert set(whole) == {"model.norm.weight", *back, *(f"{other}.{name}" for name in fused)}
+    assert torch.equal(whole[f"{prefix}.gate_up_proj"], fused["gate_up_proj"])
+    assert whole[f"{other}.down_proj_bias"].shape == (2, 64)
 
 
 def test_reader_serves_mxfp4_experts_under_per_expert_names() -> None:

@@ -2,9 +2,10 @@
 
 Owns: MXFP4 dequantisation (`dequantize_mxfp4`), splitting a layer's fused experts into the per-expert tensors
 `hpc_rl.models.gpt_oss.names` maps (`unfuse_experts`) and back (`fuse_experts`), a reader that serves a
-checkpoint's tensors under the per-expert names (`PerExpertReader`, used by `hpc_rl.weights.hf_import`), and the
-same per-expert names as views into a loaded transformers model's fused experts (`expert_views`, the CPU engine's
-weight updates by HF name).
+checkpoint's tensors under the per-expert names (`PerExpertReader`, used by `hpc_rl.weights.hf_import`), writing
+them back in the released layout (`fused_state`, for the torch_dist -> HF converter and --save-hf: transformers
+and SGLang read gpt-oss's experts fused only), and the same per-expert names as views into a loaded transformers
+model's fused experts (`expert_views`, the CPU engine's weight updates by HF name).
 
 On disk (transformers' GptOssForCausalLM and openai/gpt-oss-*):
   bf16:  model.layers.L.mlp.experts.gate_up_proj [E, H, 2I] (x @ W; gate = even columns, up = odd),
@@ -94,6 +95,26 @@ def fuse_experts(prefix: str, per_expert: Mapping[str, torch.Tensor], num_expert
         gate_b, up_b = stack("gate_proj", "bias"), stack("up_proj", "bias")
         out[f"{prefix}.gate_up_proj_bias"] = torch.stack([gate_b, up_b], dim=-1).flatten(-2).contiguous()
         out[f"{prefix}.down_proj_bias"] = stack("down_proj", "bias")
+    return out
+
+
+def fused_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (HF names) with every layer's per-expert tensors replaced by the layer's fused ones, in the order the
+    layers' first expert tensor came; a layer must hold all its experts (E read off the highest index)."""
+    layers: dict[str, int] = {}
+    for name in state:
+        match = _PER_EXPERT.match(name)
+        if match:
+            layers[match.group(1)] = max(layers.get(match.group(1), 0), int(match.group(2)) + 1)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            out[name] = tensor
+        elif f"{match.group(1)}.gate_up_proj" not in out:
+            prefix = match.group(1)
+            out.update(fuse_experts(prefix, {k: v for k, v in state.items() if k.startswith(prefix + ".")},
+                                    layers[prefix]))
     return out
 
 
