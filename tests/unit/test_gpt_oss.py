@@ -215,3 +215,18 @@ def test_cpu_engine_updates_fused_experts_by_per_expert_names() -> None:
     experts = model.model.layers[0].mlp.experts
     for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
         assert torch.equal(getattr(experts, name).detach(), expected[f"{prefix}.{name}"]), name
+
+
+def test_submit_refuses_expert_tp_with_biases_and_gpt_oss_sync_that_sglang_would_skip() -> None:
+    from hpc_rl.config import load_config
+    from hpc_rl.config.validation import collect_problems
+
+    line = shlex.split(FIXED_LINE) + ["--hf-checkpoint", "/nonexistent/gpt-oss", "--tensor-model-parallel-size", "2",
+                                      "--sequence-parallel"]
+    found = {p.where: p.message for p in collect_problems(load_config([], line), check_files=False)}
+    assert "Megatron builds MoE biases at expert TP 1 only" in found["training.expert_tensor_parallel_size"]
+    assert "skipping other names without an error" in found["rollout.update_weight_transport"]
+    fine = {p.where for p in collect_problems(load_config([], line + [
+        "--expert-tensor-parallel-size", "1", "--update-weight-transport", "disk",
+        "--update-weight-disk-dir", "/nonexistent/weights"]), check_files=False)}
+    assert not fine & {"training.expert_tensor_parallel_size", "rollout.update_weight_transport"}
