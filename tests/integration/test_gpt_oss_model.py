@@ -68,6 +68,11 @@ def _rank(hf_dir: str, model_file: str, engine_rows: list[list[int]]) -> dict:
             out[(tp, ep, "alone")] = [gathered(forward_logits(model, torch.tensor([row])))[0] for row in PACKED]
             if (tp, ep) == (1, 1):
                 out["engine_rows"] = [gathered(forward_logits(model, torch.tensor([row])))[0] for row in engine_rows]
+                from hpc_rl.training.layer_specs import PackedSequenceAttention
+
+                PackedSequenceAttention.BLOCK_MASK_MAX_TOKENS = 8  # long rows: one attention call per sequence
+                out["packed_per_sequence"] = gathered(micro.forward(model))[0, : sum(map(len, PACKED))]
+                PackedSequenceAttention.BLOCK_MASK_MAX_TOKENS = 2048
         exported = export_hf_state_dict(model, arch, tp_group if tp > 1 else None, ExpertLayout.current(arch))
         out[(tp, ep, "export")] = {name: tensor.clone() for name, tensor in exported}
     shutdown_parallel()
@@ -126,6 +131,9 @@ def test_gpt_oss_matches_transformers_at_tp_ep_and_packed(tmp_path: Path) -> Non
             assert gap < 1e-4, f"TP{tp} EP{ep}: logits differ from transformers' by {gap}"
             packed, alone = rank_out[(tp, ep, "packed")], torch.cat(rank_out[(tp, ep, "alone")])
             assert (packed - alone).abs().max().item() < 1e-5, f"TP{tp} EP{ep}: packed rows see their neighbour"
+            if (tp, ep) == (1, 1):
+                gap = (rank_out["packed_per_sequence"] - alone).abs().max().item()
+                assert gap < 1e-5, f"packed rows run per sequence differ by {gap}"
         exported = results[0][(tp, ep, "export")]
         assert set(exported) == set(checkpoint), f"TP{tp} EP{ep}: {set(exported) ^ set(checkpoint)}"
         unequal = [name for name in checkpoint if not torch.equal(exported[name], checkpoint[name])]
