@@ -230,3 +230,21 @@ def test_submit_refuses_expert_tp_with_biases_and_gpt_oss_sync_that_sglang_would
         "--expert-tensor-parallel-size", "1", "--update-weight-transport", "disk",
         "--update-weight-disk-dir", "/nonexistent/weights"]), check_files=False)}
     assert not fine & {"training.expert_tensor_parallel_size", "rollout.update_weight_transport"}
+
+
+def test_mxfp4_experts_equal_transformers_dequantisation() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    prefix = "model.layers.0.mlp.experts"
+    generator = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (2, 64, 2, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(118, 134, (2, 64, 2), dtype=torch.uint8, generator=generator)
+    down_blocks = torch.randint(0, 256, (2, 64, 1, 16), dtype=torch.uint8, generator=generator)
+    down_scales = torch.randint(118, 134, (2, 64, 1), dtype=torch.uint8, generator=generator)
+    reader = PerExpertReader({f"{prefix}.gate_up_proj_blocks": blocks, f"{prefix}.gate_up_proj_scales": scales,
+                              f"{prefix}.down_proj_blocks": down_blocks, f"{prefix}.down_proj_scales": down_scales})
+    theirs = unfuse_experts(prefix, {"gate_up_proj": convert_moe_packed_tensors(blocks, scales),
+                                     "down_proj": convert_moe_packed_tensors(down_blocks, down_scales)})
+    assert set(theirs) == set(reader.keys())
+    for name, tensor in theirs.items():
+        assert reader[name].dtype == torch.bfloat16 and torch.equal(reader[name], tensor), name
