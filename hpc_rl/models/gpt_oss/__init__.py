@@ -11,6 +11,7 @@ TransformerConfig fields: `hpc_rl.training.model_provider.attention_and_glu_fiel
 """
 
 from hpc_rl.models.gpt_oss.architecture import field_problem, gpt_oss_mismatches
+from hpc_rl.models.gpt_oss.flags import GPT_OSS_SPEC
 from hpc_rl.models.gpt_oss.names import layer_rows
 from hpc_rl.models.registry import ModelFamily, lazy_hook
 
@@ -19,6 +20,7 @@ FAMILY = ModelFamily(
     hf_model_types=("gpt_oss",),
     hf_architectures=("GptOssForCausalLM",),
     moe=True,
+    slime_spec=GPT_OSS_SPEC,
     description="gpt-oss (gpt-oss-20b, gpt-oss-120b; the MXFP4 release is read as bf16)",
     hf_defaults={"use_qk_norm": False, "scoring_func": "softmax", "e_score_correction_bias": False,
                  "norm_topk_prob": True, "n_shared_experts": 0},
