@@ -173,3 +173,23 @@ def test_gpt_oss_converters_round_trip_bit_exact(tmp_path: Path) -> None:
     assert set(back) == set(original), set(back) ^ set(original)
     unequal = [name for name in original if not torch.equal(back[name], original[name])]
     assert not unequal, f"not bit-exact after HF -> torch_dist (EP2) -> HF: {unequal[:4]}"
+
+
+def test_tiny_gpt_oss_run_engine_logprobs_equal_the_trainers_after_every_sync(tmp_path: Path) -> None:
+    """configs/tiny_moe_cpu.yaml with the tiny gpt-oss: two trainer ranks at EP2 and a CPU engine serving
+    transformers' GptOssForCausalLM; every sync sends each expert under its per-expert HF names, which the engine
+    writes into its fused, interleaved experts: its log-probs equal the trainer's after every sync."""
+    from hpc_rl.models.gpt_oss.architecture import architecture_fields_from_hf
+    from hpc_rl.models.gpt_oss.tiny import make_tiny
+    from tests.integration.run_helpers import processes_mentioning, run_tiny_recipe_in_sync
+
+    hf_dir = make_tiny(tmp_path / "tiny_gpt_oss")
+    fields = architecture_fields_from_hf(json.loads((hf_dir / "config.json").read_text()))
+    model_file = tmp_path / "tiny_gpt_oss.yaml"
+    model_file.write_text(yaml.safe_dump({**fields, "make_vocab_size_divisible_by": 8}))
+    run_dir = tmp_path / "run"
+    rows = run_tiny_recipe_in_sync(run_dir, "configs/tiny_moe_cpu.yaml", "--model", str(model_file),
+                                   "--hf-checkpoint", str(hf_dir), "--eval-interval", "100")
+    assert all(row["metrics"]["train/samples"] == 128.0 for row in rows)
+    assert "Traceback" not in (run_dir / "logs" / "trainer.log").read_text()
+    assert processes_mentioning(str(run_dir)) == []
