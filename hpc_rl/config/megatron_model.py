@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.models.gpt_oss.flags import GPT_OSS_SPEC, apply_gpt_oss_flags, gpt_oss_flags_given
 from hpc_rl.models.mla import hf_yarn_fields, mla_family_names
 from hpc_rl.models.registry import all_families, family_for_hf_model_type, family_for_slime_spec
 
@@ -59,12 +60,15 @@ def _required_behaviour_problems(flags: dict[str, Any], from_scratch: bool) -> l
     elif normalization is None and from_scratch:
         problems.append("--normalization: Megatron's default is LayerNorm, which hpc_rl does not build; add --normalization RMSNorm")
     position = flags.get("position_embedding_type")
-    if position is not None and position != "rope":
+    if position == "yarn" and not _is_gpt_oss(flags):
+        problems.append("--position-embedding-type yarn: hpc_rl builds YaRN on grouped-query attention for gpt-oss "
+                        f"(--spec {' '.join(GPT_OSS_SPEC)}) only")
+    elif position is not None and position not in ("rope", "yarn"):
         problems.append(f"--position-embedding-type {position}: hpc_rl builds rotary (rope) models only")
     elif position is None and from_scratch and not flags.get("use_rotary_position_embeddings"):
         problems.append("Megatron's default position embedding is learned_absolute, which hpc_rl does not build; "
                         "add --use-rotary-position-embeddings")
-    if from_scratch and not flags.get("swiglu"):
+    if from_scratch and not flags.get("swiglu") and not flags.get("quick_geglu"):
         problems.append("Megatron's default MLP is GeLU, which hpc_rl does not build; add --swiglu")
     if bool(flags.get("post_self_attn_layernorm")) != bool(flags.get("post_mlp_layernorm")):
         problems.append("--post-self-attn-layernorm and --post-mlp-layernorm come together (GLM4's sandwich norms); "
@@ -73,6 +77,10 @@ def _required_behaviour_problems(flags: dict[str, Any], from_scratch: bool) -> l
         problems.append("--num-query-groups without --group-query-attention: Megatron ignores it and builds one KV head "
                         "per query head; add --group-query-attention")
     return problems
+
+
+def _is_gpt_oss(flags: dict[str, Any]) -> bool:
+    return tuple(flags.get("spec") or ()) == GPT_OSS_SPEC
 
 
 def _scratch_fields(flags: dict[str, Any], hf_config: dict[str, Any] | None, problems: list[str]) -> dict[str, Any]:
@@ -184,7 +192,8 @@ def _apply_mla_flags(flags: dict[str, Any], fields: dict[str, Any], problems: li
     Megatron's MLA layers take no q/k/v bias, so --add-qkv-bias (GLM-4.7-Flash's line) changes nothing there."""
     if "mtp_num_layers" in flags:
         fields["mtp_num_layers"] = flags["mtp_num_layers"] or None
-    mla_flags = [name for name in (*MLA_FLAG_DEFAULTS, "rope_type") if name in flags]
+    mla_flags = [name for name in (*MLA_FLAG_DEFAULTS, "rope_type") if name in flags
+                 and not (name == "rotary_scaling_factor" and flags.get("position_embedding_type") == "yarn")]
     if not flags.get("multi_latent_attention") and not fields.get("multi_latent_attention"):
         if mla_flags:
             problems.append(" ".join("--" + f.replace("_", "-") for f in mla_flags) + " without "
@@ -221,6 +230,11 @@ def architecture_from_flags(
     if fields:
         _apply_mla_flags(flags, fields, problems, hf_config)
         _apply_moe_flags(flags, fields, problems, hf_type)
+        if fields.get("family") == "gpt_oss" or hf_type == "gpt_oss":
+            apply_gpt_oss_flags(flags, fields, problems, hf_config)
+        elif gpt_oss_flags_given(flags):
+            problems.append(" ".join("--" + f.replace("_", "-") for f in gpt_oss_flags_given(flags)) + ": hpc_rl "
+                            f"builds these for gpt-oss only (--spec {' '.join(GPT_OSS_SPEC)})")
         if fields.get("multi_latent_attention") and not fields.get("num_moe_experts"):
             problems.append("--multi-latent-attention without --num-experts: hpc_rl builds MLA for the MoE families "
                             f"{', '.join(mla_family_names())} (DeepSeek-V3, Kimi-K2, Moonlight, GLM-4.7-Flash)")

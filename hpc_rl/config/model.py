@@ -161,6 +161,25 @@ class ModelArchitecture:
     linear_num_value_heads: int | None = None
     """Value heads of linear attention, a multiple of the key heads (HF linear_num_value_heads)."""
 
+    # gpt-oss (issue 31; Megatron's TransformerConfig names; hpc_rl.models.gpt_oss checks them against config.json).
+    softmax_type: str = "vanilla"
+    """Megatron's attention softmax: vanilla | learnable (a learnable per-head sink logit in the softmax's
+    denominator: gpt-oss's `self_attn.sinks`)."""
+    window_size: list[int] | None = None
+    """Sliding-window attention as Megatron's (left, right): a query attends keys i-left..i+right (HF
+    sliding_window W is [W - 1, 0]); None: full attention everywhere."""
+    window_attn_skip_freq: int | list[int] | None = None
+    """Which layers use the window (Megatron's): an int N: every N-th layer is full (gpt-oss: 2, layers 1, 3, ...
+    full); a list: 1 = windowed, per layer; None with window_size: every layer windowed."""
+    quick_geglu: bool = False
+    """The gated MLP's activation is quick GELU x * sigmoid(1.702 x) (Megatron's --quick-geglu) instead of SiLU."""
+    glu_linear_offset: float = 0.0
+    """Added to the gated MLP's linear half before the product (gpt-oss: 1.0, `(up + 1) * glu`)."""
+    activation_func_clamp_value: float | None = None
+    """Clamp of the gated MLP's inputs (gpt-oss's swiglu_limit): the gate half above, the linear half both sides."""
+    yarn_correction_range_round_to_int: bool = True
+    """YaRN rounds its correction range to whole dims (HF rope_parameters truncate; gpt-oss: false)."""
+
     @property
     def is_moe(self) -> bool:
         return self.num_moe_experts is not None

@@ -2,7 +2,8 @@
 
 Owns: what Megatron-core 0.16.1 or SGLang 0.5.23 would refuse only after the queue wait, as problems that
 name the numbers: the trainer's expert layout (`parallel_layout`), the MoE training values (dispatcher,
-router dtype, load balancing, drop policy, capacity factor), DeepEP and the flex dispatcher only on cuda,
+router dtype, load balancing, drop policy, capacity factor), expert biases only at expert TP 1, sliding windows
+without CP on cpu, gpt-oss's weight sync to SGLang only from disk, DeepEP and the flex dispatcher only on cuda,
 routing replay only for MoE models, group-limited routing, top-1 softmax routing; Megatron's optimizer
 offload rules; SGLang's MoE engine options against the engine's GPUs and the model's experts (attention DP,
 EP, dense-MLP TP, DP LM head); and one note line per GPU-only choice a cpu run keeps, with the same numerics.
@@ -56,6 +57,14 @@ def _training_value_problems(config: RunConfig, arch: ModelArchitecture) -> Prob
             and training.moe_router_load_balancing_type != "sinkhorn":
         problems.append(("model", "top-1 softmax routing needs --moe-router-pre-softmax (a softmax over the one "
                                   "chosen expert has zero gradient; Megatron refuses it)"))
+    expert_tp = training.expert_tensor_parallel_size or training.tensor_model_parallel_size
+    if arch.add_bias_linear and expert_tp > 1:
+        problems.append(("training.expert_tensor_parallel_size", f"{expert_tp} (it defaults to TP): the experts have "
+                         f"biases (gpt-oss) and Megatron builds MoE biases at expert TP 1 only: add "
+                         f"--expert-tensor-parallel-size 1 (slime's gpt-oss line does)"))
+    if arch.window_size and config.training.context_parallel_size > 1 and config.cluster.device == "cpu":
+        problems.append(("training.context_parallel_size", "sliding-window attention under context parallelism is "
+                         "not built on device cpu (its CP attention has no window band): use 1"))
     if arch.moe_router_group_topk is not None:
         groups = arch.moe_router_num_groups
         if not groups or (arch.num_moe_experts or 0) % groups or arch.moe_router_group_topk > groups:
@@ -103,6 +112,13 @@ def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Pr
     """SGLang's MoE engine options against the engine's GPUs and the model (SGLang checks them at start)."""
     if engine_kind(config.rollout.engine, config.cluster.device) != "sglang":
         return []
+    if arch is not None and arch.family == "gpt_oss" and config.rollout.update_weight_transport != "disk":
+        return [("rollout.update_weight_transport", (
+            f"{config.rollout.update_weight_transport!r} with gpt-oss on SGLang: hpc_rl sends each expert under its "
+            f"own HF name (mlp.experts.K.gate_proj.weight ...), and SGLang's gpt-oss loader reads experts only as "
+            f"the fused mlp.experts.gate_up_proj / down_proj tensors of its checkpoint, skipping other names without "
+            f"an error (the engine would keep its first weights); use --update-weight-transport disk (the HF "
+            f"checkpoint hpc_rl writes has them fused), not colocated"))]
     options = config.sglang.server_options()
     gpus = config.cluster.rollout_num_gpus_per_engine
     problems = []

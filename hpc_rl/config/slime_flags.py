@@ -93,14 +93,25 @@ MODEL_VALUE_FLAGS.update(MLA_MODEL_VALUE_FLAGS)
 MODEL_SWITCHES += MLA_MODEL_SWITCHES
 # --- end of the MLA block
 
+# --- gpt-oss (issue 31): Megatron's flags for attention sinks, sliding windows, the clamped quick-GELU GLU and YaRN
+# on GQA attention, read by hpc_rl.models.gpt_oss.flags (which also says where slime's gpt-oss line disagrees
+# with the checkpoint).
+from hpc_rl.models.gpt_oss.flags import GPT_OSS_MODEL_SWITCHES, GPT_OSS_MODEL_VALUE_FLAGS  # noqa: E402
+
+MODEL_VALUE_FLAGS.update(GPT_OSS_MODEL_VALUE_FLAGS)
+MODEL_SWITCHES += GPT_OSS_MODEL_SWITCHES
+# --- end of the gpt-oss block
+
 MODEL_FLAGS = frozenset(MODEL_VALUE_FLAGS) | frozenset(MODEL_SWITCHES)
 
 # Architectures hpc_rl cannot build: flag -> reason.
 UNBUILDABLE_MODEL_FLAGS: dict[str, str] = {
     "moe_shared_expert_gate": ("hpc_rl builds Qwen3-MoE and GLM-4.5 MoE models; a gated shared expert "
                                "(Qwen2-MoE, Qwen3-Next) is neither"),
-    "use_rope_scaling": ("hpc_rl applies plain RoPE, or YaRN inside multi-latent attention; a Llama-3.1-style "
-                         "scaled RoPE would train silently wrong"),
+    "use_rope_scaling": ("hpc_rl applies plain RoPE, YaRN inside multi-latent attention, or YaRN on gpt-oss "
+                         "(--position-embedding-type yarn --rotary-scaling-factor 32, what its config.json says, "
+                         "where slime's gpt-oss line has --use-rope-scaling --rope-scaling-factor 32); Megatron's "
+                         "--use-rope-scaling is Llama 3.1's scaled RoPE, which would train silently wrong"),
     "apply_layernorm_1p": "hpc_rl builds RMSNorm models only",
 }
 
@@ -144,6 +155,14 @@ COMPAT_FLAGS.update({
     "no_position_embedding": CompatFlag((True,), "rotary models have no learned position embedding; hpc_rl never "
                                                  "builds one"),
     # --make-vocab-size-divisible-by is a model value flag (ModelArchitecture.make_vocab_size_divisible_by)
+})
+
+# slime's gpt-oss line (issue 31): flags that state what hpc_rl does.
+COMPAT_FLAGS.update({
+    "use_mcore_models": CompatFlag((True,), "hpc_rl always builds Megatron-core models"),
+    "tokenizer_type": CompatFlag(("HuggingFaceTokenizer",), "hpc_rl reads the checkpoint's HF tokenizer"),
+    "no_bias_gelu_fusion": CompatFlag((True,), "hpc_rl never fuses bias and activation (Megatron-core's default)"),
+    "no_bias_dropout_fusion": CompatFlag((True,), "hpc_rl never fuses bias and dropout (Megatron-core's default)"),
 })
 
 # Other spellings of hpc_rl fields: flag name -> field path (value passed through).

@@ -135,4 +135,8 @@ def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: s
     state = {name: tensor.clone() for name, tensor in export_hf_state_dict(model, arch)}
     for copy, source in mtp_copies(arch):  # DeepSeek's per-MTP-layer embedding / head copies
         state[copy] = state[source].clone()
+    if arch.family == "gpt_oss":  # experts fused, as released (transformers and SGLang read no other layout)
+        from hpc_rl.models.gpt_oss.checkpoint import fused_state
+
+        state = fused_state(state)
     return write_hf_checkpoint(state, output_dir, hf_reference)

@@ -96,13 +96,21 @@ class PackedSequenceAttention(DotProductAttention):
     Under context parallelism (CP group of size > 1; THD only) the rows are this rank's chunks of
     each sequence and `context_parallel.context_parallel_attention` runs them over the CP group's
     gathered K/V (the CPU twin of TE's CP attention; the parent refuses CP, so it is built with CP=1).
+
+    Sliding windows (gpt-oss; TE and flash take `window_size` on GPU): the parent's torch softmax builds its
+    window mask on "cuda" and uses it in place of the mask it is given (so a packed row would see its neighbour
+    sample), so this class takes the window off the parent's softmax and adds Megatron's band (a query i sees keys
+    i-left..i+right) to whatever mask the call has: causal, block-diagonal or per sequence. Attention sinks
+    (softmax_type learnable) are the parent's own softmax offset, unchanged. A window under context parallelism
+    is refused (the gathered K/V path has no band yet).
     """
 
     BLOCK_MASK_MAX_TOKENS = 2048
 
     def __init__(self, config: TransformerConfig, *args: Any, pg_collection: Any = None, **kwargs: Any) -> None:
         cp_group = getattr(pg_collection, "cp", None)
-        if config.context_parallel_size > 1:
+        context_parallel = config.context_parallel_size > 1
+        if context_parallel:
             if cp_group is None:
                 from megatron.core import parallel_state
 
@@ -111,12 +119,29 @@ class PackedSequenceAttention(DotProductAttention):
             config.context_parallel_size = 1
         super().__init__(config, *args, pg_collection=pg_collection, **kwargs)
         self.cp_group = cp_group
+        self.window_size = self.scale_mask_softmax.window_size
+        self.scale_mask_softmax.window_size = None  # the band is added to the call's mask instead (_windowed)
+        if self.window_size is not None and context_parallel:
+            raise ValueError("sliding-window attention with context parallelism on the CPU attention is not built; "
+                             "use context_parallel_size 1 (or Transformer Engine on GPU)")
+
+    def _windowed(self, mask: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor | None:
+        """`mask` (True = masked, [.., sq, sk]; None = causal) with the keys outside the window masked too."""
+        if self.window_size is None:
+            return mask
+        if mask is None:
+            mask = torch.triu(torch.ones(rows, rows, dtype=torch.bool, device=device), 1)[None, None]
+        left, right = self.window_size
+        rows, keys = mask.shape[-2:]
+        query = torch.arange(rows, device=mask.device)[:, None] + (keys - rows)
+        key = torch.arange(keys, device=mask.device)[None, :]
+        return mask | (key < query - left) | (key > query + right)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
         if packed_seq_params is None:
-            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                   attention_bias=attention_bias)
+            return super().forward(query, key, value, self._windowed(attention_mask, query.shape[0], query.device),
+                                   attn_mask_type=attn_mask_type, attention_bias=attention_bias)
         cu_seqlens = packed_seq_params.cu_seqlens_q_padded
         if cu_seqlens is None:
             cu_seqlens = packed_seq_params.cu_seqlens_q
@@ -131,8 +156,9 @@ class PackedSequenceAttention(DotProductAttention):
                                               block_mask_max_tokens=self.BLOCK_MASK_MAX_TOKENS)
         total = query.shape[0]
         if total <= self.BLOCK_MASK_MAX_TOKENS:
-            return super().forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1),
-                                   packed_causal_mask(cu_seqlens[1:].to(torch.long), total)[None, None],
+            mask = self._windowed(packed_causal_mask(cu_seqlens[1:].to(torch.long), total)[None, None], total,
+                                  query.device)
+            return super().forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
                                    attn_mask_type=attn_mask_type, attention_bias=attention_bias)
         bounds = [int(b) for b in cu_seqlens.tolist()]
         outputs = []
@@ -141,7 +167,8 @@ class PackedSequenceAttention(DotProductAttention):
                 continue
             mask = torch.triu(torch.ones(end - start, end - start, dtype=torch.bool, device=query.device), 1)
             outputs.append(super().forward(query[start:end].unsqueeze(1), key[start:end].unsqueeze(1),
-                                           value[start:end].unsqueeze(1), mask[None, None],
+                                           value[start:end].unsqueeze(1),
+                                           self._windowed(mask[None, None], end - start, query.device),
                                            attn_mask_type=attn_mask_type, attention_bias=attention_bias))
         return torch.cat(outputs, dim=0)
 

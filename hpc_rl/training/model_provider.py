@@ -7,7 +7,8 @@ embedding on the first stage, the final norm and output layer on the last, and t
 to the stage (an even split; `num_layers` must divide by PP). With tied
 embeddings and PP > 1 the last stage holds a copy of the embedding as its output layer, made equal
 to the first stage's at build time and kept equal by `finalize_model_grads` (embedding group).
-MoE architectures get the architecture's routing math and the `training` section's MoE settings under
+Attention sinks, sliding windows, the clamped quick-GELU GLU and YaRN on GQA attention (gpt-oss) are Megatron's
+own options (`attention_and_glu_fields`, `yarn_config_attributes`). MoE architectures get the architecture's routing math and the `training` section's MoE settings under
 Megatron's names (`moe_config_fields`); on CPU the GPU-only kernel choices are turned off
 (`cpu_switch.cpu_moe_overrides`, the same numerics) and Megatron's MoE layer is made runnable
 (`cpu_switch.prepare_megatron_moe`). Does not own weights (see `hpc_rl.weights.hf_import` /
@@ -111,6 +112,47 @@ def mla_config_fields(arch: ModelArchitecture, training: TrainingConfig) -> dict
     return fields
 
 
+def attention_and_glu_fields(arch: ModelArchitecture) -> dict[str, object]:
+    """TransformerConfig fields for attention sinks, sliding windows and the clamped quick-GELU GLU (gpt-oss; empty
+    when the architecture has none): Megatron's own softmax offset, window and GLU options, under its names."""
+    fields: dict[str, object] = {}
+    if arch.softmax_type != "vanilla":
+        fields["softmax_type"] = arch.softmax_type
+    if arch.window_size:
+        skip = arch.window_attn_skip_freq
+        fields.update(window_size=tuple(arch.window_size),
+                      window_attn_skip_freq=list(skip) if isinstance(skip, list) else skip)
+    if arch.quick_geglu:
+        from megatron.core.activations import quick_gelu
+
+        fields["activation_func"] = quick_gelu
+    if arch.glu_linear_offset:
+        fields["glu_linear_offset"] = arch.glu_linear_offset
+    if arch.activation_func_clamp_value is not None:
+        fields["activation_func_clamp_value"] = arch.activation_func_clamp_value
+    return fields
+
+
+def uses_gqa_yarn(arch: ModelArchitecture) -> bool:
+    """YaRN on grouped-query attention (GPTModel's yarn rotary: gpt-oss); MLA applies its own YaRN."""
+    return arch.yarn and not arch.multi_latent_attention
+
+
+def yarn_config_attributes(arch: ModelArchitecture) -> dict[str, object]:
+    """The `yarn_*` attributes GPTModel's yarn rotary and the attention's cos/sin factor read off the config (with
+    getattr: they are not TransformerConfig fields). mscale and mscale_all_dim None: the factor is 0.1 ln(f) + 1,
+    transformers' default attention_factor."""
+    if not uses_gqa_yarn(arch):
+        return {}
+    default_mscale = arch.mscale == 1.0 and arch.mscale_all_dim == 0.0
+    return {"yarn_rotary_scaling_factor": arch.rotary_scaling_factor,
+            "yarn_original_max_position_embeddings": arch.original_max_position_embeddings,
+            "yarn_beta_fast": arch.beta_fast, "yarn_beta_slow": arch.beta_slow,
+            "yarn_mscale": None if default_mscale else arch.mscale,
+            "yarn_mscale_all_dim": None if default_mscale else arch.mscale_all_dim,
+            "yarn_correction_range_round_to_int": arch.yarn_correction_range_round_to_int}
+
+
 def check_moe_training(arch: ModelArchitecture, training: TrainingConfig) -> None:
     """Refuse MoE layouts Megatron cannot train, before a model is built (converters only load and save)."""
     if not arch.is_moe:
@@ -154,7 +196,9 @@ def transformer_config(
             "recompute_method": training.recompute_method,
             "recompute_num_layers": training.recompute_num_layers,
         }
-    return config_class(
+    fields = dict(gated_linear_unit=True, activation_func=F.silu)
+    fields.update(attention_and_glu_fields(arch))  # sinks, sliding windows, clamped quick-GELU GLU (gpt-oss)
+    config = config_class(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -166,8 +210,6 @@ def transformer_config(
         qk_layernorm=arch.qk_layernorm,
         add_qkv_bias=arch.add_qkv_bias,
         add_bias_linear=arch.add_bias_linear,
-        gated_linear_unit=True,
-        activation_func=F.silu,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         rotary_interleaved=arch.rotary_interleaved,
@@ -184,7 +226,11 @@ def transformer_config(
         **moe,
         **mla,
         **extra,
+        **fields,
     )
+    for name, value in yarn_config_attributes(arch).items():  # YaRN on GQA: GPTModel reads these with getattr
+        setattr(config, name, value)
+    return config
 
 
 def build_gpt_model(
@@ -241,7 +287,7 @@ def build_gpt_model(
             post_process=last,
             parallel_output=True,
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type="yarn" if uses_gqa_yarn(arch) else "rope",
             rotary_percent=arch.rotary_percent,
             rotary_base=int(arch.rotary_base),
         )

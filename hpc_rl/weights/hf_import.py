@@ -96,7 +96,13 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path, arch: ModelAr
     Routed experts: only this rank's (expert parallelism), sharded over the expert-TP group (default:
     the TP rank and size, Megatron's default expert TP)."""
     check_architecture(arch, hf_dir, model_file)
-    load_hf_state_into_model(model, HFTensorReader(hf_dir), arch, tp_rank=tp_rank, tp_size=tp_size,
+    reader: HFTensorReader | Mapping[str, torch.Tensor] = HFTensorReader(hf_dir)
+    if arch.family == "gpt_oss":  # fused (bf16 or MXFP4) experts, served under per-expert names
+        from hpc_rl.models.gpt_oss.checkpoint import PerExpertReader, is_mxfp4
+
+        is_mxfp4(load_hf_config(hf_dir))  # refuses another quantisation with the reason
+        reader = PerExpertReader(reader)  # type: ignore[assignment]
+    load_hf_state_into_model(model, reader, arch, tp_rank=tp_rank, tp_size=tp_size,
                              expert_tp_rank=expert_tp_rank, expert_tp_size=expert_tp_size)
 
 

@@ -159,6 +159,12 @@ def hf_names_of(megatron_name: str, arch: ModelArchitecture) -> list[str]:
         moe = 0 <= layer < arch.num_layers and arch.moe_layers()[layer]
         expert = _EXPERT.match(megatron_name)
         if moe and expert is not None and int(expert.group(2)) < (arch.num_moe_experts or 0):
+            if arch.family == "gpt_oss":  # experts with biases
+                from hpc_rl.models.gpt_oss.names import expert_hf_suffixes
+
+                found = expert_hf_suffixes(int(expert.group(2)), suffix)
+                if found is not None:
+                    return [f"model.layers.{layer}.{s}" for s in found]
             hf = (gated_hf(f"mlp.experts.{expert.group(2)}.", fused=False) if suffix.endswith("linear_fc1.weight")
                   else [f"mlp.experts.{expert.group(2)}.down_proj.weight"] if suffix.endswith("linear_fc2.weight")
                   else None)
@@ -257,7 +263,8 @@ def tp_split(megatron_name: str) -> TPSplit:
     if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
         return TPSplit(dim=0, gated=True)
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
-                      *ROW_SPLIT_SUFFIXES, *GDN_ROW_SPLIT_SUFFIXES)):
+                      *ROW_SPLIT_SUFFIXES, *GDN_ROW_SPLIT_SUFFIXES,
+                      ".core_attention.softmax_offset")):  # sinks: one per head
         return TPSplit(dim=0)
     if name.endswith(("linear_proj.weight", "linear_fc2.weight", "self_attention.out_proj.weight")):
         return TPSplit(dim=1)

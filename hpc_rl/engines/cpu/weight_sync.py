@@ -35,10 +35,16 @@ def fused_expert_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     expert tensors (Qwen3-MoE, GLM-4.5 and the other `*Experts` modules): `<prefix>.gate_up_proj`
     [E, 2I, H] holds expert K's `<prefix>.K.gate_proj.weight` in rows [K, :I] and its `up_proj` in
     [K, I:]; `<prefix>.down_proj` [E, H, I] holds `<prefix>.K.down_proj.weight` at [K] (transformers'
-    own checkpoint conversion: MergeModulelist(dim=0), Concatenate(dim=1)). Writing a view writes the
-    model's tensor, so weight updates by HF name reach fused experts like any other parameter."""
+    own checkpoint conversion: MergeModulelist(dim=0), Concatenate(dim=1)); gpt-oss's GptOssExperts
+    ([E, H, 2I] interleaved, with biases) by `hpc_rl.models.gpt_oss.checkpoint.expert_views`. Writing a view
+    writes the model's tensor, so weight updates by HF name reach fused experts like any other parameter."""
     views: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules():
+        if type(module).__name__ == "GptOssExperts":  # [E, H, 2I], gate/up interleaved, with biases
+            from hpc_rl.models.gpt_oss.checkpoint import expert_views
+
+            views.update(expert_views(prefix, module))
+            continue
         gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
         if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3):
             continue
