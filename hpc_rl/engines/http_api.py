@@ -41,6 +41,7 @@ POST_ROUTES = (
     ("/update_weight_version", "update_weight_version"),
     ("/release_memory_occupation", "release_memory_occupation"),
     ("/resume_memory_occupation", "resume_memory_occupation"),
+    ("/load_lora_adapter", "load_lora_adapter"), ("/unload_lora_adapter", "unload_lora_adapter"),
 )
 GET_ROUTES = (("/flush_cache", "flush_cache"),)
 

@@ -12,7 +12,7 @@ Not wired yet (submit refuses LoRA with engines): the controller's transport int
 another branch) calls, per sync, the trainer's `hf_save.save_hf_checkpoint` (a LoRA actor writes a PEFT directory,
 `training.lora.peft_files`) into `adapter_directory(run_dir, version)`, then `load_request` on every engine, switches
 the rollouts' `generate_fields`, and later `unload_request` for the version before; the CPU engine's half is
-`engines.cpu.lora_serving`.
+`engines.cpu.lora_serving` behind `engines.cpu.lora_routes`.
 """
 
 from __future__ import annotations

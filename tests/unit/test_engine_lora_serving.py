@@ -98,3 +98,73 @@ def test_tensors_load_equals_the_directory_and_refusals(tiny_model_dir: Path, pe
     adapters.unload("v2")
     with pytest.raises(LoraAdapterError, match="is not loaded"):
         adapters.unload("v2")
+
+
+def _reference_logprobs(model: torch.nn.Module, prompt: list[int], output: list[int]) -> list[float]:
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1], -1)
+    return logprobs.gather(1, torch.tensor(output)[:, None]).squeeze(1).tolist()
+
+
+def test_http_endpoints_load_generate_with_lora_path_and_unload(tiny_model_dir: Path, peft_adapter) -> None:  # noqa: ANN001
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+    from peft import PeftModel
+
+    from hpc_rl.engines.cpu.engine_tokenizer import load_engine_tokenizer
+    from hpc_rl.engines.cpu.scheduler import Scheduler
+    from hpc_rl.engines.cpu.server import EngineServer, ServerInfo
+
+    directory, _ = peft_adapter
+    model, tokenizer = _hf(tiny_model_dir), load_engine_tokenizer(str(tiny_model_dir))
+    peft = PeftModel.from_pretrained(_hf(tiny_model_dir), str(directory)).eval()
+    info = ServerInfo(model_path="/m", host="127.0.0.1", port=1, api_key=None, max_running_requests=4,
+                      context_length=256)
+    prompt = [3, 5, 7, 11]
+    params = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+    async def scenario() -> None:
+        plain = Scheduler(model, tokenizer, max_running_requests=4, context_length=256, weight_version="v0")
+        served = Scheduler(model, tokenizer, max_running_requests=4, context_length=256, weight_version="v0",
+                           lora=EngineLoraAdapters(model, max_lora_rank=8))
+        for scheduler in (plain, served):
+            scheduler.start()
+        without = TestClient(TestServer(EngineServer(plain, info).build_app()))
+        client = TestClient(TestServer(EngineServer(served, info).build_app()))
+        await without.start_server()
+        await client.start_server()
+        try:
+            refused = await without.post("/load_lora_adapter", json={"lora_name": "p", "lora_path": str(directory)})
+            assert refused.status == 400 and "--enable-lora" in (await refused.json())["error_message"]
+            body = {"input_ids": [prompt, prompt], "lora_path": ["policy-v1", None], "return_logprob": True,
+                    "sampling_params": params}
+            unknown = await client.post("/generate", json=body)
+            assert unknown.status == 400 and "not a loaded LoRA adapter" in await unknown.text()
+            loaded = await client.post("/load_lora_adapter", json={"lora_name": "policy-v1",
+                                                                   "lora_path": str(directory)})
+            answer = await loaded.json()
+            assert loaded.status == 200 and answer["success"] and answer["loaded_adapters"] == {
+                "policy-v1": str(directory)}
+            twice = await client.post("/load_lora_adapter", json={"lora_name": "policy-v1",
+                                                                  "lora_path": str(directory)})
+            assert twice.status == 400 and "already loaded" in (await twice.json())["error_message"]
+            results = await (await client.post("/generate", json=body)).json()
+            for result, reference in zip(results, (peft, model)):
+                got = [item[0] for item in result["meta_info"]["output_token_logprobs"]]
+                output = [item[1] for item in result["meta_info"]["output_token_logprobs"]]
+                expected = _reference_logprobs(reference, prompt, output)
+                assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-4, (got, expected)
+            assert results[0]["output_ids"] != results[1]["output_ids"] or \
+                results[0]["meta_info"]["output_token_logprobs"] != results[1]["meta_info"]["output_token_logprobs"]
+            unloaded = await client.post("/unload_lora_adapter", json={"lora_name": "policy-v1"})
+            assert unloaded.status == 200 and (await unloaded.json())["loaded_adapters"] == {}
+            assert (await client.post("/generate", json=body)).status == 400
+        finally:
+            await without.close()
+            await client.close()
+            plain.stop()
+            served.stop()
+
+    asyncio.run(scenario())

@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--node-rank", type=int, default=0, help="as SGLang's flag: this process's node")
     parser.add_argument("--dist-init-addr", default=None,
                         help="as SGLang's flag: HOST:PORT where the node-ranks meet (node-rank 0's address)")
+    parser.add_argument("--enable-lora", action="store_true", help="as SGLang's: serve LoRA adapters loaded at run "
+                        "time (/load_lora_adapter) on the base model, chosen per request by lora_path")
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="as SGLang's: the largest rank an adapter "
+                        "loaded later may have (default: any)")
+    parser.add_argument("--lora-target-modules", nargs="+", default=None, help="as SGLang's: the projections an "
+                        "adapter loaded later may adapt (default: any)")
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -168,10 +174,15 @@ def main(argv: list[str] | None = None) -> None:
             routed_experts = RoutedExpertsCapture(model)
         except ValueError as error:
             raise SystemExit(f"{args.model_path}: {error}") from None
+    lora = None
+    if args.enable_lora:
+        from hpc_rl.engines.cpu.lora_serving import EngineLoraAdapters
+
+        lora = EngineLoraAdapters(model, max_lora_rank=args.max_lora_rank, target_modules=args.lora_target_modules)
     scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
                           context_length=context_length, weight_version=args.weight_version,
                           on_fatal=exit_on_scheduler_death, memory_saver=args.enable_memory_saver,
-                          routed_experts=routed_experts)
+                          routed_experts=routed_experts, lora=lora)
     info = ServerInfo(model_path=args.model_path, host=args.host, port=args.port, api_key=api_key,
                       max_running_requests=args.max_running_requests, context_length=context_length,
                       architectures=list(model.config.architectures or []), model_type=model.config.model_type,

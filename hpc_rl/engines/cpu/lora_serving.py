@@ -67,12 +67,19 @@ def _by_module(tensors: Mapping[str, torch.Tensor], where: str) -> dict[str, dic
 class EngineLoraAdapters:
     """The adapters an engine serves on `model`, and which adapter each row of the next forward uses."""
 
-    def __init__(self, model: torch.nn.Module, *, max_lora_rank: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, *, max_lora_rank: int | None = None,
+                 target_modules: list[str] | None = None) -> None:
         self.model, self.max_lora_rank = model, max_lora_rank
+        self.target_modules = set(target_modules) if target_modules else None
+        """SGLang's --lora-target-modules: the projections an adapter loaded later may adapt (None: any)."""
         self.loaded: dict[str, ServedAdapter] = {}
         self.rows: list[str | None] = []
         """The adapter of each batch row of the next forward (None: the base); empty: every row the base."""
         self._hooked: dict[str, Any] = {}
+        self.in_use: Any = None
+        self.paths: dict[str, str] = {}
+        """Each loaded adapter's source: its directory, or SGLang's "__tensor__" for tensors."""
+        """`fn(name) -> bool`: whether a queued or running request names the adapter (set by the scheduler)."""
 
     # ------------------------------------------------------------------ loading
 
@@ -91,7 +98,9 @@ class EngineLoraAdapters:
             tensors = torch.load(directory / "adapter_model.bin", map_location="cpu", weights_only=True)
         else:
             raise LoraAdapterError(f"lora_path {directory}: no adapter_model.safetensors")
-        return self.load_tensors(name, json.loads(config_file.read_text()), tensors, where=f"lora_path {directory}")
+        adapter = self.load_tensors(name, json.loads(config_file.read_text()), tensors, where=f"lora_path {directory}")
+        self.paths[name] = str(directory)
+        return adapter
 
     def load_tensors(self, name: str, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *,
                      where: str = "/load_lora_adapter_from_tensors") -> ServedAdapter:
@@ -109,6 +118,9 @@ class EngineLoraAdapters:
                 module = self.model.get_submodule(module_path)
             except AttributeError:
                 raise LoraAdapterError(f"{where}: the model has no module {module_path}") from None
+            if self.target_modules is not None and module_path.rsplit(".", 1)[-1] not in self.target_modules:
+                raise LoraAdapterError(f"{where}: {module_path} is not in the engine's --lora-target-modules "
+                                       f"{sorted(self.target_modules)}")
             if set(pair) != {"lora_A", "lora_B"}:
                 raise LoraAdapterError(f"{where}: {module_path} has only {sorted(pair)}")
             weight = module.weight
@@ -123,12 +135,17 @@ class EngineLoraAdapters:
                 module = self.model.get_submodule(module_path)
                 self._hooked[module_path] = module.register_forward_hook(self._hook_for(module_path))
         self.loaded[name] = adapter
+        self.paths[name] = "__tensor__"
         return adapter
 
     def unload(self, name: str) -> None:
         """`/unload_lora_adapter {lora_name}`."""
+        if self.in_use is not None and self.in_use(name):
+            raise LoraAdapterError(f"LoRA adapter {name!r} is in use by running or waiting requests: unload it "
+                                   "after they finish")
         if self.loaded.pop(name, None) is None:
             raise LoraAdapterError(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(self.loaded) or 'none'})")
+        self.paths.pop(name, None)
 
     def check_request(self, lora_path: str | None) -> None:
         """A `/generate` request's adapter must be loaded (SGLang answers 400 otherwise)."""

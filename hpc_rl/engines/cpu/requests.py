@@ -72,6 +72,8 @@ class GenerationRequest:
     """Times a pause (retract) sent it back to the queue (SGLang's meta_info field)."""
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    lora_path: str | None = None
+    """The LoRA adapter this request samples from, by its loaded name (None: the base model)."""
     routed_experts: list[torch.Tensor] | None = None
     """[tokens, num_layers, topk] int32 chunks, one row per token run through the model so far
     (`routed_experts.RoutedExpertsCapture`; None unless the engine captures and the request asked)."""
@@ -181,10 +183,12 @@ def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedG
     raw_params = per_item(body, "sampling_params", count, {})
     return_logprob = per_item(body, "return_logprob", count, False)
     start_lens = per_item(body, "logprob_start_len", count, -1)
+    lora_paths = per_item(body, "lora_path", count, None)
     samples = parallel_samples(raw_params)
     if samples > 1:  # SGLang: each prompt n times in a row, every item a fresh rid (the body's rid is not used)
-        prompts, raw_params, return_logprob, start_lens = (
-            [item for item in items for _ in range(samples)] for items in (prompts, raw_params, return_logprob, start_lens))
+        prompts, raw_params, return_logprob, start_lens, lora_paths = (
+            [item for item in items for _ in range(samples)]
+            for items in (prompts, raw_params, return_logprob, start_lens, lora_paths))
         rids, batched = [uuid.uuid4().hex for _ in prompts], True
     return_routed_experts = bool(body.get("return_routed_experts", False))  # one value for a batch, as SGLang
     routed_start = body.get("routed_experts_start_len", 0)
@@ -204,7 +208,8 @@ def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedG
         requests.append(GenerationRequest(
             rid=rids[index], input_ids=prompt, params=params, return_logprob=bool(return_logprob[index]),
             logprob_start_len=int(start_lens[index]), generator=make_generator(params),
-            return_routed_experts=return_routed_experts, routed_experts_start_len=routed_start))
+            return_routed_experts=return_routed_experts, routed_experts_start_len=routed_start,
+            lora_path=lora_paths[index]))
     return ParsedGenerate(requests=requests, batched=batched, stream=bool(body.get("stream", False)))
 
 

@@ -15,6 +15,7 @@ never lands in the middle of a forward pass.
 from __future__ import annotations
 
 import collections
+import contextlib
 import concurrent.futures
 import logging
 import threading
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from hpc_rl.engines.cpu import kv_batch
+from hpc_rl.engines.cpu.lora_serving import EngineLoraAdapters
 from hpc_rl.engines.cpu.memory_occupation import MemoryOccupation, MemoryTagError, WeightsNotLoaded
 from hpc_rl.engines.cpu.requests import (
     GenerationRequest,
@@ -58,8 +60,14 @@ class Scheduler:
     def __init__(self, model: torch.nn.Module, tokenizer, *, max_running_requests: int,
                  context_length: int, weight_version: str,
                  on_fatal: Callable[[BaseException], None] | None = None,
-                 memory_saver: bool = False, routed_experts: RoutedExpertsCapture | None = None) -> None:
+                 memory_saver: bool = False, routed_experts: RoutedExpertsCapture | None = None,
+                 lora: EngineLoraAdapters | None = None) -> None:
         self.model = model
+        self.lora = lora
+        """The LoRA adapters served on the model (`--enable-lora`), else None: each forward's rows use theirs."""
+        if lora is not None:
+            lora.in_use = lambda name: any(r.lora_path == name for r in (*self._running, *self._waiting,
+                                                                          *self._admitting))
         self.routed_experts = routed_experts
         """The model's routers' choices of each forward (`--enable-return-routed-experts`), else None."""
         self.tokenizer = tokenizer
@@ -275,7 +283,8 @@ class Scheduler:
             self._admitting = []
         if self._running:
             tokens = torch.tensor([request.output_ids[-1] for request in self._running], dtype=torch.long)
-            self._batch, logits = kv_batch.decode_step(self.model, self._batch, tokens)
+            with self._adapters(self._running):
+                self._batch, logits = kv_batch.decode_step(self.model, self._batch, tokens)
             if self.routed_experts is not None:
                 ids = self.routed_experts.take(len(self._running), 1)
                 for row, request in enumerate(self._running):
@@ -283,13 +292,20 @@ class Scheduler:
                         request.routed_experts.append(ids[row])
             self._sample_and_retire(list(range(len(self._running))), logits)
 
+    def _adapters(self, rows: list[GenerationRequest]) -> contextlib.AbstractContextManager:
+        """The forward of these rows (in batch order) with each request's LoRA adapter (`lora_path`)."""
+        if self.lora is None or not any(r.lora_path for r in rows):
+            return contextlib.nullcontext()
+        return self.lora.rows_of([r.lora_path for r in rows])
+
     def _admit(self, newcomers: list[GenerationRequest]) -> None:
         wants_input_logprobs = any(
             r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None for r in newcomers
         )
-        batch, last_logits, full_logits = kv_batch.prefill(
-            self.model, [r.context for r in newcomers], full_logits=wants_input_logprobs
-        )
+        with self._adapters(newcomers):
+            batch, last_logits, full_logits = kv_batch.prefill(
+                self.model, [r.context for r in newcomers], full_logits=wants_input_logprobs
+            )
         if self.routed_experts is not None:  # a (re-)prefill routes every context token again
             length = max(len(r.context) for r in newcomers)
             ids = self.routed_experts.take(len(newcomers), length)

@@ -37,6 +37,7 @@ from hpc_rl.engines.cpu.weight_sync import (
     named_tensors,
     receive_bucket,
 )
+from hpc_rl.engines.cpu.lora_routes import LoraRoutes
 from hpc_rl.engines.http_api import add_sglang_routes, authorized, json_response, sglang_http_errors, unauthorized
 from hpc_rl.engines.http_api import fail as _fail
 from hpc_rl.engines.http_api import json_body as _json_body
@@ -72,8 +73,8 @@ class ServerInfo:
     """The launch value (`--weight-version`), what SGLang's /server_info reports."""
 
 
-class EngineServer:
-    """The aiohttp application around one `Scheduler`."""
+class EngineServer(LoraRoutes):
+    """The aiohttp application around one `Scheduler` (its LoRA endpoints: `lora_routes`)."""
 
     def __init__(self, scheduler: Scheduler, info: ServerInfo, *, nodes: EngineNodes | None = None) -> None:
         self.scheduler = scheduler
@@ -177,6 +178,9 @@ class EngineServer:
                                          context_length=self.info.context_length)
         except RequestError as error:
             return json_response(error.body(), status=400)
+        lora_error = self.lora_request_error([r.lora_path for r in parsed.requests])
+        if lora_error:
+            return json_response({"error": {"message": lora_error}}, status=400)
         if parsed.stream:
             if parsed.batched:
                 return json_response({"error": {"message": "stream=true with a batch is not supported by the "
