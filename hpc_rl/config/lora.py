@@ -108,3 +108,17 @@ def adapted_layers(lora: LoraConfig) -> dict[str, tuple[str, ...]]:
     projections = target_projections(lora)
     return {layer: tuple(name for name in held if name in projections) for layer, held in MEGATRON_LAYERS.items()
             if any(name in projections for name in held)}
+
+
+def syncs_adapters(lora: LoraConfig) -> bool:
+    """Whether the engines serve the trained adapter (LoRA on and not lora_train_only): they start from the base with
+    SGLang's LoRA options (`engine_lora_options`) and every weight sync sends only the adapter."""
+    return lora.enabled and not lora.lora_train_only
+
+
+def engine_lora_options(lora: LoraConfig) -> dict[str, object]:
+    """SGLang 0.5.23's server options (its own names) for engines that serve the run's adapter on the base; empty
+    when they serve the base alone."""
+    if not syncs_adapters(lora):
+        return {}
+    return {"enable_lora": True, "max_lora_rank": lora.lora_rank, "lora_target_modules": target_projections(lora)}

@@ -42,6 +42,7 @@ async def push_weights_through_disk(*, version: int, channel: TrainerChannel, en
     await channel.run(lambda rank, seq: DiskWeightsCommand(seq=seq, weight_version=version, path=str(path),
                                                            engine_urls=urls), timeout_s=timeout_s)
     written = time.perf_counter()
+    written_bytes = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())  # what each engine reads
     await asyncio.gather(*(admins[e.engine_index].update_weights_from_disk(str(path), str(version))
                            for e in engines))
     if not keep_files:
@@ -52,7 +53,7 @@ async def push_weights_through_disk(*, version: int, channel: TrainerChannel, en
     log.info("weights v%d -> %d engine(s) through %s: written in %.2f s, loaded in %.2f s", version, len(engines),
              path, written - start, done - written)
     return {"weight_sync/seconds": done - start, "weight_sync/write_seconds": written - start,
-            "weight_sync/load_seconds": done - written}
+            "weight_sync/load_seconds": done - written, "perf/weight_sync_bytes": float(written_bytes)}
 
 
 class DiskTransport(WeightTransport):
