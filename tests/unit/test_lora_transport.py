@@ -19,7 +19,8 @@ from hpc_rl.config.lora import LoraConfig, engine_lora_options
 from hpc_rl.config.schema import ClusterConfig, ControllerConfig, RolloutConfig
 from hpc_rl.controller.registry import EngineInfo
 from hpc_rl.controller.transports import TRANSPORTS, WeightSyncSettings, make_transport
-from hpc_rl.controller.transports.lora import LoraTransport, safetensors_payload_bytes
+from hpc_rl.controller.transports.disk import safetensors_payload_bytes
+from hpc_rl.controller.transports.lora import LoraTransport
 from hpc_rl.protocol.messages import LoraAdapterCommand
 from hpc_rl.rollout.request_batching import batchable, merge_payloads
 

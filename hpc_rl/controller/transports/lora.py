@@ -22,25 +22,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import struct
 import time
-from pathlib import Path
 
 from hpc_rl.controller.registry import EngineInfo
 from hpc_rl.controller.transports.base import WeightTransport
+from hpc_rl.controller.transports.disk import safetensors_payload_bytes
 from hpc_rl.protocol.messages import LoraAdapterCommand
 from hpc_rl.weights.lora_sync import ADAPTER_PREFIX, adapter_directory, adapter_name
 
 log = logging.getLogger(__name__)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-
-
-def safetensors_payload_bytes(path: Path) -> int:
-    """The tensor bytes of one safetensors file: its size less the 8-byte length and the JSON header."""
-    with path.open("rb") as handle:
-        (header_len,) = struct.unpack("<Q", handle.read(8))
-    return path.stat().st_size - 8 - header_len
 
 
 class LoraTransport(WeightTransport):
