@@ -79,8 +79,8 @@ def transport(tmp_path: Path, refuse_unload: bool = False) -> tuple[LoraTranspor
     calls: list[tuple] = []
     admins = {i: FakeEngineAdmin(calls, i, refuse_unload=refuse_unload and i == 1) for i in range(2)}
     channel = FakeTrainerChannel()
-    made = make_transport(settings(tmp_path), channel=channel, fleet=FakeFleet(admins), registry=None,  # type: ignore[arg-type]
-                          memory=None)
+    made = make_transport(settings(tmp_path), channel=channel, fleet=FakeFleet(admins),  # type: ignore[arg-type]
+                          registry=None, memory=None)  # type: ignore[arg-type]
     assert isinstance(made, LoraTransport)
     return made, calls, channel
 
