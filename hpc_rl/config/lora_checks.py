@@ -117,5 +117,8 @@ def _run_problems(config: RunConfig) -> list[tuple[str, str]]:
          "pipeline stage: use pipeline_model_parallel_size 1 with LoRA and rollout engines"),
         (bool(config.rollout.rollout_external_engine_addrs), "rollout.rollout_external_engine_addrs", "external "
          "engines are not started by this run, so not with --enable-lora: let the run start its engines"),
+        (config.rollout.flush_cache_interval != 1, "rollout.flush_cache_interval", "in-place updates keep requests "
+         "running across a sync, but a request keeps the adapter it started with (the old one, which the sync "
+         "unloads): drop it with LoRA"),
     ]
     return problems + [(name, message) for refused, name, message in unwired if refused]

@@ -191,13 +191,14 @@ def engine_step(config: RunConfig, topology: JobTopology, index: int, *, host: s
 
 def teacher_engine_config(config: RunConfig) -> RunConfig:
     """The config an engine command reads, for the distillation teacher: its checkpoint and GPUs, never colocated,
-    and no routed experts in its answers (only the policy's engines feed rollout routing replay)."""
+    no routed experts in its answers (only the policy's engines feed rollout routing replay), no LoRA."""
     return dataclasses.replace(
         config, checkpoint=dataclasses.replace(config.checkpoint,
                                                hf_checkpoint=config.distillation.opd_teacher_hf_checkpoint or ""),
         cluster=dataclasses.replace(config.cluster, colocate=False,
                                     rollout_num_gpus_per_engine=config.cluster.opd_teacher_num_gpus),
-        training=dataclasses.replace(config.training, use_rollout_routing_replay=False))
+        training=dataclasses.replace(config.training, use_rollout_routing_replay=False),
+        lora=dataclasses.replace(config.lora, lora_rank=0))  # the teacher serves its own weights, no adapter
 
 
 def teacher_step(config: RunConfig, topology: JobTopology, *, host: str, port: int, run_dir: Path,

@@ -169,5 +169,8 @@ def test_engine_command_carries_the_lora_options(in_repo: Path, tmp_path: Path, 
     assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "8"
     at = argv.index("--lora-target-modules")
     assert argv[at + 1:at + 3] == ["q_proj", "v_proj"] and (at + 3 == len(argv) or argv[at + 3].startswith("--"))
+    from hpc_rl.launch.step_plan import teacher_engine_config
+
+    assert teacher_engine_config(config).lora.lora_rank == 0  # a distillation teacher serves no adapter
     config.lora.lora_rank, config.lora.target_modules = 0, None
     assert "--enable-lora" not in engine_command(config, plan_topology(config.cluster).engines[0], "127.0.0.1", 1)
