@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_rl.config.lora import lora_problems
+from hpc_rl.config.lora_checks import lora_problems
 from hpc_rl.config.fp8_scheme import read_fp8_blocks
 from hpc_rl.config.memory_plan import plan_memory
 from hpc_rl.config.mla_checks import mla_problems, speculative_notes

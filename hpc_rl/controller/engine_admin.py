@@ -201,6 +201,18 @@ class EngineAdmin:
         await self._call("POST", "/update_weights_from_disk", {"model_path": model_path,
                                                                 "weight_version": weight_version})
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """SGLang's /load_lora_adapter: a PEFT directory served as `lora_name` (engines started with --enable-lora)."""
+        await self._call("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def update_weight_version(self, weight_version: str) -> None:
+        """The version the engine reports on its answers (requests in flight are not aborted)."""
+        await self._call("POST", "/update_weight_version", {"new_version": weight_version,
+                                                            "abort_all_requests": False})
+
 
 def _checked(url: str, endpoint: str, status: int, answer: bytes) -> Any:
     """The JSON (or text) of a 200 answer; EngineAdminError naming the engine and endpoint otherwise."""

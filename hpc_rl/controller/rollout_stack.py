@@ -22,6 +22,7 @@ from typing import Any
 
 from hpc_rl.config import plugin_args
 from hpc_rl.config.fp8_scheme import read_fp8_blocks
+from hpc_rl.config.lora import syncs_adapters
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import RolloutConfig, RunConfig
 from hpc_rl.config.training_modes import is_sft
@@ -54,6 +55,7 @@ from hpc_rl.rollout.sft import SftRollouts, checkpoint_stop_token_ids, sft_eval_
 from hpc_rl.rollout.teacher import TeacherLogprobs
 from hpc_rl.telemetry.recorder import RunRecorder
 from hpc_rl.telemetry.scalars import ScalarLog, eval_sampling_note, tensorboard_dir
+from hpc_rl.weights.lora_sync import adapter_name
 
 log = logging.getLogger(__name__)
 
@@ -241,11 +243,17 @@ def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler | SftRollout
     guard = LogprobGuard(threshold_for(config.cluster.device, config.controller.max_logprob_mismatch,
                                        fp8_engines=read_fp8_blocks(config.checkpoint.hf_checkpoint) is not None))
 
+    lora_dir = config.run_dir if syncs_adapters(config.lora) and config.cluster.num_engines else None
+
     def engines_serve(version: int) -> None:
         scheduler.set_weight_version(version)
         guard.note_served(version)
+        client = getattr(scheduler, "client", None)
+        if lora_dir is not None and client is not None:  # the rollouts ask for the adapter synced (issue 33)
+            client.lora_path = adapter_name(version) if version > 0 else None
 
-    weights = WeightUpdates(WeightSyncSettings.from_sections(config.cluster, rollout, config.controller),
+    weights = WeightUpdates(WeightSyncSettings.from_sections(config.cluster, rollout, config.controller,
+                                                             lora_dir=lora_dir),
                             registry=registry, fleet=fleet, channel=channel, engines_serve=engines_serve,
                             num_rollout=num_rollout)
     fleet.on_failed = weights.engine_failed

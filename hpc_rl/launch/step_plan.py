@@ -33,6 +33,7 @@ import os
 import sys
 from pathlib import Path
 
+from hpc_rl.config.lora import engine_lora_options
 from hpc_rl.config.precision import trainer_dtype_name
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sglang_options import engine_kind
@@ -43,6 +44,7 @@ from hpc_rl.engines.sglang_launch import (
     SGLANG_PYTHON_ENV,
     SglangLaunchSpec,
     build_sglang_command,
+    render_option,
     sglang_device_options,
 )
 from hpc_rl.launch.bound_torchrun import FORK_FLAG
@@ -140,11 +142,13 @@ def engine_command(config: RunConfig, placement: EnginePlacement, host: str, por
         extra = ["--base-gpu-id", str(base_gpu_id), "--dtype", str(options.get("dtype") or dtype), *spanning]
         if config.training.use_rollout_routing_replay:
             extra.append(ROUTED_EXPERTS_FLAG)
+        for key, value in engine_lora_options(config.lora).items():  # --enable-lora etc., as SGLang's (issue 33)
+            extra += render_option(key, value)
         return cpu_engine_command(config.checkpoint.hf_checkpoint, host=host, port=port,
                                   max_running_requests=config.sglang.server_concurrency, weight_version="0",
                                   extra_args=extra + (["--enable-memory-saver"] if config.cluster.colocate else []),
                                   python=step_python(config, local=local))
-    options = sglang_device_options(config.cluster.device, options)
+    options = {**sglang_device_options(config.cluster.device, options), **engine_lora_options(config.lora)}
     options.setdefault("dtype", dtype)  # validation refuses another one
     python = None if in_container(config, local=local) else os.environ.get(SGLANG_PYTHON_ENV)
     # On device cpu SGLang reads its gpu id as a NUMA node (OpenMP thread binding; 0.5.23 exits with "NUMA index
@@ -187,13 +191,14 @@ def engine_step(config: RunConfig, topology: JobTopology, index: int, *, host: s
 
 def teacher_engine_config(config: RunConfig) -> RunConfig:
     """The config an engine command reads, for the distillation teacher: its checkpoint and GPUs, never colocated,
-    and no routed experts in its answers (only the policy's engines feed rollout routing replay)."""
+    no routed experts in its answers (only the policy's engines feed rollout routing replay), no LoRA."""
     return dataclasses.replace(
         config, checkpoint=dataclasses.replace(config.checkpoint,
                                                hf_checkpoint=config.distillation.opd_teacher_hf_checkpoint or ""),
         cluster=dataclasses.replace(config.cluster, colocate=False,
                                     rollout_num_gpus_per_engine=config.cluster.opd_teacher_num_gpus),
-        training=dataclasses.replace(config.training, use_rollout_routing_replay=False))
+        training=dataclasses.replace(config.training, use_rollout_routing_replay=False),
+        lora=dataclasses.replace(config.lora, lora_rank=0))  # the teacher serves its own weights, no adapter
 
 
 def teacher_step(config: RunConfig, topology: JobTopology, *, host: str, port: int, run_dir: Path,

@@ -217,6 +217,17 @@ class DiskWeightsCommand(Message):
 
 
 @dataclass(kw_only=True)
+class LoraAdapterCommand(Message):
+    """Write the actor's LoRA adapter (only the adapter; issue 33) as a PEFT directory at `path` (every rank takes
+    part: the TP shards are gathered): the engines then load it with /load_lora_adapter."""
+
+    TYPE: ClassVar[str] = "lora_adapter"
+    seq: int
+    weight_version: int
+    path: str
+
+
+@dataclass(kw_only=True)
 class ColocatedSyncCommand(Message):
     """Colocated mode: every rank sends the current weights to the engine on its own GPU, per bucket,
     through `/update_weights_from_tensor` (no weight-update group; the controller opens the session)."""

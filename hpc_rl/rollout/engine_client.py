@@ -180,6 +180,9 @@ class EngineClient:
         """Keep-alive connections for /generate and /abort_request (hpc_rl.protocol.http_client: ~100 us of
         controller CPU per call where aiohttp's client took ~440 us, measured at 256 engines)."""
         self._api_key = api_key
+        self.lora_path: str | None = None
+        """The LoRA adapter the engines serve the trainer's weights as (issue 33; set after each adapter sync):
+        every /generate without its own `lora_path` asks for it. None: the engines' own weights."""
 
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> Self:
@@ -278,6 +281,8 @@ class EngineClient:
 
         With `group` (and `batch_requests`), the request waits one event-loop turn for others of the same
         `stopped` (session) and, unless `across_groups`, the same group, and goes out in a batch."""
+        if self.lora_path is not None and "lora_path" not in payload:
+            payload = {**payload, "lora_path": self.lora_path}
         payload = clip_to_context(payload, self.context_length)
         full = context_full_answer(payload, self.context_length)
         if full is not None:

@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-BATCHABLE_KEYS = frozenset({"rid", "input_ids", "sampling_params", "return_logprob", "return_routed_experts"})
+BATCHABLE_KEYS = frozenset({"rid", "input_ids", "sampling_params", "return_logprob", "return_routed_experts",
+                            "lora_path"})
 """A single request with only these keys (the rollout's own) can join a batch; anything else (text,
 stream, images, a custom function's extras) is sent alone, as it came."""
 
@@ -52,6 +53,8 @@ def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
                             "sampling_params": _shared_or_each([p.get("sampling_params") or {} for p in payloads])}
     if any("return_logprob" in p for p in payloads):
         body["return_logprob"] = _shared_or_each([bool(p.get("return_logprob", False)) for p in payloads])
+    if any("lora_path" in p for p in payloads):  # the LoRA adapter each item samples from (issue 33)
+        body["lora_path"] = _shared_or_each([p.get("lora_path") for p in payloads])
     if any(p.get("return_routed_experts") for p in payloads):  # SGLang takes one value for a whole batch
         body["return_routed_experts"] = True
     return body

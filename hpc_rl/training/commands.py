@@ -13,6 +13,7 @@ share for `TrainCommand`), so collectives line up. Commands are `hpc_rl.protocol
                                                to join a new group: {"join_abandoned": why});
                                                training.transports.broadcast
     SaveCommand(rollout_id, controller_state) -> checkpoint.save_checkpoint (+ the HF copy, save_hf)
+    LoraAdapterCommand(version, path)       -> the LoRA adapter only, as a PEFT directory at path (transports.lora)
     DiskWeightsCommand(version, path)       -> the weights as an HF directory at path, then the post-write
                                                hook (training.transports.disk)
     TrainerMemoryCommand(action, tags)       -> colocated: offload/onload (hpc_rl.training.offload)
@@ -41,6 +42,7 @@ from hpc_rl.protocol.messages import (
     AbortWeightGroupCommand,
     ColocatedSyncCommand,
     DiskWeightsCommand,
+    LoraAdapterCommand,
     EvalLossCommand,
     Message,
     SaveCommand,
@@ -64,6 +66,7 @@ from hpc_rl.training.transports.base import TransportRank, export_dtype
 from hpc_rl.training.transports.broadcast import TrainerBroadcast
 from hpc_rl.training.transports.colocated import TrainerColocated
 from hpc_rl.training.transports.disk import write_weights
+from hpc_rl.training.transports.lora import write_adapter
 from hpc_rl.config.fp8_scheme import Fp8Blocks, read_fp8_blocks
 
 log = logging.getLogger(__name__)
@@ -204,6 +207,8 @@ class TrainerCommands:
             return self.broadcast.sync(command)
         if isinstance(command, DiskWeightsCommand):
             return write_weights(self.transport_rank, command, self.checkpoint_config)
+        if isinstance(command, LoraAdapterCommand):
+            return write_adapter(self.transport_rank, command, self.checkpoint_config)
         if isinstance(command, SaveCommand):
             root = self.save_dir or ""
             if not root:

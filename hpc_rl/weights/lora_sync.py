@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hpc_rl.config.lora import LoraConfig
+
+if TYPE_CHECKING:  # torch-free at import: the controller's transport (controller.transports.lora) uses the names
+    import torch
 
 ADAPTER_PREFIX = "policy"
 TRANSPORTS = ("none", "tensor", "disk")

@@ -79,5 +79,16 @@ def test_moe_experts_and_engines_are_refused_with_the_reason() -> None:
     attention_only = problems_for(["--lora-rank", "8", "--target-modules", "all-linear", "--exclude-modules",
                                    "gate_proj,up_proj,down_proj"], "configs/tiny_moe_cpu.yaml")
     assert "on a MoE model" not in attention_only
-    rl = problems_for(["--lora-rank", "8", "--target-modules", "all-linear"], TINY)
-    assert "lora.lora_rank: LoRA with rollout engines needs the adapter-only weight sync" in rl
+    assert problems_for(["--lora-rank", "8", "--target-modules", "all-linear"], TINY) == ""  # decoupled engines
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--colocate"], "lora.lora_rank: LoRA with colocated engines needs the adapter sent as tensors"),
+    (["--lora-sync-from-tensor"], "lora.lora_sync_from_tensor: the adapter sync from tensors"),
+    (["--lora-train-only"], "lora.lora_train_only: with rollout engines the rollouts would keep sampling"),
+    (["--lora-adapter-path", "tests"], "lora.lora_adapter_path: with rollout engines the first rollout"),
+    (["--rollout-external-engine-addrs", "127.0.0.1:1"], "rollout.rollout_external_engine_addrs: external engines"),
+    (["--async-rollout", "--flush-cache-interval", "2"], "rollout.flush_cache_interval: in-place updates keep"),
+])
+def test_lora_with_engines_refuses_what_the_adapter_sync_does_not_wire(flags: list[str], expected: str) -> None:
+    assert expected in problems_for(["--lora-rank", "8", "--target-modules", "all-linear", *flags], TINY)

@@ -3,6 +3,8 @@
     broadcast   trainer rank 0 -> a weight-update group (NCCL/gloo) -> every engine   (decoupled default)
     disk        every trainer rank -> an HF directory on a shared filesystem -> every engine loads it
     colocated   every trainer rank -> the engine on its own GPU (CUDA IPC / shared memory)
+    lora        every trainer rank -> only the LoRA adapter, a PEFT directory on a shared filesystem -> every
+                engine loads it by a versioned name (the base stays; issue 33)
 
 `make_transport` picks the one a run's settings name; `controller.weight_updates` decides when and in what
 order (pause, push, serve, continue). Each module's trainer half is `hpc_rl.training.transports.<name>`.
@@ -16,6 +18,7 @@ from hpc_rl.controller.transports.base import WeightSyncSettings, WeightTranspor
 from hpc_rl.controller.transports.broadcast import BroadcastTransport
 from hpc_rl.controller.transports.colocated import ColocatedTransport
 from hpc_rl.controller.transports.disk import DiskTransport
+from hpc_rl.controller.transports.lora import LoraTransport
 
 if TYPE_CHECKING:
     from hpc_rl.controller.colocated_memory import ColocatedMemory
@@ -24,7 +27,8 @@ if TYPE_CHECKING:
     from hpc_rl.controller.trainer_channel import TrainerChannel
 
 TRANSPORTS: dict[str, type[WeightTransport]] = {
-    transport.name: transport for transport in (BroadcastTransport, DiskTransport, ColocatedTransport)}
+    transport.name: transport for transport in (BroadcastTransport, DiskTransport, ColocatedTransport,
+                                                   LoraTransport)}
 """Each transport by its name (`WeightSyncSettings.transport_name`)."""
 
 

@@ -10,6 +10,7 @@ halves in the two packages (the controller never imports torch), under the same 
     broadcast    transports.broadcast (WeightGroup)      SyncWeightsCommand      /update_weights_from_distributed
     disk         transports.disk                         DiskWeightsCommand      /update_weights_from_disk
     colocated    transports.colocated                    ColocatedSyncCommand    /update_weights_from_tensor
+    lora         transports.lora                         LoraAdapterCommand      /load_lora_adapter (+ unload)
 
 A new way (LoRA adapters, FP8 blocks) is a new pair of modules and a row in `transports.TRANSPORTS`.
 """
@@ -51,10 +52,13 @@ class WeightSyncSettings:
     """rollout.flush_cache_interval (slime's --flush-cache-interval): 1 flushes the engines' cache at every sync
     (the engines finish or retract their requests first); N > 1 updates in place (requests keep running with
     their KV cache) and flushes every N-th sync; 0 never flushes. Only async, decoupled, broadcast."""
+    lora_dir: str | None = None
+    """The run dir of a LoRA run whose engines serve its adapter (issue 33): each version's PEFT directory goes
+    under its adapters/ (transports.lora); None: the whole weights are synced."""
 
     @classmethod
     def from_sections(cls, cluster: ClusterConfig, rollout: RolloutConfig,
-                      controller: ControllerConfig) -> WeightSyncSettings:
+                      controller: ControllerConfig, *, lora_dir: str | None = None) -> WeightSyncSettings:
         return cls(backend="gloo" if cluster.device == "cpu" else "nccl", colocate=cluster.colocate,
                    async_rollout=rollout.async_rollout, update_weights_interval=rollout.update_weights_interval,
                    bucket_bytes=rollout.update_weight_buffer_size, timeout_s=controller.engine_request_timeout,
@@ -62,11 +66,13 @@ class WeightSyncSettings:
                    transport=rollout.update_weight_transport, disk_dir=rollout.update_weight_disk_dir,
                    keep_disk_files=rollout.update_weight_disk_keep_files,
                    external_engines=bool(rollout.rollout_external_engine_addrs),
-                   flush_cache_interval=rollout.flush_cache_interval)
+                   flush_cache_interval=rollout.flush_cache_interval, lora_dir=lora_dir)
 
     @property
     def transport_name(self) -> str:
         """The key of `transports.TRANSPORTS` this run uses."""
+        if self.lora_dir is not None and not self.colocate:
+            return "lora"
         return "colocated" if self.colocate else "disk" if self.transport == "disk" else "broadcast"
 
     @property

@@ -162,7 +162,8 @@ class GroupPush:
                  len(plan.buckets), total_bytes / 1e6, seconds, " (new group)" if self.new_group else "",
                  "" if self.flush_cache else " (in place, cache kept)")
         return {"weight_sync/seconds": seconds, "weight_sync/buckets": float(len(plan.buckets)),
-                "weight_sync/mbytes": total_bytes / 1e6, "weight_sync/new_group": float(self.new_group)}
+                "weight_sync/mbytes": total_bytes / 1e6, "weight_sync/new_group": float(self.new_group),
+                "perf/weight_sync_bytes": float(total_bytes)}
 
     def _buckets(self, plan: WeightPlan) -> list[BucketUpdate]:
         last = len(plan.buckets) - 1

@@ -59,7 +59,8 @@ async def push_weights_colocated(*, version: int, channel: TrainerChannel, engin
     log.info("weights v%d -> %d colocated engine(s) through /update_weights_from_tensor: %s bucket(s) in %.2f s",
              version, len(engines), merged.get("buckets"), seconds)
     return {"weight_sync/seconds": seconds, "weight_sync/buckets": float(merged.get("buckets", 0)),
-            "weight_sync/mbytes": float(merged.get("bytes", 0)) / 1e6, "weight_sync/new_group": 0.0}
+            "weight_sync/mbytes": float(merged.get("bytes", 0)) / 1e6, "weight_sync/new_group": 0.0,
+            "perf/weight_sync_bytes": float(merged.get("bytes", 0))}
 
 
 class ColocatedTransport(WeightTransport):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import struct
 import time
 from pathlib import Path
 
@@ -26,6 +27,14 @@ from hpc_rl.controller.transports.base import WeightTransport
 from hpc_rl.protocol.messages import DiskWeightsCommand
 
 log = logging.getLogger(__name__)
+
+
+def safetensors_payload_bytes(path: Path) -> int:
+    """The tensor bytes of one safetensors file (perf/weight_sync_bytes): its size less the 8-byte length and the
+    JSON header."""
+    with path.open("rb") as handle:
+        (header_len,) = struct.unpack("<Q", handle.read(8))
+    return path.stat().st_size - 8 - header_len
 
 
 def version_dir(disk_dir: str | Path, version: int) -> Path:
@@ -42,6 +51,7 @@ async def push_weights_through_disk(*, version: int, channel: TrainerChannel, en
     await channel.run(lambda rank, seq: DiskWeightsCommand(seq=seq, weight_version=version, path=str(path),
                                                            engine_urls=urls), timeout_s=timeout_s)
     written = time.perf_counter()
+    written_bytes = sum(safetensors_payload_bytes(f) for f in path.glob("*.safetensors"))  # the weights' tensors
     await asyncio.gather(*(admins[e.engine_index].update_weights_from_disk(str(path), str(version))
                            for e in engines))
     if not keep_files:
@@ -52,7 +62,7 @@ async def push_weights_through_disk(*, version: int, channel: TrainerChannel, en
     log.info("weights v%d -> %d engine(s) through %s: written in %.2f s, loaded in %.2f s", version, len(engines),
              path, written - start, done - written)
     return {"weight_sync/seconds": done - start, "weight_sync/write_seconds": written - start,
-            "weight_sync/load_seconds": done - written}
+            "weight_sync/load_seconds": done - written, "perf/weight_sync_bytes": float(written_bytes)}
 
 
 class DiskTransport(WeightTransport):

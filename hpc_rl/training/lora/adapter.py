@@ -163,3 +163,8 @@ class LoraAdapters(torch.nn.ModuleDict):
             axes = adapter.split_axes() if adapter.tp_size > 1 else {}
             out.update(make_sharded_tensors_for_checkpoint(state, f"{prefix}{name}.", axes, sharded_offsets))
         return out
+
+
+def adapters_of(model: torch.nn.Module) -> list[LoraAdapter]:
+    """Every adapter of `model` (any wrapper around it), in module order."""
+    return [adapter for module in model.modules() if isinstance(module, LoraAdapters) for adapter in module.values()]

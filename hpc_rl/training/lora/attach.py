@@ -3,10 +3,10 @@ freezing the base.
 
 Owns: `apply_lora` (run after the model is built and its base weights loaded, before Megatron's DDP and optimizer
 see it: every base parameter gets requires_grad False, so DDP gives it no gradient buffer and the optimizer no
-state, and only the adapters are reduced and stepped), `adapters_of` (every adapter of a model, with its HF module
-path), and PEFT's initial values (A: Kaiming-uniform with a=sqrt(5), B: zeros), drawn whole from a generator seeded
-by the layer and sliced, so every TP rank holds its part of the same matrix. Does not own the adapter's math
-(`adapter`) nor PEFT's files (`peft_files`).
+state, and only the adapters are reduced and stepped), and PEFT's initial values (A: Kaiming-uniform with
+a=sqrt(5), B: zeros), drawn whole from a generator seeded by the layer and sliced, so every TP rank holds its
+part of the same matrix. Does not own the adapter's math (`adapter`, which also finds a model's adapters:
+`adapters_of`) nor PEFT's files (`peft_files`).
 
 MoE layers (routed experts) and multi-latent attention are refused with the reason (config.lora checks at submit).
 """
@@ -117,11 +117,6 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, *, seed: int = 1234) ->
     if not made:
         raise ValueError("LoRA: no layer of this model stage was adapted (check lora.target_modules)")
     return made
-
-
-def adapters_of(model: torch.nn.Module) -> list[LoraAdapter]:
-    """Every adapter of `model` (any wrapper around it), in module order."""
-    return [adapter for module in model.modules() if isinstance(module, LoraAdapters) for adapter in module.values()]
 
 
 def adapter_settings(model: torch.nn.Module) -> LoraConfig | None:

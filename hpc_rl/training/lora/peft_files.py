@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rl.config.lora import LoraConfig, target_projections
-from hpc_rl.training.lora.adapter import LoraAdapter
-from hpc_rl.training.lora.attach import adapters_of
+from hpc_rl.training.lora.adapter import LoraAdapter, adapters_of
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
