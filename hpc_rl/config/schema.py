@@ -423,7 +423,14 @@ class AlgorithmConfig:
     pg_loss_type: str | None = None
     """Policy-gradient objective (slime's --pg-loss-type): ppo (advantage_estimator's clipped objective: PPO, GSPO
     or CISPO) | reinforce (-A * logp per token, no clip; with use_tis the TIS weight multiplies it). None: ppo
-    (slime's default without score centering, which hpc_rl does not offer yet)."""
+    (slime's default without score centering; with use_score_centering, None means reinforce)."""
+    use_score_centering: bool = False
+    """Score centering (slime's --use-score-centering; arXiv:2609.20807): the engines return each generated
+    token's top-k log-probs (score_centering_top_k) and the REINFORCE loss subtracts the sampler's expected
+    score, estimated on that head (`hpc_rl.training.losses.score_centering_correction`). Needs pg_loss_type
+    reinforce (unset means reinforce here) and context_parallel_size 1."""
+    score_centering_top_k: int = 128
+    """Head size k of score centering: how many top log-probs the engines return per generated token."""
     disable_grpo_std_normalization: bool = False
     """Dr. GRPO: subtract the group mean only."""
     disable_rewards_normalization: bool = False
@@ -488,6 +495,14 @@ class AlgorithmConfig:
         if self.pg_loss_type not in (None, *PG_LOSS_TYPES):
             raise ValueError(f"algorithm.pg_loss_type: {self.pg_loss_type!r} is not one of {', '.join(PG_LOSS_TYPES)} "
                              f"(or leave it unset for ppo)")
+        if self.use_score_centering:
+            if self.pg_loss_type == "ppo":
+                raise ValueError("algorithm.use_score_centering corrects the REINFORCE gradient: set pg_loss_type "
+                                 "reinforce (or leave it unset), or drop use_score_centering")
+            self.pg_loss_type = "reinforce"
+        if self.score_centering_top_k < 1:
+            raise ValueError(f"algorithm.score_centering_top_k: {self.score_centering_top_k} must be >= 1 (the "
+                             f"number of top log-probs the engines return per generated token)")
         if self.eps_clip_high is None:
             self.eps_clip_high = self.eps_clip
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:

@@ -2,7 +2,7 @@
 
 Owns the pure part of request batching (no I/O): which single requests may share a batched body
 (`batchable`), the batched body (`merge_payloads`: SGLang's batched `input_ids`, one `rid` per item,
-one shared `sampling_params` / `return_logprob` or one per item, one `return_routed_experts` for the
+one shared `sampling_params` / `return_logprob` / `top_logprobs_num` or one per item, one `return_routed_experts` for the
 whole batch as SGLang takes it), how the samples queued at one moment are cut into requests
 (`plan_batches`: one per engine, whole GRPO groups, at most the engine's concurrency each), and the
 answer list mapped back to the samples (`split_answer`).
@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-BATCHABLE_KEYS = frozenset({"rid", "input_ids", "sampling_params", "return_logprob", "return_routed_experts"})
+BATCHABLE_KEYS = frozenset({"rid", "input_ids", "sampling_params", "return_logprob", "return_routed_experts",
+                            "top_logprobs_num"})
 """A single request with only these keys (the rollout's own) can join a batch; anything else (text,
 stream, images, a custom function's extras) is sent alone, as it came."""
 
@@ -52,6 +53,8 @@ def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
                             "sampling_params": _shared_or_each([p.get("sampling_params") or {} for p in payloads])}
     if any("return_logprob" in p for p in payloads):
         body["return_logprob"] = _shared_or_each([bool(p.get("return_logprob", False)) for p in payloads])
+    if any("top_logprobs_num" in p for p in payloads):  # score centering: one k, or one per item
+        body["top_logprobs_num"] = _shared_or_each([int(p.get("top_logprobs_num") or 0) for p in payloads])
     if any(p.get("return_routed_experts") for p in payloads):  # SGLang takes one value for a whole batch
         body["return_routed_experts"] = True
     return body
