@@ -156,11 +156,20 @@ def test_reinforce_with_score_centering_hand_values() -> None:
     loss.backward()
     torch.testing.assert_close(train_head.grad, torch.tensor([[0.0, 0.1], [0.0, 0.0]]))  # A * residual, row 0 only
     assert torch.isfinite(train_head.grad).all()
-    # Without TIS the head term of an on-policy head vanishes (w = p / q, alpha = 1): plain REINFORCE.
+    # Without TIS the sampled score has no weight and neither has its expectation: w = 1, alpha = rho = 0.8,
+    # residual = q - 0.8 p = [0.4 - 0.4, 0.4 - 0.2] = [0, 0.2]: pg_0 = -2 log 0.5 + 2 * 0.2 * log 0.25.
     plain = PolicyLossConfig(policy_loss_type="reinforce", entropy_coef=0.0)
+    train_head.grad = None
     loss, _ = policy_loss_and_metrics(plain, log_probs=[log_p.detach()], old_log_probs=None,
                                       advantages=[torch.tensor([2.0, 2.0])], loss_masks=[torch.tensor([1.0, 0.0])],
-                                      score_centering=(train_head.detach(), sampler_head))
+                                      score_centering=(train_head, sampler_head))
+    assert abs(float(loss) - (-2.0 * math.log(0.5) + 2.0 * 0.2 * math.log(0.25))) < 1e-5
+    loss.backward()
+    torch.testing.assert_close(train_head.grad, torch.tensor([[0.0, 0.4], [0.0, 0.0]]))
+    # On-policy (q = p) the head estimate is exact and the term vanishes.
+    loss, _ = policy_loss_and_metrics(plain, log_probs=[log_p.detach()], old_log_probs=None,
+                                      advantages=[torch.tensor([2.0, 2.0])], loss_masks=[torch.tensor([1.0, 0.0])],
+                                      score_centering=(train_head.detach(), train_head.detach()))
     assert abs(float(loss) + 2.0 * math.log(0.5)) < 1e-5
     with pytest.raises(ValueError, match="REINFORCE"):
         policy_loss_and_metrics(PolicyLossConfig(policy_loss_type="ppo"), log_probs=[log_p.detach()],
