@@ -306,6 +306,10 @@ class TrainingConfig:
     use_rollout_routing_replay: bool = False
     """The trainer's routers use the experts the engines chose for each token (SGLang's
     --enable-return-routed-experts)."""
+    routing_replay_prefetch_microbatches: int = 1
+    """Routing replay (either kind): micro-batches whose replay targets are built and copied to the device ahead
+    of their forward (slime's --routing-replay-prefetch-microbatches); 0: each at its own forward. Memory: up to
+    N + 1 micro-batches' [MoE layers, tokens, topk] int64 targets on the device (hpc_rl.training.replay_read_ahead)."""
     # Uneven pipeline stages and multi-token prediction (issue 20; Megatron-LM's flag names).
     decoder_first_pipeline_num_layers: int | None = None
     """Layers of the first pipeline stage (None: an even split); the middle stages split the rest evenly."""
@@ -384,6 +388,9 @@ class TrainingConfig:
             raise ValueError(f"training.qkv_format: {self.qkv_format!r} is not thd|bshd|auto")
         if self.context_parallel_size > 1 and self.qkv_format == "bshd":
             raise ValueError("training.context_parallel_size > 1 splits packed sequences: set qkv_format: thd")
+        if self.routing_replay_prefetch_microbatches < 0:
+            raise ValueError(f"training.routing_replay_prefetch_microbatches: {self.routing_replay_prefetch_microbatches}"
+                             " must be >= 0 (micro-batches read ahead; 0: none)")
 
     @property
     def model_parallel_size(self) -> int:

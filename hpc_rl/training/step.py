@@ -341,7 +341,7 @@ class RolloutTrainer:
         """The actor's old log-probs pass as it stands (a MoE actor's routers replay or record)."""
         if self.moe is None:
             return self._logprobs(self.actor, micros, "")
-        with self.moe.old_pass(batch) as hooks:
+        with self.moe.old_pass(batch, micros) as hooks:
             return self._logprobs(self.actor, micros, "", hooks)
 
     # ------------------------------------------------------------------ the rollout
@@ -683,7 +683,7 @@ class RolloutTrainer:
             set_moe_aux_loss_scale(len(micros), self.info.cp_size, self.loss_config.calculate_per_token_loss,
                                    global_trained, device=self.info.device)
         moe = self.moe if model is self.actor else None  # the actor's routers (a critic's are not tracked)
-        with (moe.training_pass(batch) if moe is not None else nullcontext(NO_HOOKS)) as hooks:
+        with (moe.training_pass(batch, micros) if moe is not None else nullcontext(NO_HOOKS)) as hooks:
             pipeline.forward_backward(model, micros, micro_loss, hooks)
         result = optimizer.step()
         out: dict[str, float] = {}

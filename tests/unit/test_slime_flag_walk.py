@@ -195,7 +195,7 @@ def _kinds() -> dict[str, Any]:
 
 LATER_ACCEPTED = {"--pg-loss-type", "--buffer-sort-by-staleness", "--flush-cache-interval",
                   "--force-fp8-ue8m0-scale", "--rollout-data-dir", "--rollout-storage-profile",
-                  "--use-score-centering", "--score-centering-top-k"}
+                  "--use-score-centering", "--score-centering-top-k", "--routing-replay-prefetch-microbatches"}
 LATER_MODEL_SWITCHES = {"--post-self-attn-layernorm", "--post-mlp-layernorm"}
 """GLM4's sandwich norms: model flags hpc_rl reads already (they come together; the tiny Qwen3 has neither)."""
 
