@@ -389,8 +389,9 @@ class TrainingConfig:
         if self.context_parallel_size > 1 and self.qkv_format == "bshd":
             raise ValueError("training.context_parallel_size > 1 splits packed sequences: set qkv_format: thd")
         if self.routing_replay_prefetch_microbatches < 0:
-            raise ValueError(f"training.routing_replay_prefetch_microbatches: {self.routing_replay_prefetch_microbatches}"
-                             " must be >= 0 (micro-batches read ahead; 0: none)")
+            raise ValueError(f"training.routing_replay_prefetch_microbatches: "
+                             f"{self.routing_replay_prefetch_microbatches} must be >= 0 (micro-batches read ahead; "
+                             f"0: none)")
 
     @property
     def model_parallel_size(self) -> int:

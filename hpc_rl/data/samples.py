@@ -105,8 +105,8 @@ class Sample:
             data["routed_experts"] = routing_from_json(data["routed_experts"])
         if data.get("top_logprob_ids") is not None and data.get("top_logprobs") is not None:
             data["top_logprob_ids"] = np.asarray(data["top_logprob_ids"], dtype=np.int32)
-            data["top_logprobs"] = np.asarray([[-np.inf if v is None else v for v in row] for row in data["top_logprobs"]],
-                                              dtype=np.float32)
+            data["top_logprobs"] = np.asarray(
+                [[-np.inf if v is None else v for v in row] for row in data["top_logprobs"]], dtype=np.float32)
         return cls(**data)
 
 

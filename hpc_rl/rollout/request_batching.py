@@ -2,10 +2,10 @@
 
 Owns the pure part of request batching (no I/O): which single requests may share a batched body
 (`batchable`), the batched body (`merge_payloads`: SGLang's batched `input_ids`, one `rid` per item,
-one shared `sampling_params` / `return_logprob` / `top_logprobs_num` or one per item, one `return_routed_experts` for the
-whole batch as SGLang takes it), how the samples queued at one moment are cut into requests
-(`plan_batches`: one per engine, whole GRPO groups, at most the engine's concurrency each), and the
-answer list mapped back to the samples (`split_answer`).
+one shared `sampling_params` / `return_logprob` / `top_logprobs_num` or one per item, one
+`return_routed_experts` for the whole batch as SGLang takes it), how the samples queued at one moment are cut
+into requests (`plan_batches`: one per engine, whole GRPO groups, at most the engine's concurrency each), and
+the answer list mapped back to the samples (`split_answer`).
 
 Why: per-request overhead (HTTP, JSON, the router, the engine's handler) dominated generation at RL
 shapes: 128 samples x 4 tokens took 253 ms as 128 requests through the router and 37 ms as one batched

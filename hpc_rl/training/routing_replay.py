@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -183,9 +183,10 @@ class RoutingReplay:
         indices = [router.router_replay.get_recorded_indices() for _, router in self.routers]
         self._recorded[id(micro)] = torch.stack(indices).to("cpu", self._record_dtype)
 
-    def _targets(self, micro: MicroBatch, batch: TrainBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`micro`'s ([layers here, tokens, topk] ids, [tokens] recorded) on the device; with read-ahead on a
-        GPU, copied on the side stream (`_replay` makes the compute stream wait for it)."""
+    def _targets(self, micro: MicroBatch, batch: TrainBatch | None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """`micro`'s ([layers here, tokens, topk] ids, [tokens] recorded) on the device, and with read-ahead on a
+        GPU the CUDA event of their copy on the side stream (`_replay` makes the compute stream wait for it;
+        None otherwise)."""
         tokens = self._tokens(micro)
         if batch is not None:
             assert batch.routed_experts is not None
@@ -196,18 +197,21 @@ class RoutingReplay:
                 raise RuntimeError("routing replay: a micro-batch without a recorded old-log-prob pass")
             targets, recorded = self._recorded[id(micro)].to(torch.long), tokens.real
         if self._copy_stream is None:
-            return targets.to(self.device), recorded.to(self.device)
+            return targets.to(self.device), recorded.to(self.device), None
         with torch.cuda.stream(self._copy_stream):
-            return (targets.pin_memory().to(self.device, non_blocking=True),
-                    recorded.pin_memory().to(self.device, non_blocking=True))
+            targets = targets.pin_memory().to(self.device, non_blocking=True)
+            recorded = recorded.pin_memory().to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._copy_stream)
+        return targets, recorded, copied
 
     def _replay(self, micro: MicroBatch, read_ahead: ReplayReadAhead, keep_for_backward: bool) -> None:
         if not self.routers:  # a pipeline stage of dense layers only
             return
-        targets, recorded = read_ahead.take(micro)
-        if self._copy_stream is not None:  # GPU read-ahead: the copies ran on the side stream
+        targets, recorded, copied = read_ahead.take(micro)
+        if copied is not None:  # GPU read-ahead: this micro-batch's copy ran on the side stream
             compute = torch.cuda.current_stream(self.device)
-            compute.wait_stream(self._copy_stream)
+            compute.wait_event(copied)
             targets.record_stream(compute)
             recorded.record_stream(compute)
         for index, (_, router) in enumerate(self.routers):

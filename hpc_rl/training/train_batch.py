@@ -1,10 +1,10 @@
 """`TrainBatch`: one DP rank's share of a rollout, as the trainer consumes it.
 
 Owns: the per-sample view (token ids, prompt/response lengths, loss masks, normalised rewards,
-rollout log-probs, the engines' routed experts and top-k log-probs for score centering) and its conversion from/to the flat numpy arrays the
-controller sends in a `TrainCommand` (`hpc_rl.controller.train_batches.pack_samples`: concatenated
-tokens plus per-sample lengths) and from JSONL rows (the `--batches-file` used before a controller
-exists).
+rollout log-probs, the engines' routed experts and top-k log-probs for score centering) and its conversion
+from/to the flat numpy arrays the controller sends in a `TrainCommand`
+(`hpc_rl.controller.train_batches.pack_samples`: concatenated tokens plus per-sample lengths) and from JSONL
+rows (the `--batches-file` used before a controller exists).
 `rewards` are already group-normalised (the rollout side does it: it sees whole groups). A teacher server's
 log-probs (on-policy distillation, `teacher_logprobs`) travel beside the engine's.
 """
@@ -129,7 +129,8 @@ class TrainBatch:
             cuts = np.cumsum(np.asarray(response, dtype=np.int64))[:-1]
             head_ids = np.split(arrays["top_logprob_ids"], cuts)
             head_lps = np.split(arrays["top_logprobs"], cuts)
-        return cls(top_logprob_ids=head_ids, top_logprobs=head_lps, tokens=tokens, response_lengths=response, loss_masks=masks,
+        return cls(top_logprob_ids=head_ids, top_logprobs=head_lps,
+                   tokens=tokens, response_lengths=response, loss_masks=masks,
                    rewards=arrays["rewards"].astype(np.float64).tolist(),
                    rollout_logprobs=logprobs if logprobs else None, routed_experts=routing,
                    teacher_logprobs=teacher if flat_teacher is not None else None, meta=dict(meta or {}))

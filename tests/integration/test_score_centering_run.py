@@ -5,7 +5,8 @@ carry them to the trainer, and REINFORCE's loss subtracts the head estimate of t
 three rollouts the engine's log-probs must equal the trainer's after every sync (the helper's check), and the
 head the trainer scores must be the engine's: the trainer's mass on the engine's top-k ids (P) stays near the
 engine's own (Q) (equal at a rollout's first step, within 0.02 after one update; measured ~0.003), and the
-correction is nonzero once the policy moved (a second step per rollout). The hand-checked values are tests/unit/test_score_centering.py's.
+correction is nonzero once the policy moved (a second step per rollout). The hand-checked values are
+tests/unit/test_score_centering.py's.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ class Micro:
         self.name = name
 
 
-def run(depth: int, micros: list[Micro] | None, order: list[Micro]) -> tuple[list[str], list[tuple[str, list[str]]], int]:
+def run(depth: int, micros: list[Micro] | None,
+        order: list[Micro]) -> tuple[list[str], list[tuple[str, list[str]]], int]:
     built: list[str] = []
     read_ahead = ReplayReadAhead(lambda micro: built.append(micro.name) or f"targets of {micro.name}", micros, depth)
     trace = []
