@@ -438,7 +438,9 @@ class AlgorithmConfig:
     score, estimated on that head (`hpc_rl.training.losses.score_centering_correction`). Needs pg_loss_type
     reinforce (unset means reinforce here) and context_parallel_size 1."""
     score_centering_top_k: int = 128
-    """Head size k of score centering: how many top log-probs the engines return per generated token."""
+    """Head size k of score centering: how many top log-probs the engines return per generated token. Cost: 8 x k
+    bytes per generated token (int32 id + float32 log-prob) on the controller and on the wire to the trainer
+    (k 128: 1 KiB per token), and a [tokens, k] gather of the trainer's logits per micro-batch."""
     disable_grpo_std_normalization: bool = False
     """Dr. GRPO: subtract the group mean only."""
     disable_rewards_normalization: bool = False
