@@ -306,6 +306,10 @@ class TrainingConfig:
     use_rollout_routing_replay: bool = False
     """The trainer's routers use the experts the engines chose for each token (SGLang's
     --enable-return-routed-experts)."""
+    routing_replay_prefetch_microbatches: int = 1
+    """Routing replay (either kind): micro-batches whose replay targets are built and copied to the device ahead
+    of their forward (slime's --routing-replay-prefetch-microbatches); 0: each at its own forward. Memory: up to
+    N + 1 micro-batches' [MoE layers, tokens, topk] int64 targets on the device (hpc_rl.training.replay_read_ahead)."""
     # Uneven pipeline stages and multi-token prediction (issue 20; Megatron-LM's flag names).
     decoder_first_pipeline_num_layers: int | None = None
     """Layers of the first pipeline stage (None: an even split); the middle stages split the rest evenly."""
@@ -384,6 +388,10 @@ class TrainingConfig:
             raise ValueError(f"training.qkv_format: {self.qkv_format!r} is not thd|bshd|auto")
         if self.context_parallel_size > 1 and self.qkv_format == "bshd":
             raise ValueError("training.context_parallel_size > 1 splits packed sequences: set qkv_format: thd")
+        if self.routing_replay_prefetch_microbatches < 0:
+            raise ValueError(f"training.routing_replay_prefetch_microbatches: "
+                             f"{self.routing_replay_prefetch_microbatches} must be >= 0 (micro-batches read ahead; "
+                             f"0: none)")
 
     @property
     def model_parallel_size(self) -> int:
@@ -423,7 +431,16 @@ class AlgorithmConfig:
     pg_loss_type: str | None = None
     """Policy-gradient objective (slime's --pg-loss-type): ppo (advantage_estimator's clipped objective: PPO, GSPO
     or CISPO) | reinforce (-A * logp per token, no clip; with use_tis the TIS weight multiplies it). None: ppo
-    (slime's default without score centering, which hpc_rl does not offer yet)."""
+    (slime's default without score centering; with use_score_centering, None means reinforce)."""
+    use_score_centering: bool = False
+    """Score centering (slime's --use-score-centering; arXiv:2609.20807): the engines return each generated
+    token's top-k log-probs (score_centering_top_k) and the REINFORCE loss subtracts the sampler's expected
+    score, estimated on that head (`hpc_rl.training.losses.score_centering_correction`). Needs pg_loss_type
+    reinforce (unset means reinforce here) and context_parallel_size 1."""
+    score_centering_top_k: int = 128
+    """Head size k of score centering: how many top log-probs the engines return per generated token. Cost: 8 x k
+    bytes per generated token (int32 id + float32 log-prob) on the controller and on the wire to the trainer
+    (k 128: 1 KiB per token), and a [tokens, k] gather of the trainer's logits per micro-batch."""
     disable_grpo_std_normalization: bool = False
     """Dr. GRPO: subtract the group mean only."""
     disable_rewards_normalization: bool = False
@@ -488,6 +505,14 @@ class AlgorithmConfig:
         if self.pg_loss_type not in (None, *PG_LOSS_TYPES):
             raise ValueError(f"algorithm.pg_loss_type: {self.pg_loss_type!r} is not one of {', '.join(PG_LOSS_TYPES)} "
                              f"(or leave it unset for ppo)")
+        if self.use_score_centering:
+            if self.pg_loss_type == "ppo":
+                raise ValueError("algorithm.use_score_centering corrects the REINFORCE gradient: set pg_loss_type "
+                                 "reinforce (or leave it unset), or drop use_score_centering")
+            self.pg_loss_type = "reinforce"
+        if self.score_centering_top_k < 1:
+            raise ValueError(f"algorithm.score_centering_top_k: {self.score_centering_top_k} must be >= 1 (the "
+                             f"number of top log-probs the engines return per generated token)")
         if self.eps_clip_high is None:
             self.eps_clip_high = self.eps_clip
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:

@@ -339,14 +339,6 @@ _STRAW_REASON = ("belongs to slime's straw rollout-data transport (a lease queue
 _OUTLIVE_REASON = ("belongs to engines that outlive the trainer (a rollout session resumed by a later job), which "
                    "hpc_rl does not offer yet: the engines are the job's and stop with it; drop it")
 SLIME_LATER_REFUSED: dict[str, str] = {
-    "routing_replay_prefetch_microbatches": (
-        "not offered: hpc_rl's routing replay keeps each rollout's routed experts in host memory beside its "
-        "samples (no disk-backed routes to read ahead); drop it"),
-    "use_score_centering": (
-        "not offered yet: score centering needs each generated token's top-k sampler log-probs from the engines, "
-        "which hpc_rl's rollouts do not carry (the centering term itself is "
-        "hpc_rl.training.losses.score_centering_correction); use --pg-loss-type reinforce with --use-tis"),
-    "score_centering_top_k": "belongs to --use-score-centering, which is not offered yet (see there); drop it",
     "rollout_session_id": _OUTLIVE_REASON,
     "rollout_cleanup_timeout": _OUTLIVE_REASON,
     **{name: _STRAW_REASON for name in (

@@ -405,6 +405,13 @@ def _slime_flag_problems(config: RunConfig) -> list[Problem]:
     if algorithm.keep_old_actor and algorithm.use_rollout_logprobs:
         problems.append(Problem("algorithm.keep_old_actor", "computes old log-probs at the engines' weights, but "
                                 "use_rollout_logprobs takes the engines' own log-probs: drop one of them"))
+    if algorithm.use_score_centering and config.training.context_parallel_size > 1:
+        problems.append(Problem("algorithm.use_score_centering", "scores the engines' top-k ids at each response "
+                                "token, which hpc_rl does only without context parallelism: set "
+                                "context_parallel_size 1 or drop use_score_centering"))
+    if algorithm.use_score_centering and algorithm.custom_loss_function_path:
+        problems.append(Problem("algorithm.use_score_centering", "corrects the built-in REINFORCE loss, which "
+                                "custom_loss_function_path replaces: drop one of them"))
     if algorithm.get_mismatch_metrics and not algorithm.custom_tis_function_path:
         problems.append(Problem("algorithm.get_mismatch_metrics", "runs custom_tis_function_path for its metrics, "
                                 "which is not set (slime asserts the same): add --custom-tis-function-path"))

@@ -185,7 +185,9 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
                                              reward_fn=scored_with_teacher if teacher else reward_fn,
                                              metric_options=metric_options,
                                              plugins=SamplePlugins.from_config(rollout, config.eval),
-                                             routed_experts=rollout_routing_shape(config))
+                                             routed_experts=rollout_routing_shape(config),
+                                             top_logprobs_num=config.algorithm.score_centering_top_k
+                                             if config.algorithm.use_score_centering else 0)
     num_rollout = num_rollouts(rollout, len(dataset))
     loop = assemble_loop(config, scheduler=scheduler, registry=registry, channel=channel, fleet=fleet,
                          recorder=run_recorder(config, num_rollout),

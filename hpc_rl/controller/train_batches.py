@@ -117,7 +117,30 @@ def pack_samples(samples: list[Sample], rewards: list[float]) -> dict[str, np.nd
         arrays["teacher_logprobs"] = teacher
     if any(s.routed_experts is not None for s in samples):
         arrays.update(pack_routed_experts(samples))
+    if any(s.top_logprobs is not None for s in samples):
+        arrays.update(pack_top_logprobs(samples))
     return arrays
+
+
+def pack_top_logprobs(samples: list[Sample]) -> dict[str, np.ndarray]:
+    """Score centering: the engines' top-k ids and log-probs of every response token, [total response, k] each
+    (one row per response token, samples in order)."""
+    k = next(s.top_logprobs.shape[1] for s in samples if s.top_logprobs is not None)
+    ids, logprobs = [], []
+    for s in samples:
+        if s.top_logprob_ids is None or s.top_logprobs is None:
+            if s.response_length:
+                raise ValueError(f"sample {s.index} has no top-k log-probs while others have: with "
+                                 "algorithm.use_score_centering every sample must come from engine answers "
+                                 "(a custom generate function must call generate_turn)")
+            continue
+        if s.top_logprobs.shape != (s.response_length, k) or s.top_logprob_ids.shape != (s.response_length, k):
+            raise ValueError(f"sample {s.index}: top-k log-probs {s.top_logprobs.shape} / ids "
+                             f"{s.top_logprob_ids.shape}, expected ({s.response_length}, {k})")
+        ids.append(s.top_logprob_ids)
+        logprobs.append(s.top_logprobs)
+    return {"top_logprob_ids": np.concatenate(ids).astype(np.int32, copy=False),
+            "top_logprobs": np.concatenate(logprobs).astype(np.float32, copy=False)}
 
 
 def pack_routed_experts(samples: list[Sample]) -> dict[str, np.ndarray]:

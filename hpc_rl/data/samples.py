@@ -69,6 +69,12 @@ class Sample:
     """[positions, num_layers, topk] experts the engine routed each token to, prompt and response but
     the last token (`hpc_rl.data.routed_experts`); only with `training.use_rollout_routing_replay`."""
 
+    top_logprob_ids: np.ndarray | None = field(default=None, compare=False)
+    """[response tokens, k] int32: per generated token, the engine's k most likely token ids at that position
+    (SGLang's meta_info.output_top_logprobs); only with `algorithm.use_score_centering`."""
+    top_logprobs: np.ndarray | None = field(default=None, compare=False)
+    """[response tokens, k] float32: the engine's log-probs of `top_logprob_ids` (tool tokens: -inf, untrained)."""
+
     @property
     def response_length(self) -> int:
         return len(self.response_token_ids)
@@ -86,6 +92,9 @@ class Sample:
         data["status"] = self.status.value
         if self.routed_experts is not None:
             data["routed_experts"] = routing_to_json(self.routed_experts)
+        if self.top_logprob_ids is not None and self.top_logprobs is not None:
+            data["top_logprob_ids"] = self.top_logprob_ids.tolist()
+            data["top_logprobs"] = [[v if np.isfinite(v) else None for v in row] for row in self.top_logprobs.tolist()]
         return data
 
     @classmethod
@@ -94,6 +103,10 @@ class Sample:
         data["status"] = SampleStatus(data.get("status", SampleStatus.PENDING.value))
         if data.get("routed_experts") is not None:
             data["routed_experts"] = routing_from_json(data["routed_experts"])
+        if data.get("top_logprob_ids") is not None and data.get("top_logprobs") is not None:
+            data["top_logprob_ids"] = np.asarray(data["top_logprob_ids"], dtype=np.int32)
+            data["top_logprobs"] = np.asarray(
+                [[-np.inf if v is None else v for v in row] for row in data["top_logprobs"]], dtype=np.float32)
         return cls(**data)
 
 

@@ -50,6 +50,9 @@ from hpc_rl.retry_policy import RetryPolicy
 from hpc_rl.rollout.engine_client import (EngineClient, EngineHTTPError, GenerateAnswer, StopGeneration,
                                           TransportError)
 from hpc_rl.rollout.metrics import GenerationMetrics
+from hpc_rl.rollout.top_logprobs import REQUEST_FIELD as TOP_LOGPROBS_FIELD
+from hpc_rl.rollout.top_logprobs import (TopLogprobsError, append_top_logprobs, pad_top_logprobs,
+                                         top_logprobs_from_answer)
 from hpc_rl.rollout.routed_experts import (REQUEST_FIELD, RoutedExpertsError, RoutingShape,
                                            routed_experts_from_answer)
 
@@ -169,8 +172,11 @@ class GenerationSession:
 
     def __init__(self, client: EngineClient, *, weight_version: int = 0, retry: RetryPolicy | None = None,
                  max_context_len: int | None = None, return_logprob: bool = True,
-                 batch_across_groups: bool = False, routed_experts: RoutingShape | None = None) -> None:
+                 batch_across_groups: bool = False, routed_experts: RoutingShape | None = None,
+                 top_logprobs_num: int = 0) -> None:
         self.client = client
+        self.top_logprobs_num = top_logprobs_num
+        """> 0: ask the engines for each generated token's top-k log-probs (score centering; top_logprobs.py)."""
         self.routed_experts = routed_experts
         """Ask the engines for each token's routed experts (`training.use_rollout_routing_replay`), of this
         shape; every answer with tokens must carry them (the sample keeps the last answer's, which cover
@@ -276,6 +282,7 @@ def _append(sample: Sample, token_ids: list[int], logprobs: list[float], version
 def append_tool_tokens(sample: Sample, token_ids: list[int], text: str, *, weight_version: int | None = None) -> None:
     """Append tokens the model did not generate (tool output): logprob 0.0, loss_mask 0."""
     version = current_session().weight_version if weight_version is None else weight_version
+    pad_top_logprobs(sample, len(token_ids))
     _append(sample, list(token_ids), [0.0] * len(token_ids), [version] * len(token_ids), text, trained=False)
 
 
@@ -309,6 +316,9 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
         }
         if session.routed_experts is not None:
             payload[REQUEST_FIELD] = True
+        if session.top_logprobs_num > 0:
+            payload["return_logprob"] = True
+            payload[TOP_LOGPROBS_FIELD] = session.top_logprobs_num
         session.in_flight.add(rid)
         metrics.requests_sent += 1
         answer: GenerateAnswer | None = None
@@ -357,6 +367,12 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
         if session.routed_experts is not None:
             _keep_routed_experts(sample, meta, session.routed_experts, len(payload["input_ids"]) + len(token_ids),
                                  generated=bool(token_ids))
+        if session.top_logprobs_num > 0:
+            try:
+                head = top_logprobs_from_answer(meta, n_tokens=len(token_ids), k=session.top_logprobs_num)
+            except TopLogprobsError as error:
+                raise RunEndingGenerationError(f"sample {sample.index}: {error}") from None
+            append_top_logprobs(sample, *head)
         _append(sample, token_ids, logprobs, versions, str(body.get("text") or ""), trained=True)
         metrics.generated_tokens += len(token_ids)
         finish = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) \

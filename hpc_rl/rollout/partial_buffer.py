@@ -45,6 +45,7 @@ def reset_sample(sample: Sample) -> int:
     sample.loss_mask = None
     sample.response_text = ""
     sample.routed_experts = None
+    sample.top_logprob_ids = sample.top_logprobs = None
     sample.reward = None
     sample.status = SampleStatus.PENDING
     sample.metadata.pop("error", None)

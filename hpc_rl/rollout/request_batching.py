@@ -2,10 +2,10 @@
 
 Owns the pure part of request batching (no I/O): which single requests may share a batched body
 (`batchable`), the batched body (`merge_payloads`: SGLang's batched `input_ids`, one `rid` per item,
-one shared `sampling_params` / `return_logprob` or one per item, one `return_routed_experts` for the
-whole batch as SGLang takes it), how the samples queued at one moment are cut into requests
-(`plan_batches`: one per engine, whole GRPO groups, at most the engine's concurrency each), and the
-answer list mapped back to the samples (`split_answer`).
+one shared `sampling_params` / `return_logprob` / `top_logprobs_num` or one per item, one
+`return_routed_experts` for the whole batch as SGLang takes it), how the samples queued at one moment are cut
+into requests (`plan_batches`: one per engine, whole GRPO groups, at most the engine's concurrency each), and
+the answer list mapped back to the samples (`split_answer`).
 
 Why: per-request overhead (HTTP, JSON, the router, the engine's handler) dominated generation at RL
 shapes: 128 samples x 4 tokens took 253 ms as 128 requests through the router and 37 ms as one batched
@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 BATCHABLE_KEYS = frozenset({"rid", "input_ids", "sampling_params", "return_logprob", "return_routed_experts",
-                            "lora_path"})
+                            "lora_path", "top_logprobs_num"})
 """A single request with only these keys (the rollout's own) can join a batch; anything else (text,
 stream, images, a custom function's extras) is sent alone, as it came."""
 
@@ -55,6 +55,8 @@ def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
         body["return_logprob"] = _shared_or_each([bool(p.get("return_logprob", False)) for p in payloads])
     if any("lora_path" in p for p in payloads):  # the LoRA adapter each item samples from (issue 33)
         body["lora_path"] = _shared_or_each([p.get("lora_path") for p in payloads])
+    if any("top_logprobs_num" in p for p in payloads):  # score centering: one k, or one per item
+        body["top_logprobs_num"] = _shared_or_each([int(p.get("top_logprobs_num") or 0) for p in payloads])
     if any(p.get("return_routed_experts") for p in payloads):  # SGLang takes one value for a whole batch
         body["return_routed_experts"] = True
     return body

@@ -92,17 +92,20 @@ class SchedulerSettings:
     """Where the limit comes from, for the message."""
     routed_experts: RoutingShape | None = None
     """Ask the engines for each token's routed experts, of this shape (`training.use_rollout_routing_replay`)."""
+    top_logprobs_num: int = 0
+    """> 0: ask the engines for each generated token's top-k log-probs (`algorithm.use_score_centering`)."""
 
     @classmethod
     def from_config(cls, rollout: Any, engine_context_len: int | None = None,
-                    routed_experts: RoutingShape | None = None) -> SchedulerSettings:
+                    routed_experts: RoutingShape | None = None, top_logprobs_num: int = 0) -> SchedulerSettings:
         limit, why = prompt_length_limit(rollout, engine_context_len)
         return cls(rollout_batch_size=rollout.rollout_batch_size, n_samples_per_prompt=rollout.n_samples_per_prompt,
                    over_sampling_batch_size=rollout.over_sampling_batch_size,
                    partial_rollout=rollout.partial_rollout,
                    mask_offpolicy_in_partial_rollout=rollout.mask_offpolicy_in_partial_rollout,
                    max_staleness=rollout.max_staleness, max_context_len=rollout.rollout_max_context_len,
-                   max_prompt_len=limit, max_prompt_len_why=why, routed_experts=routed_experts)
+                   max_prompt_len=limit, max_prompt_len_why=why, routed_experts=routed_experts,
+                   top_logprobs_num=top_logprobs_num)
 
 
 def prompt_length_limit(rollout: Any, engine_context_len: int | None) -> tuple[int | None, str]:
@@ -177,12 +180,12 @@ class RolloutScheduler:
     @classmethod
     def from_config(cls, rollout: Any, *, args: Any, client: EngineClient, source: PromptSource,
                     encoder: PromptEncoder, reward_fn: RewardFn, routed_experts: RoutingShape | None = None,
-                    **overrides: Any) -> RolloutScheduler:
+                    top_logprobs_num: int = 0, **overrides: Any) -> RolloutScheduler:
         """Everything from the rollout section (`RolloutConfig`); `args` is what plug-ins receive
         (`hpc_rl.config.plugin_args`). Plug-ins are resolved here: a bad path fails before generation."""
         kwargs: dict[str, Any] = {
             "settings": SchedulerSettings.from_config(rollout, getattr(client, "context_length", None),
-                                                      routed_experts),
+                                                      routed_experts, top_logprobs_num),
             "client": client, "source": source,
             "encoder": encoder, "reward_fn": reward_fn, "sampling_params": rollout_sampling_params(rollout),
             "args": args, "group_filter": load_group_filter(rollout.dynamic_sampling_filter_path),
@@ -282,7 +285,8 @@ class RolloutScheduler:
         every_group_needed = self.group_filter is None and (settings.over_sampling_batch_size or target) <= target
         session = GenerationSession(self.client, weight_version=self.weight_version, retry=self.retry,
                                     max_context_len=settings.max_context_len, batch_across_groups=every_group_needed,
-                                    routed_experts=settings.routed_experts)
+                                    routed_experts=settings.routed_experts,
+                                    top_logprobs_num=settings.top_logprobs_num)
         self._session = session
         kept: list[Group] = []
         surplus: list[Group] = []

@@ -93,3 +93,20 @@ def vocab_parallel_greedy_hits(logits: torch.Tensor, targets: torch.Tensor, *, v
         dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=tp_group)
         dist.all_reduce(target_logit, op=dist.ReduceOp.MAX, group=tp_group)
     return (target_logit >= maximum).float()
+
+
+def vocab_parallel_head_logprobs(logits: torch.Tensor, ids: torch.Tensor, *, vocab_size: int,
+                                 tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """log p(id) for k ids per position (score centering's head): `logits` [N, V_local] vocab-parallel, `ids`
+    [N, k] -> [N, k], normalised over the whole (unpadded) vocabulary, with a gradient through the logits."""
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    logits, start, part = _this_shard(logits, vocab_size, tp_group)
+    maximum = logits.detach().max(dim=-1, keepdim=True).values
+    if tp_size > 1:
+        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits - maximum
+    log_sum_exp = _sum_over_tp(shifted.exp().sum(dim=-1), tp_group).log()
+    local = ids.long() - start
+    in_shard = (local >= 0) & (local < part)
+    head = _sum_over_tp(shifted.gather(-1, local.clamp(0, part - 1)) * in_shard, tp_group)
+    return head - log_sum_exp.unsqueeze(-1)

@@ -226,7 +226,7 @@ def tis_weights(
 
 def score_centering_correction(
     train_head_log_probs: Tensor, sampler_head_log_probs: Tensor, *, clip_low: float | None = None,
-    clip_high: float | None = None, eps: float = 1e-6,
+    clip_high: float | None = None, eps: float = 1e-6, unweighted: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The head term of score centering (arXiv:2609.20807 eqs. 9, 12, 14, as slime's later main uses it).
 
@@ -238,8 +238,13 @@ def score_centering_correction(
 
         correction_t = sum_k (q_k * w_k - alpha * p_k) * log p_k        (the bracket without gradient)
 
-    Returns (correction [tokens], Q [tokens], P [tokens]); Q and P are detached. Not wired into the loss yet:
-    the rollouts do not carry the engines' top-k log-probs (slime's --use-score-centering is refused).
+    ``unweighted``: the sampled token's score carries no importance weight (REINFORCE without TIS), so neither
+    does its expectation: w_k = 1 and alpha = rho, correction_t = sum_k (q_k - rho * p_k) * log p_k. (With the
+    identity IS the head term vanishes exactly: E_q[(p / q) grad log p] = E_p[grad log p] = 0.)
+
+    Returns (correction [tokens], Q [tokens], P [tokens]); Q and P are detached. The correction estimates the
+    sampler's expected (importance-weighted) score E_q[w grad log p] on the head, the tail taken proportional to
+    the trainer's; :func:`policy_loss_and_metrics` subtracts it from each token's score (``score_centering``).
     """
     def importance(ratio: Tensor) -> Tensor:
         if clip_low is None and clip_high is None:
@@ -250,9 +255,13 @@ def score_centering_correction(
         p, q = train_head_log_probs.float().exp(), sampler_head_log_probs.float().exp()
         p_mass, q_mass = p.sum(-1), q.sum(-1)
         rho = (1.0 - q_mass).clamp_min(eps) / (1.0 - p_mass).clamp_min(eps)
-        alpha = rho * importance(rho.reciprocal())
-        weights = importance((train_head_log_probs.float() - sampler_head_log_probs.float()).exp())
-        residual = q * weights - alpha.unsqueeze(-1) * p
+        if unweighted:
+            alpha, sampled = rho, q
+        else:
+            alpha = rho * importance(rho.reciprocal())
+            weights = importance((train_head_log_probs.float() - sampler_head_log_probs.float()).exp())
+            sampled = torch.where(q > 0, q * weights, torch.zeros_like(q))  # a -inf sampler entry: 0, not 0 * inf
+        residual = sampled - alpha.unsqueeze(-1) * p
     return (residual * train_head_log_probs).sum(-1), q_mass, p_mass
 
 
@@ -439,6 +448,7 @@ def policy_loss_and_metrics(
     rollout_log_probs: PerSample | None = None,
     train_log_probs: PerSample | None = None,
     tis_function: TisFunction | None = None,
+    score_centering: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Total loss of one micro-batch and its metrics, from per-sample tensors.
 
@@ -460,6 +470,13 @@ def policy_loss_and_metrics(
     use_kl_loss), ois, tis, tis_clipfrac, tis_abs (with use_tis; a tis_function's own keys), opsm_clipfrac
     (with use_opsm), train_rollout_logprob_abs_diff
     (= R|logp_old - logp_rollout|, whenever rollout_log_probs is given).
+
+    ``score_centering`` (slime's --use-score-centering, REINFORCE only): (train head log-probs with gradient,
+    sampler head log-probs), each [tokens of the micro-batch, k] at the sampler's top-k ids. Each token's
+    policy-gradient score is centred: pg_t += A_t * c_t with c_t = :func:`score_centering_correction` (its IS
+    bounds are the TIS clamps with use_tis; without, ``unweighted``, as the sampled score is), so the gradient is
+    -A_t (w_t grad log p(y_t) - c_t). Tokens with loss mask 0 get c_t = 0. Extra metrics:
+    score_centering_head_mass_q / _p (R of Q and P) and score_centering_abs (R|c_t|).
     """
     reduce: Callable[[Tensor | PerSample, PerSample], Tensor] = (
         sum_of_tokens if config.calculate_per_token_loss else sum_of_sample_mean
@@ -505,6 +522,23 @@ def policy_loss_and_metrics(
         metrics["ois"] = reduce(torch.exp(-ppo_kl.detach()), loss_masks)
         for key, value in tis_metrics.items():
             metrics[key] = reduce(torch.as_tensor(value).detach(), loss_masks)
+
+    if score_centering is not None:
+        if config.policy_loss_type != "reinforce":
+            raise ValueError(f"score centering corrects the REINFORCE gradient, not {config.policy_loss_type!r}")
+        train_head, sampler_head = score_centering
+        trained_token = torch.cat([m.to(lp.device) for m in loss_masks]).bool().unsqueeze(-1)
+        # Untrained tokens (tool output) carry no sampler head (-inf): score them against the trainer's own
+        # head so nothing is inf or NaN, then drop them.
+        sampler_head = torch.where(trained_token, sampler_head.to(train_head), train_head.detach())
+        correction, q_mass, p_mass = score_centering_correction(
+            train_head, sampler_head, clip_low=config.tis_clip_low, clip_high=config.tis_clip,
+            unweighted=not config.use_tis)
+        correction = torch.where(trained_token.squeeze(-1), correction, torch.zeros_like(correction))
+        pg = pg + adv.detach() * correction
+        metrics["score_centering_head_mass_q"] = reduce(q_mass, loss_masks)
+        metrics["score_centering_head_mass_p"] = reduce(p_mass, loss_masks)
+        metrics["score_centering_abs"] = reduce(correction.detach().abs(), loss_masks)
 
     pg_loss = reduce(pg, loss_masks)
     loss = pg_loss

@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from hpc_rl.training.context_parallel import ContextParallelSplit, gather_with_local_grad, split_packed
 from hpc_rl.training.layer_specs import PackedSequenceAttention
-from hpc_rl.training.logprobs import vocab_parallel_greedy_hits, vocab_parallel_logprobs
+from hpc_rl.training.logprobs import (vocab_parallel_greedy_hits, vocab_parallel_head_logprobs,
+                                      vocab_parallel_logprobs)
 from hpc_rl.training.model_provider import causal_mask
 
 QKV_FORMATS = ("thd", "bshd")
@@ -140,6 +141,17 @@ class MicroBatch:
         per_sample = list(log_probs.split(self.response_lengths))
         per_entropy = None if entropy is None else list(entropy.split(self.response_lengths))
         return per_sample, per_entropy
+
+    def response_head_logprobs(self, logits: torch.Tensor, ids: Sequence[torch.Tensor], *, vocab_size: int,
+                               tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Score centering: [response tokens of the micro-batch, k] log-probs of the engine's top-k `ids` (per
+        sample [response tokens, k]) at each response token's position, samples in order."""
+        if self.context_parallel is not None:
+            raise ValueError("algorithm.use_score_centering with context_parallel_size > 1 is not offered: the "
+                             "head log-probs are gathered before the CP split; use context_parallel_size 1")
+        rows, columns = self._response_positions(logits.device)
+        return vocab_parallel_head_logprobs(logits[rows, columns], torch.cat([i.to(logits.device) for i in ids]),
+                                            vocab_size=vocab_size, tp_group=tp_group)
 
     def response_greedy_hits(self, logits: torch.Tensor, *, vocab_size: int,
                              tp_group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:

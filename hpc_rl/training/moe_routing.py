@@ -19,13 +19,14 @@ records runs before the first update, so later steps still replay the routing at
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
 import torch
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.schema import TrainingConfig
+from hpc_rl.training.micro_batches import MicroBatch
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.pipeline import NO_HOOKS, StageHooks
 from hpc_rl.training.router_health import RouterHealth, tracked_aux_losses
@@ -65,7 +66,8 @@ class MoeRouting:
         self.replay = None if source is None else RoutingReplay(
             actor, source=source, num_layers=arch.num_layers, num_experts=arch.num_moe_experts,
             topk=arch.moe_router_topk, device=info.device, sp_size=sp_size, sp_rank=sp_rank,
-            recompute=training.recompute_granularity == "full")
+            recompute=training.recompute_granularity == "full",
+            prefetch_microbatches=training.routing_replay_prefetch_microbatches)
         self.health = RouterHealth(
             actor, moe_layers=arch.moe_layers(), num_experts=arch.num_moe_experts, topk=arch.moe_router_topk,
             device=info.device, capacity_dropping=training.moe_expert_capacity_factor is not None,
@@ -79,26 +81,27 @@ class MoeRouting:
         return (self.replay is not None and self.replay.source == "recorded" and self.steps_per_rollout > 1)
 
     @contextmanager
-    def old_pass(self, batch: TrainBatch) -> Iterator[StageHooks]:
-        """Hooks of the old-log-prob pass (or the record-only pass): replay the engines', or record."""
+    def old_pass(self, batch: TrainBatch, micros: Sequence[MicroBatch] | None = None) -> Iterator[StageHooks]:
+        """Hooks of the old-log-prob pass (or the record-only pass): replay the engines', or record. `micros`:
+        the pass's micro-batches in order (routing replay reads their targets ahead)."""
         if self.replay is None:
             yield NO_HOOKS
         elif self.replay.source == "rollout":
-            with self.replay.replaying(batch) as hooks:
+            with self.replay.replaying(batch, micros=micros) as hooks:
                 yield hooks
         else:
             with self.replay.recording() as hooks:
                 yield hooks
 
     @contextmanager
-    def training_pass(self, batch: TrainBatch) -> Iterator[StageHooks]:
+    def training_pass(self, batch: TrainBatch, micros: Sequence[MicroBatch] | None = None) -> Iterator[StageHooks]:
         """Hooks of a training step's pass: replay (engines' or recorded) and count."""
         with ExitStack() as stack:
             hooks = [stack.enter_context(self.health.measuring())]
             if self.replay is not None and self.replay.source == "rollout":
-                hooks.insert(0, stack.enter_context(self.replay.replaying(batch, backward=True)))
+                hooks.insert(0, stack.enter_context(self.replay.replaying(batch, backward=True, micros=micros)))
             elif self.replay is not None and self.replay.has_recording:
-                hooks.insert(0, stack.enter_context(self.replay.replaying(None, backward=True)))
+                hooks.insert(0, stack.enter_context(self.replay.replaying(None, backward=True, micros=micros)))
             yield ChainedHooks(*hooks)
 
     def step_metrics(self, num_micro_batches: int) -> dict[str, float]:

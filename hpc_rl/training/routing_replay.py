@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from hpc_rl.training.micro_batches import MicroBatch
 from hpc_rl.training.pipeline import StageHooks
+from hpc_rl.training.replay_read_ahead import ReplayReadAhead
 from hpc_rl.training.router_tokens import RouterTokens, router_tokens
 from hpc_rl.training.train_batch import TrainBatch
 
@@ -105,8 +106,12 @@ class RoutingReplay:
 
     def __init__(self, actor: torch.nn.Module, *, source: ReplaySource, num_layers: int, num_experts: int,
                  topk: int, device: torch.device, sp_size: int = 1, sp_rank: int = 0,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, prefetch_microbatches: int = 0) -> None:
         self.source = source
+        self.prefetch_microbatches = prefetch_microbatches
+        """Micro-batches whose targets are built and copied ahead of their forward (`replay_read_ahead`)."""
+        self._copy_stream = (torch.cuda.Stream(device=device)
+                             if prefetch_microbatches > 0 and torch.device(device).type == "cuda" else None)
         self.routers = moe_routers(actor)
         if any(router.router_replay is None for _, router in self.routers):
             raise RuntimeError("routing replay needs the actor built with moe_enable_routing_replay "
@@ -154,14 +159,18 @@ class RoutingReplay:
             self._clear()
 
     @contextmanager
-    def replaying(self, batch: TrainBatch | None, *, backward: bool = False) -> Iterator[StageHooks]:
+    def replaying(self, batch: TrainBatch | None, *, backward: bool = False,
+                  micros: Sequence[MicroBatch] | None = None) -> Iterator[StageHooks]:
         """Hooks of a pass whose routers replay: the engines' routing of `batch` (rollout source; checked
         first) or, with `batch` None, what `recording` kept for each micro-batch. `backward`: a training
-        pass (its recomputation replays too)."""
+        pass (its recomputation replays too). `micros`: the pass's micro-batches in forward order, for the
+        read-ahead (without them each micro-batch's targets are built at its forward)."""
         if batch is not None:
             check_routed_experts(batch, num_layers=self.num_layers, topk=self.topk)
+        read_ahead = ReplayReadAhead(lambda micro: self._targets(micro, batch),  # type: ignore[arg-type]
+                                     micros, self.prefetch_microbatches)
         try:
-            yield _Replay(self, batch, keep_for_backward=backward and self.recompute)
+            yield _Replay(self, read_ahead, keep_for_backward=backward and self.recompute)
         finally:
             self._clear()
 
@@ -174,9 +183,10 @@ class RoutingReplay:
         indices = [router.router_replay.get_recorded_indices() for _, router in self.routers]
         self._recorded[id(micro)] = torch.stack(indices).to("cpu", self._record_dtype)
 
-    def _replay(self, micro: MicroBatch, batch: TrainBatch | None, keep_for_backward: bool) -> None:
-        if not self.routers:  # a pipeline stage of dense layers only
-            return
+    def _targets(self, micro: MicroBatch, batch: TrainBatch | None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """`micro`'s ([layers here, tokens, topk] ids, [tokens] recorded) on the device, and with read-ahead on a
+        GPU the CUDA event of their copy on the side stream (`_replay` makes the compute stream wait for it;
+        None otherwise)."""
         tokens = self._tokens(micro)
         if batch is not None:
             assert batch.routed_experts is not None
@@ -186,13 +196,30 @@ class RoutingReplay:
             if id(micro) not in self._recorded:
                 raise RuntimeError("routing replay: a micro-batch without a recorded old-log-prob pass")
             targets, recorded = self._recorded[id(micro)].to(torch.long), tokens.real
-        targets = targets.to(self.device)
+        if self._copy_stream is None:
+            return targets.to(self.device), recorded.to(self.device), None
+        with torch.cuda.stream(self._copy_stream):
+            targets = targets.pin_memory().to(self.device, non_blocking=True)
+            recorded = recorded.pin_memory().to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._copy_stream)
+        return targets, recorded, copied
+
+    def _replay(self, micro: MicroBatch, read_ahead: ReplayReadAhead, keep_for_backward: bool) -> None:
+        if not self.routers:  # a pipeline stage of dense layers only
+            return
+        targets, recorded, copied = read_ahead.take(micro)
+        if copied is not None:  # GPU read-ahead: this micro-batch's copy ran on the side stream
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copied)
+            targets.record_stream(compute)
+            recorded.record_stream(compute)
         for index, (_, router) in enumerate(self.routers):
             router.router_replay.set_target_indices(targets[index])
             if not keep_for_backward:  # no recomputation will pop it
                 router.router_replay.replay_backward_list.pop()
         self._set_action(RouterReplayAction.REPLAY_FORWARD)
-        self.current = (targets, recorded.to(self.device))
+        self.current = (targets, recorded)
 
 
 class _Record(StageHooks):
@@ -207,11 +234,11 @@ class _Record(StageHooks):
 
 
 class _Replay(StageHooks):
-    def __init__(self, replay: RoutingReplay, batch: TrainBatch | None, keep_for_backward: bool) -> None:
-        self.replay, self.batch, self.keep_for_backward = replay, batch, keep_for_backward
+    def __init__(self, replay: RoutingReplay, read_ahead: ReplayReadAhead, keep_for_backward: bool) -> None:
+        self.replay, self.read_ahead, self.keep_for_backward = replay, read_ahead, keep_for_backward
 
     def before_forward(self, micro: MicroBatch) -> None:
-        self.replay._replay(micro, self.batch, self.keep_for_backward)
+        self.replay._replay(micro, self.read_ahead, self.keep_for_backward)
 
     def after_forward(self, micro: MicroBatch) -> None:
         self.replay.current = None

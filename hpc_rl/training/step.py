@@ -341,7 +341,7 @@ class RolloutTrainer:
         """The actor's old log-probs pass as it stands (a MoE actor's routers replay or record)."""
         if self.moe is None:
             return self._logprobs(self.actor, micros, "")
-        with self.moe.old_pass(batch) as hooks:
+        with self.moe.old_pass(batch, micros) as hooks:
             return self._logprobs(self.actor, micros, "", hooks)
 
     # ------------------------------------------------------------------ the rollout
@@ -620,7 +620,8 @@ class RolloutTrainer:
                 tis_function=functools.partial(self.custom_tis, args=self.plugin_args,
                                                total_lengths=list(micro.total_lengths),
                                                response_lengths=list(micro.response_lengths))
-                if self.custom_tis is not None else None)
+                if self.custom_tis is not None else None,
+                score_centering=self._score_centering_heads(batch, micro, logits))
             if teacher is not None:  # slime's opd_reverse_kl: the penalty's KL, reduced like the loss
                 student = [old[i] if old is not None else rollout[i] for i in idx]  # type: ignore[index]
                 metrics["opd_reverse_kl"] = reduce(
@@ -628,6 +629,20 @@ class RolloutTrainer:
             return loss, metrics
 
         return loss_from_logits
+
+    def _score_centering_heads(self, batch: TrainBatch, micro: MicroBatch,
+                               logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """algorithm.use_score_centering: (trainer, engine) log-probs of the engine's top-k ids at each response
+        token of `micro`, [tokens, k] each (the trainer's with a gradient)."""
+        if not self.algorithm.use_score_centering:
+            return None
+        if batch.top_logprob_ids is None or batch.top_logprobs is None:
+            raise ValueError("algorithm.use_score_centering is set but the batch has no top-k log-probs from the "
+                             "engines (the rollout asks for them with top_logprobs_num; a batches file lacks them)")
+        ids = [torch.as_tensor(batch.top_logprob_ids[i]) for i in micro.indices]
+        train_head = micro.response_head_logprobs(logits, ids, vocab_size=self.arch.vocab_size, tp_group=self.tp_group)
+        sampler_head = torch.cat([torch.as_tensor(batch.top_logprobs[i]) for i in micro.indices])
+        return train_head, sampler_head.to(train_head.device, torch.float32)
 
     def _train_step(self, batch: TrainBatch, micros: list[MicroBatch], masks: list[torch.Tensor],
                     loss_of: LossOfMicro, *, model: torch.nn.Module | None = None,
@@ -668,7 +683,7 @@ class RolloutTrainer:
             set_moe_aux_loss_scale(len(micros), self.info.cp_size, self.loss_config.calculate_per_token_loss,
                                    global_trained, device=self.info.device)
         moe = self.moe if model is self.actor else None  # the actor's routers (a critic's are not tracked)
-        with (moe.training_pass(batch) if moe is not None else nullcontext(NO_HOOKS)) as hooks:
+        with (moe.training_pass(batch, micros) if moe is not None else nullcontext(NO_HOOKS)) as hooks:
             pipeline.forward_backward(model, micros, micro_loss, hooks)
         result = optimizer.step()
         out: dict[str, float] = {}

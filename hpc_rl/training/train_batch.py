@@ -1,10 +1,10 @@
 """`TrainBatch`: one DP rank's share of a rollout, as the trainer consumes it.
 
 Owns: the per-sample view (token ids, prompt/response lengths, loss masks, normalised rewards,
-rollout log-probs, the engines' routed experts) and its conversion from/to the flat numpy arrays the
-controller sends in a `TrainCommand` (`hpc_rl.controller.train_batches.pack_samples`: concatenated
-tokens plus per-sample lengths) and from JSONL rows (the `--batches-file` used before a controller
-exists).
+rollout log-probs, the engines' routed experts and top-k log-probs for score centering) and its conversion
+from/to the flat numpy arrays the controller sends in a `TrainCommand`
+(`hpc_rl.controller.train_batches.pack_samples`: concatenated tokens plus per-sample lengths) and from JSONL
+rows (the `--batches-file` used before a controller exists).
 `rewards` are already group-normalised (the rollout side does it: it sees whole groups). A teacher server's
 log-probs (on-policy distillation, `teacher_logprobs`) travel beside the engine's.
 """
@@ -42,6 +42,10 @@ class TrainBatch:
     (rollout routing replay; `hpc_rl.data.routed_experts`), None when the engines returned none."""
     teacher_logprobs: list[list[float]] | None = None
     """On-policy distillation with a teacher server: per response token, the teacher's log-prob of it."""
+    top_logprob_ids: list[np.ndarray] | None = None
+    """Score centering: per sample, [response tokens, k] ids of the engine's top-k at each response token."""
+    top_logprobs: list[np.ndarray] | None = None
+    """Score centering: per sample, [response tokens, k] engine log-probs of `top_logprob_ids` (-inf: none)."""
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -66,6 +70,14 @@ class TrainBatch:
                     raise ValueError(f"sample {i}: routed experts of shape {routing.shape} for {len(toks)} tokens "
                                      "(expected [rows <= tokens, num_layers, topk])")
 
+        if (self.top_logprob_ids is None) != (self.top_logprobs is None):
+            raise ValueError("TrainBatch.top_logprob_ids and top_logprobs come together")
+        for ids, lps, r, i in zip(self.top_logprob_ids or [], self.top_logprobs or [], self.response_lengths,
+                                  range(n)):
+            if ids.ndim != 2 or ids.shape != lps.shape or len(ids) != r:
+                raise ValueError(f"sample {i}: top-k ids {ids.shape} and log-probs {lps.shape} for {r} response "
+                                 "tokens (expected [response tokens, k] each)")
+
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -84,6 +96,8 @@ class TrainBatch:
             rollout_logprobs=None if self.rollout_logprobs is None else [self.rollout_logprobs[i] for i in indices],
             routed_experts=None if self.routed_experts is None else [self.routed_experts[i] for i in indices],
             teacher_logprobs=None if self.teacher_logprobs is None else [self.teacher_logprobs[i] for i in indices],
+            top_logprob_ids=None if self.top_logprob_ids is None else [self.top_logprob_ids[i] for i in indices],
+            top_logprobs=None if self.top_logprobs is None else [self.top_logprobs[i] for i in indices],
             meta=dict(self.meta),
         )
 
@@ -110,7 +124,13 @@ class TrainBatch:
         if "routed_experts" in arrays:  # views of the received buffer, one per sample
             cuts = np.cumsum(arrays["routed_expert_rows"].astype(np.int64))[:-1]
             routing = np.split(arrays["routed_experts"], cuts)
-        return cls(tokens=tokens, response_lengths=response, loss_masks=masks,
+        head_ids = head_lps = None
+        if "top_logprobs" in arrays:  # [total response, k]: views, one per sample
+            cuts = np.cumsum(np.asarray(response, dtype=np.int64))[:-1]
+            head_ids = np.split(arrays["top_logprob_ids"], cuts)
+            head_lps = np.split(arrays["top_logprobs"], cuts)
+        return cls(top_logprob_ids=head_ids, top_logprobs=head_lps,
+                   tokens=tokens, response_lengths=response, loss_masks=masks,
                    rewards=arrays["rewards"].astype(np.float64).tolist(),
                    rollout_logprobs=logprobs if logprobs else None, routed_experts=routing,
                    teacher_logprobs=teacher if flat_teacher is not None else None, meta=dict(meta or {}))
@@ -132,6 +152,9 @@ class TrainBatch:
         if self.routed_experts is not None:
             out["routed_experts"] = np.concatenate(self.routed_experts, axis=0)
             out["routed_expert_rows"] = np.array([len(r) for r in self.routed_experts], dtype=np.int32)
+        if self.top_logprob_ids is not None and self.top_logprobs is not None:
+            out["top_logprob_ids"] = np.concatenate(self.top_logprob_ids).astype(np.int32, copy=False)
+            out["top_logprobs"] = np.concatenate(self.top_logprobs).astype(np.float32, copy=False)
         return out
 
     @classmethod

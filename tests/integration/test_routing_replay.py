@@ -129,7 +129,11 @@ def layouts_rank(hf_dir: str) -> dict:
             if tables is None:
                 values = trainer._logprobs(trainer.actor, micros)
             else:
-                with trainer.moe.replay.replaying(with_routing(mine, tables, indices)) as hooks:
+                # "same" reads each micro-batch's targets one ahead (the default read-ahead; PP2's 1F1B too), so
+                # equal log-probs show every micro-batch got its own; "shifted" builds them at each forward.
+                ahead = micros if kind == "same" else None
+                assert trainer.moe.replay.prefetch_microbatches == 1
+                with trainer.moe.replay.replaying(with_routing(mine, tables, indices), micros=ahead) as hooks:
                     values = trainer._logprobs(trainer.actor, micros, hooks=hooks)
             result[kind] = {indices[i]: v.tolist() for i, v in values.items()}
         out[name] = result

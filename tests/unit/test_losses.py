@@ -278,6 +278,9 @@ def test_score_centering_correction_hand_values() -> None:
     close(correction, [0.05 * math.log(0.25)])
     correction.sum().backward()
     close(train.grad, [[0.0, 0.05]])  # the gradient flows through log p only, weighted by the residual
+    # Unweighted (REINFORCE without TIS): w = 1, alpha = rho = 0.8, residual = q - 0.8 p = [0, 0.2].
+    correction, _, _ = score_centering_correction(train.detach(), sampler, unweighted=True)
+    close(correction, [0.2 * math.log(0.25)])
     # A head holding the whole train mass floors 1 - P at eps (no division by zero).
     full = torch.log(t(0.75, 0.25)).reshape(1, 2)
     correction, _, _ = score_centering_correction(full, sampler, clip_low=0.0, clip_high=1.0)

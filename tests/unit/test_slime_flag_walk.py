@@ -194,7 +194,8 @@ def _kinds() -> dict[str, Any]:
 # --- issue 34: the flags slime's main added after the list's commit, and the ones it removed ---------------------
 
 LATER_ACCEPTED = {"--pg-loss-type", "--buffer-sort-by-staleness", "--flush-cache-interval",
-                  "--force-fp8-ue8m0-scale", "--rollout-data-dir", "--rollout-storage-profile"}
+                  "--force-fp8-ue8m0-scale", "--rollout-data-dir", "--rollout-storage-profile",
+                  "--use-score-centering", "--score-centering-top-k", "--routing-replay-prefetch-microbatches"}
 LATER_MODEL_SWITCHES = {"--post-self-attn-layernorm", "--post-mlp-layernorm"}
 """GLM4's sandwich norms: model flags hpc_rl reads already (they come together; the tiny Qwen3 has neither)."""
 
@@ -215,7 +216,7 @@ def test_flags_slime_added_later_are_accepted_or_refused_with_a_reason() -> None
     assert "outlive the trainer" in refused["--rollout-cleanup-timeout"]
     assert "JuiceFS" in refused["--rollout-queue-lease-seconds"]
     assert "JuiceFS" in refused["--rollout-storage-declaration"]
-    for flag in ("--use-gated-attention", "--use-score-centering"):
+    for flag in ("--use-gated-attention",):
         assert flag in {f.flag for f in SLIME_LATER_FLAGS} and refused[flag]
 
 
@@ -248,6 +249,17 @@ def test_pg_loss_type_is_a_checked_field() -> None:
     assert build_config(list(tiny_settings())).algorithm.pg_loss_type is None
     with pytest.raises((ConfigError, ValueError), match="pg_loss_type"):
         build_config([*tiny_settings(), *parse_cli_settings(["--pg-loss-type", "a2c"])])
+
+
+def test_score_centering_is_a_checked_field() -> None:
+    config = build_config([*tiny_settings(), *parse_cli_settings(["--use-score-centering",
+                                                                  "--score-centering-top-k", "4"])])
+    assert config.algorithm.use_score_centering and config.algorithm.score_centering_top_k == 4
+    assert config.algorithm.pg_loss_type == "reinforce"  # slime's default loss under score centering
+    with pytest.raises((ConfigError, ValueError), match="score_centering_top_k"):
+        build_config([*tiny_settings(), *parse_cli_settings(["--use-score-centering", "--score-centering-top-k", "0"])])
+    with pytest.raises((ConfigError, ValueError), match="pg_loss_type reinforce"):
+        build_config([*tiny_settings(), *parse_cli_settings(["--use-score-centering", "--pg-loss-type", "ppo"])])
 
 
 def test_storage_flags_that_map_onto_the_run_directory_are_accepted_and_juicefs_is_refused() -> None:

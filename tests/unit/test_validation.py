@@ -134,6 +134,8 @@ def test_colocate_needs_whole_engines_per_node_and_takes_a_pipeline() -> None:
     (["--ref-ckpt-step", "3"], "checkpoint.ref_ckpt_step", "ref_load, which is not set"),
     (["--keep-old-actor", "--use-rollout-logprobs"], "algorithm.keep_old_actor", "drop one of them"),
     (["--save-hf", "/out/{step}"], "checkpoint.save_hf", "only {rollout_id} in braces"),
+    (["--use-score-centering", "--context-parallel-size", "2", "--qkv-format", "thd"],
+     "algorithm.use_score_centering", "context_parallel_size 1"),
 ])
 def test_slime_checkpoint_flags_are_checked_at_submit(flags: list[str], field: str, words: str) -> None:
     problems = [p for p in collect_problems(load_config([], flags), check_files=False) if p.where == field]

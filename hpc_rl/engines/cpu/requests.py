@@ -25,6 +25,9 @@ SGLang behaviour reproduced here (srt/managers/io_struct.py, tokenizer_manager.p
 - `sampling_params.n` > 1: each prompt n times in a row, each item a fresh random rid (SGLang ignores the
   body's rid then); a different `n` per item is a 400. Sampling-param errors are SGLang's bodies and texts.
 - `return_routed_experts` (one value for a batch) and `routed_experts_start_len`: see routed_experts.py.
+- `top_logprobs_num` (one value or one per item) with `return_logprob`: `meta_info.output_top_logprobs`, per
+  output token its k most likely `[logprob, token id, null]` (the reported distribution's, as
+  `output_token_logprobs`); `input_top_logprobs` is not produced.
 """
 
 from __future__ import annotations
@@ -70,6 +73,10 @@ class GenerationRequest:
     finish_reason: dict | None = None
     num_retractions: int = 0
     """Times a pause (retract) sent it back to the queue (SGLang's meta_info field)."""
+    top_logprobs_num: int = 0
+    """SGLang's top_logprobs_num: with return_logprob, each output token's k most likely tokens."""
+    output_top_logprobs: list[list[list]] | None = None
+    """Per output token, `[logprob, token id, None]` of its top_logprobs_num candidates (None unless asked)."""
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     lora_path: str | None = None
@@ -184,11 +191,15 @@ def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedG
     return_logprob = per_item(body, "return_logprob", count, False)
     start_lens = per_item(body, "logprob_start_len", count, -1)
     lora_paths = per_item(body, "lora_path", count, None)
+    top_nums = per_item(body, "top_logprobs_num", count, 0)
+    for top in top_nums:
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+            raise RequestError(f"top_logprobs_num must be a non-negative integer, got {top!r}")
     samples = parallel_samples(raw_params)
     if samples > 1:  # SGLang: each prompt n times in a row, every item a fresh rid (the body's rid is not used)
-        prompts, raw_params, return_logprob, start_lens, lora_paths = (
+        prompts, raw_params, return_logprob, start_lens, lora_paths, top_nums = (
             [item for item in items for _ in range(samples)]
-            for items in (prompts, raw_params, return_logprob, start_lens, lora_paths))
+            for items in (prompts, raw_params, return_logprob, start_lens, lora_paths, top_nums))
         rids, batched = [uuid.uuid4().hex for _ in prompts], True
     return_routed_experts = bool(body.get("return_routed_experts", False))  # one value for a batch, as SGLang
     routed_start = body.get("routed_experts_start_len", 0)
@@ -208,6 +219,8 @@ def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedG
         requests.append(GenerationRequest(
             rid=rids[index], input_ids=prompt, params=params, return_logprob=bool(return_logprob[index]),
             logprob_start_len=int(start_lens[index]), generator=make_generator(params),
+            top_logprobs_num=int(top_nums[index] or 0),
+            output_top_logprobs=[] if return_logprob[index] and top_nums[index] else None,
             return_routed_experts=return_routed_experts, routed_experts_start_len=routed_start,
             lora_path=lora_paths[index]))
     return ParsedGenerate(requests=requests, batched=batched, stream=bool(body.get("stream", False)))
@@ -298,6 +311,8 @@ def render_response(request: GenerationRequest, *, tokenizer, weight_version: st
             [logprob, token, None] for logprob, token in zip(request.output_logprobs, request.output_ids)
         ]
         meta["output_token_logprobs_length"] = len(request.output_ids)
+        if request.output_top_logprobs is not None:
+            meta["output_top_logprobs"] = request.output_top_logprobs
         start = max(request.logprob_start_len, 0)
         if request.logprob_start_len >= 0 and request.input_logprobs is not None:
             # SGLang's first entry has no logprob at any logprob_start_len (not only at the prompt's first token)

@@ -142,8 +142,14 @@ def sample_next_tokens(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     banned_token_ids: list[list[int]],
+    top_logprobs_num: list[int] | None = None,
+    top_logprobs: list[list[list]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token and its logprob for each row of `logits` [B, V] (float32).
+
+    `top_logprobs_num` (one k per row, 0 = none; SGLang's request field): each row's k most likely tokens as
+    `[logprob, token id, None]`, most likely first, from the same distribution as the reported logprob, are
+    appended to `top_logprobs` (one list per row).
 
     `banned_token_ids[i]` are masked out before anything else (min_new_tokens holding back stops),
     as SGLang's penalizer does, so they also shape the reported logprobs.
@@ -168,6 +174,14 @@ def sample_next_tokens(
         tokens[sampled] = _sample_rows(tempered[sampled], [params[r] for r in sampled],
                                        [generators[r] for r in sampled])
     logprobs = reported.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    if top_logprobs_num is not None and top_logprobs is not None:
+        widest = max(top_logprobs_num, default=0)
+        if widest > 0:
+            values, ids = reported.topk(min(widest, reported.shape[-1]), dim=-1)
+            for row, k in enumerate(top_logprobs_num):
+                top_logprobs.append([[v, i, None] for v, i in zip(values[row, :k].tolist(), ids[row, :k].tolist())])
+        else:
+            top_logprobs.extend([] for _ in top_logprobs_num)
     return tokens, logprobs
 
 

@@ -336,13 +336,18 @@ class Scheduler:
         """Sample one token for each of `rows` of the running batch; drop rows that finished."""
         requests = [self._running[row] for row in rows]
         banned = [self._banned_tokens(request) for request in requests]
+        top_nums = [r.top_logprobs_num if r.return_logprob else 0 for r in requests]
+        tops: list[list[list]] = []
         tokens, logprobs = sample_next_tokens(
-            logits, [r.params for r in requests], [r.generator for r in requests], banned
+            logits, [r.params for r in requests], [r.generator for r in requests], banned,
+            top_logprobs_num=top_nums if any(top_nums) else None, top_logprobs=tops,
         )
         finished_rows = set()
         finished = []
-        for row, request, token, logprob in zip(rows, requests, tokens.tolist(), logprobs.tolist()):
+        for index, (row, request, token, logprob) in enumerate(zip(rows, requests, tokens.tolist(), logprobs.tolist())):
             request.append(token, logprob, self.weight_version)
+            if tops and request.output_top_logprobs is not None:
+                request.output_top_logprobs.append(tops[index])
             reason = self._finish_reason(request, token)
             if reason is not None:
                 request.finish_reason = reason
