@@ -5,7 +5,7 @@
                                       the prompt tokenizer (data/prompt_tokenizer.py, torch-free)
     2  training, engines, weights, tiny_model, sim   trainer ranks, engines, the weight path (sim: simulated ones)
     1  rollout, rewards                  generation client, sampling, buffers, reward functions
-    0  config, data, protocol, plugins, telemetry, retry_policy   what every process shares
+    0  config, data, protocol, plugins, telemetry, retry_policy, process_gc   what every process shares
 
 A module may import its own tier or lower ones (function-level imports included: a lazy import is
 still a dependency), and packages do not import each other in a cycle (within tier 2 today: training ->
@@ -26,6 +26,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "hpc_rl"
 TIERS = {
     "config": 0, "data": 0, "protocol": 0, "plugins": 0, "telemetry": 0, "retry_policy": 0,
+    "process_gc": 0,
     "rollout": 1, "rewards": 1,
     "training": 2, "engines": 2, "weights": 2, "tiny_model": 2, "sim": 2,
     "controller": 3,
