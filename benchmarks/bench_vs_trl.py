@@ -23,7 +23,7 @@ form pair k. For each run, from the moment its process is spawned:
   to +0.3    until the 20-step rolling mean reward is >= the first window's mean + 0.3 (and that step)
   exit       from the last reported step to the process's exit
   cpu        CPU-seconds of the run's processes (every descendant, from /proc) to the first step and to
-             +0.3: the load-insensitive view of what each side spends
+             +0.3, and per step (first to last step): the load-insensitive view of what each side spends
   load       runnable threads that are not the run's (the machine's load from others), averaged over the
              run, sampled from /proc every 0.2 s; and the 1-minute load average when the run started
 Then the paired medians (hpc_rl mode / TRL, pair by pair), one table of learning per wall-second for
@@ -189,11 +189,18 @@ class Run:
             "exit_s": self.exited - self.times[-1] if self.times else None,
             "cpu_startup_s": cpu_at(self.times[0]) if self.times else None,
             "cpu_to_gain_s": cpu_at(self.times[gain]) if gain is not None else None,
+            "cpu_per_step_s": _per_step(cpu_at(self.times[0]) if self.times else None,
+                                        cpu_at(self.times[-1]) if self.times else None, len(self.times) - 1),
             "first_window_reward": statistics.fmean(self.rewards[:WINDOW]) if len(self.rewards) >= WINDOW else None,
             "others_load": statistics.fmean(others) if others else None,
             "loadavg_at_start": self.load_at_start,
             **self.extra,
         }
+
+
+def _per_step(first: float | None, last: float | None, steps: int) -> float | None:
+    """CPU-seconds per step between the first and the last reported step (load-insensitive, unlike wall time)."""
+    return (last - first) / steps if first is not None and last is not None and steps > 0 else None
 
 
 def _watch(name: str, argv: list[str], parse: Any, **popen: Any) -> Run:
@@ -522,7 +529,8 @@ def verdict(ratio: float | None, others: float | None) -> str:
 def report(rounds: list[dict[str, dict[str, Any]]], modes: list[str]) -> None:
     names = ["TRL", *modes]
     print(f"\npaired medians over {len(rounds)} round(s) (hpc_rl mode / TRL, pair by pair):")
-    for key in ("to_gain_s", "to_gain_step", "startup_s", "per_step_s", "exit_s", "cpu_startup_s", "cpu_to_gain_s"):
+    for key in ("to_gain_s", "to_gain_step", "startup_s", "per_step_s", "exit_s", "cpu_startup_s", "cpu_to_gain_s",
+                "cpu_per_step_s"):
         cells = "  ".join(f"{m} {_fmt(_median([r[m][key] for r in rounds]))} ({_fmt(paired_ratio(rounds, m, key))}x)"
                           for m in modes)
         print(f"  {key:16s} TRL {_fmt(_median([r['TRL'][key] for r in rounds]))}  {cells}")
@@ -553,9 +561,14 @@ def report(rounds: list[dict[str, dict[str, Any]]], modes: list[str]) -> None:
     if all("bare TRL" in r for r in rounds):
         ratio = _median([r["TRL"]["per_step_s"] / r["bare TRL"]["per_step_s"]
                          if r["TRL"].get("per_step_s") and r["bare TRL"].get("per_step_s") else None for r in rounds])
+        cpu_ratio = _median([r["TRL"]["cpu_per_step_s"] / r["bare TRL"]["cpu_per_step_s"]
+                             if r["TRL"].get("cpu_per_step_s") and r["bare TRL"].get("cpu_per_step_s") else None
+                             for r in rounds])
         print(f"; a bare GRPOTrainer(...).train(): {_fmt(_median([r['bare TRL']['per_step_s'] for r in rounds]))} s "
               f"per step; paired ratio {_fmt(ratio)} ({'within' if ratio is not None and ratio <= 1.15 else 'NOT within'}"
-              " 15%)")
+              f" 15%); CPU-seconds per step {_fmt(_median([r['TRL']['cpu_per_step_s'] for r in rounds]))} vs "
+              f"{_fmt(_median([r['bare TRL']['cpu_per_step_s'] for r in rounds]))}, paired ratio {_fmt(cpu_ratio)} "
+              "(the load-insensitive view)")
     else:
         print(" (--bare-trl: against a bare GRPOTrainer)")
     others = _median([run["others_load"] for r in rounds for run in r.values()])
