@@ -3,6 +3,7 @@
     pip install -e ".[trl]"                     # TRL 1.16.0, which keeps torch 2.13
     python benchmarks/bench_vs_trl.py --pairs 5 # prints settings, every run, a table and a verdict
     python benchmarks/bench_vs_trl.py --pairs 5 --add-load 2   # the "load ~2" target on a quiet machine
+    python benchmarks/bench_vs_trl.py --pairs 5 --bare-trl     # also a bare GRPOTrainer each round (issue 36)
 
 Both sides learn `configs/tiny_cpu.yaml`'s task with the same model, tokenizer, chat template and prompt
 tokens (checked), prompts, reward function, and every setting that changes the work done: the table of
@@ -10,6 +11,10 @@ effective settings printed first is read back from TRL's trainer and from hpc_rl
 (a row marked `DIFFERS` says why it cannot be equal). Notably TRL 1.16's GRPOConfig turns gradient
 checkpointing on and bf16 on by default: both are off here (hpc_rl does not recompute on CPU, fp32).
 hpc_rl runs eval-free (`--eval-interval null`: TRL has none) and both save one checkpoint after the last step.
+TRL runs as a competent user runs it (issue 36): its own logging interval, no callback but a reward logger (one
+line per step from `on_step_end`), hpc_rl's config read by this script, not by TRL's process; its settings are
+read back after training. `--bare-trl` adds a plain `GRPOTrainer(...).train()` (the task's settings, TRL's defaults
+for the rest, the same reward logger) to each round, and the report prints TRL's per-step time against it.
 
 A round runs TRL and each hpc_rl mode once, in an order that rotates from round to round; round k's runs
 form pair k. For each run, from the moment its process is spawned:
@@ -18,7 +23,7 @@ form pair k. For each run, from the moment its process is spawned:
   to +0.3    until the 20-step rolling mean reward is >= the first window's mean + 0.3 (and that step)
   exit       from the last reported step to the process's exit
   cpu        CPU-seconds of the run's processes (every descendant, from /proc) to the first step and to
-             +0.3: the load-insensitive view of what each side spends
+             +0.3, and per step (first to last step): the load-insensitive view of what each side spends
   load       runnable threads that are not the run's (the machine's load from others), averaged over the
              run, sampled from /proc every 0.2 s; and the 1-minute load average when the run started
 Then the paired medians (hpc_rl mode / TRL, pair by pair), one table of learning per wall-second for
@@ -53,6 +58,7 @@ QUIET_BELOW, LOAD2_RANGE = 0.5, (1.5, 2.5)
 TARGETS = {"quiet": 1.0, "load ~2": 1.2}
 STEP_MARK = "bench_vs_trl step "
 SETTINGS_MARK = "bench_vs_trl settings "
+OWN_MARK = "bench_vs_trl own "
 """Prefixes of the TRL child's lines (TRL prints its own dicts on stdout too)."""
 PROGRESS = re.compile(r"^rollout (\d+)/\d+ \| reward ([-0-9.]+)")
 MODES = {"sync": ["--set", "rollout.async_rollout=false", "--set", "cluster.colocate=false"],
@@ -183,11 +189,18 @@ class Run:
             "exit_s": self.exited - self.times[-1] if self.times else None,
             "cpu_startup_s": cpu_at(self.times[0]) if self.times else None,
             "cpu_to_gain_s": cpu_at(self.times[gain]) if gain is not None else None,
+            "cpu_per_step_s": _per_step(cpu_at(self.times[0]) if self.times else None,
+                                        cpu_at(self.times[-1]) if self.times else None, len(self.times) - 1),
             "first_window_reward": statistics.fmean(self.rewards[:WINDOW]) if len(self.rewards) >= WINDOW else None,
             "others_load": statistics.fmean(others) if others else None,
             "loadavg_at_start": self.load_at_start,
             **self.extra,
         }
+
+
+def _per_step(first: float | None, last: float | None, steps: int) -> float | None:
+    """CPU-seconds per step between the first and the last reported step (load-insensitive, unlike wall time)."""
+    return (last - first) / steps if first is not None and last is not None and steps > 0 else None
 
 
 def _watch(name: str, argv: list[str], parse: Any, **popen: Any) -> Run:
@@ -257,9 +270,27 @@ def run_hpc_rl(mode: str, steps: int) -> tuple[Run, Any]:
     return run, resolved
 
 
-def run_trl(steps: int) -> tuple[Run, dict[str, Any]]:
-    """One TRL run (a child process of this script); also returns the settings it reported."""
+def trl_task() -> dict[str, Any]:
+    """What the TRL child needs of configs/tiny_cpu.yaml (read here, so TRL's start-up does not pay for loading
+    hpc_rl's config: a TRL user has none)."""
+    from hpc_rl.config import load_config
+
+    config = load_config([CONFIG])
+    rollout, algorithm, optimizer = config.rollout, config.algorithm, config.optimizer
+    return {"model_dir": str(REPO / config.checkpoint.hf_checkpoint), "prompts": str(REPO / rollout.prompt_data),
+            "prompts_per_step": rollout.rollout_batch_size, "samples_per_prompt": rollout.n_samples_per_prompt,
+            "max_new_tokens": rollout.rollout_max_response_len, "temperature": rollout.rollout_temperature,
+            "top_p": rollout.rollout_top_p, "eps_clip": algorithm.eps_clip, "eps_clip_high": algorithm.eps_clip_high,
+            "lr": optimizer.lr, "clip_grad": optimizer.clip_grad, "weight_decay": optimizer.weight_decay,
+            "adam_beta1": optimizer.adam_beta1, "adam_beta2": optimizer.adam_beta2, "adam_eps": optimizer.adam_eps,
+            "seed": rollout.rollout_seed}
+
+
+def run_trl(steps: int, *, bare: bool = False) -> tuple[Run, dict[str, Any]]:
+    """One TRL run (a child process of this script); also returns the settings it reported. `bare`: a plain
+    `GRPOTrainer(...).train()` with only the task's settings and the reward logger (`--bare-trl`)."""
     settings: dict[str, Any] = {}
+    own: dict[str, float] = {}
 
     def parse(run: Run, line: str, now: float) -> None:
         if line.startswith(STEP_MARK):
@@ -267,20 +298,27 @@ def run_trl(steps: int) -> tuple[Run, dict[str, Any]]:
             run.times.append(now)
         elif line.startswith(SETTINGS_MARK):
             settings.update(json.loads(line[len(SETTINGS_MARK):]))
+        elif line.startswith(OWN_MARK):
+            own.update(json.loads(line[len(OWN_MARK):]))
 
+    argv = [sys.executable, __file__, "--trl-child", "--steps", str(steps), "--task", json.dumps(trl_task())]
     with tempfile.NamedTemporaryFile("w+", prefix="bench_vs_trl_", suffix=".log") as log:
         try:
-            run = _watch("TRL", [sys.executable, __file__, "--trl-child", "--steps", str(steps)], parse, stderr=log)
+            run = _watch("bare TRL" if bare else "TRL", argv + (["--bare"] if bare else []), parse, stderr=log)
         except RuntimeError:
             log.seek(0)
             sys.stderr.write(log.read()[-4000:])
             raise
+    run.extra = own
     return run, settings
 
 
-def trl_child(steps: int) -> None:
-    """TRL's GRPOTrainer set up like configs/tiny_cpu.yaml; prints its effective settings, then one JSON
-    line per step."""
+def trl_child(steps: int, task: dict[str, Any], *, bare: bool) -> None:
+    """TRL's GRPOTrainer on `task` (configs/tiny_cpu.yaml's, from `trl_task`), as a competent user runs it: no
+    callback but a reward logger (the reward function keeps each step's mean, `on_step_end` prints it, one line),
+    TRL's own logging interval, no checkpoint but one after the last step. Not `bare`: also prints its effective
+    settings after training (step 1's forwards without grad recorded by a hook that removes itself at the first
+    forward with grad) and TRL's own seconds per step (its `step_time`, from its log history)."""
     import torch
 
     torch.set_num_threads(1)
@@ -288,54 +326,60 @@ def trl_child(steps: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from hpc_rl.config import load_config
     from hpc_rl.data.tiny_task import tiny_task_reward
 
-    config = load_config([CONFIG])
-    rollout, algorithm, optimizer = config.rollout, config.algorithm, config.optimizer
-    model_dir = str(REPO / config.checkpoint.hf_checkpoint)
-    dataset = load_dataset("json", data_files=str(REPO / rollout.prompt_data), split="train")
+    dataset = load_dataset("json", data_files=task["prompts"], split="train")
+    last_reward: list[float] = []
 
     def reward(completions: list, label: list, **_: object) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [tiny_task_reward(text, lab) for text, lab in zip(texts, label)]
+        rewards = [tiny_task_reward(text, lab) for text, lab in zip(texts, label)]
+        last_reward[:] = [sum(rewards) / len(rewards)]
+        return rewards
 
-    no_grad_lengths: list[int] = []  # sequence length of each forward without grad (generation) in step 1
+    class RewardLogger(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001 -- TRL's signature
+            print(STEP_MARK + json.dumps({"step": state.global_step, "reward": last_reward[0]}), flush=True)
 
-    def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        if not torch.is_grad_enabled() and kwargs.get("input_ids") is not None:
-            no_grad_lengths.append(int(kwargs["input_ids"].shape[1]))
-
-    class Report(TrainerCallback):
-        def on_train_begin(self, args, state, control, model=None, **kwargs):  # noqa: ANN001 -- TRL's signature
-            self.hook = trainer.model.model.register_forward_pre_hook(record, with_kwargs=True)
-
-        def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):  # noqa: ANN001
-            if state.global_step == 1:
-                self.hook.remove()
-                print(SETTINGS_MARK + json.dumps(trl_settings(trainer, optimizer, no_grad_lengths)), flush=True)
-            if logs and "reward" in logs:
-                print(STEP_MARK + json.dumps({"step": state.global_step, "reward": logs["reward"]}), flush=True)
-
-    batch = rollout.rollout_batch_size * rollout.n_samples_per_prompt
+    batch = task["prompts_per_step"] * task["samples_per_prompt"]
     with tempfile.TemporaryDirectory() as tmp:
-        args = GRPOConfig(
-            output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-            steps_per_generation=1, num_generations=rollout.n_samples_per_prompt,
-            max_completion_length=rollout.rollout_max_response_len, temperature=rollout.rollout_temperature,
-            top_p=rollout.rollout_top_p, top_k=0, epsilon=algorithm.eps_clip, epsilon_high=algorithm.eps_clip_high,
-            beta=0.0, loss_type="grpo", scale_rewards="group", num_iterations=1,
-            learning_rate=optimizer.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=optimizer.clip_grad,
-            optim="adamw_torch", weight_decay=optimizer.weight_decay, adam_beta1=optimizer.adam_beta1,
-            adam_beta2=optimizer.adam_beta2, adam_epsilon=optimizer.adam_eps, use_cpu=True,
-            bf16=False, fp16=False,          # GRPOConfig's default is bf16=True
-            gradient_checkpointing=False,    # GRPOConfig's default is True: it would recompute every activation
-            logging_steps=1, report_to="none", disable_tqdm=True, save_strategy="steps", save_steps=steps,
-            seed=rollout.rollout_seed, dataloader_num_workers=0, shuffle_dataset=True)
-        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        common = dict(  # the task: what changes the work done (the rest: TRL's defaults, unless said)
+            output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch,
+            num_generations=task["samples_per_prompt"], max_completion_length=task["max_new_tokens"],
+            temperature=task["temperature"], beta=0.0, learning_rate=task["lr"], lr_scheduler_type="constant",
+            use_cpu=True, report_to="none", disable_tqdm=True,
+            bf16=False,                      # GRPOConfig's default is bf16=True
+            gradient_checkpointing=False)    # GRPOConfig's default is True: it would recompute every activation
+        if bare:
+            args = GRPOConfig(**common, save_strategy="no")
+        else:
+            args = GRPOConfig(
+                **common, gradient_accumulation_steps=1, steps_per_generation=1, top_p=task["top_p"], top_k=0,
+                epsilon=task["eps_clip"], epsilon_high=task["eps_clip_high"], loss_type="grpo", scale_rewards="group",
+                num_iterations=1, warmup_steps=0, max_grad_norm=task["clip_grad"], optim="adamw_torch",
+                weight_decay=task["weight_decay"], adam_beta1=task["adam_beta1"], adam_beta2=task["adam_beta2"],
+                adam_epsilon=task["adam_eps"], fp16=False, save_strategy="steps", save_steps=steps,
+                seed=task["seed"], dataloader_num_workers=0, shuffle_dataset=True)
+        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(task["model_dir"], dtype=torch.float32),
                               reward_funcs=reward, args=args, train_dataset=dataset,
-                              processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Report()])
+                              processing_class=AutoTokenizer.from_pretrained(task["model_dir"]),
+                              callbacks=[RewardLogger()])
+        no_grad_lengths: list[int] = []  # sequence length of each forward without grad (generation) in step 1
+
+        def record(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+            if torch.is_grad_enabled():  # step 1's training forward: its forwards without grad are all seen
+                hook.remove()
+            elif kwargs.get("input_ids") is not None:
+                no_grad_lengths.append(int(kwargs["input_ids"].shape[1]))
+
+        if not bare:
+            hook = trainer.model.model.register_forward_pre_hook(record, with_kwargs=True)
         trainer.train()
+        step_times = [entry["step_time"] for entry in trainer.state.log_history if "step_time" in entry]
+        print(OWN_MARK + json.dumps({"trl_step_time_s": statistics.median(step_times) if step_times else None}),
+              flush=True)
+        if not bare:
+            print(SETTINGS_MARK + json.dumps(trl_settings(trainer, trainer.optimizer, no_grad_lengths)), flush=True)
 
 
 def trl_settings(trainer: Any, optimizer: Any, no_grad_lengths: list[int]) -> dict[str, Any]:
@@ -424,7 +468,8 @@ WHY_DIFFERENT = {
 """Why a row may read differently on the two sides although the work is the same (printed beside it)."""
 
 
-def print_settings(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+def print_settings(ours: dict[str, Any], theirs: dict[str, Any], first: dict[str, dict[str, Any]], mode: str) -> None:
+    """Both sides' settings side by side, and round 1's seconds per step (TRL's also as it times itself)."""
     print("effective settings (hpc_rl: its resolved config; TRL: read back from its trainer):")
     for key in ours:
         a, b = ours[key], theirs.get(key)
@@ -435,6 +480,10 @@ def print_settings(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
         print(f"  {key:28s} hpc_rl {str(a):48s} TRL {str(b):48s} {mark}")
     print("  engine                       hpc_rl CPU engine over HTTP (SGLang's API), 1 torch thread; "
           "TRL transformers' generate in its process")
+    trl = first["TRL"]
+    print(f"  seconds per step (round 1)   hpc_rl {mode} {_fmt(first[mode].get('per_step_s'))} (between progress lines); "
+          f"TRL {_fmt(trl.get('per_step_s'))} (between steps), TRL's own step_time {_fmt(trl.get('trl_step_time_s'))} "
+          "(its training_step: generation + loss + backward, without the optimizer step)")
 
 
 # -- the report --------------------------------------------------------------------------------------------
@@ -480,7 +529,8 @@ def verdict(ratio: float | None, others: float | None) -> str:
 def report(rounds: list[dict[str, dict[str, Any]]], modes: list[str]) -> None:
     names = ["TRL", *modes]
     print(f"\npaired medians over {len(rounds)} round(s) (hpc_rl mode / TRL, pair by pair):")
-    for key in ("to_gain_s", "to_gain_step", "startup_s", "per_step_s", "exit_s", "cpu_startup_s", "cpu_to_gain_s"):
+    for key in ("to_gain_s", "to_gain_step", "startup_s", "per_step_s", "exit_s", "cpu_startup_s", "cpu_to_gain_s",
+                "cpu_per_step_s"):
         cells = "  ".join(f"{m} {_fmt(_median([r[m][key] for r in rounds]))} ({_fmt(paired_ratio(rounds, m, key))}x)"
                           for m in modes)
         print(f"  {key:16s} TRL {_fmt(_median([r['TRL'][key] for r in rounds]))}  {cells}")
@@ -505,6 +555,22 @@ def report(rounds: list[dict[str, dict[str, Any]]], modes: list[str]) -> None:
               f"{f'{rate:.4f}' if rate else '-':>7s} {_fmt(rate / trl_rate if rate and trl_rate else None):>6s} "
               f"{f'{after:.4f}' if after else '-':>21s} "
               f"{_fmt(_median([r['cpu_to_gain_s'] for r in rows])):>13s}")
+    trl_step = _median([r["TRL"]["per_step_s"] for r in rounds])
+    print(f"\nTRL at its best: {_fmt(trl_step)} s per step (median between steps; its own step_time "
+          f"{_fmt(_median([r['TRL'].get('trl_step_time_s') for r in rounds]))} s)", end="")
+    if all("bare TRL" in r for r in rounds):
+        ratio = _median([r["TRL"]["per_step_s"] / r["bare TRL"]["per_step_s"]
+                         if r["TRL"].get("per_step_s") and r["bare TRL"].get("per_step_s") else None for r in rounds])
+        cpu_ratio = _median([r["TRL"]["cpu_per_step_s"] / r["bare TRL"]["cpu_per_step_s"]
+                             if r["TRL"].get("cpu_per_step_s") and r["bare TRL"].get("cpu_per_step_s") else None
+                             for r in rounds])
+        print(f"; a bare GRPOTrainer(...).train(): {_fmt(_median([r['bare TRL']['per_step_s'] for r in rounds]))} s "
+              f"per step; paired ratio {_fmt(ratio)} ({'within' if ratio is not None and ratio <= 1.15 else 'NOT within'}"
+              f" 15%); CPU-seconds per step {_fmt(_median([r['TRL']['cpu_per_step_s'] for r in rounds]))} vs "
+              f"{_fmt(_median([r['bare TRL']['cpu_per_step_s'] for r in rounds]))}, paired ratio {_fmt(cpu_ratio)} "
+              "(the load-insensitive view)")
+    else:
+        print(" (--bare-trl: against a bare GRPOTrainer)")
     others = _median([run["others_load"] for r in rounds for run in r.values()])
     print(f"\nload from others during the runs: median {_fmt(others)} (per run above)")
     default = default_mode()
@@ -524,10 +590,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--modes", default="sync,async,colocated", help="hpc_rl modes, comma-separated")
     parser.add_argument("--add-load", type=int, default=0, help="busy processes to run meanwhile (load ~N)")
+    parser.add_argument("--bare-trl", action="store_true",
+                        help="also run a bare GRPOTrainer(...).train() each round (the task's settings, TRL's defaults "
+                             "otherwise, a reward logger only) and print TRL's per-step time against it")
     parser.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--task", help=argparse.SUPPRESS)
+    parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_child:
-        trl_child(args.steps)
+        trl_child(args.steps, json.loads(args.task), bare=args.bare)
         return 0
     try:
         import trl  # noqa: F401
@@ -545,19 +616,20 @@ def main(argv: list[str]) -> int:
     sides: dict[str, dict[str, Any]] = {}
     rounds: list[dict[str, dict[str, Any]]] = []
     try:
-        names = ["TRL", *modes]
+        names = ["TRL", *modes, *(["bare TRL"] if args.bare_trl else [])]
         for index in range(args.pairs):
             order = names[index % len(names):] + names[:index % len(names)]
             results: dict[str, dict[str, Any]] = {}
             for name in order:
-                run, settings = run_trl(args.steps) if name == "TRL" else run_hpc_rl(name, args.steps)
+                run, settings = (run_trl(args.steps, bare=name == "bare TRL") if "TRL" in name
+                                 else run_hpc_rl(name, args.steps))
                 results[name] = run.measures()
                 if index == 0:
                     sides[name] = settings
                 print(f"pair {index + 1} {run.name:17s}: " + " ".join(f"{k}={_fmt(v)}" for k, v in results[name].items()),
                       flush=True)
             if index == 0:
-                print_settings(hpc_rl_settings(sides[modes[0]]), sides["TRL"])
+                print_settings(hpc_rl_settings(sides[modes[0]]), sides["TRL"], results, modes[0])
             rounds.append(results)
     finally:
         for process in load:

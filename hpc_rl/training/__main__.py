@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     from hpc_rl.config.loading import load_resolved_config
     from hpc_rl.config.model import ModelArchitecture
     from hpc_rl.config.plugin_args import plugin_args
+    from hpc_rl.process.startup_gc import freeze_startup_objects
     from hpc_rl.telemetry.scalars import ScalarLog, tensorboard_dir
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.training.commands import BatchFileCommands, JsonlBatchSource, TrainerCommands
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         defer_sigterm_in_slurm_step()  # scancel/preemption: the controller may still save with us
     tensorboard = tensorboard_dir(config, run_dir)
     scalars = ScalarLog(tensorboard if info.rank == 0 else None, filename_suffix=".trainer")
+    freeze_startup_objects()  # a full GC no longer walks torch, Megatron and the model (process.startup_gc)
     try:
         TrainerCommands(parts, arch=arch, info=info, source=source, save_dir=save_dir, scalars=scalars,
                         engine_api_key=engine_key, offload_train=config.training.offload_train,

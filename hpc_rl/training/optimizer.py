@@ -235,9 +235,11 @@ class ActorOptimizer:
 
     def set_run_length(self, total_steps: int) -> None:
         """The run has `total_steps` optimizer steps: its decay and warm-up follow (`schedule_for_run`), from the
-        next step on."""
-        self.config = schedule_for_run(self.config, total_steps)
-        self._reschedule()
+        next step on. Every train command says it: the scheduler is rebuilt only when the schedule changes."""
+        config = schedule_for_run(self.config, total_steps)
+        if config != self.config:
+            self.config = config
+            self._reschedule()
 
     @property
     def lr(self) -> float:

@@ -6,7 +6,7 @@ path (`optimizer_gpu.MegatronActorOptimizer`) never ran:
 - a NaN gradient skips the step on the bf16 model (Megatron builds no grad scaler in bf16, so its step checks nothing);
 - `optimizer: sgd` steps with SGD;
 - the first step's lr follows Megatron's formula after `set_run_length` (warm-up fraction) and `restore_steps`
-  (a resumed linear decay);
+  (a resumed linear decay); a repeated `set_run_length` keeps the scheduler;
 - every parameter of every family is built in the config's dtype beside Megatron's own (no cast after building);
 - the checkpoint's RNG file holds Megatron's RNG tracker states and restores them.
 
@@ -119,6 +119,9 @@ def optimizer_rank(hf_dir: str, save_dir: str) -> dict[str, Any]:
     _random_grads(warm, 4)
     groups = sorted({g["lr"] for o in warm.torch_optimizers for g in o.param_groups})  # what the step runs at
     out["warmup"] = {"lr": warm.step().lr, "next": warm.lr, "groups": groups}
+    scheduler = warm.scheduler  # every train command repeats the run's length: the same schedule is not rebuilt
+    warm.set_run_length(100)
+    out["same_length_kept"] = warm.scheduler is scheduler and warm.lr == out["warmup"]["next"]
     decay = ActorOptimizer(parts.actor, OptimizerConfig(lr=LR, min_lr=1e-4, lr_decay_style="linear"))
     decay.restore_steps(50)  # the trainer's order: the checkpoint is loaded, then the run's length is known
     decay.set_run_length(100)
@@ -146,6 +149,7 @@ def test_megatron_optimizer_keeps_loaded_weights_skips_nan_steps_and_follows_the
     assert out["sgd"]["classes"] == ["SGD"] and out["sgd"]["update_error"] < 1e-6
     # Megatron's formula: warm-up from 0 over 10 steps (0.1 of 100), so step 1 runs at 0 and step 2 at lr / 10
     assert out["warmup"] == {"lr": 0.0, "next": pytest.approx(LR / 10), "groups": [0.0]}
+    assert out["same_length_kept"] is True
     # linear decay from lr to min_lr over 100 steps, resumed after 50: min_lr + (lr - min_lr) * (1 - 50 / 100)
     expected = 1e-4 + (LR - 1e-4) * 0.5
     assert out["decay"]["lr"] == pytest.approx(expected) and out["decay"]["groups"] == [pytest.approx(expected)]

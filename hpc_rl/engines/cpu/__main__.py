@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     from hpc_rl.engines.cpu.engine_tokenizer import load_engine_tokenizer
     from hpc_rl.engines.cpu.scheduler import Scheduler
     from hpc_rl.engines.cpu.server import EngineServer, ServerInfo
+    from hpc_rl.process.startup_gc import freeze_startup_objects
 
     nodes = None
     if args.nnodes > 1:  # as SGLang: the node-ranks meet before loading (node-rank 0 waits for every node)
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                       architectures=list(model.config.architectures or []), model_type=model.config.model_type,
                       dtype=str(model_dtype(args.dtype)).removeprefix("torch."), base_gpu_id=args.base_gpu_id,
                       weight_version=args.weight_version)
+    freeze_startup_objects()  # a full GC no longer walks the model and the libraries (process.startup_gc)
     scheduler.start()
     app = EngineServer(scheduler, info, nodes=nodes).build_app()
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=1.0)
