@@ -1,0 +1,112 @@
+"""DeepSeek-V3.2 (DeepSeek Sparse Attention) from Megatron's DSAttention / DSAIndexer against transformers' own
+DeepseekV32ForCausalLM, on the tiny random checkpoint (hpc_rl.models.deepseek_v32.tiny: 2 layers, MLA with an
+indexer of 4 heads choosing 4 keys of up to 12, layer 1 MoE), one gloo rank (TP1), fp32 on CPU (the Hadamard
+rotation is its CPU twin, hpc_rl.models.deepseek_v32.dsa_cpu). Checks: logits equal transformers' (< 1e-4); each
+layer's indexer picks the same keys as transformers' indexer for every query (the causal keys among its top-k);
+two packed samples (THD) give each sample's logits as run alone; every HF tensor exported from the Megatron
+model (the weight-sync path) equals the checkpoint's bit for bit (the indexer's head layout is permuted on load
+and back on export)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_rl.training.local_ranks import run_ranks
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+TOKENS = torch.tensor([[3, 5, 7, 11, 13, 17, 19, 2, 4, 6, 8, 10], [1, 4, 9, 16, 23, 0, 8, 6, 5, 3, 2, 1]])
+SAMPLES = ([3, 5, 7, 11, 13, 17, 19, 2, 4], [1, 4, 9, 16, 23, 0, 8, 6, 5, 3, 2])
+
+
+def selected(topk: torch.Tensor) -> torch.Tensor:
+    """[b, s, k] indices -> [b, s, s] bool: the causal keys each query attends to."""
+    batch, seq, _ = topk.shape
+    chosen = torch.zeros(batch, seq, seq, dtype=torch.bool).scatter(-1, topk.long(), True)
+    return chosen & torch.ones(seq, seq, dtype=torch.bool).tril()
+
+
+def rank_checks(hf_dir: str) -> dict:
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
+
+    from hpc_rl.config.model import ModelArchitecture
+    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.training.micro_batches import build_microbatch
+    from hpc_rl.training.model_provider import build_gpt_model, forward_logits
+    from hpc_rl.training.parallel import init_parallel, shutdown_parallel
+    from hpc_rl.weights.export import ExpertLayout, export_hf_state_dict
+    from hpc_rl.weights.hf_import import load_hf_into_model
+
+    training = TrainingConfig(global_batch_size=8, micro_batch_size=2, qkv_format="thd",
+                              moe_token_dispatcher_type="alltoall")
+    info = init_parallel(training, device="cpu")
+    try:
+        arch = ModelArchitecture.from_yaml(ROOT / "configs" / "models" / "tiny_deepseek_v32.yaml")
+        model = build_gpt_model(arch, training)
+        load_hf_into_model(model, hf_dir, arch, tp_rank=info.tp_rank, tp_size=info.tp_size)
+        model.eval()
+        picks: list[torch.Tensor] = []  # each indexer's top-k, recorded from DSAttention's call
+        original = DSAIndexer.forward_with_scores
+
+        def recording(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            scores, topk = original(self, *args, **kwargs)
+            picks.append(topk.clone())
+            return scores, topk
+
+        for module in (m for m in model.modules() if isinstance(m, DSAIndexer)):
+            module.forward_with_scores = recording.__get__(module)
+        with torch.no_grad():
+            logits = forward_logits(model, TOKENS)[..., :arch.vocab_size]
+            unpacked_picks = list(picks)
+            batch = build_microbatch(SAMPLES, [1, 1], [0, 1], qkv_format="thd")
+            packed = model(batch.tokens, batch.position_ids, None,
+                           packed_seq_params=batch.packed_seq_params)[0][..., :arch.vocab_size]
+            gaps = []
+            for start, sample in zip(batch.starts, SAMPLES):
+                alone = forward_logits(model, torch.tensor([sample]))[0][..., :arch.vocab_size]
+                gaps.append((packed[start:start + len(sample)] - alone).abs().max().item())
+            exported = {name: tensor.clone() for name, tensor in
+                        export_hf_state_dict(model, arch, None, ExpertLayout.current(arch))}
+        return {"logits": logits, "picks": unpacked_picks, "packed_gap": max(gaps), "exported": exported}
+    finally:
+        shutdown_parallel()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from hpc_rl.models.deepseek_v32.tiny import make_tiny
+
+    return str(make_tiny(tmp_path_factory.mktemp("dsa") / "deepseek_v32"))
+
+
+def _reference(hf_dir: str) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    picks: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        layer.self_attn.indexer.register_forward_hook(lambda _m, _i, out: picks.append(out.clone()))
+    with torch.no_grad():
+        logits = model(TOKENS).logits
+    return logits, picks, load_file(str(Path(hf_dir) / "model.safetensors"))
+
+
+def test_megatron_dsa_equals_transformers_packed_and_exported(checkpoint: str) -> None:
+    got = run_ranks(rank_checks, 1, checkpoint, timeout=600)[0]
+    logits, picks, tensors = _reference(checkpoint)
+    gap = (got["logits"] - logits).abs().max().item()
+    print(f"deepseek_v32 TP1: max |logits - transformers'| {gap:.2e}, packed vs alone {got['packed_gap']:.2e}")
+    assert gap < 1e-4, f"logits differ from transformers' by {gap}"
+    assert len(got["picks"]) == len(picks) == 2
+    for layer, (ours, theirs) in enumerate(zip(got["picks"], picks)):
+        differ = (selected(ours) != selected(theirs)).sum().item()
+        assert differ == 0, f"layer {layer}: the indexers pick {differ} different (query, key) pairs"
+        assert not selected(theirs).all(), "the tiny indexer selects every key: top-k would not be tested"
+    assert got["packed_gap"] < 1e-5, f"packed samples differ from alone by {got['packed_gap']}"
+    assert sorted(got["exported"]) == sorted(tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(got["exported"][name], tensor), f"{name} does not round-trip"
