@@ -244,7 +244,6 @@ SLIME_REST_COMPAT: dict[str, CompatFlag] = {
 }
 SLIME_REST_REFUSED: dict[str, str] = {
     "qwen_gdn_backend": "hpc_rl has no gated-delta-net (Qwen3.5 / Qwen3-Next linear attention) layers yet; drop it",
-    "freeze_indexer": "hpc_rl has no DSA-indexer models (DeepSeek-V3.2 / GLM-5 sparse attention); drop it",
     "allgather_cp": ("not offered: hpc_rl's context parallelism splits packed sequences with Megatron's ring "
                      "attention; drop it"),
     "release_train": ("not offered: hpc_rl keeps the trainer processes and offloads their memory while engines "

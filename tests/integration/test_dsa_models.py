@@ -1,11 +1,12 @@
 """DeepSeek-V3.2 (DeepSeek Sparse Attention) from Megatron's DSAttention / DSAIndexer against transformers' own
 DeepseekV32ForCausalLM, on the tiny random checkpoint (hpc_rl.models.deepseek_v32.tiny: 2 layers, MLA with an
 indexer of 4 heads choosing 4 keys of up to 12, layer 1 MoE), one gloo rank (TP1), fp32 on CPU (the Hadamard
-rotation is its CPU twin, hpc_rl.models.deepseek_v32.dsa_cpu). Checks: logits equal transformers' (< 1e-4); each
+rotation is its CPU twin, hpc_rl.models.deepseek_v32.layers_dsa). Checks: logits equal transformers' (< 1e-4); each
 layer's indexer picks the same keys as transformers' indexer for every query (the causal keys among its top-k);
 two packed samples (THD) give each sample's logits as run alone; every HF tensor exported from the Megatron
 model (the weight-sync path) equals the checkpoint's bit for bit (the indexer's head layout is permuted on load
-and back on export)."""
+and back on export); slime's --freeze-indexer freezes exactly the indexer's parameters, and a training-mode
+backward (DSAttention's indexer-loss path) gives every other parameter a gradient and the indexer none."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def rank_checks(hf_dir: str) -> dict:
 
     from hpc_rl.config.model import ModelArchitecture
     from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.training.actor import freeze_indexer
     from hpc_rl.training.micro_batches import build_microbatch
     from hpc_rl.training.model_provider import build_gpt_model, forward_logits
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
@@ -70,7 +72,14 @@ def rank_checks(hf_dir: str) -> dict:
                 gaps.append((packed[start:start + len(sample)] - alone).abs().max().item())
             exported = {name: tensor.clone() for name, tensor in
                         export_hf_state_dict(model, arch, None, ExpertLayout.current(arch))}
-        return {"logits": logits, "picks": unpacked_picks, "packed_gap": max(gaps), "exported": exported}
+        # --freeze-indexer on the real model, then one training-mode backward (DSAttention's indexer-loss path)
+        frozen = freeze_indexer(model)
+        model.train()
+        loss = forward_logits(model, TOKENS).float().logsumexp(-1).mean()
+        loss.backward()
+        grads = {name: param.grad is not None for name, param in model.named_parameters()}
+        return {"logits": logits, "picks": unpacked_picks, "packed_gap": max(gaps), "exported": exported,
+                "frozen": frozen, "grads": grads}
     finally:
         shutdown_parallel()
 
@@ -107,6 +116,11 @@ def test_megatron_dsa_equals_transformers_packed_and_exported(checkpoint: str) -
         assert differ == 0, f"layer {layer}: the indexers pick {differ} different (query, key) pairs"
         assert not selected(theirs).all(), "the tiny indexer selects every key: top-k would not be tested"
     assert got["packed_gap"] < 1e-5, f"packed samples differ from alone by {got['packed_gap']}"
+    assert sorted(got["frozen"]) == sorted(f"decoder.layers.{layer}.self_attention.core_attention.indexer.{suffix}"
+                                          for layer in (0, 1) for suffix in ("linear_wq_b.weight", "linear_wk.weight",
+                                          "k_norm.weight", "k_norm.bias", "linear_weights_proj.weight"))
+    assert not any(got["grads"][name] for name in got["frozen"])
+    assert all(has for name, has in got["grads"].items() if name not in got["frozen"]), got["grads"]
     assert sorted(got["exported"]) == sorted(tensors)
     for name, tensor in tensors.items():
         assert torch.equal(got["exported"][name], tensor), f"{name} does not round-trip"

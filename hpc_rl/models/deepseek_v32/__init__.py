@@ -3,7 +3,7 @@ indexer picks the top-k keys each query attends to), on DeepSeek-V3's MoE.
 
 Modules: `config_rules` (config.json's index_* keys, architecture rules), `hf_names` (deepseek_v3's MLA rows plus
 the indexer's, and the indexer's head layout between HF and Megatron), `tiny` (tiny random checkpoints), `layers`
-(Megatron's DSAttention / DSAIndexer in the MLA layer), `dsa_cpu` (their CPU twins: the Hadamard rotation and
+(Megatron's DSAttention / DSAIndexer in the MLA layer), `layers_dsa` (their CPU twins: the Hadamard rotation and
 packed samples).
 """
 

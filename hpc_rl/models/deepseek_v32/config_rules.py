@@ -86,3 +86,29 @@ def transformer_config_fields(arch: ModelArchitecture) -> dict[str, Any]:
     return {"experimental_attention_variant": "dsa", "dsa_indexer_n_heads": arch.dsa_indexer_n_heads,
             "dsa_indexer_head_dim": arch.dsa_indexer_head_dim, "dsa_indexer_topk": arch.dsa_indexer_topk,
             "dsa_indexer_loss_coeff": 0.0, "dsa_indexer_use_sparse_loss": False}
+
+
+def is_indexer_parameter(name: str) -> bool:
+    """A Megatron parameter of a DSA indexer (DSAttention's `core_attention.indexer.*`), under any prefix (DDP's
+    `module.`, pipeline chunks, MTP layers)."""
+    return ".core_attention.indexer." in f".{name}"
+
+
+def training_problems(arch: ModelArchitecture, training: Any) -> list[tuple[str, str]]:
+    """(config field, message) for training settings a DSA model (or --freeze-indexer) cannot run with, checked at
+    submit; `training` is a `hpc_rl.config.schema.TrainingConfig`."""
+    problems = []
+    dsa = arch.dsa_indexer_n_heads is not None
+    if getattr(training, "freeze_indexer", False) and not dsa:
+        problems.append(("training.freeze_indexer", f"freezes a DeepSeek Sparse Attention indexer, and the model "
+                         f"(family {arch.family!r}) has none (slime raises the same): drop --freeze-indexer"))
+    if not dsa:
+        return problems
+    if training.context_parallel_size > 1:
+        problems.append(("training.context_parallel_size", "DeepSeek Sparse Attention under context parallelism: "
+                         "Megatron's DSAttention refuses it (megatron-core 0.16.1); use context_parallel_size 1"))
+    if training.tensor_model_parallel_size > 1 and training.sequence_parallel and training.qkv_format != "bshd":
+        problems.append(("training.qkv_format", "DeepSeek Sparse Attention over packed samples (thd) with sequence "
+                         "parallelism is not built (the indexer gathers the sequence itself); use qkv_format bshd "
+                         "or tensor_model_parallel_size 1"))
+    return problems

@@ -78,7 +78,6 @@ def to_hf(megatron_name: str, full: Any, arch: Any) -> list[tuple[str, Any]] | N
     """Inverse of `to_megatron`: (HF name, tensor) for the indexer's permuted tensors; None for the rest."""
     if not _permuted(megatron_name):
         return None
-    from hpc_rl.weights.hf_mapping import hf_names_of
-
-    (name,) = hf_names_of(megatron_name, arch)
+    layer, suffix = megatron_name[len("decoder.layers."):].split("." + INDEXER, 1)
+    name = f"model.layers.{layer}.self_attn.indexer.{dict(INDEXER_ROWS)[suffix]}"
     return [(name, full[_rows_permutation(megatron_name, arch, inverse=True)].contiguous())]

@@ -3,7 +3,7 @@ indexer and sparse attention) as its core attention.
 
 Owns: `layer_spec` (the family's hook). CPU (local spec): deepseek_v3's CPU MLA layer (separate q/kv latent norms,
 so the q latent handed to the indexer is normalised, as DeepSeek's and transformers' `q_resid`), its core attention
-`PackedDSAttention` with Megatron's `DSAIndexer` built of the `dsa_cpu` twins, and `install_cpu_twins`.
+`PackedDSAttention` with Megatron's `DSAIndexer` built of the `layers_dsa` twins, and `install_cpu_twins`.
 GPU (Transformer Engine spec; never run here): Megatron's own `get_dsa_module_spec_for_backend` pieces, except that
 the q/kv latent norms stay separate TE norms instead of being fused into the up projections: Megatron's fused form
 hands the indexer the q latent before its norm (`q_compressed` is returned before TE's fused norm runs), which is not
@@ -19,7 +19,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.models.deepseek_v3.layers import mla_layer_spec
-from hpc_rl.models.deepseek_v32.dsa_cpu import (
+from hpc_rl.models.deepseek_v32.layers_dsa import (
     IndexerKeyNorm, IndexerLinear, PackedDSAttention, install_cpu_twins,
 )
 
