@@ -1,9 +1,9 @@
 """DeepSeek-V3.2 (DeepSeek Sparse Attention) from Megatron's DSAttention / DSAIndexer against transformers' own
 DeepseekV32ForCausalLM, on the tiny random checkpoint (hpc_rl.models.deepseek_v32.tiny: 2 layers, MLA with an
-indexer of 4 heads choosing 4 keys of up to 12, layer 1 MoE), one gloo rank (TP1), fp32 on CPU (the Hadamard
+indexer of 4 heads choosing 4 keys of up to 12, layer 1 MoE), TP1 (one gloo rank) and TP2 with sequence parallelism (two), fp32 on CPU (the Hadamard
 rotation is its CPU twin, hpc_rl.models.deepseek_v32.layers_dsa). Checks: logits equal transformers' (< 1e-4); each
 layer's indexer picks the same keys as transformers' indexer for every query (the causal keys among its top-k);
-two packed samples (THD) give each sample's logits as run alone; every HF tensor exported from the Megatron
+at TP1 two packed samples (THD) give each sample's logits as run alone; every HF tensor exported from the Megatron
 model (the weight-sync path) equals the checkpoint's bit for bit (the indexer's head layout is permuted on load
 and back on export); slime's --freeze-indexer freezes exactly the indexer's parameters, and a training-mode
 backward (DSAttention's indexer-loss path) gives every other parameter a gradient and the indexer none."""
@@ -30,7 +30,9 @@ def selected(topk: torch.Tensor) -> torch.Tensor:
     return chosen & torch.ones(seq, seq, dtype=torch.bool).tril()
 
 
-def rank_checks(hf_dir: str) -> dict:
+def rank_checks(hf_dir: str, tp: int) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
     from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
 
     from hpc_rl.config.model import ModelArchitecture
@@ -42,9 +44,18 @@ def rank_checks(hf_dir: str) -> dict:
     from hpc_rl.weights.export import ExpertLayout, export_hf_state_dict
     from hpc_rl.weights.hf_import import load_hf_into_model
 
-    training = TrainingConfig(global_batch_size=8, micro_batch_size=2, qkv_format="thd",
+    # TP2 runs with sequence parallelism (Megatron's MoE needs it) and unpacked rows: DSA over packed samples
+    # under SP is refused (hpc_rl.models.deepseek_v32.config_rules.training_problems)
+    training = TrainingConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, global_batch_size=8,
+                              micro_batch_size=2, qkv_format="thd" if tp == 1 else "bshd",
                               moe_token_dispatcher_type="alltoall")
     info = init_parallel(training, device="cpu")
+    group = parallel_state.get_tensor_model_parallel_group()
+
+    def gathered(local: torch.Tensor, vocab: int) -> torch.Tensor:
+        shards = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(shards, local.contiguous(), group=group)
+        return torch.cat(shards, dim=-1)[..., :vocab]
     try:
         arch = ModelArchitecture.from_yaml(ROOT / "configs" / "models" / "tiny_deepseek_v32.yaml")
         model = build_gpt_model(arch, training)
@@ -61,21 +72,22 @@ def rank_checks(hf_dir: str) -> dict:
         for module in (m for m in model.modules() if isinstance(m, DSAIndexer)):
             module.forward_with_scores = recording.__get__(module)
         with torch.no_grad():
-            logits = forward_logits(model, TOKENS)[..., :arch.vocab_size]
+            logits = gathered(forward_logits(model, TOKENS), arch.vocab_size)
             unpacked_picks = list(picks)
-            batch = build_microbatch(SAMPLES, [1, 1], [0, 1], qkv_format="thd")
-            packed = model(batch.tokens, batch.position_ids, None,
-                           packed_seq_params=batch.packed_seq_params)[0][..., :arch.vocab_size]
-            gaps = []
-            for start, sample in zip(batch.starts, SAMPLES):
-                alone = forward_logits(model, torch.tensor([sample]))[0][..., :arch.vocab_size]
-                gaps.append((packed[start:start + len(sample)] - alone).abs().max().item())
+            gaps = [0.0]
+            if tp == 1:
+                batch = build_microbatch(SAMPLES, [1, 1], [0, 1], qkv_format="thd")
+                packed = model(batch.tokens, batch.position_ids, None,
+                               packed_seq_params=batch.packed_seq_params)[0][..., :arch.vocab_size]
+                for start, sample in zip(batch.starts, SAMPLES):
+                    alone = forward_logits(model, torch.tensor([sample]))[0][..., :arch.vocab_size]
+                    gaps.append((packed[start:start + len(sample)] - alone).abs().max().item())
             exported = {name: tensor.clone() for name, tensor in
-                        export_hf_state_dict(model, arch, None, ExpertLayout.current(arch))}
+                        export_hf_state_dict(model, arch, group if tp > 1 else None, ExpertLayout.current(arch))}
         # --freeze-indexer on the real model, then one training-mode backward (DSAttention's indexer-loss path)
         frozen = freeze_indexer(model)
         model.train()
-        loss = forward_logits(model, TOKENS).float().logsumexp(-1).mean()
+        loss = forward_logits(model, TOKENS).logsumexp(-1).mean()  # this rank's vocab shard (autograd: no gather)
         loss.backward()
         grads = {name: param.grad is not None for name, param in model.named_parameters()}
         return {"logits": logits, "picks": unpacked_picks, "packed_gap": max(gaps), "exported": exported,
@@ -104,11 +116,12 @@ def _reference(hf_dir: str) -> tuple[torch.Tensor, list[torch.Tensor], dict[str,
     return logits, picks, load_file(str(Path(hf_dir) / "model.safetensors"))
 
 
-def test_megatron_dsa_equals_transformers_packed_and_exported(checkpoint: str) -> None:
-    got = run_ranks(rank_checks, 1, checkpoint, timeout=600)[0]
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_dsa_equals_transformers_packed_and_exported(checkpoint: str, tp: int) -> None:
+    got = run_ranks(rank_checks, tp, checkpoint, tp, timeout=600)[0]
     logits, picks, tensors = _reference(checkpoint)
     gap = (got["logits"] - logits).abs().max().item()
-    print(f"deepseek_v32 TP1: max |logits - transformers'| {gap:.2e}, packed vs alone {got['packed_gap']:.2e}")
+    print(f"deepseek_v32 TP{tp}: max |logits - transformers'| {gap:.2e}, packed vs alone {got['packed_gap']:.2e}")
     assert gap < 1e-4, f"logits differ from transformers' by {gap}"
     assert len(got["picks"]) == len(picks) == 2
     for layer, (ours, theirs) in enumerate(zip(got["picks"], picks)):
