@@ -93,6 +93,20 @@ MODEL_VALUE_FLAGS.update(MLA_MODEL_VALUE_FLAGS)
 MODEL_SWITCHES += MLA_MODEL_SWITCHES
 # --- end of the MLA block
 
+# --- DeepSeek Sparse Attention (issue 31: DeepSeek-V3.2): Megatron's DSA flags, read into ModelArchitecture's dsa_*
+# fields (hpc_rl.config.megatron_model); --experimental-attention-variant takes dsa only here.
+DSA_MODEL_VALUE_FLAGS: dict[str, type] = {
+    "experimental_attention_variant": str,
+    "dsa_indexer_n_heads": int,
+    "dsa_indexer_head_dim": int,
+    "dsa_indexer_topk": int,
+    "dsa_indexer_loss_coeff": float,
+}
+DSA_MODEL_SWITCHES = ("dsa_indexer_use_sparse_loss",)
+MODEL_VALUE_FLAGS.update(DSA_MODEL_VALUE_FLAGS)
+MODEL_SWITCHES += DSA_MODEL_SWITCHES
+# --- end of the DSA block
+
 MODEL_FLAGS = frozenset(MODEL_VALUE_FLAGS) | frozenset(MODEL_SWITCHES)
 
 # Architectures hpc_rl cannot build: flag -> reason.

@@ -1,12 +1,13 @@
 """DeepSeek-V3.2 (DeepSeek Sparse Attention) from Megatron's DSAttention / DSAIndexer against transformers' own
 DeepseekV32ForCausalLM, on the tiny random checkpoint (hpc_rl.models.deepseek_v32.tiny: 2 layers, MLA with an
-indexer of 4 heads choosing 4 keys of up to 12, layer 1 MoE), TP1 (one gloo rank) and TP2 with sequence parallelism (two), fp32 on CPU (the Hadamard
-rotation is its CPU twin, hpc_rl.models.deepseek_v32.layers_dsa). Checks: logits equal transformers' (< 1e-4); each
-layer's indexer picks the same keys as transformers' indexer for every query (the causal keys among its top-k);
-at TP1 two packed samples (THD) give each sample's logits as run alone; every HF tensor exported from the Megatron
-model (the weight-sync path) equals the checkpoint's bit for bit (the indexer's head layout is permuted on load
-and back on export); slime's --freeze-indexer freezes exactly the indexer's parameters, and a training-mode
-backward (DSAttention's indexer-loss path) gives every other parameter a gradient and the indexer none."""
+indexer of 4 heads choosing 4 keys of up to 12, layer 1 MoE), at TP1 (one gloo rank) and TP2 with sequence
+parallelism (two), fp32 on CPU (the Hadamard rotation is its CPU twin, hpc_rl.models.deepseek_v32.layers_dsa).
+Checks: logits equal transformers' (< 1e-4); each layer's indexer picks the same keys as transformers' indexer
+for every query (the causal keys among its top-k); at TP1 two packed samples (THD) give each sample's logits as
+run alone; every HF tensor exported from the Megatron model (the weight-sync path) equals the checkpoint's bit
+for bit (the indexer's head layout is permuted on load and back on export); slime's --freeze-indexer freezes
+exactly the indexer's parameters, and a training-mode backward (DSAttention's indexer-loss path) gives every
+other parameter a gradient and the indexer none."""
 
 from __future__ import annotations
 

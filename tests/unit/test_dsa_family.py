@@ -4,6 +4,8 @@ Hadamard rotation, and slime's --freeze-indexer (flag, submit checks, which para
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -123,3 +125,30 @@ def test_freeze_indexer_freezes_exactly_the_indexer() -> None:
     untouched = FakeDsaLayer(True)
     freeze_parameters(untouched, TrainingConfig())
     assert all(p.requires_grad for p in untouched.parameters())
+
+
+DSA_FLAGS = ("--disable-bias-linear --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+             "--kv-channels 16 --normalization RMSNorm --position-embedding-type rope --norm-epsilon 1e-6 --swiglu "
+             "--untie-embeddings-and-output-weights --vocab-size 24 --multi-latent-attention --q-lora-rank 32 "
+             "--kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16 --qk-layernorm "
+             "--rotary-base 10000 --rope-type rope --max-position-embeddings 512 --num-experts 4 "
+             "--moe-layer-freq [0,1] --moe-ffn-hidden-size 32 --moe-router-topk 2 "
+             "--moe-shared-expert-intermediate-size 32 --moe-router-pre-softmax "
+             "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-group-topk 1 "
+             "--moe-router-num-groups 2 --moe-router-topk-scaling-factor 2.5 --experimental-attention-variant dsa "
+             "--dsa-indexer-n-heads 4 --dsa-indexer-head-dim 16 --dsa-indexer-topk 4").split()
+"""The tiny DeepSeek-V3.2's MODEL_ARGS as Megatron-LM's DSA flags write them."""
+
+
+def test_megatrons_dsa_flags_give_the_tiny_model_file() -> None:
+    from hpc_rl.config.megatron_model import architecture_from_argv
+
+    built, problems = architecture_from_argv(DSA_FLAGS)
+    assert problems == []
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "models" / "tiny_deepseek_v32.yaml"
+    assert built == ModelArchitecture.from_yaml(tiny)
+    flags = [f for f in DSA_FLAGS if f != "--experimental-attention-variant" and f != "dsa"]
+    with pytest.raises(ValueError, match="without --experimental-attention-variant dsa"):
+        architecture_from_argv(flags)
+    with pytest.raises(ValueError, match="indexer's KL loss off"):
+        architecture_from_argv([*DSA_FLAGS, "--dsa-indexer-loss-coeff", "0.01"])

@@ -7,7 +7,8 @@ Owns: the family's `hf_layer_rows` hook (deepseek_v3's MLA rows, the indexer's, 
   self_attention.core_attention.indexer.linear_wq_b.weight  self_attn.indexer.wq_b.weight   [heads*D, q_lora_rank]
   self_attention.core_attention.indexer.linear_wk.weight    self_attn.indexer.wk.weight     [D, hidden]
   self_attention.core_attention.indexer.k_norm.weight/bias  self_attn.indexer.k_norm.weight/bias  (LayerNorm, D)
-  self_attention.core_attention.indexer.linear_weights_proj.weight  self_attn.indexer.weights_proj.weight [heads, hidden]
+  self_attention.core_attention.indexer.linear_weights_proj.weight  self_attn.indexer.weights_proj.weight
+                                                            [heads, hidden]
 
 All are replicated over TP (Megatron builds them "duplicated"). Layout: an indexer head of D dims holds r =
 qk_pos_emb_head_dim rotated dims. HF (and DeepSeek's reference) put them first, rotated half-split
