@@ -29,6 +29,9 @@ def test_config_json_indexer_keys_are_checked() -> None:
     lines = check_config(arch(dsa_indexer_topk=8), {**HF, "rms_norm_eps": 1e-5})
     assert lines[0] == "dsa_indexer_topk: the model file has 8, config.json's index_topk is 4"
     assert lines[1].startswith("rms_norm_eps: config.json has 1e-05")
+    glm5 = check_config(arch(), {**HF, "model_type": "glm_moe_dsa"})
+    assert len(glm5) == 1 and "GLM-5 (glm_moe_dsa), which hpc_rl does not build yet" in glm5[0]
+    assert check_config(arch(), {**HF, "model_type": "deepseek_v32"}) == []
     assert check_config(arch(dsa_indexer_n_heads=64, dsa_indexer_head_dim=128, dsa_indexer_topk=2048),
                         {"rms_norm_eps": 1e-6}) == []  # DeepseekV32Config's defaults
 

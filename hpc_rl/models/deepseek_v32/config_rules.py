@@ -67,6 +67,14 @@ def architecture_problem(arch: ModelArchitecture) -> str | None:
 def check_config(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str]:
     """config.json's indexer keys against the model file, one readable line per mismatch."""
     problems = []
+    model_type = hf.get("model_type")
+    if model_type == "glm_moe_dsa":
+        problems.append("model_type: config.json is GLM-5 (glm_moe_dsa), which hpc_rl does not build yet: its indexer "
+                        "rotates interleaved pairs (DeepSeek-V3.2's rotates half-split, so the indexer's head layout "
+                        "differs), its IndexShare layers reuse another layer's top-k (indexer_types 'shared'; Megatron's "
+                        "DSAttention has no such form) and its indexer k_norm eps (1e-6) is not its rms_norm_eps")
+    elif model_type not in (None, "deepseek_v32"):
+        problems.append(f"model_type: config.json's {model_type!r} is not deepseek_v32 (DeepseekV32ForCausalLM)")
     for field, key in HF_KEY_OF_FIELD.items():
         theirs = hf.get(key, HF_DEFAULTS[key])
         if getattr(arch, field) != theirs:
