@@ -26,6 +26,12 @@ from hpc_rl.models.deepseek_v32.layers_dsa import (
 
 def _te_dsa_attention(layer: ModuleSpec) -> None:  # GPU-only: never run on the CPU machine
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TELinear, TENorm
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    if dsa.hadamard_transform is None:
+        raise RuntimeError("DeepSeek Sparse Attention on GPU: Megatron's indexer rotates q and k with "
+                           "fast_hadamard_transform, which is not installed in the trainer's environment; "
+                           "install it (pip install fast-hadamard-transform) into the GPU environment")
 
     attention = layer.submodules.self_attention
     attention.submodules.core_attention = ModuleSpec(
