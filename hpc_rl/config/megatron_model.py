@@ -174,6 +174,8 @@ def _moe_family(fields: dict[str, Any], problems: list[str], hf_type: str | None
     sigmoid = fields.get("moe_router_score_function", "softmax") == "sigmoid"
     shared = bool(fields.get("moe_shared_expert_intermediate_size"))
     if fields.get("multi_latent_attention"):
+        if fields.get("dsa_indexer_n_heads") is not None:
+            return "deepseek_v32"
         return "deepseek_v3"  # Glm4MoeLite has the same layers and names; config.json's model_type says which
     if sigmoid and shared:
         return "glm4_moe"
@@ -214,6 +216,33 @@ def _apply_mla_flags(flags: dict[str, Any], fields: dict[str, Any], problems: li
     fields["add_qkv_bias"] = False
 
 
+DSA_FIELDS = ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
+
+
+def _apply_dsa_flags(flags: dict[str, Any], fields: dict[str, Any], problems: list[str]) -> None:
+    """Megatron's DeepSeek Sparse Attention flags on top of `fields` (the indexer's shape; its KL loss is off)."""
+    variant = flags.get("experimental_attention_variant")
+    given = [name for name in (*DSA_FIELDS, "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss")
+             if flags.get(name) not in (None, False)]
+    if variant is None:
+        if given:
+            problems.append(" ".join("--" + f.replace("_", "-") for f in given) + " without "
+                            "--experimental-attention-variant dsa: Megatron ignores them; add it")
+        return
+    if variant != "dsa":
+        problems.append(f"--experimental-attention-variant {variant}: hpc_rl builds dsa (DeepSeek-V3.2) here")
+        return
+    missing = [name for name in DSA_FIELDS if flags.get(name) is None]
+    if missing:
+        problems.append("--experimental-attention-variant dsa needs " + " ".join(
+            "--" + f.replace("_", "-") for f in missing))
+        return
+    if flags.get("dsa_indexer_loss_coeff") or flags.get("dsa_indexer_use_sparse_loss"):
+        problems.append("--dsa-indexer-loss-coeff / --dsa-indexer-use-sparse-loss: hpc_rl trains the policy with the "
+                        "indexer's KL loss off (coefficient 0; --freeze-indexer freezes it); drop them")
+    fields.update({name: flags[name] for name in DSA_FIELDS})
+
+
 def architecture_from_flags(
     flags: dict[str, Any],
     *,
@@ -229,6 +258,7 @@ def architecture_from_flags(
     hf_type = (hf_config or {}).get("model_type")
     if fields:
         _apply_mla_flags(flags, fields, problems, hf_config)
+        _apply_dsa_flags(flags, fields, problems)
         _apply_moe_flags(flags, fields, problems, hf_type)
         if fields.get("family") == "gpt_oss" or hf_type == "gpt_oss":
             apply_gpt_oss_flags(flags, fields, problems, hf_config)

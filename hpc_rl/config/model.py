@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from hpc_rl.config.moe_layer_freq import LayerFreqError, expand_layer_freq
+from hpc_rl.models.deepseek_v32.config_rules import dsa_field_problem
 from hpc_rl.models.hf_checks import architecture_mismatches
 from hpc_rl.models.mla import mla_field_problem
 from hpc_rl.models.qwen3_next.config_rules import expand_linear_attention_freq, hybrid_field_problem
@@ -137,6 +138,15 @@ class ModelArchitecture:
     """Multi-token-prediction layers after the decoder (Megatron's MTP block; HF num_nextn_predict_layers,
     the layers model.layers.<num_layers + k>.* SGLang's EAGLE/NextN draft loads); None: none built."""
 
+    # DeepSeek Sparse Attention (issue 31: DeepSeek-V3.2 / GLM-5; Megatron's TransformerConfig names, checked against
+    # config.json's index_n_heads / index_head_dim / index_topk by hpc_rl.models.deepseek_v32).
+    dsa_indexer_n_heads: int | None = None
+    """Heads of the lightning indexer that picks each query's keys (HF index_n_heads); None: dense MLA."""
+    dsa_indexer_head_dim: int | None = None
+    """Width of an indexer head, its first qk_pos_emb_head_dim rotated (HF index_head_dim)."""
+    dsa_indexer_topk: int | None = None
+    """Keys each query attends to (HF index_topk)."""
+
     # Hybrid linear attention (issue 31: Qwen3-Next, Qwen3.5, Qwen3.6; Megatron's TransformerConfig names;
     # hpc_rl.models.qwen3_next.config_rules documents the config.json keys each is checked against).
     layernorm_zero_centered_gamma: bool = False
@@ -231,7 +241,7 @@ class ModelArchitecture:
                 self.linear_attention_freq = expand_linear_attention_freq(self.linear_attention_freq, self.num_layers)
             except ValueError as error:
                 raise ValueError(f"linear_attention_freq: {error}") from error
-        problem = (mla_field_problem(self) or hybrid_field_problem(self)
+        problem = (mla_field_problem(self) or hybrid_field_problem(self) or dsa_field_problem(self)
                    or family(self.family).architecture_problem(self))
         if problem:
             raise ValueError(problem)

@@ -357,6 +357,9 @@ class TrainingConfig:
     --only-train-params-name-list)."""
     freeze_params_name_list: list[str] | None = None
     """Regular expressions (re.search) of the parameter names to freeze (slime's --freeze-params-name-list)."""
+    freeze_indexer: bool = False
+    """Freeze every DeepSeek Sparse Attention indexer parameter (requires_grad False before DDP and the optimizer see
+    them: never updated, still synced and saved); the rest of the model trains (slime's --freeze-indexer)."""
     custom_megatron_before_log_prob_hook_path: str | None = None
     """Import path of slime's `fn(args, model, store_prefix)`, called before each log-prob pass ("" for the old
     log-probs, "ref_" for the reference's)."""

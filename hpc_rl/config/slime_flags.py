@@ -102,6 +102,20 @@ MODEL_VALUE_FLAGS.update(GPT_OSS_MODEL_VALUE_FLAGS)
 MODEL_SWITCHES += GPT_OSS_MODEL_SWITCHES
 # --- end of the gpt-oss block
 
+# --- DeepSeek Sparse Attention (issue 31: DeepSeek-V3.2): Megatron's DSA flags, read into ModelArchitecture's dsa_*
+# fields (hpc_rl.config.megatron_model); --experimental-attention-variant takes dsa only here.
+DSA_MODEL_VALUE_FLAGS: dict[str, type] = {
+    "experimental_attention_variant": str,
+    "dsa_indexer_n_heads": int,
+    "dsa_indexer_head_dim": int,
+    "dsa_indexer_topk": int,
+    "dsa_indexer_loss_coeff": float,
+}
+DSA_MODEL_SWITCHES = ("dsa_indexer_use_sparse_loss",)
+MODEL_VALUE_FLAGS.update(DSA_MODEL_VALUE_FLAGS)
+MODEL_SWITCHES += DSA_MODEL_SWITCHES
+# --- end of the DSA block
+
 MODEL_FLAGS = frozenset(MODEL_VALUE_FLAGS) | frozenset(MODEL_SWITCHES)
 
 # Architectures hpc_rl cannot build: flag -> reason.
@@ -263,7 +277,6 @@ SLIME_REST_COMPAT: dict[str, CompatFlag] = {
 }
 SLIME_REST_REFUSED: dict[str, str] = {
     "qwen_gdn_backend": "hpc_rl has no gated-delta-net (Qwen3.5 / Qwen3-Next linear attention) layers yet; drop it",
-    "freeze_indexer": "hpc_rl has no DSA-indexer models (DeepSeek-V3.2 / GLM-5 sparse attention); drop it",
     "allgather_cp": ("not offered: hpc_rl's context parallelism splits packed sequences with Megatron's ring "
                      "attention; drop it"),
     "release_train": ("not offered: hpc_rl keeps the trainer processes and offloads their memory while engines "

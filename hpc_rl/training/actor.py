@@ -26,6 +26,7 @@ import torch
 from hpc_rl.config.lora import LoraConfig
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.training_modes import frozen_model_roles
+from hpc_rl.models.deepseek_v32.config_rules import is_indexer_parameter
 from hpc_rl.config.schema import (
     AlgorithmConfig, CheckpointConfig, CriticConfig, DistillationConfig, OptimizerConfig, TrainingConfig,
 )
@@ -97,6 +98,8 @@ def freeze_parameters(model: torch.nn.Module, training: TrainingConfig) -> torch
     regular expressions select (re.search) get requires_grad False before DDP and the optimizer see them; they
     are still synced to the engines and saved."""
     only, frozen = training.only_train_params_name_list, training.freeze_params_name_list
+    if training.freeze_indexer:
+        freeze_indexer(model)
     if not only and not frozen:
         return model
     for name, param in model.named_parameters():  # never unfreezes (MTP layers without MTP training stay frozen)
@@ -107,6 +110,21 @@ def freeze_parameters(model: torch.nn.Module, training: TrainingConfig) -> torch
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("training.only_train_params_name_list / freeze_params_name_list leave no parameter to train")
     return model
+
+
+def freeze_indexer(model: torch.nn.Module) -> list[str]:
+    """slime's --freeze-indexer: every DeepSeek Sparse Attention indexer parameter gets requires_grad False (so DDP
+    and Megatron's optimizer never see it); returns their names. A model chunk with self-attention and no indexer is
+    an error, as in slime (a pipeline stage without attention may have none)."""
+    names = [name for name, _ in model.named_parameters()]
+    frozen = [name for name in names if is_indexer_parameter(name)]
+    for name, param in model.named_parameters():
+        if is_indexer_parameter(name):
+            param.requires_grad_(False)
+    if not frozen and any(".self_attention." in f".{name}" for name in names):
+        raise ValueError("training.freeze_indexer (--freeze-indexer): this model has self-attention and no DeepSeek "
+                         "Sparse Attention indexer parameters (core_attention.indexer.*) to freeze")
+    return frozen
 
 
 @dataclass

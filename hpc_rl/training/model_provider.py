@@ -45,6 +45,7 @@ from hpc_rl.config.pipeline_split import PipelineSplitError, training_split
 from hpc_rl.training.layer_specs import SequenceParallelRMSNorm, build_block_spec, use_transformer_engine
 from hpc_rl.training.mtp_model import MTPGPTModel, mtp_block_spec
 from hpc_rl.models.qwen3_next.config_rules import transformer_config_fields
+from hpc_rl.models.deepseek_v32.config_rules import transformer_config_fields as dsa_config_fields
 
 VOCAB_PAD_MULTIPLE = 128
 log = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ def transformer_config(
                 log.info("%s", note)
     mla = mla_config_fields(arch, training)
     mla.update(transformer_config_fields(arch, context_parallel_size=training.context_parallel_size))
+    mla.update(dsa_config_fields(arch))
     config_class = MLATransformerConfig if arch.multi_latent_attention else TransformerConfig
     extra = {**extra, **{key: mla.pop(key) for key in list(mla) if key == "apply_rope_fusion"}}
     recompute = {}

@@ -36,6 +36,7 @@ TINY_ARCHITECTURES = {
                      moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
     "deepseek_v3": MLA,
     "glm4_moe_lite": MLA,
+    "deepseek_v32": dict(MLA, mtp_num_layers=None, dsa_indexer_n_heads=4, dsa_indexer_head_dim=16, dsa_indexer_topk=4),
 }
 """Each family's model file for the checkpoint its `make_tiny` writes with the default spec."""
 

@@ -95,6 +95,7 @@ SAMPLES: dict[str, list[str]] = {
     # MTP: on the tiny DeepSeek-V3 (hpc_rl maps MTP layers for the MLA families; on the tiny Qwen3 it is an error)
     "--mtp-num-layers": ["1", *TINY_MLA_MODEL],
     "--enable-mtp-training": TINY_MLA_MODEL,
+    "--freeze-indexer": ["--model", "configs/models/tiny_deepseek_v32.yaml", "--hf-checkpoint", "/m/DeepSeek-V3.2"],
     "--mtp-loss-scaling-factor": ["0.2", "--enable-mtp-training", *TINY_MLA_MODEL],
     "--balance-by-flops": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "256"],
     "--log-probs-max-tokens-per-gpu": ["512", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "256"],

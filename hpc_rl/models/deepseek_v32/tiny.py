@@ -1,0 +1,90 @@
+"""Tiny DeepSeek-V3.2 checkpoints (DeepseekV32ForCausalLM): multi-latent attention with a sparse-attention indexer.
+
+Owns: `TinyDsaSpec` and the family's `make_tiny` hook: transformers' own model class, decisive routers (as the
+DeepSeek-V3 tiny model), and indexer weights large enough that its top-k choices are not near-ties (transformers
+initialises them near zero), its k_norm's weight and bias random so that every indexer tensor matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc_rl.models.deepseek_v3.tiny import TinyMlaSpec
+from hpc_rl.models.tiny_checkpoint import TINY_VOCAB, build_tokenizer, randomize_moe, spec_of
+
+
+@dataclass(kw_only=True)
+class TinyDsaSpec(TinyMlaSpec):
+    """Shape of a tiny DeepSeek-V3.2: the tiny DeepSeek-V3's (2 layers, the first dense) with an indexer of 4
+    heads of 16 dims choosing 4 keys per query, no MTP layer."""
+
+    family: str = "deepseek_v32"
+    index_n_heads: int = 4
+    index_head_dim: int = 16
+    index_topk: int = 4
+    indexer_std: float = 0.3
+    """Indexer projections ~ N(0, indexer_std): well-separated scores."""
+    mtp_layers: int = 0
+
+
+def _randomize_indexer(model: Any, spec: TinyDsaSpec) -> None:
+    import torch
+
+    generator = torch.Generator().manual_seed(spec.seed + 3)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if ".indexer." not in name:
+                continue
+            if name.endswith("k_norm.weight"):
+                value = 1.0 + 0.1 * torch.randn(tensor.shape, generator=generator)
+            elif name.endswith("k_norm.bias"):
+                value = 0.1 * torch.randn(tensor.shape, generator=generator)
+            else:
+                value = spec.indexer_std * torch.randn(tensor.shape, generator=generator)
+            tensor.copy_(value)
+
+
+def make_tiny_dsa_model(output_dir: str | Path, spec: TinyDsaSpec | None = None) -> Path:
+    """Write a randomly initialised tiny DeepSeek-V3.2 checkpoint + the tiny tokenizer."""
+    import torch
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    spec = spec or TinyDsaSpec()
+    if spec.mtp_layers:
+        raise ValueError("TinyDsaSpec.mtp_layers: hpc_rl has no MTP layers with sparse attention yet; use 0")
+    if spec.q_lora_rank is None:
+        raise ValueError("TinyDsaSpec.q_lora_rank: DeepseekV32 needs a q latent (its indexer reads it)")
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    if spec.yarn:
+        rope = {"rope_type": "yarn", "rope_theta": spec.rope_theta, **spec.yarn}
+    config = DeepseekV32Config(
+        vocab_size=len(TINY_VOCAB), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.moe_intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        n_shared_experts=spec.n_shared_experts, n_routed_experts=spec.num_experts,
+        routed_scaling_factor=spec.routed_scaling_factor, kv_lora_rank=spec.kv_lora_rank, q_lora_rank=spec.q_lora_rank,
+        qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, qk_nope_head_dim=spec.qk_nope_head_dim,
+        n_group=spec.n_group, topk_group=spec.topk_group, num_experts_per_tok=spec.num_experts_per_tok,
+        norm_topk_prob=True, max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.rms_norm_eps,
+        tie_word_embeddings=spec.tie_word_embeddings, rope_parameters=rope, bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), torch_dtype="float32",
+        first_k_dense_replace=spec.dense_layers, index_n_heads=spec.index_n_heads,
+        index_head_dim=spec.index_head_dim, index_topk=spec.index_topk)
+    torch.manual_seed(spec.seed)
+    model = DeepseekV32ForCausalLM(config).to(torch.float32)
+    randomize_moe(model, spec)
+    _randomize_indexer(model, spec)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir
+
+
+def make_tiny(output_dir: str | Path, spec: TinyDsaSpec | None = None, **spec_fields: Any) -> Path:
+    """The deepseek_v32 family's `make_tiny` hook."""
+    return make_tiny_dsa_model(output_dir, spec_of(TinyDsaSpec, spec, spec_fields))
