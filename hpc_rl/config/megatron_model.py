@@ -20,6 +20,8 @@ from typing import Any
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.models.mla import hf_yarn_fields, mla_family_names
+from hpc_rl.models.qwen3_next.config_rules import HYBRID_MOE_FAMILIES
+from hpc_rl.models.qwen3_next.flags import SLIME_SPECS, apply_hybrid_flags, spec_family
 from hpc_rl.models.registry import family_for_hf_model_type
 
 GLM4_SPEC = ("slime_plugins.models.glm4", "get_glm_spec")
@@ -41,11 +43,15 @@ the ModelArchitecture fields."""
 
 def _family(flags: dict[str, Any], problems: list[str]) -> str:
     spec = flags.get("spec")
+    hybrid = spec_family(spec, moe=bool(flags.get("num_experts")))
+    if hybrid is not None:  # slime's Qwen3.5 / Qwen3-Next specs: hpc_rl.models.qwen3_next.flags
+        return hybrid
     if spec is not None:
         if tuple(spec) == GLM4_SPEC:
             return "glm4"
-        problems.append(f"--spec {' '.join(map(str, spec))}: hpc_rl builds Megatron's GPT layer spec and slime's GLM4 "
-                        f"spec ({' '.join(GLM4_SPEC)}) only")
+        problems.append(f"--spec {' '.join(map(str, spec))}: hpc_rl builds Megatron's GPT layer spec, slime's GLM4 "
+                        f"spec ({' '.join(GLM4_SPEC)}) and slime's Qwen3.5 / Qwen3-Next specs "
+                        f"({'; '.join(' '.join(s) for s in SLIME_SPECS)}) only")
         return "llama"
     return "qwen3" if flags.get("qk_layernorm") else "llama"
 
@@ -147,6 +153,8 @@ def _apply_moe_flags(flags: dict[str, Any], fields: dict[str, Any], problems: li
     fields.update({MOE_FIELD_OF_FLAG[flag]: flags[flag] for flag in given})
     if fields.get("moe_ffn_hidden_size") is None:
         fields["moe_ffn_hidden_size"] = fields.get("ffn_hidden_size")
+    if fields.get("family") in HYBRID_MOE_FAMILIES:
+        return
     if "spec" in flags:
         problems.append("--spec with --num-experts: GLM-4.5 MoE models are built from Megatron's own GPT layer spec "
                         "(slime's glm4.5 scripts pass no --spec); drop --spec")
@@ -217,6 +225,7 @@ def architecture_from_flags(
     if fields:
         _apply_mla_flags(flags, fields, problems, hf_config)
         _apply_moe_flags(flags, fields, problems, hf_type)
+        apply_hybrid_flags(flags, fields, problems, hf_config)
         if fields.get("multi_latent_attention") and not fields.get("num_moe_experts"):
             problems.append("--multi-latent-attention without --num-experts: hpc_rl builds MLA for the MoE families "
                             f"{', '.join(mla_family_names())} (DeepSeek-V3, Kimi-K2, Moonlight, GLM-4.7-Flash)")

@@ -104,11 +104,11 @@ def _megatron_value(name: str, value: Any, where: str) -> Any:
     if name in MODEL_SWITCHES:
         return coerce_value(value, bool, where)
     kind = MODEL_VALUE_FLAGS[name]
-    if name == "moe_layer_freq":
+    if name in ("moe_layer_freq", "linear_attention_freq"):  # an int N or a list expression ([1]*3+[0])*12
         try:
             return parse_layer_freq(value)
         except LayerFreqError as error:
-            raise ConfigError(f"{where}: --moe-layer-freq {error}") from error
+            raise ConfigError(f"{where}: {_flag(name)} {error}") from error
     if kind is list:
         values = value if isinstance(value, list) else [value]
         return [str(v) for v in values]
