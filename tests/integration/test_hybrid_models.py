@@ -5,7 +5,10 @@ expert). Two launches: TP1 (1 rank, all three families) and TP2 with sequence pa
 checks: logits equal transformers' (fp32, < 1e-4); two packed samples (THD, one row) give each sample's logits as
 run alone (the linear-attention state and convolution window restart at the boundary); every HF tensor exported from
 the Megatron model (the weight-sync path, gathered over TP) equals the checkpoint's bit for bit, and so does every
-tensor after HF -> torch_dist (saved at that TP, Megatron's own sharded state dict of GatedDeltaNet) -> HF (TP1)."""
+tensor after HF -> torch_dist (saved at that TP, Megatron's own sharded state dict of GatedDeltaNet) -> HF (TP1).
+At TP1 every parameter's gradient of the next-token loss equals transformers' (relative 1e-4); one GRPO step
+(Megatron's DDP, packed micro-batches) moves every Gated DeltaNet parameter and gives the same loss and gradient
+norm at TP1 and TP2."""
 
 from __future__ import annotations
 
@@ -72,9 +75,67 @@ def rank_checks(models: dict[str, str], tp: int, work: str) -> dict[str, dict]:
             results[family] = {"logits": logits, "packed_gap": max(gaps), "exported": exported}
             hf_to_torch_dist(hf_dir, ROOT / "configs" / "models" / f"tiny_{family}.yaml", f"{work}/{family}_tp{tp}",
                              tensor_parallel_size=tp)  # the same layout: Megatron's groups stay
+            if tp == 1:
+                results[family]["grad_gap"] = _gradient_gap(model, arch, hf_dir)
+            results[family].update(_step(arch, hf_dir, training, info))
     finally:
         shutdown_parallel()
     return results
+
+
+def _gradient_gap(model: torch.nn.Module, arch, hf_dir: str) -> tuple[float, str]:  # noqa: ANN001
+    """The largest relative difference between Megatron's and transformers' gradients of the next-token loss, over
+    every parameter (backward through the kernels' twins; the tokens avoid the pad id, whose embedding row
+    transformers keeps at zero gradient)."""
+    from transformers import AutoModelForCausalLM
+
+    from hpc_rl.training.model_provider import forward_logits
+    from hpc_rl.weights import hf_mapping
+    from hpc_rl.weights.stage import global_named_params
+
+    tokens = torch.tensor([[3, 5, 7, 11, 13, 17, 19, 4, 6, 8, 10, 12, 14, 9, 1, 0, 5, 7, 3, 21]])
+    model.train()
+    model.zero_grad()
+    logits = forward_logits(model, tokens)[0, :-1, :arch.vocab_size]
+    torch.nn.functional.cross_entropy(logits, tokens[0, 1:]).backward()
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    torch.nn.functional.cross_entropy(reference(tokens).logits[0, :-1], tokens[0, 1:]).backward()
+    theirs = {name: p.grad for name, p in reference.named_parameters()}
+    for name in [n for n in theirs if n.endswith("mlp.experts.gate_up_proj")]:  # transformers' fused experts
+        prefix, gate_up, down = name[: -len("gate_up_proj")], theirs[name], theirs[name[: -len("gate_up_proj")]
+                                                                                  + "down_proj"]
+        for expert in range(gate_up.shape[0]):
+            gate, up = gate_up[expert].chunk(2, dim=0)
+            theirs.update({f"{prefix}{expert}.gate_proj.weight": gate, f"{prefix}{expert}.up_proj.weight": up,
+                           f"{prefix}{expert}.down_proj.weight": down[expert]})
+    ours = global_named_params(model)
+    worst = (0.0, "")
+    for name, hf_names in hf_mapping.name_map(arch):
+        expected = hf_mapping.to_megatron(name, [theirs[n] for n in hf_names], arch)
+        got = ours[name].grad[: expected.shape[0]]
+        gap = ((got - expected).abs().max() / expected.abs().max().clamp(min=1e-12)).item()
+        worst = max(worst, (gap, name))
+    model.zero_grad()
+    model.eval()
+    return worst
+
+
+def _step(arch, hf_dir: str, training, info) -> dict:  # noqa: ANN001 - hpc_rl config objects
+    """One GRPO optimizer step (Megatron's DDP, packed micro-batches): its metrics, and the linear-attention
+    parameters' movement (the gradient reaches them through the kernels' twins)."""
+    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig
+    from hpc_rl.training.actor import build_trainer
+    from hpc_rl.weights.stage import global_named_params
+    from tests.integration.test_trainer_step import make_batch
+
+    parts = build_trainer(arch=arch, training=training, algorithm=AlgorithmConfig(entropy_coef=0.01),
+                          optimizer_config=OptimizerConfig(lr=1e-3, clip_grad=1.0),
+                          checkpoints=CheckpointConfig(hf_checkpoint=hf_dir), info=info)
+    before = {name: p.detach().clone() for name, p in global_named_params(parts.actor).items()}
+    metrics = parts.trainer.train_rollout(make_batch(5))[0]
+    after = global_named_params(parts.actor)
+    moved = {name for name in before if "self_attention." in name and not torch.equal(before[name], after[name])}
+    return {"metrics": metrics, "moved": moved}
 
 
 def convert_back(models: dict[str, str], tp: int, work: str) -> None:
@@ -107,11 +168,26 @@ def _reference(hf_dir: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return logits, load_file(str(Path(hf_dir) / "model.safetensors"))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_hybrids_equal_transformers_packed_and_exported(models: dict[str, str], tp: int,
-                                                                 tmp_path: Path) -> None:
-    results = run_ranks(rank_checks, tp, models, tp, str(tmp_path), timeout=600)[0]
-    run_ranks(convert_back, 1, models, tp, str(tmp_path), timeout=600)
+def test_megatron_hybrids_equal_transformers_packed_exported_and_trained(models: dict[str, str],
+                                                                        tmp_path: Path) -> None:
+    by_tp = {}
+    for tp in (1, 2):
+        by_tp[tp] = run_ranks(rank_checks, tp, models, tp, str(tmp_path), timeout=600)[0]
+        run_ranks(convert_back, 1, models, tp, str(tmp_path), timeout=600)
+        _check(models, by_tp[tp], tp, tmp_path)
+    for family in models:
+        one, two = by_tp[1][family], by_tp[2][family]
+        print(f"{family}: step loss TP1 {one['metrics']['loss']:.6f} TP2 {two['metrics']['loss']:.6f}, grad_norm "
+              f"{one['metrics']['grad_norm']:.6f} / {two['metrics']['grad_norm']:.6f}")
+        for key in ("loss", "grad_norm"):
+            assert abs(one["metrics"][key] - two["metrics"][key]) < 1e-5 * max(1.0, abs(one["metrics"][key])), key
+        gdn = {name for name in one["moved"] if name.startswith("decoder.layers.0.")}
+        assert {"decoder.layers.0.self_attention.A_log", "decoder.layers.0.self_attention.dt_bias",
+                "decoder.layers.0.self_attention.conv1d.weight", "decoder.layers.0.self_attention.in_proj.weight",
+                "decoder.layers.0.self_attention.out_norm.weight"} <= gdn, gdn
+
+
+def _check(models: dict[str, str], results: dict, tp: int, tmp_path: Path) -> None:
     for family, hf_dir in models.items():
         logits, tensors = _reference(hf_dir)
         got = results[family]
@@ -119,6 +195,10 @@ def test_megatron_hybrids_equal_transformers_packed_and_exported(models: dict[st
         print(f"{family} TP{tp}: max |logits - transformers'| {gap:.2e}, packed vs alone {got['packed_gap']:.2e}")
         assert gap < 1e-4, f"{family} TP{tp}: logits differ from transformers' by {gap}"
         assert got["packed_gap"] < 1e-5, f"{family} TP{tp}: packed samples differ from alone by {got['packed_gap']}"
+        if tp == 1:
+            print(f"{family}: largest relative gradient gap to transformers {got['grad_gap'][0]:.2e} "
+                  f"({got['grad_gap'][1]})")
+            assert got["grad_gap"][0] < 1e-4, f"{family}: gradients differ from transformers': {got['grad_gap']}"
         assert sorted(got["exported"]) == sorted(tensors), family
         converted = load_file(str(tmp_path / f"{family}_tp{tp}_hf" / "model.safetensors"))
         assert sorted(converted) == sorted(tensors), family
