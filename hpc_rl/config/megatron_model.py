@@ -20,11 +20,9 @@ from typing import Any
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.models.mla import hf_yarn_fields, mla_family_names
-from hpc_rl.models.qwen3_next.config_rules import HYBRID_MOE_FAMILIES
-from hpc_rl.models.qwen3_next.flags import SLIME_SPECS, apply_hybrid_flags, spec_family
-from hpc_rl.models.registry import family_for_hf_model_type
+from hpc_rl.models.qwen3_next.flags import apply_hybrid_flags, hybrid_spec_family
+from hpc_rl.models.registry import all_families, family, family_for_hf_model_type, family_for_slime_spec
 
-GLM4_SPEC = ("slime_plugins.models.glm4", "get_glm_spec")
 DEFAULT_MAX_POSITION_EMBEDDINGS = 4096
 MOE_FIELD_OF_FLAG = {"num_experts": "num_moe_experts", "moe_ffn_hidden_size": "moe_ffn_hidden_size",
                      "moe_router_topk": "moe_router_topk", "moe_layer_freq": "moe_layer_freq",
@@ -43,15 +41,16 @@ the ModelArchitecture fields."""
 
 def _family(flags: dict[str, Any], problems: list[str]) -> str:
     spec = flags.get("spec")
-    hybrid = spec_family(spec, moe=bool(flags.get("num_experts")))
-    if hybrid is not None:  # slime's Qwen3.5 / Qwen3-Next specs: hpc_rl.models.qwen3_next.flags
+    hybrid = hybrid_spec_family(spec, moe=bool(flags.get("num_experts")))
+    if hybrid is not None:  # slime's Qwen3.5 spec with --num-experts is Qwen3.5-MoE: hpc_rl.models.qwen3_next.flags
         return hybrid
     if spec is not None:
-        if tuple(spec) == GLM4_SPEC:
-            return "glm4"
-        problems.append(f"--spec {' '.join(map(str, spec))}: hpc_rl builds Megatron's GPT layer spec, slime's GLM4 "
-                        f"spec ({' '.join(GLM4_SPEC)}) and slime's Qwen3.5 / Qwen3-Next specs "
-                        f"({'; '.join(' '.join(s) for s in SLIME_SPECS)}) only")
+        found = family_for_slime_spec(spec)
+        if found is not None:
+            return found.name
+        known = " and ".join(f"slime's {f.name.upper()} spec ({' '.join(f.slime_spec)})"
+                             for f in all_families() if f.slime_spec is not None)
+        problems.append(f"--spec {' '.join(map(str, spec))}: hpc_rl builds Megatron's GPT layer spec and {known} only")
         return "llama"
     return "qwen3" if flags.get("qk_layernorm") else "llama"
 
@@ -153,20 +152,24 @@ def _apply_moe_flags(flags: dict[str, Any], fields: dict[str, Any], problems: li
     fields.update({MOE_FIELD_OF_FLAG[flag]: flags[flag] for flag in given})
     if fields.get("moe_ffn_hidden_size") is None:
         fields["moe_ffn_hidden_size"] = fields.get("ffn_hidden_size")
-    if fields.get("family") in HYBRID_MOE_FAMILIES:
-        return
-    if "spec" in flags:
+    spec_family = family_for_slime_spec(flags.get("spec"))
+    hybrid = hybrid_spec_family(flags.get("spec"), moe=True)
+    if hybrid is not None:
+        spec_family = family(hybrid)
+    if "spec" in flags and not (spec_family is not None and spec_family.moe):
         problems.append("--spec with --num-experts: GLM-4.5 MoE models are built from Megatron's own GPT layer spec "
                         "(slime's glm4.5 scripts pass no --spec); drop --spec")
-    fields["family"] = _moe_family(fields, problems, hf_type)
+    fields["family"] = _moe_family(fields, problems, hf_type, spec_family)
 
 
-def _moe_family(fields: dict[str, Any], problems: list[str], hf_type: str | None) -> str:
+def _moe_family(fields: dict[str, Any], problems: list[str], hf_type: str | None, spec_family: Any = None) -> str:
     """config.json's model_type when it is an MoE family (the HF check then compares every field), else from
     the flags: qwen3_moe (softmax router, q/k norms, no shared expert), glm4_moe (sigmoid router, shared expert)."""
     hf_family = family_for_hf_model_type(hf_type)
     if hf_family is not None and hf_family.moe:
         return hf_family.name
+    if spec_family is not None and spec_family.moe:  # a MoE family with its own slime --spec
+        return spec_family.name
     sigmoid = fields.get("moe_router_score_function", "softmax") == "sigmoid"
     shared = bool(fields.get("moe_shared_expert_intermediate_size"))
     if fields.get("multi_latent_attention"):
@@ -231,7 +234,7 @@ def architecture_from_flags(
                             f"{', '.join(mla_family_names())} (DeepSeek-V3, Kimi-K2, Moonlight, GLM-4.7-Flash)")
     hf_family = family_for_hf_model_type(hf_type)
     if fields and hf_family is not None and hf_family.name != fields["family"]:
-        hint = " (add --spec slime_plugins.models.glm4 get_glm_spec)" if hf_type == "glm4" else ""
+        hint = f" (add --spec {' '.join(hf_family.slime_spec)})" if hf_family.slime_spec is not None else ""
         problems.append(f"the flags describe a {fields['family']} model but config.json says model_type {hf_type!r}{hint}")
     if problems or not fields:
         return None, problems

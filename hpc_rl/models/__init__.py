@@ -11,10 +11,11 @@ from hpc_rl.models.registry import (
     all_families,
     family,
     family_for_hf_model_type,
+    family_for_slime_spec,
     family_names,
     lazy_hook,
     register,
 )
 
 __all__ = ["LazyHook", "ModelFamily", "NameRow", "all_families", "family", "family_for_hf_model_type",
-           "family_names", "lazy_hook", "register"]
+           "family_for_slime_spec", "family_names", "lazy_hook", "register"]

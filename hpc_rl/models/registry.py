@@ -114,6 +114,9 @@ class ModelFamily:
     shared config.json check): use_qk_norm, partial_rotary_factor, scoring_func, e_score_correction_bias,
     norm_topk_prob, n_shared_experts, first_k_dense_replace, and for MoE: whether dense layers follow
     mlp_only_layers/decoder_sparse_step (`sparse_step_layers`)."""
+    slime_spec: tuple[str, ...] | None = None
+    """slime's `--spec MODULE FUNCTION` naming this family's layers in a Megatron launch line (GLM4:
+    ("slime_plugins.models.glm4", "get_glm_spec")); None: Megatron's GPT spec, no --spec."""
     fused_gate_up: bool = False
     """The dense MLP's gate and up projections are one HF tensor (`mlp.gate_up_proj`: GLM4)."""
     check_config: Callable[[Any, Mapping[str, Any]], list[str]] = _no_mismatches
@@ -191,6 +194,13 @@ def family(name: str) -> ModelFamily:
         return _FAMILIES[name]
     except KeyError:
         raise KeyError(f"model family {name!r} is not one of {', '.join(sorted(_FAMILIES))}") from None
+
+
+def family_for_slime_spec(spec: tuple[str, ...] | list[str] | None) -> ModelFamily | None:
+    """The family whose `slime_spec` is `spec` (slime's --spec module and function; None: no family)."""
+    _discover()
+    wanted = tuple(str(part) for part in spec) if spec is not None else None
+    return next((f for f in _FAMILIES.values() if f.slime_spec is not None and f.slime_spec == wanted), None)
 
 
 def family_for_hf_model_type(model_type: str | None) -> ModelFamily | None:

@@ -11,7 +11,9 @@ import pytest
 from safetensors import safe_open
 
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
-from hpc_rl.models import ModelFamily, all_families, family, family_for_hf_model_type, family_names, register
+from hpc_rl.models import (
+    ModelFamily, all_families, family, family_for_hf_model_type, family_for_slime_spec, family_names, register,
+)
 from hpc_rl.models.deepseek_v3.hf_names import is_mtp_copy
 from hpc_rl.weights.hf_mapping import name_map
 
@@ -53,6 +55,8 @@ def test_lookups_by_name_and_hf_model_type() -> None:
     assert family("glm4_moe_lite").mla and family("glm4_moe_lite").moe and not family("glm4").moe
     assert family_for_hf_model_type("qwen3_moe") is family("qwen3_moe")
     assert family_for_hf_model_type("mistral") is None and family_for_hf_model_type(None) is None
+    assert family_for_slime_spec(["slime_plugins.models.glm4", "get_glm_spec"]) is family("glm4")
+    assert family_for_slime_spec(None) is None and family_for_slime_spec(("my.spec", "get")) is None
     with pytest.raises(KeyError, match="not one of deepseek_v3"):
         family("gpt2")
     with pytest.raises(ValueError, match="model_type 'qwen3' is family 'qwen3'"):

@@ -13,6 +13,7 @@ FAMILY = ModelFamily(
     hf_architectures=("Glm4ForCausalLM",),
     description="GLM-4 dense (GLM-4-9B-0414, GLM-Z1)",
     hf_defaults={"use_qk_norm": False, "partial_rotary_factor": 0.5},
+    slime_spec=("slime_plugins.models.glm4", "get_glm_spec"),
     fused_gate_up=True,
     make_tiny=lazy_hook("hpc_rl.models.glm4.tiny:make_tiny"),
 )

@@ -1,7 +1,7 @@
 """slime's / Megatron's model flags for the hybrid families, read into ModelArchitecture fields: pure, no torch.
 
-Owns: slime's specs (`--spec slime_plugins.models.qwen3_5 get_qwen3_5_spec`, `... qwen3_next get_qwen3_next_spec`)
--> the family (qwen3_5 with --num-experts is qwen3_5_moe, Qwen3.5-MoE and Qwen3.6), and the flags
+Owns: slime's specs (`--spec slime_plugins.models.qwen3_5 get_qwen3_5_spec`, `... qwen3_next get_qwen3_next_spec`,
+the families' `slime_spec`) -> the family (qwen3_5 with --num-experts is qwen3_5_moe, Qwen3.5-MoE and Qwen3.6), the flags
 `--attention-output-gate` (slime's `--use-gated-attention`, the same gate), `--moe-shared-expert-gate`,
 `--apply-layernorm-1p` (zero-centred norms), Megatron-LM's `--experimental-attention-variant gated_delta_net`,
 `--linear-attention-freq` and `--linear-{conv-kernel-dim,key-head-dim,value-head-dim,num-key-heads,num-value-heads}`.
@@ -17,10 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpc_rl.models.qwen3_next.config_rules import HYBRID_FAMILIES, LINEAR_SHAPE_FIELDS, hf_hybrid_fields
-
-SLIME_SPECS = {("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"): "qwen3_5",
-               ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"): "qwen3_next"}
-"""slime's model specs for the hybrid families -> the family (qwen3_5 becomes qwen3_5_moe with --num-experts)."""
+from hpc_rl.models.registry import family_for_slime_spec
 SWITCH_FIELDS = {"attention_output_gate": "attention_output_gate", "use_gated_attention": "attention_output_gate",
                  "moe_shared_expert_gate": "moe_shared_expert_gate",
                  "apply_layernorm_1p": "layernorm_zero_centered_gamma"}
@@ -34,12 +31,13 @@ TRANSFORMERS_DEFAULTS = {"full_attention_interval": 4, "linear_conv_kernel_dim":
 leaves a key out: the same for the three."""
 
 
-def spec_family(spec: Any, *, moe: bool) -> str | None:
-    """The hybrid family slime's `--spec MODULE FUNCTION` builds (None: not a hybrid spec)."""
-    found = SLIME_SPECS.get(tuple(spec)) if spec is not None else None
-    if found == "qwen3_5" and moe:
-        return "qwen3_5_moe"
-    return found
+def hybrid_spec_family(spec: Any, *, moe: bool) -> str | None:
+    """The hybrid family slime's `--spec MODULE FUNCTION` builds (the families' `slime_spec`; Qwen3.5's spec with
+    --num-experts builds Qwen3.5-MoE); None: not a hybrid spec."""
+    found = family_for_slime_spec(spec) if spec is not None else None
+    if found is None or found.name not in HYBRID_FAMILIES:
+        return None
+    return "qwen3_5_moe" if found.name == "qwen3_5" and moe else found.name
 
 
 def _flag(name: str) -> str:
