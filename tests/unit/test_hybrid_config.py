@@ -136,8 +136,8 @@ def test_megatron_rows_follow_the_gdn_and_gate_layouts(tiny: dict[str, Path]) ->
     arch = model_file("qwen3_next")
     tensors = load_file(str(tiny["qwen3_next"] / "model.safetensors"))
     layer = "model.layers.0.linear_attn."
-    in_proj = hf_mapping.to_megatron("decoder.layers.0.self_attention.in_proj.weight",
-                                     [tensors[layer + "in_proj_qkvz.weight"], tensors[layer + "in_proj_ba.weight"]], arch)
+    fused = [tensors[layer + "in_proj_qkvz.weight"], tensors[layer + "in_proj_ba.weight"]]
+    in_proj = hf_mapping.to_megatron("decoder.layers.0.self_attention.in_proj.weight", fused, arch)
     # key head 1's query rows (16..31 of q) are rows 48..63 of in_proj_qkvz (per key head: q, k, v and z of 2 v heads)
     assert torch.equal(in_proj[16:32], tensors[layer + "in_proj_qkvz.weight"][96:112])
     assert torch.equal(in_proj[-4:], tensors[layer + "in_proj_ba.weight"][[2, 3, 6, 7]])  # alpha of v heads 0..3

@@ -124,7 +124,8 @@ def transformer_config_fields(arch: ModelArchitecture, *, context_parallel_size:
     if context_parallel_size > 1:
         raise ValueError(f"training.context_parallel_size={context_parallel_size} with Gated DeltaNet linear-attention "
                          f"layers ({arch.family}): {CP_REFUSAL}. Use context_parallel_size 1")
-    fields.update(experimental_attention_variant="gated_delta_net", linear_attention_freq=list(arch.linear_attention_freq),
+    fields.update(experimental_attention_variant="gated_delta_net",
+                  linear_attention_freq=list(arch.linear_attention_freq),
                   linear_conv_kernel_dim=arch.linear_conv_kernel_dim, linear_key_head_dim=arch.linear_key_head_dim,
                   linear_value_head_dim=arch.linear_value_head_dim, linear_num_key_heads=arch.linear_num_key_heads,
                   linear_num_value_heads=arch.linear_num_value_heads)

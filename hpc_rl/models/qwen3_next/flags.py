@@ -1,7 +1,8 @@
 """slime's / Megatron's model flags for the hybrid families, read into ModelArchitecture fields: pure, no torch.
 
 Owns: slime's specs (`--spec slime_plugins.models.qwen3_5 get_qwen3_5_spec`, `... qwen3_next get_qwen3_next_spec`,
-the families' `slime_spec`) -> the family (qwen3_5 with --num-experts is qwen3_5_moe, Qwen3.5-MoE and Qwen3.6), the flags
+the families' `slime_spec`) -> the family (qwen3_5 with --num-experts is qwen3_5_moe, Qwen3.5-MoE and Qwen3.6),
+the flags
 `--attention-output-gate` (slime's `--use-gated-attention`, the same gate), `--moe-shared-expert-gate`,
 `--apply-layernorm-1p` (zero-centred norms), Megatron-LM's `--experimental-attention-variant gated_delta_net`,
 `--linear-attention-freq` and `--linear-{conv-kernel-dim,key-head-dim,value-head-dim,num-key-heads,num-value-heads}`.
@@ -65,7 +66,8 @@ def apply_hybrid_flags(flags: dict[str, Any], fields: dict[str, Any], problems: 
         **TRANSFORMERS_DEFAULTS, "num_hidden_layers": fields["num_layers"]})
     pattern = from_config.get("linear_attention_freq")
     if pattern is not None and len(pattern) != fields["num_layers"] and flags.get("linear_attention_freq") is None:
-        problems.append(f"config.json's layer_types has {len(pattern)} layers, --num-layers says {fields['num_layers']}")
+        problems.append(f"config.json's layer_types has {len(pattern)} layers, --num-layers says "
+                        f"{fields['num_layers']}")
         return
     fields.update({name: value for name, value in from_config.items()
                    if name in ("linear_attention_freq", *LINEAR_SHAPE_FIELDS) and value is not None})
