@@ -21,7 +21,8 @@ from typing import Any
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.models.gpt_oss.flags import GPT_OSS_SPEC, apply_gpt_oss_flags, gpt_oss_flags_given
 from hpc_rl.models.mla import hf_yarn_fields, mla_family_names
-from hpc_rl.models.registry import all_families, family_for_hf_model_type, family_for_slime_spec
+from hpc_rl.models.qwen3_next.flags import apply_hybrid_flags, hybrid_spec_family
+from hpc_rl.models.registry import all_families, family, family_for_hf_model_type, family_for_slime_spec
 
 DEFAULT_MAX_POSITION_EMBEDDINGS = 4096
 MOE_FIELD_OF_FLAG = {"num_experts": "num_moe_experts", "moe_ffn_hidden_size": "moe_ffn_hidden_size",
@@ -41,6 +42,9 @@ the ModelArchitecture fields."""
 
 def _family(flags: dict[str, Any], problems: list[str]) -> str:
     spec = flags.get("spec")
+    hybrid = hybrid_spec_family(spec, moe=bool(flags.get("num_experts")))
+    if hybrid is not None:  # slime's Qwen3.5 spec with --num-experts is Qwen3.5-MoE: hpc_rl.models.qwen3_next.flags
+        return hybrid
     if spec is not None:
         found = family_for_slime_spec(spec)
         if found is not None:
@@ -157,6 +161,9 @@ def _apply_moe_flags(flags: dict[str, Any], fields: dict[str, Any], problems: li
     if fields.get("moe_ffn_hidden_size") is None:
         fields["moe_ffn_hidden_size"] = fields.get("ffn_hidden_size")
     spec_family = family_for_slime_spec(flags.get("spec"))
+    hybrid = hybrid_spec_family(flags.get("spec"), moe=True)
+    if hybrid is not None:
+        spec_family = family(hybrid)
     if "spec" in flags and not (spec_family is not None and spec_family.moe):
         problems.append("--spec with --num-experts: GLM-4.5 MoE models are built from Megatron's own GPT layer spec "
                         "(slime's glm4.5 scripts pass no --spec); drop --spec")
@@ -265,6 +272,7 @@ def architecture_from_flags(
         elif gpt_oss_flags_given(flags):
             problems.append(" ".join("--" + f.replace("_", "-") for f in gpt_oss_flags_given(flags)) + ": hpc_rl "
                             f"builds these for gpt-oss only (--spec {' '.join(GPT_OSS_SPEC)})")
+        apply_hybrid_flags(flags, fields, problems, hf_config)
         if fields.get("multi_latent_attention") and not fields.get("num_moe_experts"):
             problems.append("--multi-latent-attention without --num-experts: hpc_rl builds MLA for the MoE families "
                             f"{', '.join(mla_family_names())} (DeepSeek-V3, Kimi-K2, Moonlight, GLM-4.7-Flash)")

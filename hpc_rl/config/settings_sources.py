@@ -104,7 +104,7 @@ def _megatron_value(name: str, value: Any, where: str) -> Any:
     if name in MODEL_SWITCHES:
         return coerce_value(value, bool, where)
     kind = MODEL_VALUE_FLAGS[name]
-    if name in ("moe_layer_freq", "window_attn_skip_freq"):  # Megatron parses both with its moe_freq_type
+    if name in ("moe_layer_freq", "window_attn_skip_freq", "linear_attention_freq"):  # Megatron's moe_freq_type: an int N or a list expression ([1]*3+[0])*12
         try:
             return parse_layer_freq(value)
         except LayerFreqError as error:

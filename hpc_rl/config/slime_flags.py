@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hpc_rl.models.qwen3_next.flags import SWITCH_FIELDS as _HYBRID_SWITCHES
+from hpc_rl.models.qwen3_next.flags import VALUE_FLAGS as _HYBRID_VALUE_FLAGS
+
 # Megatron model flags that take values: flag name -> value type (ModelArchitecture fields are
 # derived from them in hpc_rl.config.megatron_model).
 MODEL_VALUE_FLAGS: dict[str, type] = {
@@ -116,17 +119,20 @@ MODEL_VALUE_FLAGS.update(DSA_MODEL_VALUE_FLAGS)
 MODEL_SWITCHES += DSA_MODEL_SWITCHES
 # --- end of the DSA block
 
+# --- Hybrid linear attention (issue 31: Qwen3-Next, Qwen3.5, Qwen3.6): read into ModelArchitecture fields by
+# hpc_rl.models.qwen3_next.flags (slime's --use-gated-attention is Megatron's --attention-output-gate).
+MODEL_VALUE_FLAGS.update(_HYBRID_VALUE_FLAGS)
+MODEL_SWITCHES += tuple(_HYBRID_SWITCHES)
+# --- end of the hybrid block
+
 MODEL_FLAGS = frozenset(MODEL_VALUE_FLAGS) | frozenset(MODEL_SWITCHES)
 
 # Architectures hpc_rl cannot build: flag -> reason.
 UNBUILDABLE_MODEL_FLAGS: dict[str, str] = {
-    "moe_shared_expert_gate": ("hpc_rl builds Qwen3-MoE and GLM-4.5 MoE models; a gated shared expert "
-                               "(Qwen2-MoE, Qwen3-Next) is neither"),
     "use_rope_scaling": ("hpc_rl applies plain RoPE, YaRN inside multi-latent attention, or YaRN on gpt-oss "
                          "(--position-embedding-type yarn --rotary-scaling-factor 32, what its config.json says, "
                          "where slime's gpt-oss line has --use-rope-scaling --rope-scaling-factor 32); Megatron's "
                          "--use-rope-scaling is Llama 3.1's scaled RoPE, which would train silently wrong"),
-    "apply_layernorm_1p": "hpc_rl builds RMSNorm models only",
 }
 
 
@@ -276,7 +282,6 @@ SLIME_REST_COMPAT: dict[str, CompatFlag] = {
                 "context parallelism); the padding does not change the loss"),
 }
 SLIME_REST_REFUSED: dict[str, str] = {
-    "qwen_gdn_backend": "hpc_rl has no gated-delta-net (Qwen3.5 / Qwen3-Next linear attention) layers yet; drop it",
     "allgather_cp": ("not offered: hpc_rl's context parallelism splits packed sequences with Megatron's ring "
                      "attention; drop it"),
     "release_train": ("not offered: hpc_rl keeps the trainer processes and offloads their memory while engines "
@@ -333,6 +338,10 @@ EXPANDING_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
 """slime flags that set several fields (slime's --dump-details DIR: the rollout and train dumps under DIR):
 flag -> (field path, value template with the flag's value for {})."""
 """Fields of slime's `action="append"` flags: each occurrence (and each YAML list) adds to the list."""
+SLIME_REST_COMPAT["qwen_gdn_backend"] = CompatFlag(
+    ("fla",), "hpc_rl's Gated DeltaNet layers (Megatron's GatedDeltaNet) call flash-linear-attention's "
+              "chunk_gated_delta_rule on GPU (its CPU twin, hpc_rl.models.qwen3_next.gdn_kernels, on CPU); "
+              "FlashQLA is not offered")
 SLIME_REST_ALIASES: dict[str, str] = {
     "rollout_health_check_interval": "controller.engine_health_interval",
     "rollout_health_check_timeout": "controller.engine_health_timeout",
@@ -368,10 +377,8 @@ SLIME_LATER_COMPAT: dict[str, CompatFlag] = {
         "the JuiceFS profile declares a JuiceFS mount straw checks, which hpc_rl does not use")),
 }
 COMPAT_FLAGS.update(SLIME_LATER_COMPAT)
-SLIME_LATER_UNBUILDABLE: dict[str, str] = {
-    "use_gated_attention": ("hpc_rl builds plain (ungated) attention; gated attention (Qwen3-Next / Qwen3.5 output "
-                            "gates) would train silently wrong"),
-}
+SLIME_LATER_UNBUILDABLE: dict[str, str] = {}
+"""--use-gated-attention, the one flag here once, is a model switch now (the hybrid block above)."""
 # --post-self-attn-layernorm and --post-mlp-layernorm are model switches (MODEL_SWITCHES) already.
 REMOVED_BY_SLIME: dict[str, str] = {
     name: "slime removed this flag after 2026-08-21; hpc_rl still takes it from older launch lines"

@@ -23,6 +23,7 @@ from hpc_rl.config.mla_checks import mla_problems, speculative_notes
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
 from hpc_rl.models.deepseek_v32.config_rules import training_problems as dsa_training_problems
 from hpc_rl.models.mla import fields_unused_by
+from hpc_rl.models.qwen3_next.config_rules import layout_problems as hybrid_layout_problems
 from hpc_rl.config.precision import TRAINER_DTYPES, trainer_dtype_name
 from hpc_rl.config.parallel_layout import ParallelLayout
 from hpc_rl.config.plugin_args import custom_config_values
@@ -274,6 +275,8 @@ def _model_problems(config: RunConfig) -> list[Problem]:
     except PipelineSplitError as error:
         problems.append(Problem("training.pipeline_model_parallel_size", f"{error} ({model_path})"))
     problems += [Problem(where, message) for where, message in dsa_training_problems(arch, config.training)]
+    problems += [Problem(where, message) for where, message in hybrid_layout_problems(
+        arch, tp=tp, cp=config.training.context_parallel_size)]
     hf_config = Path(config.checkpoint.hf_checkpoint) / "config.json" if config.checkpoint.hf_checkpoint else None
     if hf_config is not None and hf_config.is_file():
         try:

@@ -98,3 +98,15 @@ def test_bad_shapes_and_batched_packing_are_refused() -> None:
         twin.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 8]))
     with pytest.raises(ValueError, match="expected q, k"):
         twin.chunk_gated_delta_rule(q, k[:, :, :1], v, g, beta)
+
+
+def test_megatrons_gated_delta_net_gets_the_twins_on_cpu_and_sample_indices_from_cu_seqlens() -> None:
+    from megatron.core.ssm import gated_delta_net
+
+    from hpc_rl.models.qwen3_next.layers_gdn import prepare_gated_delta_net, seq_idx_of
+
+    prepare_gated_delta_net()
+    assert gated_delta_net.HAVE_FLA and gated_delta_net.l2norm is twin.l2norm
+    assert gated_delta_net.chunk_gated_delta_rule.__wrapped__ is twin.chunk_gated_delta_rule
+    assert gated_delta_net.causal_conv1d_fn.__wrapped__ is twin.causal_conv1d_fn
+    assert seq_idx_of(torch.tensor([0, 2, 5, 6], dtype=torch.int32), 6).tolist() == [[0, 0, 1, 1, 1, 2]]

@@ -199,6 +199,9 @@ LATER_ACCEPTED = {"--pg-loss-type", "--buffer-sort-by-staleness", "--flush-cache
                   "--use-score-centering", "--score-centering-top-k", "--routing-replay-prefetch-microbatches"}
 LATER_MODEL_SWITCHES = {"--post-self-attn-layernorm", "--post-mlp-layernorm"}
 """GLM4's sandwich norms: model flags hpc_rl reads already (they come together; the tiny Qwen3 has neither)."""
+LATER_HYBRID_SWITCHES = {"--use-gated-attention"}
+"""slime's name of the attention output gate (issue 31): a model switch of the hybrid families, a problem on the
+tiny Qwen3 (which has no gate), naming the spec to add."""
 
 
 def test_flags_slime_added_later_are_accepted_or_refused_with_a_reason() -> None:
@@ -208,16 +211,20 @@ def test_flags_slime_added_later_are_accepted_or_refused_with_a_reason() -> None
     results = {flag.flag: outcome(flag) for flag in SLIME_LATER_FLAGS}
     assert {flag for flag, (kind, _) in results.items() if kind == "accepted"} == LATER_ACCEPTED, results
     refused = {flag: reason for flag, (kind, reason) in results.items() if kind == "refused"}
-    assert set(refused) == {f.flag for f in SLIME_LATER_FLAGS} - LATER_ACCEPTED - LATER_MODEL_SWITCHES, results
+    assert set(refused) == ({f.flag for f in SLIME_LATER_FLAGS} - LATER_ACCEPTED - LATER_MODEL_SWITCHES
+                            - LATER_HYBRID_SWITCHES), results
     for flag in LATER_MODEL_SWITCHES:
         kind, message = results[flag]
         assert kind == "problem" and "come together (GLM4's sandwich norms)" in message
+    for flag in LATER_HYBRID_SWITCHES:
+        kind, message = results[flag]
+        assert kind == "problem" and "get_qwen3_5_spec" in message, message
     assert all(len(reason) > 15 for reason in refused.values())
     assert "outlive the trainer" in refused["--rollout-session-id"]
     assert "outlive the trainer" in refused["--rollout-cleanup-timeout"]
     assert "JuiceFS" in refused["--rollout-queue-lease-seconds"]
     assert "JuiceFS" in refused["--rollout-storage-declaration"]
-    for flag in ("--use-gated-attention",):
+    for flag in ("--rollout-queue-run-id", "--rollout-io-concurrency"):
         assert flag in {f.flag for f in SLIME_LATER_FLAGS} and refused[flag]
 
 

@@ -83,7 +83,8 @@ def test_model_flags_are_checked_against_hf_config(in_repo: Path) -> None:
 
 
 @pytest.mark.parametrize(("flags", "reason"), [
-    (["--num-experts", "64", "--moe-shared-expert-gate"], "gated shared expert"),
+    (["--num-experts", "64", "--moe-shared-expert-gate"], "the gated shared expert.*get_qwen3_5_spec"),
+    (["--apply-layernorm-1p"], "zero-centred norms .* are built for the hybrid families"),
     (["--moe-router-topk", "8"], "without --num-experts: Megatron builds a dense model"),
     (["--normalization", "LayerNorm"], "RMSNorm models only"),
     (["--spec", "my_plugins.models", "get_spec"], "GLM4 spec"),

@@ -24,11 +24,13 @@ FAMILIES = (
     ModelFamily(name="qwen3_next", hf_model_types=("qwen3_next",), hf_architectures=("Qwen3NextForCausalLM",),
                 moe=True, description="Qwen3-Next (Qwen3-Next-80B-A3B): hybrid Gated DeltaNet, MoE with a gated "
                                       "shared expert",
+                slime_spec=("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"),
                 hf_defaults={**_DEFAULTS, "norm_topk_prob": True, "sparse_step_layers": True},
                 make_tiny=lazy_hook("hpc_rl.models.qwen3_next.tiny:make_tiny_qwen3_next"), **_HOOKS),
     ModelFamily(name="qwen3_5", hf_model_types=("qwen3_5_text", "qwen3_5"),
                 hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
                 description="Qwen3.5 dense (0.8B-27B; the text model of the vision-language release)",
+                slime_spec=("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"),  # with --num-experts: qwen3_5_moe
                 hf_defaults=_DEFAULTS,
                 make_tiny=lazy_hook("hpc_rl.models.qwen3_next.tiny:make_tiny_qwen3_5"), **_HOOKS),
     ModelFamily(name="qwen3_5_moe", hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"),

@@ -123,11 +123,29 @@ def transformer_config_fields(arch: ModelArchitecture, *, context_parallel_size:
         return fields
     if context_parallel_size > 1:
         raise ValueError(f"training.context_parallel_size={context_parallel_size} with Gated DeltaNet linear-attention "
-                         f"layers ({arch.family}): a linear-attention layer carries its state along the whole "
-                         f"sequence, and context parallelism splits the sequence over ranks; no CP exchange of that "
-                         f"state is built (megatron-core 0.16.1 refuses it too). Use context_parallel_size 1")
-    fields.update(experimental_attention_variant="gated_delta_net", linear_attention_freq=list(arch.linear_attention_freq),
+                         f"layers ({arch.family}): {CP_REFUSAL}. Use context_parallel_size 1")
+    fields.update(experimental_attention_variant="gated_delta_net",
+                  linear_attention_freq=list(arch.linear_attention_freq),
                   linear_conv_kernel_dim=arch.linear_conv_kernel_dim, linear_key_head_dim=arch.linear_key_head_dim,
                   linear_value_head_dim=arch.linear_value_head_dim, linear_num_key_heads=arch.linear_num_key_heads,
                   linear_num_value_heads=arch.linear_num_value_heads)
     return fields
+
+
+CP_REFUSAL = ("a linear-attention layer carries its state along the whole sequence, and context parallelism splits "
+              "the sequence over ranks; no CP exchange of that state is built (megatron-core 0.16.1 refuses it too)")
+
+
+def layout_problems(arch: ModelArchitecture, *, tp: int, cp: int) -> list[tuple[str, str]]:
+    """(config field, message) for parallel sizes the linear-attention layers cannot take."""
+    if arch.linear_attention_freq is None:
+        return []
+    problems = []
+    if cp > 1:
+        problems.append(("training.context_parallel_size", f"context parallelism {cp} over Gated DeltaNet layers "
+                                                           f"({arch.family}): {CP_REFUSAL}; use 1"))
+    for name in ("linear_num_key_heads", "linear_num_value_heads"):
+        if getattr(arch, name) % tp:
+            problems.append(("training.tensor_model_parallel_size", f"TP {tp} does not divide the model's "
+                                                                    f"{getattr(arch, name)} {name}"))
+    return problems
