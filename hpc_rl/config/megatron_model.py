@@ -231,13 +231,10 @@ def _apply_dsa_flags(flags: dict[str, Any], fields: dict[str, Any], problems: li
     variant = flags.get("experimental_attention_variant")
     given = [name for name in (*DSA_FIELDS, "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss")
              if flags.get(name) not in (None, False)]
-    if variant is None:
+    if variant != "dsa":  # another variant (gated_delta_net) is the hybrid families' (models.qwen3_next.flags)
         if given:
             problems.append(" ".join("--" + f.replace("_", "-") for f in given) + " without "
                             "--experimental-attention-variant dsa: Megatron ignores them; add it")
-        return
-    if variant != "dsa":
-        problems.append(f"--experimental-attention-variant {variant}: hpc_rl builds dsa (DeepSeek-V3.2) here")
         return
     missing = [name for name in DSA_FIELDS if flags.get(name) is None]
     if missing:

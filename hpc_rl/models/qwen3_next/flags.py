@@ -50,10 +50,11 @@ def apply_hybrid_flags(flags: dict[str, Any], fields: dict[str, Any], problems: 
     """The hybrid flags (and, for a hybrid family, config.json's linear-attention fields) on top of `fields`."""
     hybrid = fields.get("family") in HYBRID_FAMILIES
     variant = flags.get("experimental_attention_variant")
-    if variant is not None and variant != "gated_delta_net":
+    if variant is not None and variant not in ("gated_delta_net", "dsa"):  # dsa: megatron_model._apply_dsa_flags
         problems.append(f"--experimental-attention-variant {variant}: hpc_rl builds gated_delta_net (Qwen3-Next / "
-                        f"Qwen3.5 linear attention) only")
-    given = [name for name in (*SWITCH_FIELDS, *VALUE_FLAGS) if flags.get(name) not in (None, False)]
+                        f"Qwen3.5 linear attention) or dsa (DeepSeek-V3.2 sparse attention) only")
+    given = [name for name in (*SWITCH_FIELDS, *VALUE_FLAGS) if flags.get(name) not in (None, False)
+             and not (name == "experimental_attention_variant" and flags[name] == "dsa")]
     if given and not hybrid:
         problems.append(" ".join(_flag(name) for name in given) + ": gated attention, the gated shared expert, "
                         "zero-centred norms and linear attention are built for the hybrid families "
