@@ -91,7 +91,7 @@ def test_families_without_the_hook_sync_as_mapped() -> None:
     assert family("qwen3_moe").fuse_for_engine is None
 
 
-def test_cpu_engine_loads_the_fused_names_a_sync_sends(tiny: Path) -> None:
+def test_cpu_engine_loads_the_fused_names_a_sync_sends_and_refuses_what_sglang_skips(tiny: Path) -> None:
     from transformers import GptOssForCausalLM
 
     from hpc_rl.engines.cpu.weight_sync import load_named, named_tensors
@@ -101,10 +101,14 @@ def test_cpu_engine_loads_the_fused_names_a_sync_sends(tiny: Path) -> None:
     generator = torch.Generator().manual_seed(5)
     new = {f"{prefix}.{part}": torch.randn(tuple(named_tensors(model)[f"{prefix}.{part}"].shape), generator=generator)
            for part in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
-    load_named(model, list(new.items()))
+    load_named(model, list(new.items()), update=True)
     experts = model.model.layers[1].mlp.experts
     for name, tensor in new.items():
         assert torch.equal(getattr(experts, name.rsplit(".", 1)[-1]).detach(), tensor), name
+    per_expert = [(f"{prefix}.0.down_proj.bias", torch.zeros(64))]
+    load_named(model, per_expert)  # a checkpoint read by name may still hold per-expert tensors
+    with pytest.raises(ValueError, match="skips these names in a weight update"):  # as SGLang's loader would
+        load_named(model, per_expert, update=True)
 
 
 def test_submit_takes_gpt_oss_over_broadcast_and_refuses_an_mxfp4_engine(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """gpt-oss (OpenAI's gpt-oss-20b / -120b; transformers' GptOssForCausalLM) as an hpc_rl model family.
 
 Owns, one module each: the architecture rules and config.json check (`architecture`), slime's gpt-oss model flags
-(`flags`), the HF name rows (`names`), the experts fused per layer in a weight sync (`engine_sync`), reading the released checkpoints (fused bf16 experts and the MXFP4 release)
+(`flags`), the HF name rows (`names`), the experts fused per layer in a weight sync (`engine_sync`: the family's
+`fuse_for_engine`), reading the released checkpoints (fused bf16 experts and the MXFP4 release)
 under per-expert names and the CPU engine's per-expert views (`checkpoint`), and the tiny random checkpoint
 (`tiny`). No layer code: the layers are Megatron's own GPT layer with its MoE MLP
 (`hpc_rl.training.layer_specs.gpt_layer_spec`): attention sinks are DotProductAttention's learnable softmax offset,

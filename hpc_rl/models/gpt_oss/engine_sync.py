@@ -46,7 +46,8 @@ class ExpertFusion:
         match = _PER_EXPERT.match(hf_name)
         return match.group(1) if match else None
 
-    def fused_shapes(self, group: str, entries: Sequence[tuple[str, Sequence[int]]]) -> list[tuple[str, tuple[int, ...]]]:
+    def fused_shapes(self, group: str, entries: Sequence[tuple[str, Sequence[int]]]
+                     ) -> list[tuple[str, tuple[int, ...]]]:
         """The fused (name, shape)s of one layer from its per-expert (name, shape)s (all its experts)."""
         shapes = {name: tuple(shape) for name, shape in entries}
         experts = _expert_count(group, shapes)
@@ -54,7 +55,8 @@ class ExpertFusion:
         out = [(f"{group}.gate_up_proj", (experts, hidden, 2 * inner)),
                (f"{group}.down_proj", (experts, inner, hidden))]
         if f"{group}.0.gate_proj.bias" in shapes:
-            out += [(f"{group}.gate_up_proj_bias", (experts, 2 * inner)), (f"{group}.down_proj_bias", (experts, hidden))]
+            out += [(f"{group}.gate_up_proj_bias", (experts, 2 * inner)),
+                    (f"{group}.down_proj_bias", (experts, hidden))]
         return out
 
     def fuse(self, group: str, named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
