@@ -7,7 +7,8 @@ only) and EP2 (alltoall): logits within 1e-4 of
 transformers' eager forward on 12-token rows (past the window), packed (THD) rows equal to each sample run
 alone, every exported HF tensor bit-equal to the checkpoint's (per-expert names), and every tensor the weight
 sync's sender packs (`WeightSender.bucket_tensors`: each layer's experts gathered over EP and fused) bit-equal to
-the release's fused tensors, names and shapes as its plan announces. The CPU engine
+the release's fused tensors, names and shapes as its plan announces (and what each colocated rank hands its
+engine: `ColocatedWeightSender`'s buckets). The CPU engine
 (transformers' GptOssForCausalLM behind `engines.cpu`, left-padded KV cache) generates from two prompts; its
 log-probs of the prompt and of every generated token equal the trainer's on the same sequences. The converters
 take the checkpoint to torch_dist at EP2 and back to HF bit-exact, experts fused again as released.
@@ -41,6 +42,7 @@ def _rank(hf_dir: str, model_file: str, engine_rows: list[list[int]]) -> dict:
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
     from hpc_rl.weights.export import ExpertLayout, export_hf_state_dict
     from hpc_rl.weights.hf_import import load_hf_into_model
+    from hpc_rl.weights.colocated_sender import ColocatedWeightSender
     from hpc_rl.weights.sender import WeightSender
 
     arch = ModelArchitecture.from_yaml(model_file)
@@ -85,6 +87,10 @@ def _rank(hf_dir: str, model_file: str, engine_rows: list[list[int]]) -> dict:
         if info.rank == 0:
             out[(tp, ep, "sent")] = {name: tensor.clone() for name, tensor in sent}
             out[(tp, ep, "plan")] = [(n, tuple(s)) for meta in plan for n, s in zip(meta.names, meta.shapes)]
+        colocated = ColocatedWeightSender(model, arch, tp_group=tp_group, tp_size=tp, rank=info.rank, world_size=2,
+                                          bucket_bytes=1 << 16)  # every rank: what it hands its colocated engine
+        out[(tp, ep, "colocated")] = {name: tensor.clone() for index in range(len(plan))
+                                      for name, tensor in colocated._planner.export_bucket_everywhere(index)}
     shutdown_parallel()
     return out
 
@@ -155,6 +161,11 @@ def test_gpt_oss_matches_transformers_at_tp_ep_and_packed(tmp_path: Path) -> Non
         unequal = [name for name, shape in plan if not (tuple(sent[name].shape) == shape
                                                        and torch.equal(sent[name], release[name]))]
         assert not unequal, f"TP{tp} EP{ep}: the sync's fused tensors differ from the release's: {unequal[:4]}"
+        for rank_out in results:
+            colocated = rank_out[(tp, ep, "colocated")]
+            assert set(colocated) == set(release), set(colocated) ^ set(release)
+            unequal = [name for name in release if not torch.equal(colocated[name], release[name])]
+            assert not unequal, f"TP{tp} EP{ep}: the colocated sync's tensors differ from the release's: {unequal[:4]}"
 
 
 def _to_torch_dist(hf_dir: str, model_file: str, out: str) -> None:
