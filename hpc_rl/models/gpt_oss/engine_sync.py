@@ -5,9 +5,10 @@ per-expert tensors, `group_of`), the fused tensors' names and shapes for the syn
 building them from the gathered per-expert tensors (`fuse`). The sender (`hpc_rl.weights.engine_fusion`) plans
 a layer's experts as one unit, so a bucket holds a whole layer's experts, and fuses them before packing.
 
-Why: SGLang 0.5.23's GptOssForCausalLM.load_weights (python/sglang/srt/models/gpt_oss.py), which both
-/update_weights_from_distributed and /update_weights_from_tensor call with the received (name, tensor) pairs, reads
-a bf16 model's experts only through `FusedMoE.make_expert_params_mapping_fused`: the names
+Why (read in the installed sglang 0.5.23 wheel): GptOssForCausalLM.load_weights (sglang/srt/models/gpt_oss.py),
+which both /update_weights_from_distributed (flattened bucket or per tensor) and /update_weights_from_tensor
+(load_format null, as hpc_rl's colocated body) call with the received (name, tensor) pairs, as the checkpoint load
+does, reads a bf16 model's experts only through `FusedMoE.make_expert_params_mapping_fused`: the names
 `model.layers.L.mlp.experts.gate_up_proj` [E, H, 2I], `.gate_up_proj_bias` [E, 2I], `.down_proj` [E, I, H],
 `.down_proj_bias` [E, H] (the HF release's bf16 layout: x @ W, gate in the even columns of 2I, up in the odd). It
 transposes the two weights to [E, 2I, H] / [E, H, I] and hands each to `FusedMoE.weight_loader_fused` (shard ids
@@ -16,7 +17,9 @@ zeroed on MoE-TP ranks other than 0). A per-expert name (`mlp.experts.K.gate_pro
 mappings and is skipped without a word. So the sync sends exactly the release's fused tensors: the engine's update
 path is then its checkpoint-load path. Not covered: an engine serving the MXFP4 release (quantization_config
 mxfp4): its load_weights reads experts only as `_blocks` / `_scales` (and the biases), so bf16 fused experts are
-skipped there too (`hpc_rl.config.moe_checks` refuses that line).
+skipped there too (`hpc_rl.config.moe_checks` refuses that line). Not read as working: an SGLang engine with
+expert parallelism (ep_size > 1): weight_loader_fused narrows by MoE-TP only and copies into all local experts,
+so a fused [E, ...] tensor meets [E / ep, ...] (its checkpoint load meets the same; never run here).
 
 Memory (sender rank 0, and each colocated rank): one layer's experts at a time, full size, twice (the gathered
 per-expert tensors, then the fused copy; the per-expert ones are dropped once fused), beside the packed bucket:
