@@ -88,6 +88,7 @@ class EngineFusion(Protocol):
                                                Megatron parameters must be adjacent in the name map's order
     fused_shapes(group, [(name, shape)]) -> [(name, shape)]   the fused tensors planned for a whole group
     fuse(group, [(name, tensor)]) -> [(name, tensor)]         them, from the group's gathered tensors
+    largest_group_bytes(arch, itemsize) -> int                the largest group's fused bytes (memory plan)
     """
 
     def group_of(self, hf_name: str) -> str | None: ...
@@ -96,6 +97,8 @@ class EngineFusion(Protocol):
                      ) -> list[tuple[str, tuple[int, ...]]]: ...
 
     def fuse(self, group: str, named: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]: ...
+
+    def largest_group_bytes(self, arch: Any, itemsize: int) -> int: ...
 
 
 def _no_problem(arch: Any) -> str | None:

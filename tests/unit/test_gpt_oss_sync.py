@@ -125,3 +125,20 @@ def test_submit_takes_gpt_oss_over_broadcast_and_refuses_an_mxfp4_engine(tmp_pat
     found = {p.where: p.message for p in collect_problems(load_config([], line + ["--hf-checkpoint", str(tmp_path)]),
                                                           check_files=False)}
     assert "reads experts in an update only as MXFP4 _blocks" in found["checkpoint.hf_checkpoint"]
+
+
+def test_memory_plan_counts_a_layers_fused_experts_as_the_smallest_bucket() -> None:
+    from hpc_rl.config import load_config
+    from hpc_rl.config.memory_plan import plan_memory
+    from hpc_rl.config.validation import run_architecture
+    from tests.unit.test_gpt_oss import FIXED_LINE
+
+    config = load_config([], shlex.split(FIXED_LINE) + ["--hf-checkpoint", "/nonexistent/gpt-oss"])
+    arch = run_architecture(config)
+    layer = 32 * (3 * 2880 * 2880 + 2 * 2880 + 2880) * 2  # gpt-oss-20b: 32 experts, bf16
+    assert family("gpt_oss").fuse_for_engine.largest_group_bytes(arch, 2) == layer
+    phases = {phase.name: dict(phase.parts) for phase in plan_memory(config, arch).phases}
+    assert layer > config.rollout.update_weight_buffer_size
+    assert phases["trainer, weight push"]["bucket"] == layer
+    assert phases["trainer, weight push"]["a layer's experts, gathered and fused"] == 2 * layer
+    assert phases["engine, receiving a bucket"]["bucket"] == layer

@@ -24,7 +24,9 @@ so a fused [E, ...] tensor meets [E / ep, ...] (its checkpoint load meets the sa
 Memory (sender rank 0, and each colocated rank): one layer's experts at a time, full size, twice (the gathered
 per-expert tensors, then the fused copy; the per-expert ones are dropped once fused), beside the packed bucket:
 gpt-oss-20b 32 experts x 3 x 2880 x 2880 x 2 B = 1.6 GB per copy, gpt-oss-120b (128 experts) 6.4 GB. A layer's
-experts are one bucket whatever update_weight_buffer_size says (SGLang loads a fused tensor whole). torch is
+experts are one bucket whatever update_weight_buffer_size says (SGLang loads a fused tensor whole), so the
+sender's two reused bucket buffers and the engine's receiving buffer are that big too (`largest_group_bytes`,
+counted by `hpc_rl.config.memory_plan`). torch is
 imported inside `fuse` (the family's pure tier: this module loads no torch on import).
 """
 
@@ -32,10 +34,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+ModelArchitecture = Any
+"""`arch` is a `hpc_rl.config.model.ModelArchitecture` (not imported: config imports the registry's modules)."""
 
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 
@@ -88,6 +93,14 @@ class ExpertFusion:
                 down_bias[expert] = tensors[f"{group}.{expert}.down_proj.bias"]
             out += [(f"{group}.gate_up_proj_bias", gate_up_bias), (f"{group}.down_proj_bias", down_bias)]
         return out
+
+
+    def largest_group_bytes(self, arch: ModelArchitecture, itemsize: int) -> int:
+        """Bytes of one layer's fused experts (weights and biases) at `itemsize` bytes a value: the smallest
+        bucket a sync of this model can have."""
+        experts, hidden = int(arch.num_moe_experts or 0), arch.hidden_size
+        inner = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
+        return experts * (3 * hidden * inner + 2 * inner + hidden) * itemsize
 
 
 def _expert_count(group: str, shapes: dict[str, tuple[int, ...]]) -> int:
