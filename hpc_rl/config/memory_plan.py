@@ -361,15 +361,19 @@ TRAINING_ADVICE = ("add --optimizer-cpu-offload --use-precision-aware-optimizer,
                    "--max-tokens-per-gpu, or use --recompute-granularity full")
 
 
-def _phases(config: RunConfig, t: TrainerMemory, e: EngineMemory) -> tuple[Phase, ...]:
-    bucket = config.rollout.update_weight_buffer_size
+def _phases(config: RunConfig, t: TrainerMemory, e: EngineMemory, fused_group: int = 0) -> tuple[Phase, ...]:
+    """`fused_group`: bytes of the largest tensor group a sync sends fused (gpt-oss: a layer's experts, one bucket
+    whatever the buffer size; the sender holds it gathered and fused beside its buckets)."""
+    bucket = max(config.rollout.update_weight_buffer_size, fused_group)
+    fusing = (("a layer's experts, gathered and fused", 2 * fused_group),) if fused_group else ()
     training = (("trainer weights", t.weights), ("grads", t.grads),
                 ("optimizer", t.optimizer_on_gpu), ("activations", t.activations), ("logits", t.logits),
                 ("trainer process", PROCESS_OVERHEAD))
     if not config.cluster.colocate:
         return (Phase("trainer, training", "training", TRAINING_ADVICE, training),
                 Phase("trainer, weight push", "rollout.update_weight_buffer_size", "lower --update-weight-buffer-size",
-                      (("trainer state", t.state), ("bucket", bucket), ("trainer process", PROCESS_OVERHEAD))),
+                      (("trainer state", t.state), ("bucket", bucket), *fusing,
+                       ("trainer process", PROCESS_OVERHEAD))),
                 Phase("engine, generation", "sglang.mem_fraction_static", "lower --sglang-mem-fraction-static",
                       (("static pool", e.static), ("engine runtime", ENGINE_RUNTIME),
                        ("engine process", PROCESS_OVERHEAD))),
@@ -390,8 +394,16 @@ def _phases(config: RunConfig, t: TrainerMemory, e: EngineMemory) -> tuple[Phase
                ("train memory margin", config.training.train_memory_margin_bytes))),
         Phase("colocated weight push", "rollout.update_weight_buffer_size",
               "lower --update-weight-buffer-size, or add --optimizer-cpu-offload",
-              (("trainer weights", push_trainer), ("engine weights", e.weights), ("bucket", bucket),
+              (("trainer weights", push_trainer), ("engine weights", e.weights), ("bucket", bucket), *fusing,
                ("trainer process", PROCESS_OVERHEAD), ("released engine", ENGINE_RELEASED + PROCESS_OVERHEAD))))
+
+
+def _fused_group_bytes(arch: ModelArchitecture) -> int:
+    """The family's largest group a weight sync sends fused, in bf16 (0: none; `ModelFamily.fuse_for_engine`)."""
+    from hpc_rl.models.registry import family
+
+    fusion = family(arch.family).fuse_for_engine
+    return fusion.largest_group_bytes(arch, BF16) if fusion is not None else 0
 
 
 def plan_memory(config: RunConfig, arch: ModelArchitecture) -> MemoryPlan:
@@ -407,7 +419,8 @@ def plan_memory(config: RunConfig, arch: ModelArchitecture) -> MemoryPlan:
     if config.lora.enabled:
         notes.append(lora_note(arch, config.lora, trainer.adapter_parameters, trainer.parameters))
     return MemoryPlan(gpu=gpu, layout=layout, model=model_share(arch), trainer=trainer, engine=engine,
-                      phases=_phases(config, trainer, engine), notes=tuple(notes), longest_sample=longest,
+                      phases=_phases(config, trainer, engine, _fused_group_bytes(arch)), notes=tuple(notes),
+                      longest_sample=longest,
                       gpus_per_node=config.cluster.actor_num_gpus_per_node)
 
 

@@ -3,7 +3,8 @@
 Owns: what Megatron-core 0.16.1 or SGLang 0.5.23 would refuse only after the queue wait, as problems that
 name the numbers: the trainer's expert layout (`parallel_layout`), the MoE training values (dispatcher,
 router dtype, load balancing, drop policy, capacity factor), expert biases only at expert TP 1, sliding windows
-without CP on cpu, gpt-oss's weight sync to SGLang only from disk, DeepEP and the flex dispatcher only on cuda,
+without CP on cpu, gpt-oss served by SGLang from a bf16 checkpoint only (every weight sync sends bf16 experts,
+fused per layer as SGLang reads them: `hpc_rl.models.gpt_oss.engine_sync`), DeepEP and the flex dispatcher only on cuda,
 routing replay only for MoE models, group-limited routing, top-1 softmax routing; Megatron's optimizer
 offload rules; SGLang's MoE engine options against the engine's GPUs and the model's experts (attention DP,
 EP, dense-MLP TP, DP LM head); and one note line per GPU-only choice a cpu run keeps, with the same numerics.
@@ -108,17 +109,32 @@ def optimizer_problems(config: RunConfig) -> Problems:
     return problems
 
 
+def _serves_mxfp4(config: RunConfig) -> bool:
+    """The engines' checkpoint (hf_checkpoint) is gpt-oss's MXFP4 release (read when its config.json is here)."""
+    import json
+    from pathlib import Path
+
+    from hpc_rl.models.gpt_oss.checkpoint import is_mxfp4
+
+    path = Path(config.checkpoint.hf_checkpoint or "") / "config.json"
+    try:
+        return bool(config.checkpoint.hf_checkpoint) and path.is_file() and is_mxfp4(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return False  # an unreadable config.json or another quantization is named by the checkpoint checks
+
+
 def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Problems:
     """SGLang's MoE engine options against the engine's GPUs and the model (SGLang checks them at start)."""
     if engine_kind(config.rollout.engine, config.cluster.device) != "sglang":
         return []
-    if arch is not None and arch.family == "gpt_oss" and config.rollout.update_weight_transport != "disk":
-        return [("rollout.update_weight_transport", (
-            f"{config.rollout.update_weight_transport!r} with gpt-oss on SGLang: hpc_rl sends each expert under its "
-            f"own HF name (mlp.experts.K.gate_proj.weight ...), and SGLang's gpt-oss loader reads experts only as "
-            f"the fused mlp.experts.gate_up_proj / down_proj tensors of its checkpoint, skipping other names without "
-            f"an error (the engine would keep its first weights); use --update-weight-transport disk (the HF "
-            f"checkpoint hpc_rl writes has them fused), not colocated"))]
+    if arch is not None and arch.family == "gpt_oss" and _serves_mxfp4(config):
+        return [("checkpoint.hf_checkpoint", (
+            f"{config.checkpoint.hf_checkpoint} is gpt-oss's MXFP4 release (config.json quantization_config "
+            f"mxfp4): SGLang then serves MXFP4 experts, and its gpt-oss loader reads experts in an update only as "
+            f"MXFP4 _blocks / _scales, skipping the bf16 ones every weight sync sends (broadcast, colocated, "
+            f"disk) without an error (the engine would keep its first experts); give the bf16 checkpoint "
+            f"(hpc_rl reads the MXFP4 release as bf16; tools/convert_hf_to_torch_dist.py then "
+            f"tools/convert_torch_dist_to_hf.py, or --save-hf, write it with bf16 fused experts) as --hf-checkpoint"))]
     options = config.sglang.server_options()
     gpus = config.cluster.rollout_num_gpus_per_engine
     problems = []

@@ -30,16 +30,19 @@ Hook signatures (arch: an `hpc_rl.config.model.ModelArchitecture`, not imported 
                                                    (None in the field: transformers' AutoModelForCausalLM)
   cpu_engine_support(config) -> str | None        why the own forward does not compute this config.json exactly
                                                    (None: it does); asked before cpu_engine_loader
+  fuse_for_engine (an object, not a function; `EngineFusion`): HF tensors a weight sync sends fused because the
+                                                   engine reads them only so (gpt-oss's experts), used by
+                                                   `hpc_rl.weights.engine_fusion`
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 NameRow = tuple[str, list[str]]
 """(Megatron name or suffix, the HF names or suffixes it becomes, in order)."""
@@ -76,6 +79,26 @@ class LazyHook:
 def lazy_hook(path: str) -> LazyHook:
     """A hook loaded from `path` ("package.module:function") on first call (for torch/Megatron/transformers code)."""
     return LazyHook(path)
+
+
+class EngineFusion(Protocol):
+    """A family's `fuse_for_engine` hook: groups of synced HF tensors the engines read as other (fused) tensors.
+
+    group_of(hf_name) -> str | None            the group `hf_name` belongs to (None: sent as it is); a group's
+                                               Megatron parameters must be adjacent in the name map's order
+    fused_shapes(group, [(name, shape)]) -> [(name, shape)]   the fused tensors planned for a whole group
+    fuse(group, [(name, tensor)]) -> [(name, tensor)]         them, from the group's gathered tensors
+    largest_group_bytes(arch, itemsize) -> int                the largest group's fused bytes (memory plan)
+    """
+
+    def group_of(self, hf_name: str) -> str | None: ...
+
+    def fused_shapes(self, group: str, entries: Sequence[tuple[str, Sequence[int]]]
+                     ) -> list[tuple[str, tuple[int, ...]]]: ...
+
+    def fuse(self, group: str, named: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]: ...
+
+    def largest_group_bytes(self, arch: Any, itemsize: int) -> int: ...
 
 
 def _no_problem(arch: Any) -> str | None:
@@ -129,6 +152,9 @@ class ModelFamily:
     make_tiny: Callable[..., Path] | None = None
     cpu_engine_loader: Callable[..., Any] | None = None
     cpu_engine_support: Callable[[Mapping[str, Any]], str | None] | None = None
+    fuse_for_engine: EngineFusion | None = None
+    """HF tensors a weight sync (broadcast, colocated) sends fused, one group at a time, because the engine's
+    loader reads them only fused (gpt-oss: each layer's experts); None: every tensor under its mapped name."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.hf_model_types:

@@ -7,7 +7,8 @@ numbers: torchrun orders nodes by name, Slurm by its own list). Per bucket (the 
 broadcast path, `WeightSender.plan_buckets`):
 
     every rank:    gather its TP shards into full HF tensors (a TP collective, as the broadcast path;
-                   routed experts from their EP rank over the EP group: `export.gather_expert`)
+                   routed experts from their EP rank over the EP group: `export.gather_expert`), the family's
+                   fusion groups fused (gpt-oss's experts per layer: `engine_fusion`)
                    serialize them for the engine rank on its GPU (`weights.colocated.serialize_share`:
                    CUDA IPC handles on GPU, a /dev/shm bucket on CPU naming the sender's GPU)
     engine group:  gather the t shares (strings, no pickle between ranks) on the engine's TP rank 0's rank
@@ -110,9 +111,8 @@ class ColocatedWeightSender:
         self._planner.set_bucket_bytes(bucket_bytes)
         plan = self._planner.plan_buckets()
         for index, meta in enumerate(plan):
-            named: list[tuple[str, torch.Tensor]] = []
-            for source in meta.megatron_names:  # every rank: the full tensors (TP gather; under PP, from each stage)
-                named.extend(self._planner.export_everywhere(source))
+            # every rank: the full tensors (TP gather; under PP, from each stage), the family's groups fused
+            named = self._planner.export_bucket_everywhere(index)
             if not engine_url:
                 continue
             named = order_for_alignment([(name, tensor.contiguous())  # FP8: e4m3 beside float32 scales

@@ -17,7 +17,9 @@ Protocol (driven by the controller, `hpc_rl.controller.transports.broadcast`)::
 Every rank of the first TP group (DP rank 0) takes part in each gather of a dense parameter; under
 expert parallelism every rank of the first expert replica (expert-DP rank 0: expert TP x EP) takes part
 in each routed expert's gather (its EP rank gathers it, then broadcasts it over the EP group:
-`export.gather_expert`), one expert parameter at a time. Other ranks return at once.
+`export.gather_expert`), one expert parameter at a time. Other ranks return at once. A family whose engine reads
+some tensors only fused (gpt-oss: each layer's experts, as SGLang's loader does) plans each such group as one
+entry and sends it fused (`engine_fusion`): one layer's experts gathered on rank 0 at a time.
 
 Pipeline parallel: rank 0 (stage 0) holds only its stage's parameters. `plan_buckets` then gathers
 each stage's (name, full shape, dtype) over the pipeline group once per sender, so every rank plans
@@ -40,6 +42,7 @@ from hpc_rl.config.fp8_scheme import SCALE_SUFFIX, Fp8Blocks
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.weights.bucket_layout import dtype_from_name, dtype_name, pack_bucket
 from hpc_rl.weights.collective_stream import CollectiveStream
+from hpc_rl.weights.engine_fusion import fuse_named, fusion_of, group_plan_entries
 from hpc_rl.weights.fp8_blocks import FP8_DTYPE, quantize_named, send_entries
 from hpc_rl.weights.json_collectives import all_gather_json
 from hpc_rl.weights import hf_mapping
@@ -76,9 +79,10 @@ class BucketMeta:
         return {"names": self.names, "dtypes": self.dtypes, "shapes": self.shapes, "num_bytes": self.num_bytes}
 
 
-def _plan(entries: Iterable[tuple[str, list[tuple[str, tuple[int, ...]]]]], dtype: torch.dtype,
+def _plan(entries: Iterable[tuple[str | list[str], list[tuple[str, tuple[int, ...]]]]], dtype: torch.dtype,
           bucket_bytes: int, fp8: Fp8Blocks | None = None) -> list[BucketMeta]:
-    """Whole Megatron parameters per bucket, up to `bucket_bytes`; each HF tensor in its export dtype
+    """Whole Megatron parameters per bucket, up to `bucket_bytes` (an entry of several parameters, a fusion group
+    of `engine_fusion`, stays whole too); each HF tensor in its export dtype
     (`hf_mapping.tensor_send_dtype`; with `fp8`, each weight the FP8 engine checkpoint quantizes as e4m3 plus
     its float32 `weight_scale_inv`: `fp8_blocks.send_entries`), a bucket of mixed dtypes ordered by falling
     dtype size (aligned)."""
@@ -103,7 +107,7 @@ def _plan(entries: Iterable[tuple[str, list[tuple[str, tuple[int, ...]]]]], dtyp
         nbytes = sum(torch.empty((), dtype=d).element_size() * int(torch.Size(s).numel()) for _, s, d in typed)
         if size and size + nbytes > bucket_bytes:
             flush()
-        sources.append(source)
+        sources.extend([source] if isinstance(source, str) else source)
         current.extend(typed)
         size += nbytes
     flush()
@@ -178,6 +182,8 @@ class WeightSender:
         self.fp8 = fp8
         """The engines' checkpoint is block-FP8: each weight it quantizes is sent as e4m3 + weight_scale_inv."""
         self.arch, self.tp_group, self.tp_size = arch, tp_group, tp_size
+        self.fusion = fusion_of(arch)
+        """The family's tensors sent fused (gpt-oss: each layer's experts, as SGLang reads them); None: none."""
         self.experts = experts if experts is not None else ExpertLayout.current(arch)
         """Where the routed experts live (None: from Megatron's groups; a dense model has none)."""
         self.dp_rank, self.rank, self.bucket_bytes = dp_rank, rank, bucket_bytes
@@ -214,7 +220,7 @@ class WeightSender:
                     raise KeyError(f"no pipeline stage holds {megatron_name}")
                 shape = sources[megatron_name][1]
                 entries.append((megatron_name, hf_mapping.hf_param_shapes(self.arch, megatron_name, shape)))
-            self._plan = _plan(entries, self.dtype, self.bucket_bytes, self.fp8)
+            self._plan = _plan(group_plan_entries(entries, self.fusion), self.dtype, self.bucket_bytes, self.fp8)
         return self._plan
 
     def _source_metadata(self) -> dict[str, tuple[int, tuple[int, ...], str]]:
@@ -250,9 +256,28 @@ class WeightSender:
         ranks of DP rank 0, routed experts by the ranks of expert-DP rank 0 (expert TP x EP). Without
         `broadcast` (rank 0 has no group: the engines never all joined) the gathers still run, so the peers
         that wait on rank 0 in them do not hang, and nothing is sent."""
+        named = self.bucket_tensors(index)
+        if self.rank != 0 or not broadcast:
+            return
+        if self.group is None:
+            raise RuntimeError("send_bucket before connect(): rank 0 has no weight-update group")
+        meta = self.plan_buckets()[index]
+        named = wire_tensors(named, self.dtype, self.fp8)
+        position = {name: i for i, name in enumerate(meta.names)}
+        named = sorted(named, key=lambda item: position.get(item[0], -1))
+        if [n for n, _ in named] != meta.names or [list(t.shape) for _, t in named] != meta.shapes:
+            raise RuntimeError(f"bucket {index}: the gathered tensors' names or shapes differ from the announced plan")
+        capacity = max(b.num_bytes for b in self.plan_buckets())
+        self._broadcaster.send(named, meta.num_bytes, self.group, capacity)
+
+    def bucket_tensors(self, index: int) -> list[tuple[str, torch.Tensor]]:
+        """Bucket `index`'s HF tensors on rank 0, in the trainer's dtype, before packing: each parameter gathered
+        (a collective: the TP ranks of DP rank 0 for a dense one, expert-DP rank 0's ranks for a routed expert;
+        under PP its stage sends it to rank 0), then the family's fusion groups fused (`engine_fusion`). Other
+        ranks take part in the gathers and get what they gathered (nothing useful to send)."""
         dense_turn, expert_turn = self.dp_rank == 0, self.experts.dp_rank == 0
         if not (dense_turn or expert_turn):
-            return
+            return []
         meta = self.plan_buckets()[index]
         named: list[tuple[str, torch.Tensor]] = []
         for source in meta.megatron_names:
@@ -262,17 +287,9 @@ class WeightSender:
                 named.extend(export_param(source, self.params, self.arch, self.tp_group, self.experts))
             else:
                 named.extend(self._from_pipeline(source))
-        if self.rank != 0 or not broadcast:
-            return
-        if self.group is None:
-            raise RuntimeError("send_bucket before connect(): rank 0 has no weight-update group")
-        named = wire_tensors(named, self.dtype, self.fp8)
-        position = {name: i for i, name in enumerate(meta.names)}
-        named = sorted(named, key=lambda item: position.get(item[0], -1))
-        capacity = max(b.num_bytes for b in self.plan_buckets())
-        names = self._broadcaster.send(named, meta.num_bytes, self.group, capacity)
-        if names != meta.names:
-            raise RuntimeError(f"bucket {index}: packed names differ from the announced plan")
+        if self.rank != 0:
+            return named
+        return fuse_named(named, self.fusion)
 
     def _from_pipeline(self, source: str) -> list[tuple[str, torch.Tensor]]:
         """Under PP: the HF tensors of `source` on rank 0 (empty elsewhere); the owning stage gathers it
@@ -318,6 +335,14 @@ class WeightSender:
                     torch.empty(shape, dtype=dtype_from_name(dtype), device=self._comm_device))
             dist.broadcast(full, src=src, group=self.pp_group)
         return hf_mapping.to_hf(source, full, self.arch)
+
+    def export_bucket_everywhere(self, index: int) -> list[tuple[str, torch.Tensor]]:
+        """Bucket `index`'s HF tensors on every rank (colocated: `export_everywhere` per parameter), the family's
+        fusion groups fused as `bucket_tensors` does."""
+        named: list[tuple[str, torch.Tensor]] = []
+        for source in self.plan_buckets()[index].megatron_names:
+            named.extend(self.export_everywhere(source))
+        return fuse_named(named, self.fusion)
 
     def finish(self) -> None:
         """The end of a sync: its last broadcasts are waited for as the group's backend does (NCCL: the GPU

@@ -5,7 +5,10 @@ top-2 with biases, sinks, clamps that cut, YaRN truncate false) is loaded from i
 2-rank launch checks, at TP1 (DP2), TP2 (sequence parallel, expert TP 1: Megatron builds expert biases at ETP 1
 only) and EP2 (alltoall): logits within 1e-4 of
 transformers' eager forward on 12-token rows (past the window), packed (THD) rows equal to each sample run
-alone, and every exported HF tensor bit-equal to the checkpoint's (per-expert names). The CPU engine
+alone, every exported HF tensor bit-equal to the checkpoint's (per-expert names), and every tensor the weight
+sync's sender packs (`WeightSender.bucket_tensors`: each layer's experts gathered over EP and fused) bit-equal to
+the release's fused tensors, names and shapes as its plan announces (and what each colocated rank hands its
+engine: `ColocatedWeightSender`'s buckets). The CPU engine
 (transformers' GptOssForCausalLM behind `engines.cpu`, left-padded KV cache) generates from two prompts; its
 log-probs of the prompt and of every generated token equal the trainer's on the same sequences. The converters
 take the checkpoint to torch_dist at EP2 and back to HF bit-exact, experts fused again as released.
@@ -39,6 +42,8 @@ def _rank(hf_dir: str, model_file: str, engine_rows: list[list[int]]) -> dict:
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
     from hpc_rl.weights.export import ExpertLayout, export_hf_state_dict
     from hpc_rl.weights.hf_import import load_hf_into_model
+    from hpc_rl.weights.colocated_sender import ColocatedWeightSender
+    from hpc_rl.weights.sender import WeightSender
 
     arch = ModelArchitecture.from_yaml(model_file)
     out: dict = {}
@@ -75,6 +80,17 @@ def _rank(hf_dir: str, model_file: str, engine_rows: list[list[int]]) -> dict:
                 PackedSequenceAttention.BLOCK_MASK_MAX_TOKENS = 2048
         exported = export_hf_state_dict(model, arch, tp_group if tp > 1 else None, ExpertLayout.current(arch))
         out[(tp, ep, "export")] = {name: tensor.clone() for name, tensor in exported}
+        sender = WeightSender(model, arch, tp_group=tp_group, tp_size=tp, dp_rank=info.dp_rank, rank=info.rank,
+                              bucket_bytes=1 << 16)  # what a broadcast sync packs, bucket by bucket (EP: gathered)
+        plan = sender.plan_buckets()
+        sent = [pair for index in range(len(plan)) for pair in sender.bucket_tensors(index)]
+        if info.rank == 0:
+            out[(tp, ep, "sent")] = {name: tensor.clone() for name, tensor in sent}
+            out[(tp, ep, "plan")] = [(n, tuple(s)) for meta in plan for n, s in zip(meta.names, meta.shapes)]
+        colocated = ColocatedWeightSender(model, arch, tp_group=tp_group, tp_size=tp, rank=info.rank, world_size=2,
+                                          bucket_bytes=1 << 16)  # every rank: what it hands its colocated engine
+        out[(tp, ep, "colocated")] = {name: tensor.clone() for index in range(len(plan))
+                                      for name, tensor in colocated._planner.export_bucket_everywhere(index)}
     shutdown_parallel()
     return out
 
@@ -102,6 +118,7 @@ def _engine_generation(hf_dir: str, prompts: tuple[list[int], ...] = ([3, 5, 7, 
 
 
 def test_gpt_oss_matches_transformers_at_tp_ep_and_packed(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
     from transformers import GptOssForCausalLM
 
     from hpc_rl.models.gpt_oss.architecture import architecture_fields_from_hf
@@ -118,6 +135,7 @@ def test_gpt_oss_matches_transformers_at_tp_ep_and_packed(tmp_path: Path) -> Non
         expected = reference(TOKENS).logits
     per_expert = PerExpertReader(HFTensorReader(hf_dir))
     checkpoint = {name: per_expert[name] for name in per_expert.keys()}
+    release = load_file(str(hf_dir / "model.safetensors"))  # experts fused: what SGLang's loader reads
 
     engine_rows, engine_logprobs = _engine_generation(str(hf_dir))
     results = run_ranks(_rank, 2, str(hf_dir), str(model_file), engine_rows, timeout=600)
@@ -138,6 +156,16 @@ def test_gpt_oss_matches_transformers_at_tp_ep_and_packed(tmp_path: Path) -> Non
         assert set(exported) == set(checkpoint), f"TP{tp} EP{ep}: {set(exported) ^ set(checkpoint)}"
         unequal = [name for name in checkpoint if not torch.equal(exported[name], checkpoint[name])]
         assert not unequal, f"TP{tp} EP{ep}: exported tensors differ from the checkpoint: {unequal[:4]}"
+        sent, plan = results[0][(tp, ep, "sent")], results[0][(tp, ep, "plan")]
+        assert [name for name, _ in plan] == list(sent) and set(sent) == set(release), set(sent) ^ set(release)
+        unequal = [name for name, shape in plan if not (tuple(sent[name].shape) == shape
+                                                       and torch.equal(sent[name], release[name]))]
+        assert not unequal, f"TP{tp} EP{ep}: the sync's fused tensors differ from the release's: {unequal[:4]}"
+        for rank_out in results:
+            colocated = rank_out[(tp, ep, "colocated")]
+            assert set(colocated) == set(release), set(colocated) ^ set(release)
+            unequal = [name for name in release if not torch.equal(colocated[name], release[name])]
+            assert not unequal, f"TP{tp} EP{ep}: the colocated sync's tensors differ from the release's: {unequal[:4]}"
 
 
 def _to_torch_dist(hf_dir: str, model_file: str, out: str) -> None:
@@ -177,8 +205,9 @@ def test_gpt_oss_converters_round_trip_bit_exact(tmp_path: Path) -> None:
 
 def test_tiny_gpt_oss_run_engine_logprobs_equal_the_trainers_after_every_sync(tmp_path: Path) -> None:
     """configs/tiny_moe_cpu.yaml with the tiny gpt-oss: two trainer ranks at EP2 and a CPU engine serving
-    transformers' GptOssForCausalLM; every sync sends each expert under its per-expert HF names, which the engine
-    writes into its fused, interleaved experts: its log-probs equal the trainer's after every sync."""
+    transformers' GptOssForCausalLM; every broadcast sync sends each layer's experts fused under the release's
+    names (gate_up_proj ..., as SGLang's loader reads them), which the engine copies into its GptOssExperts: its
+    log-probs equal the trainer's after every sync."""
     from hpc_rl.models.gpt_oss.architecture import architecture_fields_from_hf
     from hpc_rl.models.gpt_oss.tiny import make_tiny
     from tests.integration.run_helpers import processes_mentioning, run_tiny_recipe_in_sync

@@ -217,7 +217,7 @@ def test_cpu_engine_updates_fused_experts_by_per_expert_names() -> None:
         assert torch.equal(getattr(experts, name).detach(), expected[f"{prefix}.{name}"]), name
 
 
-def test_submit_refuses_expert_tp_with_biases_and_gpt_oss_sync_that_sglang_would_skip() -> None:
+def test_submit_refuses_expert_tp_with_biases() -> None:
     from hpc_rl.config import load_config
     from hpc_rl.config.validation import collect_problems
 
@@ -225,11 +225,11 @@ def test_submit_refuses_expert_tp_with_biases_and_gpt_oss_sync_that_sglang_would
                                       "--sequence-parallel"]
     found = {p.where: p.message for p in collect_problems(load_config([], line), check_files=False)}
     assert "Megatron builds MoE biases at expert TP 1 only" in found["training.expert_tensor_parallel_size"]
-    assert "skipping other names without an error" in found["rollout.update_weight_transport"]
     fine = {p.where for p in collect_problems(load_config([], line + [
         "--expert-tensor-parallel-size", "1", "--update-weight-transport", "disk",
         "--update-weight-disk-dir", "/nonexistent/weights"]), check_files=False)}
     assert not fine & {"training.expert_tensor_parallel_size", "rollout.update_weight_transport"}
+    # every transport syncs gpt-oss's experts fused since (tests/unit/test_gpt_oss_sync.py)
 
 
 def test_mxfp4_experts_equal_transformers_dequantisation() -> None:

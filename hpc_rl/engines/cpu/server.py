@@ -357,7 +357,8 @@ class EngineServer(LoraRoutes):
                 self.scheduler.abort(None, abort_all=True)
             received = receive_bucket(self.groups.get(group_name), names, dtypes, shapes, body.get("load_format"))
             self.scheduler.check_flush(bool(body.get("flush_cache", True)))  # after the receive: the broadcast ends
-            load_named(self.scheduler.model, self.fp8.take(received) if self.fp8 is not None else received)
+            weights = self.fp8.take(received) if self.fp8 is not None else received
+            load_named(self.scheduler.model, weights, update=True)
             if version is not None:
                 self.scheduler.weight_version = str(version)
 
@@ -391,7 +392,7 @@ class EngineServer(LoraRoutes):
             command: dict[str, Any] = {"op": "update_weights_from_tensor", "shares": list(shares)}
             if self.fp8 is not None:  # FP8 blocks: every node-rank pairs and dequantizes them alike
                 weights, command["fp8_block"] = self.fp8.take(weights), list(self.fp8.block)
-            load_named(self.scheduler.model, weights)
+            load_named(self.scheduler.model, weights, update=True)
             self._forward(command, [n for n, _ in weights])
             if version is not None:
                 self.scheduler.weight_version = str(version)

@@ -3,7 +3,8 @@
 Owns: the engine's weight-update groups (joined through `hpc_rl.weights.process_group`), receiving
 one bucket from trainer rank 0 (per tensor, or one `flattened_bucket` laid out by
 `hpc_rl.weights.bucket_layout`), reading a colocated share from shared memory
-(`hpc_rl.weights.colocated`), dequantizing a block-FP8 checkpoint's weights (`hpc_rl.weights.fp8_blocks`:
+(`hpc_rl.weights.colocated`), refusing in an update the unfused tensors SGLang would skip (gpt-oss's per-expert
+names: `refuse_unfused_update`), dequantizing a block-FP8 checkpoint's weights (`hpc_rl.weights.fp8_blocks`:
 its release at load, the trainer's FP8 syncs through `Fp8Intake`), and copying tensors into the model by HF
 parameter name (the
 checkpoint's names, also for MoE experts that transformers keeps fused in memory, and for the MTP layers
@@ -36,8 +37,9 @@ def fused_expert_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     [E, 2I, H] holds expert K's `<prefix>.K.gate_proj.weight` in rows [K, :I] and its `up_proj` in
     [K, I:]; `<prefix>.down_proj` [E, H, I] holds `<prefix>.K.down_proj.weight` at [K] (transformers'
     own checkpoint conversion: MergeModulelist(dim=0), Concatenate(dim=1)); gpt-oss's GptOssExperts
-    ([E, H, 2I] interleaved, with biases) by `hpc_rl.models.gpt_oss.checkpoint.expert_views`. Writing a view
-    writes the model's tensor, so weight updates by HF name reach fused experts like any other parameter."""
+    ([E, H, 2I] interleaved, with biases) by `hpc_rl.models.gpt_oss.checkpoint.expert_views` (its weight syncs
+    send the module's own fused names, gate_up_proj ...: plain parameters here). Writing a view writes the model's
+    tensor, so weight updates by HF name reach fused experts like any other parameter."""
     views: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules():
         if type(module).__name__ == "GptOssExperts":  # [E, H, 2I], gate/up interleaved, with biases
@@ -66,9 +68,27 @@ def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def refuse_unfused_update(model: torch.nn.Module, names: list[str]) -> None:
+    """A weight update (broadcast or colocated) of a family whose engine reads some tensors only fused (the
+    registry's `fuse_for_engine`: gpt-oss's experts) must send them fused: SGLang 0.5.23's gpt-oss loader skips a
+    per-expert name without an error (`hpc_rl.models.gpt_oss.engine_sync`); this engine refuses it instead."""
+    from hpc_rl.models.registry import family_for_hf_model_type
+
+    found = family_for_hf_model_type(getattr(getattr(model, "config", None), "model_type", None))
+    fusion = found.fuse_for_engine if found is not None else None
+    unfused = [name for name in names if fusion is not None and fusion.group_of(name) is not None]
+    if unfused:
+        raise ValueError(f"{unfused[:3]}: SGLang's {found.name} loader skips these names in a weight update without "
+                         f"an error; it reads them only fused ({fusion.group_of(unfused[0])}.*): the trainer must "
+                         f"send each group fused (hpc_rl.weights.engine_fusion)")
+
+
 @torch.no_grad()
-def load_named(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Copy each tensor into the model's tensor of that name (dtype converted); all names checked first."""
+def load_named(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]], *, update: bool = False) -> None:
+    """Copy each tensor into the model's tensor of that name (dtype converted); all names checked first. An
+    `update` (a weight sync's tensors) also refuses what SGLang would skip (`refuse_unfused_update`)."""
+    if update:
+        refuse_unfused_update(model, [name for name, _ in weights])
     targets = named_tensors(model)
     weights = [(name, tensor) for name, tensor in weights if not ignored_update(model, name)]
     unknown = [name for name, _ in weights if name not in targets]

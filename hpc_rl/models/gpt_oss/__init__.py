@@ -1,7 +1,8 @@
 """gpt-oss (OpenAI's gpt-oss-20b / -120b; transformers' GptOssForCausalLM) as an hpc_rl model family.
 
 Owns, one module each: the architecture rules and config.json check (`architecture`), slime's gpt-oss model flags
-(`flags`), the HF name rows (`names`), reading the released checkpoints (fused bf16 experts and the MXFP4 release)
+(`flags`), the HF name rows (`names`), the experts fused per layer in a weight sync (`engine_sync`: the family's
+`fuse_for_engine`), reading the released checkpoints (fused bf16 experts and the MXFP4 release)
 under per-expert names and the CPU engine's per-expert views (`checkpoint`), and the tiny random checkpoint
 (`tiny`). No layer code: the layers are Megatron's own GPT layer with its MoE MLP
 (`hpc_rl.training.layer_specs.gpt_layer_spec`): attention sinks are DotProductAttention's learnable softmax offset,
@@ -11,6 +12,7 @@ TransformerConfig fields: `hpc_rl.training.model_provider.attention_and_glu_fiel
 """
 
 from hpc_rl.models.gpt_oss.architecture import field_problem, gpt_oss_mismatches
+from hpc_rl.models.gpt_oss.engine_sync import EXPERT_FUSION
 from hpc_rl.models.gpt_oss.flags import GPT_OSS_SPEC
 from hpc_rl.models.gpt_oss.names import layer_rows
 from hpc_rl.models.registry import ModelFamily, lazy_hook
@@ -28,4 +30,5 @@ FAMILY = ModelFamily(
     architecture_problem=field_problem,
     hf_layer_rows=layer_rows,
     make_tiny=lazy_hook("hpc_rl.models.gpt_oss.tiny:make_tiny"),
+    fuse_for_engine=EXPERT_FUSION,
 )
