@@ -56,6 +56,7 @@ from hpc_rl.rollout.partial_buffer import (
     mask_offpolicy,
     reset_sample,
     trained_token_staleness,
+    version_range,
     violates_staleness,
 )
 from hpc_rl.rollout.routed_experts import RoutingShape
@@ -401,7 +402,7 @@ def _sample_stats(groups: list[Group], current_version: int) -> dict[str, float]
     samples = [s for g in groups for s in g]
     if not samples:
         return {}
-    spans = [(min(s.weight_versions), max(s.weight_versions)) for s in samples if s.weight_versions]
+    spans = [version_range(s.weight_versions) for s in samples if s.weight_versions]
     lags = [current_version - low for low, _ in spans]
     return {
         "rollout/reward_mean": sum(float(s.reward or 0.0) for s in samples) / len(samples),
