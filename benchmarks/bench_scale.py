@@ -449,6 +449,8 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             result.sync_cpu_s = statistics.median(sync_cpu[1:] or sync_cpu) if sync_cpu else float("nan")
             result.extra = {"reward_workers": controller.reward_pool.workers if controller.reward_pool else 0,
                             "parse_workers": args.parse_workers, "worker_cpu_s": worker_cpu,
+                            "answers_parsed_in_workers": controller.client.answer_pool.parsed_in_workers
+                            if controller.client and controller.client.answer_pool else 0,
                             "time_scale_ms": scale_ms, "sim_s": sim_elapsed, "run_real_s": run_real, "cpu_s": cpu, "buckets": buckets,
                             "sync_wall_s": statistics.median(syncs) if syncs else None,
                             "rollout_real_s": [round(m.get("time/rollout", 0), 2) for m in history],
