@@ -55,6 +55,7 @@ import aiohttp  # noqa: E402
 
 from hpc_rl.config import load_config  # noqa: E402
 from hpc_rl.controller.app import Controller  # noqa: E402
+from hpc_rl.rollout import answer_pool  # noqa: E402
 from hpc_rl.engines import API_KEY_ENV  # noqa: E402
 from hpc_rl.engines.router import RouterProcess  # noqa: E402
 from hpc_rl.launch.supervisor import CONTROLLER_ENV  # noqa: E402
@@ -389,6 +390,8 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
                                 api_key=key)
         await controller.start()
         await controller.ready()  # the rollout stack (and the loop) is built in the background
+        if controller.client is not None and controller.client.answer_pool is not None:
+            controller.client.answer_pool.inline_below = args.parse_inline_below
         phase("controller_started")
         assert controller.loop is not None
         controller.loop.recorder.print = lambda line: None
@@ -586,6 +589,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="rollout.reward_workers: processes scoring the deepscaler rewards off the controller's loop")
     parser.add_argument("--parse-workers", type=int, default=0,
                         help="rollout.answer_parse_workers: processes parsing the /generate answers off the controller")
+    parser.add_argument("--parse-inline-below", type=int, default=answer_pool.INLINE_BELOW,
+                        help="answer bodies under this many bytes are parsed on the controller's loop")
     parser.add_argument("--abort-fill-path", choices=("groups", "router"), default="groups",
                         help="how the abort probe's requests go out: groups = the recipe rollout's batched "
                              "/generate per group of --abort-fill straight to an engine; router = one request "

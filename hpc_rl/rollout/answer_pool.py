@@ -102,11 +102,12 @@ def _warm_up() -> None:
 class AnswerPool:
     """`workers` processes parsing /generate answers; `await parse(raw)` per answer body."""
 
-    def __init__(self, workers: int, *, inline_below: int = INLINE_BELOW) -> None:
+    def __init__(self, workers: int, *, inline_below: int | None = None) -> None:
         if workers < 1:
             raise ValueError(f"rollout.answer_parse_workers: an answer pool needs at least one worker, got {workers}")
         self.workers = workers
-        self.inline_below = inline_below
+        self.inline_below = INLINE_BELOW if inline_below is None else inline_below
+        """Bodies shorter than this (bytes) are parsed on the loop (None: the module's `INLINE_BELOW`)."""
         self.parsed_in_workers = 0
         """Bodies parsed by a worker (the rest were parsed on the loop)."""
         self._executor: ProcessPoolExecutor | None = None
