@@ -12,6 +12,7 @@ per prompt, 8k max response, deepscaler reward, TP2 engines) with the rollout ba
   busy     engine busy fraction (simulated GPU utilisation over the run)
   smp/s    trained samples per simulated second (rollout throughput incl. training, end to end)
   cpu/1k   controller CPU seconds per 1,000 generated samples;  rss: the controller process's peak RSS
+  wk/1k    its worker processes' CPU seconds per 1,000 samples (answer parsing, rewards; 0: none)
   rt p50/p99  router added latency (router minus direct, ms, 1-token requests at concurrency 8)
   abort    abort-all latency (s) with every engine holding `--abort-fill` requests
   sync     weight-sync orchestration (s): the sync's wall time minus the engines' simulated call times
@@ -54,6 +55,7 @@ import aiohttp  # noqa: E402
 
 from hpc_rl.config import load_config  # noqa: E402
 from hpc_rl.controller.app import Controller  # noqa: E402
+from hpc_rl.rollout import answer_pool  # noqa: E402
 from hpc_rl.engines import API_KEY_ENV  # noqa: E402
 from hpc_rl.engines.router import RouterProcess  # noqa: E402
 from hpc_rl.launch.supervisor import CONTROLLER_ENV  # noqa: E402
@@ -78,6 +80,7 @@ class ModeResult:
     busy: float = 0.0
     samples_per_sim_s: float = 0.0
     cpu_s_per_1k: float = 0.0
+    worker_cpu_s_per_1k: float = 0.0
     peak_rss_mb: float = 0.0
     router_p50_ms: float = 0.0
     router_p99_ms: float = 0.0
@@ -159,6 +162,7 @@ def build_config(run_dir: Path, engines: int, mode: str, args: argparse.Namespac
     rollout.over_sampling_batch_size = groups
     rollout.rollout_max_response_len = model.max_wire_response_len
     rollout.reward_workers = args.reward_workers
+    rollout.answer_parse_workers = args.parse_workers
     if mode == "async":
         rollout.async_rollout = True
         rollout.max_staleness = 1
@@ -288,6 +292,13 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def worker_pids(controller: Controller) -> list[int]:
+    """The controller's worker processes (answer parsing, rewards), as started so far."""
+    pools = [controller.client.answer_pool if controller.client else None, controller.reward_pool]
+    return [process.pid for pool in pools if pool is not None and pool._executor is not None
+            for process in (getattr(pool._executor, "_processes", None) or {}).values()]
+
+
 def instrument_sync(controller: Controller, sim_pid: int) -> tuple[list[float], list[float]]:
     """Record the controller's CPU seconds in each weight sync (machine-load independent, unlike wall time;
     in async mode the rollout running meanwhile is counted too), and the simulated engines' process's:
@@ -379,6 +390,8 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
                                 api_key=key)
         await controller.start()
         await controller.ready()  # the rollout stack (and the loop) is built in the background
+        if controller.client is not None and controller.client.answer_pool is not None:
+            controller.client.answer_pool.inline_below = args.parse_inline_below
         phase("controller_started")
         assert controller.loop is not None
         controller.loop.recorder.print = lambda line: None
@@ -401,6 +414,7 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             stdout=open(run_dir / "trainer.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as session:
             before = await fleet_stats(session, urls[0])
+            workers0 = {pid: process_cpu_s(pid) for pid in worker_pids(controller)}
             cpu0 = time.process_time()
             run_start = time.perf_counter()
             profiler = cProfile.Profile() if args.profile else None
@@ -414,6 +428,7 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
                     pstats.Stats(profiler, stream=handle).sort_stats("tottime").print_stats(40)
             run_real = time.perf_counter() - run_start
             cpu = time.process_time() - cpu0
+            worker_cpu = sum(process_cpu_s(pid) - workers0.get(pid, 0.0) for pid in worker_pids(controller))
             after = await fleet_stats(session, urls[0])
             history = controller.loop.recorder.history
             sim_elapsed = after["simulated_now"] - before["simulated_now"]
@@ -423,6 +438,7 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             result.samples_per_sim_s = result.trained_samples / sim_elapsed
             result.generated_samples = int(sum(m.get("rollout/groups_submitted", 0) for m in history) * n)
             result.cpu_s_per_1k = 1000 * cpu / max(1, result.generated_samples)
+            result.worker_cpu_s_per_1k = 1000 * worker_cpu / max(1, result.generated_samples)
             result.real_time_factor = cpu / run_real
             result.load_average = os.getloadavg()[0]
             result.abort_tokens = int(after["aborted_tokens"] - before["aborted_tokens"]) * args.token_scale
@@ -435,6 +451,9 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             result.sync_orchestration_s = max(0.0, statistics.median(syncs) - engine_side) if syncs else float("nan")
             result.sync_cpu_s = statistics.median(sync_cpu[1:] or sync_cpu) if sync_cpu else float("nan")
             result.extra = {"reward_workers": controller.reward_pool.workers if controller.reward_pool else 0,
+                            "parse_workers": args.parse_workers, "worker_cpu_s": worker_cpu,
+                            "answers_parsed_in_workers": controller.client.answer_pool.parsed_in_workers
+                            if controller.client and controller.client.answer_pool else 0,
                             "time_scale_ms": scale_ms, "sim_s": sim_elapsed, "run_real_s": run_real, "cpu_s": cpu, "buckets": buckets,
                             "sync_wall_s": statistics.median(syncs) if syncs else None,
                             "rollout_real_s": [round(m.get("time/rollout", 0), 2) for m in history],
@@ -474,13 +493,13 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
 
 
 # -- report ------------------------------------------------------------------------------------------
-HEADER = (f"{'N':>5} {'mode':<8} {'busy':>5} {'smp/s':>7} {'cpu/1k':>7} {'rss MB':>7} {'rt p50':>7} {'rt p99':>7} "
+HEADER = (f"{'N':>5} {'mode':<8} {'busy':>5} {'smp/s':>7} {'cpu/1k':>7} {'wk/1k':>6} {'rss MB':>7} {'rt p50':>7} {'rt p99':>7} "
           f"{'abort s':>8} {'sync s':>7} {'syncCPU':>7} {'lost':>5} {'dup':>4} {'abort tok':>10} {'wasted':>10} {'reg s':>6} {'cpu%':>5} "
           f"{'load':>5} {'wall s':>7}")
 
 
 def row(r: ModeResult) -> str:
-    return (f"{r.engines:>5} {r.mode:<8} {r.busy:>5.2f} {r.samples_per_sim_s:>7.1f} {r.cpu_s_per_1k:>7.2f} "
+    return (f"{r.engines:>5} {r.mode:<8} {r.busy:>5.2f} {r.samples_per_sim_s:>7.1f} {r.cpu_s_per_1k:>7.2f} {r.worker_cpu_s_per_1k:>6.2f} "
             f"{r.peak_rss_mb:>7.0f} {r.router_p50_ms:>7.2f} {r.router_p99_ms:>7.2f} {r.abort_all_s:>8.3f} "
             f"{r.sync_orchestration_s:>7.3f} {r.sync_cpu_s:>7.3f} {r.lost:>5} {r.duplicated:>4} {r.abort_tokens:>10} {r.wasted_tokens:>10} "
             f"{r.register_s:>6.1f} {100 * r.real_time_factor:>5.0f} {r.load_average:>5.1f} {r.wall_s:>7.1f}")
@@ -568,6 +587,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--abort-fill", type=int, default=8, help="requests per engine before the abort-all probe")
     parser.add_argument("--reward-workers", type=int, default=0,
                         help="rollout.reward_workers: processes scoring the deepscaler rewards off the controller's loop")
+    parser.add_argument("--parse-workers", type=int, default=0,
+                        help="rollout.answer_parse_workers: processes parsing the /generate answers off the controller")
+    parser.add_argument("--parse-inline-below", type=int, default=answer_pool.INLINE_BELOW,
+                        help="answer bodies under this many bytes are parsed on the controller's loop")
     parser.add_argument("--abort-fill-path", choices=("groups", "router"), default="groups",
                         help="how the abort probe's requests go out: groups = the recipe rollout's batched "
                              "/generate per group of --abort-fill straight to an engine; router = one request "

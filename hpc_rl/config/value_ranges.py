@@ -42,7 +42,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "eval.eval_max_response_len", "sglang.server_concurrency", "slurm.cpus_per_task",
         "rollout.rollout_max_prompt_len", "checkpoint.keep_last")},
     **{path: _at_least(0) for path in (
-        "cluster.rollout_num_gpus", "rollout.max_staleness", "rollout.reward_workers", "algorithm.kl_loss_coef", "algorithm.kl_coef",
+        "cluster.rollout_num_gpus", "rollout.max_staleness", "rollout.reward_workers", "rollout.answer_parse_workers", "algorithm.kl_loss_coef", "algorithm.kl_coef",
         "algorithm.tis_clip_low", "optimizer.min_lr", "optimizer.lr_warmup_iters", "optimizer.lr_decay_iters",
         "optimizer.weight_decay", "optimizer.clip_grad", "controller.max_engine_restarts",
         "slurm.requeue_signal_seconds", "slurm.max_num_timeout", "training.max_nonfinite_steps")},

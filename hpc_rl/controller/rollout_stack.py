@@ -44,6 +44,7 @@ from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rewards.reward_thread import RewardThread
 from hpc_rl.rewards.scoring import REMOTE_RM, split_boxed_prefix
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
+from hpc_rl.rollout.answer_pool import AnswerPool
 from hpc_rl.rollout.eval import dataset_sampling, drop_long_prompts, eval_prompt_length_limit
 from hpc_rl.rollout.engine_client import engine_context_length
 from hpc_rl.rollout.generate import load_generate_function
@@ -148,7 +149,8 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     client = EngineClient(registry, router_url=router_url, per_engine_concurrency=config.sglang.server_concurrency,
                           request_timeout_s=config.controller.engine_request_timeout, api_key=fleet.api_key,
                           context_length=engine_context_length(config.checkpoint.hf_checkpoint,
-                                                               config.sglang.server_options()))
+                                                               config.sglang.server_options()),
+                          answer_pool=AnswerPool(rollout.answer_parse_workers) if rollout.answer_parse_workers else None)
     args = plugin_args(config)
     # No workers for custom functions (they run on the loop) or remote_rm (an HTTP call, no CPU to offload).
     rule_rewards = not rollout.custom_rm_path and split_boxed_prefix((rollout.rm_type or "").strip())[1] != REMOTE_RM

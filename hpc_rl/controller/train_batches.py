@@ -99,8 +99,7 @@ def pack_samples(samples: list[Sample], rewards: list[float]) -> dict[str, np.nd
                            count=sum(len(s.response_logprobs) for s in samples))
     if len(logprobs) != total_response:
         raise ValueError("a sample has fewer rollout log-probs than response tokens")
-    versions = np.fromiter(chain.from_iterable(s.weight_versions for s in samples), dtype=np.int64,
-                           count=sum(len(s.weight_versions) for s in samples))
+    versions = _pack_versions([s.weight_versions for s in samples])
     arrays = {
         "tokens": tokens,
         "prompt_lengths": prompt_lengths,
@@ -141,6 +140,18 @@ def pack_top_logprobs(samples: list[Sample]) -> dict[str, np.ndarray]:
         logprobs.append(s.top_logprobs)
     return {"top_logprob_ids": np.concatenate(ids).astype(np.int32, copy=False),
             "top_logprobs": np.concatenate(logprobs).astype(np.float32, copy=False)}
+
+
+def _pack_versions(per_sample: list[list[int]]) -> np.ndarray:
+    """The samples' per-token weight versions, concatenated (int64). A sample with one version throughout (the
+    common case: `list.count` confirms it in one C pass) is filled, not walked token by token."""
+    parts = []
+    for versions in per_sample:
+        if versions and versions.count(versions[0]) == len(versions):
+            parts.append(np.full(len(versions), versions[0], dtype=np.int64))
+        else:
+            parts.append(np.fromiter(versions, dtype=np.int64, count=len(versions)))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def pack_routed_experts(samples: list[Sample]) -> dict[str, np.ndarray]:

@@ -84,7 +84,7 @@ class _ResponseParser:
         self.length: int | None = None
         self.chunked = False
         self.until_close = False
-        self.body = bytearray()
+        self.body: bytearray | bytes = bytearray()
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
         if not self.buffer and self.status is None:
@@ -128,7 +128,8 @@ class _ResponseParser:
         need = self.length or 0
         if len(self.buffer) < need:
             return False
-        self.body += self.buffer[:need]
+        with memoryview(self.buffer) as view:  # one copy out of the buffer (a slice, then bytes(), made two)
+            self.body = view[:need].tobytes()
         del self.buffer[:need]
         return True
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
-
+from hpc_rl.rollout.answer_pool import AnswerNotJSON, AnswerPool
 from hpc_rl.rollout.engine_loads import EngineLoads
 from hpc_rl.rollout.request_batching import BatchAnswerError, batchable, merge_payloads, plan_batches, split_answer
 
@@ -151,8 +151,12 @@ class EngineClient:
     def __init__(self, directory: EngineDirectory, *, router_url: str | None = None,
                  per_engine_concurrency: int = 512, request_timeout_s: float = 600.0,
                  control_timeout_s: float = 10.0, api_key: str | None = None,
-                 context_length: int | None = None, batch_requests: bool = True) -> None:
+                 context_length: int | None = None, batch_requests: bool = True,
+                 answer_pool: AnswerPool | None = None) -> None:
         self.directory = directory
+        self.answer_pool = answer_pool
+        """Worker processes that parse /generate answers into compact token arrays (answer_pool.py;
+        `rollout.answer_parse_workers`), started and closed with the client; None: parsed on the loop."""
         self.batch_requests = batch_requests
         """Queue `generate(..., group=...)` calls of one moment into batched requests (module docstring)."""
         self.http_requests = 0
@@ -191,6 +195,8 @@ class EngineClient:
             # connections stay open across weight syncs and train steps (aiohttp's 15 s keep-alive
             # reopened ~2,000 router connections per rollout at 256 engines: 14% of the controller's CPU).
             self._connections = EngineConnections(api_key=self._api_key)
+        if self.answer_pool is not None:
+            await self.answer_pool.start()
         return self
 
     async def close(self) -> None:
@@ -201,6 +207,8 @@ class EngineClient:
         if self._connections is not None:
             await self._connections.close()
             self._connections = None
+        if self.answer_pool is not None:
+            self.answer_pool.close()
 
     async def __aenter__(self) -> Self:
         return await self.start()
@@ -371,8 +379,10 @@ class EngineClient:
         if status != 200:
             raise EngineHTTPError(status, _text(raw))
         try:
+            if self.answer_pool is not None:
+                return await self.answer_pool.parse(raw)
             return orjson.loads(raw)
-        except orjson.JSONDecodeError as error:
+        except (orjson.JSONDecodeError, AnswerNotJSON) as error:
             raise TransportError(f"{base} answered a body that is not JSON: {error}") from None
 
     async def _post_control(self, url: str, path: str, body: dict[str, Any]) -> bool:

@@ -41,6 +41,7 @@ import contextvars
 import json
 import time
 import uuid
+from array import array
 from collections.abc import Awaitable, Callable
 from operator import itemgetter
 from typing import Any
@@ -137,7 +138,10 @@ def version_to_int(value: Any, fallback: int) -> int:
 
 def output_logprobs(entries: list[Any]) -> list[float]:
     """The logprob of each output token from SGLang's `[logprob, token id, text]` entries (None or a
-    malformed entry: 0.0). The common case is walked in C: this is per token, for every sample."""
+    malformed entry: 0.0). The common case is walked in C: this is per token, for every sample. Entries
+    an answer-parsing worker already reduced to an array of log-probs (answer_pool.py) are listed as is."""
+    if isinstance(entries, array):
+        return entries.tolist()
     try:
         logprobs = list(map(itemgetter(0), entries))
     except (IndexError, TypeError, KeyError):
@@ -359,7 +363,8 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
         transport_failures = 0
         body = answer.body
         meta = body.get("meta_info") or {}
-        token_ids = list(map(int, body.get("output_ids") or []))
+        output_ids = body.get("output_ids") or []
+        token_ids = output_ids.tolist() if isinstance(output_ids, array) else list(map(int, output_ids))
         logprobs = output_logprobs(meta.get("output_token_logprobs") or [])
         if len(logprobs) != len(token_ids):  # none asked for, or a malformed answer: pad or cut
             logprobs = (logprobs + [0.0] * len(token_ids))[:len(token_ids)]

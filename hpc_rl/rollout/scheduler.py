@@ -56,6 +56,7 @@ from hpc_rl.rollout.partial_buffer import (
     mask_offpolicy,
     reset_sample,
     trained_token_staleness,
+    version_range,
     violates_staleness,
 )
 from hpc_rl.rollout.routed_experts import RoutingShape
@@ -405,13 +406,14 @@ def _sample_stats(groups: list[Group], current_version: int) -> dict[str, float]
     samples = [s for g in groups for s in g]
     if not samples:
         return {}
-    lags = [current_version - min(s.weight_versions) for s in samples if s.weight_versions]
+    spans = [version_range(s.weight_versions) for s in samples if s.weight_versions]
+    lags = [current_version - low for low, _ in spans]
     return {
         "rollout/reward_mean": sum(float(s.reward or 0.0) for s in samples) / len(samples),
         "rollout/response_len_mean": sum(s.response_length for s in samples) / len(samples),
         "rollout/truncated_ratio": sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
         "rollout/resumed_partial_samples": float(sum("start_rollout_id" in s.metadata for s in samples)),
-        "rollout/samples_spanning_versions": float(sum(len(set(s.weight_versions)) > 1 for s in samples)),
+        "rollout/samples_spanning_versions": float(sum(low != high for low, high in spans)),
         "rollout/staleness_max": float(max(lags)) if lags else 0.0,
         **dict(zip(("rollout/staleness_trained_mean", "rollout/staleness_trained_max"),
                    trained_token_staleness(samples, current_version))),

@@ -30,12 +30,15 @@ def test_harness_at_eight_engines_loses_and_duplicates_nothing(tmp_path):
     bench = load_bench()
     args = bench.parse_args(["--engines", "8", "--modes", "sync", "partial", "--rollouts", "2",
                              "--samples-per-engine", "16", "--abort-fill", "4", "--reward-workers", "1",
+                             "--parse-workers", "1", "--parse-inline-below", "0",
                              "--work-dir", str(tmp_path)])
     results = asyncio.run(bench.main_async(args))
     assert [r.mode for r in results] == ["sync", "partial"]
     for result in results:
         assert (result.lost, result.duplicated) == (0, 0)
         assert result.extra["reward_workers"] == 1  # the controller scored in its reward pool
+        assert result.extra["answers_parsed_in_workers"] > 0  # every answer went to the parse worker
+        assert result.worker_cpu_s_per_1k >= 0  # /proc counts 10 ms ticks: a few small answers may read 0
         assert result.trained_samples == 2 * 16 * 8  # 2 rollouts of 16 groups of 8
         assert 0.0 < result.busy <= 1.0
         assert result.samples_per_sim_s > 0 and result.cpu_s_per_1k > 0

@@ -216,3 +216,18 @@ def test_simulated_engines_answer_sglangs_batched_generate_item_by_item() -> Non
             assert status == 400 and b"Duplicate request IDs" in raw
 
     asyncio.run(scenario())
+
+
+def test_response_parser_takes_fixed_length_bodies_split_over_reads_and_back_to_back() -> None:
+    from hpc_rl.protocol.http_client import _ResponseParser
+
+    body = bytes(range(256)) * 4000  # ~1 MB: many reads, as a full-length batched /generate answer
+    stream = (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+              + b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\n\r\nno")
+    parser = _ResponseParser()
+    answers = []
+    for start in range(0, len(stream), 65_536):
+        answers += parser.feed(stream[start:start + 65_536])
+    assert [(status, type(data), len(data)) for status, data in answers] == [(200, bytes, len(body)), (404, bytes, 2)]
+    assert answers[0][1] == body and answers[1][1] == b"no"
+    assert not parser.buffer and parser.status is None
