@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hpc_rl.config.schema import CriticConfig, OptimizerConfig
+from hpc_rl.config.sections.training import CriticConfig, OptimizerConfig
 from hpc_rl.training.advantages import gae_advantages_and_returns, ppo_token_rewards
 from hpc_rl.training.context_parallel import gather_with_local_grad
 from hpc_rl.training.losses import sum_of_sample_mean, sum_of_tokens, value_loss

@@ -25,7 +25,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.schema import TrainingConfig
+from hpc_rl.config.sections.training import TrainingConfig
 from hpc_rl.training.micro_batches import MicroBatch
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.pipeline import NO_HOOKS, StageHooks

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc_rl.config.schema import OptimizerConfig
+from hpc_rl.config.sections.training import OptimizerConfig
 from hpc_rl.training.cpu_switch import cuda_available, host_optimizer_calls
 
 _NEVER = 10**12

@@ -52,7 +52,8 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.schema import AlgorithmConfig, CriticConfig, DistillationConfig, TrainingConfig
+from hpc_rl.config.sections.algorithm import AlgorithmConfig, DistillationConfig
+from hpc_rl.config.sections.training import CriticConfig, TrainingConfig
 from hpc_rl.training.advantages import compute_advantages, masked_whiten
 from hpc_rl.training.host_weights import HostResidentModel
 from hpc_rl.training.custom_hooks import (

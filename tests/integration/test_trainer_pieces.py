@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_rl.config.schema import OptimizerConfig
+from hpc_rl.config.sections.training import OptimizerConfig
 from hpc_rl.training.logprobs import vocab_parallel_logprobs
 from hpc_rl.training.micro_batches import build_microbatch
 from hpc_rl.training.optimizer import learning_rate

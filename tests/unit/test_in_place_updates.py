@@ -14,7 +14,8 @@ import torch
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from hpc_rl.config.schema import ClusterConfig, ControllerConfig, RolloutConfig
+from hpc_rl.config.sections.cluster import ClusterConfig, ControllerConfig
+from hpc_rl.config.sections.rollout import RolloutConfig
 from hpc_rl.controller.engine_admin import BucketUpdate
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
 from hpc_rl.controller.trainer_channel import TrainerChannel

@@ -10,7 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpc_rl.config import load_config
-from hpc_rl.config.schema import AlgorithmConfig, TrainingConfig
+from hpc_rl.config.sections.algorithm import AlgorithmConfig
+from hpc_rl.config.sections.training import TrainingConfig
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.plugins import PluginError, load_plugin
 from hpc_rl.training.logprobs import vocab_parallel_logprobs

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_rl.config.schema import AlgorithmConfig, TrainingConfig
+from hpc_rl.config.sections.algorithm import AlgorithmConfig
+from hpc_rl.config.sections.training import TrainingConfig
 from hpc_rl.training.micro_batches import choose_qkv_format
 from hpc_rl.training.step import old_logprobs_need_own_pass
 

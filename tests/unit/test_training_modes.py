@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from hpc_rl.config import load_config
-from hpc_rl.config.schema import ClusterConfig, OptimizerConfig
+from hpc_rl.config.sections.cluster import ClusterConfig
+from hpc_rl.config.sections.training import OptimizerConfig
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.controller.train_batches import pack_samples
 from hpc_rl.data.chat_loss_masks import ChatLossMasks
