@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hpc_rl.training.advantages import compute_advantages, masked_whiten
 from hpc_rl.training.custom_hooks import run_custom_advantages
-from hpc_rl.training.losses import approx_kl
+from hpc_rl.training.loss_terms import approx_kl
 from hpc_rl.training.train_batch import TrainBatch
 
 

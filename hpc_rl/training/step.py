@@ -52,7 +52,8 @@ from hpc_rl.training.custom_hooks import (
 )
 from hpc_rl.training.host_weights import HostResidentModel
 from hpc_rl.training.logprob_passes import LogProbPasses
-from hpc_rl.training.losses import policy_loss_and_metrics, sft_loss, sum_of_sample_mean, sum_of_tokens
+from hpc_rl.training.loss_reduction import sum_of_sample_mean, sum_of_tokens
+from hpc_rl.training.losses import policy_loss_and_metrics, sft_loss
 from hpc_rl.training.micro_batches import MicroBatch
 from hpc_rl.training.moe_routing import MoeRouting
 from hpc_rl.training.mtp_model import mtp_model_of
