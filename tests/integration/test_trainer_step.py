@@ -136,7 +136,7 @@ def _one_rank_step_against_reference(parts) -> dict:
     a float64 norm, torch's per-tensor AdamW."""
     import megatron.core.distributed as megatron_distributed
 
-    from hpc_rl.training.optimizer import learning_rate
+    from hpc_rl.training.lr_schedule import learning_rate
 
     optimizer, config = parts.optimizer, parts.optimizer.config
     (megatron_optimizer,) = optimizer.chained
