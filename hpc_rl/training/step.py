@@ -55,7 +55,7 @@ from hpc_rl.training.logprob_passes import LogProbPasses
 from hpc_rl.training.loss_reduction import sum_of_sample_mean, sum_of_tokens
 from hpc_rl.training.losses import policy_loss_and_metrics, sft_loss
 from hpc_rl.training.micro_batches import MicroBatch
-from hpc_rl.training.moe_routing import MoeRouting
+from hpc_rl.training.moe_routing import MoeRouting, set_moe_aux_loss_scale
 from hpc_rl.training.mtp_model import mtp_model_of
 from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
 from hpc_rl.training.parallel import ParallelInfo
@@ -81,26 +81,6 @@ LossOfMicro = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str,
 
 def _optional_plugin(kind: str, path: str | None) -> Any:
     return load_plugin(kind, path) if path else None
-
-
-def moe_aux_loss_scale(num_micros: int, cp_size: int, per_token_loss: bool, global_tokens: float) -> float:
-    """The factor Megatron's schedule gives the MoE load-balancing losses' gradient (`MoEAuxLossAutoScaler`),
-    which its own `forward_step` sets and this pipeline must too: each micro-batch's aux loss is a mean over
-    its tokens, so without per-token loss it is averaged over the micro-batches (times CP, which DDP's
-    DP x CP average undoes); with it, DDP sums and Megatron divides every gradient by the global token count
-    afterwards (`finalize_model_grads`), which the step applies here up front, as it does to the main loss."""
-    if per_token_loss:
-        return 1.0 / max(global_tokens, 1.0)
-    return cp_size / max(num_micros, 1)
-
-
-def set_moe_aux_loss_scale(num_micros: int, cp_size: int, per_token_loss: bool, global_tokens: float, *,
-                           device: str | torch.device) -> None:
-    """Set `moe_aux_loss_scale`'s factor for the coming backward passes (one value for the whole step)."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    factor = moe_aux_loss_scale(num_micros, cp_size, per_token_loss, global_tokens)
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(factor, dtype=torch.float32, device=device))
 
 
 class RolloutTrainer(LogProbPasses, RolloutAdvantages):
