@@ -37,7 +37,7 @@ def plan_rank(model_file: str) -> dict:
     import torch
 
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.model_provider import build_gpt_model
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
     from hpc_rl.config.fp8_scheme import Fp8Blocks

@@ -51,7 +51,8 @@ def _batch(seed: int, share: int, rank: int):
 
 def step_rank(hf_dir: str, dispatcher: str, rollouts: int) -> list[float]:
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
 
@@ -98,7 +99,7 @@ def sync_rank(model_file: str) -> dict:
     import torch
 
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.model_provider import build_gpt_model
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
     from hpc_rl.weights import hf_mapping

@@ -42,7 +42,7 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.training import OptimizerConfig, TrainingConfig
     from hpc_rl.training.model_provider import build_gpt_model
     from hpc_rl.training.optimizer import ActorOptimizer, wrap_ddp
     from hpc_rl.training.parallel import init_parallel

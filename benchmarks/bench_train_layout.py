@@ -48,7 +48,8 @@ def _batch(rng: random.Random, samples: int, low: int, high: int, response_max: 
 
 def bench_rank(shape: tuple[int, int, int, int], rollouts: int) -> dict[str, list[float]]:
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
     from hpc_rl.training.step import RolloutTrainer

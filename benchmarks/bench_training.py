@@ -24,7 +24,8 @@ from hpc_rl.training.local_ranks import run_ranks
 def train_rank(hf_dir: str, arch_fields: dict, tp: int, sp: bool, args: argparse.Namespace,
                cp: int = 1, pp: int = 1) -> dict | None:
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
     from hpc_rl.training.train_batch import TrainBatch

@@ -424,7 +424,7 @@ def hpc_rl_settings(config: Any) -> dict[str, Any]:
     """The same fields, from a run's resolved config (a RunConfig)."""
     from hpc_rl.data.prompt_tokenizer import load_prompt_tokenizer
     from hpc_rl.data.prompts import make_prompt_encoder
-    from hpc_rl.training.step import old_logprobs_need_own_pass
+    from hpc_rl.training.step_settings import old_logprobs_need_own_pass
 
     rollout, training, algorithm, optimizer = config.rollout, config.training, config.algorithm, config.optimizer
     first = json.loads((REPO / rollout.prompt_data).read_text().splitlines()[0])

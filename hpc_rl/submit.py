@@ -20,7 +20,8 @@ from hpc_rl.config import ConfigError, load_config, write_resolved_config
 from hpc_rl.config.typing_rules import ConfigErrors
 from hpc_rl.config.loading import config_to_dict
 from hpc_rl.config.memory_plan import plan_summary
-from hpc_rl.config.validation import ValidationFailed, run_architecture, validate
+from hpc_rl.config.model_checks import run_architecture
+from hpc_rl.config.validation import ValidationFailed, validate
 from hpc_rl.launch.submit_args import EXIT_INVALID, assign_run_dir, default_executor, parse_submit_args
 from hpc_rl.launch.run_plan import write_topology
 from hpc_rl.launch.topology import plan_run_topology

@@ -80,7 +80,8 @@ def tiny_arch() -> Any:
 
 def trainer_parts(ctx: Context, *, optimizer: Any = None, load: str | None = None, kl: bool = False,
              arch: Any = None, hf_dir: Path | None = None, **training_fields: Any) -> Any:
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training.actor import build_trainer
 
     info = need_parallel(ctx)

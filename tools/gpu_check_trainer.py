@@ -20,7 +20,7 @@ def check_nccl_init(ctx: Context) -> dict[str, Any]:
     need_module("megatron.core")
     import torch.distributed as dist
 
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.process.child_process import free_port
     from hpc_rl.training.parallel import init_parallel
 
@@ -36,7 +36,7 @@ def _logits_against_transformers(ctx: Context, arch: Any, checkpoint: Path) -> d
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.model_provider import build_gpt_model, forward_logits
     from hpc_rl.weights.hf_import import load_hf_into_model
 
@@ -95,7 +95,7 @@ def check_logits_random_shape(ctx: Context) -> dict[str, Any]:
 def check_params_on_device(ctx: Context) -> dict[str, Any]:
     import torch
 
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.model_provider import build_gpt_model
 
     need_parallel(ctx)
@@ -110,7 +110,7 @@ def check_params_on_device(ctx: Context) -> dict[str, Any]:
 def _loaded_weights(ctx: Context, dtype: Any) -> dict[str, Any]:
     """The tiny checkpoint in a model built as the actor is (its dtype), without an optimizer: what 'loaded'
     means."""
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.model_provider import build_gpt_model
     from hpc_rl.weights.hf_import import load_hf_into_model
 
@@ -178,7 +178,7 @@ def check_optimizer_nan_step(ctx: Context) -> dict[str, Any]:
 
 
 def check_optimizer_lr_warmup(ctx: Context) -> dict[str, Any]:
-    from hpc_rl.config.schema import OptimizerConfig
+    from hpc_rl.config.sections.training import OptimizerConfig
 
     parts = trainer_parts(ctx, optimizer=OptimizerConfig(lr=LR, lr_warmup_fraction=0.5, clip_grad=1.0))
     parts.optimizer.set_run_length(4)  # warm-up of 2 steps: lr 0, then lr/2

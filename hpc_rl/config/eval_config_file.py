@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from hpc_rl.config.schema import EvalDataset
+from hpc_rl.config.sections.rollout import EvalDataset
 from hpc_rl.config.typing_rules import ConfigError, coerce_value
 
 PER_DATASET_FIELDS = tuple(f.name for f in dataclasses.fields(EvalDataset) if f.name not in ("name", "path"))

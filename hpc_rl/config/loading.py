@@ -23,7 +23,8 @@ import yaml
 from hpc_rl.config.eval_config_file import eval_datasets_from_file
 from hpc_rl.config.megatron_model import architecture_from_flags
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.schema import EvalDataset, RunConfig
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.config.sections.rollout import EvalDataset
 from hpc_rl.config.settings_sources import (
     MEGATRON_PREFIX, MODEL_ARGS_FIELD, TOP_LEVEL_FIELDS, Setting, cli_settings_and_problems, parse_cli_settings,
     read_yaml_settings, section_types, yaml_settings_and_problems,

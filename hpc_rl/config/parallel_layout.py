@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.schema import TrainingConfig
+from hpc_rl.config.sections.training import TrainingConfig
 
 
 @dataclass(frozen=True)

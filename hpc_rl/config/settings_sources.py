@@ -21,7 +21,8 @@ from typing import Any, Mapping
 import yaml
 
 from hpc_rl.config.moe_layer_freq import LayerFreqError, parse_layer_freq
-from hpc_rl.config.schema import RunConfig, SGLangConfig
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.config.sections.rollout import SGLangConfig
 from hpc_rl.config.slime_flags import (
     ANY_VALUE, ALIASES, COMPAT_FLAGS, EXPANDING_FLAGS, MODEL_FLAGS, MODEL_SWITCHES, MODEL_VALUE_FLAGS, REFUSED_FLAGS,
     UNBUILDABLE_MODEL_FLAGS,

@@ -30,9 +30,10 @@ from typing import Any
 
 import yaml
 
-from hpc_rl.config.schema import (
-    LOSS_MASK_TYPES, ROLLOUT_FUNCTIONS, SFT_ROLLOUT, AlgorithmConfig, DistillationConfig, OptimizerConfig, RunConfig,
-)
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.config.sections.algorithm import AlgorithmConfig, DistillationConfig
+from hpc_rl.config.sections.rollout import LOSS_MASK_TYPES, ROLLOUT_FUNCTIONS, SFT_ROLLOUT
+from hpc_rl.config.sections.training import OptimizerConfig
 from hpc_rl.config.typing_rules import ConfigError, coerce_value
 
 log = logging.getLogger(__name__)

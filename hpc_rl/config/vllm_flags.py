@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hpc_rl.config.schema import ROUTER_POLICIES
+from hpc_rl.config.sections.rollout import ROUTER_POLICIES
 from hpc_rl.config.typing_rules import ConfigError
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from hpc_rl.config.schema import ROUTER_POLICIES
+from hpc_rl.config.sections.rollout import ROUTER_POLICIES
 from hpc_rl.engines import API_KEY_ENV
 from hpc_rl.process.child_process import ChildProcess, ChildProcessFailed, free_port, http_ok, wait_until
 from hpc_rl.protocol.http_client import request_blocking

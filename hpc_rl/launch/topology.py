@@ -22,7 +22,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from hpc_rl.config.schema import ClusterConfig, RunConfig
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.config.sections.cluster import ClusterConfig
 
 DEFAULT_BASE_PORT = 15000
 PORTS_PER_ENGINE = 4  # HTTP, NCCL/gloo side channels, spare: SGLang opens a few ports after its own

@@ -27,9 +27,8 @@ from hpc_rl.config.lora import LoraConfig
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.training_modes import frozen_model_roles
 from hpc_rl.models.deepseek_v32.config_rules import is_indexer_parameter
-from hpc_rl.config.schema import (
-    AlgorithmConfig, CheckpointConfig, CriticConfig, DistillationConfig, OptimizerConfig, TrainingConfig,
-)
+from hpc_rl.config.sections.algorithm import AlgorithmConfig, DistillationConfig
+from hpc_rl.config.sections.training import CheckpointConfig, CriticConfig, OptimizerConfig, TrainingConfig
 from hpc_rl.plugins import load_plugin
 from hpc_rl.training import checkpoint
 from hpc_rl.training.checkpoint_manifest import choose_resume, resume_directory

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.schema import CheckpointConfig
+from hpc_rl.config.sections.training import CheckpointConfig
 from hpc_rl.protocol.messages import (
     AbortWeightGroupCommand,
     ColocatedSyncCommand,

@@ -45,7 +45,7 @@ def hf_to_torch_dist(hf_dir: str | Path, model_file: str | Path, save_dir: str |
                      last_stage_layers: int | None = None) -> Path:
     """Collective over the world's ranks: write `save_dir/iter_0000000` (+ tracker). Returns it.
     Each rank reads only its shards (its experts under EP); the remaining ranks are data-parallel."""
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.checkpoint import save_model_weights
     from hpc_rl.training.model_provider import build_gpt_model
     from hpc_rl.training.parallel import init_parallel
@@ -118,7 +118,7 @@ def copy_side_files(reference_dir: str | Path | None, output_dir: str | Path, *,
 def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: str | Path, *,
                      hf_reference: str | Path | None = None) -> Path:
     """One CPU process: load torch_dist (saved at any TP/PP) at TP=1, PP=1 and write an HF directory."""
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.checkpoint import load_model_weights
     from hpc_rl.training.model_provider import build_gpt_model
     from hpc_rl.training.parallel import init_parallel

@@ -29,10 +29,11 @@ from typing import Any
 
 import torch
 
-from hpc_rl.config.schema import CriticConfig, OptimizerConfig
+from hpc_rl.config.sections.training import CriticConfig, OptimizerConfig
 from hpc_rl.training.advantages import gae_advantages_and_returns, ppo_token_rewards
 from hpc_rl.training.context_parallel import gather_with_local_grad
-from hpc_rl.training.losses import sum_of_sample_mean, sum_of_tokens, value_loss
+from hpc_rl.training.loss_reduction import sum_of_sample_mean, sum_of_tokens
+from hpc_rl.training.losses import value_loss
 
 VALUE_HEAD_INIT_STD = 0.02
 CRITIC_DIR = "critic"

@@ -1,14 +1,16 @@
-"""Policy-gradient losses, KL estimators, entropy and loss reduction, as pure torch functions.
+"""Policy-gradient losses and the total loss of one micro-batch, as pure torch functions.
 
-Owns: the per-token formulas slime uses (PPO clip with clip-higher and dual clip, GSPO, CISPO,
-REINFORCE, TIS and a custom TIS function's hook, off-policy sequence masking (OPSM), KL estimators
-k1/k2/k3/low_var_kl (unbiased with an importance ratio), entropy), the reducers ("sum of sample means" and
-per-token sums), the scale that makes a step's gradient independent of micro-batching, and
-:func:`policy_loss_and_metrics`, which assembles the total loss of one micro-batch.
+Owns: the per-token policy losses slime uses (PPO clip with clip-higher and dual clip, GSPO, CISPO, REINFORCE),
+SFT's and the critic's value loss, the loss knobs (`PolicyLossConfig`), and :func:`policy_loss_and_metrics`,
+which assembles the total loss of one micro-batch (TIS and a custom TIS function's hook, OPSM, the KL loss,
+entropy, score centering). The terms it adds or weighs by (KL estimators, entropy, TIS weights, OPSM, score
+centering) are `loss_terms`'; the reducers and the step's loss scale are `loss_reduction`'.
 
 Does not own: computing log-probs through Megatron (vocab-parallel gather, context parallelism),
 all-reduces, or advantages (see ``advantages.py``). Everything here runs on plain tensors, so users
-can call it from custom losses and tests run without processes.
+can call it from custom losses and tests run without processes: `__all__` is the public surface for users'
+custom losses and keeps the names of `loss_terms` and `loss_reduction` importable from here (their import path
+before the split), so plug-ins written against `hpc_rl.training.losses` keep working.
 
 Conventions (slime's): ``log_probs`` = current policy, ``old_log_probs`` = policy that produced the
 advantages' data (recomputed by the trainer, or the rollout's with ``--use-rollout-logprobs``),
@@ -19,12 +21,20 @@ per-sample ``loss_masks`` (1 = trained token) give each sample's length.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
+
+from hpc_rl.config.sections.algorithm import KL_TYPES
+from hpc_rl.training.loss_reduction import (
+    PerSample, masked_token_mean, step_loss_scale, sum_of_sample_mean, sum_of_tokens,
+)
+from hpc_rl.training.loss_terms import (
+    approx_kl, entropy_from_logits, log_probs_from_logits, opsm_mask, score_centering_correction, tis_weights,
+)
 
 __all__ = [
     "KL_TYPES",
@@ -52,60 +62,10 @@ __all__ = [
     "value_loss",
 ]
 
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 POLICY_LOSS_TYPES = ("ppo", "gspo", "cispo", "reinforce")
-PerSample = Sequence[Tensor]
 TisFunction = Callable[..., tuple[Tensor, PerSample, dict[str, Tensor]]]
 """slime's `--custom-tis-function-path`, called as fn(pg_loss=, train_log_probs=, rollout_log_probs=, loss_masks=)
 (the caller binds args, total_lengths and response_lengths); returns (pg_loss, loss_masks, per-token metrics)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# KL and entropy
-# ---------------------------------------------------------------------------------------------
-
-
-def approx_kl(
-    log_probs: Tensor, ref_log_probs: Tensor, kl_type: str, importance_ratio: Tensor | None = None
-) -> Tensor:
-    """Per-token KL(pi || pi_ref) estimate (Schulman's k1/k2/k3), computed in float32.
-
-    With ``d = log_probs - ref_log_probs``:
-      k1 = d;  k2 = d^2 / 2;  k3 = low_var_kl = exp(-d) - (-d) - 1  (>= 0, unbiased, low variance).
-    ``importance_ratio`` (pi/pi_old, slime's ``--use-unbiased-kl``) multiplies the estimate.
-    Only ``low_var_kl`` is then clamped to [-10, 10]; ``k3`` is the same formula unclamped (as in slime).
-    No clamp is applied to the log-ratio itself.
-    """
-    d = log_probs.float() - ref_log_probs.float()
-    if kl_type == "k1":
-        kl = d
-    elif kl_type == "k2":
-        kl = 0.5 * d.square()
-    elif kl_type in ("k3", "low_var_kl"):
-        kl = torch.expm1(-d) + d  # exp(-d) - 1 + d, without cancellation near d = 0
-    else:
-        raise ValueError(f"unknown kl_type {kl_type!r}; expected one of {KL_TYPES}")
-    if importance_ratio is not None:
-        kl = importance_ratio * kl
-    if kl_type == "low_var_kl":
-        kl = kl.clamp(-10.0, 10.0)
-    return kl
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Per-position entropy of softmax(logits) over the last dim: H = -sum_v p_v log p_v.
-
-    Stable for large logits (via log_softmax). With a vocab-parallel (TP-sharded) last dim this is
-    NOT the entropy: the caller must all-reduce max, sum-exp and sum(p*z) over the TP group
-    (H = max + log(sum exp(z - max)) - sum(p * z)), as Megatron trainers do.
-    """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
-
-
-def log_probs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
-    """log p(token) under softmax(logits): ``log_softmax(logits)[..., token]`` (no TP sharding)."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,63 +168,6 @@ def reinforce_loss(log_probs: Tensor, advantages: Tensor) -> tuple[Tensor, Tenso
     return -advantages.detach() * log_probs, torch.zeros_like(log_probs)
 
 
-def tis_weights(
-    old_log_probs: Tensor, rollout_log_probs: Tensor, clip_low: float, clip_high: float
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Truncated importance sampling for the train/inference mismatch.
-
-    w_t = clamp(exp(logp_old - logp_rollout), clip_low, clip_high), with no gradient (the policy
-    loss is multiplied by it). Per-token metrics: ``tis`` (unclamped ratio), ``tis_clipfrac``
-    (1.0 where clamped), ``tis_abs`` = |ratio - 1|.
-    """
-    with torch.no_grad():
-        ratio = torch.exp(old_log_probs.float() - rollout_log_probs.float())
-        w = ratio.clamp(clip_low, clip_high)
-        metrics = {"tis": ratio, "tis_clipfrac": (w != ratio).float(), "tis_abs": (ratio - 1.0).abs()}
-    return w, metrics
-
-
-def score_centering_correction(
-    train_head_log_probs: Tensor, sampler_head_log_probs: Tensor, *, clip_low: float | None = None,
-    clip_high: float | None = None, eps: float = 1e-6, unweighted: bool = False,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The head term of score centering (arXiv:2609.20807 eqs. 9, 12, 14, as slime's later main uses it).
-
-    Inputs are [tokens, k] log-probs of the sampler's top-k tokens at each position, normalized over the
-    whole vocabulary: ``train_head_log_probs`` (log p, the trainer's; the only input with a gradient) and
-    ``sampler_head_log_probs`` (log q, the engine's). With head masses P = sum_k p, Q = sum_k q, the tail
-    ratio rho = max(1 - Q, eps) / max(1 - P, eps), the importance weight IS(r) = clamp(r, clip_low,
-    clip_high) (identity when both are None: no TIS), alpha = rho * IS(1 / rho) and w_k = IS(p_k / q_k):
-
-        correction_t = sum_k (q_k * w_k - alpha * p_k) * log p_k        (the bracket without gradient)
-
-    ``unweighted``: the sampled token's score carries no importance weight (REINFORCE without TIS), so neither
-    does its expectation: w_k = 1 and alpha = rho, correction_t = sum_k (q_k - rho * p_k) * log p_k. (With the
-    identity IS the head term vanishes exactly: E_q[(p / q) grad log p] = E_p[grad log p] = 0.)
-
-    Returns (correction [tokens], Q [tokens], P [tokens]); Q and P are detached. The correction estimates the
-    sampler's expected (importance-weighted) score E_q[w grad log p] on the head, the tail taken proportional to
-    the trainer's; :func:`policy_loss_and_metrics` subtracts it from each token's score (``score_centering``).
-    """
-    def importance(ratio: Tensor) -> Tensor:
-        if clip_low is None and clip_high is None:
-            return ratio
-        return ratio.clamp(0.0 if clip_low is None else clip_low, clip_high)
-
-    with torch.no_grad():
-        p, q = train_head_log_probs.float().exp(), sampler_head_log_probs.float().exp()
-        p_mass, q_mass = p.sum(-1), q.sum(-1)
-        rho = (1.0 - q_mass).clamp_min(eps) / (1.0 - p_mass).clamp_min(eps)
-        if unweighted:
-            alpha, sampled = rho, q
-        else:
-            alpha = rho * importance(rho.reciprocal())
-            weights = importance((train_head_log_probs.float() - sampler_head_log_probs.float()).exp())
-            sampled = torch.where(q > 0, q * weights, torch.zeros_like(q))  # a -inf sampler entry: 0, not 0 * inf
-        residual = sampled - alpha.unsqueeze(-1) * p
-    return (residual * train_head_log_probs).sum(-1), q_mass, p_mass
-
-
 def sft_loss(log_probs: PerSample, loss_masks: PerSample, *, per_token: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
     """SFT (slime's sft_loss): loss = -R(log p(token)) over the trained (assistant) tokens, R the step's reducer
     (:func:`sum_of_sample_mean`, or :func:`sum_of_tokens` with ``per_token``); metrics: ``loss``."""
@@ -280,91 +183,6 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: 
     clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
     loss = torch.maximum((clipped - returns).square(), (values - returns).square())
     return loss, ((values - old_values).abs() > value_clip).float()
-
-
-def opsm_mask(log_probs: PerSample, old_log_probs: PerSample, advantages: PerSample, loss_masks: PerSample,
-              delta: float) -> tuple[Tensor, Tensor]:
-    """Off-policy sequence masking (slime's --use-opsm): a token with a negative advantage in a sample whose
-    masked mean (logp_old - logp) exceeds `delta` gets no policy loss. Returns (keep, masked), both per token
-    and concatenated: keep = 1 - masked. Needs each sample's full response (as GSPO); no gradient."""
-    masked = []
-    with torch.no_grad():
-        for lp, old, adv, m in zip(log_probs, old_log_probs, advantages, loss_masks, strict=True):
-            m = m.to(lp.dtype)
-            sequence_kl = ((old - lp) * m).sum() / m.sum().clamp_min(1)
-            masked.append(((adv < 0) & (sequence_kl > delta)).to(lp.dtype))
-    flat = torch.cat(masked) if masked else torch.zeros(0)
-    return 1.0 - flat, flat
-
-
-# ---------------------------------------------------------------------------------------------
-# Reduction
-# ---------------------------------------------------------------------------------------------
-
-
-def _segments(values: Tensor | PerSample, loss_masks: PerSample) -> tuple[Tensor, Tensor, Tensor]:
-    """(values, masks) concatenated over samples, and each token's sample index: one tensor op per
-    reduction instead of one per sample (a micro-batch has hundreds of short samples)."""
-    x = values if isinstance(values, Tensor) else torch.cat(list(values))
-    lengths = [int(m.numel()) for m in loss_masks]
-    if x.numel() != sum(lengths):
-        raise ValueError(f"values have {x.numel()} tokens but the loss masks cover {sum(lengths)}")
-    m = torch.cat(list(loss_masks)).to(device=x.device, dtype=x.dtype)
-    sample = torch.repeat_interleave(torch.arange(len(lengths), device=x.device),
-                                     torch.tensor(lengths, device=x.device))
-    return x, m, sample
-
-
-def sum_of_sample_mean(values: Tensor | PerSample, loss_masks: PerSample) -> Tensor:
-    """Sum over samples of each sample's masked mean: sum_i (sum_t m_it x_it) / max(sum_t m_it, 1).
-
-    ``values``: the concatenated per-token tensor of the micro-batch (split by the masks' lengths)
-    or a list of per-sample tensors. This is slime's default reduction; dividing the step's total by
-    ``global_batch_size`` (see :func:`step_loss_scale`) gives the mean over samples.
-    """
-    if len(loss_masks) == 0:
-        return torch.zeros(())
-    x, m, sample = _segments(values, loss_masks)
-    count = len(loss_masks)
-    numerator = torch.zeros(count, dtype=x.dtype, device=x.device).index_add(0, sample, x * m)
-    denominator = torch.zeros(count, dtype=x.dtype, device=x.device).index_add(0, sample, m)
-    return (numerator / denominator.clamp_min(1)).sum()
-
-
-def sum_of_tokens(values: Tensor | PerSample, loss_masks: PerSample) -> Tensor:
-    """Masked sum over all tokens: sum_i sum_t m_it x_it (``--calculate-per-token-loss``).
-
-    Divide the step's total by the step's total trained-token count (summed over micro-batches and
-    DP ranks) to get the per-token mean.
-    """
-    if len(loss_masks) == 0:
-        return torch.zeros(())
-    x, m, _ = _segments(values, loss_masks)
-    return (x * m).sum()
-
-
-def masked_token_mean(values: Tensor | PerSample, loss_masks: PerSample) -> Tensor:
-    """Mean over the trained tokens of ONE micro-batch: sum_of_tokens / max(total mask, 1)."""
-    count = float(torch.cat(list(loss_masks)).sum()) if len(loss_masks) else 0.0
-    return sum_of_tokens(values, loss_masks) / max(count, 1.0)
-
-
-def step_loss_scale(global_batch_size: int, *, dp_size: int = 1, num_microbatches: int = 1) -> float:
-    """Factor for each micro-batch's sum-of-sample-means loss so a step's gradient = mean over samples.
-
-    Summing ``sum_of_sample_mean(...) / global_batch_size`` over every micro-batch of every DP rank
-    gives (1/B) * sum over the B samples of their per-sample mean losses, whatever the
-    micro-batching: each sample's term appears exactly once. Two framework corrections:
-      * ``dp_size``: DDP averages (not sums) gradients over DP ranks, so multiply back by dp_size
-        (use the DP size *with* context parallel if CP ranks also average; with Megatron's
-        ``calculate_per_token_loss`` DDP sums: pass 1, see ``optimizer.grad_sum_loss_multiplier``).
-      * ``num_microbatches``: Megatron's pipeline schedule divides each micro-batch's loss by the
-        number of micro-batches; multiply back by it.
-    scale = num_microbatches * dp_size / global_batch_size.
-    """
-    if global_batch_size <= 0:
-        raise ValueError(f"global_batch_size must be > 0, got {global_batch_size}")
-    return num_microbatches * dp_size / global_batch_size
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.schema import TrainingConfig
+from hpc_rl.config.sections.training import TrainingConfig
 from hpc_rl.training.cpu_switch import (
     cpu_fusion_overrides,
     cpu_moe_overrides,

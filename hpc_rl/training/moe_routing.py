@@ -1,7 +1,8 @@
 """Which routing each pass of a rollout's training uses on a MoE actor, and the step's router metrics.
 
 Owns `MoeRouting`, built by `step` for an actor with experts: the stage hooks of each pass (replay,
-record, router statistics) and the step's `train/moe/...` metrics. The replay mechanics are
+record, router statistics) and the step's `train/moe/...` metrics; and the scale of the experts'
+load-balancing losses in a step (`moe_aux_loss_scale`). The replay mechanics are
 `routing_replay`'s, the statistics `router_health`'s. slime's stages, per pass:
 
     pass                        use_rollout_routing_replay   use_routing_replay        neither
@@ -9,8 +10,8 @@ record, router statistics) and the step's `train/moe/...` metrics. The replay me
     old log-probs (own pass)    replay the engines'          record                    choose
     training steps              replay the engines'          replay the record (*)     choose
 
-(*) With one optimizer step per rollout and no old-log-prob pass of its own (`step`'s
-`old_logprobs_need_own_pass`), the training pass is the pass at the old weights on the same
+(*) With one optimizer step per rollout and no old-log-prob pass of its own (`step_settings.
+old_logprobs_need_own_pass`), the training pass is the pass at the old weights on the same
 micro-batches: its own choice is the record, so there is nothing to replay (slime records in a
 separate pass and replays it: the same routing, one forward more). With several steps and the
 engines' log-probs as old ones (`use_rollout_logprobs`: no old-log-prob pass), a pass that only
@@ -25,7 +26,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.schema import TrainingConfig
+from hpc_rl.config.sections.training import TrainingConfig
 from hpc_rl.training.micro_batches import MicroBatch
 from hpc_rl.training.parallel import ParallelInfo
 from hpc_rl.training.pipeline import NO_HOOKS, StageHooks
@@ -111,3 +112,23 @@ class MoeRouting:
     def end_rollout(self) -> None:
         if self.replay is not None:
             self.replay.forget()
+
+
+def moe_aux_loss_scale(num_micros: int, cp_size: int, per_token_loss: bool, global_tokens: float) -> float:
+    """The factor Megatron's schedule gives the MoE load-balancing losses' gradient (`MoEAuxLossAutoScaler`),
+    which its own `forward_step` sets and this pipeline must too: each micro-batch's aux loss is a mean over
+    its tokens, so without per-token loss it is averaged over the micro-batches (times CP, which DDP's
+    DP x CP average undoes); with it, DDP sums and Megatron divides every gradient by the global token count
+    afterwards (`finalize_model_grads`), which the step applies here up front, as it does to the main loss."""
+    if per_token_loss:
+        return 1.0 / max(global_tokens, 1.0)
+    return cp_size / max(num_micros, 1)
+
+
+def set_moe_aux_loss_scale(num_micros: int, cp_size: int, per_token_loss: bool, global_tokens: float, *,
+                           device: str | torch.device) -> None:
+    """Set `moe_aux_loss_scale`'s factor for the coming backward passes (one value for the whole step)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    factor = moe_aux_loss_scale(num_micros, cp_size, per_token_loss, global_tokens)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(factor, dtype=torch.float32, device=device))

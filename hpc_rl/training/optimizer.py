@@ -2,8 +2,9 @@
 
 Owns: wrapping the model in Megatron's `DistributedDataParallel` (grads land in `param.main_grad` buffers and are
 reduced over DP by `finalize_model_grads`, which also sums the SP / q-k norm grads over TP and a tied embedding's
-over the first and last pipeline stages), Megatron's optimizer over it, the learning-rate schedule
-(Megatron's `OptimizerParamScheduler`), and one optimizer step. Does not own checkpoint files (`checkpoint`).
+over the first and last pipeline stages), Megatron's optimizer over it with its learning-rate schedule
+(Megatron's `OptimizerParamScheduler`, built in `lr_schedule`), and one optimizer step. Does not own checkpoint
+files (`checkpoint`).
 
 One path for both devices, built in one order: model -> `wrap_ddp` (the distributed optimizer's buffers) ->
 `get_megatron_optimizer` (Megatron's classes: `FP32Optimizer` over fp32 parameters,
@@ -23,15 +24,14 @@ Weights loaded into the model after the optimizer is built (an HF or weights-onl
 optimizer state) reach the fp32 main copies only through `reload_model_params()`: without it the first step
 writes the construction-time weights plus one update back into the model.
 
-The schedule: Megatron's `OptimizerParamScheduler` (linear warm-up from 0, then constant, linear or cosine decay
-to `min_lr`) over the whole run unless lr_decay_iters says otherwise (`schedule_for_run`); it writes the lr of the
-next step into the param groups, so each change of its horizon or position is followed by `step(0)`.
+The schedule (`lr_schedule`): Megatron's `OptimizerParamScheduler` over the whole run unless lr_decay_iters says
+otherwise (`lr_schedule.schedule_for_run`); it writes the lr of the next step into the param groups, so each
+change of its horizon or position is followed by `step(0)`.
 The scheduler's state is not saved: it is the config's schedule at `steps_done` (saved in the checkpoint's JSON).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -39,50 +39,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc_rl.config.schema import OptimizerConfig
+from hpc_rl.config.sections.training import OptimizerConfig
 from hpc_rl.training.cpu_switch import cuda_available, host_optimizer_calls
-
-_NEVER = 10**12
-"""The decay horizon for "no decay": Megatron's scheduler needs one (constant style, no lr_decay_iters)."""
+from hpc_rl.training.lr_schedule import megatron_scheduler, schedule_for_run
 
 
 SHARDED_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-def megatron_scheduler(optimizer: Any, config: OptimizerConfig, steps_done: int = 0) -> Any:
-    """Megatron's `OptimizerParamScheduler` for `config` over `optimizer`'s param groups, at `steps_done` (the lr
-    of the next step is in the param groups)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    warmup = config.lr_warmup_iters
-    decay = max(config.lr_decay_iters or _NEVER, warmup + 1)  # Megatron asserts warm-up < decay
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=decay, lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay,
-        end_wd=config.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
-    if steps_done:
-        scheduler.step(increment=steps_done)
-    return scheduler
-
-
-@dataclass
-class _ParamGroups:
-    """Stands in for an optimizer when only the schedule is asked for (`learning_rate`)."""
-
-    param_groups: list[dict[str, Any]]
-
-
-def learning_rate(config: OptimizerConfig, steps_done: int) -> float:
-    """lr of the optimizer step that follows `steps_done` completed steps, as Megatron's scheduler gives it."""
-    return megatron_scheduler(_ParamGroups([{}]), config, steps_done).get_lr({})
-
-
-def schedule_for_run(config: OptimizerConfig, total_steps: int) -> OptimizerConfig:
-    """The schedule of a run of `total_steps` optimizer steps (slime's: lr_decay_iters defaults to every step of
-    the run; lr_warmup_fraction is a share of lr_decay_iters)."""
-    decay = config.lr_decay_iters or total_steps
-    warmup = int(config.lr_warmup_fraction * decay) if config.lr_warmup_fraction is not None else config.lr_warmup_iters
-    return dataclasses.replace(config, lr_decay_iters=decay, lr_warmup_iters=warmup, lr_warmup_fraction=None)
 
 
 def wants_distributed_optimizer(config: OptimizerConfig) -> bool:

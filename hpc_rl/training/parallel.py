@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hpc_rl.config.schema import TrainingConfig
+from hpc_rl.config.sections.training import TrainingConfig
 from hpc_rl.training.cpu_switch import apply_cpu_switches, seed_megatron_rng
 
 

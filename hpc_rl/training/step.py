@@ -1,12 +1,12 @@
-"""One rollout's training on a trainer rank: ref/old log-probs, advantages, loss, optimizer steps.
+"""One rollout's training on a trainer rank: the order of its passes, the loss, the optimizer steps.
 
-Owns: splitting a `TrainBatch` into `num_steps_per_rollout` steps and each step into micro-batches
-(fixed `micro_batch_size`, or token-packed with `use_dynamic_batch_size`, with the same count on
-every DP rank), the forward passes, the loss scale that makes a step's gradient independent of the
-micro-batching, and the step's metrics. The formulas are `losses` / `advantages`' (pure) or, with
-slime's `--custom-loss-function-path` / `--custom-advantage-function-path`, the user's (`custom_hooks`), the
-micro-batch packing is `batching`'s, log-probs under TP are `logprobs`', running micro-batches
-through pipeline stages is `pipeline`'s.
+Owns: splitting a `TrainBatch` into `num_steps_per_rollout` steps, the order of a rollout's passes (reference,
+old and teacher log-probs: `logprob_passes`; the critic: `critic`; advantages: `rollout_advantages`; then each
+step), each micro-batch's loss, the loss scale that makes a step's gradient independent of the micro-batching,
+the optimizer-step loop and the step's metrics. The formulas are `losses`' (pure) or, with slime's
+`--custom-loss-function-path`, the user's (`custom_hooks`); which passes run is `step_settings`'; the micro-batch
+packing is `batching`'s, log-probs under TP are `logprobs`', running micro-batches through pipeline stages is
+`pipeline`'s.
 
 Pipeline parallel: every stage builds the same micro-batches (it has the tokens), but only the last
 stage sees logits, so the per-sample results live there: ref/old log-probs, KL, advantages, the
@@ -25,14 +25,6 @@ logp_teacher) from the advantages; PPO trains the critic (`critic.train_critic`)
 values (before its update) giving the actor's GAE advantages, and the actor not at all for
 num_critic_only_steps rollouts.
 
-Ref log-probs are computed for the whole rollout before its first update, on the same micro-batches
-the training pass uses, so with ref == actor weights the KL term is exactly 0. The reference and a Megatron
-teacher keep their weights in host memory and swap in for their pass, the actor's weights waiting in host
-memory meanwhile (`host_weights`): one model's weights on the device at a time. Old log-probs come
-from the training pass itself (detached) when there is one optimizer step per rollout and no KL
-reward shaping (`old_logprobs_need_own_pass`), else from their own pass before the first update on
-the same micro-batches: either way logp_old == logp bit for bit on the first step (ppo_kl == 0).
-
 A MoE actor's routers replay or record in these passes and report their health per step (`moe_routing`).
 """
 
@@ -40,10 +32,9 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,73 +43,27 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.schema import AlgorithmConfig, CriticConfig, DistillationConfig, TrainingConfig
-from hpc_rl.training.advantages import compute_advantages, masked_whiten
-from hpc_rl.training.host_weights import HostResidentModel
-from hpc_rl.training.custom_hooks import (
-    check_custom_loss_result, load_custom_advantages, load_custom_loss, run_custom_advantages, trainer_args,
-)
-from hpc_rl.training.batching import (
-    equalize_microbatch_count, flops_balanced_microbatches, flops_linear_coefficient, pack_microbatches,
-)
-from hpc_rl.weights.json_collectives import broadcast_json
-from hpc_rl.training.losses import (
-    PolicyLossConfig, approx_kl, policy_loss_and_metrics, policy_loss_type_for, sft_loss, sum_of_sample_mean,
-    sum_of_tokens,
-)
-from hpc_rl.training.micro_batches import MicroBatch, build_microbatch, choose_qkv_format
-from hpc_rl.training.mtp_model import mtp_model_of
-from hpc_rl.training.moe_routing import MoeRouting
-from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
-from hpc_rl.training.parallel import ParallelInfo
-from hpc_rl.training.pipeline import NO_HOOKS, PipelineSchedule, StageHooks
-from hpc_rl.training.train_batch import TrainBatch
+from hpc_rl.config.sections.algorithm import AlgorithmConfig, DistillationConfig
+from hpc_rl.config.sections.training import CriticConfig, TrainingConfig
 from hpc_rl.plugins import load_plugin
 from hpc_rl.training.critic import critic_metrics, train_critic
-
-
-def policy_loss_config(algorithm: AlgorithmConfig, training: TrainingConfig) -> PolicyLossConfig:
-    """The loss knobs from the `algorithm` section."""
-    return PolicyLossConfig(
-        policy_loss_type=policy_loss_type_for(algorithm.advantage_estimator, pg_loss_type=algorithm.pg_loss_type),
-        eps_clip=algorithm.eps_clip, eps_clip_high=algorithm.eps_clip_high, eps_clip_c=algorithm.eps_clip_c,
-        entropy_coef=algorithm.entropy_coef, use_kl_loss=algorithm.use_kl_loss,
-        kl_loss_coef=algorithm.kl_loss_coef, kl_loss_type=algorithm.kl_loss_type, use_tis=algorithm.use_tis,
-        tis_clip=algorithm.tis_clip, tis_clip_low=algorithm.tis_clip_low,
-        calculate_per_token_loss=training.calculate_per_token_loss, use_unbiased_kl=algorithm.use_unbiased_kl,
-        use_opsm=algorithm.use_opsm, opsm_delta=algorithm.opsm_delta,
-        get_mismatch_metrics=algorithm.get_mismatch_metrics,
-    )
-
-
-def old_logprobs_need_own_pass(training: TrainingConfig, algorithm: AlgorithmConfig, *, has_ref: bool,
-                               distilling: bool = False) -> bool:
-    """Whether the old log-probs need a forward pass of their own before the first update.
-
-    Old log-probs are the actor's at the weights the rollout's training starts from (slime
-    recomputes them; the engine's are `rollout_log_probs`, compared by TIS), whatever policy
-    generated the samples: async or partial (off-policy) samples do not change that. With one
-    optimizer step per rollout, the training pass runs at exactly those weights on the same
-    micro-batches, so its log-probs, detached, ARE the old log-probs (ratio 1, ppo_kl 0, the same
-    gradient). A separate pass is needed only when (a) later steps follow an update
-    (`num_steps_per_rollout` > 1), or (b) something needs them before the loss: KL reward shaping
-    (`kl_coef` != 0 with a reference) enters the advantages, which are computed first, and a custom
-    advantage function receives them (slime's `rollout_data["log_probs"]`).
-    `use_rollout_logprobs` takes them from the engine instead (no pass either way). With `keep_old_actor`
-    (slime's --keep-old-actor) they come from the weights the engines generated with, so from a pass of
-    their own at those weights. `use_rollout_entropy` wants that pass's entropies. On-policy distillation's
-    penalty is computed from them (`distilling`). SFT and --disable-compute-advantages-and-returns need none.
-    """
-    if algorithm.use_rollout_logprobs or skips_advantages(algorithm):
-        return False
-    return (training.num_steps_per_rollout > 1 or (has_ref and algorithm.kl_coef != 0.0)
-            or algorithm.custom_advantage_function_path is not None or algorithm.keep_old_actor
-            or algorithm.use_rollout_entropy or distilling)
-
-
-def skips_advantages(algorithm: AlgorithmConfig) -> bool:
-    """SFT, or slime's --disable-compute-advantages-and-returns: no reference, old log-probs or advantages."""
-    return algorithm.loss_type == "sft_loss" or algorithm.disable_compute_advantages_and_returns
+from hpc_rl.training.custom_hooks import (
+    check_custom_loss_result, load_custom_advantages, load_custom_loss, trainer_args,
+)
+from hpc_rl.training.host_weights import HostResidentModel
+from hpc_rl.training.logprob_passes import LogProbPasses
+from hpc_rl.training.loss_reduction import sum_of_sample_mean, sum_of_tokens
+from hpc_rl.training.losses import policy_loss_and_metrics, sft_loss
+from hpc_rl.training.micro_batches import MicroBatch
+from hpc_rl.training.moe_routing import MoeRouting, set_moe_aux_loss_scale
+from hpc_rl.training.mtp_model import mtp_model_of
+from hpc_rl.training.optimizer import ActorOptimizer, grad_sum_loss_multiplier
+from hpc_rl.training.parallel import ParallelInfo
+from hpc_rl.training.pipeline import NO_HOOKS, PipelineSchedule
+from hpc_rl.training.rollout_advantages import RolloutAdvantages
+from hpc_rl.training.step_settings import old_logprobs_need_own_pass, policy_loss_config
+from hpc_rl.training.train_batch import TrainBatch
+from hpc_rl.weights.json_collectives import broadcast_json
 
 
 @dataclass
@@ -138,28 +83,7 @@ def _optional_plugin(kind: str, path: str | None) -> Any:
     return load_plugin(kind, path) if path else None
 
 
-
-def moe_aux_loss_scale(num_micros: int, cp_size: int, per_token_loss: bool, global_tokens: float) -> float:
-    """The factor Megatron's schedule gives the MoE load-balancing losses' gradient (`MoEAuxLossAutoScaler`),
-    which its own `forward_step` sets and this pipeline must too: each micro-batch's aux loss is a mean over
-    its tokens, so without per-token loss it is averaged over the micro-batches (times CP, which DDP's
-    DP x CP average undoes); with it, DDP sums and Megatron divides every gradient by the global token count
-    afterwards (`finalize_model_grads`), which the step applies here up front, as it does to the main loss."""
-    if per_token_loss:
-        return 1.0 / max(global_tokens, 1.0)
-    return cp_size / max(num_micros, 1)
-
-
-def set_moe_aux_loss_scale(num_micros: int, cp_size: int, per_token_loss: bool, global_tokens: float, *,
-                           device: str | torch.device) -> None:
-    """Set `moe_aux_loss_scale`'s factor for the coming backward passes (one value for the whole step)."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    factor = moe_aux_loss_scale(num_micros, cp_size, per_token_loss, global_tokens)
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(factor, dtype=torch.float32, device=device))
-
-
-class RolloutTrainer:
+class RolloutTrainer(LogProbPasses, RolloutAdvantages):
     """`train_rollout(batch)` -> one metrics dict per optimizer step."""
 
     def __init__(self, *, actor: torch.nn.Module, optimizer: ActorOptimizer, ref_model: torch.nn.Module | None,
@@ -222,129 +146,6 @@ class RolloutTrainer:
         """get_mismatch_metrics with use_rollout_logprobs: the trainer's own old log-probs, for the TIS function."""
         self.rollout_weights: list[torch.Tensor] | None = None
         """keep_old_actor: host copies of the actor's parameters as the engines last received them."""
-
-    # ------------------------------------------------------------------ weights kept beside the actor
-
-    def _actor_params(self) -> list[torch.nn.Parameter]:
-        return list(self.actor.parameters())
-
-    @torch.no_grad()
-    def remember_rollout_weights(self) -> None:
-        """The engines now serve the actor's current weights: keep a host copy for the old log-probs
-        (keep_old_actor; slime's old_actor backup)."""
-        params = self._actor_params()
-        if self.rollout_weights is None:
-            self.rollout_weights = [torch.empty(p.shape, dtype=p.dtype, device="cpu",
-                                                pin_memory=p.device.type == "cuda") for p in params]
-        for copy, param in zip(self.rollout_weights, params):
-            copy.copy_(param)
-
-    @torch.no_grad()
-    def update_reference(self) -> None:
-        """The reference model takes the actor's weights (slime's --ref-update-interval)."""
-        if self.ref_weights is None:
-            raise ValueError("algorithm.ref_update_interval needs a reference model (use_kl_loss or kl_coef)")
-        self.ref_weights.copy_from(self.actor)
-
-    @torch.no_grad()
-    def _old_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
-        """The old log-probs' own pass: at the engines' weights with keep_old_actor, else the current ones
-        (a MoE actor's routers replay or record in it)."""
-        if not self.algorithm.keep_old_actor or self.rollout_weights is None:
-            return self._actor_logprobs(batch, micros)
-        params = self._actor_params()
-        current = [p.detach().to("cpu", copy=True) for p in params]
-        for param, old in zip(params, self.rollout_weights):
-            param.copy_(old)
-        try:
-            return self._actor_logprobs(batch, micros)
-        finally:
-            for param, value in zip(params, current):
-                param.copy_(value)
-
-    # ------------------------------------------------------------------ micro-batches
-
-    def _step_microbatches(self, batch: TrainBatch, step_indices: Sequence[int],
-                           max_tokens_per_gpu: int | None = None, *,
-                           same_count_on_every_dp_rank: bool = True) -> list[MicroBatch]:
-        """The micro-batches of the samples at `step_indices`; a training step needs the same count on every
-        DP rank (collectives per micro-batch), a forward-only pass alone (SFT's eval) does not."""
-        lengths = [batch.total_lengths[i] for i in step_indices]
-        if self.training.use_dynamic_batch_size:
-            cap = max_tokens_per_gpu or self.training.max_tokens_per_gpu
-            if not cap:
-                raise ValueError("training.use_dynamic_batch_size needs training.max_tokens_per_gpu")
-            # max_tokens_per_gpu counts one GPU's tokens: a CP group holds cp_size times that (slime's rule)
-            if self.training.balance_by_flops:
-                arch = self.arch
-                coefficient = flops_linear_coefficient(
-                    hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
-                    num_query_groups=arch.num_query_groups, kv_channels=arch.kv_channels,
-                    ffn_hidden_size=arch.ffn_hidden_size)
-                bins = flops_balanced_microbatches(lengths, cap * self.info.cp_size, coefficient)
-            else:
-                bins = pack_microbatches(lengths, cap * self.info.cp_size)
-            if same_count_on_every_dp_rank:
-                count = torch.tensor(len(bins), device=self.info.device)
-                if self.info.dp_size > 1:
-                    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
-                bins = equalize_microbatch_count(bins, int(count), lengths)
-        else:
-            size = self.training.micro_batch_size
-            bins = [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
-        multiple = self.info.tp_size if self.training.sequence_parallel else 1
-        out = []
-        for local in bins:
-            indices = [step_indices[i] for i in local]
-            layout = choose_qkv_format(self.training.qkv_format, [lengths[i] for i in local], on_cpu=self.info.on_cpu,
-                                       cp_size=self.info.cp_size)
-            out.append(build_microbatch([batch.tokens[i] for i in indices],
-                                        [batch.response_lengths[i] for i in indices], indices,
-                                        qkv_format=layout, pad_multiple=multiple,
-                                        device=self.info.device, cp_group=self.cp_group))
-        return out
-
-    def _response_logprobs(self, micro: MicroBatch, logits: torch.Tensor, *, with_entropy: bool):
-        return micro.response_logprobs(logits, vocab_size=self.arch.vocab_size, tp_group=self.tp_group,
-                                       with_entropy=with_entropy, chunk_size=self.training.log_probs_chunk_size)
-
-    @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, micros: list[MicroBatch],
-                  store_prefix: str | None = None, hooks: StageHooks = NO_HOOKS) -> dict[int, torch.Tensor]:
-        """Per-sample response log-probs, by batch index; empty on stages other than the last. `store_prefix`
-        (slime's: "" old, "ref_" reference) names the pass for the before-log-prob hook; with
-        use_rollout_entropy the pass's entropies are kept under store_prefix + "entropy". `hooks` run around each
-        micro-batch's forward on this stage (a MoE actor's routing replay)."""
-        if store_prefix is not None and self.before_log_prob_hook is not None:
-            self.before_log_prob_hook(self.plugin_args, model, store_prefix)
-        entropy_key = None if store_prefix is None else store_prefix + "entropy"
-        with_entropy = entropy_key is not None and self.algorithm.use_rollout_entropy
-        out: dict[int, torch.Tensor] = {}
-        entropies: dict[int, torch.Tensor] = {}
-        for micro, (values, entropy) in zip(micros, self.pipeline.forward_only(
-                model, micros, lambda m, logits: self._response_logprobs(m, logits, with_entropy=with_entropy),
-                hooks)):
-            out.update(zip(micro.indices, values))
-            if entropy is not None:
-                entropies.update(zip(micro.indices, entropy))
-        if with_entropy:
-            self._entropy[entropy_key] = entropies  # type: ignore[index]
-        return out
-
-    def _frozen_logprobs(self, frozen: HostResidentModel, micros: list[MicroBatch],
-                         store_prefix: str) -> dict[int, torch.Tensor]:
-        """A frozen model's log-probs (the reference's, the teacher's), its weights swapped in for the actor's."""
-        with frozen.on_device() as model:
-            return self._logprobs(model, micros, store_prefix)
-
-    def _actor_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor]:
-        """The actor's old log-probs pass as it stands (a MoE actor's routers replay or record)."""
-        if self.moe is None:
-            return self._logprobs(self.actor, micros, "")
-        with self.moe.old_pass(batch, micros) as hooks:
-            return self._logprobs(self.actor, micros, "", hooks)
-
-    # ------------------------------------------------------------------ the rollout
 
     def train_rollout(self, batch: TrainBatch, rollout_id: int = 0) -> list[dict[str, float]]:
         try:
@@ -414,44 +215,6 @@ class RolloutTrainer:
                            self._policy_loss(batch, masks, old, ref, advantages, rollout, teacher))
                 for step, micros in enumerate(plan)]
 
-    def _teacher_logprobs(self, batch: TrainBatch, micros: list[MicroBatch]) -> dict[int, torch.Tensor] | None:
-        """On-policy distillation: the teacher's log-probs of the response tokens, by batch index."""
-        if not self.distillation.use_opd:
-            return None
-        if self.teacher_weights is not None:
-            return self._frozen_logprobs(self.teacher_weights, micros, "teacher_")
-        if batch.teacher_logprobs is None:
-            raise ValueError("on-policy distillation (opd_type sglang): the batch carries no teacher log-probs")
-        return {i: torch.as_tensor(lp, dtype=torch.float32, device=self.info.device)
-                for i, lp in enumerate(batch.teacher_logprobs)}
-
-    def _advantages(self, batch: TrainBatch, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
-                    ref: dict[int, torch.Tensor] | None, rollout: list[torch.Tensor] | None,
-                    teacher: dict[int, torch.Tensor] | None,
-                    values: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Per-sample advantages (the estimator's, or the custom function's; OPD's penalty; whitening); the
-        returns are kept for a custom loss. None with --disable-compute-advantages-and-returns."""
-        if self.algorithm.disable_compute_advantages_and_returns:
-            self._returns = []
-            return []
-        n, device = len(batch), self.info.device
-        kl = None
-        if ref is not None and old is not None:
-            kl = [approx_kl(old[i], ref[i], self.algorithm.kl_loss_type) for i in range(n)]
-        student = [old[i] if old is not None else rollout[i] for i in range(n)] if teacher is not None else None
-        if self.custom_advantages is not None:
-            advantages, returns = self._custom_advantages(batch, masks, old, ref, rollout, kl, values)
-        else:
-            advantages, returns = compute_advantages(
-                self.algorithm.advantage_estimator, rewards=batch.rewards, loss_masks=masks, kl=kl,
-                kl_coef=self.algorithm.kl_coef, gamma=self.algorithm.gamma, lambd=self.algorithm.lambd, values=values,
-                normalize_advantages=self.algorithm.normalize_advantages,
-                all_reduce=self._dp_sum if self.info.dp_size > 1 else None, student_log_probs=student,
-                teacher_log_probs=[teacher[i] for i in range(n)] if teacher is not None else None,
-                opd_kl_coef=self.distillation.opd_kl_coef)
-        self._returns = [r.to(device) for r in returns]
-        return [a.to(device) for a in advantages]
-
     def _sft_loss(self, masks: list[torch.Tensor]) -> LossOfMicro:
         per_token = self.loss_config.calculate_per_token_loss
 
@@ -461,34 +224,6 @@ class RolloutTrainer:
 
         return loss_of
 
-    def _save_debug_train_data(self, rollout_id: int, batch: TrainBatch, masks: list[torch.Tensor],
-                               old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
-                               rollout: list[torch.Tensor] | None, advantages: list[torch.Tensor]) -> None:
-        """slime's --save-debug-train-data: what this DP rank trains on, per sample, in one torch file."""
-        template = self.training.save_debug_train_data or ""
-        path = Path(template.format(rollout_id=rollout_id, rank=self.info.dp_rank))
-        if "{rank}" not in template and self.info.dp_size > 1:
-            path = path.with_name(f"{path.name}.rank{self.info.dp_rank}")
-        n = len(batch)
-        data = {"rollout_id": rollout_id, "dp_rank": self.info.dp_rank,
-                "tokens": [torch.as_tensor(t) for t in batch.tokens], "response_lengths": list(batch.response_lengths),
-                "loss_masks": [m.cpu() for m in masks], "rewards": list(batch.rewards),
-                "advantages": [a.cpu() for a in advantages], "returns": [r.cpu() for r in self._returns],
-                "log_probs": [old[i].cpu() for i in range(n)] if old is not None else None,
-                "ref_log_probs": [ref[i].cpu() for i in range(n)] if ref is not None else None,
-                "rollout_log_probs": [r.cpu() for r in rollout] if rollout is not None else None}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(data, path)
-
-    def logprob_microbatches(self, batch: TrainBatch, plan: list[list[MicroBatch]], per_step: int) -> list[MicroBatch]:
-        """The micro-batches of the forward-only passes: the training ones, or (log_probs_max_tokens_per_gpu with
-        dynamic batch size) each step's samples packed again under that cap."""
-        cap = self.training.log_probs_max_tokens_per_gpu
-        if not (cap and self.training.use_dynamic_batch_size):
-            return [m for step in plan for m in step]
-        return [m for s in range(len(plan))
-                for m in self._step_microbatches(batch, range(s * per_step, (s + 1) * per_step), cap)]
-
     def _step(self, rollout_id: int, step_id: int, batch: TrainBatch, micros: list[MicroBatch],
               masks: list[torch.Tensor], loss_of: LossOfMicro) -> dict[str, float]:
         """One of the actor's optimizer steps (slime's before-train-step hook first)."""
@@ -496,54 +231,6 @@ class RolloutTrainer:
             self.before_train_step_hook(self.plugin_args, rollout_id, step_id, self.actor, self.optimizer,
                                         getattr(self.optimizer, "scheduler", None))
         return self._train_step(batch, micros, masks, loss_of)
-
-    def _postprocess(self, rollout_id: int, batch: TrainBatch, masks: list[torch.Tensor],
-                     old: dict[int, torch.Tensor] | None, ref: dict[int, torch.Tensor] | None,
-                     rollout: list[torch.Tensor] | None,
-                     advantages: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """slime's `rollout_data_postprocess_path(args, rollout_id, rollout_data)`: it may change the loss masks
-        and the advantages (each checked against the sample's response length)."""
-        n = len(batch)
-        rollout_data: dict[str, Any] = {
-            "rewards": list(batch.rewards), "loss_masks": list(masks), "advantages": list(advantages),
-            "returns": list(self._returns), "response_lengths": list(batch.response_lengths),
-            "total_lengths": list(batch.total_lengths),
-            "log_probs": [old[i] for i in range(n)] if old is not None else None,
-            "ref_log_probs": [ref[i] for i in range(n)] if ref is not None else None, "rollout_log_probs": rollout,
-            **{key: [values[i] for i in range(n)] for key, values in self._entropy.items() if values}}
-        self.rollout_data_postprocess(self.plugin_args, rollout_id, rollout_data)
-        out = []
-        for key in ("loss_masks", "advantages"):
-            values = rollout_data[key]
-            if len(values) != n or any(torch.as_tensor(v).numel() != m.numel() for v, m in zip(values, masks)):
-                raise ValueError(f"algorithm.rollout_data_postprocess_path: rollout_data[{key!r}] must stay one tensor "
-                                 f"per sample, as long as its response")
-            out.append([torch.as_tensor(v, dtype=torch.float32, device=m.device).reshape(-1)
-                        for v, m in zip(values, masks)])
-        return out[0], out[1]
-
-    def _custom_advantages(self, batch: TrainBatch, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
-                           ref: dict[int, torch.Tensor] | None, rollout: list[torch.Tensor] | None,
-                           kl: list[torch.Tensor] | None,
-                           values: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """slime's `custom_advantage_function_path(args, rollout_data)`, then advantage whitening if asked."""
-        n = len(batch)
-        rollout_data: dict[str, Any] = {
-            "rewards": list(batch.rewards), "loss_masks": masks, "response_lengths": list(batch.response_lengths),
-            "total_lengths": list(batch.total_lengths),
-            "log_probs": [old[i] for i in range(n)] if old is not None else None,
-            "ref_log_probs": [ref[i] for i in range(n)] if ref is not None else None,
-            "rollout_log_probs": rollout, "values": values,
-            "kl": kl if kl is not None else [torch.zeros_like(m) for m in masks]}
-        for key, entropies in self._entropy.items():  # use_rollout_entropy: slime's "entropy", "ref_entropy"
-            rollout_data[key] = [entropies[i] for i in range(n)] if entropies else None
-        path = self.algorithm.custom_advantage_function_path or ""
-        advantages, returns = run_custom_advantages(self.custom_advantages, path, self.plugin_args, rollout_data, masks)
-        if self.algorithm.normalize_advantages and advantages:
-            flat = masked_whiten(torch.cat(advantages), torch.cat(masks),
-                                 all_reduce=self._dp_sum if self.info.dp_size > 1 else None)
-            advantages = list(flat.split([a.numel() for a in advantages]))
-        return advantages, returns
 
     def _custom_loss(self, batch: TrainBatch, micro: MicroBatch, logits: torch.Tensor, log_probs: list[torch.Tensor],
                      entropy: list[torch.Tensor] | None, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
@@ -593,10 +280,6 @@ class RolloutTrainer:
         depths = len(model.mtp_loss_sums)
         losses = [float(sums[k]) / max(float(sums[depths + k]), 1.0) for k in range(depths)]
         return {**{f"mtp_{k + 1}_loss": loss for k, loss in enumerate(losses)}, "mtp_loss": sum(losses)}
-
-    def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor, group=self.dp_group)
-        return tensor
 
     def _policy_loss(self, batch: TrainBatch, masks: list[torch.Tensor], old: dict[int, torch.Tensor] | None,
                      ref: dict[int, torch.Tensor] | None, advantages: list[torch.Tensor],

@@ -27,6 +27,11 @@ the same buckets over the whole model; in `send_bucket` the stage that owns a pa
 over its TP group and its TP rank 0 sends the full tensor to rank 0 (p2p on the pipeline group,
 gloo or NCCL), which maps it to HF names and packs it. At PP=1 nothing of this runs: no metadata
 exchange, no extra copy.
+
+One module (~420 lines) on purpose: planning the buckets and sending them share the plan's state on the sender
+(the bucket list, the pipeline's source metadata, the reused buffer, the open group), and the protocol above is
+one sequence of its methods; the pieces with a life of their own already live apart (`bucket_layout`, `export`,
+`engine_fusion`, `fp8_blocks`).
 """
 
 from __future__ import annotations

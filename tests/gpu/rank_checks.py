@@ -15,7 +15,7 @@ def _tiny(training_overrides: dict[str, Any] | None = None):
     import torch
 
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.parallel import init_parallel
 
     training = TrainingConfig(**(training_overrides or {}))
@@ -53,7 +53,7 @@ def megatron_optimizer_steps() -> dict[str, Any]:
     """`optimizer.ActorOptimizer` (Megatron's distributed optimizer, bf16 params): two steps of a loss that
     rewards one token; its log-prob must rise, the parameters change and stay finite, the state round-trips."""
     torch, arch, training, info, tokens = _tiny()
-    from hpc_rl.config.schema import OptimizerConfig
+    from hpc_rl.config.sections.training import OptimizerConfig
     from hpc_rl.training.model_provider import build_gpt_model, forward_logits
     from hpc_rl.training.optimizer import ActorOptimizer, wrap_ddp
     from hpc_rl.training.parallel import shutdown_parallel

@@ -38,7 +38,7 @@ def test_layout_matches_megatron_rotary_slice_per_cp_rank() -> None:
 
 def cp_logprobs_rank(models: list[tuple[str, str, dict]], tp: int) -> dict | None:
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.layer_specs import PackedSequenceAttention
     from hpc_rl.training.micro_batches import build_microbatch
     from hpc_rl.training.model_provider import build_gpt_model

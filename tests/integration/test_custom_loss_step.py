@@ -23,7 +23,7 @@ def _grads_of_one_step(hf_dir: str, algorithm, batch, info) -> tuple[dict[str, t
     from megatron.core.distributed import finalize_model_grads
 
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import CheckpointConfig, OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.training.optimizer import StepResult
 
@@ -49,7 +49,8 @@ def _grads_of_one_step(hf_dir: str, algorithm, batch, info) -> tuple[dict[str, t
 
 
 def custom_vs_builtin_rank(hf_dir: str) -> dict:
-    from hpc_rl.config.schema import AlgorithmConfig, TrainingConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
     from tests.integration.plugins import custom_loss
 

@@ -37,7 +37,7 @@ def rank_checks(hf_dir: str, tp: int) -> dict:
     from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
 
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.actor import freeze_indexer
     from hpc_rl.training.micro_batches import build_microbatch
     from hpc_rl.training.model_provider import build_gpt_model, forward_logits

@@ -36,7 +36,7 @@ def _rank(hf_dir: str, model_file: str, engine_rows: list[list[int]]) -> dict:
     from megatron.core import parallel_state
 
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.micro_batches import build_microbatch
     from hpc_rl.training.model_provider import build_gpt_model, forward_logits
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel

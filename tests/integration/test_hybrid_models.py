@@ -35,7 +35,7 @@ def rank_checks(models: dict[str, str], tp: int, work: str) -> dict[str, dict]:
     from megatron.core import parallel_state
 
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.convert import hf_to_torch_dist
     from hpc_rl.training.micro_batches import build_microbatch
     from hpc_rl.training.model_provider import build_gpt_model, forward_logits
@@ -123,7 +123,8 @@ def _gradient_gap(model: torch.nn.Module, arch, hf_dir: str) -> tuple[float, str
 def _step(arch, hf_dir: str, training, info) -> dict:  # noqa: ANN001 - hpc_rl config objects
     """One GRPO optimizer step (Megatron's DDP, packed micro-batches): its metrics, and the linear-attention
     parameters' movement (the gradient reaches them through the kernels' twins)."""
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.weights.stage import global_named_params
     from tests.integration.test_trainer_step import make_batch

@@ -41,7 +41,7 @@ def lora_rank(hf_dir: str, peft_dir: str, out_dir: str, tp: int) -> dict | None:
 
     from hpc_rl.config.lora import LoraConfig
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.training import OptimizerConfig, TrainingConfig
     from hpc_rl.training.logprobs import vocab_parallel_logprobs
     from hpc_rl.training.lora.attach import apply_lora, is_adapter_param
     from hpc_rl.training.lora.peft_files import adapter_state_dict, load_peft_adapter, save_peft_adapter

@@ -10,7 +10,7 @@ import pytest
 
 from hpc_rl.config import load_config
 from hpc_rl.config.lora_sizes import adapter_sync_bytes
-from hpc_rl.config.validation import run_architecture
+from hpc_rl.config.model_checks import run_architecture
 from tests.integration.run_helpers import REPO_ROOT, run_tiny_recipe_in_sync
 from tests.integration.test_run_local import tensorboard_scalars
 

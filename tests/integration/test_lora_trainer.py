@@ -20,7 +20,8 @@ LORA = {"lora_rank": 4, "lora_alpha": 8, "target_modules": "all-linear", "lora_t
 def _trainer(hf_dir: str, tp: int, *, load: str | None = None, adapter: str | None = None):  # noqa: ANN202
     from hpc_rl.config.lora import LoraConfig
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.training.parallel import init_parallel
 

@@ -61,7 +61,7 @@ def megatron_rank(models: list[tuple[str, str, dict]]) -> dict | None:
     from megatron.core import parallel_state
 
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.layer_specs import PackedSequenceAttention
     from hpc_rl.training.logprobs import vocab_parallel_logprobs
     from hpc_rl.training.micro_batches import build_microbatch

@@ -33,7 +33,8 @@ LR = 1e-3
 
 def _bf16_trainer(hf_dir: str, info: Any, *, load: str | None = None, optimizer: Any = None) -> Any:
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training import actor
     from hpc_rl.training.model_provider import build_gpt_model
 
@@ -63,7 +64,7 @@ def _random_grads(optimizer: Any, seed: int) -> None:
 
 
 def optimizer_rank(hf_dir: str, save_dir: str) -> dict[str, Any]:
-    from hpc_rl.config.schema import OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.training import OptimizerConfig, TrainingConfig
     from hpc_rl.training.checkpoint import TrainerState, save_checkpoint
     from hpc_rl.training.model_provider import build_gpt_model
     from hpc_rl.training.optimizer import ActorOptimizer, wants_distributed_optimizer, wrap_ddp
@@ -159,7 +160,7 @@ def dtype_rank() -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training import checkpoint
     from hpc_rl.training.layer_specs import SequenceParallelRMSNorm
     from hpc_rl.training.model_provider import build_gpt_model, transformer_config

@@ -61,7 +61,8 @@ def trainer_rank(hf_dir: str, plan_file: str) -> torch.Tensor | None:
     from megatron.core import parallel_state
 
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.training.commands import TrainerCommands
     from hpc_rl.training.model_provider import forward_logits

@@ -76,7 +76,7 @@ def make_models(root: Path) -> dict[str, tuple[str, str]]:
 
 
 def _training(*, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, last_stage: int | None = None):
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
 
     return TrainingConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, pipeline_model_parallel_size=pp,
                           decoder_last_pipeline_num_layers=last_stage, expert_model_parallel_size=ep,
@@ -125,7 +125,8 @@ def _step_grads(arch, hf_dir: str, training, info, *, colocated_export: bool = F
     push hands them to this rank's engine."""
     from megatron.core import parallel_state
 
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.weights.colocated_sender import ColocatedWeightSender
     from hpc_rl.weights.stage import global_named_params

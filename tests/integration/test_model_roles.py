@@ -20,9 +20,8 @@ TEACHER = Path(__file__).resolve().parents[2] / "assets/tiny_qwen3_teacher"
 
 def swapped_and_resident_rank(hf_dir: str) -> dict:
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import (
-        AlgorithmConfig, CheckpointConfig, DistillationConfig, OptimizerConfig, TrainingConfig,
-    )
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig, DistillationConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training.actor import _frozen, build_model, build_trainer, load_weights
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
 

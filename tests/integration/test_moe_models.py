@@ -57,7 +57,7 @@ def make_models(root: Path) -> dict[str, tuple[str, str]]:
 
 
 def _training(tp: int, ep: int, etp: int | None, pp: int = 1):
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
 
     return TrainingConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, expert_model_parallel_size=ep,
                           pipeline_model_parallel_size=pp,
@@ -95,7 +95,8 @@ def _logits(arch, hf_dir: str, training, info) -> torch.Tensor:
 
 
 def _build(arch, hf_dir: str, training, info, load: str | None = None):
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig
     from hpc_rl.training.actor import build_trainer
 
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", entropy_coef=0.01)

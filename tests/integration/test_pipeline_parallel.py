@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 def pipeline_logits_rank(models: list[tuple[str, str, dict]]) -> dict | None:
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.micro_batches import build_microbatch
     from hpc_rl.training.model_provider import build_gpt_model
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
@@ -77,7 +77,8 @@ def test_pp2_logits_and_packed_logprobs_match_hf(tmp_path: Path) -> None:
 
 def _parts(hf_dir: str, *, pp: int = 1, tp: int = 1, load: str | None = None):
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.training.parallel import init_parallel
 
@@ -207,7 +208,8 @@ def export_trainer_rank(hf_dir: str, plan_file: str):
     import os
 
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.training.commands import TrainerCommands
     from hpc_rl.training.micro_batches import build_microbatch

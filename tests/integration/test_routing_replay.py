@@ -58,7 +58,8 @@ def make_batch():
 
 
 def build(hf_dir: str, *, kl: bool = False, rollout_logprobs: bool = False, **training_fields):
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig, TrainingConfig
     from hpc_rl.training.actor import build_trainer
     from hpc_rl.training.parallel import init_parallel
 

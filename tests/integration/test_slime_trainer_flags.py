@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 def _configs(hf_dir: str, root: str, training_changes: dict[str, Any] | None = None, **checkpoint: Any):
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig, TrainingConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig, TrainingConfig
 
     training = TrainingConfig(global_batch_size=8, micro_batch_size=4, qkv_format="thd",
                               custom_megatron_init_path="tests.unit.plugin_fixtures.record_init",
@@ -51,7 +52,7 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def train_and_save_rank(hf_dir: str, root: str) -> dict[str, Any]:
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.protocol.messages import SaveCommand, TrainCommand
     from hpc_rl.training.commands import TrainerCommands
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_rl.config.schema import OptimizerConfig
+from hpc_rl.config.sections.training import OptimizerConfig
 from hpc_rl.training.logprobs import vocab_parallel_logprobs
 from hpc_rl.training.micro_batches import build_microbatch
-from hpc_rl.training.optimizer import learning_rate
+from hpc_rl.training.lr_schedule import learning_rate
 from hpc_rl.training.train_batch import TrainBatch, read_batches_file
 
 

@@ -44,7 +44,7 @@ def _parts(hf_dir: str, *, tp: int = 1, load: str | None = None, **training_over
 
 
 def _training(*, tp: int = 1, **overrides):
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
 
     overrides = {"qkv_format": "thd", **overrides}  # the packed path unless a test says otherwise
     return TrainingConfig(tensor_model_parallel_size=tp, global_batch_size=8, micro_batch_size=2, **overrides)
@@ -53,7 +53,8 @@ def _training(*, tp: int = 1, **overrides):
 def _build_parts(hf_dir: str, training, info, *, load: str | None = None):
     """Actor, reference, optimizer and trainer in the already-initialised groups."""
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import AlgorithmConfig, CheckpointConfig, OptimizerConfig
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig
     from hpc_rl.training.actor import build_trainer
 
     algorithm = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", entropy_coef=0.01,
@@ -135,7 +136,7 @@ def _one_rank_step_against_reference(parts) -> dict:
     a float64 norm, torch's per-tensor AdamW."""
     import megatron.core.distributed as megatron_distributed
 
-    from hpc_rl.training.optimizer import learning_rate
+    from hpc_rl.training.lr_schedule import learning_rate
 
     optimizer, config = parts.optimizer, parts.optimizer.config
     (megatron_optimizer,) = optimizer.chained

@@ -92,7 +92,7 @@ def reward_post_process(args: Any, samples: Any) -> tuple[list[float], list[floa
 def tagged_model_provider(pre_process: bool, post_process: bool, vp_stage: Any = None) -> Any:
     """hpc_rl's own tiny Qwen3 stage, marked: a custom model provider as slime calls it."""
     from hpc_rl.config.model import ModelArchitecture
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.model_provider import build_gpt_model
 
     from pathlib import Path

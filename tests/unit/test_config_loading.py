@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hpc_rl.config import ConfigError, load_config, load_resolved_config, write_resolved_config
-from hpc_rl.config.schema import EvalDataset
+from hpc_rl.config.sections.rollout import EvalDataset
 
 
 def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:

@@ -80,7 +80,7 @@ def test_split_packed_gives_te_style_cu_seqlens() -> None:
 
 
 def test_config_refuses_context_parallel_with_the_padded_layout() -> None:
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
 
     assert TrainingConfig(context_parallel_size=2, qkv_format="thd").qkv_format == "thd"
     assert TrainingConfig(context_parallel_size=2).qkv_format == "auto"  # resolves to thd under CP

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from hpc_rl.config.schema import ClusterConfig
+from hpc_rl.config.sections.cluster import ClusterConfig
 from hpc_rl.launch.ports import JOB_PORT_SLOTS, PortPlan, bind_failed, port_in_use
 from hpc_rl.launch.topology import plan_topology
 

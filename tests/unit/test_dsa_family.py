@@ -11,7 +11,7 @@ import torch
 
 from hpc_rl.config.loading import load_config
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.schema import TrainingConfig
+from hpc_rl.config.sections.training import TrainingConfig
 from hpc_rl.models.deepseek_v32.config_rules import check_config, training_problems
 from hpc_rl.models.deepseek_v32.hf_names import megatron_order, to_hf, to_megatron
 from tests.unit.test_model_families import TINY_ARCHITECTURES

@@ -169,7 +169,7 @@ def test_an_fp8_plan_quantizes_experts_and_keeps_routers_and_the_bias() -> None:
 
 
 def test_fp8_engines_get_their_own_mismatch_limit_and_unservable_ones_are_refused_at_submit(tmp_path: Path) -> None:
-    from hpc_rl.config.validation import _fp8_problems
+    from hpc_rl.config.model_checks import fp8_problems
     from hpc_rl.controller.logprob_guard import FP8_ENGINES_THRESHOLD, threshold_for
     from hpc_rl.config import load_config
 
@@ -180,5 +180,5 @@ def test_fp8_engines_get_their_own_mismatch_limit_and_unservable_ones_are_refuse
                                                                               "activation_scheme": "static"}}))
     config = load_config([Path(__file__).resolve().parents[2] / "configs/tiny_cpu.yaml"])
     config.checkpoint.hf_checkpoint = str(tmp_path)
-    (problem,) = _fp8_problems(config)
+    (problem,) = fp8_problems(config)
     assert problem.where == "checkpoint.hf_checkpoint" and "activation_scheme 'static'" in problem.message

@@ -130,7 +130,7 @@ def test_submit_takes_gpt_oss_over_broadcast_and_refuses_an_mxfp4_engine(tmp_pat
 def test_memory_plan_counts_a_layers_fused_experts_as_the_smallest_bucket() -> None:
     from hpc_rl.config import load_config
     from hpc_rl.config.memory_plan import plan_memory
-    from hpc_rl.config.validation import run_architecture
+    from hpc_rl.config.model_checks import run_architecture
     from tests.unit.test_gpt_oss import FIXED_LINE
 
     config = load_config([], shlex.split(FIXED_LINE) + ["--hf-checkpoint", "/nonexistent/gpt-oss"])

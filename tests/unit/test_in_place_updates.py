@@ -14,7 +14,8 @@ import torch
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from hpc_rl.config.schema import ClusterConfig, ControllerConfig, RolloutConfig
+from hpc_rl.config.sections.cluster import ClusterConfig, ControllerConfig
+from hpc_rl.config.sections.rollout import RolloutConfig
 from hpc_rl.controller.engine_admin import BucketUpdate
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
 from hpc_rl.controller.trainer_channel import TrainerChannel
@@ -266,10 +267,10 @@ def test_a_transport_that_always_flushes_never_pauses_in_place() -> None:
 ])
 def test_flush_cache_interval_rules(rollout: dict, cluster: dict, problem: str | None) -> None:
     from hpc_rl.config.schema import RunConfig
-    from hpc_rl.config.validation import _flush_cache_interval_problems
+    from hpc_rl.config.slime_flag_checks import flush_cache_interval_problems
 
     config = RunConfig(rollout=RolloutConfig(**rollout), cluster=ClusterConfig(**cluster))
-    problems = _flush_cache_interval_problems(config)
+    problems = flush_cache_interval_problems(config)
     if problem is None:
         assert problems == []
     else:

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from hpc_rl.config import load_config
 from hpc_rl.config.lora import LoraConfig, engine_lora_options
-from hpc_rl.config.schema import ClusterConfig, ControllerConfig, RolloutConfig
+from hpc_rl.config.sections.cluster import ClusterConfig, ControllerConfig
+from hpc_rl.config.sections.rollout import RolloutConfig
 from hpc_rl.controller.registry import EngineInfo
 from hpc_rl.controller.transports import TRANSPORTS, WeightSyncSettings, make_transport
 from hpc_rl.controller.transports.disk import safetensors_payload_bytes

@@ -5,22 +5,11 @@ import math
 import pytest
 import torch
 
+from hpc_rl.training.loss_reduction import masked_token_mean, step_loss_scale, sum_of_sample_mean, sum_of_tokens
+from hpc_rl.training.loss_terms import approx_kl, entropy_from_logits, score_centering_correction, tis_weights
 from hpc_rl.training.losses import (
-    PolicyLossConfig,
-    approx_kl,
-    cispo_loss,
-    entropy_from_logits,
-    gspo_policy_loss,
-    masked_token_mean,
-    policy_loss,
-    policy_loss_and_metrics,
-    policy_loss_type_for,
+    PolicyLossConfig, cispo_loss, gspo_policy_loss, policy_loss, policy_loss_and_metrics, policy_loss_type_for,
     reinforce_loss,
-    score_centering_correction,
-    step_loss_scale,
-    sum_of_sample_mean,
-    sum_of_tokens,
-    tis_weights,
 )
 
 

@@ -22,7 +22,7 @@ from hpc_rl.models.mla import hf_rotary_numbers, megatron_rotary_numbers
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
 from hpc_rl.config.parameter_counts import format_count, model_share, mtp_share, stage_shares
 from hpc_rl.config.pipeline_split import PipelineSplitError, stage_split, training_split
-from hpc_rl.config.schema import TrainingConfig
+from hpc_rl.config.sections.training import TrainingConfig
 from tests.unit.slime_lines import LINES_DIR, flags_of
 
 ROOT = Path(__file__).resolve().parents[2]

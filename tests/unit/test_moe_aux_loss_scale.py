@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpc_rl.training.step import moe_aux_loss_scale, set_moe_aux_loss_scale
+from hpc_rl.training.moe_routing import moe_aux_loss_scale, set_moe_aux_loss_scale
 
 
 def test_the_factor_is_megatrons() -> None:

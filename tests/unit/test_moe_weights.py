@@ -222,7 +222,7 @@ def test_alltoall_split_sizes_become_host_ints_at_the_copy_point() -> None:
 
 
 def test_moe_layouts_megatron_cannot_train_are_refused_before_building() -> None:
-    from hpc_rl.config.schema import TrainingConfig
+    from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.model_provider import check_moe_training
 
     arch = moe_arch()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpc_rl.config import load_config
-from hpc_rl.config.schema import ClusterConfig
+from hpc_rl.config.sections.cluster import ClusterConfig
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.engines.gpu_step import reported_devices, with_node_rank
 from hpc_rl.launch.srun_launcher import srun_argv

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from hpc_rl.config import load_config
-from hpc_rl.config.validation import CONFIG_PLUGINS, collect_problems
+from hpc_rl.config.plugin_checks import CONFIG_PLUGINS
+from hpc_rl.config.validation import collect_problems
 from hpc_rl.plugins import PLUGIN_KINDS, PluginError
 from hpc_rl.rewards.plugins import load_reward_function
 from hpc_rl.rollout.filters import load_buffer_filter, load_group_filter

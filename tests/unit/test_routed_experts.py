@@ -15,7 +15,9 @@ import pytest
 import torch
 from aiohttp import web
 
-from hpc_rl.config.schema import SFT_ROLLOUT, RunConfig, TrainingConfig
+from hpc_rl.config.schema import RunConfig
+from hpc_rl.config.sections.rollout import SFT_ROLLOUT
+from hpc_rl.config.sections.training import TrainingConfig
 from hpc_rl.controller.train_batches import pack_samples
 from hpc_rl.data.routed_experts import compact_expert_ids, routing_from_json, routing_to_json
 from hpc_rl.data.samples import Sample, SampleStatus

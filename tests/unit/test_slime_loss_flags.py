@@ -10,12 +10,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpc_rl.config import load_config
-from hpc_rl.config.schema import AlgorithmConfig, TrainingConfig
+from hpc_rl.config.sections.algorithm import AlgorithmConfig
+from hpc_rl.config.sections.training import TrainingConfig
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.plugins import PluginError, load_plugin
 from hpc_rl.training.logprobs import vocab_parallel_logprobs
-from hpc_rl.training.losses import PolicyLossConfig, opsm_mask, policy_loss_and_metrics, sum_of_sample_mean
-from hpc_rl.training.step import old_logprobs_need_own_pass, policy_loss_config
+from hpc_rl.training.loss_reduction import sum_of_sample_mean
+from hpc_rl.training.loss_terms import opsm_mask
+from hpc_rl.training.losses import PolicyLossConfig, policy_loss_and_metrics
+from hpc_rl.training.step_settings import old_logprobs_need_own_pass, policy_loss_config
 
 MASKS = [torch.ones(3), torch.ones(2)]
 

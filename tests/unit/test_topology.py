@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_rl.config.schema import ClusterConfig
+from hpc_rl.config.sections.cluster import ClusterConfig
 from hpc_rl.launch.topology import plan_topology
 
 

@@ -11,7 +11,8 @@ import torch
 from hpc_rl.training.advantages import (
     compute_advantages, gae_advantages_and_returns, opd_penalized_advantages, ppo_token_rewards,
 )
-from hpc_rl.training.losses import sft_loss, sum_of_sample_mean, value_loss
+from hpc_rl.training.loss_reduction import sum_of_sample_mean
+from hpc_rl.training.losses import sft_loss, value_loss
 
 
 def t(*xs: float) -> torch.Tensor:

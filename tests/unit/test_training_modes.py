@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from hpc_rl.config import load_config
-from hpc_rl.config.schema import ClusterConfig, OptimizerConfig
+from hpc_rl.config.sections.cluster import ClusterConfig
+from hpc_rl.config.sections.training import OptimizerConfig
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.controller.train_batches import pack_samples
 from hpc_rl.data.chat_loss_masks import ChatLossMasks
@@ -22,7 +23,7 @@ from hpc_rl.launch.topology import plan_topology
 from hpc_rl.rollout.sft import SftRollouts, checkpoint_stop_token_ids
 from hpc_rl.rollout.teacher import TeacherError, generate_url, response_logprobs
 from hpc_rl.tiny_model import build_tokenizer
-from hpc_rl.training.optimizer import learning_rate, schedule_for_run
+from hpc_rl.training.lr_schedule import learning_rate, schedule_for_run
 from hpc_rl.training.train_batch import TrainBatch
 
 ROOT = Path(__file__).resolve().parents[2]

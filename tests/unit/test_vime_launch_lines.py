@@ -161,7 +161,7 @@ def test_the_4_node_recipe_carries_the_tutorials_numbers(in_repo: Path) -> None:
 def test_the_colocated_memory_plan_keeps_the_train_memory_margin() -> None:
     """--train-memory-margin-bytes is part of the colocated training phase of the per-GPU memory plan."""
     from hpc_rl.config.memory_plan import plan_memory
-    from hpc_rl.config.validation import run_architecture
+    from hpc_rl.config.model_checks import run_architecture
 
     def training_phase(*flags: str) -> tuple[int, dict[str, int]]:
         config = load_config([], seed_argv("vime_qwen3_4b_colocated_8", VIME_SEEDS) + list(flags))

@@ -9,7 +9,8 @@ import asyncio
 
 import pytest
 
-from hpc_rl.config.schema import ClusterConfig, ControllerConfig, RolloutConfig
+from hpc_rl.config.sections.cluster import ClusterConfig, ControllerConfig
+from hpc_rl.config.sections.rollout import RolloutConfig
 from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdminError
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
 from hpc_rl.controller.trainer_channel import TrainerChannel

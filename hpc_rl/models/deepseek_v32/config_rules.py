@@ -104,7 +104,7 @@ def is_indexer_parameter(name: str) -> bool:
 
 def training_problems(arch: ModelArchitecture, training: Any) -> list[tuple[str, str]]:
     """(config field, message) for training settings a DSA model (or --freeze-indexer) cannot run with, checked at
-    submit; `training` is a `hpc_rl.config.schema.TrainingConfig`."""
+    submit; `training` is a `hpc_rl.config.sections.training.TrainingConfig`."""
     problems = []
     dsa = arch.dsa_indexer_n_heads is not None
     if getattr(training, "freeze_indexer", False) and not dsa:

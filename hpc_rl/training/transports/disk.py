@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpc_rl.config.schema import CheckpointConfig
+from hpc_rl.config.sections.training import CheckpointConfig
 from hpc_rl.protocol.messages import DiskWeightsCommand
 from hpc_rl.training.transports.base import TransportRank
 
