@@ -339,19 +339,6 @@ def test_info_admin_and_session_bodies(engine):
     assert requests.post(f"{url}/end_weight_update", json={}, timeout=30).status_code == 200
 
 
-def test_an_out_of_vocabulary_id_ends_the_engine_process(engine):
-    """Last: SGLang's process exits on it; the CPU engine's must too (never /health 200 with a dead scheduler)."""
-    try:
-        generate(engine, {"input_ids": [9, 10_000], "sampling_params": {"max_new_tokens": 2}}, timeout=60)
-    except requests.RequestException:
-        pass  # the connection may drop as the process dies
-    deadline = time.monotonic() + 120
-    while engine.process.alive() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not engine.process.alive()
-    assert engine.process.popen.returncode != 0
-
-
 def test_pause_in_place_keeps_the_request_running_and_refuses_a_flush(engine):
     """SGLang's in_place pause (in-place weight updates, issue 34): the request stays in the running batch with
     its KV cache, so /flush_cache fails until it finishes; on continue it goes on, never retracted, every token
@@ -370,3 +357,16 @@ def test_pause_in_place_keeps_the_request_running_and_refuses_a_flush(engine):
     assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 500}
     assert final["meta_info"]["num_retractions"] == 0
     assert requests.post(f"{engine.url}/flush_cache", json={}, timeout=30).status_code == 200
+
+
+def test_an_out_of_vocabulary_id_ends_the_engine_process(engine):
+    """Last: SGLang's process exits on it; the CPU engine's must too (never /health 200 with a dead scheduler)."""
+    try:
+        generate(engine, {"input_ids": [9, 10_000], "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    except requests.RequestException:
+        pass  # the connection may drop as the process dies
+    deadline = time.monotonic() + 120
+    while engine.process.alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not engine.process.alive()
+    assert engine.process.popen.returncode != 0
