@@ -63,6 +63,10 @@ class Scheduler:
                  memory_saver: bool = False, routed_experts: RoutedExpertsCapture | None = None,
                  lora: EngineLoraAdapters | None = None) -> None:
         self.model = model
+        if kv_batch.cache_kind(model) == "per_request" and (lora is not None or routed_experts is not None):
+            raise ValueError(f"{type(model).__name__} runs each request on its own cache (its family's "
+                             f"cpu_engine_cache='per_request'): the CPU engine serves it without --enable-lora and "
+                             f"--enable-return-routed-experts (both read one forward's rows as the running batch)")
         self.lora = lora
         """The LoRA adapters served on the model (`--enable-lora`), else None: each forward's rows use theirs."""
         if lora is not None:
@@ -83,7 +87,7 @@ class Scheduler:
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._running: list[GenerationRequest] = []
         self._admitting: list[GenerationRequest] = []
-        self._batch: kv_batch.KvBatch | None = None
+        self._batch: kv_batch.KvBatch | kv_batch.row_caches.RowCaches | None = None
         self._inbox: collections.deque[tuple[Callable[[], Any] | None, concurrent.futures.Future | None,
                                              GenerationRequest | None]] = collections.deque()
         self._wake = threading.Event()
