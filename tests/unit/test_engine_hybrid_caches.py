@@ -40,9 +40,10 @@ def submit(scheduler: Scheduler, tokenizer, body: dict):
 
 def plain_logprobs(model: torch.nn.Module, sequence: list[int], prompt_len: int) -> torch.Tensor:
     """Log-probs of sequence[prompt_len:], token k's from one plain forward pass (no cache) over sequence[:k]: the
-    tokens the engine had when it sampled it. (Not one pass over the whole sequence: DeepSeek-V3.2's indexer picks
-    its top-k keys from scores computed in a matmul whose shape follows the sequence length, so a near-tie between
-    two keys can flip with the length; the tiny checkpoint has one, at position 9 of a sampled answer.)"""
+    tokens the engine had when it sampled it. (Not one pass over the whole sequence: DeepSeek-V3.2's indexer scores
+    a key exactly 0 when every head's ReLU is off, which the tiny checkpoint's 4 heads make common, and torch.topk
+    breaks ties among those zeros by the row's length, so a full-sequence pass may pick other keys than the same
+    model run over the prefix: it does at position 9 of one sampled answer here.)"""
     found = []
     with torch.no_grad():
         for k in range(prompt_len, len(sequence)):
