@@ -20,6 +20,7 @@ registry entry (`cpu_engine_cache="per_request"`): `prefill` then hands it to `r
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,10 @@ def cache_kind(model: torch.nn.Module) -> str:
     return found.cpu_engine_cache if found is not None else "batched"
 
 
+_CHECKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""Models whose cache `_refuse_non_kv_cache` found to be keys/values only (checked once per model)."""
+
+
 def join(running: KvBatch | row_caches.RowCaches | None, newcomers: KvBatch | row_caches.RowCaches
          ) -> KvBatch | row_caches.RowCaches:
     """One batch with `running`'s rows first, then `newcomers`' rows."""
@@ -107,6 +112,8 @@ def _refuse_non_kv_cache(model: torch.nn.Module) -> None:
     (linear-attention states, indexer keys) when its family did not ask for `row_caches`."""
     from transformers import DynamicCache
 
+    if model in _CHECKED:
+        return
     try:
         kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
     except Exception:  # noqa: BLE001 - a config transformers' cache cannot read: the forward decides
@@ -117,6 +124,7 @@ def _refuse_non_kv_cache(model: torch.nn.Module) -> None:
             f"the CPU engine's key/value batch cannot hold {type(model).__name__}'s cache (its {', '.join(odd)} "
             f"layers keep more than keys and values): set cpu_engine_cache='per_request' in the registry entry of "
             f"model_type {getattr(model.config, 'model_type', None)!r} (hpc_rl/models/<family>/__init__.py)")
+    _CHECKED.add(model)
 
 
 def _forward(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
