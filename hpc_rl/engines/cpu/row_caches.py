@@ -79,8 +79,10 @@ def prefill(model: torch.nn.Module, sequences: list[list[int]], full_logits: boo
 
 
 @torch.inference_mode()
-def decode_step(model: torch.nn.Module, batch: RowCaches, tokens: torch.Tensor) -> tuple[RowCaches, torch.Tensor]:
-    """Feed one token per row ([B]), each row on its own cache; return the grown batch and next-token logits [B, V]."""
+def decode_step(model: torch.nn.Module, batch: RowCaches, tokens: torch.Tensor
+                ) -> tuple[RowCaches, torch.Tensor]:
+    """Feed one token per row ([B]), each row on its own cache; return the grown batch and next-token logits
+    [B, V]."""
     logits, caches = [], []
     for token, cache, length in zip(tokens.tolist(), batch.caches, batch.lengths):
         row_logits, cache = _forward(model, [int(token)], length, cache, last_only=True)

@@ -1,8 +1,8 @@
 """The CPU engine's scheduler thread: continuous batching, pause/abort, and weight swaps.
 
-Owns: the waiting queue, the running batch (rows of `kv_batch.KvBatch`, one per request), the
-pause state, the released-memory tags and the weight version. One thread runs the model; HTTP
-handlers talk to it only through `submit` (a generation request) and `call` (a function run on
+Owns: the waiting queue, the running batch (rows of `kv_batch.KvBatch`, or of `row_caches.RowCaches` for a
+family that keeps transformers' own cache, one per request), the pause state, the released-memory tags and the
+weight version. One thread runs the model; HTTP handlers talk to it only through `submit` (a generation request) and `call` (a function run on
 the scheduler thread between two steps), both returning futures. So a weight update or an abort
 never lands in the middle of a forward pass.
 
