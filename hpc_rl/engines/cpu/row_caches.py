@@ -63,8 +63,8 @@ def _forward(model: torch.nn.Module, input_ids: list[int], start: int, cache: An
 @torch.inference_mode()
 def prefill(model: torch.nn.Module, sequences: list[list[int]], full_logits: bool = False
             ) -> tuple[RowCaches, torch.Tensor, list[torch.Tensor] | None]:
-    """Run each sequence alone (on a fresh cache of the model's layer types); return their caches, last-position logits [B, V] and, with `full_logits`, each
-    sequence's logits at every one of its positions [len, V]."""
+    """Run each sequence alone (on a fresh cache of the model's layer types); return their caches, last-position
+    logits [B, V] and, with `full_logits`, each sequence's logits at every one of its positions [len, V]."""
     from transformers import DynamicCache
 
     caches, last, per_sequence = [], [], []
