@@ -3,8 +3,8 @@
 Owns: the waiting queue, the running batch (rows of `kv_batch.KvBatch`, or of `row_caches.RowCaches` for a
 family that keeps transformers' own cache, one per request), the pause state, the released-memory tags and the
 weight version. One thread runs the model; HTTP handlers talk to it only through `submit` (a generation
-request) and `call` (a function run on the scheduler thread between two steps), both returning futures. So a weight update or an abort
-never lands in the middle of a forward pass.
+request) and `call` (a function run on the scheduler thread between two steps), both returning futures. So a
+weight update or an abort never lands in the middle of a forward pass.
 
     loop:  run queued calls -> if runnable: admit newcomers (prefill, first token, join batch)
                                             -> one decode step for every running row
