@@ -51,6 +51,8 @@ GPT_LAYER_SPEC = "hpc_rl.training.layer_specs:gpt_layer_spec"
 GQA_LAYER_ROWS = "hpc_rl.models.name_rows:layer_rows"
 """The shared name rows of a GQA decoder layer (dense or MoE MLP): the default `hf_layer_rows` hook (named by
 path: `name_rows` reads the registry, so the registry does not import it)."""
+CPU_ENGINE_CACHES = ("batched", "per_request")
+"""The values of `ModelFamily.cpu_engine_cache`."""
 
 
 class LazyHook:
@@ -152,6 +154,11 @@ class ModelFamily:
     make_tiny: Callable[..., Path] | None = None
     cpu_engine_loader: Callable[..., Any] | None = None
     cpu_engine_support: Callable[[Mapping[str, Any]], str | None] | None = None
+    cpu_engine_cache: str = "batched"
+    """How the CPU engine holds this family's cache on transformers' model: "batched" (`kv_batch`: one key and one
+    value tensor per layer, left-padded rows) or "per_request" (`row_caches`: the model's own cache class per request,
+    run one request at a time, for caches that are not keys/values alone: Gated DeltaNet's conv and recurrent states,
+    DSA's index keys)."""
     fuse_for_engine: EngineFusion | None = None
     """HF tensors a weight sync (broadcast, colocated) sends fused, one group at a time, because the engine's
     loader reads them only fused (gpt-oss: each layer's experts); None: every tensor under its mapped name."""
@@ -159,6 +166,9 @@ class ModelFamily:
     def __post_init__(self) -> None:
         if not self.name or not self.hf_model_types:
             raise ValueError(f"ModelFamily {self.name!r}: give a name and at least one hf_model_type")
+        if self.cpu_engine_cache not in CPU_ENGINE_CACHES:
+            raise ValueError(f"ModelFamily {self.name!r}: cpu_engine_cache {self.cpu_engine_cache!r} is not one of "
+                             f"{', '.join(CPU_ENGINE_CACHES)}")
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

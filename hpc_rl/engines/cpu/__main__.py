@@ -180,10 +180,13 @@ def main(argv: list[str] | None = None) -> None:
         from hpc_rl.engines.cpu.lora_serving import EngineLoraAdapters
 
         lora = EngineLoraAdapters(model, max_lora_rank=args.max_lora_rank, target_modules=args.lora_target_modules)
-    scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
-                          context_length=context_length, weight_version=args.weight_version,
-                          on_fatal=exit_on_scheduler_death, memory_saver=args.enable_memory_saver,
-                          routed_experts=routed_experts, lora=lora)
+    try:
+        scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
+                              context_length=context_length, weight_version=args.weight_version,
+                              on_fatal=exit_on_scheduler_death, memory_saver=args.enable_memory_saver,
+                              routed_experts=routed_experts, lora=lora)
+    except ValueError as error:
+        raise SystemExit(f"{args.model_path}: {error}") from None
     info = ServerInfo(model_path=args.model_path, host=args.host, port=args.port, api_key=api_key,
                       max_running_requests=args.max_running_requests, context_length=context_length,
                       architectures=list(model.config.architectures or []), model_type=model.config.model_type,

@@ -12,15 +12,22 @@ to the running one by padding the shorter cache on the left; finished rows are d
 index; columns that no row uses any more are trimmed. Position ids are per row (count of real
 tokens), so padding never shifts RoPE, and masked columns add exactly zero attention weight: a
 row's logits equal an unpadded forward pass of the same tokens within float tolerance.
+
+A family whose transformers cache is not keys/values alone (linear-attention states, DSA index keys) says so in its
+registry entry (`cpu_engine_cache="per_request"`): `prefill` then hands it to `row_caches`, and `decode_step` and
+`join` follow the batch's type; a model that returns such a cache without saying so is refused by name.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
+from hpc_rl.engines.cpu import row_caches
 from hpc_rl.engines.cpu.native_qwen3 import NativeQwen3ForCausalLM
+from hpc_rl.models.registry import family_for_hf_model_type
 
 
 @dataclass
@@ -66,10 +73,26 @@ def _left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
-def join(running: KvBatch | None, newcomers: KvBatch) -> KvBatch:
+def cache_kind(model: torch.nn.Module) -> str:
+    """"batched" (this module's KvBatch) or "per_request" (`row_caches`): the model's family's `cpu_engine_cache`
+    (batched for the engine's own Qwen3 and for a model type no family reads)."""
+    if isinstance(model, NativeQwen3ForCausalLM):
+        return "batched"
+    found = family_for_hf_model_type(getattr(getattr(model, "config", None), "model_type", None))
+    return found.cpu_engine_cache if found is not None else "batched"
+
+
+_CHECKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""Models whose cache `_refuse_non_kv_cache` found to be keys/values only (checked once per model)."""
+
+
+def join(running: KvBatch | row_caches.RowCaches | None, newcomers: KvBatch | row_caches.RowCaches
+         ) -> KvBatch | row_caches.RowCaches:
     """One batch with `running`'s rows first, then `newcomers`' rows."""
     if running is None or running.rows == 0:
         return newcomers
+    if isinstance(newcomers, row_caches.RowCaches):
+        return row_caches.join(running, newcomers)
     length = max(running.mask.shape[1], newcomers.mask.shape[1])
     return KvBatch(
         keys=[torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)]) for a, b in
@@ -80,6 +103,30 @@ def join(running: KvBatch | None, newcomers: KvBatch) -> KvBatch:
     )
 
 
+_KV_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+"""transformers' cache layers that hold keys and values only (a sliding window's are kept whole here)."""
+
+
+def _refuse_non_kv_cache(model: torch.nn.Module) -> None:
+    """A clear error, before the forward, for a model whose transformers cache keeps more than keys and values
+    (linear-attention states, indexer keys) when its family did not ask for `row_caches`."""
+    from transformers import DynamicCache
+
+    if model in _CHECKED:
+        return
+    try:
+        kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
+    except Exception:  # noqa: BLE001 - a config transformers' cache cannot read: the forward decides
+        return
+    odd = sorted(kinds - set(_KV_LAYERS))
+    if odd:
+        raise RuntimeError(
+            f"the CPU engine's key/value batch cannot hold {type(model).__name__}'s cache (its {', '.join(odd)} "
+            f"layers keep more than keys and values): set cpu_engine_cache='per_request' in the registry entry of "
+            f"model_type {getattr(model.config, 'model_type', None)!r} (hpc_rl/models/<family>/__init__.py)")
+    _CHECKED.add(model)
+
+
 def _forward(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
              past: KvBatch | None, last_only: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """(logits [rows, 1 or length, V], keys, values) of one cached forward call over left-padded rows."""
@@ -88,6 +135,8 @@ def _forward(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor
         return model.forward_cached(input_ids, positions, mask, past_pairs, last_only)
     from transformers import DynamicCache
 
+    if past_pairs is None:
+        _refuse_non_kv_cache(model)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                 past_key_values=DynamicCache() if past_pairs is None else DynamicCache(ddp_cache_data=past_pairs),
                 use_cache=True, logits_to_keep=1 if last_only else 0)
@@ -100,7 +149,10 @@ def prefill(
     model: torch.nn.Module, sequences: list[list[int]], full_logits: bool = False
 ) -> tuple[KvBatch, torch.Tensor, list[torch.Tensor] | None]:
     """Run the sequences (left-padded together); return their cache, last-position logits [B, V]
-    and, with `full_logits`, each sequence's logits at every one of its positions [len, V]."""
+    and, with `full_logits`, each sequence's logits at every one of its positions [len, V]. A family with
+    `cpu_engine_cache="per_request"` runs in `row_caches` instead (its return has the same shape)."""
+    if cache_kind(model) == "per_request":
+        return row_caches.prefill(model, sequences, full_logits)
     length = max(len(seq) for seq in sequences)
     pad_id = 0
     input_ids = torch.tensor([[pad_id] * (length - len(s)) + list(s) for s in sequences], dtype=torch.long)
@@ -117,6 +169,8 @@ def prefill(
 @torch.inference_mode()
 def decode_step(model: torch.nn.Module, batch: KvBatch, tokens: torch.Tensor) -> tuple[KvBatch, torch.Tensor]:
     """Feed one token per row ([B]); return the grown batch and next-token logits [B, V]."""
+    if isinstance(batch, row_caches.RowCaches):
+        return row_caches.decode_step(model, batch, tokens)
     positions = batch.mask.sum(dim=1, keepdim=True)
     mask = torch.cat([batch.mask, torch.ones(batch.rows, 1, dtype=batch.mask.dtype)], dim=1)
     logits, keys, values = _forward(model, tokens.view(-1, 1), mask, positions, batch, last_only=True)

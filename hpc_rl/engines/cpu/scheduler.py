@@ -1,10 +1,10 @@
 """The CPU engine's scheduler thread: continuous batching, pause/abort, and weight swaps.
 
-Owns: the waiting queue, the running batch (rows of `kv_batch.KvBatch`, one per request), the
-pause state, the released-memory tags and the weight version. One thread runs the model; HTTP
-handlers talk to it only through `submit` (a generation request) and `call` (a function run on
-the scheduler thread between two steps), both returning futures. So a weight update or an abort
-never lands in the middle of a forward pass.
+Owns: the waiting queue, the running batch (rows of `kv_batch.KvBatch`, or of `row_caches.RowCaches` for a
+family that keeps transformers' own cache, one per request), the pause state, the released-memory tags and the
+weight version. One thread runs the model; HTTP handlers talk to it only through `submit` (a generation
+request) and `call` (a function run on the scheduler thread between two steps), both returning futures. So a
+weight update or an abort never lands in the middle of a forward pass.
 
     loop:  run queued calls -> if runnable: admit newcomers (prefill, first token, join batch)
                                             -> one decode step for every running row
@@ -63,6 +63,10 @@ class Scheduler:
                  memory_saver: bool = False, routed_experts: RoutedExpertsCapture | None = None,
                  lora: EngineLoraAdapters | None = None) -> None:
         self.model = model
+        if kv_batch.cache_kind(model) == "per_request" and (lora is not None or routed_experts is not None):
+            raise ValueError(f"{type(model).__name__} runs each request on its own cache (its family's "
+                             f"cpu_engine_cache='per_request'): the CPU engine serves it without --enable-lora and "
+                             f"--enable-return-routed-experts (both read one forward's rows as the running batch)")
         self.lora = lora
         """The LoRA adapters served on the model (`--enable-lora`), else None: each forward's rows use theirs."""
         if lora is not None:
@@ -83,7 +87,7 @@ class Scheduler:
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._running: list[GenerationRequest] = []
         self._admitting: list[GenerationRequest] = []
-        self._batch: kv_batch.KvBatch | None = None
+        self._batch: kv_batch.KvBatch | kv_batch.row_caches.RowCaches | None = None
         self._inbox: collections.deque[tuple[Callable[[], Any] | None, concurrent.futures.Future | None,
                                              GenerationRequest | None]] = collections.deque()
         self._wake = threading.Event()
