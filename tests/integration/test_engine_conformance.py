@@ -435,7 +435,7 @@ def test_update_while_paused_in_place_keeps_the_request_and_spans_both_versions(
     reference_logprobs = [entry[0] for entry in reference["meta_info"]["output_token_logprobs"]]
     assert logprobs[:switch] == pytest.approx(reference_logprobs[:switch], abs=1e-5)
     assert logprobs[switch:] != pytest.approx(reference_logprobs[switch:], abs=1e-3)  # the new weights' tokens
-    print(f"in-place update on {engine.process.__class__.__name__}: update call {update_s:.2f} s, "
+    print(f"in-place update on {type(engine).__name__}: update call {update_s:.2f} s, "
           f"spans {meta['weight_versions']}, max |logprob diff| after the switch "
           f"{max(abs(a - b) for a, b in zip(logprobs[switch:], reference_logprobs[switch:])):.3f}")
     assert post("/destroy_weights_update_group", {"group_name": "in_place_group"}).status_code == 200
