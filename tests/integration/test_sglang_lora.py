@@ -1,11 +1,11 @@
-"""Real SGLang 0.5.23 on CPU serving an hpc_rl LoRA adapter (docs/lora.md; marker `sglang_cpu`, skipped without
-tools/install_sglang_cpu.sh's venv): started with the options hpc_rl's LoRA runs launch engines with
-(`config.lora.engine_lora_options`) plus the CPU LoRA backend (`--lora-backend torch_native`) and with pinned host
-memory made a no-op (SGLang's LoRA pins unconditionally, which CPU-only torch refuses: sglang_cpu_pinning/), it loads a PEFT directory in the layout hpc_rl's
-adapter sync writes (`training.lora.peft_files`: PEFT names, hpc_rl's adapter_config.json), serves it by
-`lora_path` with the prompt's log-probs equal to PEFT's forward pass on transformers, serves the base beside it,
-and unloads it (a later request naming it reloads it from its directory, as SGLang does, and fails once the
-directory is gone). One SGLang start (~50 s).
+"""Real SGLang 0.5.23 on CPU serving an hpc_rl LoRA adapter (docs/lora.md, docs/sglang-cpu-checks.md; marker
+`sglang_cpu`, skipped without tools/install_sglang_cpu.sh's venv). Started with the options hpc_rl's LoRA runs give
+engines (`config.lora.engine_lora_options`) plus the CPU LoRA backend (`--lora-backend torch_native`) and pinned
+host memory made a no-op (SGLang's LoRA pins unconditionally, which CPU-only torch refuses: sglang_cpu_pinning/),
+it loads a PEFT directory in the layout hpc_rl's adapter sync writes (`training.lora.peft_files`: PEFT names,
+hpc_rl's adapter_config.json), serves it by `lora_path` with the prompt's log-probs equal to PEFT's forward pass on
+transformers, serves the base beside it, and unloads it (a later request naming it reloads it from its directory,
+as SGLang does, and fails once the directory is gone). One SGLang start (~50 s).
 """
 
 from __future__ import annotations
