@@ -383,6 +383,22 @@ def perturbed_weights(checkpoint: str) -> list[tuple[str, torch.Tensor]]:
              .contiguous()) for name, tensor in sorted(weights.items())]
 
 
+def gap_to_forward(engine, model_dir, weights: dict[str, torch.Tensor], prompt: list[int]) -> tuple[float, int]:
+    """Max |served - transformers| over the output log-probs of a request, the model holding `weights`; and the
+    prompt tokens the engine took from its prefix cache."""
+    from transformers import AutoModelForCausalLM
+
+    answer = generate(engine, {"input_ids": prompt, "return_logprob": True,
+                               "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}).json()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict(weights, strict=False)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([prompt + answer["output_ids"]])).logits[0].float(), -1)
+    expected = [float(logprobs[len(prompt) - 1 + i, token]) for i, token in enumerate(answer["output_ids"])]
+    return (max(abs(entry[0] - value) for entry, value in zip(answer["meta_info"]["output_token_logprobs"], expected)),
+            answer["meta_info"]["cached_tokens"])
+
+
 def test_update_while_paused_in_place_keeps_the_request_and_spans_both_versions(engine, tiny_model_dir):
     """In-place weight updates (issue 34, `--flush-cache-interval` other than 1) against the engine: a request
     paused in place holds SGLang's model-update reader lock, but a paused engine takes the update without the
@@ -438,8 +454,19 @@ def test_update_while_paused_in_place_keeps_the_request_and_spans_both_versions(
     print(f"in-place update on {type(engine).__name__}: update call {update_s:.2f} s, "
           f"spans {meta['weight_versions']}, max |logprob diff| after the switch "
           f"{max(abs(a - b) for a, b in zip(logprobs[switch:], reference_logprobs[switch:])):.3f}")
+    # Requests started after the update, before any flush: a prompt no earlier request used is served by the new
+    # weights alone; one whose prefix the engine's cache holds (SGLang's radix cache; the CPU engine has none)
+    # reuses KV the old weights computed, so its log-probs are not the new weights'. A flush ends that.
+    new_weights, seen = dict(weights), [9, 15] + reference["output_ids"][:20]
+    fresh, fresh_cached = gap_to_forward(engine, tiny_model_dir, new_weights, [17, 3, 20, 6, 14])
+    reused, reused_cached = gap_to_forward(engine, tiny_model_dir, new_weights, seen)
     assert post("/destroy_weights_update_group", {"group_name": "in_place_group"}).status_code == 200
     assert post("/flush_cache", {}).status_code == 200
+    flushed, flushed_cached = gap_to_forward(engine, tiny_model_dir, new_weights, seen)
+    print(f"vs a forward pass of the new weights: fresh prompt {fresh:.2e}; a prompt seen before the update "
+          f"{reused:.2e} ({reused_cached} cached tokens), after a flush {flushed:.2e} ({flushed_cached} cached)")
+    assert fresh < 1e-3 and fresh_cached == 0 and flushed < 1e-3 and flushed_cached == 0
+    assert (reused > 1e-2) == (reused_cached > 0)
     assert requests.get(f"{engine.url}/model_info", timeout=30).json()["weight_version"] == "in-place-1"
 
 

@@ -4,8 +4,8 @@ engines (`config.lora.engine_lora_options`) plus the CPU LoRA backend (`--lora-b
 host memory made a no-op (SGLang's LoRA pins unconditionally, which CPU-only torch refuses: sglang_cpu_pinning/),
 it loads a PEFT directory in the layout hpc_rl's adapter sync writes (`training.lora.peft_files`: PEFT names,
 hpc_rl's adapter_config.json), serves it by `lora_path` with the prompt's log-probs equal to PEFT's forward pass on
-transformers, serves the base beside it, and unloads it (a later request naming it reloads it from its directory,
-as SGLang does, and fails once the directory is gone). One SGLang start (~50 s).
+transformers, serves the base beside it, and unloads it: the unload waits for a request using it to finish; a later
+request naming it reloads it from its directory, and fails once the directory is gone. One SGLang start (~50 s).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -101,7 +103,19 @@ def test_sglang_serves_an_hpc_rl_adapter_with_pefts_logprobs(tmp_path: Path, tin
         print(f"SGLang prompt log-probs vs transformers (base) and PEFT (lora): max |diff| {gaps}")
         assert len(served["base"]) == len(served["lora"]) == len(ids) - 1
         assert gaps["base"] < 1e-4 and gaps["lora"] < 1e-4, gaps
-        unloaded = post("/unload_lora_adapter", {"lora_name": "policy-v1"})
+        # An unload waits until no request uses the adapter (the CPU engine refuses it with 400 instead).
+        long = {"input_ids": ids, "lora_path": "policy-v1", "stream": True,
+                "sampling_params": {"max_new_tokens": 480, "temperature": 0, "ignore_eos": True}}
+        with ThreadPoolExecutor(1) as pool, \
+                requests.post(f"{engine.url}/generate", json=long, stream=True, timeout=300) as response:
+            events = response.iter_lines()
+            next(line for line in events if line)  # running: its first token is back
+            unloading = pool.submit(post, "/unload_lora_adapter", {"lora_name": "policy-v1"})
+            time.sleep(0.5)
+            assert not unloading.done()
+            last = [line for line in events if line and line != b"data: [DONE]"][-1]
+            assert json.loads(last[len(b"data: "):])["meta_info"]["finish_reason"]["length"] == 480
+            unloaded = unloading.result(timeout=120)
         assert unloaded.status_code == 200 and unloaded.json()["success"], unloaded.text
         # SGLang 0.5.23 remembers each loaded name's path: a request naming an unloaded adapter reloads it from
         # there ("Reloading evicted adapter"; the CPU engine answers 400), and fails once the directory is gone.
