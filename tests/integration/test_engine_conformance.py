@@ -465,8 +465,9 @@ def test_update_while_paused_in_place_keeps_the_request_and_spans_both_versions(
     flushed, flushed_cached = gap_to_forward(engine, tiny_model_dir, new_weights, seen)
     print(f"vs a forward pass of the new weights: fresh prompt {fresh:.2e}; a prompt seen before the update "
           f"{reused:.2e} ({reused_cached} cached tokens), after a flush {flushed:.2e} ({flushed_cached} cached)")
-    assert fresh < 1e-3 and fresh_cached == 0 and flushed < 1e-3 and flushed_cached == 0
-    assert (reused > 1e-2) == (reused_cached > 0)
+    # SGLang serves this float32 checkpoint in float16 here (its `auto` dtype): up to ~1.4e-3 over 5 tokens
+    assert fresh < 5e-3 and fresh_cached == 0 and flushed < 5e-3 and flushed_cached == 0
+    assert (reused > 5e-2) == (reused_cached > 0)
     assert requests.get(f"{engine.url}/model_info", timeout=30).json()["weight_version"] == "in-place-1"
 
 
