@@ -251,7 +251,7 @@ def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler | SftRollout
 
     def engines_serve(version: int) -> None:
         scheduler.set_weight_version(version)
-        guard.note_served(version)
+        guard.note_served(version, cache_flushed=not weights.cache_kept)  # `weights` is bound below, before any sync
         client = getattr(scheduler, "client", None)
         if lora_dir is not None and client is not None:  # the rollouts ask for the adapter synced (issue 33)
             client.lora_path = adapter_name(version) if version > 0 else None

@@ -64,6 +64,10 @@ class WeightUpdates:
         """Pushes made (to at least one engine): which ones flush (`flush_cache_interval`) counts on it."""
         self.flushes = 0
         """Of those, the ones that flushed the engines' cache."""
+        self.cache_kept = False
+        """The last push kept the engines' cache (in place): SGLang's prefix (radix) cache may still hold KV computed
+        by older weights, which requests started after the push reuse until a flush (measured on real SGLang:
+        docs/sglang-cpu-checks.md), so their log-probs are not the served version's alone (`LogprobGuard`)."""
         self.moves_memory = settings.colocate and not settings.async_rollout
         """Colocated sync mode: engines and trainer trade the GPUs around every train step."""
         self.engines_released = False
@@ -187,6 +191,7 @@ class WeightUpdates:
         metrics = await self.transport.push(version, engines, flush_cache=flush_cache)
         self.pushes += 1
         self.flushes += flush_cache
+        self.cache_kept = not flush_cache
         if self.settings.flush_cache_interval != 1:
             metrics["weight_sync/flushed_cache"] = float(flush_cache)
         return metrics

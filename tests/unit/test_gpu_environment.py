@@ -37,6 +37,11 @@ def test_the_guard_fails_a_run_whose_engines_do_not_serve_the_synced_weights() -
     guard.check(5, [group_of([3, 3])], 3, {FIRST_STEP_GAP: 1e-7})
     with pytest.raises(LogprobMismatch, match=r"rollout 5: .* by 0.00028 per token .* after weight sync v3"):
         guard.check(5, [group_of([3, 3], [3])], 3, metrics)
+    guard.note_served(4, cache_flushed=False)  # in place: SGLang's prefix cache may hold v3's KV, measured only
+    guard.check(6, [group_of([4, 4])], 4, {FIRST_STEP_GAP: 0.057})
+    guard.note_served(5)  # the next sync flushed: checked again
+    with pytest.raises(LogprobMismatch, match=r"rollout 7: .* after weight sync v5"):
+        guard.check(7, [group_of([5, 5])], 5, {FIRST_STEP_GAP: 0.057})
     assert threshold_for("cuda", None) == 0.1 and threshold_for("cpu", 0) is None and threshold_for("cpu", 0.5) == 0.5
 
 
