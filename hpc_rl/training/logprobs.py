@@ -35,6 +35,19 @@ def _this_shard(logits: torch.Tensor, vocab_size: int,
     return logits, start, part
 
 
+def _shifted_log_sum_exp(logits: torch.Tensor, vocab_size: int, tp_group: dist.ProcessGroup | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """This rank's shard of `logits` less the (detached) maximum over the whole vocabulary, the log of the sum of
+    exps over the whole vocabulary, and the shard's first id and width (what every log-prob here is built from)."""
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    logits, start, part = _this_shard(logits, vocab_size, tp_group)
+    maximum = logits.detach().max(dim=-1, keepdim=True).values
+    if tp_size > 1:
+        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits - maximum
+    return shifted, _sum_over_tp(shifted.exp().sum(dim=-1), tp_group).log(), start, part
+
+
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -59,13 +72,7 @@ def vocab_parallel_logprobs(
         log_probs = torch.cat([lp for lp, _ in parts]).reshape(targets.shape)
         entropy = torch.cat([e for _, e in parts]).reshape(targets.shape) if with_entropy else None  # type: ignore[misc]
         return log_probs, entropy
-    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-    logits, start, part = _this_shard(logits, vocab_size, tp_group)
-    maximum = logits.detach().max(dim=-1, keepdim=True).values
-    if tp_size > 1:
-        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=tp_group)
-    shifted = logits - maximum
-    log_sum_exp = _sum_over_tp(shifted.exp().sum(dim=-1), tp_group).log()
+    shifted, log_sum_exp, start, part = _shifted_log_sum_exp(logits, vocab_size, tp_group)
     local = targets.long() - start
     in_shard = (local >= 0) & (local < part)
     target_logit = shifted.gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
@@ -99,13 +106,7 @@ def vocab_parallel_head_logprobs(logits: torch.Tensor, ids: torch.Tensor, *, voc
                                  tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """log p(id) for k ids per position (score centering's head): `logits` [N, V_local] vocab-parallel, `ids`
     [N, k] -> [N, k], normalised over the whole (unpadded) vocabulary, with a gradient through the logits."""
-    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-    logits, start, part = _this_shard(logits, vocab_size, tp_group)
-    maximum = logits.detach().max(dim=-1, keepdim=True).values
-    if tp_size > 1:
-        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=tp_group)
-    shifted = logits - maximum
-    log_sum_exp = _sum_over_tp(shifted.exp().sum(dim=-1), tp_group).log()
+    shifted, log_sum_exp, start, part = _shifted_log_sum_exp(logits, vocab_size, tp_group)
     local = ids.long() - start
     in_shard = (local >= 0) & (local < part)
     head = _sum_over_tp(shifted.gather(-1, local.clamp(0, part - 1)) * in_shard, tp_group)

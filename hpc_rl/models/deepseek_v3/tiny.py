@@ -87,6 +87,26 @@ def _mtp_tensors(model, spec: TinyMlaSpec, num_layers: int) -> dict:  # noqa: AN
     return out
 
 
+def mla_config_fields(spec: TinyMlaSpec, tokenizer: Any) -> dict[str, Any]:
+    """The transformers config fields a tiny MLA MoE checkpoint's shape gives (DeepSeek-V3, GLM-4.7-Flash and
+    DeepSeek-V3.2 alike), with the tiny tokenizer's special tokens, float32."""
+    rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    if spec.yarn:
+        rope = {"rope_type": "yarn", "rope_theta": spec.rope_theta, **spec.yarn}
+    return dict(
+        vocab_size=len(TINY_VOCAB), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.moe_intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        n_shared_experts=spec.n_shared_experts, n_routed_experts=spec.num_experts,
+        routed_scaling_factor=spec.routed_scaling_factor, kv_lora_rank=spec.kv_lora_rank, q_lora_rank=spec.q_lora_rank,
+        qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, qk_nope_head_dim=spec.qk_nope_head_dim,
+        n_group=spec.n_group, topk_group=spec.topk_group, num_experts_per_tok=spec.num_experts_per_tok,
+        norm_topk_prob=True, max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.rms_norm_eps,
+        tie_word_embeddings=spec.tie_word_embeddings, rope_parameters=rope, bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), torch_dtype="float32")
+
+
 def make_tiny_mla_model(output_dir: str | Path, spec: TinyMlaSpec | None = None) -> Path:
     """Write a randomly initialised tiny MLA MoE checkpoint (spec.family) with its MTP layers + the tiny tokenizer."""
     import torch
@@ -97,22 +117,7 @@ def make_tiny_mla_model(output_dir: str | Path, spec: TinyMlaSpec | None = None)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
-    if spec.yarn:
-        rope = {"rope_type": "yarn", "rope_theta": spec.rope_theta, **spec.yarn}
-    common = dict(
-        vocab_size=len(TINY_VOCAB), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        moe_intermediate_size=spec.moe_intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-        n_shared_experts=spec.n_shared_experts, n_routed_experts=spec.num_experts,
-        routed_scaling_factor=spec.routed_scaling_factor, kv_lora_rank=spec.kv_lora_rank, q_lora_rank=spec.q_lora_rank,
-        qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, qk_nope_head_dim=spec.qk_nope_head_dim,
-        n_group=spec.n_group, topk_group=spec.topk_group, num_experts_per_tok=spec.num_experts_per_tok,
-        norm_topk_prob=True, max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.rms_norm_eps,
-        tie_word_embeddings=spec.tie_word_embeddings, rope_parameters=rope, rope_interleave=True, bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), torch_dtype="float32",
-    )
+    common = dict(mla_config_fields(spec, tokenizer), rope_interleave=True)
     if spec.family == "deepseek_v3":
         config = DeepseekV3Config(**common, first_k_dense_replace=spec.dense_layers, num_mtp_layers=spec.mtp_layers)
         model_class = DeepseekV3ForCausalLM

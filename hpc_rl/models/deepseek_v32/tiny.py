@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_rl.models.deepseek_v3.tiny import TinyMlaSpec
-from hpc_rl.models.tiny_checkpoint import TINY_VOCAB, build_tokenizer, randomize_moe, spec_of
+from hpc_rl.models.deepseek_v3.tiny import TinyMlaSpec, mla_config_fields
+from hpc_rl.models.tiny_checkpoint import build_tokenizer, randomize_moe, spec_of
 
 
 @dataclass(kw_only=True)
@@ -59,21 +59,8 @@ def make_tiny_dsa_model(output_dir: str | Path, spec: TinyDsaSpec | None = None)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
-    if spec.yarn:
-        rope = {"rope_type": "yarn", "rope_theta": spec.rope_theta, **spec.yarn}
     config = DeepseekV32Config(
-        vocab_size=len(TINY_VOCAB), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        moe_intermediate_size=spec.moe_intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-        n_shared_experts=spec.n_shared_experts, n_routed_experts=spec.num_experts,
-        routed_scaling_factor=spec.routed_scaling_factor, kv_lora_rank=spec.kv_lora_rank, q_lora_rank=spec.q_lora_rank,
-        qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, qk_nope_head_dim=spec.qk_nope_head_dim,
-        n_group=spec.n_group, topk_group=spec.topk_group, num_experts_per_tok=spec.num_experts_per_tok,
-        norm_topk_prob=True, max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.rms_norm_eps,
-        tie_word_embeddings=spec.tie_word_embeddings, rope_parameters=rope, bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), torch_dtype="float32",
+        **mla_config_fields(spec, tokenizer),
         first_k_dense_replace=spec.dense_layers, index_n_heads=spec.index_n_heads,
         index_head_dim=spec.index_head_dim, index_topk=spec.index_topk)
     torch.manual_seed(spec.seed)
