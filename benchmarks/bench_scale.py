@@ -295,8 +295,7 @@ def process_cpu_s(pid: int) -> float:
 def worker_pids(controller: Controller) -> list[int]:
     """The controller's worker processes (answer parsing, rewards), as started so far."""
     pools = [controller.client.answer_pool if controller.client else None, controller.reward_pool]
-    return [process.pid for pool in pools if pool is not None and pool._executor is not None
-            for process in (getattr(pool._executor, "_processes", None) or {}).values()]
+    return [pid for pool in pools if pool is not None for pid in pool._workers.pids()]
 
 
 def instrument_sync(controller: Controller, sim_pid: int) -> tuple[list[float], list[float]]:

@@ -28,12 +28,11 @@ Does not own: which samples go here (group.py: no custom function, no remote_rm)
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
+
+from hpc_rl.process.spawned_pool import SpawnedWorkers
 
 log = logging.getLogger(__name__)
 
@@ -73,37 +72,20 @@ class RewardPool:
         if workers < 1:
             raise ValueError(f"a reward pool needs at least one worker, got {workers}")
         self.workers = workers
-        self._executor: ProcessPoolExecutor | None = None
-
-    def _pool(self) -> ProcessPoolExecutor:
-        if self._executor is None:
-            self._executor = ProcessPoolExecutor(max_workers=self.workers,
-                                                 mp_context=multiprocessing.get_context("spawn"))
-        return self._executor
+        self._workers = SpawnedWorkers(workers, warm_up=_warm_up)
 
     async def start(self) -> None:
         """Start every worker and load the graders (a few seconds of imports, once)."""
-        loop = asyncio.get_running_loop()
-        pool = self._pool()
-        await asyncio.gather(*(loop.run_in_executor(pool, _warm_up) for _ in range(self.workers)))
+        await self._workers.start()
 
     async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
-        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._pool(), score_items, items)
+            return await self._workers.run(score_items, items)
         except BrokenProcessPool as error:
             log.warning("a reward worker died (%s); starting the pool again and scoring the group once more", error)
             self.close()
-            return await loop.run_in_executor(self._pool(), score_items, items)
+            return await self._workers.run(score_items, items)
 
     def close(self) -> None:
         """Stop the workers now (a group being scored is abandoned; a grader stuck in sympy is killed)."""
-        if self._executor is None:
-            return
-        processes = list((getattr(self._executor, "_processes", None) or {}).values())
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._executor = None
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.join(timeout=5)
+        self._workers.close()

@@ -21,17 +21,16 @@ Does not own: the HTTP exchange (engine_client.py), what an answer means (genera
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
-import multiprocessing
 from array import array
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from operator import itemgetter
 from typing import Any
 
 import orjson
+
+from hpc_rl.process.spawned_pool import SpawnedWorkers
 
 log = logging.getLogger(__name__)
 
@@ -110,19 +109,11 @@ class AnswerPool:
         """Bodies shorter than this (bytes) are parsed on the loop (None: the module's `INLINE_BELOW`)."""
         self.parsed_in_workers = 0
         """Bodies parsed by a worker (the rest were parsed on the loop)."""
-        self._executor: ProcessPoolExecutor | None = None
-
-    def _pool(self) -> ProcessPoolExecutor:
-        if self._executor is None:
-            self._executor = ProcessPoolExecutor(max_workers=self.workers, initializer=_init_worker,
-                                                 mp_context=multiprocessing.get_context("spawn"))
-        return self._executor
+        self._workers = SpawnedWorkers(workers, warm_up=_warm_up, initializer=_init_worker)
 
     async def start(self) -> None:
         """Start every worker (a spawned interpreter with orjson: well under a second)."""
-        loop = asyncio.get_running_loop()
-        pool = self._pool()
-        await asyncio.gather(*(loop.run_in_executor(pool, _warm_up) for _ in range(self.workers)))
+        await self._workers.start()
 
     async def parse(self, raw: bytes) -> Any:
         """The answer body, with compact token arrays; AnswerNotJSON if it is not JSON. A worker that died
@@ -130,9 +121,8 @@ class AnswerPool:
         if len(raw) < self.inline_below:
             ok, value = compact_answers(raw)
         else:
-            loop = asyncio.get_running_loop()
             try:
-                ok, value = await loop.run_in_executor(self._pool(), _parse_in_worker, raw)
+                ok, value = await self._workers.run(_parse_in_worker, raw)
                 self.parsed_in_workers += 1
             except BrokenProcessPool as error:
                 log.warning("an answer-parsing worker died (%s); starting the pool again, this answer parsed "
@@ -145,12 +135,4 @@ class AnswerPool:
 
     def close(self) -> None:
         """Stop the workers now (an answer being parsed is abandoned: its request fails as a transport error)."""
-        if self._executor is None:
-            return
-        processes = list((getattr(self._executor, "_processes", None) or {}).values())
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._executor = None
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.join(timeout=5)
+        self._workers.close()

@@ -57,7 +57,7 @@ def test_pool_parses_in_a_worker_and_reports_bad_bodies() -> None:
             pool.close()
         inline = AnswerPool(1)  # small bodies never reach a worker (none is started)
         assert (await inline.parse(orjson.dumps(answer([1], [-1.0]))))["output_ids"].tolist() == [1]
-        assert inline.parsed_in_workers == 0 and inline._executor is None
+        assert inline.parsed_in_workers == 0 and inline._workers._executor is None
 
     asyncio.run(body())
 

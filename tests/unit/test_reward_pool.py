@@ -65,7 +65,7 @@ def test_a_grader_error_names_its_samples_as_on_the_loop(pool: RewardPool) -> No
 
 def test_a_killed_worker_is_replaced_and_the_group_scored(pool: RewardPool) -> None:
     asyncio.run(pool.start())
-    for process in list(pool._pool()._processes.values()):
+    for process in list(pool._workers.executor()._processes.values()):
         os.kill(process.pid, signal.SIGKILL)
         process.join(timeout=10)
     samples = [sample(0, "</think> \\boxed{12}", "12"), sample(1, "</think> \\boxed{13}", "12")]
