@@ -377,6 +377,7 @@ SLIME_LATER_COMPAT: dict[str, CompatFlag] = {
         "the JuiceFS profile declares a JuiceFS mount straw checks, which hpc_rl does not use")),
 }
 COMPAT_FLAGS.update(SLIME_LATER_COMPAT)
+del SLIME_LATER_REFUSED["rollout_session_id"]  # a config field now: rollout.rollout_session_id (issue 35)
 SLIME_LATER_UNBUILDABLE: dict[str, str] = {}
 """--use-gated-attention, the one flag here once, is a model switch now (the hybrid block above)."""
 # --post-self-attn-layernorm and --post-mlp-layernorm are model switches (MODEL_SWITCHES) already.

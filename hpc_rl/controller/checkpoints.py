@@ -71,4 +71,6 @@ class Checkpoints:
                                                                              unrecorded))
         self._saved_rollout = rollout_id
         kill_here_if_asked(KILL_CONTROLLER_AFTER_SAVE, rollout_id)  # tests: the window before the record
+        if self.rollouts.retention is not None:  # retained rollouts up to this one are not needed any more
+            await self.rollouts.retention.checkpointed(rollout_id)
         return {"time/save": seconds}

@@ -9,6 +9,8 @@ real runs (nothing here runs then but one environment lookup per checkpoint).
     variable                                   point                                        then
     HPC_RL_FAULT_KILL_CONTROLLER_AFTER_SAVE    the checkpoint of that rollout has committed,  SIGKILL
                                                before the rollout's record is written
+    HPC_RL_FAULT_KILL_CONTROLLER_AFTER_RETAIN  the rollout was generated and journaled         SIGKILL
+                                               (controller/retention.py), not trained yet
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import signal
 from collections.abc import Mapping
 
 KILL_CONTROLLER_AFTER_SAVE = "HPC_RL_FAULT_KILL_CONTROLLER_AFTER_SAVE"
+KILL_CONTROLLER_AFTER_RETAIN = "HPC_RL_FAULT_KILL_CONTROLLER_AFTER_RETAIN"
 
 
 def kill_here_if_asked(variable: str, rollout_id: int, environ: Mapping[str, str] = os.environ) -> None:

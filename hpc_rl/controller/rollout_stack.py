@@ -30,6 +30,7 @@ from hpc_rl.controller.checkpoints import Checkpoints
 from hpc_rl.controller.engine_fleet import EngineFleet
 from hpc_rl.controller.logprob_guard import LogprobGuard, threshold_for
 from hpc_rl.controller.registry import Registry
+from hpc_rl.controller.retention import Retention, allowed_lag
 from hpc_rl.controller.rollouts import Rollouts
 from hpc_rl.controller.run_loop import Evaluate, RunLoop
 from hpc_rl.controller.trainer_channel import TrainerChannel
@@ -261,8 +262,13 @@ def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler | SftRollout
                             registry=registry, fleet=fleet, channel=channel, engines_serve=engines_serve,
                             num_rollout=num_rollout)
     fleet.on_failed = weights.engine_failed
+    retention = Retention(config.run_dir, session_id=rollout.rollout_session_id,
+                          allowed_lag=allowed_lag(max_staleness=rollout.max_staleness,
+                                                  async_rollout=rollout.async_rollout),
+                          enabled=bool(config.checkpoint.save_interval) and isinstance(scheduler, RolloutScheduler),
+                          print_fn=recorder.print if recorder is not None else print)
     rollouts = Rollouts(scheduler, fleet=fleet, channel=channel, weights=weights, overlap=rollout.async_rollout,
-                        num_rollout=num_rollout)
+                        num_rollout=num_rollout, retention=retention)
     post_process = (functools.partial(load_plugin("reward_post_process", rollout.custom_reward_post_process_path),
                                       plugin_args(config)) if rollout.custom_reward_post_process_path else None)
     trainers = trainers or Trainers(channel, registry, num_rollout=num_rollout, guard=guard,

@@ -18,6 +18,7 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from hpc_rl.controller.engine_fleet import EngineFleet
+from hpc_rl.controller.retention import Retention, state_digest
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel
 from hpc_rl.controller.weight_updates import WeightUpdates
@@ -32,8 +33,10 @@ class Rollouts:
     """`await next(k)`: rollout k's kept groups (exactly rollout_batch_size), generated and scored."""
 
     def __init__(self, scheduler: RolloutScheduler, *, fleet: EngineFleet, channel: TrainerChannel,
-                 weights: WeightUpdates, overlap: bool, num_rollout: int) -> None:
+                 weights: WeightUpdates, overlap: bool, num_rollout: int, retention: Retention | None = None) -> None:
         self.scheduler, self.fleet, self.channel, self.weights = scheduler, fleet, channel, weights
+        self.retention = retention
+        """Rollouts generated and not trained yet, journaled; a resume trains them first (controller/retention.py)."""
         self.overlap = overlap
         """Async mode: generate rollout k+1 while the trainer trains on rollout k."""
         self.num_rollout = num_rollout
@@ -97,10 +100,25 @@ class Rollouts:
 
     async def _generate(self, rollout_id: int) -> RolloutResult:
         """One rollout, watching the engines meanwhile (a restarted engine gets the current weights at once in
-        sync mode, where the trainer is idle while a rollout generates)."""
-        self._boundary_states[rollout_id] = self.scheduler.state_dict()
-        return await self.watch(self.scheduler.run(rollout_id, self.weights.version),
-                                f"rollout {rollout_id} generation", may_sync=not self.overlap)
+        sync mode, where the trainer is idle while a rollout generates); a retained one is taken instead, and a
+        generated one journaled (`retention`)."""
+        self._boundary_states[rollout_id] = before = self.scheduler.state_dict()
+        if self.retention is None or not self.retention.enabled:
+            return await self.watch(self.scheduler.run(rollout_id, self.weights.version),
+                                    f"rollout {rollout_id} generation", may_sync=not self.overlap)
+        retained = self.retention.take(rollout_id, before)
+        if retained is not None:  # the state it left, with the version the engines serve now
+            self.scheduler.load_state_dict(retained.state_after | {"weight_version": self.scheduler.weight_version})
+            return RolloutResult(groups=retained.groups, metrics=retained.metrics | {
+                "rollout/retained_samples_trained": float(retained.num_samples),
+                "rollout/retained_weight_lag": float(self.weights.version - retained.weight_version),
+                "rollout/generations_saved": float(self.retention.trained_samples)})  # this attempt's, so far
+        digest, version = state_digest(before), self.weights.version
+        result = await self.watch(self.scheduler.run(rollout_id, version),
+                                  f"rollout {rollout_id} generation", may_sync=not self.overlap)
+        await self.retention.keep(rollout_id, version, digest, result.groups, result.metrics,
+                                  self.scheduler.state_dict())
+        return result
 
     async def watch(self, work: Awaitable[T], what: str, *, may_sync: bool = True) -> T:
         """`work` (a rollout's generation, an eval) while the engines are watched: a lost fleet or a lost rank

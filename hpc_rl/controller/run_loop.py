@@ -29,6 +29,7 @@ trainer holds its whole state.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -59,6 +60,9 @@ class RunLoop:
         self.stop_requested = False
         """Set on a timeout/preemption warning: save at the next rollout boundary and stop (requeue)."""
         self.stopped_for_requeue = False
+        self.restored_scheduler: dict[str, Any] | None = None
+        """The scheduler state of the checkpoint this run resumed from (None: a fresh start): retained rollouts
+        that continue it are trained first (`Rollouts.retention`)."""
         self.unrecorded: tuple[int, dict[str, Any], list[Any]] | None = None
         """(rollout id, metrics so far, groups) of a rollout trained but not yet recorded (its sync, eval or save
         still to come): a stop that cuts the loop there and saves it records it (`record_cut_rollout`)."""
@@ -66,6 +70,9 @@ class RunLoop:
     async def run(self, *, resumed: bool) -> dict[str, Any]:
         """However this ends (done, requeue, error, cancellation), a rollout started ahead has stopped."""
         try:
+            if self.rollouts.retention is not None:  # before the engines get the checkpoint's weights (start)
+                await asyncio.to_thread(self.rollouts.retention.attach, next_rollout_id=self.next_rollout_id,
+                                        weight_version=self.weights.version, scheduler_state=self.restored_scheduler)
             await self.weights.start(resumed=resumed and self.next_rollout_id > 0)
             if self.evaluate and self.next_rollout_id == 0 and not self.eval_config.skip_eval_before_train:
                 self.recorder.eval_before_training(await self.rollouts.watch(self.evaluate(self.weights.version, 0),
@@ -125,6 +132,7 @@ class RunLoop:
     def restore(self, controller_state: dict[str, Any]) -> None:
         """Continue from a checkpoint's controller state (`Checkpoints.controller_state`)."""
         self.rollouts.restore(controller_state["scheduler"])
+        self.restored_scheduler = controller_state["scheduler"]
         self.weights.restore(int(controller_state["weight_version"]))
         self.next_rollout_id = int(controller_state["next_rollout_id"])
         self.recorder.forget_from(self.next_rollout_id)

@@ -43,7 +43,7 @@ POST_ROUTES = (
     ("/resume_memory_occupation", "resume_memory_occupation"),
     ("/load_lora_adapter", "load_lora_adapter"), ("/unload_lora_adapter", "unload_lora_adapter"),
 )
-GET_ROUTES = (("/flush_cache", "flush_cache"),)
+GET_ROUTES = (("/flush_cache", "flush_cache"), ("/metrics", "metrics"))
 
 
 def add_sglang_routes(app: web.Application, server: object) -> list[str]:

@@ -168,6 +168,11 @@ class RolloutConfig:
     waited for, then given the current weights), weights pushed over the weight-update group or, with
     update_weight_transport disk, through the shared filesystem. They must not need an api key other than the
     job's, and must reach trainer rank 0's node for the group (slime's --rollout-external-engine-addrs)."""
+    rollout_session_id: str | None = None
+    """Names the rollout session: the engines a run attaches to and the rollouts it retained (generated, not
+    trained: journaled under run_dir/retained whenever save_interval is set). A resume with the same id trains the
+    retained rollouts first instead of generating them again; another id drops them and says so (slime's
+    --rollout-session-id; docs/faults.md, "Retained rollouts")."""
     max_staleness: int | None = None
     """Async mode: no sample is trained more than this many weight versions after its first token."""
     async_rollout: bool = False

@@ -82,6 +82,8 @@ class EngineServer(LoraRoutes):
         self.info = info
         self.groups = WeightUpdateGroups()
         self.in_weight_update = False
+        self.requests_total = 0
+        """Generation requests finished (each of a batch counts), SGLang's sglang:num_requests_total."""
         self.nodes = nodes
         """A multi-node engine's node-ranks (this process is node-rank 0); None on one node."""
         fp8 = read_fp8_blocks(info.model_path)
@@ -160,6 +162,13 @@ class EngineServer(LoraRoutes):
                                  "num_waiting_reqs": self.scheduler.num_waiting}],
         })
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text, SGLang's counter of finished requests (real SGLang serves /metrics with
+        --enable-metrics; tests count the generations a run asked for with it)."""
+        labels = f'model_name="{self.info.model_path}",is_streaming="false"'
+        return web.Response(text="# TYPE sglang:num_requests_total counter\n"
+                                 f"sglang:num_requests_total{{{labels}}} {float(self.requests_total)}\n")
+
     async def model_info(self, request: web.Request) -> web.Response:
         return json_response({
             "model_path": self.info.model_path, "tokenizer_path": self.info.model_path,
@@ -186,9 +195,13 @@ class EngineServer(LoraRoutes):
             if parsed.batched:
                 return json_response({"error": {"message": "stream=true with a batch is not supported by the "
                                                            "CPU engine: stream one request at a time"}}, status=400)
-            return await self._stream(request, parsed.requests[0])
+            try:
+                return await self._stream(request, parsed.requests[0])
+            finally:
+                self.requests_total += 1
         try:
             results = await self._run_all(parsed.requests)
+            self.requests_total += len(results)
         except asyncio.CancelledError:  # client went away: abort them, as SGLang does
             self._abort_requests(parsed.requests)
             raise
