@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -188,6 +189,9 @@ class Retention:
         """What the journal holds (this attempt's view), oldest first."""
         self._ready: dict[int, RetainedBatch] = {}
         """Attached at resume: rollout id -> its batch, to train instead of generating."""
+        self._lock = threading.Lock()
+        """The file and `_records`: a record written in a thread (async mode: the rollout ahead) while a
+        checkpoint drops older ones in another."""
         self.trained_samples = 0
         """Samples trained from retained batches in this attempt (= generations saved)."""
         self.write_seconds = 0.0
@@ -198,40 +202,49 @@ class Retention:
         self.print(line)
 
     # -- writing -------------------------------------------------------------------------------------------
-    async def keep(self, rollout_id: int, weight_version: int, state_before: str, groups: list[Group],
+    async def keep(self, rollout_id: int, weight_version: int, state_before: dict[str, Any], groups: list[Group],
                    metrics: dict[str, float], state_after: dict[str, Any]) -> None:
-        """Journal rollout `rollout_id` (generated with `weight_version`), durable when this returns. A record
-        that cannot be written costs the resume its retention, not the run: it is logged."""
+        """Journal rollout `rollout_id` (generated with `weight_version` from the scheduler state `state_before`,
+        leaving `state_after`: snapshots nobody changes), durable when this returns; the encoding and the write run
+        in a thread. A record that cannot be written costs the resume its retention, not the run: it is logged."""
         if not self.enabled:
             return
-        batch = RetainedBatch(rollout_id=rollout_id, weight_version=weight_version, session_id=self.session_id,
-                              state_before=state_before, state_after=state_after, groups=groups,
-                              metrics={k: float(v) for k, v in metrics.items()})
         start = time.perf_counter()
         try:
-            await asyncio.to_thread(self._write, batch)
+            samples = await asyncio.to_thread(self._write, rollout_id, weight_version, state_before, groups,
+                                              metrics, state_after)
         except (OSError, TypeError, ValueError) as error:
             log.warning("rollout %d not retained: %s", rollout_id, error)
             return
         self.write_seconds += time.perf_counter() - start
-        self.written_samples += batch.num_samples
+        self.written_samples += samples
         kill_here_if_asked(KILL_CONTROLLER_AFTER_RETAIN, rollout_id)  # tests: generated, journaled, not trained
 
-    def _write(self, batch: RetainedBatch) -> None:
+    def _write(self, rollout_id: int, weight_version: int, state_before: dict[str, Any], groups: list[Group],
+               metrics: dict[str, float], state_after: dict[str, Any]) -> int:
+        batch = RetainedBatch(rollout_id=rollout_id, weight_version=weight_version, session_id=self.session_id,
+                              state_before=state_digest(state_before), state_after=state_after, groups=groups,
+                              metrics={k: float(v) for k, v in metrics.items()})
         line = batch.to_line()
-        self._records = [r for r in self._records if r.rollout_id != batch.rollout_id] + [batch]
-        if len(self._records) > MAX_RECORDS:
-            self._records = self._records[-MAX_RECORDS:]
-            self.journal.keep_only(self._records)
-        else:
-            self.journal.append(line)
+        with self._lock:
+            self._records = [r for r in self._records if r.rollout_id != rollout_id] + [batch]
+            if len(self._records) > MAX_RECORDS:
+                self._records = self._records[-MAX_RECORDS:]
+                self.journal.keep_only(self._records)
+            else:
+                self.journal.append(line)
+        return batch.num_samples
 
     async def checkpointed(self, rollout_id: int) -> None:
         """A checkpoint holds rollout `rollout_id` trained: its record and older ones are not needed any more."""
-        if not self.enabled or not any(r.rollout_id <= rollout_id for r in self._records):
-            return
-        self._records = [r for r in self._records if r.rollout_id > rollout_id]
-        await asyncio.to_thread(self.journal.keep_only, list(self._records))
+        if self.enabled:
+            await asyncio.to_thread(self._drop_up_to, rollout_id)
+
+    def _drop_up_to(self, rollout_id: int) -> None:
+        with self._lock:
+            if any(r.rollout_id <= rollout_id for r in self._records):
+                self._records = [r for r in self._records if r.rollout_id > rollout_id]
+                self.journal.keep_only(self._records)
 
     # -- resuming ------------------------------------------------------------------------------------------
     def attach(self, *, next_rollout_id: int, weight_version: int, scheduler_state: dict[str, Any] | None) -> None:

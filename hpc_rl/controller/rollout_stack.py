@@ -265,7 +265,7 @@ def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler | SftRollout
     retention = Retention(config.run_dir, session_id=rollout.rollout_session_id,
                           allowed_lag=allowed_lag(max_staleness=rollout.max_staleness,
                                                   async_rollout=rollout.async_rollout),
-                          enabled=bool(config.checkpoint.save_interval) and isinstance(scheduler, RolloutScheduler),
+                          enabled=bool(config.checkpoint.save_interval) and not isinstance(scheduler, SftRollouts),
                           print_fn=recorder.print if recorder is not None else print)
     rollouts = Rollouts(scheduler, fleet=fleet, channel=channel, weights=weights, overlap=rollout.async_rollout,
                         num_rollout=num_rollout, retention=retention)

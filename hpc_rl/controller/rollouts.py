@@ -18,7 +18,7 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from hpc_rl.controller.engine_fleet import EngineFleet
-from hpc_rl.controller.retention import Retention, state_digest
+from hpc_rl.controller.retention import Retention
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel
 from hpc_rl.controller.weight_updates import WeightUpdates
@@ -108,15 +108,16 @@ class Rollouts:
                                     f"rollout {rollout_id} generation", may_sync=not self.overlap)
         retained = self.retention.take(rollout_id, before)
         if retained is not None:  # the state it left, with the version the engines serve now
-            self.scheduler.load_state_dict(retained.state_after | {"weight_version": self.scheduler.weight_version})
+            self.scheduler.load_state_dict({**retained.state_after, **{k: v for k, v in before.items()
+                                                                      if k == "weight_version"}})
             return RolloutResult(groups=retained.groups, metrics=retained.metrics | {
                 "rollout/retained_samples_trained": float(retained.num_samples),
                 "rollout/retained_weight_lag": float(self.weights.version - retained.weight_version),
                 "rollout/generations_saved": float(self.retention.trained_samples)})  # this attempt's, so far
-        digest, version = state_digest(before), self.weights.version
+        version = self.weights.version
         result = await self.watch(self.scheduler.run(rollout_id, version),
                                   f"rollout {rollout_id} generation", may_sync=not self.overlap)
-        await self.retention.keep(rollout_id, version, digest, result.groups, result.metrics,
+        await self.retention.keep(rollout_id, version, before, result.groups, result.metrics,
                                   self.scheduler.state_dict())
         return result
 

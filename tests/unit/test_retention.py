@@ -5,6 +5,7 @@ scheduler state, weight versions within the run's staleness)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,16 @@ import pytest
 
 from hpc_rl.controller.retention import (JOURNAL, MAX_RECORDS, RetainedBatch, Retention, RolloutJournal, allowed_lag,
                                          state_digest)
+from hpc_rl.config import load_config
+from hpc_rl.controller.registry import EngineInfo, EngineState, Registry, TrainerInfo
+from hpc_rl.controller.rollout_stack import assemble_loop
+from hpc_rl.controller.trainer_channel import TrainerChannel
 from hpc_rl.data.samples import Sample, SampleStatus
+from hpc_rl.protocol.messages import SaveCommand
+from hpc_rl.rollout.scheduler import RolloutResult
+from hpc_rl.telemetry.recorder import RunRecorder
+from hpc_rl.telemetry.scalars import ScalarLog
+from tests.unit.test_run_loop_order import FakeFleet, FakeScheduler, answer_command, describe
 
 
 def group(first_index: int, n: int = 2, response_len: int = 4) -> list[Sample]:
@@ -138,7 +148,7 @@ def test_keep_writes_checkpointed_drops_and_the_file_stays_bounded(tmp_path: Pat
     async def run() -> None:
         for rollout_id in range(MAX_RECORDS + 3):
             b = batch(rollout_id, rollout_id, session=None)
-            await retention.keep(rollout_id, rollout_id, b.state_before, b.groups, b.metrics, b.state_after)
+            await retention.keep(rollout_id, rollout_id, state(rollout_id), b.groups, b.metrics, b.state_after)
         assert [r.rollout_id for r in retention.journal.read()[0]] == list(range(3, MAX_RECORDS + 3))
         await retention.checkpointed(MAX_RECORDS)
         assert [r.rollout_id for r in retention.journal.read()[0]] == [MAX_RECORDS + 1, MAX_RECORDS + 2]
@@ -146,7 +156,7 @@ def test_keep_writes_checkpointed_drops_and_the_file_stays_bounded(tmp_path: Pat
     asyncio.run(run())
     off = Retention(tmp_path / "off", session_id=None, allowed_lag=0, enabled=False)
     b = batch(0, 0)
-    asyncio.run(off.keep(0, 0, b.state_before, b.groups, b.metrics, b.state_after))
+    asyncio.run(off.keep(0, 0, state(0), b.groups, b.metrics, b.state_after))
     assert not (tmp_path / "off" / JOURNAL).exists()
 
 
@@ -156,8 +166,98 @@ def test_the_cost_per_sample_is_printed(tmp_path: Path, response_len: int) -> No
     retention = Retention(tmp_path, session_id="s", allowed_lag=0, print_fn=lambda line: None)
     groups = [group(2 * i, response_len=response_len) for i in range(128)]
     start = time.perf_counter()
-    asyncio.run(retention.keep(0, 0, "d", groups, {}, state(1)))
+    asyncio.run(retention.keep(0, 0, state(0), groups, {}, state(1)))
     seconds = time.perf_counter() - start
     size = (tmp_path / JOURNAL).stat().st_size
     print(f"\n{response_len} response tokens: {seconds / 256 * 1e6:.0f} us and {size / 256:.0f} bytes per sample")
     assert size > 256 * response_len * 2
+
+
+# -- through the real loop (as the controller assembles it), with the fakes of test_run_loop_order.py ----------------
+
+class CursorScheduler(FakeScheduler):
+    """A fake scheduler whose state is a data cursor: each generated rollout moves it on."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__(events)
+        self.cursor = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor, "weight_version": 0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cursor = int(state["cursor"])
+
+    async def run(self, rollout_id: int, weight_version: int) -> RolloutResult:
+        self.cursor += 1
+        return await super().run(rollout_id, weight_version)
+
+
+def attempt(run_dir: Path, *, async_rollout: bool, num_rollout: int, fail_at_save: int | None = None,
+            resume: dict[str, Any] | None = None) -> tuple[list[str], list[dict[str, Any]]]:
+    """One controller attempt of the loop: its events and the controller states it saved; `fail_at_save`: the
+    trainer dies when asked to save that rollout (the job then requeues)."""
+    config = load_config(["configs/tiny_cpu.yaml"], ["--set", f"run_dir={run_dir}", "--rollout-session-id", "s"])
+    config.rollout.async_rollout, config.rollout.n_samples_per_prompt = async_rollout, 2
+    config.checkpoint.save_interval = 1
+    events: list[str] = []
+    saved: list[dict[str, Any]] = []
+
+    async def trainer_rank(channel: TrainerChannel) -> None:
+        while True:
+            command = await channel.next_command(0)
+            events.append(describe(command))
+            if isinstance(command, SaveCommand):
+                if command.rollout_id == fail_at_save:
+                    raise RuntimeError("trainer died")
+                saved.append(json.loads(json.dumps(command.controller_state)))
+            await answer_command(channel, command)
+
+    async def main() -> None:
+        registry = Registry(trainer_world_size=1, num_engines=1)
+        registry.add_trainer(TrainerInfo(rank=0, world_size=1, host="h", pid=1, info={"dp_rank": 0, "dp_size": 1}))
+        registry.add_engine(EngineInfo(engine_index=0, url="http://e0", state=EngineState.SERVING))
+        channel = TrainerChannel(1)
+        recorder = RunRecorder(run_dir, ScalarLog(None), num_rollout=num_rollout, print_fn=events.append)
+        loop = assemble_loop(config, scheduler=CursorScheduler(events), registry=registry,  # type: ignore[arg-type]
+                             channel=channel, fleet=FakeFleet(events), recorder=recorder,  # type: ignore[arg-type]
+                             evaluate=None, num_rollout=num_rollout)
+        if resume is not None:
+            loop.restore(resume)
+        trainer = asyncio.create_task(trainer_rank(channel))
+        run = asyncio.create_task(loop.run(resumed=resume is not None))
+        await asyncio.wait({trainer, run}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (trainer, run):
+            task.cancel()
+        await asyncio.gather(trainer, run, return_exceptions=True)
+        if fail_at_save is None:
+            run.result()  # the attempt that is not failed runs to its end
+
+    asyncio.run(main())
+    return events, saved
+
+
+@pytest.mark.parametrize("async_rollout", [True, False])
+def test_a_requeued_loop_trains_the_retained_rollouts_first(tmp_path: Path, in_repo: Path,
+                                                             async_rollout: bool) -> None:
+    """The trainer dies at rollout 1's save. Async: rollout 1 (generated with v0 while 0 trained) and rollout 2
+    (v1, generated while 1 trained) are journaled; the checkpoint of rollout 0 holds v1, so both are within the
+    one version async mode trains anyway: trained, not generated. Sync: rollout 1 (v1) is retained; nothing was
+    generated ahead."""
+    events, saved = attempt(tmp_path, async_rollout=async_rollout, num_rollout=4, fail_at_save=1)
+    assert [e for e in events if e.startswith("generate")] == (["generate 0", "generate 1", "generate 2"]
+                                                               if async_rollout else ["generate 0", "generate 1"])
+    checkpoint = saved[-1]
+    assert (checkpoint["next_rollout_id"], checkpoint["weight_version"]) == (1, 1)
+    events, _ = attempt(tmp_path, async_rollout=async_rollout, num_rollout=4, resume=checkpoint)
+    retained = [1, 2] if async_rollout else [1]
+    assert any(f"re-attached to session 's': {len(retained)} retained rollout(s) {retained}" in e for e in events)
+    assert [e for e in events if e.startswith("generate")] == [f"generate {k}" for k in range(1 + len(retained), 4)]
+    assert [e for e in events if e.startswith("trainer train")] == [f"trainer train {k}" for k in range(1, 4)]
+    assert events.index("trainer broadcast v1") < events.index("trainer train 1")  # the checkpoint's weights first
+    rows = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    trained = {r["rollout_id"]: r for r in rows}
+    assert sorted(trained) == [0, 1, 2, 3]
+    assert [trained[k]["metrics"].get("rollout/retained_samples_trained") for k in range(4)] == [
+        2.0 if k in retained else None for k in range(4)]
+    assert trained[1]["metrics"]["rollout/retained_weight_lag"] == (1.0 if async_rollout else 0.0)
