@@ -30,10 +30,11 @@ from tests.unit.test_run_loop_order import FakeFleet, FakeScheduler, answer_comm
 def group(first_index: int, n: int = 2, response_len: int = 4) -> list[Sample]:
     samples = []
     for i in range(n):
-        sample = Sample(index=first_index + i, group_index=first_index // n, prompt=[{"role": "user", "content": "7"}],
-                        prompt_token_ids=[1, 2, 3], label="7", metadata={"data_row": first_index, "start_rollout_id": 0},
-                        response_token_ids=list(range(response_len)), response_logprobs=[-0.1 * (k + 1) / 3 for k in
-                                                                                         range(response_len)],
+        sample = Sample(index=first_index + i, group_index=first_index // n,
+                        prompt=[{"role": "user", "content": "7"}], prompt_token_ids=[1, 2, 3], label="7",
+                        metadata={"data_row": first_index, "start_rollout_id": 0},
+                        response_token_ids=list(range(response_len)),
+                        response_logprobs=[-0.1 * (k + 1) / 3 for k in range(response_len)],
                         weight_versions=[2] * response_len, response_text="7", status=SampleStatus.COMPLETED,
                         reward=1.0 if i else 0.0, rid=f"r{first_index + i}")
         samples.append(sample)
@@ -86,7 +87,9 @@ def test_a_crash_mid_write_leaves_a_readable_prefix_and_the_next_append_cuts_it(
 
 
 def resumed(tmp_path: Path, records: list[RetainedBatch], *, session: str | None = "s1", lag: int = 0,
-            next_rollout_id: int = 2, version: int = 2, scheduler: dict[str, Any] | None = None) -> tuple[Retention, list[str]]:
+            next_rollout_id: int = 2, version: int = 2,
+            scheduler: dict[str, Any] | None = None) -> tuple[Retention, list[str]]:
+    """A resume at `next_rollout_id` with weights v`version` over a journal of `records`: what it kept, and said."""
     journal = RolloutJournal(tmp_path / JOURNAL)
     for record in records:
         journal.append(record.to_line())
