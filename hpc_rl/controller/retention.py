@@ -30,7 +30,8 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,19 @@ def state_digest(state: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
 
 
+_NUMPY_FIELDS = ("routed_experts", "top_logprob_ids", "top_logprobs")
+_PLAIN_FIELDS = tuple(f.name for f in fields(Sample) if f.name not in _NUMPY_FIELDS)
+
+
 def _sample_to_json(sample: Sample) -> dict[str, Any]:
-    data = sample.to_dict()
+    """`Sample.to_dict`'s form without its deep copy (`dataclasses.asdict` copied every token list: 40 ms of a
+    sample of 8,192 tokens, against 1 ms for orjson to write the lists as they are); the arrays as to_dict has them."""
+    data = {name: getattr(sample, name) for name in _PLAIN_FIELDS}
+    data["status"] = sample.status.value
+    if any(getattr(sample, name) is not None for name in _NUMPY_FIELDS):
+        arrays = dataclasses.replace(sample, prompt="", prompt_token_ids=[], response_token_ids=[],
+                                     response_logprobs=[], weight_versions=[], loss_mask=None, metadata={}).to_dict()
+        data.update({name: arrays[name] for name in _NUMPY_FIELDS})
     if getattr(sample, "remove_sample", False):  # slime's rollout_sample_filter_path mark (not a field)
         data["remove_sample"] = True
     return data
