@@ -18,7 +18,7 @@ Not here: when rollouts are generated (`Rollouts`), the checkpoint (`Checkpoints
 (`WeightUpdates.start` pushes the checkpoint's before the first rollout).
 
 Format: one JSON object per line, `FORMAT` 1; a crash mid-write leaves a readable prefix (the torn last line is
-ignored and cut off before the next append). No pickle: samples are `Sample.to_dict` (plain JSON types).
+ignored and cut off before the next append). No pickle: samples in `Sample.to_dict`'s form (plain JSON types).
 """
 
 from __future__ import annotations
