@@ -94,7 +94,7 @@ def test_the_lora_transport_is_chosen_only_for_a_decoupled_lora_run(tmp_path: Pa
     assert settings(tmp_path).transport_name == "lora"
     assert settings(tmp_path, transport="disk", disk_dir="/x").transport_name == "lora"  # never the whole weights
     assert settings(None).transport_name == "broadcast"
-    assert settings(tmp_path, colocate=True).transport_name == "colocated"
+    assert settings(tmp_path, colocate=True).transport_name == "lora_tensor"  # transports.lora_tensor
     made = WeightSyncSettings.from_sections(ClusterConfig(), RolloutConfig(), ControllerConfig(), lora_dir="/run")
     assert made.lora_dir == "/run"
 
