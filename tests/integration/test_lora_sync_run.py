@@ -49,3 +49,25 @@ def adapter_effect(directory: Path) -> float:
         before = base(tokens).logits.log_softmax(-1)
         after = PeftModel.from_pretrained(base, str(directory)).eval()(tokens).logits.log_softmax(-1)
     return (after - before).abs().max().item()
+
+
+@pytest.mark.parametrize("backup", [True, False], ids=["base-cpu-backup", "base-resent"])
+def test_colocated_tiny_lora_run_serves_the_adapter_after_every_sync(tmp_path: Path, backup: bool) -> None:
+    """Colocated LoRA (transports.lora_tensor): the adapter goes through /load_lora_adapter_from_tensors to the engine
+    on the trainer rank's GPU; with --lora-base-cpu-backup the engine keeps its base across the memory release and
+    each sync moves the adapter alone, without it the base (discarded by the memory saver) is re-sent first."""
+    run_dir = tmp_path / "colocated_lora"
+    flags = (*LORA, "--colocate", *(["--lora-base-cpu-backup"] if backup else []))
+    rows = run_tiny_recipe_in_sync(run_dir, "configs/tiny_cpu.yaml", *flags)
+    config = load_config([str(REPO_ROOT / "configs" / "tiny_cpu.yaml")], list(LORA))
+    arch = run_architecture(config)
+    assert arch is not None
+    adapter = adapter_sync_bytes(arch, config.lora, dtype_bytes=4)
+    synced = tensorboard_scalars(run_dir, "perf/weight_sync_bytes")
+    base = [row["metrics"].get("weight_sync/base_bytes", 0.0) for row in rows]
+    print(f"colocated LoRA (backup={backup}): bytes per sync {synced}, base {base}, seconds "
+          f"{[row['metrics'].get('weight_sync/seconds') for row in rows]}")
+    assert synced and all(value == adapter + (0 if backup else base[0]) for value in synced), (synced, adapter)
+    assert (base[0] == 0) == backup
+    log = (run_dir / "logs" / "controller.log").read_text()
+    assert f"as policy-v{len(rows)}" in log and not (run_dir / "adapters").exists()  # tensors, no directory
