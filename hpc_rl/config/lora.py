@@ -61,6 +61,9 @@ class LoraConfig:
     --enable-weights-cpu-backup), so a sync sends the adapter alone instead of the base and the adapter."""
     lora_train_only: bool = False
     """Train adapters, but the engines keep serving the frozen base (no adapter sync, no SGLang LoRA)."""
+    save_hf_merged: bool = False
+    """With --save-hf: also write the merged model (base + adapter, W + alpha/r B@A: an HF checkpoint transformers
+    loads without PEFT) under <save_hf dir>/merged, beside the PEFT adapter files."""
 
     @property
     def enabled(self) -> bool:

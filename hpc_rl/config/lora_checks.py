@@ -43,7 +43,8 @@ def lora_problems(config: RunConfig, arch: ModelArchitecture | None, *, check_fi
         return [("lora.lora_rank", f"{lora.lora_rank} must be >= 0 (0: LoRA off)")]
     if not lora.enabled:
         set_flags = [name for name in ("target_modules", "exclude_modules", "lora_adapter_path", "lora_sync_from_tensor",
-                                       "lora_base_cpu_backup", "lora_train_only") if getattr(lora, name)]
+                                       "lora_base_cpu_backup", "lora_train_only", "save_hf_merged")
+                     if getattr(lora, name)]
         return [(f"lora.{name}", "is set but lora_rank is 0 (LoRA off): give --lora-rank N, or drop it")
                 for name in set_flags]
     problems: list[tuple[str, str]] = []
@@ -71,6 +72,9 @@ def lora_problems(config: RunConfig, arch: ModelArchitecture | None, *, check_fi
     if lora.lora_sync_from_tensor and lora.lora_train_only:
         problems.append(("lora.lora_sync_from_tensor", "and lora_train_only contradict each other (train-only engines "
                          "never receive the adapter): drop one"))
+    if lora.save_hf_merged and not config.checkpoint.save_hf:
+        problems.append(("lora.save_hf_merged", "writes the merged model beside --save-hf's adapter: give --save-hf "
+                         "DIR_{rollout_id}, or drop it"))
     if lora.lora_base_cpu_backup and not config.cluster.colocate:
         problems.append(("lora.lora_base_cpu_backup", "only applies to colocated engines (--colocate): drop it"))
     training = config.training

@@ -246,7 +246,7 @@ class TrainerCommands:
             out["hf_checkpoint"] = str(save_hf_checkpoint(
                 self.parts.actor, self.arch, hf_output_dir(config.save_hf, command.rollout_id),
                 reference_dir=config.hf_checkpoint or None, info=self.info, tp_group=trainer.tp_group,
-                fp8=self.engine_fp8()))
+                fp8=self.engine_fp8(), merge_lora=True))
         return out
 
     def train(self, command: TrainCommand) -> dict[str, Any]:
