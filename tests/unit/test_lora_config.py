@@ -65,6 +65,8 @@ def test_hf_and_megatron_names_mean_the_same_layers() -> None:
      "adapter_config.json"),
     (["--lora-rank", "8", "--target-modules", "q_proj", "--pipeline-model-parallel-size", "2", "--save-hf",
       "out/{rollout_id}"], "checkpoint.save_hf", "one pipeline stage"),
+    (["--lora-rank", "8", "--target-modules", "q_proj", "--save-hf-merged"], "lora.save_hf_merged", "--save-hf"),
+    (["--save-hf-merged"], "lora.save_hf_merged", "lora_rank is 0"),
     (["--lora-rank", "8", "--target-modules", "q_proj", "--only-train-params-name-list", "linear"],
      "training.only_train_params_name_list", "adapters only"),
 ])
