@@ -3,7 +3,7 @@
     python tools/merge_lora_adapter.py --base HF_DIR --adapter PEFT_DIR --output-dir MERGED
 
 Each adapted projection's weight becomes W + (alpha / r) * B @ A, as PEFT's merge_and_unload; config.json,
-tokenizer and generation files are copied from the base. Logic: hpc_rl.training.lora.merge. An adapter in a
+tokenizer and generation files are copied from the base. Logic: hpc_rl.training.convert.merge_adapter_dir. An adapter in a
 torch_dist checkpoint: tools/convert_torch_dist_to_hf.py --lora-rank ... --merge-lora (or --lora-adapter-out).
 """
 
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-dir", required=True, help="merged HF directory to write")
     args = parser.parse_args(argv)
 
-    from hpc_rl.training.lora.merge import merge_adapter_dir
+    from hpc_rl.training.convert import merge_adapter_dir
 
     try:
         print(merge_adapter_dir(args.base, args.adapter, args.output_dir))

@@ -159,3 +159,12 @@ def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: s
 
         state = fused_state(state)
     return write_hf_checkpoint(state, output_dir, hf_reference)
+
+
+def merge_adapter_dir(base_dir: str | Path, adapter_dir: str | Path, output_dir: str | Path) -> Path:
+    """HF base + PEFT LoRA adapter -> a merged HF directory (side files copied from the base; `lora.merge`)."""
+    from hpc_rl.training.lora.merge import merge_adapter, read_adapter, read_hf_weights
+
+    adapter, scale = read_adapter(adapter_dir)
+    merged = merge_adapter(read_hf_weights(base_dir), adapter, scale, where=str(adapter_dir))
+    return write_hf_checkpoint(merged, output_dir, base_dir)

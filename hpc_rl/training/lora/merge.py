@@ -2,10 +2,9 @@
 
 Owns: `merge_adapter` (each adapted projection's weight W becomes W + (alpha / r) * B @ A, PEFT's `merge_and_unload`
 for plain LoRA without fan_in_fan_out; computed in float32 and cast back to W's dtype), reading a PEFT adapter
-directory's tensors and scale (`read_adapter`), and `merge_adapter_dir` (an HF base directory + a PEFT adapter
-directory -> a merged HF directory, side files copied from the base; `tools/merge_lora_adapter.py`). Used by
-`--save-hf-merged` (`training.hf_save`) and `tools/convert_torch_dist_to_hf.py --merge-lora`. Does not own the
-adapter's names (`peft_files`).
+directory's tensors and scale (`read_adapter`) and an HF directory's (`read_hf_weights`). Used by `--save-hf-merged`
+(`training.hf_save`) and the converters (`training.convert`: tools/convert_torch_dist_to_hf.py --merge-lora,
+tools/merge_lora_adapter.py). Does not own the adapter's names (`peft_files`) nor writing HF directories.
 """
 
 from __future__ import annotations
@@ -79,12 +78,3 @@ def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     for file in files:
         state.update(load_file(str(file)))
     return state
-
-
-def merge_adapter_dir(base_dir: str | Path, adapter_dir: str | Path, output_dir: str | Path) -> Path:
-    """HF base + PEFT adapter -> a merged HF directory (config, tokenizer and generation files from the base)."""
-    from hpc_rl.training.convert import write_hf_checkpoint
-
-    adapter, scale = read_adapter(adapter_dir)
-    merged = merge_adapter(read_hf_weights(base_dir), adapter, scale, where=str(adapter_dir))
-    return write_hf_checkpoint(merged, output_dir, base_dir)
