@@ -3,8 +3,9 @@
     python tools/merge_lora_adapter.py --base HF_DIR --adapter PEFT_DIR --output-dir MERGED
 
 Each adapted projection's weight becomes W + (alpha / r) * B @ A, as PEFT's merge_and_unload; config.json,
-tokenizer and generation files are copied from the base. Logic: hpc_rl.training.convert.merge_adapter_dir. An adapter in a
-torch_dist checkpoint: tools/convert_torch_dist_to_hf.py --lora-rank ... --merge-lora (or --lora-adapter-out).
+tokenizer and generation files are copied from the base. Logic: hpc_rl.training.convert.merge_adapter_dir.
+An adapter in a torch_dist checkpoint: tools/convert_torch_dist_to_hf.py --lora-rank ... --merge-lora (or
+--lora-adapter-out).
 """
 
 from __future__ import annotations

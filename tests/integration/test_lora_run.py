@@ -23,8 +23,8 @@ def test_tiny_sft_with_lora_trains_adapters_and_saves_peft(tmp_path: Path) -> No
 
     run_dir = tmp_path / "lora_sft"
     run(run_dir, "configs/tiny_sft_cpu.yaml", "--lora-rank", "8", "--lora-alpha", "16", "--target-modules",
-        "all-linear", "--lr", "2e-2", "--save-hf", str(run_dir / "peft_{rollout_id}"), "--save-interval", "16", "--num-epoch", "1",
-        "--save-hf-merged")
+        "all-linear", "--lr", "2e-2", "--save-hf", str(run_dir / "peft_{rollout_id}"), "--save-interval", "16",
+        "--num-epoch", "1", "--save-hf-merged")
     rows = records(run_dir)
     losses = metric(rows, "train/loss")
     assert len(losses) == 32 and statistics.mean(losses[-8:]) < 0.85 * statistics.mean(losses[:2]), losses

@@ -80,7 +80,8 @@ class LoraTensorTransport(LoraTransport):
             timeout_s=settings.timeout_s)
         adapter_bytes = float(merge_metrics(done).get("adapter_bytes", 0))
         end = time.perf_counter()
-        return {**metrics, "weight_sync/adapter_seconds": end - adapter_start, "weight_sync/adapter_bytes": adapter_bytes,
+        return {**metrics, "weight_sync/adapter_seconds": end - adapter_start,
+                "weight_sync/adapter_bytes": adapter_bytes,
                 "weight_sync/mbytes": (adapter_bytes + base_bytes) / 1e6,
                 "perf/weight_sync_bytes": adapter_bytes + base_bytes, "weight_sync/send_seconds": end - start}
 
