@@ -13,8 +13,9 @@ restarted (it lost them) gets the current adapter on the next push and one that 
 
 Bytes moved per sync (`perf/weight_sync_bytes`): the adapter's tensor bytes, read from the safetensors header of
 the directory written (what each engine reads). SGLang's /load_lora_adapter reads the directory on every engine,
-so it must be on a filesystem both see (as the disk transport's). Not here: lora_sync_from_tensor
-(`/load_lora_adapter_from_tensors`; submit refuses it), pausing the engines around a sync (`weight_updates`).
+so it must be on a filesystem both see (as the disk transport's). Not here: the adapter as tensors
+(`/load_lora_adapter_from_tensors`, colocated engines: `lora_tensor`, which reuses this bookkeeping through `_send`
+and `_forget_older`), pausing the engines around a sync (`weight_updates`).
 """
 
 from __future__ import annotations
