@@ -2,11 +2,12 @@
 that do not depend on a transport's plumbing.
 
 Owns: which way a run's adapters reach the engines (`adapter_transport`: none with lora_train_only, tensors with
-lora_sync_from_tensor, else a PEFT directory on the shared filesystem), the name each synced version is served under
-(`adapter_name`: the engines hold the new version beside the old until no request uses the old), the bodies of
-`/load_lora_adapter`, `/unload_lora_adapter` and the `lora_path` field a rollout's `/generate` carries, and the bytes
-one sync moves (`adapter_bytes`). The base is never re-sent: engines start from the HF checkpoint with
-`--enable-lora` and keep it.
+lora_sync_from_tensor or colocated engines, else a PEFT directory on the shared filesystem), the name each synced
+version is served under (`adapter_name`: the engines hold the new version beside the old until no request uses the
+old), the bodies of `/load_lora_adapter`, `/load_lora_adapter_from_tensors`, `/unload_lora_adapter` and the
+`lora_path` field a rollout's `/generate` carries, and the bytes one sync moves (`adapter_bytes`). Engines start
+from the HF checkpoint with `--enable-lora` and keep the base; only colocated engines whose memory saver discarded
+it get it again (`controller.transports.lora_tensor`, unless lora_base_cpu_backup).
 
 The two ways (`controller.transports.lora` and `lora_tensor`, each with its trainer half in `training.transports`):
 a PEFT directory in the run dir loaded with /load_lora_adapter (decoupled engines), or the tensors themselves with
@@ -35,8 +36,6 @@ if TYPE_CHECKING:  # torch-free at import: the controller's transport (controlle
 
 ADAPTER_PREFIX = "policy"
 TRANSPORTS = ("none", "tensor", "disk")
-FROM_TENSORS = "__tensor__"
-"""What SGLang reports as the path of an adapter loaded from tensors (`loaded_adapters`)."""
 
 
 def adapter_transport(lora: LoraConfig, *, colocate: bool = False) -> str:
