@@ -55,11 +55,15 @@ class LoraConfig:
     """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) the adapters start from."""
     lora_sync_from_tensor: bool = False
     """Sync the adapter to the engines as tensors (SGLang's /load_lora_adapter_from_tensors) instead of a PEFT
-    directory on the shared filesystem."""
+    directory on the shared filesystem: CUDA IPC handles, so colocated engines only (--colocate, which implies it)."""
     lora_base_cpu_backup: bool = False
-    """Colocated: the engines keep a CPU copy of the base weights and skip re-sending the base each step."""
+    """Colocated: the engines keep a host copy of the base weights across a memory release (SGLang's
+    --enable-weights-cpu-backup), so a sync sends the adapter alone instead of the base and the adapter."""
     lora_train_only: bool = False
     """Train adapters, but the engines keep serving the frozen base (no adapter sync, no SGLang LoRA)."""
+    save_hf_merged: bool = False
+    """With --save-hf: also write the merged model (base + adapter, W + alpha/r B@A: an HF checkpoint transformers
+    loads without PEFT) under <save_hf dir>/merged, beside the PEFT adapter files."""
 
     @property
     def enabled(self) -> bool:
@@ -121,4 +125,8 @@ def engine_lora_options(lora: LoraConfig) -> dict[str, object]:
     when they serve the base alone."""
     if not syncs_adapters(lora):
         return {}
-    return {"enable_lora": True, "max_lora_rank": lora.lora_rank, "lora_target_modules": target_projections(lora)}
+    options: dict[str, object] = {"enable_lora": True, "max_lora_rank": lora.lora_rank,
+                                  "lora_target_modules": target_projections(lora)}
+    if lora.lora_base_cpu_backup:  # miles': colocated engines keep the base on the host across a release
+        options["enable_weights_cpu_backup"] = True
+    return options

@@ -43,7 +43,8 @@ def lora_problems(config: RunConfig, arch: ModelArchitecture | None, *, check_fi
         return [("lora.lora_rank", f"{lora.lora_rank} must be >= 0 (0: LoRA off)")]
     if not lora.enabled:
         set_flags = [name for name in ("target_modules", "exclude_modules", "lora_adapter_path", "lora_sync_from_tensor",
-                                       "lora_base_cpu_backup", "lora_train_only") if getattr(lora, name)]
+                                       "lora_base_cpu_backup", "lora_train_only", "save_hf_merged")
+                     if getattr(lora, name)]
         return [(f"lora.{name}", "is set but lora_rank is 0 (LoRA off): give --lora-rank N, or drop it")
                 for name in set_flags]
     problems: list[tuple[str, str]] = []
@@ -71,6 +72,9 @@ def lora_problems(config: RunConfig, arch: ModelArchitecture | None, *, check_fi
     if lora.lora_sync_from_tensor and lora.lora_train_only:
         problems.append(("lora.lora_sync_from_tensor", "and lora_train_only contradict each other (train-only engines "
                          "never receive the adapter): drop one"))
+    if lora.save_hf_merged and not config.checkpoint.save_hf:
+        problems.append(("lora.save_hf_merged", "writes the merged model beside --save-hf's adapter: give --save-hf "
+                         "DIR_{rollout_id}, or drop it"))
     if lora.lora_base_cpu_backup and not config.cluster.colocate:
         problems.append(("lora.lora_base_cpu_backup", "only applies to colocated engines (--colocate): drop it"))
     training = config.training
@@ -88,9 +92,10 @@ def lora_problems(config: RunConfig, arch: ModelArchitecture | None, *, check_fi
 
 
 def _run_problems(config: RunConfig) -> list[tuple[str, str]]:
-    """What a LoRA run can do today: the trainer trains adapters; decoupled engines started with --enable-lora get
-    only the adapter at each sync, as a PEFT directory in the run dir (the `lora` weight transport). The rest is
-    refused with its reason."""
+    """What a LoRA run can do today: the trainer trains adapters; engines started with --enable-lora get only the
+    adapter at each sync: decoupled ones as a PEFT directory in the run dir (the `lora` weight transport), colocated
+    ones as tensors (`lora_tensor`, with the base re-sent unless lora_base_cpu_backup); a run starting from
+    lora_adapter_path syncs it before rollout 0. The rest is refused with its reason."""
     problems = []
     pipeline = config.training.pipeline_model_parallel_size > 1
     if pipeline and config.checkpoint.save_hf:
@@ -99,20 +104,15 @@ def _run_problems(config: RunConfig) -> list[tuple[str, str]]:
                          "adapters)"))
     if config.cluster.debug_train_only:
         return problems
-    lora, field = config.lora, "lora.lora_rank"
+    lora = config.lora
     unwired = [
-        (config.cluster.colocate, field, "LoRA with colocated engines needs the adapter sent as tensors "
-         "(/load_lora_adapter_from_tensors), which is not wired: run the engines decoupled (drop --colocate; the "
-         "adapter goes as a PEFT directory on the shared filesystem), or train without LoRA (--lora-rank 0)"),
-        (lora.lora_sync_from_tensor, "lora.lora_sync_from_tensor", "the adapter sync from tensors "
-         "(/load_lora_adapter_from_tensors) is not wired: drop it (the adapter goes as a PEFT directory on the "
-         "shared filesystem)"),
+        (lora.lora_sync_from_tensor and not config.cluster.colocate, "lora.lora_sync_from_tensor", "the adapter "
+         "goes to /load_lora_adapter_from_tensors as CUDA IPC handles, which only an engine on the trainer rank's own "
+         "GPU maps (miles sends them to colocated engines only): add --colocate, or drop it (decoupled engines get "
+         "the adapter as a PEFT directory on the shared filesystem)"),
         (lora.lora_train_only, "lora.lora_train_only", "with rollout engines the rollouts would keep sampling from "
          "the frozen base while the trainer's policy moves on: drop it (the engines then serve the adapter), or run "
          "trainer-only (--debug-train-only)"),
-        (bool(lora.lora_adapter_path), "lora.lora_adapter_path", "with rollout engines the first rollout would sample "
-         "from the base, not the adapter the trainer starts from (no sync before rollout 0 yet): start from a zero "
-         "adapter (drop it), or run trainer-only (--debug-train-only)"),
         (pipeline, "training.pipeline_model_parallel_size", "the adapter sync writes a PEFT directory from one "
          "pipeline stage: use pipeline_model_parallel_size 1 with LoRA and rollout engines"),
         (bool(config.rollout.rollout_external_engine_addrs), "rollout.rollout_external_engine_addrs", "external "

@@ -255,10 +255,10 @@ def assemble_loop(config: RunConfig, *, scheduler: RolloutScheduler | SftRollout
         guard.note_served(version, cache_flushed=not weights.cache_kept)  # `weights` is bound below, before any sync
         client = getattr(scheduler, "client", None)
         if lora_dir is not None and client is not None:  # the rollouts ask for the adapter synced (issue 33)
-            client.lora_path = adapter_name(version) if version > 0 else None
+            client.lora_path = adapter_name(version) if version > 0 or weights.pushes else None
 
     weights = WeightUpdates(WeightSyncSettings.from_sections(config.cluster, rollout, config.controller,
-                                                             lora_dir=lora_dir),
+                                                             lora_dir=lora_dir, lora=config.lora),
                             registry=registry, fleet=fleet, channel=channel, engines_serve=engines_serve,
                             num_rollout=num_rollout)
     fleet.on_failed = weights.engine_failed

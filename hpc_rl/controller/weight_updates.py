@@ -115,7 +115,7 @@ class WeightUpdates:
         """Before the first rollout: colocated sync mode gives the GPUs to the engines (generation comes
         first) and, when they released everything for the trainer's start, their weights are the trainer's
         (slime pushes them once at start too); a resumed run pushes the checkpoint's weights (the engines
-        loaded the initial ones)."""
+        loaded the initial ones), and so does a run whose trainer starts from a LoRA adapter (sync_at_start)."""
         if self.moves_memory and self.engines_released:  # as after a train step: the memory moves back with weights
             self.engines_released = False
             metrics = await self._colocated_after_train(self.version, sync_due=True)
@@ -127,6 +127,9 @@ class WeightUpdates:
             await self.colocated.trainer("offload", TRAINER_TAGS)
         if resumed and self.settings.num_engines:
             await self.sync(self.version, reason="resumed from a checkpoint", generating=False)
+        elif self.settings.sync_at_start and self.settings.num_engines:
+            await self.sync(self.version, reason="the adapter the trainer starts from (lora_adapter_path)",
+                            generating=False)
 
     async def before_train(self, sync_due: bool) -> dict[str, Any]:
         """Colocated sync mode: the engines release their memory and the trainer onloads; decoupled: the trainer

@@ -42,6 +42,7 @@ POST_ROUTES = (
     ("/release_memory_occupation", "release_memory_occupation"),
     ("/resume_memory_occupation", "resume_memory_occupation"),
     ("/load_lora_adapter", "load_lora_adapter"), ("/unload_lora_adapter", "unload_lora_adapter"),
+    ("/load_lora_adapter_from_tensors", "load_lora_adapter_from_tensors"),
 )
 GET_ROUTES = (("/flush_cache", "flush_cache"), ("/metrics", "metrics"))
 

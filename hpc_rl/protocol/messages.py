@@ -228,6 +228,22 @@ class LoraAdapterCommand(Message):
 
 
 @dataclass(kw_only=True)
+class LoraTensorCommand(Message):
+    """Send the actor's LoRA adapter (only the adapter; issue 33) to the engine on each rank's GPU through SGLang's
+    /load_lora_adapter_from_tensors as `lora_name` (every rank takes part: the TP shards are gathered; the rank on
+    each engine's TP rank 0 posts it)."""
+
+    TYPE: ClassVar[str] = "lora_tensor"
+    seq: int
+    weight_version: int
+    lora_name: str
+    engine_urls: list[str]
+    """By engine index; "" for an engine that is down or already holds `lora_name`."""
+    rank_engines: list[list[int]]
+    """Per trainer rank: [engine index, engine TP rank] of the engine on its GPU (as ColocatedSyncCommand's)."""
+
+
+@dataclass(kw_only=True)
 class ColocatedSyncCommand(Message):
     """Colocated mode: every rank sends the current weights to the engine on its own GPU, per bucket,
     through `/update_weights_from_tensor` (no weight-update group; the controller opens the session)."""

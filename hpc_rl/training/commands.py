@@ -14,6 +14,7 @@ share for `TrainCommand`), so collectives line up. Commands are `hpc_rl.protocol
                                                training.transports.broadcast
     SaveCommand(rollout_id, controller_state) -> checkpoint.save_checkpoint (+ the HF copy, save_hf)
     LoraAdapterCommand(version, path)       -> the LoRA adapter only, as a PEFT directory at path (transports.lora)
+    LoraTensorCommand(version, name, ...)   -> the LoRA adapter only, to /load_lora_adapter_from_tensors (lora_tensor)
     DiskWeightsCommand(version, path)       -> the weights as an HF directory at path, then the post-write
                                                hook (training.transports.disk)
     TrainerMemoryCommand(action, tags)       -> colocated: offload/onload (hpc_rl.training.offload)
@@ -43,6 +44,7 @@ from hpc_rl.protocol.messages import (
     ColocatedSyncCommand,
     DiskWeightsCommand,
     LoraAdapterCommand,
+    LoraTensorCommand,
     EvalLossCommand,
     Message,
     SaveCommand,
@@ -67,6 +69,7 @@ from hpc_rl.training.transports.broadcast import TrainerBroadcast
 from hpc_rl.training.transports.colocated import TrainerColocated
 from hpc_rl.training.transports.disk import write_weights
 from hpc_rl.training.transports.lora import write_adapter
+from hpc_rl.training.transports.lora_tensor import TrainerLoraTensor
 from hpc_rl.config.fp8_scheme import Fp8Blocks, read_fp8_blocks
 
 log = logging.getLogger(__name__)
@@ -174,6 +177,8 @@ class TrainerCommands:
         """The broadcast transport's trainer half (`training.transports.broadcast`)."""
         self.colocated = TrainerColocated(rank, self.offload, engine_api_key=engine_api_key)
         """The colocated transport's trainer half (`training.transports.colocated`)."""
+        self.lora_tensor = TrainerLoraTensor(rank, self.offload, self.checkpoint_config, engine_api_key=engine_api_key)
+        """The LoRA tensor transport's trainer half (`training.transports.lora_tensor`)."""
         self.transport_rank = rank
 
     def run(self) -> None:
@@ -198,6 +203,8 @@ class TrainerCommands:
             return self.memory(command)
         if isinstance(command, ColocatedSyncCommand):
             return self.colocated.sync(command)
+        if isinstance(command, LoraTensorCommand):
+            return self.lora_tensor.sync(command)
         self.offload.require_onloaded(type(command).__name__)
         if isinstance(command, TrainCommand):
             return self.train(command)
@@ -239,7 +246,7 @@ class TrainerCommands:
             out["hf_checkpoint"] = str(save_hf_checkpoint(
                 self.parts.actor, self.arch, hf_output_dir(config.save_hf, command.rollout_id),
                 reference_dir=config.hf_checkpoint or None, info=self.info, tp_group=trainer.tp_group,
-                fp8=self.engine_fp8()))
+                fp8=self.engine_fp8(), merge_lora=True))
         return out
 
     def train(self, command: TrainCommand) -> dict[str, Any]:

@@ -4,7 +4,8 @@ Owns: HF safetensors -> torch_dist (run on any number of TP x PP x EP ranks; the
 load because torch_dist stores global tensors, layers and experts under global indices, and our vocab
 padding does not depend on TP), and
 torch_dist -> HF safetensors on one CPU process, with config.json, tokenizer and generation files
-copied from the original HF directory. The architecture file is checked against config.json
+copied from the original HF directory (a LoRA checkpoint: the base, or the base with the adapter merged, and the
+PEFT adapter apart). The architecture file is checked against config.json
 before anything is converted. Bit-exact both ways: only reshuffles, no arithmetic. MTP layers travel like
 any layer (HF layers num_layers + k); DeepSeek's per-MTP-layer embedding and head copies are written back
 from the model's own.
@@ -17,6 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
+from hpc_rl.config.lora import LoraConfig
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.models.deepseek_v3.hf_names import mtp_copies
 
@@ -116,8 +118,11 @@ def copy_side_files(reference_dir: str | Path | None, output_dir: str | Path, *,
 
 
 def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: str | Path, *,
-                     hf_reference: str | Path | None = None) -> Path:
-    """One CPU process: load torch_dist (saved at any TP/PP) at TP=1, PP=1 and write an HF directory."""
+                     hf_reference: str | Path | None = None, lora: LoraConfig | None = None,
+                     adapter_out: str | Path | None = None, merge_lora: bool = False) -> Path:
+    """One CPU process: load torch_dist (saved at any TP/PP) at TP=1, PP=1 and write an HF directory. A LoRA run's
+    checkpoint (`lora`: its settings, which put the adapters on the model before loading): the base is written, or
+    with `merge_lora` the base with the adapter merged (`lora.merge`), and `adapter_out` gets the PEFT adapter."""
     from hpc_rl.config.sections.training import TrainingConfig
     from hpc_rl.training.checkpoint import load_model_weights
     from hpc_rl.training.model_provider import build_gpt_model
@@ -131,8 +136,22 @@ def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: s
     ensure_process_group()
     init_parallel(TrainingConfig(), device="cpu")
     model = build_gpt_model(arch, TrainingConfig())
+    if lora is not None and lora.enabled:
+        from hpc_rl.training.lora.attach import apply_lora
+
+        apply_lora(model, lora)
+    elif adapter_out is not None or merge_lora:
+        raise ValueError("an adapter to export or merge needs the run's LoRA settings (--lora-rank, --target-modules)")
     load_model_weights(load_dir, model)
     state = {name: tensor.clone() for name, tensor in export_hf_state_dict(model, arch)}
+    if lora is not None and lora.enabled:
+        from hpc_rl.training.lora.merge import merge_adapter
+        from hpc_rl.training.lora.peft_files import save_peft_adapter
+
+        adapter = save_peft_adapter(model, lora, adapter_out or "", base_model=str(hf_reference or "") or None,
+                                    write=adapter_out is not None)
+        if merge_lora:
+            state = merge_adapter(state, adapter, lora.scaling, where=str(load_dir))
     for copy, source in mtp_copies(arch):  # DeepSeek's per-MTP-layer embedding / head copies
         state[copy] = state[source].clone()
     if arch.family == "gpt_oss":  # experts fused, as released (transformers and SGLang read no other layout)
@@ -140,3 +159,12 @@ def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: s
 
         state = fused_state(state)
     return write_hf_checkpoint(state, output_dir, hf_reference)
+
+
+def merge_adapter_dir(base_dir: str | Path, adapter_dir: str | Path, output_dir: str | Path) -> Path:
+    """HF base + PEFT LoRA adapter -> a merged HF directory (side files copied from the base; `lora.merge`)."""
+    from hpc_rl.training.lora.merge import merge_adapter, read_adapter, read_hf_weights
+
+    adapter, scale = read_adapter(adapter_dir)
+    merged = merge_adapter(read_hf_weights(base_dir), adapter, scale, where=str(adapter_dir))
+    return write_hf_checkpoint(merged, output_dir, base_dir)

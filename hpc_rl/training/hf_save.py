@@ -7,7 +7,9 @@ world: the ranks of DP replica 0 (CP rank 0) gather, and TP rank 0 of each pipel
 tensors; with pipeline parallelism each stage writes its own safetensors file and global rank 0 indexes them
 once every stage is done. The directory is written under `<name>.tmp` and renamed when complete, so a crash
 never leaves a directory that looks whole. A LoRA actor (issue 33) is written as a PEFT adapter directory
-(`lora.peft_files`: adapter_model.safetensors + adapter_config.json, the base named by `reference_dir`).
+(`lora.peft_files`: adapter_model.safetensors + adapter_config.json, the base named by `reference_dir`) and, with
+lora.save_hf_merged (`merge_lora` callers: the checkpoint saves, not the adapter syncs), the merged model under
+`merged/` (`lora.merge`: the base's HF tensors with W + alpha/r B@A).
 """
 
 from __future__ import annotations
@@ -59,12 +61,27 @@ def _itemsize(safetensors_dtype: str) -> int:
     return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}.get(safetensors_dtype, 1)
 
 
+def _write_merged(model: torch.nn.Module, arch: ModelArchitecture, adapter: dict[str, torch.Tensor], scale: float,
+                  directory: Path, reference_dir: str | None, *, info: ParallelInfo,
+                  tp_group: dist.ProcessGroup | None) -> None:
+    """The base's HF tensors (TP shards gathered: every rank of the TP group takes part) with the adapter merged,
+    written by TP rank 0 as an HF checkpoint (one pipeline stage: submit refuses --save-hf with LoRA and PP)."""
+    from hpc_rl.training.lora.merge import merge_adapter
+
+    base = {name: tensor.detach().to("cpu", copy=True) for name, tensor in export_hf_state_dict(model, arch, tp_group)}
+    merged = merge_adapter(base, {k: v.cpu() for k, v in adapter.items()}, scale, where="the actor's adapter")
+    if info.tp_rank == 0:
+        write_hf_checkpoint(merged, directory, reference_dir)
+
+
 def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArchitecture, output_dir: str | Path, *,
                        reference_dir: str | None, info: ParallelInfo,
-                       tp_group: dist.ProcessGroup | None, fp8: Fp8Blocks | None = None) -> Path:
+                       tp_group: dist.ProcessGroup | None, fp8: Fp8Blocks | None = None,
+                       merge_lora: bool = False) -> Path:
     """Collective: every trainer rank calls it. Returns the finished directory. With `fp8` (the engines' checkpoint
     is a block-FP8 release) the weights it quantizes are written as its blocks, as slime writes them, and config.json
-    keeps the reference's quantization_config; without, they are written unquantized and it is dropped."""
+    keeps the reference's quantization_config; without, they are written unquantized and it is dropped. A LoRA actor:
+    the PEFT adapter, and with `merge_lora` and its lora.save_hf_merged also the merged model under `merged/`."""
     output_dir = Path(output_dir)
     tmp = output_dir.with_name(output_dir.name + ".tmp")
     if info.rank == 0:
@@ -73,7 +90,10 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArchitecture, output_d
     dist.barrier()
     lora = adapter_settings(model)
     if lora is not None and info.dp_rank == 0 and info.cp_rank == 0:
-        save_peft_adapter(model, lora, tmp, base_model=reference_dir, write=info.tp_rank == 0)
+        adapter = save_peft_adapter(model, lora, tmp, base_model=reference_dir, write=info.tp_rank == 0)
+        if merge_lora and lora.save_hf_merged:
+            _write_merged(model, arch, adapter, lora.scaling, tmp / "merged", reference_dir, info=info,
+                          tp_group=tp_group)
     elif info.dp_rank == 0 and info.cp_rank == 0:
         state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in export_hf_state_dict(model, arch, tp_group)}
         if arch.family == "gpt_oss":  # experts fused, as released (transformers and SGLang read no other layout)

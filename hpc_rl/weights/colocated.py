@@ -71,6 +71,16 @@ def serialize_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def serialize_tensor_dict(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """A LoRA adapter for SGLang's /load_lora_adapter_from_tensors: base64(ForkingPickler dump of a dict name ->
+    tensor), as its `Engine._serialize_tensors_per_rank` writes it (its tp_worker passes the dict on as is)."""
+    buffer = io.BytesIO()
+    pickler = ForkingPickler(buffer)
+    pickler.dispatch_table[torch.Tensor] = _reduce_tensor_with_device_uuid
+    pickler.dump({name: tensor.detach() for name, tensor in named_tensors})
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
     """The inverse for CPU tensors, in one process family (unit tests only: hpc_rl's engines never unpickle)."""
     return ForkingPickler.loads(base64.b64decode(payload))
@@ -181,4 +191,13 @@ def serialize_share(named_tensors: Sequence[tuple[str, torch.Tensor]], *,
         return serialize_named_tensors(named_tensors), None
     bucket = write_shared_memory_bucket(named_tensors, device=device)
     return bucket.descriptor, bucket
+
+
+def serialize_adapter_share(named_tensors: Sequence[tuple[str, torch.Tensor]], *,
+                            device: str | None = None) -> tuple[str, SharedMemoryBucket | None]:
+    """A LoRA adapter in the form /load_lora_adapter_from_tensors reads: CUDA tensors as SGLang's pickled dict of
+    IPC handles (`serialize_tensor_dict`), CPU ones as a shared-memory bucket (the CPU engine's twin, no pickle)."""
+    if named_tensors and named_tensors[0][1].is_cuda:
+        return serialize_tensor_dict(named_tensors), None
+    return serialize_share(named_tensors, device=device)
 

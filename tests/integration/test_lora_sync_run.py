@@ -49,3 +49,52 @@ def adapter_effect(directory: Path) -> float:
         before = base(tokens).logits.log_softmax(-1)
         after = PeftModel.from_pretrained(base, str(directory)).eval()(tokens).logits.log_softmax(-1)
     return (after - before).abs().max().item()
+
+
+@pytest.mark.parametrize("backup", [True, False], ids=["base-cpu-backup", "base-resent"])
+def test_colocated_tiny_lora_run_serves_the_adapter_after_every_sync(tmp_path: Path, backup: bool) -> None:
+    """Colocated LoRA (transports.lora_tensor): the adapter goes through /load_lora_adapter_from_tensors to the engine
+    on the trainer rank's GPU; with --lora-base-cpu-backup the engine keeps its base across the memory release and
+    each sync moves the adapter alone, without it the base (discarded by the memory saver) is re-sent first."""
+    run_dir = tmp_path / "colocated_lora"
+    flags = (*LORA, "--colocate", *(["--lora-base-cpu-backup"] if backup else []))
+    rows = run_tiny_recipe_in_sync(run_dir, "configs/tiny_cpu.yaml", *flags)
+    config = load_config([str(REPO_ROOT / "configs" / "tiny_cpu.yaml")], list(LORA))
+    arch = run_architecture(config)
+    assert arch is not None
+    adapter = adapter_sync_bytes(arch, config.lora, dtype_bytes=4)
+    synced = tensorboard_scalars(run_dir, "perf/weight_sync_bytes")
+    base = [row["metrics"].get("weight_sync/base_bytes", 0.0) for row in rows]
+    print(f"colocated LoRA (backup={backup}): bytes per sync {synced}, base {base}, seconds "
+          f"{[row['metrics'].get('weight_sync/seconds') for row in rows]}")
+    assert synced and all(value == adapter + (0 if backup else base[0]) for value in synced), (synced, adapter)
+    assert (base[0] == 0) == backup
+    log = (run_dir / "logs" / "controller.log").read_text()
+    assert f"as policy-v{len(rows)}" in log and not (run_dir / "adapters").exists()  # tensors, no directory
+
+
+def test_a_run_starting_from_an_adapter_serves_it_from_rollout_0(tmp_path: Path) -> None:
+    """--lora-adapter-path with engines: the trainer loads the PEFT adapter into its adapters and the engines get it
+    before rollout 0 (a sync at start), so rollout 0's log-probs are the adapter's on both sides (the adapter moves
+    them far beyond the 1e-4 bound the helper checks on every rollout)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(REPO_ROOT / "assets" / "tiny_qwen3", dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.05 * torch.randn_like(param))
+    start = tmp_path / "start_adapter"
+    model.save_pretrained(start)
+    assert adapter_effect(start) > 1e-2
+    run_dir = tmp_path / "from_adapter"
+    rows = run_tiny_recipe_in_sync(run_dir, "configs/tiny_cpu.yaml", "--lora-rank", "8", "--lora-alpha", "16",
+                                   "--target-modules", "all-linear", "--lora-type", "canonical_lora",
+                                   "--lora-adapter-path", str(start))
+    assert rows[0]["metrics"]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    log = (run_dir / "logs" / "controller.log").read_text()
+    assert "the adapter the trainer starts from" in log and "as policy-v0" in log

@@ -5,7 +5,11 @@ host memory made a no-op (SGLang's LoRA pins unconditionally, which CPU-only tor
 it loads a PEFT directory in the layout hpc_rl's adapter sync writes (`training.lora.peft_files`: PEFT names,
 hpc_rl's adapter_config.json), serves it by `lora_path` with the prompt's log-probs equal to PEFT's forward pass on
 transformers, serves the base beside it, and unloads it: the unload waits for a request using it to finish; a later
-request naming it reloads it from its directory, and fails once the directory is gone. One SGLang start (~50 s).
+request naming it reloads it from its directory, and fails once the directory is gone. /load_lora_adapter_from_tensors
+with SGLang's body (`weights.lora_sync.load_from_tensors_request`, the adapter pickled by
+`weights.colocated.serialize_tensor_dict`, here CPU tensors shared through torch's file_system strategy) loads the same
+adapter, served with PEFT's log-probs; the CPU engine's shared-memory descriptor is refused by SGLang (it unpickles).
+One SGLang start (~50 s).
 """
 
 from __future__ import annotations
@@ -119,6 +123,11 @@ def test_sglang_serves_an_hpc_rl_adapter_with_pefts_logprobs(tmp_path: Path, tin
         assert unloaded.status_code == 200 and unloaded.json()["success"], unloaded.text
         # SGLang 0.5.23 remembers each loaded name's path: a request naming an unloaded adapter reloads it from
         # there ("Reloading evicted adapter"; the CPU engine answers 400), and fails once the directory is gone.
+        from safetensors.torch import load_file
+
+        adapter_tensors = sorted(load_file(str(adapter / ADAPTER_WEIGHTS)).items())
+        adapter_json = json.loads((adapter / ADAPTER_CONFIG).read_text())
+        from_tensors_checks(post, adapter_tensors, adapter_json, body, expected_lora)
         reloaded = post("/generate", {**body, "lora_path": "policy-v1"})
         assert reloaded.status_code == 200, reloaded.text
         relogprobs = [entry[0] for entry in reloaded.json()["meta_info"]["input_token_logprobs"][1:]]
@@ -128,5 +137,56 @@ def test_sglang_serves_an_hpc_rl_adapter_with_pefts_logprobs(tmp_path: Path, tin
         gone = post("/generate", {**body, "lora_path": "policy-v1"})
         print(f"an unloaded adapter whose directory is gone: HTTP {gone.status_code} {gone.text[:300]}")
         assert gone.status_code != 200
+        twin_share_kills_sglang(post, engine, adapter_tensors, adapter_json)
     finally:
         engine.stop()
+
+
+def from_tensors_checks(post, tensors: list, config: dict, body: dict,  # noqa: ANN001
+                        expected_lora: list[float]) -> None:
+    """/load_lora_adapter_from_tensors on real SGLang: its own format (a pickled dict of tensors, one copy per TP
+    rank) loads and serves PEFT's log-probs."""
+    import torch.multiprocessing
+
+    from hpc_rl.weights.colocated import serialize_tensor_dict
+    from hpc_rl.weights.lora_sync import load_from_tensors_request
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors by shm name: readable by another process
+    try:
+        pickled = serialize_tensor_dict(tensors)
+        start = time.perf_counter()
+        loaded = post("/load_lora_adapter_from_tensors", load_from_tensors_request("policy-v2", config, [pickled]))
+        seconds = time.perf_counter() - start
+    finally:
+        torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    print(f"SGLang /load_lora_adapter_from_tensors: HTTP {loaded.status_code} in {seconds:.3f} s: {loaded.text[:300]}")
+    assert loaded.status_code == 200 and loaded.json()["loaded_adapters"]["policy-v2"] == "__tensor__", loaded.text
+    answer = post("/generate", {**body, "lora_path": "policy-v2"})
+    assert answer.status_code == 200, answer.text
+    served = [entry[0] for entry in answer.json()["meta_info"]["input_token_logprobs"][1:]]
+    gap = max(abs(a - b) for a, b in zip(served, expected_lora))
+    print(f"SGLang serving the adapter loaded from tensors vs PEFT: max |diff| {gap:.2e}")
+    assert gap < 1e-4
+    assert post("/unload_lora_adapter", {"lora_name": "policy-v2"}).status_code == 200
+
+
+def twin_share_kills_sglang(post, engine: SglangEngineProcess, tensors: list, config: dict) -> None:  # noqa: ANN001
+    """The CPU engine's share (a shared-memory descriptor, no pickle) sent to SGLang: its scheduler fails to unpickle
+    it ("invalid load key") and the whole server exits (measured; the CPU engine answers 400 to a pickle)."""
+    from hpc_rl.weights.colocated import serialize_adapter_share
+    from hpc_rl.weights.lora_sync import load_from_tensors_request
+
+    share, bucket = serialize_adapter_share(tensors)
+    try:
+        answer = post("/load_lora_adapter_from_tensors", load_from_tensors_request("twin", config, [share]))
+        outcome = f"HTTP {answer.status_code} {answer.text[:200]}"
+    except requests.exceptions.ConnectionError as error:
+        outcome = f"no answer ({type(error).__name__})"
+    finally:
+        if bucket is not None:
+            bucket.close()
+    deadline = time.monotonic() + 60
+    while engine.process.alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    print(f"SGLang given the CPU engine's shared-memory share: {outcome}; server exited: {not engine.process.alive()}")
+    assert not outcome.startswith("HTTP 200")

@@ -168,3 +168,90 @@ def test_http_endpoints_load_generate_with_lora_path_and_unload(tiny_model_dir: 
             served.stop()
 
     asyncio.run(scenario())
+
+
+def test_load_from_tensors_endpoint_serves_the_adapter_and_refuses_a_pickle(tiny_model_dir: Path,
+                                                                            peft_adapter) -> None:  # noqa: ANN001
+    """/load_lora_adapter_from_tensors with SGLang 0.5.23's body: a shared-memory share (the CPU twin of its pickled
+    CUDA IPC handles) serves PEFT's logits; the pickle SGLang takes on a GPU is refused, and so is what SGLang
+    refuses (LoRA off, a name already loaded, a rank over --max-lora-rank)."""
+    import asyncio
+    import json
+
+    from aiohttp.test_utils import TestClient, TestServer
+    from safetensors.torch import load_file
+
+    from hpc_rl.engines.cpu.engine_tokenizer import load_engine_tokenizer
+    from hpc_rl.engines.cpu.scheduler import Scheduler
+    from hpc_rl.engines.cpu.server import EngineServer, ServerInfo
+    from hpc_rl.weights.colocated import serialize_adapter_share, serialize_tensor_dict
+    from hpc_rl.weights.lora_sync import load_from_tensors_request
+
+    directory, peft_logits = peft_adapter
+    tensors = load_file(str(directory / "adapter_model.safetensors"))
+    config = json.loads((directory / "adapter_config.json").read_text())
+    model, tokenizer = _hf(tiny_model_dir), load_engine_tokenizer(str(tiny_model_dir))
+    info = ServerInfo(model_path="/m", host="127.0.0.1", port=1, api_key=None, max_running_requests=4,
+                      context_length=256)
+    lora = EngineLoraAdapters(model, max_lora_rank=4)
+    share, bucket = serialize_adapter_share(sorted(tensors.items()))
+    assert bucket is not None
+
+    async def scenario() -> None:
+        scheduler = Scheduler(model, tokenizer, max_running_requests=4, context_length=256, weight_version="v0",
+                              lora=lora)
+        plain = Scheduler(model, tokenizer, max_running_requests=4, context_length=256, weight_version="v0")
+        scheduler.start()
+        plain.start()
+        client = TestClient(TestServer(EngineServer(scheduler, info).build_app()))
+        without = TestClient(TestServer(EngineServer(plain, info).build_app()))
+        await client.start_server()
+        await without.start_server()
+        try:
+            body = load_from_tensors_request("policy-v1", config, [share])
+            off = await without.post("/load_lora_adapter_from_tensors", json=body)
+            assert off.status == 400 and "--enable-lora" in (await off.json())["error_message"]
+            pickled = load_from_tensors_request("p", config, [serialize_tensor_dict(sorted(tensors.items()))])
+            refused = await client.post("/load_lora_adapter_from_tensors", json=pickled)
+            assert refused.status == 400 and "does not unpickle" in (await refused.json())["error_message"]
+            loaded = await client.post("/load_lora_adapter_from_tensors", json=body)
+            answer = await loaded.json()
+            assert loaded.status == 200 and answer["loaded_adapters"] == {"policy-v1": "__tensor__"}, answer
+            twice = await client.post("/load_lora_adapter_from_tensors", json=body)
+            assert twice.status == 400 and "already loaded" in (await twice.json())["error_message"]
+            big = load_from_tensors_request("big", {**config, "r": 8}, [share])
+            assert (await client.post("/load_lora_adapter_from_tensors", json=big)).status == 400
+            bad = await client.post("/load_lora_adapter_from_tensors", json={"lora_name": "x"})
+            assert bad.status == 400 and "config_dict" in (await bad.json())["error_message"]
+        finally:
+            await client.close()
+            await without.close()
+            scheduler.stop()
+            plain.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        bucket.close()
+    with torch.no_grad(), lora.rows_of(["policy-v1", None]):
+        logits = model(TOKENS).logits
+    assert (logits[0] - peft_logits[0]).abs().max().item() < 1e-5
+
+
+def test_weights_cpu_backup_keeps_the_base_across_a_release() -> None:
+    """SGLang's --enable-weights-cpu-backup (colocated LoRA, --lora-base-cpu-backup): released weights come back on
+    resume; without it the memory saver discards them and generation is refused until a reload."""
+    from hpc_rl.engines.cpu.memory_occupation import MemoryOccupation
+
+    for backup in (True, False):
+        model = torch.nn.Linear(3, 2)
+        before = [p.detach().clone() for p in model.parameters()]
+        memory = MemoryOccupation(model, memory_saver=True, weights_cpu_backup=backup)
+        memory.release(["weights", "kv_cache"], requests_running=False)
+        assert all(torch.isnan(p).all() for p in model.parameters())  # the device memory is gone meanwhile
+        memory.resume(["weights", "kv_cache"])
+        if backup:
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+            assert memory.generation_refusal() is None
+        else:
+            assert "resumed without a reload" in (memory.generation_refusal() or "")

@@ -65,6 +65,8 @@ def test_hf_and_megatron_names_mean_the_same_layers() -> None:
      "adapter_config.json"),
     (["--lora-rank", "8", "--target-modules", "q_proj", "--pipeline-model-parallel-size", "2", "--save-hf",
       "out/{rollout_id}"], "checkpoint.save_hf", "one pipeline stage"),
+    (["--lora-rank", "8", "--target-modules", "q_proj", "--save-hf-merged"], "lora.save_hf_merged", "--save-hf"),
+    (["--save-hf-merged"], "lora.save_hf_merged", "lora_rank is 0"),
     (["--lora-rank", "8", "--target-modules", "q_proj", "--only-train-params-name-list", "linear"],
      "training.only_train_params_name_list", "adapters only"),
 ])
@@ -83,12 +85,24 @@ def test_moe_experts_and_engines_are_refused_with_the_reason() -> None:
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
-    (["--colocate"], "lora.lora_rank: LoRA with colocated engines needs the adapter sent as tensors"),
-    (["--lora-sync-from-tensor"], "lora.lora_sync_from_tensor: the adapter sync from tensors"),
+    (["--lora-sync-from-tensor"], "lora.lora_sync_from_tensor: the adapter goes to /load_lora_adapter_from_tensors "
+     "as CUDA IPC handles"),
     (["--lora-train-only"], "lora.lora_train_only: with rollout engines the rollouts would keep sampling"),
-    (["--lora-adapter-path", "tests"], "lora.lora_adapter_path: with rollout engines the first rollout"),
     (["--rollout-external-engine-addrs", "127.0.0.1:1"], "rollout.rollout_external_engine_addrs: external engines"),
     (["--async-rollout", "--flush-cache-interval", "2"], "rollout.flush_cache_interval: in-place updates keep"),
 ])
 def test_lora_with_engines_refuses_what_the_adapter_sync_does_not_wire(flags: list[str], expected: str) -> None:
     assert expected in problems_for(["--lora-rank", "8", "--target-modules", "all-linear", *flags], TINY)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--colocate"], ["--colocate", "--lora-sync-from-tensor"], ["--colocate", "--lora-base-cpu-backup"],
+])
+def test_colocated_lora_and_the_tensor_sync_are_accepted(flags: list[str]) -> None:
+    assert problems_for(["--lora-rank", "8", "--target-modules", "all-linear", *flags], TINY) == ""
+
+
+def test_an_adapter_to_start_from_is_accepted_with_engines(tmp_path) -> None:  # noqa: ANN001
+    (tmp_path / "adapter_config.json").write_text("{}")
+    assert problems_for(["--lora-rank", "8", "--target-modules", "all-linear", "--lora-adapter-path",
+                         str(tmp_path)], TINY) == ""

@@ -94,7 +94,7 @@ def test_the_lora_transport_is_chosen_only_for_a_decoupled_lora_run(tmp_path: Pa
     assert settings(tmp_path).transport_name == "lora"
     assert settings(tmp_path, transport="disk", disk_dir="/x").transport_name == "lora"  # never the whole weights
     assert settings(None).transport_name == "broadcast"
-    assert settings(tmp_path, colocate=True).transport_name == "colocated"
+    assert settings(tmp_path, colocate=True).transport_name == "lora_tensor"  # transports.lora_tensor
     made = WeightSyncSettings.from_sections(ClusterConfig(), RolloutConfig(), ControllerConfig(), lora_dir="/run")
     assert made.lora_dir == "/run"
 
@@ -154,6 +154,8 @@ def test_engines_start_with_sglangs_lora_options(in_repo: Path) -> None:
                        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]}
     known = {line.split("\t")[0] for line in Path("hpc_rl/config/sglang_options_0.5.23.txt").read_text().splitlines()}
     assert {"--" + key.replace("_", "-") for key in options} <= known
+    backup = engine_lora_options(LoraConfig(lora_rank=8, target_modules="q_proj", lora_base_cpu_backup=True))
+    assert backup["enable_weights_cpu_backup"] is True and "--enable-weights-cpu-backup" in known
     assert engine_lora_options(LoraConfig(lora_rank=8, target_modules="all-linear", lora_train_only=True)) == {}
     assert engine_lora_options(LoraConfig()) == {}
 

@@ -32,8 +32,6 @@ READ_ELSEWHERE = {
     # miles' LoRA flags of issue 33
     "exclude_modules": "config.lora.target_projections subtracts it from target_modules; training/lora/attach.py "
                        "adapts what that returns (adapted_layers)",
-    "lora_base_cpu_backup": "the colocated adapter sync is not built: validation refuses LoRA with engines, so it is "
-                            "only checked (needs --colocate) at submit",
     "model_name": "slime's model family name: validation checks it names the architecture's family, which is what "
                   "the weight conversion follows",
 }

@@ -5,6 +5,8 @@
     colocated   every trainer rank -> the engine on its own GPU (CUDA IPC / shared memory)
     lora        every trainer rank -> only the LoRA adapter, a PEFT directory on a shared filesystem -> every
                 engine loads it by a versioned name (the base stays; issue 33)
+    lora_tensor every trainer rank -> only the LoRA adapter, as tensors, to the engine on its GPU
+                (/load_lora_adapter_from_tensors; colocated LoRA, with the base re-sent when the engines dropped it)
 
 `make_transport` picks the one a run's settings name; `controller.weight_updates` decides when and in what
 order (pause, push, serve, continue). Each module's trainer half is `hpc_rl.training.transports.<name>`.
@@ -19,6 +21,7 @@ from hpc_rl.controller.transports.broadcast import BroadcastTransport
 from hpc_rl.controller.transports.colocated import ColocatedTransport
 from hpc_rl.controller.transports.disk import DiskTransport
 from hpc_rl.controller.transports.lora import LoraTransport
+from hpc_rl.controller.transports.lora_tensor import LoraTensorTransport
 
 if TYPE_CHECKING:
     from hpc_rl.controller.colocated_memory import ColocatedMemory
@@ -28,7 +31,7 @@ if TYPE_CHECKING:
 
 TRANSPORTS: dict[str, type[WeightTransport]] = {
     transport.name: transport for transport in (BroadcastTransport, DiskTransport, ColocatedTransport,
-                                                   LoraTransport)}
+                                                   LoraTransport, LoraTensorTransport)}
 """Each transport by its name (`WeightSyncSettings.transport_name`)."""
 
 
@@ -36,7 +39,7 @@ def make_transport(settings: WeightSyncSettings, *, channel: TrainerChannel, fle
                    registry: Registry, memory: ColocatedMemory | None) -> WeightTransport:
     """The transport `settings` names (colocated ones also get the trainer's memory state)."""
     kind = TRANSPORTS[settings.transport_name]
-    extra = {"memory": memory} if kind is ColocatedTransport else {}
+    extra = {"memory": memory} if kind in (ColocatedTransport, LoraTensorTransport) else {}
     return kind(settings, channel=channel, fleet=fleet, registry=registry, **extra)
 
 

@@ -11,6 +11,8 @@ halves in the two packages (the controller never imports torch), under the same 
     disk         transports.disk                         DiskWeightsCommand      /update_weights_from_disk
     colocated    transports.colocated                    ColocatedSyncCommand    /update_weights_from_tensor
     lora         transports.lora                         LoraAdapterCommand      /load_lora_adapter (+ unload)
+    lora_tensor  transports.lora_tensor                  LoraTensorCommand       /load_lora_adapter_from_tensors
+                                                         (+ ColocatedSyncCommand for a released base)
 
 A new way (LoRA adapters, FP8 blocks) is a new pair of modules and a row in `transports.TRANSPORTS`.
 """
@@ -21,8 +23,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from hpc_rl.config.lora import LoraConfig
 from hpc_rl.config.schema import ClusterConfig, ControllerConfig, RolloutConfig
 from hpc_rl.controller.registry import EngineInfo
+from hpc_rl.weights.lora_sync import adapter_transport
 
 if TYPE_CHECKING:
     from hpc_rl.controller.engine_fleet import EngineFleet
@@ -55,10 +59,20 @@ class WeightSyncSettings:
     lora_dir: str | None = None
     """The run dir of a LoRA run whose engines serve its adapter (issue 33): each version's PEFT directory goes
     under its adapters/ (transports.lora); None: the whole weights are synced."""
+    lora_tensor: bool = False
+    """The adapter goes as tensors (/load_lora_adapter_from_tensors, transports.lora_tensor): colocated engines, or
+    lora.lora_sync_from_tensor."""
+    lora_base_cpu_backup: bool = False
+    """Colocated LoRA: the engines keep a host copy of the base across a release (lora.lora_base_cpu_backup), so a
+    sync sends the adapter alone."""
+    sync_at_start: bool = False
+    """Push the trainer's weights before the first rollout of a fresh run (lora.lora_adapter_path: the adapter the
+    trainer starts from)."""
 
     @classmethod
     def from_sections(cls, cluster: ClusterConfig, rollout: RolloutConfig,
-                      controller: ControllerConfig, *, lora_dir: str | None = None) -> WeightSyncSettings:
+                      controller: ControllerConfig, *, lora_dir: str | None = None,
+                      lora: LoraConfig | None = None) -> WeightSyncSettings:
         return cls(backend="gloo" if cluster.device == "cpu" else "nccl", colocate=cluster.colocate,
                    async_rollout=rollout.async_rollout, update_weights_interval=rollout.update_weights_interval,
                    bucket_bytes=rollout.update_weight_buffer_size, timeout_s=controller.engine_request_timeout,
@@ -66,13 +80,17 @@ class WeightSyncSettings:
                    transport=rollout.update_weight_transport, disk_dir=rollout.update_weight_disk_dir,
                    keep_disk_files=rollout.update_weight_disk_keep_files,
                    external_engines=bool(rollout.rollout_external_engine_addrs),
-                   flush_cache_interval=rollout.flush_cache_interval, lora_dir=lora_dir)
+                   flush_cache_interval=rollout.flush_cache_interval, lora_dir=lora_dir,
+                   lora_tensor=lora_dir is not None and lora is not None
+                   and adapter_transport(lora, colocate=cluster.colocate) == "tensor",
+                   lora_base_cpu_backup=bool(lora and lora.lora_base_cpu_backup),
+                   sync_at_start=lora_dir is not None and bool(lora and lora.lora_adapter_path))
 
     @property
     def transport_name(self) -> str:
         """The key of `transports.TRANSPORTS` this run uses."""
-        if self.lora_dir is not None and not self.colocate:
-            return "lora"
+        if self.lora_dir is not None:
+            return "lora_tensor" if self.lora_tensor or self.colocate else "lora"
         return "colocated" if self.colocate else "disk" if self.transport == "disk" else "broadcast"
 
     @property

@@ -13,8 +13,9 @@ restarted (it lost them) gets the current adapter on the next push and one that 
 
 Bytes moved per sync (`perf/weight_sync_bytes`): the adapter's tensor bytes, read from the safetensors header of
 the directory written (what each engine reads). SGLang's /load_lora_adapter reads the directory on every engine,
-so it must be on a filesystem both see (as the disk transport's). Not here: lora_sync_from_tensor
-(`/load_lora_adapter_from_tensors`; submit refuses it), pausing the engines around a sync (`weight_updates`).
+so it must be on a filesystem both see (as the disk transport's). Not here: the adapter as tensors
+(`/load_lora_adapter_from_tensors`, colocated engines: `lora_tensor`, which reuses this bookkeeping through `_send`
+and `_forget_older`), pausing the engines around a sync (`weight_updates`).
 """
 
 from __future__ import annotations
@@ -49,10 +50,25 @@ class LoraTransport(WeightTransport):
         self.loaded.pop(engine_index, None)  # a restarted engine holds no adapter
 
     async def push(self, version: int, engines: list[EngineInfo], *, flush_cache: bool = True) -> dict[str, float]:
+        start = time.perf_counter()
+        name = adapter_name(version)
+        metrics = await self._send(version, name, engines)
+        sent = time.perf_counter()
+        admins = self.fleet.admins
+        await asyncio.gather(*(admins[e.engine_index].update_weight_version(str(version)) for e in engines))
+        await self._unload_older(engines, name)
+        self._forget_older(version)
+        done = time.perf_counter()
+        log.info("LoRA adapter v%d (%d bytes) -> %d engine(s) as %s in %.2f s", version,
+                 int(metrics["perf/weight_sync_bytes"]), len(engines), name, sent - start)
+        return {**metrics, "weight_sync/seconds": done - start}
+
+    async def _send(self, version: int, name: str, engines: list[EngineInfo]) -> dict[str, float]:
+        """Version `version`'s adapter loaded as `name` on every engine that does not hold it; metrics with the
+        bytes moved (`perf/weight_sync_bytes`)."""
         assert self.settings.lora_dir is not None, "transport_name is lora only with lora_dir"
         start = time.perf_counter()
-        path, name = adapter_directory(self.settings.lora_dir, version), adapter_name(version)
-        root = path.parent
+        path = adapter_directory(self.settings.lora_dir, version)
         await self.channel.run(lambda rank, seq: LoraAdapterCommand(seq=seq, weight_version=version, path=str(path)),
                                timeout_s=self.settings.timeout_s)
         written = time.perf_counter()
@@ -60,18 +76,17 @@ class LoraTransport(WeightTransport):
         admins = self.fleet.admins
         to_load = [e for e in engines if self.loaded.get(e.engine_index) != name]
         await asyncio.gather(*(admins[e.engine_index].load_lora_adapter(name, str(path)) for e in to_load))
-        await asyncio.gather(*(admins[e.engine_index].update_weight_version(str(version)) for e in engines))
         loaded = time.perf_counter()
-        await self._unload_older(engines, name)
-        for old in root.glob(f"{ADAPTER_PREFIX}-v*"):
+        return {"weight_sync/write_seconds": written - start, "weight_sync/load_seconds": loaded - written,
+                "weight_sync/mbytes": sync_bytes / 1e6, "perf/weight_sync_bytes": float(sync_bytes)}
+
+    def _forget_older(self, version: int) -> None:
+        """The directories of versions before `version` are removed (the engines hold the adapter now)."""
+        assert self.settings.lora_dir is not None
+        path = adapter_directory(self.settings.lora_dir, version)
+        for old in path.parent.glob(f"{ADAPTER_PREFIX}-v*"):
             if old != path and old.is_dir() and not old.name.endswith(".tmp"):
                 shutil.rmtree(old, ignore_errors=True)
-        done = time.perf_counter()
-        log.info("LoRA adapter v%d (%d bytes) -> %d engine(s) as %s: written in %.2f s, loaded in %.2f s", version,
-                 sync_bytes, len(engines), name, written - start, loaded - written)
-        return {"weight_sync/seconds": done - start, "weight_sync/write_seconds": written - start,
-                "weight_sync/load_seconds": loaded - written, "weight_sync/mbytes": sync_bytes / 1e6,
-                "perf/weight_sync_bytes": float(sync_bytes)}
 
     async def _unload_older(self, engines: list[EngineInfo], name: str) -> None:
         """Each engine's adapter before `name` is unloaded; `name` is what it serves now."""

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--random-seed", type=int, default=None)
     parser.add_argument("--enable-memory-saver", action="store_true",
                         help="as SGLang's flag: releasing the `weights` tag discards them (colocated mode)")
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true",
+                        help="as SGLang's flag: with the memory saver, released weights are kept in host memory and "
+                             "restored on resume (colocated LoRA, --lora-base-cpu-backup)")
     parser.add_argument("--enable-return-routed-experts", action="store_true",
                         help="as SGLang's flag: answers carry each token's routed experts when a request asks "
                              "(return_routed_experts); needs a MoE model")
@@ -184,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
                               context_length=context_length, weight_version=args.weight_version,
                               on_fatal=exit_on_scheduler_death, memory_saver=args.enable_memory_saver,
-                              routed_experts=routed_experts, lora=lora)
+                              routed_experts=routed_experts, lora=lora,
+                              weights_cpu_backup=args.enable_weights_cpu_backup)
     except ValueError as error:
         raise SystemExit(f"{args.model_path}: {error}") from None
     info = ServerInfo(model_path=args.model_path, host=args.host, port=args.port, api_key=api_key,

@@ -3,8 +3,13 @@
 Owns: `/load_lora_adapter {lora_name, lora_path}` and `/unload_lora_adapter {lora_name}` (run on the scheduler thread
 between two steps; answered with SGLang's LoRAUpdateOutput shape: success, error_message, loaded_adapters as
 {name: path}, 400 on a refusal), and the `/generate` check that a request's `lora_path` names a loaded adapter.
-The adapters themselves: `lora_serving`. `/load_lora_adapter_from_tensors` is not served (404, as an SGLang build
-without it): its body carries SGLang's serialized tensors, which the CPU engine does not decode.
+The adapters themselves: `lora_serving`.
+
+`/load_lora_adapter_from_tensors {lora_name, config_dict, serialized_named_tensors, load_format}` (SGLang 0.5.23's
+body, `weights.lora_sync`): entry [0] is this engine's copy; the CPU twin of SGLang's pickled CUDA IPC handles is a
+shared-memory descriptor (`weights.colocated`), checked against the engine's GPUs as a colocated weight update is; a
+pickle is refused (400), as are the refusals SGLang makes (LoRA not enabled, a name already loaded, a rank over
+--max-lora-rank, modules the model has not). load_format "flattened_bucket" is SGLang's, not the twin's (400).
 """
 
 from __future__ import annotations
@@ -41,6 +46,31 @@ class LoraRoutes:
         try:
             await self._on_scheduler(lambda: lora.load_dir(name, path))
         except LoraAdapterError as error:
+            return self._lora_answer(lora, str(error))
+        return self._lora_answer(lora, None)
+
+    async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        lora = self.scheduler.lora
+        if lora is None:
+            return self._lora_answer(None, NOT_ENABLED)
+        name, config, shares = body.get("lora_name"), body.get("config_dict"), body.get("serialized_named_tensors")
+        if not isinstance(name, str) or not isinstance(config, dict) or not isinstance(shares, list) or not shares:
+            return self._lora_answer(lora, "load_lora_adapter_from_tensors needs lora_name (str), config_dict (the "
+                                     "PEFT adapter_config) and serialized_named_tensors (one entry per TP rank)")
+        if body.get("load_format") is not None:
+            return self._lora_answer(lora, f"load_format {body.get('load_format')!r} is not supported by the CPU "
+                                     "engine (null)")
+
+        def work() -> None:
+            from hpc_rl.engines.cpu.weight_sync import read_tensor_share
+
+            tensors = {key: tensor.clone() for key, tensor in read_tensor_share(shares[0])}
+            lora.load_tensors(name, config, tensors)
+
+        try:
+            await self._on_scheduler(work)
+        except ValueError as error:  # LoraAdapterError, PayloadError (a pickle, a bad descriptor), a foreign GPU
             return self._lora_answer(lora, str(error))
         return self._lora_answer(lora, None)
 

@@ -12,6 +12,10 @@ stash keeps them), and generation is refused with a clear error while any parame
 after a resume (SGLang would serve garbage; a refusal makes the mistake visible in a test). Releasing
 a released tag, resuming a tag that is not released, and releasing while requests run are refused:
 SGLang crashes on them.
+
+`--enable-weights-cpu-backup` (SGLang's; miles turns it on for colocated LoRA, --lora-base-cpu-backup): the
+memory saver copies the weights to host memory on release and back on resume, so they survive without a reload.
+The twin keeps a copy of every parameter on release and restores it on resume.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ class WeightsNotLoaded(RuntimeError):
 class MemoryOccupation:
     """Released tags of one engine and the state of its weights (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, *, memory_saver: bool) -> None:
+    def __init__(self, model: torch.nn.Module, *, memory_saver: bool, weights_cpu_backup: bool = False) -> None:
         self.model = model
         self.memory_saver = memory_saver
+        self.weights_cpu_backup = weights_cpu_backup
+        self._backup: list[torch.Tensor] | None = None
+        """The parameters' values at the last release of `weights` (weights_cpu_backup)."""
         self.released_tags: set[str] = set()
         self._check_reload = False
         """Set by a resume of discarded weights: generation checks they were all reloaded first."""
@@ -50,6 +57,9 @@ class MemoryOccupation:
         if already:
             raise MemoryTagError(f"memory tags {already} are already released")
         if "weights" in tags and self.memory_saver:
+            if self.weights_cpu_backup:
+                with torch.no_grad():
+                    self._backup = [p.detach().clone() for p in self.model.parameters()]
             self._discard_parameters()
         self.released_tags |= set(tags)
 
@@ -59,7 +69,12 @@ class MemoryOccupation:
             raise MemoryTagError(
                 f"resume_memory_occupation of tags {missing} that were not released (SGLang crashes here)")
         self.released_tags -= set(tags)
-        if "weights" in tags and self.memory_saver:
+        if "weights" in tags and self.memory_saver and self._backup is not None:
+            with torch.no_grad():
+                for parameter, saved in zip(self.model.parameters(), self._backup):
+                    parameter.copy_(saved)
+            self._backup = None
+        elif "weights" in tags and self.memory_saver:
             self._check_reload = True
 
     def generation_refusal(self) -> str | None:

@@ -61,7 +61,7 @@ class Scheduler:
                  context_length: int, weight_version: str,
                  on_fatal: Callable[[BaseException], None] | None = None,
                  memory_saver: bool = False, routed_experts: RoutedExpertsCapture | None = None,
-                 lora: EngineLoraAdapters | None = None) -> None:
+                 lora: EngineLoraAdapters | None = None, weights_cpu_backup: bool = False) -> None:
         self.model = model
         if kv_batch.cache_kind(model) == "per_request" and (lora is not None or routed_experts is not None):
             raise ValueError(f"{type(model).__name__} runs each request on its own cache (its family's "
@@ -79,7 +79,7 @@ class Scheduler:
         self.context_length = context_length
         self.weight_version = weight_version
         self.paused = False
-        self.memory = MemoryOccupation(model, memory_saver=memory_saver)
+        self.memory = MemoryOccupation(model, memory_saver=memory_saver, weights_cpu_backup=weights_cpu_backup)
         """Released memory tags; with the memory saver, released weights are discarded as in SGLang."""
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else tokenizer.eos_token_id
