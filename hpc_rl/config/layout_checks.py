@@ -22,7 +22,7 @@ def batch_problems(config: RunConfig) -> list[Problem]:
     if samples != trained:
         problems.append(Problem(
             "rollout.rollout_batch_size",
-            f"rollout_batch_size * n_samples_per_prompt ({rollout.rollout_batch_size} * "
+            "not_divisible", f"rollout_batch_size * n_samples_per_prompt ({rollout.rollout_batch_size} * "
             f"{rollout.n_samples_per_prompt} = {samples}) must equal global_batch_size * num_steps_per_rollout "
             f"({training.global_batch_size} * {training.num_steps_per_rollout} = {trained})"
             + _batch_hint(samples, training.num_steps_per_rollout, rollout.rollout_batch_size,
@@ -32,31 +32,34 @@ def batch_problems(config: RunConfig) -> list[Problem]:
     if prompt_len is not None and context_len is not None and prompt_len > context_len - 1:
         problems.append(Problem(
             "rollout.rollout_max_prompt_len",
-            f"{prompt_len} leaves no room for a response in rollout_max_context_len {context_len}: set it to at most "
+            "out_of_range", f"{prompt_len} leaves no room for a response in rollout_max_context_len {context_len}: set it to at most "
             f"{context_len - 1} (or leave it unset: rollout_max_context_len - 1)",
         ))
     if rollout.over_sampling_batch_size is not None and rollout.over_sampling_batch_size < rollout.rollout_batch_size:
         problems.append(Problem(
             "rollout.over_sampling_batch_size",
-            f"{rollout.over_sampling_batch_size} is below rollout_batch_size ({rollout.rollout_batch_size}); "
+            "out_of_range", f"{rollout.over_sampling_batch_size} is below rollout_batch_size ({rollout.rollout_batch_size}); "
             f"set it >= rollout_batch_size",
         ))
     dp = _data_parallel_size(config)
     if dp and training.global_batch_size % dp:
         problems.append(Problem(
             "training.global_batch_size",
-            f"{training.global_batch_size} is not divisible by the data-parallel size {dp}",
+            "not_divisible", f"{training.global_batch_size} is not divisible by the data-parallel size {dp}",
         ))
     if training.use_dynamic_batch_size and not training.max_tokens_per_gpu:
-        problems.append(Problem("training.max_tokens_per_gpu", "use_dynamic_batch_size needs max_tokens_per_gpu"))
+        problems.append(Problem("training.max_tokens_per_gpu", "needs",
+                                "use_dynamic_batch_size needs max_tokens_per_gpu"))
     if rollout.rm_type is None and rollout.custom_rm_path is None and not is_sft(rollout.rollout_function_path):
-        problems.append(Problem("rollout.rm_type", "no reward: set rm_type (e.g. deepscaler) or custom_rm_path"))
+        problems.append(Problem("rollout.rm_type", "needs",
+                                "no reward: set rm_type (e.g. deepscaler) or custom_rm_path"))
     if rollout.rm_type == "remote_rm" and not rollout.rm_url:
-        problems.append(Problem("rollout.rm_url", "rm_type remote_rm needs rm_url"))
+        problems.append(Problem("rollout.rm_url", "needs", "rm_type remote_rm needs rm_url"))
     if config.eval.eval_interval is not None and not config.eval.eval_prompt_data:
-        problems.append(Problem("eval.eval_interval", "eval_interval is set but eval_prompt_data is empty"))
+        problems.append(Problem("eval.eval_interval", "needs",
+                                "eval_interval is set but eval_prompt_data is empty"))
     if rollout.num_rollout is None and rollout.num_epoch is None:
-        problems.append(Problem("rollout.num_rollout", "set num_rollout or num_epoch"))
+        problems.append(Problem("rollout.num_rollout", "needs", "set num_rollout or num_epoch"))
     return problems
 
 
@@ -83,18 +86,18 @@ def topology_problems(config: RunConfig) -> list[Problem]:
     cluster, training = config.cluster, config.training
     problems = []
     if cluster.rollout_num_gpus_per_engine < 1:
-        problems.append(Problem("cluster.rollout_num_gpus_per_engine", "must be >= 1"))
+        problems.append(Problem("cluster.rollout_num_gpus_per_engine", "out_of_range", "must be >= 1"))
     elif cluster.rollout_num_gpus % cluster.rollout_num_gpus_per_engine:
         problems.append(Problem(
             "cluster.rollout_num_gpus",
-            f"{cluster.rollout_num_gpus} is not divisible by rollout_num_gpus_per_engine "
+            "not_divisible", f"{cluster.rollout_num_gpus} is not divisible by rollout_num_gpus_per_engine "
             f"({cluster.rollout_num_gpus_per_engine}); engines cannot be formed",
         ))
     world = cluster.trainer_world_size
     if world % training.model_parallel_size:
         problems.append(Problem(
             "training.tensor_model_parallel_size",
-            f"TP*PP*CP = {training.tensor_model_parallel_size}*{training.pipeline_model_parallel_size}*"
+            "not_divisible", f"TP*PP*CP = {training.tensor_model_parallel_size}*{training.pipeline_model_parallel_size}*"
             f"{training.context_parallel_size} = {training.model_parallel_size} does not divide the trainer's "
             f"{world} GPUs (actor_num_nodes * actor_num_gpus_per_node)",
         ))
@@ -102,25 +105,26 @@ def topology_problems(config: RunConfig) -> list[Problem]:
         if cluster.rollout_num_gpus != world:
             problems.append(Problem(
                 "cluster.rollout_num_gpus",
-                f"colocate: engines share the trainer's GPUs, so rollout_num_gpus ({cluster.rollout_num_gpus}) "
+                "mismatch", f"colocate: engines share the trainer's GPUs, so rollout_num_gpus ({cluster.rollout_num_gpus}) "
                 f"must equal actor_num_nodes * actor_num_gpus_per_node ({world})",
             ))
         engine_tp, per_node = cluster.rollout_num_gpus_per_engine, cluster.actor_num_gpus_per_node
         if engine_tp >= 1 and per_node % engine_tp and engine_tp % per_node:
             problems.append(Problem(
                 "cluster.rollout_num_gpus_per_engine",
-                f"colocate: an engine of {engine_tp} GPUs must sit on the GPUs of whole trainer ranks: it must divide "
+                "not_divisible", f"colocate: an engine of {engine_tp} GPUs must sit on the GPUs of whole trainer ranks: it must divide "
                 f"actor_num_gpus_per_node ({per_node}) or, spanning nodes, be a multiple of it",
             ))
     elif (cluster.rollout_num_gpus < 1 and not config.rollout.rollout_external_engine_addrs
           and not cluster.debug_train_only):
-        problems.append(Problem("cluster.rollout_num_gpus", "decoupled mode needs rollout_num_gpus >= 1"))
+        problems.append(Problem("cluster.rollout_num_gpus", "needs",
+                                "decoupled mode needs rollout_num_gpus >= 1"))
     problems += _engine_span_problems(config) + _external_engine_problems(config)
     if cluster.device == "cuda":
         if cluster.actor_num_gpus_per_node > cluster.num_gpus_per_node:
             problems.append(Problem(
                 "cluster.actor_num_gpus_per_node",
-                f"{cluster.actor_num_gpus_per_node} exceeds num_gpus_per_node ({cluster.num_gpus_per_node})",
+                "out_of_range", f"{cluster.actor_num_gpus_per_node} exceeds num_gpus_per_node ({cluster.num_gpus_per_node})",
             ))
     return problems
 
@@ -134,10 +138,11 @@ def _external_engine_problems(config: RunConfig) -> list[Problem]:
         try:
             external_engine_url(address)
         except ValueError as error:
-            problems.append(Problem(f"rollout.rollout_external_engine_addrs[{index}]", str(error)))
+            problems.append(Problem(f"rollout.rollout_external_engine_addrs[{index}]", "bad_type",
+                                    str(error)))
     if addresses and config.cluster.colocate:
         problems.append(Problem("rollout.rollout_external_engine_addrs",
-                                "external engines run on GPUs this job does not hold, so they cannot be colocated "
+                                "conflict", "external engines run on GPUs this job does not hold, so they cannot be colocated "
                                 "with the trainer: drop --colocate (or the external engines)"))
     return problems
 
@@ -152,12 +157,12 @@ def _engine_span_problems(config: RunConfig) -> list[Problem]:
         return []
     if engine_tp % per_node:
         return [] if cluster.colocate else [Problem("cluster.rollout_num_gpus_per_engine",
-                        f"an engine of {engine_tp} GPUs spans nodes of {per_node} GPUs, so it takes whole nodes: make "
+                        "not_divisible", f"an engine of {engine_tp} GPUs spans nodes of {per_node} GPUs, so it takes whole nodes: make "
                         f"it a multiple of {per_node} (SGLang splits an engine's TP ranks evenly over its --nnodes)")]
     if (not cluster.colocate and config.rollout.update_weight_transport != "disk"
             and engine_kind(config.rollout.engine, cluster.device) == "cpu"):
         return [Problem("cluster.rollout_num_gpus_per_engine",
-                        f"the CPU engine spans {engine_tp // per_node} nodes here, and cannot join a weight-update "
+                        "unsupported", f"the CPU engine spans {engine_tp // per_node} nodes here, and cannot join a weight-update "
                         "group with the TP ranks of every node (as SGLang does): use colocated mode, "
                         "--update-weight-transport disk, or engines of at most one node")]
     return []

@@ -32,6 +32,7 @@ from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.parallel_layout import ParallelLayout
 from hpc_rl.config.parameter_counts import ParameterShare, format_count, model_share, stage_shares
 from hpc_rl.config.pipeline_split import PipelineSplitError, training_split
+from hpc_rl.config.problems import Problem
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sglang_options import attention_dp_size
 from hpc_rl.config.training_modes import frozen_model_roles
@@ -156,15 +157,15 @@ class MemoryPlan:
     gpus_per_node: int = 1
     """Trainer GPUs per node (host memory adds up per node)."""
 
-    def problems(self) -> list[tuple[str, str]]:
+    def problems(self) -> list[Problem]:
         """(field, message) for every phase over the GPU's memory and an engine without room for a sample."""
-        problems = [(phase.where, f"{phase.name} needs {_gib(phase.total)} GiB per GPU "
+        problems = [Problem(phase.where, "memory", f"{phase.name} needs {_gib(phase.total)} GiB per GPU "
                                   f"({', '.join(f'{label} {_gib(size)}' for label, size in phase.parts if size)}), "
                                   f"over the GPU's {_gib(self.gpu)} GiB (cluster.gpu_memory_gib): {phase.advice}")
                     for phase in self.phases if phase.total > self.gpu]
         engine = self.engine
         if engine.kv_tokens < self.longest_sample:
-            problems.append(("sglang.mem_fraction_static", (
+            problems.append(Problem("sglang.mem_fraction_static", "memory", (
                 f"an engine GPU's static pool ({engine.mem_fraction_static:.2f} x {_gib(self.gpu)} = "
                 f"{_gib(engine.static)} GiB) minus its weights ({_gib(engine.weights)} GiB) leaves KV cache for "
                 f"{engine.kv_tokens} tokens, under one sample of {self.longest_sample}: raise "

@@ -3,7 +3,7 @@
 Owns: resolving the run's architecture (Megatron's model flags first, else the model file: `run_architecture`),
 TP/engine-TP dividing the heads, the pipeline split of the layers, family-specific layout rules (DeepSeek-V3.2's
 DSA, Qwen3-Next's hybrids), the architecture vs the HF checkpoint's config.json, FP8 checkpoints, and (through
-`moe_checks`, `mla_checks`, `memory_plan`) experts, optimizer offload and the per-GPU memory plan. Called by
+`moe_checks`, `mtp_checks`, `memory_plan`) experts, optimizer offload and the per-GPU memory plan. Called by
 `hpc_rl.config.validation.collect_problems`.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hpc_rl.config.fp8_scheme import read_fp8_blocks
 from hpc_rl.config.memory_plan import plan_memory
-from hpc_rl.config.mla_checks import mla_problems
+from hpc_rl.config.mtp_checks import mtp_problems
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
 from hpc_rl.config.moe_checks import moe_problems, optimizer_problems, sglang_moe_problems
 from hpc_rl.config.parallel_layout import ParallelLayout
@@ -32,15 +32,16 @@ def architecture(config: RunConfig) -> tuple[ModelArchitecture | None, str, list
     if config.model_args is not None:
         return config.model_args, "the model flags", []
     if not config.model:
-        return None, "", [Problem("model", "no model architecture: give Megatron's model flags (slime's MODEL_ARGS, "
+        return None, "", [Problem("model", "needs",
+                                  "no model architecture: give Megatron's model flags (slime's MODEL_ARGS, "
                                            "e.g. --num-layers 36 ...) or model: configs/models/<name>.yaml")]
     model_path = Path(config.model)
     if not model_path.is_file():
-        return None, "", [Problem("model", f"model file {model_path} not found")]
+        return None, "", [Problem("model", "not_found", f"model file {model_path} not found")]
     try:
         return ModelArchitecture.from_yaml(model_path), str(model_path), []
     except ValueError as error:
-        return None, "", [Problem("model", str(error))]
+        return None, "", [Problem("model", "bad_file", str(error))]
 
 
 def run_architecture(config: RunConfig) -> ModelArchitecture | None:
@@ -60,30 +61,33 @@ def model_problems(config: RunConfig) -> list[Problem]:
     if heads % tp:
         problems.append(Problem(
             "training.tensor_model_parallel_size",
-            f"TP {tp} does not divide the model's {heads} {kind} ({model_path})",
+            "not_divisible", f"TP {tp} does not divide the model's {heads} {kind} ({model_path})",
         ))
     # SGLang splits attention heads over the engine's attention-TP group (its GPUs / attention DP)
     engine_tp = config.cluster.rollout_num_gpus_per_engine // attention_dp_size(config.sglang.server_options())
     if engine_tp and arch.num_attention_heads % engine_tp:
         problems.append(Problem(
             "cluster.rollout_num_gpus_per_engine",
-            f"engine (attention) TP {engine_tp} does not divide the model's {arch.num_attention_heads} heads",
+            "not_divisible", f"engine (attention) TP {engine_tp} does not divide the model's {arch.num_attention_heads} heads",
         ))
     try:
         training_split(arch.num_layers, config.training)
     except PipelineSplitError as error:
-        problems.append(Problem("training.pipeline_model_parallel_size", f"{error} ({model_path})"))
-    problems += [Problem(where, message) for where, message in dsa_training_problems(arch, config.training)]
-    problems += [Problem(where, message) for where, message in hybrid_layout_problems(
+        problems.append(Problem("training.pipeline_model_parallel_size", "not_divisible",
+                                f"{error} ({model_path})"))
+    problems += [Problem(where, "unsupported",
+                         message) for where, message in dsa_training_problems(arch, config.training)]
+    problems += [Problem(where, "unsupported", message) for where, message in hybrid_layout_problems(
         arch, tp=tp, cp=config.training.context_parallel_size)]
     hf_config = Path(config.checkpoint.hf_checkpoint) / "config.json" if config.checkpoint.hf_checkpoint else None
     if hf_config is not None and hf_config.is_file():
         try:
             hf = json.loads(hf_config.read_text())
         except json.JSONDecodeError as error:
-            return problems + [Problem(str(hf_config), f"not valid JSON: {error}")]
+            return problems + [Problem(str(hf_config), "bad_file", f"not valid JSON: {error}")]
         for mismatch in architecture_mismatches(arch, hf):
-            problems.append(Problem("model", f"{model_path} and {hf_config} disagree: {mismatch}"))
+            problems.append(Problem("model", "mismatch",
+                                    f"{model_path} and {hf_config} disagree: {mismatch}"))
     return problems
 
 
@@ -93,7 +97,8 @@ def fp8_problems(config: RunConfig) -> list[Problem]:
     try:
         read_fp8_blocks(config.checkpoint.hf_checkpoint)
     except ValueError as error:
-        return [Problem("checkpoint.hf_checkpoint", f"{error}; FP8 rollouts need a block-FP8 release")]
+        return [Problem("checkpoint.hf_checkpoint", "unsupported",
+                        f"{error}; FP8 rollouts need a block-FP8 release")]
     return []
 
 
@@ -102,12 +107,12 @@ def moe_and_memory_problems(config: RunConfig) -> list[Problem]:
     memory plan (`hpc_rl.config.memory_plan`)."""
     arch = run_architecture(config)
     found = (moe_problems(config, arch) + optimizer_problems(config) + sglang_moe_problems(config, arch)
-             + mla_problems(config, arch))
-    problems = [Problem(where, message) for where, message in found]
+             + mtp_problems(config, arch))
+    problems = found
     sound = (arch is not None and ParallelLayout.of(config.training, config.cluster.trainer_world_size, arch).splits(arch)
              and _pipeline_splits(arch, config))
     if arch is not None and config.cluster.device == "cuda" and sound and config.cluster.rollout_num_gpus_per_engine >= 1:
-        problems += [Problem(where, message) for where, message in plan_memory(config, arch).problems()]
+        problems += plan_memory(config, arch).problems()
     return problems
 
 

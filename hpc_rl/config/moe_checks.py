@@ -14,62 +14,59 @@ from __future__ import annotations
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.parallel_layout import ParallelLayout, layout_problems
+from hpc_rl.config.problems import Problem
 from hpc_rl.config.schema import RunConfig
+from hpc_rl.config.sections.training import LOAD_BALANCING_TYPES
 from hpc_rl.config.sglang_options import attention_dp_size, engine_kind
 
-DISPATCHERS = ("alltoall", "allgather", "flex")
-ROUTER_DTYPES = (None, "fp32", "fp64")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
-DROP_POLICIES = ("probs", "position")
-CAPACITY_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+CAPACITY_BALANCING_TYPES = tuple(t for t in LOAD_BALANCING_TYPES if t != "sinkhorn")
+"""Megatron's load balancing types that work with a capacity factor."""
 
-Problems = list[tuple[str, str]]
-
-
-def _choice(field: str, value: object, allowed: tuple[object, ...]) -> Problems:
-    if value in allowed:
-        return []
-    return [(field, f"{value!r} is not one of {', '.join(str(a) for a in allowed)}")]
+Problems = list[Problem]
 
 
 def _training_value_problems(config: RunConfig, arch: ModelArchitecture) -> Problems:
     training = config.training
-    problems = (_choice("training.moe_token_dispatcher_type", training.moe_token_dispatcher_type, DISPATCHERS)
-                + _choice("training.moe_router_dtype", training.moe_router_dtype, ROUTER_DTYPES)
-                + _choice("training.moe_router_load_balancing_type", training.moe_router_load_balancing_type,
-                          LOAD_BALANCING_TYPES)
-                + _choice("training.moe_token_drop_policy", training.moe_token_drop_policy, DROP_POLICIES))
+    problems = []  # the values themselves are Literal types (hpc_rl.config.sections.training), checked at load
     if training.moe_expert_capacity_factor is not None and \
             training.moe_router_load_balancing_type not in CAPACITY_BALANCING_TYPES:
-        problems.append(("training.moe_expert_capacity_factor", f"works with load balancing "
+        problems.append(Problem("training.moe_expert_capacity_factor", "unsupported",
+                                f"works with load balancing "
                          f"{', '.join(CAPACITY_BALANCING_TYPES)} only (Megatron), not "
                          f"{training.moe_router_load_balancing_type!r}"))
     if training.moe_enable_deepep and training.moe_token_dispatcher_type != "flex":
-        problems.append(("training.moe_enable_deepep", f"DeepEP runs behind the flex dispatcher only (Megatron): add "
+        problems.append(Problem("training.moe_enable_deepep", "needs",
+                                f"DeepEP runs behind the flex dispatcher only (Megatron): add "
                                                        f"--moe-token-dispatcher-type flex (it is "
                                                        f"{training.moe_token_dispatcher_type!r})"))
     if config.cluster.device == "cpu":
         if training.moe_token_dispatcher_type == "flex":
-            problems.append(("training.moe_token_dispatcher_type", "flex dispatches through DeepEP, a CUDA library; "
+            problems.append(Problem("training.moe_token_dispatcher_type", "unsupported",
+                                    "flex dispatches through DeepEP, a CUDA library; "
                                                                    "on device cpu use alltoall or allgather"))
         if training.moe_enable_deepep:
-            problems.append(("training.moe_enable_deepep", "DeepEP is a CUDA library; on device cpu drop it"))
+            problems.append(Problem("training.moe_enable_deepep", "unsupported",
+                                    "DeepEP is a CUDA library; on device cpu drop it"))
     if arch.moe_router_topk == 1 and arch.moe_router_score_function == "softmax" and not arch.moe_router_pre_softmax \
             and training.moe_router_load_balancing_type != "sinkhorn":
-        problems.append(("model", "top-1 softmax routing needs --moe-router-pre-softmax (a softmax over the one "
+        problems.append(Problem("model", "needs",
+                                "top-1 softmax routing needs --moe-router-pre-softmax (a softmax over the one "
                                   "chosen expert has zero gradient; Megatron refuses it)"))
     expert_tp = training.expert_tensor_parallel_size or training.tensor_model_parallel_size
     if arch.add_bias_linear and expert_tp > 1:
-        problems.append(("training.expert_tensor_parallel_size", f"{expert_tp} (it defaults to TP): the experts have "
+        problems.append(Problem("training.expert_tensor_parallel_size", "unsupported",
+                                f"{expert_tp} (it defaults to TP): the experts have "
                          f"biases (gpt-oss) and Megatron builds MoE biases at expert TP 1 only: add "
                          f"--expert-tensor-parallel-size 1 (slime's gpt-oss line does)"))
     if arch.window_size and config.training.context_parallel_size > 1 and config.cluster.device == "cpu":
-        problems.append(("training.context_parallel_size", "sliding-window attention under context parallelism is "
+        problems.append(Problem("training.context_parallel_size", "unsupported",
+                                "sliding-window attention under context parallelism is "
                          "not built on device cpu (its CP attention has no window band): use 1"))
     if arch.moe_router_group_topk is not None:
         groups = arch.moe_router_num_groups
         if not groups or (arch.num_moe_experts or 0) % groups or arch.moe_router_group_topk > groups:
-            problems.append(("model", f"group-limited routing: moe_router_num_groups ({groups}) must divide the "
+            problems.append(Problem("model", "not_divisible",
+                                    f"group-limited routing: moe_router_num_groups ({groups}) must divide the "
                                       f"{arch.num_moe_experts} experts and be >= moe_router_group_topk "
                                       f"({arch.moe_router_group_topk})"))
     return problems
@@ -85,7 +82,8 @@ def moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Problems:
     if not arch.is_moe:
         for name in ("use_routing_replay", "use_rollout_routing_replay"):
             if getattr(training, name):
-                problems.append((f"training.{name}", "replays the routers' expert choices; this model is dense (no "
+                problems.append(Problem(f"training.{name}", "unsupported",
+                                        "replays the routers' expert choices; this model is dense (no "
                                                      "experts): drop it"))
         return problems
     return problems + _training_value_problems(config, arch)
@@ -98,13 +96,16 @@ def optimizer_problems(config: RunConfig) -> Problems:
         return []
     problems = []
     if optimizer.optimizer_cpu_offload and not optimizer.use_precision_aware_optimizer:
-        problems.append(("optimizer.optimizer_cpu_offload", "needs --use-precision-aware-optimizer (Megatron's hybrid "
+        problems.append(Problem("optimizer.optimizer_cpu_offload", "needs",
+                                "needs --use-precision-aware-optimizer (Megatron's hybrid "
                                                             "device optimizer runs on that code path): add it"))
     if optimizer.use_precision_aware_optimizer and optimizer.optimizer != "adam":
-        problems.append(("optimizer.use_precision_aware_optimizer", f"works with adam only (Megatron), not "
+        problems.append(Problem("optimizer.use_precision_aware_optimizer", "unsupported",
+                                f"works with adam only (Megatron), not "
                                                                     f"{optimizer.optimizer!r}"))
     if optimizer.overlap_cpu_optimizer_d2h_h2d and not optimizer.optimizer_cpu_offload:
-        problems.append(("optimizer.overlap_cpu_optimizer_d2h_h2d", "is read only with --optimizer-cpu-offload: add "
+        problems.append(Problem("optimizer.overlap_cpu_optimizer_d2h_h2d", "unused",
+                                "is read only with --optimizer-cpu-offload: add "
                                                                     "it or drop this flag"))
     return problems
 
@@ -128,7 +129,7 @@ def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Pr
     if engine_kind(config.rollout.engine, config.cluster.device) != "sglang":
         return []
     if arch is not None and arch.family == "gpt_oss" and _serves_mxfp4(config):
-        return [("checkpoint.hf_checkpoint", (
+        return [Problem("checkpoint.hf_checkpoint", "unsupported", (
             f"{config.checkpoint.hf_checkpoint} is gpt-oss's MXFP4 release (config.json quantization_config "
             f"mxfp4): SGLang then serves MXFP4 experts, and its gpt-oss loader reads experts in an update only as "
             f"MXFP4 _blocks / _scales, skipping the bf16 ones every weight sync sends (broadcast, colocated, "
@@ -139,32 +140,37 @@ def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Pr
     gpus = config.cluster.rollout_num_gpus_per_engine
     problems = []
     if int(options.get("dp_size") or 1) > 1 and not options.get("enable_dp_attention"):
-        problems.append(("sglang.extra_args.dp_size", (
+        problems.append(Problem("sglang.extra_args.dp_size", "needs", (
             f"{options['dp_size']} without enable_dp_attention starts {options['dp_size']} server replicas of "
             f"{gpus} GPU(s) each, but an engine has rollout_num_gpus_per_engine = {gpus} GPUs: add "
             f"--sglang-enable-dp-attention (attention data parallelism inside the engine) or run more engines")))
     attention_dp = attention_dp_size(options)
     if gpus % attention_dp:
-        problems.append(("sglang.extra_args.dp_size", f"attention DP {attention_dp} does not divide the engine's "
+        problems.append(Problem("sglang.extra_args.dp_size", "not_divisible",
+                                f"attention DP {attention_dp} does not divide the engine's "
                                                       f"{gpus} GPUs (rollout_num_gpus_per_engine)"))
     if options.get("enable_dp_lm_head") and attention_dp == 1:
-        problems.append(("sglang.extra_args.enable_dp_lm_head", "needs attention DP (SGLang): add "
+        problems.append(Problem("sglang.extra_args.enable_dp_lm_head", "needs",
+                                "needs attention DP (SGLang): add "
                                                                 "--sglang-enable-dp-attention --sglang-dp-size N"))
     dense_tp = options.get("moe_dense_tp_size")
     if dense_tp is not None and dense_tp not in (1, gpus):
-        problems.append(("sglang.extra_args.moe_dense_tp_size", f"{dense_tp}: SGLang takes 1 or the engine's TP size "
+        problems.append(Problem("sglang.extra_args.moe_dense_tp_size", "unsupported",
+                                f"{dense_tp}: SGLang takes 1 or the engine's TP size "
                                                                 f"({gpus})"))
     ep_key = "ep_size" if "ep_size" in options else "expert_parallel_size"
     ep = int(options.get(ep_key) or 1)
     if ep > 1 and arch is not None and not arch.is_moe:
-        problems.append((f"sglang.extra_args.{ep_key}", f"{ep}: the model is dense (no experts to split); drop it"))
+        problems.append(Problem(f"sglang.extra_args.{ep_key}", "unsupported",
+                                f"{ep}: the model is dense (no experts to split); drop it"))
     elif ep > 1 and arch is not None:
         if gpus % ep:
-            problems.append((f"sglang.extra_args.{ep_key}", f"EP {ep} does not divide the engine's {gpus} GPUs "
+            problems.append(Problem(f"sglang.extra_args.{ep_key}", "not_divisible",
+                                    f"EP {ep} does not divide the engine's {gpus} GPUs "
                                                             f"(rollout_num_gpus_per_engine)"))
         slots = (arch.num_moe_experts or 0) + int(options.get("ep_num_redundant_experts") or 0)
         if slots % ep:
-            problems.append((f"sglang.extra_args.{ep_key}", (
+            problems.append(Problem(f"sglang.extra_args.{ep_key}", "not_divisible", (
                 f"the model's {arch.num_moe_experts} experts (+ ep_num_redundant_experts) = {slots} do not split "
                 f"over EP {ep}: add --sglang-ep-num-redundant-experts to make them divide, or change EP")))
     return problems

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.config.problems import Problem
 from hpc_rl.config.sections.training import TrainingConfig
 
 
@@ -78,30 +79,35 @@ class ParallelLayout:
 
 
 def layout_problems(layout: ParallelLayout, arch: ModelArchitecture | None,
-                    training: TrainingConfig) -> list[tuple[str, str]]:
-    """(field, message) for each layout Megatron would refuse (after the queue wait) or that cannot split."""
+                    training: TrainingConfig) -> list[Problem]:
+    """A problem for each layout Megatron would refuse (after the queue wait) or that cannot split."""
     ep_field, etp_field = "training.expert_model_parallel_size", "training.expert_tensor_parallel_size"
     if arch is None:
         return []
     if not arch.is_moe:
         problems = []
         if layout.ep != 1:
-            problems.append((ep_field, f"{layout.ep}: the model is dense (no experts to split); set 1"))
+            problems.append(Problem(ep_field, "unsupported",
+                                    f"{layout.ep}: the model is dense (no experts to split); set 1"))
         if training.expert_tensor_parallel_size not in (None, 1, layout.tp):
-            problems.append((etp_field, f"{training.expert_tensor_parallel_size}: the model is dense (no experts); "
+            problems.append(Problem(etp_field, "unsupported",
+                                    f"{training.expert_tensor_parallel_size}: the model is dense (no experts); "
                                         f"leave it out"))
         return problems
     problems = []
     experts = arch.num_moe_experts or 0
     if experts % layout.ep:
-        problems.append((ep_field, f"the model's {experts} experts do not split over EP {layout.ep} (each EP rank "
+        problems.append(Problem(ep_field, "not_divisible",
+                                f"the model's {experts} experts do not split over EP {layout.ep} (each EP rank "
                                    f"holds num_experts / EP experts); use a divisor of {experts}"))
     expert_group = layout.etp * layout.ep * layout.pp
     if layout.world % expert_group:
-        problems.append((ep_field, f"ETP x EP x PP = {layout.etp} x {layout.ep} x {layout.pp} = {expert_group} does "
+        problems.append(Problem(ep_field, "not_divisible",
+                                f"ETP x EP x PP = {layout.etp} x {layout.ep} x {layout.pp} = {expert_group} does "
                                    f"not divide the trainer's {layout.world} GPUs (Megatron builds expert groups of "
                                    f"ETP x EP ranks in every pipeline stage)"))
     if layout.tp > 1 and not training.sequence_parallel:
-        problems.append(("training.sequence_parallel", f"MoE with TP {layout.tp} needs sequence parallelism (Megatron's "
+        problems.append(Problem("training.sequence_parallel", "needs",
+                                f"MoE with TP {layout.tp} needs sequence parallelism (Megatron's "
                                                        f"MoE layer raises in training otherwise): add --sequence-parallel"))
     return problems

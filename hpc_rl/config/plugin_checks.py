@@ -38,7 +38,7 @@ def plugin_problems(config: RunConfig) -> list[Problem]:
         try:
             load_plugin("sample_hook", path)
         except PluginError as error:
-            problems.append(Problem("rollout.rollout_sample_hook_path", str(error)))
+            problems.append(Problem("rollout.rollout_sample_hook_path", "plugin", str(error)))
     for setting, kind in CONFIG_PLUGINS.items():
         section, name = setting.split(".")
         path = getattr(getattr(config, section), name, None)
@@ -49,5 +49,5 @@ def plugin_problems(config: RunConfig) -> list[Problem]:
         try:
             load_plugin(kind, path)
         except PluginError as error:
-            problems.append(Problem(setting, str(error)))
+            problems.append(Problem(setting, "plugin", str(error)))
     return problems

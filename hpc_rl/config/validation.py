@@ -3,7 +3,7 @@
 Owns: collecting the problems of every rule module (`collect_problems`) and raising them together
 (`ValidationFailed`); the rules of each concept live in its own module: batch arithmetic and GPU topology
 (`layout_checks`), the model vs its layout, checkpoint and memory plan (`model_checks`, with `moe_checks`,
-`mla_checks`, `memory_plan`), slime's cross-flag rules (`slime_flag_checks`), the GPU cluster (`cluster_checks`),
+`mtp_checks`, `memory_plan`), slime's cross-flag rules (`slime_flag_checks`), the GPU cluster (`cluster_checks`),
 plug-ins (`plugin_checks`), training modes (`training_modes`), LoRA (`lora_checks`), engines (`sglang_options`),
 single-field ranges (`value_ranges`) and files (`file_checks`, skippable with `--no-check-files` for rendering a
 job away from the cluster's filesystem). This module keeps the few rules of no other home: single-field rules
@@ -19,7 +19,7 @@ from hpc_rl.config.cluster_checks import gpu_cluster_problems
 from hpc_rl.config.file_checks import path_problems, prompt_file_problems
 from hpc_rl.config.layout_checks import batch_problems, topology_problems
 from hpc_rl.config.lora_checks import lora_problems
-from hpc_rl.config.mla_checks import speculative_notes
+from hpc_rl.config.mtp_checks import speculative_notes
 from hpc_rl.config.model_checks import fp8_problems, model_problems, moe_and_memory_problems, run_architecture
 from hpc_rl.config.moe_checks import device_notes
 from hpc_rl.config.plugin_checks import plugin_problems
@@ -44,22 +44,24 @@ class ValidationFailed(ValueError):
 
 
 def _single_field_problems(config: RunConfig) -> list[Problem]:
-    problems = [Problem(p.field, p.message) for p in range_problems(config)]
+    problems = range_problems(config)
     training, rollout = config.training, config.rollout
     if rollout.max_turns is not None and not rollout.custom_generate_function_path:
-        problems.append(Problem("rollout.max_turns", "is read by a custom generate function only; set "
+        problems.append(Problem("rollout.max_turns", "unused",
+                                "is read by a custom generate function only; set "
                                                      "custom_generate_function_path or drop max_turns"))
     algorithm = config.algorithm
     if algorithm.loss_type == "custom_loss" and not algorithm.custom_loss_function_path:
-        problems.append(Problem("algorithm.loss_type", "custom_loss needs custom_loss_function_path "
+        problems.append(Problem("algorithm.loss_type", "needs", "custom_loss needs custom_loss_function_path "
                                                        "(--custom-loss-function-path module.fn)"))
     if algorithm.custom_loss_function_path and algorithm.loss_type != "custom_loss":
         problems.append(Problem("algorithm.custom_loss_function_path",
-                                f"is called only with loss_type custom_loss (loss_type is {algorithm.loss_type!r}; "
+                                "unused", f"is called only with loss_type custom_loss (loss_type is {algorithm.loss_type!r}; "
                                 f"slime would ignore the path silently): add --loss-type custom_loss or drop the path"))
     problems += _wandb_problems(config)
     if training.offload_train and not config.cluster.colocate:
-        problems.append(Problem("training.offload_train", "offloads the trainer while colocated engines generate; "
+        problems.append(Problem("training.offload_train", "unused",
+                                "offloads the trainer while colocated engines generate; "
                                                           "this run is not colocated: drop --offload/--offload-train"))
     return problems
 
@@ -73,15 +75,16 @@ def _routing_replay_problems(config: RunConfig) -> list[Problem]:
     where = f"training.{flags[-1]}"
     problems = []  # (a dense model with either flag: the MoE rules' refusal)
     if "sinkhorn" in str(training.moe_router_load_balancing_type):
-        problems.append(Problem(where, "Megatron's sinkhorn routing chooses experts without the replay hook: use "
+        problems.append(Problem(where, "unsupported",
+                                "Megatron's sinkhorn routing chooses experts without the replay hook: use "
                                        "--moe-router-load-balancing-type aux_loss / seq_aux_loss / none"))
     if training.use_rollout_routing_replay and is_sft(config.rollout.rollout_function_path):
         problems.append(Problem("training.use_rollout_routing_replay",
-                                "SFT trains on the data's chats, which no engine routed: drop it (or use "
+                                "unsupported", "SFT trains on the data's chats, which no engine routed: drop it (or use "
                                 "--use-routing-replay)"))
     if training.use_rollout_routing_replay and training.moe_expert_capacity_factor is not None:
         problems.append(Problem("training.moe_expert_capacity_factor",
-                                "drops tokens over an expert's capacity, which the engines never do, so the replayed "
+                                "unsupported", "drops tokens over an expert's capacity, which the engines never do, so the replayed "
                                 "rollout routing would not be the one used: unset it with use_rollout_routing_replay"))
     return problems
 
@@ -90,9 +93,10 @@ def _wandb_problems(config: RunConfig) -> list[Problem]:
     logging_config = config.logging
     if not logging_config.use_wandb:
         given = [name for name in WANDB_SETTINGS if getattr(logging_config, name) is not None]
-        return [Problem(f"logging.{name}", "is read only with use_wandb: add --use-wandb or drop it") for name in given]
+        return [Problem(f"logging.{name}", "unused",
+                        "is read only with use_wandb: add --use-wandb or drop it") for name in given]
     if importlib.util.find_spec("wandb") is None:
-        return [Problem("logging.use_wandb", "needs the wandb package, which is not installed here: "
+        return [Problem("logging.use_wandb", "needs", "needs the wandb package, which is not installed here: "
                                              "pip install 'hpc_rl[wandb]' (from a checkout: pip install -e '.[wandb]') "
                                              "where the job runs, or drop --use-wandb")]
     return []
@@ -107,13 +111,11 @@ def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Pro
     problems += _routing_replay_problems(config)
     problems += fp8_problems(config)
     if check_files:
-        problems += [Problem(p.field, p.message) for p in path_problems(config) + prompt_file_problems(config)]
+        problems += path_problems(config) + prompt_file_problems(config)
     problems += plugin_problems(config)
-    problems += [Problem(field, message) for field, message in lora_problems(
-        config, run_architecture(config), check_files=check_files)]
-    problems += [Problem(field, message) for field, message in mode_problems(config, check_files=check_files)]
-    problems += [Problem(field, message) for field, message in engine_problems(
-        config.rollout.engine, config.cluster.device, config.sglang.server_options()).items()]
+    problems += lora_problems(config, run_architecture(config), check_files=check_files)
+    problems += mode_problems(config, check_files=check_files)
+    problems += engine_problems(config.rollout.engine, config.cluster.device, config.sglang.server_options())
     return problems
 
 
