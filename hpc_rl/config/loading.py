@@ -23,7 +23,7 @@ import yaml
 from hpc_rl.config.eval_config_file import eval_datasets_from_file
 from hpc_rl.config.megatron_model import architecture_from_flags
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.config.problems import Problem, SectionProblems, locate
+from hpc_rl.config.problems import Problem, SectionProblems, locate, remember_locations
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sections.rollout import EvalDataset
 from hpc_rl.config.settings_sources import (
@@ -222,7 +222,9 @@ def build_config(settings: list[Setting]) -> RunConfig:
             problems.append(f"{error} (set at {origin})")
     if problems:
         raise ConfigErrors(problems)
-    return RunConfig(**top, **sections)
+    config = RunConfig(**top, **sections)
+    remember_locations(config, wheres)  # validation's problems point at the same lines
+    return config
 
 
 def load_config(config_files: list[str | Path], cli_args: list[str] | None = None) -> RunConfig:

@@ -12,6 +12,8 @@ EP, dense-MLP TP, DP LM head); and one note line per GPU-only choice a cpu run k
 
 from __future__ import annotations
 
+from typing import Any
+
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.parallel_layout import ParallelLayout, layout_problems
 from hpc_rl.config.problems import Problem
@@ -110,25 +112,22 @@ def optimizer_problems(config: RunConfig) -> Problems:
     return problems
 
 
-def _serves_mxfp4(config: RunConfig) -> bool:
-    """The engines' checkpoint (hf_checkpoint) is gpt-oss's MXFP4 release (read when its config.json is here)."""
-    import json
-    from pathlib import Path
-
+def _serves_mxfp4(hf_config: dict[str, Any] | None) -> bool:
+    """The engines' checkpoint (hf_checkpoint, its config.json as validation read it) is gpt-oss's MXFP4 release."""
     from hpc_rl.models.gpt_oss.checkpoint import is_mxfp4
 
-    path = Path(config.checkpoint.hf_checkpoint or "") / "config.json"
     try:
-        return bool(config.checkpoint.hf_checkpoint) and path.is_file() and is_mxfp4(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        return False  # an unreadable config.json or another quantization is named by the checkpoint checks
+        return hf_config is not None and bool(is_mxfp4(hf_config))
+    except (AttributeError, TypeError, ValueError):
+        return False  # another quantization is named by the checkpoint checks
 
 
-def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Problems:
+def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None,
+                        hf_config: dict[str, Any] | None = None) -> Problems:
     """SGLang's MoE engine options against the engine's GPUs and the model (SGLang checks them at start)."""
     if engine_kind(config.rollout.engine, config.cluster.device) != "sglang":
         return []
-    if arch is not None and arch.family == "gpt_oss" and _serves_mxfp4(config):
+    if arch is not None and arch.family == "gpt_oss" and _serves_mxfp4(hf_config):
         return [Problem("checkpoint.hf_checkpoint", "unsupported", (
             f"{config.checkpoint.hf_checkpoint} is gpt-oss's MXFP4 release (config.json quantization_config "
             f"mxfp4): SGLang then serves MXFP4 experts, and its gpt-oss loader reads experts in an update only as "

@@ -76,6 +76,20 @@ def raise_problems(problems: list[Problem]) -> None:
         raise SectionProblems(problems)
 
 
+_LOCATIONS = "_setting_locations"
+"""The attribute of a loaded config that holds where each field was set (not a dataclass field: never written)."""
+
+
+def remember_locations(config: object, wheres: Mapping[str, str]) -> None:
+    """Keep on `config` where each of its fields was set (field path -> file:line or flag), for validation."""
+    object.__setattr__(config, _LOCATIONS, dict(wheres))
+
+
+def setting_locations(config: object) -> Mapping[str, str]:
+    """Where each field of a loaded config was set ({} for a config built in Python)."""
+    return getattr(config, _LOCATIONS, {})
+
+
 def locate(problems: Iterable[Problem], wheres: Mapping[str, str]) -> list[Problem]:
     """Each problem located at the setting of its field (`wheres`: field path -> file:line or flag); a problem on
     an item of a list field (`x.y[2]`) at the list's setting; one without a setting (a default) keeps ""."""

@@ -12,14 +12,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hpc_rl.config.model_checks import architecture
 from hpc_rl.config.plugin_args import custom_config_values
 from hpc_rl.config.problems import Problem
+from hpc_rl.config.resolved_model import ResolvedModel, resolve_model
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.settings_sources import flat_index
 
 
-def slime_flag_problems(config: RunConfig) -> list[Problem]:
+def slime_flag_problems(config: RunConfig, model: ResolvedModel | None = None) -> list[Problem]:
     """Cross-field rules of the slime flags of issues 25/26 (checkpoint, reference, old log-probs)."""
     checkpoint, algorithm = config.checkpoint, config.algorithm
     problems = []
@@ -106,7 +106,7 @@ def slime_flag_problems(config: RunConfig) -> list[Problem]:
                                         f"{', '.join(clashing)}: give those as flags or YAML settings (the file is "
                                         "for your plug-ins' own values)"))
     if checkpoint.model_name:
-        arch, _, _ = architecture(config)
+        arch = (model or resolve_model(config)).arch
         name = checkpoint.model_name.lower().replace("_", "").replace("-", "")
         family = arch.family.replace("_", "") if arch is not None else None
         if family is not None and family not in name:

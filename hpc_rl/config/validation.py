@@ -20,10 +20,11 @@ from hpc_rl.config.file_checks import path_problems, prompt_file_problems
 from hpc_rl.config.layout_checks import batch_problems, topology_problems
 from hpc_rl.config.lora_checks import lora_problems
 from hpc_rl.config.mtp_checks import speculative_notes
-from hpc_rl.config.model_checks import fp8_problems, model_problems, moe_and_memory_problems, run_architecture
+from hpc_rl.config.model_checks import fp8_problems, model_problems, moe_and_memory_problems
 from hpc_rl.config.moe_checks import device_notes
 from hpc_rl.config.plugin_checks import plugin_problems
-from hpc_rl.config.problems import Problem
+from hpc_rl.config.problems import Problem, locate, setting_locations
+from hpc_rl.config.resolved_model import ResolvedModel, resolve_model
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sglang_options import engine_problems
 from hpc_rl.config.slime_flag_checks import slime_flag_problems
@@ -102,28 +103,33 @@ def _wandb_problems(config: RunConfig) -> list[Problem]:
     return []
 
 
-def collect_problems(config: RunConfig, *, check_files: bool = True) -> list[Problem]:
-    """Every problem found in `config` (empty list = valid). With check_files, every line of the
-    prompt files is checked too (not a sample of them)."""
+def collect_problems(config: RunConfig, *, check_files: bool = True,
+                     model: ResolvedModel | None = None) -> list[Problem]:
+    """Every problem found in `config` (empty list = valid). With check_files, every line of the prompt files is
+    checked too (not a sample of them). The model is resolved once (`model`, or here) and handed to every check
+    that reads it. `validate` locates them (the file line or flag that set each field)."""
+    model = model or resolve_model(config)
     problems = (_single_field_problems(config) + batch_problems(config) + topology_problems(config)
-                + model_problems(config) + slime_flag_problems(config) + gpu_cluster_problems(config))
-    problems += moe_and_memory_problems(config)
+                + model_problems(config, model) + slime_flag_problems(config, model) + gpu_cluster_problems(config))
+    problems += moe_and_memory_problems(config, model)
     problems += _routing_replay_problems(config)
-    problems += fp8_problems(config)
+    problems += fp8_problems(config, model)
     if check_files:
         problems += path_problems(config) + prompt_file_problems(config)
     problems += plugin_problems(config)
-    problems += lora_problems(config, run_architecture(config), check_files=check_files)
+    problems += lora_problems(config, model.arch, check_files=check_files)
     problems += mode_problems(config, check_files=check_files)
     problems += engine_problems(config.rollout.engine, config.cluster.device, config.sglang.server_options())
     return problems
 
 
 def validate(config: RunConfig, *, check_files: bool = True) -> None:
-    """Raise ValidationFailed listing every problem, or return if the config is valid."""
-    problems = collect_problems(config, check_files=check_files)
+    """Raise ValidationFailed listing every problem, each at the file line or flag that set its field (when the
+    config was loaded), or return if the config is valid."""
+    model = resolve_model(config)
+    problems = collect_problems(config, check_files=check_files, model=model)
     if problems:
-        raise ValidationFailed(problems)
-    for note in device_notes(config, run_architecture(config)) + speculative_notes(config):
+        raise ValidationFailed(locate(problems, setting_locations(config)))
+    for note in device_notes(config, model.arch) + speculative_notes(config):
         log.info(note)
 

@@ -140,3 +140,34 @@ def test_colocate_needs_whole_engines_per_node_and_takes_a_pipeline() -> None:
 def test_slime_checkpoint_flags_are_checked_at_submit(flags: list[str], field: str, words: str) -> None:
     problems = [p for p in collect_problems(load_config([], flags), check_files=False) if p.where == field]
     assert problems and words in problems[0].message
+
+
+def test_the_model_is_read_once_per_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One architecture file read and one config.json read per `validate` (it was 4 and 2: each check loaded its
+    own), and problems of a loaded config point at the line or flag that set their field."""
+    from hpc_rl.config import resolved_model
+    from hpc_rl.config.model import ModelArchitecture
+
+    config = load_config([TINY])
+    reads: list[str] = []
+    real_from_yaml = ModelArchitecture.from_yaml.__func__  # type: ignore[attr-defined]
+    real_loads = resolved_model.json.loads
+    monkeypatch.setattr(ModelArchitecture, "from_yaml",
+                        classmethod(lambda cls, path: reads.append("model") or real_from_yaml(cls, path)))
+    monkeypatch.setattr(resolved_model.json, "loads", lambda text: reads.append("config.json") or real_loads(text))
+    validate(config, check_files=False)
+    assert sorted(reads) == ["config.json", "model"]
+
+
+def test_validation_problems_point_at_the_setting(tmp_path: Path) -> None:
+    """`validate` names the file line or flag that set each field (a default has none)."""
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text(Path(TINY).read_text() + "\nrollout_num_gpus: 3\n")
+    config = load_config([recipe], ["--over-sampling-batch-size", "4", "--rollout-num-gpus-per-engine", "2"])
+    with pytest.raises(ValidationFailed) as failure:
+        validate(config, check_files=False)
+    located = {(p.field, p.code): p.location for p in failure.value.problems}
+    lines = recipe.read_text().splitlines()
+    assert located[("rollout.over_sampling_batch_size", "out_of_range")] == "command line --over-sampling-batch-size"
+    assert located[("cluster.rollout_num_gpus", "not_divisible")] == f"{recipe}:{len(lines)}"
+    assert f"{recipe}:{len(lines)}: cluster.rollout_num_gpus: 3 is not divisible" in str(failure.value)
