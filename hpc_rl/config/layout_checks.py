@@ -1,13 +1,13 @@
 """The batch arithmetic and GPU topology rules of a run: how samples split into steps and ranks onto GPUs.
 
-Owns: rollout samples == global_batch_size x num_steps_per_rollout (with a hint of sizes that fit), the
-data-parallel size dividing the batch, engines formed from rollout GPUs, TP x PP x CP dividing the trainer's
-GPUs, colocation's GPU sharing, engines spanning whole nodes, external engine addresses. Called by
-`hpc_rl.config.validation.collect_problems`.
+Owns: rollout samples == global_batch_size x num_steps_per_rollout (with a hint of sizes that fit), engines formed
+from rollout GPUs, colocation's GPU sharing, engines spanning whole nodes, external engine addresses; the trainer's
+own layout (TP x PP x CP dividing its GPUs, DP the batch) is `parallel_layout`'s, called from here. Called by `hpc_rl.config.validation.collect_problems`.
 """
 
 from __future__ import annotations
 
+from hpc_rl.config.parallel_layout import ParallelLayout, dense_layout_problems
 from hpc_rl.config.problems import Problem
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sglang_options import engine_kind, external_engine_url
@@ -41,12 +41,6 @@ def batch_problems(config: RunConfig) -> list[Problem]:
             "out_of_range", f"{rollout.over_sampling_batch_size} is below rollout_batch_size ({rollout.rollout_batch_size}); "
             f"set it >= rollout_batch_size",
         ))
-    dp = _data_parallel_size(config)
-    if dp and training.global_batch_size % dp:
-        problems.append(Problem(
-            "training.global_batch_size",
-            "not_divisible", f"{training.global_batch_size} is not divisible by the data-parallel size {dp}",
-        ))
     if training.use_dynamic_batch_size and not training.max_tokens_per_gpu:
         problems.append(Problem("training.max_tokens_per_gpu", "needs",
                                 "use_dynamic_batch_size needs max_tokens_per_gpu"))
@@ -76,12 +70,6 @@ def _batch_hint(samples: int, steps: int, *sizes: int) -> str:
             f"num_steps_per_rollout to one of {options}, or change rollout_batch_size")
 
 
-def _data_parallel_size(config: RunConfig) -> int:
-    model_parallel = config.training.model_parallel_size
-    world = config.cluster.trainer_world_size
-    return world // model_parallel if model_parallel and world % model_parallel == 0 else 0
-
-
 def topology_problems(config: RunConfig) -> list[Problem]:
     cluster, training = config.cluster, config.training
     problems = []
@@ -94,13 +82,7 @@ def topology_problems(config: RunConfig) -> list[Problem]:
             f"({cluster.rollout_num_gpus_per_engine}); engines cannot be formed",
         ))
     world = cluster.trainer_world_size
-    if world % training.model_parallel_size:
-        problems.append(Problem(
-            "training.tensor_model_parallel_size",
-            "not_divisible", f"TP*PP*CP = {training.tensor_model_parallel_size}*{training.pipeline_model_parallel_size}*"
-            f"{training.context_parallel_size} = {training.model_parallel_size} does not divide the trainer's "
-            f"{world} GPUs (actor_num_nodes * actor_num_gpus_per_node)",
-        ))
+    problems += dense_layout_problems(ParallelLayout.of_run(config), training.global_batch_size)
     if cluster.colocate:
         if cluster.rollout_num_gpus != world:
             problems.append(Problem(

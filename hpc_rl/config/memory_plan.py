@@ -411,10 +411,10 @@ def _fused_group_bytes(arch: ModelArchitecture) -> int:
     return fusion.largest_group_bytes(arch, BF16) if fusion is not None else 0
 
 
-def plan_memory(config: RunConfig, arch: ModelArchitecture) -> MemoryPlan:
-    """The plan for a cuda run's trainer and engine GPUs."""
+def plan_memory(config: RunConfig, arch: ModelArchitecture, layout: ParallelLayout | None = None) -> MemoryPlan:
+    """The plan for a cuda run's trainer and engine GPUs (`layout`: the run's, when the caller has it)."""
     gpu = int(config.cluster.gpu_memory_gib * GIB)
-    layout = ParallelLayout.of(config.training, config.cluster.trainer_world_size, arch)
+    layout = layout or ParallelLayout.of_run(config, arch)
     trainer = trainer_memory(config, arch, layout)
     engine = engine_memory(config, arch, gpu)
     _, longest = tokens_per_micro_batch(config)
@@ -433,11 +433,11 @@ def plan_summary(config: RunConfig, arch: ModelArchitecture | None) -> str:
     """The `--dry-run` lines: the trainer's parallel layout, then the per-GPU memory plan (cuda runs)."""
     if arch is None:
         return "parallel layout and memory plan: no model architecture"
-    layout = ParallelLayout.of(config.training, config.cluster.trainer_world_size, arch)
+    layout = ParallelLayout.of_run(config, arch)
     described = layout.describe() + _stages_line(config, arch)
     if config.cluster.device != "cuda":
         return f"{described}\nmemory plan: device {config.cluster.device}, no GPU memory to plan"
-    return f"{described}\n{plan_memory(config, arch).describe()}"
+    return f"{described}\n{plan_memory(config, arch, layout).describe()}"
 
 
 def _stages_line(config: RunConfig, arch: ModelArchitecture) -> str:

@@ -89,12 +89,12 @@ def moe_and_memory_problems(config: RunConfig, model: ResolvedModel | None = Non
     memory plan (`hpc_rl.config.memory_plan`)."""
     model = model or resolve_model(config)
     arch = model.arch
-    problems = (moe_problems(config, arch) + optimizer_problems(config)
+    layout = ParallelLayout.of_run(config, arch)
+    problems = (moe_problems(config, arch, layout) + optimizer_problems(config)
                 + sglang_moe_problems(config, arch, model.hf_config) + mtp_problems(config, arch))
-    sound = (arch is not None and ParallelLayout.of(config.training, config.cluster.trainer_world_size, arch).splits(arch)
-             and _pipeline_splits(arch, config))
+    sound = arch is not None and layout.splits(arch) and _pipeline_splits(arch, config)
     if arch is not None and config.cluster.device == "cuda" and sound and config.cluster.rollout_num_gpus_per_engine >= 1:
-        problems += plan_memory(config, arch).problems()
+        problems += plan_memory(config, arch, layout).problems()
     return problems
 
 

@@ -74,12 +74,12 @@ def _training_value_problems(config: RunConfig, arch: ModelArchitecture) -> Prob
     return problems
 
 
-def moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Problems:
+def moe_problems(config: RunConfig, arch: ModelArchitecture | None, layout: ParallelLayout | None = None) -> Problems:
     """The trainer side: layout, MoE values, routing replay."""
     training = config.training
     if arch is None:
         return []
-    layout = ParallelLayout.of(training, config.cluster.trainer_world_size, arch)
+    layout = layout or ParallelLayout.of_run(config, arch)
     problems = layout_problems(layout, arch, training)
     if not arch.is_moe:
         for name in ("use_routing_replay", "use_rollout_routing_replay"):
