@@ -10,6 +10,7 @@ from __future__ import annotations
 from hpc_rl.config.parallel_layout import ParallelLayout, dense_layout_problems
 from hpc_rl.config.problems import Problem
 from hpc_rl.config.schema import RunConfig
+from hpc_rl.config.sections.cluster import ClusterConfig
 from hpc_rl.config.sglang_options import engine_kind, external_engine_url
 from hpc_rl.config.training_modes import is_sft
 
@@ -70,17 +71,32 @@ def _batch_hint(samples: int, steps: int, *sizes: int) -> str:
             f"num_steps_per_rollout to one of {options}, or change rollout_batch_size")
 
 
+def engine_count_problems(cluster: ClusterConfig) -> list[Problem]:
+    """Engines are formed from the rollout GPUs: a whole number of engines of >= 1 GPU (validation and
+    `hpc_rl.launch.topology.plan_topology` both ask this)."""
+    if cluster.rollout_num_gpus_per_engine < 1:
+        return [Problem("cluster.rollout_num_gpus_per_engine", "out_of_range", "must be >= 1")]
+    if cluster.rollout_num_gpus % cluster.rollout_num_gpus_per_engine:
+        return [Problem("cluster.rollout_num_gpus", "not_divisible",
+                        f"{cluster.rollout_num_gpus} is not divisible by rollout_num_gpus_per_engine "
+                        f"({cluster.rollout_num_gpus_per_engine}); engines cannot be formed")]
+    return []
+
+
+def engine_span_problem(engine_tp: int, gpus_per_node: int) -> Problem | None:
+    """An engine larger than a node takes whole nodes (SGLang splits its TP ranks evenly over its --nnodes);
+    validation and `hpc_rl.launch.topology.engine_nodes` both ask this."""
+    if engine_tp <= gpus_per_node or gpus_per_node < 1 or engine_tp % gpus_per_node == 0:
+        return None
+    return Problem("cluster.rollout_num_gpus_per_engine", "not_divisible",
+                   f"an engine of {engine_tp} GPUs spans nodes of {gpus_per_node} GPUs, so it must take whole nodes: "
+                   f"make rollout_num_gpus_per_engine a multiple of {gpus_per_node} (or at most {gpus_per_node}; "
+                   f"SGLang splits an engine's TP ranks evenly over its --nnodes)")
+
+
 def topology_problems(config: RunConfig) -> list[Problem]:
     cluster, training = config.cluster, config.training
-    problems = []
-    if cluster.rollout_num_gpus_per_engine < 1:
-        problems.append(Problem("cluster.rollout_num_gpus_per_engine", "out_of_range", "must be >= 1"))
-    elif cluster.rollout_num_gpus % cluster.rollout_num_gpus_per_engine:
-        problems.append(Problem(
-            "cluster.rollout_num_gpus",
-            "not_divisible", f"{cluster.rollout_num_gpus} is not divisible by rollout_num_gpus_per_engine "
-            f"({cluster.rollout_num_gpus_per_engine}); engines cannot be formed",
-        ))
+    problems = engine_count_problems(cluster)
     world = cluster.trainer_world_size
     problems += dense_layout_problems(ParallelLayout.of_run(config), training.global_batch_size)
     if cluster.colocate:
@@ -137,10 +153,9 @@ def _engine_span_problems(config: RunConfig) -> list[Problem]:
     per_node = cluster.actor_num_gpus_per_node if cluster.colocate else cluster.num_gpus_per_node
     if engine_tp <= per_node or per_node < 1:
         return []
-    if engine_tp % per_node:
-        return [] if cluster.colocate else [Problem("cluster.rollout_num_gpus_per_engine",
-                        "not_divisible", f"an engine of {engine_tp} GPUs spans nodes of {per_node} GPUs, so it takes whole nodes: make "
-                        f"it a multiple of {per_node} (SGLang splits an engine's TP ranks evenly over its --nnodes)")]
+    span = engine_span_problem(engine_tp, per_node)
+    if span is not None:  # colocated: the colocation rule (whole trainer ranks) says it
+        return [] if cluster.colocate else [span]
     if (not cluster.colocate and config.rollout.update_weight_transport != "disk"
             and engine_kind(config.rollout.engine, cluster.device) == "cpu"):
         return [Problem("cluster.rollout_num_gpus_per_engine",
