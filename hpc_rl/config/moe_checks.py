@@ -5,7 +5,7 @@ name the numbers: the trainer's expert layout (`parallel_layout`), the MoE train
 router dtype, load balancing, drop policy, capacity factor), expert biases only at expert TP 1, sliding windows
 without CP on cpu, gpt-oss served by SGLang from a bf16 checkpoint only (every weight sync sends bf16 experts,
 fused per layer as SGLang reads them: `hpc_rl.models.gpt_oss.engine_sync`), DeepEP and the flex dispatcher only on cuda,
-routing replay only for MoE models, group-limited routing, top-1 softmax routing; Megatron's optimizer
+routing replay only for MoE models and what Megatron's RouterReplay and R3 need (`routing_replay_problems`), group-limited routing, top-1 softmax routing; Megatron's optimizer
 offload rules; SGLang's MoE engine options against the engine's GPUs and the model's experts (attention DP,
 EP, dense-MLP TP, DP LM head); and one note line per GPU-only choice a cpu run keeps, with the same numerics.
 """
@@ -20,6 +20,7 @@ from hpc_rl.config.problems import Problem
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sections.training import LOAD_BALANCING_TYPES
 from hpc_rl.config.sglang_options import attention_dp_size, engine_kind
+from hpc_rl.config.training_modes import is_sft
 
 CAPACITY_BALANCING_TYPES = tuple(t for t in LOAD_BALANCING_TYPES if t != "sinkhorn")
 """Megatron's load balancing types that work with a capacity factor."""
@@ -89,6 +90,29 @@ def moe_problems(config: RunConfig, arch: ModelArchitecture | None, layout: Para
                                                      "experts): drop it"))
         return problems
     return problems + _training_value_problems(config, arch)
+
+
+def routing_replay_problems(config: RunConfig) -> list[Problem]:
+    """use_routing_replay / use_rollout_routing_replay: what Megatron's RouterReplay and R3 need on a MoE model."""
+    training = config.training
+    flags = [name for name in ("use_routing_replay", "use_rollout_routing_replay") if getattr(training, name)]
+    if not flags:
+        return []
+    where = f"training.{flags[-1]}"
+    problems = []  # (a dense model with either flag: the MoE rules' refusal)
+    if "sinkhorn" in str(training.moe_router_load_balancing_type):
+        problems.append(Problem(where, "unsupported",
+                                "Megatron's sinkhorn routing chooses experts without the replay hook: use "
+                                       "--moe-router-load-balancing-type aux_loss / seq_aux_loss / none"))
+    if training.use_rollout_routing_replay and is_sft(config.rollout.rollout_function_path):
+        problems.append(Problem("training.use_rollout_routing_replay",
+                                "unsupported", "SFT trains on the data's chats, which no engine routed: drop it (or use "
+                                "--use-routing-replay)"))
+    if training.use_rollout_routing_replay and training.moe_expert_capacity_factor is not None:
+        problems.append(Problem("training.moe_expert_capacity_factor",
+                                "unsupported", "drops tokens over an expert's capacity, which the engines never do, so the replayed "
+                                "rollout routing would not be the one used: unset it with use_rollout_routing_replay"))
+    return problems
 
 
 def optimizer_problems(config: RunConfig) -> Problems:

@@ -1,13 +1,15 @@
 """Submit-time validation of a whole `RunConfig`: every problem in one pass, before anything is queued.
 
-Owns: collecting the problems of every rule module (`collect_problems`) and raising them together
-(`ValidationFailed`); the rules of each concept live in its own module: batch arithmetic and GPU topology
-(`layout_checks`), the model vs its layout, checkpoint and memory plan (`model_checks`, with `moe_checks`,
-`mtp_checks`, `memory_plan`), slime's cross-flag rules (`slime_flag_checks`), the GPU cluster (`cluster_checks`),
-plug-ins (`plugin_checks`), training modes (`training_modes`), LoRA (`lora_checks`), engines (`sglang_options`),
-single-field ranges (`value_ranges`) and files (`file_checks`, skippable with `--no-check-files` for rendering a
-job away from the cluster's filesystem). This module keeps the few rules of no other home: single-field rules
-between a pair of fields, routing replay and wandb. Each problem names the field (or file:line) and the fix.
+Owns: collecting the problems of every rule module (`collect_problems`, with the model resolved once:
+`resolved_model`) and raising them together, each at the file line or flag that set its field (`validate`,
+`ValidationFailed`); the rules of each concept live in its own module (docs/architecture.md lists them): batch
+arithmetic and engine topology (`layout_checks`), the trainer's parallel layout (`parallel_layout`), the model vs its
+layout and checkpoint (`model_checks`), MoE and routing replay (`moe_checks`), MTP and speculative decoding
+(`mtp_checks`), the memory plan (`memory_plan`), slime's cross-flag rules (`slime_flag_checks`), the GPU cluster
+(`cluster_checks`), plug-ins (`plugin_checks`), training modes (`training_modes`), LoRA (`lora_checks`), engines
+(`sglang_options`), single-field ranges (`value_ranges`) and files (`file_checks`, skippable with `--no-check-files`
+for rendering a job away from the cluster's filesystem). This module keeps the few rules of no other home: pairs of
+fields with no concept of their own, and wandb. Each problem names the field and the fix.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ from hpc_rl.config.layout_checks import batch_problems, topology_problems
 from hpc_rl.config.lora_checks import lora_problems
 from hpc_rl.config.mtp_checks import speculative_notes
 from hpc_rl.config.model_checks import fp8_problems, model_problems, moe_and_memory_problems
-from hpc_rl.config.moe_checks import device_notes
+from hpc_rl.config.moe_checks import device_notes, routing_replay_problems
 from hpc_rl.config.plugin_checks import plugin_problems
 from hpc_rl.config.problems import Problem, locate, setting_locations
 from hpc_rl.config.resolved_model import ResolvedModel, resolve_model
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sglang_options import engine_problems
 from hpc_rl.config.slime_flag_checks import slime_flag_problems
-from hpc_rl.config.training_modes import is_sft, mode_problems
+from hpc_rl.config.training_modes import mode_problems
 from hpc_rl.config.value_ranges import range_problems
 
 log = logging.getLogger(__name__)
@@ -67,29 +69,6 @@ def _single_field_problems(config: RunConfig) -> list[Problem]:
     return problems
 
 
-def _routing_replay_problems(config: RunConfig) -> list[Problem]:
-    """use_routing_replay / use_rollout_routing_replay: what Megatron's RouterReplay and R3 need on a MoE model."""
-    training = config.training
-    flags = [name for name in ("use_routing_replay", "use_rollout_routing_replay") if getattr(training, name)]
-    if not flags:
-        return []
-    where = f"training.{flags[-1]}"
-    problems = []  # (a dense model with either flag: the MoE rules' refusal)
-    if "sinkhorn" in str(training.moe_router_load_balancing_type):
-        problems.append(Problem(where, "unsupported",
-                                "Megatron's sinkhorn routing chooses experts without the replay hook: use "
-                                       "--moe-router-load-balancing-type aux_loss / seq_aux_loss / none"))
-    if training.use_rollout_routing_replay and is_sft(config.rollout.rollout_function_path):
-        problems.append(Problem("training.use_rollout_routing_replay",
-                                "unsupported", "SFT trains on the data's chats, which no engine routed: drop it (or use "
-                                "--use-routing-replay)"))
-    if training.use_rollout_routing_replay and training.moe_expert_capacity_factor is not None:
-        problems.append(Problem("training.moe_expert_capacity_factor",
-                                "unsupported", "drops tokens over an expert's capacity, which the engines never do, so the replayed "
-                                "rollout routing would not be the one used: unset it with use_rollout_routing_replay"))
-    return problems
-
-
 def _wandb_problems(config: RunConfig) -> list[Problem]:
     logging_config = config.logging
     if not logging_config.use_wandb:
@@ -112,7 +91,7 @@ def collect_problems(config: RunConfig, *, check_files: bool = True,
     problems = (_single_field_problems(config) + batch_problems(config) + topology_problems(config)
                 + model_problems(config, model) + slime_flag_problems(config, model) + gpu_cluster_problems(config))
     problems += moe_and_memory_problems(config, model)
-    problems += _routing_replay_problems(config)
+    problems += routing_replay_problems(config)
     problems += fp8_problems(config, model)
     if check_files:
         problems += path_problems(config) + prompt_file_problems(config)
