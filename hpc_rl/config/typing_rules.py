@@ -88,6 +88,8 @@ def type_name(hint: Any) -> str:
         name = f"list of {type_name(typing.get_args(inner)[0])}"
     elif origin is dict:
         name = "mapping"
+    elif origin is Literal:  # a table of allowed values: --help shows them
+        name = "|".join(str(v) for v in typing.get_args(inner))
     return f"{name} or null" if optional else name
 
 
