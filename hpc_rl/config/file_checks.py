@@ -42,7 +42,8 @@ def hf_checkpoint_problems(path: str) -> list[Problem]:
     if not missing:
         return []
     return [Problem("checkpoint.hf_checkpoint",
-                        "bad_file", f"{path} is not a HuggingFace model directory: no {', no '.join(missing)}; point it at the "
+                        "bad_file",
+                        f"{path} is not a HuggingFace model directory: no {', no '.join(missing)}; point it at the "
                         f"directory `huggingface-cli download` wrote")]
 
 
@@ -77,9 +78,9 @@ def data_file_problems(path: str, keys: DataKeys, field: str, *, skip_bad_lines:
         quoted = "; ".join(unscorable[:BAD_LINES_QUOTED])
         return [Problem(field, "bad_file",
                         f"{len(unscorable)} label(s) the reward cannot score, in the first "
-                                   f"{min(good, LABEL_ROWS_CHECKED)} row(s): {quoted}{more}; every such sample "
-                                   "would get reward 0 and train nothing. Fix the labels, set rollout.label_key / "
-                                   "rm_type to what the data holds, or score with custom_rm_path")]
+                        f"{min(good, LABEL_ROWS_CHECKED)} row(s): {quoted}{more}; every such sample "
+                        "would get reward 0 and train nothing. Fix the labels, set rollout.label_key / "
+                        "rm_type to what the data holds, or score with custom_rm_path")]
     if not good:
         reason = f"; {len(bad)} bad row(s), the first: {bad[0]}" if bad else " (the file is empty)"
         return [Problem(field, "bad_file", f"{path} has no usable prompt{reason}")]
@@ -88,7 +89,7 @@ def data_file_problems(path: str, keys: DataKeys, field: str, *, skip_bad_lines:
         more = f" (and {len(bad) - BAD_LINES_QUOTED} more)" if len(bad) > BAD_LINES_QUOTED else ""
         return [Problem(field, "bad_file",
                         f"{len(bad)} bad row(s) of {len(bad) + good} (whole file checked): {quoted}{more}; "
-                                   f"fix them or set skip_bad_lines: true")]
+                        f"fix them or set skip_bad_lines: true")]
     return []
 
 
@@ -116,7 +117,7 @@ def path_problems(config: RunConfig) -> list[Problem]:
         if not wanted.is_dir():
             problems.append(Problem("checkpoint.ref_ckpt_step", "not_found",
                                     f"{wanted} does not exist: no iteration "
-                                        f"{checkpoint.ref_ckpt_step} in ref_load"))
+                                    f"{checkpoint.ref_ckpt_step} in ref_load"))
     custom_config = config.rollout.custom_config_path
     if custom_config and not Path(custom_config).is_file():
         problems.append(Problem("rollout.custom_config_path", "not_found", f"{custom_config} does not exist"))

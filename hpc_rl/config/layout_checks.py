@@ -2,7 +2,8 @@
 
 Owns: rollout samples == global_batch_size x num_steps_per_rollout (with a hint of sizes that fit), engines formed
 from rollout GPUs, colocation's GPU sharing, engines spanning whole nodes, external engine addresses; the trainer's
-own layout (TP x PP x CP dividing its GPUs, DP the batch) is `parallel_layout`'s, called from here. Called by `hpc_rl.config.validation.collect_problems`.
+own layout (TP x PP x CP dividing its GPUs, DP the batch) is `parallel_layout`'s, called from here. Called by
+`hpc_rl.config.validation.collect_problems`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def batch_problems(config: RunConfig) -> list[Problem]:
     if samples != trained:
         problems.append(Problem(
             "rollout.rollout_batch_size",
-            "not_divisible", f"rollout_batch_size * n_samples_per_prompt ({rollout.rollout_batch_size} * "
+            "not_divisible",
+            f"rollout_batch_size * n_samples_per_prompt ({rollout.rollout_batch_size} * "
             f"{rollout.n_samples_per_prompt} = {samples}) must equal global_batch_size * num_steps_per_rollout "
             f"({training.global_batch_size} * {training.num_steps_per_rollout} = {trained})"
             + _batch_hint(samples, training.num_steps_per_rollout, rollout.rollout_batch_size,
@@ -33,13 +35,15 @@ def batch_problems(config: RunConfig) -> list[Problem]:
     if prompt_len is not None and context_len is not None and prompt_len > context_len - 1:
         problems.append(Problem(
             "rollout.rollout_max_prompt_len",
-            "out_of_range", f"{prompt_len} leaves no room for a response in rollout_max_context_len {context_len}: set it to at most "
+            "out_of_range",
+            f"{prompt_len} leaves no room for a response in rollout_max_context_len {context_len}: set it to at most "
             f"{context_len - 1} (or leave it unset: rollout_max_context_len - 1)",
         ))
     if rollout.over_sampling_batch_size is not None and rollout.over_sampling_batch_size < rollout.rollout_batch_size:
         problems.append(Problem(
             "rollout.over_sampling_batch_size",
-            "out_of_range", f"{rollout.over_sampling_batch_size} is below rollout_batch_size ({rollout.rollout_batch_size}); "
+            "out_of_range",
+            f"{rollout.over_sampling_batch_size} is below rollout_batch_size ({rollout.rollout_batch_size}); "
             f"set it >= rollout_batch_size",
         ))
     if training.use_dynamic_batch_size and not training.max_tokens_per_gpu:
@@ -103,14 +107,16 @@ def topology_problems(config: RunConfig) -> list[Problem]:
         if cluster.rollout_num_gpus != world:
             problems.append(Problem(
                 "cluster.rollout_num_gpus",
-                "mismatch", f"colocate: engines share the trainer's GPUs, so rollout_num_gpus ({cluster.rollout_num_gpus}) "
+                "mismatch",
+                f"colocate: engines share the trainer's GPUs, so rollout_num_gpus ({cluster.rollout_num_gpus}) "
                 f"must equal actor_num_nodes * actor_num_gpus_per_node ({world})",
             ))
         engine_tp, per_node = cluster.rollout_num_gpus_per_engine, cluster.actor_num_gpus_per_node
         if engine_tp >= 1 and per_node % engine_tp and engine_tp % per_node:
             problems.append(Problem(
                 "cluster.rollout_num_gpus_per_engine",
-                "not_divisible", f"colocate: an engine of {engine_tp} GPUs must sit on the GPUs of whole trainer ranks: it must divide "
+                "not_divisible",
+                f"colocate: an engine of {engine_tp} GPUs must sit on the GPUs of whole trainer ranks: it must divide "
                 f"actor_num_gpus_per_node ({per_node}) or, spanning nodes, be a multiple of it",
             ))
     elif (cluster.rollout_num_gpus < 1 and not config.rollout.rollout_external_engine_addrs
@@ -122,7 +128,8 @@ def topology_problems(config: RunConfig) -> list[Problem]:
         if cluster.actor_num_gpus_per_node > cluster.num_gpus_per_node:
             problems.append(Problem(
                 "cluster.actor_num_gpus_per_node",
-                "out_of_range", f"{cluster.actor_num_gpus_per_node} exceeds num_gpus_per_node ({cluster.num_gpus_per_node})",
+                "out_of_range",
+                f"{cluster.actor_num_gpus_per_node} exceeds num_gpus_per_node ({cluster.num_gpus_per_node})",
             ))
     return problems
 
@@ -140,7 +147,8 @@ def _external_engine_problems(config: RunConfig) -> list[Problem]:
                                     str(error)))
     if addresses and config.cluster.colocate:
         problems.append(Problem("rollout.rollout_external_engine_addrs",
-                                "conflict", "external engines run on GPUs this job does not hold, so they cannot be colocated "
+                                "conflict",
+                                "external engines run on GPUs this job does not hold, so they cannot be colocated "
                                 "with the trainer: drop --colocate (or the external engines)"))
     return problems
 
@@ -159,7 +167,8 @@ def _engine_span_problems(config: RunConfig) -> list[Problem]:
     if (not cluster.colocate and config.rollout.update_weight_transport != "disk"
             and engine_kind(config.rollout.engine, cluster.device) == "cpu"):
         return [Problem("cluster.rollout_num_gpus_per_engine",
-                        "unsupported", f"the CPU engine spans {engine_tp // per_node} nodes here, and cannot join a weight-update "
+                        "unsupported",
+                        f"the CPU engine spans {engine_tp // per_node} nodes here, and cannot join a weight-update "
                         "group with the TP ranks of every node (as SGLang does): use colocated mode, "
                         "--update-weight-transport disk, or engines of at most one node")]
     return []

@@ -27,14 +27,14 @@ def _architecture_problems(lora: LoraConfig, arch: ModelArchitecture, projection
     if arch.is_moe and mlp:
         problems.append(Problem("lora.target_modules", "unsupported",
                                 f"{','.join(mlp)} on a MoE model would adapt the routed experts, whose "
-                         "adapters are not built (Megatron's grouped expert GEMMs need per-expert adapters and SGLang "
-                         "its MoE LoRA layout): adapt the attention only (--exclude-modules "
-                         "gate_proj,up_proj,down_proj)"))
+                                "adapters are not built (Megatron's grouped expert GEMMs need per-expert adapters and SGLang "
+                                "its MoE LoRA layout): adapt the attention only (--exclude-modules "
+                                "gate_proj,up_proj,down_proj)"))
     if arch.multi_latent_attention and any(name in ATTENTION_PROJECTIONS for name in projections):
         problems.append(Problem("lora.target_modules", "unsupported",
                                 "multi-latent attention's projections (q_a/q_b/kv_a/kv_b) have no "
-                         "adapters here: adapt the dense MLP only (--target-modules gate_proj,up_proj,down_proj) or "
-                         "train without LoRA"))
+                                "adapters here: adapt the dense MLP only (--target-modules gate_proj,up_proj,down_proj) or "
+                                "train without LoRA"))
     return problems
 
 
@@ -63,7 +63,7 @@ def lora_problems(config: RunConfig, arch: ModelArchitecture | None, *, check_fi
     if not lora.target_modules:
         problems.append(Problem("lora.target_modules", "needs",
                                 f"is required with lora_rank > 0: give --target-modules {ALL_LINEAR} "
-                         "(or e.g. q_proj,k_proj,v_proj,o_proj)"))
+                                "(or e.g. q_proj,k_proj,v_proj,o_proj)"))
     else:
         try:
             projections = target_projections(lora)
@@ -74,13 +74,13 @@ def lora_problems(config: RunConfig, arch: ModelArchitecture | None, *, check_fi
             if not projections:
                 problems.append(Problem("lora.exclude_modules", "unsupported",
                                         f"{lora.exclude_modules!r} excludes every target module: "
-                                 "exclude fewer, or turn LoRA off (--lora-rank 0)"))
+                                        "exclude fewer, or turn LoRA off (--lora-rank 0)"))
             elif arch is not None:
                 problems += _architecture_problems(lora, arch, projections)
     if lora.lora_sync_from_tensor and lora.lora_train_only:
         problems.append(Problem("lora.lora_sync_from_tensor", "conflict",
                                 "and lora_train_only contradict each other (train-only engines "
-                         "never receive the adapter): drop one"))
+                                "never receive the adapter): drop one"))
     if lora.lora_base_cpu_backup and not config.cluster.colocate:
         problems.append(Problem("lora.lora_base_cpu_backup", "unused",
                                 "only applies to colocated engines (--colocate): drop it"))
@@ -88,14 +88,14 @@ def lora_problems(config: RunConfig, arch: ModelArchitecture | None, *, check_fi
     if training.only_train_params_name_list or training.freeze_params_name_list:
         problems.append(Problem("training.only_train_params_name_list", "unsupported",
                                 "LoRA trains the adapters only (the base is frozen): "
-                         "drop --only-train-params-name-list / --freeze-params-name-list"))
+                                "drop --only-train-params-name-list / --freeze-params-name-list"))
     if check_files and lora.lora_adapter_path:
         path = Path(lora.lora_adapter_path)
         missing = [name for name in LORA_ADAPTER_FILES if not (path / name).is_file()]
         if missing:
             problems.append(Problem("lora.lora_adapter_path", "bad_file",
                                     f"{path} has no {', '.join(missing)}: give a PEFT adapter "
-                             "directory (what PeftModel.save_pretrained or --save-hf writes)"))
+                                    "directory (what PeftModel.save_pretrained or --save-hf writes)"))
     problems += _run_problems(config)
     return problems
 
@@ -109,8 +109,8 @@ def _run_problems(config: RunConfig) -> list[Problem]:
     if pipeline and config.checkpoint.save_hf:
         problems.append(Problem("checkpoint.save_hf", "unsupported",
                                 "a LoRA actor's PEFT adapter is written by one pipeline stage: with "
-                         "pipeline_model_parallel_size > 1 drop --save-hf (the torch_dist checkpoint holds the "
-                         "adapters)"))
+                                "pipeline_model_parallel_size > 1 drop --save-hf (the torch_dist checkpoint holds the "
+                                "adapters)"))
     if config.cluster.debug_train_only:
         return problems
     lora, field = config.lora, "lora.lora_rank"

@@ -41,14 +41,16 @@ def model_problems(config: RunConfig, model: ResolvedModel | None = None) -> lis
     if heads % tp:
         problems.append(Problem(
             "training.tensor_model_parallel_size",
-            "not_divisible", f"TP {tp} does not divide the model's {heads} {kind} ({model_path})",
+            "not_divisible",
+            f"TP {tp} does not divide the model's {heads} {kind} ({model_path})",
         ))
     # SGLang splits attention heads over the engine's attention-TP group (its GPUs / attention DP)
     engine_tp = config.cluster.rollout_num_gpus_per_engine // attention_dp_size(config.sglang.server_options())
     if engine_tp and arch.num_attention_heads % engine_tp:
         problems.append(Problem(
             "cluster.rollout_num_gpus_per_engine",
-            "not_divisible", f"engine (attention) TP {engine_tp} does not divide the model's {arch.num_attention_heads} heads",
+            "not_divisible",
+            f"engine (attention) TP {engine_tp} does not divide the model's {arch.num_attention_heads} heads",
         ))
     try:
         training_split(arch.num_layers, config.training)

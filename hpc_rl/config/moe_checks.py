@@ -4,9 +4,9 @@ Owns: what Megatron-core 0.16.1 or SGLang 0.5.23 would refuse only after the que
 name the numbers: the trainer's expert layout (`parallel_layout`), the MoE training values (dispatcher,
 router dtype, load balancing, drop policy, capacity factor), expert biases only at expert TP 1, sliding windows
 without CP on cpu, gpt-oss served by SGLang from a bf16 checkpoint only (every weight sync sends bf16 experts,
-fused per layer as SGLang reads them: `hpc_rl.models.gpt_oss.engine_sync`), DeepEP and the flex dispatcher only on cuda,
-routing replay only for MoE models and what Megatron's RouterReplay and R3 need (`routing_replay_problems`), group-limited routing, top-1 softmax routing; Megatron's optimizer
-offload rules; SGLang's MoE engine options against the engine's GPUs and the model's experts (attention DP,
+fused per layer as SGLang reads them: `hpc_rl.models.gpt_oss.engine_sync`), DeepEP and the flex dispatcher only on
+cuda, routing replay only for MoE models and what Megatron's RouterReplay and R3 need (`routing_replay_problems`),
+group-limited routing, top-1 softmax routing; Megatron's optimizer offload rules; SGLang's MoE engine options against the engine's GPUs and the model's experts (attention DP,
 EP, dense-MLP TP, DP LM head); and one note line per GPU-only choice a cpu run keeps, with the same numerics.
 """
 
@@ -35,18 +35,18 @@ def _training_value_problems(config: RunConfig, arch: ModelArchitecture) -> Prob
             training.moe_router_load_balancing_type not in CAPACITY_BALANCING_TYPES:
         problems.append(Problem("training.moe_expert_capacity_factor", "unsupported",
                                 f"works with load balancing "
-                         f"{', '.join(CAPACITY_BALANCING_TYPES)} only (Megatron), not "
-                         f"{training.moe_router_load_balancing_type!r}"))
+                                f"{', '.join(CAPACITY_BALANCING_TYPES)} only (Megatron), not "
+                                f"{training.moe_router_load_balancing_type!r}"))
     if training.moe_enable_deepep and training.moe_token_dispatcher_type != "flex":
         problems.append(Problem("training.moe_enable_deepep", "needs",
                                 f"DeepEP runs behind the flex dispatcher only (Megatron): add "
-                                                       f"--moe-token-dispatcher-type flex (it is "
-                                                       f"{training.moe_token_dispatcher_type!r})"))
+                                f"--moe-token-dispatcher-type flex (it is "
+                                f"{training.moe_token_dispatcher_type!r})"))
     if config.cluster.device == "cpu":
         if training.moe_token_dispatcher_type == "flex":
             problems.append(Problem("training.moe_token_dispatcher_type", "unsupported",
                                     "flex dispatches through DeepEP, a CUDA library; "
-                                                                   "on device cpu use alltoall or allgather"))
+                                    "on device cpu use alltoall or allgather"))
         if training.moe_enable_deepep:
             problems.append(Problem("training.moe_enable_deepep", "unsupported",
                                     "DeepEP is a CUDA library; on device cpu drop it"))
@@ -54,24 +54,24 @@ def _training_value_problems(config: RunConfig, arch: ModelArchitecture) -> Prob
             and training.moe_router_load_balancing_type != "sinkhorn":
         problems.append(Problem("model", "needs",
                                 "top-1 softmax routing needs --moe-router-pre-softmax (a softmax over the one "
-                                  "chosen expert has zero gradient; Megatron refuses it)"))
+                                "chosen expert has zero gradient; Megatron refuses it)"))
     expert_tp = training.expert_tensor_parallel_size or training.tensor_model_parallel_size
     if arch.add_bias_linear and expert_tp > 1:
         problems.append(Problem("training.expert_tensor_parallel_size", "unsupported",
                                 f"{expert_tp} (it defaults to TP): the experts have "
-                         f"biases (gpt-oss) and Megatron builds MoE biases at expert TP 1 only: add "
-                         f"--expert-tensor-parallel-size 1 (slime's gpt-oss line does)"))
+                                f"biases (gpt-oss) and Megatron builds MoE biases at expert TP 1 only: add "
+                                f"--expert-tensor-parallel-size 1 (slime's gpt-oss line does)"))
     if arch.window_size and config.training.context_parallel_size > 1 and config.cluster.device == "cpu":
         problems.append(Problem("training.context_parallel_size", "unsupported",
                                 "sliding-window attention under context parallelism is "
-                         "not built on device cpu (its CP attention has no window band): use 1"))
+                                "not built on device cpu (its CP attention has no window band): use 1"))
     if arch.moe_router_group_topk is not None:
         groups = arch.moe_router_num_groups
         if not groups or (arch.num_moe_experts or 0) % groups or arch.moe_router_group_topk > groups:
             problems.append(Problem("model", "not_divisible",
                                     f"group-limited routing: moe_router_num_groups ({groups}) must divide the "
-                                      f"{arch.num_moe_experts} experts and be >= moe_router_group_topk "
-                                      f"({arch.moe_router_group_topk})"))
+                                    f"{arch.num_moe_experts} experts and be >= moe_router_group_topk "
+                                    f"({arch.moe_router_group_topk})"))
     return problems
 
 
@@ -87,7 +87,7 @@ def moe_problems(config: RunConfig, arch: ModelArchitecture | None, layout: Para
             if getattr(training, name):
                 problems.append(Problem(f"training.{name}", "unsupported",
                                         "replays the routers' expert choices; this model is dense (no "
-                                                     "experts): drop it"))
+                                        "experts): drop it"))
         return problems
     return problems + _training_value_problems(config, arch)
 
@@ -103,14 +103,16 @@ def routing_replay_problems(config: RunConfig) -> list[Problem]:
     if "sinkhorn" in str(training.moe_router_load_balancing_type):
         problems.append(Problem(where, "unsupported",
                                 "Megatron's sinkhorn routing chooses experts without the replay hook: use "
-                                       "--moe-router-load-balancing-type aux_loss / seq_aux_loss / none"))
+                                "--moe-router-load-balancing-type aux_loss / seq_aux_loss / none"))
     if training.use_rollout_routing_replay and is_sft(config.rollout.rollout_function_path):
         problems.append(Problem("training.use_rollout_routing_replay",
-                                "unsupported", "SFT trains on the data's chats, which no engine routed: drop it (or use "
+                                "unsupported",
+                                "SFT trains on the data's chats, which no engine routed: drop it (or use "
                                 "--use-routing-replay)"))
     if training.use_rollout_routing_replay and training.moe_expert_capacity_factor is not None:
         problems.append(Problem("training.moe_expert_capacity_factor",
-                                "unsupported", "drops tokens over an expert's capacity, which the engines never do, so the replayed "
+                                "unsupported",
+                                "drops tokens over an expert's capacity, which the engines never do, so the replayed "
                                 "rollout routing would not be the one used: unset it with use_rollout_routing_replay"))
     return problems
 
@@ -124,15 +126,15 @@ def optimizer_problems(config: RunConfig) -> Problems:
     if optimizer.optimizer_cpu_offload and not optimizer.use_precision_aware_optimizer:
         problems.append(Problem("optimizer.optimizer_cpu_offload", "needs",
                                 "needs --use-precision-aware-optimizer (Megatron's hybrid "
-                                                            "device optimizer runs on that code path): add it"))
+                                "device optimizer runs on that code path): add it"))
     if optimizer.use_precision_aware_optimizer and optimizer.optimizer != "adam":
         problems.append(Problem("optimizer.use_precision_aware_optimizer", "unsupported",
                                 f"works with adam only (Megatron), not "
-                                                                    f"{optimizer.optimizer!r}"))
+                                f"{optimizer.optimizer!r}"))
     if optimizer.overlap_cpu_optimizer_d2h_h2d and not optimizer.optimizer_cpu_offload:
         problems.append(Problem("optimizer.overlap_cpu_optimizer_d2h_h2d", "unused",
                                 "is read only with --optimizer-cpu-offload: add "
-                                                                    "it or drop this flag"))
+                                "it or drop this flag"))
     return problems
 
 
@@ -171,16 +173,16 @@ def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None,
     if gpus % attention_dp:
         problems.append(Problem("sglang.extra_args.dp_size", "not_divisible",
                                 f"attention DP {attention_dp} does not divide the engine's "
-                                                      f"{gpus} GPUs (rollout_num_gpus_per_engine)"))
+                                f"{gpus} GPUs (rollout_num_gpus_per_engine)"))
     if options.get("enable_dp_lm_head") and attention_dp == 1:
         problems.append(Problem("sglang.extra_args.enable_dp_lm_head", "needs",
                                 "needs attention DP (SGLang): add "
-                                                                "--sglang-enable-dp-attention --sglang-dp-size N"))
+                                "--sglang-enable-dp-attention --sglang-dp-size N"))
     dense_tp = options.get("moe_dense_tp_size")
     if dense_tp is not None and dense_tp not in (1, gpus):
         problems.append(Problem("sglang.extra_args.moe_dense_tp_size", "unsupported",
                                 f"{dense_tp}: SGLang takes 1 or the engine's TP size "
-                                                                f"({gpus})"))
+                                f"({gpus})"))
     ep_key = "ep_size" if "ep_size" in options else "expert_parallel_size"
     ep = int(options.get(ep_key) or 1)
     if ep > 1 and arch is not None and not arch.is_moe:
@@ -190,7 +192,7 @@ def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None,
         if gpus % ep:
             problems.append(Problem(f"sglang.extra_args.{ep_key}", "not_divisible",
                                     f"EP {ep} does not divide the engine's {gpus} GPUs "
-                                                            f"(rollout_num_gpus_per_engine)"))
+                                    f"(rollout_num_gpus_per_engine)"))
         slots = (arch.num_moe_experts or 0) + int(options.get("ep_num_redundant_experts") or 0)
         if slots % ep:
             problems.append(Problem(f"sglang.extra_args.{ep_key}", "not_divisible", (

@@ -31,7 +31,7 @@ def mtp_training_problems(config: RunConfig, arch: ModelArchitecture | None) -> 
     if training.enable_mtp_training and (arch is None or not arch.mtp_num_layers):
         problems.append(Problem("training.enable_mtp_training", "needs",
                                 "trains the MTP layers, but the model has none: add "
-                                                         "--mtp-num-layers (slime asserts the same)"))
+                                "--mtp-num-layers (slime asserts the same)"))
     return problems
 
 

@@ -122,22 +122,22 @@ def layout_problems(layout: ParallelLayout, arch: ModelArchitecture | None,
         if training.expert_tensor_parallel_size not in (None, 1, layout.tp):
             problems.append(Problem(etp_field, "unsupported",
                                     f"{training.expert_tensor_parallel_size}: the model is dense (no experts); "
-                                        f"leave it out"))
+                                    f"leave it out"))
         return problems
     problems = []
     experts = arch.num_moe_experts or 0
     if experts % layout.ep:
         problems.append(Problem(ep_field, "not_divisible",
                                 f"the model's {experts} experts do not split over EP {layout.ep} (each EP rank "
-                                   f"holds num_experts / EP experts); use a divisor of {experts}"))
+                                f"holds num_experts / EP experts); use a divisor of {experts}"))
     expert_group = layout.etp * layout.ep * layout.pp
     if layout.world % expert_group:
         problems.append(Problem(ep_field, "not_divisible",
                                 f"ETP x EP x PP = {layout.etp} x {layout.ep} x {layout.pp} = {expert_group} does "
-                                   f"not divide the trainer's {layout.world} GPUs (Megatron builds expert groups of "
-                                   f"ETP x EP ranks in every pipeline stage)"))
+                                f"not divide the trainer's {layout.world} GPUs (Megatron builds expert groups of "
+                                f"ETP x EP ranks in every pipeline stage)"))
     if layout.tp > 1 and not training.sequence_parallel:
         problems.append(Problem("training.sequence_parallel", "needs",
                                 f"MoE with TP {layout.tp} needs sequence parallelism (Megatron's "
-                                                       f"MoE layer raises in training otherwise): add --sequence-parallel"))
+                                f"MoE layer raises in training otherwise): add --sequence-parallel"))
     return problems

@@ -41,7 +41,8 @@ def _architecture(config: RunConfig) -> tuple[ModelArchitecture | None, str, lis
     if config.model_args is not None:
         return config.model_args, "the model flags", []
     if not config.model:
-        return None, "", [Problem("model", "needs", "no model architecture: give Megatron's model flags (slime's "
+        return None, "", [Problem("model", "needs",
+                                  "no model architecture: give Megatron's model flags (slime's "
                                   "MODEL_ARGS, e.g. --num-layers 36 ...) or model: configs/models/<name>.yaml")]
     model_path = Path(config.model)
     if not model_path.is_file():

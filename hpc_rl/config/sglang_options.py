@@ -148,7 +148,8 @@ def engine_problems(engine: str, device: str, sglang_options: Mapping[str, Any])
                         "while cluster.device cuda broadcasts over NCCL: use engine sglang (or auto) on cuda")]
     if kind == "cpu":
         return []
-    return [Problem(f"sglang.{key}", "bad_type" if any(w in problem for w in _MISSHAPEN) else "unknown_key", problem)
+    return [Problem(f"sglang.{key}", "bad_type" if any(w in problem for w in _MISSHAPEN) else "unknown_key",
+                    problem)
             for key, problem in option_problems(sglang_options).items()]
 
 

@@ -154,26 +154,29 @@ def _sft_problems(config: RunConfig) -> list[Problem]:
     problems = []
     if rollout.rollout_function_path not in ROLLOUT_FUNCTIONS:
         problems.append(Problem("rollout.rollout_function_path",
-                         "not_one_of", f"{rollout.rollout_function_path}: hpc_rl runs slime's {' or '.join(ROLLOUT_FUNCTIONS)}; "
+                         "not_one_of",
+                         f"{rollout.rollout_function_path}: hpc_rl runs slime's {' or '.join(ROLLOUT_FUNCTIONS)}; "
                          f"per-sample generation logic goes in --custom-generate-function-path"))
     sft = is_sft(rollout.rollout_function_path)
     if sft != (algorithm.loss_type == "sft_loss"):
         problems.append(Problem("algorithm.loss_type",
-                         "needs", "SFT is --rollout-function-path slime.rollout.sft_rollout.generate_rollout with --loss-type "
+                         "needs",
+                         "SFT is --rollout-function-path slime.rollout.sft_rollout.generate_rollout with --loss-type "
                          "sft_loss: give both (slime's SFT line does)"))
     if cluster.debug_train_only and not sft:
         problems.append(Problem("cluster.debug_train_only",
-                         "needs", "a trainer-only job trains on the data's chats (SFT): add --rollout-function-path "
+                         "needs",
+                         "a trainer-only job trains on the data's chats (SFT): add --rollout-function-path "
                          "slime.rollout.sft_rollout.generate_rollout --loss-type sft_loss; replaying saved rollouts "
                          "(--load-debug-rollout-data) is not offered"))
     if sft and not cluster.debug_train_only:
         problems.append(Problem("cluster.debug_train_only", "unsupported",
                                 "SFT generates nothing: it runs as a trainer-only job; drop "
-                                                     "--no-debug-train-only"))
+                                "--no-debug-train-only"))
     if sft and rollout.n_samples_per_prompt != 1:
         problems.append(Problem("rollout.n_samples_per_prompt", "unsupported",
                                 f"{rollout.n_samples_per_prompt}: SFT trains each chat "
-                                                         f"once per epoch; set 1"))
+                                f"once per epoch; set 1"))
     if not sft:
         return problems
     engine_settings = {"cluster.colocate": cluster.colocate, "rollout.partial_rollout": rollout.partial_rollout,
@@ -198,10 +201,11 @@ def _distillation_problems(config: RunConfig) -> list[Problem]:
     if (slime_opd_reward or post == OPD_POST_PROCESS) and not (opd.use_opd and opd.opd_type == "sglang"):
         problems.append(Problem("distillation.use_opd", "needs",
                                 "slime's OPD reward fetches teacher log-probs for --use-opd "
-                                                 "--opd-type sglang: add both"))
+                                "--opd-type sglang: add both"))
     if slime_opd_reward and post != OPD_POST_PROCESS:
         problems.append(Problem("rollout.custom_reward_post_process_path",
-                         "needs", f"slime's OPD reward needs its post-process: add --custom-reward-post-process-path "
+                         "needs",
+                         f"slime's OPD reward needs its post-process: add --custom-reward-post-process-path "
                          f"{SLIME_OPD_POST_PROCESS}"))
     if not opd.use_opd:
         for name in ("opd_type", "opd_teacher_load", "opd_teacher_ckpt_step", "opd_teacher_hf_checkpoint"):
@@ -216,7 +220,7 @@ def _distillation_problems(config: RunConfig) -> list[Problem]:
         if not opd.opd_teacher_load:
             problems.append(Problem("distillation.opd_teacher_load", "needs",
                                     "--opd-type megatron needs --opd-teacher-load (the "
-                                                              "teacher's torch_dist checkpoint)"))
+                                    "teacher's torch_dist checkpoint)"))
         for name in ("opd_teacher_hf_checkpoint", "opd_teacher_url"):
             if getattr(opd, name):
                 problems.append(Problem(f"distillation.{name}", "unused",
@@ -225,19 +229,21 @@ def _distillation_problems(config: RunConfig) -> list[Problem]:
         if opd.opd_teacher_load:
             problems.append(Problem("distillation.opd_teacher_load", "unused",
                                     "is for --opd-type megatron; with sglang the teacher is "
-                                                              "a server (--rm-url) or opd_teacher_hf_checkpoint"))
+                                    "a server (--rm-url) or opd_teacher_hf_checkpoint"))
         if bool(opd.opd_teacher_hf_checkpoint) == bool(opd.opd_teacher_url):
             problems.append(Problem("distillation.opd_teacher_hf_checkpoint",
-                             "needs", "--opd-type sglang needs one teacher: opd_teacher_hf_checkpoint (started with the job) or "
+                             "needs",
+                             "--opd-type sglang needs one teacher: opd_teacher_hf_checkpoint (started with the job) or "
                              "slime's --rm-url with its OPD reward and post-process (a server you started)"))
         if opd.opd_teacher_url and not opd.opd_teacher_url.startswith("http://"):
             problems.append(Problem("distillation.opd_teacher_url", "unsupported",
                                     f"{opd.opd_teacher_url}: the teacher is an SGLang server "
-                                                             f"reached over http://"))
+                                    f"reached over http://"))
     teacher_gpus = config.cluster.opd_teacher_num_gpus
     if bool(teacher_gpus) != bool(opd.use_opd and opd.opd_type == "sglang" and opd.opd_teacher_hf_checkpoint):
         problems.append(Problem("cluster.opd_teacher_num_gpus",
-                         "needs", f"{teacher_gpus}: GPUs of the teacher the job starts, for --use-opd --opd-type sglang with "
+                         "needs",
+                         f"{teacher_gpus}: GPUs of the teacher the job starts, for --use-opd --opd-type sglang with "
                          f"distillation.opd_teacher_hf_checkpoint (>= 1 with it, 0 without)"))
     if config.algorithm.disable_compute_advantages_and_returns:
         problems.append(Problem("algorithm.disable_compute_advantages_and_returns", "unsupported",
@@ -271,7 +277,7 @@ def _critic_problems(config: RunConfig) -> list[Problem]:
     if unknown:
         problems.append(Problem("critic.critic_optimizer", "unknown_key",
                                 f"unknown optimizer fields {unknown}; known: "
-                                                    f"{', '.join(sorted(OPTIMIZER_KEYS))}"))
+                                f"{', '.join(sorted(OPTIMIZER_KEYS))}"))
     if critic.value_clip <= 0:
         problems.append(Problem("critic.value_clip", "out_of_range", f"{critic.value_clip} must be > 0"))
     if critic.num_critic_only_steps < 0:
@@ -279,7 +285,7 @@ def _critic_problems(config: RunConfig) -> list[Problem]:
     if config.algorithm.loss_type != "policy_loss":
         problems.append(Problem("algorithm.loss_type", "unsupported",
                                 "PPO trains the actor with policy_loss (and the critic with its "
-                                                "value loss)"))
+                                "value loss)"))
     return problems
 
 
@@ -318,8 +324,8 @@ def _teacher_file_problems(config: RunConfig) -> list[Problem]:
         if not ((teacher / "latest_checkpointed_iteration.txt").is_file() or (teacher / ".metadata").is_file()):
             return [Problem("distillation.opd_teacher_load", "bad_file",
                             f"{teacher} is neither a torch_dist checkpoint (no "
-                                                      f"latest_checkpointed_iteration.txt, no .metadata) nor an HF "
-                                                      f"directory: convert it with tools/convert_hf_to_torch_dist.py")]
+                            f"latest_checkpointed_iteration.txt, no .metadata) nor an HF "
+                            f"directory: convert it with tools/convert_hf_to_torch_dist.py")]
         return []  # the student's architecture: a vocabulary that differs fails the load, naming the tensor
     if opd.opd_type != "sglang" or not opd.opd_teacher_hf_checkpoint:
         return []  # a teacher server started outside the job: its tokenizer cannot be read from here
@@ -340,6 +346,7 @@ def _same_tokenizer(teacher: Path, student: Path, field: str) -> list[Problem]:
         return [Problem(field, "bad_file", f"{which} has no tokenizer.json or vocab.json to compare")]
     if teacher_vocab != student_vocab:
         return [Problem(field,
-                 "mismatch", f"teacher {teacher} and student {student} tokenize differently: the teacher's log-probs are read on "
+                 "mismatch",
+                 f"teacher {teacher} and student {student} tokenize differently: the teacher's log-probs are read on "
                  f"the student's token ids, so they must share a tokenizer")]
     return []

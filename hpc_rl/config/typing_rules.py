@@ -145,7 +145,8 @@ def coerce_value(value: Any, hint: Any, where: str) -> Any:
         if isinstance(value, inner):
             return value
         if not isinstance(value, dict):
-            raise _refuse(where, "bad_type", f"expected a mapping with {', '.join(f.name for f in dataclasses.fields(inner))}")
+            raise _refuse(where, "bad_type",
+            f"expected a mapping with {', '.join(f.name for f in dataclasses.fields(inner))}")
         hints = typing.get_type_hints(inner)
         unknown = set(value) - set(hints)
         if unknown:

@@ -52,20 +52,21 @@ def _single_field_problems(config: RunConfig) -> list[Problem]:
     if rollout.max_turns is not None and not rollout.custom_generate_function_path:
         problems.append(Problem("rollout.max_turns", "unused",
                                 "is read by a custom generate function only; set "
-                                                     "custom_generate_function_path or drop max_turns"))
+                                "custom_generate_function_path or drop max_turns"))
     algorithm = config.algorithm
     if algorithm.loss_type == "custom_loss" and not algorithm.custom_loss_function_path:
         problems.append(Problem("algorithm.loss_type", "needs", "custom_loss needs custom_loss_function_path "
                                                        "(--custom-loss-function-path module.fn)"))
     if algorithm.custom_loss_function_path and algorithm.loss_type != "custom_loss":
         problems.append(Problem("algorithm.custom_loss_function_path",
-                                "unused", f"is called only with loss_type custom_loss (loss_type is {algorithm.loss_type!r}; "
+                                "unused",
+                                f"is called only with loss_type custom_loss (loss_type is {algorithm.loss_type!r}; "
                                 f"slime would ignore the path silently): add --loss-type custom_loss or drop the path"))
     problems += _wandb_problems(config)
     if training.offload_train and not config.cluster.colocate:
         problems.append(Problem("training.offload_train", "unused",
                                 "offloads the trainer while colocated engines generate; "
-                                                          "this run is not colocated: drop --offload/--offload-train"))
+                                "this run is not colocated: drop --offload/--offload-train"))
     return problems
 
 

@@ -101,7 +101,7 @@ def _nonfinite_problems(config: RunConfig) -> Iterator[Problem]:
         elif any(isinstance(n, float) and abs(n) > FLOAT32_MAX for n in numbers):
             yield Problem(f"{section}.{name}", "out_of_range",
                           f"{number} is beyond float32's range (+-{FLOAT32_MAX:.4g}): "
-                                                    "no setting needs it, and torch's float32 math overflows on it")
+                          "no setting needs it, and torch's float32 math overflows on it")
 
 
 def range_problems(config: RunConfig) -> list[Problem]:
