@@ -172,7 +172,8 @@ def _hf_config(raw: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         return None  # validation reports an unreadable config.json
 
 
-def _model_args(raw: dict[str, dict[str, Any]], top: dict[str, Any], problems: list[str]) -> ModelArchitecture | None:
+def _model_args(raw: dict[str, dict[str, Any]], top: dict[str, Any],
+                problems: list[str | Problem]) -> ModelArchitecture | None:
     flags = raw.pop("megatron", {})
     if not flags:
         return top.get(MODEL_ARGS_FIELD)
