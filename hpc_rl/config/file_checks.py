@@ -12,8 +12,8 @@ refused naming file, line and field; always, `skip_bad_lines` or not: such data 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
 
+from hpc_rl.config.problems import Problem
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.data.prompts import DataError, DataKeys, iter_rows, row_to_record
 from hpc_rl.data.label_shapes import label_problem
@@ -27,16 +27,11 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
-class FileProblem(NamedTuple):
-    field: str
-    message: str
-
-
-def hf_checkpoint_problems(path: str) -> list[FileProblem]:
+def hf_checkpoint_problems(path: str) -> list[Problem]:
     """An HF directory needs config.json, weight files and a tokenizer (engines and the trainer read all three)."""
     directory = Path(path)
     if not directory.is_dir():
-        return [FileProblem("checkpoint.hf_checkpoint", f"{path} is not a directory")]
+        return [Problem("checkpoint.hf_checkpoint", "bad_file", f"{path} is not a directory")]
     missing = []
     if not (directory / "config.json").is_file():
         missing.append("config.json")
@@ -46,13 +41,14 @@ def hf_checkpoint_problems(path: str) -> list[FileProblem]:
         missing.append(f"a tokenizer ({' or '.join(TOKENIZER_FILES)})")
     if not missing:
         return []
-    return [FileProblem("checkpoint.hf_checkpoint",
+    return [Problem("checkpoint.hf_checkpoint",
+                        "bad_file",
                         f"{path} is not a HuggingFace model directory: no {', no '.join(missing)}; point it at the "
                         f"directory `huggingface-cli download` wrote")]
 
 
 def data_file_problems(path: str, keys: DataKeys, field: str, *, skip_bad_lines: bool,
-                       rm_type: str | None = None) -> list[FileProblem]:
+                       rm_type: str | None = None) -> list[Problem]:
     """Every row of a prompt file checked; the first bad lines quoted, the rest counted.
     With skip_bad_lines, bad lines are allowed but a file with no usable prompt is not. With `rm_type` (a rule
     reward scores this file), the first LABEL_ROWS_CHECKED rows' labels must be ones it can score."""
@@ -76,53 +72,59 @@ def data_file_problems(path: str, keys: DataKeys, field: str, *, skip_bad_lines:
             except DataError as error:
                 bad.append(str(error))
     except (DataError, OSError, ValueError) as error:
-        return [FileProblem(field, f"{path}: cannot be read: {error}")]
+        return [Problem(field, "bad_file", f"{path}: cannot be read: {error}")]
     if unscorable:
         more = f" (and {len(unscorable) - BAD_LINES_QUOTED} more)" if len(unscorable) > BAD_LINES_QUOTED else ""
         quoted = "; ".join(unscorable[:BAD_LINES_QUOTED])
-        return [FileProblem(field, f"{len(unscorable)} label(s) the reward cannot score, in the first "
-                                   f"{min(good, LABEL_ROWS_CHECKED)} row(s): {quoted}{more}; every such sample "
-                                   "would get reward 0 and train nothing. Fix the labels, set rollout.label_key / "
-                                   "rm_type to what the data holds, or score with custom_rm_path")]
+        return [Problem(field, "bad_file",
+                        f"{len(unscorable)} label(s) the reward cannot score, in the first "
+                        f"{min(good, LABEL_ROWS_CHECKED)} row(s): {quoted}{more}; every such sample "
+                        "would get reward 0 and train nothing. Fix the labels, set rollout.label_key / "
+                        "rm_type to what the data holds, or score with custom_rm_path")]
     if not good:
         reason = f"; {len(bad)} bad row(s), the first: {bad[0]}" if bad else " (the file is empty)"
-        return [FileProblem(field, f"{path} has no usable prompt{reason}")]
+        return [Problem(field, "bad_file", f"{path} has no usable prompt{reason}")]
     if bad and not skip_bad_lines:
         quoted = "; ".join(bad[:BAD_LINES_QUOTED])
         more = f" (and {len(bad) - BAD_LINES_QUOTED} more)" if len(bad) > BAD_LINES_QUOTED else ""
-        return [FileProblem(field, f"{len(bad)} bad row(s) of {len(bad) + good} (whole file checked): {quoted}{more}; "
-                                   f"fix them or set skip_bad_lines: true")]
+        return [Problem(field, "bad_file",
+                        f"{len(bad)} bad row(s) of {len(bad) + good} (whole file checked): {quoted}{more}; "
+                        f"fix them or set skip_bad_lines: true")]
     return []
 
 
-def path_problems(config: RunConfig) -> list[FileProblem]:
+def path_problems(config: RunConfig) -> list[Problem]:
     problems = []
     required = {"rollout.prompt_data": config.rollout.prompt_data, "checkpoint.hf_checkpoint": config.checkpoint.hf_checkpoint}
     for field, value in required.items():
         if not value:
-            problems.append(FileProblem(field, "is empty; give a path"))
+            problems.append(Problem(field, "needs", "is empty; give a path"))
         elif not Path(value).exists():
-            problems.append(FileProblem(field, f"{value} does not exist (use --no-check-files to render the job elsewhere)"))
+            problems.append(Problem(field, "not_found",
+                                    f"{value} does not exist (use --no-check-files to render the job elsewhere)"))
         elif field == "checkpoint.hf_checkpoint":
             problems += hf_checkpoint_problems(value)
     if config.checkpoint.ref_load and not Path(config.checkpoint.ref_load).exists():
-        problems.append(FileProblem("checkpoint.ref_load", f"{config.checkpoint.ref_load} does not exist"))
+        problems.append(Problem("checkpoint.ref_load", "not_found",
+                                f"{config.checkpoint.ref_load} does not exist"))
     for dataset in config.eval.eval_prompt_data:
         if not Path(dataset.path).exists():
-            problems.append(FileProblem(f"eval.eval_prompt_data[{dataset.name}]", f"{dataset.path} does not exist"))
+            problems.append(Problem(f"eval.eval_prompt_data[{dataset.name}]", "not_found",
+                                    f"{dataset.path} does not exist"))
     checkpoint = config.checkpoint
     if checkpoint.ref_ckpt_step is not None and checkpoint.ref_load and Path(checkpoint.ref_load).is_dir():
         wanted = Path(checkpoint.ref_load) / f"iter_{checkpoint.ref_ckpt_step:07d}"
         if not wanted.is_dir():
-            problems.append(FileProblem("checkpoint.ref_ckpt_step", f"{wanted} does not exist: no iteration "
-                                        f"{checkpoint.ref_ckpt_step} in ref_load"))
+            problems.append(Problem("checkpoint.ref_ckpt_step", "not_found",
+                                    f"{wanted} does not exist: no iteration "
+                                    f"{checkpoint.ref_ckpt_step} in ref_load"))
     custom_config = config.rollout.custom_config_path
     if custom_config and not Path(custom_config).is_file():
-        problems.append(FileProblem("rollout.custom_config_path", f"{custom_config} does not exist"))
+        problems.append(Problem("rollout.custom_config_path", "not_found", f"{custom_config} does not exist"))
     return problems
 
 
-def prompt_file_problems(config: RunConfig) -> list[FileProblem]:
+def prompt_file_problems(config: RunConfig) -> list[Problem]:
     rollout = config.rollout
     keys = DataKeys(input_key=rollout.input_key, label_key=rollout.label_key, metadata_key=rollout.metadata_key,
                     tool_key=rollout.tool_key)

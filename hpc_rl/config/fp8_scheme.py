@@ -103,8 +103,12 @@ def read_fp8_blocks(checkpoint_dir: str | Path | None, *, ue8m0: bool = False) -
     naming the file and field."""
     if not checkpoint_dir or not (Path(checkpoint_dir) / "config.json").is_file():
         return None
-    config = load_hf_config(checkpoint_dir).get("quantization_config")
+    return fp8_blocks_of(load_hf_config(checkpoint_dir), Path(checkpoint_dir) / "config.json", ue8m0=ue8m0)
+
+
+def fp8_blocks_of(hf_config: dict[str, Any], path: str | Path, *, ue8m0: bool = False) -> Fp8Blocks | None:
+    """`read_fp8_blocks` of a config.json already read (`path`: the file, for messages)."""
+    config = hf_config.get("quantization_config")
     if not config or config.get("quant_method") != "fp8":
         return None
-    return Fp8Blocks.from_quantization_config(config, source=f"{Path(checkpoint_dir) / 'config.json'}: "
-                                              "quantization_config", ue8m0=ue8m0)
+    return Fp8Blocks.from_quantization_config(config, source=f"{path}: quantization_config", ue8m0=ue8m0)

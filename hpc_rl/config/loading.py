@@ -23,6 +23,7 @@ import yaml
 from hpc_rl.config.eval_config_file import eval_datasets_from_file
 from hpc_rl.config.megatron_model import architecture_from_flags
 from hpc_rl.config.model import ModelArchitecture
+from hpc_rl.config.problems import Problem, SectionProblems, locate, remember_locations
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sections.rollout import EvalDataset
 from hpc_rl.config.settings_sources import (
@@ -43,8 +44,21 @@ __all__ = ["ConfigError", "ConfigErrors", "Setting", "build_config", "load_confi
            "parse_cli_settings", "read_yaml_settings", "write_resolved_config"]
 
 
-def _messages(error: ConfigError) -> list[str]:
-    return error.messages if isinstance(error, ConfigErrors) else [str(error)]
+def _messages(error: ConfigError) -> list[str | Problem]:
+    """The problems an error carries (located `Problem`s where it has them, else its text)."""
+    if isinstance(error, ConfigErrors):
+        return error.items
+    return [error.problem if error.problem is not None else str(error)]
+
+
+def _located(error: ConfigError, setting: Setting) -> ConfigError:
+    """`error` of a value of `setting`, its problem located at the setting's file:line or flag."""
+    problem = error.problem
+    prefix = f"{setting.where}: "
+    if problem is None or not problem.field.startswith(prefix):
+        return error
+    return ConfigError(str(error), dataclasses.replace(problem, field=problem.field[len(prefix):],
+                                                       location=setting.where))
 
 
 LEGACY_EVAL_NAME = "aime"
@@ -158,7 +172,8 @@ def _hf_config(raw: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         return None  # validation reports an unreadable config.json
 
 
-def _model_args(raw: dict[str, dict[str, Any]], top: dict[str, Any], problems: list[str]) -> ModelArchitecture | None:
+def _model_args(raw: dict[str, dict[str, Any]], top: dict[str, Any],
+                problems: list[str | Problem]) -> ModelArchitecture | None:
     flags = raw.pop("megatron", {})
     if not flags:
         return top.get(MODEL_ARGS_FIELD)
@@ -181,13 +196,13 @@ def build_config(settings: list[Setting]) -> RunConfig:
     raw: dict[str, dict[str, Any]] = {name: {} for name in section_types()}
     top: dict[str, Any] = {}
     wheres: dict[str, str] = {}
-    problems: list[str] = []
+    problems: list[str | Problem] = []
     for setting in settings:
         wheres[setting.path] = setting.where
         try:
             _apply_setting(setting, raw, top)
         except ConfigError as error:
-            problems += _messages(error)
+            problems += _messages(_located(error, setting))
     top[MODEL_ARGS_FIELD] = _model_args(raw, top, problems)
     problems += derive_mode_settings(raw, lambda section, name: _given_or_default(raw, section, name))
     if raw["eval"].get("eval_config"):  # slime's --eval-config replaces --eval-prompt-data; the resolved config
@@ -201,18 +216,22 @@ def build_config(settings: list[Setting]) -> RunConfig:
     for name, section_type in section_types().items():
         try:
             sections[name] = section_type(**raw[name])
+        except SectionProblems as error:  # each at the line (or flag) that set its field
+            problems += locate(error.problems, wheres)
         except (ValueError, TypeError) as error:
             origin = next((w for p, w in wheres.items() if p.startswith(name + ".")), "defaults")
             problems.append(f"{error} (set at {origin})")
     if problems:
         raise ConfigErrors(problems)
-    return RunConfig(**top, **sections)
+    config = RunConfig(**top, **sections)
+    remember_locations(config, wheres)  # validation's problems point at the same lines
+    return config
 
 
 def load_config(config_files: list[str | Path], cli_args: list[str] | None = None) -> RunConfig:
     """defaults < each YAML file in order < CLI flags. Raises ConfigErrors with every file:line or flag."""
     settings: list[Setting] = []
-    problems: list[str] = []
+    problems: list[str | Problem] = []
     for path in config_files:
         try:
             file_settings, file_problems = yaml_settings_and_problems(path)

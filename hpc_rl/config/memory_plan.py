@@ -32,6 +32,7 @@ from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.parallel_layout import ParallelLayout
 from hpc_rl.config.parameter_counts import ParameterShare, format_count, model_share, stage_shares
 from hpc_rl.config.pipeline_split import PipelineSplitError, training_split
+from hpc_rl.config.problems import Problem
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sglang_options import attention_dp_size
 from hpc_rl.config.training_modes import frozen_model_roles
@@ -156,15 +157,15 @@ class MemoryPlan:
     gpus_per_node: int = 1
     """Trainer GPUs per node (host memory adds up per node)."""
 
-    def problems(self) -> list[tuple[str, str]]:
+    def problems(self) -> list[Problem]:
         """(field, message) for every phase over the GPU's memory and an engine without room for a sample."""
-        problems = [(phase.where, f"{phase.name} needs {_gib(phase.total)} GiB per GPU "
+        problems = [Problem(phase.where, "memory", f"{phase.name} needs {_gib(phase.total)} GiB per GPU "
                                   f"({', '.join(f'{label} {_gib(size)}' for label, size in phase.parts if size)}), "
                                   f"over the GPU's {_gib(self.gpu)} GiB (cluster.gpu_memory_gib): {phase.advice}")
                     for phase in self.phases if phase.total > self.gpu]
         engine = self.engine
         if engine.kv_tokens < self.longest_sample:
-            problems.append(("sglang.mem_fraction_static", (
+            problems.append(Problem("sglang.mem_fraction_static", "memory", (
                 f"an engine GPU's static pool ({engine.mem_fraction_static:.2f} x {_gib(self.gpu)} = "
                 f"{_gib(engine.static)} GiB) minus its weights ({_gib(engine.weights)} GiB) leaves KV cache for "
                 f"{engine.kv_tokens} tokens, under one sample of {self.longest_sample}: raise "
@@ -410,10 +411,10 @@ def _fused_group_bytes(arch: ModelArchitecture) -> int:
     return fusion.largest_group_bytes(arch, BF16) if fusion is not None else 0
 
 
-def plan_memory(config: RunConfig, arch: ModelArchitecture) -> MemoryPlan:
-    """The plan for a cuda run's trainer and engine GPUs."""
+def plan_memory(config: RunConfig, arch: ModelArchitecture, layout: ParallelLayout | None = None) -> MemoryPlan:
+    """The plan for a cuda run's trainer and engine GPUs (`layout`: the run's, when the caller has it)."""
     gpu = int(config.cluster.gpu_memory_gib * GIB)
-    layout = ParallelLayout.of(config.training, config.cluster.trainer_world_size, arch)
+    layout = layout or ParallelLayout.of_run(config, arch)
     trainer = trainer_memory(config, arch, layout)
     engine = engine_memory(config, arch, gpu)
     _, longest = tokens_per_micro_batch(config)
@@ -432,11 +433,11 @@ def plan_summary(config: RunConfig, arch: ModelArchitecture | None) -> str:
     """The `--dry-run` lines: the trainer's parallel layout, then the per-GPU memory plan (cuda runs)."""
     if arch is None:
         return "parallel layout and memory plan: no model architecture"
-    layout = ParallelLayout.of(config.training, config.cluster.trainer_world_size, arch)
+    layout = ParallelLayout.of_run(config, arch)
     described = layout.describe() + _stages_line(config, arch)
     if config.cluster.device != "cuda":
         return f"{described}\nmemory plan: device {config.cluster.device}, no GPU memory to plan"
-    return f"{described}\n{plan_memory(config, arch).describe()}"
+    return f"{described}\n{plan_memory(config, arch, layout).describe()}"
 
 
 def _stages_line(config: RunConfig, arch: ModelArchitecture) -> str:

@@ -4,91 +4,117 @@ Owns: what Megatron-core 0.16.1 or SGLang 0.5.23 would refuse only after the que
 name the numbers: the trainer's expert layout (`parallel_layout`), the MoE training values (dispatcher,
 router dtype, load balancing, drop policy, capacity factor), expert biases only at expert TP 1, sliding windows
 without CP on cpu, gpt-oss served by SGLang from a bf16 checkpoint only (every weight sync sends bf16 experts,
-fused per layer as SGLang reads them: `hpc_rl.models.gpt_oss.engine_sync`), DeepEP and the flex dispatcher only on cuda,
-routing replay only for MoE models, group-limited routing, top-1 softmax routing; Megatron's optimizer
-offload rules; SGLang's MoE engine options against the engine's GPUs and the model's experts (attention DP,
+fused per layer as SGLang reads them: `hpc_rl.models.gpt_oss.engine_sync`), DeepEP and the flex dispatcher only on
+cuda, routing replay only for MoE models and what Megatron's RouterReplay and R3 need (`routing_replay_problems`),
+group-limited routing, top-1 softmax routing; Megatron's optimizer offload rules; SGLang's MoE engine options against the engine's GPUs and the model's experts (attention DP,
 EP, dense-MLP TP, DP LM head); and one note line per GPU-only choice a cpu run keeps, with the same numerics.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.parallel_layout import ParallelLayout, layout_problems
+from hpc_rl.config.problems import Problem
 from hpc_rl.config.schema import RunConfig
+from hpc_rl.config.sections.training import LOAD_BALANCING_TYPES
 from hpc_rl.config.sglang_options import attention_dp_size, engine_kind
+from hpc_rl.config.training_modes import is_sft
 
-DISPATCHERS = ("alltoall", "allgather", "flex")
-ROUTER_DTYPES = (None, "fp32", "fp64")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
-DROP_POLICIES = ("probs", "position")
-CAPACITY_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+CAPACITY_BALANCING_TYPES = tuple(t for t in LOAD_BALANCING_TYPES if t != "sinkhorn")
+"""Megatron's load balancing types that work with a capacity factor."""
 
-Problems = list[tuple[str, str]]
-
-
-def _choice(field: str, value: object, allowed: tuple[object, ...]) -> Problems:
-    if value in allowed:
-        return []
-    return [(field, f"{value!r} is not one of {', '.join(str(a) for a in allowed)}")]
+Problems = list[Problem]
 
 
 def _training_value_problems(config: RunConfig, arch: ModelArchitecture) -> Problems:
     training = config.training
-    problems = (_choice("training.moe_token_dispatcher_type", training.moe_token_dispatcher_type, DISPATCHERS)
-                + _choice("training.moe_router_dtype", training.moe_router_dtype, ROUTER_DTYPES)
-                + _choice("training.moe_router_load_balancing_type", training.moe_router_load_balancing_type,
-                          LOAD_BALANCING_TYPES)
-                + _choice("training.moe_token_drop_policy", training.moe_token_drop_policy, DROP_POLICIES))
+    problems = []  # the values themselves are Literal types (hpc_rl.config.sections.training), checked at load
     if training.moe_expert_capacity_factor is not None and \
             training.moe_router_load_balancing_type not in CAPACITY_BALANCING_TYPES:
-        problems.append(("training.moe_expert_capacity_factor", f"works with load balancing "
-                         f"{', '.join(CAPACITY_BALANCING_TYPES)} only (Megatron), not "
-                         f"{training.moe_router_load_balancing_type!r}"))
+        problems.append(Problem("training.moe_expert_capacity_factor", "unsupported",
+                                f"works with load balancing "
+                                f"{', '.join(CAPACITY_BALANCING_TYPES)} only (Megatron), not "
+                                f"{training.moe_router_load_balancing_type!r}"))
     if training.moe_enable_deepep and training.moe_token_dispatcher_type != "flex":
-        problems.append(("training.moe_enable_deepep", f"DeepEP runs behind the flex dispatcher only (Megatron): add "
-                                                       f"--moe-token-dispatcher-type flex (it is "
-                                                       f"{training.moe_token_dispatcher_type!r})"))
+        problems.append(Problem("training.moe_enable_deepep", "needs",
+                                f"DeepEP runs behind the flex dispatcher only (Megatron): add "
+                                f"--moe-token-dispatcher-type flex (it is "
+                                f"{training.moe_token_dispatcher_type!r})"))
     if config.cluster.device == "cpu":
         if training.moe_token_dispatcher_type == "flex":
-            problems.append(("training.moe_token_dispatcher_type", "flex dispatches through DeepEP, a CUDA library; "
-                                                                   "on device cpu use alltoall or allgather"))
+            problems.append(Problem("training.moe_token_dispatcher_type", "unsupported",
+                                    "flex dispatches through DeepEP, a CUDA library; "
+                                    "on device cpu use alltoall or allgather"))
         if training.moe_enable_deepep:
-            problems.append(("training.moe_enable_deepep", "DeepEP is a CUDA library; on device cpu drop it"))
+            problems.append(Problem("training.moe_enable_deepep", "unsupported",
+                                    "DeepEP is a CUDA library; on device cpu drop it"))
     if arch.moe_router_topk == 1 and arch.moe_router_score_function == "softmax" and not arch.moe_router_pre_softmax \
             and training.moe_router_load_balancing_type != "sinkhorn":
-        problems.append(("model", "top-1 softmax routing needs --moe-router-pre-softmax (a softmax over the one "
-                                  "chosen expert has zero gradient; Megatron refuses it)"))
+        problems.append(Problem("model", "needs",
+                                "top-1 softmax routing needs --moe-router-pre-softmax (a softmax over the one "
+                                "chosen expert has zero gradient; Megatron refuses it)"))
     expert_tp = training.expert_tensor_parallel_size or training.tensor_model_parallel_size
     if arch.add_bias_linear and expert_tp > 1:
-        problems.append(("training.expert_tensor_parallel_size", f"{expert_tp} (it defaults to TP): the experts have "
-                         f"biases (gpt-oss) and Megatron builds MoE biases at expert TP 1 only: add "
-                         f"--expert-tensor-parallel-size 1 (slime's gpt-oss line does)"))
+        problems.append(Problem("training.expert_tensor_parallel_size", "unsupported",
+                                f"{expert_tp} (it defaults to TP): the experts have "
+                                f"biases (gpt-oss) and Megatron builds MoE biases at expert TP 1 only: add "
+                                f"--expert-tensor-parallel-size 1 (slime's gpt-oss line does)"))
     if arch.window_size and config.training.context_parallel_size > 1 and config.cluster.device == "cpu":
-        problems.append(("training.context_parallel_size", "sliding-window attention under context parallelism is "
-                         "not built on device cpu (its CP attention has no window band): use 1"))
+        problems.append(Problem("training.context_parallel_size", "unsupported",
+                                "sliding-window attention under context parallelism is "
+                                "not built on device cpu (its CP attention has no window band): use 1"))
     if arch.moe_router_group_topk is not None:
         groups = arch.moe_router_num_groups
         if not groups or (arch.num_moe_experts or 0) % groups or arch.moe_router_group_topk > groups:
-            problems.append(("model", f"group-limited routing: moe_router_num_groups ({groups}) must divide the "
-                                      f"{arch.num_moe_experts} experts and be >= moe_router_group_topk "
-                                      f"({arch.moe_router_group_topk})"))
+            problems.append(Problem("model", "not_divisible",
+                                    f"group-limited routing: moe_router_num_groups ({groups}) must divide the "
+                                    f"{arch.num_moe_experts} experts and be >= moe_router_group_topk "
+                                    f"({arch.moe_router_group_topk})"))
     return problems
 
 
-def moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Problems:
+def moe_problems(config: RunConfig, arch: ModelArchitecture | None, layout: ParallelLayout | None = None) -> Problems:
     """The trainer side: layout, MoE values, routing replay."""
     training = config.training
     if arch is None:
         return []
-    layout = ParallelLayout.of(training, config.cluster.trainer_world_size, arch)
+    layout = layout or ParallelLayout.of_run(config, arch)
     problems = layout_problems(layout, arch, training)
     if not arch.is_moe:
         for name in ("use_routing_replay", "use_rollout_routing_replay"):
             if getattr(training, name):
-                problems.append((f"training.{name}", "replays the routers' expert choices; this model is dense (no "
-                                                     "experts): drop it"))
+                problems.append(Problem(f"training.{name}", "unsupported",
+                                        "replays the routers' expert choices; this model is dense (no "
+                                        "experts): drop it"))
         return problems
     return problems + _training_value_problems(config, arch)
+
+
+def routing_replay_problems(config: RunConfig) -> list[Problem]:
+    """use_routing_replay / use_rollout_routing_replay: what Megatron's RouterReplay and R3 need on a MoE model."""
+    training = config.training
+    flags = [name for name in ("use_routing_replay", "use_rollout_routing_replay") if getattr(training, name)]
+    if not flags:
+        return []
+    where = f"training.{flags[-1]}"
+    problems = []  # (a dense model with either flag: the MoE rules' refusal)
+    if "sinkhorn" in str(training.moe_router_load_balancing_type):
+        problems.append(Problem(where, "unsupported",
+                                "Megatron's sinkhorn routing chooses experts without the replay hook: use "
+                                "--moe-router-load-balancing-type aux_loss / seq_aux_loss / none"))
+    if training.use_rollout_routing_replay and is_sft(config.rollout.rollout_function_path):
+        problems.append(Problem("training.use_rollout_routing_replay",
+                                "unsupported",
+                                "SFT trains on the data's chats, which no engine routed: drop it (or use "
+                                "--use-routing-replay)"))
+    if training.use_rollout_routing_replay and training.moe_expert_capacity_factor is not None:
+        problems.append(Problem("training.moe_expert_capacity_factor",
+                                "unsupported",
+                                "drops tokens over an expert's capacity, which the engines never do, so the replayed "
+                                "rollout routing would not be the one used: unset it with use_rollout_routing_replay"))
+    return problems
 
 
 def optimizer_problems(config: RunConfig) -> Problems:
@@ -98,37 +124,37 @@ def optimizer_problems(config: RunConfig) -> Problems:
         return []
     problems = []
     if optimizer.optimizer_cpu_offload and not optimizer.use_precision_aware_optimizer:
-        problems.append(("optimizer.optimizer_cpu_offload", "needs --use-precision-aware-optimizer (Megatron's hybrid "
-                                                            "device optimizer runs on that code path): add it"))
+        problems.append(Problem("optimizer.optimizer_cpu_offload", "needs",
+                                "needs --use-precision-aware-optimizer (Megatron's hybrid "
+                                "device optimizer runs on that code path): add it"))
     if optimizer.use_precision_aware_optimizer and optimizer.optimizer != "adam":
-        problems.append(("optimizer.use_precision_aware_optimizer", f"works with adam only (Megatron), not "
-                                                                    f"{optimizer.optimizer!r}"))
+        problems.append(Problem("optimizer.use_precision_aware_optimizer", "unsupported",
+                                f"works with adam only (Megatron), not "
+                                f"{optimizer.optimizer!r}"))
     if optimizer.overlap_cpu_optimizer_d2h_h2d and not optimizer.optimizer_cpu_offload:
-        problems.append(("optimizer.overlap_cpu_optimizer_d2h_h2d", "is read only with --optimizer-cpu-offload: add "
-                                                                    "it or drop this flag"))
+        problems.append(Problem("optimizer.overlap_cpu_optimizer_d2h_h2d", "unused",
+                                "is read only with --optimizer-cpu-offload: add "
+                                "it or drop this flag"))
     return problems
 
 
-def _serves_mxfp4(config: RunConfig) -> bool:
-    """The engines' checkpoint (hf_checkpoint) is gpt-oss's MXFP4 release (read when its config.json is here)."""
-    import json
-    from pathlib import Path
-
+def _serves_mxfp4(hf_config: dict[str, Any] | None) -> bool:
+    """The engines' checkpoint (hf_checkpoint, its config.json as validation read it) is gpt-oss's MXFP4 release."""
     from hpc_rl.models.gpt_oss.checkpoint import is_mxfp4
 
-    path = Path(config.checkpoint.hf_checkpoint or "") / "config.json"
     try:
-        return bool(config.checkpoint.hf_checkpoint) and path.is_file() and is_mxfp4(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        return False  # an unreadable config.json or another quantization is named by the checkpoint checks
+        return hf_config is not None and bool(is_mxfp4(hf_config))
+    except (AttributeError, TypeError, ValueError):
+        return False  # another quantization is named by the checkpoint checks
 
 
-def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Problems:
+def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None,
+                        hf_config: dict[str, Any] | None = None) -> Problems:
     """SGLang's MoE engine options against the engine's GPUs and the model (SGLang checks them at start)."""
     if engine_kind(config.rollout.engine, config.cluster.device) != "sglang":
         return []
-    if arch is not None and arch.family == "gpt_oss" and _serves_mxfp4(config):
-        return [("checkpoint.hf_checkpoint", (
+    if arch is not None and arch.family == "gpt_oss" and _serves_mxfp4(hf_config):
+        return [Problem("checkpoint.hf_checkpoint", "unsupported", (
             f"{config.checkpoint.hf_checkpoint} is gpt-oss's MXFP4 release (config.json quantization_config "
             f"mxfp4): SGLang then serves MXFP4 experts, and its gpt-oss loader reads experts in an update only as "
             f"MXFP4 _blocks / _scales, skipping the bf16 ones every weight sync sends (broadcast, colocated, "
@@ -139,32 +165,37 @@ def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Pr
     gpus = config.cluster.rollout_num_gpus_per_engine
     problems = []
     if int(options.get("dp_size") or 1) > 1 and not options.get("enable_dp_attention"):
-        problems.append(("sglang.extra_args.dp_size", (
+        problems.append(Problem("sglang.extra_args.dp_size", "needs", (
             f"{options['dp_size']} without enable_dp_attention starts {options['dp_size']} server replicas of "
             f"{gpus} GPU(s) each, but an engine has rollout_num_gpus_per_engine = {gpus} GPUs: add "
             f"--sglang-enable-dp-attention (attention data parallelism inside the engine) or run more engines")))
     attention_dp = attention_dp_size(options)
     if gpus % attention_dp:
-        problems.append(("sglang.extra_args.dp_size", f"attention DP {attention_dp} does not divide the engine's "
-                                                      f"{gpus} GPUs (rollout_num_gpus_per_engine)"))
+        problems.append(Problem("sglang.extra_args.dp_size", "not_divisible",
+                                f"attention DP {attention_dp} does not divide the engine's "
+                                f"{gpus} GPUs (rollout_num_gpus_per_engine)"))
     if options.get("enable_dp_lm_head") and attention_dp == 1:
-        problems.append(("sglang.extra_args.enable_dp_lm_head", "needs attention DP (SGLang): add "
-                                                                "--sglang-enable-dp-attention --sglang-dp-size N"))
+        problems.append(Problem("sglang.extra_args.enable_dp_lm_head", "needs",
+                                "needs attention DP (SGLang): add "
+                                "--sglang-enable-dp-attention --sglang-dp-size N"))
     dense_tp = options.get("moe_dense_tp_size")
     if dense_tp is not None and dense_tp not in (1, gpus):
-        problems.append(("sglang.extra_args.moe_dense_tp_size", f"{dense_tp}: SGLang takes 1 or the engine's TP size "
-                                                                f"({gpus})"))
+        problems.append(Problem("sglang.extra_args.moe_dense_tp_size", "unsupported",
+                                f"{dense_tp}: SGLang takes 1 or the engine's TP size "
+                                f"({gpus})"))
     ep_key = "ep_size" if "ep_size" in options else "expert_parallel_size"
     ep = int(options.get(ep_key) or 1)
     if ep > 1 and arch is not None and not arch.is_moe:
-        problems.append((f"sglang.extra_args.{ep_key}", f"{ep}: the model is dense (no experts to split); drop it"))
+        problems.append(Problem(f"sglang.extra_args.{ep_key}", "unsupported",
+                                f"{ep}: the model is dense (no experts to split); drop it"))
     elif ep > 1 and arch is not None:
         if gpus % ep:
-            problems.append((f"sglang.extra_args.{ep_key}", f"EP {ep} does not divide the engine's {gpus} GPUs "
-                                                            f"(rollout_num_gpus_per_engine)"))
+            problems.append(Problem(f"sglang.extra_args.{ep_key}", "not_divisible",
+                                    f"EP {ep} does not divide the engine's {gpus} GPUs "
+                                    f"(rollout_num_gpus_per_engine)"))
         slots = (arch.num_moe_experts or 0) + int(options.get("ep_num_redundant_experts") or 0)
         if slots % ep:
-            problems.append((f"sglang.extra_args.{ep_key}", (
+            problems.append(Problem(f"sglang.extra_args.{ep_key}", "not_divisible", (
                 f"the model's {arch.num_moe_experts} experts (+ ep_num_redundant_experts) = {slots} do not split "
                 f"over EP {ep}: add --sglang-ep-num-redundant-experts to make them divide, or change EP")))
     return problems

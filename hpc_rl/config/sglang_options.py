@@ -23,6 +23,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from hpc_rl.config.problems import Problem
+from hpc_rl.config.sections.rollout import ENGINE_KINDS
+
 PINNED_SGLANG_VERSION = "0.5.23"
 OPTION_LIST = Path(__file__).with_name(f"sglang_options_{PINNED_SGLANG_VERSION}.txt")
 
@@ -82,6 +85,10 @@ def renamed_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return {sglang_name(key): value for key, value in options.items()}
 
 
+_MISSHAPEN = (" is a switch in ", " takes one value in ")
+"""Words of `option_problems`' messages for a known option given a value of the wrong shape."""
+
+
 def option_problems(options: Mapping[str, Any], available: SglangOptionSet | None = None) -> dict[str, str]:
     """config key -> why SGLang would refuse it (empty: all fine). Call it before anything is queued."""
     available = available or available_options()
@@ -119,7 +126,6 @@ def attention_dp_size(options: Mapping[str, Any]) -> int:
     return int(options.get("dp_size") or 1) if options.get("enable_dp_attention") else 1
 
 
-ENGINE_KINDS = ("auto", "sglang", "cpu")
 
 
 def engine_kind(engine: str, device: str) -> str:
@@ -130,17 +136,21 @@ def engine_kind(engine: str, device: str) -> str:
     return engine
 
 
-def engine_problems(engine: str, device: str, sglang_options: Mapping[str, Any]) -> dict[str, str]:
-    """config field -> problem, for the engine choice and (when SGLang runs) every sglang option."""
+def engine_problems(engine: str, device: str, sglang_options: Mapping[str, Any]) -> list[Problem]:
+    """The problems of the engine choice and (when SGLang runs) of every sglang option."""
     if engine not in ENGINE_KINDS:
-        return {"rollout.engine": f"{engine!r} must be one of {', '.join(ENGINE_KINDS)}"}
+        return [Problem("rollout.engine", "not_one_of",
+                        f"{engine!r} must be one of {', '.join(ENGINE_KINDS)}")]
     kind = engine_kind(engine, device)
     if kind == "cpu" and device == "cuda":
-        return {"rollout.engine": "the CPU engine joins weight updates with gloo on CPU tensors, while "
-                                  "cluster.device cuda broadcasts over NCCL: use engine sglang (or auto) on cuda"}
+        return [Problem("rollout.engine", "unsupported",
+                        "the CPU engine joins weight updates with gloo on CPU tensors, "
+                        "while cluster.device cuda broadcasts over NCCL: use engine sglang (or auto) on cuda")]
     if kind == "cpu":
-        return {}
-    return {f"sglang.{key}": problem for key, problem in option_problems(sglang_options).items()}
+        return []
+    return [Problem(f"sglang.{key}", "bad_type" if any(w in problem for w in _MISSHAPEN) else "unknown_key",
+                    problem)
+            for key, problem in option_problems(sglang_options).items()]
 
 
 def external_engine_url(address: str) -> str:

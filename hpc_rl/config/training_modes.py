@@ -30,9 +30,10 @@ from typing import Any
 
 import yaml
 
+from hpc_rl.config.problems import Problem
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sections.algorithm import AlgorithmConfig, DistillationConfig
-from hpc_rl.config.sections.rollout import LOSS_MASK_TYPES, ROLLOUT_FUNCTIONS, SFT_ROLLOUT
+from hpc_rl.config.sections.rollout import ROLLOUT_FUNCTIONS, SFT_ROLLOUT
 from hpc_rl.config.sections.training import OptimizerConfig
 from hpc_rl.config.typing_rules import ConfigError, coerce_value
 
@@ -63,10 +64,6 @@ def is_sft(rollout_function_path: str | None) -> bool:
 def derive_mode_settings(raw: dict[str, dict[str, Any]], given: Given) -> list[str]:
     """Fill in what the modes imply and was not given; returns problems (a bad role file)."""
     rollout, cluster, training = raw["rollout"], raw["cluster"], raw["training"]
-    if training.get("sequence_parallel") and given("training", "tensor_model_parallel_size") == 1:
-        # slime's SFT recipe passes --sequence-parallel at TP 1; Megatron turns it off there (validate_args)
-        log.info("--sequence-parallel with --tensor-model-parallel-size 1: nothing to split; off, as Megatron does")
-        training["sequence_parallel"] = False
     if is_sft(given("rollout", "rollout_function_path")):
         cluster.setdefault("debug_train_only", True)
         rollout.setdefault("n_samples_per_prompt", 1)
@@ -142,8 +139,8 @@ def apply_role_file(path: str, raw: dict[str, dict[str, Any]]) -> list[str]:
 # ----------------------------------------------------------------------------------------------- submit time
 
 
-def mode_problems(config: RunConfig, *, check_files: bool = True) -> list[tuple[str, str]]:
-    """(field, message) for every rule of the training modes the config breaks (with check_files: the teacher's
+def mode_problems(config: RunConfig, *, check_files: bool = True) -> list[Problem]:
+    """A problem for every rule of the training modes the config breaks (with check_files: the teacher's
     files too, and that teacher and student share a tokenizer)."""
     problems = [*_sft_problems(config), *_distillation_problems(config), *_critic_problems(config),
                 *_schedule_problems(config)]
@@ -152,32 +149,34 @@ def mode_problems(config: RunConfig, *, check_files: bool = True) -> list[tuple[
     return problems
 
 
-def _sft_problems(config: RunConfig) -> list[tuple[str, str]]:
+def _sft_problems(config: RunConfig) -> list[Problem]:
     rollout, algorithm, cluster = config.rollout, config.algorithm, config.cluster
     problems = []
     if rollout.rollout_function_path not in ROLLOUT_FUNCTIONS:
-        problems.append(("rollout.rollout_function_path",
+        problems.append(Problem("rollout.rollout_function_path",
+                         "not_one_of",
                          f"{rollout.rollout_function_path}: hpc_rl runs slime's {' or '.join(ROLLOUT_FUNCTIONS)}; "
                          f"per-sample generation logic goes in --custom-generate-function-path"))
-    if rollout.loss_mask_type not in LOSS_MASK_TYPES:
-        problems.append(("rollout.loss_mask_type", f"{rollout.loss_mask_type!r}: hpc_rl renders chats as "
-                                                   f"{' or '.join(LOSS_MASK_TYPES)} (any chat template)"))
     sft = is_sft(rollout.rollout_function_path)
     if sft != (algorithm.loss_type == "sft_loss"):
-        problems.append(("algorithm.loss_type",
+        problems.append(Problem("algorithm.loss_type",
+                         "needs",
                          "SFT is --rollout-function-path slime.rollout.sft_rollout.generate_rollout with --loss-type "
                          "sft_loss: give both (slime's SFT line does)"))
     if cluster.debug_train_only and not sft:
-        problems.append(("cluster.debug_train_only",
+        problems.append(Problem("cluster.debug_train_only",
+                         "needs",
                          "a trainer-only job trains on the data's chats (SFT): add --rollout-function-path "
                          "slime.rollout.sft_rollout.generate_rollout --loss-type sft_loss; replaying saved rollouts "
                          "(--load-debug-rollout-data) is not offered"))
     if sft and not cluster.debug_train_only:
-        problems.append(("cluster.debug_train_only", "SFT generates nothing: it runs as a trainer-only job; drop "
-                                                     "--no-debug-train-only"))
+        problems.append(Problem("cluster.debug_train_only", "unsupported",
+                                "SFT generates nothing: it runs as a trainer-only job; drop "
+                                "--no-debug-train-only"))
     if sft and rollout.n_samples_per_prompt != 1:
-        problems.append(("rollout.n_samples_per_prompt", f"{rollout.n_samples_per_prompt}: SFT trains each chat "
-                                                         f"once per epoch; set 1"))
+        problems.append(Problem("rollout.n_samples_per_prompt", "unsupported",
+                                f"{rollout.n_samples_per_prompt}: SFT trains each chat "
+                                f"once per epoch; set 1"))
     if not sft:
         return problems
     engine_settings = {"cluster.colocate": cluster.colocate, "rollout.partial_rollout": rollout.partial_rollout,
@@ -186,56 +185,69 @@ def _sft_problems(config: RunConfig) -> list[tuple[str, str]]:
                        "distillation.use_opd": config.distillation.use_opd}
     for field, value in engine_settings.items():
         if value:
-            problems.append((field, "SFT runs no engines (a trainer-only job): drop it"))
+            problems.append(Problem(field, "unsupported",
+                                    "SFT runs no engines (a trainer-only job): drop it"))
     if config.algorithm.advantage_estimator == "ppo":
-        problems.append(("algorithm.advantage_estimator", "ppo trains a critic on rewards; SFT has none"))
+        problems.append(Problem("algorithm.advantage_estimator", "unsupported",
+                                "ppo trains a critic on rewards; SFT has none"))
     return problems
 
 
-def _distillation_problems(config: RunConfig) -> list[tuple[str, str]]:
+def _distillation_problems(config: RunConfig) -> list[Problem]:
     opd, rollout = config.distillation, config.rollout
     problems = []
     slime_opd_reward = rollout.custom_rm_path == OPD_TASK_REWARD
     post = rollout.custom_reward_post_process_path
     if (slime_opd_reward or post == OPD_POST_PROCESS) and not (opd.use_opd and opd.opd_type == "sglang"):
-        problems.append(("distillation.use_opd", "slime's OPD reward fetches teacher log-probs for --use-opd "
-                                                 "--opd-type sglang: add both"))
+        problems.append(Problem("distillation.use_opd", "needs",
+                                "slime's OPD reward fetches teacher log-probs for --use-opd "
+                                "--opd-type sglang: add both"))
     if slime_opd_reward and post != OPD_POST_PROCESS:
-        problems.append(("rollout.custom_reward_post_process_path",
+        problems.append(Problem("rollout.custom_reward_post_process_path",
+                         "needs",
                          f"slime's OPD reward needs its post-process: add --custom-reward-post-process-path "
                          f"{SLIME_OPD_POST_PROCESS}"))
     if not opd.use_opd:
         for name in ("opd_type", "opd_teacher_load", "opd_teacher_ckpt_step", "opd_teacher_hf_checkpoint"):
             if getattr(opd, name) is not None:
-                problems.append((f"distillation.{name}", "is read only with --use-opd: add it or drop this"))
+                problems.append(Problem(f"distillation.{name}", "unused",
+                                        "is read only with --use-opd: add it or drop this"))
         return problems
     if opd.opd_type is None:
-        problems.append(("distillation.opd_type", "--use-opd needs --opd-type sglang or megatron"))
+        problems.append(Problem("distillation.opd_type", "needs",
+                                "--use-opd needs --opd-type sglang or megatron"))
     if opd.opd_type == "megatron":
         if not opd.opd_teacher_load:
-            problems.append(("distillation.opd_teacher_load", "--opd-type megatron needs --opd-teacher-load (the "
-                                                              "teacher's torch_dist checkpoint)"))
+            problems.append(Problem("distillation.opd_teacher_load", "needs",
+                                    "--opd-type megatron needs --opd-teacher-load (the "
+                                    "teacher's torch_dist checkpoint)"))
         for name in ("opd_teacher_hf_checkpoint", "opd_teacher_url"):
             if getattr(opd, name):
-                problems.append((f"distillation.{name}", "is for --opd-type sglang (a teacher server)"))
+                problems.append(Problem(f"distillation.{name}", "unused",
+                                        "is for --opd-type sglang (a teacher server)"))
     if opd.opd_type == "sglang":
         if opd.opd_teacher_load:
-            problems.append(("distillation.opd_teacher_load", "is for --opd-type megatron; with sglang the teacher is "
-                                                              "a server (--rm-url) or opd_teacher_hf_checkpoint"))
+            problems.append(Problem("distillation.opd_teacher_load", "unused",
+                                    "is for --opd-type megatron; with sglang the teacher is "
+                                    "a server (--rm-url) or opd_teacher_hf_checkpoint"))
         if bool(opd.opd_teacher_hf_checkpoint) == bool(opd.opd_teacher_url):
-            problems.append(("distillation.opd_teacher_hf_checkpoint",
+            problems.append(Problem("distillation.opd_teacher_hf_checkpoint",
+                             "needs",
                              "--opd-type sglang needs one teacher: opd_teacher_hf_checkpoint (started with the job) or "
                              "slime's --rm-url with its OPD reward and post-process (a server you started)"))
         if opd.opd_teacher_url and not opd.opd_teacher_url.startswith("http://"):
-            problems.append(("distillation.opd_teacher_url", f"{opd.opd_teacher_url}: the teacher is an SGLang server "
-                                                             f"reached over http://"))
+            problems.append(Problem("distillation.opd_teacher_url", "unsupported",
+                                    f"{opd.opd_teacher_url}: the teacher is an SGLang server "
+                                    f"reached over http://"))
     teacher_gpus = config.cluster.opd_teacher_num_gpus
     if bool(teacher_gpus) != bool(opd.use_opd and opd.opd_type == "sglang" and opd.opd_teacher_hf_checkpoint):
-        problems.append(("cluster.opd_teacher_num_gpus",
+        problems.append(Problem("cluster.opd_teacher_num_gpus",
+                         "needs",
                          f"{teacher_gpus}: GPUs of the teacher the job starts, for --use-opd --opd-type sglang with "
                          f"distillation.opd_teacher_hf_checkpoint (>= 1 with it, 0 without)"))
     if config.algorithm.disable_compute_advantages_and_returns:
-        problems.append(("algorithm.disable_compute_advantages_and_returns", "OPD adds its penalty to the advantages"))
+        problems.append(Problem("algorithm.disable_compute_advantages_and_returns", "unsupported",
+                                "OPD adds its penalty to the advantages"))
     return problems
 
 
@@ -252,37 +264,41 @@ def frozen_model_roles(algorithm: AlgorithmConfig, distillation: DistillationCon
     return roles
 
 
-def _critic_problems(config: RunConfig) -> list[tuple[str, str]]:
+def _critic_problems(config: RunConfig) -> list[Problem]:
     critic, training = config.critic, config.training
     problems = []
     ppo = config.algorithm.advantage_estimator == "ppo"
     if not ppo:
         default = type(critic)()
         changed = [f.name for f in dataclasses.fields(critic) if getattr(critic, f.name) != getattr(default, f.name)]
-        return [(f"critic.{name}", "is read only with --advantage-estimator ppo (the critic)") for name in changed]
+        return [Problem(f"critic.{name}", "unused",
+                        "is read only with --advantage-estimator ppo (the critic)") for name in changed]
     unknown = sorted(set(critic.critic_optimizer) - OPTIMIZER_KEYS)
     if unknown:
-        problems.append(("critic.critic_optimizer", f"unknown optimizer fields {unknown}; known: "
-                                                    f"{', '.join(sorted(OPTIMIZER_KEYS))}"))
+        problems.append(Problem("critic.critic_optimizer", "unknown_key",
+                                f"unknown optimizer fields {unknown}; known: "
+                                f"{', '.join(sorted(OPTIMIZER_KEYS))}"))
     if critic.value_clip <= 0:
-        problems.append(("critic.value_clip", f"{critic.value_clip} must be > 0"))
+        problems.append(Problem("critic.value_clip", "out_of_range", f"{critic.value_clip} must be > 0"))
     if critic.num_critic_only_steps < 0:
-        problems.append(("critic.num_critic_only_steps", "must be >= 0"))
+        problems.append(Problem("critic.num_critic_only_steps", "out_of_range", "must be >= 0"))
     if config.algorithm.loss_type != "policy_loss":
-        problems.append(("algorithm.loss_type", "PPO trains the actor with policy_loss (and the critic with its "
-                                                "value loss)"))
+        problems.append(Problem("algorithm.loss_type", "unsupported",
+                                "PPO trains the actor with policy_loss (and the critic with its "
+                                "value loss)"))
     return problems
 
 
-def _schedule_problems(config: RunConfig) -> list[tuple[str, str]]:
+def _schedule_problems(config: RunConfig) -> list[Problem]:
     optimizer = config.optimizer
     fraction = optimizer.lr_warmup_fraction
     if fraction is None:
         return []
     if not 0 <= fraction <= 1:
-        return [("optimizer.lr_warmup_fraction", f"{fraction} must be within [0, 1]")]
+        return [Problem("optimizer.lr_warmup_fraction", "out_of_range", f"{fraction} must be within [0, 1]")]
     if optimizer.lr_warmup_iters:
-        return [("optimizer.lr_warmup_fraction", "give lr_warmup_fraction or lr_warmup_iters, not both (Megatron)")]
+        return [Problem("optimizer.lr_warmup_fraction", "conflict",
+                        "give lr_warmup_fraction or lr_warmup_iters, not both (Megatron)")]
     return []
 
 
@@ -299,35 +315,38 @@ def _vocabulary(directory: Path) -> dict[str, Any] | None:
     return None
 
 
-def _teacher_file_problems(config: RunConfig) -> list[tuple[str, str]]:
+def _teacher_file_problems(config: RunConfig) -> list[Problem]:
     opd = config.distillation
     if opd.opd_type == "megatron" and opd.opd_teacher_load:
         teacher = Path(opd.opd_teacher_load)
         if (teacher / "config.json").is_file():  # an HF directory (hpc_rl loads those as ref_load too)
             return _same_tokenizer(teacher, Path(config.checkpoint.hf_checkpoint), "distillation.opd_teacher_load")
         if not ((teacher / "latest_checkpointed_iteration.txt").is_file() or (teacher / ".metadata").is_file()):
-            return [("distillation.opd_teacher_load", f"{teacher} is neither a torch_dist checkpoint (no "
-                                                      f"latest_checkpointed_iteration.txt, no .metadata) nor an HF "
-                                                      f"directory: convert it with tools/convert_hf_to_torch_dist.py")]
+            return [Problem("distillation.opd_teacher_load", "bad_file",
+                            f"{teacher} is neither a torch_dist checkpoint (no "
+                            f"latest_checkpointed_iteration.txt, no .metadata) nor an HF "
+                            f"directory: convert it with tools/convert_hf_to_torch_dist.py")]
         return []  # the student's architecture: a vocabulary that differs fails the load, naming the tensor
     if opd.opd_type != "sglang" or not opd.opd_teacher_hf_checkpoint:
         return []  # a teacher server started outside the job: its tokenizer cannot be read from here
     teacher, student = Path(opd.opd_teacher_hf_checkpoint), Path(config.checkpoint.hf_checkpoint)
     if not (teacher / "config.json").is_file():
-        return [("distillation.opd_teacher_hf_checkpoint", f"{teacher} is not an HF model directory (no config.json)")]
+        return [Problem("distillation.opd_teacher_hf_checkpoint", "bad_file",
+                        f"{teacher} is not an HF model directory (no config.json)")]
     return _same_tokenizer(teacher, student, "distillation.opd_teacher_hf_checkpoint")
 
 
-def _same_tokenizer(teacher: Path, student: Path, field: str) -> list[tuple[str, str]]:
+def _same_tokenizer(teacher: Path, student: Path, field: str) -> list[Problem]:
     try:
         teacher_vocab, student_vocab = _vocabulary(teacher), _vocabulary(student)
     except (OSError, ValueError) as error:
-        return [(field, f"cannot read a tokenizer: {error}")]
+        return [Problem(field, "bad_file", f"cannot read a tokenizer: {error}")]
     if teacher_vocab is None or student_vocab is None:
         which = teacher if teacher_vocab is None else student
-        return [(field, f"{which} has no tokenizer.json or vocab.json to compare")]
+        return [Problem(field, "bad_file", f"{which} has no tokenizer.json or vocab.json to compare")]
     if teacher_vocab != student_vocab:
-        return [(field,
+        return [Problem(field,
+                 "mismatch",
                  f"teacher {teacher} and student {student} tokenize differently: the teacher's log-probs are read on "
                  f"the student's token ids, so they must share a tokenizer")]
     return []

@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
+from hpc_rl.config.problems import Problem
 from hpc_rl.config.schema import RunConfig
-
-
-class RangeProblem(NamedTuple):
-    field: str
-    message: str
 
 
 def _at_least(low: float) -> tuple[Callable[[Any], bool], str]:
@@ -76,22 +72,23 @@ def _value(config: RunConfig, path: str) -> Any:
     return getattr(getattr(config, section), name)
 
 
-def _sampling_problems(config: RunConfig) -> Iterator[RangeProblem]:
+def _sampling_problems(config: RunConfig) -> Iterator[Problem]:
     for temperature_path, top_p_path, top_k_path in SAMPLING_FIELDS:
         temperature, top_p, top_k = (_value(config, p) for p in (temperature_path, top_p_path, top_k_path))
         if temperature is not None and temperature < 0:
-            yield RangeProblem(temperature_path, f"{temperature} must be >= 0 (0: greedy); SGLang rejects it")
+            yield Problem(temperature_path, "out_of_range",
+                          f"{temperature} must be >= 0 (0: greedy); SGLang rejects it")
         if top_p is not None and not 0 < top_p <= 1:
-            yield RangeProblem(top_p_path, f"{top_p} must be within (0, 1]; SGLang rejects it")
+            yield Problem(top_p_path, "out_of_range", f"{top_p} must be within (0, 1]; SGLang rejects it")
         if top_k is not None and top_k != -1 and top_k < 1:
-            yield RangeProblem(top_k_path, f"{top_k} must be -1 (off) or >= 1; SGLang rejects it")
+            yield Problem(top_k_path, "out_of_range", f"{top_k} must be -1 (off) or >= 1; SGLang rejects it")
 
 
 FLOAT32_MAX = 3.4028234663852886e38
 """The largest float32: the trainer computes in float32 (bf16 on GPUs, whose range is the same)."""
 
 
-def _nonfinite_problems(config: RunConfig) -> Iterator[RangeProblem]:
+def _nonfinite_problems(config: RunConfig) -> Iterator[Problem]:
     """Every number of the config that is NaN or infinite (`--lr inf`, `--rollout-temperature nan`: YAML and
     Python's float() read both): none has a meaning, and a NaN passes every range test. Also every number past
     float32's range (`--lr 1e39`): finite in Python, but torch's optimizer fails on it mid-run ("cannot be
@@ -99,13 +96,15 @@ def _nonfinite_problems(config: RunConfig) -> Iterator[RangeProblem]:
     for section, name, number in config.section_fields():
         numbers = number if isinstance(number, list) else [number]
         if any(isinstance(n, float) and not math.isfinite(n) for n in numbers):
-            yield RangeProblem(f"{section}.{name}", f"{number} is not a finite number; give a real value")
+            yield Problem(f"{section}.{name}", "out_of_range",
+                          f"{number} is not a finite number; give a real value")
         elif any(isinstance(n, float) and abs(n) > FLOAT32_MAX for n in numbers):
-            yield RangeProblem(f"{section}.{name}", f"{number} is beyond float32's range (+-{FLOAT32_MAX:.4g}): "
-                                                    "no setting needs it, and torch's float32 math overflows on it")
+            yield Problem(f"{section}.{name}", "out_of_range",
+                          f"{number} is beyond float32's range (+-{FLOAT32_MAX:.4g}): "
+                          "no setting needs it, and torch's float32 math overflows on it")
 
 
-def range_problems(config: RunConfig) -> list[RangeProblem]:
+def range_problems(config: RunConfig) -> list[Problem]:
     """Every field outside its allowed range, every NaN or infinity, and every sampling value SGLang would
     refuse."""
     nonfinite = list(_nonfinite_problems(config))
@@ -114,5 +113,5 @@ def range_problems(config: RunConfig) -> list[RangeProblem]:
     for path, (test, allowed) in RANGES.items():
         value = _value(config, path)
         if path not in skip and value is not None and not isinstance(value, bool) and not test(value):
-            problems.append(RangeProblem(path, f"{value} is out of range: must be {allowed}"))
+            problems.append(Problem(path, "out_of_range", f"{value} is out of range: must be {allowed}"))
     return nonfinite + problems + [p for p in _sampling_problems(config) if p.field not in skip]

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 PROBE_TEXT = "FOR CALCULATING LOSS MASK ONLY"
 TOOL_ROLES = ("tool", "observation")
-MASK_RENDERINGS = ("qwen", "qwen3")
+MaskRendering = Literal["qwen", "qwen3"]
+"""The loss-mask renderings (slime's --loss-mask-type; the config field's type)."""
+MASK_RENDERINGS: tuple[str, ...] = get_args(MaskRendering)
 
 
 class ChatTemplateError(ValueError):

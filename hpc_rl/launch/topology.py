@@ -22,6 +22,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from hpc_rl.config.layout_checks import engine_count_problems, engine_span_problem
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sections.cluster import ClusterConfig
 
@@ -145,24 +146,18 @@ class JobTopology:
 def engine_nodes(engine_tp: int, gpus_per_node: int) -> int:
     """Nodes one engine spans: 1 when it fits on a node, else engine_tp / gpus_per_node whole nodes (SGLang
     splits its TP ranks evenly over `--nnodes`); ValueError when it is larger than a node but not whole nodes."""
-    if engine_tp <= gpus_per_node:
-        return 1
-    if engine_tp % gpus_per_node:
-        raise ValueError(f"an engine of {engine_tp} GPUs spans nodes of {gpus_per_node} GPUs, so it must take whole "
-                         f"nodes: make rollout_num_gpus_per_engine a multiple of {gpus_per_node} (or at most "
-                         f"{gpus_per_node})")
-    return engine_tp // gpus_per_node
+    span = engine_span_problem(engine_tp, gpus_per_node)  # the rule validation checks too: one home
+    if span is not None:
+        raise ValueError(span.message)
+    return 1 if engine_tp <= gpus_per_node else engine_tp // gpus_per_node
 
 
 def plan_topology(cluster: ClusterConfig, *, base_port: int = DEFAULT_BASE_PORT) -> JobTopology:
     """Place trainer ranks and engines (and a distillation teacher, `opd_teacher_num_gpus` > 0); raises
     ValueError for shapes that cannot be placed."""
     engine_tp = cluster.rollout_num_gpus_per_engine
-    if engine_tp < 1 or cluster.rollout_num_gpus % engine_tp:
-        raise ValueError(
-            f"rollout_num_gpus ({cluster.rollout_num_gpus}) must be a positive multiple of "
-            f"rollout_num_gpus_per_engine ({engine_tp})"
-        )
+    for problem in engine_count_problems(cluster):  # the rule validation checks too: one home
+        raise ValueError(str(problem))
     num_engines = 0 if cluster.debug_train_only else cluster.rollout_num_gpus // engine_tp
     gpus_per_node = cluster.actor_num_gpus_per_node if cluster.colocate else cluster.num_gpus_per_node
     nodes_per_engine = engine_nodes(engine_tp, gpus_per_node)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hpc_rl.config.sections.rollout import RM_TYPES as CONFIG_RM_TYPES
 from hpc_rl.data.tiny_task import tiny_task_reward
 from hpc_rl.rewards.boxed_answer import last_boxed_answer
 from hpc_rl.rewards.boxed_math import boxed_math_reward
@@ -30,7 +31,7 @@ RULE_GRADERS: Mapping[str, RuleGrader] = {
     "tiny_task": tiny_task_reward,
 }
 REMOTE_RM = "remote_rm"
-RM_TYPES: tuple[str, ...] = ("deepscaler", "dapo", "math", "f1", REMOTE_RM, "tiny_task")
+RM_TYPES = CONFIG_RM_TYPES  # the config's table (hpc_rl.config.sections.rollout.RmType)
 """Every valid `rm_type`; each rule type may also be prefixed with `boxed_`."""
 BOXED_PREFIX = "boxed_"
 

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from hpc_rl.config.sections.algorithm import ADVANTAGE_ESTIMATORS
+
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "compute_advantages",
@@ -32,7 +34,6 @@ __all__ = [
     "reinforce_plus_plus_returns",
 ]
 
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 _STD_NORMALIZED = ("grpo", "gspo", "cispo")
 
 

@@ -216,7 +216,7 @@ def transformer_config(
         attention_dropout=0.0,
         rotary_interleaved=arch.rotary_interleaved,
         tensor_model_parallel_size=training.tensor_model_parallel_size,
-        sequence_parallel=training.sequence_parallel and training.tensor_model_parallel_size > 1,
+        sequence_parallel=training.sequence_parallel,  # off at TP 1: TrainingConfig, the rule's one home
         pipeline_model_parallel_size=training.pipeline_model_parallel_size,
         pipeline_dtype=dtype,
         context_parallel_size=training.context_parallel_size,

@@ -60,8 +60,8 @@ class MoeRouting:
     def __init__(self, actor: torch.nn.Module, arch: ModelArchitecture, training: TrainingConfig,
                  info: ParallelInfo) -> None:
         assert arch.num_moe_experts is not None, "MoeRouting is for models with experts"
-        sequence_parallel = training.sequence_parallel and info.tp_size > 1
-        sp_size, sp_rank = (info.tp_size, info.tp_rank) if sequence_parallel else (1, 0)
+        # sequence_parallel is off at TP 1 (TrainingConfig, the rule's one home)
+        sp_size, sp_rank = (info.tp_size, info.tp_rank) if training.sequence_parallel else (1, 0)
         source = ("rollout" if training.use_rollout_routing_replay else "recorded" if training.use_routing_replay
                   else None)
         self.replay = None if source is None else RoutingReplay(

@@ -2,7 +2,9 @@
 
 Owns: `init_parallel` (gloo on CPU, nccl on GPU; then `initialize_model_parallel` with the
 `training` section's TP/PP/CP/EP sizes; then the RNG seeds) and `ParallelInfo`, the few ranks and
-groups the step, the exporter and checkpoints ask for. Does not own the weight-update group to the
+groups the step, the exporter and checkpoints ask for: its sizes are the config's `ParallelLayout` (the layout's
+one home, `hpc_rl.config.parallel_layout`, which validation and the memory plan use too), checked against the
+groups Megatron built; its ranks are Megatron's. Does not own the weight-update group to the
 engines (`hpc_rl.weights.process_group`), the pipeline schedule (`hpc_rl.training.pipeline`) or the
 CP sequence split (`hpc_rl.training.context_parallel`).
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hpc_rl.config.parallel_layout import ParallelLayout
 from hpc_rl.config.sections.training import TrainingConfig
 from hpc_rl.training.cpu_switch import apply_cpu_switches, seed_megatron_rng
 
@@ -111,30 +114,51 @@ def init_parallel(training: TrainingConfig, *, device: str = "cpu") -> ParallelI
             expert_tensor_parallel_size=training.expert_tensor_parallel_size,
         )
     seed_megatron_rng(training.seed)
-    return current_parallel_info(on_cpu=on_cpu)
+    return current_parallel_info(on_cpu=on_cpu, layout=ParallelLayout.of(training, dist.get_world_size()))
 
 
-def current_parallel_info(*, on_cpu: bool | None = None) -> ParallelInfo:
-    """Ranks and sizes of the already-initialised groups."""
+def _megatron_sizes() -> dict[str, int]:
     from megatron.core import parallel_state
 
+    return {"tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "dp_size": parallel_state.get_data_parallel_world_size(),
+            "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
+            "cp_size": parallel_state.get_context_parallel_world_size(),
+            "ep_size": parallel_state.get_expert_model_parallel_world_size(),
+            "expert_tp_size": parallel_state.get_expert_tensor_parallel_world_size()}
+
+
+def layout_sizes(layout: ParallelLayout) -> dict[str, int]:
+    """`ParallelInfo`'s sizes from the config's layout."""
+    return {"tp_size": layout.tp, "dp_size": layout.dp, "pp_size": layout.pp, "cp_size": layout.cp,
+            "ep_size": layout.ep, "expert_tp_size": layout.etp}
+
+
+def current_parallel_info(*, on_cpu: bool | None = None, layout: ParallelLayout | None = None) -> ParallelInfo:
+    """Ranks and sizes of the already-initialised groups; with `layout` (the run's), the sizes are the layout's,
+    and a group Megatron built of another size is an error naming both."""
+    from megatron.core import parallel_state
+
+    sizes = _megatron_sizes()
+    if layout is not None:
+        planned = layout_sizes(layout)
+        differ = {name: (planned[name], built) for name, built in sizes.items() if planned[name] != built}
+        if differ:
+            raise RuntimeError(f"Megatron built process groups of other sizes than the config's parallel layout "
+                               f"(size: layout, Megatron): {differ}")
+        sizes = planned
     return ParallelInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         dp_rank=parallel_state.get_data_parallel_rank(),
-        dp_size=parallel_state.get_data_parallel_world_size(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         cp_rank=parallel_state.get_context_parallel_rank(),
-        cp_size=parallel_state.get_context_parallel_world_size(),
         ep_rank=parallel_state.get_expert_model_parallel_rank(),
-        ep_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tp_rank=parallel_state.get_expert_tensor_parallel_rank(),
-        expert_tp_size=parallel_state.get_expert_tensor_parallel_world_size(),
         expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
         on_cpu=(not torch.cuda.is_available()) if on_cpu is None else on_cpu,
+        **sizes,
     )
 
 

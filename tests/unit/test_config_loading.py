@@ -59,8 +59,10 @@ def test_unknown_key_names_file_and_line(tmp_path: Path) -> None:
 
 def test_wrong_type_names_file_and_line(tmp_path: Path) -> None:
     path = write(tmp_path, "model: m.yaml\nglobal_batch_size: many\n")
-    with pytest.raises(ConfigError, match=rf"{path}:2: training.global_batch_size: 'many' is not an integer"):
+    with pytest.raises(ConfigError, match=rf"{path}:2: training.global_batch_size: 'many' is not an integer") as refused:
         load_config([path])
+    assert [(p.field, p.code, p.location) for p in refused.value.problems] == [
+        ("training.global_batch_size", "bad_type", f"{path}:2")]
 
 
 def test_unknown_cli_flag_suggests() -> None:
@@ -76,8 +78,34 @@ def test_incomplete_model_flags_say_what_is_missing() -> None:
 
 def test_section_invariant_reports_origin(tmp_path: Path) -> None:
     path = write(tmp_path, "algorithm:\n  advantage_estimator: grpoo\n")
-    with pytest.raises(ConfigError, match="advantage_estimator: 'grpoo' is not one of"):
+    with pytest.raises(ConfigError, match="advantage_estimator: 'grpoo' is not one of") as refused:
         load_config([path])
+    assert [(p.field, p.code, p.location) for p in refused.value.problems] == [
+        ("algorithm.advantage_estimator", "not_one_of", f"{path}:2")]
+
+
+def test_section_invariants_point_at_the_line_of_their_own_field(tmp_path: Path) -> None:
+    """A section's own rule (`__post_init__`) is reported at the line that set the field it names, not at the
+    section's first setting; a Literal field's value at its own line too, and every problem in one pass."""
+    path = write(tmp_path, "algorithm:\n  eps_clip: 0.1\n  kl_loss_type: k9\n  eps_clip_c: 0.5\n"
+                           "training:\n  seed: 3\n  context_parallel_size: 2\n  qkv_format: bshd\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config([path], ["--routing-replay-prefetch-microbatches", "-1"])
+    located = {(p.field, p.code, p.location) for p in refused.value.problems}
+    assert located == {("algorithm.kl_loss_type", "not_one_of", f"{path}:3"),
+                       ("algorithm.eps_clip_c", "out_of_range", f"{path}:4"),
+                       ("training.qkv_format", "unsupported", f"{path}:8"),
+                       ("training.routing_replay_prefetch_microbatches", "out_of_range",
+                        "command line --routing-replay-prefetch-microbatches")}
+    assert f"{path}:4: algorithm.eps_clip_c: 0.5 must be > 1" in str(refused.value)  # the field and the fix
+
+
+def test_sequence_parallel_at_tp_1_is_off_as_in_megatron() -> None:
+    from hpc_rl.config.sections.training import TrainingConfig
+
+    assert load_config([], ["--sequence-parallel"]).training.sequence_parallel is False
+    assert TrainingConfig(sequence_parallel=True).sequence_parallel is False  # one rule, wherever it is built
+    assert TrainingConfig(sequence_parallel=True, tensor_model_parallel_size=2).sequence_parallel is True
 
 
 def test_resolved_config_round_trip(tmp_path: Path) -> None:

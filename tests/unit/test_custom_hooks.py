@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_rl.config.loading import load_config
+from hpc_rl.config.loading import ConfigError, load_config
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.training.custom_hooks import CustomHookError, check_custom_loss_result, run_custom_advantages
 
@@ -71,6 +71,12 @@ def test_wrong_signature_names_the_file_and_line(plugin_file: Path) -> None:
 
 
 def test_loss_type_and_path_go_together(plugin_file: Path) -> None:
+    config = load_config(["configs/tiny_cpu.yaml"], ["--loss-type", "custom_loss"])
+    assert [(p.field, p.code) for p in collect_problems(config, check_files=False)] == [("algorithm.loss_type", "needs")]
+    with pytest.raises(ConfigError) as refused:
+        load_config([], ["--loss-type", "value_loss"])
+    assert [(p.field, p.code, p.location) for p in refused.value.problems] == [
+        ("algorithm.loss_type", "not_one_of", "command line --loss-type")]
     assert ("algorithm.loss_type: custom_loss needs custom_loss_function_path (--custom-loss-function-path module.fn)"
             in problems_of("--loss-type", "custom_loss"))
     problems = problems_of("--custom-loss-function-path", f"{plugin_file}:good_loss")

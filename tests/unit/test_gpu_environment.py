@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from hpc_rl.config import load_config
-from hpc_rl.config.validation import collect_problems
+from hpc_rl.config.problems import Problem
 from hpc_rl.controller.logprob_guard import FIRST_STEP_GAP, LogprobGuard, LogprobMismatch, threshold_for
 from hpc_rl.data.samples import Sample
 from hpc_rl.launch.slurm_submit import render_slurm_dry_run
+from tests.unit.config_problems import codes, config_problems, message_of
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
@@ -45,25 +46,33 @@ def test_the_guard_fails_a_run_whose_engines_do_not_serve_the_synced_weights() -
     assert threshold_for("cuda", None) == 0.1 and threshold_for("cpu", 0) is None and threshold_for("cpu", 0.5) == 0.5
 
 
-def problems_for(*flags: str) -> str:
-    config = load_config([REPO / "configs" / "tiny_cpu.yaml"], list(flags))
-    return "\n".join(str(p) for p in collect_problems(config, check_files=False))
+def problems_for(*flags: str) -> list[Problem]:
+    return config_problems([REPO / "configs" / "tiny_cpu.yaml"], list(flags))
 
 
-def test_gpu_cluster_rules_name_the_field_and_the_fix(in_repo: Path) -> None:
-    assert "rollout.async_rollout: colocated engines cannot generate while the trainer trains" in problems_for(
-        "--colocate", "--train-async")
-    assert "sglang.dtype: 'bfloat16': the engines must serve the dtype the trainer exports (float32 on cpu)" in \
-        problems_for("--sglang-dtype", "bfloat16")
-    assert problems_for("--sglang-dtype", "float") == ""  # SGLang's spelling of float32
-    assert "slurm.container_runtime: 'docker' must be one of pyxis, apptainer" in problems_for(
-        "--set", "slurm.container_image=img.sif", "--set", "slurm.container_runtime=docker")
-    assert "slurm.container_mounts[0]: 'data' must be SRC:DST" in problems_for(
-        "--set", "slurm.container_image=img.sif", "--set", "slurm.container_mounts=[data]")
-    assert "slurm.container_image: container_runtime/container_mounts are set but no container_image" in \
-        problems_for("--set", "slurm.container_mounts=[/d:/d]")
-    assert "controller.max_logprob_mismatch: -1.0 must be >= 0" in problems_for(
-        "--set", "controller.max_logprob_mismatch=-1")
+@pytest.mark.parametrize(("flags", "field", "code", "words"), [
+    (["--colocate", "--train-async"], "rollout.async_rollout", "conflict",
+     "colocated engines cannot generate while the trainer trains"),
+    (["--sglang-dtype", "bfloat16"], "sglang.dtype", "mismatch",
+     "'bfloat16': the engines must serve the dtype the trainer exports (float32 on cpu)"),
+    (["--set", "slurm.container_image=img.sif", "--set", "slurm.container_runtime=docker"], "slurm.container_runtime",
+     "not_one_of", "'docker' is not one of pyxis, apptainer"),
+    (["--set", "slurm.container_image=img.sif", "--set", "slurm.container_mounts=[data]"], "slurm.container_mounts[0]",
+     "unsupported", "'data' must be SRC:DST"),
+    (["--set", "slurm.container_mounts=[/d:/d]"], "slurm.container_image", "unsupported",
+     "container_runtime/container_mounts are set but no container_image"),
+    (["--set", "controller.max_logprob_mismatch=-1"], "controller.max_logprob_mismatch", "out_of_range",
+     "-1.0 must be >= 0"),
+])
+def test_gpu_cluster_rules_name_the_field_and_the_fix(in_repo: Path, flags: list[str], field: str, code: str,
+                                                      words: str) -> None:
+    found = problems_for(*flags)
+    assert (field, code) in codes(found), found
+    assert words in message_of(found, field)
+
+
+def test_sglangs_spelling_of_float32_is_the_trainers_dtype(in_repo: Path) -> None:
+    assert problems_for("--sglang-dtype", "float") == []
 
 
 @pytest.mark.parametrize("runtime", ["pyxis", "apptainer"])

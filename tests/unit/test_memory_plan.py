@@ -116,8 +116,8 @@ def test_qwen3_30b_recipe_plan_fits_and_prints() -> None:
 
 def test_plan_refuses_with_the_numbers() -> None:
     small_gpu = plan_memory(qwen3_30b("--gpu-memory-gib", "36"), arch("qwen3_30B_A3B"))
-    problems = dict(small_gpu.problems())
-    assert list(problems) == ["training"]
+    assert [(p.field, p.code) for p in small_gpu.problems()] == [("training", "memory")]
+    problems = {p.field: p.message for p in small_gpu.problems()}
     assert problems["training"].startswith("colocated training needs 37.3 GiB per GPU (trainer weights 7.5, "
                                            "grads 15.0, activations 1.6, logits 7.2")
     assert "over the GPU's 36.0 GiB (cluster.gpu_memory_gib): add --optimizer-cpu-offload" in problems["training"]
@@ -126,16 +126,18 @@ def test_plan_refuses_with_the_numbers() -> None:
 def test_offload_and_recompute_decide_whether_it_fits() -> None:
     """slime's recipe needs its CPU Adam when the trainer stays on the GPU beside the engine's KV cache."""
     kept = ("--no-offload-train",)
-    assert plan_memory(qwen3_30b(*kept), arch("qwen3_30B_A3B")).problems()[0][0] == "sglang.mem_fraction_static"
+    assert plan_memory(qwen3_30b(*kept), arch("qwen3_30B_A3B")).problems()[0].field == "sglang.mem_fraction_static"
     no_recompute = plan_memory(qwen3_30b("--set", "training.recompute_granularity=null"), arch("qwen3_30B_A3B"))
-    assert [where for where, _ in no_recompute.problems()] == []  # 34 GiB of activations still fit with CPU Adam
+    assert no_recompute.problems() == []  # 34 GiB of activations still fit with CPU Adam
     plain = qwen3_30b("--set", "training.recompute_granularity=null", "--no-optimizer-cpu-offload")
-    assert "colocated training needs" in dict(plan_memory(plain, arch("qwen3_30B_A3B")).problems())["training"]
+    assert "colocated training needs" in {p.field: p.message for p in plan_memory(plain, arch("qwen3_30B_A3B")).problems()}["training"]
 
 
 def test_engine_without_room_for_one_sample() -> None:
     config = qwen3_30b("--rollout-num-gpus-per-engine", "1", "--rollout-num-gpus", "8")
-    problems = dict(plan_memory(config, arch("qwen3_30B_A3B")).problems())
+    found = plan_memory(config, arch("qwen3_30B_A3B")).problems()
+    assert [(p.field, p.code) for p in found] == [("sglang.mem_fraction_static", "memory")]
+    problems = {p.field: p.message for p in found}
     assert "minus its weights (56.9 GiB) leaves KV cache for 0 tokens" in problems["sglang.mem_fraction_static"]
 
 
@@ -147,7 +149,7 @@ def test_decoupled_plan_checks_each_side() -> None:
     assert plan.problems() == []
     huge_bucket = load_config(["configs/qwen3_4b_grpo_4nodes_decoupled.yaml"],
                               ["--update-weight-buffer-size", str(30 * GIB)])
-    assert [where for where, _ in plan_memory(huge_bucket, arch("qwen3_4B")).problems()] == [
+    assert [p.field for p in plan_memory(huge_bucket, arch("qwen3_4B")).problems()] == [
         "rollout.update_weight_buffer_size"]
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from hpc_rl.config import ConfigError, load_config
 from hpc_rl.config.megatron_model import architecture_from_argv
-from hpc_rl.config.mla_checks import mla_problems, speculative_notes
+from hpc_rl.config.mtp_checks import mtp_problems, speculative_notes
+from hpc_rl.config.problems import Problem
 from hpc_rl.models.mla import hf_rotary_numbers, megatron_rotary_numbers
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
 from hpc_rl.config.parameter_counts import format_count, model_share, mtp_share, stage_shares
@@ -178,18 +179,21 @@ def _config(*flags: str):
 
 def test_mtp_and_speculative_decoding_checks() -> None:
     config = _config("--enable-mtp-training", "--rollout-num-gpus-per-engine", "1")
-    assert ("training.enable_mtp_training", "trains the MTP layers, but the model has none: add --mtp-num-layers "
-            "(slime asserts the same)") in mla_problems(config, config.model_args)
+    assert Problem("training.enable_mtp_training", "needs", "trains the MTP layers, but the model has none: add "
+                   "--mtp-num-layers (slime asserts the same)") in mtp_problems(config, config.model_args)
     cuda = ["--actor-num-gpus-per-node", "8", "--colocate", "--rollout-num-gpus-per-engine", "8"]
     eagle = _config(*cuda, "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-eagle-topk", "1")
     assert eagle.cluster.device == "cuda"
-    problems = dict(mla_problems(eagle, eagle.model_args))
+    found = mtp_problems(eagle, eagle.model_args)
+    assert {(p.field, p.code) for p in found} == {("sglang.extra_args.speculative_algorithm", "needs"),
+                                                  ("sglang.extra_args.speculative_num_steps", "unsupported")}
+    problems = {p.field: p.message for p in found}
     assert "add --mtp-num-layers 1" in problems["sglang.extra_args.speculative_algorithm"]
     assert "asserts they come together" in problems["sglang.extra_args.speculative_num_steps"]
     fine = _config(*cuda, "--mtp-num-layers", "1", "--sglang-speculative-algorithm", "EAGLE",
                    "--sglang-speculative-num-steps", "3", "--sglang-speculative-eagle-topk", "1",
                    "--sglang-speculative-num-draft-tokens", "4")
-    assert mla_problems(fine, fine.model_args) == []
+    assert mtp_problems(fine, fine.model_args) == []
     cpu = load_config([ROOT / "configs/tiny_mla_cpu.yaml"], ["--sglang-speculative-algorithm", "EAGLE"])
     assert "the CPU engine decodes token by token" in speculative_notes(cpu)[0]
 

@@ -10,6 +10,7 @@ import pytest
 from hpc_rl.config import load_config
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.submit import main
+from tests.unit.config_problems import codes, config_problems
 
 RECIPE = "configs/qwen3_30b_a3b_grpo.yaml"
 TINY_MOE = ["--model", "configs/models/tiny_qwen3.yaml", "--num-experts", "4", "--moe-ffn-hidden-size", "32",
@@ -22,9 +23,9 @@ def _from_repo(in_repo: Path) -> None:
 
 
 def problems(files: list[str], flags: list[str]) -> dict[str, str]:
-    """Field -> its problems' messages (joined when a field has several)."""
+    """Field -> its problems' messages (joined when a field has several), at load or at validation."""
     found: dict[str, str] = {}
-    for problem in collect_problems(load_config(files, flags), check_files=False):
+    for problem in config_problems(files, flags):
         found[problem.where] = "\n".join(filter(None, (found.get(problem.where), problem.message)))
     return found
 
@@ -33,39 +34,40 @@ def test_slimes_recipe_has_no_problem() -> None:
     assert problems([RECIPE], []) == {}
 
 
-@pytest.mark.parametrize(("flags", "where", "expected"), [
-    (["--expert-model-parallel-size", "6"], "training.expert_model_parallel_size",
+@pytest.mark.parametrize(("flags", "where", "code", "expected"), [
+    (["--expert-model-parallel-size", "6"], "training.expert_model_parallel_size", "not_divisible",
      "the model's 128 experts do not split over EP 6"),
-    (["--expert-model-parallel-size", "16"], "training.expert_model_parallel_size",
+    (["--expert-model-parallel-size", "16"], "training.expert_model_parallel_size", "not_divisible",
      "ETP x EP x PP = 1 x 16 x 1 = 16 does not divide the trainer's 8 GPUs"),
-    (["--expert-tensor-parallel-size", "2"], "training.expert_model_parallel_size",
+    (["--expert-tensor-parallel-size", "2"], "training.expert_model_parallel_size", "not_divisible",
      "ETP x EP x PP = 2 x 8 x 1 = 16 does not divide"),
-    (["--no-sequence-parallel"], "training.sequence_parallel", "MoE with TP 4 needs sequence parallelism"),
-    (["--moe-token-dispatcher-type", "alltoall_seq"], "training.moe_token_dispatcher_type",
+    (["--no-sequence-parallel"], "training.sequence_parallel", "needs", "MoE with TP 4 needs sequence parallelism"),
+    (["--moe-token-dispatcher-type", "alltoall_seq"], "training.moe_token_dispatcher_type", "not_one_of",
      "'alltoall_seq' is not one of alltoall, allgather, flex"),
-    (["--moe-router-dtype", "bf16"], "training.moe_router_dtype", "'bf16' is not one of None, fp32, fp64"),
+    (["--moe-router-dtype", "bf16"], "training.moe_router_dtype", "not_one_of", "'bf16' is not one of fp32, fp64 (or null)"),
     (["--moe-router-load-balancing-type", "sinkhorn", "--moe-expert-capacity-factor", "1.5"],
-     "training.moe_expert_capacity_factor", "not 'sinkhorn'"),
-    (["--moe-token-drop-policy", "random"], "training.moe_token_drop_policy", "'random' is not one of probs, position"),
-    (["--moe-enable-deepep"], "training.moe_enable_deepep", "DeepEP runs behind the flex dispatcher only"),
-    (["--moe-router-topk", "1"], "model", "top-1 softmax routing needs --moe-router-pre-softmax"),
-    (["--moe-router-group-topk", "2", "--moe-router-num-groups", "3"], "model",
+     "training.moe_expert_capacity_factor", "unsupported", "not 'sinkhorn'"),
+    (["--moe-token-drop-policy", "random"], "training.moe_token_drop_policy", "not_one_of", "'random' is not one of probs, position"),
+    (["--moe-enable-deepep"], "training.moe_enable_deepep", "needs", "DeepEP runs behind the flex dispatcher only"),
+    (["--moe-router-topk", "1"], "model", "needs", "top-1 softmax routing needs --moe-router-pre-softmax"),
+    (["--moe-router-group-topk", "2", "--moe-router-num-groups", "3"], "model", "not_divisible",
      "moe_router_num_groups (3) must divide the 128 experts"),
-    (["--no-use-precision-aware-optimizer"], "optimizer.optimizer_cpu_offload",
+    (["--no-use-precision-aware-optimizer"], "optimizer.optimizer_cpu_offload", "needs",
      "needs --use-precision-aware-optimizer"),
-    (["--no-optimizer-cpu-offload"], "optimizer.overlap_cpu_optimizer_d2h_h2d", "is read only with --optimizer-cpu-offload"),
-    (["--optimizer", "sgd"], "optimizer.use_precision_aware_optimizer", "works with adam only"),
-    (["--optimizer-offload-fraction", "1.5"], "optimizer.optimizer_offload_fraction", "1.5 is out of range"),
-    (["--sglang-dp-size", "2"], "sglang.extra_args.dp_size", "2 without enable_dp_attention starts 2 server replicas"),
-    (["--sglang-enable-dp-attention", "--sglang-dp-size", "3"], "sglang.extra_args.dp_size",
+    (["--no-optimizer-cpu-offload"], "optimizer.overlap_cpu_optimizer_d2h_h2d", "unused", "is read only with --optimizer-cpu-offload"),
+    (["--optimizer", "sgd"], "optimizer.use_precision_aware_optimizer", "unsupported", "works with adam only"),
+    (["--optimizer-offload-fraction", "1.5"], "optimizer.optimizer_offload_fraction", "out_of_range", "1.5 is out of range"),
+    (["--sglang-dp-size", "2"], "sglang.extra_args.dp_size", "needs", "2 without enable_dp_attention starts 2 server replicas"),
+    (["--sglang-enable-dp-attention", "--sglang-dp-size", "3"], "sglang.extra_args.dp_size", "not_divisible",
      "attention DP 3 does not divide the engine's 8 GPUs"),
-    (["--sglang-enable-dp-lm-head"], "sglang.extra_args.enable_dp_lm_head", "needs attention DP"),
-    (["--sglang-moe-dense-tp-size", "2"], "sglang.extra_args.moe_dense_tp_size", "SGLang takes 1 or the engine's TP"),
-    (["--sglang-ep-size", "3"], "sglang.extra_args.ep_size", "EP 3 does not divide the engine's 8 GPUs"),
+    (["--sglang-enable-dp-lm-head"], "sglang.extra_args.enable_dp_lm_head", "needs", "needs attention DP"),
+    (["--sglang-moe-dense-tp-size", "2"], "sglang.extra_args.moe_dense_tp_size", "unsupported", "SGLang takes 1 or the engine's TP"),
+    (["--sglang-ep-size", "3"], "sglang.extra_args.ep_size", "not_divisible", "EP 3 does not divide the engine's 8 GPUs"),
 ])
-def test_moe_problems_name_the_numbers(flags: list[str], where: str, expected: str) -> None:
-    found = problems([RECIPE], flags)
-    assert expected in found.get(where, ""), found
+def test_moe_problems_name_the_numbers(flags: list[str], where: str, code: str, expected: str) -> None:
+    found = config_problems([RECIPE], flags)
+    assert (where, code) in codes(found), found
+    assert expected in "\n".join(p.message for p in found if p.field == where), found  # the numbers and the fix
 
 
 def test_redundant_experts_make_sglang_ep_divide() -> None:

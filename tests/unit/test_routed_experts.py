@@ -207,13 +207,14 @@ def routing_config(tmp_path, **training: Any) -> RunConfig:
 
 
 def test_validation_names_what_replay_cannot_do(tmp_path, in_repo) -> None:
-    from hpc_rl.config.validation import _routing_replay_problems
+    from hpc_rl.config.moe_checks import routing_replay_problems as _routing_replay_problems
 
     assert _routing_replay_problems(routing_config(tmp_path, use_rollout_routing_replay=True)) == []
     problems = _routing_replay_problems(routing_config(
         tmp_path, use_rollout_routing_replay=True, moe_expert_capacity_factor=1.0,
         moe_router_load_balancing_type="sinkhorn"))
-    assert [p.where for p in problems] == ["training.use_rollout_routing_replay", "training.moe_expert_capacity_factor"]
+    assert [(p.field, p.code) for p in problems] == [("training.use_rollout_routing_replay", "unsupported"),
+                                                     ("training.moe_expert_capacity_factor", "unsupported")]
     sft = routing_config(tmp_path, use_rollout_routing_replay=True)
     sft.rollout.rollout_function_path = SFT_ROLLOUT  # no engine routes the data's chats
     assert [p.where for p in _routing_replay_problems(sft)] == ["training.use_rollout_routing_replay"]

@@ -46,10 +46,14 @@ def test_slimes_cuda_graph_bs_becomes_the_decode_batch_sizes_on_the_command_line
 def test_engine_kind_is_separate_from_the_device():
     assert engine_kind("auto", "cuda") == "sglang" and engine_kind("auto", "cpu") == "cpu"
     assert engine_kind("sglang", "cpu") == "sglang" and engine_kind("cpu", "cpu") == "cpu"
-    assert "gloo" in engine_problems("cpu", "cuda", {})["rollout.engine"]
-    assert "must be one of" in engine_problems("vllm", "cpu", {})["rollout.engine"]
-    assert engine_problems("cpu", "cpu", {"cuda_graph": 1}) == {}  # the CPU engine takes no SGLang options
-    assert "ambiguous" in engine_problems("sglang", "cpu", {"sglang_cuda_graph": [1]})["sglang.sglang_cuda_graph"]
+    (gloo,) = engine_problems("cpu", "cuda", {})
+    assert (gloo.field, gloo.code) == ("rollout.engine", "unsupported") and "gloo" in gloo.message
+    (vllm,) = engine_problems("vllm", "cpu", {})
+    assert (vllm.field, vllm.code) == ("rollout.engine", "not_one_of") and "must be one of" in vllm.message
+    assert engine_problems("cpu", "cpu", {"cuda_graph": 1}) == []  # the CPU engine takes no SGLang options
+    (ambiguous,) = engine_problems("sglang", "cpu", {"sglang_cuda_graph": [1]})
+    assert (ambiguous.field, ambiguous.code) == ("sglang.sglang_cuda_graph", "unknown_key")
+    assert "ambiguous" in ambiguous.message
     assert sglang_device_options("cpu", {"attention_backend": "sdpa"}) == {**SGLANG_ON_CPU_OPTIONS,
                                                                             "attention_backend": "sdpa"}
 

@@ -102,6 +102,11 @@ def problems(*flags: str, config: str = "configs/tiny_cpu.yaml") -> list[str]:
     return [str(p) for p in collect_problems(load_config([ROOT / config], list(flags)), check_files=False)]
 
 
+def found(*flags: str, config: str = "configs/tiny_cpu.yaml") -> set[tuple[str, str]]:
+    """(field, code) of every problem."""
+    return {(p.field, p.code) for p in collect_problems(load_config([ROOT / config], list(flags)), check_files=False)}
+
+
 def test_sft_is_a_trainer_only_job_with_slime_s_data_keys() -> None:
     config = load_config([], [*SFT_LINE, "--rollout-batch-size", "16", "--global-batch-size", "16",
                               "--rollout-num-gpus", "8"])
@@ -110,6 +115,12 @@ def test_sft_is_a_trainer_only_job_with_slime_s_data_keys() -> None:
     assert (config.rollout.n_samples_per_prompt, config.rollout.label_key, config.rollout.tool_key) == (1, None, "tools")
     assert plan_topology(config.cluster).engines == () and len(plan_topology(config.cluster).groups) == 1
     assert problems(config="configs/tiny_sft_cpu.yaml") == []
+    assert ("rollout.n_samples_per_prompt", "unsupported") in found(
+        "--n-samples-per-prompt", "8", "--global-batch-size", "128", config="configs/tiny_sft_cpu.yaml")
+    assert ("algorithm.loss_type", "needs") in found("--loss-type", "sft_loss")
+    assert ("cluster.debug_train_only", "needs") in found("--debug-train-only")
+    assert ("rollout.partial_rollout", "unsupported") in found("--partial-rollout", config="configs/tiny_sft_cpu.yaml")
+    assert ("rollout.rollout_function_path", "not_one_of") in found("--rollout-function-path", "my.rollout.fn")
     assert any("rollout.n_samples_per_prompt: 8: SFT trains each chat once" in p for p in problems(
         "--n-samples-per-prompt", "8", "--global-batch-size", "128", config="configs/tiny_sft_cpu.yaml"))
     assert any("SFT is --rollout-function-path" in p for p in problems("--loss-type", "sft_loss"))
@@ -128,6 +139,11 @@ def test_opd_rules_and_slime_s_sglang_line() -> None:
     assert config.distillation.opd_teacher_url == "http://10.0.0.1:13141/generate"
     assert config.rollout.custom_rm_path == "hpc_rl.rollout.teacher.distillation_reward"
     assert problems(*slime) == []
+    assert ("distillation.opd_type", "needs") in found("--use-opd")
+    assert ("distillation.opd_teacher_load", "needs") in found("--use-opd", "--opd-type", "megatron")
+    assert ("distillation.opd_type", "unused") in found("--opd-type", "megatron")
+    assert ("distillation.opd_teacher_hf_checkpoint", "needs") in found("--use-opd", "--opd-type", "sglang")
+    assert ("distillation.use_opd", "needs") in found(*slime[3:])
     assert any("--use-opd needs --opd-type" in p for p in problems("--use-opd"))
     assert any("needs --opd-teacher-load" in p for p in problems("--use-opd", "--opd-type", "megatron"))
     assert any("is read only with --use-opd" in p for p in problems("--opd-type", "megatron"))
@@ -143,8 +159,9 @@ def test_opd_teacher_and_student_must_share_a_tokenizer(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
     config = load_config([ROOT / "configs/tiny_cpu.yaml"], flags)
     assert config.cluster.opd_teacher_num_gpus == 1 and plan_topology(config.cluster).teacher is not None
-    found = [str(p) for p in collect_problems(config) if "tokenize differently" in str(p)]
-    assert found and found[0].startswith("distillation.opd_teacher_hf_checkpoint")
+    mismatched = [p for p in collect_problems(config) if p.code == "mismatch"]
+    assert [p.field for p in mismatched] == ["distillation.opd_teacher_hf_checkpoint"]
+    assert "tokenize differently" in mismatched[0].message
     assert not [p for p in collect_problems(load_config([ROOT / "configs/tiny_opd_cpu.yaml"])) if "tokeniz" in str(p)]
 
 

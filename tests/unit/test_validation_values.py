@@ -12,6 +12,7 @@ import pytest
 from hpc_rl.config import ConfigError, load_config
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.submit import main
+from tests.unit.config_problems import codes, config_problems
 
 TINY = "configs/tiny_cpu.yaml"
 
@@ -25,19 +26,23 @@ def problems_for(flags: list[str], *, check_files: bool = True) -> str:
     return "\n".join(str(p) for p in collect_problems(load_config([TINY], flags), check_files=check_files))
 
 
-@pytest.mark.parametrize(("flags", "expected"), [
-    (["--rollout-batch-size", "0", "--global-batch-size", "8"], "rollout.rollout_batch_size: 0 is out of range: must be >= 1"),
-    (["--num-rollout", "-1"], "rollout.num_rollout: -1 is out of range: must be >= 1"),
-    (["--lr", "-1"], "optimizer.lr: -1.0 is out of range: must be > 0"),
-    (["--rollout-temperature", "-3"], "rollout.rollout_temperature: -3.0 must be >= 0"),
-    (["--rollout-top-p", "0"], "rollout.rollout_top_p: 0.0 must be within (0, 1]"),
-    (["--rollout-top-k", "0"], "rollout.rollout_top_k: 0 must be -1 (off) or >= 1"),
-    (["--eval-top-p", "1.5"], "eval.eval_top_p: 1.5 must be within (0, 1]"),
-    (["--expert-model-parallel-size", "2"], "training.expert_model_parallel_size: 2: the model is dense"),
-    (["--max-turns", "3"], "rollout.max_turns: is read by a custom generate function only"),
-    (["--offload-train"], "this run is not colocated"),
+@pytest.mark.parametrize(("flags", "field", "code", "expected"), [
+    (["--rollout-batch-size", "0", "--global-batch-size", "8"], "rollout.rollout_batch_size", "out_of_range",
+     "rollout.rollout_batch_size: 0 is out of range: must be >= 1"),
+    (["--num-rollout", "-1"], "rollout.num_rollout", "out_of_range", "rollout.num_rollout: -1 is out of range: must be >= 1"),
+    (["--lr", "-1"], "optimizer.lr", "out_of_range", "optimizer.lr: -1.0 is out of range: must be > 0"),
+    (["--rollout-temperature", "-3"], "rollout.rollout_temperature", "out_of_range",
+     "rollout.rollout_temperature: -3.0 must be >= 0"),
+    (["--rollout-top-p", "0"], "rollout.rollout_top_p", "out_of_range", "rollout.rollout_top_p: 0.0 must be within (0, 1]"),
+    (["--rollout-top-k", "0"], "rollout.rollout_top_k", "out_of_range", "rollout.rollout_top_k: 0 must be -1 (off) or >= 1"),
+    (["--eval-top-p", "1.5"], "eval.eval_top_p", "out_of_range", "eval.eval_top_p: 1.5 must be within (0, 1]"),
+    (["--expert-model-parallel-size", "2"], "training.expert_model_parallel_size", "unsupported",
+     "training.expert_model_parallel_size: 2: the model is dense"),
+    (["--max-turns", "3"], "rollout.max_turns", "unused", "rollout.max_turns: is read by a custom generate function only"),
+    (["--offload-train"], "training.offload_train", "unused", "this run is not colocated"),
 ])
-def test_bad_values_are_caught(flags: list[str], expected: str) -> None:
+def test_bad_values_are_caught(flags: list[str], field: str, code: str, expected: str) -> None:
+    assert (field, code) in codes(config_problems([TINY], flags))
     assert expected in problems_for(flags, check_files=False)
 
 
@@ -80,6 +85,9 @@ def test_two_unknown_keys_and_two_type_errors_all_reported(tmp_path: Path) -> No
     with pytest.raises(ConfigError) as caught:
         load_config([path], ["--seed", "x"])
     text = str(caught.value)
+    assert {(p.field, p.code, p.location) for p in caught.value.problems} == {
+        ("training.global_batch_size", "bad_type", f"{path}:3"), ("rollout.n_samples_per_prompt", "bad_type", f"{path}:5"),
+        ("training.seed", "bad_type", "command line --seed")}
     assert f"{path}:1: unknown setting 'rollout_batch_sise'" in text and f"{path}:2: unknown setting 'lrr'" in text
     assert f"{path}:3: training.global_batch_size: 'many' is not an integer" in text
     assert f"{path}:5: rollout.n_samples_per_prompt: 'lots' is not an integer" in text

@@ -17,6 +17,7 @@ from hpc_rl.config.loading import ConfigError, load_config
 from hpc_rl.config.validation import collect_problems
 from hpc_rl.telemetry import wandb_scalars
 from hpc_rl.telemetry.scalars import ScalarLog
+from tests.unit.config_problems import codes, config_problems
 
 SLIME_WANDB_ARGS = ["--use-wandb", "--wandb-project", "slime-dev", "--wandb-group", "qwen3-4B-test",
                     "--wandb-team", "rl-team", "--wandb-key", "k" * 40, "--wandb-host", "https://wandb.example.org",
@@ -37,8 +38,10 @@ def test_slime_wandb_flags_become_logging_fields() -> None:
 
 
 def test_wandb_mode_outside_slimes_choices_is_refused() -> None:
-    with pytest.raises(ConfigError, match="wandb_mode: 'cloud' is not one of online, offline, disabled"):
+    with pytest.raises(ConfigError, match="wandb_mode: 'cloud' is not one of online, offline, disabled") as refused:
         load_config([], ["--use-wandb", "--wandb-mode", "cloud"])
+    assert [(p.field, p.code, p.location) for p in refused.value.problems] == [
+        ("logging.wandb_mode", "not_one_of", "command line --wandb-mode")]
 
 
 def test_use_wandb_without_the_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,13 +49,17 @@ def test_use_wandb_without_the_package_names_the_extra(monkeypatch: pytest.Monke
 
     original = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else original(name, *a))
+    assert ("logging.use_wandb", "needs") in codes(config_problems(["configs/tiny_cpu.yaml"], ["--use-wandb"]))
     problems = problems_of("--use-wandb")
     assert any(p.startswith("logging.use_wandb: needs the wandb package") and "pip install 'hpc_rl[wandb]'" in p
                for p in problems), problems
 
 
 def test_wandb_settings_without_use_wandb_are_not_ignored() -> None:
-    problems = problems_of("--wandb-project", "p", "--wandb-mode", "offline")
+    flags = ["--wandb-project", "p", "--wandb-mode", "offline"]
+    assert codes(config_problems(["configs/tiny_cpu.yaml"], flags)) == {("logging.wandb_project", "unused"),
+                                                                        ("logging.wandb_mode", "unused")}
+    problems = problems_of(*flags)
     assert "logging.wandb_project: is read only with use_wandb: add --use-wandb or drop it" in problems
     assert "logging.wandb_mode: is read only with use_wandb: add --use-wandb or drop it" in problems
 

@@ -1,33 +1,43 @@
 """What the loss computes: the `algorithm` and `distillation` sections of the run config.
 
 Owns: those sections' field names, defaults, types and own invariants, and the allowed-value tables of advantage
-estimators, KL types, loss types, policy-gradient loss types and on-policy-distillation types.
+estimators, KL types, loss types, policy-gradient loss types and on-policy-distillation types: each a `Literal`
+alias, the field's type (`hpc_rl.config.typing_rules.coerce_value` refuses any other value, at its file line) and
+the one table the trainer's modules import (`hpc_rl.training.advantages`, `losses`, `loss_terms`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
+from hpc_rl.config.problems import Problem, raise_problems
+from hpc_rl.config.typing_rules import literal_problems
 
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
-PG_LOSS_TYPES = ("ppo", "reinforce")
+AdvantageEstimator = Literal["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
+KlType = Literal["k1", "k2", "k3", "low_var_kl"]
+LossType = Literal["policy_loss", "sft_loss", "custom_loss"]
+PgLossType = Literal["ppo", "reinforce"]
 """slime's --pg-loss-type choices."""
-OPD_TYPES = ("sglang", "megatron")
+OpdType = Literal["sglang", "megatron"]
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
+KL_TYPES: tuple[str, ...] = get_args(KlType)
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+PG_LOSS_TYPES: tuple[str, ...] = get_args(PgLossType)
+OPD_TYPES: tuple[str, ...] = get_args(OpdType)
 
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
     """Advantages and loss terms of the GRPO family."""
 
-    advantage_estimator: str = "grpo"
+    advantage_estimator: AdvantageEstimator = "grpo"
     """grpo | gspo | cispo | reinforce_plus_plus | reinforce_plus_plus_baseline | ppo."""
     use_kl_loss: bool = False
     """Add kl_loss_coef * KL(policy || reference) to the loss."""
     kl_loss_coef: float = 0.0
     """Weight of the KL loss."""
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: KlType = "low_var_kl"
     """KL estimator for the loss: k1 | k2 | k3 | low_var_kl."""
     kl_coef: float = 0.0
     """KL reward shaping (PPO / REINFORCE++)."""
@@ -47,7 +57,7 @@ class AlgorithmConfig:
     """Lower TIS weight clamp."""
     use_rollout_logprobs: bool = False
     """Use the engine's log-probs as old log-probs instead of recomputing them."""
-    pg_loss_type: str | None = None
+    pg_loss_type: PgLossType | None = None
     """Policy-gradient objective (slime's --pg-loss-type): ppo (advantage_estimator's clipped objective: PPO, GSPO
     or CISPO) | reinforce (-A * logp per token, no clip; with use_tis the TIS weight multiplies it). None: ppo
     (slime's default without score centering; with use_score_centering, None means reinforce)."""
@@ -111,31 +121,28 @@ class AlgorithmConfig:
     may change rollout_data["loss_masks"] and ["advantages"] (per-sample tensors) before training."""
 
     def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"algorithm.loss_type: {self.loss_type!r} is not one of {', '.join(LOSS_TYPES)} "
-                             f"(slime's value_loss is the critic's own, chosen by advantage_estimator ppo)")
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"algorithm.advantage_estimator: {self.advantage_estimator!r} is not one of "
-                f"{', '.join(ADVANTAGE_ESTIMATORS)}"
-            )
-        if self.kl_loss_type not in KL_TYPES:
-            raise ValueError(f"algorithm.kl_loss_type: {self.kl_loss_type!r} is not one of {', '.join(KL_TYPES)}")
-        if self.pg_loss_type not in (None, *PG_LOSS_TYPES):
-            raise ValueError(f"algorithm.pg_loss_type: {self.pg_loss_type!r} is not one of {', '.join(PG_LOSS_TYPES)} "
-                             f"(or leave it unset for ppo)")
+        problems = literal_problems(self, "algorithm")
+        if self.loss_type not in LOSS_TYPES:  # a str field, not the Literal: its message names slime's value_loss
+            problems.append(Problem("algorithm.loss_type", "not_one_of", f"{self.loss_type!r} is not one of "
+                                    f"{', '.join(LOSS_TYPES)} (slime's value_loss is the critic's own, chosen by "
+                                    f"advantage_estimator ppo)"))
         if self.use_score_centering:
             if self.pg_loss_type == "ppo":
-                raise ValueError("algorithm.use_score_centering corrects the REINFORCE gradient: set pg_loss_type "
-                                 "reinforce (or leave it unset), or drop use_score_centering")
+                problems.append(Problem("algorithm.use_score_centering", "conflict", "corrects the REINFORCE "
+                                        "gradient: set pg_loss_type reinforce (or leave it unset), or drop "
+                                        "use_score_centering"))
             self.pg_loss_type = "reinforce"
         if self.score_centering_top_k < 1:
-            raise ValueError(f"algorithm.score_centering_top_k: {self.score_centering_top_k} must be >= 1 (the "
-                             f"number of top log-probs the engines return per generated token)")
+            problems.append(Problem("algorithm.score_centering_top_k", "out_of_range",
+                                    f"{self.score_centering_top_k} "
+                                    f"must be >= 1 (the number of top log-probs the engines return per generated "
+                                    f"token)"))
         if self.eps_clip_high is None:
             self.eps_clip_high = self.eps_clip
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
-            raise ValueError(f"algorithm.eps_clip_c: {self.eps_clip_c} must be > 1 (dual clip) or null")
+            problems.append(Problem("algorithm.eps_clip_c", "out_of_range",
+                                    f"{self.eps_clip_c} must be > 1 (dual clip) or null"))
+        raise_problems(problems)
 
 
 @dataclass(kw_only=True)
@@ -145,7 +152,7 @@ class DistillationConfig:
 
     use_opd: bool = False
     """Distil from a teacher on the student's own samples."""
-    opd_type: str | None = None
+    opd_type: OpdType | None = None
     """sglang (teacher log-probs from a teacher SGLang server) | megatron (teacher loaded on the trainer ranks)."""
     opd_kl_coef: float = 1.0
     """Weight of the penalty: A_t -= opd_kl_coef * (logp_student_t - logp_teacher_t)."""
@@ -161,5 +168,4 @@ class DistillationConfig:
     """sglang: /generate URL of a teacher server started outside the job (slime's --rm-url with its OPD reward)."""
 
     def __post_init__(self) -> None:
-        if self.opd_type is not None and self.opd_type not in OPD_TYPES:
-            raise ValueError(f"distillation.opd_type: {self.opd_type!r} is not one of {', '.join(OPD_TYPES)}")
+        raise_problems(literal_problems(self, "distillation"))

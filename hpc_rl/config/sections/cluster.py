@@ -7,9 +7,16 @@ defaults, types, each section's own invariants).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
+from hpc_rl.config.problems import raise_problems
+from hpc_rl.config.typing_rules import literal_problems
 
-WANDB_MODES = ("online", "offline", "disabled")
+Device = Literal["cuda", "cpu"]
+WandbMode = Literal["online", "offline", "disabled"]
+WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
+ContainerRuntime = Literal["pyxis", "apptainer"]
+CONTAINER_RUNTIMES: tuple[str, ...] = get_args(ContainerRuntime)
 
 
 @dataclass(kw_only=True)
@@ -28,7 +35,7 @@ class ClusterConfig:
     """GPUs per node of the cluster (rollout nodes = rollout_num_gpus / this, rounded up)."""
     colocate: bool = False
     """Engines share the trainer's GPUs; memory is released/resumed around each train step."""
-    device: str = "cuda"
+    device: Device = "cuda"
     """cuda (NCCL, SGLang) or cpu (gloo, hpc_rl's CPU engine): the single CPU switch."""
     debug_train_only: bool = False
     """A trainer-only job (slime's --debug-train-only): no engines and no router, rollout_num_gpus 0; what SFT
@@ -41,8 +48,7 @@ class ClusterConfig:
     (default: an H100 80GB, 81559 MiB as nvidia-smi reports it)."""
 
     def __post_init__(self) -> None:
-        if self.device not in ("cuda", "cpu"):
-            raise ValueError(f"cluster.device: {self.device!r} must be 'cuda' or 'cpu'")
+        raise_problems(literal_problems(self, "cluster"))
 
     @property
     def trainer_world_size(self) -> int:
@@ -67,7 +73,7 @@ class LoggingConfig:
     """Python log level of every component."""
     use_wandb: bool = False
     """Also log the controller's per-rollout scalars to Weights & Biases (needs `pip install 'hpc_rl[wandb]'`)."""
-    wandb_mode: str | None = None
+    wandb_mode: WandbMode | None = None
     """online | offline | disabled (None: $WANDB_MODE, else online if the first node reaches the wandb host,
     else offline; an offline run is uploaded later with `wandb sync <wandb_dir>/wandb/offline-run-*`)."""
     wandb_project: str | None = None
@@ -104,8 +110,7 @@ class LoggingConfig:
     function (sample.metadata["round_number"]; slime's --log-multi-turn)."""
 
     def __post_init__(self) -> None:
-        if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
-            raise ValueError(f"logging.wandb_mode: {self.wandb_mode!r} is not one of {', '.join(WANDB_MODES)}")
+        raise_problems(literal_problems(self, "logging"))
 
 
 @dataclass(kw_only=True)
@@ -148,10 +153,13 @@ class SlurmConfig:
     container_image: str | None = None
     """Run every srun step (engines, trainer) in this image: Pyxis/enroot (`--container-image`, e.g.
     'nvcr.io#nvidia/pytorch:25.01-py3' or a .sqsh) or Apptainer (a .sif). The driver stays on the host."""
-    container_runtime: str = "pyxis"
+    container_runtime: ContainerRuntime = "pyxis"
     """pyxis (srun --container-image/--container-mounts) | apptainer (srun ... apptainer exec --nv)."""
     container_mounts: list[str] = field(default_factory=list)
     """Extra 'SRC:DST[:FLAGS]' mounts; the run dir and the working directory are always mounted."""
+
+    def __post_init__(self) -> None:
+        raise_problems(literal_problems(self, "slurm"))
 
 
 @dataclass(kw_only=True)

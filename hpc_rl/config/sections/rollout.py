@@ -1,23 +1,34 @@
 """What the engines generate and score: the `rollout`, `sglang` and `eval` sections of the run config.
 
 Owns: those sections' field names, defaults, types and own invariants, and the allowed-value tables of rollout
-functions, reward-model types, loss-mask types and router policies.
+functions, reward-model types, engines, weight transports and router policies: each a `Literal` alias, the field's
+type (`hpc_rl.config.typing_rules.coerce_value` refuses any other value, at its file line) and the one table the
+modules that use it import (`hpc_rl.rewards.scoring`, `hpc_rl.config.sglang_options`, `vllm_flags`). The loss-mask
+renderings are `hpc_rl.data.chat_loss_masks`'s (`MaskRendering`), used here as the field's type.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
+from hpc_rl.config.problems import raise_problems
+from hpc_rl.config.typing_rules import literal_problems
+from hpc_rl.data.chat_loss_masks import MASK_RENDERINGS, MaskRendering
 
-RM_TYPES = ("deepscaler", "dapo", "math", "f1", "remote_rm", "tiny_task")
+RmType = Literal["deepscaler", "dapo", "math", "f1", "remote_rm", "tiny_task"]
+RM_TYPES: tuple[str, ...] = get_args(RmType)
+EngineKind = Literal["auto", "sglang", "cpu"]
+ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
+WeightTransport = Literal["nccl", "disk"]
+RouterPolicy = Literal["cache_aware", "round_robin", "power_of_two", "random"]
 SGLANG_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
 SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
 VIME_ROLLOUT = "vime.rollout.vllm_rollout.generate_rollout"
 """vime's (slime on vLLM) default rollout: the same generation as slime's."""
 ROLLOUT_FUNCTIONS = (SGLANG_ROLLOUT, VIME_ROLLOUT, SFT_ROLLOUT)
-LOSS_MASK_TYPES = ("qwen", "qwen3")
-ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+LOSS_MASK_TYPES = MASK_RENDERINGS
+ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 """sglang-router 0.3.2's load-balancing policies."""
 
 
@@ -46,7 +57,7 @@ class RolloutConfig:
     """Shuffle the prompts each epoch (seeded by rollout_seed and the epoch)."""
     rollout_seed: int = 42
     """Seed of the data order and of sampling."""
-    rm_type: str | None = None
+    rm_type: RmType | None = None
     """Built-in reward: deepscaler | dapo | math | f1 | remote_rm | tiny_task."""
     custom_rm_path: str | None = None
     """Import path of a custom reward: `async fn(args, sample) -> float` (or a group of samples with group_rm)."""
@@ -140,7 +151,7 @@ class RolloutConfig:
     """Sync weights to the engines every this many rollouts."""
     update_weight_buffer_size: int = 512 * 1024**2
     """Bytes per weight-broadcast bucket."""
-    update_weight_transport: str = "nccl"
+    update_weight_transport: WeightTransport = "nccl"
     """How weights reach decoupled engines: nccl (a broadcast group from trainer rank 0; gloo on CPU) or disk (the
     trainer writes an HF directory under update_weight_disk_dir, the engines load it with
     /update_weights_from_disk: for trainer and engines in separate jobs or partitions; slime's
@@ -178,21 +189,20 @@ class RolloutConfig:
     async_rollout: bool = False
     """Generate rollout k+1 while training on rollout k (bounded by max_staleness)."""
 
-    engine: str = "auto"
+    engine: EngineKind = "auto"
     """Rollout engine: sglang (real SGLang, on cuda or cpu), cpu (hpc_rl's CPU engine, cluster.device cpu)
     or auto (sglang on cuda, cpu on cpu)."""
     # Training modes (SFT): slime's names.
     rollout_function_path: str = SGLANG_ROLLOUT
     """slime's rollout function: slime.rollout.sglang_rollout.generate_rollout (generate with the engines) or
     slime.rollout.sft_rollout.generate_rollout (SFT: the data's chats, loss on the assistant turns, no engines)."""
-    loss_mask_type: str = "qwen"
+    loss_mask_type: MaskRendering = "qwen"
     """SFT: how a chat's turns are rendered for their loss masks (slime's --loss-mask-type): qwen (each message
     rendered by the chat template alone) | qwen3 (each message rendered after a user turn, as in a conversation:
     Qwen3's template then adds its empty think block). Any chat template works with either (GLM's too)."""
 
     def __post_init__(self) -> None:
-        if self.rm_type is not None and self.rm_type not in RM_TYPES:
-            raise ValueError(f"rollout.rm_type: {self.rm_type!r} is not one of {', '.join(RM_TYPES)}")
+        raise_problems(literal_problems(self, "rollout"))
         if self.over_sampling_batch_size is None:
             self.over_sampling_batch_size = self.rollout_batch_size
 
@@ -207,14 +217,13 @@ class SGLangConfig:
     """SGLang --mem-fraction-static."""
     cuda_graph_bs: list[int] | None = None
     """SGLang --cuda-graph-bs."""
-    router_policy: str = "cache_aware"
+    router_policy: RouterPolicy = "cache_aware"
     """sglang-router policy: cache_aware | round_robin | power_of_two | random."""
     extra_args: dict[str, Any] = field(default_factory=dict)
     """Any other server option by SGLang name (e.g. {enable_memory_saver: true})."""
 
     def __post_init__(self) -> None:
-        if self.router_policy not in ROUTER_POLICIES:
-            raise ValueError(f"sglang.router_policy: {self.router_policy!r} is not one of {', '.join(ROUTER_POLICIES)}")
+        raise_problems(literal_problems(self, "sglang"))
 
     def server_options(self) -> dict[str, Any]:
         """All options for `sglang.launch_server`, by SGLang's own names."""

@@ -1,15 +1,31 @@
 """How the trainer trains: the `training`, `optimizer`, `checkpoint` and `critic` sections of the run config.
 
-Owns: those sections' field names, defaults, types and own invariants, and the lr decay styles.
+Owns: those sections' field names, defaults, types and own invariants, and the allowed-value tables of their
+fields (lr decay styles, optimizers, recompute, micro-batch layouts, Megatron's MoE dispatchers, router dtypes,
+load balancing and drop policies): each a `Literal` alias, the field's type, which
+`hpc_rl.config.typing_rules.coerce_value` reads (a value outside it is refused at its file line).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
+from hpc_rl.config.problems import Problem, raise_problems
+from hpc_rl.config.typing_rules import literal_problems
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+LrDecayStyle = Literal["constant", "linear", "cosine"]
+LR_DECAY_STYLES: tuple[str, ...] = get_args(LrDecayStyle)
+OptimizerName = Literal["adam", "sgd"]
+RecomputeGranularity = Literal["full", "selective"]
+QkvFormat = Literal["thd", "bshd", "auto"]
+MoeDispatcher = Literal["alltoall", "allgather", "flex"]
+MoeRouterDtype = Literal["fp32", "fp64"]
+LoadBalancingType = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
+LOAD_BALANCING_TYPES: tuple[str, ...] = get_args(LoadBalancingType)
+DropPolicy = Literal["probs", "position"]
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -37,7 +53,7 @@ class TrainingConfig:
     tensor_model_parallel_size: int = 1
     """TP size."""
     sequence_parallel: bool = False
-    """Sequence parallelism (needs TP > 1)."""
+    """Sequence parallelism (TP > 1; at TP 1 it is turned off, with a log line, as Megatron does)."""
     pipeline_model_parallel_size: int = 1
     """PP size."""
     context_parallel_size: int = 1
@@ -48,7 +64,7 @@ class TrainingConfig:
     """Expert TP size (MoE; default: TP)."""
     # MoE training settings (Megatron's TransformerConfig names and meanings; the architecture's MoE
     # fields are hpc_rl.config.model.ModelArchitecture's).
-    moe_token_dispatcher_type: str = "alltoall"
+    moe_token_dispatcher_type: MoeDispatcher = "alltoall"
     """How tokens reach their experts' EP ranks: alltoall | allgather | flex (flex: DeepEP, GPU only)."""
     moe_grouped_gemm: bool = False
     """Run a rank's local experts as one grouped GEMM (a GPU kernel choice; same numerics)."""
@@ -56,15 +72,15 @@ class TrainingConfig:
     """Fused token permutation (a GPU kernel choice; same numerics)."""
     moe_enable_deepep: bool = False
     """DeepEP dispatch (GPU only; Megatron: with moe_token_dispatcher_type flex)."""
-    moe_router_dtype: str | None = None
+    moe_router_dtype: MoeRouterDtype | None = None
     """Router logits/probabilities dtype: fp32 | fp64 | None (the model's dtype)."""
-    moe_router_load_balancing_type: str = "aux_loss"
+    moe_router_load_balancing_type: LoadBalancingType = "aux_loss"
     """aux_loss | seq_aux_loss | global_aux_loss | sinkhorn | none."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of the load-balancing loss (0: off)."""
     moe_router_bias_update_rate: float = 1e-3
     """Step of the aux-loss-free expert-bias update (with the architecture's moe_router_enable_expert_bias)."""
-    moe_token_drop_policy: str = "probs"
+    moe_token_drop_policy: DropPolicy = "probs"
     """probs | position: which tokens an expert over its capacity drops (with moe_expert_capacity_factor)."""
     moe_expert_capacity_factor: float | None = None
     """Tokens an expert takes, as a multiple of the balanced share (None: no dropping)."""
@@ -87,13 +103,13 @@ class TrainingConfig:
     are not run and reach the engines unchanged."""
     mtp_loss_scaling_factor: float = 0.2
     """Weight of the MTP loss, divided by the number of MTP layers (slime's default 0.2)."""
-    recompute_granularity: str | None = None
+    recompute_granularity: RecomputeGranularity | None = None
     """Activation recompute: full | selective | None."""
     recompute_method: str | None = None
     """uniform | block (with full recompute)."""
     recompute_num_layers: int | None = None
     """Layers per recompute unit."""
-    qkv_format: str = "auto"
+    qkv_format: QkvFormat = "auto"
     """Micro-batch layout: thd (samples packed into one row, no padding) | bshd (one right-padded row each) |
     auto (by shape: thd on GPU and under CP; on CPU bshd for short rows that padding does not double)."""
     calculate_per_token_loss: bool = False
@@ -150,18 +166,20 @@ class TrainingConfig:
     Decoupled runs ignore it."""
 
     def __post_init__(self) -> None:
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError("training.sequence_parallel needs tensor_model_parallel_size > 1")
-        if self.recompute_granularity not in (None, "full", "selective"):
-            raise ValueError(f"training.recompute_granularity: {self.recompute_granularity!r} is not full|selective")
-        if self.qkv_format not in ("thd", "bshd", "auto"):
-            raise ValueError(f"training.qkv_format: {self.qkv_format!r} is not thd|bshd|auto")
+        problems = literal_problems(self, "training")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:  # the one home of this rule
+            # slime's SFT recipe passes --sequence-parallel at TP 1; Megatron turns it off there (validate_args)
+            log.info("--sequence-parallel with --tensor-model-parallel-size 1: nothing to split; off, as Megatron does")
+            self.sequence_parallel = False
         if self.context_parallel_size > 1 and self.qkv_format == "bshd":
-            raise ValueError("training.context_parallel_size > 1 splits packed sequences: set qkv_format: thd")
+            problems.append(Problem("training.qkv_format", "unsupported",
+                                    "bshd: context_parallel_size > 1 splits "
+                                    "packed sequences: set qkv_format: thd"))
         if self.routing_replay_prefetch_microbatches < 0:
-            raise ValueError(f"training.routing_replay_prefetch_microbatches: "
-                             f"{self.routing_replay_prefetch_microbatches} must be >= 0 (micro-batches read ahead; "
-                             f"0: none)")
+            problems.append(Problem("training.routing_replay_prefetch_microbatches", "out_of_range",
+                                    f"{self.routing_replay_prefetch_microbatches} must be >= 0 (micro-batches read "
+                                    f"ahead; 0: none)"))
+        raise_problems(problems)
 
     @property
     def model_parallel_size(self) -> int:
@@ -172,11 +190,11 @@ class TrainingConfig:
 class OptimizerConfig:
     """Optimizer and learning-rate schedule."""
 
-    optimizer: str = "adam"
+    optimizer: OptimizerName = "adam"
     """adam | sgd."""
     lr: float = 1e-6
     """Peak learning rate."""
-    lr_decay_style: str = "constant"
+    lr_decay_style: LrDecayStyle = "constant"
     """constant | linear | cosine."""
     min_lr: float = 0.0
     """Floor of the decayed learning rate."""
@@ -212,10 +230,7 @@ class OptimizerConfig:
     the learning-rate schedule goes on."""
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"optimizer.optimizer: {self.optimizer!r} must be adam or sgd")
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"optimizer.lr_decay_style: {self.lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
+        raise_problems(literal_problems(self, "optimizer"))
 
 
 @dataclass(kw_only=True)
