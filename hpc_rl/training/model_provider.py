@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -241,8 +242,12 @@ def build_gpt_model(
     *,
     params_dtype: torch.dtype | None = None,
     device: str = "cpu",
+    model_class: Any = None,
 ) -> GPTModel:
     """This rank's pipeline stage of the GPTModel, with vocab-parallel logits on the last stage.
+
+    `model_class`: a GPTModel subclass (or a partial of one) to build instead; an architecture with
+    `vision_config` builds Qwen3-VL's (`hpc_rl.models.qwen3_vl.model`).
 
     `device` is `cluster.device`: cuda builds Transformer Engine layers (and fails if TE is missing),
     cpu Megatron's local ones.
@@ -271,7 +276,11 @@ def build_gpt_model(
     use_te = use_transformer_engine(device)
     block = build_block_spec(arch, use_te=use_te, num_layers=layers, layer_offset=offset,
                              moe_grouped_gemm=config.moe_grouped_gemm)
-    model_class, mtp = GPTModel, {}
+    if model_class is None and arch.vision_config:  # a vision-language family (Qwen3-VL)
+        from hpc_rl.models.qwen3_vl.model import vl_model_class
+
+        model_class = vl_model_class(arch)
+    model_class, mtp = model_class or GPTModel, {}
     if arch.mtp_num_layers:  # Megatron's MTP block, on the last stage (its default placement)
         model_class = MTPGPTModel
         if last:

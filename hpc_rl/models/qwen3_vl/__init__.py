@@ -8,7 +8,12 @@ tower's included), `rope` (M-RoPE position ids and the interleaved rotary), `mod
 
 from hpc_rl.models.registry import ModelFamily, lazy_hook
 
-_HOOKS: dict = {}
+_HOOKS = dict(
+    hf_extra_rows=lazy_hook("hpc_rl.models.qwen3_vl.names:vision_rows"),
+    to_megatron=lazy_hook("hpc_rl.models.qwen3_vl.names:to_megatron"),
+    to_hf=lazy_hook("hpc_rl.models.qwen3_vl.names:to_hf"),
+    hf_text_prefix="model.language_model.",
+)
 
 FAMILIES = (
     ModelFamily(name="qwen3_vl", hf_model_types=("qwen3_vl",), hf_architectures=("Qwen3VLForConditionalGeneration",),

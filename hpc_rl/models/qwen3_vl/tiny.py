@@ -61,6 +61,7 @@ def text_config_fields(family: str, tokenizer: Any, *, hidden_size: int = 64, nu
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=512, rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
+        tie_word_embeddings=False,  # as the top level says (the text config alone would default to tied)
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 2, 2],
                          "mrope_interleaved": True},
         bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
