@@ -152,3 +152,29 @@ class FusedExpertReader:
         if self._cache is None or self._cache[0] != name:
             self._cache = (name, self.inner[name])
         return self._cache[1]
+
+
+def fused_state(state: dict[str, Any], arch: Any) -> dict[str, Any]:
+    """An exported HF state with each layer's per-expert tensors fused as the Qwen3-VL-MoE release holds them
+    (`gate_up_proj` [E, H, 2I], `down_proj` [E, I, H]), for HF checkpoints written by the converter and --save-hf
+    (transformers and SGLang read that layout; transformers 5.24 reads no per-expert names for this model)."""
+    import torch
+
+    experts = arch.num_moe_experts or 0
+    out: dict[str, Any] = {}
+    for name, tensor in state.items():
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        if int(match.group(2)) != 0 or match.group(3) == "up_proj":
+            continue  # fused when expert 0's gate / down is met
+        prefix = match.group(1)
+        if match.group(3) == "gate_proj":
+            out[prefix + "gate_up_proj"] = torch.stack([
+                torch.cat([state[f"{prefix}{g}.gate_proj.weight"], state[f"{prefix}{g}.up_proj.weight"]]).t()
+                for g in range(experts)]).contiguous()
+        else:
+            out[prefix + "down_proj"] = torch.stack([state[f"{prefix}{g}.down_proj.weight"].t()
+                                                     for g in range(experts)]).contiguous()
+    return out
