@@ -71,7 +71,7 @@ updates; loaded, checkpointed, exported and synced like a weight (HF e_score_cor
 
 
 VISION_PREFIX = "vision_model."
-"""Megatron names of a vision-language model's tower (`hpc_rl.models.qwen3_vl.model`): replicated over TP."""
+"""Megatron names of a vision-language model's tower (`hpc_rl.models.qwen3_vl.layers_model`): replicated over TP."""
 
 
 FLOAT32_HF_SUFFIXES = (".mlp.gate.e_score_correction_bias",)

@@ -2,8 +2,10 @@
 
 The language model is Qwen3's (Qwen3-MoE's) decoder from Megatron's layers with Qwen3-VL's interleaved multimodal
 rotary positions and deepstack; the vision tower is transformers' `Qwen3VLVisionModel` inside the Megatron model.
-Modules: `tiny` (tiny random checkpoints with processor files), `names` (HF <-> Megatron rows and layouts, the vision
-tower's included), `rope` (M-RoPE position ids and the interleaved rotary), `model` (the Megatron model).
+Modules: `tiny` (tiny random checkpoints with processor files), `names` (config.json -> architecture, HF <-> Megatron
+rows and layouts, the vision tower's and the fused experts' included), `vision` (the tower, transformers' module),
+`layers_rope` (M-RoPE position ids and the interleaved rotary), `layers_model` (the Megatron model). Numbers and the
+trainer's interface: docs/vision-language.md.
 """
 
 from hpc_rl.models.registry import ModelFamily, lazy_hook
@@ -13,6 +15,7 @@ _HOOKS = dict(
     to_megatron=lazy_hook("hpc_rl.models.qwen3_vl.names:to_megatron"),
     to_hf=lazy_hook("hpc_rl.models.qwen3_vl.names:to_hf"),
     hf_text_prefix="model.language_model.",
+    model_class=lazy_hook("hpc_rl.models.qwen3_vl.layers_model:vl_model_class"),
 )
 
 FAMILIES = (

@@ -73,7 +73,7 @@ def architecture_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 def _vision_names(key: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     import torch
 
-    from hpc_rl.models.qwen3_vl.model import build_vision_tower
+    from hpc_rl.models.qwen3_vl.vision import build_vision_tower
 
     tower = build_vision_tower(json.loads(key), dtype=torch.float32, device="meta")
     return tuple((name, tuple(p.shape)) for name, p in tower.named_parameters())

@@ -3,7 +3,7 @@ embeddings placed at the image pad tokens, Qwen3-VL's interleaved M-RoPE and dee
 
 Owns: `Qwen3VLGPTModel` (a GPTModel subclass: the language model's parameters keep GPTModel's names, so the
 shared name map, checkpointing, freezing and weight sync treat them as any Qwen3's; the tower is the submodule
-`vision_model`), `build_vision_tower`, and `vl_model_class` (what `training.model_provider.build_gpt_model` builds for an
+`vision_model`), and `vl_model_class` (what `training.model_provider.build_gpt_model` builds for an
 architecture whose `vision_config` is set).
 
 The vision tower: megatron-core 0.16.1 has no Qwen3-VL tower (its `models/vision` holds CLIP/RADIO ViTs and a
@@ -36,22 +36,8 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 
-from hpc_rl.models.qwen3_vl.rope import InterleavedMRoPE, batch_mrope_positions
-
-
-def build_vision_tower(vision_config: dict[str, Any], *, dtype: torch.dtype, device: str | torch.device
-                       ) -> torch.nn.Module:
-    """transformers' Qwen3-VL vision model of `vision_config` (config.json's vision_config), float weights in
-    `dtype` on `device` (random: load the checkpoint after)."""
-    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
-    keys = {k: v for k, v in vision_config.items() if k not in ("model_type", "image_token_id", "transformers_version")}
-    config = Qwen3VLVisionConfig(**keys)
-    config._attn_implementation = "sdpa"
-    with torch.device(device):
-        tower = Qwen3VLVisionModel(config)
-    return tower.to(dtype)
+from hpc_rl.models.qwen3_vl.vision import build_vision_tower
+from hpc_rl.models.qwen3_vl.layers_rope import InterleavedMRoPE, batch_mrope_positions
 
 
 class Qwen3VLGPTModel(GPTModel):

@@ -1,0 +1,128 @@
+"""Qwen3-VL's pure parts against transformers: M-RoPE position ids (`get_rope_index`), the interleaved channel
+layout, the fused-expert reader and writer, the HF name rows (every tensor of the tiny checkpoints, the vision tower
+included) and the tiny checkpoints' processor files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_rl.models.qwen3_vl.layers_rope import batch_mrope_positions, interleaved_channel_source, mrope_positions
+
+IMAGE = 26
+GRIDS = torch.tensor([[1, 4, 4], [1, 2, 6], [1, 2, 2]])  # 4, 3 and 1 tokens at merge 2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from hpc_rl.models.qwen3_vl.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("tiny_vl")
+    return {family: make_tiny(root / family, family=family) for family in ("qwen3_vl", "qwen3_vl_moe")}
+
+
+def _hf_rope_index(rows: list[list[int]], grids: torch.Tensor) -> torch.Tensor:
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    config = Qwen3VLConfig(image_token_id=IMAGE, vision_config={"spatial_merge_size": 2})
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    positions, _ = Qwen3VLModel.get_rope_index(type("Stub", (), {"config": config, "get_vision_position_ids":
+                                                                 Qwen3VLModel.get_vision_position_ids})(),
+                                               ids, (ids == IMAGE).int(), image_grid_thw=grids, attention_mask=mask)
+    return positions
+
+
+def test_mrope_positions_equal_transformers_padded_and_packed() -> None:
+    rows = [[3, 9, 24] + [IMAGE] * 4 + [25, 14, 15, 4], [3, 24] + [IMAGE] * 3 + [25, 7, 24, IMAGE, 25, 8, 8, 8, 9]]
+    expected = _hf_rope_index(rows, GRIDS)
+    width = max(map(len, rows))
+    padded = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    ours = batch_mrope_positions(padded, IMAGE, GRIDS, 2)
+    for index, row in enumerate(rows):
+        assert torch.equal(ours[:, index, : len(row)], expected[:, index, : len(row)])
+    packed = torch.tensor([rows[0] + rows[1]])
+    cu = torch.tensor([0, len(rows[0]), len(rows[0]) + len(rows[1])])
+    ours = batch_mrope_positions(packed, IMAGE, GRIDS, 2, cu_seqlens=cu)
+    assert torch.equal(ours[:, 0, : len(rows[0])], expected[:, 0, : len(rows[0])])
+    assert torch.equal(ours[:, 0, len(rows[0]):], expected[:, 1, : len(rows[1])])
+    assert ours[1, 0, 3:7].tolist() == [3, 3, 4, 4] and ours[2, 0, 3:7].tolist() == [3, 4, 3, 4]
+
+
+def test_mrope_positions_refuse_mismatched_images() -> None:
+    with pytest.raises(ValueError, match="needs 4 consecutive image pad tokens"):
+        mrope_positions([1, IMAGE, IMAGE, 2], IMAGE, [[1, 4, 4]], 2)
+    with pytest.raises(ValueError, match="image_grid_thw has 2 image"):
+        batch_mrope_positions(torch.tensor([[1] + [IMAGE] * 4]), IMAGE, GRIDS[:2], 2)
+
+
+def test_interleaved_channels_equal_transformers_recomposition() -> None:
+    from transformers import Qwen3VLTextConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    section = [24, 20, 20]
+    rotary = Qwen3VLTextRotaryEmbedding(Qwen3VLTextConfig(head_dim=128, rope_parameters={
+        "rope_type": "default", "rope_theta": 5e6, "mrope_section": section}))
+    marked = torch.arange(3.0).view(3, 1, 1, 1).expand(3, 1, 1, 64).clone()  # row r's channels hold r
+    recomposed = rotary.recomposition_frequencies(marked)[0, 0, :64]
+    assert torch.equal(recomposed.long(), interleaved_channel_source(section))
+    assert interleaved_channel_source(section).bincount().tolist() == section
+
+
+def test_fused_expert_reader_and_writer_invert_each_other(tiny: dict[str, Path]) -> None:
+    from safetensors.torch import load_file
+
+    from hpc_rl.config.model import ModelArchitecture
+    from hpc_rl.models.qwen3_vl.names import FusedExpertReader, architecture_fields_from_hf, fused_state
+
+    hf_dir = tiny["qwen3_vl_moe"]
+    arch = ModelArchitecture(**architecture_fields_from_hf(json.loads((hf_dir / "config.json").read_text())))
+    released = load_file(str(hf_dir / "model.safetensors"))
+    per_expert = {name: FusedExpertReader(released, arch)[name] for name in FusedExpertReader(released, arch).keys()}
+    fused = released["model.language_model.layers.1.mlp.experts.gate_up_proj"]  # [E, H, 2I]
+    assert torch.equal(per_expert["model.language_model.layers.1.mlp.experts.2.up_proj.weight"], fused[2, :, 16:].t())
+    again = fused_state(per_expert, arch)
+    assert set(again) == set(released) and all(torch.equal(again[n], released[n]) for n in released)
+    transformers_layout = {n: (t.transpose(1, 2) if ".experts." in n else t) for n, t in released.items()}
+    reader = FusedExpertReader(transformers_layout, arch)
+    assert all(torch.equal(reader[n], per_expert[n]) for n in per_expert)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_name_map_covers_every_checkpoint_tensor(family: str, tiny: dict[str, Path]) -> None:
+    from hpc_rl.config.model import ModelArchitecture
+    from hpc_rl.models.qwen3_vl.names import FusedExpertReader, architecture_fields_from_hf
+    from hpc_rl.weights import hf_mapping
+    from hpc_rl.weights.hf_import import HFTensorReader
+
+    hf_dir = tiny[family]
+    arch = ModelArchitecture(**architecture_fields_from_hf(json.loads((hf_dir / "config.json").read_text())))
+    reader = HFTensorReader(hf_dir)
+    names = set(FusedExpertReader(reader, arch).keys() if arch.is_moe else reader.keys())
+    mapped = [hf for _, hfs in hf_mapping.name_map(arch) for hf in hfs]
+    assert sorted(mapped) == sorted(names)
+    assert hf_mapping.tp_split("vision_model.blocks.0.mlp.linear_fc1.weight").dim is None
+    assert hf_mapping.to_hf("vision_model.merger.linear_fc1.weight", torch.ones(2), arch)[0][0] == \
+        "model.visual.merger.linear_fc1.weight"
+
+
+def test_tiny_checkpoint_images_give_few_tokens(tiny: dict[str, Path]) -> None:
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    hf_dir = tiny["qwen3_vl"]
+    config = json.loads((hf_dir / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == config["image_token_id"]
+    processor = AutoImageProcessor.from_pretrained(hf_dir)
+    grids = processor(images=[Image.new("RGB", (32, 32)), Image.new("RGB", (16, 16))])["image_grid_thw"]
+    assert [int(g.prod()) // 4 for g in torch.as_tensor(grids)] == [4, 1]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                          "text": "copy 1"}]}],
+                                         tokenize=False, add_generation_prompt=True)
+    assert "<|vision_start|> <|image_pad|> <|vision_end|> copy 1" in text
