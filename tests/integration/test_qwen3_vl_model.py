@@ -5,7 +5,8 @@ The tiny random checkpoints (`hpc_rl.models.qwen3_vl.tiny`: 2 LM layers both rec
 tower, patch 8, merge 2, mrope_section [4, 2, 2]; the MoE one 4 experts top-2, experts stored fused as released)
 run two prompts: one with a 32x32 image (4 image tokens), one with a 32x32 and a 16x16 image (4 + 1), through
 transformers' own image processor. One 2-rank launch per checkpoint checks the logits of both prompts, unpacked
-(right-padded rows, bshd) and packed (one THD row), against transformers' per-prompt forward: dense at TP1 and TP2
+(right-padded rows, bshd) and packed (one THD row, built as the trainer builds it: `TrainBatch.images` through the
+controller's array format, `images_of`, `build_microbatch`, `MicroBatch.forward`), against transformers' per-prompt forward: dense at TP1 and TP2
 (sequence parallel), MoE at TP1 and EP2 (alltoall). Every exported HF tensor (vision tower, merger, deepstack
 mergers, LM) equals the checkpoint's bit for bit at every layout, and the weight sync's plan names exactly those
 tensors. The max logit gaps are printed (`pytest -s`).
@@ -85,6 +86,7 @@ def _rank(hf_dir: str, layouts: list[tuple[int, int]], samples: list[dict]) -> d
     from hpc_rl.training.micro_batches import build_microbatch
     from hpc_rl.training.model_provider import build_gpt_model, causal_mask
     from hpc_rl.training.parallel import init_parallel, shutdown_parallel
+    from hpc_rl.training.train_batch import TrainBatch
     from hpc_rl.weights.export import ExpertLayout, export_hf_state_dict
     from hpc_rl.weights.hf_import import load_hf_into_model
     from hpc_rl.weights.sender import WeightSender
@@ -119,9 +121,13 @@ def _rank(hf_dir: str, layouts: list[tuple[int, int]], samples: list[dict]) -> d
             tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows])
             logits = gathered(model(tokens, None, causal_mask(width), pixel_values=pixels, image_grid_thw=grids))
             out[(tp, ep, "unpacked")] = [logits[i, : len(r)] for i, r in enumerate(rows)]
-            micro = build_microbatch(rows, [1, 1], [0, 1], qkv_format="thd", pad_multiple=tp)
-            packed = gathered(model(micro.tokens, micro.position_ids, None, packed_seq_params=micro.packed_seq_params,
-                                    pixel_values=pixels, image_grid_thw=grids))[0]
+            batch = TrainBatch(tokens=rows, response_lengths=[1, 1], loss_masks=[[1], [1]], rewards=[0.0, 0.0],
+                               images=[{"pixel_values": s["pixel_values"].numpy(),
+                                        "image_grid_thw": s["image_grid_thw"].numpy()} for s in samples])
+            batch = TrainBatch.from_arrays(batch.to_arrays())  # the controller's wire format
+            micro = build_microbatch(rows, [1, 1], [0, 1], qkv_format="thd", pad_multiple=tp,
+                                     images=batch.images_of([0, 1]))  # the trainer's path (logprob_passes)
+            packed = gathered(micro.forward(model))[0]
             out[(tp, ep, "packed")] = [packed[start: start + len(r)] for start, r in zip(micro.starts, rows)]
         exported = export_hf_state_dict(model, arch, tp_group if tp > 1 else None, ExpertLayout.current(arch))
         out[(tp, ep, "export")] = {name: tensor.clone() for name, tensor in exported}

@@ -126,3 +126,41 @@ def test_tiny_checkpoint_images_give_few_tokens(tiny: dict[str, Path]) -> None:
                                                                                           "text": "copy 1"}]}],
                                          tokenize=False, add_generation_prompt=True)
     assert "<|vision_start|> <|image_pad|> <|vision_end|> copy 1" in text
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_architecture_from_config_json_passes_the_shared_check(family: str, tiny: dict[str, Path]) -> None:
+    from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
+    from hpc_rl.models.qwen3_vl.names import architecture_fields_from_hf
+
+    hf = json.loads((tiny[family] / "config.json").read_text())
+    arch = ModelArchitecture(**architecture_fields_from_hf(hf))
+    assert architecture_mismatches(arch, hf) == []
+    assert arch.vision_config["mrope_section"] == [4, 2, 2] and arch.vision_config["deepstack_visual_indexes"] == [0, 1]
+    wrong = ModelArchitecture(**{**architecture_fields_from_hf(hf), "num_layers": 3})
+    assert any(line.startswith("num_layers:") for line in architecture_mismatches(wrong, hf))
+
+
+def test_train_batch_images_cross_the_wire_and_concatenate_per_micro_batch() -> None:
+    import numpy as np
+
+    from hpc_rl.training.train_batch import TrainBatch
+
+    def images(grids: list[list[int]]) -> dict:
+        rows = sum(t * h * w for t, h, w in grids)
+        return {"pixel_values": np.arange(rows * 6, dtype=np.float32).reshape(rows, 6) + len(grids),
+                "image_grid_thw": np.array(grids, dtype=np.int64)}
+
+    batch = TrainBatch(tokens=[[1, 2, 3]] * 3, response_lengths=[1] * 3, loss_masks=[[1]] * 3, rewards=[0.0] * 3,
+                       images=[images([[1, 2, 2]]), None, images([[1, 4, 4], [1, 2, 2]])])
+    again = TrainBatch.from_arrays(batch.to_arrays())
+    assert again.images[1] is None
+    for ours, theirs in zip((again.images[0], again.images[2]), (batch.images[0], batch.images[2])):
+        assert all(np.array_equal(ours[k], theirs[k]) for k in theirs)
+    joined = again.images_of([2, 1, 0])
+    assert joined["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 2], [1, 2, 2]]
+    assert joined["pixel_values"].shape == (24, 6) and joined["pixel_values"][0, 0].item() == 2.0
+    assert again.images_of([1]) is None and again.select([2, 1]).images[1] is None
+    with pytest.raises(ValueError, match="sample 0: images need pixel_values"):
+        TrainBatch(tokens=[[1, 2]], response_lengths=[1], loss_masks=[[1]], rewards=[0.0],
+                   images=[{"pixel_values": np.zeros((3, 6)), "image_grid_thw": np.array([[1, 2, 2]])}])
