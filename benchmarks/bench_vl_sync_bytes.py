@@ -1,7 +1,8 @@
 """Bytes one VL weight sync moves for Qwen3-VL-8B-Instruct and Qwen3-VL-30B-A3B-Instruct (bf16), built on the meta
-device from the released configs' numbers (`hpc_rl.models.qwen3_vl.releases`): `python benchmarks/bench_vl_sync_bytes.py`."""
+device from the released configs' numbers (`hpc_rl.models.qwen3_vl.releases`, `hpc_rl.weights.vl_sync_bytes`): `python benchmarks/bench_vl_sync_bytes.py`."""
 
-from hpc_rl.models.qwen3_vl.releases import RELEASES, sync_bytes
+from hpc_rl.models.qwen3_vl.releases import RELEASES
+from hpc_rl.weights.vl_sync_bytes import sync_bytes
 
 if __name__ == "__main__":
     gib = 1 << 30

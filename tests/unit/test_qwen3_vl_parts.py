@@ -164,3 +164,25 @@ def test_train_batch_images_cross_the_wire_and_concatenate_per_micro_batch() -> 
     with pytest.raises(ValueError, match="sample 0: images need pixel_values"):
         TrainBatch(tokens=[[1, 2]], response_lengths=[1], loss_masks=[[1]], rewards=[0.0],
                    images=[{"pixel_values": np.zeros((3, 6)), "image_grid_thw": np.array([[1, 2, 2]])}])
+
+
+def test_slime_qwen3_vl_30b_model_flags_with_its_config_json_build_the_vl_family() -> None:
+    """slime's scripts/models/qwen3-vl-30b-a3b.sh describes the text model with Qwen3-30B-A3B's Megatron flags (its
+    rotary base 5e6); with the release's config.json the architecture is qwen3_vl_moe with the vision tower."""
+    from hpc_rl.config.megatron_model import architecture_from_flags
+    from hpc_rl.config.model import architecture_mismatches
+    from hpc_rl.config.settings_sources import MEGATRON_PREFIX, cli_settings_and_problems
+    from hpc_rl.models.qwen3_vl.releases import RELEASES
+    from tests.unit.slime_lines import flags_of
+
+    argv = [*flags_of("qwen3_30B_A3B_model_args.txt")]
+    argv[argv.index("--rotary-base") + 1] = "5000000"
+    settings, problems = cli_settings_and_problems(argv)
+    flags = {s.path[len(MEGATRON_PREFIX):]: s.value for s in settings if s.path.startswith(MEGATRON_PREFIX)}
+    hf = RELEASES["Qwen3-VL-30B-A3B-Instruct"]
+    arch, problems = architecture_from_flags(flags, hf_config=hf)
+    assert problems == [] and arch is not None
+    assert arch.family == "qwen3_vl_moe" and arch.vision_config["depth"] == 27
+    assert architecture_mismatches(arch, hf) == []
+    _, problems = architecture_from_flags(flags, hf_config=RELEASES["Qwen3-VL-8B-Instruct"])
+    assert any("qwen3_vl checkpoint but the model flags describe a qwen3_moe" in p for p in problems)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_rl.models.qwen3_vl.releases import RELEASES, sync_bytes
+from hpc_rl.models.qwen3_vl.releases import RELEASES
+from hpc_rl.weights.vl_sync_bytes import sync_bytes
 
 
 @pytest.mark.parametrize(("release", "total", "vision"), [

@@ -178,3 +178,30 @@ def fused_state(state: dict[str, Any], arch: Any) -> dict[str, Any]:
             out[prefix + "down_proj"] = torch.stack([state[f"{prefix}{g}.down_proj.weight"].t()
                                                      for g in range(experts)]).contiguous()
     return out
+
+
+VL_MODEL_TYPES = {"qwen3": "qwen3_vl", "qwen3_moe": "qwen3_vl_moe"}
+"""The text family Megatron's flags describe -> the VL family, when config.json is a Qwen3-VL one."""
+
+
+def is_vl_config(hf: dict[str, Any] | None) -> bool:
+    """config.json is a Qwen3-VL / Qwen3-VL-MoE checkpoint's."""
+    return bool(hf) and hf.get("model_type") in VL_MODEL_TYPES.values() and isinstance(hf.get("text_config"), dict)
+
+
+def text_view(hf: dict[str, Any]) -> dict[str, Any]:
+    """A VL config.json's language-model keys at the top level (what the text families' rules read)."""
+    return {**hf["text_config"], "model_type": hf["model_type"]}
+
+
+def apply_vl_fields(fields: dict[str, Any], hf: dict[str, Any], problems: list[str]) -> None:
+    """Turn the architecture Megatron's flags describe (Qwen3 / Qwen3-MoE) into the VL family of `hf` (a Qwen3-VL
+    config.json): the family and `vision_config`; a problem when the flags describe another family."""
+    family = fields.get("family", "")
+    wanted = family if family in VL_MODEL_TYPES.values() else VL_MODEL_TYPES.get(family)
+    if wanted != hf["model_type"]:
+        problems.append(f"config.json is a {hf['model_type']} checkpoint but the model flags describe a "
+                        f"{fields.get('family')} language model (expected {hf['model_type'].replace('_vl', '')}'s)")
+        return
+    fields["family"] = wanted
+    fields["vision_config"] = architecture_fields_from_hf(hf)["vision_config"]
