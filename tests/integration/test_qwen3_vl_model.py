@@ -9,7 +9,8 @@ transformers' own image processor. One 2-rank launch per checkpoint checks the l
 controller's array format, `images_of`, `build_microbatch`, `MicroBatch.forward`), against transformers' per-prompt forward: dense at TP1 and TP2
 (sequence parallel), MoE at TP1 and EP2 (alltoall). Every exported HF tensor (vision tower, merger, deepstack
 mergers, LM) equals the checkpoint's bit for bit at every layout, and the weight sync's plan names exactly those
-tensors. The max logit gaps are printed (`pytest -s`).
+tensors. A training forward/backward of the packed row gives the vision tower (every tensor: blocks, merger,
+deepstack mergers) transformers' gradients on every rank, TP2 included. The max gaps are printed (`pytest -s`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,30 @@ def reference_logits(hf_dir: Path, family: str, samples: list[dict]) -> list[tor
     return logits
 
 
+def loss_weights(tokens: int, vocab: int) -> torch.Tensor:
+    """[tokens, vocab] fixed random weights: the test's loss is sum(logits * weights) (padded vocab columns: 0)."""
+    weights = torch.randn(tokens, vocab, generator=torch.Generator().manual_seed(1))
+    return weights
+
+
+def reference_vision_grads(hf_dir: Path, family: str, samples: list[dict], vocab: int) -> dict[str, torch.Tensor]:
+    """transformers' gradients of the vision tower for the same loss, prompts run one by one."""
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
+
+    model_class = Qwen3VLMoeForConditionalGeneration if family == "qwen3_vl_moe" else Qwen3VLForConditionalGeneration
+    model = model_class.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    weights = loss_weights(sum(len(s["ids"]) for s in samples), vocab)
+    offset = 0
+    for sample in samples:
+        ids = torch.tensor([sample["ids"]])
+        logits = model(input_ids=ids, pixel_values=sample["pixel_values"], image_grid_thw=sample["image_grid_thw"],
+                       mm_token_type_ids=(ids == model.config.image_token_id).long()).logits[0]
+        (logits * weights[offset: offset + len(sample["ids"]), : logits.shape[-1]]).sum().backward()
+        offset += len(sample["ids"])
+    return {name[len("model.visual."):]: p.grad for name, p in model.named_parameters()
+            if name.startswith("model.visual.")}
+
+
 def _rank(hf_dir: str, layouts: list[tuple[int, int]], samples: list[dict]) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -107,7 +132,7 @@ def _rank(hf_dir: str, layouts: list[tuple[int, int]], samples: list[dict]) -> d
         model = build_gpt_model(arch, training)
         load_hf_into_model(model, hf_dir, arch, tp_rank=info.tp_rank, tp_size=info.tp_size,
                            expert_tp_rank=info.expert_tp_rank, expert_tp_size=info.expert_tp_size)
-        model.eval()
+        model.eval()  # no dropout anywhere; gradients still flow
         tp_group = parallel_state.get_tensor_model_parallel_group()
 
         def gathered(local: torch.Tensor) -> torch.Tensor:
@@ -129,6 +154,13 @@ def _rank(hf_dir: str, layouts: list[tuple[int, int]], samples: list[dict]) -> d
                                      images=batch.images_of([0, 1]))  # the trainer's path (logprob_passes)
             packed = gathered(micro.forward(model))[0]
             out[(tp, ep, "packed")] = [packed[start: start + len(r)] for start, r in zip(micro.starts, rows)]
+        local = micro.forward(model)[0]  # training forward: gradients reach the tower through the image pads
+        vocab_local = local.shape[-1]
+        weights = loss_weights(sum(map(len, rows)), vocab_local * tp)[:, info.tp_rank * vocab_local:
+                                                                        (info.tp_rank + 1) * vocab_local]
+        (local[: weights.shape[0]] * weights).sum().backward()  # column-parallel backward: full input gradients
+        out[(tp, ep, "vision_grads")] = {name: param.grad.clone() for name, param in model.named_parameters()
+                                         if name.startswith("vision_model.")}
         exported = export_hf_state_dict(model, arch, tp_group if tp > 1 else None, ExpertLayout.current(arch))
         out[(tp, ep, "export")] = {name: tensor.clone() for name, tensor in exported}
         sender = WeightSender(model, arch, tp_group=tp_group, tp_size=tp, dp_rank=info.dp_rank, rank=info.rank,
@@ -155,12 +187,20 @@ def test_qwen3_vl_matches_transformers_unpacked_packed_and_exports(family: str, 
     checkpoint = {name: reader[name] for name in reader.keys()}
     assert any(name.startswith("model.visual.deepstack_merger_list.") for name in checkpoint)
     results = run_ranks(_rank, 2, str(hf_dir), LAYOUTS[family], samples, timeout=600)
+    padded_vocab = -(-arch.vocab_size // 8) * 8
+    expected_grads = reference_vision_grads(hf_dir, family, samples, padded_vocab)
     for tp, ep in LAYOUTS[family]:
         for rank_out in results:
             for layout in ("unpacked", "packed"):
                 gap = max((ours - ref).abs().max().item() for ours, ref in zip(rank_out[(tp, ep, layout)], expected))
                 print(f"{family} TP{tp} EP{ep} {layout}: max |logit gap| {gap:.2e}")
                 assert gap < TOLERANCE, f"{family} TP{tp} EP{ep} {layout}: logits differ from transformers' by {gap}"
+            grads = rank_out[(tp, ep, "vision_grads")]
+            assert len(grads) == len(expected_grads)
+            gap = max(((grads["vision_model." + n] - g).abs().max() / g.abs().max()).item()
+                      for n, g in expected_grads.items())
+            print(f"{family} TP{tp} EP{ep}: vision tower gradients, max relative gap {gap:.2e}")
+            assert gap < 1e-4, f"{family} TP{tp} EP{ep}: the vision tower's gradients differ from transformers' by {gap}"
         exported = results[0][(tp, ep, "export")]
         assert set(exported) == set(checkpoint), f"TP{tp} EP{ep}: {sorted(set(exported) ^ set(checkpoint))[:6]}"
         unequal = [name for name in checkpoint if not torch.equal(exported[name], checkpoint[name])]

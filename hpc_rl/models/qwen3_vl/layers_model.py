@@ -46,6 +46,11 @@ class Qwen3VLGPTModel(GPTModel):
     def __init__(self, *args: Any, vision_config: dict[str, Any], image_token_id: int, mrope_section: list[int],
                  **kwargs: Any) -> None:
         kwargs["scatter_embedding_sequence_parallel"] = False  # images go in first, then this model scatters
+        config = kwargs.get("config", args[0] if args else None)
+        if config is not None and config.apply_rope_fusion:
+            raise ValueError("Qwen3-VL: apply_rope_fusion must be off (the fused THD rotary reads one table per "
+                             "sequence from position 0; M-RoPE needs a per-token table, which Megatron's unfused "
+                             "path applies with offsets)")
         super().__init__(*args, **kwargs)
         if self.config.pipeline_model_parallel_size > 1:
             raise ValueError("Qwen3-VL with pipeline_model_parallel_size > 1: not built (the vision tower and the "
