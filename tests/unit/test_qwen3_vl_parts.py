@@ -186,3 +186,15 @@ def test_slime_qwen3_vl_30b_model_flags_with_its_config_json_build_the_vl_family
     assert architecture_mismatches(arch, hf) == []
     _, problems = architecture_from_flags(flags, hf_config=RELEASES["Qwen3-VL-8B-Instruct"])
     assert any("qwen3_vl checkpoint but the model flags describe a qwen3_moe" in p for p in problems)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_tiny_model_files_describe_the_tiny_checkpoints(family: str, tiny: dict[str, Path]) -> None:
+    from hpc_rl.config.model import ModelArchitecture, architecture_mismatches
+    from hpc_rl.models.qwen3_vl.names import architecture_fields_from_hf
+
+    model_file = Path(__file__).resolve().parents[2] / "configs" / "models" / f"tiny_{family}.yaml"
+    hf = json.loads((tiny[family] / "config.json").read_text())
+    arch = ModelArchitecture.from_yaml(model_file)
+    assert arch.to_dict() == ModelArchitecture(**architecture_fields_from_hf(hf), make_vocab_size_divisible_by=8).to_dict()
+    assert architecture_mismatches(arch, hf) == []
