@@ -250,3 +250,69 @@ def test_qwen3_vl_converters_round_trip_bit_exact(family: str, tmp_path: Path) -
     assert any(name.startswith("model.visual.") for name in back)
     unequal = [name for name in original if not torch.equal(back[name], original[name])]
     assert not unequal, f"{family}: tensors changed in the round trip: {unequal[:4]}"
+
+
+def _train_rank(hf_dir: str, model_file: str, samples: list[dict]) -> dict:
+    """One GRPO step of the whole trainer (build_trainer, Megatron's DDP, a KL reference, packed micro-batches with
+    the images) at TP2+SP, twice: the tower trained, then frozen by slime's --freeze-params-name-list."""
+    from megatron.core import parallel_state
+
+    from hpc_rl.config.model import ModelArchitecture
+    from hpc_rl.config.sections.algorithm import AlgorithmConfig
+    from hpc_rl.config.sections.training import CheckpointConfig, OptimizerConfig, TrainingConfig
+    from hpc_rl.training.actor import build_trainer
+    from hpc_rl.training.parallel import init_parallel, shutdown_parallel
+    from hpc_rl.training.train_batch import TrainBatch
+
+    arch = ModelArchitecture.from_yaml(model_file)
+    rows = [s["ids"] for s in samples]
+    batch = TrainBatch(tokens=rows, response_lengths=[2, 1], loss_masks=[[1, 1], [1]], rewards=[1.0, -1.0],
+                       rollout_logprobs=[[-1.0, -2.0], [-1.5]],
+                       images=[{"pixel_values": s["pixel_values"].numpy(), "image_grid_thw": s["image_grid_thw"].numpy()}
+                               for s in samples])
+    out = {}
+    for frozen in ([], ["vision_model"]):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        training = TrainingConfig(tensor_model_parallel_size=2, sequence_parallel=True, qkv_format="thd",
+                                  global_batch_size=2, micro_batch_size=1, freeze_params_name_list=frozen)
+        info = init_parallel(training, device="cpu")
+        parts = build_trainer(arch=arch, training=training,
+                              algorithm=AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01),
+                              optimizer_config=OptimizerConfig(lr=1e-3, clip_grad=1.0, lr_warmup_iters=0),
+                              checkpoints=CheckpointConfig(hf_checkpoint=hf_dir, ref_load=hf_dir), info=info,
+                              model_file=model_file)
+        before = {n: p.detach().clone() for n, p in parts.actor.named_parameters()}
+        metrics = parts.trainer.train_rollout(batch)[0]
+        after = dict(parts.actor.named_parameters())
+        moved = {n.split("vision_model.")[-1] if "vision_model." in n else n for n in before
+                 if not torch.equal(before[n], after[n].detach())}
+        out[bool(frozen)] = {"metrics": metrics, "vision_moved": sorted(n for n in moved if "decoder." not in n
+                                                                          and "embedding." not in n
+                                                                          and "output_layer" not in n),
+                             "lm_moved": any("decoder.layers.0." in n for n in moved)}
+    shutdown_parallel()
+    return out
+
+
+def test_qwen3_vl_trainer_step_trains_or_freezes_the_tower(tmp_path: Path) -> None:
+    """The trainer's own step on image prompts at TP2+SP: finite loss, the tower moves, and with
+    --freeze-params-name-list vision_model it stays bit-equal while the language model moves. (Deepstack merger 1
+    feeds the last layer's output at the image positions only, which no response token's loss reads: it gets no
+    gradient from this loss, rightly.)"""
+    import yaml
+
+    from hpc_rl.models.qwen3_vl.names import architecture_fields_from_hf
+    from hpc_rl.models.qwen3_vl.tiny import make_tiny
+
+    hf_dir = make_tiny(tmp_path / "qwen3_vl", family="qwen3_vl")
+    model_file = tmp_path / "qwen3_vl.yaml"
+    fields = architecture_fields_from_hf(json.loads((hf_dir / "config.json").read_text()))
+    model_file.write_text(yaml.safe_dump({**fields, "make_vocab_size_divisible_by": 8}))
+    results = run_ranks(_train_rank, 2, str(hf_dir), str(model_file), prompts(hf_dir), timeout=600)
+    for rank_out in results:
+        trained, frozen = rank_out[False], rank_out[True]
+        assert all(np.isfinite(v) for v in trained["metrics"].values()), trained["metrics"]
+        assert "blocks.0.attn.qkv.weight" in trained["vision_moved"] and "merger.linear_fc2.weight" in \
+            trained["vision_moved"] and "deepstack_merger_list.0.linear_fc1.weight" in trained["vision_moved"]
+        assert frozen["vision_moved"] == [] and frozen["lm_moved"], frozen
