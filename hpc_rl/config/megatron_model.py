@@ -20,6 +20,7 @@ from typing import Any
 
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.models.gpt_oss.flags import GPT_OSS_SPEC, apply_gpt_oss_flags, gpt_oss_flags_given
+from hpc_rl.models.qwen3_vl.names import apply_vl_fields, is_vl_config, text_view
 from hpc_rl.models.mla import hf_yarn_fields, mla_family_names
 from hpc_rl.models.qwen3_next.flags import apply_hybrid_flags, hybrid_spec_family
 from hpc_rl.models.registry import all_families, family, family_for_hf_model_type, family_for_slime_spec
@@ -258,8 +259,11 @@ def architecture_from_flags(
     Returns (architecture, []) or (None, problems); each problem names the flag and what to do.
     """
     problems = _required_behaviour_problems(flags, from_scratch=base is None)
-    fields = _scratch_fields(flags, hf_config, problems) if base is None else _overridden_fields(flags, base, problems)
     hf_type = (hf_config or {}).get("model_type")
+    vl_config = hf_config if is_vl_config(hf_config) else None  # Qwen3-VL: the flags describe its text model
+    if vl_config is not None:
+        hf_config = text_view(vl_config)
+    fields = _scratch_fields(flags, hf_config, problems) if base is None else _overridden_fields(flags, base, problems)
     if fields:
         _apply_mla_flags(flags, fields, problems, hf_config)
         _apply_dsa_flags(flags, fields, problems)
@@ -273,6 +277,8 @@ def architecture_from_flags(
         if fields.get("multi_latent_attention") and not fields.get("num_moe_experts"):
             problems.append("--multi-latent-attention without --num-experts: hpc_rl builds MLA for the MoE families "
                             f"{', '.join(mla_family_names())} (DeepSeek-V3, Kimi-K2, Moonlight, GLM-4.7-Flash)")
+    if fields and vl_config is not None and not fields.get("vision_config"):
+        apply_vl_fields(fields, vl_config, problems)
     hf_family = family_for_hf_model_type(hf_type)
     if fields and hf_family is not None and hf_family.name != fields["family"]:
         hint = f" (add --spec {' '.join(hf_family.slime_spec)})" if hf_family.slime_spec is not None else ""

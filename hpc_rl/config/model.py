@@ -189,6 +189,9 @@ class ModelArchitecture:
     """Clamp of the gated MLP's inputs (gpt-oss's swiglu_limit): the gate half above, the linear half both sides."""
     yarn_correction_range_round_to_int: bool = True
     """YaRN rounds its correction range to whole dims (HF rope_parameters truncate; gpt-oss: false)."""
+    vision_config: dict[str, Any] | None = None
+    """Vision-language families (qwen3_vl, qwen3_vl_moe): config.json's vision_config, plus its top-level
+    image_token_id and text_config.rope_parameters.mrope_section (`hpc_rl.models.qwen3_vl.names.vision_fields`)."""
 
     @property
     def is_moe(self) -> bool:

@@ -159,6 +159,12 @@ class ModelFamily:
     value tensor per layer, left-padded rows) or "per_request" (`row_caches`: the model's own cache class per request,
     run one request at a time, for caches that are not keys/values alone: Gated DeltaNet's conv and recurrent states,
     DSA's index keys)."""
+    model_class: Callable[[Any], Any] | None = None
+    """model_class(arch) -> the GPTModel subclass (or a partial of one) `build_gpt_model` builds for this family
+    (Qwen3-VL: the vision tower, M-RoPE and deepstack around Megatron's GPT); None: GPTModel."""
+    hf_text_prefix: str = "model."
+    """Where the language model's tensors sit in the HF checkpoint (Qwen3-VL: "model.language_model."): the shared
+    name rows' `model.embed_tokens` / `model.layers.<i>` / `model.norm` are under it."""
     fuse_for_engine: EngineFusion | None = None
     """HF tensors a weight sync (broadcast, colocated) sends fused, one group at a time, because the engine's
     loader reads them only fused (gpt-oss: each layer's experts); None: every tensor under its mapped name."""

@@ -158,6 +158,10 @@ def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: s
         from hpc_rl.models.gpt_oss.checkpoint import fused_state
 
         state = fused_state(state)
+    elif arch.family == "qwen3_vl_moe":  # experts fused, as released
+        from hpc_rl.models.qwen3_vl.names import fused_state as vl_fused_state
+
+        state = vl_fused_state(state, arch)
     return write_hf_checkpoint(state, output_dir, hf_reference)
 
 

@@ -100,6 +100,9 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArchitecture, output_d
             from hpc_rl.models.gpt_oss.checkpoint import fused_state
 
             state = fused_state(state)
+        elif arch.family == "qwen3_vl_moe":  # experts fused, as released
+            from hpc_rl.models.qwen3_vl.names import fused_state as vl_fused_state
+            state = vl_fused_state(state, arch)
         if fp8 is not None:
             state = dict(quantize_named(state.items(), fp8))
         if info.tp_rank == 0:

@@ -112,7 +112,8 @@ class LogProbPasses:
             out.append(build_microbatch([batch.tokens[i] for i in indices],
                                         [batch.response_lengths[i] for i in indices], indices,
                                         qkv_format=layout, pad_multiple=multiple,
-                                        device=self.info.device, cp_group=self.cp_group))
+                                        device=self.info.device, cp_group=self.cp_group,
+                                        images=batch.images_of(indices)))
         return out
 
     def _response_logprobs(self, micro: MicroBatch, logits: torch.Tensor, *, with_entropy: bool):

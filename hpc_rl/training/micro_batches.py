@@ -90,6 +90,9 @@ class MicroBatch:
     targets: torch.Tensor | None = None
     """[1, T_local] next-token id of each local position (CP only)."""
     cp_group: dist.ProcessGroup | None = None
+    images: dict[str, torch.Tensor] | None = None
+    """A vision-language model's images of these samples, in token order: {"pixel_values": [patches, C*T*P*P],
+    "image_grid_thw": [images, 3]} (`TrainBatch.images_of`), passed to the model as keyword arguments; None: text."""
     mtp_loss_mask: torch.Tensor | None = None
     """Like `tokens`: 1 where the next token is a trained response token (the MTP layers' targets, set by
     the trainer with MTP training; `mtp_model.MTPGPTModel`), else None."""
@@ -102,6 +105,7 @@ class MicroBatch:
         """Vocab-parallel logits, [b, s, V_local] or [1, T, V_local] (with `mtp_loss_mask`: the MTP loss
         attached to them)."""
         extra = {} if self.mtp_loss_mask is None else {"loss_mask": self.mtp_loss_mask}
+        extra.update(self.images or {})
         return model(self.tokens, self.position_ids, self.attention_mask, packed_seq_params=self.packed_seq_params,
                      **extra)
 
@@ -202,9 +206,23 @@ class MicroBatch:
 
 def build_microbatch(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], indices: Sequence[int], *,
                      qkv_format: str = "thd", pad_multiple: int = 1,
-                     device: torch.device | str = "cpu", cp_group: dist.ProcessGroup | None = None) -> MicroBatch:
+                     device: torch.device | str = "cpu", cp_group: dist.ProcessGroup | None = None,
+                     images: dict[str, torch.Tensor] | None = None) -> MicroBatch:
     """The model inputs for these samples; the (local) sequence dim is a multiple of `pad_multiple` (TP
-    with SP). With a CP group of size > 1: this CP rank's part of the packed layout."""
+    with SP). With a CP group of size > 1: this CP rank's part of the packed layout. `images`: the samples'
+    images for a vision-language model (`MicroBatch.images`)."""
+    micro = _build_microbatch(tokens, response_lengths, indices, qkv_format=qkv_format, pad_multiple=pad_multiple,
+                              device=device, cp_group=cp_group)
+    if images is not None:
+        if micro.context_parallel is not None:
+            raise ValueError("images with context_parallel_size > 1: not built (Qwen3-VL's M-RoPE under CP)")
+        micro.images = {name: tensor.to(device) for name, tensor in images.items()}
+    return micro
+
+
+def _build_microbatch(tokens: Sequence[Sequence[int]], response_lengths: Sequence[int], indices: Sequence[int], *,
+                      qkv_format: str, pad_multiple: int, device: torch.device | str,
+                      cp_group: dist.ProcessGroup | None) -> MicroBatch:
     if qkv_format not in QKV_FORMATS:
         raise ValueError(f"training.qkv_format: {qkv_format!r} is not one of {', '.join(QKV_FORMATS)}")
     lengths = [len(t) for t in tokens]

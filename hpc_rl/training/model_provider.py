@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,7 @@ from hpc_rl.config.pipeline_split import PipelineSplitError, training_split
 from hpc_rl.training.layer_specs import SequenceParallelRMSNorm, build_block_spec, use_transformer_engine
 from hpc_rl.training.mtp_model import MTPGPTModel, mtp_block_spec
 from hpc_rl.models.qwen3_next.config_rules import transformer_config_fields
+from hpc_rl.models.registry import family
 from hpc_rl.models.deepseek_v32.config_rules import transformer_config_fields as dsa_config_fields
 
 VOCAB_PAD_MULTIPLE = 128
@@ -241,8 +243,12 @@ def build_gpt_model(
     *,
     params_dtype: torch.dtype | None = None,
     device: str = "cpu",
+    model_class: Any = None,
 ) -> GPTModel:
     """This rank's pipeline stage of the GPTModel, with vocab-parallel logits on the last stage.
+
+    `model_class`: a GPTModel subclass (or a partial of one) to build instead; default: the family's own
+    (`ModelFamily.model_class`: Qwen3-VL's), else GPTModel.
 
     `device` is `cluster.device`: cuda builds Transformer Engine layers (and fails if TE is missing),
     cpu Megatron's local ones.
@@ -271,7 +277,9 @@ def build_gpt_model(
     use_te = use_transformer_engine(device)
     block = build_block_spec(arch, use_te=use_te, num_layers=layers, layer_offset=offset,
                              moe_grouped_gemm=config.moe_grouped_gemm)
-    model_class, mtp = GPTModel, {}
+    if model_class is None and family(arch.family).model_class is not None:  # a vision-language family (Qwen3-VL)
+        model_class = family(arch.family).model_class(arch)
+    model_class, mtp = model_class or GPTModel, {}
     if arch.mtp_num_layers:  # Megatron's MTP block, on the last stage (its default placement)
         model_class = MTPGPTModel
         if last:

@@ -1,7 +1,7 @@
 """`TrainBatch`: one DP rank's share of a rollout, as the trainer consumes it.
 
 Owns: the per-sample view (token ids, prompt/response lengths, loss masks, normalised rewards,
-rollout log-probs, the engines' routed experts and top-k log-probs for score centering) and its conversion
+rollout log-probs, the engines' routed experts and top-k log-probs for score centering, a VL model's images) and its conversion
 from/to the flat numpy arrays the controller sends in a `TrainCommand`
 (`hpc_rl.controller.train_batches.pack_samples`: concatenated tokens plus per-sample lengths) and from JSONL
 rows (the `--batches-file` used before a controller exists).
@@ -46,6 +46,10 @@ class TrainBatch:
     """Score centering: per sample, [response tokens, k] ids of the engine's top-k at each response token."""
     top_logprobs: list[np.ndarray] | None = None
     """Score centering: per sample, [response tokens, k] engine log-probs of `top_logprob_ids` (-inf: none)."""
+    images: list[dict[str, np.ndarray] | None] | None = None
+    """Vision-language rollouts: per sample None (no image) or {"pixel_values": [patches, C*T*P*P] float,
+    "image_grid_thw": [images, 3] int}, as transformers' image processor gives them for the sample's images in
+    prompt order (the prompt's token ids hold each image's t*h*w / merge**2 pad tokens); None: a text batch."""
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -62,6 +66,15 @@ class TrainBatch:
             for i, (lp, r) in enumerate(zip(getattr(self, name) or [], self.response_lengths)):
                 if len(lp) != r:
                     raise ValueError(f"sample {i}: {len(lp)} {name.replace('_', ' ')} for {r} response tokens")
+        if self.images is not None:
+            if len(self.images) != n:
+                raise ValueError(f"TrainBatch.images has {len(self.images)} entries for {n} samples")
+            for i, sample in enumerate(self.images):
+                if sample is not None and (set(sample) != {"pixel_values", "image_grid_thw"}
+                                           or int(np.prod(sample["image_grid_thw"], axis=-1).sum())
+                                           != len(sample["pixel_values"])):
+                    raise ValueError(f"sample {i}: images need pixel_values with one row per patch of "
+                                     f"image_grid_thw (t*h*w summed over the images)")
         if self.routed_experts is not None:
             if len(self.routed_experts) != n:
                 raise ValueError(f"TrainBatch.routed_experts has {len(self.routed_experts)} entries for {n} samples")
@@ -98,8 +111,18 @@ class TrainBatch:
             teacher_logprobs=None if self.teacher_logprobs is None else [self.teacher_logprobs[i] for i in indices],
             top_logprob_ids=None if self.top_logprob_ids is None else [self.top_logprob_ids[i] for i in indices],
             top_logprobs=None if self.top_logprobs is None else [self.top_logprobs[i] for i in indices],
+            images=None if self.images is None else [self.images[i] for i in indices],
             meta=dict(self.meta),
         )
+
+    def images_of(self, indices: Sequence[int]) -> dict[str, torch.Tensor] | None:
+        """The images of the samples at `indices`, concatenated in that order (the model's keyword arguments
+        `pixel_values` and `image_grid_thw`); None when none of them has an image."""
+        chosen = [self.images[i] for i in indices if self.images[i] is not None] if self.images is not None else []
+        if not chosen:
+            return None
+        return {"pixel_values": torch.from_numpy(np.concatenate([c["pixel_values"] for c in chosen])).float(),
+                "image_grid_thw": torch.from_numpy(np.concatenate([c["image_grid_thw"] for c in chosen])).long()}
 
     # ------------------------------------------------------------------ wire formats
 
@@ -129,7 +152,14 @@ class TrainBatch:
             cuts = np.cumsum(np.asarray(response, dtype=np.int64))[:-1]
             head_ids = np.split(arrays["top_logprob_ids"], cuts)
             head_lps = np.split(arrays["top_logprobs"], cuts)
-        return cls(top_logprob_ids=head_ids, top_logprobs=head_lps,
+        images = None
+        if "image_grid_thw" in arrays:  # per sample: its images' rows of image_grid_thw and pixel_values
+            grid_cuts = np.cumsum(arrays["image_counts"].astype(np.int64))[:-1]
+            grids = np.split(arrays["image_grid_thw"], grid_cuts)
+            pixel_cuts = np.cumsum([int(np.prod(g, axis=-1).sum()) for g in grids])[:-1]
+            pixels = np.split(arrays["pixel_values"], pixel_cuts)
+            images = [None if not len(g) else {"pixel_values": p, "image_grid_thw": g} for g, p in zip(grids, pixels)]
+        return cls(top_logprob_ids=head_ids, top_logprobs=head_lps, images=images,
                    tokens=tokens, response_lengths=response, loss_masks=masks,
                    rewards=arrays["rewards"].astype(np.float64).tolist(),
                    rollout_logprobs=logprobs if logprobs else None, routed_experts=routing,
@@ -152,6 +182,14 @@ class TrainBatch:
         if self.routed_experts is not None:
             out["routed_experts"] = np.concatenate(self.routed_experts, axis=0)
             out["routed_expert_rows"] = np.array([len(r) for r in self.routed_experts], dtype=np.int32)
+        if self.images is not None:
+            present = [sample for sample in self.images if sample is not None]
+            out["image_counts"] = np.array([0 if s is None else len(s["image_grid_thw"]) for s in self.images],
+                                           dtype=np.int32)
+            out["image_grid_thw"] = (np.concatenate([s["image_grid_thw"] for s in present]).astype(np.int64)
+                                     if present else np.zeros((0, 3), dtype=np.int64))
+            out["pixel_values"] = (np.concatenate([s["pixel_values"] for s in present]).astype(np.float32)
+                                   if present else np.zeros((0, 0), dtype=np.float32))
         if self.top_logprob_ids is not None and self.top_logprobs is not None:
             out["top_logprob_ids"] = np.concatenate(self.top_logprob_ids).astype(np.int32, copy=False)
             out["top_logprobs"] = np.concatenate(self.top_logprobs).astype(np.float32, copy=False)

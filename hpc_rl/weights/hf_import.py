@@ -102,6 +102,10 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path, arch: ModelAr
 
         is_mxfp4(load_hf_config(hf_dir))  # refuses another quantisation with the reason
         reader = PerExpertReader(reader)  # type: ignore[assignment]
+    elif arch.family == "qwen3_vl_moe":  # fused experts (released or transformers' layout), per-expert names
+        from hpc_rl.models.qwen3_vl.names import FusedExpertReader
+
+        reader = FusedExpertReader(reader, arch)  # type: ignore[assignment]
     load_hf_state_into_model(model, reader, arch, tp_rank=tp_rank, tp_size=tp_size,
                              expert_tp_rank=expert_tp_rank, expert_tp_size=expert_tp_size)
 

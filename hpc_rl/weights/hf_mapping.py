@@ -70,6 +70,10 @@ EXPERT_BIAS_SUFFIX = ".mlp.router.expert_bias"
 updates; loaded, checkpointed, exported and synced like a weight (HF e_score_correction_bias)."""
 
 
+VISION_PREFIX = "vision_model."
+"""Megatron names of a vision-language model's tower (`hpc_rl.models.qwen3_vl.layers_model`): replicated over TP."""
+
+
 FLOAT32_HF_SUFFIXES = (".mlp.gate.e_score_correction_bias",)
 """HF tensors sent in float32 whatever the export dtype: the expert bias moves in steps of
 moe_router_bias_update_rate (1e-3), below bf16's resolution at 1.0; HF and SGLang keep it in float32."""
@@ -128,13 +132,14 @@ def _layer_rows(arch: ModelArchitecture, layer: int) -> list[NameRow]:
 def name_map(arch: ModelArchitecture) -> list[tuple[str, list[str]]]:
     """Every Megatron parameter (canonical name; experts under global indices) with its HF names, in a
     stable export order."""
-    rows: list[tuple[str, list[str]]] = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"])]
+    text = family(arch.family).hf_text_prefix
+    rows: list[tuple[str, list[str]]] = [("embedding.word_embeddings.weight", [f"{text}embed_tokens.weight"])]
     last: list[NameRow] = []
     for layer in range(arch.num_layers):
         last = _layer_rows(arch, layer)
         for suffix, hf_suffixes in last:
-            rows.append((f"decoder.layers.{layer}.{suffix}", [f"model.layers.{layer}.{s}" for s in hf_suffixes]))
-    rows.append(("decoder.final_layernorm.weight", ["model.norm.weight"]))
+            rows.append((f"decoder.layers.{layer}.{suffix}", [f"{text}layers.{layer}.{s}" for s in hf_suffixes]))
+    rows.append(("decoder.final_layernorm.weight", [f"{text}norm.weight"]))
     if not arch.tie_word_embeddings:
         rows.append(("output_layer.weight", ["lm_head.weight"]))
     rows += family(arch.family).hf_extra_rows(arch, last)
@@ -154,6 +159,7 @@ def hf_names_of(megatron_name: str, arch: ModelArchitecture) -> list[str]:
             inner = hf_names_of(f"decoder.layers.{arch.num_layers - 1}.{rest[len(TRANSFORMER_LAYER):]}", arch)
             return [prefix + name.split(".", 3)[3] for name in inner]
     match = _LAYER.match(megatron_name)
+    text = family(arch.family).hf_text_prefix
     if match:
         layer, suffix = int(match.group(1)), match.group(2)
         moe = 0 <= layer < arch.num_layers and arch.moe_layers()[layer]
@@ -164,18 +170,18 @@ def hf_names_of(megatron_name: str, arch: ModelArchitecture) -> list[str]:
 
                 found = expert_hf_suffixes(int(expert.group(2)), suffix)
                 if found is not None:
-                    return [f"model.layers.{layer}.{s}" for s in found]
+                    return [f"{text}layers.{layer}.{s}" for s in found]
             hf = (gated_hf(f"mlp.experts.{expert.group(2)}.", fused=False) if suffix.endswith("linear_fc1.weight")
                   else [f"mlp.experts.{expert.group(2)}.down_proj.weight"] if suffix.endswith("linear_fc2.weight")
                   else None)
             if hf is not None:
-                return [f"model.layers.{layer}.{s}" for s in hf]
+                return [f"{text}layers.{layer}.{s}" for s in hf]
         for mine, hf_suffixes in _layer_rows(arch, layer):
             if mine == suffix and ".local_experts." not in mine:
-                return [f"model.layers.{layer}.{s}" for s in hf_suffixes]
+                return [f"{text}layers.{layer}.{s}" for s in hf_suffixes]
     else:
-        top = {"embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
-               "decoder.final_layernorm.weight": ["model.norm.weight"]}
+        top = {"embedding.word_embeddings.weight": [f"{text}embed_tokens.weight"],
+               "decoder.final_layernorm.weight": [f"{text}norm.weight"]}
         if not arch.tie_word_embeddings:
             top["output_layer.weight"] = ["lm_head.weight"]
         if megatron_name in top:
@@ -260,6 +266,8 @@ class TPSplit:
 def tp_split(megatron_name: str) -> TPSplit:
     """The TP layout of a canonical Megatron parameter."""
     name = canonical_name(megatron_name)
+    if name.startswith(VISION_PREFIX):  # a vision tower (Qwen3-VL): transformers' module, replicated over TP
+        return TPSplit(dim=None)
     if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
         return TPSplit(dim=0, gated=True)
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
