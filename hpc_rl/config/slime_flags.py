@@ -286,7 +286,6 @@ SLIME_REST_REFUSED: dict[str, str] = {
                      "attention; drop it"),
     "release_train": ("not offered: hpc_rl keeps the trainer processes and offloads their memory while engines "
                       "generate (training.offload_train); recreating them every step is not needed"),
-    "multimodal_keys": "hpc_rl trains text-only models (no image/audio inputs); drop it",
     "use_stateless_adam": "not offered: hpc_rl's optimizers are Megatron's Adam/SGD with their state; drop it",
     "load_forge_rollout_data": "not offered: hpc_rl cannot replay saved rollouts; drop it",
     "load_debug_rollout_data_subsample": "not offered: hpc_rl cannot replay saved rollouts (--load-debug-rollout-data)",

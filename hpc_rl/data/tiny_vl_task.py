@@ -1,0 +1,3 @@
+"""placeholder"""
+VL_TASK_WORDS = ["what", "colour", "is", "the", "shape", "how", "many", "shapes", "are", "there", "?",
+                 "red", "green", "blue", "yellow"]
