@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-RM_TYPES = ("deepscaler", "dapo", "math", "f1", "remote_rm", "tiny_task")
+RM_TYPES = ("deepscaler", "dapo", "math", "f1", "remote_rm", "tiny_task", "geo3k", "tiny_vl_task")
 SGLANG_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
 SFT_ROLLOUT = "slime.rollout.sft_rollout.generate_rollout"
 VIME_ROLLOUT = "vime.rollout.vllm_rollout.generate_rollout"
@@ -55,7 +55,7 @@ class RolloutConfig:
     rollout_seed: int = 42
     """Seed of the data order and of sampling."""
     rm_type: str | None = None
-    """Built-in reward: deepscaler | dapo | math | f1 | remote_rm | tiny_task."""
+    """Built-in reward: deepscaler | dapo | math | f1 | remote_rm | tiny_task | geo3k | tiny_vl_task."""
     custom_rm_path: str | None = None
     """Import path of a custom reward: `async fn(args, sample) -> float` (or a group of samples with group_rm)."""
     group_rm: bool = False
