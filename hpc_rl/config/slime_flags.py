@@ -164,7 +164,7 @@ COMPAT_FLAGS: dict[str, CompatFlag] = {
     "disable_wandb_random_suffix": CompatFlag(
         (True,), "hpc_rl never adds a random suffix to the W&B group (--wandb-group, default: the run name)"),
     "use_distributed_optimizer": CompatFlag((True,), "hpc_rl always uses Megatron's distributed optimizer on GPU"),
-    "train_backend": CompatFlag(("megatron",), "hpc_rl trains with Megatron-core only"),
+    # train_backend: hpc_rl.config.fsdp_flags (megatron is hpc_rl's own; fsdp prints what it becomes)
 }
 
 # Issue 20's (MLA recipes): flags of slime's Moonlight / GLM-4.7-Flash lines that state what hpc_rl does.
