@@ -186,3 +186,19 @@ def image_problem(ref: str, limits: ImageLimits) -> str | None:
     except Exception as error:  # noqa: BLE001 - PIL raises many types on a corrupt file
         return f"image {describe(ref)} cannot be decoded ({type(error).__name__}: {error})"
     return None
+
+
+IMAGE_REFS_ARRAY = "image_refs"
+"""The train-batch array holding every sample's image references (UTF-8 JSON `[[ref, ...], ...]` as uint8)."""
+
+
+def image_refs_array(per_sample: list[list[str]]) -> Any:  # -> np.ndarray
+    """Each sample's image references as one uint8 array for the controller's wire (JSON text, no pickle)."""
+    import numpy as np
+
+    return np.frombuffer(json.dumps(per_sample).encode("utf-8"), dtype=np.uint8)
+
+
+def image_refs_from_array(array: Any) -> list[list[str]]:
+    """The inverse of `image_refs_array`."""
+    return [list(refs) for refs in json.loads(bytes(array).decode("utf-8"))]

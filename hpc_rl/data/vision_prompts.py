@@ -141,3 +141,34 @@ def expand_image_pads(ids: list[int], counts: list[int], tokens: VisionTokenIds)
                                 "chat template render image items?")
     return out
 
+
+
+def image_processor(hf_checkpoint: str | Path) -> Any:  # -> Qwen2VLImageProcessorPil
+    """The checkpoint's image processor: transformers' PIL Qwen2-VL one (what Qwen3-VL uses; the torchvision one does
+    not import beside CPU torch) built from preprocessor_config.json. The CPU engine and the trainer both use it, so
+    the pixels they see are the same. Imports transformers."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = Path(hf_checkpoint) / "preprocessor_config.json"
+    if not path.is_file():
+        raise VisionPromptError(f"{path} does not exist: a vision model needs its image processor config")
+    settings = {k: v for k, v in json.loads(path.read_text()).items()
+                if k not in ("image_processor_type", "processor_class", "video_processor_type")}
+    return Qwen2VLImageProcessorPil(**settings)
+
+
+def processed_images(refs: list[str], processor: Any) -> dict[str, Any]:
+    """`pixel_values` [patches, C*T*P*P] (float32) and `image_grid_thw` [images, 3] (int64) of these images, as numpy
+    arrays: what the model's forward takes beside the prompt ids (whose pad runs `image_tokens` counted)."""
+    import io
+
+    from PIL import Image
+
+    from hpc_rl.data.images import image_bytes
+
+    images = []
+    for ref in refs:
+        with Image.open(io.BytesIO(image_bytes(ref))) as image:
+            images.append(image.convert("RGB"))
+    out = processor(images, return_tensors="np")
+    return {"pixel_values": out["pixel_values"].astype("float32"), "image_grid_thw": out["image_grid_thw"].astype("int64")}

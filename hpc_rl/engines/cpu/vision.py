@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from urllib.parse import unquote, urlparse
 
 import torch
 
-from hpc_rl.data.vision_prompts import VisionPromptError, VisionTokenIds, expand_image_pads
+from hpc_rl.data.vision_prompts import VisionPromptError, VisionTokenIds, expand_image_pads, image_processor
 from hpc_rl.engines.http_api import RequestError
 
 
@@ -70,14 +69,7 @@ class EngineImages:
     """The checkpoint's image processor and vision token ids, and preparing one request's images."""
 
     def __init__(self, model_path: str | Path, model_config: Any) -> None:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-        path = Path(model_path) / "preprocessor_config.json"
-        if not path.is_file():
-            raise ValueError(f"{path} does not exist: a vision model needs its image processor config")
-        settings = {k: v for k, v in json.loads(path.read_text()).items()
-                    if k not in ("image_processor_type", "processor_class", "video_processor_type")}
-        self.processor = Qwen2VLImageProcessorPil(**settings)
+        self.processor = image_processor(model_path)  # VisionPromptError (a ValueError) without its config
         self.merge_size = int(self.processor.merge_size)
         self.tokens = VisionTokenIds(vision_start=int(model_config.vision_start_token_id),
                                      vision_end=int(model_config.vision_end_token_id),
