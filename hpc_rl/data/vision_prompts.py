@@ -172,3 +172,25 @@ def processed_images(refs: list[str], processor: Any) -> dict[str, Any]:
             images.append(image.convert("RGB"))
     out = processor(images, return_tensors="np")
     return {"pixel_values": out["pixel_values"].astype("float32"), "image_grid_thw": out["image_grid_thw"].astype("int64")}
+
+
+def with_processed_images(arrays: dict[str, Any], processor: Any) -> dict[str, Any]:
+    """A train batch's arrays with the controller's `image_refs` (each sample's image references; the controller does
+    not load torch, so it sends references) replaced by the processed images the trainer's `TrainBatch.from_arrays`
+    reads: `image_counts` [samples], `image_grid_thw` [images, 3] and `pixel_values` [patches, C*T*P*P], samples in
+    order. Arrays without `image_refs` are returned as they are. Runs on the trainer, with `image_processor`."""
+    import numpy as np
+
+    from hpc_rl.data.images import IMAGE_REFS_ARRAY, image_refs_from_array
+
+    if IMAGE_REFS_ARRAY not in arrays:
+        return arrays
+    per_sample = image_refs_from_array(arrays[IMAGE_REFS_ARRAY])
+    processed = [processed_images(refs, processor) for refs in per_sample if refs]
+    out = {name: value for name, value in arrays.items() if name != IMAGE_REFS_ARRAY}
+    out["image_counts"] = np.array([len(refs) for refs in per_sample], dtype=np.int32)
+    out["image_grid_thw"] = (np.concatenate([p["image_grid_thw"] for p in processed]) if processed
+                             else np.zeros((0, 3), dtype=np.int64))
+    out["pixel_values"] = (np.concatenate([p["pixel_values"] for p in processed]) if processed
+                           else np.zeros((0, 0), dtype=np.float32))
+    return out

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpc_rl.data.images import IMAGE_REFS_ARRAY, image_refs_array, image_refs_from_array
 from hpc_rl.data.routed_experts import compact_expert_ids
 
 
@@ -47,9 +46,6 @@ class TrainBatch:
     """Score centering: per sample, [response tokens, k] ids of the engine's top-k at each response token."""
     top_logprobs: list[np.ndarray] | None = None
     """Score centering: per sample, [response tokens, k] engine log-probs of `top_logprob_ids` (-inf: none)."""
-    images: list[list[str]] | None = None
-    """Image prompts: per sample, its images' references (`hpc_rl.data.images`; empty for a text sample), in the
-    order of its prompt's image pad runs; the trainer's model processes them (`vision_prompts.processed_images`)."""
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,8 +70,6 @@ class TrainBatch:
                     raise ValueError(f"sample {i}: routed experts of shape {routing.shape} for {len(toks)} tokens "
                                      "(expected [rows <= tokens, num_layers, topk])")
 
-        if self.images is not None and len(self.images) != n:
-            raise ValueError(f"TrainBatch.images has {len(self.images)} entries for {n} samples")
         if (self.top_logprob_ids is None) != (self.top_logprobs is None):
             raise ValueError("TrainBatch.top_logprob_ids and top_logprobs come together")
         for ids, lps, r, i in zip(self.top_logprob_ids or [], self.top_logprobs or [], self.response_lengths,
@@ -104,7 +98,6 @@ class TrainBatch:
             teacher_logprobs=None if self.teacher_logprobs is None else [self.teacher_logprobs[i] for i in indices],
             top_logprob_ids=None if self.top_logprob_ids is None else [self.top_logprob_ids[i] for i in indices],
             top_logprobs=None if self.top_logprobs is None else [self.top_logprobs[i] for i in indices],
-            images=None if self.images is None else [self.images[i] for i in indices],
             meta=dict(self.meta),
         )
 
@@ -140,8 +133,7 @@ class TrainBatch:
                    tokens=tokens, response_lengths=response, loss_masks=masks,
                    rewards=arrays["rewards"].astype(np.float64).tolist(),
                    rollout_logprobs=logprobs if logprobs else None, routed_experts=routing,
-                   teacher_logprobs=teacher if flat_teacher is not None else None, meta=dict(meta or {}),
-                   images=image_refs_from_array(arrays[IMAGE_REFS_ARRAY]) if IMAGE_REFS_ARRAY in arrays else None)
+                   teacher_logprobs=teacher if flat_teacher is not None else None, meta=dict(meta or {}))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The flat-array form (inverse of `from_arrays`)."""
@@ -163,8 +155,6 @@ class TrainBatch:
         if self.top_logprob_ids is not None and self.top_logprobs is not None:
             out["top_logprob_ids"] = np.concatenate(self.top_logprob_ids).astype(np.int32, copy=False)
             out["top_logprobs"] = np.concatenate(self.top_logprobs).astype(np.float32, copy=False)
-        if self.images is not None:
-            out[IMAGE_REFS_ARRAY] = image_refs_array(self.images)
         return out
 
     @classmethod

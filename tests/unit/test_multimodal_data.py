@@ -143,13 +143,13 @@ def test_slime_flag_is_accepted_and_needs_the_chat_template() -> None:
 
 
 def test_image_references_reach_the_trainer_and_its_pixels_match_the_prompt(tmp_path: Path) -> None:
-    """The controller packs each sample's image references (JSON text as uint8, no pickle); the trainer's batch gets
-    them back per sample (also after a DP split), and the checkpoint's processor gives one patch grid per image
-    whose merged size is the prompt's pad count."""
+    """The controller packs each sample's image references (JSON text as uint8, no pickle: it loads no torch); the
+    trainer turns them into the processed images TrainBatch reads (image_counts, image_grid_thw, pixel_values),
+    one patch grid per image whose merged size is the prompt's pad count."""
     from hpc_rl.controller.train_batches import pack_samples
+    from hpc_rl.data.images import image_refs_from_array
     from hpc_rl.data.samples import Sample
-    from hpc_rl.data.vision_prompts import image_processor, processed_images
-    from hpc_rl.training.train_batch import TrainBatch
+    from hpc_rl.data.vision_prompts import image_processor, processed_images, with_processed_images
     from tests.vl_fixtures import build_vl_tokenizer, make_image_processor
 
     make_image_processor().save_pretrained(tmp_path)
@@ -161,14 +161,16 @@ def test_image_references_reach_the_trainer_and_its_pixels_match_the_prompt(tmp_
     ids = encoder("<image> <image> how many ?", {}, refs)
     samples = [Sample(index=i, group_index=0, prompt="p", prompt_token_ids=ids if i else [3, 4], images=refs if i else [],
                       response_token_ids=[10, 11], response_logprobs=[-1.0, -2.0], weight_versions=[0, 0])
-               for i in range(2)]
-    arrays = pack_samples(samples, [0.5, -0.5])
+               for i in range(3)]
+    arrays = pack_samples(samples, [0.5, -0.5, 0.0])
     assert arrays["image_refs"].dtype.name == "uint8"
-    batch = TrainBatch.from_arrays(arrays)
-    assert batch.images == [[], refs] and batch.select([1]).images == [refs]
-    assert TrainBatch.from_arrays(batch.to_arrays()).images == batch.images
+    assert image_refs_from_array(arrays["image_refs"]) == [[], refs, refs]
     assert "image_refs" not in pack_samples(samples[:1], [0.0])  # text-only batches carry nothing new
-    pixels = processed_images(refs, image_processor(tmp_path))
-    assert pixels["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 8]]
-    assert int(pixels["image_grid_thw"].prod(axis=1).sum()) // 4 == ids.count(VisionTokenIds.from_tokenizer(tokenizer).image_pad)
-    assert pixels["pixel_values"].shape == (16 + 32, 3 * 2 * 8 * 8)
+    trainer_side = with_processed_images(arrays, image_processor(tmp_path))
+    assert "image_refs" not in trainer_side and trainer_side["tokens"] is arrays["tokens"]
+    assert trainer_side["image_counts"].tolist() == [0, 2, 2]
+    assert trainer_side["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 8]] * 2
+    assert trainer_side["pixel_values"].shape == (2 * (16 + 32), 3 * 2 * 8 * 8)
+    one = processed_images(refs, image_processor(tmp_path))
+    assert (trainer_side["pixel_values"][:48] == one["pixel_values"]).all()
+    assert int(one["image_grid_thw"].prod(axis=1).sum()) // 4 == ids.count(VisionTokenIds.from_tokenizer(tokenizer).image_pad)
