@@ -10,24 +10,12 @@ import pytest
 
 from hpc_rl.submit import main
 
-RECIPES = sorted(p.name for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
-
-
-def _unregistered_family(recipe: str) -> str | None:
-    import yaml
-
-    from hpc_rl.models.registry import family_names
-
-    model = (yaml.safe_load(Path(f"configs/{recipe}").read_text()) or {}).get("model")
-    name = (yaml.safe_load(Path(model).read_text()) or {}).get("family") if model and Path(model).is_file() else None
-    return name if name is not None and name not in family_names() else None
+from tests.unit.recipes import RECIPES, skip_without_family
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_dry_runs(recipe: str, in_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    missing = _unregistered_family(recipe)
-    if missing:  # tiny_vl_cpu.yaml before issue 32's model half (hpc_rl/models/qwen3_vl) is merged
-        pytest.skip(f"model family {missing} is not registered in this tree")
+    skip_without_family(recipe)
     assert main([f"configs/{recipe}", "--dry-run", "--no-check-files"]) == 0
     out = capsys.readouterr().out
     assert "# resolved config" in out and "job topology" in out
