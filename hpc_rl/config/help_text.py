@@ -14,6 +14,7 @@ import inspect
 import typing
 from typing import Any
 
+from hpc_rl.config.fsdp_flags import FSDP_FLAGS, FSDP_REFUSED
 from hpc_rl.config import schema
 from hpc_rl.config.settings_sources import flat_index, section_types
 from hpc_rl.config.slime_flag_list import SLIME_LATER_FLAGS, GROUP_TITLES, slime_flag_list, slime_list_source
@@ -86,6 +87,14 @@ def _flag_status(name: str) -> str:
         return f"accepted ({' | '.join(map(str, compat.accepted))}): {compat.behaviour}"
     if name in ALIASES:
         return f"-> {ALIASES[name]}"
+    if name in FSDP_FLAGS:  # slime's FSDP backend (hpc_rl.config.fsdp_flags)
+        flag = FSDP_FLAGS[name]
+        values = "any value" if flag.accepted is None else " | ".join(map(str, flag.accepted))
+        if name == "train_backend":
+            values += " | megatron"
+        return f"accepted ({values}): {flag.note}"
+    if name in FSDP_REFUSED:
+        return f"refused: {FSDP_REFUSED[name]}"
     if name in EXPANDING_FLAGS:
         return "sets " + ", ".join(f"{path} = {template.format('<value>')}" for path, template in EXPANDING_FLAGS[name])
     if name in MODEL_FLAGS:

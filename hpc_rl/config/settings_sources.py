@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from hpc_rl.config.fsdp_flags import FSDP_FLAGS, FSDP_REFUSED, FsdpFlagError, fsdp_flag_settings
 from hpc_rl.config.moe_layer_freq import LayerFreqError, parse_layer_freq
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sections.rollout import SGLangConfig
@@ -133,6 +134,11 @@ def slime_flag_settings(name: str, value: Any, where: str) -> list[Setting] | No
     if name.startswith(VLLM_PREFIX) or name.startswith("no_" + VLLM_PREFIX):
         name = VLLM_PREFIX + "no_" + name[len("no_" + VLLM_PREFIX):] if name.startswith("no_") else name
         return [Setting(path, setting, where) for path, setting in vllm_settings(name, value, where).items()]
+    if name in FSDP_FLAGS or name in FSDP_REFUSED:  # slime's FSDP backend's line: the Megatron trainer's settings
+        try:
+            return [Setting(path, setting, where) for path, setting in fsdp_flag_settings(name, value).items()]
+        except FsdpFlagError as error:
+            raise ConfigError(f"{where}: {error}") from None
     if name in COMPAT_FLAGS:
         compat = COMPAT_FLAGS[name]
         if _accepts(compat.accepted, value):

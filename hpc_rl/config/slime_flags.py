@@ -164,7 +164,7 @@ COMPAT_FLAGS: dict[str, CompatFlag] = {
     "disable_wandb_random_suffix": CompatFlag(
         (True,), "hpc_rl never adds a random suffix to the W&B group (--wandb-group, default: the run name)"),
     "use_distributed_optimizer": CompatFlag((True,), "hpc_rl always uses Megatron's distributed optimizer on GPU"),
-    "train_backend": CompatFlag(("megatron",), "hpc_rl trains with Megatron-core only"),
+    # train_backend: hpc_rl.config.fsdp_flags (megatron is hpc_rl's own; fsdp prints what it becomes)
 }
 
 # Issue 20's (MLA recipes): flags of slime's Moonlight / GLM-4.7-Flash lines that state what hpc_rl does.
@@ -286,7 +286,6 @@ SLIME_REST_REFUSED: dict[str, str] = {
                      "attention; drop it"),
     "release_train": ("not offered: hpc_rl keeps the trainer processes and offloads their memory while engines "
                       "generate (training.offload_train); recreating them every step is not needed"),
-    "multimodal_keys": "hpc_rl trains text-only models (no image/audio inputs); drop it",
     "use_stateless_adam": "not offered: hpc_rl's optimizers are Megatron's Adam/SGD with their state; drop it",
     "load_forge_rollout_data": "not offered: hpc_rl cannot replay saved rollouts; drop it",
     "load_debug_rollout_data_subsample": "not offered: hpc_rl cannot replay saved rollouts (--load-debug-rollout-data)",

@@ -18,7 +18,7 @@ import importlib.util
 import logging
 
 from hpc_rl.config.cluster_checks import gpu_cluster_problems
-from hpc_rl.config.file_checks import path_problems, prompt_file_problems
+from hpc_rl.config.file_checks import multimodal_config_problems, path_problems, prompt_file_problems
 from hpc_rl.config.layout_checks import batch_problems, topology_problems
 from hpc_rl.config.lora_checks import lora_problems
 from hpc_rl.config.mtp_checks import speculative_notes
@@ -94,6 +94,7 @@ def collect_problems(config: RunConfig, *, check_files: bool = True,
     problems += moe_and_memory_problems(config, model)
     problems += routing_replay_problems(config)
     problems += fp8_problems(config, model)
+    problems += multimodal_config_problems(config)
     if check_files:
         problems += path_problems(config) + prompt_file_problems(config)
     problems += plugin_problems(config)

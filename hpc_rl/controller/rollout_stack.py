@@ -38,6 +38,7 @@ from hpc_rl.controller.trainers import Trainers, reward_shaping
 from hpc_rl.data.chat_loss_masks import ChatLossMasks
 from hpc_rl.controller.weight_updates import WeightSyncSettings, WeightUpdates
 from hpc_rl.data.prompt_tokenizer import load_prompt_tokenizer
+from hpc_rl.data.vision_prompts import ImageGrid
 from hpc_rl.data.prompts import DataKeys, PromptDataset, PromptEncoder, PromptSource, make_prompt_encoder
 from hpc_rl.plugins import load_plugin
 from hpc_rl.rewards.group import RewardSpec, reward_group
@@ -90,9 +91,15 @@ class RolloutStack:
     """Where custom reward functions run (closed by the controller)."""
 
 
+def image_grid(config: RunConfig) -> ImageGrid | None:
+    """The checkpoint's image sizes when prompts carry images (multimodal_keys), else None."""
+    return ImageGrid.from_checkpoint(config.checkpoint.hf_checkpoint) if config.rollout.multimodal_keys else None
+
+
 def load_prompts(rollout: RolloutConfig) -> tuple[PromptDataset, DataKeys]:
     keys = DataKeys(input_key=rollout.input_key, label_key=rollout.label_key,
-                    metadata_key=rollout.metadata_key, tool_key=rollout.tool_key)
+                    metadata_key=rollout.metadata_key, tool_key=rollout.tool_key,
+                    multimodal_keys=dict(rollout.multimodal_keys))
     dataset = PromptDataset.load(rollout.prompt_data, keys, skip_bad_lines=rollout.skip_bad_lines)
     if dataset.skipped_lines:
         log.warning("%s: skipped %d bad line(s) (skip_bad_lines):\n%s", rollout.prompt_data,
@@ -144,7 +151,8 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
         return build_sft_stack(config, registry=registry, channel=channel, fleet=fleet)
     encoder = make_prompt_encoder(load_prompt_tokenizer(config.checkpoint.hf_checkpoint),
                                   apply_chat_template=rollout.apply_chat_template,
-                                  chat_template_kwargs=rollout.apply_chat_template_kwargs)
+                                  chat_template_kwargs=rollout.apply_chat_template_kwargs,
+                                  image_grid=image_grid(config))
     dataset, keys = load_prompts(rollout)
     source = PromptSource(dataset, shuffle=rollout.rollout_shuffle, seed=rollout.rollout_seed)
     client = EngineClient(registry, router_url=router_url, per_engine_concurrency=config.sglang.server_concurrency,

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from hpc_rl.data.images import IMAGE_REFS_ARRAY, image_refs_array
 from hpc_rl.data.samples import Group, Sample
 from hpc_rl.training.batching import balanced_partitions
 
@@ -118,6 +119,8 @@ def pack_samples(samples: list[Sample], rewards: list[float]) -> dict[str, np.nd
         arrays.update(pack_routed_experts(samples))
     if any(s.top_logprobs is not None for s in samples):
         arrays.update(pack_top_logprobs(samples))
+    if any(s.images for s in samples):  # the trainer processes them with the checkpoint's image processor
+        arrays[IMAGE_REFS_ARRAY] = image_refs_array([list(s.images) for s in samples])
     return arrays
 
 

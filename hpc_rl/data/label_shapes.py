@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 LABEL_SHAPES: dict[str, str] = {"deepscaler": "number or text", "math": "number or text", "dapo": "number or text",
-                                "tiny_task": "number or text", "f1": "text", "remote_rm": "anything"}
+                                "tiny_task": "number or text", "f1": "text", "remote_rm": "anything",
+                                "geo3k": "number or text", "tiny_vl_task": "number or text"}
 """Rule reward type (without slime's `boxed_` prefix) -> the labels it can score."""
 
 

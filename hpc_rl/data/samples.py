@@ -45,6 +45,9 @@ class Sample:
     """Prompt tokens sent to the engine (chat template applied)."""
     label: Any = None
     """Ground truth for the reward (the data's `label_key`)."""
+    images: list[str] = field(default_factory=list)
+    """The prompt's images as references (`hpc_rl.data.images`: a path, or an inline item of the data file), in
+    prompt order; sent with every request (a resumed partial sample too) as `image_data`."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form per-sample data (the data's `metadata_key`, `start_rollout_id`, tool state...)."""
     response_token_ids: list[int] = field(default_factory=list)

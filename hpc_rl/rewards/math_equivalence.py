@@ -57,9 +57,10 @@ def _sympy() -> tuple[Any, Any, tuple[Any, ...]]:
                                  sympy_parser.implicit_multiplication_application)
 
 
-def sympy_difference_is_zero(ground_truth: str, given: str) -> bool:
-    """True when sympy simplifies `(ground_truth)-(given)` to 0 (both already normalised), within the bounds
-    of `sympy_bound` (a refusal or a time-out is "not equal", noted for the caller)."""
+def sympy_difference_is_zero(ground_truth: str, given: str, tol: float = 0.0) -> bool:
+    """True when sympy simplifies `(ground_truth)-(given)` to 0 (both already normalised; with `tol` > 0, to a
+    number within tol of 0: slime's geo3k grader), within the bounds of `sympy_bound` (a refusal or a time-out is
+    "not equal", noted for the caller)."""
     difference = f"({ground_truth})-({given})"
     if not _safe_for_sympy(difference) or not within_bounds(difference):
         return False
@@ -68,7 +69,8 @@ def sympy_difference_is_zero(ground_truth: str, given: str) -> bool:
 
         def simplifies_to_zero() -> bool:
             parsed = sympy_parser.parse_expr(difference.replace("^", "**"), transformations=transformations)
-            return bool(sympy.simplify(parsed) == 0)
+            simplified = sympy.simplify(parsed)
+            return bool(simplified == 0) if tol == 0 else bool(abs(simplified) <= tol)
 
         return bool(run_bounded(simplifies_to_zero, difference))
     except Exception:  # noqa: BLE001 -- sympy raises many types on odd text; slime treats all as unequal
@@ -91,20 +93,21 @@ def split_tuple(expr: str) -> list[str]:
     return [element.strip() for element in expr[1:-1].split(",")]
 
 
-def _elements_equal(ground_truth: str, given: str) -> bool:
+def _elements_equal(ground_truth: str, given: str, tol: float = 0.0) -> bool:
     if _PLAIN_INTEGER.match(ground_truth) and _PLAIN_INTEGER.match(given):
         # What sympy would decide, without it: ~6 ms per call on the controller's event loop, paid for
         # every wrong integer answer (DAPO-Math's labels are integers); measured by bench_scale.py.
-        return int(ground_truth) == int(given)
+        return abs(int(ground_truth) - int(given)) <= tol
     if _FRACTION.search(ground_truth) and _FRACTION.search(given):
         return ground_truth == given  # `2/4` must not be accepted for `1/2`
     if is_integer_string(ground_truth) != is_integer_string(given):
         return False  # an integer answer needs an integer, not something that simplifies to it
-    return sympy_difference_is_zero(ground_truth, given)
+    return sympy_difference_is_zero(ground_truth, given, tol)
 
 
-def equal_under_sympy(given: str | None, ground_truth: str | None) -> bool:
-    """slime's `grade_answer_sympy`: normalise both, then compare tuples/intervals element-wise."""
+def equal_under_sympy(given: str | None, ground_truth: str | None, tol: float = 0.0) -> bool:
+    """slime's `grade_answer_sympy`: normalise both, then compare tuples/intervals element-wise (numbers within
+    `tol` of each other count as equal where sympy decides; fractions must still match exactly)."""
     truth = normalize_for_sympy(ground_truth)
     answer = normalize_for_sympy(given)
     if truth is None or answer is None:
@@ -119,7 +122,7 @@ def equal_under_sympy(given: str | None, ground_truth: str | None) -> bool:
         return False  # `(1,2]` vs `[1,2]`: the brackets must match
     if len(truth_elements) != len(answer_elements):
         return False
-    return all(_elements_equal(t, a) for t, a in zip(truth_elements, answer_elements))
+    return all(_elements_equal(t, a, tol) for t, a in zip(truth_elements, answer_elements))
 
 
 def equal_mathd(given: str | None, ground_truth: str | None) -> bool:

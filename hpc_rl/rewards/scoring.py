@@ -1,7 +1,8 @@
 """Rule-based rewards by name: `score(rm_type, response, label, metadata)`.
 
 Owns: the table of rule graders (slime's `deepscaler`, `dapo`, `math`, `f1`, plus `tiny_task`,
-the synthetic task of hpc_rl's embedded default run, graded in `hpc_rl.data.tiny_task`), slime's
+the synthetic task of hpc_rl's embedded default run, graded in `hpc_rl.data.tiny_task`, slime's Geometry3K grader
+`geo3k` and the tiny visual task's `tiny_vl_task`, `hpc_rl.data.tiny_vl_task`), slime's
 `boxed_` prefix (`boxed_f1` grades only the last `\\boxed{}` content of the response), the override
 per sample `metadata["rm_type"]` (which wins over the configured type, as in slime), and the error for an
 unknown type. Rule graders are synchronous and cheap. `remote_rm` and custom functions are async
@@ -20,6 +21,8 @@ from hpc_rl.rewards.boxed_math import boxed_math_reward
 from hpc_rl.rewards.dapo import dapo_reward
 from hpc_rl.rewards.deepscaler import deepscaler_reward
 from hpc_rl.rewards.f1 import f1_reward
+from hpc_rl.rewards.geo3k import geo3k_reward
+from hpc_rl.data.tiny_vl_task import tiny_vl_task_reward
 
 RuleGrader = Callable[[str, Any], float]
 
@@ -29,6 +32,8 @@ RULE_GRADERS: Mapping[str, RuleGrader] = {
     "math": boxed_math_reward,
     "f1": f1_reward,
     "tiny_task": tiny_task_reward,
+    "geo3k": geo3k_reward,
+    "tiny_vl_task": tiny_vl_task_reward,
 }
 REMOTE_RM = "remote_rm"
 RM_TYPES = CONFIG_RM_TYPES  # the config's table (hpc_rl.config.sections.rollout.RmType)

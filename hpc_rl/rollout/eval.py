@@ -22,7 +22,8 @@ import asyncio
 import logging
 from typing import Any
 
-from hpc_rl.data.prompts import DataError, DataKeys, PromptDataset, PromptEncoder, PromptRecord, make_group
+from hpc_rl.data.prompts import (DataError, DataKeys, PromptDataset, PromptEncoder, PromptRecord, encode_record,
+                                 make_group)
 from hpc_rl.data.samples import Group, SampleStatus
 from hpc_rl.rollout.engine_client import EngineClient
 from hpc_rl.rollout.sample_metrics import SampleMetricOptions, sample_metrics
@@ -55,7 +56,7 @@ def drop_long_prompts(name: str, records: list[PromptRecord], encoder: PromptEnc
     warning naming the count and the first such data row; a dataset of only such prompts is a DataError."""
     kept, first_dropped, dropped = [], None, 0
     for record in records:
-        length = len(encoder(record.prompt, record.metadata))
+        length = len(encode_record(encoder, record))
         if length <= max_prompt_len:
             kept.append(record)
             continue
@@ -76,7 +77,8 @@ def drop_long_prompts(name: str, records: list[PromptRecord], encoder: PromptEnc
 def dataset_keys(dataset: Any, keys: DataKeys) -> DataKeys:
     """The data keys of one eval dataset: its own (an --eval-config file's), else `keys`."""
     return DataKeys(input_key=dataset.input_key or keys.input_key, label_key=dataset.label_key or keys.label_key,
-                    metadata_key=dataset.metadata_key or keys.metadata_key, tool_key=dataset.tool_key or keys.tool_key)
+                    metadata_key=dataset.metadata_key or keys.metadata_key, tool_key=dataset.tool_key or keys.tool_key,
+                    multimodal_keys=keys.multimodal_keys)
 
 
 def dataset_sampling(dataset: Any, n_samples: int, params: SamplingParams) -> tuple[int, SamplingParams]:
@@ -141,7 +143,7 @@ async def run_eval(*, client: EngineClient, datasets: list[tuple[str, list[Promp
         groups = []
         for row, record in enumerate(records):
             groups.append(make_group(record, group_index=row, first_sample_index=next_index, n_samples=count,
-                                     prompt_token_ids=encoder(record.prompt, record.metadata)))
+                                     prompt_token_ids=encode_record(encoder, record)))
             next_index += count
         generated.append((name, groups))
     plugins = plugins or SamplePlugins()

@@ -46,6 +46,7 @@ from collections.abc import Awaitable, Callable
 from operator import itemgetter
 from typing import Any
 
+from hpc_rl.data.images import image_data_url
 from hpc_rl.data.samples import Sample, SampleStatus
 from hpc_rl.retry_policy import RetryPolicy
 from hpc_rl.rollout.engine_client import (EngineClient, EngineHTTPError, GenerateAnswer, StopGeneration,
@@ -318,6 +319,8 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
             "sampling_params": {**sampling_params, "max_new_tokens": budget},
             "return_logprob": session.return_logprob,
         }
+        if sample.images:  # SGLang's image_data, with the ids' pad runs already expanded (a resume sends them again)
+            payload["image_data"] = [image_data_url(ref) for ref in sample.images]
         if session.routed_experts is not None:
             payload[REQUEST_FIELD] = True
         if session.top_logprobs_num > 0:

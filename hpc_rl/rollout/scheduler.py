@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpc_rl.data.prompts import DataError, PromptEncoder, PromptSource, make_group
+from hpc_rl.data.prompts import DataError, PromptEncoder, PromptSource, encode_record, make_group
 from hpc_rl.data.samples import Group, Sample, SampleStatus
 from hpc_rl.rollout.engine_client import EngineClient, longest_served_prompt
 from hpc_rl.rollout.filters import GroupFilter, filter_verdict, load_buffer_filter, load_group_filter
@@ -214,7 +214,7 @@ class RolloutScheduler:
         n = self.settings.n_samples_per_prompt
         while len(groups) < count:
             for record in self.source.next_records(count - len(groups)):
-                prompt_token_ids = self.encoder(record.prompt, record.metadata)
+                prompt_token_ids = encode_record(self.encoder, record)
                 if self._too_long(record, len(prompt_token_ids), metrics):
                     continue
                 groups.append(make_group(record, group_index=self.next_group_index,

@@ -161,6 +161,8 @@ class TrainerCommands:
         """save_optim, save_hf (and its hf_checkpoint side files) for SaveCommand."""
         self.keep_last = keep_last
         """checkpoint.keep_last: rank 0 removes older checkpoints after each save."""
+        self._image_processor: Any = None
+        """Image prompts: the checkpoint's image processor, built at the first batch with images (`with_images`)."""
         self.nonfinite = NonFiniteSteps(max_nonfinite_steps)
         self.engine_api_key = engine_api_key
         """Colocated mode: this rank posts its weights to its engine itself (derived from the job secret)."""
@@ -209,7 +211,8 @@ class TrainerCommands:
         if isinstance(command, TrainCommand):
             return self.train(command)
         if isinstance(command, EvalLossCommand):
-            return evaluate_loss(self.parts.trainer, TrainBatch.from_arrays(command.batch, command.meta))
+            return evaluate_loss(self.parts.trainer, TrainBatch.from_arrays(self.with_images(command.batch),
+                                                                             command.meta))
         if isinstance(command, SyncWeightsCommand):
             return self.broadcast.sync(command)
         if isinstance(command, DiskWeightsCommand):
@@ -249,8 +252,21 @@ class TrainerCommands:
                 fp8=self.engine_fp8(), merge_lora=True))
         return out
 
+    def with_images(self, arrays: dict[str, Any]) -> dict[str, Any]:
+        """Image prompts: the controller's image references processed by the checkpoint's image processor (the one
+        the CPU engine uses), as TrainBatch.from_arrays reads them; other batches as they are."""
+        from hpc_rl.data.images import IMAGE_REFS_ARRAY
+
+        if IMAGE_REFS_ARRAY not in arrays:
+            return arrays
+        from hpc_rl.data.vision_prompts import image_processor, with_processed_images
+
+        if self._image_processor is None:
+            self._image_processor = image_processor(self.checkpoint_config.hf_checkpoint)
+        return with_processed_images(arrays, self._image_processor)
+
     def train(self, command: TrainCommand) -> dict[str, Any]:
-        batch = TrainBatch.from_arrays(command.batch, command.meta)
+        batch = TrainBatch.from_arrays(self.with_images(command.batch), command.meta)
         trainer = self.parts.trainer
         if "num_rollout" in command.meta:  # the lr schedule's length (slime: decay over every step of the run)
             total = int(command.meta["num_rollout"]) * trainer.training.num_steps_per_rollout

@@ -16,7 +16,7 @@ from hpc_rl.config.problems import raise_problems
 from hpc_rl.config.typing_rules import literal_problems
 from hpc_rl.data.chat_loss_masks import MASK_RENDERINGS, MaskRendering
 
-RmType = Literal["deepscaler", "dapo", "math", "f1", "remote_rm", "tiny_task"]
+RmType = Literal["deepscaler", "dapo", "math", "f1", "remote_rm", "tiny_task", "geo3k", "tiny_vl_task"]
 RM_TYPES: tuple[str, ...] = get_args(RmType)
 EngineKind = Literal["auto", "sglang", "cpu"]
 ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
@@ -51,6 +51,14 @@ class RolloutConfig:
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra variables for the chat template, e.g. {enable_thinking: false} (slime's --apply-chat-template-kwargs,
     JSON on the command line)."""
+    multimodal_keys: dict[str, str] = field(default_factory=dict)
+    """Media kind -> the data column holding each row's items, e.g. {image: images} (slime's --multimodal-keys, JSON
+    on the command line). Each `<image>` in the prompt takes the row's next image (a path relative to the data file,
+    base64, bytes); needs apply_chat_template and a Qwen-VL checkpoint; every image is checked at submit."""
+    max_image_bytes: int = 32 * 1024 * 1024
+    """A prompt image larger than this (encoded bytes) is refused at submit, naming its row."""
+    max_image_pixels: int = 4096 * 4096
+    """A prompt image with more pixels than this (width x height) is refused at submit, naming its row."""
     skip_bad_lines: bool = False
     """Skip malformed data lines (and report their count) instead of failing."""
     rollout_shuffle: bool = False
@@ -58,7 +66,7 @@ class RolloutConfig:
     rollout_seed: int = 42
     """Seed of the data order and of sampling."""
     rm_type: RmType | None = None
-    """Built-in reward: deepscaler | dapo | math | f1 | remote_rm | tiny_task."""
+    """Built-in reward: deepscaler | dapo | math | f1 | remote_rm | tiny_task | geo3k | tiny_vl_task."""
     custom_rm_path: str | None = None
     """Import path of a custom reward: `async fn(args, sample) -> float` (or a group of samples with group_rm)."""
     group_rm: bool = False

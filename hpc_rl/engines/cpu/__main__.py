@@ -114,6 +114,11 @@ def load_model(model_path: str, model_impl: str, attn_implementation: str,
 
     if read_fp8_blocks(model_path) is not None:  # transformers' FP8 loader wants a GPU: dequantize as SGLang's blocks
         model = _dequantized_transformers_model(model_path, dtype, attn_implementation)
+    elif "vision_config" in config:  # Qwen3-VL: transformers' own class, vision tower included (engines/cpu/vision)
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype,
+                                                            attn_implementation=attn_implementation).eval()
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
                                                      attn_implementation=attn_implementation).eval()
@@ -169,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
         serve_follower(model, nodes, host=args.host, port=args.port, memory_saver=args.enable_memory_saver)
         return
     tokenizer = load_engine_tokenizer(args.model_path)
-    context_length = args.context_length or int(getattr(model.config, "max_position_embeddings", 4096))
+    text_config = getattr(model.config, "text_config", model.config)  # a VL config keeps the text model's sizes there
+    context_length = args.context_length or int(getattr(text_config, "max_position_embeddings", 4096))
     routed_experts = None
     if args.enable_return_routed_experts:
         from hpc_rl.engines.cpu.routed_experts import RoutedExpertsCapture
@@ -183,11 +189,19 @@ def main(argv: list[str] | None = None) -> None:
         from hpc_rl.engines.cpu.lora_serving import EngineLoraAdapters
 
         lora = EngineLoraAdapters(model, max_lora_rank=args.max_lora_rank, target_modules=args.lora_target_modules)
+    images = None
+    from hpc_rl.engines.cpu.vision import EngineImages, sees_images
+
+    if sees_images(model):
+        try:
+            images = EngineImages(args.model_path, model.config)
+        except ValueError as error:
+            raise SystemExit(f"{args.model_path}: {error}") from None
     try:
         scheduler = Scheduler(model, tokenizer, max_running_requests=args.max_running_requests,
                               context_length=context_length, weight_version=args.weight_version,
                               on_fatal=exit_on_scheduler_death, memory_saver=args.enable_memory_saver,
-                              routed_experts=routed_experts, lora=lora,
+                              routed_experts=routed_experts, lora=lora, images=images,
                               weights_cpu_backup=args.enable_weights_cpu_backup)
     except ValueError as error:
         raise SystemExit(f"{args.model_path}: {error}") from None

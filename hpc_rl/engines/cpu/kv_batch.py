@@ -78,6 +78,8 @@ def cache_kind(model: torch.nn.Module) -> str:
     (batched for the engine's own Qwen3 and for a model type no family reads)."""
     if isinstance(model, NativeQwen3ForCausalLM):
         return "batched"
+    if getattr(getattr(model, "config", None), "vision_config", None) is not None:
+        return "per_request"  # a vision model's M-RoPE positions and image inputs are per request (row_caches)
     found = family_for_hf_model_type(getattr(getattr(model, "config", None), "model_type", None))
     return found.cpu_engine_cache if found is not None else "batched"
 
@@ -146,13 +148,16 @@ def _forward(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor
 
 @torch.inference_mode()
 def prefill(
-    model: torch.nn.Module, sequences: list[list[int]], full_logits: bool = False
+    model: torch.nn.Module, sequences: list[list[int]], full_logits: bool = False, vision: list | None = None
 ) -> tuple[KvBatch, torch.Tensor, list[torch.Tensor] | None]:
     """Run the sequences (left-padded together); return their cache, last-position logits [B, V]
     and, with `full_logits`, each sequence's logits at every one of its positions [len, V]. A family with
-    `cpu_engine_cache="per_request"` runs in `row_caches` instead (its return has the same shape)."""
+    `cpu_engine_cache="per_request"` (and a vision model: `vision`, each row's images or None) runs in `row_caches`
+    instead (its return has the same shape)."""
     if cache_kind(model) == "per_request":
-        return row_caches.prefill(model, sequences, full_logits)
+        return row_caches.prefill(model, sequences, full_logits, vision=vision)
+    if vision is not None and any(v is not None for v in vision):
+        raise ValueError(f"{type(model).__name__} has no vision tower: it cannot take images")
     length = max(len(seq) for seq in sequences)
     pad_id = 0
     input_ids = torch.tensor([[pad_id] * (length - len(s)) + list(s) for s in sequences], dtype=torch.long)

@@ -81,6 +81,9 @@ class GenerationRequest:
     routed_experts_start_len: int = 0
     lora_path: str | None = None
     """The LoRA adapter this request samples from, by its loaded name (None: the base model)."""
+    vision: Any = None
+    """The prompt's processed images (`vision.VisionInputs`) when the request had `image_data`, else None; kept
+    through aborts, retractions and re-prefills."""
     routed_experts: list[torch.Tensor] | None = None
     """[tokens, num_layers, topk] int32 chunks, one row per token run through the model so far
     (`routed_experts.RoutedExpertsCapture`; None unless the engine captures and the request asked)."""
@@ -180,12 +183,31 @@ def parallel_samples(raw_params: list[Any]) -> int:
     return max(1, counts.pop())
 
 
-def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedGenerate:
-    """Validate a `/generate` body (single or batched) as SGLang does; RequestError on misuse."""
+def _image_items(body: dict, count: int, batched: bool, images: Any) -> list[list[Any] | None]:
+    """Each prompt's `image_data` items (SGLang: one item or a list for one request; one entry per request for a
+    batch), None where a prompt has none."""
+    from hpc_rl.engines.cpu.vision import request_items
+
+    raw = body.get("image_data")
+    if raw is None or raw == []:
+        return [None] * count
+    if images is None:
+        raise RequestError("image_data was given, but the served model has no vision tower")
+    if not batched:
+        return [request_items(raw)]
+    if not isinstance(raw, list) or len(raw) != count:
+        raise RequestError("The length of image_data should be equal to the batch size.")
+    return [request_items(item) for item in raw]
+
+
+def parse_generate_body(body: Any, *, tokenizer, context_length: int, images: Any = None) -> ParsedGenerate:
+    """Validate a `/generate` body (single or batched) as SGLang does; RequestError on misuse. `images`: the
+    engine's `vision.EngineImages` when the model sees images (then `image_data` is read), else None."""
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     prompts, batched = _prompts(body, tokenizer)
     count = len(prompts)
+    image_items = _image_items(body, count, batched, images)
     rids = request_ids(body.get("rid"), count, batched)
     raw_params = per_item(body, "sampling_params", count, {})
     return_logprob = per_item(body, "return_logprob", count, False)
@@ -197,9 +219,9 @@ def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedG
             raise RequestError(f"top_logprobs_num must be a non-negative integer, got {top!r}")
     samples = parallel_samples(raw_params)
     if samples > 1:  # SGLang: each prompt n times in a row, every item a fresh rid (the body's rid is not used)
-        prompts, raw_params, return_logprob, start_lens, lora_paths, top_nums = (
+        prompts, raw_params, return_logprob, start_lens, lora_paths, top_nums, image_items = (
             [item for item in items for _ in range(samples)]
-            for items in (prompts, raw_params, return_logprob, start_lens, lora_paths, top_nums))
+            for items in (prompts, raw_params, return_logprob, start_lens, lora_paths, top_nums, image_items))
         rids, batched = [uuid.uuid4().hex for _ in prompts], True
     return_routed_experts = bool(body.get("return_routed_experts", False))  # one value for a batch, as SGLang
     routed_start = body.get("routed_experts_start_len", 0)
@@ -211,6 +233,9 @@ def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedG
         raw = raw_params[index]
         if id(raw) not in parsed:
             parsed[id(raw)] = _parsed_sampling_params(raw)
+        vision = None
+        if image_items[index] is not None:
+            prompt, vision = images.prepare(prompt, image_items[index])
         check_context(prompt, raw.get("max_new_tokens"), context_length)
         if return_routed_experts:
             check_routed_experts_start(routed_start, len(prompt))
@@ -222,7 +247,7 @@ def parse_generate_body(body: Any, *, tokenizer, context_length: int) -> ParsedG
             top_logprobs_num=int(top_nums[index] or 0),
             output_top_logprobs=[] if return_logprob[index] and top_nums[index] else None,
             return_routed_experts=return_routed_experts, routed_experts_start_len=routed_start,
-            lora_path=lora_paths[index]))
+            lora_path=lora_paths[index], vision=vision))
     return ParsedGenerate(requests=requests, batched=batched, stream=bool(body.get("stream", False)))
 
 

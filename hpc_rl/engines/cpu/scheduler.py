@@ -61,8 +61,11 @@ class Scheduler:
                  context_length: int, weight_version: str,
                  on_fatal: Callable[[BaseException], None] | None = None,
                  memory_saver: bool = False, routed_experts: RoutedExpertsCapture | None = None,
-                 lora: EngineLoraAdapters | None = None, weights_cpu_backup: bool = False) -> None:
+                 lora: EngineLoraAdapters | None = None, weights_cpu_backup: bool = False,
+                 images: Any = None) -> None:
         self.model = model
+        self.images = images
+        """The engine's `vision.EngineImages` when the model sees images (`/generate` reads image_data), else None."""
         if kv_batch.cache_kind(model) == "per_request" and (lora is not None or routed_experts is not None):
             raise ValueError(f"{type(model).__name__} runs each request on its own cache (its family's "
                              f"cpu_engine_cache='per_request'): the CPU engine serves it without --enable-lora and "
@@ -308,8 +311,8 @@ class Scheduler:
         )
         with self._adapters(newcomers):
             batch, last_logits, full_logits = kv_batch.prefill(
-                self.model, [r.context for r in newcomers], full_logits=wants_input_logprobs
-            )
+                self.model, [r.context for r in newcomers], full_logits=wants_input_logprobs,
+                vision=[r.vision for r in newcomers])
         if self.routed_experts is not None:  # a (re-)prefill routes every context token again
             length = max(len(r.context) for r in newcomers)
             ids = self.routed_experts.take(len(newcomers), length)

@@ -185,7 +185,7 @@ class EngineServer(LoraRoutes):
         body = await _read_json(request)
         try:
             parsed = parse_generate_body(body, tokenizer=self.scheduler.tokenizer,
-                                         context_length=self.info.context_length)
+                                         context_length=self.info.context_length, images=self.scheduler.images)
         except RequestError as error:
             return json_response(error.body(), status=400)
         lora_error = self.lora_request_error([r.lora_path for r in parsed.requests])
