@@ -51,7 +51,7 @@ GPT_LAYER_SPEC = "hpc_rl.training.layer_specs:gpt_layer_spec"
 GQA_LAYER_ROWS = "hpc_rl.models.name_rows:layer_rows"
 """The shared name rows of a GQA decoder layer (dense or MoE MLP): the default `hf_layer_rows` hook (named by
 path: `name_rows` reads the registry, so the registry does not import it)."""
-CPU_ENGINE_CACHES = ("batched", "per_request")
+CPU_ENGINE_CACHES = ("batched", "batched_states", "per_request")
 """The values of `ModelFamily.cpu_engine_cache`."""
 
 
@@ -156,9 +156,10 @@ class ModelFamily:
     cpu_engine_support: Callable[[Mapping[str, Any]], str | None] | None = None
     cpu_engine_cache: str = "batched"
     """How the CPU engine holds this family's cache on transformers' model: "batched" (`kv_batch`: one key and one
-    value tensor per layer, left-padded rows) or "per_request" (`row_caches`: the model's own cache class per request,
-    run one request at a time, for caches that are not keys/values alone: Gated DeltaNet's conv and recurrent states,
-    DSA's index keys)."""
+    value tensor per layer, left-padded rows), "batched_states" (`state_batch`: transformers' own cache for the whole
+    batch, for caches that are not keys/values alone: Gated DeltaNet's conv and recurrent states, one row per request,
+    DSA's index keys beside the keys) or "per_request" (`row_caches`: the model's own cache per request, one request
+    per forward call; 30-57x slower on the tiny models, kept for a cache `state_batch` cannot move)."""
     fuse_for_engine: EngineFusion | None = None
     """HF tensors a weight sync (broadcast, colocated) sends fused, one group at a time, because the engine's
     loader reads them only fused (gpt-oss: each layer's experts); None: every tensor under its mapped name."""

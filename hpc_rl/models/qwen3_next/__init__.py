@@ -16,7 +16,7 @@ _HOOKS = dict(
     to_megatron=lazy_hook("hpc_rl.models.qwen3_next.names:to_megatron"),
     to_hf=lazy_hook("hpc_rl.models.qwen3_next.names:to_hf"),
     layer_spec=lazy_hook("hpc_rl.models.qwen3_next.layers:layer_spec"),
-    cpu_engine_cache="per_request",  # linear-attention layers keep conv and recurrent states, not keys/values
+    cpu_engine_cache="batched_states",  # linear-attention layers keep conv and recurrent states, not keys/values
 )
 _DEFAULTS = {"use_qk_norm": True, "partial_rotary_factor": 0.25, "scoring_func": "softmax",
              "e_score_correction_bias": False}
