@@ -3,8 +3,8 @@
 Owns: what Megatron-core 0.16.1 or SGLang 0.5.23 would refuse only after the queue wait, as problems that
 name the numbers: the trainer's expert layout (`parallel_layout`), the MoE training values (dispatcher,
 router dtype, load balancing, drop policy, capacity factor), expert biases only at expert TP 1, sliding windows
-without CP on cpu, gpt-oss served by SGLang from a bf16 checkpoint only (every weight sync sends bf16 experts,
-fused per layer as SGLang reads them: `hpc_rl.models.gpt_oss.engine_sync`), DeepEP and the flex dispatcher only on cuda,
+without CP on cpu, what a family's checkpoint cannot be served with (its registry `sglang_problems`: gpt-oss from a
+bf16 checkpoint only, with SGLang EP 1: `hpc_rl.models.gpt_oss.serving`), DeepEP and the flex dispatcher only on cuda,
 routing replay only for MoE models, group-limited routing, top-1 softmax routing; Megatron's optimizer
 offload rules; SGLang's MoE engine options against the engine's GPUs and the model's experts (attention DP,
 EP, dense-MLP TP, DP LM head); and one note line per GPU-only choice a cpu run keeps, with the same numerics.
@@ -16,6 +16,7 @@ from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.parallel_layout import ParallelLayout, layout_problems
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sglang_options import attention_dp_size, engine_kind
+from hpc_rl.models.registry import family
 
 DISPATCHERS = ("alltoall", "allgather", "flex")
 ROUTER_DTYPES = (None, "fp32", "fp64")
@@ -109,35 +110,30 @@ def optimizer_problems(config: RunConfig) -> Problems:
     return problems
 
 
-def _serves_mxfp4(config: RunConfig) -> bool:
-    """The engines' checkpoint (hf_checkpoint) is gpt-oss's MXFP4 release (read when its config.json is here)."""
+def _engine_hf_config(config: RunConfig) -> dict | None:
+    """The engines' checkpoint's config.json (hf_checkpoint), when it is readable here."""
     import json
     from pathlib import Path
 
-    from hpc_rl.models.gpt_oss.checkpoint import is_mxfp4
-
     path = Path(config.checkpoint.hf_checkpoint or "") / "config.json"
     try:
-        return bool(config.checkpoint.hf_checkpoint) and path.is_file() and is_mxfp4(json.loads(path.read_text()))
+        return json.loads(path.read_text()) if config.checkpoint.hf_checkpoint and path.is_file() else None
     except (OSError, ValueError):
-        return False  # an unreadable config.json or another quantization is named by the checkpoint checks
+        return None  # an unreadable config.json is named by the checkpoint checks
 
 
 def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Problems:
     """SGLang's MoE engine options against the engine's GPUs and the model (SGLang checks them at start)."""
     if engine_kind(config.rollout.engine, config.cluster.device) != "sglang":
         return []
-    if arch is not None and arch.family == "gpt_oss" and _serves_mxfp4(config):
-        return [("checkpoint.hf_checkpoint", (
-            f"{config.checkpoint.hf_checkpoint} is gpt-oss's MXFP4 release (config.json quantization_config "
-            f"mxfp4): SGLang then serves MXFP4 experts, and its gpt-oss loader reads experts in an update only as "
-            f"MXFP4 _blocks / _scales, skipping the bf16 ones every weight sync sends (broadcast, colocated, "
-            f"disk) without an error (the engine would keep its first experts); give the bf16 checkpoint "
-            f"(hpc_rl reads the MXFP4 release as bf16; tools/convert_hf_to_torch_dist.py then "
-            f"tools/convert_torch_dist_to_hf.py, or --save-hf, write it with bf16 fused experts) as --hf-checkpoint"))]
     options = config.sglang.server_options()
+    own_problems = family(arch.family).sglang_problems if arch is not None else None  # gpt-oss: MXFP4, EP
+    own = [] if own_problems is None else own_problems(options, _engine_hf_config(config))
+    if any(field == "checkpoint.hf_checkpoint" for field, _ in own):  # the checkpoint itself cannot be served
+        return [(field, f"{config.checkpoint.hf_checkpoint} {message}") for field, message in own
+                if field == "checkpoint.hf_checkpoint"]
     gpus = config.cluster.rollout_num_gpus_per_engine
-    problems = []
+    problems = list(own)
     if int(options.get("dp_size") or 1) > 1 and not options.get("enable_dp_attention"):
         problems.append(("sglang.extra_args.dp_size", (
             f"{options['dp_size']} without enable_dp_attention starts {options['dp_size']} server replicas of "

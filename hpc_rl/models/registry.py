@@ -33,6 +33,18 @@ Hook signatures (arch: an `hpc_rl.config.model.ModelArchitecture`, not imported 
   fuse_for_engine (an object, not a function; `EngineFusion`): HF tensors a weight sync sends fused because the
                                                    engine reads them only so (gpt-oss's experts), used by
                                                    `hpc_rl.weights.engine_fusion`
+  hf_reader(reader, hf) -> reader                 an HF checkpoint's tensors under the name map's names (gpt-oss:
+                                                   fused experts per expert; a Qwen3.5 VLM release: its text tower
+                                                   under the text model's names); `hpc_rl.weights.hf_import`
+  hf_export(state, arch, reference_dir) -> state  the exported HF tensors (name map's names) as written to disk
+                                                   next to `reference_dir`'s files (gpt-oss: experts fused as
+                                                   released; a VLM release: its layout, the vision tower passed
+                                                   through); the converter and --save-hf
+  expert_hf_suffixes(expert, megatron_suffix) -> list[str] | None   a routed expert's HF suffixes when the
+                                                   family's differ from the shared ones (gpt-oss: with biases)
+  megatron_flags (an object, `FamilyFlags`): the family's own Megatron/slime model flags (`given`, `apply`)
+  sglang_problems(options, hf) -> list[(config field, message)]   SGLang engine options this family's checkpoint
+                                                   cannot be served with (hf: the engines' config.json or None)
 """
 
 from __future__ import annotations
@@ -103,6 +115,20 @@ class EngineFusion(Protocol):
     def largest_group_bytes(self, arch: Any, itemsize: int) -> int: ...
 
 
+class FamilyFlags(Protocol):
+    """A family's own Megatron / slime model flags (`ModelFamily.megatron_flags`): gpt-oss's attention sinks, sliding
+    windows, clamped GLU."""
+
+    def given(self, flags: Mapping[str, Any]) -> list[str]:
+        """The family's flags among `flags` (their Megatron names)."""
+        ...
+
+    def apply(self, flags: Mapping[str, Any], fields: dict[str, Any], problems: list[str],
+              hf_config: Mapping[str, Any] | None) -> None:
+        """Set the architecture `fields` the flags describe; append a readable line per problem."""
+        ...
+
+
 def _no_problem(arch: Any) -> str | None:
     return None
 
@@ -160,6 +186,13 @@ class ModelFamily:
     batch, for caches that are not keys/values alone: Gated DeltaNet's conv and recurrent states, one row per request,
     DSA's index keys beside the keys) or "per_request" (`row_caches`: the model's own cache per request, one request
     per forward call; 30-57x slower on the tiny models, kept for a cache `state_batch` cannot move)."""
+    hf_reader: Callable[[Any, Mapping[str, Any]], Any] | None = None
+    hf_export: Callable[[dict[str, Any], Any, Path | None], dict[str, Any]] | None = None
+    expert_hf_suffixes: Callable[[int, str], list[str] | None] | None = None
+    yarn_on_gqa: bool = False
+    """YaRN applies to grouped-query attention (GPTModel's yarn rotary: gpt-oss); elsewhere only inside MLA."""
+    megatron_flags: FamilyFlags | None = None
+    sglang_problems: Callable[[Mapping[str, Any], Mapping[str, Any] | None], list[tuple[str, str]]] | None = None
     fuse_for_engine: EngineFusion | None = None
     """HF tensors a weight sync (broadcast, colocated) sends fused, one group at a time, because the engine's
     loader reads them only fused (gpt-oss: each layer's experts); None: every tensor under its mapped name."""

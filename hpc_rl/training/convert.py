@@ -135,8 +135,15 @@ def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: s
     state = {name: tensor.clone() for name, tensor in export_hf_state_dict(model, arch)}
     for copy, source in mtp_copies(arch):  # DeepSeek's per-MTP-layer embedding / head copies
         state[copy] = state[source].clone()
-    if arch.family == "gpt_oss":  # experts fused, as released (transformers and SGLang read no other layout)
-        from hpc_rl.models.gpt_oss.checkpoint import fused_state
-
-        state = fused_state(state)
+    state = on_disk_state(state, arch, hf_reference)
     return write_hf_checkpoint(state, output_dir, hf_reference)
+
+
+def on_disk_state(state: dict, arch: ModelArchitecture, reference_dir: str | Path | None) -> dict:
+    """The exported HF tensors as the family writes them to disk (its `hf_export` hook: gpt-oss's experts fused as
+    released, a VLM release's text tower under its prefix with the vision tower passed through); else unchanged."""
+    from hpc_rl.models.registry import family
+
+    own_export = family(arch.family).hf_export
+    return state if own_export is None else own_export(state, arch, None if reference_dir is None
+                                                       else Path(reference_dir))
