@@ -109,6 +109,8 @@ def make_tiny(output_dir: str | Path, family: str = "qwen3_next", seed: int = 0,
     config_file = output_dir / "config.json"
     saved = json.loads(config_file.read_text())
     saved["torch_dtype"] = "float32"
+    if not vlm:  # as released: SGLang 0.5.23's Qwen3NextConfig reads it (transformers 5.24 writes layer_types only)
+        saved["full_attention_interval"] = fields["full_attention_interval"]
     config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     return output_dir
 
