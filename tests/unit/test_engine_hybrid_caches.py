@@ -1,5 +1,5 @@
 """The CPU engine on families whose transformers cache is not keys/values alone: the hybrid Gated DeltaNet families
-(conv and recurrent states) and DeepSeek-V3.2 (indexer keys), each on its tiny checkpoint, on both ways of holding
+(conv and recurrent states), DeepSeek-V3.2 and GLM-5 (indexer keys), each on its tiny checkpoint, on both ways of holding
 it (registry `cpu_engine_cache`: "batched_states", `engines/cpu/state_batch`, the families' own; "per_request",
 `engines/cpu/row_caches`). Greedy and sampled answers, through continuous batching (a second wave joining running
 requests, rows of different lengths leaving), carry the log-probs of a plain forward pass over each prefix;
@@ -19,7 +19,7 @@ from hpc_rl.engines.cpu.weight_sync import load_named, named_tensors
 from hpc_rl.models.registry import family
 from hpc_rl.tiny_model import build_tokenizer
 
-FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32"]
+FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -27,7 +27,7 @@ def checkpoint(request, tmp_path_factory):
     torch.manual_seed(0)
     # DeepSeek-V3.2 with 16 indexer heads, not the tiny default 4: with 4, exact zero index scores tie often and
     # torch.topk breaks ties by the row's length (tests/integration/test_hybrid_engine_runs.INDEX_HEADS)
-    extra = {"index_n_heads": 16} if request.param == "deepseek_v32" else {}
+    extra = {"index_n_heads": 16} if request.param in ("deepseek_v32", "glm_moe_dsa") else {}
     return family(request.param).make_tiny(tmp_path_factory.mktemp(request.param), **extra)
 
 
