@@ -27,7 +27,7 @@ from hpc_rl.engines.cpu.scheduler import Scheduler
 from hpc_rl.models.registry import family
 from hpc_rl.tiny_model import build_tokenizer
 
-FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32")
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa")
 
 
 def run_once(model: torch.nn.Module, kind: str, requests: int, new_tokens: int, max_running: int) -> float:
