@@ -39,6 +39,8 @@ def test_tiny_hybrid_run_engine_logprobs_equal_the_trainers_after_every_sync(tmp
     rows = run_tiny_recipe_in_sync(run_dir, "configs/tiny_moe_cpu.yaml", "--model",
                                    str(ROOT / "configs" / "models" / "tiny_qwen3_5_moe.yaml"), "--hf-checkpoint",
                                    str(hf_dir), "--eval-interval", str(SHORT_RUN_ROLLOUTS))
+    print("qwen3_5_moe engine vs trainer per rollout:", [row["metrics"]["train/train_rollout_logprob_abs_diff"]
+                                                         for row in rows])
     assert all(row["metrics"]["train/samples"] == 128.0 for row in rows)
     assert "Traceback" not in (run_dir / "logs" / "trainer.log").read_text()
     assert processes_mentioning(str(run_dir)) == []
@@ -72,6 +74,8 @@ def test_tiny_dsa_run_engine_logprobs_equal_the_trainers_after_every_sync(tmp_pa
     run_dir = tmp_path / "run"
     rows = run_tiny_recipe_in_sync(run_dir, "configs/tiny_moe_cpu.yaml", "--model", str(model_file),
                                    "--hf-checkpoint", str(hf_dir), "--eval-interval", str(SHORT_RUN_ROLLOUTS))
+    print("deepseek_v32 engine vs trainer per rollout:", [row["metrics"]["train/train_rollout_logprob_abs_diff"]
+                                                          for row in rows])
     assert all(row["metrics"]["train/samples"] == 128.0 for row in rows)
     assert "Traceback" not in (run_dir / "logs" / "trainer.log").read_text()
     assert processes_mentioning(str(run_dir)) == []
