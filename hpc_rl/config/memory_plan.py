@@ -223,8 +223,9 @@ class MemoryPlan:
                  f"{_gib(e.weights)} GiB, static pool {_gib(e.static)} GiB at mem_fraction_static "
                  f"{e.mem_fraction_static:.2f}{' (SGLang picks it)' if e.fraction_is_auto else ''} -> KV cache "
                  f"{_gib(e.kv_cache)} GiB = {e.kv_tokens} tokens"
-                 + (f" (full-attention layers only; linear-attention state {e.linear_state_bytes_per_request / 2**20:.1f}"
-                    f" MiB per running request, in SGLang's mamba pool)" if e.linear_state_bytes_per_request else "")]
+                 + (f" (full-attention layers only; linear-attention state "
+                    f"{e.linear_state_bytes_per_request / 2**20:.1f} MiB per running request, in SGLang's mamba pool)"
+                    if e.linear_state_bytes_per_request else "")]
         lines += [f"  {phase.text(gpu)}" for phase in self.phases]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)

@@ -137,7 +137,8 @@ def mtp_share(arch: ModelArchitecture) -> ParameterShare:
     if not arch.mtp_num_layers:
         return ParameterShare()
     h = arch.hidden_size
-    one = (ParameterShare(tensor_parallel=2 * h * h, replicated=3 * h) + _layer_attention(arch, arch.num_layers - 1)
+    one = (ParameterShare(tensor_parallel=2 * h * h, replicated=3 * h)
+           + _layer_attention(arch, arch.num_layers - 1)
            + _mlp(arch, arch.moe_layers()[-1]))
     share = ParameterShare()
     for _ in range(arch.mtp_num_layers):

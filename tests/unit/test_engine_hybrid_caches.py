@@ -1,6 +1,6 @@
 """The CPU engine on families whose transformers cache is not keys/values alone: the hybrid Gated DeltaNet families
-(conv and recurrent states), DeepSeek-V3.2 and GLM-5 (indexer keys), each on its tiny checkpoint, on both ways of holding
-it (registry `cpu_engine_cache`: "batched_states", `engines/cpu/state_batch`, the families' own; "per_request",
+(conv and recurrent states), DeepSeek-V3.2 and GLM-5 (indexer keys), each on its tiny checkpoint, on both ways of
+holding it (registry `cpu_engine_cache`: "batched_states", `engines/cpu/state_batch`, the families' own; "per_request",
 `engines/cpu/row_caches`). Greedy and sampled answers, through continuous batching (a second wave joining running
 requests, rows of different lengths leaving), carry the log-probs of a plain forward pass over each prefix;
 every checkpoint tensor (the names a weight sync sends) reaches transformers' model; a model whose cache the

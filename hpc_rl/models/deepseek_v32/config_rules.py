@@ -66,8 +66,9 @@ def architecture_problem(arch: ModelArchitecture) -> str | None:
 
 def indexer_key_mismatches(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str]:
     """config.json's index_* keys against the model file (DeepseekV32Config's defaults for absent keys)."""
-    return [f"{field}: the model file has {getattr(arch, field)}, config.json's {key} is {hf.get(key, HF_DEFAULTS[key])}"
-            for field, key in HF_KEY_OF_FIELD.items() if getattr(arch, field) != hf.get(key, HF_DEFAULTS[key])]
+    theirs = {key: hf.get(key, HF_DEFAULTS[key]) for key in HF_KEY_OF_FIELD.values()}
+    return [f"{field}: the model file has {getattr(arch, field)}, config.json's {key} is {theirs[key]}"
+            for field, key in HF_KEY_OF_FIELD.items() if getattr(arch, field) != theirs[key]]
 
 
 def check_config(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str]:

@@ -4,8 +4,8 @@ Owns, one module each: the architecture rules and config.json check (`architectu
 (`flags`), the HF name rows (`names`), the experts fused per layer in a weight sync (`engine_sync`: the family's
 `fuse_for_engine`), reading the released checkpoints (fused bf16 experts and the MXFP4 release)
 under per-expert names and the CPU engine's per-expert views (`checkpoint`), what SGLang cannot serve of it
-(`serving`), and the tiny random checkpoint (`tiny`). No layer code: the layers are Megatron's own GPT layer with its MoE MLP
-(`hpc_rl.training.layer_specs.gpt_layer_spec`): attention sinks are DotProductAttention's learnable softmax offset,
+(`serving`), and the tiny random checkpoint (`tiny`). No layer code: the layers are Megatron's own GPT layer with
+its MoE MLP (`hpc_rl.training.layer_specs.gpt_layer_spec`): attention sinks are DotProductAttention's learnable softmax offset,
 sliding windows its window_size / window_attn_skip_freq, the clamped SwiGLU with its linear offset Megatron's gated MLP (quick GELU, glu_linear_offset,
 activation_func_clamp_value), the router and expert biases add_bias_linear, YaRN GPTModel's yarn rotary (their
 TransformerConfig fields: `hpc_rl.training.model_provider.attention_and_glu_fields` / `yarn_config_attributes`).
