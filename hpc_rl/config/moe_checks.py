@@ -129,11 +129,11 @@ def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None) -> Pr
     options = config.sglang.server_options()
     own_problems = family(arch.family).sglang_problems if arch is not None else None  # gpt-oss: MXFP4, EP
     own = [] if own_problems is None else own_problems(options, _engine_hf_config(config))
-    if any(field == "checkpoint.hf_checkpoint" for field, _ in own):  # the checkpoint itself cannot be served
-        return [(field, f"{config.checkpoint.hf_checkpoint} {message}") for field, message in own
-                if field == "checkpoint.hf_checkpoint"]
+    if any(option is None for option, _ in own):  # the checkpoint itself cannot be served
+        return [("checkpoint.hf_checkpoint", f"{config.checkpoint.hf_checkpoint} {message}")
+                for option, message in own if option is None]
     gpus = config.cluster.rollout_num_gpus_per_engine
-    problems = list(own)
+    problems = [(f"sglang.extra_args.{option}", message) for option, message in own]
     if int(options.get("dp_size") or 1) > 1 and not options.get("enable_dp_attention"):
         problems.append(("sglang.extra_args.dp_size", (
             f"{options['dp_size']} without enable_dp_attention starts {options['dp_size']} server replicas of "

@@ -43,8 +43,9 @@ Hook signatures (arch: an `hpc_rl.config.model.ModelArchitecture`, not imported 
   expert_hf_suffixes(expert, megatron_suffix) -> list[str] | None   a routed expert's HF suffixes when the
                                                    family's differ from the shared ones (gpt-oss: with biases)
   megatron_flags (an object, `FamilyFlags`): the family's own Megatron/slime model flags (`given`, `apply`)
-  sglang_problems(options, hf) -> list[(config field, message)]   SGLang engine options this family's checkpoint
-                                                   cannot be served with (hf: the engines' config.json or None)
+  sglang_problems(options, hf) -> list[(option | None, message)]   SGLang engine options (by name; None: the
+                                                   checkpoint itself) this family cannot be served with (hf: the
+                                                   engines' config.json or None)
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ class ModelFamily:
     yarn_on_gqa: bool = False
     """YaRN applies to grouped-query attention (GPTModel's yarn rotary: gpt-oss); elsewhere only inside MLA."""
     megatron_flags: FamilyFlags | None = None
-    sglang_problems: Callable[[Mapping[str, Any], Mapping[str, Any] | None], list[tuple[str, str]]] | None = None
+    sglang_problems: (Callable[[Mapping[str, Any], Mapping[str, Any] | None], list[tuple[str | None, str]]]
+                      | None) = None
     fuse_for_engine: EngineFusion | None = None
     """HF tensors a weight sync (broadcast, colocated) sends fused, one group at a time, because the engine's
     loader reads them only fused (gpt-oss: each layer's experts); None: every tensor under its mapped name."""

@@ -23,8 +23,9 @@ def _ep_size(options: Mapping[str, Any]) -> tuple[str, int]:
     return key, int(options.get(key) or 1)
 
 
-def sglang_problems(options: Mapping[str, Any], hf_config: Mapping[str, Any] | None) -> list[tuple[str, str]]:
-    """(config field, message) per SGLang option / checkpoint the engines cannot serve gpt-oss with."""
+def sglang_problems(options: Mapping[str, Any], hf_config: Mapping[str, Any] | None) -> list[tuple[str | None, str]]:
+    """(SGLang option name, or None for the checkpoint itself; message) per option / checkpoint the engines cannot
+    serve gpt-oss with."""
     from hpc_rl.models.gpt_oss.checkpoint import is_mxfp4
 
     problems = []
@@ -33,7 +34,7 @@ def sglang_problems(options: Mapping[str, Any], hf_config: Mapping[str, Any] | N
     except ValueError:
         mxfp4 = False  # another quantisation: the checkpoint checks name it
     if mxfp4:
-        problems.append(("checkpoint.hf_checkpoint", (
+        problems.append((None, (
             "is gpt-oss's MXFP4 release (config.json quantization_config mxfp4): SGLang then serves MXFP4 experts, "
             "and its gpt-oss loader reads experts in an update only as MXFP4 _blocks / _scales, skipping the bf16 "
             "ones every weight sync sends (broadcast, colocated, disk) without an error (the engine would keep its "
@@ -42,7 +43,7 @@ def sglang_problems(options: Mapping[str, Any], hf_config: Mapping[str, Any] | N
             "bf16 fused experts) as --hf-checkpoint")))
     key, ep = _ep_size(options)
     if ep > 1 and not mxfp4:
-        problems.append((f"sglang.extra_args.{key}", (
+        problems.append((key, (
             f"{ep}: SGLang 0.5.23 loads gpt-oss's bf16 experts fused (FusedMoE.weight_loader_fused), narrowing them "
             f"by the MoE TP rank only and never by the EP rank, so an engine with EP > 1 fails to load them (at "
             f"start and in every weight update); serve gpt-oss with EP 1 (experts split by MoE TP: the engine's "
