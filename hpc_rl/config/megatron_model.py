@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.models.gpt_oss.flags import GPT_OSS_SPEC, apply_gpt_oss_flags, gpt_oss_flags_given
 from hpc_rl.models.qwen3_vl.names import apply_vl_fields, is_vl_config, text_view
 from hpc_rl.models.mla import hf_yarn_fields, mla_family_names
 from hpc_rl.models.qwen3_next.flags import apply_hybrid_flags, hybrid_spec_family
@@ -65,9 +64,10 @@ def _required_behaviour_problems(flags: dict[str, Any], from_scratch: bool) -> l
     elif normalization is None and from_scratch:
         problems.append("--normalization: Megatron's default is LayerNorm, which hpc_rl does not build; add --normalization RMSNorm")
     position = flags.get("position_embedding_type")
-    if position == "yarn" and not _is_gpt_oss(flags):
-        problems.append("--position-embedding-type yarn: hpc_rl builds YaRN on grouped-query attention for gpt-oss "
-                        f"(--spec {' '.join(GPT_OSS_SPEC)}) only")
+    if position == "yarn" and not _yarn_on_gqa(flags):
+        specs = [f"--spec {' '.join(f.slime_spec)}" for f in all_families() if f.yarn_on_gqa and f.slime_spec]
+        problems.append("--position-embedding-type yarn: hpc_rl builds YaRN on grouped-query attention for "
+                        f"{', '.join(_shown(f) for f in all_families() if f.yarn_on_gqa)} ({', '.join(specs)}) only")
     elif position is not None and position not in ("rope", "yarn"):
         problems.append(f"--position-embedding-type {position}: hpc_rl builds rotary (rope) models only")
     elif position is None and from_scratch and not flags.get("use_rotary_position_embeddings"):
@@ -84,8 +84,30 @@ def _required_behaviour_problems(flags: dict[str, Any], from_scratch: bool) -> l
     return problems
 
 
-def _is_gpt_oss(flags: dict[str, Any]) -> bool:
-    return tuple(flags.get("spec") or ()) == GPT_OSS_SPEC
+def _apply_family_flags(flags: dict[str, Any], fields: dict[str, Any], problems: list[str],
+                        hf_config: dict[str, Any] | None, hf_type: str | None) -> None:
+    """Each family's own model flags (the registry's `megatron_flags`: gpt-oss's) on its own line; named as a
+    problem on another family's line."""
+    for owner in all_families():
+        if owner.megatron_flags is None:
+            continue
+        if fields.get("family") == owner.name or hf_type in owner.hf_model_types:
+            owner.megatron_flags.apply(flags, fields, problems, hf_config)
+        elif owner.megatron_flags.given(flags):
+            spec = f" (--spec {' '.join(owner.slime_spec)})" if owner.slime_spec else ""
+            problems.append(" ".join("--" + f.replace("_", "-") for f in owner.megatron_flags.given(flags))
+                            + f": hpc_rl builds these for {_shown(owner)} only{spec}")
+
+
+def _shown(owner: Any) -> str:
+    """A family as a line names it: its description's name (gpt-oss), else its registry name."""
+    return owner.description.split(" (")[0] if owner.description else owner.name
+
+
+def _yarn_on_gqa(flags: dict[str, Any]) -> bool:
+    """The line's --spec is a family's whose YaRN applies to grouped-query attention (gpt-oss)."""
+    found = family_for_slime_spec(flags.get("spec"))
+    return found is not None and found.yarn_on_gqa
 
 
 def _scratch_fields(flags: dict[str, Any], hf_config: dict[str, Any] | None, problems: list[str]) -> dict[str, Any]:
@@ -268,11 +290,7 @@ def architecture_from_flags(
         _apply_mla_flags(flags, fields, problems, hf_config)
         _apply_dsa_flags(flags, fields, problems)
         _apply_moe_flags(flags, fields, problems, hf_type)
-        if fields.get("family") == "gpt_oss" or hf_type == "gpt_oss":
-            apply_gpt_oss_flags(flags, fields, problems, hf_config)
-        elif gpt_oss_flags_given(flags):
-            problems.append(" ".join("--" + f.replace("_", "-") for f in gpt_oss_flags_given(flags)) + ": hpc_rl "
-                            f"builds these for gpt-oss only (--spec {' '.join(GPT_OSS_SPEC)})")
+        _apply_family_flags(flags, fields, problems, hf_config, hf_type)
         apply_hybrid_flags(flags, fields, problems, hf_config)
         if fields.get("multi_latent_attention") and not fields.get("num_moe_experts"):
             problems.append("--multi-latent-attention without --num-experts: hpc_rl builds MLA for the MoE families "

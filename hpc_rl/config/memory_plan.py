@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 from hpc_rl.config.lora_sizes import layer_adapter_parameters, lora_note
 from hpc_rl.config.model import ModelArchitecture
 from hpc_rl.config.parallel_layout import ParallelLayout
-from hpc_rl.config.parameter_counts import ParameterShare, format_count, model_share, stage_shares
+from hpc_rl.config.parameter_counts import (
+    ParameterShare,
+    format_count,
+    is_linear_attention_layer,
+    linear_attention_sizes,
+    model_share,
+    stage_shares,
+)
 from hpc_rl.config.pipeline_split import PipelineSplitError, training_split
 from hpc_rl.config.problems import Problem
 from hpc_rl.config.schema import RunConfig
@@ -116,6 +123,9 @@ class EngineMemory:
     kv_bytes_per_token: int
     mem_fraction_static: float
     fraction_is_auto: bool
+    linear_state_bytes_per_request: int = 0
+    """A hybrid's Gated DeltaNet layers: each running request's conv window and SSM state, whatever its length
+    (SGLang's mamba pool holds them apart from the KV cache; kv_bytes_per_token counts full-attention layers)."""
 
     @property
     def kv_tokens(self) -> int:
@@ -213,7 +223,10 @@ class MemoryPlan:
                  f"  engine GPU ({e.gpus_per_engine} GPU(s) per engine, attention TP {e.attention_tp}): weights "
                  f"{_gib(e.weights)} GiB, static pool {_gib(e.static)} GiB at mem_fraction_static "
                  f"{e.mem_fraction_static:.2f}{' (SGLang picks it)' if e.fraction_is_auto else ''} -> KV cache "
-                 f"{_gib(e.kv_cache)} GiB = {e.kv_tokens} tokens"]
+                 f"{_gib(e.kv_cache)} GiB = {e.kv_tokens} tokens"
+                 + (f" (full-attention layers only; linear-attention state "
+                    f"{e.linear_state_bytes_per_request / 2**20:.1f} MiB per running request, in SGLang's mamba pool)"
+                    if e.linear_state_bytes_per_request else "")]
         lines += [f"  {phase.text(gpu)}" for phase in self.phases]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
@@ -234,15 +247,22 @@ def tokens_per_micro_batch(config: RunConfig) -> tuple[int, int]:
     return training.micro_batch_size * per_gpu_sample, longest
 
 
-def _layer_activation_elements(arch: ModelArchitecture, moe: bool) -> int:
+def _layer_activation_elements(arch: ModelArchitecture, moe: bool, linear: bool = False) -> int:
     """bf16 elements one token keeps for backward in one layer (before any TP split): each norm's input and
     output, the q/k/v projection's output (q and k only when q/k norms read them), the rotated q and k and the
-    attention output (flash attention's saved tensors), an MLP's fc1 output and activation; in an MoE layer the
-    router's fp32 probabilities and, per routed copy of the token, its dispatched input, fc1 output, activation
-    and expert output; a shared expert's fc1 output and activation."""
+    attention output (flash attention's saved tensors; with an output gate, the gate and the gated output too), an
+    MLP's fc1 output and activation; in an MoE layer the router's fp32 probabilities and, per routed copy of the
+    token, its dispatched input, fc1 output, activation and expert output; a shared expert's fc1 output and
+    activation. A Gated DeltaNet layer (`linear`) keeps in place of attention its norm's input and output, in_proj's
+    output, the convolution's output, the normalised q and k, the kernel's output and the gated norm's output (fla's
+    chunked kernel recomputes its per-chunk states in backward)."""
     h, d = arch.hidden_size, arch.kv_channels
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
-    attention = 2 * h + (q + 2 * kv if arch.qk_layernorm else kv) + (q + kv) + q
+    attention = 2 * h + (q + 2 * kv if arch.qk_layernorm else kv) + (q + kv) + q + (2 * q if arch.attention_output_gate
+                                                                                      else 0)
+    if linear:
+        qk, v, heads = linear_attention_sizes(arch)
+        attention = 2 * h + (2 * qk + 2 * v + 2 * heads) + (2 * qk + v) + 2 * qk + 2 * v
     if arch.multi_latent_attention:  # latents and their norms, up-projected q and kv, rotated k, output
         heads, nope, rope = arch.num_attention_heads, arch.qk_head_dim or 0, arch.qk_pos_emb_head_dim or 0
         latent = 2 * (arch.q_lora_rank or 0) + 2 * (arch.kv_lora_rank or 0) + rope
@@ -265,7 +285,8 @@ def _activations(arch: ModelArchitecture, config: RunConfig, layers: list[int], 
     training = config.training
     tp = training.tensor_model_parallel_size
     moe = arch.moe_layers()
-    per_layer = [_layer_activation_elements(arch, moe[layer]) * tokens * BF16 // tp for layer in layers]
+    per_layer = [_layer_activation_elements(arch, moe[layer], is_linear_attention_layer(arch, layer)) * tokens * BF16
+                 // tp for layer in layers]
     layer_input = tokens * arch.hidden_size * BF16 // (tp if training.sequence_parallel or tp == 1 else 1)
     chunk = training.recompute_num_layers or 1
     if not per_layer:
@@ -354,12 +375,19 @@ def engine_memory(config: RunConfig, arch: ModelArchitecture, gpu: int) -> Engin
         fraction = round((gpu - SGLANG_AUTO_RESERVE - gpus * GIB // 8) / gpu, 3)
     static = int(fraction * gpu)
     kv_heads = math.ceil(arch.num_query_groups / attention_tp)
-    kv_per_token = arch.num_layers * 2 * kv_heads * arch.kv_channels * BF16
+    linear_layers = sum(is_linear_attention_layer(arch, layer) for layer in range(arch.num_layers))
+    kv_per_token = (arch.num_layers - linear_layers) * 2 * kv_heads * arch.kv_channels * BF16
     if arch.multi_latent_attention:  # SGLang caches MLA's latent and rotary key, whole on every attention-TP rank
         kv_per_token = arch.num_layers * ((arch.kv_lora_rank or 0) + (arch.qk_pos_emb_head_dim or 0)) * BF16
+    state = 0
+    if linear_layers:  # SGLang's mamba pool: per request a conv window (bf16) and an fp32 SSM state per layer
+        qk, v, heads = linear_attention_sizes(arch)
+        conv = (2 * qk + v) * (arch.linear_conv_kernel_dim - 1) * BF16
+        ssm = heads * arch.linear_key_head_dim * arch.linear_value_head_dim * FP32
+        state = linear_layers * (conv + ssm) // attention_tp
     return EngineMemory(gpus_per_engine=gpus, attention_tp=attention_tp, weights=weights, static=static,
                         kv_cache=static - weights, kv_bytes_per_token=kv_per_token, mem_fraction_static=fraction,
-                        fraction_is_auto=auto)
+                        fraction_is_auto=auto, linear_state_bytes_per_request=state)
 
 
 TRAINING_ADVICE = ("add --optimizer-cpu-offload --use-precision-aware-optimizer, raise TP/EP/PP, lower "

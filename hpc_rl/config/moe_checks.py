@@ -3,10 +3,11 @@
 Owns: what Megatron-core 0.16.1 or SGLang 0.5.23 would refuse only after the queue wait, as problems that
 name the numbers: the trainer's expert layout (`parallel_layout`), the MoE training values (dispatcher,
 router dtype, load balancing, drop policy, capacity factor), expert biases only at expert TP 1, sliding windows
-without CP on cpu, gpt-oss served by SGLang from a bf16 checkpoint only (every weight sync sends bf16 experts,
-fused per layer as SGLang reads them: `hpc_rl.models.gpt_oss.engine_sync`), DeepEP and the flex dispatcher only on
-cuda, routing replay only for MoE models and what Megatron's RouterReplay and R3 need (`routing_replay_problems`),
-group-limited routing, top-1 softmax routing; Megatron's optimizer offload rules; SGLang's MoE engine options against the engine's GPUs and the model's experts (attention DP,
+without CP on cpu, what a family's checkpoint cannot be served with (its registry `sglang_problems`: gpt-oss from a
+bf16 checkpoint only, with SGLang EP 1: `hpc_rl.models.gpt_oss.serving`), DeepEP and the flex dispatcher only on cuda,
+routing replay only for MoE models and what Megatron's RouterReplay and R3 need (`routing_replay_problems`),
+group-limited routing, top-1 softmax routing; Megatron's optimizer offload rules; SGLang's MoE engine options against
+the engine's GPUs and the model's experts (attention DP,
 EP, dense-MLP TP, DP LM head); and one note line per GPU-only choice a cpu run keeps, with the same numerics.
 """
 
@@ -21,6 +22,7 @@ from hpc_rl.config.schema import RunConfig
 from hpc_rl.config.sections.training import LOAD_BALANCING_TYPES
 from hpc_rl.config.sglang_options import attention_dp_size, engine_kind
 from hpc_rl.config.training_modes import is_sft
+from hpc_rl.models.registry import family
 
 CAPACITY_BALANCING_TYPES = tuple(t for t in LOAD_BALANCING_TYPES if t != "sinkhorn")
 """Megatron's load balancing types that work with a capacity factor."""
@@ -138,32 +140,19 @@ def optimizer_problems(config: RunConfig) -> Problems:
     return problems
 
 
-def _serves_mxfp4(hf_config: dict[str, Any] | None) -> bool:
-    """The engines' checkpoint (hf_checkpoint, its config.json as validation read it) is gpt-oss's MXFP4 release."""
-    from hpc_rl.models.gpt_oss.checkpoint import is_mxfp4
-
-    try:
-        return hf_config is not None and bool(is_mxfp4(hf_config))
-    except (AttributeError, TypeError, ValueError):
-        return False  # another quantization is named by the checkpoint checks
-
-
 def sglang_moe_problems(config: RunConfig, arch: ModelArchitecture | None,
                         hf_config: dict[str, Any] | None = None) -> Problems:
     """SGLang's MoE engine options against the engine's GPUs and the model (SGLang checks them at start)."""
     if engine_kind(config.rollout.engine, config.cluster.device) != "sglang":
         return []
-    if arch is not None and arch.family == "gpt_oss" and _serves_mxfp4(hf_config):
-        return [Problem("checkpoint.hf_checkpoint", "unsupported", (
-            f"{config.checkpoint.hf_checkpoint} is gpt-oss's MXFP4 release (config.json quantization_config "
-            f"mxfp4): SGLang then serves MXFP4 experts, and its gpt-oss loader reads experts in an update only as "
-            f"MXFP4 _blocks / _scales, skipping the bf16 ones every weight sync sends (broadcast, colocated, "
-            f"disk) without an error (the engine would keep its first experts); give the bf16 checkpoint "
-            f"(hpc_rl reads the MXFP4 release as bf16; tools/convert_hf_to_torch_dist.py then "
-            f"tools/convert_torch_dist_to_hf.py, or --save-hf, write it with bf16 fused experts) as --hf-checkpoint"))]
     options = config.sglang.server_options()
+    own_problems = family(arch.family).sglang_problems if arch is not None else None  # gpt-oss: MXFP4, EP
+    own = [] if own_problems is None else own_problems(options, hf_config)
+    if any(option is None for option, _ in own):  # the checkpoint itself cannot be served
+        return [Problem("checkpoint.hf_checkpoint", "unsupported", f"{config.checkpoint.hf_checkpoint} {message}")
+                for option, message in own if option is None]
     gpus = config.cluster.rollout_num_gpus_per_engine
-    problems = []
+    problems = [Problem(f"sglang.extra_args.{option}", "unsupported", message) for option, message in own]
     if int(options.get("dp_size") or 1) > 1 and not options.get("enable_dp_attention"):
         problems.append(Problem("sglang.extra_args.dp_size", "needs", (
             f"{options['dp_size']} without enable_dp_attention starts {options['dp_size']} server replicas of "

@@ -4,7 +4,10 @@ Owns: counting a `ModelArchitecture`'s parameters by kind (embeddings, attention
 experts, shared experts, routers, norms), per layer range (a pipeline stage), split into the parts that
 tensor parallelism divides, that expert parallelism divides and that every rank replicates; and the
 active count (a token uses top-k of the routed experts). Multi-latent attention counts its q/kv down
-projections as replicated (Transformer Engine's duplicated linears); MTP layers sit on the last stage.
+projections as replicated (Transformer Engine's duplicated linears); MTP layers sit on the last stage. A hybrid's
+Gated DeltaNet layers (linear_attention_freq) count Megatron's GatedDeltaNet (in_proj [q|k|v|z|beta|alpha],
+conv1d, A_log, dt_bias, the gated out_norm over one head, out_proj; no biases) in place of attention, and its full
+attention layers their output gate (q_proj twice as wide); a gated shared expert its [1, h] gate.
 The vocabulary is counted unpadded (Megatron's
 padding adds < 0.1%). Pure arithmetic for `hpc_rl.config.memory_plan`; checked against the published
 totals of Qwen3-4B, Qwen3-30B-A3B and GLM-4.5-Air in the unit tests.
@@ -72,12 +75,36 @@ def _mla_attention(arch: ModelArchitecture) -> ParameterShare:
     return ParameterShare(tensor_parallel=split, attention=split, replicated=down + norms)
 
 
+def is_linear_attention_layer(arch: ModelArchitecture, layer: int) -> bool:
+    """Decoder layer `layer` is Gated DeltaNet linear attention (a hybrid's linear_attention_freq says 1)."""
+    return bool(arch.linear_attention_freq) and bool(arch.linear_attention_freq[layer])
+
+
+def linear_attention_sizes(arch: ModelArchitecture) -> tuple[int, int, int]:
+    """(q or k width, v width, value heads) of a Gated DeltaNet layer."""
+    return (arch.linear_num_key_heads * arch.linear_key_head_dim,
+            arch.linear_num_value_heads * arch.linear_value_head_dim, arch.linear_num_value_heads)
+
+
+def _linear_attention(arch: ModelArchitecture) -> ParameterShare:
+    """Megatron's GatedDeltaNet: in_proj, conv1d, A_log and dt_bias split over TP by heads, out_proj on its input;
+    the input norm (fused into in_proj) and the out_norm (one head's width) replicated."""
+    h = arch.hidden_size
+    qk, v, heads = linear_attention_sizes(arch)
+    split = h * (2 * qk + 2 * v + 2 * heads) + (2 * qk + v) * arch.linear_conv_kernel_dim + 2 * heads + v * h
+    return ParameterShare(tensor_parallel=split, attention=split, replicated=h + arch.linear_value_head_dim)
+
+
+def _layer_attention(arch: ModelArchitecture, layer: int) -> ParameterShare:
+    return _linear_attention(arch) if is_linear_attention_layer(arch, layer) else _attention(arch)
+
+
 def _attention(arch: ModelArchitecture) -> ParameterShare:
     if arch.multi_latent_attention:
         return _mla_attention(arch)
     h, d = arch.hidden_size, arch.kv_channels
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
-    weights = h * q + 2 * h * kv + q * h
+    weights = h * q * (2 if arch.attention_output_gate else 1) + 2 * h * kv + q * h
     biases = (q + 2 * kv if arch.add_qkv_bias or arch.add_bias_linear else 0) + (h if arch.add_bias_linear else 0)
     norms = h + (2 * d if arch.qk_layernorm else 0) + (h if arch.post_sublayer_norms else 0)
     return ParameterShare(tensor_parallel=weights + biases, attention=weights + biases, replicated=norms)
@@ -97,7 +124,9 @@ def _mlp(arch: ModelArchitecture, moe: bool) -> ParameterShare:
     one_expert = _swiglu(arch, arch.moe_ffn_hidden_size or arch.ffn_hidden_size)
     shared = _swiglu(arch, arch.moe_shared_expert_intermediate_size) if arch.moe_shared_expert_intermediate_size else 0
     router = experts * h + (experts if arch.moe_router_enable_expert_bias else 0)
-    return ParameterShare(tensor_parallel=shared, experts=experts * one_expert, replicated=norms + router,
+    shared_gate = h if shared and arch.moe_shared_expert_gate else 0
+    return ParameterShare(tensor_parallel=shared, experts=experts * one_expert,
+                          replicated=norms + router + shared_gate,
                           active_experts=arch.moe_router_topk * one_expert)
 
 
@@ -108,7 +137,8 @@ def mtp_share(arch: ModelArchitecture) -> ParameterShare:
     if not arch.mtp_num_layers:
         return ParameterShare()
     h = arch.hidden_size
-    one = (ParameterShare(tensor_parallel=2 * h * h, replicated=3 * h) + _attention(arch)
+    one = (ParameterShare(tensor_parallel=2 * h * h, replicated=3 * h)
+           + _layer_attention(arch, arch.num_layers - 1)
            + _mlp(arch, arch.moe_layers()[-1]))
     share = ParameterShare()
     for _ in range(arch.mtp_num_layers):
@@ -122,7 +152,7 @@ def layer_range_share(arch: ModelArchitecture, first: int, last: int, *, embeddi
     moe_layers = arch.moe_layers()
     share = mtp_share(arch) if output else ParameterShare()
     for layer in range(first, last):
-        share = share + _attention(arch) + _mlp(arch, moe_layers[layer])
+        share = share + _layer_attention(arch, layer) + _mlp(arch, moe_layers[layer])
     vocab = arch.vocab_size * arch.hidden_size
     if embedding:
         share = share + ParameterShare(vocab_parallel=vocab)

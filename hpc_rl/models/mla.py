@@ -81,7 +81,7 @@ def mla_field_problem(arch: Any) -> str | None:
                     "latents (q_a_layernorm, kv_a_layernorm); add --qk-layernorm")
         if arch.qk_pos_emb_head_dim % 2:
             return f"qk_pos_emb_head_dim ({arch.qk_pos_emb_head_dim}) must be even (rotary pairs)"
-    elif arch.yarn and arch.family != "gpt_oss":  # gpt-oss: YaRN on GQA (GPTModel's yarn rotary)
+    elif arch.yarn and not family(arch.family).yarn_on_gqa:  # gpt-oss: YaRN on GQA (GPTModel's yarn rotary)
         return ("rotary_scaling_factor > 1 (YaRN) on a model without multi-latent attention: hpc_rl applies YaRN "
                 "inside MLA only; a GQA model with scaled RoPE would train silently wrong")
     if arch.rotary_scaling_factor < 1.0:

@@ -33,6 +33,19 @@ Hook signatures (arch: an `hpc_rl.config.model.ModelArchitecture`, not imported 
   fuse_for_engine (an object, not a function; `EngineFusion`): HF tensors a weight sync sends fused because the
                                                    engine reads them only so (gpt-oss's experts), used by
                                                    `hpc_rl.weights.engine_fusion`
+  hf_reader(reader, hf) -> reader                 an HF checkpoint's tensors under the name map's names (gpt-oss:
+                                                   fused experts per expert; a Qwen3.5 VLM release: its text tower
+                                                   under the text model's names); `hpc_rl.weights.hf_import`
+  hf_export(state, arch, reference_dir) -> state  the exported HF tensors (name map's names) as written to disk
+                                                   next to `reference_dir`'s files (gpt-oss: experts fused as
+                                                   released; a VLM release: its layout, the vision tower passed
+                                                   through); the converter and --save-hf
+  expert_hf_suffixes(expert, megatron_suffix) -> list[str] | None   a routed expert's HF suffixes when the
+                                                   family's differ from the shared ones (gpt-oss: with biases)
+  megatron_flags (an object, `FamilyFlags`): the family's own Megatron/slime model flags (`given`, `apply`)
+  sglang_problems(options, hf) -> list[(option | None, message)]   SGLang engine options (by name; None: the
+                                                   checkpoint itself) this family cannot be served with (hf: the
+                                                   engines' config.json or None)
 """
 
 from __future__ import annotations
@@ -51,7 +64,7 @@ GPT_LAYER_SPEC = "hpc_rl.training.layer_specs:gpt_layer_spec"
 GQA_LAYER_ROWS = "hpc_rl.models.name_rows:layer_rows"
 """The shared name rows of a GQA decoder layer (dense or MoE MLP): the default `hf_layer_rows` hook (named by
 path: `name_rows` reads the registry, so the registry does not import it)."""
-CPU_ENGINE_CACHES = ("batched", "per_request")
+CPU_ENGINE_CACHES = ("batched", "batched_states", "per_request")
 """The values of `ModelFamily.cpu_engine_cache`."""
 
 
@@ -101,6 +114,20 @@ class EngineFusion(Protocol):
     def fuse(self, group: str, named: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]: ...
 
     def largest_group_bytes(self, arch: Any, itemsize: int) -> int: ...
+
+
+class FamilyFlags(Protocol):
+    """A family's own Megatron / slime model flags (`ModelFamily.megatron_flags`): gpt-oss's attention sinks, sliding
+    windows, clamped GLU."""
+
+    def given(self, flags: Mapping[str, Any]) -> list[str]:
+        """The family's flags among `flags` (their Megatron names)."""
+        ...
+
+    def apply(self, flags: Mapping[str, Any], fields: dict[str, Any], problems: list[str],
+              hf_config: Mapping[str, Any] | None) -> None:
+        """Set the architecture `fields` the flags describe; append a readable line per problem."""
+        ...
 
 
 def _no_problem(arch: Any) -> str | None:
@@ -156,9 +183,18 @@ class ModelFamily:
     cpu_engine_support: Callable[[Mapping[str, Any]], str | None] | None = None
     cpu_engine_cache: str = "batched"
     """How the CPU engine holds this family's cache on transformers' model: "batched" (`kv_batch`: one key and one
-    value tensor per layer, left-padded rows) or "per_request" (`row_caches`: the model's own cache class per request,
-    run one request at a time, for caches that are not keys/values alone: Gated DeltaNet's conv and recurrent states,
-    DSA's index keys)."""
+    value tensor per layer, left-padded rows), "batched_states" (`state_batch`: transformers' own cache for the whole
+    batch, for caches that are not keys/values alone: Gated DeltaNet's conv and recurrent states, one row per request,
+    DSA's index keys beside the keys) or "per_request" (`row_caches`: the model's own cache per request, one request
+    per forward call; 30-57x slower on the tiny models, kept for a cache `state_batch` cannot move)."""
+    hf_reader: Callable[[Any, Mapping[str, Any]], Any] | None = None
+    hf_export: Callable[[dict[str, Any], Any, Path | None], dict[str, Any]] | None = None
+    expert_hf_suffixes: Callable[[int, str], list[str] | None] | None = None
+    yarn_on_gqa: bool = False
+    """YaRN applies to grouped-query attention (GPTModel's yarn rotary: gpt-oss); elsewhere only inside MLA."""
+    megatron_flags: FamilyFlags | None = None
+    sglang_problems: (Callable[[Mapping[str, Any], Mapping[str, Any] | None], list[tuple[str | None, str]]]
+                      | None) = None
     model_class: Callable[[Any], Any] | None = None
     """model_class(arch) -> the GPTModel subclass (or a partial of one) `build_gpt_model` builds for this family
     (Qwen3-VL: the vision tower, M-RoPE and deepstack around Megatron's GPT); None: GPTModel."""

@@ -154,14 +154,7 @@ def torch_dist_to_hf(load_dir: str | Path, model_file: str | Path, output_dir: s
             state = merge_adapter(state, adapter, lora.scaling, where=str(load_dir))
     for copy, source in mtp_copies(arch):  # DeepSeek's per-MTP-layer embedding / head copies
         state[copy] = state[source].clone()
-    if arch.family == "gpt_oss":  # experts fused, as released (transformers and SGLang read no other layout)
-        from hpc_rl.models.gpt_oss.checkpoint import fused_state
-
-        state = fused_state(state)
-    elif arch.family == "qwen3_vl_moe":  # experts fused, as released
-        from hpc_rl.models.qwen3_vl.names import fused_state as vl_fused_state
-
-        state = vl_fused_state(state, arch)
+    state = on_disk_state(state, arch, hf_reference)
     return write_hf_checkpoint(state, output_dir, hf_reference)
 
 
@@ -172,3 +165,13 @@ def merge_adapter_dir(base_dir: str | Path, adapter_dir: str | Path, output_dir:
     adapter, scale = read_adapter(adapter_dir)
     merged = merge_adapter(read_hf_weights(base_dir), adapter, scale, where=str(adapter_dir))
     return write_hf_checkpoint(merged, output_dir, base_dir)
+
+
+def on_disk_state(state: dict, arch: ModelArchitecture, reference_dir: str | Path | None) -> dict:
+    """The exported HF tensors as the family writes them to disk (its `hf_export` hook: gpt-oss's experts fused as
+    released, a VLM release's text tower under its prefix with the vision tower passed through); else unchanged."""
+    from hpc_rl.models.registry import family
+
+    own_export = family(arch.family).hf_export
+    return state if own_export is None else own_export(state, arch, None if reference_dir is None
+                                                       else Path(reference_dir))

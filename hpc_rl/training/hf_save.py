@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.training.convert import copy_side_files, write_hf_checkpoint
+from hpc_rl.training.convert import copy_side_files, on_disk_state, write_hf_checkpoint
 from hpc_rl.training.lora.attach import adapter_settings
 from hpc_rl.training.lora.peft_files import save_peft_adapter
 from hpc_rl.training.parallel import ParallelInfo
@@ -96,13 +96,7 @@ def save_hf_checkpoint(model: torch.nn.Module, arch: ModelArchitecture, output_d
                           tp_group=tp_group)
     elif info.dp_rank == 0 and info.cp_rank == 0:
         state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in export_hf_state_dict(model, arch, tp_group)}
-        if arch.family == "gpt_oss":  # experts fused, as released (transformers and SGLang read no other layout)
-            from hpc_rl.models.gpt_oss.checkpoint import fused_state
-
-            state = fused_state(state)
-        elif arch.family == "qwen3_vl_moe":  # experts fused, as released
-            from hpc_rl.models.qwen3_vl.names import fused_state as vl_fused_state
-            state = vl_fused_state(state, arch)
+        state = on_disk_state(state, arch, reference_dir)
         if fp8 is not None:
             state = dict(quantize_named(state.items(), fp8))
         if info.tp_rank == 0:

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from hpc_rl.config.model import ModelArchitecture, architecture_mismatches, load_hf_config
+from hpc_rl.models.registry import family
 from hpc_rl.weights import hf_mapping
 from hpc_rl.config.fp8_scheme import SCALE_SUFFIX, read_fp8_blocks
 from hpc_rl.weights.fp8_blocks import FP8_DTYPE, dequantize_blocks
@@ -97,15 +98,9 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path, arch: ModelAr
     the TP rank and size, Megatron's default expert TP)."""
     check_architecture(arch, hf_dir, model_file)
     reader: HFTensorReader | Mapping[str, torch.Tensor] = HFTensorReader(hf_dir)
-    if arch.family == "gpt_oss":  # fused (bf16 or MXFP4) experts, served under per-expert names
-        from hpc_rl.models.gpt_oss.checkpoint import PerExpertReader, is_mxfp4
-
-        is_mxfp4(load_hf_config(hf_dir))  # refuses another quantisation with the reason
-        reader = PerExpertReader(reader)  # type: ignore[assignment]
-    elif arch.family == "qwen3_vl_moe":  # fused experts (released or transformers' layout), per-expert names
-        from hpc_rl.models.qwen3_vl.names import FusedExpertReader
-
-        reader = FusedExpertReader(reader, arch)  # type: ignore[assignment]
+    own_reader = family(arch.family).hf_reader  # gpt-oss's fused experts, a VLM release's text tower
+    if own_reader is not None:
+        reader = own_reader(reader, load_hf_config(hf_dir))
     load_hf_state_into_model(model, reader, arch, tp_rank=tp_rank, tp_size=tp_size,
                              expert_tp_rank=expert_tp_rank, expert_tp_size=expert_tp_size)
 

@@ -165,10 +165,9 @@ def hf_names_of(megatron_name: str, arch: ModelArchitecture) -> list[str]:
         moe = 0 <= layer < arch.num_layers and arch.moe_layers()[layer]
         expert = _EXPERT.match(megatron_name)
         if moe and expert is not None and int(expert.group(2)) < (arch.num_moe_experts or 0):
-            if arch.family == "gpt_oss":  # experts with biases
-                from hpc_rl.models.gpt_oss.names import expert_hf_suffixes
-
-                found = expert_hf_suffixes(int(expert.group(2)), suffix)
+            own_suffixes = family(arch.family).expert_hf_suffixes  # gpt-oss: experts with biases
+            if own_suffixes is not None:
+                found = own_suffixes(int(expert.group(2)), suffix)
                 if found is not None:
                     return [f"{text}layers.{layer}.{s}" for s in found]
             hf = (gated_hf(f"mlp.experts.{expert.group(2)}.", fused=False) if suffix.endswith("linear_fc1.weight")

@@ -1,12 +1,13 @@
-"""The tiny GRPO run on the families the CPU engine serves on their own transformers caches (registry
-`cpu_engine_cache="per_request"`, engines/cpu/row_caches): a Gated DeltaNet hybrid (Qwen3.5-MoE: conv and recurrent
-states beside the full-attention keys/values) and DeepSeek-V3.2 (the DSA indexer's keys beside the latent cache).
+"""The tiny GRPO run on the families the CPU engine serves on transformers' own caches, batched (registry
+`cpu_engine_cache="batched_states"`, engines/cpu/state_batch): a Gated DeltaNet hybrid (Qwen3.5-MoE: conv and
+recurrent states, one row per request, beside the full-attention keys/values) and DeepSeek-V3.2 (the DSA indexer's
+keys beside the latent cache).
 
 Real processes: controller, sglang-router, a CPU engine serving transformers' model of the family, two torchrun
 trainer ranks (configs/tiny_moe_cpu.yaml: expert parallelism 2) on the family's tiny model file. Over three rollouts
 the engine's log-probs must equal the trainer's at the first step and after every sync (float32 both sides): a
-cache the engine kept wrong, or a tensor a sync missed, would show. That per-request generation equals a plain
-forward pass exactly is tests/unit/test_engine_hybrid_caches.py's; that GRPO learns on a hybrid,
+cache the engine kept wrong, or a tensor a sync missed, would show. That batched (and per-request) generation
+equals a plain forward pass is tests/unit/test_engine_hybrid_caches.py's; that GRPO learns on a hybrid,
 tools/hybrid_learning_run.py's (not a timed test).
 """
 
@@ -38,6 +39,8 @@ def test_tiny_hybrid_run_engine_logprobs_equal_the_trainers_after_every_sync(tmp
     rows = run_tiny_recipe_in_sync(run_dir, "configs/tiny_moe_cpu.yaml", "--model",
                                    str(ROOT / "configs" / "models" / "tiny_qwen3_5_moe.yaml"), "--hf-checkpoint",
                                    str(hf_dir), "--eval-interval", str(SHORT_RUN_ROLLOUTS))
+    print("qwen3_5_moe engine vs trainer per rollout:", [row["metrics"]["train/train_rollout_logprob_abs_diff"]
+                                                         for row in rows])
     assert all(row["metrics"]["train/samples"] == 128.0 for row in rows)
     assert "Traceback" not in (run_dir / "logs" / "trainer.log").read_text()
     assert processes_mentioning(str(run_dir)) == []
@@ -71,6 +74,8 @@ def test_tiny_dsa_run_engine_logprobs_equal_the_trainers_after_every_sync(tmp_pa
     run_dir = tmp_path / "run"
     rows = run_tiny_recipe_in_sync(run_dir, "configs/tiny_moe_cpu.yaml", "--model", str(model_file),
                                    "--hf-checkpoint", str(hf_dir), "--eval-interval", str(SHORT_RUN_ROLLOUTS))
+    print("deepseek_v32 engine vs trainer per rollout:", [row["metrics"]["train/train_rollout_logprob_abs_diff"]
+                                                          for row in rows])
     assert all(row["metrics"]["train/samples"] == 128.0 for row in rows)
     assert "Traceback" not in (run_dir / "logs" / "trainer.log").read_text()
     assert processes_mentioning(str(run_dir)) == []

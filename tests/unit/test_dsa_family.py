@@ -30,7 +30,7 @@ def test_config_json_indexer_keys_are_checked() -> None:
     assert lines[0] == "dsa_indexer_topk: the model file has 8, config.json's index_topk is 4"
     assert lines[1].startswith("rms_norm_eps: config.json has 1e-05")
     glm5 = check_config(arch(), {**HF, "model_type": "glm_moe_dsa"})
-    assert len(glm5) == 1 and "GLM-5 (glm_moe_dsa), which hpc_rl does not build yet" in glm5[0]
+    assert len(glm5) == 1 and "use family glm_moe_dsa" in glm5[0]
     assert check_config(arch(), {**HF, "model_type": "deepseek_v32"}) == []
     assert check_config(arch(dsa_indexer_n_heads=64, dsa_indexer_head_dim=128, dsa_indexer_topk=2048),
                         {"rms_norm_eps": 1e-6}) == []  # DeepseekV32Config's defaults
@@ -158,3 +158,35 @@ def test_megatrons_dsa_flags_give_the_tiny_model_file() -> None:
         architecture_from_argv(flags)
     with pytest.raises(ValueError, match="indexer's KL loss off"):
         architecture_from_argv([*DSA_FLAGS, "--dsa-indexer-loss-coeff", "0.01"])
+
+
+def test_glm5_config_json_is_checked_and_index_share_refused() -> None:
+    """GLM-5 (glm_moe_dsa): the indexer keys as DeepSeek-V3.2's, rms_norm_eps free (its indexer and latent norms
+    are built at 1e-6), and IndexShare layers ('shared' indexer_types, however config.json spells them) refused."""
+    from hpc_rl.models.glm_moe_dsa.config_rules import check_config as glm5_check, indexer_types
+
+    glm5 = ModelArchitecture(family="glm_moe_dsa", **{**TINY_ARCHITECTURES["glm_moe_dsa"]})
+    hf = {**HF, "model_type": "glm_moe_dsa", "rms_norm_eps": 1e-5, "num_hidden_layers": 2}
+    assert glm5_check(glm5, hf) == []
+    assert indexer_types({"num_hidden_layers": 6, "index_topk_freq": 2}) == ["full", "full", "shared", "full",
+                                                                            "shared", "full"]
+    for shared in ({"indexer_types": ["full", "shared"]}, {"index_topk_pattern": "FS"}, {"index_topk_freq": 2,
+                                                                                         "index_skip_topk_offset": 1}):
+        lines = glm5_check(glm5, {**hf, **shared})
+        assert len(lines) == 1 and "layers [1] are 'shared' (IndexShare" in lines[0], (shared, lines)
+    assert "is not glm_moe_dsa" in glm5_check(glm5, {**hf, "model_type": "deepseek_v32"})[0]
+
+
+def test_glm5_indexer_head_layout_round_trips_bit_exact() -> None:
+    """GLM-5's indexer rotates interleaved pairs of its first dims; Megatron's the pairs of its last: a rotation of
+    the head's dims, per head for wq_b."""
+    from hpc_rl.models.glm_moe_dsa import hf_names
+
+    assert hf_names.megatron_order(8, 4) == [4, 5, 6, 7, 0, 1, 2, 3]
+    glm5 = ModelArchitecture(family="glm_moe_dsa", **{**TINY_ARCHITECTURES["glm_moe_dsa"]})
+    name = "decoder.layers.1.self_attention.core_attention.indexer.linear_wq_b.weight"
+    hf = torch.randn(4 * 16, 32, generator=torch.Generator().manual_seed(1))
+    ours = hf_names.to_megatron(name, [hf], glm5)
+    assert torch.equal(ours[16 - 8:16], hf[:8]) and torch.equal(ours[:8], hf[8:16])  # head 0: rotary dims last
+    [(hf_name, back)] = hf_names.to_hf(name, ours, glm5)
+    assert hf_name == "model.layers.1.self_attn.indexer.wq_b.weight" and torch.equal(back, hf)

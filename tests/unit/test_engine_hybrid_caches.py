@@ -1,7 +1,8 @@
-"""The CPU engine on families whose transformers cache is not keys/values alone (registry `cpu_engine_cache=
-"per_request"`, `engines/cpu/row_caches`): the hybrid Gated DeltaNet families (conv and recurrent states) and
-DeepSeek-V3.2 (indexer keys), each on its tiny checkpoint. Greedy and sampled answers, through continuous batching
-(a second wave joining running requests), carry the log-probs of one plain forward pass over the whole sequence;
+"""The CPU engine on families whose transformers cache is not keys/values alone: the hybrid Gated DeltaNet families
+(conv and recurrent states), DeepSeek-V3.2 and GLM-5 (indexer keys), each on its tiny checkpoint, on both ways of
+holding it (registry `cpu_engine_cache`: "batched_states", `engines/cpu/state_batch`, the families' own; "per_request",
+`engines/cpu/row_caches`). Greedy and sampled answers, through continuous batching (a second wave joining running
+requests, rows of different lengths leaving), carry the log-probs of a plain forward pass over each prefix;
 every checkpoint tensor (the names a weight sync sends) reaches transformers' model; a model whose cache the
 key/value batch cannot hold and whose family does not say so is refused by name."""
 
@@ -18,13 +19,16 @@ from hpc_rl.engines.cpu.weight_sync import load_named, named_tensors
 from hpc_rl.models.registry import family
 from hpc_rl.tiny_model import build_tokenizer
 
-FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32"]
+FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32", "glm_moe_dsa"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory):
     torch.manual_seed(0)
-    return family(request.param).make_tiny(tmp_path_factory.mktemp(request.param))
+    # DeepSeek-V3.2 with 16 indexer heads, not the tiny default 4: with 4, exact zero index scores tie often and
+    # torch.topk breaks ties by the row's length (tests/integration/test_hybrid_engine_runs.INDEX_HEADS)
+    extra = {"index_n_heads": 16} if request.param in ("deepseek_v32", "glm_moe_dsa") else {}
+    return family(request.param).make_tiny(tmp_path_factory.mktemp(request.param), **extra)
 
 
 @pytest.fixture(scope="module")
@@ -52,25 +56,31 @@ def plain_logprobs(model: torch.nn.Module, sequence: list[int], prompt_len: int)
     return torch.stack(found)
 
 
-def test_family_says_per_request(model):
-    assert kv_batch.cache_kind(model) == "per_request"
+def test_family_says_batched_states(model):
+    assert kv_batch.cache_kind(model) == "batched_states"
 
 
+@pytest.mark.parametrize("kind", ["batched_states", "per_request"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_answers_carry_a_plain_forward_passes_logprobs(model, temperature):
+def test_answers_carry_a_plain_forward_passes_logprobs(model, temperature, kind, monkeypatch):
+    monkeypatch.setattr(kv_batch, "cache_kind", lambda model: kind)
     tokenizer = build_tokenizer()
     scheduler = Scheduler(model, tokenizer, max_running_requests=8, context_length=256, weight_version="v0")
-    params = {"max_new_tokens": 6, "temperature": temperature, "ignore_eos": True}
-    body = {"sampling_params": params, "return_logprob": True}
-    first = submit(scheduler, tokenizer, {**body, "input_ids": [[5, 6, 7, 8, 9], [10, 11]]})
-    for _ in range(3):  # the second wave joins two running requests mid-way
+    body = {"return_logprob": True}
+    first = submit(scheduler, tokenizer, {**body, "input_ids": [[5, 6, 7, 8, 9], [10, 11]], "sampling_params": [
+        {"max_new_tokens": 6, "temperature": temperature, "ignore_eos": True},
+        {"max_new_tokens": 4, "temperature": temperature, "ignore_eos": True}]})
+    for _ in range(3):  # the second wave joins two running requests mid-way; the 4-token one leaves first
         scheduler.run_iteration()
-    second = submit(scheduler, tokenizer, {**body, "input_ids": [[12, 13, 14], [7]]})
+    second = submit(scheduler, tokenizer, {**body, "input_ids": [[12, 13, 14], [7]], "sampling_params": {
+        "max_new_tokens": 6, "temperature": temperature, "ignore_eos": True}})
+    batch_types = set()
     while scheduler.run_iteration():
-        pass
+        batch_types.add(type(scheduler._batch).__name__)
+    assert batch_types >= {"StateBatch" if kind == "batched_states" else "RowCaches"}
     for request in first + second:
         answer = request.future.result()
-        assert len(answer["output_ids"]) == 6
+        assert len(answer["output_ids"]) == request.params.max_new_tokens
         engine = torch.tensor([entry[0] for entry in answer["meta_info"]["output_token_logprobs"]])
         reference = plain_logprobs(model, request.input_ids + answer["output_ids"], len(request.input_ids))
         sequence = request.input_ids + answer["output_ids"]
@@ -95,11 +105,11 @@ def test_every_checkpoint_tensor_reaches_the_model(model, checkpoint):
 
 def test_an_undeclared_non_kv_cache_is_refused_by_name(model, monkeypatch):
     monkeypatch.setattr(kv_batch, "cache_kind", lambda model: "batched")
-    with pytest.raises(RuntimeError, match="cpu_engine_cache='per_request'|cannot hold"):
+    with pytest.raises(RuntimeError, match="cpu_engine_cache='batched_states'|cannot hold"):
         kv_batch.prefill(model, [[5, 6, 7], [8, 9]])
 
 
-def test_lora_and_routed_experts_are_refused_with_per_request_caches(model):
+def test_lora_and_routed_experts_are_refused_on_transformers_caches(model):
     from hpc_rl.engines.cpu.routed_experts import RoutedExpertsCapture
 
     if not getattr(model.config, "num_experts_per_tok", 0):

@@ -142,3 +142,29 @@ def test_memory_plan_counts_a_layers_fused_experts_as_the_smallest_bucket() -> N
     assert phases["trainer, weight push"]["bucket"] == layer
     assert phases["trainer, weight push"]["a layer's experts, gathered and fused"] == 2 * layer
     assert phases["engine, receiving a bucket"]["bucket"] == layer
+
+
+def test_submit_refuses_sglang_expert_parallelism_for_gpt_oss() -> None:
+    """SGLang 0.5.23 loads gpt-oss's bf16 experts fused and narrows them by MoE TP only (hpc_rl.models.gpt_oss.
+    serving): an engine with EP > 1 cannot load them, so the submit names the option; EP 1 passes."""
+    from hpc_rl.config import load_config
+    from hpc_rl.config.validation import collect_problems
+    from tests.unit.test_gpt_oss import FIXED_LINE
+
+    line = shlex.split(FIXED_LINE) + ["--expert-tensor-parallel-size", "1", "--hf-checkpoint", "/nonexistent/gpt-oss",
+                                      "--rollout-num-gpus-per-engine", "2"]
+    found = {p.where: p.message for p in collect_problems(load_config([], line + ["--sglang-ep-size", "2"]),
+                                                          check_files=False)}
+    assert "never by the EP rank" in found["sglang.extra_args.ep_size"], found
+    found = {p.where for p in collect_problems(load_config([], line + ["--sglang-ep-size", "1"]), check_files=False)}
+    assert "sglang.extra_args.ep_size" not in found
+
+
+def test_shared_modules_ask_the_registry_not_the_family_name() -> None:
+    """The gpt-oss specifics of shared modules are the family's registry capabilities (hf_reader, hf_export,
+    expert_hf_suffixes, yarn_on_gqa, megatron_flags, sglang_problems): no shared module tests for its name."""
+    root = Path(__file__).resolve().parents[2] / "hpc_rl"
+    named = [str(path.relative_to(root)) for path in root.rglob("*.py")
+             if "models/gpt_oss" not in str(path) and '"gpt_oss"' in path.read_text()]
+    assert named == []
+    assert family("gpt_oss").yarn_on_gqa and family("gpt_oss").megatron_flags.given({"quick_geglu": True})

@@ -37,6 +37,8 @@ TINY_ARCHITECTURES = {
     "deepseek_v3": MLA,
     "glm4_moe_lite": MLA,
     "deepseek_v32": dict(MLA, mtp_num_layers=None, dsa_indexer_n_heads=4, dsa_indexer_head_dim=16, dsa_indexer_topk=4),
+    "glm_moe_dsa": dict(MLA, mtp_num_layers=None, dsa_indexer_n_heads=4, dsa_indexer_head_dim=16, dsa_indexer_topk=4,
+                        norm_epsilon=1e-5),
 }
 """Each family's model file for the checkpoint its `make_tiny` writes with the default spec."""
 

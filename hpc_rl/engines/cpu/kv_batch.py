@@ -14,8 +14,9 @@ tokens), so padding never shifts RoPE, and masked columns add exactly zero atten
 row's logits equal an unpadded forward pass of the same tokens within float tolerance.
 
 A family whose transformers cache is not keys/values alone (linear-attention states, DSA index keys) says so in its
-registry entry (`cpu_engine_cache="per_request"`): `prefill` then hands it to `row_caches`, and `decode_step` and
-`join` follow the batch's type; a model that returns such a cache without saying so is refused by name.
+registry entry: `cpu_engine_cache="batched_states"` hands it to `state_batch` (transformers' own cache, batched),
+"per_request" to `row_caches` (one request per forward); `decode_step` and `join` follow the batch's type; a model
+that returns such a cache without saying so is refused by name.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hpc_rl.engines.cpu import row_caches
+from hpc_rl.engines.cpu import row_caches, state_batch
 from hpc_rl.engines.cpu.native_qwen3 import NativeQwen3ForCausalLM
 from hpc_rl.models.registry import family_for_hf_model_type
 
@@ -74,7 +75,8 @@ def _left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
 
 
 def cache_kind(model: torch.nn.Module) -> str:
-    """"batched" (this module's KvBatch) or "per_request" (`row_caches`): the model's family's `cpu_engine_cache`
+    """"batched" (this module's KvBatch), "batched_states" (`state_batch`) or "per_request" (`row_caches`): the
+    model's family's `cpu_engine_cache`
     (batched for the engine's own Qwen3 and for a model type no family reads)."""
     if isinstance(model, NativeQwen3ForCausalLM):
         return "batched"
@@ -88,11 +90,16 @@ _CHECKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 """Models whose cache `_refuse_non_kv_cache` found to be keys/values only (checked once per model)."""
 
 
-def join(running: KvBatch | row_caches.RowCaches | None, newcomers: KvBatch | row_caches.RowCaches
-         ) -> KvBatch | row_caches.RowCaches:
+AnyBatch = KvBatch | row_caches.RowCaches | state_batch.StateBatch
+"""The running batch of any cache kind (`cache_kind`)."""
+
+
+def join(running: AnyBatch | None, newcomers: AnyBatch) -> AnyBatch:
     """One batch with `running`'s rows first, then `newcomers`' rows."""
     if running is None or running.rows == 0:
         return newcomers
+    if isinstance(newcomers, state_batch.StateBatch):
+        return state_batch.join(running, newcomers)
     if isinstance(newcomers, row_caches.RowCaches):
         return row_caches.join(running, newcomers)
     length = max(running.mask.shape[1], newcomers.mask.shape[1])
@@ -124,7 +131,8 @@ def _refuse_non_kv_cache(model: torch.nn.Module) -> None:
     if odd:
         raise RuntimeError(
             f"the CPU engine's key/value batch cannot hold {type(model).__name__}'s cache (its {', '.join(odd)} "
-            f"layers keep more than keys and values): set cpu_engine_cache='per_request' in the registry entry of "
+            f"layers keep more than keys and values): set cpu_engine_cache='batched_states' (or 'per_request') in the "
+            f"registry entry of "
             f"model_type {getattr(model.config, 'model_type', None)!r} (hpc_rl/models/<family>/__init__.py)")
     _CHECKED.add(model)
 
@@ -152,12 +160,15 @@ def prefill(
 ) -> tuple[KvBatch, torch.Tensor, list[torch.Tensor] | None]:
     """Run the sequences (left-padded together); return their cache, last-position logits [B, V]
     and, with `full_logits`, each sequence's logits at every one of its positions [len, V]. A family with
-    `cpu_engine_cache="per_request"` (and a vision model: `vision`, each row's images or None) runs in `row_caches`
-    instead (its return has the same shape)."""
-    if cache_kind(model) == "per_request":
+    `cpu_engine_cache="batched_states"` runs in `state_batch`, "per_request" in `row_caches` (the same return); a
+    vision model (`vision`: each row's images or None) is a "per_request" family."""
+    kind = cache_kind(model)
+    if kind == "per_request":
         return row_caches.prefill(model, sequences, full_logits, vision=vision)
     if vision is not None and any(v is not None for v in vision):
         raise ValueError(f"{type(model).__name__} has no vision tower: it cannot take images")
+    if kind == "batched_states":
+        return state_batch.prefill(model, sequences, full_logits)
     length = max(len(seq) for seq in sequences)
     pad_id = 0
     input_ids = torch.tensor([[pad_id] * (length - len(s)) + list(s) for s in sequences], dtype=torch.long)
@@ -172,8 +183,10 @@ def prefill(
 
 
 @torch.inference_mode()
-def decode_step(model: torch.nn.Module, batch: KvBatch, tokens: torch.Tensor) -> tuple[KvBatch, torch.Tensor]:
+def decode_step(model: torch.nn.Module, batch: AnyBatch, tokens: torch.Tensor) -> tuple[AnyBatch, torch.Tensor]:
     """Feed one token per row ([B]); return the grown batch and next-token logits [B, V]."""
+    if isinstance(batch, state_batch.StateBatch):
+        return state_batch.decode_step(model, batch, tokens)
     if isinstance(batch, row_caches.RowCaches):
         return row_caches.decode_step(model, batch, tokens)
     positions = batch.mask.sum(dim=1, keepdim=True)

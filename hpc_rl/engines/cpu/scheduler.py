@@ -1,8 +1,8 @@
 """The CPU engine's scheduler thread: continuous batching, pause/abort, and weight swaps.
 
-Owns: the waiting queue, the running batch (rows of `kv_batch.KvBatch`, or of `row_caches.RowCaches` for a
-family that keeps transformers' own cache, one per request), the pause state, the released-memory tags and the
-weight version. One thread runs the model; HTTP handlers talk to it only through `submit` (a generation
+Owns: the waiting queue, the running batch (rows of `kv_batch.KvBatch`; for a family whose cache keeps more than
+keys/values, of `state_batch.StateBatch` or `row_caches.RowCaches`), the pause state, the released-memory tags and
+the weight version. One thread runs the model; HTTP handlers talk to it only through `submit` (a generation
 request) and `call` (a function run on the scheduler thread between two steps), both returning futures. So a
 weight update or an abort never lands in the middle of a forward pass.
 
@@ -66,10 +66,11 @@ class Scheduler:
         self.model = model
         self.images = images
         """The engine's `vision.EngineImages` when the model sees images (`/generate` reads image_data), else None."""
-        if kv_batch.cache_kind(model) == "per_request" and (lora is not None or routed_experts is not None):
-            raise ValueError(f"{type(model).__name__} runs each request on its own cache (its family's "
-                             f"cpu_engine_cache='per_request'): the CPU engine serves it without --enable-lora and "
-                             f"--enable-return-routed-experts (both read one forward's rows as the running batch)")
+        kind = kv_batch.cache_kind(model)
+        if kind != "batched" and (lora is not None or routed_experts is not None):
+            raise ValueError(f"{type(model).__name__} runs on transformers' own cache (its family's "
+                             f"cpu_engine_cache={kind!r}): the CPU engine serves it without --enable-lora and "
+                             f"--enable-return-routed-experts (neither was built or tested on that cache)")
         self.lora = lora
         """The LoRA adapters served on the model (`--enable-lora`), else None: each forward's rows use theirs."""
         if lora is not None:
@@ -90,7 +91,7 @@ class Scheduler:
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._running: list[GenerationRequest] = []
         self._admitting: list[GenerationRequest] = []
-        self._batch: kv_batch.KvBatch | kv_batch.row_caches.RowCaches | None = None
+        self._batch: kv_batch.AnyBatch | None = None
         self._inbox: collections.deque[tuple[Callable[[], Any] | None, concurrent.futures.Future | None,
                                              GenerationRequest | None]] = collections.deque()
         self._wake = threading.Event()

@@ -109,6 +109,19 @@ def read_tensor_share(payload: str) -> list[tuple[str, torch.Tensor]]:
     return read_shared_memory_bucket(payload, check_device=refuse_invisible_device)
 
 
+def text_tower_weights(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]
+                       ) -> list[tuple[str, torch.Tensor]]:
+    """A vision-language checkpoint's tensors (Qwen3.5's releases, an --save-hf of one) for the text model this
+    engine serves (transformers' AutoModelForCausalLM builds the language model alone): `model.language_model.X`
+    as `model.X`, the vision tower and MTP tensors left out (hpc_rl.models.qwen3_next.vlm_layout); others as is."""
+    from hpc_rl.models.qwen3_next.vlm_layout import TEXT_PREFIX, is_vlm_layout, text_name
+
+    names = [name for name, _ in weights]
+    if not is_vlm_layout(names) or any(name.startswith(TEXT_PREFIX) for name, _ in model.named_parameters()):
+        return weights
+    return [(text, tensor) for name, tensor in weights if (text := text_name(name)) is not None]
+
+
 def load_from_disk(model: torch.nn.Module, model_path: str, *, require_all: bool = False) -> None:
     """Load every safetensors file of an HF checkpoint directory into the model by name; with
     `require_all`, every parameter of the model must be in it (a model built without initial values)."""
@@ -120,6 +133,7 @@ def load_from_disk(model: torch.nn.Module, model_path: str, *, require_all: bool
     weights: list[tuple[str, torch.Tensor]] = []
     for file in files:
         weights.extend(load_file(str(file)).items())
+    weights = text_tower_weights(model, weights)
     fp8 = read_fp8_blocks(model_path)
     if fp8 is not None:  # an FP8 release: e4m3 weights + weight_scale_inv, served dequantized (SGLang's blocks)
         weights = dequantize_named(weights, fp8.block, source=model_path)

@@ -25,5 +25,5 @@ FAMILY = ModelFamily(
     to_hf=lazy_hook("hpc_rl.models.deepseek_v32.hf_names:to_hf"),
     layer_spec=lazy_hook("hpc_rl.models.deepseek_v32.layers:layer_spec"),
     make_tiny=lazy_hook("hpc_rl.models.deepseek_v32.tiny:make_tiny"),
-    cpu_engine_cache="per_request",  # transformers' DSA layers keep the indexer's keys beside the latent cache
+    cpu_engine_cache="batched_states",  # transformers' DSA layers keep the indexer's keys beside the latent cache
 )

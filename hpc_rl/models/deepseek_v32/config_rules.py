@@ -20,7 +20,7 @@ from typing import Any
 ModelArchitecture = Any
 """A `hpc_rl.config.model.ModelArchitecture` (not imported: config imports this package)."""
 
-DSA_FAMILIES = ("deepseek_v32",)
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 HF_KEY_OF_FIELD = {"dsa_indexer_n_heads": "index_n_heads", "dsa_indexer_head_dim": "index_head_dim",
                    "dsa_indexer_topk": "index_topk"}
 HF_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
@@ -56,12 +56,19 @@ def dsa_field_problem(arch: ModelArchitecture) -> str | None:
 def architecture_problem(arch: ModelArchitecture) -> str | None:
     """The family's hook: a deepseek_v32 model file must describe its indexer."""
     if arch.dsa_indexer_n_heads is None:
-        return ("family 'deepseek_v32' uses DeepSeek Sparse Attention: set dsa_indexer_n_heads, dsa_indexer_head_dim "
+        return (f"family {arch.family!r} uses DeepSeek Sparse Attention: set dsa_indexer_n_heads, dsa_indexer_head_dim "
                 "and dsa_indexer_topk (config.json's index_n_heads, index_head_dim, index_topk)")
     if arch.mtp_num_layers:
-        return ("family 'deepseek_v32' with mtp_num_layers: hpc_rl has not built MTP layers with sparse attention "
+        return (f"family {arch.family!r} with mtp_num_layers: hpc_rl has not built MTP layers with sparse attention "
                 "yet; set mtp_num_layers to null (drop --mtp-num-layers)")
     return dsa_field_problem(arch)
+
+
+def indexer_key_mismatches(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str]:
+    """config.json's index_* keys against the model file (DeepseekV32Config's defaults for absent keys)."""
+    theirs = {key: hf.get(key, HF_DEFAULTS[key]) for key in HF_KEY_OF_FIELD.values()}
+    return [f"{field}: the model file has {getattr(arch, field)}, config.json's {key} is {theirs[key]}"
+            for field, key in HF_KEY_OF_FIELD.items() if getattr(arch, field) != theirs[key]]
 
 
 def check_config(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str]:
@@ -69,16 +76,11 @@ def check_config(arch: ModelArchitecture, hf: dict[str, Any]) -> list[str]:
     problems = []
     model_type = hf.get("model_type")
     if model_type == "glm_moe_dsa":
-        problems.append("model_type: config.json is GLM-5 (glm_moe_dsa), which hpc_rl does not build yet: its indexer "
-                        "rotates interleaved pairs (DeepSeek-V3.2's rotates half-split, so the indexer's head layout "
-                        "differs), its IndexShare layers reuse another layer's top-k (indexer_types 'shared'; Megatron's "
-                        "DSAttention has no such form) and its indexer k_norm eps (1e-6) is not its rms_norm_eps")
+        problems.append("model_type: config.json is GLM-5 (glm_moe_dsa): use family glm_moe_dsa (its indexer rotates "
+                        "interleaved pairs and keeps its k_norm eps at 1e-6 whatever rms_norm_eps says)")
     elif model_type not in (None, "deepseek_v32"):
         problems.append(f"model_type: config.json's {model_type!r} is not deepseek_v32 (DeepseekV32ForCausalLM)")
-    for field, key in HF_KEY_OF_FIELD.items():
-        theirs = hf.get(key, HF_DEFAULTS[key])
-        if getattr(arch, field) != theirs:
-            problems.append(f"{field}: the model file has {getattr(arch, field)}, config.json's {key} is {theirs}")
+    problems += indexer_key_mismatches(arch, hf)
     eps = hf.get("rms_norm_eps", 1e-6)
     if eps != INDEXER_K_NORM_EPS:
         problems.append(f"rms_norm_eps: config.json has {eps}; transformers' (and DeepSeek's) indexer k_norm uses "

@@ -55,10 +55,10 @@ def _permuted(megatron_name: str) -> bool:
         megatron_name.endswith(PERMUTED)
 
 
-def _rows_permutation(megatron_name: str, arch: Any, inverse: bool) -> Any:
+def _rows_permutation(megatron_name: str, arch: Any, inverse: bool, order_of: Any = megatron_order) -> Any:
     import torch
 
-    order = torch.tensor(megatron_order(arch.dsa_indexer_head_dim, arch.qk_pos_emb_head_dim))
+    order = torch.tensor(order_of(arch.dsa_indexer_head_dim, arch.qk_pos_emb_head_dim))
     if inverse:
         order = torch.argsort(order)
     if megatron_name.endswith("linear_wq_b.weight"):  # per head
@@ -67,18 +67,19 @@ def _rows_permutation(megatron_name: str, arch: Any, inverse: bool) -> Any:
     return order
 
 
-def to_megatron(megatron_name: str, hf_tensors: list[Any], arch: Any) -> Any:
-    """The indexer's q/k rows (and k_norm) in Megatron's head layout; None for every other tensor."""
+def to_megatron(megatron_name: str, hf_tensors: list[Any], arch: Any, order_of: Any = megatron_order) -> Any:
+    """The indexer's q/k rows (and k_norm) in Megatron's head layout; None for every other tensor. `order_of`:
+    (head_dim, rope_dim) -> the HF dim each Megatron dim holds (GLM-5's indexer rotates interleaved pairs)."""
     if not _permuted(megatron_name):
         return None
     (tensor,) = hf_tensors
-    return tensor[_rows_permutation(megatron_name, arch, inverse=False)].contiguous()
+    return tensor[_rows_permutation(megatron_name, arch, False, order_of)].contiguous()
 
 
-def to_hf(megatron_name: str, full: Any, arch: Any) -> list[tuple[str, Any]] | None:
+def to_hf(megatron_name: str, full: Any, arch: Any, order_of: Any = megatron_order) -> list[tuple[str, Any]] | None:
     """Inverse of `to_megatron`: (HF name, tensor) for the indexer's permuted tensors; None for the rest."""
     if not _permuted(megatron_name):
         return None
     layer, suffix = megatron_name[len("decoder.layers."):].split("." + INDEXER, 1)
     name = f"model.layers.{layer}.self_attn.indexer.{dict(INDEXER_ROWS)[suffix]}"
-    return [(name, full[_rows_permutation(megatron_name, arch, inverse=True)].contiguous())]
+    return [(name, full[_rows_permutation(megatron_name, arch, True, order_of)].contiguous())]

@@ -12,6 +12,8 @@ the latent DeepSeek-V3.2's indexer was trained on.
 
 from __future__ import annotations
 
+from typing import Any
+
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexer, DSAIndexerSubmodules, DSAttentionSubmodules,
 )
@@ -24,7 +26,7 @@ from hpc_rl.models.deepseek_v32.layers_dsa import (
 )
 
 
-def _te_dsa_attention(layer: ModuleSpec) -> None:  # GPU-only: never run on the CPU machine
+def _te_dsa_attention(layer: ModuleSpec, k_norm: Any = None) -> None:  # GPU-only: never run on the CPU machine
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TELinear, TENorm
     from megatron.core.transformer.experimental_attention_variant import dsa
 
@@ -37,24 +39,26 @@ def _te_dsa_attention(layer: ModuleSpec) -> None:  # GPU-only: never run on the 
     attention.submodules.core_attention = ModuleSpec(
         module=PackedDSAttention,
         submodules=DSAttentionSubmodules(indexer=ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
-            linear_wq_b=TELinear, linear_wk=TELinear, k_norm=TENorm, linear_weights_proj=TELinear))))
+            linear_wq_b=TELinear, linear_wk=TELinear, k_norm=k_norm or TENorm, linear_weights_proj=TELinear))))
     attention.submodules.linear_q_up_proj = TEColumnParallelLinear
     attention.submodules.linear_kv_up_proj = TEColumnParallelLinear
     attention.submodules.q_layernorm = TENorm
     attention.submodules.kv_layernorm = TENorm
 
 
-def layer_spec(arch: ModelArchitecture, layer: int, *, use_te: bool, moe: bool, moe_grouped_gemm: bool) -> ModuleSpec:
-    """The family hook: decoder layer `layer`, MLA with DeepSeek Sparse Attention, its MLP dense or MoE."""
+def layer_spec(arch: ModelArchitecture, layer: int, *, use_te: bool, moe: bool, moe_grouped_gemm: bool,
+               k_norm: Any = None, te_k_norm: Any = None) -> ModuleSpec:
+    """The family hook: decoder layer `layer`, MLA with DeepSeek Sparse Attention, its MLP dense or MoE. `k_norm` /
+    `te_k_norm`: the indexer's key norm on CPU / under Transformer Engine (default: eps = norm_epsilon, Megatron's)."""
     spec = mla_layer_spec(arch, use_te=use_te, num_experts=arch.num_moe_experts if moe else None,
                           moe_grouped_gemm=moe_grouped_gemm)
     if use_te:
-        _te_dsa_attention(spec)
+        _te_dsa_attention(spec, te_k_norm)
         return spec
     install_cpu_twins()
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=PackedDSAttention,
         submodules=DSAttentionSubmodules(indexer=ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
-            linear_wq_b=IndexerLinear, linear_wk=IndexerLinear, k_norm=IndexerKeyNorm,
+            linear_wq_b=IndexerLinear, linear_wk=IndexerLinear, k_norm=k_norm or IndexerKeyNorm,
             linear_weights_proj=IndexerLinear))))
     return spec

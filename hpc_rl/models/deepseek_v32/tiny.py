@@ -29,7 +29,8 @@ class TinyDsaSpec(TinyMlaSpec):
     mtp_layers: int = 0
 
 
-def _randomize_indexer(model: Any, spec: TinyDsaSpec) -> None:
+def randomize_indexer(model: Any, spec: TinyDsaSpec) -> None:
+    """Indexer weights ~ N(0, indexer_std), its k_norm weight near 1 and bias near 0, all random."""
     import torch
 
     generator = torch.Generator().manual_seed(spec.seed + 3)
@@ -66,7 +67,7 @@ def make_tiny_dsa_model(output_dir: str | Path, spec: TinyDsaSpec | None = None)
     torch.manual_seed(spec.seed)
     model = DeepseekV32ForCausalLM(config).to(torch.float32)
     randomize_moe(model, spec)
-    _randomize_indexer(model, spec)
+    randomize_indexer(model, spec)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return output_dir

@@ -190,3 +190,15 @@ class PerExpertReader:
                            f"_blocks/_scales")
         self._layer, self._experts = prefix, unfuse_experts(prefix, fused)
         return self._experts
+
+
+def read_released(reader: Any, hf_config: dict[str, Any]) -> PerExpertReader:
+    """The family's `hf_reader` hook: a released checkpoint's fused (bf16 or MXFP4) experts under the per-expert
+    names (another quantisation is refused with the reason)."""
+    is_mxfp4(hf_config)
+    return PerExpertReader(reader)
+
+
+def released_state(state: Mapping[str, torch.Tensor], arch: Any, reference_dir: Any) -> dict[str, torch.Tensor]:
+    """The family's `hf_export` hook: experts fused, as released (transformers and SGLang read no other layout)."""
+    return fused_state(state)

@@ -86,3 +86,14 @@ def apply_gpt_oss_flags(flags: dict[str, Any], fields: dict[str, Any], problems:
     elif "rotary_scaling_factor" in flags or "yarn_original_max_position_embeddings" in flags:
         problems.append("--rotary-scaling-factor / --yarn-original-max-position-embeddings without "
                         "--position-embedding-type yarn: Megatron ignores them; add --position-embedding-type yarn")
+
+
+class GptOssFlags:
+    """The family's `megatron_flags` (hpc_rl.models.registry.FamilyFlags)."""
+
+    def given(self, flags: dict[str, Any]) -> list[str]:
+        return gpt_oss_flags_given(flags)
+
+    def apply(self, flags: dict[str, Any], fields: dict[str, Any], problems: list[str],
+              hf_config: dict[str, Any] | None) -> None:
+        apply_gpt_oss_flags(flags, fields, problems, hf_config)

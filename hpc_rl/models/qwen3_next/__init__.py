@@ -4,7 +4,8 @@ Three of every four layers are Gated DeltaNet linear attention (Megatron's Gated
 with an output gate; norms are zero-centred (1 + w), a quarter of each head is rotated, the MoE layer's shared
 expert is gated. Modules: `config_rules` (config.json check, architecture rules), `names` (HF <-> Megatron rows and
 layouts), `tiny` (tiny random checkpoints), `layers` (the Megatron layer specs), `layers_gdn` (Megatron's
-GatedDeltaNet on CPU and over packed samples), `gdn_kernels` (the CPU twins of fla's and causal-conv1d's kernels).
+GatedDeltaNet on CPU and over packed samples), `gdn_kernels` (the CPU twins of fla's and causal-conv1d's kernels),
+`vlm_layout` (Qwen3.5's vision-language releases: the text tower read and written, the vision tower passed through).
 """
 
 from hpc_rl.models.registry import ModelFamily, lazy_hook
@@ -16,7 +17,9 @@ _HOOKS = dict(
     to_megatron=lazy_hook("hpc_rl.models.qwen3_next.names:to_megatron"),
     to_hf=lazy_hook("hpc_rl.models.qwen3_next.names:to_hf"),
     layer_spec=lazy_hook("hpc_rl.models.qwen3_next.layers:layer_spec"),
-    cpu_engine_cache="per_request",  # linear-attention layers keep conv and recurrent states, not keys/values
+    hf_reader=lazy_hook("hpc_rl.models.qwen3_next.vlm_layout:text_tower_reader"),
+    hf_export=lazy_hook("hpc_rl.models.qwen3_next.vlm_layout:vlm_state"),
+    cpu_engine_cache="batched_states",  # linear-attention layers keep conv and recurrent states, not keys/values
 )
 _DEFAULTS = {"use_qk_norm": True, "partial_rotary_factor": 0.25, "scoring_func": "softmax",
              "e_score_correction_bias": False}

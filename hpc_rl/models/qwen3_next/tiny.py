@@ -6,8 +6,8 @@ linear attention with 2 key heads and 4 value heads of 16 (grouped: each key hea
 convolution; the MoE ones 4 experts of 32, top-2, a gated shared expert of 32. Every tensor is random and matters:
 zero-centred norms get small random weights (1 + w), routers are decisive (no near-ties between implementations),
 A_log and dt_bias spread. qwen3_5 and qwen3_5_moe are the text models (Qwen3_5ForCausalLM, model_type
-qwen3_5_text; the released checkpoints are vision-language, their text tower under `model.language_model.`). The
-tokenizer is hpc_rl.tiny_model's. Nothing is downloaded.
+qwen3_5_text); with `vlm=True` the vision-language classes, as released (the text tower under
+`model.language_model.`, a one-block vision tower). The tokenizer is hpc_rl.tiny_model's. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -57,9 +57,33 @@ def _randomize(model: Any, seed: int) -> None:
                 tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.3)
 
 
-def make_tiny(output_dir: str | Path, family: str = "qwen3_next", seed: int = 0, **overrides: Any) -> Path:
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                   num_position_embeddings=16)
+"""The vision tower of a tiny vision-language checkpoint (`vlm=True`): one block; its output is the text's hidden."""
+
+
+def _vlm_model(family: str, fields: dict[str, Any], vocab: int) -> Any:
+    """transformers' vision-language class of `family` over the text `fields`, with a tiny vision tower (the
+    image/video tokens are the tokenizer's last four ids)."""
+    if family == "qwen3_5":
+        from transformers import Qwen3_5Config as Config, Qwen3_5ForConditionalGeneration as Model
+    elif family == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeConfig as Config, Qwen3_5MoeForConditionalGeneration as Model
+    else:
+        raise ValueError(f"vlm=True: {family} has no vision-language release; use qwen3_5 or qwen3_5_moe")
+    vision = {**TINY_VISION, "out_hidden_size": fields["hidden_size"]}
+    config = Config(text_config=fields, vision_config=vision, image_token_id=vocab - 4, video_token_id=vocab - 3,
+                    vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1,
+                    tie_word_embeddings=fields["tie_word_embeddings"])
+    return Model(config)
+
+
+def make_tiny(output_dir: str | Path, family: str = "qwen3_next", seed: int = 0, vlm: bool = False,
+              **overrides: Any) -> Path:
     """Write a randomly initialised tiny `family` checkpoint (config.json, model.safetensors, the tiny tokenizer).
-    With fewer than 4 layers the last one is the full-attention layer (every kind of layer is in the model)."""
+    With fewer than 4 layers the last one is the full-attention layer (every kind of layer is in the model).
+    `vlm`: the vision-language layout of Qwen3.5's releases (the text tower under `model.language_model.`, a tiny
+    vision tower under `model.visual.`, config.json's text keys under text_config)."""
     import torch
 
     from hpc_rl.models.tiny_checkpoint import build_tokenizer
@@ -77,15 +101,16 @@ def make_tiny(output_dir: str | Path, family: str = "qwen3_next", seed: int = 0,
         from transformers import Qwen3_5ForCausalLM as Model, Qwen3_5TextConfig as Config
     else:
         from transformers import Qwen3_5MoeForCausalLM as Model, Qwen3_5MoeTextConfig as Config
-    config = Config(**fields)
     torch.manual_seed(seed)
-    model = Model(config).to(torch.float32)
+    model = (_vlm_model(family, fields, len(tokenizer)) if vlm else Model(Config(**fields))).to(torch.float32)
     _randomize(model, seed)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     config_file = output_dir / "config.json"
     saved = json.loads(config_file.read_text())
     saved["torch_dtype"] = "float32"
+    if not vlm:  # as released: SGLang 0.5.23's Qwen3NextConfig reads it (transformers 5.24 writes layer_types only)
+        saved["full_attention_interval"] = fields["full_attention_interval"]
     config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     return output_dir
 

@@ -28,5 +28,7 @@ FAMILIES = (
                 description="Qwen3-VL-MoE (30B-A3B, 235B-A22B): Qwen3-MoE text model, M-RoPE, deepstack, a ViT tower",
                 hf_defaults={"use_qk_norm": True, "scoring_func": "softmax", "e_score_correction_bias": False,
                              "norm_topk_prob": True, "n_shared_experts": 0, "sparse_step_layers": True},
-                make_tiny=lazy_hook("hpc_rl.models.qwen3_vl.tiny:make_tiny_qwen3_vl_moe"), **_HOOKS),
+                make_tiny=lazy_hook("hpc_rl.models.qwen3_vl.tiny:make_tiny_qwen3_vl_moe"),
+                hf_reader=lazy_hook("hpc_rl.models.qwen3_vl.names:read_fused_experts"),
+                hf_export=lazy_hook("hpc_rl.models.qwen3_vl.names:released_state"), **_HOOKS),
 )

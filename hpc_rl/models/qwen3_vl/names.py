@@ -205,3 +205,17 @@ def apply_vl_fields(fields: dict[str, Any], hf: dict[str, Any], problems: list[s
         return
     fields["family"] = wanted
     fields["vision_config"] = architecture_fields_from_hf(hf)["vision_config"]
+
+
+def read_fused_experts(reader: Any, hf_config: dict[str, Any]) -> Any:
+    """The MoE family's `hf_reader` hook: fused experts (released or transformers' layout) under per-expert names."""
+    from types import SimpleNamespace
+
+    text = hf_config.get("text_config") or hf_config
+    return FusedExpertReader(reader, SimpleNamespace(hidden_size=text["hidden_size"],
+                                                     moe_ffn_hidden_size=text["moe_intermediate_size"]))
+
+
+def released_state(state: dict[str, Any], arch: Any, reference_dir: Any = None) -> dict[str, Any]:
+    """The MoE family's `hf_export` hook: experts fused as the release holds them (`fused_state`)."""
+    return fused_state(state, arch)
