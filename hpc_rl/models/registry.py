@@ -198,6 +198,9 @@ class ModelFamily:
     model_class: Callable[[Any], Any] | None = None
     """model_class(arch) -> the GPTModel subclass (or a partial of one) `build_gpt_model` builds for this family
     (Qwen3-VL: the vision tower, M-RoPE and deepstack around Megatron's GPT); None: GPTModel."""
+    serves_images: bool = False
+    """The CPU engine serves it with its vision tower (transformers' image-text-to-text class, `/generate` takes
+    image_data: Qwen3-VL); False for a text family whose release carries a tower it does not train (Qwen3.5)."""
     hf_text_prefix: str = "model."
     """Where the language model's tensors sit in the HF checkpoint (Qwen3-VL: "model.language_model."): the shared
     name rows' `model.embed_tokens` / `model.layers.<i>` / `model.norm` are under it."""

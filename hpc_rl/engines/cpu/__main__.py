@@ -114,7 +114,7 @@ def load_model(model_path: str, model_impl: str, attn_implementation: str,
 
     if read_fp8_blocks(model_path) is not None:  # transformers' FP8 loader wants a GPU: dequantize as SGLang's blocks
         model = _dequantized_transformers_model(model_path, dtype, attn_implementation)
-    elif "vision_config" in config:  # Qwen3-VL: transformers' own class, vision tower included (engines/cpu/vision)
+    elif found is not None and found.serves_images:  # Qwen3-VL: transformers' own class, with its vision tower
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype,

@@ -15,6 +15,7 @@ _HOOKS = dict(
     to_megatron=lazy_hook("hpc_rl.models.qwen3_vl.names:to_megatron"),
     to_hf=lazy_hook("hpc_rl.models.qwen3_vl.names:to_hf"),
     hf_text_prefix="model.language_model.",
+    serves_images=True,
     model_class=lazy_hook("hpc_rl.models.qwen3_vl.layers_model:vl_model_class"),
 )
 
