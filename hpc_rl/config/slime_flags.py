@@ -362,7 +362,6 @@ _OUTLIVE_REASON = ("belongs to engines that outlive the trainer (a rollout sessi
                    "hpc_rl does not offer yet: the engines are the job's and stop with it; drop it")
 SLIME_LATER_REFUSED: dict[str, str] = {
     "rollout_session_id": _OUTLIVE_REASON,
-    "rollout_cleanup_timeout": _OUTLIVE_REASON,
     **{name: _STRAW_REASON for name in (
         "rollout_storage_declaration", "rollout_queue_run_id", "rollout_queue_online_gc",
         "rollout_queue_lease_seconds", "rollout_queue_segment_mib", "rollout_io_concurrency")},

@@ -276,6 +276,10 @@ class EngineClient:
             else:
                 self._slots.notify_all()
 
+    def in_flight_on(self, url: str) -> int:
+        """Requests this client sent straight to `url` that have not come back (0 for the router's)."""
+        return self._loads.counts.get(url, 0)
+
     async def wake_waiters(self) -> None:
         """Re-check every queued request now: after a stop, or when engines were added to the directory."""
         async with self._slots:

@@ -168,6 +168,10 @@ class RolloutConfig:
     waited for, then given the current weights), weights pushed over the weight-update group or, with
     update_weight_transport disk, through the shared filesystem. They must not need an api key other than the
     job's, and must reach trainer rank 0's node for the group (slime's --rollout-external-engine-addrs)."""
+    rollout_cleanup_timeout: float = 600.0
+    """Seconds an engine job's engines (`python -m hpc_rl.submit CONFIG --engines-for RUN_DIR`) wait without a
+    controller (the trainer's job ended, failed or is requeued) before they stop; a new controller in that time gets
+    them back (slime's --rollout-cleanup-timeout; docs/engine-jobs.md)."""
     max_staleness: int | None = None
     """Async mode: no sample is trained more than this many weight versions after its first token."""
     async_rollout: bool = False
