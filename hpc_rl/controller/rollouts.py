@@ -128,8 +128,8 @@ class Rollouts:
                     outcome_read = True
                     return run.result()
                 self._check_engines()
-                if self.fleet.engine_waiting.is_set() and may_sync:
-                    await self.weights.sync(self.weights.version, reason="engine restarted")
+                if self.fleet.engine_waiting.is_set() and may_sync:  # (joined or restarted: only they get the push)
+                    await self.weights.serve_waiting("engine joined or restarted")
         finally:
             if not outcome_read:
                 await stop_task(run, what)
