@@ -3,7 +3,8 @@ engine), then two engine jobs for it (`python -m hpc_rl.submit --engines-for RUN
 one is scancelled mid-rollout (its requests go back to the rollout: every rollout still trains exactly its samples,
 none twice), a new one is submitted and serves the controller's current weight version (its /model_info, and every
 rollout's engine log-probs equal the trainer's); `python -m hpc_rl.status` lists the engine jobs with their Slurm
-ids and states. After the run the engine jobs end on their own (no controller for rollout_cleanup_timeout)."""
+ids and states. Then the trainer's job is scancelled: the engine jobs end on their own (no controller for
+rollout_cleanup_timeout)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from tests.integration.run_helpers import records, wait_for
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
-ROLLOUTS = 24
+ROLLOUTS = 500
+"""More than the test waits for (rollouts take 1-4 s here): the run is scancelled once the checks are done."""
 SAMPLES_PER_ROLLOUT = 16 * 8
 
 
@@ -78,13 +80,14 @@ def test_engine_jobs_join_leave_on_scancel_and_a_new_one_serves_the_current_weig
                                 text=True, timeout=60)
         assert f"engine job {jobs[0]}: slurm CANCELLED" in status.stdout, status.stdout
         assert re.search(rf"engine job {jobs[2]}: slurm RUNNING; engine \d+ serving", status.stdout), status.stdout
-        wait_for(lambda: job_state(component_states(trainer_job)) == "COMPLETED", 600, "the run to complete")
-        assert len(records(run_dir)) == ROLLOUTS and len(records(run_dir)) > 0
+        subprocess.run(["scancel", trainer_job], check=True)
         wait_for(lambda: all(job_state(component_states(j)) not in ("RUNNING", "PENDING") for j in jobs[1:]), 120,
                  "the engine jobs to end without a controller (rollout_cleanup_timeout)")
     finally:
         subprocess.run(["scancel", trainer_job, *jobs], check=False)
-    for row in records(run_dir):  # nothing lost or trained twice; every engine served the trainer's weights
+    rows = records(run_dir)
+    assert [r["rollout_id"] for r in rows] == list(range(len(rows))) and len(rows) >= 3
+    for row in rows:  # nothing lost or trained twice; every engine served the trainer's weights
         assert len(row["sample_indices"]) == len(set(row["sample_indices"])) == SAMPLES_PER_ROLLOUT, row["rollout_id"]
         assert row["metrics"]["train/train_rollout_logprob_abs_diff"] < 1e-4, (row["rollout_id"], row["metrics"])
     assert all(job_state(component_states(j)) == "COMPLETED" for j in jobs[1:])
