@@ -131,7 +131,9 @@ class EngineMembership:
         for index, record in sorted(self.records.items()):
             engine = self.registry.engines.get(index)
             job = jobs.setdefault(str(record.get("job_id", "")), {"engines": {}})
-            job["engines"][str(index)] = {**record, "state": engine.state.value if engine else "unknown"}
+            in_flight = self.in_flight_on(record["url"]) if self.in_flight_on is not None and "url" in record else 0
+            job["engines"][str(index)] = {**record, "state": engine.state.value if engine else "unknown",
+                                          "in_flight": in_flight}
         for job in jobs.values():
             states = {e["state"] for e in job["engines"].values()}
             job["state"] = "serving" if "serving" in states else ("starting" if "starting" in states else

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from hpc_rl.protocol.http_client import request_blocking
+from hpc_rl.status import live_status
 from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
 from tests.integration.run_helpers import REPO_ROOT, records, start_run, wait_for
 
@@ -62,8 +63,11 @@ def test_an_engine_job_joins_with_the_current_weights_and_leaves_losing_nothing(
         served = int(json.loads(info)["weight_version"])
         controller_version = json.loads((run_dir / "status.json").read_text())["weight_version"]
         assert status == 200 and served >= 1 and abs(served - controller_version) <= 1, (served, controller_version)
+        wait_for(lambda: next(iter(next(iter((live_status(run_dir) or {}).get("engine_jobs", {}).values()))["engines"]
+                                   .values()))["in_flight"] > 0, 120, "requests on the engine job's engine",
+                 interval_s=0.02)
         left_during = len(records(run_dir))
-        os.killpg(job.pid, signal.SIGTERM)  # what Slurm sends at the end of the job
+        os.killpg(job.pid, signal.SIGTERM)  # what Slurm sends at the end of the job: mid-rollout, requests on it
         assert job.wait(120) == 0, job_out.read_text()[-3000:]
         assert run.wait(600) == 0, (run_dir.parent / f"{run_dir.name}.out").read_text()[-3000:]
     finally:
@@ -73,7 +77,7 @@ def test_an_engine_job_joins_with_the_current_weights_and_leaves_losing_nothing(
     assert left_during < ROLLOUTS, "the run ended before the engine left: nothing was tested mid-run"
     output = job_out.read_text()
     left = re.search(r"left: (\d+) request\(s\) requeued in ([\d.]+) s", output)
-    assert left is not None, output[-3000:]
+    assert left is not None and int(left.group(1)) > 0, output[-3000:]  # they were requeued, and none lost:
     rows = records(run_dir)
     assert [r["rollout_id"] for r in rows] == list(range(ROLLOUTS))
     for row in rows:  # nothing lost or trained twice; every engine served the trainer's weights

@@ -19,6 +19,7 @@ import pytest
 from hpc_rl.launch.slurm_status import component_states, job_state
 from hpc_rl.protocol.http_client import request_blocking
 from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
+from hpc_rl.status import live_status
 from tests.integration.run_helpers import records, wait_for
 
 pytestmark = pytest.mark.slurm
@@ -65,9 +66,15 @@ def test_engine_jobs_join_leave_on_scancel_and_a_new_one_serves_the_current_weig
         jobs = [submit_engines(run_dir), submit_engines(run_dir)]
         for job in jobs:
             wait_for(lambda: serving_job(run_dir, job) is not None, 300, f"engine job {job} to join and serve")
-        subprocess.run(["scancel", jobs[0]], check=True)  # mid-rollout: rollouts never pause here
+        wait_for(lambda: any(e["in_flight"] for e in ((live_status(run_dir) or {}).get("engine_jobs", {})
+                                                      .get(jobs[0], {}).get("engines", {}).values())), 120,
+                 f"requests on engine job {jobs[0]}", interval_s=0.02)
+        subprocess.run(["scancel", jobs[0]], check=True)  # mid-rollout, with requests on it
         wait_for(lambda: (engine_jobs(run_dir)[jobs[0]]["state"] in ("left", "failed")), 120,
                  f"engine job {jobs[0]} out of the run")
+        gone = next(iter(engine_jobs(run_dir)[jobs[0]]["engines"].values()))
+        print(f"scancelled engine job: {gone['state']}, {gone.get('requeued')} request(s) requeued in "
+              f"{gone.get('drain_s')} s")
         jobs.append(submit_engines(run_dir))
         wait_for(lambda: serving_job(run_dir, jobs[2]) is not None, 300, f"engine job {jobs[2]} to join and serve")
         new = serving_job(run_dir, jobs[2])
