@@ -202,3 +202,28 @@ def test_the_agent_gives_up_without_a_controller(tmp_path: Path) -> None:
     outcome = agent.run()
     assert "no controller for 0.3 s" in outcome.reason and outcome.joins == [] and outcome.left is None
     assert time.monotonic() - start < 5
+
+
+def test_status_lists_engine_jobs_with_their_ids_and_engines(tmp_path: Path, monkeypatch) -> None:
+    """`python -m hpc_rl.status`: engine jobs recorded at submit and those the controller knows, with Slurm's state
+    (asked only for Slurm ids; a fake answer here) and each engine's."""
+    from hpc_rl import status as status_cli
+    from hpc_rl.launch import slurm_status
+    from hpc_rl.launch.engine_job import record_engine_job
+
+    record_engine_job(tmp_path, "301", rollout_num_gpus=2)
+    asked: list[str] = []
+    monkeypatch.setattr(slurm_status, "component_states", lambda job_id: asked.append(job_id) or [
+        slurm_status.ComponentState(job_id=job_id, state="CANCELLED", nodes="node3", elapsed="00:01:00")])
+    live = {"301": {"engines": {"4": {"state": "left"}}}, "local-77": {"engines": {"5": {"state": "serving"}}}}
+    listed = status_cli.engine_job_list(tmp_path, live)
+    text = status_cli.format_status({"source": "test", "engine_job_list": listed})
+    assert "engine job 301: slurm CANCELLED; engine 4 left" in text
+    assert "engine job local-77: slurm -; engine 5 serving" in text and asked == ["301"]
+
+
+def test_submit_engines_for_a_directory_that_is_no_run(tmp_path: Path, capsys) -> None:
+    from hpc_rl.submit import main
+
+    assert main(["--engines-for", str(tmp_path), "--executor", "local"]) == 2
+    assert "no config.resolved.yaml and secret there" in capsys.readouterr().err
