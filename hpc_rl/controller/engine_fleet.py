@@ -133,6 +133,37 @@ class EngineFleet:
         if not any(e.state == EngineState.STARTING for e in self.registry.engines.values()):
             self.engine_waiting.clear()
 
+    async def serve_before_router(self, engine_indices: list[int]) -> None:
+        """Like `mark_serving`, but the engines serve the rollout client's direct (batched) requests at once and join
+        the router in the background: sglang-router's registration waits until it lists each one (~9.5 s for 240 at
+        once in bench_scale's 256-engine churn), which held the rollout for joiners that already had the weights.
+        Single requests routed by the router reach them once it lists them."""
+        starting = [i for i in engine_indices if self.registry.engines[i].state == EngineState.STARTING]
+        for index in starting:
+            self.registry.set_engine_state(index, EngineState.SERVING)
+            self._event("serving", index, self.registry.engines[index].url)
+        if starting:
+            await self._notify_serving()
+            task = asyncio.create_task(self._router_add_later(starting), name="router-add-joiners")
+            self._restarts.add(task)  # (stopped with the health task: stop_monitoring)
+            task.add_done_callback(self._restarts.discard)
+        if not any(e.state == EngineState.STARTING for e in self.registry.engines.values()):
+            self.engine_waiting.clear()
+
+    async def _router_add_later(self, indices: list[int]) -> None:
+        engines = [(index, self.registry.engines[index]) for index in indices]
+        try:
+            await asyncio.gather(*(self._router_add(engine.url) for _, engine in engines))
+        except Exception as error:  # direct requests still reach them; the router's own requests do not
+            log.warning("adding %d engine(s) to the router: %s", len(engines), error)
+            return
+        for index, engine in engines:  # one that left or failed meanwhile was not removed (it was not listed yet)
+            if self.registry.engines.get(index) is engine and engine.state != EngineState.SERVING:
+                try:
+                    await self._router_call("remove_worker", engine.url)
+                except Exception as error:
+                    log.warning("removing %s from the router: %s", engine.url, error)
+
     async def _notify_serving(self) -> None:
         if self.on_serving is not None:
             await self.on_serving()

@@ -183,7 +183,7 @@ class WeightUpdates:
         if not waiting:
             return {}
         metrics = await self.transport.push(self.version, waiting, flush_cache=True)
-        await self.fleet.mark_serving([e.engine_index for e in waiting if e.state == EngineState.STARTING])
+        await self.fleet.serve_before_router([e.engine_index for e in waiting if e.state == EngineState.STARTING])
         metrics["time/weight_sync_waiting_engines"] = time.perf_counter() - start
         log.info("weights v%d pushed to %d waiting engine(s) in %.2f s (%s); the others kept generating",
                  self.version, len(waiting), metrics["time/weight_sync_waiting_engines"], reason)

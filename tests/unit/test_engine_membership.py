@@ -99,6 +99,33 @@ def test_a_joiner_gets_the_next_index_and_waits_for_weights_then_leaves_drained(
     asyncio.run(scenario())
 
 
+def test_a_joiner_with_the_weights_serves_direct_requests_before_the_router_lists_it() -> None:
+    async def scenario() -> None:
+        membership, fleet, router, in_flight, _ = await _membership(1, initial=False)
+        listed = asyncio.Event()
+        slow_add = router.add_workers
+
+        def add_when_allowed(urls: list[str]) -> None:  # sglang-router waits until it lists them: seconds
+            while not listed.is_set():
+                time.sleep(0.01)
+            slow_add(urls)
+
+        router.add_workers = add_when_allowed  # type: ignore[method-assign]
+        index = await membership.join(url="http://c0", tp_size=1, job_id="9", name="c0")
+        await fleet.serve_before_router([index])
+        assert "http://c0" in fleet.registry.engine_urls() and "http://c0" not in router.urls
+        fleet.admins[index] = FakeAdmin("http://c0", in_flight)  # type: ignore[assignment]
+        await membership.leave(index, "gone before the router listed it")
+        listed.set()
+        while fleet._restarts:  # the background registration ends ...
+            await asyncio.sleep(0.01)
+        assert "http://c0" not in router.urls  # ... and takes back what it added for an engine that left
+        await membership.close()
+        await fleet.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_joiner_before_any_push_serves_at_once_and_indices_never_repeat() -> None:
     async def scenario() -> None:
         membership, fleet, router, in_flight, _ = await _membership(1, initial=True)

@@ -87,6 +87,9 @@ class FakeFleet:
     async def mark_serving(self, indices: list[int]) -> None:
         self.engine_waiting.clear()
 
+    async def serve_before_router(self, indices: list[int]) -> None:
+        self.engine_waiting.clear()
+
     async def fail_engine(self, index: int, reason: str) -> None:
         raise AssertionError(reason)
 
