@@ -156,6 +156,7 @@ class Controller(DriverInterface):
             await self.reward_pool.start()
         self.fleet.on_serving = self.client.wake_waiters
         self.membership.in_flight_on = self.client.in_flight_on
+        self.membership.first_send_watch = self.client.first_send_watch
         self.fleet.on_router_lost = self._router_lost
 
     def _router_lost(self) -> None:

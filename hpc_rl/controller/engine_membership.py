@@ -34,14 +34,14 @@ DRAIN_TIMEOUT_S = 60.0
 """How long a leave waits for the leaving engine's requests to come back (aborted again every second)."""
 SYNC_WAIT_S = 300.0
 """How long a leave waits for a weight-update call in flight on the engine (a sync it is part of) to end."""
-FIRST_REQUEST_POLL_S = 0.02
 
 
 class EngineMembership:
     """Joins and leaves of engine-job engines, with their timings (see the module docstring)."""
 
     def __init__(self, registry: Registry, fleet: EngineFleet, *, weight_version: Callable[[], int],
-                 initial_weights: Callable[[], bool], in_flight_on: Callable[[str], int] | None = None) -> None:
+                 initial_weights: Callable[[], bool], in_flight_on: Callable[[str], int] | None = None,
+                 first_send_watch: dict[str, Callable[[], None]] | None = None) -> None:
         self.registry, self.fleet = registry, fleet
         self.weight_version = weight_version
         """The trainer's version (what a joiner gets before it serves)."""
@@ -49,16 +49,17 @@ class EngineMembership:
         """True while the engines still serve the weights they loaded (no push yet): a joiner serves at once."""
         self.in_flight_on = in_flight_on
         """Requests in flight on an engine URL (the rollout client's count); None until the stack is built."""
+        self.first_send_watch = first_send_watch
+        """The rollout client's `first_send_watch` (None until the stack is built: no time is measured then)."""
         self.records: dict[int, dict[str, Any]] = {}
         """Engine index -> its job id, name, and timings (joined_at, first_request_s, drain_s, requeued)."""
-        self._joined_at: dict[int, float] = {}
-        self._first_request_watch: asyncio.Task[None] | None = None
 
     async def join(self, *, url: str, tp_size: int, job_id: str, name: str) -> int:
         """Add the engine (an agent re-sending its join for a URL still live here gets the same index back)."""
         for engine in self.registry.live_engines():
             if engine.url == url:
                 return engine.engine_index
+        registered = time.perf_counter()
         index = max([*self.registry.engines, self.registry.num_engines - 1]) + 1
         serving = self.initial_weights()
         await self.fleet.register(index, url, tp_size=tp_size, serving=serving, job_id=job_id)
@@ -67,24 +68,18 @@ class EngineMembership:
         self.fleet.events.append({"event": "joined", "engine": index, "detail": f"{name or url} (job {job_id})"})
         log.info("engine %d joined from engine job %s at %s (%s)", index, job_id, url,
                  "serving" if serving else f"waiting for weights v{self.weight_version()}")
-        self._joined_at[index] = time.perf_counter()
-        if self._first_request_watch is None or self._first_request_watch.done():
-            self._first_request_watch = asyncio.create_task(self._watch_first_requests(), name="joiners' first request")
+        self._watch_first_request(index, url, registered)
         return index
 
-    async def _watch_first_requests(self) -> None:
-        """Registration -> first request of each joiner (its first request the client sent it)."""
-        while self._joined_at:
-            await asyncio.sleep(FIRST_REQUEST_POLL_S)
-            if self.in_flight_on is None:
-                continue
-            for index, joined in list(self._joined_at.items()):
-                engine = self.registry.engines.get(index)
-                if engine is None or engine.state == EngineState.LEFT:
-                    del self._joined_at[index]
-                elif self.in_flight_on(engine.url) > 0:
-                    self.records[index]["first_request_s"] = round(time.perf_counter() - joined, 3)
-                    del self._joined_at[index]
+    def _watch_first_request(self, index: int, url: str, registered: float) -> None:
+        """Registration -> the first request the rollout client sends the joiner (`EngineClient.first_send_watch`)."""
+        if self.first_send_watch is None:
+            return
+
+        def first_request() -> None:
+            self.records[index]["first_request_s"] = round(time.perf_counter() - registered, 3)
+
+        self.first_send_watch[url] = first_request
 
     async def leave(self, engine_index: int, reason: str) -> tuple[int, float]:
         """Drain the engine; returns (requests requeued, seconds from the abort until the last came back)."""
@@ -98,6 +93,8 @@ class EngineMembership:
         while admin.calls_in_flight and time.monotonic() < deadline:  # a weight sync it is part of ends first
             await asyncio.sleep(0.05)
         await self.fleet.leave(engine_index, reason)
+        if self.first_send_watch is not None:
+            self.first_send_watch.pop(engine.url, None)
         start = time.perf_counter()
         requeued = self.in_flight_on(engine.url) if self.in_flight_on is not None else 0
         await self._abort_until_empty(engine.url, engine_index)
@@ -141,6 +138,4 @@ class EngineMembership:
         return jobs
 
     async def close(self) -> None:
-        if self._first_request_watch is not None:
-            self._first_request_watch.cancel()
-            await asyncio.gather(self._first_request_watch, return_exceptions=True)
+        """(Nothing runs in the background; kept for the controller's shutdown order.)"""

@@ -64,7 +64,7 @@ async def _membership(own_engines: int, *, initial: bool) -> tuple[EngineMembers
     failed: list[int] = []
     fleet.on_failed = failed.append
     membership = EngineMembership(registry, fleet, weight_version=lambda: 3, initial_weights=lambda: initial,
-                                  in_flight_on=lambda url: in_flight.get(url, 0))
+                                  in_flight_on=lambda url: in_flight.get(url, 0), first_send_watch={})
     return membership, fleet, router, in_flight, failed
 
 
@@ -77,9 +77,10 @@ def test_a_joiner_gets_the_next_index_and_waits_for_weights_then_leaves_drained(
         assert await membership.join(url="http://job-a", tp_size=1, job_id="17", name="a") == 2  # a re-sent join
         await fleet.mark_serving([2])  # what the loop's sync does once the engine holds the current version
         assert "http://job-a" in router.urls and "http://job-a" in fleet.registry.engine_urls()
+        assert membership.records[2]["first_request_s"] is None
+        membership.first_send_watch.pop("http://job-a")()  # what the rollout client does at its first request there
         in_flight["http://job-a"] = 5
-        await asyncio.sleep(0.05)  # the first-request watch sees it
-        assert membership.records[2]["first_request_s"] is not None
+        assert membership.records[2]["first_request_s"] >= 0
         admin = FakeAdmin("http://job-a", in_flight)
         fleet.admins[2] = admin  # type: ignore[assignment]
         requeued, drain_s = await membership.leave(2, "job 17 ends")
