@@ -27,6 +27,11 @@ Goals (printed against): controller < 2% of one core at 1,000 samples/s, i.e. < 
 samples; abort-all < 1 s and weight-sync orchestration < 1 s at 1,024 engines; 0 lost.
 
     python benchmarks/bench_scale.py --engines 8 64 256 1024 [--modes sync async dynamic partial]
+
+Elastic engines (engine jobs, docs/engine-jobs.md): `--join J --leave L` starts N + J simulated engines, registers
+N, and while the first rollout generates J join and then L of the N leave through the controller's protocol
+(engine_churn.py); printed per run: joined, left, requests requeued, the joiners' registration -> first request
+and the leavers' abort -> requeue times, and lost/dup (must stay 0).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from hpc_rl.protocol.secret import create_secret, engine_api_key, secret_path  #
 from hpc_rl.sim.model import EngineModel  # noqa: E402
 from hpc_rl.sim.trainer import plan_buckets, qwen3_hf_tensors  # noqa: E402
 from hpc_rl.config.model import ModelArchitecture  # noqa: E402
+from benchmarks.engine_churn import churn, first_requests  # noqa: E402
 
 RECIPE = REPO / "configs" / "qwen3_4b_grpo.yaml"
 SIM_PARAMS = REPO / "configs" / "sim" / "qwen3_4b_h100_tp2.yaml"
@@ -378,7 +384,8 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
         phases[name] = round(time.perf_counter() - wall, 2)
 
     try:
-        sim, urls = start_sim_engines(engines, run_dir, key if via_api else "", overrides)
+        sim, urls = start_sim_engines(engines + args.join, run_dir, key if via_api else "", overrides)
+        urls, join_urls = urls[:engines], urls[engines:]
         phase("sim_started")
         router = RouterProcess(log_path=run_dir / "router.log", policy=config.sglang.router_policy, api_key=key,
                                extra_args=[] if via_api else launch_worker_args(urls, key, run_dir))
@@ -419,7 +426,14 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             profiler = cProfile.Profile() if args.profile else None
             if profiler is not None:
                 profiler.enable()
+            churning = asyncio.create_task(churn(controller, secret, join_urls=join_urls, leave=args.leave,
+                                                 tp_size=config.cluster.rollout_num_gpus_per_engine)) \
+                if args.join or args.leave else None
+            churned = None
             await controller.run()
+            if churning is not None:
+                churned = await asyncio.wait_for(churning, 120.0)  # (it started in the first rollout)
+                first_requests(controller, churned)
             if profiler is not None:
                 profiler.disable()
                 profiler.dump_stats(run_dir / "profile.prof")
@@ -459,20 +473,24 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
                             "groups_dropped": sum(m.get("rollout/groups_dropped", 0) for m in history),
                             "sim_sync_cpu_s": round(statistics.median(sim_sync_cpu[1:] or sim_sync_cpu), 3)
                             if sim_sync_cpu else None}
+            if churned is not None:
+                result.extra["churn"] = churned.summary()
+                result.extra["churn"]["lost"] = result.lost
             phase("run_done")
-            result.router_p50_ms, result.router_p99_ms = await router_latency(session, router.url, urls[0])
-            phase("router_probe_done")
-            abort_cpu = time.process_time()
-            try:
-                result.abort_all_s = await abort_all_latency(controller, session, urls[0], engines, args.abort_fill,
-                                                             model, result, {"sim": sim.pid, "router": router.process.pid},
-                                                             args.abort_fill_path,
-                                                             run_dir / "abort-profile.prof" if args.profile else None)
-            except ProbeFailed as error:
-                result.abort_all_s = float("nan")
-                result.extra["abort_probe_failed"] = str(error)
-            result.abort_all_cpu_s = time.process_time() - abort_cpu  # fill + abort: an upper bound
-            phase("abort_probe_done")
+            if churned is None:  # (the probes assume the fleet the run started with)
+                result.router_p50_ms, result.router_p99_ms = await router_latency(session, router.url, urls[0])
+                phase("router_probe_done")
+                abort_cpu = time.process_time()
+                try:
+                    result.abort_all_s = await abort_all_latency(controller, session, urls[0], engines, args.abort_fill,
+                                                                 model, result, {"sim": sim.pid, "router": router.process.pid},
+                                                                 args.abort_fill_path,
+                                                                 run_dir / "abort-profile.prof" if args.profile else None)
+                except ProbeFailed as error:
+                    result.abort_all_s = float("nan")
+                    result.extra["abort_probe_failed"] = str(error)
+                result.abort_all_cpu_s = time.process_time() - abort_cpu  # fill + abort: an upper bound
+                phase("abort_probe_done")
         result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     finally:
         if controller is not None:
@@ -555,6 +573,8 @@ async def main_async(args: argparse.Namespace) -> list[ModeResult]:
             result = await run_mode(engines, mode, args, work)
             results.append(result)
             print(row(result), flush=True)
+            if "churn" in result.extra:
+                print("      churn:", json.dumps(result.extra["churn"]), flush=True)
             if args.verbose:
                 print("      ", json.dumps(result.extra), flush=True)
     for line in goals(results):
@@ -594,6 +614,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="how the abort probe's requests go out: groups = the recipe rollout's batched "
                              "/generate per group of --abort-fill straight to an engine; router = one request "
                              "per sample through sglang-router")
+    parser.add_argument("--join", type=int, default=0, help="engines that join mid-rollout (engine jobs' agents)")
+    parser.add_argument("--leave", type=int, default=0, help="serving engines that leave mid-rollout (drained)")
     parser.add_argument("--work-dir", default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--verbose", action="store_true")

@@ -154,7 +154,27 @@ def collect_status(run_dir: Path) -> dict[str, Any]:
 
     if read_job_id(run_dir) is not None:
         status["slurm"] = describe_slurm_status(run_dir)
+    status["engine_job_list"] = engine_job_list(run_dir, status.get("engine_jobs") or {})
     return status
+
+
+def engine_job_list(run_dir: Path, live: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each engine job of the run (`<run_dir>/engine_jobs/`, and any the controller knows): its Slurm id, Slurm's
+    state of it, and its engines as the controller sees them."""
+    from hpc_rl.launch.engine_job import recorded_engine_jobs
+    from hpc_rl.launch.slurm_status import component_states, job_state
+
+    jobs = {str(job["job_id"]): job for job in recorded_engine_jobs(run_dir)}
+    for job_id in live:
+        jobs.setdefault(job_id, {"job_id": job_id})
+    listed = []
+    for job_id, job in jobs.items():
+        states = component_states(job_id) if job_id and not job_id.startswith("local-") else []
+        engines = (live.get(job_id) or {}).get("engines", {})
+        listed.append({"job_id": job_id, "slurm_state": job_state(states) if states else "-",
+                       "engines": {index: engine.get("state") for index, engine in engines.items()},
+                       "rollout_num_gpus": job.get("rollout_num_gpus")})
+    return listed
 
 
 def _when(stamp: Any) -> str:
@@ -184,6 +204,9 @@ def format_status(status: dict[str, Any]) -> str:
     for index, engine in components.get("engines", {}).items():
         extra = f", restarts {engine['restarts']}" if engine.get("restarts") else ""
         lines.append(f"engine {index}: {engine['state']} at {engine['url']}{extra}")
+    for job in status.get("engine_job_list") or []:
+        engines = ", ".join(f"engine {i} {state}" for i, state in job["engines"].items()) or "no engine joined"
+        lines.append(f"engine job {job['job_id']}: slurm {job['slurm_state']}; {engines}")
     for warning in status.get("warnings") or []:  # a silent trainer rank, a run that cannot score
         lines.append(f"WARNING: {warning}")
     if status.get("slurm"):

@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     _show_config_notes()
     try:
         options = parse_submit_args(argv)
+        if options.engines_for is not None:
+            from hpc_rl.launch.engine_job import submit_engines_for
+
+            return submit_engines_for(options)
         config = load_config(options.config_files, options.config_flags)
         validate(config, check_files=options.check_files)
         topology = plan_run_topology(config)

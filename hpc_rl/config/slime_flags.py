@@ -357,11 +357,7 @@ _STRAW_REASON = ("belongs to slime's straw rollout-data transport (a lease queue
                  "JuiceFS store); hpc_rl's controller keeps rollout records and the partial-rollout buffer in its own "
                  "run directory on the shared filesystem (run_dir) and sends rollout data to the trainer over its "
                  "TCP protocol: drop it")
-_OUTLIVE_REASON = ("belongs to engines that outlive the trainer (a rollout session resumed by a later job), which "
-                   "hpc_rl does not offer yet: the engines are the job's and stop with it; drop it")
 SLIME_LATER_REFUSED: dict[str, str] = {
-    "rollout_session_id": _OUTLIVE_REASON,
-    "rollout_cleanup_timeout": _OUTLIVE_REASON,
     **{name: _STRAW_REASON for name in (
         "rollout_storage_declaration", "rollout_queue_run_id", "rollout_queue_online_gc",
         "rollout_queue_lease_seconds", "rollout_queue_segment_mib", "rollout_io_concurrency")},
@@ -376,7 +372,6 @@ SLIME_LATER_COMPAT: dict[str, CompatFlag] = {
         "the JuiceFS profile declares a JuiceFS mount straw checks, which hpc_rl does not use")),
 }
 COMPAT_FLAGS.update(SLIME_LATER_COMPAT)
-del SLIME_LATER_REFUSED["rollout_session_id"]  # a config field now: rollout.rollout_session_id (issue 35)
 SLIME_LATER_UNBUILDABLE: dict[str, str] = {}
 """--use-gated-attention, the one flag here once, is a model switch now (the hybrid block above)."""
 # --post-self-attn-layernorm and --post-mlp-layernorm are model switches (MODEL_SWITCHES) already.

@@ -39,6 +39,7 @@ import orjson
 from hpc_rl.config.schema import RunConfig
 from hpc_rl.controller.address import CONTROLLER_ADDRESS_FILE, write_controller_address
 from hpc_rl.controller.engine_fleet import EngineFleet, RestartFn, RouterMembership
+from hpc_rl.controller.engine_membership import EngineMembership
 from hpc_rl.controller.registry import Registry, TrainerInfo
 from hpc_rl.controller.rollout_stack import build_rollout_stack
 from hpc_rl.controller.run_loop import RunLoop
@@ -48,7 +49,8 @@ from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.engines.gpu_step import PLACEMENT_DIR, reported_devices
 from hpc_rl.protocol import Connection, Envelope, Secret, Server
 from hpc_rl.protocol.errors import ProtocolError
-from hpc_rl.protocol.messages import (Ack, CommandDone, Hello, Message, NextCommand, Ping, Pong, ResumeState,
+from hpc_rl.protocol.messages import (Ack, CommandDone, EngineJoin, EngineJoined, EngineLeave, EngineLeft, Hello,
+                                      Message, NextCommand, Ping, Pong, ResumeState,
                                       StatusReply, StatusRequest, TrainerHeartbeat, WeightGroupJoinCheck,
                                       WeightGroupJoinVerdict, WeightPlan)
 from hpc_rl.rewards.pool import RewardPool
@@ -95,6 +97,10 @@ class Controller(DriverInterface):
                                  admin_timeout_s=config.controller.engine_admin_timeout,
                                  devices_of=lambda index: reported_devices(self.run_dir, index))
         self.router_url = router_url
+        self.membership = EngineMembership(
+            self.registry, self.fleet, weight_version=lambda: self.loop.weights.version if self.loop else 0,
+            initial_weights=lambda: self.loop is None or (self.loop.weights.version == 0 and not self.loop.weights.pushes))
+        """Engines of engine jobs joining and leaving mid-run (engine_membership; docs/engine-jobs.md)."""
         self.server: Server | None = None
         self.loop: RunLoop | None = None
         self.client: EngineClient | None = None
@@ -149,6 +155,8 @@ class Controller(DriverInterface):
         if self.reward_pool is not None:
             await self.reward_pool.start()
         self.fleet.on_serving = self.client.wake_waiters
+        self.membership.in_flight_on = self.client.in_flight_on
+        self.membership.first_send_watch = self.client.first_send_watch
         self.fleet.on_router_lost = self._router_lost
 
     def _router_lost(self) -> None:
@@ -224,6 +232,7 @@ class Controller(DriverInterface):
                 await asyncio.gather(task, return_exceptions=True)
         self.write_status()  # the final one: the run has ended, nothing is serving any more
         (self.run_dir / CONTROLLER_ADDRESS_FILE).unlink(missing_ok=True)
+        await self.membership.close()
         await self.fleet.close()
         if self.client is not None:
             await self.client.close()
@@ -292,6 +301,13 @@ class Controller(DriverInterface):
             return Pong(payload=message.payload)
         if isinstance(message, ResumeState):
             return self._on_resume_state(conn, message)
+        if isinstance(message, EngineJoin):
+            index = await self.membership.join(url=message.url, tp_size=message.tp_size, job_id=message.job_id,
+                                               name=message.name)
+            return EngineJoined(engine_index=index, weight_version=self.membership.weight_version())
+        if isinstance(message, EngineLeave):
+            requeued, drain_s = await self.membership.leave(message.engine_index, message.reason or "engine job ends")
+            return EngineLeft(requeued=requeued, drain_s=drain_s)
         raise ProtocolError(f"unexpected message {message.TYPE!r} from {conn.peer}")
 
     def _on_resume_state(self, conn: Connection, message: ResumeState) -> Ack:
@@ -343,6 +359,7 @@ class Controller(DriverInterface):
                                    / last["time/step"]) if last.get("time/step") else None,
             "components": self._components(),
             "engine_events": self.fleet.events[-20:],
+            "engine_jobs": self.membership.summary(),
             "warnings": self.channel.liveness_warnings() + (loop.recorder.warnings if loop else []),
             "last_error": self.last_error or (str(self.channel.failure) if self.channel.failure else ""),
             "restarts": self.restarts,

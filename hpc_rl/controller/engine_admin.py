@@ -136,6 +136,11 @@ class EngineAdmin:
     async def resume_generation(self) -> None:
         await self._call("POST", "/continue_generation", {})
 
+    async def abort_requests(self) -> None:
+        """`/abort_request` of every request the engine holds (they answer with finish reason "abort", and the
+        rollout resumes each on another engine: engine_membership's drain)."""
+        await self._call("POST", "/abort_request", {"rid": "", "abort_all": True}, timeout_s=30.0)
+
     async def flush_cache(self) -> None:
         await self._call("POST", "/flush_cache", {})
 

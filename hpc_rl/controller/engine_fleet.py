@@ -101,11 +101,13 @@ class EngineFleet:
         if self.connections is not None:
             await self.connections.close()
 
-    async def register(self, engine_index: int, url: str, *, tp_size: int = 1, serving: bool) -> None:
-        """An engine answered /health at `url`; serving=True puts it behind the router now."""
+    async def register(self, engine_index: int, url: str, *, tp_size: int = 1, serving: bool,
+                       job_id: str = "") -> None:
+        """An engine answered /health at `url`; serving=True puts it behind the router now (`job_id`: the engine
+        job it came from, see engine_membership)."""
         assert self.connections is not None, "start() first"
         previous = self.registry.engines.get(engine_index)
-        info = EngineInfo(engine_index=engine_index, url=url, tp_size=tp_size,
+        info = EngineInfo(engine_index=engine_index, url=url, tp_size=tp_size, job_id=job_id,
                           restarts=previous.restarts if previous else 0,
                           devices=self.devices_of(engine_index) if self.devices_of is not None else [])
         self.registry.add_engine(info)
@@ -130,6 +132,37 @@ class EngineFleet:
             await self._notify_serving()
         if not any(e.state == EngineState.STARTING for e in self.registry.engines.values()):
             self.engine_waiting.clear()
+
+    async def serve_before_router(self, engine_indices: list[int]) -> None:
+        """Like `mark_serving`, but the engines serve the rollout client's direct (batched) requests at once and join
+        the router in the background: sglang-router's registration waits until it lists each one (~9.5 s for 240 at
+        once in bench_scale's 256-engine churn), which held the rollout for joiners that already had the weights.
+        Single requests routed by the router reach them once it lists them."""
+        starting = [i for i in engine_indices if self.registry.engines[i].state == EngineState.STARTING]
+        for index in starting:
+            self.registry.set_engine_state(index, EngineState.SERVING)
+            self._event("serving", index, self.registry.engines[index].url)
+        if starting:
+            await self._notify_serving()
+            task = asyncio.create_task(self._router_add_later(starting), name="router-add-joiners")
+            self._restarts.add(task)  # (stopped with the health task: stop_monitoring)
+            task.add_done_callback(self._restarts.discard)
+        if not any(e.state == EngineState.STARTING for e in self.registry.engines.values()):
+            self.engine_waiting.clear()
+
+    async def _router_add_later(self, indices: list[int]) -> None:
+        engines = [(index, self.registry.engines[index]) for index in indices]
+        try:
+            await asyncio.gather(*(self._router_add(engine.url) for _, engine in engines))
+        except Exception as error:  # direct requests still reach them; the router's own requests do not
+            log.warning("adding %d engine(s) to the router: %s", len(engines), error)
+            return
+        for index, engine in engines:  # one that left or failed meanwhile was not removed (it was not listed yet)
+            if self.registry.engines.get(index) is engine and engine.state != EngineState.SERVING:
+                try:
+                    await self._router_call("remove_worker", engine.url)
+                except Exception as error:
+                    log.warning("removing %s from the router: %s", engine.url, error)
 
     async def _notify_serving(self) -> None:
         if self.on_serving is not None:
@@ -200,7 +233,7 @@ class EngineFleet:
         # An engine that answered an admin call within the interval is alive: during a weight sync that
         # is every engine, and a round of 1,024 probes costs the controller ~0.1 CPU s.
         now = asyncio.get_running_loop().time()
-        engines = [e for e in self.registry.engines.values() if e.state != EngineState.FAILED
+        engines = [e for e in self.registry.engines.values() if e.state not in (EngineState.FAILED, EngineState.LEFT)
                    and now >= self._first_probe_at.get(e.engine_index, 0.0)
                    and not self.admins[e.engine_index].known_alive(self.health_interval_s)]
         limit = asyncio.Semaphore(self.health_concurrency)
@@ -228,7 +261,7 @@ class EngineFleet:
             log.info("engine %d: %s (its previous process; restarted since, the new one is kept)", engine_index,
                      reason)
             return
-        if engine.state == EngineState.FAILED:
+        if engine.state in (EngineState.FAILED, EngineState.LEFT):  # (a leaving engine's process stops on purpose)
             return
         was_serving = engine.state == EngineState.SERVING
         # FAILED before the first await: a second report of the same failure (the driver saw the process
@@ -252,6 +285,26 @@ class EngineFleet:
         task = asyncio.create_task(self._restart(engine_index), name=f"restart-engine-{engine_index}")
         self._restarts.add(task)
         task.add_done_callback(self._restarts.discard)
+
+    async def leave(self, engine_index: int, reason: str) -> None:
+        """An engine of an engine job leaves: LEFT (no new request, never restarted, no health checks), off the
+        router, and the weight transport forgets it (as for a failure: a group it was in is rebuilt at the next
+        sync). Its requests in flight are the caller's to abort (engine_membership)."""
+        engine = self.registry.engines[engine_index]
+        if engine.state in (EngineState.FAILED, EngineState.LEFT):
+            return
+        was_serving = engine.state == EngineState.SERVING
+        self.registry.set_engine_state(engine_index, EngineState.LEFT, reason)
+        self._event("left", engine_index, reason)
+        if self.on_failed is not None:
+            self.on_failed(engine_index)
+        if was_serving:
+            try:
+                await self._router_call("remove_worker", engine.url)
+            except Exception as error:  # the router may already have dropped it
+                log.warning("removing %s from the router: %s", engine.url, error)
+        if not any(e.state == EngineState.STARTING for e in self.registry.engines.values()):
+            self.engine_waiting.clear()
 
     async def _restart(self, engine_index: int) -> None:
         assert self.restart is not None

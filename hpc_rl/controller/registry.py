@@ -25,6 +25,8 @@ class EngineState(str, enum.Enum):
     """Behind the router, receiving requests."""
     FAILED = "failed"
     """Health check failed or the process died; removed from the router."""
+    LEFT = "left"
+    """An engine of an engine job left (its job ends): drained, off the router, never restarted."""
 
 
 @dataclass(kw_only=True)
@@ -49,6 +51,8 @@ class EngineInfo:
     its index and URL, so only this tells the new process from the one the weight group was built with."""
     devices: list[str] = field(default_factory=list)
     """The GPU of each TP rank, as its step read it back from Slurm (`<node>/gpu<id>`; hpc_rl.engines.gpu_step)."""
+    job_id: str = ""
+    """The engine job it came from (`EngineJoin`); "" for an engine of the run's own job."""
 
 
 class Registry:
@@ -99,7 +103,7 @@ class Registry:
 
     def live_engines(self) -> list[EngineInfo]:
         """Engines that are up (serving or waiting for weights), in index order."""
-        return [e for _, e in sorted(self.engines.items()) if e.state != EngineState.FAILED]
+        return [e for _, e in sorted(self.engines.items()) if e.state not in (EngineState.FAILED, EngineState.LEFT)]
 
     def engine_urls(self) -> list[str]:
         """EngineDirectory: base URLs of the engines serving now (rebuilt only after a change)."""
@@ -134,5 +138,5 @@ class Registry:
             "trainers": {r: {"host": t.host, "pid": t.pid, "device": t.info.get("device")}
                          for r, t in sorted(self.trainers.items())},
             "engines": {i: {"url": e.url, "state": e.state.value, "restarts": e.restarts, "last_error": e.last_error,
-                            "devices": e.devices} for i, e in sorted(self.engines.items())},
+                            "devices": e.devices, **({"job_id": e.job_id} if e.job_id else {})} for i, e in sorted(self.engines.items())},
         }

@@ -64,9 +64,16 @@ class Rollouts:
     async def finish_ahead(self) -> None:
         """Async mode, before a weight sync: the rollout generated ahead ends with the weights it started with
         (slime's train_async.py waits for it too), so no request is in flight while the weights change and
-        every sample of it is exactly one version behind the trainer. `next` reads its outcome."""
-        if self._ahead is not None:
-            await asyncio.wait({self._ahead})
+        every sample of it is exactly one version behind the trainer. `next` reads its outcome. One exception: no
+        engine serves and some wait for weights (every serving engine left or failed; the others joined or restarted
+        since the last sync): the rollout ahead cannot end, so this returns and the sync comes now, while it generates
+        (its later tokens are then the new version's, each token recording its version, as in place)."""
+        while self._ahead is not None and not self._ahead.done():
+            await asyncio.wait({self._ahead}, timeout=0.5)
+            if self.fleet.engine_waiting.is_set() and not self.fleet.registry.serving_engines():
+                log.info("no engine serves and %d wait(s) for weights: the sync comes while the rollout ahead "
+                         "generates", sum(e.state.value == "starting" for e in self.fleet.registry.live_engines()))
+                return
 
     @property
     def generating(self) -> bool:
@@ -140,8 +147,8 @@ class Rollouts:
                     outcome_read = True
                     return run.result()
                 self._check_engines()
-                if self.fleet.engine_waiting.is_set() and may_sync:
-                    await self.weights.sync(self.weights.version, reason="engine restarted")
+                if self.fleet.engine_waiting.is_set() and may_sync:  # (joined or restarted: only they get the push)
+                    await self.weights.serve_waiting("engine joined or restarted")
         finally:
             if not outcome_read:
                 await stop_task(run, what)

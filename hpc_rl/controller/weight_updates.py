@@ -173,6 +173,25 @@ class WeightUpdates:
         metrics["time/weight_sync"] = time.perf_counter() - start
         return metrics
 
+    async def serve_waiting(self, reason: str) -> dict[str, float]:
+        """Engines waiting for weights (joined from an engine job or restarted since the last sync) get the trainer's
+        current version and serve; the engines serving go on generating: the push goes to the waiting ones only,
+        over a weight-update group of their own (the serving engines only destroy their group), and the next sync
+        builds one group of every engine again. The trainer must be idle (sync mode's rollouts, evals). Colocated
+        sync mode pushes to every engine (`sync`): their memory moves together."""
+        if self.moves_memory:
+            return await self.sync(self.version, reason=reason)
+        start = time.perf_counter()
+        waiting = [e for e in self.registry.live_engines() if e.state == EngineState.STARTING]
+        if not waiting:
+            return {}
+        metrics = await self.transport.push(self.version, waiting, flush_cache=True)
+        await self.fleet.serve_before_router([e.engine_index for e in waiting if e.state == EngineState.STARTING])
+        metrics["time/weight_sync_waiting_engines"] = time.perf_counter() - start
+        log.info("weights v%d pushed to %d waiting engine(s) in %.2f s (%s); the others kept generating",
+                 self.version, len(waiting), metrics["time/weight_sync_waiting_engines"], reason)
+        return metrics
+
     async def engines_call(self, method: str, *args: Any, engines: list[int] | None = None) -> None:
         """`EngineAdmin.method(*args)` on every live engine at once; an engine whose call fails is failed."""
         indices = engines if engines is not None else [e.engine_index for e in self.registry.live_engines()]

@@ -23,6 +23,9 @@ options:
   --executor E         slurm | local (default: slurm for a cuda config when `srun` is on PATH, else local)
   --wait               block until the job ends; exit with its status
   --run-dir DIR        where every artifact of the run goes (default: runs/<run_name>-<timestamp>)
+  --engines-for DIR    submit a job of engines for the running run in DIR (its config, overridden by CONFIG
+                       and flags; --rollout-num-gpus N sizes it): they join its controller, and leave at the
+                       job's end (docs/engine-jobs.md)
   --config FILE        a YAML config file (also given as bare CONFIG.yaml arguments; optional)
   -h, --help           this text
 
@@ -43,6 +46,8 @@ class SubmitOptions:
     check_files: bool = True
     executor: str | None = None
     wait: bool = False
+    engines_for: str | None = None
+    """`--engines-for RUN_DIR`: an engine job for that run instead of a run (hpc_rl.launch.engine_job)."""
 
 
 _VALUELESS_OPTIONS = ("--dry-run", "--no-check-files", "--wait")
@@ -83,6 +88,12 @@ def parse_submit_args(argv: list[str]) -> SubmitOptions:
             options.check_files = False
         elif token == "--wait":
             options.wait = True
+        elif token == "--engines-for" or token.startswith("--engines-for="):
+            value = token.split("=", 1)[1] if "=" in token else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 0 if "=" in token else 1
+            if not value:
+                raise ConfigError("--engines-for takes the run directory of a running run")
+            options.engines_for = value
         elif token == "--executor" or token.startswith("--executor="):
             value = token.split("=", 1)[1] if "=" in token else (argv[i + 1] if i + 1 < len(argv) else "")
             i += 0 if "=" in token else 1
@@ -92,7 +103,7 @@ def parse_submit_args(argv: list[str]) -> SubmitOptions:
         else:
             options.config_flags.append(token)
         i += 1
-    if not options.config_files and not options.config_flags:
+    if not options.config_files and not options.config_flags and options.engines_for is None:
         raise ConfigError("no config given: a YAML file (e.g. python -m hpc_rl.submit configs/tiny_cpu.yaml), "
                           "slime's flags, or both")
     return options

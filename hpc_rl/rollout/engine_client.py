@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -173,6 +173,9 @@ class EngineClient:
         self.control_timeout_s = control_timeout_s
         self.in_flight: dict[str, str | None] = {}
         """rid -> engine URL serving it (None when routed by the router)."""
+        self.first_send_watch: dict[str, Callable[[], None]] = {}
+        """Engine URL -> called (once) when the first request goes straight to it (engine jobs' joiners: the
+        controller's registration -> first request time)."""
         self._loads = EngineLoads()
         """Requests in flight per engine (direct sends) and the least-loaded pick."""
         self._failed_at: dict[str, float] = {}
@@ -254,6 +257,8 @@ class EngineClient:
                     if engine is not None:
                         self.in_flight.update(dict.fromkeys(rids, engine))
                         self._loads.change(engine, len(rids))
+                        if self.first_send_watch and engine in self.first_send_watch:
+                            self.first_send_watch.pop(engine)()
                         return engine
                 # Woken one at a time per released slot (no thundering herd with thousands queued), all
                 # at once by wake_waiters() or while a batch waits; the timeout is only a safety net.
@@ -275,6 +280,10 @@ class EngineClient:
                 self._slots.notify(1)
             else:
                 self._slots.notify_all()
+
+    def in_flight_on(self, url: str) -> int:
+        """Requests this client sent straight to `url` that have not come back (0 for the router's)."""
+        return self._loads.counts.get(url, 0)
 
     async def wake_waiters(self) -> None:
         """Re-check every queued request now: after a stop, or when engines were added to the directory."""

@@ -8,7 +8,7 @@ protocol, Hello with dp_rank/dp_size as a Megatron rank sends), and answers the 
     SyncWeightsCommand  rank 0 sends the WeightPlan of the real model's HF tensors in buckets of
                         `bucket_bytes` (flattened_bucket) and joins no group: there is no broadcast,
                         the simulated engines only take their simulated time per call
-    SaveCommand         done at once;  StopCommand: leave
+    SaveCommand         done at once (AbortWeightGroupCommand too: no real group);  StopCommand: leave
 
 It stands in for hpc_rl.training so the controller's side of a run can be measured at scale; it is
 named a stand-in everywhere it is used. Nothing here imports torch.
@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_rl.config.model import ModelArchitecture
-from hpc_rl.protocol.messages import SaveCommand, StopCommand, SyncWeightsCommand, TrainCommand, WeightPlan
+from hpc_rl.protocol.messages import (AbortWeightGroupCommand, SaveCommand, StopCommand, SyncWeightsCommand,
+                                      TrainCommand, WeightPlan)
 from hpc_rl.training.controller_link import ControllerLink
 
 BF16_BYTES = 2
@@ -122,8 +123,8 @@ class StandInRank:
                     weight_version=command.weight_version, master_address="127.0.0.1", master_port=1,
                     buckets=plan_buckets(self.tensors, command.bucket_bytes), load_format="flattened_bucket"))
             return {}
-        if isinstance(command, SaveCommand):
-            return {}
+        if isinstance(command, (SaveCommand, AbortWeightGroupCommand)):  # (no group: nothing to abort; an engine
+            return {}  # left or failed while in it, bench_scale.py --leave)
         raise RuntimeError(f"the stand-in trainer cannot run {type(command).__name__}")
 
 

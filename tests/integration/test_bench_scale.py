@@ -48,3 +48,21 @@ def test_harness_at_eight_engines_loses_and_duplicates_nothing(tmp_path):
     assert partial.extra["groups_dropped"] > 0
     # (How many surplus tokens abort_all cuts depends on how far the controller lags the simulated
     # clock, i.e. on machine load: not asserted.)
+
+
+@pytest.mark.timeout(600)
+def test_engines_joining_and_leaving_mid_rollout_lose_nothing(tmp_path):
+    """bench_scale --join/--leave at N=4 (the 256-engine run is in docs/faults.md): 4 engines join through the
+    controller's protocol while rollout 1 generates, then the 4 the run started with leave, drained; both modes
+    train every sample once."""
+    bench = load_bench()
+    args = bench.parse_args(["--engines", "4", "--join", "4", "--leave", "4", "--modes", "sync", "async",
+                             "--rollouts", "3", "--samples-per-engine", "16", "--work-dir", str(tmp_path)])
+    results = asyncio.run(bench.main_async(args))
+    for result in results:
+        churn = result.extra["churn"]
+        assert (result.lost, result.duplicated) == (0, 0), churn
+        assert (churn["joined"], churn["left"]) == (4, 4), churn
+        assert churn["requeued"] > 0, churn  # they left mid-rollout, holding requests
+        assert churn["first_request_seen"] >= 1, churn  # joiners served
+        assert result.trained_samples == 3 * 8 * 8  # 3 rollouts of 64 samples / 8 per group

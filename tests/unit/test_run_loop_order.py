@@ -87,6 +87,9 @@ class FakeFleet:
     async def mark_serving(self, indices: list[int]) -> None:
         self.engine_waiting.clear()
 
+    async def serve_before_router(self, indices: list[int]) -> None:
+        self.engine_waiting.clear()
+
     async def fail_engine(self, index: int, reason: str) -> None:
         raise AssertionError(reason)
 
@@ -240,14 +243,15 @@ def test_start_rollout_id_starts_a_fresh_run_there(tmp_path: Path) -> None:
         "generate 2", "trainer train 2", "trainer save 2 (next 3, v1)"]
 
 
-def test_a_sync_while_a_rollout_generates_pauses_the_engines(tmp_path: Path) -> None:
-    """Sync mode, an engine restarted mid-rollout: it gets the current weights at once, while the other engines'
-    requests are in flight, so the engines pause (retract) around that push and continue after it."""
+def test_an_engine_waiting_mid_rollout_gets_the_weights_alone_while_the_others_generate(tmp_path: Path) -> None:
+    """Sync mode, an engine restarted (or joined from an engine job) mid-rollout: it gets the current weights at once,
+    over a group of the waiting engines only, so the engines serving are not paused (no pause/continue pair), and it
+    serves before the rollout ends."""
     events = run_mode(tmp_path, colocate=False, async_rollout=False, num_rollout=1, generation_seconds=0.05,
                       engine_state=EngineState.STARTING, engine_waiting=True)
-    assert events[:4] == ["generate 0", "engine pause(retract)", "trainer broadcast v0", "engine init_weight_group()"]
-    assert events.index("engines serve v0") + 1 == events.index("engine resume_generation()")
-    assert events.index("engine resume_generation()") < events.index("generated 0")
+    assert events[:3] == ["generate 0", "trainer broadcast v0", "engine init_weight_group()"]
+    assert "engine pause(retract)" not in events and "engine resume_generation()" not in events
+    assert events.index("engine end_weight_update()") < events.index("generated 0")
 
 
 def test_async_in_place_syncs_while_the_rollout_ahead_generates(tmp_path: Path) -> None:

@@ -192,6 +192,10 @@ class RolloutConfig:
     trained: journaled under run_dir/retained whenever save_interval is set). A resume with the same id trains the
     retained rollouts first instead of generating them again; another id drops them and says so (slime's
     --rollout-session-id; docs/faults.md, "Retained rollouts")."""
+    rollout_cleanup_timeout: float = 600.0
+    """Seconds an engine job's engines (`python -m hpc_rl.submit CONFIG --engines-for RUN_DIR`) wait without a
+    controller (the trainer's job ended, failed or is requeued) before they stop; a new controller in that time gets
+    them back (slime's --rollout-cleanup-timeout; docs/engine-jobs.md)."""
     max_staleness: int | None = None
     """Async mode: no sample is trained more than this many weight versions after its first token."""
     async_rollout: bool = False

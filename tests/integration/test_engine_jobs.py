@@ -1,0 +1,91 @@
+"""Engines as their own job (issue 35), real processes on this machine: a tiny local run (its controller, trainer and
+one CPU engine), then an engine job for it (`python -m hpc_rl.submit --engines-for RUN_DIR --executor local`: a real
+CPU engine and its agent). The joiner registers mid-run, gets the trainer's current weights before it serves (every
+rollout's engine log-probs equal the trainer's, and its /model_info reports the controller's version), takes
+requests, then leaves on SIGTERM while a rollout generates: its requests are aborted and requeued, and every
+rollout still trains exactly rollout_batch_size x n_samples_per_prompt samples, none twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_rl.protocol.http_client import request_blocking
+from hpc_rl.status import live_status
+from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
+from tests.integration.run_helpers import REPO_ROOT, records, start_run, wait_for
+
+pytestmark = pytest.mark.slow
+
+ROLLOUTS = 20  # the engine job starts in ~10-30 s here (a CPU engine loading), while rollouts take 1-4 s
+SAMPLES_PER_ROLLOUT = 16 * 8  # configs/tiny_cpu.yaml: rollout_batch_size x n_samples_per_prompt
+
+
+def engine_job_records(run_dir: Path) -> dict[str, dict]:
+    try:
+        return json.loads((run_dir / "status.json").read_text()).get("engine_jobs") or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def joined_engine(run_dir: Path) -> dict | None:
+    for job in engine_job_records(run_dir).values():
+        for engine in job["engines"].values():
+            return engine
+    return None
+
+
+@pytest.mark.timeout(900)
+def test_an_engine_job_joins_with_the_current_weights_and_leaves_losing_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run = start_run(run_dir, "--num-rollout", str(ROLLOUTS), "--rollout-max-response-len", "24",
+                    "--eval-interval", "100", "--rollout-cleanup-timeout", "30")
+    job_out = tmp_path / "engine-job.out"
+    job = None
+    try:
+        wait_for(lambda: len(records(run_dir)) >= 1, 400, "the run's first rollout (weights v1 pushed after it)")
+        job = subprocess.Popen([sys.executable, "-m", "hpc_rl.submit", "--engines-for", str(run_dir), "--executor",
+                                "local"], cwd=REPO_ROOT, stdout=open(job_out, "w"), stderr=subprocess.STDOUT,
+                               start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        wait_for(lambda: (joined_engine(run_dir) or {}).get("first_request_s") is not None, 300,
+                 f"the engine job's engine to join and take a request ({job_out})")
+        engine = joined_engine(run_dir)
+        key = engine_api_key(load_secret(secret_path(run_dir)))
+        status, info = request_blocking("GET", f"{engine['url']}/model_info", None, timeout_s=10, api_key=key)
+        served = int(json.loads(info)["weight_version"])
+        controller_version = json.loads((run_dir / "status.json").read_text())["weight_version"]
+        assert status == 200 and served >= 1 and abs(served - controller_version) <= 1, (served, controller_version)
+        wait_for(lambda: next(iter(next(iter((live_status(run_dir) or {}).get("engine_jobs", {}).values()))["engines"]
+                                   .values()))["in_flight"] > 0, 120, "requests on the engine job's engine",
+                 interval_s=0.02)
+        left_during = len(records(run_dir))
+        os.killpg(job.pid, signal.SIGTERM)  # what Slurm sends at the end of the job: mid-rollout, requests on it
+        assert job.wait(120) == 0, job_out.read_text()[-3000:]
+        assert run.wait(600) == 0, (run_dir.parent / f"{run_dir.name}.out").read_text()[-3000:]
+    finally:
+        for process in (job, run):
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    assert left_during < ROLLOUTS, "the run ended before the engine left: nothing was tested mid-run"
+    output = job_out.read_text()
+    left = re.search(r"left: (\d+) request\(s\) requeued in ([\d.]+) s", output)
+    assert left is not None and int(left.group(1)) > 0, output[-3000:]  # they were requeued, and none lost:
+    rows = records(run_dir)
+    assert [r["rollout_id"] for r in rows] == list(range(ROLLOUTS))
+    for row in rows:  # nothing lost or trained twice; every engine served the trainer's weights
+        assert len(row["sample_indices"]) == len(set(row["sample_indices"])) == SAMPLES_PER_ROLLOUT, row["rollout_id"]
+        assert row["metrics"]["train/train_rollout_logprob_abs_diff"] < 1e-4, (row["rollout_id"], row["metrics"])
+    final = engine_job_records(run_dir)
+    (job_record,) = final.values()
+    (engine_record,) = job_record["engines"].values()
+    assert engine_record["state"] == "left" and engine_record["requeued"] == int(left.group(1))
+    print(f"engine job: registration -> first request {engine_record['first_request_s']} s; leave: "
+          f"{left.group(1)} request(s) requeued in {left.group(2)} s (load {os.getloadavg()[0]:.1f})")

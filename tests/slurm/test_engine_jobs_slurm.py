@@ -1,0 +1,100 @@
+"""Engines as their own Slurm jobs (issue 35) on the local 3-node cluster: the tiny run's het job (trainer and one
+engine), then two engine jobs for it (`python -m hpc_rl.submit --engines-for RUN_DIR`). Both join and take requests;
+one is scancelled mid-rollout (its requests go back to the rollout: every rollout still trains exactly its samples,
+none twice), a new one is submitted and serves the controller's current weight version (its /model_info, and every
+rollout's engine log-probs equal the trainer's); `python -m hpc_rl.status` lists the engine jobs with their Slurm
+ids and states. Then the trainer's job is scancelled: the engine jobs end on their own (no controller for
+rollout_cleanup_timeout)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_rl.launch.slurm_status import component_states, job_state
+from hpc_rl.protocol.http_client import request_blocking
+from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
+from hpc_rl.status import live_status
+from tests.integration.run_helpers import records, wait_for
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+ROLLOUTS = 500
+"""More than the test waits for (rollouts take 1-4 s here): the run is scancelled once the checks are done."""
+SAMPLES_PER_ROLLOUT = 16 * 8
+
+
+def engine_jobs(run_dir: Path) -> dict[str, dict]:
+    try:
+        return json.loads((run_dir / "status.json").read_text()).get("engine_jobs") or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def serving_job(run_dir: Path, job_id: str) -> dict | None:
+    """The engine of `job_id` once it took a request (the controller measured its first one)."""
+    for engine in (engine_jobs(run_dir).get(job_id) or {}).get("engines", {}).values():
+        if engine.get("first_request_s") is not None:
+            return engine
+    return None
+
+
+def submit_engines(run_dir: Path) -> str:
+    done = subprocess.run([sys.executable, "-m", "hpc_rl.submit", "--engines-for", str(run_dir), "--executor", "slurm"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return re.search(r"engine job (\d+) submitted", done.stdout).group(1)
+
+
+@pytest.mark.timeout(900)
+def test_engine_jobs_join_leave_on_scancel_and_a_new_one_serves_the_current_weights(run_dir: Path) -> None:
+    submitted = subprocess.run([sys.executable, "-m", "hpc_rl.submit", "configs/tiny_cpu.yaml", "--executor", "slurm",
+                                "--run-dir", str(run_dir), "--num-rollout", str(ROLLOUTS), "--eval-interval", "100",
+                                "--rollout-max-response-len", "24", "--rollout-cleanup-timeout", "20"],
+                               cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    trainer_job = (run_dir / "slurm_job_id").read_text().strip()
+    jobs: list[str] = []
+    try:
+        wait_for(lambda: len(records(run_dir)) >= 1, 400, "the run's first rollout")
+        jobs = [submit_engines(run_dir), submit_engines(run_dir)]
+        for job in jobs:
+            wait_for(lambda: serving_job(run_dir, job) is not None, 300, f"engine job {job} to join and serve")
+        wait_for(lambda: any(e["in_flight"] for e in ((live_status(run_dir) or {}).get("engine_jobs", {})
+                                                      .get(jobs[0], {}).get("engines", {}).values())), 120,
+                 f"requests on engine job {jobs[0]}", interval_s=0.02)
+        subprocess.run(["scancel", jobs[0]], check=True)  # mid-rollout, with requests on it
+        wait_for(lambda: (engine_jobs(run_dir)[jobs[0]]["state"] in ("left", "failed")), 120,
+                 f"engine job {jobs[0]} out of the run")
+        gone = next(iter(engine_jobs(run_dir)[jobs[0]]["engines"].values()))
+        print(f"scancelled engine job: {gone['state']}, {gone.get('requeued')} request(s) requeued in "
+              f"{gone.get('drain_s')} s")
+        jobs.append(submit_engines(run_dir))
+        wait_for(lambda: serving_job(run_dir, jobs[2]) is not None, 300, f"engine job {jobs[2]} to join and serve")
+        new = serving_job(run_dir, jobs[2])
+        key = engine_api_key(load_secret(secret_path(run_dir)))
+        _, info = request_blocking("GET", f"{new['url']}/model_info", None, timeout_s=10, api_key=key)
+        served, controller = (int(json.loads(info)["weight_version"]),
+                              json.loads((run_dir / "status.json").read_text())["weight_version"])
+        assert served >= 1 and abs(served - controller) <= 1, (served, controller)
+        status = subprocess.run([sys.executable, "-m", "hpc_rl.status", str(run_dir)], cwd=REPO, capture_output=True,
+                                text=True, timeout=60)
+        assert f"engine job {jobs[0]}: slurm CANCELLED" in status.stdout, status.stdout
+        assert re.search(rf"engine job {jobs[2]}: slurm RUNNING; engine \d+ serving", status.stdout), status.stdout
+        subprocess.run(["scancel", trainer_job], check=True)
+        wait_for(lambda: all(job_state(component_states(j)) not in ("RUNNING", "PENDING") for j in jobs[1:]), 120,
+                 "the engine jobs to end without a controller (rollout_cleanup_timeout)")
+    finally:
+        subprocess.run(["scancel", trainer_job, *jobs], check=False)
+    rows = records(run_dir)
+    assert [r["rollout_id"] for r in rows] == list(range(len(rows))) and len(rows) >= 3
+    for row in rows:  # nothing lost or trained twice; every engine served the trainer's weights
+        assert len(row["sample_indices"]) == len(set(row["sample_indices"])) == SAMPLES_PER_ROLLOUT, row["rollout_id"]
+        assert row["metrics"]["train/train_rollout_logprob_abs_diff"] < 1e-4, (row["rollout_id"], row["metrics"])
+    assert all(job_state(component_states(j)) == "COMPLETED" for j in jobs[1:])
