@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
-from hpc_rl.rollout.answer_pool import AnswerNotJSON, AnswerPool
+from hpc_rl.rollout.answer_pool import AnswerNotJSON, AnswerPool, compact_answers
 from hpc_rl.rollout.engine_loads import EngineLoads
 from hpc_rl.rollout.request_batching import BatchAnswerError, batchable, merge_payloads, plan_batches, split_answer
 
@@ -381,7 +381,10 @@ class EngineClient:
         try:
             if self.answer_pool is not None:
                 return await self.answer_pool.parse(raw)
-            return orjson.loads(raw)
+            ok, value = compact_answers(raw)  # on the loop: the same compact arrays as the pool's
+            if not ok:
+                raise AnswerNotJSON(value)
+            return value
         except (orjson.JSONDecodeError, AnswerNotJSON) as error:
             raise TransportError(f"{base} answered a body that is not JSON: {error}") from None
 
