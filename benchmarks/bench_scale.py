@@ -55,7 +55,6 @@ import aiohttp  # noqa: E402
 
 from hpc_rl.config import load_config  # noqa: E402
 from hpc_rl.controller.app import Controller  # noqa: E402
-from hpc_rl.rollout import answer_pool  # noqa: E402
 from hpc_rl.engines import API_KEY_ENV  # noqa: E402
 from hpc_rl.engines.router import RouterProcess  # noqa: E402
 from hpc_rl.launch.supervisor import CONTROLLER_ENV  # noqa: E402
@@ -311,8 +310,9 @@ def thread_cpu_s() -> dict[str, float]:
 
 def worker_pids(controller: Controller) -> list[int]:
     """The controller's worker processes (answer parsing, rewards), as started so far."""
-    pools = [controller.client.answer_pool if controller.client else None, controller.reward_pool]
-    return [pid for pool in pools if pool is not None for pid in pool._workers.pids()]
+    answers = controller.client.answer_pool if controller.client else None
+    rewards = controller.reward_pool
+    return (answers.pids() if answers is not None else []) + (rewards._workers.pids() if rewards is not None else [])
 
 
 def instrument_sync(controller: Controller, sim_pid: int) -> tuple[list[float], list[float]]:
@@ -406,8 +406,6 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
                                 api_key=key)
         await controller.start()
         await controller.ready()  # the rollout stack (and the loop) is built in the background
-        if controller.client is not None and controller.client.answer_pool is not None:
-            controller.client.answer_pool.inline_below = args.parse_inline_below
         phase("controller_started")
         assert controller.loop is not None
         controller.loop.recorder.print = lambda line: None
@@ -609,9 +607,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reward-workers", type=int, default=0,
                         help="rollout.reward_workers: processes scoring the deepscaler rewards off the controller's loop")
     parser.add_argument("--parse-workers", type=int, default=0,
-                        help="rollout.answer_parse_workers: processes parsing the /generate answers off the controller")
-    parser.add_argument("--parse-inline-below", type=int, default=answer_pool.INLINE_BELOW,
-                        help="answer bodies under this many bytes are parsed on the controller's loop")
+                        help="rollout.answer_parse_workers: processes posting the /generate requests and parsing the "
+                             "answers off the controller")
     parser.add_argument("--abort-fill-path", choices=("groups", "router"), default="groups",
                         help="how the abort probe's requests go out: groups = the recipe rollout's batched "
                              "/generate per group of --abort-fill straight to an engine; router = one request "

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
-from hpc_rl.rollout.answer_pool import AnswerNotJSON, AnswerPool, compact_answers
+from hpc_rl.rollout.answer_pool import AnswerPool
+from hpc_rl.rollout.answer_workers import AnswerNotJSON, compact_answers
 from hpc_rl.rollout.engine_loads import EngineLoads
 from hpc_rl.rollout.request_batching import BatchAnswerError, batchable, merge_payloads, plan_batches, split_answer
 
@@ -155,8 +156,9 @@ class EngineClient:
                  answer_pool: AnswerPool | None = None) -> None:
         self.directory = directory
         self.answer_pool = answer_pool
-        """Worker processes that parse /generate answers into compact token arrays (answer_pool.py;
-        `rollout.answer_parse_workers`), started and closed with the client; None: parsed on the loop."""
+        """Worker processes that post the /generate requests and parse the answers into compact token arrays
+        (answer_pool.py; `rollout.answer_parse_workers`), started and closed with the client; None: posted and
+        parsed on the loop. Aborts and other calls always go out from the loop."""
         self.batch_requests = batch_requests
         """Queue `generate(..., group=...)` calls of one moment into batched requests (module docstring)."""
         self.http_requests = 0
@@ -370,23 +372,27 @@ class EngineClient:
         EngineHTTPError (4xx)."""
         self.http_requests += 1
         try:
-            status, raw = await self.connections.to(base).request("POST", "/generate", orjson.dumps(body),
-                                                                  self.request_timeout_s)
+            if self.answer_pool is not None:  # the exchange and the parse in a worker process
+                status, answer = await self.answer_pool.post(base, "/generate", orjson.dumps(body),
+                                                             self.request_timeout_s)
+                if status == 200:
+                    return answer
+                raw = answer
+            else:
+                status, raw = await self.connections.to(base).request("POST", "/generate", orjson.dumps(body),
+                                                                      self.request_timeout_s)
         except EngineHTTPTransportError as error:
             raise TransportError(f"{base}/generate failed: {error}") from None
+        except AnswerNotJSON as error:
+            raise TransportError(f"{base} answered a body that is not JSON: {error}") from None
         if status >= 500:
             raise TransportError(f"{base} answered HTTP {status}: {_text(raw)[:300]}")
         if status != 200:
             raise EngineHTTPError(status, _text(raw))
-        try:
-            if self.answer_pool is not None:
-                return await self.answer_pool.parse(raw)
-            ok, value = compact_answers(raw)  # on the loop: the same compact arrays as the pool's
-            if not ok:
-                raise AnswerNotJSON(value)
-            return value
-        except (orjson.JSONDecodeError, AnswerNotJSON) as error:
-            raise TransportError(f"{base} answered a body that is not JSON: {error}") from None
+        ok, value = compact_answers(raw)  # on the loop: the same compact arrays as the workers'
+        if not ok:
+            raise TransportError(f"{base} answered a body that is not JSON: {value}")
+        return value
 
     async def _post_control(self, url: str, path: str, body: dict[str, Any]) -> bool:
         try:
