@@ -12,7 +12,8 @@ per-token work in benchmarks/bench_scale.py). So generation appends them to comp
 (`extend_response`), and the controller's own readers take them as they are (`column`, `response_length`,
 the trainer's packing). The fields stay lists for everyone else: the first read of `response_token_ids`,
 `response_logprobs` or `weight_versions` turns that column into the list it stands for (once; later reads
-and writes are the list's), so plug-ins, checkpoints and equality see exactly what they saw before.
+and writes are the list's; an assigned list replaces the column), so plug-ins, checkpoints and equality see
+exactly what they saw before.
 """
 
 from __future__ import annotations
@@ -95,39 +96,28 @@ class Sample:
     def __getattr__(self, name: str) -> Any:
         """Only reached for a field held as a compact column (normal lookup found no list): make it the list."""
         columns = self.__dict__.get("_columns")
-        if columns is not None and name in columns:
+        if columns is not None and name in columns:  # (an assigned field is in __dict__: never here)
             value = columns.pop(name).tolist()
             self.__dict__[name] = value
             return value
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in COLUMN_TYPECODES:
-            columns = self.__dict__.get("_columns")
-            if columns is not None:
-                columns.pop(name, None)  # the assigned value replaces the column
-        object.__setattr__(self, name, value)
-
     def column(self, name: str) -> Sequence[Any]:
         """A per-token field as it is held (a compact array or the list), for reading without making a list;
-        callers must not change it."""
-        columns = self.__dict__.get("_columns")
-        if columns is not None and name in columns:
-            return columns[name]
-        return getattr(self, name)
+        callers must not change it. A field assigned or read as a list is the list (an old column is stale)."""
+        fields = self.__dict__
+        return fields[name] if name in fields else fields["_columns"][name]
 
     def extend_response(self, token_ids: Iterable[int], logprobs: Iterable[float], versions: Iterable[int]) -> None:
         """Append generated tokens, their log-probs and weight versions (arrays or lists of numbers). A sample
-        whose three fields are still empty lists starts holding them as compact columns."""
-        columns = self.__dict__.get("_columns")
-        if not columns and not any(self.__dict__.get(name, True) for name in COLUMN_TYPECODES):
-            columns = {name: array(code) for name, code in COLUMN_TYPECODES.items()}
+        whose three fields are empty lists starts holding them as compact columns."""
+        fields = self.__dict__
+        if all(name in fields and not fields[name] for name in COLUMN_TYPECODES):
             for name in COLUMN_TYPECODES:
-                del self.__dict__[name]
-            self.__dict__["_columns"] = columns
+                del fields[name]
+            fields["_columns"] = {name: array(code) for name, code in COLUMN_TYPECODES.items()}
         for name, values in zip(COLUMN_TYPECODES, (token_ids, logprobs, versions)):
-            target = columns.get(name) if columns is not None else None
-            (target if target is not None else getattr(self, name)).extend(values)
+            (fields[name] if name in fields else fields["_columns"][name]).extend(values)
 
     @property
     def response_length(self) -> int:

@@ -163,6 +163,9 @@ class EngineClient:
         """Queue `generate(..., group=...)` calls of one moment into batched requests (module docstring)."""
         self.http_requests = 0
         """/generate requests posted (a batch counts once)."""
+        self.answered_at: dict[str, float] = {}
+        """Engine URL -> event-loop time of its last /generate answer (sent straight to it; routed ones name no
+        engine): proof of life for the fleet's health checks."""
         self._queued: dict[tuple[int, int | None], tuple[asyncio.Event | None, list[_Queued]]] = {}
         self._flush_scheduled = False
         self._batch_tasks: set[asyncio.Task[None]] = set()
@@ -350,6 +353,8 @@ class EngineClient:
             if base is None:
                 raise TransportError("no router URL and no engine is up")
             body = await self._post_generate(base, payloads[0] if len(payloads) == 1 else merge_payloads(payloads))
+            if engine is not None:
+                self.answered_at[engine] = asyncio.get_running_loop().time()
             if len(payloads) == 1:
                 return [GenerateAnswer(body=body, engine_url=engine)]
             try:

@@ -79,6 +79,7 @@ def generate_all(pool: AnswerPool | None) -> list[Sample]:
                                  response_token_ids=[7], response_logprobs=[-1.0], weight_versions=[0])
                 engine.set_weight_version(1)
                 done.append(await generate_turn(partial, {"max_new_tokens": 4}, session=session))
+                assert set(client.answered_at) == {engine.url}  # proof of life for the fleet's health checks
                 return list(done)
         finally:
             await engine.stop()
