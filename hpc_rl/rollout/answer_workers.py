@@ -8,7 +8,8 @@ its workers, and the worker's program.
 
 Frames (both ways, over a socketpair between the controller and a worker it spawned; never the network):
 `<u32 header bytes><u32 payload bytes>`, a JSON header, then the payload. Controller to worker:
-`{"op": "post", "id", "url", "path", "timeout_s"}` with the request body as payload, or `{"op": "cancel", "id"}`.
+`{"op": "post", "id", "url", "path", "timeout_s", "parse"}` with the request body as payload (`parse` false: a
+control call, e.g. /abort_request, answered raw), or `{"op": "cancel", "id"}`.
 Worker to controller, one per post: `{"id", "status", "body", "arrays"}` with the answer's token ids (int64)
 and log-probs (float64) as payload, `arrays` saying where each goes back (answer index, field, count); or
 `{"id", "status", "raw": true}` with the engine's body (not 200); or `{"id", "not_json": orjson's message}`;
@@ -181,7 +182,7 @@ async def _post(engines: EngineConnections, writer: asyncio.StreamWriter, header
     except EngineHTTPTransportError as error:
         frame = encode_frame({"id": request_id, "error": str(error)})
     else:
-        if status != 200:
+        if status != 200 or not header.get("parse", True):
             frame = encode_frame({"id": request_id, "status": status, "raw": True}, [raw])
         else:
             ok, parsed = compact_answers(raw)

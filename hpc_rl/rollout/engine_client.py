@@ -158,7 +158,7 @@ class EngineClient:
         self.answer_pool = answer_pool
         """Worker processes that post the /generate requests and parse the answers into compact token arrays
         (answer_pool.py; `rollout.answer_parse_workers`), started and closed with the client; None: posted and
-        parsed on the loop. Aborts and other calls always go out from the loop."""
+        parsed on the loop. Aborts go through the worker that holds the engine's /generate connections."""
         self.batch_requests = batch_requests
         """Queue `generate(..., group=...)` calls of one moment into batched requests (module docstring)."""
         self.http_requests = 0
@@ -401,7 +401,12 @@ class EngineClient:
 
     async def _post_control(self, url: str, path: str, body: dict[str, Any]) -> bool:
         try:
-            status, _ = await self.connections.to(url).request("POST", path, orjson.dumps(body), self.control_timeout_s)
+            if self.answer_pool is not None:  # the worker that holds this engine's /generate connections
+                status, _ = await self.answer_pool.post(url, path, orjson.dumps(body), self.control_timeout_s,
+                                                        parse=False)
+            else:
+                status, _ = await self.connections.to(url).request("POST", path, orjson.dumps(body),
+                                                                   self.control_timeout_s)
             return status == 200
         except EngineHTTPTransportError:
             return False  # a dead engine has nothing to abort

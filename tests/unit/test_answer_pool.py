@@ -202,3 +202,17 @@ def test_a_cancelled_request_leaves_the_worker_serving() -> None:
             await engine.stop()
 
     asyncio.run(body())
+
+
+def test_aborts_go_out_through_the_worker_that_holds_the_engines_connections() -> None:
+    async def body() -> None:
+        engine = await FakeSglangEngine(natural_length=lambda ids: 3).start()
+        try:
+            async with EngineClient(StaticEngineDirectory([engine.url]), answer_pool=AnswerPool(1)) as client:
+                assert await client.abort_all() == 1  # the engine said 200
+                await client.abort("no-such-rid")
+                assert not client.connections._connections  # the controller opened no connection of its own
+        finally:
+            await engine.stop()
+
+    asyncio.run(body())
