@@ -60,7 +60,6 @@ import aiohttp  # noqa: E402
 
 from hpc_rl.config import load_config  # noqa: E402
 from hpc_rl.controller.app import Controller  # noqa: E402
-from hpc_rl.rollout import answer_pool  # noqa: E402
 from hpc_rl.engines import API_KEY_ENV  # noqa: E402
 from hpc_rl.engines.router import RouterProcess  # noqa: E402
 from hpc_rl.launch.supervisor import CONTROLLER_ENV  # noqa: E402
@@ -298,10 +297,28 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of each live thread of this process so far, by Python thread name (the loop's, the executors'
+    helper threads), from /proc (empty where there is none)."""
+    import threading
+
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for thread in threading.enumerate():
+        try:
+            fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = thread.name.split("-")[0] if thread is not threading.main_thread() else "main"
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def worker_pids(controller: Controller) -> list[int]:
     """The controller's worker processes (answer parsing, rewards), as started so far."""
-    pools = [controller.client.answer_pool if controller.client else None, controller.reward_pool]
-    return [pid for pool in pools if pool is not None for pid in pool._workers.pids()]
+    answers = controller.client.answer_pool if controller.client else None
+    rewards = controller.reward_pool
+    return (answers.pids() if answers is not None else []) + (rewards._workers.pids() if rewards is not None else [])
 
 
 def instrument_sync(controller: Controller, sim_pid: int) -> tuple[list[float], list[float]]:
@@ -396,8 +413,6 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
                                 api_key=key)
         await controller.start()
         await controller.ready()  # the rollout stack (and the loop) is built in the background
-        if controller.client is not None and controller.client.answer_pool is not None:
-            controller.client.answer_pool.inline_below = args.parse_inline_below
         phase("controller_started")
         assert controller.loop is not None
         controller.loop.recorder.print = lambda line: None
@@ -423,7 +438,9 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             workers0 = {pid: process_cpu_s(pid) for pid in worker_pids(controller)}
             cpu0 = time.process_time()
             run_start = time.perf_counter()
-            profiler = cProfile.Profile() if args.profile else None
+            # The loop thread's CPU time, not wall time: waits (for the GIL, a full pipe) are not its work.
+            profiler = cProfile.Profile(time.thread_time) if args.profile else None
+            threads0 = thread_cpu_s()
             if profiler is not None:
                 profiler.enable()
             churning = asyncio.create_task(churn(controller, secret, join_urls=join_urls, leave=args.leave,
@@ -442,6 +459,8 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             run_real = time.perf_counter() - run_start
             cpu = time.process_time() - cpu0
             worker_cpu = sum(process_cpu_s(pid) - workers0.get(pid, 0.0) for pid in worker_pids(controller))
+            threads = {name: round(cpu_s - threads0.get(name, 0.0), 2) for name, cpu_s in thread_cpu_s().items()}
+            trainer_cpu = process_cpu_s(trainer.pid)
             after = await fleet_stats(session, urls[0])
             history = controller.loop.recorder.history
             sim_elapsed = after["simulated_now"] - before["simulated_now"]
@@ -465,6 +484,7 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             result.sync_cpu_s = statistics.median(sync_cpu[1:] or sync_cpu) if sync_cpu else float("nan")
             result.extra = {"reward_workers": controller.reward_pool.workers if controller.reward_pool else 0,
                             "parse_workers": args.parse_workers, "worker_cpu_s": worker_cpu,
+                            "thread_cpu_s": threads, "trainer_cpu_s": round(trainer_cpu, 2),
                             "answers_parsed_in_workers": controller.client.answer_pool.parsed_in_workers
                             if controller.client and controller.client.answer_pool else 0,
                             "time_scale_ms": scale_ms, "sim_s": sim_elapsed, "run_real_s": run_real, "cpu_s": cpu, "buckets": buckets,
@@ -607,9 +627,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reward-workers", type=int, default=0,
                         help="rollout.reward_workers: processes scoring the deepscaler rewards off the controller's loop")
     parser.add_argument("--parse-workers", type=int, default=0,
-                        help="rollout.answer_parse_workers: processes parsing the /generate answers off the controller")
-    parser.add_argument("--parse-inline-below", type=int, default=answer_pool.INLINE_BELOW,
-                        help="answer bodies under this many bytes are parsed on the controller's loop")
+                        help="rollout.answer_parse_workers: processes posting the /generate requests and parsing the "
+                             "answers off the controller")
     parser.add_argument("--abort-fill-path", choices=("groups", "router"), default="groups",
                         help="how the abort probe's requests go out: groups = the recipe rollout's batched "
                              "/generate per group of --abort-fill straight to an engine; router = one request "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from hpc_rl.protocol.http_client import EngineConnections
@@ -60,6 +60,9 @@ class EngineFleet:
         self.restart = restart
         self.max_restarts = max_restarts
         self.health_interval_s = health_interval_s
+        self.generation_answered_at: Mapping[str, float] | None = None
+        """Engine URL -> event-loop time of its last /generate answer (the rollout client's `answered_at`,
+        set by the rollout stack): an engine that answered one within the interval is not probed."""
         self.health_timeout_s = health_timeout_s
         self.health_first_wait_s = health_first_wait_s
         self._first_probe_at: dict[int, float] = {}
@@ -232,9 +235,13 @@ class EngineFleet:
         each let a loaded 1,024-engine round run for minutes)."""
         # An engine that answered an admin call within the interval is alive: during a weight sync that
         # is every engine, and a round of 1,024 probes costs the controller ~0.1 CPU s.
+        # So is one that answered a /generate (the rollout client's `answered_at`): at 1,024 engines the
+        # probes were the controller's largest cost in a rollout (16% of its profile, bench_scale N=1,024).
         now = asyncio.get_running_loop().time()
+        generated = self.generation_answered_at or {}
         engines = [e for e in self.registry.engines.values() if e.state not in (EngineState.FAILED, EngineState.LEFT)
                    and now >= self._first_probe_at.get(e.engine_index, 0.0)
+                   and now - generated.get(e.url, float("-inf")) >= self.health_interval_s
                    and not self.admins[e.engine_index].known_alive(self.health_interval_s)]
         limit = asyncio.Semaphore(self.health_concurrency)
 

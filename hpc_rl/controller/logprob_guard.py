@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 from hpc_rl.data.samples import Group
+from hpc_rl.rollout.partial_buffer import version_range
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,9 @@ def threshold_for(device: str, configured: float | None, *, fp8_engines: bool = 
 
 def generated_with(groups: list[Group], version: int) -> bool:
     """Every generated token of every sample came from weight version `version`."""
-    versions = {v for group in groups for sample in group for v in sample.weight_versions}
-    return versions == {version}
+    spans = [version_range(versions) for versions in (s.column("weight_versions") for g in groups for s in g)
+             if len(versions)]
+    return bool(spans) and all(span == (version, version) for span in spans)
 
 
 class LogprobGuard:

@@ -159,7 +159,9 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
                           request_timeout_s=config.controller.engine_request_timeout, api_key=fleet.api_key,
                           context_length=engine_context_length(config.checkpoint.hf_checkpoint,
                                                                config.sglang.server_options()),
-                          answer_pool=AnswerPool(rollout.answer_parse_workers) if rollout.answer_parse_workers else None)
+                          answer_pool=AnswerPool(rollout.answer_parse_workers, api_key=fleet.api_key)
+                          if rollout.answer_parse_workers else None)
+    fleet.generation_answered_at = client.answered_at  # a /generate answer is proof of life: no health probe
     args = plugin_args(config)
     # No workers for custom functions (they run on the loop) or remote_rm (an HTTP call, no CPU to offload).
     rule_rewards = not rollout.custom_rm_path and split_boxed_prefix((rollout.rm_type or "").strip())[1] != REMOTE_RM

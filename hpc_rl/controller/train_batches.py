@@ -10,6 +10,7 @@ the trainer's. numpy only: the controller never imports torch.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from itertools import chain
 
@@ -85,22 +86,21 @@ def normalized_rewards(groups: list[Group], shaping: RewardShaping) -> list[floa
 def pack_samples(samples: list[Sample], rewards: list[float]) -> dict[str, np.ndarray]:
     """Flat arrays of `samples` (order kept): what a trainer rank receives in a TrainCommand."""
     prompt_lengths = np.array([len(s.prompt_token_ids) for s in samples], dtype=np.int32)
-    response_lengths = np.array([len(s.response_token_ids) for s in samples], dtype=np.int32)
-    # chain.from_iterable walks the token lists in C (a generator per token cost ~250 us per sample at
-    # 256 engines: the top controller cost after HTTP in benchmarks/bench_scale.py's profile).
-    tokens = np.fromiter(chain.from_iterable(part for s in samples for part in (s.prompt_token_ids, s.response_token_ids)),
-                         dtype=np.int64, count=int(prompt_lengths.sum() + response_lengths.sum()))
+    response_lengths = np.array([s.response_length for s in samples], dtype=np.int32)
+    # Each sample's compact columns (data/samples.py) are copied as memory, not walked token by token (the
+    # walk over lists was ~100 us per full-length sample at bench_scale's N=256, the top packing cost).
+    tokens = _concatenate([part for s in samples for part in (s.prompt_token_ids, s.column("response_token_ids"))],
+                          np.int64)
     total_response = int(response_lengths.sum())
     if all(s.loss_mask is None for s in samples):  # the common case: no per-token list to walk
         loss_masks = np.ones(total_response, dtype=np.uint8)
     else:
         loss_masks = np.fromiter(chain.from_iterable(s.effective_loss_mask() for s in samples), dtype=np.uint8,
                                  count=total_response)
-    logprobs = np.fromiter(chain.from_iterable(s.response_logprobs for s in samples), dtype=np.float32,
-                           count=sum(len(s.response_logprobs) for s in samples))
+    logprobs = _concatenate([s.column("response_logprobs") for s in samples], np.float32)
     if len(logprobs) != total_response:
         raise ValueError("a sample has fewer rollout log-probs than response tokens")
-    versions = _pack_versions([s.weight_versions for s in samples])
+    versions = _pack_versions([s.column("weight_versions") for s in samples])
     arrays = {
         "tokens": tokens,
         "prompt_lengths": prompt_lengths,
@@ -124,6 +124,29 @@ def pack_samples(samples: list[Sample], rewards: list[float]) -> dict[str, np.nd
     return arrays
 
 
+_ARRAY_DTYPES = {"q": np.int64, "d": np.float64}
+
+
+def _as_numpy(values: Sequence[Any], dtype: type) -> np.ndarray:
+    """A compact column viewed as numpy without a copy, or a list converted."""
+    if isinstance(values, array) and values.typecode in _ARRAY_DTYPES and len(values):
+        return np.frombuffer(values, dtype=_ARRAY_DTYPES[values.typecode])
+    return np.asarray(values, dtype=dtype)
+
+
+def _concatenate(parts: list[Sequence[Any]], dtype: type) -> np.ndarray:
+    """The parts (arrays or lists of numbers) as one `dtype` array, filled part by part (np.concatenate with a
+    cast was 2.5x slower); the views into arrays end with the call."""
+    out = np.empty(sum(len(part) for part in parts), dtype=dtype)
+    position = 0
+    for part in parts:
+        end = position + len(part)
+        if end > position:
+            out[position:end] = _as_numpy(part, dtype)
+        position = end
+    return out
+
+
 def pack_top_logprobs(samples: list[Sample]) -> dict[str, np.ndarray]:
     """Score centering: the engines' top-k ids and log-probs of every response token, [total response, k] each
     (one row per response token, samples in order)."""
@@ -145,16 +168,17 @@ def pack_top_logprobs(samples: list[Sample]) -> dict[str, np.ndarray]:
             "top_logprobs": np.concatenate(logprobs).astype(np.float32, copy=False)}
 
 
-def _pack_versions(per_sample: list[list[int]]) -> np.ndarray:
-    """The samples' per-token weight versions, concatenated (int64). A sample with one version throughout (the
-    common case: `list.count` confirms it in one C pass) is filled, not walked token by token."""
-    parts = []
+def _pack_versions(per_sample: list[Sequence[int]]) -> np.ndarray:
+    """The samples' per-token weight versions, concatenated (int64). A list with one version throughout (the
+    common case: `list.count` confirms it in one C pass) is filled, not walked token by token; a compact column
+    is copied as memory."""
+    parts: list[Any] = []
     for versions in per_sample:
-        if versions and versions.count(versions[0]) == len(versions):
+        if isinstance(versions, list) and versions and versions.count(versions[0]) == len(versions):
             parts.append(np.full(len(versions), versions[0], dtype=np.int64))
         else:
-            parts.append(np.fromiter(versions, dtype=np.int64, count=len(versions)))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            parts.append(versions)
+    return _concatenate(parts, np.int64)
 
 
 def pack_routed_experts(samples: list[Sample]) -> dict[str, np.ndarray]:

@@ -3,17 +3,34 @@
 Owns: the fields every stage reads or writes (data source -> generation -> reward -> filter ->
 buffer -> trainer), their status, and a JSON-safe dict form for checkpoints and the wire. Kept small
 on purpose: anything task-specific goes into `metadata`.
+
+Per-token columns. A full-length response is thousands of tokens, and the controller handles every sample of
+every engine: as Python lists its tokens, log-probs and versions cost a list item each to build from the
+engine's answer and again to pack for the trainer (~200 us per sample, most of the coordinating process's
+per-token work in benchmarks/bench_scale.py). So generation appends them to compact arrays
+(`array('q')` tokens and versions, `array('d')` log-probs: the same values) held beside the fields
+(`extend_response`), and the controller's own readers take them as they are (`column`, `response_length`,
+the trainer's packing). The fields stay lists for everyone else: the first read of `response_token_ids`,
+`response_logprobs` or `weight_versions` turns that column into the list it stands for (once; later reads
+and writes are the list's; an assigned list replaces the column), so plug-ins, checkpoints and equality see
+exactly what they saw before.
 """
 
 from __future__ import annotations
 
 import enum
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from hpc_rl.data.routed_experts import routing_from_json, routing_to_json
+
+
+COLUMN_TYPECODES = {"response_token_ids": "q", "response_logprobs": "d", "weight_versions": "q"}
+"""The per-token fields a sample may hold as compact arrays, and each array's type (int64, float64, int64)."""
 
 
 class SampleStatus(str, enum.Enum):
@@ -78,16 +95,43 @@ class Sample:
     top_logprobs: np.ndarray | None = field(default=None, compare=False)
     """[response tokens, k] float32: the engine's log-probs of `top_logprob_ids` (tool tokens: -inf, untrained)."""
 
+    # -- per-token columns (module docstring) -------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """Only reached for a field held as a compact column (normal lookup found no list): make it the list."""
+        columns = self.__dict__.get("_columns")
+        if columns is not None and name in columns:  # (an assigned field is in __dict__: never here)
+            value = columns.pop(name).tolist()
+            self.__dict__[name] = value
+            return value
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def column(self, name: str) -> Sequence[Any]:
+        """A per-token field as it is held (a compact array or the list), for reading without making a list;
+        callers must not change it. A field assigned or read as a list is the list (an old column is stale)."""
+        fields = self.__dict__
+        return fields[name] if name in fields else fields["_columns"][name]
+
+    def extend_response(self, token_ids: Iterable[int], logprobs: Iterable[float], versions: Iterable[int]) -> None:
+        """Append generated tokens, their log-probs and weight versions (arrays or lists of numbers). A sample
+        whose three fields are empty lists starts holding them as compact columns."""
+        fields = self.__dict__
+        if all(name in fields and not fields[name] for name in COLUMN_TYPECODES):
+            for name in COLUMN_TYPECODES:
+                del fields[name]
+            fields["_columns"] = {name: array(code) for name, code in COLUMN_TYPECODES.items()}
+        for name, values in zip(COLUMN_TYPECODES, (token_ids, logprobs, versions)):
+            (fields[name] if name in fields else fields["_columns"][name]).extend(values)
+
     @property
     def response_length(self) -> int:
-        return len(self.response_token_ids)
+        return len(self.column("response_token_ids"))
 
     @property
     def total_length(self) -> int:
-        return len(self.prompt_token_ids) + len(self.response_token_ids)
+        return len(self.prompt_token_ids) + self.response_length
 
     def effective_loss_mask(self) -> list[int]:
-        return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.response_token_ids)
+        return list(self.loss_mask) if self.loss_mask is not None else [1] * self.response_length
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form (checkpoints, status files)."""

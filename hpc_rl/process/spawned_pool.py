@@ -2,9 +2,10 @@
 stopped without waiting for a stuck worker.
 
 Owns `SpawnedWorkers`, the `ProcessPoolExecutor` (spawn context: no fork of the controller's threads) behind the
-controller's reward pool (`hpc_rl.rewards.pool`) and answer-parsing pool (`hpc_rl.rollout.answer_pool`): its lazy
-creation, the warm-up call run once per worker at start, running a call in it from the event loop, and a close
-that terminates the workers (a grader stuck in sympy, a parse of a huge body) instead of joining them first.
+controller's reward pool (`hpc_rl.rewards.pool`): its lazy creation, the warm-up call run once per worker at
+start, running a call in it from the event loop, and a close that terminates the workers (a grader stuck in
+sympy) instead of joining them first. (The answer workers, `hpc_rl.rollout.answer_pool`, are not calls in an
+executor: each runs its own event loop of /generate exchanges.)
 What a dead worker means (retry, fall back to the loop) stays with each service.
 """
 

@@ -1,138 +1,208 @@
-"""/generate answer bodies parsed in worker processes, into compact token arrays (`rollout.answer_parse_workers`).
+"""/generate exchanges made and answers parsed in worker processes, handed back as compact token arrays
+(`rollout.answer_parse_workers`).
 
-Owns `compact_answers(raw)` (the parse: JSON to SGLang's answer dicts, with each answer's `output_ids` an
-`array('q')` and `meta_info.output_token_logprobs` an `array('d')` of the output tokens' log-probs) and
-`AnswerPool`, the processes that run it for the controller's `EngineClient`.
+Owns `AnswerPool`, the processes that post the controller's /generate requests to the engines and parse the
+answers (their program and the parse, `compact_answers`, are answer_workers.py's).
 
 Why: at full response length (a median 2,500 tokens, 144 kB of JSON per sample with log-probs) parsing the
 answers was most of the coordinating process's CPU (bench_scale, N=64, token scale 1: orjson.loads ~1.8
-and the log-probs ~0.5 of ~5 CPU s per 1,000 samples, profiled). A worker parses the body and sends back
-two flat arrays per sample (~55 kB of machine numbers), which the controller turns into the sample's
-lists in C (`array.tolist`). What a run does is unchanged: same tokens, same float64 log-probs (a JSON
-integer log-prob comes back as the equal float), same fields; an answer whose token ids or log-probs are
-not plain numbers keeps its lists, so generate.py's handling of malformed answers applies as before.
+and the log-probs ~0.5 of ~5 CPU s per 1,000 samples, profiled); then, with the parse in workers, reading
+the bodies and handing them over was (docs/scaling.md). A worker makes the whole exchange on its own
+keep-alive connections and sends back two flat arrays per sample (~40 kB of machine numbers) and the rest
+of the answer as JSON. What a run does is unchanged: the same request bytes, the same answers (same
+tokens, same float64 log-probs, a JSON integer log-prob coming back as the equal float), the same errors
+(a transport failure, a 4xx or 5xx with the engine's body, a body that is not JSON); an answer whose token
+ids or log-probs are not plain numbers keeps its lists, so generate.py's handling of malformed answers
+applies as before. The controller still decides everything else (which engine, rids, aborts, retries);
+its aborts go out through the same worker (`parse=False`), on that worker's warm connections to the engine (from
+the controller's own, which no longer carry /generate, an abort of 1,024 engines opened 1,024 connections:
+14 s of fan-out at load ~25 against 1.7 s), and the fleet's admin calls on the fleet's connections.
 
-Bodies below `inline_below` bytes (short answers, the tiny test model) are parsed on the loop: the trip
-to a worker costs more than they do. The bytes travel over local pipes between processes of one job
-(multiprocessing, spawned workers), not the network; exceptions come back as text.
+Each engine's requests go to one worker (its connections stay warm). A worker that dies fails the
+requests it held as transport failures (the samples retry them) and is started again for the next.
+Workers are spawned processes of the same job; the frames between them travel over a local socketpair,
+JSON and raw numbers only, no pickle.
 
-Does not own: the HTTP exchange (engine_client.py), what an answer means (generate.py).
+Does not own: the HTTP exchange's rules (hpc_rl.protocol.http_client), which request goes where
+(engine_client.py), what an answer means (generate.py).
 """
 
 from __future__ import annotations
 
-import gc
+import asyncio
+import itertools
 import logging
-from array import array
-from concurrent.futures.process import BrokenProcessPool
-from operator import itemgetter
+import multiprocessing
+import socket
 from typing import Any
 
 import orjson
 
-from hpc_rl.process.spawned_pool import SpawnedWorkers
+from hpc_rl.protocol.http_client import EngineHTTPTransportError
+from hpc_rl.rollout.answer_workers import PREFIX, AnswerNotJSON, encode_frame, join_arrays
 
 log = logging.getLogger(__name__)
 
-COLLECT_EVERY = 1024
-"""A worker's full GC collection every this many bodies (its automatic GC is off)."""
-INLINE_BELOW = 32 * 1024
-"""Default size (bytes) under which a body is parsed on the loop (a full-length answer is ~144 kB)."""
+
+class _FrameReader(asyncio.BufferedProtocol):
+    """The controller's end of a worker's socketpair: each frame is received straight into a buffer of its
+    own size (asyncio's StreamReader appended to one buffer and cut frames out of it: two more copies of
+    every answer, ~15% of the loop's profile)."""
+
+    def __init__(self, worker: "_Worker") -> None:
+        self.worker = worker
+        self.transport: asyncio.Transport | None = None
+        self._prefix = bytearray(PREFIX.size)
+        self._target = memoryview(self._prefix)
+        self._filled = 0
+        self._head_size = -1  # -1: reading a prefix
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._target[self._filled:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._filled += nbytes
+        if self._filled < len(self._target):
+            return
+        if self._head_size < 0:
+            self._head_size, size = PREFIX.unpack(self._prefix)
+            self._target, self._filled = memoryview(bytearray(self._head_size + size)), 0
+            return
+        frame, head_size = self._target, self._head_size
+        self._target, self._filled, self._head_size = memoryview(self._prefix), 0, -1
+        self.worker.answered(orjson.loads(frame[:head_size]), frame[head_size:])
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.worker.ended(exc)
 
 
-class AnswerNotJSON(ValueError):
-    """The body is not JSON; the message is orjson's."""
+class _Worker:
+    """One spawned worker process and the controller's end of its socketpair."""
 
+    def __init__(self, process: Any) -> None:
+        self.process = process
+        self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], memoryview]]] = {}
+        self.alive = True
+        self.reader = _FrameReader(self)
 
-def _compact(item: Any) -> None:
-    """Replace one answer dict's per-token lists by arrays, in place (kept as lists when not plain numbers)."""
-    if not isinstance(item, dict):
-        return
-    ids = item.get("output_ids")
-    if isinstance(ids, list):
-        try:
-            item["output_ids"] = array("q", ids)
-        except (TypeError, OverflowError):
-            pass
-    meta = item.get("meta_info")
-    entries = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
-    if isinstance(entries, list):
-        try:
-            meta["output_token_logprobs"] = array("d", map(itemgetter(0), entries))
-        except (TypeError, IndexError, KeyError):
-            pass  # None or a malformed entry: generate.output_logprobs reads the lists
+    def send(self, frame: list[Any]) -> None:
+        assert self.reader.transport is not None
+        self.reader.transport.writelines(frame)
 
+    def answered(self, header: dict[str, Any], payload: memoryview) -> None:
+        future = self.pending.pop(header["id"], None)
+        if future is not None and not future.done():
+            future.set_result((header, payload))
 
-def compact_answers(raw: bytes) -> tuple[bool, Any]:
-    """Run in a worker (or inline): (True, the parsed body with compact token arrays) or (False, orjson's
-    message) for a body that is not JSON. A batched answer (a list) has each of its dicts compacted."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as error:
-        return False, str(error)
-    for item in body if isinstance(body, list) else (body,):
-        _compact(item)
-    return True, body
+    def ended(self, error: Exception | None) -> None:
+        """The socketpair closed (the worker died, or `close`): fail what it held."""
+        self.alive = False
+        code = self.process.exitcode if self.process.exitcode is not None else "running"
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(EngineHTTPTransportError(
+                    f"the answer worker (pid {self.process.pid}, exit {code}) ended before answering"
+                    + (f" ({error})" if error else "")))
+        self.pending.clear()
 
-
-_parsed_here = 0
-
-
-def _parse_in_worker(raw: bytes) -> tuple[bool, Any]:
-    """`compact_answers` in a worker, whose cyclic GC is off (`_init_worker`): a parsed body is a tree, freed
-    by reference counting once sent; a full collection every `COLLECT_EVERY` bodies catches anything else."""
-    global _parsed_here
-    _parsed_here += 1
-    if _parsed_here % COLLECT_EVERY == 0:
-        gc.collect()
-    return compact_answers(raw)
-
-
-def _init_worker() -> None:
-    """Cyclic GC off in the worker: with it on, the parse of a full-length answer (~10k lists) ran gen-0
-    collections over the half-built body, 2.5x the parse's own CPU (1,250 vs 500 us per sample measured)."""
-    gc.disable()
-
-
-def _warm_up() -> None:
-    """Nothing to load: starts the worker process before the first answer needs it."""
+    def close(self) -> None:
+        if self.reader.transport is not None:
+            self.reader.transport.close()
 
 
 class AnswerPool:
-    """`workers` processes parsing /generate answers; `await parse(raw)` per answer body."""
+    """`workers` processes posting /generate requests and parsing the answers; `await post(...)` per request."""
 
-    def __init__(self, workers: int, *, inline_below: int | None = None) -> None:
+    def __init__(self, workers: int, *, api_key: str | None = None) -> None:
         if workers < 1:
             raise ValueError(f"rollout.answer_parse_workers: an answer pool needs at least one worker, got {workers}")
         self.workers = workers
-        self.inline_below = INLINE_BELOW if inline_below is None else inline_below
-        """Bodies shorter than this (bytes) are parsed on the loop (None: the module's `INLINE_BELOW`)."""
+        self.api_key = api_key
+        """The engines' key (`Authorization: Bearer`), handed to each worker over its socketpair."""
         self.parsed_in_workers = 0
-        """Bodies parsed by a worker (the rest were parsed on the loop)."""
-        self._workers = SpawnedWorkers(workers, warm_up=_warm_up, initializer=_init_worker)
+        """Answers the workers sent back."""
+        self.restarts = 0
+        """Workers started again after one ended."""
+        self._slots: list[_Worker | None] = [None] * workers
+        self._starting: list[asyncio.Future[_Worker] | None] = [None] * workers
+        self._home: dict[str, int] = {}
+        self._ids = itertools.count()
 
     async def start(self) -> None:
-        """Start every worker (a spawned interpreter with orjson: well under a second)."""
-        await self._workers.start()
+        """Start every worker (a spawned interpreter: well under a second each, in parallel)."""
+        await asyncio.gather(*(self._worker(index) for index in range(self.workers)))
 
-    async def parse(self, raw: bytes) -> Any:
-        """The answer body, with compact token arrays; AnswerNotJSON if it is not JSON. A worker that died
-        (killed, out of memory) is replaced and the body parsed again on the loop."""
-        if len(raw) < self.inline_below:
-            ok, value = compact_answers(raw)
-        else:
-            try:
-                ok, value = await self._workers.run(_parse_in_worker, raw)
-                self.parsed_in_workers += 1
-            except BrokenProcessPool as error:
-                log.warning("an answer-parsing worker died (%s); starting the pool again, this answer parsed "
-                            "on the loop", error)
-                self.close()
-                ok, value = compact_answers(raw)
-        if not ok:
-            raise AnswerNotJSON(value)
-        return value
+    def pids(self) -> list[int]:
+        """The workers running now."""
+        return [worker.process.pid for worker in self._slots if worker is not None and worker.alive]
+
+    async def _worker(self, index: int) -> _Worker:
+        worker = self._slots[index]
+        if worker is not None and worker.alive:
+            return worker
+        starting = self._starting[index]
+        if starting is None:
+            starting = self._starting[index] = asyncio.ensure_future(self._spawn(index, restart=worker is not None))
+            starting.add_done_callback(lambda _: self._starting.__setitem__(index, None))
+        return await asyncio.shield(starting)
+
+    async def _spawn(self, index: int, *, restart: bool) -> _Worker:
+        from hpc_rl.rollout.answer_workers import worker_main
+
+        ours, theirs = socket.socketpair()
+        process = multiprocessing.get_context("spawn").Process(target=worker_main, args=(theirs, self.api_key),
+                                                                name=f"hpc_rl-answers-{index}", daemon=True)
+        await asyncio.to_thread(process.start)  # the spawn writes the child's start data: off the loop
+        theirs.close()
+        worker = _Worker(process)
+        await asyncio.get_running_loop().create_unix_connection(lambda: worker.reader, sock=ours)
+        self._slots[index] = worker
+        if restart:
+            self.restarts += 1
+            log.warning("answer worker %d ended; started again (pid %d)", index, process.pid)
+        return worker
+
+    async def post(self, url: str, path: str, body: bytes, timeout_s: float, *, parse: bool = True) -> tuple[int, Any]:
+        """POST `body` to `url + path` from a worker: (200, the answer with compact token arrays) or (status,
+        the engine's raw body) for any other status, or for any status when not `parse` (a control call: an
+        abort goes out on the worker's warm connections to that engine). EngineHTTPTransportError as the
+        controller's own client raises it (and when the worker ended); AnswerNotJSON for a 200 body that is
+        not JSON."""
+        url = url.rstrip("/")
+        index = self._home.setdefault(url, len(self._home) % self.workers)
+        worker = await self._worker(index)
+        request_id = next(self._ids)
+        future: asyncio.Future[tuple[dict[str, Any], bytes]] = asyncio.get_running_loop().create_future()
+        worker.pending[request_id] = future
+        worker.send(encode_frame({"op": "post", "id": request_id, "url": url, "path": path, "timeout_s": timeout_s,
+                                  "parse": parse}, [body]))
+        try:
+            header, payload = await future
+        except asyncio.CancelledError:
+            worker.pending.pop(request_id, None)
+            if worker.alive:  # the worker drops the connection, as the controller's client does when cancelled
+                worker.send(encode_frame({"op": "cancel", "id": request_id}))
+            raise
+        if "error" in header:
+            raise EngineHTTPTransportError(header["error"])
+        if "not_json" in header:
+            raise AnswerNotJSON(header["not_json"])
+        if header.get("raw"):
+            return header["status"], bytes(payload)
+        self.parsed_in_workers += 1
+        return 200, join_arrays(header["body"], header["arrays"], payload)
 
     def close(self) -> None:
-        """Stop the workers now (an answer being parsed is abandoned: its request fails as a transport error)."""
-        self._workers.close()
+        """Stop the workers now (requests in flight are abandoned: their callers hear a transport error)."""
+        workers = [worker for worker in self._slots if worker is not None]
+        self._slots = [None] * self.workers
+        for worker in workers:
+            worker.close()
+            worker.ended(EngineHTTPTransportError("the answer pool was closed"))
+        for worker in workers:
+            worker.process.terminate()
+        for worker in workers:
+            worker.process.join(timeout=5)

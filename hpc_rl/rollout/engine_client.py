@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
-from hpc_rl.rollout.answer_pool import AnswerNotJSON, AnswerPool
+from hpc_rl.rollout.answer_pool import AnswerPool
+from hpc_rl.rollout.answer_workers import AnswerNotJSON, compact_answers
 from hpc_rl.rollout.engine_loads import EngineLoads
 from hpc_rl.rollout.request_batching import BatchAnswerError, batchable, merge_payloads, plan_batches, split_answer
 
@@ -155,12 +156,16 @@ class EngineClient:
                  answer_pool: AnswerPool | None = None) -> None:
         self.directory = directory
         self.answer_pool = answer_pool
-        """Worker processes that parse /generate answers into compact token arrays (answer_pool.py;
-        `rollout.answer_parse_workers`), started and closed with the client; None: parsed on the loop."""
+        """Worker processes that post the /generate requests and parse the answers into compact token arrays
+        (answer_pool.py; `rollout.answer_parse_workers`), started and closed with the client; None: posted and
+        parsed on the loop. Aborts go through the worker that holds the engine's /generate connections."""
         self.batch_requests = batch_requests
         """Queue `generate(..., group=...)` calls of one moment into batched requests (module docstring)."""
         self.http_requests = 0
         """/generate requests posted (a batch counts once)."""
+        self.answered_at: dict[str, float] = {}
+        """Engine URL -> event-loop time of its last /generate answer (sent straight to it; routed ones name no
+        engine): proof of life for the fleet's health checks."""
         self._queued: dict[tuple[int, int | None], tuple[asyncio.Event | None, list[_Queued]]] = {}
         self._flush_scheduled = False
         self._batch_tasks: set[asyncio.Task[None]] = set()
@@ -357,6 +362,8 @@ class EngineClient:
             if base is None:
                 raise TransportError("no router URL and no engine is up")
             body = await self._post_generate(base, payloads[0] if len(payloads) == 1 else merge_payloads(payloads))
+            if engine is not None:
+                self.answered_at[engine] = asyncio.get_running_loop().time()
             if len(payloads) == 1:
                 return [GenerateAnswer(body=body, engine_url=engine)]
             try:
@@ -379,24 +386,36 @@ class EngineClient:
         EngineHTTPError (4xx)."""
         self.http_requests += 1
         try:
-            status, raw = await self.connections.to(base).request("POST", "/generate", orjson.dumps(body),
-                                                                  self.request_timeout_s)
+            if self.answer_pool is not None:  # the exchange and the parse in a worker process
+                status, answer = await self.answer_pool.post(base, "/generate", orjson.dumps(body),
+                                                             self.request_timeout_s)
+                if status == 200:
+                    return answer
+                raw = answer
+            else:
+                status, raw = await self.connections.to(base).request("POST", "/generate", orjson.dumps(body),
+                                                                      self.request_timeout_s)
         except EngineHTTPTransportError as error:
             raise TransportError(f"{base}/generate failed: {error}") from None
+        except AnswerNotJSON as error:
+            raise TransportError(f"{base} answered a body that is not JSON: {error}") from None
         if status >= 500:
             raise TransportError(f"{base} answered HTTP {status}: {_text(raw)[:300]}")
         if status != 200:
             raise EngineHTTPError(status, _text(raw))
-        try:
-            if self.answer_pool is not None:
-                return await self.answer_pool.parse(raw)
-            return orjson.loads(raw)
-        except (orjson.JSONDecodeError, AnswerNotJSON) as error:
-            raise TransportError(f"{base} answered a body that is not JSON: {error}") from None
+        ok, value = compact_answers(raw)  # on the loop: the same compact arrays as the workers'
+        if not ok:
+            raise TransportError(f"{base} answered a body that is not JSON: {value}")
+        return value
 
     async def _post_control(self, url: str, path: str, body: dict[str, Any]) -> bool:
         try:
-            status, _ = await self.connections.to(url).request("POST", path, orjson.dumps(body), self.control_timeout_s)
+            if self.answer_pool is not None:  # the worker that holds this engine's /generate connections
+                status, _ = await self.answer_pool.post(url, path, orjson.dumps(body), self.control_timeout_s,
+                                                        parse=False)
+            else:
+                status, _ = await self.connections.to(url).request("POST", path, orjson.dumps(body),
+                                                                   self.control_timeout_s)
             return status == 200
         except EngineHTTPTransportError:
             return False  # a dead engine has nothing to abort

@@ -137,12 +137,12 @@ def version_to_int(value: Any, fallback: int) -> int:
         return fallback
 
 
-def output_logprobs(entries: list[Any]) -> list[float]:
+def output_logprobs(entries: list[Any] | array) -> list[float] | array:
     """The logprob of each output token from SGLang's `[logprob, token id, text]` entries (None or a
     malformed entry: 0.0). The common case is walked in C: this is per token, for every sample. Entries
-    an answer-parsing worker already reduced to an array of log-probs (answer_pool.py) are listed as is."""
+    already reduced to an array of log-probs (answer_pool.compact_answers) are returned as they are."""
     if isinstance(entries, array):
-        return entries.tolist()
+        return entries
     try:
         logprobs = list(map(itemgetter(0), entries))
     except (IndexError, TypeError, KeyError):
@@ -153,14 +153,19 @@ def output_logprobs(entries: list[Any]) -> list[float]:
 
 
 def parse_weight_versions(meta_info: dict[str, Any], n_tokens: int, fallback: int) -> list[int]:
-    """Per output token, the weight version that produced it.
+    """Per output token, the weight version that produced it (`weight_version_column` as a list)."""
+    return weight_version_column(meta_info, n_tokens, fallback).tolist()
+
+
+def weight_version_column(meta_info: dict[str, Any], n_tokens: int, fallback: int) -> array:
+    """Per output token, the weight version that produced it, as an `array('q')`.
 
     `meta_info.weight_versions` = spans `[{"version", "start", "end"}]` over this request's output tokens
     (end exclusive); else the single `meta_info.weight_version`; tokens no span covers, and versions
     that are not integers ("default"), get `fallback` (the version the controller believes is loaded).
     """
     single = version_to_int(meta_info.get("weight_version"), fallback)
-    versions = [single] * n_tokens
+    versions = array("q", (single,)) * n_tokens
     for span in meta_info.get("weight_versions") or []:
         try:
             start, end = int(span["start"]), int(span["end"])
@@ -168,7 +173,7 @@ def parse_weight_versions(meta_info: dict[str, Any], n_tokens: int, fallback: in
             continue
         start, end = max(0, start), min(n_tokens, end)
         if start < end:  # a slice, not a loop per token (~40 us per 1,000 tokens)
-            versions[start:end] = [version_to_int(span.get("version"), fallback)] * (end - start)
+            versions[start:end] = array("q", (version_to_int(span.get("version"), fallback),)) * (end - start)
     return versions
 
 
@@ -272,15 +277,13 @@ def response_budget(sample: Sample, sampling_params: SamplingParams, max_context
     return budget
 
 
-def _append(sample: Sample, token_ids: list[int], logprobs: list[float], versions: list[int],
+def _append(sample: Sample, token_ids: list[int] | array, logprobs: list[float] | array, versions: list[int] | array,
             text: str, trained: bool) -> None:
     if sample.loss_mask is not None or not trained:
         if sample.loss_mask is None:
             sample.loss_mask = [1] * sample.response_length
         sample.loss_mask.extend([1 if trained else 0] * len(token_ids))
-    sample.response_token_ids.extend(token_ids)
-    sample.response_logprobs.extend(logprobs)
-    sample.weight_versions.extend(versions)
+    sample.extend_response(token_ids, logprobs, versions)  # compact columns (data/samples.py)
     sample.response_text += text
 
 
@@ -315,7 +318,7 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
         sample.rid = rid
         payload = {
             "rid": rid,
-            "input_ids": sample.prompt_token_ids + sample.response_token_ids,
+            "input_ids": [*sample.prompt_token_ids, *sample.column("response_token_ids")],
             "sampling_params": {**sampling_params, "max_new_tokens": budget},
             "return_logprob": session.return_logprob,
         }
@@ -367,11 +370,12 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
         body = answer.body
         meta = body.get("meta_info") or {}
         output_ids = body.get("output_ids") or []
-        token_ids = output_ids.tolist() if isinstance(output_ids, array) else list(map(int, output_ids))
+        # Arrays from answer_pool.compact_answers are kept as they are: the sample holds compact columns.
+        token_ids = output_ids if isinstance(output_ids, array) else list(map(int, output_ids))
         logprobs = output_logprobs(meta.get("output_token_logprobs") or [])
         if len(logprobs) != len(token_ids):  # none asked for, or a malformed answer: pad or cut
-            logprobs = (logprobs + [0.0] * len(token_ids))[:len(token_ids)]
-        versions = parse_weight_versions(meta, len(token_ids), session.weight_version)
+            logprobs = (list(logprobs) + [0.0] * len(token_ids))[:len(token_ids)]
+        versions = weight_version_column(meta, len(token_ids), session.weight_version)
         if session.routed_experts is not None:
             _keep_routed_experts(sample, meta, session.routed_experts, len(payload["input_ids"]) + len(token_ids),
                                  generated=bool(token_ids))

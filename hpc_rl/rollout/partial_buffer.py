@@ -20,8 +20,12 @@ Does not own: when groups enter or leave (scheduler.py).
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from itertools import compress
 from typing import Any
+
+import numpy as np
 
 from hpc_rl.data.samples import Group, Sample, SampleStatus
 from hpc_rl.rollout.filters import BufferFilter, pop_first
@@ -32,9 +36,10 @@ FINISHED = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
 
 def violates_staleness(sample: Sample, current_version: int, max_staleness: int | None) -> bool:
     """True when the sample's oldest token is more than `max_staleness` versions behind `current_version`."""
-    if max_staleness is None or not sample.weight_versions:
+    versions = sample.column("weight_versions")
+    if max_staleness is None or not len(versions):
         return False
-    return current_version - min(sample.weight_versions) > max_staleness
+    return current_version - version_range(versions)[0] > max_staleness
 
 
 def reset_sample(sample: Sample) -> int:
@@ -67,10 +72,16 @@ def mask_offpolicy(sample: Sample, current_version: int) -> int:
     return masked
 
 
-def version_range(versions: list[int]) -> tuple[int, int]:
-    """(oldest, newest) of a non-empty list of per-token versions. Most samples have one version throughout
-    (`[v] * n` from one answer): `list.count` confirms that in one C pass over identical objects, where
-    min and max are two passes of comparisons (~30 us per full-length sample)."""
+def version_range(versions: Sequence[int]) -> tuple[int, int]:
+    """(oldest, newest) of a non-empty list (or compact column) of per-token versions. Most samples have one
+    version throughout (`[v] * n` from one answer): `list.count` confirms that in one C pass over identical
+    objects, where min and max are two passes of comparisons (~30 us per full-length sample); a compact
+    `array('q')` column (data/samples.py) is read as memory by numpy."""
+    if isinstance(versions, array):
+        view = np.frombuffer(versions, dtype=np.int64)
+        low, high = int(view.min()), int(view.max())
+        del view  # the array may grow again once no view of it is left
+        return low, high
     first = versions[0]
     if versions.count(first) == len(versions):
         return first, first
@@ -82,15 +93,15 @@ def trained_token_staleness(samples: list[Sample], current_version: int) -> tupl
     (slime's staleness figures); (0, 0) when no token is trained."""
     total, count, oldest = 0, 0, None
     for s in samples:  # per token, for every sample: sums and minima in C, no list of lags
-        versions = s.weight_versions
+        versions = s.column("weight_versions")
         if s.loss_mask is not None:
             trained = list(compress(versions, s.loss_mask))
         else:
-            trained = versions if len(versions) <= len(s.response_token_ids) else versions[:len(s.response_token_ids)]
+            trained = versions if len(versions) <= s.response_length else versions[:s.response_length]
         if not trained:
             continue
         low, high = version_range(trained)
-        total += low * len(trained) if low == high else sum(trained)
+        total += low * len(trained) if low == high else _sum(trained)
         count += len(trained)
         oldest = low if oldest is None else min(oldest, low)
     if not count:
@@ -98,9 +109,15 @@ def trained_token_staleness(samples: list[Sample], current_version: int) -> tupl
     return (current_version * count - total) / count, float(current_version - oldest)
 
 
+def _sum(values: Sequence[int]) -> int:
+    if isinstance(values, array):
+        return int(np.frombuffer(values, dtype=np.int64).sum())
+    return sum(values)
+
+
 def oldest_version(group: Group) -> int | None:
     """The oldest weight version of any token generated in the group (None: no sample has tokens yet)."""
-    versions = [min(s.weight_versions) for s in group if s.weight_versions]
+    versions = [version_range(s.column("weight_versions"))[0] for s in group if len(s.column("weight_versions"))]
     return min(versions) if versions else None
 
 

@@ -77,7 +77,8 @@ def correct_sample_stats(samples: list[Any], max_response_len: int) -> dict[str,
     for sample in correct:
         counts[next((i for i, cut in enumerate(cuts) if sample.response_length <= cut), 3)] += 1
     out = {f"correct_length/p{25 * (i + 1)}": count / max(len(correct), 1) for i, count in enumerate(counts)}
-    means = [-sum(s.response_logprobs) / len(s.response_logprobs) for s in correct if s.response_logprobs]
+    means = [-sum(logprobs) / len(logprobs) for logprobs in (s.column("response_logprobs") for s in correct)
+             if len(logprobs)]
     out["correct_entropy"] = sum(means) / len(means) if means else 0.0
     return out
 

@@ -406,7 +406,7 @@ def _sample_stats(groups: list[Group], current_version: int) -> dict[str, float]
     samples = [s for g in groups for s in g]
     if not samples:
         return {}
-    spans = [version_range(s.weight_versions) for s in samples if s.weight_versions]
+    spans = [version_range(versions) for versions in (s.column("weight_versions") for s in samples) if len(versions)]
     lags = [current_version - low for low, _ in spans]
     return {
         "rollout/reward_mean": sum(float(s.reward or 0.0) for s in samples) / len(samples),

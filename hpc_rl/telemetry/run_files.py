@@ -56,8 +56,8 @@ def rollout_record(rollout_id: int, metrics: dict[str, Any], groups: list[Group]
               "sample_indices": [s.index for s in samples],
               "data_rows": [s.metadata.get("data_row") for g in groups for s in g[:1]],
               "start_rollout_ids": [s.metadata.get("start_rollout_id") for g in groups for s in g[:1]],
-              "weight_versions_first_token": [s.weight_versions[0] if s.weight_versions else None
-                                              for s in samples]}
+              "weight_versions_first_token": [versions[0] if len(versions) else None
+                                              for versions in (s.column("weight_versions") for s in samples)]}
     return json.loads(json.dumps(record, default=float))
 
 

@@ -30,7 +30,7 @@ def test_harness_at_eight_engines_loses_and_duplicates_nothing(tmp_path):
     bench = load_bench()
     args = bench.parse_args(["--engines", "8", "--modes", "sync", "partial", "--rollouts", "2",
                              "--samples-per-engine", "16", "--abort-fill", "4", "--reward-workers", "1",
-                             "--parse-workers", "1", "--parse-inline-below", "0",
+                             "--parse-workers", "1",
                              "--work-dir", str(tmp_path)])
     results = asyncio.run(bench.main_async(args))
     assert [r.mode for r in results] == ["sync", "partial"]

@@ -1,16 +1,20 @@
-"""Answers parsed in worker processes (rollout/answer_pool.py): compact arrays, same samples as the loop's parse."""
+"""/generate exchanged and parsed in worker processes (rollout/answer_pool.py, answer_workers.py): compact arrays,
+the same samples and the same errors as the loop's own exchange, a dead worker replaced."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from array import array
 
 import orjson
 import pytest
 
 from hpc_rl.data.samples import Sample
-from hpc_rl.rollout.answer_pool import AnswerNotJSON, AnswerPool, compact_answers
-from hpc_rl.rollout.engine_client import EngineClient, StaticEngineDirectory, TransportError
+from hpc_rl.rollout.answer_pool import AnswerPool
+from hpc_rl.rollout.answer_workers import PREFIX, compact_answers, encode_frame, join_arrays, split_arrays
+from hpc_rl.rollout.engine_client import EngineClient, EngineHTTPError, StaticEngineDirectory, TransportError
 from hpc_rl.rollout.generate import GenerationSession, generate_turn
 from tests.unit.test_rollout_fake_engine import FakeSglangEngine
 
@@ -44,22 +48,16 @@ def test_compact_answers_reports_a_body_that_is_not_json() -> None:
     assert not ok and isinstance(message, str) and message
 
 
-def test_pool_parses_in_a_worker_and_reports_bad_bodies() -> None:
-    async def body() -> None:
-        pool = AnswerPool(1, inline_below=0)
-        try:
-            await pool.start()
-            parsed = await pool.parse(orjson.dumps(answer([9, 8], [-1.0, -2.0])))
-            assert parsed["output_ids"].tolist() == [9, 8] and pool.parsed_in_workers == 1
-            with pytest.raises(AnswerNotJSON):
-                await pool.parse(b"not json")
-        finally:
-            pool.close()
-        inline = AnswerPool(1)  # small bodies never reach a worker (none is started)
-        assert (await inline.parse(orjson.dumps(answer([1], [-1.0]))))["output_ids"].tolist() == [1]
-        assert inline.parsed_in_workers == 0 and inline._workers._executor is None
-
-    asyncio.run(body())
+def test_answers_split_into_json_and_arrays_join_back_equal() -> None:
+    ok, body = compact_answers(orjson.dumps([answer([1, 2], [-0.5, -1.0]), answer([3], [None]), {"odd": 1}]))
+    expected = orjson.loads(orjson.dumps([answer([1, 2], [-0.5, -1.0]), answer([3], [None]), {"odd": 1}]))
+    stripped, specs, buffers = split_arrays(body)
+    header = orjson.loads(b"".join(bytes(part) for part in encode_frame({"body": stripped}))[PREFIX.size:])
+    joined = join_arrays(header["body"], specs, b"".join(bytes(memoryview(b)) for b in buffers))
+    assert joined[0]["output_ids"].tolist() == [1, 2]
+    assert joined[0]["meta_info"]["output_token_logprobs"].tolist() == [-0.5, -1.0]
+    assert joined[1]["meta_info"]["output_token_logprobs"] == expected[1]["meta_info"]["output_token_logprobs"]
+    assert joined[1]["output_ids"].tolist() == [3] and joined[2] == {"odd": 1}
 
 
 def test_pool_rejects_zero_workers() -> None:
@@ -81,6 +79,7 @@ def generate_all(pool: AnswerPool | None) -> list[Sample]:
                                  response_token_ids=[7], response_logprobs=[-1.0], weight_versions=[0])
                 engine.set_weight_version(1)
                 done.append(await generate_turn(partial, {"max_new_tokens": 4}, session=session))
+                assert set(client.answered_at) == {engine.url}  # proof of life for the fleet's health checks
                 return list(done)
         finally:
             await engine.stop()
@@ -89,7 +88,7 @@ def generate_all(pool: AnswerPool | None) -> list[Sample]:
 
 
 def test_samples_from_workers_equal_samples_parsed_on_the_loop() -> None:
-    pool = AnswerPool(1, inline_below=0)
+    pool = AnswerPool(1)
     in_workers = generate_all(pool)
     on_loop = generate_all(None)
     assert pool.parsed_in_workers >= 2  # the batch and the resume went through the worker
@@ -102,16 +101,118 @@ def test_samples_from_workers_equal_samples_parsed_on_the_loop() -> None:
     assert in_workers[-1].weight_versions == [0, 1, 1, 1]
 
 
-def test_client_names_an_engine_body_that_is_not_json_as_a_transport_error() -> None:
+class OddEngine:
+    """A fake engine (aiohttp) whose /generate answers what the test path names: not JSON, a 400, a 503, or
+    nothing for a while."""
+
+    async def start(self) -> "OddEngine":
+        from aiohttp import web
+
+        async def generate(request: web.Request) -> web.Response:
+            kind = (await request.json())["rid"]
+            if kind == "slow":
+                await asyncio.sleep(30)
+            if kind == "not-json":
+                return web.Response(body=b"{not json", content_type="application/json")
+            if kind == "bad":
+                return web.json_response({"error": "temperature must be >= 0"}, status=400)
+            return web.Response(text="overloaded", status=503)
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+def outcome(client: EngineClient, base: str, rid: str) -> str:
+    async def post() -> str:
+        try:
+            await client._post_generate(base, {"rid": rid})
+        except (TransportError, EngineHTTPError) as error:
+            return f"{type(error).__name__}: {error}"
+        return "answered"
+    return post()  # type: ignore[return-value]
+
+
+def test_workers_raise_what_the_loop_raises() -> None:
+    async def body() -> list[list[str]]:
+        engine = await OddEngine().start()
+        results = []
+        try:
+            for pool in (None, AnswerPool(1)):
+                async with EngineClient(StaticEngineDirectory([engine.url]), answer_pool=pool) as client:
+                    results.append([await outcome(client, engine.url, rid) for rid in ("not-json", "bad", "busy")]
+                                   + [await outcome(client, "http://127.0.0.1:9", "x")])  # nothing listens
+        finally:
+            await engine.stop()
+        return results
+
+    on_loop, in_workers = asyncio.run(body())
+    assert in_workers == on_loop
+    assert "not JSON" in on_loop[0] and on_loop[1].startswith("EngineHTTPError") and "temperature" in on_loop[1]
+    assert "HTTP 503" in on_loop[2] and on_loop[3].startswith("TransportError")
+
+
+def test_a_killed_worker_fails_its_requests_as_transport_errors_and_is_replaced() -> None:
     async def body() -> None:
-        client = EngineClient(StaticEngineDirectory([]), answer_pool=AnswerPool(1))
+        engine = await FakeSglangEngine(natural_length=lambda ids: 3).start()
+        slow = await OddEngine().start()
+        pool = AnswerPool(1)
+        try:
+            async with EngineClient(StaticEngineDirectory([engine.url]), answer_pool=pool) as client:
+                waiting = asyncio.ensure_future(client._post_generate(slow.url, {"rid": "slow"}))
+                await asyncio.sleep(0.5)
+                [pid] = pool.pids()
+                os.kill(pid, signal.SIGKILL)
+                with pytest.raises(TransportError, match="answer worker"):
+                    await asyncio.wait_for(waiting, 20)
+                answer = await client._post_generate(engine.url, {"rid": "r1", "input_ids": [1, 2],
+                                                                  "sampling_params": {"max_new_tokens": 3}})
+                assert answer["output_ids"].tolist() and pool.restarts == 1 and pool.pids() != [pid]
+        finally:
+            await slow.stop()
+            await engine.stop()
 
-        class Answers:
-            async def request(self, *args: object) -> tuple[int, bytes]:
-                return 200, b"{not json"
+    asyncio.run(body())
 
-        client._connections = type("FakeConnections", (), {"to": lambda self, url: Answers()})()
-        with pytest.raises(TransportError, match="not JSON"):
-            await client._post_generate("http://engine:1", {"rid": "r"})
+
+def test_a_cancelled_request_leaves_the_worker_serving() -> None:
+    async def body() -> None:
+        engine = await FakeSglangEngine(natural_length=lambda ids: 3).start()
+        slow = await OddEngine().start()
+        try:
+            async with EngineClient(StaticEngineDirectory([engine.url]), answer_pool=AnswerPool(1)) as client:
+                waiting = asyncio.ensure_future(client._post_generate(slow.url, {"rid": "slow"}))
+                await asyncio.sleep(0.5)
+                waiting.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waiting
+                answer = await client._post_generate(engine.url, {"rid": "r1", "input_ids": [1, 2],
+                                                                  "sampling_params": {"max_new_tokens": 3}})
+                assert len(answer["output_ids"]) == 3 and client.answer_pool.restarts == 0
+        finally:
+            await slow.stop()
+            await engine.stop()
+
+    asyncio.run(body())
+
+
+def test_aborts_go_out_through_the_worker_that_holds_the_engines_connections() -> None:
+    async def body() -> None:
+        engine = await FakeSglangEngine(natural_length=lambda ids: 3).start()
+        try:
+            async with EngineClient(StaticEngineDirectory([engine.url]), answer_pool=AnswerPool(1)) as client:
+                assert await client.abort_all() == 1  # the engine said 200
+                await client.abort("no-such-rid")
+                assert not client.connections._connections  # the controller opened no connection of its own
+        finally:
+            await engine.stop()
 
     asyncio.run(body())

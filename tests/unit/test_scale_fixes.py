@@ -189,3 +189,27 @@ def test_slimes_health_check_flags_set_the_fleets_checks() -> None:
             await fleet.close()
 
     asyncio.run(scenario())
+
+
+def test_an_engine_that_answered_a_generate_within_the_interval_is_not_probed() -> None:
+    async def scenario() -> None:
+        registry = Registry(trainer_world_size=1, num_engines=2)
+        fleet = EngineFleet(registry, None, api_key=None, restart=None, max_restarts=0, health_interval_s=30.0)
+        await fleet.start()
+        try:
+            await fleet.register(0, "http://127.0.0.1:9", serving=True)
+            await fleet.register(1, "http://127.0.0.1:10", serving=True)
+            busy, silent = AnswerlessAdminForTest(), AnswerlessAdminForTest()
+            fleet.admins[0], fleet.admins[1] = busy, silent  # type: ignore[assignment]
+            answered_at = {"http://127.0.0.1:9": asyncio.get_running_loop().time()}  # the rollout client's record
+            fleet.generation_answered_at = answered_at
+            await fleet.check_health()
+            assert (busy.probes, silent.probes) == (0, 1)  # the engine generating answers is alive
+            assert registry.engines[0].state == EngineState.SERVING
+            answered_at["http://127.0.0.1:9"] -= 31.0  # its last answer is older than the interval: probed
+            await fleet.check_health()
+            assert busy.probes == 1 and registry.engines[0].state == EngineState.FAILED
+        finally:
+            await fleet.close()
+
+    asyncio.run(scenario())

@@ -79,9 +79,10 @@ class RolloutConfig:
     (fractions, roots: 1.5-2.8 ms of sympy per sample on the loop, 0.15 ms with a pool); integer-only data
     (DAPO-Math) is cheaper on the loop. Custom and remote rewards stay on the loop."""
     answer_parse_workers: int = 0
-    """Processes that parse the engines' /generate answers (JSON to token and log-prob arrays) off the
-    controller's process, on its node; 0: parsed on the event loop. Worth it at full response lengths and
-    many engines: the parse was most of the controller's CPU per sample (docs/scaling.md)."""
+    """Processes that make the /generate exchanges with the engines and parse the answers (JSON to token and
+    log-prob arrays) off the controller's process, on its node; 0: on the event loop. Worth it at full
+    response lengths and many engines: reading and parsing the answers was most of the controller's CPU per
+    sample (docs/scaling.md)."""
     num_rollout: int | None = None
     """Number of rollout steps (None: derived from num_epoch and the data size)."""
     num_epoch: int | None = None
