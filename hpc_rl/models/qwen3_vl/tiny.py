@@ -5,7 +5,7 @@ Owns: `make_tiny(output_dir, family=...)`: a `Qwen3VLForConditionalGeneration` (
 2 KV heads, `mrope_section` [4, 2, 2] interleaved as Qwen3-VL's) and whose vision tower is 2 blocks of hidden 32
 (2 heads), patch 8, spatial merge 2, temporal patch 2, a 4x4 learned position grid, out_hidden 64 and deepstack from
 both blocks (so LM layers 0 and 1 receive deepstack features). A 32x32 image is a 4x4 patch grid: 4 image tokens; a
-16x16 one gives 1. The tokenizer is the tiny word-level one plus Qwen's vision tokens; the chat template expands an
+16x16 one gives 1. The tokenizer is the tiny word-level one plus Qwen's vision tokens and the tiny visual task's words; the chat template expands an
 `{"type": "image"}` content item to `<|vision_start|> <|image_pad|> <|vision_end|>` (the processor repeats the pad per
 image token). `preprocessor_config.json` names transformers' PIL image processor (`Qwen2VLImageProcessorPil`: no
 torchvision, which does not import here) with the patch/merge sizes above; `AutoImageProcessor.from_pretrained(dir)`
@@ -37,12 +37,22 @@ VL_CHAT_TEMPLATE = (
 
 
 def build_vl_tokenizer():  # -> transformers.PreTrainedTokenizerFast
-    """The tiny word-level tokenizer with Qwen's vision tokens added (ids after the tiny vocabulary) and the VL
-    chat template."""
-    from hpc_rl.models.tiny_checkpoint import build_tokenizer
+    """The tiny word-level tokenizer with Qwen's vision tokens (ids right after the tiny vocabulary, as special
+    tokens), then the tiny visual task's words (`hpc_rl.data.tiny_vl_task.VL_TASK_WORDS`, so its questions and
+    colour answers are not `<unk>`), and the VL chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    from hpc_rl.data.tiny_vl_task import VL_TASK_WORDS
+    from hpc_rl.models.tiny_checkpoint import SPECIAL_TOKENS, TINY_VOCAB
+
+    words = TINY_VOCAB + list(VISION_TOKENS) + [w for w in VL_TASK_WORDS if w not in TINY_VOCAB]
+    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    backend.add_special_tokens(SPECIAL_TOKENS + list(VISION_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<|endoftext|>",
+                                        eos_token="<|im_end|>", bos_token=None)
     tokenizer.chat_template = VL_CHAT_TEMPLATE
     return tokenizer
 
