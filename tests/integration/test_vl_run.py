@@ -38,3 +38,15 @@ def test_tiny_visual_run_engine_logprobs_equal_the_trainers_after_every_sync(tmp
     assert all(row["metrics"]["perf/weight_sync_bytes"] > 0 for row in rows)
     assert "eval/tiny_vl/reward_mean" in rows[-1]["metrics"]  # the greedy eval ran with images too
     assert "Traceback" not in (run_dir / "logs" / "trainer.log").read_text()
+
+
+def test_tiny_moe_visual_run_engine_logprobs_equal_the_trainers(tmp_path: Path) -> None:
+    """The same with the tiny Qwen3-VL-MoE (qwen3_vl_moe maker, experts fused as released): the sync's per-expert
+    names reach transformers' fused experts on the engine; 2 rollouts."""
+    from hpc_rl.models.qwen3_vl.tiny import make_tiny_qwen3_vl_moe
+
+    hf_dir = make_tiny_qwen3_vl_moe(tmp_path / "tiny_qwen3_vl_moe")
+    rows = run_tiny_recipe_in_sync(tmp_path / "run", "configs/tiny_vl_cpu.yaml", "--model",
+                                   str(REPO_ROOT / "configs" / "models" / "tiny_qwen3_vl_moe.yaml"),
+                                   "--hf-checkpoint", str(hf_dir), "--eval-interval", "2", num_rollout=2)
+    assert all(row["metrics"]["perf/weight_sync_bytes"] > 0 for row in rows)
