@@ -93,7 +93,8 @@ class MicroBatch:
     images: dict[str, torch.Tensor] | None = None
     """A vision-language model's images of these samples, in token order: {"pixel_values": [patches, C*T*P*P],
     "image_grid_thw": [images, 3]} (`TrainBatch.images_of`) and "vision_input_ids" (`tokens` with every response
-    token -1: the model's images sit at the prompt's pads only), passed to the model as keyword arguments; None: text."""
+    token -1: the model's images sit at the prompt's pads only), passed to the model as keyword arguments; None:
+    text."""
     mtp_loss_mask: torch.Tensor | None = None
     """Like `tokens`: 1 where the next token is a trained response token (the MTP layers' targets, set by
     the trainer with MTP training; `mtp_model.MTPGPTModel`), else None."""

@@ -101,9 +101,9 @@ def make_image_processor():  # -> transformers' Qwen2VLImageProcessorPil
     """The tiny checkpoints' image processor (what `preprocessor_config.json` describes), built in memory."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
     return Qwen2VLImageProcessorPil(patch_size=PATCH_SIZE, merge_size=MERGE_SIZE,
-                                    temporal_patch_size=TEMPORAL_PATCH_SIZE, size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-                                    image_mean=list(IMAGE_MEAN), image_std=list(IMAGE_STD))
+                                    temporal_patch_size=TEMPORAL_PATCH_SIZE, size=size, image_mean=list(IMAGE_MEAN), image_std=list(IMAGE_STD))
 
 
 def write_processor_files(output_dir: Path) -> None:
