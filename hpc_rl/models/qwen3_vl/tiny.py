@@ -103,7 +103,8 @@ def make_image_processor():  # -> transformers' Qwen2VLImageProcessorPil
 
     size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
     return Qwen2VLImageProcessorPil(patch_size=PATCH_SIZE, merge_size=MERGE_SIZE,
-                                    temporal_patch_size=TEMPORAL_PATCH_SIZE, size=size, image_mean=list(IMAGE_MEAN), image_std=list(IMAGE_STD))
+                                    temporal_patch_size=TEMPORAL_PATCH_SIZE, size=size, image_mean=list(IMAGE_MEAN),
+                                    image_std=list(IMAGE_STD))
 
 
 def write_processor_files(output_dir: Path) -> None:
