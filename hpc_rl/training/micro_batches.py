@@ -92,7 +92,9 @@ class MicroBatch:
     cp_group: dist.ProcessGroup | None = None
     images: dict[str, torch.Tensor] | None = None
     """A vision-language model's images of these samples, in token order: {"pixel_values": [patches, C*T*P*P],
-    "image_grid_thw": [images, 3]} (`TrainBatch.images_of`), passed to the model as keyword arguments; None: text."""
+    "image_grid_thw": [images, 3]} (`TrainBatch.images_of`) and "vision_input_ids" (`tokens` with every response
+    token -1: the model's images sit at the prompt's pads only), passed to the model as keyword arguments; None:
+    text."""
     mtp_loss_mask: torch.Tensor | None = None
     """Like `tokens`: 1 where the next token is a trained response token (the MTP layers' targets, set by
     the trainer with MTP training; `mtp_model.MTPGPTModel`), else None."""
@@ -217,6 +219,12 @@ def build_microbatch(tokens: Sequence[Sequence[int]], response_lengths: Sequence
         if micro.context_parallel is not None:
             raise ValueError("images with context_parallel_size > 1: not built (Qwen3-VL's M-RoPE under CP)")
         micro.images = {name: tensor.to(device) for name, tensor in images.items()}
+        # only the prompt's image pads are images: a policy may generate the pad token, which the engine embedded
+        # as text (decode steps pass no pixels), so the model places images and M-RoPE by these ids
+        prompt_only = [list(toks[: len(toks) - r]) + [-1] * r for toks, r in zip(tokens, response_lengths)]
+        micro.images["vision_input_ids"] = _build_microbatch(
+            prompt_only, response_lengths, indices, qkv_format=qkv_format, pad_multiple=pad_multiple, device=device,
+            cp_group=cp_group).tokens
     return micro
 
 

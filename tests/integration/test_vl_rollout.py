@@ -21,7 +21,7 @@ from hpc_rl.data.vision_prompts import ImageGrid, image_processor, processed_ima
 from hpc_rl.engines.engine_process import CpuEngineProcess
 from hpc_rl.rollout import EngineClient, StaticEngineDirectory, generate_turn
 from hpc_rl.rollout.generate import GenerationSession
-from tests.vl_fixtures import make_tiny_vl_checkpoint
+from hpc_rl.models.qwen3_vl.tiny import make_tiny_qwen3_vl
 
 pytestmark = pytest.mark.slow
 DATA = Path(__file__).resolve().parents[2] / "data" / "tiny_vl" / "train.jsonl"
@@ -29,7 +29,7 @@ DATA = Path(__file__).resolve().parents[2] / "data" / "tiny_vl" / "train.jsonl"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, CpuEngineProcess]]:
-    checkpoint = make_tiny_vl_checkpoint(tmp_path_factory.mktemp("tiny_vl"))
+    checkpoint = make_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny_vl"))
     engine = CpuEngineProcess(checkpoint, log_path=tmp_path_factory.mktemp("logs") / "engine.log")
     engine.start()
     try:

@@ -18,12 +18,12 @@ from hpc_rl.engines.cpu.__main__ import load_model
 from hpc_rl.engines.cpu.requests import RequestError, parse_generate_body
 from hpc_rl.engines.cpu.scheduler import Scheduler
 from hpc_rl.engines.cpu.vision import EngineImages
-from tests.vl_fixtures import build_vl_tokenizer, make_image_processor, make_tiny_vl_checkpoint
+from hpc_rl.models.qwen3_vl.tiny import build_vl_tokenizer, make_image_processor, make_tiny_qwen3_vl
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return make_tiny_vl_checkpoint(tmp_path_factory.mktemp("tiny_vl"))
+    return make_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny_vl"))
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,8 @@ def test_image_requests_carry_transformers_logprobs(model, tokenizer, checkpoint
     second = parse_generate_body({"input_ids": expanded, "image_data": two, "sampling_params": params,
                                   "return_logprob": True}, tokenizer=tokenizer, context_length=256,
                                  images=images).requests
-    assert second[0].input_ids == expanded and expanded.count(model.config.image_token_id) == 4 + 4
+    # 16x16: 2x2 patches / 4 = 1 token; 40x24 -> 32x32: 4x4 / 4 = 4
+    assert second[0].input_ids == expanded and expanded.count(model.config.image_token_id) == 1 + 4
     scheduler.submit_all(second)
     answers = run(scheduler, first + second)
     for request, answer, urls in zip(first + second, answers, [one, [], two]):

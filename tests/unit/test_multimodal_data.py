@@ -105,7 +105,7 @@ def test_urls_and_per_image_sizes_are_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("size", [(16, 16), (13, 40), (100, 7), (64, 64), (90, 120), (33, 17)])
 def test_image_token_count_is_transformers_processors(size: tuple[int, int]) -> None:
-    from tests.vl_fixtures import MAX_PIXELS, MERGE_SIZE, MIN_PIXELS, PATCH_SIZE, make_image_processor
+    from hpc_rl.models.qwen3_vl.tiny import MAX_PIXELS, MERGE_SIZE, MIN_PIXELS, PATCH_SIZE, make_image_processor
 
     grid = ImageGrid(patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=2, min_pixels=MIN_PIXELS,
                      max_pixels=MAX_PIXELS)
@@ -114,7 +114,7 @@ def test_image_token_count_is_transformers_processors(size: tuple[int, int]) -> 
 
 
 def test_prompt_ids_expand_each_image_to_its_tokens(tmp_path: Path) -> None:
-    from tests.vl_fixtures import build_vl_tokenizer, make_image_processor
+    from hpc_rl.models.qwen3_vl.tiny import build_vl_tokenizer, make_image_processor
 
     tokenizer = build_vl_tokenizer()
     make_image_processor().save_pretrained(tmp_path)
@@ -126,9 +126,9 @@ def test_prompt_ids_expand_each_image_to_its_tokens(tmp_path: Path) -> None:
     encoder = make_prompt_encoder(tokenizer, apply_chat_template=True, image_grid=ImageGrid.from_checkpoint(tmp_path))
     ids = encode_record(encoder, record)
     tokens = VisionTokenIds.from_tokenizer(tokenizer)
-    assert ids.count(tokens.image_pad) == 4 + 8  # 16x16 -> 32x32 (min pixels): 4x4 patches / 4; 64x32: 8x4 / 4 ... = 8
+    assert ids.count(tokens.image_pad) == 1 + 8  # 16x16: 2x2 patches / 4; 64x32: 8x4 / 4
     assert ids.count(tokens.vision_start) == 2
-    assert expand_image_pads(ids, [4, 8], tokens) == ids  # already expanded runs stay (SGLang's rule)
+    assert expand_image_pads(ids, [1, 8], tokens) == ids  # already expanded runs stay (SGLang's rule)
     assert vision_messages("<image> hi")[0]["content"] == [{"type": "image"}, {"type": "text", "text": " hi"}]
 
 
@@ -150,7 +150,7 @@ def test_image_references_reach_the_trainer_and_its_pixels_match_the_prompt(tmp_
     from hpc_rl.data.images import image_refs_from_array
     from hpc_rl.data.samples import Sample
     from hpc_rl.data.vision_prompts import image_processor, processed_images, with_processed_images
-    from tests.vl_fixtures import build_vl_tokenizer, make_image_processor
+    from hpc_rl.models.qwen3_vl.tiny import build_vl_tokenizer, make_image_processor
 
     make_image_processor().save_pretrained(tmp_path)
     (tmp_path / "a.png").write_bytes(png((16, 16)))
@@ -169,8 +169,8 @@ def test_image_references_reach_the_trainer_and_its_pixels_match_the_prompt(tmp_
     trainer_side = with_processed_images(arrays, image_processor(tmp_path))
     assert "image_refs" not in trainer_side and trainer_side["tokens"] is arrays["tokens"]
     assert trainer_side["image_counts"].tolist() == [0, 2, 2]
-    assert trainer_side["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 8]] * 2
-    assert trainer_side["pixel_values"].shape == (2 * (16 + 32), 3 * 2 * 8 * 8)
+    assert trainer_side["image_grid_thw"].tolist() == [[1, 2, 2], [1, 4, 8]] * 2  # 16x16, 64x32 in 8-pixel patches
+    assert trainer_side["pixel_values"].shape == (2 * (4 + 32), 3 * 2 * 8 * 8)
     one = processed_images(refs, image_processor(tmp_path))
-    assert (trainer_side["pixel_values"][:48] == one["pixel_values"]).all()
+    assert (trainer_side["pixel_values"][:36] == one["pixel_values"]).all()
     assert int(one["image_grid_thw"].prod(axis=1).sum()) // 4 == ids.count(VisionTokenIds.from_tokenizer(tokenizer).image_pad)

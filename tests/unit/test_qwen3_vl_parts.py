@@ -198,3 +198,25 @@ def test_tiny_model_files_describe_the_tiny_checkpoints(family: str, tiny: dict[
     arch = ModelArchitecture.from_yaml(model_file)
     assert arch.to_dict() == ModelArchitecture(**architecture_fields_from_hf(hf), make_vocab_size_divisible_by=8).to_dict()
     assert architecture_mismatches(arch, hf) == []
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_a_generated_image_pad_token_is_text_for_the_model(layout: str) -> None:
+    """The micro-batch tells the model where the images are (`vision_input_ids`: the responses' tokens -1), so an
+    image pad token the policy generated stays text (the engine's decode embedded it as text) instead of taking the
+    next sample's image."""
+    from hpc_rl.training.micro_batches import build_microbatch
+
+    pad, start, end = 26, 24, 25
+    tokens = [[3, start, pad, end, 7, pad, 8], [3, start, pad, end, 7, 9]]  # sample 0 generated a pad (response 3)
+    images = {"pixel_values": torch.zeros(8, 6), "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2]])}
+    micro = build_microbatch(tokens, [3, 2], [0, 1], qkv_format=layout, images=images)
+    vision = micro.images["vision_input_ids"]
+    assert vision.shape == micro.tokens.shape
+    assert (vision == pad).sum().item() == 2 and (micro.tokens == pad).sum().item() == 3
+    cu = micro.packed_seq_params.cu_seqlens_q if micro.packed else None
+    positions = batch_mrope_positions(vision, pad, images["image_grid_thw"], 2, cu_seqlens=cu)
+    assert positions.shape == (3, *micro.tokens.shape)
+    with pytest.raises(ValueError, match="image pad token at position"):
+        batch_mrope_positions(micro.tokens, pad, images["image_grid_thw"], 2, cu_seqlens=cu)
+    assert build_microbatch(tokens, [3, 2], [0, 1], qkv_format=layout).images is None  # text: nothing new

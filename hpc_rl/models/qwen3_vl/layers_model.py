@@ -19,7 +19,8 @@ Inputs (`forward`): `input_ids` [b, s] (right-padded rows) or [1, T] (packed, wi
 `image_grid_thw` [n_images, 3] of the micro-batch's images in token order (row-major over rows, then packed order),
 as transformers' image processor gives them per sample, concatenated. `position_ids` is ignored: the M-RoPE ids are
 computed here from the tokens and grids (positions restart per packed sample). Without pixel_values the model is
-Qwen3 with M-RoPE on text (all three rows equal: ordinary RoPE).
+Qwen3 with M-RoPE on text (all three rows equal: ordinary RoPE). `vision_input_ids` (optional, like input_ids):
+where the images are, the responses' tokens -1 (a generated pad token is text, as in the engines' decode).
 
 Deepstack (as transformers' `Qwen3VLTextModel`): the output of decoder layer i (i < number of deepstack mergers) gets
 deepstack feature i added at the image positions: forward hooks on those layers add a [s, b, h] tensor that is zero
@@ -100,18 +101,21 @@ class Qwen3VLGPTModel(GPTModel):
                 decoder_input: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 inference_context: Any = None, packed_seq_params: Any = None, *,
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
-                **kwargs: Any) -> torch.Tensor:
+                vision_input_ids: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        # where the images are: `vision_input_ids` when given (input_ids with the responses' tokens -1, so an image
+        # pad token the policy generated stays text, as in the engine's decode), else every pad of input_ids
+        image_ids = input_ids if vision_input_ids is None else vision_input_ids
         cu_seqlens = None
         if packed_seq_params is not None:
             cu_seqlens = (packed_seq_params.cu_seqlens_q_padded if packed_seq_params.cu_seqlens_q_padded is not None
                           else packed_seq_params.cu_seqlens_q)
-        positions = batch_mrope_positions(input_ids, self.image_token_id, image_grid_thw, self.spatial_merge_size,
+        positions = batch_mrope_positions(image_ids, self.image_token_id, image_grid_thw, self.spatial_merge_size,
                                           cu_seqlens=cu_seqlens)
         self._deepstack = None
         if decoder_input is None:
             embeddings = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], not scattered
             if pixel_values is not None:
-                embeddings, addends = self._images_into_embeddings(input_ids, embeddings, pixel_values,
+                embeddings, addends = self._images_into_embeddings(image_ids, embeddings, pixel_values,
                                                                    image_grid_thw)
                 if self.config.sequence_parallel:
                     addends = [tensor_parallel.scatter_to_sequence_parallel_region(a) for a in addends]

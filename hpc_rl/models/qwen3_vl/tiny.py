@@ -5,11 +5,12 @@ Owns: `make_tiny(output_dir, family=...)`: a `Qwen3VLForConditionalGeneration` (
 2 KV heads, `mrope_section` [4, 2, 2] interleaved as Qwen3-VL's) and whose vision tower is 2 blocks of hidden 32
 (2 heads), patch 8, spatial merge 2, temporal patch 2, a 4x4 learned position grid, out_hidden 64 and deepstack from
 both blocks (so LM layers 0 and 1 receive deepstack features). A 32x32 image is a 4x4 patch grid: 4 image tokens; a
-16x16 one gives 1. The tokenizer is the tiny word-level one plus Qwen's vision tokens; the chat template expands an
-`{"type": "image"}` content item to `<|vision_start|> <|image_pad|> <|vision_end|>` (the processor repeats the pad per
-image token). `preprocessor_config.json` names transformers' PIL image processor (`Qwen2VLImageProcessorPil`: no
-torchvision, which does not import here) with the patch/merge sizes above; `AutoImageProcessor.from_pretrained(dir)`
-works offline, `AutoProcessor` does not here (Qwen3VLProcessor builds a video processor, which imports torchvision).
+16x16 one gives 1. The tokenizer is the tiny word-level one plus Qwen's vision tokens and the tiny visual task's
+words; the chat template expands an `{"type": "image"}` content item to `<|vision_start|> <|image_pad|>
+<|vision_end|>` (the processor repeats the pad per image token). `preprocessor_config.json` names transformers' PIL
+image processor (`Qwen2VLImageProcessorPil`: no torchvision, which does not import here) with the patch/merge sizes
+above (`make_image_processor` builds it in memory); `AutoImageProcessor.from_pretrained(dir)` works offline,
+`AutoProcessor` does not here (Qwen3VLProcessor builds a video processor, which imports torchvision).
 The MoE one's fused experts are stored in the released checkpoints' layout (`_experts_to_hub_layout`). Nothing is downloaded.
 """
 
@@ -37,12 +38,22 @@ VL_CHAT_TEMPLATE = (
 
 
 def build_vl_tokenizer():  # -> transformers.PreTrainedTokenizerFast
-    """The tiny word-level tokenizer with Qwen's vision tokens added (ids after the tiny vocabulary) and the VL
-    chat template."""
-    from hpc_rl.models.tiny_checkpoint import build_tokenizer
+    """The tiny word-level tokenizer with Qwen's vision tokens (ids right after the tiny vocabulary, as special
+    tokens), then the tiny visual task's words (`hpc_rl.data.tiny_vl_task.VL_TASK_WORDS`, so its questions and
+    colour answers are not `<unk>`), and the VL chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    from hpc_rl.data.tiny_vl_task import VL_TASK_WORDS
+    from hpc_rl.models.tiny_checkpoint import SPECIAL_TOKENS, TINY_VOCAB
+
+    words = TINY_VOCAB + list(VISION_TOKENS) + [w for w in VL_TASK_WORDS if w not in TINY_VOCAB]
+    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    backend.add_special_tokens(SPECIAL_TOKENS + list(VISION_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<|endoftext|>",
+                                        eos_token="<|im_end|>", bos_token=None)
     tokenizer.chat_template = VL_CHAT_TEMPLATE
     return tokenizer
 
@@ -84,6 +95,16 @@ def _randomize(model: Any, seed: int) -> None:
                 tensor.copy_(torch.randn(tensor.shape, generator=generator))
             elif name.endswith(("norm.weight", "norm1.weight", "norm2.weight", ".bias")):
                 tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
+
+
+def make_image_processor():  # -> transformers' Qwen2VLImageProcessorPil
+    """The tiny checkpoints' image processor (what `preprocessor_config.json` describes), built in memory."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    return Qwen2VLImageProcessorPil(patch_size=PATCH_SIZE, merge_size=MERGE_SIZE,
+                                    temporal_patch_size=TEMPORAL_PATCH_SIZE, size=size, image_mean=list(IMAGE_MEAN),
+                                    image_std=list(IMAGE_STD))
 
 
 def write_processor_files(output_dir: Path) -> None:
