@@ -102,7 +102,8 @@ def test_a_resubmitted_trainer_at_another_tp_trains_the_retained_rollout_with_th
                 reattach_s = time.monotonic() - started
             assert time.monotonic() - started < 600, "the resubmitted job did not end"
             time.sleep(0.1)
-        assert job_state(component_states(second)) == "COMPLETED", (run_dir / "logs" / "controller.log").read_text()[-3000:]
+        assert job_state(component_states(second)) == "COMPLETED", (
+            (run_dir / "logs" / "controller.log").read_text()[-3000:])
         assert running(engine_job)  # the same engine job, never restarted
         served_after = requests_total(url, key)
     finally:
