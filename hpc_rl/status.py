@@ -198,6 +198,11 @@ def format_status(status: dict[str, Any]) -> str:
     if status.get("reward_mean") is not None:
         lines.append(f"last rollout: reward {status['reward_mean']:.3f}, {status.get('last_rollout_seconds') or 0:.2f} s, "
                      f"{status.get('samples_per_second') or 0:.1f} samples/s")
+    retained = status.get("retained")
+    if retained:  # controller/retention.py: generated, not yet in a checkpoint; a resume trains them first
+        lines.append(f"retained rollouts: {len(retained.get('journaled', []))} journaled "
+                     f"{retained.get('journaled', [])}, {len(retained.get('to_train', []))} to train first; "
+                     f"{retained.get('generations_saved', 0)} generation(s) saved by this attempt")
     components = status.get("components", {})
     for rank, trainer in components.get("trainers", {}).items():
         lines.append(f"trainer rank {rank}: pid {trainer['pid']} on {trainer['host']}")

@@ -25,7 +25,7 @@ from hpc_rl.config.validation import ValidationFailed, validate
 from hpc_rl.launch.submit_args import EXIT_INVALID, assign_run_dir, default_executor, parse_submit_args
 from hpc_rl.launch.run_plan import write_topology
 from hpc_rl.launch.topology import plan_run_topology
-from hpc_rl.protocol.secret import create_secret, secret_path
+from hpc_rl.protocol.secret import keep_or_create_secret, secret_path
 
 __all__ = ["EXIT_INVALID", "main"]
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hpc_rl.submit: {changes}", file=sys.stderr, flush=True)
         write_resolved_config(config, config.run_dir)
         write_topology(config.run_dir, config, topology)
-        create_secret(secret_path(config.run_dir), overwrite=True)
+        keep_or_create_secret(secret_path(config.run_dir))  # a resubmit keeps it: engine jobs hold its key
         if executor == "local":
             from hpc_rl.launch.local import run_local
 

@@ -157,6 +157,7 @@ class Controller(DriverInterface):
         self.fleet.on_serving = self.client.wake_waiters
         self.membership.in_flight_on = self.client.in_flight_on
         self.membership.first_send_watch = self.client.first_send_watch
+        self.membership.watch_early_joiners()
         self.fleet.on_router_lost = self._router_lost
 
     def _router_lost(self) -> None:
@@ -360,6 +361,8 @@ class Controller(DriverInterface):
             "components": self._components(),
             "engine_events": self.fleet.events[-20:],
             "engine_jobs": self.membership.summary(),
+            "retained": (loop.rollouts.retention.summary() if loop and loop.rollouts.retention is not None
+                         and loop.rollouts.retention.enabled else None),
             "warnings": self.channel.liveness_warnings() + (loop.recorder.warnings if loop else []),
             "last_error": self.last_error or (str(self.channel.failure) if self.channel.failure else ""),
             "restarts": self.restarts,

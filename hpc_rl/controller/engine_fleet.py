@@ -284,8 +284,8 @@ class EngineFleet:
                 await self._router_call("remove_worker", engine.url)
             except Exception as error:  # the router may already have dropped it
                 log.warning("removing %s from the router: %s", engine.url, error)
-        if self.restart is None or engine.restarts >= self.max_restarts:
-            if not self.registry.live_engines():
+        if self.restart is None or engine.job_id or engine.restarts >= self.max_restarts:  # an engine job's
+            if not self.registry.live_engines():  # engine is its job's: never restarted here (it may join again)
                 self.fatal = RuntimeError(f"every engine failed; engine {engine_index}: {reason} "
                                           f"(restarts used: {engine.restarts}/{self.max_restarts})")
             return

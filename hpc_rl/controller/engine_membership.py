@@ -50,8 +50,10 @@ class EngineMembership:
         self.in_flight_on = in_flight_on
         """Requests in flight on an engine URL (the rollout client's count); None until the stack is built."""
         self.first_send_watch = first_send_watch
-        """The rollout client's `first_send_watch` (None until the stack is built: no time is measured then)."""
+        """The rollout client's `first_send_watch` (None until the stack is built: joiners wait in `_early`)."""
         self.records: dict[int, dict[str, Any]] = {}
+        self._early: dict[int, tuple[str, float]] = {}
+        """Joined before the rollout client existed: index -> (URL, registration time), for `watch_early_joiners`."""
         """Engine index -> its job id, name, and timings (joined_at, first_request_s, drain_s, requeued)."""
 
     async def join(self, *, url: str, tp_size: int, job_id: str, name: str) -> int:
@@ -72,14 +74,23 @@ class EngineMembership:
         return index
 
     def _watch_first_request(self, index: int, url: str, registered: float) -> None:
-        """Registration -> the first request the rollout client sends the joiner (`EngineClient.first_send_watch`)."""
+        """Registration -> the first request the rollout client sends the joiner (`EngineClient.first_send_watch`;
+        one that joined before the client existed, as engine jobs re-joining a restarted controller do, is watched
+        from `watch_early_joiners`)."""
         if self.first_send_watch is None:
+            self._early[index] = (url, registered)
             return
 
         def first_request() -> None:
             self.records[index]["first_request_s"] = round(time.perf_counter() - registered, 3)
 
         self.first_send_watch[url] = first_request
+
+    def watch_early_joiners(self) -> None:
+        """The rollout client exists now (`first_send_watch` set): watch the engines that joined before it."""
+        early, self._early = self._early, {}
+        for index, (url, registered) in early.items():
+            self._watch_first_request(index, url, registered)
 
     async def leave(self, engine_index: int, reason: str) -> tuple[int, float]:
         """Drain the engine; returns (requests requeued, seconds from the abort until the last came back)."""
@@ -93,6 +104,7 @@ class EngineMembership:
         while admin.calls_in_flight and time.monotonic() < deadline:  # a weight sync it is part of ends first
             await asyncio.sleep(0.05)
         await self.fleet.leave(engine_index, reason)
+        self._early.pop(engine_index, None)
         if self.first_send_watch is not None:
             self.first_send_watch.pop(engine.url, None)
         start = time.perf_counter()

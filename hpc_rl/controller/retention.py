@@ -37,7 +37,8 @@ from typing import Any
 
 import orjson
 
-from hpc_rl.controller.fault_hooks import KILL_CONTROLLER_AFTER_RETAIN, kill_here_if_asked
+from hpc_rl.controller.fault_hooks import (HOLD_CONTROLLER_AFTER_RETAIN, KILL_CONTROLLER_AFTER_RETAIN,
+                                          hold_here_if_asked, kill_here_if_asked)
 from hpc_rl.data.samples import Group, Sample
 
 log = logging.getLogger(__name__)
@@ -231,6 +232,7 @@ class Retention:
         self.write_seconds += time.perf_counter() - start
         self.written_samples += samples
         kill_here_if_asked(KILL_CONTROLLER_AFTER_RETAIN, rollout_id)  # tests: generated, journaled, not trained
+        await hold_here_if_asked(HOLD_CONTROLLER_AFTER_RETAIN, rollout_id)  # (the Slurm test scancels the job)
 
     def _write(self, rollout_id: int, weight_version: int, state_before: dict[str, Any], groups: list[Group],
                metrics: dict[str, float], state_after: dict[str, Any]) -> int:
@@ -333,6 +335,14 @@ class Retention:
         log.info("rollout %d: %d retained samples (weights v%d) trained instead of generated", rollout_id,
                  batch.num_samples, batch.weight_version)
         return batch
+
+
+    def summary(self) -> dict[str, Any]:
+        """For status.json: rollouts journaled and not yet checkpointed, those a resume attached and has not
+        trained yet, and the samples trained from retained batches in this attempt (generations saved)."""
+        with self._lock:
+            journaled = sorted(r.rollout_id for r in self._records)
+        return {"journaled": journaled, "to_train": sorted(self._ready), "generations_saved": self.trained_samples}
 
 
 def allowed_lag(*, max_staleness: int | None, async_rollout: bool) -> int:

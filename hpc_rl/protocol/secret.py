@@ -71,6 +71,16 @@ def create_secret(path: str | os.PathLike[str], *, overwrite: bool = False) -> S
     return Secret(key=key, origin=str(path))
 
 
+def keep_or_create_secret(path: str | os.PathLike[str]) -> tuple[Secret, bool]:
+    """The run dir's secret for a (re)submission: the one there if it loads (a resubmit into the run dir: engine
+    jobs and external engines started with the run's engine key, derived from it, would answer a new one's 401),
+    else a fresh one (none yet, or unusable: wrong mode, owner or text). (secret, whether it was kept)."""
+    try:
+        return load_secret(path), True
+    except (OSError, ValueError):
+        return create_secret(path, overwrite=True), False
+
+
 def load_secret(path: str | os.PathLike[str]) -> Secret:
     """Read a secret written by ``create_secret``; refuse it if group or others can access the file."""
     path = Path(path)

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from hpc_rl.config import load_config
-from hpc_rl.controller.fault_hooks import KILL_CONTROLLER_AFTER_SAVE, kill_here_if_asked
+from hpc_rl.controller.fault_hooks import (HOLD_CONTROLLER_AFTER_RETAIN, KILL_CONTROLLER_AFTER_SAVE,
+                                          hold_here_if_asked, kill_here_if_asked)
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry, TrainerInfo
 from hpc_rl.controller.rollout_stack import assemble_loop
 from hpc_rl.controller.trainer_channel import TrainerChannel
@@ -109,6 +110,23 @@ def test_the_fault_hook_kills_once_and_only_at_its_rollout(tmp_path: Path) -> No
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9 and marker.exists()
+
+
+def test_the_hold_hook_holds_once_and_only_at_its_rollout(tmp_path: Path) -> None:
+    marker = tmp_path / "held"
+    environ = {HOLD_CONTROLLER_AFTER_RETAIN: f"2:{marker}"}
+
+    async def run() -> None:
+        await hold_here_if_asked(HOLD_CONTROLLER_AFTER_RETAIN, 1, environ=environ)  # another rollout: passes
+        assert not marker.exists()
+        held = asyncio.create_task(hold_here_if_asked(HOLD_CONTROLLER_AFTER_RETAIN, 2, environ=environ))
+        await asyncio.sleep(0.05)
+        assert not held.done() and marker.exists()  # held until cancelled (the job's end)
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        await asyncio.wait_for(hold_here_if_asked(HOLD_CONTROLLER_AFTER_RETAIN, 2, environ=environ), 1)  # once
+
+    asyncio.run(run())
 
 
 def test_a_new_run_dir_that_loads_another_runs_checkpoint_does_not_get_a_stray_record(tmp_path: Path) -> None:

@@ -144,6 +144,50 @@ def test_a_joiner_before_any_push_serves_at_once_and_indices_never_repeat() -> N
     asyncio.run(scenario())
 
 
+def test_a_failed_engine_job_engine_is_not_restarted_by_the_controller() -> None:
+    """Its job owns the process (the driver's restart knows only the run's own engines: it raised IndexError)."""
+    async def scenario() -> None:
+        registry = Registry(trainer_world_size=1, num_engines=1)
+        restarts: list[int] = []
+
+        async def restart(index: int) -> str:
+            restarts.append(index)
+            return f"http://own-{index}"
+
+        fleet = EngineFleet(registry, FakeRouter(), api_key=None, restart=restart, max_restarts=3,
+                            health_interval_s=3600)
+        await fleet.start()
+        await fleet.register(0, "http://own-0", serving=True)
+        membership = EngineMembership(registry, fleet, weight_version=lambda: 3, initial_weights=lambda: True)
+        joined = await membership.join(url="http://b0", tp_size=1, job_id="20", name="b0")
+        await fleet.fail_engine(joined, "weight sync broke")
+        await fleet.fail_engine(0, "health check failed")
+        await asyncio.sleep(0.05)
+        assert registry.engines[joined].state == EngineState.FAILED and registry.engines[joined].restarts == 0
+        assert restarts == [0]  # the run's own engine is restarted, the engine job's is not
+        await membership.close()
+        await fleet.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_joiner_before_the_rollout_client_exists_is_timed_from_its_join() -> None:
+    """Engine jobs re-joining a restarted controller come before its rollout client: their first request is
+    still measured (status.json's first_request_s)."""
+    async def scenario() -> None:
+        membership, fleet, _, _, _ = await _membership(1, initial=True)
+        membership.first_send_watch = None  # the stack is not built yet
+        index = await membership.join(url="http://b0", tp_size=1, job_id="20", name="b0")
+        watch: dict = {}
+        membership.first_send_watch = watch
+        membership.watch_early_joiners()
+        watch.pop("http://b0")()  # the client's first send to it
+        assert membership.records[index]["first_request_s"] is not None
+        await fleet.close()
+
+    asyncio.run(scenario())
+
+
 def test_the_engine_job_script_and_its_size(tiny_config) -> None:
     tiny_config.cluster.rollout_num_gpus_per_engine = 2
     tiny_config.cluster.num_gpus_per_node = 8

@@ -14,6 +14,7 @@ from hpc_rl.protocol.secret import (
     create_secret,
     derive_key,
     engine_api_key,
+    keep_or_create_secret,
     load_secret,
     secret_path,
 )
@@ -77,3 +78,14 @@ def test_engine_api_key_is_derived_per_job_and_per_purpose() -> None:
     assert key == engine_api_key(Secret(key=b"a" * 32)) and len(key) == 64 and int(key, 16) >= 0
     assert key != engine_api_key(other_job) and key != derive_key(job, b"something-else")
     assert job.key.hex() not in key
+
+
+def test_a_resubmit_keeps_a_usable_secret_and_replaces_an_unusable_one(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    first, kept = keep_or_create_secret(path)
+    assert not kept
+    again, kept = keep_or_create_secret(path)  # the run's engine jobs keep their engine key
+    assert kept and again.key == first.key and engine_api_key(again) == engine_api_key(first)
+    os.chmod(path, 0o644)  # readable by others: not trusted any more
+    fresh, kept = keep_or_create_secret(path)
+    assert not kept and fresh.key != first.key and stat.S_IMODE(path.stat().st_mode) == 0o600

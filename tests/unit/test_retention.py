@@ -22,6 +22,7 @@ from hpc_rl.controller.trainer_channel import TrainerChannel
 from hpc_rl.data.samples import Sample, SampleStatus
 from hpc_rl.protocol.messages import SaveCommand
 from hpc_rl.rollout.scheduler import RolloutResult
+from hpc_rl.status import format_status
 from hpc_rl.telemetry.recorder import RunRecorder
 from hpc_rl.telemetry.scalars import ScalarLog
 from tests.unit.test_run_loop_order import FakeFleet, FakeScheduler, answer_command, describe
@@ -104,7 +105,11 @@ def test_a_resume_trains_the_records_that_continue_its_checkpoint(tmp_path: Path
     # rollout 1 was checkpointed (skipped); 2 generated with the checkpoint's weights v2, 3 with v2 as well (async)
     retention, said = resumed(tmp_path, [batch(1, 1), batch(2, 2), batch(3, 2)])
     assert "re-attached to session 's1': 2 retained rollout(s) [2, 3] (8 samples)" in said[-1]
+    assert retention.summary() == {"journaled": [2, 3], "to_train": [2, 3], "generations_saved": 0}
     assert retention.take(2, state(2)) is not None
+    assert retention.summary() == {"journaled": [2, 3], "to_train": [3], "generations_saved": 4}  # (status.json)
+    assert "retained rollouts: 2 journaled [2, 3], 1 to train first; 4 generation(s) saved" in format_status(
+        {"source": "test", "retained": retention.summary()})
     assert retention.take(2, state(2)) is None  # once
     third = retention.take(3, state(3))  # from the state rollout 2 left (its partial buffer)
     assert third is not None and third.num_samples == 4 and retention.trained_samples == 8

@@ -179,10 +179,12 @@ class GroupPush:
         if group.members:
             await asyncio.gather(*(admins[i].destroy_weight_group(group.previous_name()) for i, _, _ in group.members
                                    if i in admins), return_exceptions=True)
-        if self.clear_stale_groups:  # an external engine new to the group may hold one of this name from an earlier run
-            joined = {index for index, _, _ in group.members}
-            await asyncio.gather(*(admins[e.engine_index].destroy_weight_group(group.name)
-                                   for e in self.engines if e.engine_index not in joined), return_exceptions=True)
+        # An external engine new to the group may hold one of this name from an earlier run, and an engine job's
+        # from the controller before a trainer restart (which named its groups from _1 too).
+        joined = {index for index, _, _ in group.members}
+        stale = [e for e in self.engines if e.engine_index not in joined and (self.clear_stale_groups or e.job_id)]
+        await asyncio.gather(*(admins[e.engine_index].destroy_weight_group(group.name) for e in stale),
+                             return_exceptions=True)
         inits = [asyncio.ensure_future(admins[e.engine_index].init_weight_group(
             master_address=plan.master_address, master_port=plan.master_port, rank_offset=self.offsets[e.engine_index],
             world_size=self.world_size, group_name=group.name, backend=self.backend)) for e in self.engines]
