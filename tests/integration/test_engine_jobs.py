@@ -25,7 +25,8 @@ from tests.integration.run_helpers import REPO_ROOT, records, start_run, wait_fo
 
 pytestmark = pytest.mark.slow
 
-ROLLOUTS = 20  # the engine job starts in ~10-30 s here (a CPU engine loading), while rollouts take 1-4 s
+ROLLOUTS = 80  # the engine job joins ~10-30 s after its submit (a CPU engine loading), while a rollout takes
+# 0.3-4 s: at 20 the run once ended (quiet machine, ~0.5 s a rollout) before the joiner came
 SAMPLES_PER_ROLLOUT = 16 * 8  # configs/tiny_cpu.yaml: rollout_batch_size x n_samples_per_prompt
 
 
