@@ -215,16 +215,26 @@ def test_error_and_control_bodies(engine):
 
 def test_abort_returns_partial_output_with_sglangs_reason(engine):
     """Aborts once the first token has streamed back, so the request is running (never a fixed sleep:
-    a quiet machine decodes the whole budget within one)."""
+    a quiet machine decodes the whole budget within one). The CPU engine holds the running request (paused
+    in place: it keeps its row and decodes nothing) until the abort has landed, so it cannot finish by
+    length first; on SGLang the abort still races the budget (500 tokens at SGLang-on-CPU speed)."""
     budget = 500  # as long as the tiny model's 512-token context allows
     body = {"rid": "to-abort", "input_ids": [9, 15], "stream": True,
             "sampling_params": {"max_new_tokens": budget, "ignore_eos": True}}
+    hold = isinstance(engine, CpuEngineProcess)
     with requests.post(f"{engine.url}/generate", json=body, stream=True, timeout=120) as response:
         events = response.iter_lines()
         first = next(line for line in events if line)
         assert first.startswith(b"data: ")
-        aborted = requests.post(f"{engine.url}/abort_request", json={"rid": "to-abort"}, timeout=30)
-        assert aborted.status_code == 200
+        if hold:
+            paused = requests.post(f"{engine.url}/pause_generation", json={"mode": "in_place"}, timeout=30)
+            assert paused.status_code == 200, paused.text
+        try:
+            aborted = requests.post(f"{engine.url}/abort_request", json={"rid": "to-abort"}, timeout=30)
+            assert aborted.status_code == 200
+        finally:
+            if hold:
+                requests.post(f"{engine.url}/continue_generation", json={}, timeout=30)
         rest = [line for line in events if line]
     chunks = [orjson.loads(event[len(b"data: "):]) for event in [first, *rest] if event != b"data: [DONE]"]
     reason = chunks[-1]["meta_info"]["finish_reason"]
