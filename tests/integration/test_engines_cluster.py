@@ -135,28 +135,42 @@ def test_router_removes_and_adds_workers_at_run_time(cluster):
     assert sorted(router.worker_urls()) == sorted(e.url for e in engines)
 
 
+async def until_running(session: aiohttp.ClientSession, engine: str, count: int, timeout_s: float = 120) -> None:
+    """Until `count` requests sit in the engine's running batch (its /server_info `internal_states`)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        async with session.get(f"{engine}/server_info") as response:
+            running = (await response.json())["internal_states"][0]["num_running_reqs"]
+        if running >= count:
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"{running} of {count} requests running after {timeout_s} s"
+        await asyncio.sleep(0.05)
+
+
 def test_abort_pause_and_misuse_on_one_engine(cluster):
     engine = cluster[0][0].url
     long = {"ignore_eos": True}
 
     async def scenario():
         async with aiohttp.ClientSession(headers=AUTH) as session:
-            # 29 filler requests share the batch, so each decode step is slow enough (~10 ms) that the
-            # three requests under test are surely still running when they are aborted, even on an idle box.
+            # 29 filler requests share the batch (each decode step ~10 ms on an idle box). Once all 32 are
+            # admitted (each has its first token), the engine holds them, paused in place (they keep their rows
+            # and decode nothing), so none can finish by length before the aborts land, whatever the load.
             fillers = [asyncio.create_task(post(session, f"{engine}/generate", generate_body(f"f{i}", [5], 480, **long)))
                        for i in range(29)]
             tasks = [asyncio.create_task(post(session, f"{engine}/generate", generate_body(rid, [5, 6], 480, **long)))
                      for rid in ("a1", "a2", "a3")]
-            await asyncio.sleep(0.5)
+            await until_running(session, engine, 32)
+            assert (await post(session, f"{engine}/pause_generation", {"mode": "in_place"}, AUTH))[0] == 200
             # misuse while requests run
             status, body = await post(session, f"{engine}/release_memory_occupation", {"tags": None}, AUTH)
             assert status == 400 and "pause" in body["message"]
             status, _ = await post(session, f"{engine}/abort_request", {"rid": "a2"}, {"Authorization": "Bearer x"})
             assert status == 401  # admin endpoint with a wrong key
-            # Abort one by rid, then the rest at once (awaiting in between would let them finish on an idle box).
             assert (await post(session, f"{engine}/abort_request", {"rid": "a2"}, AUTH))[0] == 200
             assert not tasks[0].done()
             assert (await post(session, f"{engine}/abort_request", {"abort_all": True}, AUTH))[0] == 200
+            assert (await post(session, f"{engine}/continue_generation", {}, AUTH))[0] == 200
             status, body = await tasks[1]
             assert status == 200 and body["meta_info"]["finish_reason"]["type"] == "abort"
             assert 0 < len(body["output_ids"]) < 480
@@ -169,7 +183,7 @@ def test_abort_pause_and_misuse_on_one_engine(cluster):
             fillers = [asyncio.create_task(post(session, f"{engine}/generate", generate_body(f"g{i}", [5], 480, **long)))
                        for i in range(29)]
             running = asyncio.create_task(post(session, f"{engine}/generate", generate_body("p1", [7], 480, **long)))
-            await asyncio.sleep(0.5)
+            await until_running(session, engine, 30)  # all admitted; 480 tokens take seconds more
             assert (await post(session, f"{engine}/pause_generation", {"mode": "abort"}, AUTH))[0] == 200
             for task in (running, *fillers):
                 status, body = await task
