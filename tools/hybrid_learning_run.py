@@ -1,6 +1,6 @@
 """A learning run of a hybrid linear-attention family on this machine (not a timed test): the tiny GRPO recipe with
 experts (configs/tiny_moe_cpu.yaml) on a tiny Qwen3.5-MoE (or --family qwen3_next / qwen3_5 with its model file),
-served by the CPU engine on per-request transformers caches; prints reward and the engine/trainer log-prob gap of
+served by the CPU engine on its batched state cache; prints reward and the engine/trainer log-prob gap of
 the first and last rollouts.
 
     python tools/hybrid_learning_run.py /tmp/hybrid_run --num-rollout 40 [--family qwen3_5_moe]
