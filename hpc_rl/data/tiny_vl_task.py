@@ -86,8 +86,8 @@ def write_tiny_vl_task(directory: str | Path, split: str, count: int, seed: int)
 
 
 def draw_colour_canvas(rng: random.Random, colours: list[str], index: int) -> tuple[Any, str]:
-    """A LEARN_CANVAS-square canvas filled with `colours[index % len(colours)]` (balanced labels), each channel shifted by up to +-COLOUR_JITTER (so
-    held-out images are new pixels); (image, colour name)."""
+    """A LEARN_CANVAS-square canvas filled with `colours[index % len(colours)]` (balanced labels), each channel
+    shifted by up to +-COLOUR_JITTER (so held-out images are new pixels); (image, colour name)."""
     from PIL import Image
 
     name = colours[index % len(colours)]
