@@ -7,6 +7,11 @@ use (`VL_TASK_WORDS`: a tiny tokenizer must have them, or they read as `<unk>`),
 `tiny_vl_task`): 1.0 when the first colour word (a colour label) or the first digit (a count label) of the response
 is the label, else 0.0. Only the image tells the answer: the colour question's text is always the same, as is the
 count question's, so a policy that scores above chance reads the image.
+
+The learning split (`data/tiny_vl_colour/`, `configs/tiny_vl_cpu.yaml`): colour questions only, each image a
+32x32 canvas filled with one colour (4 image tokens), labels balanced over the 4 colours (so any constant answer
+scores 0.25) and each pixel value jittered (held-out images are new pixels). The mixed split (`data/tiny_vl/`,
+shapes and counts on 16x16, one image token) is not learned in a few CPU minutes; it stays for the data-path tests.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ COLOURS: dict[str, tuple[int, int, int]] = {"red": (220, 30, 30), "green": (30, 
                                             "yellow": (230, 210, 30)}
 CANVAS = 16
 MAX_COUNT = 4
+LEARN_CANVAS = 32
+"""The learning split's canvas: 32x32 is 4 image tokens (patch 8, merge 2)."""
+COLOUR_JITTER = 20
+COLOUR_TRAIN_ROWS, COLOUR_EVAL_ROWS = 128, 32
 COLOUR_QUESTION = "<image> what colour is the shape ?"
 COUNT_QUESTION = "<image> how many shapes are there ?"
 VL_TASK_WORDS = ["what", "colour", "is", "the", "shape", "how", "many", "shapes", "are", "there", "?",
@@ -76,6 +85,35 @@ def write_tiny_vl_task(directory: str | Path, split: str, count: int, seed: int)
     return path
 
 
+def draw_colour_canvas(rng: random.Random, colours: list[str], index: int) -> tuple[Any, str]:
+    """A LEARN_CANVAS-square canvas filled with `colours[index % len(colours)]` (balanced labels), each channel
+    shifted by up to +-COLOUR_JITTER (so held-out images are new pixels); (image, colour name)."""
+    from PIL import Image
+
+    name = colours[index % len(colours)]
+    fill = tuple(max(0, min(255, c + rng.randint(-COLOUR_JITTER, COLOUR_JITTER))) for c in COLOURS[name])
+    return Image.new("RGB", (LEARN_CANVAS, LEARN_CANVAS), fill), name
+
+
+def write_tiny_vl_colour_task(directory: str | Path, split: str, count: int, seed: int,
+                              colours: list[str] | None = None) -> Path:
+    """The learning split: `count` colour questions over whole-canvas colours (`draw_colour_canvas`), rows
+    `<directory>/<split>.jsonl`, images `<directory>/images/<split>_NNNN.png`."""
+    directory = Path(directory)
+    (directory / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    colours = sorted(colours or COLOURS)
+    rows = []
+    for index in range(count):
+        image, label = draw_colour_canvas(rng, colours, index)
+        name = f"images/{split}_{index:04d}.png"
+        image.save(directory / name, format="PNG", optimize=True)
+        rows.append({"prompt": COLOUR_QUESTION, "label": label, "images": [name]})
+    path = directory / f"{split}.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 def tiny_vl_task_reward(response: str, label: object) -> float:
     """1.0 if the response's first colour word (colour label) or first digit (count label) is the label."""
     truth = str(label).strip().lower()
@@ -88,3 +126,6 @@ if __name__ == "__main__":
     root = Path(__file__).resolve().parents[2] / "data" / "tiny_vl"
     print(write_tiny_vl_task(root, "train", 128, seed=0))
     print(write_tiny_vl_task(root, "eval", 32, seed=1))
+    colour_root = root.parent / "tiny_vl_colour"
+    print(write_tiny_vl_colour_task(colour_root, "train", COLOUR_TRAIN_ROWS, seed=0))
+    print(write_tiny_vl_colour_task(colour_root, "eval", COLOUR_EVAL_ROWS, seed=1))

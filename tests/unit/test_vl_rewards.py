@@ -11,7 +11,8 @@ import pytest
 from hpc_rl.config.file_checks import data_file_problems
 from hpc_rl.data.images import ImageLimits
 from hpc_rl.data.prompts import DataKeys, PromptDataset
-from hpc_rl.data.tiny_vl_task import tiny_vl_task_reward, write_tiny_vl_task
+from hpc_rl.data.tiny_vl_task import (COLOUR_EVAL_ROWS, COLOUR_TRAIN_ROWS, COLOURS, tiny_vl_task_reward,
+                                      write_tiny_vl_colour_task, write_tiny_vl_task)
 from hpc_rl.rewards import score
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,3 +70,30 @@ def test_committed_tiny_vl_data_is_the_generators_and_checks_clean(tmp_path: Pat
     assert len(records) == 128 and {r.label for r in records} == {"red", "green", "blue", "yellow", "1", "2", "3", "4"}
     assert data_file_problems(str(committed / "train.jsonl"), keys, "rollout.prompt_data", skip_bad_lines=False,
                               rm_type="tiny_vl_task", image_limits=ImageLimits(1 << 20, 64 * 64)) == []
+
+
+def test_committed_colour_split_is_the_generators_balanced_and_held_out(tmp_path: Path) -> None:
+    """The learning split: the committed files are the generator's, each colour a quarter of each split (a constant
+    answer scores 0.25), the eval images are other pixels than the train images, every image is 32x32."""
+    from PIL import Image
+
+    committed = REPO / "data" / "tiny_vl_colour"
+    pixels: dict[str, set[tuple[int, int, int]]] = {}
+    for split, count, seed in (("train", COLOUR_TRAIN_ROWS, 0), ("eval", COLOUR_EVAL_ROWS, 1)):
+        written = write_tiny_vl_colour_task(tmp_path, split, count, seed)
+        assert written.read_text() == (committed / f"{split}.jsonl").read_text()
+        keys = DataKeys(input_key="prompt", label_key="label", multimodal_keys={"image": "images"})
+        records = PromptDataset.load(committed / f"{split}.jsonl", keys).records
+        labels = [r.label for r in records]
+        assert {label: labels.count(label) for label in COLOURS} == {label: count // 4 for label in COLOURS}
+        pixels[split] = set()
+        for index in range(count):
+            name = f"images/{split}_{index:04d}.png"
+            assert (tmp_path / name).read_bytes() == (committed / name).read_bytes(), name
+            with Image.open(committed / name) as image:
+                assert image.size == (32, 32) and len(image.getcolors()) == 1, name
+                pixels[split].add(image.getpixel((0, 0)))
+        assert data_file_problems(str(committed / f"{split}.jsonl"), keys, "rollout.prompt_data",
+                                  skip_bad_lines=False, rm_type="tiny_vl_task",
+                                  image_limits=ImageLimits(1 << 20, 64 * 64)) == []
+    assert len(pixels["eval"] - pixels["train"]) >= COLOUR_EVAL_ROWS - 2  # held out: (nearly) all new colours
