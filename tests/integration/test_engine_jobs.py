@@ -44,6 +44,15 @@ def joined_engine(run_dir: Path) -> dict | None:
     return None
 
 
+def joined_in_flight(run_dir: Path) -> int:
+    """Requests in flight on the engine job's engine, from the controller's live status (0 while it has none to say:
+    a status call that timed out, or no engine job yet)."""
+    for job in ((live_status(run_dir) or {}).get("engine_jobs") or {}).values():
+        for engine in (job.get("engines") or {}).values():
+            return int(engine.get("in_flight") or 0)
+    return 0
+
+
 @pytest.mark.timeout(900)
 def test_an_engine_job_joins_with_the_current_weights_and_leaves_losing_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -64,9 +73,7 @@ def test_an_engine_job_joins_with_the_current_weights_and_leaves_losing_nothing(
         served = int(json.loads(info)["weight_version"])
         controller_version = json.loads((run_dir / "status.json").read_text())["weight_version"]
         assert status == 200 and served >= 1 and abs(served - controller_version) <= 1, (served, controller_version)
-        wait_for(lambda: next(iter(next(iter((live_status(run_dir) or {}).get("engine_jobs", {}).values()))["engines"]
-                                   .values()))["in_flight"] > 0, 120, "requests on the engine job's engine",
-                 interval_s=0.02)
+        wait_for(lambda: joined_in_flight(run_dir) > 0, 120, "requests on the engine job's engine", interval_s=0.02)
         left_during = len(records(run_dir))
         os.killpg(job.pid, signal.SIGTERM)  # what Slurm sends at the end of the job: mid-rollout, requests on it
         assert job.wait(120) == 0, job_out.read_text()[-3000:]
