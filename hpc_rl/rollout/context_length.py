@@ -1,8 +1,9 @@
-"""The engines' context length and what the client does at it: the length as the engines derive it (SGLang's
-option, else the checkpoint's config.json), `max_new_tokens` clipped so a request fits, and the answer given
-without a request to a prompt the engines would refuse for its length (SGLang 0.5.23's rule).
+"""The engines' context length and what follows from it: the length as the engines derive it (SGLang's
+option, else the checkpoint's config.json), `max_new_tokens` clipped so a request fits, the answer given
+without a request to a prompt the engines would refuse for its length (SGLang 0.5.23's rule), and the longest
+prompt a rollout or an eval uses (`prompt_length_limit`, `length_limit`).
 
-Used by engine_client.py (which re-exports these names), the rollout scheduler and the run's builder.
+Used by engine_client.py and the rollout scheduler (which re-export these names), eval.py and the run's builder.
 """
 
 from __future__ import annotations
@@ -57,3 +58,27 @@ def context_full_answer(payload: dict[str, Any], context_length: int | None) -> 
     return {"text": "", "output_ids": [], "meta_info": {
         "id": payload.get("rid"), "finish_reason": {"type": "length", "length": 0},
         "prompt_tokens": len(input_ids), "completion_tokens": 0, "cached_tokens": 0}}
+
+
+def prompt_length_limit(rollout: Any, engine_context_len: int | None) -> tuple[int | None, str]:
+    """The longest prompt a rollout uses, and why: `rollout_max_prompt_len`; else, as slime derives it,
+    `rollout_max_context_len - 1`; else the longest prompt the engines serve with room for a response
+    (SGLang refuses a prompt of context - 6 tokens or more); None when nothing bounds it."""
+    return length_limit([("rollout_max_prompt_len", rollout.rollout_max_prompt_len)],
+                        [("rollout_max_context_len", rollout.rollout_max_context_len)], engine_context_len)
+
+
+def length_limit(prompt_lens: list[tuple[str, int | None]], context_lens: list[tuple[str, int | None]],
+                 engine_context_len: int | None) -> tuple[int | None, str]:
+    """The first prompt length set (field, tokens), else the first context length set minus one, else what the
+    engines' context leaves; and why. The rule of `prompt_length_limit`, for rollouts and eval alike."""
+    for name, value in prompt_lens:
+        if value is not None:
+            return value, name
+    for name, value in context_lens:
+        if value is not None:
+            return value - 1, f"{name} - 1: room for one response token"
+    if engine_context_len:
+        return (longest_served_prompt(engine_context_len),
+                f"the engines' context length {engine_context_len} leaves no room for a response beyond it")
+    return None, ""
