@@ -17,7 +17,7 @@ GPU (this project has none): the per-process overheads below are round numbers, 
 tensors a layer keeps for backward (bf16; flash attention keeps no score matrix), MoE activations assume
 balanced routing, and a sample longer than max_tokens_per_gpu is one micro-batch of its own (as in slime).
 
-One module (~450 lines) on purpose: the trainer's and the engines' byte counts, the phases that add them on one GPU
+One module (~480 lines) on purpose: the trainer's and the engines' byte counts, the phases that add them on one GPU
 and the text that prints them are one calculation, read top to bottom; split, each part would import the
 others' private terms (the overhead constants, `_training_peak`, `_fused_group_bytes`) back.
 """

@@ -22,6 +22,10 @@ Shutdown order (success, failure, Ctrl-C alike): the loop stops issuing commands
 get StopCommand (when they are still reachable) -> the driver stops torchrun -> engines -> router ->
 Controller.close(): health task, HTTP sessions, then the TCP server. A trainer rank that disconnects
 fails the run at once (after a final controller-state save, when a trainer can still save).
+
+One module (~400 lines) on purpose: it is the wiring of the parts above (each its own module: registry,
+trainer_channel, engine_fleet, engine_membership, run_loop, rollout_stack), their start, shutdown order and the
+status they report together; what remains here is the order, which reads best in one place.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ engines. This one costs ~100 us per single call and ~45-70 us per pipelined one 
 each read lands in one reused per-thread buffer, ~16 us less per answer, and a weight update's answers
 can be read in batches through a `ReadGate`). benchmarks/bench_admin_fanout.py, bench_scale.py and
 docs/scaling.md have the current numbers.
-Does not own: what the calls mean (controller.engine_admin, rollout.engine_client) or when they are
+Does not own: the bytes of a request and the parsing of a response (http_wire.py); what the calls mean
+(controller.engine_admin, rollout.engine_client) or when they are
 made (controller.transports, the loop, the rollout client). Plain HTTP only: engines and the
 router listen on the job's own nodes, as before (no TLS was used with aiohttp either), and are
 reached directly whatever http_proxy says (urllib sent the sync calls to the proxy). A user's reward
@@ -32,6 +33,12 @@ from collections import deque
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+from hpc_rl.protocol.http_wire import (  # noqa: F401  (re-exported: callers import them from here)
+    EngineHTTPTransportError,
+    _ResponseParser,
+    encode_request,
+)
+
 DEFAULT_MAX_CONNECTING = 64
 """Connections being opened at once, over all engines."""
 
@@ -40,121 +47,6 @@ IDLE_CLOSE_RACE_S = 1.0
 """A kept-alive connection closed this soon after a write, before any answer, was closed by the engine
 while idle (it never read the request): the request is sent again on a new connection. Later, it is an
 engine that went away while working, and the caller hears of it."""
-
-
-class EngineHTTPTransportError(ConnectionError):
-    """The connection failed, was closed, timed out, or answered something that is not HTTP/1.1."""
-
-
-def encode_request(method: str, path: str, host: str, auth: bytes, body: bytes | None) -> bytes:
-    """One HTTP/1.1 request, keep-alive, with a JSON body (or none)."""
-    head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n".encode() + auth
-    if body is None:
-        return head + b"Content-Length: 0\r\n\r\n"
-    return head + b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-
-
-def _header(head: bytes, name: bytes) -> bytes | None:
-    """The value of header `name` in a lower-cased response head (each line ending in CRLF)."""
-    start = head.find(b"\r\n" + name + b":")
-    if start < 0:
-        return None
-    start += len(name) + 3
-    return head[start:head.find(b"\r\n", start)].strip()
-
-
-def _one_whole_response(data: bytes) -> tuple[int, bytes] | None:
-    """(status, body) if `data` is exactly one complete final response with a Content-Length."""
-    end = data.find(b"\r\n\r\n")
-    if end < 0 or not data.startswith(b"HTTP/1."):
-        return None
-    head = data[:end + 2].lower()
-    length = _header(head, b"content-length")
-    if length is None or len(data) != end + 4 + int(length) or int(head[9:12]) < 200:
-        return None
-    return int(head[9:12]), data[end + 4:]
-
-
-class _ResponseParser:
-    """Incremental HTTP/1.1 response parser: feed bytes, get (status, body) tuples."""
-
-    def __init__(self) -> None:
-        self.buffer = bytearray()
-        self.status: int | None = None
-        self.length: int | None = None
-        self.chunked = False
-        self.until_close = False
-        self.body: bytearray | bytes = bytearray()
-
-    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        if not self.buffer and self.status is None:
-            whole = _one_whole_response(data)
-            if whole is not None:  # the common case: one read holds one answer
-                return [whole]
-        self.buffer += data
-        done: list[tuple[int, bytes]] = []
-        while True:
-            if self.status is None and not self._head():
-                return done
-            finished = self._chunks() if self.chunked else self._fixed()
-            if not finished:
-                return done
-            done.append((self.status or 0, bytes(self.body)))
-            self.status, self.length, self.chunked, self.body = None, None, False, bytearray()
-
-    def _head(self) -> bool:
-        end = self.buffer.find(b"\r\n\r\n")
-        if end < 0:
-            return False
-        head = bytes(self.buffer[:end + 2]).lower()
-        del self.buffer[:end + 4]
-        if not head.startswith(b"http/1.") or len(head) < 12:
-            raise EngineHTTPTransportError(f"not an HTTP/1.1 response: {head[:80]!r}")
-        status = int(head[9:12])
-        if 100 <= status < 200:  # an interim response: the real one follows
-            return self._head()
-        self.status = status
-        self.chunked = _header(head, b"transfer-encoding") == b"chunked"
-        length = _header(head, b"content-length")
-        if length is not None:
-            self.length = int(length)
-        elif not self.chunked and status not in (204, 304):
-            self.until_close = True
-        return True
-
-    def _fixed(self) -> bool:
-        if self.until_close:
-            return False  # completed by close()
-        need = self.length or 0
-        if len(self.buffer) < need:
-            return False
-        with memoryview(self.buffer) as view:  # one copy out of the buffer (a slice, then bytes(), made two)
-            self.body = view[:need].tobytes()
-        del self.buffer[:need]
-        return True
-
-    def _chunks(self) -> bool:
-        while True:
-            end = self.buffer.find(b"\r\n")
-            if end < 0:
-                return False
-            size = int(bytes(self.buffer[:end]).split(b";")[0], 16)
-            if size == 0:
-                trailer_end = self.buffer.find(b"\r\n\r\n", end)
-                if trailer_end < 0:
-                    return False
-                del self.buffer[:trailer_end + 4]
-                return True
-            if len(self.buffer) < end + 2 + size + 2:
-                return False
-            self.body += self.buffer[end + 2:end + 2 + size]
-            del self.buffer[:end + 2 + size + 2]
-
-    def close(self) -> tuple[int, bytes] | None:
-        """The peer closed: the body read up to the close, if that is how this response ends."""
-        if self.status is not None and self.until_close:
-            return self.status, bytes(self.body + self.buffer)
-        return None
 
 
 _receive = threading.local()

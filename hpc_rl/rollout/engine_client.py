@@ -8,7 +8,7 @@ the router does not route (`/abort_request`), which go to every engine URL of an
 (the engine list can change at run time: engines die, restart, get added).
 
 Does not own: what a request contains or how a sample is resumed (generate.py), retry policy decisions
-(generate.py), weight updates and pause/continue (the weights/engines side).
+(generate.py), the context length and the clip to it (context_length.py, re-exported here), weight updates and pause/continue (the weights/engines side).
 
 Batching (`batch_requests`, on by default): `generate(payload, group=...)` calls made at the same moment
 (the samples of the groups a rollout submits together) are queued for one event-loop turn and sent as
@@ -28,11 +28,9 @@ and knows the engine of each rid.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
@@ -40,6 +38,12 @@ import orjson
 from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
 from hpc_rl.rollout.answer_pool import AnswerPool
 from hpc_rl.rollout.answer_workers import AnswerNotJSON, compact_answers
+from hpc_rl.rollout.context_length import (  # noqa: F401  (re-exported: callers import them from here)
+    clip_to_context,
+    context_full_answer,
+    engine_context_length,
+    longest_served_prompt,
+)
 from hpc_rl.rollout.engine_loads import EngineLoads
 from hpc_rl.rollout.request_batching import BatchAnswerError, batchable, merge_payloads, plan_batches, split_answer
 
@@ -47,52 +51,6 @@ if TYPE_CHECKING:
     from typing import Self  # 3.11+; annotations only
 
 log = logging.getLogger(__name__)
-
-
-def engine_context_length(hf_checkpoint: str | Path, sglang_options: Mapping[str, Any] | None = None) -> int | None:
-    """The engines' context length, as they derive it: SGLang's `context_length` option if set, else the
-    checkpoint's `max_position_embeddings` (config.json; None if neither is known)."""
-    options = sglang_options or {}
-    explicit = options.get("context_length", options.get("sglang_context_length"))
-    if explicit:
-        return int(explicit)
-    try:
-        config = json.loads((Path(hf_checkpoint) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
-    return int(value) if value else None
-
-
-def clip_to_context(payload: dict[str, Any], context_length: int | None) -> dict[str, Any]:
-    """`payload` with `max_new_tokens` lowered so prompt + new tokens fit the context (slime's clip with
-    `rollout_max_context_len`): SGLang answers 400 "Requested token count exceeds the model's maximum
-    context length" instead of generating less. Unchanged without a known context or `input_ids`."""
-    input_ids = payload.get("input_ids")
-    params = payload.get("sampling_params")
-    if not context_length or not isinstance(input_ids, list) or not isinstance(params, dict):
-        return payload
-    budget = max(0, context_length - len(input_ids))
-    if int(params.get("max_new_tokens", 128)) <= budget:
-        return payload
-    return {**payload, "sampling_params": {**params, "max_new_tokens": budget}}
-
-
-def longest_served_prompt(context_length: int) -> int:
-    """SGLang 0.5.23's scheduler refuses (400) prompts of `max_req_len - 5 = context - 6` tokens or more."""
-    return context_length - 7
-
-
-def context_full_answer(payload: dict[str, Any], context_length: int | None) -> dict[str, Any] | None:
-    """The answer for a prompt the engines would refuse for its length (a resumed sample that filled the
-    context): no new token, finish_reason length, as slime truncates such a sample without a request.
-    None when the request can be served."""
-    input_ids = payload.get("input_ids")
-    if not context_length or not isinstance(input_ids, list) or len(input_ids) <= longest_served_prompt(context_length):
-        return None
-    return {"text": "", "output_ids": [], "meta_info": {
-        "id": payload.get("rid"), "finish_reason": {"type": "length", "length": 0},
-        "prompt_tokens": len(input_ids), "completion_tokens": 0, "cached_tokens": 0}}
 
 
 class EngineDirectory(Protocol):

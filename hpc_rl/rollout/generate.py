@@ -31,7 +31,8 @@ Owns:
   variable, so aborts, retries and weight versions work) and `append_tool_tokens(...)` for tool output
   (loss_mask 0). It returns the sample with `status` set. See examples/two_turn_tool_generate.py.
 
-Does not own: HTTP details (engine_client.py), rewards, groups, filters (scheduler.py).
+Does not own: HTTP details (engine_client.py), rewards, groups, filters (scheduler.py), the sampling params of
+the config and the per-token columns of an answer (request_fields.py, re-exported here).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import time
 import uuid
 from array import array
 from collections.abc import Awaitable, Callable
-from operator import itemgetter
 from typing import Any
 
 from hpc_rl.data.images import image_data_url
@@ -52,13 +52,21 @@ from hpc_rl.retry_policy import RetryPolicy
 from hpc_rl.rollout.engine_client import (EngineClient, EngineHTTPError, GenerateAnswer, StopGeneration,
                                           TransportError)
 from hpc_rl.rollout.metrics import GenerationMetrics
+from hpc_rl.rollout.request_fields import (  # noqa: F401  (re-exported: callers import them from here)
+    SamplingParams,
+    eval_sampling_params,
+    output_logprobs,
+    parse_weight_versions,
+    rollout_sampling_params,
+    version_to_int,
+    weight_version_column,
+)
 from hpc_rl.rollout.top_logprobs import REQUEST_FIELD as TOP_LOGPROBS_FIELD
 from hpc_rl.rollout.top_logprobs import (TopLogprobsError, append_top_logprobs, pad_top_logprobs,
                                          top_logprobs_from_answer)
 from hpc_rl.rollout.routed_experts import (REQUEST_FIELD, RoutedExpertsError, RoutingShape,
                                            routed_experts_from_answer)
 
-SamplingParams = dict[str, Any]
 GenerateFn = Callable[[Any, Sample, SamplingParams], Awaitable[Sample]]
 """`async fn(args, sample, sampling_params) -> Sample` (slime's custom generate signature)."""
 
@@ -101,80 +109,6 @@ def engine_error_message(body: str) -> str:
     if isinstance(error, dict) and "message" in error:
         error = error["message"]
     return str(error)[:500]
-
-
-def rollout_sampling_params(rollout: Any) -> SamplingParams:
-    """SGLang sampling params from a `RolloutConfig` (only fields the router forwards; None left out)."""
-    params: SamplingParams = {
-        "max_new_tokens": rollout.rollout_max_response_len,
-        "temperature": rollout.rollout_temperature,
-        "top_p": rollout.rollout_top_p,
-        "top_k": rollout.rollout_top_k,
-    }
-    if rollout.rollout_stop:
-        params["stop"] = list(rollout.rollout_stop)
-    if rollout.rollout_stop_token_ids:
-        params["stop_token_ids"] = list(rollout.rollout_stop_token_ids)
-    return params
-
-
-def eval_sampling_params(rollout: Any, evaluation: Any) -> SamplingParams:
-    """Rollout params with the `EvalConfig` overrides (eval_max_response_len, eval_temperature, ...,
-    eval_min_new_tokens)."""
-    params = rollout_sampling_params(rollout)
-    overrides = {"max_new_tokens": evaluation.eval_max_response_len, "temperature": evaluation.eval_temperature,
-                 "top_p": evaluation.eval_top_p, "top_k": evaluation.eval_top_k,
-                 "min_new_tokens": evaluation.eval_min_new_tokens}
-    params.update({k: v for k, v in overrides.items() if v is not None})
-    return params
-
-
-def version_to_int(value: Any, fallback: int) -> int:
-    """SGLang reports versions as strings ("default" before any update, then what the trainer sent)."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return fallback
-
-
-def output_logprobs(entries: list[Any] | array) -> list[float] | array:
-    """The logprob of each output token from SGLang's `[logprob, token id, text]` entries (None or a
-    malformed entry: 0.0). The common case is walked in C: this is per token, for every sample. Entries
-    already reduced to an array of log-probs (answer_pool.compact_answers) are returned as they are."""
-    if isinstance(entries, array):
-        return entries
-    try:
-        logprobs = list(map(itemgetter(0), entries))
-    except (IndexError, TypeError, KeyError):
-        return [float(x[0]) if x and x[0] is not None else 0.0 for x in entries]
-    if None in logprobs:  # an int (a JSON 0) is left as is: every reader takes numbers
-        return [float(x) if x is not None else 0.0 for x in logprobs]
-    return logprobs
-
-
-def parse_weight_versions(meta_info: dict[str, Any], n_tokens: int, fallback: int) -> list[int]:
-    """Per output token, the weight version that produced it (`weight_version_column` as a list)."""
-    return weight_version_column(meta_info, n_tokens, fallback).tolist()
-
-
-def weight_version_column(meta_info: dict[str, Any], n_tokens: int, fallback: int) -> array:
-    """Per output token, the weight version that produced it, as an `array('q')`.
-
-    `meta_info.weight_versions` = spans `[{"version", "start", "end"}]` over this request's output tokens
-    (end exclusive); else the single `meta_info.weight_version`; tokens no span covers, and versions
-    that are not integers ("default"), get `fallback` (the version the controller believes is loaded).
-    """
-    single = version_to_int(meta_info.get("weight_version"), fallback)
-    versions = array("q", (single,)) * n_tokens
-    for span in meta_info.get("weight_versions") or []:
-        try:
-            start, end = int(span["start"]), int(span["end"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        start, end = max(0, start), min(n_tokens, end)
-        if start < end:  # a slice, not a loop per token (~40 us per 1,000 tokens)
-            versions[start:end] = array("q", (version_to_int(span.get("version"), fallback),)) * (end - start)
-    return versions
 
 
 class GenerationSession:

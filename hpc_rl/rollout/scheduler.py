@@ -21,7 +21,8 @@ token carries the version that generated it). Call `set_weight_version(v)` after
 staleness rule is in partial_buffer.py. One `run` at a time per scheduler.
 
 Also owns the scheduler's checkpoint: buffer, group/sample index counters, prompt cursor.
-Does not own: HTTP (engine_client.py), a sample's generation (generate.py), reward rules (hpc_rl.rewards).
+Does not own: HTTP (engine_client.py), a sample's generation (generate.py), reward rules (hpc_rl.rewards),
+the prompt length limit (context_length.py, re-exported here).
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ from typing import Any
 
 from hpc_rl.data.prompts import DataError, PromptEncoder, PromptSource, encode_record, make_group
 from hpc_rl.data.samples import Group, Sample, SampleStatus
-from hpc_rl.rollout.engine_client import EngineClient, longest_served_prompt
+from hpc_rl.rollout.context_length import (  # noqa: F401  (re-exported: callers import them from here)
+    length_limit,
+    prompt_length_limit,
+)
+from hpc_rl.rollout.engine_client import EngineClient
 from hpc_rl.rollout.filters import GroupFilter, filter_verdict, load_buffer_filter, load_group_filter
 from hpc_rl.rollout.generate import (
     GenerateFn,
@@ -107,30 +112,6 @@ class SchedulerSettings:
                    max_staleness=rollout.max_staleness, max_context_len=rollout.rollout_max_context_len,
                    max_prompt_len=limit, max_prompt_len_why=why, routed_experts=routed_experts,
                    top_logprobs_num=top_logprobs_num)
-
-
-def prompt_length_limit(rollout: Any, engine_context_len: int | None) -> tuple[int | None, str]:
-    """The longest prompt a rollout uses, and why: `rollout_max_prompt_len`; else, as slime derives it,
-    `rollout_max_context_len - 1`; else the longest prompt the engines serve with room for a response
-    (SGLang refuses a prompt of context - 6 tokens or more); None when nothing bounds it."""
-    return length_limit([("rollout_max_prompt_len", rollout.rollout_max_prompt_len)],
-                        [("rollout_max_context_len", rollout.rollout_max_context_len)], engine_context_len)
-
-
-def length_limit(prompt_lens: list[tuple[str, int | None]], context_lens: list[tuple[str, int | None]],
-                 engine_context_len: int | None) -> tuple[int | None, str]:
-    """The first prompt length set (field, tokens), else the first context length set minus one, else what the
-    engines' context leaves; and why. The rule of `prompt_length_limit`, for rollouts and eval alike."""
-    for name, value in prompt_lens:
-        if value is not None:
-            return value, name
-    for name, value in context_lens:
-        if value is not None:
-            return value - 1, f"{name} - 1: room for one response token"
-    if engine_context_len:
-        return (longest_served_prompt(engine_context_len),
-                f"the engines' context length {engine_context_len} leaves no room for a response beyond it")
-    return None, ""
 
 
 class _GroupRun:

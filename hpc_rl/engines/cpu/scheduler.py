@@ -10,6 +10,10 @@ weight update or an abort never lands in the middle of a forward pass.
                                             -> one decode step for every running row
                                             -> finished rows answer their futures, leave the batch
            else: sleep until submit/call wakes it
+
+One module (~410 lines) on purpose: the loop, admission, the decode step and retirement all read and write the
+one thread's batch, queue and pause state; the pieces with a life of their own already live apart (`kv_batch`,
+`requests`, `sampling`, `memory_occupation`, `routed_experts`, `lora_serving`).
 """
 
 from __future__ import annotations
