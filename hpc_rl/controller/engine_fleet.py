@@ -280,10 +280,7 @@ class EngineFleet:
         if self.on_failed is not None:
             self.on_failed(engine_index)
         if was_serving:
-            try:
-                await self._router_call("remove_worker", engine.url)
-            except Exception as error:  # the router may already have dropped it
-                log.warning("removing %s from the router: %s", engine.url, error)
+            await self._off_the_router(engine.url)
         if self.restart is None or engine.job_id or engine.restarts >= self.max_restarts:  # an engine job's
             if not self.registry.live_engines():  # engine is its job's: never restarted here (it may join again)
                 self.fatal = RuntimeError(f"every engine failed; engine {engine_index}: {reason} "
@@ -292,6 +289,13 @@ class EngineFleet:
         task = asyncio.create_task(self._restart(engine_index), name=f"restart-engine-{engine_index}")
         self._restarts.add(task)
         task.add_done_callback(self._restarts.discard)
+
+    async def _off_the_router(self, url: str) -> None:
+        """Remove a serving engine from the router (a refusal only warns: the router may already have dropped it)."""
+        try:
+            await self._router_call("remove_worker", url)
+        except Exception as error:
+            log.warning("removing %s from the router: %s", url, error)
 
     async def leave(self, engine_index: int, reason: str) -> None:
         """An engine of an engine job leaves: LEFT (no new request, never restarted, no health checks), off the
@@ -306,10 +310,7 @@ class EngineFleet:
         if self.on_failed is not None:
             self.on_failed(engine_index)
         if was_serving:
-            try:
-                await self._router_call("remove_worker", engine.url)
-            except Exception as error:  # the router may already have dropped it
-                log.warning("removing %s from the router: %s", engine.url, error)
+            await self._off_the_router(engine.url)
         if not any(e.state == EngineState.STARTING for e in self.registry.engines.values()):
             self.engine_waiting.clear()
 

@@ -49,9 +49,10 @@ from hpc_rl.weights.sender import WeightSender, wire_tensors
 log = logging.getLogger(__name__)
 
 
-def post_update(url: str, body: dict[str, Any], *, api_key: str | None, timeout_s: float) -> None:
-    """POST /update_weights_from_tensor; raises RuntimeError with the engine's answer unless it is 200."""
-    target = f"{url.rstrip('/')}/update_weights_from_tensor"
+def post_to_local_engine(url: str, endpoint: str, body: dict[str, Any], *, api_key: str | None,
+                         timeout_s: float) -> None:
+    """POST `body` to the engine on this node's `endpoint`; RuntimeError with the engine's answer unless it is 200."""
+    target = f"{url.rstrip('/')}/{endpoint}"
     try:  # the engine on this node, reached directly (never through $http_proxy, as urllib would)
         status, answer = request_blocking("POST", target, json.dumps(body).encode(), api_key=api_key,
                                           timeout_s=timeout_s)
@@ -59,6 +60,11 @@ def post_update(url: str, body: dict[str, Any], *, api_key: str | None, timeout_
         raise RuntimeError(f"{target} failed: {error}") from None
     if status != 200:
         raise RuntimeError(f"{target} answered HTTP {status}: {answer[:500].decode(errors='replace')}")
+
+
+def post_update(url: str, body: dict[str, Any], *, api_key: str | None, timeout_s: float) -> None:
+    """POST /update_weights_from_tensor (`post_to_local_engine`)."""
+    post_to_local_engine(url, "update_weights_from_tensor", body, api_key=api_key, timeout_s=timeout_s)
 
 
 class ColocatedWeightSender:

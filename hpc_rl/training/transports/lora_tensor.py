@@ -7,29 +7,21 @@ sent here (the controller sends it with a ColocatedSyncCommand when the engines 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
 
 from hpc_rl.config.sections.training import CheckpointConfig
-from hpc_rl.protocol.http_client import EngineHTTPTransportError, request_blocking
 from hpc_rl.protocol.messages import LoraTensorCommand
 from hpc_rl.training.offload import TrainerOffload
 from hpc_rl.training.transports.base import TransportRank, export_dtype
+from hpc_rl.weights.colocated_sender import post_to_local_engine
 from hpc_rl.weights.lora_sync import adapter_bytes, load_from_tensors_request
 
 
 def post_adapter(url: str, body: dict[str, Any], *, api_key: str | None, timeout_s: float) -> None:
-    """POST /load_lora_adapter_from_tensors; RuntimeError with the engine's answer unless it is 200."""
-    target = f"{url.rstrip('/')}/load_lora_adapter_from_tensors"
-    try:
-        status, answer = request_blocking("POST", target, json.dumps(body).encode(), api_key=api_key,
-                                          timeout_s=timeout_s)
-    except EngineHTTPTransportError as error:
-        raise RuntimeError(f"{target} failed: {error}") from None
-    if status != 200:
-        raise RuntimeError(f"{target} answered HTTP {status}: {answer[:500].decode(errors='replace')}")
+    """POST /load_lora_adapter_from_tensors (`post_to_local_engine`)."""
+    post_to_local_engine(url, "load_lora_adapter_from_tensors", body, api_key=api_key, timeout_s=timeout_s)
 
 
 class TrainerLoraTensor:
