@@ -108,10 +108,15 @@ class OddEngine:
     async def start(self) -> "OddEngine":
         from aiohttp import web
 
+        self.release = asyncio.Event()  # set by stop(): a "slow" request ends then (the server's cleanup waits for it)
+
         async def generate(request: web.Request) -> web.Response:
             kind = (await request.json())["rid"]
             if kind == "slow":
-                await asyncio.sleep(30)
+                try:
+                    await asyncio.wait_for(self.release.wait(), 30)
+                except asyncio.TimeoutError:
+                    pass
             if kind == "not-json":
                 return web.Response(body=b"{not json", content_type="application/json")
             if kind == "bad":
@@ -128,6 +133,7 @@ class OddEngine:
         return self
 
     async def stop(self) -> None:
+        self.release.set()
         await self.runner.cleanup()
 
 
