@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT_CAUSE = "Root Cause (first observed failure):"
-_FIELD = re.compile(r"^(?:(\d+):\s?)?\s*(rank|exitcode|host)\s*:\s*(.*?)\s*$")
-_LABEL = re.compile(r"^(\d+):")
-
+_ROOT_CAUSE = re.compile(r"Root Cause \(\s*first observed failure\):")
+"""The header, also when srun's --label split it over two labelled lines (a write that came in two pieces)."""
+_FIELD = re.compile(r"^\s*(rank|exitcode|host)\s*:\s*(.*?)\s*$")
+_LABEL = re.compile(r"^(\d+): ?")
 
 @dataclass(frozen=True)
 class RankFailure:
@@ -45,26 +46,40 @@ def exit_phrase(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _task_streams(log_text: str) -> dict[int | None, list[tuple[int, str]]]:
+    """The log's lines per srun task label (None: unlabelled), each as (line number in the log, text without
+    the label): several agents write into the one log, and their lines interleave."""
+    streams: dict[int | None, list[tuple[int, str]]] = {}
+    for number, line in enumerate(log_text.splitlines()):
+        label = _LABEL.match(line)
+        task = int(label.group(1)) if label else None
+        streams.setdefault(task, []).append((number, line[label.end():] if label else line))
+    return streams
+
+
 def root_causes(log_text: str) -> list[RankFailure]:
-    """Every root-cause block of torchrun's reports in `log_text`, in order (one per agent that failed: a
-    trainer over several nodes has one agent per node, all writing into the one log)."""
-    failures = []
-    start = log_text.find(ROOT_CAUSE)
-    while start >= 0:
-        first_line = log_text.rfind("\n", 0, start) + 1
-        label_match = _LABEL.match(log_text[first_line:start])
-        fields: dict[str, str] = {}
-        for line in log_text[start:].splitlines()[1:12]:
-            match = _FIELD.match(line)
-            if match and match.group(2) not in fields:
-                fields[match.group(2)] = match.group(3)
-        rank = re.match(r"-?\d+", fields.get("rank", ""))
-        code = re.match(r"-?\d+", fields.get("exitcode", ""))
-        failures.append(RankFailure(rank=int(rank.group()) if rank else None,
-                                    exitcode=int(code.group()) if code else None,
-                                    task_label=int(label_match.group(1)) if label_match else None))
-        start = log_text.find(ROOT_CAUSE, start + len(ROOT_CAUSE))
-    return failures
+    """Every root-cause block of torchrun's reports in `log_text`, in the log's order (one per agent that failed:
+    a trainer over several nodes has one agent per node, all writing into the one log). Each block is read from
+    its own task's lines only."""
+    found: list[tuple[int, RankFailure]] = []
+    for task, lines in _task_streams(log_text).items():
+        text = "\n".join(line for _, line in lines)
+        starts = [0]
+        for _, line in lines:
+            starts.append(starts[-1] + len(line) + 1)
+        for header in _ROOT_CAUSE.finditer(text):
+            index = next(i for i in range(len(lines)) if starts[i + 1] > header.end())  # the header's last line
+            fields: dict[str, str] = {}
+            for _, line in lines[index + 1:index + 12]:
+                match = _FIELD.match(line)
+                if match and match.group(1) not in fields:
+                    fields[match.group(1)] = match.group(2)
+            rank = re.match(r"-?\d+", fields.get("rank", ""))
+            code = re.match(r"-?\d+", fields.get("exitcode", ""))
+            found.append((lines[index][0], RankFailure(rank=int(rank.group()) if rank else None,
+                                                       exitcode=int(code.group()) if code else None,
+                                                       task_label=task)))
+    return [failure for _, failure in sorted(found, key=lambda item: item[0])]
 
 
 def root_cause(log_text: str, agents: int = 1) -> RankFailure | None:

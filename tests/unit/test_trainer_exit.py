@@ -68,3 +68,18 @@ def test_the_killed_rank_is_named_though_its_peers_agent_reports_last(tmp_path: 
         "trainer rank 1 (on node2) was killed by signal 9 (SIGKILL);")
     log.write_text(refused)  # a rank that only exited with a code is still named
     assert describe_trainer_exit(1, log, ["node1", "node2"]).startswith("trainer rank 0 (on node1) exited with code 1;")
+
+
+def test_a_header_srun_split_over_two_labelled_lines_and_interleaved_agents(tmp_path: Path) -> None:
+    """Seen in CI (Nov 29, tests/slurm/test_faults_slurm.py): srun --label printed node2's header as '1: Root Cause ('
+    and '1: first observed failure):', and node1's later block (rank 0, exit 1) was the only one found."""
+    def labelled(label: int, text: str) -> list[str]:
+        return [f"{label}: {line}" for line in text.splitlines()]
+
+    killed = labelled(1, TORCHRUN_REPORT.format(rank=1, code=-9).replace("Root Cause (first", "Root Cause (\nfirst"))
+    peer = labelled(0, TORCHRUN_REPORT.format(rank=0, code=1))
+    mixed = [line for pair in zip(killed, peer[:len(killed)]) for line in pair] + peer[len(killed):]
+    log = tmp_path / "trainer.log"
+    log.write_text("\n".join(mixed) + "\n")
+    assert describe_trainer_exit(1, log, ["node1", "node2"]).startswith(
+        "trainer rank 1 (on node2) was killed by signal 9 (SIGKILL)")
