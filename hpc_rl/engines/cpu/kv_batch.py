@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from hpc_rl.engines.cpu import row_caches, state_batch
+from hpc_rl.engines.cpu.state_batch import left_pad
 from hpc_rl.engines.cpu.native_qwen3 import NativeQwen3ForCausalLM
 from hpc_rl.models.registry import family_for_hf_model_type
 
@@ -54,8 +55,7 @@ class KvBatch:
         return batch.trimmed()
 
     def trimmed(self) -> KvBatch:
-        used = self.mask.any(dim=0).nonzero()
-        start = int(used[0]) if used.numel() else self.mask.shape[1]
+        start = state_batch.first_used_column(self.mask)
         if start == 0:
             return self
         return KvBatch(
@@ -63,15 +63,6 @@ class KvBatch:
             values=[v[:, :, start:].contiguous() for v in self.values],
             mask=self.mask[:, start:].contiguous(),
         )
-
-
-def _left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
 def cache_kind(model: torch.nn.Module) -> str:
@@ -104,11 +95,11 @@ def join(running: AnyBatch | None, newcomers: AnyBatch) -> AnyBatch:
         return row_caches.join(running, newcomers)
     length = max(running.mask.shape[1], newcomers.mask.shape[1])
     return KvBatch(
-        keys=[torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)]) for a, b in
+        keys=[torch.cat([left_pad(a, length, 2), left_pad(b, length, 2)]) for a, b in
               zip(running.keys, newcomers.keys)],
-        values=[torch.cat([_left_pad(a, length, 2), _left_pad(b, length, 2)]) for a, b in
+        values=[torch.cat([left_pad(a, length, 2), left_pad(b, length, 2)]) for a, b in
                 zip(running.values, newcomers.values)],
-        mask=torch.cat([_left_pad(running.mask, length, 1), _left_pad(newcomers.mask, length, 1)]),
+        mask=torch.cat([left_pad(running.mask, length, 1), left_pad(newcomers.mask, length, 1)]),
     )
 
 

@@ -51,8 +51,7 @@ class StateBatch:
         """The rows at `indices` (in that order), with now-unused leading columns trimmed."""
         index = torch.tensor(indices, dtype=torch.long)
         mask = self.mask.index_select(0, index)
-        used = mask.any(dim=0).nonzero()
-        start = int(used[0]) if used.numel() else mask.shape[1]
+        start = first_used_column(mask)
         return StateBatch(cache=_map_cache(self.cache, lambda t, dim: _trim(t.index_select(0, index), dim, start),
                                            lambda t: t.index_select(0, index)),
                           mask=mask[:, start:].contiguous())
@@ -65,7 +64,15 @@ def _trim(tensor: torch.Tensor, dim: int, start: int) -> torch.Tensor:
     return tensor.narrow(dim, start, tensor.shape[dim] - start).contiguous() if start else tensor
 
 
-def _left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+def first_used_column(mask: torch.Tensor) -> int:
+    """The first column of a [rows, time] mask some row still uses (its width when none does): the leading columns
+    before it are padding every row has left (also `kv_batch`'s)."""
+    used = mask.any(dim=0).nonzero()
+    return int(used[0]) if used.numel() else mask.shape[1]
+
+
+def left_pad(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """`tensor` with zeros in front along `dim` up to `length` (also `kv_batch`'s)."""
     missing = length - tensor.shape[dim]
     if missing == 0:
         return tensor
@@ -112,10 +119,10 @@ def join(running: StateBatch | None, newcomers: StateBatch) -> StateBatch:
         raise TypeError("kv_batch.join: a state batch (StateBatch) joins only another one")
     length = max(running.mask.shape[1], newcomers.mask.shape[1])
     cache = _map_cache(running.cache,
-                       lambda a, b, dim: torch.cat([_left_pad(a, length, dim), _left_pad(b, length, dim)]),
+                       lambda a, b, dim: torch.cat([left_pad(a, length, dim), left_pad(b, length, dim)]),
                        lambda a, b: torch.cat([a, b]), other=newcomers.cache)
-    return StateBatch(cache=cache, mask=torch.cat([_left_pad(running.mask, length, 1),
-                                                   _left_pad(newcomers.mask, length, 1)]))
+    return StateBatch(cache=cache, mask=torch.cat([left_pad(running.mask, length, 1),
+                                                   left_pad(newcomers.mask, length, 1)]))
 
 
 def _forward(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
