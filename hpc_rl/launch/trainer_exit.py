@@ -14,7 +14,6 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT_CAUSE = "Root Cause (first observed failure):"
 _ROOT_CAUSE = re.compile(r"Root Cause \(\s*first observed failure\):")
 """The header, also when srun's --label split it over two labelled lines (a write that came in two pieces)."""
 _FIELD = re.compile(r"^\s*(rank|exitcode|host)\s*:\s*(.*?)\s*$")
