@@ -1,12 +1,13 @@
 """Retained rollouts: batches generated but not yet trained survive the trainer, and a resumed run trains them
 first instead of generating them again (issue 35; docs/faults.md, "Retained rollouts").
 
-Owns the journal of one run (`<run_dir>/retained/rollouts.jsonl`) and the policy around it:
-  - `keep`: each rollout, as its generation completes, is appended as one JSON line (its kept groups with the
+Owns the journal of one run (`<run_dir>/retained/`, one record per rollout: controller/retained_journal.py) and the
+policy around it:
+  - `keep`: each rollout, as its generation completes, is journaled as one record (its kept groups with the
     engines' tokens and log-probs, its metrics, the weight version it was generated with, the run's
     `rollout_session_id`, a digest of the scheduler state it started from and the whole scheduler state it left:
     data cursor, counters and the partial-rollout buffer); written whole and fsync'd in a thread, off the loop;
-  - `checkpointed(k)`: a checkpoint holds rollout k trained, so records up to k are dropped (the file stays
+  - `checkpointed(k)`: a checkpoint holds rollout k trained, so records up to k are dropped (the journal stays
     small: what lies between the last checkpoint and now, `MAX_RECORDS` at most);
   - `attach`: a resumed controller reads the journal once and keeps the records that continue its checkpoint
     exactly: same session id, rollout ids from the checkpoint's next one on without a gap, each starting from the
@@ -17,8 +18,15 @@ Owns the journal of one run (`<run_dir>/retained/rollouts.jsonl`) and the policy
 Not here: when rollouts are generated (`Rollouts`), the checkpoint (`Checkpoints`), the engines' weights on resume
 (`WeightUpdates.start` pushes the checkpoint's before the first rollout).
 
-Format: one JSON object per line, `FORMAT` 1; a crash mid-write leaves a readable prefix (the torn last line is
-ignored and cut off before the next append). No pickle: samples in `Sample.to_dict`'s form (plain JSON types).
+Format (retained_journal.py): FORMAT 2, a record file per rollout, its JSON line then the per-token data as raw
+bytes, never turned into lists (the samples' compact columns stay compact); a crash mid-write leaves the records
+before it whole. FORMAT-1 journals (`retained/rollouts.jsonl`) are still read, and rewritten by a resume. No pickle.
+
+Left as it is: the scheduler state is snapshotted after each rollout (`state_after`) and again as the next one's
+start (`Rollouts._generate`, also without a journal: a checkpoint saved meanwhile stores it). Without a partial
+buffer a snapshot is a few counters (microseconds); reusing the first would need proof that nothing moved the
+scheduler in between (the trainer step, a weight sync, an eval, a restore), i.e. a change counter in the scheduler,
+its buffer and its prompt source, for no measurable gain.
 """
 
 from __future__ import annotations
@@ -27,167 +35,26 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
-import dataclasses
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from hpc_rl.controller.fault_hooks import (HOLD_CONTROLLER_AFTER_RETAIN, KILL_CONTROLLER_AFTER_RETAIN,
                                           hold_here_if_asked, kill_here_if_asked)
-from hpc_rl.data.samples import Group, Sample
+from hpc_rl.controller.retained_journal import FORMAT, JOURNAL, MAX_RECORDS, RetainedBatch, RolloutJournal
+from hpc_rl.data.samples import Group
+
+__all__ = ["FORMAT", "JOURNAL", "MAX_RECORDS", "RetainedBatch", "Retention", "RolloutJournal", "allowed_lag",
+           "state_digest"]
 
 log = logging.getLogger(__name__)
-
-JOURNAL = Path("retained") / "rollouts.jsonl"
-"""Under the run dir (the shared filesystem: what must outlive the trainer's job lives there)."""
-FORMAT = 1
-MAX_RECORDS = 8
-"""Records kept at most (the newest): more than a resume can use (a checkpoint every rollout or few)."""
 
 
 def state_digest(state: dict[str, Any]) -> str:
     """A scheduler state's identity, its weight version aside (the version the engines serve, set apart)."""
     plain = json.loads(json.dumps({k: v for k, v in state.items() if k != "weight_version"}, default=str))
     return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
-
-
-_NUMPY_FIELDS = ("routed_experts", "top_logprob_ids", "top_logprobs")
-_PLAIN_FIELDS = tuple(f.name for f in fields(Sample) if f.name not in _NUMPY_FIELDS)
-
-
-def _sample_to_json(sample: Sample) -> dict[str, Any]:
-    """`Sample.to_dict`'s form without its deep copy (`dataclasses.asdict` copied every token list: 40 ms of a
-    sample of 8,192 tokens, against 1 ms for orjson to write the lists as they are); the arrays as to_dict has them."""
-    data = {name: getattr(sample, name) for name in _PLAIN_FIELDS}
-    data["status"] = sample.status.value
-    if any(getattr(sample, name) is not None for name in _NUMPY_FIELDS):
-        arrays = dataclasses.replace(sample, prompt="", prompt_token_ids=[], response_token_ids=[],
-                                     response_logprobs=[], weight_versions=[], loss_mask=None, metadata={}).to_dict()
-        data.update({name: arrays[name] for name in _NUMPY_FIELDS})
-    if getattr(sample, "remove_sample", False):  # slime's rollout_sample_filter_path mark (not a field)
-        data["remove_sample"] = True
-    return data
-
-
-def _sample_from_json(data: dict[str, Any]) -> Sample:
-    data = dict(data)
-    remove = data.pop("remove_sample", False)
-    sample = Sample.from_dict(data)
-    if remove:
-        sample.remove_sample = True  # type: ignore[attr-defined]
-    return sample
-
-
-@dataclass
-class RetainedBatch:
-    """One journal record: rollout `rollout_id`'s kept groups, generated with `weight_version`."""
-
-    rollout_id: int
-    weight_version: int
-    session_id: str | None
-    state_before: str
-    """`state_digest` of the scheduler state the rollout started from."""
-    state_after: dict[str, Any]
-    """The scheduler state it left (data cursor, counters, partial buffer)."""
-    groups: list[Group]
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def num_samples(self) -> int:
-        return sum(len(g) for g in self.groups)
-
-    def to_line(self) -> bytes:
-        return orjson.dumps({"format": FORMAT, "rollout_id": self.rollout_id, "weight_version": self.weight_version,
-                             "session_id": self.session_id, "state_before": self.state_before,
-                             "state_after": self.state_after, "metrics": self.metrics,
-                             "groups": [[_sample_to_json(s) for s in g] for g in self.groups]},
-                            option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "RetainedBatch":
-        if data.get("format") != FORMAT:
-            raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
-        return cls(rollout_id=int(data["rollout_id"]), weight_version=int(data["weight_version"]),
-                   session_id=data.get("session_id"), state_before=str(data["state_before"]),
-                   state_after=data["state_after"], metrics=dict(data.get("metrics") or {}),
-                   groups=[[_sample_from_json(s) for s in g] for g in data["groups"]])
-
-
-class RolloutJournal:
-    """The file: append a record whole and durable, read back the whole records, keep some, drop all."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-
-    def append(self, line: bytes) -> None:
-        """One record, fsync'd; a torn tail a crash left is cut off first (so the file stays readable)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            size = os.fstat(descriptor).st_size
-            end = self._whole_end(descriptor, size)
-            if end != size:
-                os.ftruncate(descriptor, end)
-            os.lseek(descriptor, end, os.SEEK_SET)
-            view = memoryview(line)
-            while view:
-                view = view[os.write(descriptor, view):]
-            os.fsync(descriptor)
-        except OSError as error:
-            raise OSError(error.errno, f"{self.path}: cannot write a retained rollout: {error.strerror}") from error
-        finally:
-            os.close(descriptor)
-
-    @staticmethod
-    def _whole_end(descriptor: int, size: int) -> int:
-        """The offset just after the last newline (0: none)."""
-        position = size
-        while position > 0:
-            chunk = min(65536, position)
-            position -= chunk
-            data = os.pread(descriptor, chunk, position)
-            newline = data.rfind(b"\n")
-            if newline >= 0:
-                return position + newline + 1
-        return 0
-
-    def read(self) -> tuple[list[RetainedBatch], list[str]]:
-        """The whole records in order, and what was skipped (a torn last line, a record that does not parse)."""
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            return [], []
-        batches: list[RetainedBatch] = []
-        skipped: list[str] = []
-        lines = data.split(b"\n")
-        if lines[-1]:
-            skipped.append(f"line {len(lines)}: cut short ({len(lines[-1])} bytes, a crash mid-write)")
-        for number, line in enumerate(lines[:-1], start=1):
-            if not line.strip():
-                continue
-            try:
-                batches.append(RetainedBatch.from_json(orjson.loads(line)))
-            except (ValueError, KeyError, TypeError) as error:
-                skipped.append(f"line {number}: {type(error).__name__}: {error}")
-        return batches, skipped
-
-    def keep_only(self, keep: list[RetainedBatch]) -> None:
-        """Rewrite the file with `keep` (atomically: a crash leaves the old file or the new one)."""
-        if not keep:
-            self.path.unlink(missing_ok=True)
-            return
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "wb") as out:
-            for batch in keep:
-                out.write(batch.to_line())
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, self.path)
 
 
 class Retention:
@@ -239,14 +106,13 @@ class Retention:
         batch = RetainedBatch(rollout_id=rollout_id, weight_version=weight_version, session_id=self.session_id,
                               state_before=state_digest(state_before), state_after=state_after, groups=groups,
                               metrics={k: float(v) for k, v in metrics.items()})
-        line = batch.to_line()
+        encoded = batch.encode()
         with self._lock:
+            self.journal.write(batch, encoded)
             self._records = [r for r in self._records if r.rollout_id != rollout_id] + [batch]
             if len(self._records) > MAX_RECORDS:
                 self._records = self._records[-MAX_RECORDS:]
                 self.journal.keep_only(self._records)
-            else:
-                self.journal.append(line)
         return batch.num_samples
 
     async def checkpointed(self, rollout_id: int) -> None:

@@ -122,6 +122,28 @@ class Sample:
         for name, values in zip(COLUMN_TYPECODES, (token_ids, logprobs, versions)):
             (fields[name] if name in fields else fields["_columns"][name]).extend(values)
 
+    def compact_columns(self) -> dict[str, array]:
+        """The per-token fields still held as compact arrays, name -> array (not copied: callers must not change
+        them); a field assigned or read as a list is not among them. For writers of raw bytes (the
+        retained-rollouts journal) that must not turn a column into a list."""
+        columns = self.__dict__.get("_columns")
+        if not columns:
+            return {}
+        return {name: values for name, values in columns.items() if name not in self.__dict__}
+
+    def hold_columns(self, columns: dict[str, array]) -> None:
+        """Hold these per-token fields as the given compact arrays (what `extend_response` builds; each of
+        `COLUMN_TYPECODES`' type), replacing their values: for readers of a stored sample."""
+        for name, values in columns.items():
+            if COLUMN_TYPECODES.get(name) != getattr(values, "typecode", None):
+                raise ValueError(f"{name}: a compact column is array({COLUMN_TYPECODES.get(name)!r}), got "
+                                 f"{type(values).__name__}({getattr(values, 'typecode', '')!r})")
+        fields = self.__dict__
+        held = fields.setdefault("_columns", {})
+        for name, values in columns.items():
+            fields.pop(name, None)
+            held[name] = values
+
     @property
     def response_length(self) -> int:
         return len(self.column("response_token_ids"))

@@ -19,7 +19,8 @@ from hpc_rl.config import load_config
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry, TrainerInfo
 from hpc_rl.controller.rollout_stack import assemble_loop
 from hpc_rl.controller.trainer_channel import TrainerChannel
-from hpc_rl.data.samples import Sample, SampleStatus
+from hpc_rl.controller.train_batches import pack_samples
+from hpc_rl.data.samples import COLUMN_TYPECODES, Sample, SampleStatus
 from hpc_rl.protocol.messages import SaveCommand
 from hpc_rl.rollout.scheduler import RolloutResult
 from hpc_rl.status import format_status
@@ -28,16 +29,23 @@ from hpc_rl.telemetry.scalars import ScalarLog
 from tests.unit.test_run_loop_order import FakeFleet, FakeScheduler, answer_command, describe
 
 
-def group(first_index: int, n: int = 2, response_len: int = 4) -> list[Sample]:
+def group(first_index: int, n: int = 2, response_len: int = 4, *, as_lists: bool = False) -> list[Sample]:
+    """Two scored samples of one prompt; their tokens, log-probs and versions held as generation holds them
+    (compact columns, `Sample.extend_response`), or as lists (`as_lists`: a plug-in assigned them)."""
     samples = []
     for i in range(n):
         sample = Sample(index=first_index + i, group_index=first_index // n,
                         prompt=[{"role": "user", "content": "7"}], prompt_token_ids=[1, 2, 3], label="7",
                         metadata={"data_row": first_index, "start_rollout_id": 0},
-                        response_token_ids=list(range(response_len)),
-                        response_logprobs=[-0.1 * (k + 1) / 3 for k in range(response_len)],
-                        weight_versions=[2] * response_len, response_text="7", status=SampleStatus.COMPLETED,
+                        response_text="7", status=SampleStatus.COMPLETED,
                         reward=1.0 if i else 0.0, rid=f"r{first_index + i}")
+        tokens = [first_index + k for k in range(response_len)]
+        logprobs = [-0.1 * (k + 1) / 3 for k in range(response_len)]  # (not short decimals: exact bits matter)
+        if as_lists:
+            sample.response_token_ids, sample.response_logprobs = tokens, logprobs
+            sample.weight_versions = [2] * response_len
+        else:
+            sample.extend_response(tokens, logprobs, [2] * response_len)
         samples.append(sample)
     samples[0].remove_sample = True  # type: ignore[attr-defined]
     return samples
@@ -50,41 +58,112 @@ def state(cursor: int, buffered: int = 1) -> dict[str, Any]:
             "prompt_source": {"cursor": cursor, "epoch": 0}}
 
 
-def batch(rollout_id: int, version: int, *, session: str | None = "s1") -> RetainedBatch:
+def batch(rollout_id: int, version: int, *, session: str | None = "s1", response_len: int = 4) -> RetainedBatch:
     return RetainedBatch(rollout_id=rollout_id, weight_version=version, session_id=session,
                          state_before=state_digest(state(rollout_id)), state_after=state(rollout_id + 1),
-                         groups=[group(4 * rollout_id), group(4 * rollout_id + 2)], metrics={"rollout/reward": 0.5})
+                         groups=[group(4 * rollout_id, response_len=response_len),
+                                 group(4 * rollout_id + 2, response_len=response_len)],
+                         metrics={"rollout/reward": 0.5})
 
 
-def test_a_record_reads_back_equal(tmp_path: Path) -> None:
-    journal = RolloutJournal(tmp_path / "j.jsonl")
+def held(samples: list[Sample]) -> list[dict[str, tuple[str, bytes]]]:
+    """Each sample's compact columns: typecode and bytes."""
+    return [{name: (values.typecode, values.tobytes()) for name, values in s.compact_columns().items()}
+            for s in samples]
+
+
+def test_a_record_reads_back_equal_with_its_columns_compact(tmp_path: Path) -> None:
+    journal = RolloutJournal(tmp_path / JOURNAL)
     written = batch(3, 2)
     written.groups[0][1].routed_experts = None
     written.groups[1][0].top_logprob_ids = np.array([[1, 2]] * 4, dtype=np.int32)
     written.groups[1][0].top_logprobs = np.array([[-0.5, -np.inf]] * 4, dtype=np.float32)
-    journal.append(written.to_line())
+    written.groups[1][1].routed_experts = np.arange(2 * 3 * 2, dtype=np.uint8).reshape(2, 3, 2)
+    written.groups[1][1].response_logprobs = [-1.0, -2.0, -3.0, -4.0]  # assigned: a list (tokens stay compact)
+    columns_in = held([s for g in written.groups for s in g])
+    journal.write(written)
+    assert held([s for g in written.groups for s in g]) == columns_in  # writing made no list of a column
+    assert set(columns_in[0]) == set(COLUMN_TYPECODES) and set(columns_in[-1]) == {"response_token_ids",
+                                                                                 "weight_versions"}
     (read,), skipped = journal.read()
     assert skipped == []
     assert (read.rollout_id, read.weight_version, read.session_id, read.state_before, read.state_after,
             read.metrics) == (3, 2, "s1", written.state_before, written.state_after, {"rollout/reward": 0.5})
-    assert read.groups == written.groups  # every field, log-probs exactly (JSON floats round-trip)
+    assert held([s for g in read.groups for s in g]) == columns_in  # the same columns, compact, bit for bit
+    assert read.groups[1][1].__dict__["response_logprobs"] == [-1.0, -2.0, -3.0, -4.0]  # the list, as a list
+    assert read.groups == written.groups  # every field
     assert read.groups[0][0].remove_sample and not hasattr(read.groups[0][1], "remove_sample")
     np.testing.assert_array_equal(read.groups[1][0].top_logprobs, written.groups[1][0].top_logprobs)
+    np.testing.assert_array_equal(read.groups[1][0].top_logprob_ids, written.groups[1][0].top_logprob_ids)
+    assert read.groups[1][1].routed_experts.dtype == np.uint8
+    np.testing.assert_array_equal(read.groups[1][1].routed_experts, written.groups[1][1].routed_experts)
+    assert read.groups[0][0].routed_experts is None and read.groups[0][0].top_logprobs is None
 
 
-def test_a_crash_mid_write_leaves_a_readable_prefix_and_the_next_append_cuts_it(tmp_path: Path) -> None:
-    journal = RolloutJournal(tmp_path / "j.jsonl")
-    journal.append(batch(0, 0).to_line())
-    journal.append(batch(1, 1).to_line())
-    whole = journal.path.read_bytes()
-    torn = batch(2, 2).to_line()
-    journal.path.write_bytes(whole + torn[: len(torn) // 2])  # the process died inside the third write
+def test_the_trainer_gets_the_same_bytes_from_a_retained_batch(tmp_path: Path) -> None:
+    """pack_samples (what a trainer rank receives) of a rollout and of its record read back: identical arrays."""
+    journal = RolloutJournal(tmp_path / JOURNAL)
+    written = batch(0, 0, response_len=300)
+    written.groups[1][0].weight_versions = [1] * 100 + [2] * 200  # a sample spanning versions, as a list
+    journal.write(written)
+    (read,), _ = journal.read()
+    before = pack_samples([s for g in written.groups for s in g], [0.5, -0.5, 1.0, 0.0])
+    after = pack_samples([s for g in read.groups for s in g], [0.5, -0.5, 1.0, 0.0])
+    assert sorted(before) == sorted(after)
+    for name, array in before.items():
+        assert (array.dtype, array.shape, array.tobytes()) == (after[name].dtype, after[name].shape,
+                                                               after[name].tobytes()), name
+    assert len(before["tokens"]) == 4 * (3 + 300)
+
+
+def test_a_crash_mid_write_leaves_the_records_before_it_and_a_torn_one_is_ignored(tmp_path: Path) -> None:
+    journal = RolloutJournal(tmp_path / JOURNAL)
+    journal.write(batch(0, 0))
+    journal.write(batch(1, 1))
+    line, buffers = batch(2, 2).encode()
+    whole = line + b"".join(bytes(b) for b in buffers)
+    tmp = journal.record_path(2).with_name(journal.record_path(2).name + ".tmp")
+    tmp.write_bytes(whole[: len(whole) // 2])  # the process died inside the third write (before its rename)
+    damaged = journal.record_path(5)
+    damaged.write_bytes(whole[:-8])  # a record file cut short some other way (a copy): named, skipped
     records, skipped = journal.read()
     assert [r.rollout_id for r in records] == [0, 1]
-    assert len(skipped) == 1 and "cut short" in skipped[0]
-    journal.append(batch(3, 3).to_line())
+    assert len(skipped) == 2 and "rollout-00000002.rec.tmp: cut short" in skipped[0]
+    assert "rollout-00000005.rec" in skipped[1] and f"it says {len(whole) - len(line)}" in skipped[1]
+    journal.write(batch(2, 2))  # the same rollout written again replaces the torn one
     records, skipped = journal.read()
-    assert [r.rollout_id for r in records] == [0, 1, 3] and skipped == []
+    assert [r.rollout_id for r in records] == [0, 1, 2] and len(skipped) == 1 and not tmp.exists()
+    journal.keep_only(records[1:])
+    assert sorted(p.name for p in journal.path.iterdir()) == ["rollout-00000001.rec", "rollout-00000002.rec"]
+
+
+def legacy_line(record: RetainedBatch) -> bytes:
+    """A FORMAT-1 journal line (hpc_rl before Nov 29: samples as `Sample.to_dict`, per-token data as JSON lists)."""
+    samples = [[s.to_dict() | ({"remove_sample": True} if getattr(s, "remove_sample", False) else {})
+                for s in g] for g in record.groups]
+    return json.dumps({"format": 1, "rollout_id": record.rollout_id, "weight_version": record.weight_version,
+                       "session_id": record.session_id, "state_before": record.state_before,
+                       "state_after": record.state_after, "metrics": record.metrics,
+                       "groups": samples}).encode() + b"\n"
+
+
+def test_a_format_1_journal_is_read_trained_and_rewritten_as_records(tmp_path: Path) -> None:
+    old = [batch(2, 2), batch(3, 2)]
+    expected = [[s.to_dict() for g in b.groups for s in g] for b in old]
+    legacy = tmp_path / JOURNAL / "rollouts.jsonl"
+    legacy.parent.mkdir(parents=True)
+    legacy.write_bytes(legacy_line(old[0]) + legacy_line(old[1]) + legacy_line(batch(4, 2))[:50])  # torn last
+    said: list[str] = []
+    retention = Retention(tmp_path, session_id="s1", allowed_lag=0, print_fn=said.append)
+    retention.attach(next_rollout_id=2, weight_version=2, scheduler_state=state(2))
+    assert "2 retained rollout(s) [2, 3] (8 samples)" in said[-1]
+    assert not legacy.exists()  # rewritten as FORMAT 2 records
+    records, skipped = RolloutJournal(tmp_path / JOURNAL).read()
+    assert [r.rollout_id for r in records] == [2, 3] and skipped == []
+    assert [[s.to_dict() for g in r.groups for s in g] for r in records] == expected
+    taken = retention.take(2, state(2))
+    assert taken is not None and [s.to_dict() for g in taken.groups for s in g] == expected[0]
+    assert taken.groups[0][0].remove_sample
 
 
 def resumed(tmp_path: Path, records: list[RetainedBatch], *, session: str | None = "s1", lag: int = 0,
@@ -93,7 +172,7 @@ def resumed(tmp_path: Path, records: list[RetainedBatch], *, session: str | None
     """A resume at `next_rollout_id` with weights v`version` over a journal of `records`: what it kept, and said."""
     journal = RolloutJournal(tmp_path / JOURNAL)
     for record in records:
-        journal.append(record.to_line())
+        journal.write(record)
     said: list[str] = []
     retention = Retention(tmp_path, session_id=session, allowed_lag=lag, print_fn=said.append)
     retention.attach(next_rollout_id=next_rollout_id, weight_version=version,
@@ -143,7 +222,7 @@ def test_another_session_or_a_fresh_start_drops_the_journal_and_says_so(tmp_path
     assert "belong to session 'old', this run's rollout_session_id is 'new'" in said[0]
     assert not (tmp_path / "other" / JOURNAL).exists()
     journal = RolloutJournal(tmp_path / "fresh" / JOURNAL)
-    journal.append(batch(2, 2).to_line())
+    journal.write(batch(2, 2))
     said = []
     retention = Retention(tmp_path / "fresh", session_id="s1", allowed_lag=0, print_fn=said.append)
     retention.attach(next_rollout_id=0, weight_version=0, scheduler_state=None)
@@ -168,17 +247,20 @@ def test_keep_writes_checkpointed_drops_and_the_file_stays_bounded(tmp_path: Pat
     assert not (tmp_path / "off" / JOURNAL).exists()
 
 
-@pytest.mark.parametrize("response_len", [4, 1024])
-def test_the_cost_per_sample_is_printed(tmp_path: Path, response_len: int) -> None:
-    """Measured (docs/faults.md quotes it): journaling a rollout of 256 samples, per sample, and the bytes."""
+@pytest.mark.parametrize("response_len", [4, 2500])
+def test_the_cost_per_sample_is_printed_and_no_column_becomes_a_list(tmp_path: Path, response_len: int) -> None:
+    """Measured: journaling a rollout of 256 samples, wall and CPU (all threads) per sample, and the bytes; the
+    samples' columns stay compact (the trainer's packing copies them as memory)."""
     retention = Retention(tmp_path, session_id="s", allowed_lag=0, print_fn=lambda line: None)
     groups = [group(2 * i, response_len=response_len) for i in range(128)]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     asyncio.run(retention.keep(0, 0, state(0), groups, {}, state(1)))
-    seconds = time.perf_counter() - start
-    size = (tmp_path / JOURNAL).stat().st_size
-    print(f"\n{response_len} response tokens: {seconds / 256 * 1e6:.0f} us and {size / 256:.0f} bytes per sample")
-    assert size > 256 * response_len * 2
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    size = sum(p.stat().st_size for p in (tmp_path / JOURNAL).iterdir())
+    print(f"\n{response_len} response tokens: {seconds / 256 * 1e6:.0f} us wall, {cpu / 256 * 1e6:.0f} us CPU and "
+          f"{size / 256:.0f} bytes per sample")
+    assert all(set(s.compact_columns()) == set(COLUMN_TYPECODES) for g in groups for s in g)
+    assert 256 * response_len * 24 < size < 256 * (response_len * 24 + 1000)  # raw numbers and a JSON line
 
 
 # -- through the real loop (as the controller assembles it), with the fakes of test_run_loop_order.py ----------------

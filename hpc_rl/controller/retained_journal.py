@@ -1,0 +1,303 @@
+"""The retained-rollouts journal on disk: one record file per rollout, its per-token data as raw machine numbers.
+
+Owns the format and the files under `<run_dir>/retained/` (controller/retention.py owns what goes in and what a
+resume keeps):
+
+    retained/rollout-00000012.rec     one record (FORMAT 2): a JSON line, then the raw bytes it describes
+    retained/rollout-00000013.rec.tmp a record being written (a crash leaves it: torn, ignored, removed)
+    retained/rollouts.jsonl           FORMAT 1 (hpc_rl before Nov 29): read, and rewritten as records by a resume
+
+A record's JSON line holds the rollout (id, weight version, session, `state_before` digest, `state_after`, metrics)
+and its groups' samples in `Sample.to_dict`'s form, less their per-token data: the compact columns
+(`Sample.compact_columns`: tokens, log-probs and weight versions as `array('q'/'d')`) and the numpy fields
+(routed experts, top-k log-probs) follow the line as their own bytes, each described in its sample's `"raw"`
+([field, numpy dtype, shape], in order) and read back as the same arrays (the columns as compact columns again).
+Why: as JSON, every token was a Python object to make (reading `response_token_ids` turns a column into a list)
+and to print (0.37 CPU-s per 1,000 full-length samples at bench_scale's N=256, as much as the rest of the
+controller's per-sample work), and the trainer's packing then walked those lists again; raw, a sample costs its
+JSON line and one kernel copy of its bytes (`os.writev` straight from the arrays). A per-token field held as a list
+(a plug-in assigned one) stays in the JSON line, as before.
+
+Durability: a record is written to `.rec.tmp`, fsync'd, renamed to `.rec` and the directory fsync'd, so a crash
+leaves the records before it whole and at most one `.tmp` (ignored, and removed by the next write). No pickle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from array import array
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from hpc_rl.data.samples import COLUMN_TYPECODES, Group, Sample
+
+log = logging.getLogger(__name__)
+
+JOURNAL = Path("retained")
+"""Under the run dir (the shared filesystem: what must outlive the trainer's job lives there)."""
+FORMAT = 2
+LEGACY_FORMAT = 1
+LEGACY_FILE = "rollouts.jsonl"
+"""FORMAT 1's one file of JSON lines (per-token data as JSON lists), in the same directory."""
+MAX_RECORDS = 8
+"""Records kept at most (the newest): more than a resume can use (a checkpoint every rollout or few)."""
+
+_RECORD = re.compile(r"rollout-(\d+)\.rec")
+_NUMPY_FIELDS = ("routed_experts", "top_logprob_ids", "top_logprobs")
+_JSON_FIELDS = tuple(f.name for f in fields(Sample) if f.name not in _NUMPY_FIELDS)
+_COLUMN_DTYPES = {name: np.dtype(code) for name, code in COLUMN_TYPECODES.items()}
+_DTYPE_STR = {code: np.dtype(code).str for code in set(COLUMN_TYPECODES.values())}
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+@dataclass
+class RetainedBatch:
+    """One journal record: rollout `rollout_id`'s kept groups, generated with `weight_version`."""
+
+    rollout_id: int
+    weight_version: int
+    session_id: str | None
+    state_before: str
+    """`state_digest` of the scheduler state the rollout started from."""
+    state_after: dict[str, Any]
+    """The scheduler state it left (data cursor, counters, partial buffer)."""
+    groups: list[Group]
+    metrics: dict[str, float] = field(default_factory=dict)
+    stored: Path | None = field(default=None, compare=False, repr=False)
+    """Its record file (None: not written in FORMAT 2 yet, e.g. read from a FORMAT-1 journal)."""
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+    def encode(self) -> tuple[bytes, list[memoryview]]:
+        """FORMAT 2: the JSON line, and the bytes that follow it (views of the arrays themselves, not copies)."""
+        buffers: list[memoryview] = []
+        groups = [[_sample_header(s, buffers) for s in g] for g in self.groups]
+        payload = sum(b.nbytes for b in buffers)
+        line = orjson.dumps({"format": FORMAT, "rollout_id": self.rollout_id, "weight_version": self.weight_version,
+                             "session_id": self.session_id, "state_before": self.state_before,
+                             "state_after": self.state_after, "metrics": self.metrics, "groups": groups,
+                             "payload_bytes": payload}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        return line, buffers
+
+    @classmethod
+    def decode(cls, data: bytes) -> "RetainedBatch":
+        """A FORMAT-2 record file's bytes (ValueError/KeyError/TypeError: not a whole record)."""
+        end = data.find(b"\n")
+        if end < 0:
+            raise ValueError("no JSON line")
+        header = orjson.loads(data[:end])
+        if header.get("format") != FORMAT:
+            raise ValueError(f"format {header.get('format')!r}, expected {FORMAT}")
+        payload = memoryview(data)[end + 1:]
+        if len(payload) != header["payload_bytes"]:
+            raise ValueError(f"{len(payload)} bytes after the JSON line, it says {header['payload_bytes']}")
+        reader = _RawReader(payload)
+        groups = [[_sample_from_header(s, reader) for s in g] for g in header["groups"]]
+        return cls._from_header(header, groups)
+
+    @classmethod
+    def from_legacy_json(cls, data: dict[str, Any]) -> "RetainedBatch":
+        """A FORMAT-1 line's object (per-token data as JSON lists; read as lists, as then)."""
+        if data.get("format") != LEGACY_FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, expected {LEGACY_FORMAT} in {LEGACY_FILE}")
+        return cls._from_header(data, [[_legacy_sample(s) for s in g] for g in data["groups"]])
+
+    @classmethod
+    def _from_header(cls, data: dict[str, Any], groups: list[Group]) -> "RetainedBatch":
+        return cls(rollout_id=int(data["rollout_id"]), weight_version=int(data["weight_version"]),
+                   session_id=data.get("session_id"), state_before=str(data["state_before"]),
+                   state_after=data["state_after"], metrics=dict(data.get("metrics") or {}), groups=groups)
+
+
+def _sample_header(sample: Sample, buffers: list[memoryview]) -> dict[str, Any]:
+    """`Sample.to_dict`'s form without its deep copy and without the per-token data held as arrays (appended to
+    `buffers`, described in "raw"): a compact column is never turned into a list here."""
+    held = sample.compact_columns()
+    data = {name: getattr(sample, name) for name in _JSON_FIELDS if name not in held}
+    data["status"] = sample.status.value
+    raw: list[list[Any]] = []
+    for name, values in held.items():
+        raw.append([name, _DTYPE_STR[values.typecode], [len(values)]])
+        buffers.append(memoryview(values).cast("B"))
+    for name in _NUMPY_FIELDS:
+        value = getattr(sample, name)
+        if value is not None:
+            value = np.ascontiguousarray(value)
+            raw.append([name, value.dtype.str, list(value.shape)])
+            buffers.append(memoryview(value.reshape(-1)).cast("B"))
+    if raw:
+        data["raw"] = raw
+    if getattr(sample, "remove_sample", False):  # slime's rollout_sample_filter_path mark (not a field)
+        data["remove_sample"] = True
+    return data
+
+
+class _RawReader:
+    """The bytes after a record's JSON line, taken in order."""
+
+    def __init__(self, payload: memoryview) -> None:
+        self.payload, self.offset = payload, 0
+
+    def take(self, dtype: np.dtype, shape: list[int]) -> memoryview:
+        end = self.offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if end > len(self.payload):
+            raise ValueError(f"a sample's raw data ends past the record ({end} > {len(self.payload)} bytes)")
+        taken, self.offset = self.payload[self.offset:end], end
+        return taken
+
+
+def _sample_from_header(data: dict[str, Any], reader: _RawReader) -> Sample:
+    data = dict(data)
+    remove = data.pop("remove_sample", False)
+    raw = data.pop("raw", [])
+    sample = Sample.from_dict(data)
+    columns: dict[str, array] = {}
+    for name, dtype_str, shape in raw:
+        dtype = np.dtype(dtype_str)
+        taken = reader.take(dtype, shape)
+        if name in COLUMN_TYPECODES:
+            column = array(COLUMN_TYPECODES[name])
+            if dtype == _COLUMN_DTYPES[name]:
+                column.frombytes(taken)
+            else:  # written on a machine of the other byte order (or by another writer): converted
+                column.frombytes(np.frombuffer(taken, dtype=dtype).astype(_COLUMN_DTYPES[name]).tobytes())
+            columns[name] = column
+        elif name in _NUMPY_FIELDS:
+            setattr(sample, name, np.frombuffer(taken, dtype=dtype).reshape(shape).copy())
+        else:
+            raise ValueError(f"raw field {name!r} is not a sample's per-token field")
+    sample.hold_columns(columns)
+    if remove:
+        sample.remove_sample = True  # type: ignore[attr-defined]
+    return sample
+
+
+def _legacy_sample(data: dict[str, Any]) -> Sample:
+    data = dict(data)
+    remove = data.pop("remove_sample", False)
+    sample = Sample.from_dict(data)
+    if remove:
+        sample.remove_sample = True  # type: ignore[attr-defined]
+    return sample
+
+
+class RolloutJournal:
+    """The directory: write a record whole and durable, read back the whole records, keep some, drop all."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def record_path(self, rollout_id: int) -> Path:
+        return self.path / f"rollout-{rollout_id:08d}.rec"
+
+    def write(self, batch: RetainedBatch, encoded: tuple[bytes, list[memoryview]] | None = None) -> None:
+        """`batch` as its record file (replacing one of the same rollout), fsync'd; `encoded`: `batch.encode()`."""
+        line, buffers = encoded if encoded is not None else batch.encode()
+        final = self.record_path(batch.rollout_id)
+        tmp = final.with_name(final.name + ".tmp")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                _write_all(descriptor, [line, *buffers])
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+            os.replace(tmp, final)
+            self._sync_directory()
+        except OSError as error:
+            tmp.unlink(missing_ok=True)
+            raise OSError(error.errno, f"{final}: cannot write a retained rollout: {error.strerror}") from error
+        batch.stored = final
+
+    def _sync_directory(self) -> None:
+        """The rename and unlinks durable (best effort: some filesystems refuse fsync on a directory)."""
+        try:
+            descriptor = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return
+        try:
+            os.fsync(descriptor)
+        except OSError:
+            pass
+        finally:
+            os.close(descriptor)
+
+    def read(self) -> tuple[list[RetainedBatch], list[str]]:
+        """The whole records by rollout id, and what was skipped (a record cut short by a crash, one that does not
+        parse). A FORMAT-1 journal's records are read too; a record file of the same rollout wins over one."""
+        if not self.path.is_dir():
+            return [], []
+        skipped: list[str] = []
+        batches = {b.rollout_id: b for b in self._read_legacy(skipped)}
+        for path in sorted(self.path.iterdir()):
+            if path.name.endswith(".rec.tmp"):
+                skipped.append(f"{path.name}: cut short ({path.stat().st_size} bytes, a crash mid-write)")
+            elif _RECORD.fullmatch(path.name):
+                try:
+                    batch = RetainedBatch.decode(path.read_bytes())
+                except (ValueError, KeyError, TypeError) as error:
+                    skipped.append(f"{path.name}: {type(error).__name__}: {error}")
+                    continue
+                batch.stored = path
+                batches[batch.rollout_id] = batch
+        return [batches[k] for k in sorted(batches)], skipped
+
+    def _read_legacy(self, skipped: list[str]) -> list[RetainedBatch]:
+        try:
+            data = (self.path / LEGACY_FILE).read_bytes()
+        except FileNotFoundError:
+            return []
+        batches: list[RetainedBatch] = []
+        lines = data.split(b"\n")
+        if lines[-1]:
+            skipped.append(f"{LEGACY_FILE} line {len(lines)}: cut short ({len(lines[-1])} bytes, a crash mid-write)")
+        for number, line in enumerate(lines[:-1], start=1):
+            if not line.strip():
+                continue
+            try:
+                batches.append(RetainedBatch.from_legacy_json(orjson.loads(line)))
+            except (ValueError, KeyError, TypeError) as error:
+                skipped.append(f"{LEGACY_FILE} line {number}: {type(error).__name__}: {error}")
+        return batches
+
+    def keep_only(self, keep: list[RetainedBatch]) -> None:
+        """Leave exactly `keep`'s records: those not in a record file yet (read from a FORMAT-1 journal) are
+        written, every other file goes (the directory too, when nothing is left). Each step leaves whole records."""
+        for batch in keep:
+            if batch.stored is None or not batch.stored.exists():
+                self.write(batch)
+        if not self.path.is_dir():
+            return
+        wanted = {self.record_path(b.rollout_id).name for b in keep}
+        for path in self.path.iterdir():
+            if path.name not in wanted and (path.name == LEGACY_FILE or path.name.endswith((".rec", ".rec.tmp"))):
+                path.unlink(missing_ok=True)
+        self._sync_directory()
+        if not keep:
+            try:
+                self.path.rmdir()
+            except OSError:  # something else in it (not ours): leave it
+                pass
+
+
+def _write_all(descriptor: int, buffers: list[bytes | memoryview]) -> None:
+    """Every buffer's bytes, in order, from the buffers themselves (`os.writev`, `_IOV_MAX` at a time)."""
+    views = [b if isinstance(b, memoryview) else memoryview(b) for b in buffers if len(b)]
+    while views:
+        written = os.writev(descriptor, views[:_IOV_MAX])
+        done = 0
+        while done < len(views) and written >= views[done].nbytes:
+            written -= views[done].nbytes
+            done += 1
+        views = views[done:]
+        if written:
+            views[0] = views[0][written:]
