@@ -11,7 +11,9 @@ A record's JSON line holds the rollout (id, weight version, session, `state_befo
 and its groups' samples in `Sample.to_dict`'s form, less their per-token data: the compact columns
 (`Sample.compact_columns`: tokens, log-probs and weight versions as `array('q'/'d')`) and the numpy fields
 (routed experts, top-k log-probs) follow the line as their own bytes, each described in its sample's `"raw"`
-([field, numpy dtype, shape], in order) and read back as the same arrays (the columns as compact columns again).
+([field, numpy dtype, shape], in order; a column in the narrowest dtype that holds its numbers exactly, or with a
+4th item, the value of all its elements, and no bytes) and read back as the same arrays (the columns as compact
+columns again, of their own types: the same bytes).
 Why: as JSON, every token was a Python object to make (reading `response_token_ids` turns a column into a list)
 and to print (0.37 CPU-s per 1,000 full-length samples at bench_scale's N=256, as much as the rest of the
 controller's per-sample work), and the trainer's packing then walked those lists again; raw, a sample costs its
@@ -53,6 +55,7 @@ _NUMPY_FIELDS = ("routed_experts", "top_logprob_ids", "top_logprobs")
 _JSON_FIELDS = tuple(f.name for f in fields(Sample) if f.name not in _NUMPY_FIELDS)
 _COLUMN_DTYPES = {name: np.dtype(code) for name, code in COLUMN_TYPECODES.items()}
 _DTYPE_STR = {code: np.dtype(code).str for code in set(COLUMN_TYPECODES.values())}
+_INT32 = np.iinfo(np.int32)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
@@ -125,8 +128,10 @@ def _sample_header(sample: Sample, buffers: list[memoryview]) -> dict[str, Any]:
     data["status"] = sample.status.value
     raw: list[list[Any]] = []
     for name, values in held.items():
-        raw.append([name, _DTYPE_STR[values.typecode], [len(values)]])
-        buffers.append(memoryview(values).cast("B"))
+        entry, stored = _column_raw(name, values)
+        raw.append(entry)
+        if stored is not None:
+            buffers.append(stored)
     for name in _NUMPY_FIELDS:
         value = getattr(sample, name)
         if value is not None:
@@ -138,6 +143,28 @@ def _sample_header(sample: Sample, buffers: list[memoryview]) -> dict[str, Any]:
     if getattr(sample, "remove_sample", False):  # slime's rollout_sample_filter_path mark (not a field)
         data["remove_sample"] = True
     return data
+
+
+def _column_raw(name: str, values: array) -> tuple[list[Any], memoryview | None]:
+    """A compact column's "raw" entry ([name, stored dtype, [length]], + [value] when every element is that value:
+    no bytes) and its bytes, in the narrowest form that holds its numbers exactly: the kernel's copy of a record's
+    bytes into the page cache is most of a record's cost (~1 us per KB here), a numpy pass over a column ~1 us.
+    Weight versions are one version throughout but in samples that span a weight update; token ids fit int32;
+    log-probs are the engines' float32 values (float64 only when one is not)."""
+    numbers = np.frombuffer(values, dtype=_COLUMN_DTYPES[name]) if len(values) else None
+    if numbers is None:
+        return [name, _DTYPE_STR[values.typecode], [0]], None
+    if values.typecode == "q":
+        first = values[0]
+        if values[-1] == first and bool((numbers == first).all()):
+            return [name, _DTYPE_STR["q"], [len(values)], first], None
+        if numbers.min() >= _INT32.min and numbers.max() <= _INT32.max:
+            numbers = numbers.astype(np.int32)
+    elif values.typecode == "d":
+        narrow = numbers.astype(np.float32)
+        if bool((narrow == numbers).all()):  # (a NaN is unequal: kept as float64)
+            numbers = narrow
+    return [name, numbers.dtype.str, [len(values)]], memoryview(numbers).cast("B")
 
 
 class _RawReader:
@@ -160,14 +187,17 @@ def _sample_from_header(data: dict[str, Any], reader: _RawReader) -> Sample:
     raw = data.pop("raw", [])
     sample = Sample.from_dict(data)
     columns: dict[str, array] = {}
-    for name, dtype_str, shape in raw:
+    for name, dtype_str, shape, *fill in raw:
         dtype = np.dtype(dtype_str)
+        if name in COLUMN_TYPECODES and fill:  # every element that value
+            columns[name] = array(COLUMN_TYPECODES[name], fill) * int(shape[0])
+            continue
         taken = reader.take(dtype, shape)
         if name in COLUMN_TYPECODES:
             column = array(COLUMN_TYPECODES[name])
             if dtype == _COLUMN_DTYPES[name]:
                 column.frombytes(taken)
-            else:  # written on a machine of the other byte order (or by another writer): converted
+            else:  # stored narrower (or in the other byte order): the same numbers
                 column.frombytes(np.frombuffer(taken, dtype=dtype).astype(_COLUMN_DTYPES[name]).tobytes())
             columns[name] = column
         elif name in _NUMPY_FIELDS:

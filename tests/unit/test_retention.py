@@ -29,9 +29,11 @@ from hpc_rl.telemetry.scalars import ScalarLog
 from tests.unit.test_run_loop_order import FakeFleet, FakeScheduler, answer_command, describe
 
 
-def group(first_index: int, n: int = 2, response_len: int = 4, *, as_lists: bool = False) -> list[Sample]:
+def group(first_index: int, n: int = 2, response_len: int = 4, *, as_lists: bool = False,
+          float32_logprobs: bool = False) -> list[Sample]:
     """Two scored samples of one prompt; their tokens, log-probs and versions held as generation holds them
-    (compact columns, `Sample.extend_response`), or as lists (`as_lists`: a plug-in assigned them)."""
+    (compact columns, `Sample.extend_response`), or as lists (`as_lists`: a plug-in assigned them).
+    `float32_logprobs`: each log-prob a float32 value, as an engine's are (else float64 values no float32 holds)."""
     samples = []
     for i in range(n):
         sample = Sample(index=first_index + i, group_index=first_index // n,
@@ -41,6 +43,8 @@ def group(first_index: int, n: int = 2, response_len: int = 4, *, as_lists: bool
                         reward=1.0 if i else 0.0, rid=f"r{first_index + i}")
         tokens = [first_index + k for k in range(response_len)]
         logprobs = [-0.1 * (k + 1) / 3 for k in range(response_len)]  # (not short decimals: exact bits matter)
+        if float32_logprobs:
+            logprobs = np.asarray(logprobs, dtype=np.float32).tolist()
         if as_lists:
             sample.response_token_ids, sample.response_logprobs = tokens, logprobs
             sample.weight_versions = [2] * response_len
@@ -76,15 +80,26 @@ def test_a_record_reads_back_equal_with_its_columns_compact(tmp_path: Path) -> N
     journal = RolloutJournal(tmp_path / JOURNAL)
     written = batch(3, 2)
     written.groups[0][1].routed_experts = None
-    written.groups[1][0].top_logprob_ids = np.array([[1, 2]] * 4, dtype=np.int32)
-    written.groups[1][0].top_logprobs = np.array([[-0.5, -np.inf]] * 4, dtype=np.float32)
     written.groups[1][1].routed_experts = np.arange(2 * 3 * 2, dtype=np.uint8).reshape(2, 3, 2)
     written.groups[1][1].response_logprobs = [-1.0, -2.0, -3.0, -4.0]  # assigned: a list (tokens stay compact)
+    written.groups[0][0].compact_columns()["response_token_ids"][1] = 2**40  # beyond int32: stored as int64
+    written.groups[0][1].compact_columns()["weight_versions"][2] = 3  # a sample spanning a weight update
+    written.groups[1][0] = group(12, float32_logprobs=True)[0]  # an engine's log-probs (float32 values)
+    written.groups[1][0].top_logprob_ids = np.array([[1, 2]] * 4, dtype=np.int32)
+    written.groups[1][0].top_logprobs = np.array([[-0.5, -np.inf]] * 4, dtype=np.float32)
     columns_in = held([s for g in written.groups for s in g])
     journal.write(written)
     assert held([s for g in written.groups for s in g]) == columns_in  # writing made no list of a column
     assert set(columns_in[0]) == set(COLUMN_TYPECODES) and set(columns_in[-1]) == {"response_token_ids",
                                                                                  "weight_versions"}
+    header = json.loads(journal.record_path(3).read_bytes().split(b"\n", 1)[0])
+    stored = [{name: (dtype, rest) for name, dtype, *rest in s.get("raw", [])} for g in header["groups"] for s in g]
+    assert stored[0] == {"response_token_ids": ("<i8", [[4]]), "response_logprobs": ("<f8", [[4]]),
+                         "weight_versions": ("<i8", [[4], 2])}  # one version throughout: no bytes
+    assert stored[1]["weight_versions"] == ("<i4", [[4]]) and stored[1]["response_token_ids"] == ("<i4", [[4]])
+    assert stored[2]["response_logprobs"] == ("<f4", [[4]]) and stored[2]["top_logprobs"] == ("<f4", [[4, 2]])
+    assert stored[3] == {"response_token_ids": ("<i4", [[4]]), "weight_versions": ("<i8", [[4], 2]),
+                         "routed_experts": ("|u1", [[2, 3, 2]])}
     (read,), skipped = journal.read()
     assert skipped == []
     assert (read.rollout_id, read.weight_version, read.session_id, read.state_before, read.state_after,
@@ -104,6 +119,7 @@ def test_the_trainer_gets_the_same_bytes_from_a_retained_batch(tmp_path: Path) -
     """pack_samples (what a trainer rank receives) of a rollout and of its record read back: identical arrays."""
     journal = RolloutJournal(tmp_path / JOURNAL)
     written = batch(0, 0, response_len=300)
+    written.groups[0][1] = group(1, response_len=300, float32_logprobs=True)[1]
     written.groups[1][0].weight_versions = [1] * 100 + [2] * 200  # a sample spanning versions, as a list
     journal.write(written)
     (read,), _ = journal.read()
@@ -252,7 +268,7 @@ def test_the_cost_per_sample_is_printed_and_no_column_becomes_a_list(tmp_path: P
     """Measured: journaling a rollout of 256 samples, wall and CPU (all threads) per sample, and the bytes; the
     samples' columns stay compact (the trainer's packing copies them as memory)."""
     retention = Retention(tmp_path, session_id="s", allowed_lag=0, print_fn=lambda line: None)
-    groups = [group(2 * i, response_len=response_len) for i in range(128)]
+    groups = [group(2 * i, response_len=response_len, float32_logprobs=True) for i in range(128)]
     start, cpu = time.perf_counter(), time.process_time()
     asyncio.run(retention.keep(0, 0, state(0), groups, {}, state(1)))
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -260,7 +276,8 @@ def test_the_cost_per_sample_is_printed_and_no_column_becomes_a_list(tmp_path: P
     print(f"\n{response_len} response tokens: {seconds / 256 * 1e6:.0f} us wall, {cpu / 256 * 1e6:.0f} us CPU and "
           f"{size / 256:.0f} bytes per sample")
     assert all(set(s.compact_columns()) == set(COLUMN_TYPECODES) for g in groups for s in g)
-    assert 256 * response_len * 24 < size < 256 * (response_len * 24 + 1000)  # raw numbers and a JSON line
+    # the numbers raw (tokens int32, log-probs float32, one weight version throughout: none) and a JSON line
+    assert 256 * response_len * 8 < size < 256 * (response_len * 8 + 1000)
 
 
 # -- through the real loop (as the controller assembles it), with the fakes of test_run_loop_order.py ----------------
