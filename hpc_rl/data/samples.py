@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -156,8 +156,14 @@ class Sample:
         return list(self.loss_mask) if self.loss_mask is not None else [1] * self.response_length
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe form (checkpoints, status files)."""
-        data = asdict(self)
+        """JSON-safe form (checkpoints, status files, the partial buffer's state). The per-token fields are copied
+        as lists (`list`, `array.tolist`: one C pass) and a compact column is not made the field's list:
+        `dataclasses.asdict` deep-copied every token list item by item (4.6 ms for a sample of 3,000 tokens; the
+        scheduler's state holds every partial sample's, snapshotted at each rollout's start and end)."""
+        data = asdict(replace(self, **dict.fromkeys(_TOKEN_LISTS)))  # (replace reads only the other fields)
+        for name in _TOKEN_LISTS:
+            values = self.column(name) if name in COLUMN_TYPECODES else getattr(self, name)
+            data[name] = None if values is None else values.tolist() if isinstance(values, array) else list(values)
         data["status"] = self.status.value
         if self.routed_experts is not None:
             data["routed_experts"] = routing_to_json(self.routed_experts)
@@ -178,6 +184,10 @@ class Sample:
                 [[-np.inf if v is None else v for v in row] for row in data["top_logprobs"]], dtype=np.float32)
         return cls(**data)
 
+
+_TOKEN_LISTS = ("prompt_token_ids", "response_token_ids", "response_logprobs", "weight_versions", "loss_mask",
+                "teacher_logprobs")
+"""Sample's fields that are lists of numbers (copied as such by `to_dict`)."""
 
 Group = list[Sample]
 """All samples of one prompt (slime's filters and buffer filters take `list[Sample]`)."""

@@ -89,3 +89,23 @@ def test_version_readers_take_compact_columns() -> None:
     assert not generated_with([[sample]], 3)
     assert generated_with([[compact_sample(versions=(3, 3, 3))]], 3)
     assert "weight_versions" not in sample.__dict__  # none of them made a list
+
+
+def test_to_dict_copies_the_token_lists_without_making_a_column_a_list() -> None:
+    """The form `dataclasses.asdict` gave (what checkpoints and the partial buffer's state hold), copies that share
+    nothing with the sample, and the columns still compact afterwards."""
+    from dataclasses import asdict
+
+    sample = compact_sample()
+    sample.loss_mask, sample.teacher_logprobs, sample.metadata = [1, 0, 1], [-0.1, -0.2, -0.3], {"tool": {"n": [1]}}
+    data = sample.to_dict()
+    assert set(sample.compact_columns()) == {"response_token_ids", "response_logprobs", "weight_versions"}
+    listed = listed_sample()
+    listed.loss_mask, listed.teacher_logprobs, listed.metadata = [1, 0, 1], [-0.1, -0.2, -0.3], {"tool": {"n": [1]}}
+    assert data == listed.to_dict() == asdict(listed) | {"status": "pending"}
+    assert all(type(data[name]) is list for name in ("response_token_ids", "response_logprobs", "weight_versions",
+                                                     "prompt_token_ids", "loss_mask", "teacher_logprobs"))
+    data["prompt_token_ids"].append(7)
+    data["metadata"]["tool"]["n"].append(2)
+    listed.to_dict()["loss_mask"].append(0)
+    assert sample.prompt_token_ids == [5, 6] and sample.metadata == {"tool": {"n": [1]}} and listed.loss_mask == [1, 0, 1]
