@@ -74,6 +74,8 @@ class RetainedBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     stored: Path | None = field(default=None, compare=False, repr=False)
     """Its record file (None: not written in FORMAT 2 yet, e.g. read from a FORMAT-1 journal)."""
+    legacy_digest: bool = field(default=False, compare=False, repr=False)
+    """`state_before` is the json module's digest (`state_digest(legacy=True)`): a FORMAT-1 record's."""
 
     @property
     def num_samples(self) -> int:
@@ -111,7 +113,9 @@ class RetainedBatch:
         """A FORMAT-1 line's object (per-token data as JSON lists; read as lists, as then)."""
         if data.get("format") != LEGACY_FORMAT:
             raise ValueError(f"format {data.get('format')!r}, expected {LEGACY_FORMAT} in {LEGACY_FILE}")
-        return cls._from_header(data, [[_legacy_sample(s) for s in g] for g in data["groups"]])
+        batch = cls._from_header(data, [[_legacy_sample(s) for s in g] for g in data["groups"]])
+        batch.legacy_digest = True
+        return batch
 
     @classmethod
     def _from_header(cls, data: dict[str, Any], groups: list[Group]) -> "RetainedBatch":

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from hpc_rl.controller.fault_hooks import (HOLD_CONTROLLER_AFTER_RETAIN, KILL_CONTROLLER_AFTER_RETAIN,
                                           hold_here_if_asked, kill_here_if_asked)
 from hpc_rl.controller.retained_journal import FORMAT, JOURNAL, MAX_RECORDS, RetainedBatch, RolloutJournal
@@ -51,10 +53,18 @@ __all__ = ["FORMAT", "JOURNAL", "MAX_RECORDS", "RetainedBatch", "Retention", "Ro
 log = logging.getLogger(__name__)
 
 
-def state_digest(state: dict[str, Any]) -> str:
-    """A scheduler state's identity, its weight version aside (the version the engines serve, set apart)."""
-    plain = json.loads(json.dumps({k: v for k, v in state.items() if k != "weight_version"}, default=str))
-    return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
+def state_digest(state: dict[str, Any], *, legacy: bool = False) -> str:
+    """A scheduler state's identity, its weight version aside (the version the engines serve, set apart): the same
+    for the state in memory and the one a checkpoint or the journal gives back (orjson writes keys as strings,
+    sorted after that, tuples as lists, NaN as null: what a JSON round trip makes of them). One orjson pass: the
+    json module's round trip took 0.71 s for a partial buffer of 200 samples of 3,000 tokens (orjson ~0.03 s).
+    `legacy`: the json module's digest, which FORMAT-1 records hold."""
+    rest = {k: v for k, v in state.items() if k != "weight_version"}
+    if legacy:
+        plain = json.loads(json.dumps(rest, default=str))
+        return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(orjson.dumps(rest, default=str,
+                                       option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)).hexdigest()
 
 
 class Retention:
@@ -149,16 +159,19 @@ class Retention:
             self._drop_all(records, f"they belong to session {named}, this run's rollout_session_id is "
                                     f"{self.session_id!r} (a different session starts fresh)")
             return
-        digest, expected = state_digest(scheduler_state), next_rollout_id
+        state, expected = scheduler_state, next_rollout_id
         for record in records:
             if record.rollout_id < expected:
                 continue  # trained and checkpointed already
-            why = self._refusal(record, expected, digest, weight_version)
+            digest = state_digest(state)
+            why = self._refusal(record, expected, state_digest(state, legacy=True) if record.legacy_digest else digest,
+                                weight_version)
             if why is not None:
                 self._say(f"hpc_rl: retained rollouts from rollout {record.rollout_id} on are generated again: {why}")
                 break
+            record.state_before, record.legacy_digest = digest, False  # (a FORMAT-1 record's: now orjson's digest)
             self._ready[record.rollout_id] = record
-            digest, expected = state_digest(record.state_after), expected + 1
+            state, expected = record.state_after, expected + 1
         self._records = list(self._ready.values())
         self.journal.keep_only(self._records)
         if self._ready:

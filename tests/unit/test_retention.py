@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 
 from hpc_rl.controller.retention import (JOURNAL, MAX_RECORDS, RetainedBatch, Retention, RolloutJournal, allowed_lag,
@@ -165,6 +166,9 @@ def legacy_line(record: RetainedBatch) -> bytes:
 
 def test_a_format_1_journal_is_read_trained_and_rewritten_as_records(tmp_path: Path) -> None:
     old = [batch(2, 2), batch(3, 2)]
+    for record in old:  # FORMAT 1's digest of the state each started from (the json module's)
+        record.state_before = state_digest(state(record.rollout_id), legacy=True)
+    assert old[0].state_before != state_digest(state(2))
     expected = [[s.to_dict() for g in b.groups for s in g] for b in old]
     legacy = tmp_path / JOURNAL / "rollouts.jsonl"
     legacy.parent.mkdir(parents=True)
@@ -180,6 +184,21 @@ def test_a_format_1_journal_is_read_trained_and_rewritten_as_records(tmp_path: P
     taken = retention.take(2, state(2))
     assert taken is not None and [s.to_dict() for g in taken.groups for s in g] == expected[0]
     assert taken.groups[0][0].remove_sample
+    again = Retention(tmp_path, session_id="s1", allowed_lag=0, print_fn=said.append)  # the resume dies: again
+    again.attach(next_rollout_id=2, weight_version=2, scheduler_state=state(2))
+    assert "2 retained rollout(s) [2, 3] (8 samples)" in said[-1]  # the rewritten records carry today's digest
+
+
+def test_the_state_digest_is_the_same_after_a_json_round_trip() -> None:
+    """The state in memory and as a checkpoint gives it back (the protocol's JSON: keys as strings, tuples as lists,
+    NaN kept) or the journal (orjson: NaN as null) have one digest; another cursor has another."""
+    memory = state(3) | {"counters": {1: (2, 3)}, "mean": float("nan"), "weight_version": 5}
+    checkpoint = json.loads(json.dumps(memory, allow_nan=True))
+    assert checkpoint["counters"] == {"1": [2, 3]}
+    journal = orjson.loads(orjson.dumps(checkpoint))
+    assert state_digest(memory) == state_digest(checkpoint) == state_digest(journal)
+    assert state_digest(memory) == state_digest(memory | {"weight_version": 6})  # the version aside
+    assert state_digest(memory) != state_digest(memory | {"next_group_index": 4})
 
 
 def resumed(tmp_path: Path, records: list[RetainedBatch], *, session: str | None = "s1", lag: int = 0,
