@@ -133,6 +133,17 @@ def test_the_trainer_gets_the_same_bytes_from_a_retained_batch(tmp_path: Path) -
     assert len(before["tokens"]) == 4 * (3 + 300)
 
 
+def test_a_record_of_more_buffers_than_one_writev_takes_reads_back_whole(tmp_path: Path) -> None:
+    journal = RolloutJournal(tmp_path / JOURNAL)
+    written = batch(0, 0)
+    written.groups = [group(2 * i, response_len=3 + i % 5, float32_logprobs=i % 2 == 0) for i in range(400)]
+    line, buffers = written.encode()
+    assert len(buffers) > 1024  # (IOV_MAX: os.writev is called more than once)
+    journal.write(written, (line, buffers))
+    (read,), skipped = journal.read()
+    assert skipped == [] and held([s for g in read.groups for s in g]) == held([s for g in written.groups for s in g])
+
+
 def test_a_crash_mid_write_leaves_the_records_before_it_and_a_torn_one_is_ignored(tmp_path: Path) -> None:
     journal = RolloutJournal(tmp_path / JOURNAL)
     journal.write(batch(0, 0))
