@@ -24,9 +24,10 @@ before it whole. FORMAT-1 journals (`retained/rollouts.jsonl`) are still read, a
 
 Left as it is: the scheduler state is snapshotted after each rollout (`state_after`) and again as the next one's
 start (`Rollouts._generate`, also without a journal: a checkpoint saved meanwhile stores it). Without a partial
-buffer a snapshot is a few counters (microseconds); reusing the first would need proof that nothing moved the
-scheduler in between (the trainer step, a weight sync, an eval, a restore), i.e. a change counter in the scheduler,
-its buffer and its prompt source, for no measurable gain.
+buffer a snapshot is a few counters (microseconds); with one it is its samples' `to_dict` (~0.2 ms per 3,000-token
+sample since `to_dict` copies token lists in C; `asdict` took 4.6 ms). Reusing the first would need proof that
+nothing moved the scheduler in between (the trainer step, a weight sync, an eval, a restore): a change counter in
+the scheduler, its buffer and its prompt source (rollout/), not here.
 """
 
 from __future__ import annotations
