@@ -163,7 +163,8 @@ class Sample:
         data = asdict(replace(self, **dict.fromkeys(_TOKEN_LISTS)))  # (replace reads only the other fields)
         for name in _TOKEN_LISTS:
             values = self.column(name) if name in COLUMN_TYPECODES else getattr(self, name)
-            data[name] = None if values is None else values.tolist() if isinstance(values, array) else list(values)
+            data[name] = (None if values is None else values.tolist() if isinstance(values, (array, np.ndarray))
+                          else list(values))
         data["status"] = self.status.value
         if self.routed_experts is not None:
             data["routed_experts"] = routing_to_json(self.routed_experts)
