@@ -24,19 +24,12 @@ def _sum_over_tp(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch
 
 def _this_shard(logits: torch.Tensor, vocab_size: int,
                 tp_group: dist.ProcessGroup | None) -> tuple[torch.Tensor, int, int]:
-    """This TP rank's float32 logits without the padded vocabulary, its first vocabulary id and its width.
-
-    A shard that ends in padding is cut to its real ids (a view: the padded columns get no gradient, as when
-    masked, and every sum equals the masked one's, whose padded terms are exactly 0): the tiny run's 24-id
-    vocabulary is padded to 128, and exp() of -1e30 takes a slow path on CPU (1.3 ms for 1,408 x 128). A shard of
-    padding only is masked, keeping its width."""
+    """This TP rank's float32 logits with the padded vocabulary masked, its first vocabulary id and its width."""
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
     logits = logits.float()
     part = logits.shape[-1]
     start = tp_rank * part
     if start + part > vocab_size:
-        if vocab_size > start:
-            return logits[..., : vocab_size - start], start, vocab_size - start
         padded = torch.arange(start, start + part, device=logits.device) >= vocab_size
         logits = logits.masked_fill(padded, _MASKED)
     return logits, start, part
