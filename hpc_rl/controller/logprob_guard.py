@@ -73,9 +73,9 @@ class LogprobGuard:
         gap = metrics.get(FIRST_STEP_GAP)
         if self.threshold is None or gap is None or self.served_version != trainer_version or not self.cache_flushed:
             return
-        if not generated_with(groups, trainer_version):
+        if not float(gap) > self.threshold:  # the cheap test first: the per-sample scan only for a gap over it
             return
-        if float(gap) > self.threshold:
+        if generated_with(groups, trainer_version):
             raise LogprobMismatch(
                 f"rollout {rollout_id}: the engines' log-probs differ from the trainer's by {float(gap):.3g} per token "
                 f"(mean |trainer - rollout|) right after weight sync v{trainer_version}; the limit is "

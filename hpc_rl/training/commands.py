@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -164,6 +164,9 @@ class TrainerCommands:
         self._image_processor: Any = None
         """Image prompts: the checkpoint's image processor, built at the first batch with images (`with_images`)."""
         self.nonfinite = NonFiniteSteps(max_nonfinite_steps)
+        self.after_done: list[Callable[[], None]] = []
+        """What a command leaves to do once its `done` is sent (a train command's TensorBoard scalars and log line):
+        nothing waits for it, so the controller goes on meanwhile (it is on a sync-mode step's path otherwise)."""
         self.engine_api_key = engine_api_key
         """Colocated mode: this rank posts its weights to its engine itself (derived from the job secret)."""
         # the reference's and teacher's weights live in host memory already (`host_weights`): not offloaded; the
@@ -192,9 +195,12 @@ class TrainerCommands:
             try:
                 metrics = self.execute(command)
             except Exception:  # reported to the controller, which decides; then re-raised
+                self.after_done.clear()
                 self.source.failed(command.seq, traceback.format_exc())
                 raise
             self.source.done(command.seq, metrics)
+            while self.after_done:
+                self.after_done.pop(0)()
         self.broadcast.close()
 
     def execute(self, command: Message) -> dict[str, Any]:
@@ -281,13 +287,17 @@ class TrainerCommands:
         if interval and (command.rollout_id + 1) % interval == 0:
             trainer.update_reference()
         if self.info.rank == 0:
-            for offset, metrics in enumerate(steps):
-                step = self.parts.optimizer.steps_done - len(steps) + offset + 1  # steps done, as rollout/* counts rollouts
-                if self.scalars is not None:
-                    self.scalars.log({f"train/{k}": v for k, v in metrics.items()}, step)
-                log.info("rollout %d step %d: %s", command.rollout_id, step,  # per-layer MoE metrics: TensorBoard only
-                         " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if "/layer_" not in k))
+            first_step = self.parts.optimizer.steps_done - len(steps) + 1  # steps done, as rollout/* counts rollouts
+            self.after_done.append(lambda: self._record_steps(command.rollout_id, first_step, steps))
         return {"steps": steps, "rollout_id": command.rollout_id}
+
+    def _record_steps(self, rollout_id: int, first_step: int, steps: list[dict[str, Any]]) -> None:
+        """Rank 0: a train command's steps as TensorBoard scalars and one log line each."""
+        for step, metrics in enumerate(steps, first_step):
+            if self.scalars is not None:
+                self.scalars.log({f"train/{k}": v for k, v in metrics.items()}, step)
+            log.info("rollout %d step %d: %s", rollout_id, step,  # per-layer MoE metrics: TensorBoard only
+                     " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if "/layer_" not in k))
 
     def memory(self, command: TrainerMemoryCommand) -> dict[str, Any]:
         if command.action == "offload":

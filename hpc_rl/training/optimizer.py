@@ -158,6 +158,8 @@ class ActorOptimizer:
 
         self.ddp_model = ddp_model
         self.config = config
+        self._run_length: int | None = None
+        """The run length `set_run_length` last applied (None: none yet)."""
         self.params = [p for p in ddp_model.parameters() if p.requires_grad]
         self.params_dtype: torch.dtype = ddp_model.config.params_dtype
         distributed = bool(getattr(ddp_model.ddp_config, "use_distributed_optimizer", False))
@@ -198,6 +200,9 @@ class ActorOptimizer:
     def set_run_length(self, total_steps: int) -> None:
         """The run has `total_steps` optimizer steps: its decay and warm-up follow (`schedule_for_run`), from the
         next step on. Every train command says it: the scheduler is rebuilt only when the schedule changes."""
+        if total_steps == self._run_length:  # every train command says it: the same length, the same schedule
+            return
+        self._run_length = total_steps
         config = schedule_for_run(self.config, total_steps)
         if config != self.config:
             self.config = config

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -81,6 +81,13 @@ LossOfMicro = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str,
 
 def _optional_plugin(kind: str, path: str | None) -> Any:
     return load_plugin(kind, path) if path else None
+
+
+def per_sample_tensors(rows: Sequence[Sequence[float]], device: torch.device | str) -> list[torch.Tensor]:
+    """One float32 tensor per row (a sample's loss mask or log-probs), views of one tensor built in one call: a
+    tensor per row costs ~2 us each (0.25 ms per 128 samples)."""
+    flat = torch.tensor([value for row in rows for value in row], dtype=torch.float32, device=device)
+    return list(flat.split([len(row) for row in rows]))
 
 
 class RolloutTrainer(LogProbPasses, RolloutAdvantages):
@@ -161,7 +168,7 @@ class RolloutTrainer(LogProbPasses, RolloutAdvantages):
         per_step = len(batch) // steps
         plan = [self._step_microbatches(batch, range(s * per_step, (s + 1) * per_step)) for s in range(steps)]
         device = self.info.device
-        masks = [torch.as_tensor(m, dtype=torch.float32, device=device) for m in batch.loss_masks]
+        masks = per_sample_tensors(batch.loss_masks, device)
         all_micros = self.logprob_microbatches(batch, plan, per_step)
         if self.algorithm.loss_type == "sft_loss":
             return [self._step(rollout_id, step, batch, micros, masks, self._sft_loss(masks))
@@ -184,8 +191,7 @@ class RolloutTrainer(LogProbPasses, RolloutAdvantages):
         else:
             old = None  # the training pass's own log-probs, detached (losses: old_log_probs=None)
         teacher = self._teacher_logprobs(batch, all_micros)
-        rollout = ([torch.as_tensor(lp, dtype=torch.float32, device=device) for lp in batch.rollout_logprobs]
-                   if batch.rollout_logprobs is not None else None)
+        rollout = per_sample_tensors(batch.rollout_logprobs, device) if batch.rollout_logprobs is not None else None
         # PPO's critic first, on every pipeline stage (its values live on the last)
         values, critic_steps = train_critic(self, batch, plan, masks) if self.critic is not None else (None, [])
         if self.critic is not None and rollout_id < self.critic.config.num_critic_only_steps:
@@ -336,9 +342,9 @@ class RolloutTrainer(LogProbPasses, RolloutAdvantages):
         start = time.perf_counter()
         samples = sum(len(m.indices) for m in micros)
         tokens_here = sum(batch.total_lengths[i] for m in micros for i in m.indices)
-        counts = torch.tensor([float(samples), float(tokens_here),
-                               float(sum(float(masks[i].sum()) for m in micros for i in m.indices))],
-                              device=self.info.device)
+        step_masks = [masks[i] for m in micros for i in m.indices]
+        trained_here = float(torch.cat(step_masks).sum(dtype=torch.float64)) if step_masks else 0.0
+        counts = torch.tensor([float(samples), float(tokens_here), trained_here], device=self.info.device)
         if self.info.dp_size > 1:
             dist.all_reduce(counts, group=self.dp_group)
         global_samples, global_tokens, global_trained = (float(x) for x in counts)

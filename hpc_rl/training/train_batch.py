@@ -133,14 +133,20 @@ class TrainBatch:
         response = arrays["response_lengths"].astype(np.int64).tolist()
         tokens, masks, logprobs, teacher = [], [], [], []
         flat_logprobs, flat_teacher = arrays.get("rollout_logprobs"), arrays.get("teacher_logprobs")
+        # each flat array to Python once, then sliced per sample (a numpy slice per sample costs ~1 us each)
+        all_tokens = arrays["tokens"].astype(np.int64).tolist()
+        all_masks = arrays["loss_masks"].astype(np.int64).tolist()
+        all_logprobs = (flat_logprobs.astype(np.float64).tolist()
+                        if flat_logprobs is not None and len(flat_logprobs) else None)
+        all_teacher = flat_teacher.astype(np.float64).tolist() if flat_teacher is not None else None
         t_off = r_off = 0
         for p, r in zip(prompt, response):
-            tokens.append(arrays["tokens"][t_off : t_off + p + r].astype(np.int64).tolist())
-            masks.append(arrays["loss_masks"][r_off : r_off + r].astype(np.int64).tolist())
-            if flat_logprobs is not None and len(flat_logprobs):
-                logprobs.append(flat_logprobs[r_off : r_off + r].astype(np.float64).tolist())
-            if flat_teacher is not None:
-                teacher.append(flat_teacher[r_off : r_off + r].astype(np.float64).tolist())
+            tokens.append(all_tokens[t_off : t_off + p + r])
+            masks.append(all_masks[r_off : r_off + r])
+            if all_logprobs is not None:
+                logprobs.append(all_logprobs[r_off : r_off + r])
+            if all_teacher is not None:
+                teacher.append(all_teacher[r_off : r_off + r])
             t_off += p + r
             r_off += r
         routing = None

@@ -61,6 +61,30 @@ def test_full_logits_match_transformers(models):
         assert a.shape == b.shape and (a - b).abs().max() < 1e-5
 
 
+def test_repeated_sequences_run_once_and_answer_as_if_each_ran(models):
+    """share_repeats: a GRPO group's samples (one prompt, several rows) are prefilled once; their cache, logits and
+    the decode steps after it equal a prefill of every row."""
+    _, native = models
+    sequences = [[5, 6, 7, 8]] * 3 + [[9, 10]] * 2 + [[11, 12, 13]]
+    rows_run = []
+    hook = native.model.embed_tokens.register_forward_hook(lambda module, args, out: rows_run.append(args[0].shape[0]))
+    try:
+        shared = kv_batch.prefill(native, sequences, full_logits=True, share_repeats=True)
+        every = kv_batch.prefill(native, sequences, full_logits=True)
+    finally:
+        hook.remove()
+    assert rows_run == [3, 6]
+    (batch_a, last_a, full_a), (batch_b, last_b, full_b) = shared, every
+    assert torch.equal(batch_a.mask, batch_b.mask) and (last_a - last_b).abs().max() < 1e-5
+    for a, b in zip([*batch_a.keys, *batch_a.values, *full_a], [*batch_b.keys, *batch_b.values, *full_b]):
+        assert a.shape == b.shape and (a - b).abs().max() < 1e-5
+    tokens = torch.tensor([7, 8, 9, 10, 11, 12])
+    _, logits_a = kv_batch.decode_step(native, batch_a, tokens)
+    _, logits_b = kv_batch.decode_step(native, batch_b, tokens)
+    assert (logits_a - logits_b).abs().max() < 1e-5
+    assert kv_batch.distinct_sequences([[1], [2], [1]]) == ([[1], [2]], [0, 1, 0])
+
+
 def test_checkpoint_names_and_tied_weights(models, checkpoint):
     hf, native = models
     assert set(named_tensors(native)) - {"inv_freq"} >= set(dict(hf.named_parameters(remove_duplicate=False)))

@@ -160,19 +160,23 @@ def sample_next_tokens(
         for row, banned in enumerate(banned_token_ids):
             if banned:
                 logits[row, banned] = float("-inf")
-    temperatures = [1.0 if p.greedy else p.temperature for p in params]
+    greedy = [p.greedy for p in params]
+    temperatures = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
     if all(t == 1.0 for t in temperatures):
         tempered = torch.log_softmax(logits, dim=-1)
     else:
         tempered = torch.log_softmax(logits / torch.tensor(temperatures, dtype=logits.dtype).unsqueeze(1), dim=-1)
-    raw = tempered if all(p.greedy or p.temperature == 1.0 for p in params) else torch.log_softmax(logits, -1)
+    raw = tempered if all(t == 1.0 for t in temperatures) else torch.log_softmax(logits, -1)
     reported = raw if return_original_logprob() else tempered
 
-    tokens = logits.argmax(dim=-1)
-    sampled = [row for row, p in enumerate(params) if not p.greedy]
-    if sampled:
-        tokens[sampled] = _sample_rows(tempered[sampled], [params[r] for r in sampled],
-                                       [generators[r] for r in sampled])
+    sampled = [row for row, g in enumerate(greedy) if not g]
+    if len(sampled) == len(params):  # every row samples (the RL default): no argmax, no row selection
+        tokens = _sample_rows(tempered, params, generators)
+    else:
+        tokens = logits.argmax(dim=-1)
+        if sampled:
+            tokens[sampled] = _sample_rows(tempered[sampled], [params[r] for r in sampled],
+                                           [generators[r] for r in sampled])
     logprobs = reported.gather(1, tokens.unsqueeze(1)).squeeze(1)
     if top_logprobs_num is not None and top_logprobs is not None:
         widest = max(top_logprobs_num, default=0)

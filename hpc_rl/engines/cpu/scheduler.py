@@ -314,10 +314,11 @@ class Scheduler:
         wants_input_logprobs = any(
             r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None for r in newcomers
         )
-        with self._adapters(newcomers):
+        with self._adapters(newcomers):  # rows of one context run once unless they differ per row (kv_batch)
             batch, last_logits, full_logits = kv_batch.prefill(
                 self.model, [r.context for r in newcomers], full_logits=wants_input_logprobs,
-                vision=[r.vision for r in newcomers])
+                vision=[r.vision for r in newcomers],
+                share_repeats=self.routed_experts is None and not any(r.lora_path for r in newcomers))
         if self.routed_experts is not None:  # a (re-)prefill routes every context token again
             length = max(len(r.context) for r in newcomers)
             ids = self.routed_experts.take(len(newcomers), length)
