@@ -165,6 +165,8 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     args = plugin_args(config)
     # No workers for custom functions (they run on the loop) or remote_rm (an HTTP call, no CPU to offload).
     rule_rewards = not rollout.custom_rm_path and split_boxed_prefix((rollout.rm_type or "").strip())[1] != REMOTE_RM
+    if client.answer_pool is not None and not rollout.custom_rm_path:  # rule rewards scored with the answers
+        client.worker_rm_type = rollout.rm_type
     pool = RewardPool(rollout.reward_workers) if rollout.reward_workers and rule_rewards else None
     thread = RewardThread() if rollout.custom_rm_path else None  # custom functions never block the loop
     spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,

@@ -13,8 +13,9 @@ custom functions run on `RewardThread`, off the caller's event loop.
       otherwise, concurrently for each sample:
         custom_rm_path            -> await fn(args, sample)           (reward thread)
         remote_rm                 -> POST {prompt, response, label} with retries (remote.py)
-        deepscaler|dapo|math|f1   -> score(...) directly (sync, cheap; scoring.py), or, with
-                                     `spec.pool`, the whole group in a worker process (pool.py)
+        deepscaler|dapo|math|f1   -> the answer worker's reward when it provably applies (worker_scored.py:
+                                     `rollout.answer_parse_workers`), else score(...) directly (sync,
+                                     cheap; scoring.py), or, with `spec.pool`, in a worker process (pool.py)
 
 It does not write `sample.reward`; the caller does, so a failed group leaves samples untouched. With
 `category_key` (slime's --log-reward-category) the reward object's value under that key is kept in
@@ -38,6 +39,7 @@ from hpc_rl.retry_policy import RetryPolicy
 from hpc_rl.rewards.remote import REMOTE_RM_RETRY, post_for_reward, reward_payload, reward_session
 from hpc_rl.rewards.scoring import REMOTE_RM, check_rm_type, resolve_rm_type, score, split_boxed_prefix
 from hpc_rl.rewards.sympy_bound import take_give_ups
+from hpc_rl.rewards.worker_scored import precomputed_reward
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +165,10 @@ async def _reward_one(spec: RewardSpec, sample: Sample, session: RewardSession |
         payload = reward_payload(sample.prompt, sample.response_text, sample.label)
         answer = await bounded(post_for_reward(session, spec.rm_url, payload, spec.retry), spec.timeout_s)
         return _as_reward(_keep_category(spec, sample, answer), spec.reward_key, spec.rm_url)
+    known = precomputed_reward(sample, rm_type)  # scored by the answer worker, for this very text and label
+    if known is not None:
+        name_give_ups(sample, rm_type, list(known.give_ups))
+        return known.reward
     take_give_ups()  # a custom function's graders on this thread are not this sample's
     reward = score(rm_type, sample.response_text, sample.label, sample.metadata)
     name_give_ups(sample, rm_type, take_give_ups())
@@ -241,6 +247,18 @@ async def _reward_custom_group(spec: RewardSpec, samples: list[Sample]) -> list[
 
 
 async def _reward_in_pool(spec: RewardSpec, pool: RewardPool, samples: list[Sample]) -> list[float]:
+    """Rule-based rewards of `samples`: the answer workers' where they provably apply, the others' in the reward
+    workers; failures as `reward_group` raises them."""
+    known = [precomputed_reward(s, spec.rm_type) for s in samples]
+    rest = [s for s, k in zip(samples, known) if k is None]
+    scored = iter(await _score_in_pool(spec, pool, rest) if rest else [])
+    for sample, k in zip(samples, known):
+        if k is not None:
+            name_give_ups(sample, k.rm_type, list(k.give_ups))
+    return [k.reward if k is not None else next(scored) for k in known]
+
+
+async def _score_in_pool(spec: RewardSpec, pool: RewardPool, samples: list[Sample]) -> list[float]:
     """Rule-based rewards of `samples` in the worker processes; failures as `reward_group` raises them."""
     # The graders read a sample's metadata only for its rm_type override: that is all that is sent.
     items = [(spec.rm_type, s.response_text, s.label,
@@ -281,9 +299,25 @@ async def reward_group(spec: RewardSpec, samples: Sequence[Sample]) -> list[floa
     return rewards
 
 
+def _all_worker_scored(spec: RewardSpec, samples: list[Sample]) -> list[float] | None:
+    """The answer workers' rewards of `samples` when every one provably applies (their give-ups named), else None."""
+    known = [precomputed_reward(s, spec.rm_type) for s in samples]
+    if any(k is None for k in known):
+        return None
+    rewards = []
+    for sample, k in zip(samples, known):
+        assert k is not None
+        if k.give_ups:
+            name_give_ups(sample, k.rm_type, list(k.give_ups))
+        rewards.append(k.reward)
+    return rewards
+
+
 async def _rewards(spec: RewardSpec, samples: list[Sample]) -> list[float]:
     if spec.custom_rm_path is not None and spec.group_rm:
         return await _reward_custom_group(spec, samples)
+    if spec.custom_rm_path is None and (known := _all_worker_scored(spec, samples)) is not None:
+        return known  # the common case with answer workers: no task per sample
     if spec.pool is not None and spec.custom_rm_path is None and not _needs_session(spec, samples):
         return await _reward_in_pool(spec, spec.pool, samples)
     if _needs_session(spec, samples):

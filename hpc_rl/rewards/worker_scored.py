@@ -1,0 +1,127 @@
+"""Rule rewards scored by the answer workers (where the answer text already is), and when one may be used.
+
+Owns:
+- `scoring_request(rm_type, sample)`: what a worker needs to score a sample's answer, `{"rm_type": the type that
+  applies to this sample, "label": its label}`, or None when the answer cannot be scored there to the same value:
+  the type is not a rule grader (`remote_rm`, none given, unknown), or the label is not a JSON scalar that comes
+  back from JSON unchanged (str, int of at most 64 bits, finite float, bool, None).
+- `score_answer(request, text)`: run in the worker; `{"reward": x, "give_ups": [...]}`, or `{"error": ...}` when the
+  grader raised or the reward is not a finite number (the controller then scores the sample itself, so the
+  `RewardError`, its cause and the non-finite check are exactly those of today).
+- `WorkerReward`, kept on the sample (`keep`/`forget`), and `precomputed_reward(sample, rm_type)`: the worker's
+  reward only when it provably is what `scoring.score` would give now: the same rm type resolves for the sample
+  (its `metadata["rm_type"]` included), its label is the very object whose value was sent, and its
+  `response_text` is the very string the worker's text became on the controller (identity, not equality: a later
+  turn, a resumed continuation, a hook or custom function that set another text all make another object). The
+  graders read only (rm type, text, label): `score` reads `metadata` only for the rm type override, and sets
+  nothing on the sample, so a worker's reward has no side effect to repeat here; the give-up notes of bounded
+  sympy travel with it and are logged by the caller as for a reward scored here (`group.name_give_ups`).
+
+Why: with `rollout.answer_parse_workers` the answer's text reaches a worker anyway; scoring it there takes the
+rule graders (deepscaler's math equivalence: the loop's largest item at 256 engines, docs/scaling.md) out of the
+coordinating process.
+
+Does not own: which exchanges ask for it and how the request and the record travel (rollout/worker_rewards.py),
+the graders (scoring.py), what a reward failure raises (group.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from hpc_rl.data.samples import Sample
+from hpc_rl.rewards.scoring import REMOTE_RM, UnknownRewardType, check_rm_type, resolve_rm_type, score, \
+    split_boxed_prefix
+from hpc_rl.rewards.sympy_bound import take_give_ups
+
+_KEPT = "_worker_reward"
+"""Where a sample holds its `WorkerReward` (an attribute outside its dataclass fields: never serialized, compared
+or sent to the trainer)."""
+_INT64 = 1 << 63
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReward:
+    """A worker's reward of one answer and what it was computed from (the controller's own objects)."""
+
+    rm_type: str
+    label: Any
+    text: str
+    reward: float
+    give_ups: tuple[str, ...] = ()
+
+
+def _label_travels(label: Any) -> bool:
+    """Whether `label` comes back from JSON as an equal value of the same type (a grader sees the same thing)."""
+    kind = type(label)
+    if label is None or kind is bool:
+        return True
+    if kind is int:
+        return -_INT64 <= label < _INT64
+    if kind is float:
+        return math.isfinite(label)
+    if kind is str:
+        try:
+            orjson.dumps(label)  # a lone surrogate cannot be written
+        except orjson.JSONEncodeError:
+            return False
+        return True
+    return False
+
+
+def scoring_request(rm_type: str | None, sample: Sample) -> dict[str, Any] | None:
+    """What a worker needs to score `sample`'s answer under the run's `rm_type`, or None (see the module doc)."""
+    try:
+        chosen = resolve_rm_type(rm_type, sample.metadata)
+        check_rm_type(chosen)
+    except UnknownRewardType:
+        return None
+    if split_boxed_prefix(chosen)[1] == REMOTE_RM or not _label_travels(sample.label):
+        return None
+    return {"rm_type": chosen, "label": sample.label}
+
+
+def score_answer(request: dict[str, Any], text: str) -> dict[str, Any]:
+    """Run in a worker: the reward of `text` as `score` gives it on the controller, with the give-up notes."""
+    take_give_ups()  # not this answer's
+    try:
+        reward = score(request["rm_type"], text, request["label"], None)
+    except Exception as error:  # noqa: BLE001 - the controller scores it again and raises its own error
+        take_give_ups()
+        return {"error": f"{type(error).__name__}: {error}"}
+    give_ups = take_give_ups()
+    if not math.isfinite(reward):  # JSON would not carry it; the controller's check names the sample
+        return {"error": f"the reward is {reward}"}
+    return {"reward": reward, "give_ups": give_ups} if give_ups else {"reward": reward}
+
+
+def keep(sample: Sample, request: dict[str, Any], record: Any, text: str) -> None:
+    """Keep a worker's `record` for `sample`, whose answer `text` was just appended: usable while the sample's
+    text, label and rm type stay those (`precomputed_reward`); a record without a reward is forgotten."""
+    reward = record.get("reward") if isinstance(record, dict) else None
+    if type(reward) is not float:
+        forget(sample)
+        return
+    sample.__dict__[_KEPT] = WorkerReward(rm_type=request["rm_type"], label=request["label"], text=text,
+                                          reward=reward, give_ups=tuple(record.get("give_ups") or ()))
+
+
+def forget(sample: Sample) -> None:
+    sample.__dict__.pop(_KEPT, None)
+
+
+def precomputed_reward(sample: Sample, rm_type: str | None) -> WorkerReward | None:
+    """The worker's reward of `sample` under the run's `rm_type`, when it is provably `score`'s value now."""
+    kept: WorkerReward | None = sample.__dict__.get(_KEPT)
+    if kept is None or kept.text is not sample.response_text or kept.label is not sample.label:
+        return None
+    try:
+        if resolve_rm_type(rm_type, sample.metadata) != kept.rm_type:
+            return None
+    except UnknownRewardType:
+        return None
+    return kept
