@@ -39,7 +39,7 @@ from hpc_rl.retry_policy import RetryPolicy
 from hpc_rl.rewards.remote import REMOTE_RM_RETRY, post_for_reward, reward_payload, reward_session
 from hpc_rl.rewards.scoring import REMOTE_RM, check_rm_type, resolve_rm_type, score, split_boxed_prefix
 from hpc_rl.rewards.sympy_bound import take_give_ups
-from hpc_rl.rewards.worker_scored import precomputed_reward
+from hpc_rl.rewards.worker_scored import WorkerReward, WorkerRewards
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,9 @@ class RewardSpec:
     """Bound of one reward call (a sample's; a group's with group_rm): `rollout.reward_timeout`."""
     thread: RewardThread | None = None
     """Where custom functions run (off the caller's event loop); None: on the caller's loop, still bounded."""
+    worker_rewards: WorkerRewards | None = None
+    """Rule rewards the answer workers computed (`rollout.answer_parse_workers`), each used only where it provably
+    is the reward `score` would give (worker_scored.py); None: every rule reward is scored here."""
 
     def __post_init__(self) -> None:
         if self.custom_rm_path is None:
@@ -165,7 +168,7 @@ async def _reward_one(spec: RewardSpec, sample: Sample, session: RewardSession |
         payload = reward_payload(sample.prompt, sample.response_text, sample.label)
         answer = await bounded(post_for_reward(session, spec.rm_url, payload, spec.retry), spec.timeout_s)
         return _as_reward(_keep_category(spec, sample, answer), spec.reward_key, spec.rm_url)
-    known = precomputed_reward(sample, rm_type)  # scored by the answer worker, for this very text and label
+    known = _precomputed(spec, sample, rm_type)  # scored by the answer worker, for this very text and label
     if known is not None:
         name_give_ups(sample, rm_type, list(known.give_ups))
         return known.reward
@@ -173,6 +176,10 @@ async def _reward_one(spec: RewardSpec, sample: Sample, session: RewardSession |
     reward = score(rm_type, sample.response_text, sample.label, sample.metadata)
     name_give_ups(sample, rm_type, take_give_ups())
     return reward
+
+
+def _precomputed(spec: RewardSpec, sample: Sample, rm_type: str | None) -> WorkerReward | None:
+    return spec.worker_rewards.precomputed(sample, rm_type) if spec.worker_rewards is not None else None
 
 
 def name_give_ups(sample: Sample, rm_type: str, give_ups: list[str]) -> None:
@@ -249,7 +256,7 @@ async def _reward_custom_group(spec: RewardSpec, samples: list[Sample]) -> list[
 async def _reward_in_pool(spec: RewardSpec, pool: RewardPool, samples: list[Sample]) -> list[float]:
     """Rule-based rewards of `samples`: the answer workers' where they provably apply, the others' in the reward
     workers; failures as `reward_group` raises them."""
-    known = [precomputed_reward(s, spec.rm_type) for s in samples]
+    known = [_precomputed(spec, s, spec.rm_type) for s in samples]
     rest = [s for s, k in zip(samples, known) if k is None]
     scored = iter(await _score_in_pool(spec, pool, rest) if rest else [])
     for sample, k in zip(samples, known):
@@ -301,7 +308,9 @@ async def reward_group(spec: RewardSpec, samples: Sequence[Sample]) -> list[floa
 
 def _all_worker_scored(spec: RewardSpec, samples: list[Sample]) -> list[float] | None:
     """The answer workers' rewards of `samples` when every one provably applies (their give-ups named), else None."""
-    known = [precomputed_reward(s, spec.rm_type) for s in samples]
+    if spec.worker_rewards is None:
+        return None
+    known = [spec.worker_rewards.precomputed(s, spec.rm_type) for s in samples]
     if any(k is None for k in known):
         return None
     rewards = []

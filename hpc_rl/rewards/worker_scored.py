@@ -8,18 +8,19 @@ Owns:
 - `score_answer(request, text)`: run in the worker; `{"reward": x, "give_ups": [...]}`, or `{"error": ...}` when the
   grader raised or the reward is not a finite number (the controller then scores the sample itself, so the
   `RewardError`, its cause and the non-finite check are exactly those of today).
-- `WorkerReward`, kept on the sample (`keep`/`forget`), and `precomputed_reward(sample, rm_type)`: the worker's
-  reward only when it provably is what `scoring.score` would give now: the same rm type resolves for the sample
-  (its `metadata["rm_type"]` included), its label is the very object whose value was sent, and its
-  `response_text` is the very string the worker's text became on the controller (identity, not equality: a later
-  turn, a resumed continuation, a hook or custom function that set another text all make another object). The
-  graders read only (rm type, text, label): `score` reads `metadata` only for the rm type override, and sets
-  nothing on the sample, so a worker's reward has no side effect to repeat here; the give-up notes of bounded
-  sympy travel with it and are logged by the caller as for a reward scored here (`group.name_give_ups`).
+- `WorkerRewards`: the run's rm type and each sample's `WorkerReward` (`keep`/`forget`), and `precomputed(sample,
+  rm_type)`: the worker's reward only when it provably is what `scoring.score` would give now: the same rm type
+  resolves for the sample (its `metadata["rm_type"]` included), its label is the very object whose value was
+  sent, and its `response_text` is the very string the worker's text became on the controller (identity, not
+  equality: a later turn, a resumed continuation, a hook or custom function that set another text all make another
+  object). The graders read only (rm type, text, label): `score` reads `metadata` only for the rm type override,
+  and sets nothing on the sample, so a worker's reward has no side effect to repeat here; the give-up notes of
+  bounded sympy travel with it and are logged by the caller as for a reward scored here (`group.name_give_ups`).
 
 Why: with `rollout.answer_parse_workers` the answer's text reaches a worker anyway; scoring it there takes the
-rule graders (deepscaler's math equivalence: the loop's largest item at 256 engines, docs/scaling.md) out of the
-coordinating process.
+rule graders out of the coordinating process (deepscaler's math equivalence: the largest item of the loop's profile
+at bench_scale 256; 1.5-2.8 ms of sympy per symbolic answer, pool.py). Measured at bench_scale 256, token scale 1,
+2 answer workers (answers `\boxed{0|1}`, 3-15 us to score): the loop thread 1.52 -> 1.40 CPU s, workers no worse.
 
 Does not own: which exchanges ask for it and how the request and the record travel (rollout/worker_rewards.py),
 the graders (scoring.py), what a reward failure raises (group.py).
@@ -28,6 +29,7 @@ the graders (scoring.py), what a reward failure raises (group.py).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +40,6 @@ from hpc_rl.rewards.scoring import REMOTE_RM, UnknownRewardType, check_rm_type, 
     split_boxed_prefix
 from hpc_rl.rewards.sympy_bound import take_give_ups
 
-_KEPT = "_worker_reward"
-"""Where a sample holds its `WorkerReward` (an attribute outside its dataclass fields: never serialized, compared
-or sent to the trainer)."""
 _INT64 = 1 << 63
 
 
@@ -99,29 +98,51 @@ def score_answer(request: dict[str, Any], text: str) -> dict[str, Any]:
     return {"reward": reward, "give_ups": give_ups} if give_ups else {"reward": reward}
 
 
-def keep(sample: Sample, request: dict[str, Any], record: Any, text: str) -> None:
-    """Keep a worker's `record` for `sample`, whose answer `text` was just appended: usable while the sample's
-    text, label and rm type stay those (`precomputed_reward`); a record without a reward is forgotten."""
-    reward = record.get("reward") if isinstance(record, dict) else None
-    if type(reward) is not float:
-        forget(sample)
-        return
-    sample.__dict__[_KEPT] = WorkerReward(rm_type=request["rm_type"], label=request["label"], text=text,
-                                          reward=reward, give_ups=tuple(record.get("give_ups") or ()))
+class WorkerRewards:
+    """The answer workers' rewards of a run's samples: the rm type they score under (the run's; a sample's
+    `metadata["rm_type"]` overrides it) and each scored sample's `WorkerReward`, held here beside the sample,
+    never on it, and dropped when the sample is. (Held on the sample, as one more key of its `__dict__`, it cost
+    the coordinating process +0.2 CPU s and +35 MB peak RSS at bench_scale 256: 25k more page faults, measured.)
+    One per run, shared by the engine client (which asks) and the reward spec (which uses)."""
 
+    def __init__(self, rm_type: str | None) -> None:
+        self.rm_type = rm_type
+        self._kept: dict[int, tuple[weakref.ref[Sample], WorkerReward]] = {}
 
-def forget(sample: Sample) -> None:
-    sample.__dict__.pop(_KEPT, None)
+    def __len__(self) -> int:
+        return len(self._kept)
 
+    def request(self, sample: Sample) -> dict[str, Any] | None:
+        """`scoring_request` under the run's rm type."""
+        return scoring_request(self.rm_type, sample)
 
-def precomputed_reward(sample: Sample, rm_type: str | None) -> WorkerReward | None:
-    """The worker's reward of `sample` under the run's `rm_type`, when it is provably `score`'s value now."""
-    kept: WorkerReward | None = sample.__dict__.get(_KEPT)
-    if kept is None or kept.text is not sample.response_text or kept.label is not sample.label:
-        return None
-    try:
-        if resolve_rm_type(rm_type, sample.metadata) != kept.rm_type:
+    def keep(self, sample: Sample, request: dict[str, Any], record: Any, text: str) -> None:
+        """Keep a worker's `record` for `sample`, whose answer `text` was just appended: usable while the sample's
+        text, label and rm type stay those (`precomputed`); a record without a reward is forgotten."""
+        reward = record.get("reward") if isinstance(record, dict) else None
+        if type(reward) is not float:
+            self.forget(sample)
+            return
+        key = id(sample)
+        kept = self._kept
+        kept[key] = (weakref.ref(sample, lambda _, key=key: kept.pop(key, None)),
+                     WorkerReward(rm_type=request["rm_type"], label=request["label"], text=text, reward=reward,
+                                  give_ups=tuple(record.get("give_ups") or ())))
+
+    def forget(self, sample: Sample) -> None:
+        self._kept.pop(id(sample), None)
+
+    def precomputed(self, sample: Sample, rm_type: str | None) -> WorkerReward | None:
+        """The worker's reward of `sample` under the spec's `rm_type`, when it provably is `score`'s value now."""
+        entry = self._kept.get(id(sample))
+        if entry is None:
             return None
-    except UnknownRewardType:
-        return None
-    return kept
+        owner, kept = entry
+        if owner() is not sample or kept.text is not sample.response_text or kept.label is not sample.label:
+            return None
+        try:
+            if resolve_rm_type(rm_type, sample.metadata) != kept.rm_type:
+                return None
+        except UnknownRewardType:
+            return None
+        return kept

@@ -46,6 +46,7 @@ from hpc_rl.rollout.context_length import (  # noqa: F401  (re-exported: callers
 )
 from hpc_rl.rollout.engine_loads import EngineLoads
 from hpc_rl.rollout.request_batching import BatchAnswerError, batchable, merge_payloads, plan_batches, split_answer
+from hpc_rl.rewards.worker_scored import WorkerRewards
 from hpc_rl.rollout.worker_rewards import score_header
 
 if TYPE_CHECKING:
@@ -119,9 +120,10 @@ class EngineClient:
         """Worker processes that post the /generate requests and parse the answers into compact token arrays
         (answer_pool.py; `rollout.answer_parse_workers`), started and closed with the client; None: posted and
         parsed on the loop. Aborts go through the worker that holds the engine's /generate connections."""
-        self.worker_rm_type: str | None = None
-        """The run's rm type when the answer workers score single-turn answers' rule rewards too (worker_rewards.py;
-        set by the rollout stack when there are answer workers and no custom reward); None: they do not."""
+        self.worker_rewards: WorkerRewards | None = None
+        """Where the answer workers' rule rewards of single-turn answers are kept, when they score them
+        (worker_rewards.py; set by the rollout stack when there are answer workers and no custom reward, and given
+        to its RewardSpec); None: they do not."""
         self.batch_requests = batch_requests
         """Queue `generate(..., group=...)` calls of one moment into batched requests (module docstring)."""
         self.http_requests = 0

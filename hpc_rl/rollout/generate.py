@@ -325,7 +325,7 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
             append_top_logprobs(sample, *head)
         text = str(body.get("text") or "")
         _append(sample, token_ids, logprobs, versions, text, trained=True)
-        keep_reward(sample, scoring, body, rid, text)
+        keep_reward(session.client.worker_rewards, sample, scoring, body, rid, text)
         metrics.generated_tokens += len(token_ids)
         finish = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) \
             else meta.get("finish_reason")

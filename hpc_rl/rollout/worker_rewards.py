@@ -9,12 +9,12 @@ the answer's text too (hpc_rl.rewards.worker_scored: what is sent, the scoring, 
       -> AnswerPool.post(..., score={"rids": [...], "requests": [...]})   in the frame header to the worker
     worker: attach_rewards(answer, score)                           each answer dict gets REWARD_FIELD:
                                                                     {"rid", "reward", "give_ups"} or {"rid", "error"}
-    generate_turn                 keep_reward(sample, request, answer, rid, text)   on the sample, for group.py
+    generate_turn                 keep_reward(rewards, sample, request, answer, rid, text)   for group.py
 
 Asked only where the answer's text is the whole response: the sample had no response text before the exchange
 (not a resumed partial sample), and it is the built-in single-turn generate (a custom generate function's turn
 is never scored there: multi-turn, tool output). A reward is used only if it still provably applies when the
-group is scored (worker_scored.precomputed_reward); otherwise the controller scores the sample as before.
+group is scored (worker_scored.WorkerRewards.precomputed); otherwise the controller scores the sample as before.
 
 The worker matches answers to requests as the controller does (request_batching.split_answer) and each record
 names its rid, which the controller checks.
@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from hpc_rl.data.samples import Sample
-from hpc_rl.rewards.worker_scored import forget, keep, score_answer, scoring_request
+from hpc_rl.rewards.worker_scored import WorkerRewards, score_answer
 from hpc_rl.rollout.request_batching import BatchAnswerError, split_answer
 
 REWARD_FIELD = "hpc_rl_worker_reward"
@@ -36,15 +36,15 @@ REWARD_FIELD = "hpc_rl_worker_reward"
 
 class _Client(Protocol):
     answer_pool: Any
-    worker_rm_type: str | None
+    worker_rewards: WorkerRewards | None
 
 
 def reward_request(client: _Client, sample: Sample) -> dict[str, Any] | None:
     """What the answer worker needs to score `sample`'s next answer, or None (no workers, not a rule reward, or
     the sample already has response text: the answer would not be its whole response)."""
-    if client.answer_pool is None or client.worker_rm_type is None or sample.response_text:
+    if client.answer_pool is None or client.worker_rewards is None or sample.response_text:
         return None
-    return scoring_request(client.worker_rm_type, sample)
+    return client.worker_rewards.request(sample)
 
 
 def score_header(rids: list[str], requests: list[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -71,10 +71,13 @@ def attach_rewards(answer: Any, score: dict[str, Any]) -> None:
             item[REWARD_FIELD] = {"rid": rid, **score_answer(request, text)}
 
 
-def keep_reward(sample: Sample, request: dict[str, Any] | None, answer: dict[str, Any], rid: str, text: str) -> None:
+def keep_reward(rewards: WorkerRewards | None, sample: Sample, request: dict[str, Any] | None, answer: dict[str, Any],
+                rid: str, text: str) -> None:
     """After `sample`'s exchange `rid` appended `text`: keep the worker's reward of it, or forget any older one."""
-    record = answer.get(REWARD_FIELD) if request is not None else None
-    if record is None or not isinstance(record, dict) or record.get("rid") != rid:
-        forget(sample)
+    if rewards is None:
         return
-    keep(sample, request, record, text)
+    record = answer.get(REWARD_FIELD) if request is not None else None
+    if request is None or not isinstance(record, dict) or record.get("rid") != rid:
+        rewards.forget(sample)
+        return
+    rewards.keep(sample, request, record, text)

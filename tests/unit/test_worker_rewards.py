@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import logging
 from typing import Any
 
@@ -16,7 +17,7 @@ from hpc_rl.rewards import group as reward_groups
 from hpc_rl.rewards.group import RewardError, RewardSpec, reward_group
 from hpc_rl.rewards.pool import score_items
 from hpc_rl.rewards.scoring import score
-from hpc_rl.rewards.worker_scored import forget, keep, precomputed_reward, score_answer, scoring_request
+from hpc_rl.rewards.worker_scored import WorkerRewards, score_answer, scoring_request
 from hpc_rl.rollout.answer_pool import AnswerPool
 from hpc_rl.rollout.engine_client import EngineClient, StaticEngineDirectory
 from hpc_rl.rollout.generate import GenerationSession, default_generate, generate_turn, run_generate
@@ -58,7 +59,8 @@ def test_a_worker_scored_reward_equals_the_one_scored_here(rm_type: str, text: s
     assert request is not None
     record = score_answer(request, text)
     give_ups = score_items([(request["rm_type"], text, label, None)])[0][2]
-    assert record == {"reward": score(rm_type or "deepscaler", text, label), **({"give_ups": give_ups} if give_ups else {})}
+    expected = score(rm_type or "deepscaler", text, label)
+    assert record == ({"reward": expected, "give_ups": give_ups} if give_ups else {"reward": expected})
 
 
 @pytest.mark.parametrize("label", [["12"], {"a": 1}, (1,), float("nan"), float("inf"), 1 << 70, "\ud800"])
@@ -99,35 +101,50 @@ def test_the_worker_scores_each_item_of_a_batch_by_its_rid_as_the_client_maps_th
 
 
 def test_a_kept_reward_applies_only_to_the_very_text_label_and_rm_type_it_was_scored_for() -> None:
+    rewards = WorkerRewards("deepscaler")
     made = sample(0, "", "12")
-    request = scoring_request("deepscaler", made)
+    request = rewards.request(made)
     text = THINK + r"\boxed{12}"
     made.response_text += text
-    keep(made, request, {"reward": 1.0}, text)
-    assert precomputed_reward(made, "deepscaler").reward == 1.0
-    assert precomputed_reward(made, "math") is None  # another type
+    rewards.keep(made, request, {"reward": 1.0}, text)
+    assert rewards.precomputed(made, "deepscaler").reward == 1.0
+    assert rewards.precomputed(made, "math") is None  # another type
     made.metadata["rm_type"] = "dapo"
-    assert precomputed_reward(made, "deepscaler") is None  # an override set after the exchange
+    assert rewards.precomputed(made, "deepscaler") is None  # an override set after the exchange
     del made.metadata["rm_type"]
     made.label = "".join(["1", "2"])  # an equal label, but not the one sent
-    assert precomputed_reward(made, "deepscaler") is None
+    assert rewards.precomputed(made, "deepscaler") is None
     made.label = request["label"]
     made.response_text = "".join([THINK, r"\boxed{12}"])  # an equal text, but set by someone else
-    assert precomputed_reward(made, "deepscaler") is None
+    assert rewards.precomputed(made, "deepscaler") is None
     made.response_text = text
-    assert precomputed_reward(copy.copy(made), "deepscaler") is not None  # a copy holds the same objects
+    assert rewards.precomputed(made, "deepscaler") is not None
+    assert rewards.precomputed(copy.copy(made), "deepscaler") is None  # another sample
     made.response_text += " and a second turn"
-    assert precomputed_reward(made, "deepscaler") is None
+    assert rewards.precomputed(made, "deepscaler") is None
     made.response_text = text
-    keep(made, request, {"error": "TypeError: x"}, text)  # no reward: forgotten
-    assert precomputed_reward(made, "deepscaler") is None
-    keep(made, request, {"reward": 1.0}, text)
-    keep_reward(made, request, {REWARD_FIELD: {"rid": "other", "reward": 1.0}}, "mine", text)  # not its rid
-    assert precomputed_reward(made, "deepscaler") is None
-    keep(made, request, {"reward": 1.0}, text)
-    forget(made)
-    assert precomputed_reward(made, "deepscaler") is None
-    assert "_worker_reward" not in made.to_dict()
+    rewards.keep(made, request, {"error": "TypeError: x"}, text)  # no reward: forgotten
+    assert rewards.precomputed(made, "deepscaler") is None
+    rewards.keep(made, request, {"reward": 1.0}, text)
+    keep_reward(rewards, made, request, {REWARD_FIELD: {"rid": "other", "reward": 1.0}}, "mine", text)  # not its rid
+    assert rewards.precomputed(made, "deepscaler") is None
+    rewards.keep(made, request, {"reward": 1.0}, text)
+    keep_reward(rewards, made, None, {REWARD_FIELD: {"rid": "mine", "reward": 1.0}}, "mine", text)  # not asked
+    assert rewards.precomputed(made, "deepscaler") is None
+    rewards.keep(made, request, {"reward": 1.0}, text)
+    rewards.forget(made)
+    assert rewards.precomputed(made, "deepscaler") is None
+
+
+def test_a_kept_reward_goes_with_its_sample_and_is_never_on_it() -> None:
+    rewards = WorkerRewards("deepscaler")
+    made = sample(0, "x", "1")
+    fields_before = dict(made.__dict__)
+    rewards.keep(made, {"rm_type": "deepscaler", "label": made.label}, {"reward": 0.0}, made.response_text)
+    assert len(rewards) == 1 and made.__dict__ == fields_before  # (a key more on a sample measured +0.2 CPU s)
+    del made
+    gc.collect()
+    assert len(rewards) == 0
 
 
 # -- through a real client, a real answer pool and a fake engine that answers real texts ---------------------------
@@ -145,18 +162,20 @@ class FakeAnsweringEngine(FakeSglangEngine):
 
 
 async def generate(samples: list[Sample], *, workers: int, rm_type: str | None = "deepscaler",
-                   fn: Any = default_generate) -> tuple[list[Sample], int]:
-    """Generate `samples` (their prompts' first token picks the text) through a client with answer workers."""
+                   fn: Any = default_generate) -> tuple[list[Sample], int, WorkerRewards]:
+    """Generate `samples` (their prompts' first token picks the text) through a client with answer workers that
+    score under `rm_type` (None: they do not, as with a custom reward); (samples, requests, the kept rewards)."""
     texts = {s.prompt_token_ids[0]: s.metadata.pop("answer") for s in samples}
     engine = await FakeAnsweringEngine(texts).start()
     pool = AnswerPool(workers) if workers else None
     client = EngineClient(StaticEngineDirectory([engine.url]), router_url=None, answer_pool=pool)
-    client.worker_rm_type = rm_type
+    kept = WorkerRewards("deepscaler")
+    client.worker_rewards = WorkerRewards(rm_type) if rm_type else None
     try:
         async with client:
             session = GenerationSession(client, batch_across_groups=True)
             done = await asyncio.gather(*(run_generate(fn, None, s, {"max_new_tokens": 8}, session) for s in samples))
-            return list(done), engine.requests_seen
+            return list(done), engine.requests_seen, client.worker_rewards or kept
     finally:
         await engine.stop()
 
@@ -180,37 +199,29 @@ def count_scores_here(monkeypatch) -> list[str]:
     return scored
 
 
-def loop_scored(samples: list[Sample], spec: RewardSpec) -> list[float]:
-    """The rewards as the controller scores them (the workers' rewards forgotten)."""
-    copies = [copy.copy(s) for s in samples]
-    for s in copies:
-        forget(s)
-    return asyncio.run(reward_group(spec, copies))
-
-
 def test_worker_scored_rewards_equal_loop_scored_ones_and_the_loop_scores_none(monkeypatch, caplog) -> None:
     samples = [fresh(i, text, label, rm_type) for i, (rm_type, text, label) in enumerate(ANSWERS)]
-    done, requests = asyncio.run(generate(samples, workers=2))
+    done, requests, rewards = asyncio.run(generate(samples, workers=2))
     assert requests < len(samples)  # batched: several answers per exchange
     assert all(s.response_text == text for s, (_, text, _) in zip(done, ANSWERS))
-    assert all(precomputed_reward(s, "deepscaler") is not None for s in done)
-    spec = RewardSpec(rm_type="deepscaler")
+    assert all(rewards.precomputed(s, "deepscaler") is not None for s in done)
     caplog.set_level(logging.WARNING, logger="hpc_rl.rewards.group")
-    expected = loop_scored(done, spec)
+    expected = asyncio.run(reward_group(RewardSpec(rm_type="deepscaler"), done))  # scored here, as without workers
     loop_notes = [r.getMessage() for r in caplog.records]
     assert len(loop_notes) == 1 and "sample index 6" in loop_notes[0]  # 9**9**9: refused by sympy's bound
     caplog.clear()
     scored_here = count_scores_here(monkeypatch)
-    assert asyncio.run(reward_group(spec, done)) == expected
+    assert asyncio.run(reward_group(RewardSpec(rm_type="deepscaler", worker_rewards=rewards), done)) == expected
     assert scored_here == []
     assert [r.getMessage() for r in caplog.records] == loop_notes  # the give-up named as on the loop
     assert expected[:4] == [1.0, 1.0, 1.0, 0.0]
 
 
-def test_without_answer_workers_or_with_a_custom_reward_nothing_is_scored_in_workers(monkeypatch) -> None:
+def test_without_answer_workers_or_with_a_custom_reward_nothing_is_scored_in_workers() -> None:
     for workers, rm_type in ((0, "deepscaler"), (1, None)):  # rm_type None: the stack's custom_rm_path case
-        done, _ = asyncio.run(generate([fresh(0, THINK + r"\boxed{1}", "1")], workers=workers, rm_type=rm_type))
-        assert precomputed_reward(done[0], "deepscaler") is None
+        done, _, rewards = asyncio.run(generate([fresh(0, THINK + r"\boxed{1}", "1")], workers=workers,
+                                                rm_type=rm_type))
+        assert rewards.precomputed(done[0], "deepscaler") is None and len(rewards) == 0
 
 
 def test_a_custom_generate_function_and_a_resumed_sample_are_scored_here(monkeypatch) -> None:
@@ -223,35 +234,35 @@ def test_a_custom_generate_function_and_a_resumed_sample_are_scored_here(monkeyp
     resumed = fresh(1, r"\boxed{1}", "1")
     resumed.response_text = THINK  # a partial sample from the buffer: the answer is not its whole response
     resumed.extend_response([5], [-0.1], [0])
-    done_custom, _ = asyncio.run(generate([custom], workers=1, fn=two_turns))
-    done_resumed, _ = asyncio.run(generate([resumed], workers=1))
-    spec = RewardSpec(rm_type="deepscaler")
+    done_custom, _, custom_rewards = asyncio.run(generate([custom], workers=1, fn=two_turns))
+    done_resumed, _, resumed_rewards = asyncio.run(generate([resumed], workers=1))
+    assert len(custom_rewards) == 0 and len(resumed_rewards) == 0  # never asked of the workers
     scored_here = count_scores_here(monkeypatch)
-    assert asyncio.run(reward_group(spec, done_custom + done_resumed)) == [1.0, 1.0]
+    for done, rewards in ((done_custom, custom_rewards), (done_resumed, resumed_rewards)):
+        assert asyncio.run(reward_group(RewardSpec(rm_type="deepscaler", worker_rewards=rewards), done)) == [1.0]
     assert scored_here == [THINK + r"\boxed{1} then a tool said 3", THINK + r"\boxed{1}"]
 
 
 def test_a_hook_that_changes_the_text_or_the_label_after_generation_is_scored_here(monkeypatch) -> None:
     samples = [fresh(0, THINK + r"\boxed{1}", "1"), fresh(1, THINK + r"\boxed{1}", "1"),
                fresh(2, THINK + r"\boxed{1}", "1")]
-    done, _ = asyncio.run(generate(samples, workers=1))
+    done, _, rewards = asyncio.run(generate(samples, workers=1))
     done[0].response_text = done[0].response_text.replace("1", "2")
     done[1].label = "2"
     scored_here = count_scores_here(monkeypatch)
-    assert asyncio.run(reward_group(RewardSpec(rm_type="deepscaler"), done)) == [0.0, 0.0, 1.0]
+    assert asyncio.run(reward_group(RewardSpec(rm_type="deepscaler", worker_rewards=rewards), done)) == [0.0, 0.0, 1.0]
     assert len(scored_here) == 2
 
 
-def test_a_grader_error_ends_as_the_same_reward_error_naming_the_sample(monkeypatch) -> None:
+def test_a_grader_error_ends_as_the_same_reward_error_naming_the_sample() -> None:
     samples = [fresh(0, "the cat", "the cat", "f1"), fresh(1, "the cat", 7, "f1")]  # f1 refuses an int label
-    done, _ = asyncio.run(generate(samples, workers=1))
-    assert precomputed_reward(done[0], "deepscaler") is not None
-    assert precomputed_reward(done[1], "deepscaler") is None  # the worker's error: scored here again
-    spec = RewardSpec(rm_type="deepscaler")
+    done, _, rewards = asyncio.run(generate(samples, workers=1))
+    assert rewards.precomputed(done[0], "deepscaler") is not None
+    assert rewards.precomputed(done[1], "deepscaler") is None  # the worker's error: scored here again
     with pytest.raises(RewardError) as on_loop:
-        loop_scored(done, spec)
+        asyncio.run(reward_group(RewardSpec(rm_type="deepscaler"), done))
     with pytest.raises(RewardError) as with_workers:
-        asyncio.run(reward_group(spec, done))
+        asyncio.run(reward_group(RewardSpec(rm_type="deepscaler", worker_rewards=rewards), done))
     assert str(with_workers.value) == str(on_loop.value)
     assert "sample index 1 (rm_type 'f1'): TypeError" in str(with_workers.value)
     assert with_workers.value.indices == [1] and type(with_workers.value.__cause__) is TypeError
@@ -271,10 +282,10 @@ class FakeInlineRewardPool:
 def test_with_reward_workers_too_only_the_samples_the_answer_workers_did_not_score_go_to_them() -> None:
     samples = [fresh(0, THINK + r"\boxed{1}", "1"), fresh(1, THINK + r"\boxed{2}", "1"),
                fresh(2, THINK + r"\boxed{1}", "1")]
-    done, _ = asyncio.run(generate(samples, workers=1))
+    done, _, rewards = asyncio.run(generate(samples, workers=1))
     done[1].response_text = THINK + r"\boxed{1}"  # changed after generation: scored by the reward workers
     pool = FakeInlineRewardPool()
-    spec = RewardSpec(rm_type="deepscaler", pool=pool)  # type: ignore[arg-type]
+    spec = RewardSpec(rm_type="deepscaler", pool=pool, worker_rewards=rewards)  # type: ignore[arg-type]
     assert asyncio.run(reward_group(spec, done)) == [1.0, 1.0, 1.0]
     assert [item[1] for item in pool.items] == [THINK + r"\boxed{1}"]
     assert asyncio.run(reward_group(spec, [done[0], done[2]])) == [1.0, 1.0] and len(pool.items) == 1
