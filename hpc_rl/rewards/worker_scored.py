@@ -98,6 +98,20 @@ def score_answer(request: dict[str, Any], text: str) -> dict[str, Any]:
     return {"reward": reward, "give_ups": give_ups} if give_ups else {"reward": reward}
 
 
+class _Kept(weakref.ref):  # type: ignore[type-arg]
+    """A sample's `WorkerReward` on a weak reference to the sample (one object per sample beside the record)."""
+
+    __slots__ = ("key", "reward")
+
+    def __new__(cls, sample: Sample, callback: Any, key: int, reward: WorkerReward) -> "_Kept":
+        return super().__new__(cls, sample, callback)
+
+    def __init__(self, sample: Sample, callback: Any, key: int, reward: WorkerReward) -> None:
+        super().__init__(sample, callback)
+        self.key = key
+        self.reward = reward
+
+
 class WorkerRewards:
     """The answer workers' rewards of a run's samples: the rm type they score under (the run's; a sample's
     `metadata["rm_type"]` overrides it) and each scored sample's `WorkerReward`, held here beside the sample,
@@ -107,7 +121,12 @@ class WorkerRewards:
 
     def __init__(self, rm_type: str | None) -> None:
         self.rm_type = rm_type
-        self._kept: dict[int, tuple[weakref.ref[Sample], WorkerReward]] = {}
+        self._kept: dict[int, _Kept] = {}
+        self._drop = self._dropped  # one callback for every sample's weak reference
+
+    def _dropped(self, kept: _Kept) -> None:
+        if self._kept.get(kept.key) is kept:
+            del self._kept[kept.key]
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -124,10 +143,9 @@ class WorkerRewards:
             self.forget(sample)
             return
         key = id(sample)
-        kept = self._kept
-        kept[key] = (weakref.ref(sample, lambda _, key=key: kept.pop(key, None)),
-                     WorkerReward(rm_type=request["rm_type"], label=request["label"], text=text, reward=reward,
-                                  give_ups=tuple(record.get("give_ups") or ())))
+        self._kept[key] = _Kept(sample, self._drop, key, WorkerReward(
+            rm_type=request["rm_type"], label=request["label"], text=text, reward=reward,
+            give_ups=tuple(record.get("give_ups") or ())))
 
     def forget(self, sample: Sample) -> None:
         self._kept.pop(id(sample), None)
@@ -135,10 +153,10 @@ class WorkerRewards:
     def precomputed(self, sample: Sample, rm_type: str | None) -> WorkerReward | None:
         """The worker's reward of `sample` under the spec's `rm_type`, when it provably is `score`'s value now."""
         entry = self._kept.get(id(sample))
-        if entry is None:
+        if entry is None or entry() is not sample:
             return None
-        owner, kept = entry
-        if owner() is not sample or kept.text is not sample.response_text or kept.label is not sample.label:
+        kept = entry.reward
+        if kept.text is not sample.response_text or kept.label is not sample.label:
             return None
         try:
             if resolve_rm_type(rm_type, sample.metadata) != kept.rm_type:
