@@ -45,6 +45,7 @@ from hpc_rl.rewards.group import RewardSpec, reward_group
 from hpc_rl.rewards.pool import RewardPool
 from hpc_rl.rewards.reward_thread import RewardThread
 from hpc_rl.rewards.scoring import REMOTE_RM, split_boxed_prefix
+from hpc_rl.rewards.worker_scored import WorkerRewards
 from hpc_rl.rollout import EngineClient, RolloutScheduler, eval_sampling_params, load_eval_datasets, run_eval
 from hpc_rl.rollout.answer_pool import AnswerPool
 from hpc_rl.rollout.eval import dataset_sampling, drop_long_prompts, eval_prompt_length_limit
@@ -165,12 +166,15 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     args = plugin_args(config)
     # No workers for custom functions (they run on the loop) or remote_rm (an HTTP call, no CPU to offload).
     rule_rewards = not rollout.custom_rm_path and split_boxed_prefix((rollout.rm_type or "").strip())[1] != REMOTE_RM
+    if client.answer_pool is not None and not rollout.custom_rm_path:  # rule rewards scored with the answers
+        client.worker_rewards = WorkerRewards(rollout.rm_type)
     pool = RewardPool(rollout.reward_workers) if rollout.reward_workers and rule_rewards else None
     thread = RewardThread() if rollout.custom_rm_path else None  # custom functions never block the loop
     spec = RewardSpec(rm_type=rollout.rm_type, custom_rm_path=rollout.custom_rm_path, rm_url=rollout.rm_url,
                       group_rm=rollout.group_rm, args=args, pool=pool, timeout_s=rollout.reward_timeout,
                       thread=thread, reward_key=rollout.reward_key,
-                      category_key=config.logging.log_reward_category, proxy=rollout.http_proxy)
+                      category_key=config.logging.log_reward_category, proxy=rollout.http_proxy,
+                      worker_rewards=client.worker_rewards)
     eval_spec = dataclasses.replace(spec, reward_key=config.eval.eval_reward_key or rollout.reward_key)
 
     async def reward_fn(samples: list[Any]) -> list[float]:

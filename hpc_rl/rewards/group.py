@@ -13,8 +13,9 @@ custom functions run on `RewardThread`, off the caller's event loop.
       otherwise, concurrently for each sample:
         custom_rm_path            -> await fn(args, sample)           (reward thread)
         remote_rm                 -> POST {prompt, response, label} with retries (remote.py)
-        deepscaler|dapo|math|f1   -> score(...) directly (sync, cheap; scoring.py), or, with
-                                     `spec.pool`, the whole group in a worker process (pool.py)
+        deepscaler|dapo|math|f1   -> the answer worker's reward when it provably applies (worker_scored.py:
+                                     `rollout.answer_parse_workers`), else score(...) directly (sync,
+                                     cheap; scoring.py), or, with `spec.pool`, in a worker process (pool.py)
 
 It does not write `sample.reward`; the caller does, so a failed group leaves samples untouched. With
 `category_key` (slime's --log-reward-category) the reward object's value under that key is kept in
@@ -38,6 +39,7 @@ from hpc_rl.retry_policy import RetryPolicy
 from hpc_rl.rewards.remote import REMOTE_RM_RETRY, post_for_reward, reward_payload, reward_session
 from hpc_rl.rewards.scoring import REMOTE_RM, check_rm_type, resolve_rm_type, score, split_boxed_prefix
 from hpc_rl.rewards.sympy_bound import take_give_ups
+from hpc_rl.rewards.worker_scored import WorkerReward, WorkerRewards
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,9 @@ class RewardSpec:
     """Bound of one reward call (a sample's; a group's with group_rm): `rollout.reward_timeout`."""
     thread: RewardThread | None = None
     """Where custom functions run (off the caller's event loop); None: on the caller's loop, still bounded."""
+    worker_rewards: WorkerRewards | None = None
+    """Rule rewards the answer workers computed (`rollout.answer_parse_workers`), each used only where it provably
+    is the reward `score` would give (worker_scored.py); None: every rule reward is scored here."""
 
     def __post_init__(self) -> None:
         if self.custom_rm_path is None:
@@ -163,10 +168,18 @@ async def _reward_one(spec: RewardSpec, sample: Sample, session: RewardSession |
         payload = reward_payload(sample.prompt, sample.response_text, sample.label)
         answer = await bounded(post_for_reward(session, spec.rm_url, payload, spec.retry), spec.timeout_s)
         return _as_reward(_keep_category(spec, sample, answer), spec.reward_key, spec.rm_url)
+    known = _precomputed(spec, sample, rm_type)  # scored by the answer worker, for this very text and label
+    if known is not None:
+        name_give_ups(sample, rm_type, list(known.give_ups))
+        return known.reward
     take_give_ups()  # a custom function's graders on this thread are not this sample's
     reward = score(rm_type, sample.response_text, sample.label, sample.metadata)
     name_give_ups(sample, rm_type, take_give_ups())
     return reward
+
+
+def _precomputed(spec: RewardSpec, sample: Sample, rm_type: str | None) -> WorkerReward | None:
+    return spec.worker_rewards.precomputed(sample, rm_type) if spec.worker_rewards is not None else None
 
 
 def name_give_ups(sample: Sample, rm_type: str, give_ups: list[str]) -> None:
@@ -241,6 +254,18 @@ async def _reward_custom_group(spec: RewardSpec, samples: list[Sample]) -> list[
 
 
 async def _reward_in_pool(spec: RewardSpec, pool: RewardPool, samples: list[Sample]) -> list[float]:
+    """Rule-based rewards of `samples`: the answer workers' where they provably apply, the others' in the reward
+    workers; failures as `reward_group` raises them."""
+    known = [_precomputed(spec, s, spec.rm_type) for s in samples]
+    rest = [s for s, k in zip(samples, known) if k is None]
+    scored = iter(await _score_in_pool(spec, pool, rest) if rest else [])
+    for sample, k in zip(samples, known):
+        if k is not None:
+            name_give_ups(sample, k.rm_type, list(k.give_ups))
+    return [k.reward if k is not None else next(scored) for k in known]
+
+
+async def _score_in_pool(spec: RewardSpec, pool: RewardPool, samples: list[Sample]) -> list[float]:
     """Rule-based rewards of `samples` in the worker processes; failures as `reward_group` raises them."""
     # The graders read a sample's metadata only for its rm_type override: that is all that is sent.
     items = [(spec.rm_type, s.response_text, s.label,
@@ -281,9 +306,27 @@ async def reward_group(spec: RewardSpec, samples: Sequence[Sample]) -> list[floa
     return rewards
 
 
+def _all_worker_scored(spec: RewardSpec, samples: list[Sample]) -> list[float] | None:
+    """The answer workers' rewards of `samples` when every one provably applies (their give-ups named), else None."""
+    if spec.worker_rewards is None:
+        return None
+    known = [spec.worker_rewards.precomputed(s, spec.rm_type) for s in samples]
+    if any(k is None for k in known):
+        return None
+    rewards = []
+    for sample, k in zip(samples, known):
+        assert k is not None
+        if k.give_ups:
+            name_give_ups(sample, k.rm_type, list(k.give_ups))
+        rewards.append(k.reward)
+    return rewards
+
+
 async def _rewards(spec: RewardSpec, samples: list[Sample]) -> list[float]:
     if spec.custom_rm_path is not None and spec.group_rm:
         return await _reward_custom_group(spec, samples)
+    if spec.custom_rm_path is None and (known := _all_worker_scored(spec, samples)) is not None:
+        return known  # the common case with answer workers: no task per sample
     if spec.pool is not None and spec.custom_rm_path is None and not _needs_session(spec, samples):
         return await _reward_in_pool(spec, spec.pool, samples)
     if _needs_session(spec, samples):

@@ -165,20 +165,23 @@ class AnswerPool:
             log.warning("answer worker %d ended; started again (pid %d)", index, process.pid)
         return worker
 
-    async def post(self, url: str, path: str, body: bytes, timeout_s: float, *, parse: bool = True) -> tuple[int, Any]:
+    async def post(self, url: str, path: str, body: bytes, timeout_s: float, *, parse: bool = True,
+                   score: dict[str, Any] | None = None) -> tuple[int, Any]:
         """POST `body` to `url + path` from a worker: (200, the answer with compact token arrays) or (status,
         the engine's raw body) for any other status, or for any status when not `parse` (a control call: an
         abort goes out on the worker's warm connections to that engine). EngineHTTPTransportError as the
         controller's own client raises it (and when the worker ended); AnswerNotJSON for a 200 body that is
-        not JSON."""
+        not JSON. `score` (worker_rewards.score_header): the worker also scores the answers' rule rewards."""
         url = url.rstrip("/")
         index = self._home.setdefault(url, len(self._home) % self.workers)
         worker = await self._worker(index)
         request_id = next(self._ids)
         future: asyncio.Future[tuple[dict[str, Any], bytes]] = asyncio.get_running_loop().create_future()
         worker.pending[request_id] = future
-        worker.send(encode_frame({"op": "post", "id": request_id, "url": url, "path": path, "timeout_s": timeout_s,
-                                  "parse": parse}, [body]))
+        head = {"op": "post", "id": request_id, "url": url, "path": path, "timeout_s": timeout_s, "parse": parse}
+        if score is not None:
+            head["score"] = score
+        worker.send(encode_frame(head, [body]))
         try:
             header, payload = await future
         except asyncio.CancelledError:

@@ -9,7 +9,8 @@ its workers, and the worker's program.
 Frames (both ways, over a socketpair between the controller and a worker it spawned; never the network):
 `<u32 header bytes><u32 payload bytes>`, a JSON header, then the payload. Controller to worker:
 `{"op": "post", "id", "url", "path", "timeout_s", "parse"}` with the request body as payload (`parse` false: a
-control call, e.g. /abort_request, answered raw), or `{"op": "cancel", "id"}`.
+control call, e.g. /abort_request, answered raw), or `{"op": "cancel", "id"}`. A post may carry `"score": {"rids",
+"requests"}`: its answers' rule rewards, computed here and returned inside each answer dict (worker_rewards.py).
 Worker to controller, one per post: `{"id", "status", "body", "arrays"}` with the answer's token ids (int64)
 and log-probs (float64) as payload, `arrays` saying where each goes back (answer index, field, count); or
 `{"id", "status", "raw": true}` with the engine's body (not 200); or `{"id", "not_json": orjson's message}`;
@@ -189,6 +190,10 @@ async def _post(engines: EngineConnections, writer: asyncio.StreamWriter, header
             if not ok:
                 frame = encode_frame({"id": request_id, "not_json": parsed})
             else:
+                if header.get("score"):  # rule rewards of the answers' texts (worker_rewards.py)
+                    from hpc_rl.rollout.worker_rewards import attach_rewards
+
+                    attach_rewards(parsed, header["score"])
                 stripped, specs, buffers = split_arrays(parsed)
                 try:
                     frame = encode_frame({"id": request_id, "status": 200, "body": stripped, "arrays": specs}, buffers)

@@ -46,6 +46,8 @@ from hpc_rl.rollout.context_length import (  # noqa: F401  (re-exported: callers
 )
 from hpc_rl.rollout.engine_loads import EngineLoads
 from hpc_rl.rollout.request_batching import BatchAnswerError, batchable, merge_payloads, plan_batches, split_answer
+from hpc_rl.rewards.worker_scored import WorkerRewards
+from hpc_rl.rollout.worker_rewards import score_header
 
 if TYPE_CHECKING:
     from typing import Self  # 3.11+; annotations only
@@ -102,6 +104,7 @@ class _Queued:
     payload: dict[str, Any]
     group: int | None
     future: asyncio.Future[GenerateAnswer] = field(repr=False)
+    reward_request: dict[str, Any] | None = None
 
 
 class EngineClient:
@@ -117,6 +120,10 @@ class EngineClient:
         """Worker processes that post the /generate requests and parse the answers into compact token arrays
         (answer_pool.py; `rollout.answer_parse_workers`), started and closed with the client; None: posted and
         parsed on the loop. Aborts go through the worker that holds the engine's /generate connections."""
+        self.worker_rewards: WorkerRewards | None = None
+        """Where the answer workers' rule rewards of single-turn answers are kept, when they score them
+        (worker_rewards.py; set by the rollout stack when there are answer workers and no custom reward, and given
+        to its RewardSpec); None: they do not."""
         self.batch_requests = batch_requests
         """Queue `generate(..., group=...)` calls of one moment into batched requests (module docstring)."""
         self.http_requests = 0
@@ -255,12 +262,14 @@ class EngineClient:
 
     # -- requests ------------------------------------------------------------------------------------
     async def generate(self, payload: dict[str, Any], *, stopped: asyncio.Event | None = None,
-                       group: int | None = None, across_groups: bool = False) -> GenerateAnswer:
+                       group: int | None = None, across_groups: bool = False,
+                       reward_request: dict[str, Any] | None = None) -> GenerateAnswer:
         """POST one /generate (payload must carry its `rid`). Raises TransportError / EngineHTTPError,
         or StopGeneration if `stopped` was set before a slot was free (nothing was sent then).
 
         With `group` (and `batch_requests`), the request waits one event-loop turn for others of the same
-        `stopped` (session) and, unless `across_groups`, the same group, and goes out in a batch."""
+        `stopped` (session) and, unless `across_groups`, the same group, and goes out in a batch.
+        `reward_request` (worker_rewards.reward_request): the answer worker scores this answer's rule reward."""
         if self.lora_path is not None and "lora_path" not in payload:
             payload = {**payload, "lora_path": self.lora_path}
         payload = clip_to_context(payload, self.context_length)
@@ -268,9 +277,10 @@ class EngineClient:
         if full is not None:
             return GenerateAnswer(body=full, engine_url=None)
         if group is None or not self.batch_requests or not batchable(payload):
-            return (await self._send([payload], stopped, direct=self.router_url is None))[0]
+            return (await self._send([payload], stopped, direct=self.router_url is None,
+                                     reward_requests=[reward_request]))[0]
         loop = asyncio.get_running_loop()
-        queued = _Queued(payload=payload, group=group, future=loop.create_future())
+        queued = _Queued(payload=payload, group=group, future=loop.create_future(), reward_request=reward_request)
         key = (id(stopped), None if across_groups else group)
         self._queued.setdefault(key, (stopped, []))[1].append(queued)
         if not self._flush_scheduled:
@@ -295,7 +305,8 @@ class EngineClient:
         """Send one planned batch; each caller gets its answer, or the batch's error."""
         try:
             answers = await self._send([item.payload for item in batch], stopped,
-                                       direct=len(batch) > 1 or self.router_url is None)
+                                       direct=len(batch) > 1 or self.router_url is None,
+                                       reward_requests=[item.reward_request for item in batch])
         except asyncio.CancelledError:
             for item in batch:
                 item.future.cancel()
@@ -310,7 +321,7 @@ class EngineClient:
                 item.future.set_result(answer)
 
     async def _send(self, payloads: list[dict[str, Any]], stopped: asyncio.Event | None, *,
-                    direct: bool) -> list[GenerateAnswer]:
+                    direct: bool, reward_requests: list[dict[str, Any] | None] | None = None) -> list[GenerateAnswer]:
         """POST `payloads` as one request (a batched body if more than one) to an engine (`direct`) or
         the router, within the concurrency limit; one answer per payload."""
         rids = [payload["rid"] for payload in payloads]
@@ -319,7 +330,8 @@ class EngineClient:
         try:
             if base is None:
                 raise TransportError("no router URL and no engine is up")
-            body = await self._post_generate(base, payloads[0] if len(payloads) == 1 else merge_payloads(payloads))
+            body = await self._post_generate(base, payloads[0] if len(payloads) == 1 else merge_payloads(payloads),
+                                             score_header(rids, reward_requests) if reward_requests else None)
             if engine is not None:
                 self.answered_at[engine] = asyncio.get_running_loop().time()
             if len(payloads) == 1:
@@ -339,14 +351,14 @@ class EngineClient:
         finally:
             await self._release(rids)
 
-    async def _post_generate(self, base: str, body: dict[str, Any]) -> Any:
+    async def _post_generate(self, base: str, body: dict[str, Any], score: dict[str, Any] | None = None) -> Any:
         """The JSON of a 200 answer of `base`/generate; TransportError (no answer, 5xx, not JSON) or
-        EngineHTTPError (4xx)."""
+        EngineHTTPError (4xx). `score`: rule rewards the answer worker computes (ignored without workers)."""
         self.http_requests += 1
         try:
             if self.answer_pool is not None:  # the exchange and the parse in a worker process
                 status, answer = await self.answer_pool.post(base, "/generate", orjson.dumps(body),
-                                                             self.request_timeout_s)
+                                                             self.request_timeout_s, score=score)
                 if status == 200:
                     return answer
                 raw = answer

@@ -66,6 +66,7 @@ from hpc_rl.rollout.top_logprobs import (TopLogprobsError, append_top_logprobs, 
                                          top_logprobs_from_answer)
 from hpc_rl.rollout.routed_experts import (REQUEST_FIELD, RoutedExpertsError, RoutingShape,
                                            routed_experts_from_answer)
+from hpc_rl.rollout.worker_rewards import keep_reward, reward_request
 
 GenerateFn = Callable[[Any, Sample, SamplingParams], Awaitable[Sample]]
 """`async fn(args, sample, sampling_params) -> Sample` (slime's custom generate signature)."""
@@ -236,8 +237,10 @@ def _finish(sample: Sample, status: SampleStatus, error: str | None = None) -> S
 
 
 async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
-                        session: GenerationSession | None = None) -> Sample:
-    """Continue `sample` until the engine stops (stop/length), the session stops, or it fails."""
+                        session: GenerationSession | None = None, worker_reward: bool = False) -> Sample:
+    """Continue `sample` until the engine stops (stop/length), the session stops, or it fails.
+    `worker_reward` (the built-in single-turn generate): the answer worker may score a fresh sample's answer
+    (worker_rewards.py)."""
     session = session or current_session()
     metrics, retry = session.metrics, session.retry
     transport_failures = 0
@@ -266,9 +269,10 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
         session.in_flight.add(rid)
         metrics.requests_sent += 1
         answer: GenerateAnswer | None = None
+        scoring = reward_request(session.client, sample) if worker_reward else None
         try:
             answer = await session.client.generate(payload, stopped=session.stopped, group=sample.group_index,
-                                                   across_groups=session.batch_across_groups)
+                                                   across_groups=session.batch_across_groups, reward_request=scoring)
         except StopGeneration:
             metrics.requests_sent -= 1  # never left the client
             return _finish(sample, SampleStatus.ABORTED)
@@ -319,7 +323,9 @@ async def generate_turn(sample: Sample, sampling_params: SamplingParams, *,
             except TopLogprobsError as error:
                 raise RunEndingGenerationError(f"sample {sample.index}: {error}") from None
             append_top_logprobs(sample, *head)
-        _append(sample, token_ids, logprobs, versions, str(body.get("text") or ""), trained=True)
+        text = str(body.get("text") or "")
+        _append(sample, token_ids, logprobs, versions, text, trained=True)
+        keep_reward(session.client.worker_rewards, sample, scoring, body, rid, text)
         metrics.generated_tokens += len(token_ids)
         finish = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) \
             else meta.get("finish_reason")
@@ -359,7 +365,7 @@ def _keep_routed_experts(sample: Sample, meta: dict[str, Any], shape: RoutingSha
 
 async def default_generate(args: Any, sample: Sample, sampling_params: SamplingParams) -> Sample:
     """The built-in single-turn generate function."""
-    return await generate_turn(sample, sampling_params)
+    return await generate_turn(sample, sampling_params, worker_reward=True)
 
 
 def load_generate_function(path: str | None) -> GenerateFn:

@@ -36,7 +36,7 @@ def test_harness_at_eight_engines_loses_and_duplicates_nothing(tmp_path):
     assert [r.mode for r in results] == ["sync", "partial"]
     for result in results:
         assert (result.lost, result.duplicated) == (0, 0)
-        assert result.extra["reward_workers"] == 1  # the controller scored in its reward pool
+        assert result.extra["reward_workers"] == 1  # a reward pool, for what the answer workers did not score
         assert result.extra["answers_parsed_in_workers"] > 0  # every answer went to the parse worker
         assert result.worker_cpu_s_per_1k >= 0  # /proc counts 10 ms ticks: a few small answers may read 0
         assert result.trained_samples == 2 * 16 * 8  # 2 rollouts of 16 groups of 8
@@ -44,7 +44,8 @@ def test_harness_at_eight_engines_loses_and_duplicates_nothing(tmp_path):
         assert result.samples_per_sim_s > 0 and result.cpu_s_per_1k > 0
         assert result.abort_all_s > 0 and not math.isnan(result.sync_orchestration_s)
     partial = results[1]
-    # The DAPO filter dropped zero-variance groups: rewards came back from the reward worker process.
+    # The DAPO filter dropped zero-variance groups: rewards came back (answer workers, the reward pool for resumed
+    # partial samples).
     assert partial.extra["groups_dropped"] > 0
     # (How many surplus tokens abort_all cuts depends on how far the controller lags the simulated
     # clock, i.e. on machine load: not asserted.)

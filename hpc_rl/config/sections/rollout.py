@@ -82,7 +82,10 @@ class RolloutConfig:
     """Processes that make the /generate exchanges with the engines and parse the answers (JSON to token and
     log-prob arrays) off the controller's process, on its node; 0: on the event loop. Worth it at full
     response lengths and many engines: reading and parsing the answers was most of the controller's CPU per
-    sample (docs/scaling.md)."""
+    sample (docs/scaling.md). With them, rule rewards (rm_type, not remote_rm or custom_rm_path) of the built-in
+    single-turn generate are scored in these workers too, always (no flag): the same value, and the controller
+    scores a sample itself whenever that cannot be proved (a custom generate function, a resumed partial sample,
+    a changed text or label, a grader error: rollout/worker_rewards.py)."""
     num_rollout: int | None = None
     """Number of rollout steps (None: derived from num_epoch and the data size)."""
     num_epoch: int | None = None
