@@ -48,6 +48,7 @@ from hpc_rl.rollout.generate import (
     RetryPolicy,
     SamplingParams,
     default_generate,
+    generate_group,
     load_generate_function,
     rollout_sampling_params,
     run_generate,
@@ -228,8 +229,12 @@ class RolloutScheduler:
     async def _process_group(self, run: _GroupRun, session: GenerationSession) -> str:
         """'scored' | 'failed' | 'unfinished' (the session stopped before the group was generated)."""
         todo = [s for s in run.group if s.status not in FINISHED]
-        await asyncio.gather(*(run_generate(self.generate_fn, self.args, s, self.sampling_params, session)
-                               for s in todo))
+        if self.generate_fn is default_generate:  # the built-in: one wait for the group (generate_group)
+            if todo:
+                await generate_group(todo, self.sampling_params, session)
+        else:
+            await asyncio.gather(*(run_generate(self.generate_fn, self.args, s, self.sampling_params, session)
+                                   for s in todo))
         failed = [s for s in run.group if s.status is SampleStatus.FAILED]
         if failed:
             log.warning("group %d dropped: sample %d failed: %s", run.group[0].group_index, failed[0].index,
