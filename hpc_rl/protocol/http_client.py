@@ -245,6 +245,17 @@ class EngineConnection:
             data = self._encoded[key] = encode_request(method, path, self.host_header, self.auth, None)
         return data
 
+    def _encode(self, method: str, path: str, body: bytes | None) -> bytes:
+        """`encode_request` to this engine, its head up to the body's length kept per (method, path): a weight
+        update writes 18 requests to each of 1,024 engines."""
+        if body is None:
+            return self.encoded(method, path)
+        key = (method, path, "")
+        head = self._encoded.get(key)
+        if head is None:
+            head = self._encoded[key] = encode_request(method, path, self.host_header, self.auth, b"")[:-len(b"0\r\n\r\n")]
+        return b"%s%d\r\n\r\n%s" % (head, len(body), body)
+
     async def exchange(self, requests: list[tuple[str, str, bytes | None]], timeout_s: float, *,
                        gate: ReadGate | None = None) -> list[tuple[int, bytes]]:
         """Send (method, path, body) requests back to back (pipelined) and return their (status, body) in
@@ -263,8 +274,7 @@ class EngineConnection:
             link.gate = gate
             assert link.transport is not None
             sent_at = loop.time()
-            link.transport.write(b"".join(encode_request(method, path, self.host_header, self.auth, body)
-                                          for method, path, body in requests))
+            link.transport.write(b"".join(self._encode(method, path, body) for method, path, body in requests))
             try:
                 await self._wait_all(link, futures, timeout_s)
                 link.gate = None

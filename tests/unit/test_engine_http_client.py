@@ -233,6 +233,26 @@ def test_response_parser_takes_fixed_length_bodies_split_over_reads_and_back_to_
     assert not parser.buffer and parser.status is None
 
 
+def test_response_parser_takes_pipelined_answers_in_one_read_and_cut_anywhere() -> None:
+    """A pipelined exchange's answers back to back in one read (the whole-answers path: Content-Length, any header
+    case), with a chunked and an interim answer among them (the incremental path), and the same bytes cut at every
+    position over two reads: the same answers in order, nothing left."""
+    from hpc_rl.protocol.http_client import _ResponseParser
+
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\ncontent-type: application/json\r\n\r\n{}"
+    bad = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 3\r\n\r\nbad"
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n0\r\n\r\n"
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    stream = ok * 17 + bad + chunked + interim + ok
+    expected = [(200, b"{}")] * 17 + [(400, b"bad"), (200, b"ab"), (200, b"{}")]
+    parser = _ResponseParser()
+    assert parser.feed(stream) == expected and not parser.buffer and parser.status is None
+    for cut in range(len(stream)):
+        parser = _ResponseParser()
+        assert parser.feed(stream[:cut]) + parser.feed(stream[cut:]) == expected, cut
+        assert not parser.buffer and parser.status is None
+
+
 def test_a_health_round_probes_warm_connections_at_once_and_falls_back_per_call() -> None:
     """`healthy_all`: engines with an idle kept-alive connection are probed in one RequestRound (on that
     connection), the others per call; a stuck engine is False after the timeout (its connection dropped), a dead
