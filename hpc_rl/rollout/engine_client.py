@@ -260,10 +260,13 @@ class EngineClient:
 
     async def _release(self, rids: list[str]) -> None:
         async with self._slots:
+            released: dict[str, int] = {}
             for rid in rids:
                 engine = self.in_flight.pop(rid, None)
                 if engine is not None:
-                    self._loads.change(engine, -1)
+                    released[engine] = released.get(engine, 0) + 1
+            for engine, count in released.items():  # one load change per engine, not per sample
+                self._loads.change(engine, -count)
             if len(rids) == 1 and not self._waiting_batches:
                 self._slots.notify(1)
             else:

@@ -392,7 +392,9 @@ def _sample_stats(groups: list[Group], current_version: int) -> dict[str, float]
     samples = [s for g in groups for s in g]
     if not samples:
         return {}
-    spans = [version_range(versions) for versions in (s.column("weight_versions") for s in samples) if len(versions)]
+    ranges = [version_range(versions) if len(versions) else None
+              for versions in (s.column("weight_versions") for s in samples)]
+    spans = [span for span in ranges if span is not None]
     lags = [current_version - low for low, _ in spans]
     return {
         "rollout/reward_mean": sum(float(s.reward or 0.0) for s in samples) / len(samples),
@@ -402,5 +404,5 @@ def _sample_stats(groups: list[Group], current_version: int) -> dict[str, float]
         "rollout/samples_spanning_versions": float(sum(low != high for low, high in spans)),
         "rollout/staleness_max": float(max(lags)) if lags else 0.0,
         **dict(zip(("rollout/staleness_trained_mean", "rollout/staleness_trained_max"),
-                   trained_token_staleness(samples, current_version))),
+                   trained_token_staleness(samples, current_version, ranges=ranges))),
     }
