@@ -268,61 +268,58 @@ class EngineConnection:
             link = await self._connected()
             reused = link.requests_sent > 0
             loop = asyncio.get_running_loop()
-            futures = [loop.create_future() for _ in requests]
-            link.waiting.extend(futures)
+            answers = _Answers(loop.create_future(), len(requests))
+            link.waiting.extend([answers] * len(requests))  # type: ignore[list-item]  (a Future's stand-in)
             link.requests_sent += len(requests)
             link.gate = gate
             assert link.transport is not None
             sent_at = loop.time()
             link.transport.write(b"".join(self._encode(method, path, body) for method, path, body in requests))
             try:
-                await self._wait_all(link, futures, timeout_s)
+                await self._wait_all(link, answers.future, timeout_s)
                 link.gate = None
                 self.answered_at = loop.time()
                 if link.usable():
                     self._idle.append(link)
-                return [future.result() for future in futures]
+                return answers.results
             except asyncio.CancelledError:
                 # Drop the connection: the engine sees the client go away and aborts what it runs (as
                 # SGLang does), and no later answer can be matched to another caller's request.
                 link.fail(EngineHTTPTransportError(f"{self.url}: the caller was cancelled"))
-                for future in futures:
-                    if future.done() and not future.cancelled():
-                        future.exception()
+                if answers.future.done() and not answers.future.cancelled():
+                    answers.future.exception()
                 raise
             except EngineHTTPTransportError:
-                answered = sum(1 for f in futures if f.done() and not f.cancelled() and f.exception() is None)
-                for future in futures:  # read, so asyncio does not log them as never retrieved
-                    if future.done() and not future.cancelled():
-                        future.exception()
-                    else:
-                        future.add_done_callback(_read_outcome)
+                answered = len(answers.results)
+                if answers.future.done() and not answers.future.cancelled():  # read, so asyncio does not log it
+                    answers.future.exception()
+                else:
+                    answers.future.add_done_callback(_read_outcome)
                 if (attempt == 1 and reused and not answered and link.closed_early
                         and loop.time() - sent_at < IDLE_CLOSE_RACE_S):
                     continue
                 raise
         raise AssertionError("unreachable")
 
-    async def _wait_all(self, link: _Link, futures: list[asyncio.Future[tuple[int, bytes]]], timeout_s: float) -> None:
-        """Until every answer is in, one wake-up per exchange (not per response); EngineHTTPTransportError
-        when the connection fails or `timeout_s` passes without any answer (the link is dropped then)."""
+    async def _wait_all(self, link: _Link, answered: asyncio.Future[list[tuple[int, bytes]]], timeout_s: float) -> None:
+        """Until every answer is in (`answered` done), one wake-up per exchange (not per response);
+        EngineHTTPTransportError when the connection fails or `timeout_s` passes without any answer (the link is
+        dropped then)."""
         loop = asyncio.get_running_loop()
         link.last_answer_at = loop.time()
-        last = futures[-1]
-        while not last.done():
+        while not answered.done():
             if link.held is not None:  # answers wait unread until the gate opens: no timeout meanwhile
-                await asyncio.wait((last, link.held))
+                await asyncio.wait((answered, link.held))
                 link.last_answer_at = loop.time()
                 continue
-            await asyncio.wait((last,), timeout=max(0.0, link.last_answer_at + timeout_s - loop.time()))
-            if not last.done() and link.held is None and loop.time() - link.last_answer_at >= timeout_s:
+            await asyncio.wait((answered,), timeout=max(0.0, link.last_answer_at + timeout_s - loop.time()))
+            if not answered.done() and link.held is None and loop.time() - link.last_answer_at >= timeout_s:
                 error = EngineHTTPTransportError(f"{self.url}: no answer within {timeout_s:g} s")
                 link.fail(error)
                 raise error
-        for future in futures:
-            error = future.exception()
-            if error is not None:
-                raise error
+        error = answered.exception()
+        if error is not None:
+            raise error
 
     async def request(self, method: str, path: str, body: bytes | None, timeout_s: float) -> tuple[int, bytes]:
         return (await self.exchange([(method, path, body)], timeout_s))[0]
@@ -338,6 +335,35 @@ class EngineConnection:
                 link.transport.close()
         self._links.clear()
         self._idle.clear()
+
+
+class _Answers:
+    """The answers of one exchange, in order, behind one Future (not one per request: a weight update pipelines 18
+    on each of 1,024 engines). It stands in its connection's queue once per request; the connection calls
+    `set_result` per answer and `set_exception` when it fails."""
+
+    __slots__ = ("future", "results", "expected")
+
+    def __init__(self, future: asyncio.Future[list[tuple[int, bytes]]], expected: int) -> None:
+        self.future = future
+        self.results: list[tuple[int, bytes]] = []
+        self.expected = expected
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def cancelled(self) -> bool:
+        return self.future.cancelled()
+
+    def set_result(self, response: tuple[int, bytes]) -> None:
+        if not self.future.done():
+            self.results.append(response)
+            if len(self.results) == self.expected:
+                self.future.set_result(self.results)
+
+    def set_exception(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
 
 
 class _RoundRequest:
