@@ -314,6 +314,7 @@ class EngineFleet:
         assert self.restart is not None
         engine = self.registry.engines[engine_index]
         engine.restarts += 1
+        self.registry.changed()
         self._event("restarting", engine_index, f"attempt {engine.restarts}")
         try:
             url = await self.restart(engine_index)
