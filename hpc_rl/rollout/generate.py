@@ -246,8 +246,8 @@ async def generate_group(samples: list[Sample], sampling_params: SamplingParams,
     """`default_generate` of a group's samples, with one wait for their first engine call: the built-in generate
     function's path in the scheduler. Each sample's first request is made at once and all of them go to the client
     together (`EngineClient.generate_many`: one Future for the group), instead of a task, a context and a Future per
-    sample (at full length, N=256: ~0.5 of the loop's 1.6 CPU s per 4,096 samples was asyncio's per-sample machinery
-    and the calls around it, cProfile). What each sample does with its answer is `_Turns.take`, as in
+    sample (bench_scale N=256, full length, cProfile of the loop: the event loop's callbacks in a run went from 38,845
+    to 23,207 and its tasks from 10,699 to 5,990). What each sample does with its answer is `_Turns.take`, as in
     `generate_turn`; a sample that needs another call (resumed after an abort it did not ask for, a retried
     transport failure) goes on alone, as `generate_turn` would. Errors as in `run_generate`: a RunEndingGenerationError
     is raised (after every answer of the call was taken), anything else fails only its sample."""
