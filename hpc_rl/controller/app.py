@@ -124,6 +124,7 @@ class Controller(DriverInterface):
         """USR2 came (`request_checkpoint_and_stop`): the loop, once built, saves at a boundary and stops."""
         self._status_task: asyncio.Task[None] | None = None
         self._status_write_failing = False
+        self._components_cache: tuple[tuple[int, str], dict[str, dict[str, Any]]] | None = None
         self._rollout_stack: asyncio.Task[None] | None = None
         self.resume_state: ResumeState | None = None
         """What trainer rank 0's checkpoint says about resuming (its ResumeState, after the handshake)."""
@@ -374,7 +375,18 @@ class Controller(DriverInterface):
         }
 
     def _components(self) -> dict[str, dict[str, Any]]:
-        """Trainer ranks and engines by str(rank/index); once the run ended, engines are 'stopped'."""
+        """Trainer ranks and engines by str(rank/index); once the run ended, engines are 'stopped'. Built again
+        only after the registry changed (status.json is written every 2 s: at 1,024 engines the rebuild was
+        ~2 ms of the loop each time)."""
+        key = (self.registry.changes, self.outcome)
+        cached = self._components_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        components = self._build_components()
+        self._components_cache = (key, components)
+        return components
+
+    def _build_components(self) -> dict[str, dict[str, Any]]:
         snapshot = self.registry.snapshot()
         components = {kind: {str(key): dict(value) for key, value in members.items()}
                       for kind, members in snapshot.items()}

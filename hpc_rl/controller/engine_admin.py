@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError, ReadGate
+from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError, ReadGate, RequestRound
 
 
 log = logging.getLogger(__name__)
@@ -217,6 +217,43 @@ class EngineAdmin:
         """The version the engine reports on its answers (requests in flight are not aborted)."""
         await self._call("POST", "/update_weight_version", {"new_version": weight_version,
                                                             "abort_all_requests": False})
+
+
+async def healthy_all(admins: list[EngineAdmin], timeout_s: float, *, concurrency: int = 64) -> list[bool]:
+    """`admin.healthy(timeout_s)` of every engine, at once: where an engine has an idle kept-alive connection the
+    probe goes out in one `RequestRound` (no coroutine or Future per engine: ~4x less of the loop's CPU per probe);
+    the others (no connection yet, or every one busy, or a fake in a unit test) take the per-call path,
+    `concurrency` at a time. A probe whose connection closed before the answer (the engine dropped an idle
+    connection as it was written) is made again on the per-call path, which reconnects; one that timed out is
+    not (a stopped engine is failed one timeout after the probe, as before)."""
+    round_ = RequestRound()
+    sent = [isinstance(admin, EngineAdmin) and round_.send(admin.connection, "GET", "/health") for admin in admins]
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(admin: EngineAdmin) -> bool:
+        async with limit:
+            return await admin.healthy(timeout_s)
+
+    others = asyncio.gather(*(one(admin) for admin, done in zip(admins, sent) if not done))
+    try:
+        outcomes = await round_.wait(timeout_s)
+    except BaseException:
+        others.cancel()
+        raise
+    slow = iter(await others)
+    results: list[bool] = []
+    again: list[int] = []
+    for index, (admin, done) in enumerate(zip(admins, sent)):
+        if not done:
+            results.append(next(slow))
+            continue
+        outcome = outcomes.get(admin.connection.url)
+        results.append(isinstance(outcome, tuple) and outcome[0] == 200)
+        if not isinstance(outcome, tuple) and admin.connection.url not in round_.timed_out:
+            again.append(index)
+    for index, healthy in zip(again, await asyncio.gather(*(one(admins[i]) for i in again))):
+        results[index] = healthy
+    return results
 
 
 def _checked(url: str, endpoint: str, status: int, answer: bytes) -> Any:

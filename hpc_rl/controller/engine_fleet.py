@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from hpc_rl.protocol.http_client import EngineConnections
-from hpc_rl.controller.engine_admin import DEFAULT_ADMIN_TIMEOUT_S, EngineAdmin
+from hpc_rl.controller.engine_admin import DEFAULT_ADMIN_TIMEOUT_S, EngineAdmin, healthy_all
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
 from hpc_rl.controller.stopping import stop_task
 
@@ -243,14 +243,10 @@ class EngineFleet:
                    and now >= self._first_probe_at.get(e.engine_index, 0.0)
                    and now - generated.get(e.url, float("-inf")) >= self.health_interval_s
                    and not self.admins[e.engine_index].known_alive(self.health_interval_s)]
-        limit = asyncio.Semaphore(self.health_concurrency)
-
-        async def probe(engine: EngineInfo) -> tuple[EngineInfo, int, bool]:
-            admin = self.admins[engine.engine_index]
-            async with limit:
-                return engine, engine.incarnation, await admin.healthy(self.health_timeout_s)
-
-        for engine, incarnation, healthy in await asyncio.gather(*(probe(e) for e in engines)):
+        incarnations = [e.incarnation for e in engines]
+        verdicts = await healthy_all([self.admins[e.engine_index] for e in engines], self.health_timeout_s,
+                                     concurrency=self.health_concurrency)
+        for engine, incarnation, healthy in zip(engines, incarnations, verdicts):
             current = self.registry.engines.get(engine.engine_index)
             if not healthy and current is not None and current.incarnation == incarnation:  # not restarted meanwhile
                 admin = self.admins[engine.engine_index]
@@ -318,6 +314,7 @@ class EngineFleet:
         assert self.restart is not None
         engine = self.registry.engines[engine_index]
         engine.restarts += 1
+        self.registry.changed()
         self._event("restarting", engine_index, f"attempt {engine.restarts}")
         try:
             url = await self.restart(engine_index)

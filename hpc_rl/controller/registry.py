@@ -67,6 +67,8 @@ class Registry:
         self._registrations = 0
         self._serving_urls: tuple[str, ...] | None = None
         """engine_urls() cache: the rollout client reads it per request (O(N) to rebuild at 1,024 engines)."""
+        self.changes = 0
+        """Counts every change of what `snapshot` shows (status.json rebuilds its components only after one)."""
 
     def add_trainer(self, trainer: TrainerInfo) -> None:
         if trainer.world_size != self.trainer_world_size:
@@ -76,11 +78,11 @@ class Registry:
             raise ValueError(f"trainer rank {trainer.rank} registered twice (pid {self.trainers[trainer.rank].pid} "
                              f"and {trainer.pid})")
         self.trainers[trainer.rank] = trainer
-        self._changed.set()
+        self.changed()
 
     def remove_trainer(self, rank: int) -> None:
         self.trainers.pop(rank, None)
-        self._changed.set()
+        self.changed()
 
     def add_engine(self, engine: EngineInfo) -> None:
         """Register (or re-register, after a restart) an engine; it gets a new `incarnation`."""
@@ -88,7 +90,7 @@ class Registry:
         engine.incarnation = self._registrations
         self.engines[engine.engine_index] = engine
         self._serving_urls = None
-        self._changed.set()
+        self.changed()
 
     def set_engine_state(self, engine_index: int, state: EngineState, error: str = "") -> None:
         engine = self.engines[engine_index]
@@ -96,6 +98,11 @@ class Registry:
         self._serving_urls = None
         if error:
             engine.last_error = error
+        self.changed()
+
+    def changed(self) -> None:
+        """A component registered, left or changed (callers that change an `EngineInfo` field in place call it)."""
+        self.changes += 1
         self._changed.set()
 
     def serving_engines(self) -> list[EngineInfo]:

@@ -97,13 +97,38 @@ class GenerateAnswer:
     engine_url: str | None
 
 
+class _Waiting:
+    """What one `generate_many` call waits for: an answer or an error per payload, in order, behind one Future (a
+    group's samples share it: no Future per sample)."""
+
+    __slots__ = ("future", "outcomes", "left")
+
+    def __init__(self, future: asyncio.Future[list[GenerateAnswer | Exception]], count: int) -> None:
+        self.future = future
+        self.outcomes: list[GenerateAnswer | Exception] = [_UNSET] * count  # type: ignore[list-item]
+        self.left = count
+
+    def settle(self, position: int, outcome: GenerateAnswer | Exception) -> None:
+        if self.future.done() or self.outcomes[position] is not _UNSET:
+            return
+        self.outcomes[position] = outcome
+        self.left -= 1
+        if self.left == 0:
+            self.future.set_result(self.outcomes)
+
+
+_UNSET: Any = object()
+
+
 @dataclass(eq=False)
 class _Queued:
     """A single request waiting for its batch to be sent."""
 
     payload: dict[str, Any]
     group: int | None
-    future: asyncio.Future[GenerateAnswer] = field(repr=False)
+    waiting: _Waiting = field(repr=False)
+    position: int
+    """Where its outcome goes in `waiting`."""
     reward_request: dict[str, Any] | None = None
 
 
@@ -242,10 +267,13 @@ class EngineClient:
 
     async def _release(self, rids: list[str]) -> None:
         async with self._slots:
+            released: dict[str, int] = {}
             for rid in rids:
                 engine = self.in_flight.pop(rid, None)
                 if engine is not None:
-                    self._loads.change(engine, -1)
+                    released[engine] = released.get(engine, 0) + 1
+            for engine, count in released.items():  # one load change per engine, not per sample
+                self._loads.change(engine, -count)
             if len(rids) == 1 and not self._waiting_batches:
                 self._slots.notify(1)
             else:
@@ -270,23 +298,68 @@ class EngineClient:
         With `group` (and `batch_requests`), the request waits one event-loop turn for others of the same
         `stopped` (session) and, unless `across_groups`, the same group, and goes out in a batch.
         `reward_request` (worker_rewards.reward_request): the answer worker scores this answer's rule reward."""
-        if self.lora_path is not None and "lora_path" not in payload:
-            payload = {**payload, "lora_path": self.lora_path}
-        payload = clip_to_context(payload, self.context_length)
-        full = context_full_answer(payload, self.context_length)
-        if full is not None:
-            return GenerateAnswer(body=full, engine_url=None)
-        if group is None or not self.batch_requests or not batchable(payload):
+        outcome = (await self.generate_many([payload], stopped=stopped, group=group, across_groups=across_groups,
+                                            reward_requests=[reward_request]))[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def generate_many(self, payloads: list[dict[str, Any]], *, stopped: asyncio.Event | None = None,
+                            group: int | None = None, across_groups: bool = False,
+                            reward_requests: list[dict[str, Any] | None] | None = None,
+                            ) -> list[GenerateAnswer | Exception]:
+        """`generate` of each payload (a group's samples: the same `group`), waiting once for all: per payload, its
+        answer or the error `generate` would raise (TransportError, EngineHTTPError, StopGeneration), in order.
+        `reward_requests` (one per payload, or None): what the answer worker scores (worker_rewards)."""
+        scoring = reward_requests or [None] * len(payloads)
+        outcomes: list[GenerateAnswer | Exception] = [_UNSET] * len(payloads)
+        queued: list[tuple[int, dict[str, Any]]] = []
+        alone: list[tuple[int, dict[str, Any]]] = []
+        batching = group is not None and self.batch_requests
+        for position, payload in enumerate(payloads):
+            if self.lora_path is not None and "lora_path" not in payload:
+                payload = {**payload, "lora_path": self.lora_path}
+            payload = clip_to_context(payload, self.context_length)
+            full = context_full_answer(payload, self.context_length)
+            if full is not None:
+                outcomes[position] = GenerateAnswer(body=full, engine_url=None)
+            elif batching and batchable(payload):
+                queued.append((position, payload))
+            else:
+                alone.append((position, payload))
+        singles = asyncio.gather(*(self._send_alone(payload, stopped, scoring[position]) for position, payload in alone)) \
+            if alone else None
+        if queued:
+            loop = asyncio.get_running_loop()
+            waiting = _Waiting(loop.create_future(), len(queued))
+            key = (id(stopped), None if across_groups else group)
+            items = self._queued.setdefault(key, (stopped, []))[1]
+            items.extend(_Queued(payload=payload, group=group, waiting=waiting, position=index,
+                                 reward_request=scoring[position])
+                         for index, (position, payload) in enumerate(queued))
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                loop.call_soon(self._flush)
+            try:
+                answers = await waiting.future
+            except BaseException:
+                if singles is not None:
+                    singles.cancel()
+                raise
+            for (position, _), outcome in zip(queued, answers):
+                outcomes[position] = outcome
+        if singles is not None:
+            for (position, _), outcome in zip(alone, await singles):
+                outcomes[position] = outcome
+        return outcomes
+
+    async def _send_alone(self, payload: dict[str, Any], stopped: asyncio.Event | None,
+                          reward_request: dict[str, Any] | None = None) -> GenerateAnswer | Exception:
+        try:
             return (await self._send([payload], stopped, direct=self.router_url is None,
                                      reward_requests=[reward_request]))[0]
-        loop = asyncio.get_running_loop()
-        queued = _Queued(payload=payload, group=group, future=loop.create_future(), reward_request=reward_request)
-        key = (id(stopped), None if across_groups else group)
-        self._queued.setdefault(key, (stopped, []))[1].append(queued)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop.call_soon(self._flush)
-        return await queued.future
+        except Exception as error:  # noqa: BLE001 - the caller's, as generate raises it
+            return error
 
     def _flush(self) -> None:
         """Send what was queued this turn: per session (and group), cut by `plan_batches`."""
@@ -294,7 +367,7 @@ class EngineClient:
         queued, self._queued = self._queued, {}
         engines = len(self.directory.engine_urls())
         for stopped, items in queued.values():
-            items = [item for item in items if not item.future.done()]  # the caller was cancelled
+            items = [item for item in items if not item.waiting.future.done()]  # the caller was cancelled
             for batch in plan_batches(items, [item.group for item in items], engines=engines,
                                       max_batch=self.per_engine_concurrency):
                 task = asyncio.create_task(self._send_queued(batch, stopped))
@@ -309,16 +382,14 @@ class EngineClient:
                                        reward_requests=[item.reward_request for item in batch])
         except asyncio.CancelledError:
             for item in batch:
-                item.future.cancel()
+                item.waiting.future.cancel()
             raise
         except Exception as error:  # noqa: BLE001 - each sample decides (retry, fail, stop)
             for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(error)
+                item.waiting.settle(item.position, error)
             return
         for item, answer in zip(batch, answers):
-            if not item.future.done():
-                item.future.set_result(answer)
+            item.waiting.settle(item.position, answer)
 
     async def _send(self, payloads: list[dict[str, Any]], stopped: asyncio.Event | None, *,
                     direct: bool, reward_requests: list[dict[str, Any] | None] | None = None) -> list[GenerateAnswer]:

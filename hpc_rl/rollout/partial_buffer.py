@@ -88,19 +88,23 @@ def version_range(versions: Sequence[int]) -> tuple[int, int]:
     return min(versions), max(versions)
 
 
-def trained_token_staleness(samples: list[Sample], current_version: int) -> tuple[float, float]:
+def trained_token_staleness(samples: list[Sample], current_version: int, *,
+                            ranges: Sequence[tuple[int, int] | None] | None = None) -> tuple[float, float]:
     """(mean, max) of `current_version - version` over the tokens the loss trains (loss mask 1) of `samples`
-    (slime's staleness figures); (0, 0) when no token is trained."""
+    (slime's staleness figures); (0, 0) when no token is trained. `ranges`: each sample's `version_range` of its
+    whole column, when the caller has them (not computed twice per sample)."""
     total, count, oldest = 0, 0, None
-    for s in samples:  # per token, for every sample: sums and minima in C, no list of lags
+    for index, s in enumerate(samples):  # per token, for every sample: sums and minima in C, no list of lags
         versions = s.column("weight_versions")
+        whole = s.loss_mask is None and len(versions) <= len(s.column("response_token_ids"))
         if s.loss_mask is not None:
             trained = list(compress(versions, s.loss_mask))
         else:
-            trained = versions if len(versions) <= s.response_length else versions[:s.response_length]
+            trained = versions if whole else versions[:s.response_length]
         if not trained:
             continue
-        low, high = version_range(trained)
+        known = ranges[index] if whole and ranges is not None else None
+        low, high = known if known is not None else version_range(trained)
         total += low * len(trained) if low == high else _sum(trained)
         count += len(trained)
         oldest = low if oldest is None else min(oldest, low)

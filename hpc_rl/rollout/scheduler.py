@@ -48,6 +48,7 @@ from hpc_rl.rollout.generate import (
     RetryPolicy,
     SamplingParams,
     default_generate,
+    generate_group,
     load_generate_function,
     rollout_sampling_params,
     run_generate,
@@ -228,8 +229,12 @@ class RolloutScheduler:
     async def _process_group(self, run: _GroupRun, session: GenerationSession) -> str:
         """'scored' | 'failed' | 'unfinished' (the session stopped before the group was generated)."""
         todo = [s for s in run.group if s.status not in FINISHED]
-        await asyncio.gather(*(run_generate(self.generate_fn, self.args, s, self.sampling_params, session)
-                               for s in todo))
+        if self.generate_fn is default_generate:  # the built-in: one wait for the group (generate_group)
+            if todo:
+                await generate_group(todo, self.sampling_params, session)
+        else:
+            await asyncio.gather(*(run_generate(self.generate_fn, self.args, s, self.sampling_params, session)
+                                   for s in todo))
         failed = [s for s in run.group if s.status is SampleStatus.FAILED]
         if failed:
             log.warning("group %d dropped: sample %d failed: %s", run.group[0].group_index, failed[0].index,
@@ -387,7 +392,9 @@ def _sample_stats(groups: list[Group], current_version: int) -> dict[str, float]
     samples = [s for g in groups for s in g]
     if not samples:
         return {}
-    spans = [version_range(versions) for versions in (s.column("weight_versions") for s in samples) if len(versions)]
+    ranges = [version_range(versions) if len(versions) else None
+              for versions in (s.column("weight_versions") for s in samples)]
+    spans = [span for span in ranges if span is not None]
     lags = [current_version - low for low, _ in spans]
     return {
         "rollout/reward_mean": sum(float(s.reward or 0.0) for s in samples) / len(samples),
@@ -397,5 +404,5 @@ def _sample_stats(groups: list[Group], current_version: int) -> dict[str, float]
         "rollout/samples_spanning_versions": float(sum(low != high for low, high in spans)),
         "rollout/staleness_max": float(max(lags)) if lags else 0.0,
         **dict(zip(("rollout/staleness_trained_mean", "rollout/staleness_trained_max"),
-                   trained_token_staleness(samples, current_version))),
+                   trained_token_staleness(samples, current_version, ranges=ranges))),
     }

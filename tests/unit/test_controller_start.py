@@ -65,3 +65,25 @@ def test_a_checkpoint_request_before_the_loop_exists_is_kept_for_it(tmp_path, in
             await controller.close()
 
     asyncio.run(scenario())
+
+
+def test_status_components_follow_every_registry_change_and_are_reused_between(tmp_path, in_repo) -> None:
+    """status.json is written every 2 s: its components (an entry per engine) are built again only after the registry
+    changed, and every change shows (a state, a restart counted in place, the run's end)."""
+    from hpc_rl.controller.registry import EngineInfo, EngineState
+
+    controller = make_controller(tmp_path, in_repo, str(tmp_path / "unused.jsonl"))
+    registry = controller.registry
+    for index in range(3):
+        registry.add_engine(EngineInfo(engine_index=index, url=f"http://127.0.0.1:{9000 + index}",
+                                       state=EngineState.SERVING))
+    first = controller.status()["components"]
+    assert controller.status()["components"] is first  # nothing changed: not rebuilt
+    registry.set_engine_state(1, EngineState.FAILED, "health check failed")
+    engines = controller.status()["components"]["engines"]
+    assert engines["1"]["state"] == "failed" and engines["1"]["last_error"] == "health check failed"
+    registry.engines[1].restarts += 1  # as the fleet counts a restart, then says so
+    registry.changed()
+    assert controller.status()["components"]["engines"]["1"]["restarts"] == 1
+    controller.outcome = "finished"
+    assert {e["state"] for e in controller.status()["components"]["engines"].values()} == {"stopped"}

@@ -231,3 +231,79 @@ def test_response_parser_takes_fixed_length_bodies_split_over_reads_and_back_to_
     assert [(status, type(data), len(data)) for status, data in answers] == [(200, bytes, len(body)), (404, bytes, 2)]
     assert answers[0][1] == body and answers[1][1] == b"no"
     assert not parser.buffer and parser.status is None
+
+
+def test_response_parser_takes_pipelined_answers_in_one_read_and_cut_anywhere() -> None:
+    """A pipelined exchange's answers back to back in one read (the whole-answers path: Content-Length, any header
+    case), with a chunked and an interim answer among them (the incremental path), and the same bytes cut at every
+    position over two reads: the same answers in order, nothing left."""
+    from hpc_rl.protocol.http_client import _ResponseParser
+
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\ncontent-type: application/json\r\n\r\n{}"
+    bad = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 3\r\n\r\nbad"
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n0\r\n\r\n"
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    stream = ok * 17 + bad + chunked + interim + ok
+    expected = [(200, b"{}")] * 17 + [(400, b"bad"), (200, b"ab"), (200, b"{}")]
+    parser = _ResponseParser()
+    assert parser.feed(stream) == expected and not parser.buffer and parser.status is None
+    for cut in range(len(stream)):
+        parser = _ResponseParser()
+        assert parser.feed(stream[:cut]) + parser.feed(stream[cut:]) == expected, cut
+        assert not parser.buffer and parser.status is None
+
+
+def test_a_health_round_probes_warm_connections_at_once_and_falls_back_per_call() -> None:
+    """`healthy_all`: engines with an idle kept-alive connection are probed in one RequestRound (on that
+    connection), the others per call; a stuck engine is False after the timeout (its connection dropped), a dead
+    one False, and an idle connection the engine closed is reopened (not counted as a failure)."""
+    from hpc_rl.controller.engine_admin import healthy_all
+
+    def health_app(seen: list[int], stuck: list[bool]) -> web.Application:
+        async def health(request: web.Request) -> web.Response:
+            seen.append(id(request.transport))
+            if stuck[0]:
+                await asyncio.sleep(2.0)
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        return app
+
+    class CountingAdminForTest(EngineAdmin):
+        """The real admin, counting its per-call probes."""
+
+        per_call = 0
+
+        async def healthy(self, timeout_s: float = 5.0) -> bool:
+            self.per_call += 1
+            return await super().healthy(timeout_s)
+
+    async def scenario() -> None:
+        seen = [[] for _ in range(4)]  # type: list[list[int]]
+        stuck = [[False] for _ in range(4)]
+        servers = [await serve(health_app(seen[i], stuck[i]), **({"keepalive_timeout": 0.1} if i == 3 else {}))
+                   for i in range(4)]
+        pool = EngineConnections()
+        admins = [CountingAdminForTest(url, pool) for _, url in servers]
+        try:
+            assert await healthy_all(admins, 5.0) == [True] * 4  # cold: every probe per call (connects)
+            assert [len(s) for s in seen] == [1, 1, 1, 1]
+            stuck[1][0] = True
+            await servers[2][0].cleanup()  # engine 2 is gone
+            await asyncio.sleep(0.3)  # engine 3 closed its idle connection meanwhile
+            start = asyncio.get_running_loop().time()
+            assert await healthy_all(admins, 0.5) == [True, False, False, True]
+            assert asyncio.get_running_loop().time() - start < 1.5  # one timeout for the round, not one per engine
+            assert len(set(seen[0])) == 1 and len(seen[0]) == 2  # engine 0: the same kept-alive connection
+            assert len(set(seen[3])) == 2  # engine 3: reopened after the close, then answered
+            assert [admin.per_call for admin in admins] == [1, 1, 2, 2]  # warm ones in the round, the closed again
+            stuck[1][0] = False
+            assert (await healthy_all(admins, 5.0))[:2] == [True, True]  # engine 1's dropped connection reopened
+        finally:
+            await pool.close()
+            for index, (runner, _) in enumerate(servers):
+                if index != 2:
+                    await runner.cleanup()
+
+    asyncio.run(scenario())

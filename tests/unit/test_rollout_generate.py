@@ -19,6 +19,7 @@ from hpc_rl.rollout.generate import (
     RequestRejected,
     RetryPolicy,
     append_tool_tokens,
+    generate_group,
     generate_turn,
     load_generate_function,
     parse_weight_versions,
@@ -143,6 +144,47 @@ def test_unrequested_abort_resumes_with_new_version() -> None:
         return 30 - (len(ids) - 2)
 
     asyncio.run(with_engines(1, body, token_latency_s=0.005, natural_length=total_30))
+
+
+def test_a_group_shares_one_batched_call_and_each_sample_retries_and_resumes_alone() -> None:
+    """generate_group (the built-in function's path): one batched request for the group's first call; a failed
+    batch is retried per sample (each on its own, counted per sample), an abort no one asked for resumes the sample
+    with the engine's new version, a sample without budget is TRUNCATED without a request; the session's accounts
+    add up and nothing stays in flight."""
+
+    async def body(engines: list[FakeSglangEngine], client: EngineClient) -> None:
+        engine = engines[0]
+        session = GenerationSession(client, retry=FAST_RETRY)
+        group = [make_sample(i) for i in range(4)]
+        await generate_group(group, {"max_new_tokens": 10}, session)
+        assert [s.status for s in group] == [SampleStatus.COMPLETED] * 4
+        assert engine.requests_seen == 1 and engine.batch_sizes == [4]  # one request for the group
+        assert all(s.response_length == 4 for s in group) and accounted(session)
+
+        engine.fail_next = 1  # the group's batch fails: each sample retries alone
+        retried = [make_sample(10 + i) for i in range(3)]
+        await generate_group(retried, {"max_new_tokens": 10}, session)
+        assert [s.status for s in retried] == [SampleStatus.COMPLETED] * 3
+        assert session.metrics.requests_retried == 3 and session.metrics.requests_transport_failed == 3
+        assert engine.requests_seen == 3 and accounted(session)  # the failed batch, then the retries (together again)
+
+        long = [make_sample(20 + i) for i in range(2)]
+        full = make_sample(30)
+        full.response_token_ids, full.response_logprobs, full.weight_versions = [5] * 10, [-1.0] * 10, [0] * 10
+        engine.set_weight_version(0)
+        engine.natural_length = lambda ids: 30  # longer than the budget: still running at the pause
+        task = asyncio.create_task(generate_group([*long, full], {"max_new_tokens": 10}, session))
+        await asyncio.sleep(0.02)
+        await client.connections.to(engine.url).request("POST", "/pause_generation", b'{"mode": "abort"}', 10)
+        engine.set_weight_version(1)
+        await client.connections.to(engine.url).request("POST", "/continue_generation", b"{}", 10)
+        await task
+        assert full.status is SampleStatus.TRUNCATED and full.response_length == 10  # no budget: no request
+        assert [s.status for s in long] == [SampleStatus.TRUNCATED] * 2
+        assert all(s.weight_versions[0] == 0 and s.weight_versions[-1] == 1 for s in long)
+        assert session.metrics.requests_resumed == 2 and accounted(session)
+
+    asyncio.run(with_engines(1, body, router=False, token_latency_s=0.005, natural_length=lambda ids: 4))
 
 
 def test_stop_aborts_in_flight_and_queued() -> None:

@@ -27,6 +27,8 @@ def test_staleness_matches_the_per_token_definition() -> None:
     current = 6
     lags = [current - v for s in samples for v, m in zip(s.weight_versions, s.effective_loss_mask()) if m]
     assert trained_token_staleness(samples, current) == (sum(lags) / len(lags), float(max(lags)))
+    ranges = [version_range(s.weight_versions) for s in samples]  # as _sample_stats passes them (read once)
+    assert trained_token_staleness(samples, current, ranges=ranges) == (sum(lags) / len(lags), float(max(lags)))
 
 
 def test_sample_stats_count_samples_spanning_versions() -> None:
