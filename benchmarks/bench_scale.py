@@ -167,7 +167,8 @@ def build_config(run_dir: Path, engines: int, mode: str, args: argparse.Namespac
     rollout.over_sampling_batch_size = groups
     rollout.rollout_max_response_len = model.max_wire_response_len
     rollout.reward_workers = args.reward_workers
-    rollout.answer_parse_workers = args.parse_workers
+    if args.parse_workers is not None:  # else the recipe's own (configs/qwen3_4b_grpo.yaml: 2)
+        rollout.answer_parse_workers = args.parse_workers
     if mode == "async":
         rollout.async_rollout = True
         rollout.max_staleness = 1
@@ -483,7 +484,7 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             result.sync_orchestration_s = max(0.0, statistics.median(syncs) - engine_side) if syncs else float("nan")
             result.sync_cpu_s = statistics.median(sync_cpu[1:] or sync_cpu) if sync_cpu else float("nan")
             result.extra = {"reward_workers": controller.reward_pool.workers if controller.reward_pool else 0,
-                            "parse_workers": args.parse_workers, "worker_cpu_s": worker_cpu,
+                            "parse_workers": config.rollout.answer_parse_workers, "worker_cpu_s": worker_cpu,
                             "thread_cpu_s": threads, "trainer_cpu_s": round(trainer_cpu, 2),
                             "answers_parsed_in_workers": controller.client.answer_pool.parsed_in_workers
                             if controller.client and controller.client.answer_pool else 0,
@@ -626,9 +627,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--abort-fill", type=int, default=8, help="requests per engine before the abort-all probe")
     parser.add_argument("--reward-workers", type=int, default=0,
                         help="rollout.reward_workers: processes scoring the deepscaler rewards off the controller's loop")
-    parser.add_argument("--parse-workers", type=int, default=0,
+    parser.add_argument("--parse-workers", type=int, default=None,
                         help="rollout.answer_parse_workers: processes posting the /generate requests and parsing the "
-                             "answers off the controller")
+                             "answers off the controller (default: the recipe's rollout.answer_parse_workers)")
     parser.add_argument("--abort-fill-path", choices=("groups", "router"), default="groups",
                         help="how the abort probe's requests go out: groups = the recipe rollout's batched "
                              "/generate per group of --abort-fill straight to an engine; router = one request "
