@@ -106,7 +106,8 @@ class Controller(DriverInterface):
             self.registry, self.fleet, weight_version=lambda: self.loop.weights.version if self.loop else 0,
             initial_weights=lambda: self.loop is None or (self.loop.weights.version == 0 and not self.loop.weights.pushes))
         """Engines of engine jobs joining and leaving mid-run (engine_membership; docs/engine-jobs.md)."""
-        self.frame_signer = FrameSigner(secret)
+        signer_min_bytes = config.controller.frame_signer_min_bytes
+        self.frame_signer = FrameSigner(secret, min_frame_bytes=signer_min_bytes) if signer_min_bytes is not None else None
         """Computes the MACs of the train batches' frames in a process of its own (started at the first one)."""
         self.server: Server | None = None
         self.loop: RunLoop | None = None
@@ -253,7 +254,8 @@ class Controller(DriverInterface):
             self.reward_thread.close()
         if self.server is not None:
             await self.server.close()
-        await self.frame_signer.close()
+        if self.frame_signer is not None:
+            await self.frame_signer.close()
         if self.loop is not None:
             self.loop.recorder.close()
 

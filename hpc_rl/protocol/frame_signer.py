@@ -285,6 +285,7 @@ class FrameSigner:
         self._lose("closed")
         process = self.process
         if process is not None:
+            log.info("frame signer ended: %d frame MACs computed there", self.signed)
             try:
                 await asyncio.to_thread(process.wait, 5.0)
             except subprocess.TimeoutExpired:
