@@ -17,8 +17,8 @@ write lock from the frame's first byte to its tag.
 The process (signer_process.py, standard library only) starts at the first big frame and gets the job
 secret over its socketpair (never a network). If it dies, hangs (no answer for `stall_timeout_s`) or
 cannot start, the frame in flight and every later one is signed in this process, once said in the log:
-no frame is lost or reordered. `close` ends it and releases the ring (a memfd: nothing is left in
-/dev/shm whatever happens, the kernel frees it with its last user).
+no frame is lost or reordered. The ring is released then, or at `close` (which ends the process); it is a
+memfd: nothing is left in /dev/shm whatever happens, the kernel frees it with its last user.
 """
 
 from __future__ import annotations
@@ -33,19 +33,18 @@ import socket
 import subprocess
 import sys
 from collections import deque
-from pathlib import Path
 
-from hpc_rl.protocol import signer_process
 from hpc_rl.protocol.framing import MAC_BYTES, UnsignedFrame
 from hpc_rl.protocol.secret import Secret
-from hpc_rl.protocol.signer_process import CLOSE, DROP, FREED, INLINE, KEY, OPEN, REPLY, REQUEST, RING, TAG
+from hpc_rl.protocol.signer_process import (CLOSE, DROP, FREED, INLINE, KEY, OPEN, PROGRAM, REPLY, REQUEST, RING,
+                                            TAG)
 
 log = logging.getLogger("hpc_rl.protocol")
 
 MIN_FRAME_BYTES = 1 << 20
 """Frames with a smaller payload are signed in process (their HMAC costs under 0.5 ms)."""
 CHUNK_BYTES = 4 << 20
-RING_CHUNKS = 8
+RING_CHUNKS = 4
 STALL_TIMEOUT_S = 30.0
 """The signer is given up when it leaves a frame without an answer this long (its 4 MiB chunk takes ~2 ms)."""
 
@@ -91,6 +90,10 @@ class SigningJob:
             return None
         except TimeoutError:
             self.signer._lose(f"left frame job {self.id} without its MAC for {self.signer.stall_timeout_s:g} s")
+            return None
+        except Exception as error:  # a bug feeding it: this frame (and the next) still go out, signed here
+            log.exception("frame signer job %d failed", self.id)
+            self.signer._lose(f"failed feeding frame job {self.id}: {type(error).__name__}: {error}")
             return None
 
     def abandon(self) -> None:
@@ -153,26 +156,31 @@ class FrameSigner:
         async with self._starting:
             if self._transport is not None or self.lost is not None:
                 return self.lost is None
-            ours, theirs = socket.socketpair()
             ring_bytes = self.chunk_bytes * self.chunks
-            ring_fd = os.memfd_create("hpc_rl-frame-signer")
+            ours = theirs = None
+            ring_fd = -1
             try:
+                ours, theirs = socket.socketpair()
+                ring_fd = os.memfd_create("hpc_rl-frame-signer")
                 os.ftruncate(ring_fd, ring_bytes)
                 self._ring = mmap.mmap(ring_fd, ring_bytes)
+                self._ring_view = memoryview(self._ring)
                 self.process = subprocess.Popen(
-                    [sys.executable, "-I", str(Path(signer_process.__file__)), "--socket-fd", str(theirs.fileno()),
-                     "--ring-fd", str(ring_fd), "--ring-bytes", str(ring_bytes), "--chunk-bytes", str(self.chunk_bytes)],
+                    [sys.executable, "-I", PROGRAM, "--socket-fd", str(theirs.fileno()), "--ring-fd", str(ring_fd),
+                     "--ring-bytes", str(ring_bytes), "--chunk-bytes", str(self.chunk_bytes)],
                     pass_fds=(theirs.fileno(), ring_fd), stdin=subprocess.DEVNULL)
                 self._transport, _ = await asyncio.get_running_loop().create_unix_connection(
                     lambda: _Replies(self), sock=ours)
-            except OSError as error:
-                ours.close()
+            except (OSError, ValueError) as error:
+                if ours is not None:
+                    ours.close()
                 self._lose(f"could not start: {error}")
                 return False
             finally:
-                theirs.close()
-                os.close(ring_fd)  # the mappings (ours, the signer's) keep the ring
-            self._ring_view = memoryview(self._ring)
+                if theirs is not None:
+                    theirs.close()
+                if ring_fd >= 0:
+                    os.close(ring_fd)  # the mappings (ours, the signer's) keep the ring
             self._free = list(range(self.chunks))
             self._send(KEY, 0, 0, self.secret.key)
             log.info("frame signer started (pid %d): MACs of frames from %d bytes are computed there",
@@ -276,6 +284,12 @@ class FrameSigner:
                 job.tag_future.set_exception(error)
                 job.tag_future.exception()  # (retrieved: a job nobody awaits any more is not "never retrieved")
         self._jobs.clear()
+        if self._ring_view is not None:  # (no copy into it is under way: copies never wait)
+            self._ring_view.release()
+            self._ring_view = None
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
 
     _closing = False
 
@@ -291,9 +305,3 @@ class FrameSigner:
             except subprocess.TimeoutExpired:
                 process.kill()
                 await asyncio.to_thread(process.wait)
-        if self._ring_view is not None:
-            self._ring_view.release()
-            self._ring_view = None
-        if self._ring is not None:
-            self._ring.close()
-            self._ring = None

@@ -137,9 +137,9 @@ def frame_chunks(
 
 
 class UnsignedFrame:
-    """A frame whose MAC is yet to be computed, here (`mac`) or elsewhere (a frame signer process, which
-    computes the same HMAC over `signed_parts`); `chunks(tag)` are then the bytes to write. Its frame
-    number is taken: it must reach the wire before the next frame of its counter."""
+    """A frame whose MAC is yet to be computed, here (`mac`) or elsewhere (a frame signer process computes the
+    same HMAC over head, payload and binding, in that order); `chunks(tag)` are then the bytes to write. Its
+    frame number is taken: it must reach the wire before the next frame of its counter."""
 
     __slots__ = ("binding", "head", "payload", "payload_bytes")
 
@@ -148,10 +148,6 @@ class UnsignedFrame:
         """prefix + header bytes."""
         self.payload, self.payload_bytes = payload, payload_bytes
         self.binding = binding
-
-    def signed_parts(self) -> list[Buffer]:
-        """What the MAC covers, in order: prefix + header, the payload's parts, the binding."""
-        return [self.head, *self.payload, self.binding]
 
     def mac(self, secret: Secret) -> bytes:
         """The frame's MAC, computed in this process."""

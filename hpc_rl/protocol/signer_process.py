@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import hmac
 import mmap
+import signal
 import socket
 import struct
 import sys
@@ -35,6 +36,8 @@ REQUEST = struct.Struct("<BIQQ")
 REPLY = struct.Struct("<BIQ32s")
 KEY, OPEN, INLINE, RING, CLOSE, DROP = range(6)
 FREED, TAG = 1, 2
+PROGRAM = __file__
+"""This file: what the controller runs (by path, isolated)."""
 MAX_INLINE_BYTES = 64 << 20
 """Largest INLINE record the signer reads (a frame's header; the controller sends payloads by the ring)."""
 
@@ -97,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ring-bytes", type=int, required=True)
     parser.add_argument("--chunk-bytes", type=int, required=True)
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the controller ends us (EOF)
     sock = socket.socket(fileno=args.socket_fd)
     ring = mmap.mmap(args.ring_fd, args.ring_bytes, prot=mmap.PROT_READ)
     try:

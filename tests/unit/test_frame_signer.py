@@ -134,6 +134,7 @@ def test_a_killed_signer_falls_back_to_signing_in_process(caplog: pytest.LogCapt
         await echo_round(server, big_arrays(2))  # lost as it is noticed or before: signed here, no frame lost
         await echo_round(server, big_arrays(3))
         assert signer.lost is not None and signer.signed == 1 and signer.pid is None
+        assert signer_fds() == [], "the ring is released as soon as the signer is lost"
 
     with caplog.at_level(logging.WARNING, logger="hpc_rl.protocol"):
         asyncio.run(with_server(signer, scenario))
@@ -164,7 +165,8 @@ def test_a_signer_that_dies_mid_frame_costs_no_frame(caplog: pytest.LogCaptureFi
     assert sum("frame signer" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_a_signer_that_cannot_start_falls_back(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_signer_that_cannot_start_falls_back(caplog: pytest.LogCaptureFixture,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     signer = FrameSigner(SECRET)
     monkeypatch.setattr("hpc_rl.protocol.frame_signer.sys.executable", "/nonexistent/python")
 
@@ -218,3 +220,23 @@ def test_an_abandoned_frame_leaves_the_ring_usable() -> None:
         assert sorted(signer._free) == [0, 1]
 
     asyncio.run(with_server(signer, scenario))
+
+
+def test_a_failure_feeding_the_signer_costs_no_frame(caplog: pytest.LogCaptureFixture,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug on the controller's side of the signer (a fake one here: feeding raises) still sends the frame,
+    signed in process, and stops using the signer."""
+    signer = FrameSigner(SECRET, chunk_bytes=16 * PAGE, chunks=2)
+
+    async def broken_feed(job: Any, frame: Any) -> None:
+        raise RuntimeError("fake feeding bug")
+
+    async def scenario(server: Server) -> None:
+        await echo_round(server, big_arrays(9))
+        monkeypatch.setattr(signer, "_feed", broken_feed)
+        await echo_round(server, big_arrays(10))
+        assert signer.lost is not None and "fake feeding bug" in signer.lost and signer.signed == 1
+
+    with caplog.at_level(logging.WARNING, logger="hpc_rl.protocol"):
+        asyncio.run(with_server(signer, scenario))
+    assert any("computed in the controller process from now on" in r.getMessage() for r in caplog.records)
