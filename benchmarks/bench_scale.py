@@ -316,10 +316,12 @@ def thread_cpu_s() -> dict[str, float]:
 
 
 def worker_pids(controller: Controller) -> list[int]:
-    """The controller's worker processes (answer parsing, rewards), as started so far."""
+    """The controller's worker processes (answer parsing, rewards, the frame signer), as started so far."""
     answers = controller.client.answer_pool if controller.client else None
     rewards = controller.reward_pool
-    return (answers.pids() if answers is not None else []) + (rewards._workers.pids() if rewards is not None else [])
+    signer = getattr(controller, "frame_signer", None)
+    return ((answers.pids() if answers is not None else []) + (rewards._workers.pids() if rewards is not None else [])
+            + ([signer.pid] if signer is not None and signer.pid is not None else []))
 
 
 def instrument_sync(controller: Controller, sim_pid: int) -> tuple[list[float], list[float]]:
@@ -486,6 +488,8 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             result.extra = {"reward_workers": controller.reward_pool.workers if controller.reward_pool else 0,
                             "parse_workers": config.rollout.answer_parse_workers, "worker_cpu_s": worker_cpu,
                             "thread_cpu_s": threads, "trainer_cpu_s": round(trainer_cpu, 2),
+                            "frame_signer_cpu_s": round(process_cpu_s(controller.frame_signer.pid), 2)
+                            if controller.frame_signer is not None and controller.frame_signer.pid is not None else None,
                             "answers_parsed_in_workers": controller.client.answer_pool.parsed_in_workers
                             if controller.client and controller.client.answer_pool else 0,
                             "time_scale_ms": scale_ms, "sim_s": sim_elapsed, "run_real_s": run_real, "cpu_s": cpu, "buckets": buckets,

@@ -58,6 +58,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                        "eval.eval_max_context_len", "training.log_probs_max_tokens_per_gpu",
                                        "training.distributed_timeout_minutes")},
     **{path: _at_least(0) for path in ("eval.eval_min_new_tokens",)},
+    "controller.frame_signer_min_bytes": _at_least(0),
 }
 
 # (temperature, top_p, top_k) field paths of each sampling setting.

@@ -53,6 +53,7 @@ from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.engines.gpu_step import PLACEMENT_DIR, reported_devices
 from hpc_rl.protocol import Connection, Envelope, Secret, Server
 from hpc_rl.protocol.errors import ProtocolError
+from hpc_rl.protocol.frame_signer import FrameSigner
 from hpc_rl.protocol.messages import (Ack, CommandDone, EngineJoin, EngineJoined, EngineLeave, EngineLeft, Hello,
                                       Message, NextCommand, Ping, Pong, ResumeState,
                                       StatusReply, StatusRequest, TrainerHeartbeat, WeightGroupJoinCheck,
@@ -105,6 +106,9 @@ class Controller(DriverInterface):
             self.registry, self.fleet, weight_version=lambda: self.loop.weights.version if self.loop else 0,
             initial_weights=lambda: self.loop is None or (self.loop.weights.version == 0 and not self.loop.weights.pushes))
         """Engines of engine jobs joining and leaving mid-run (engine_membership; docs/engine-jobs.md)."""
+        signer_min_bytes = config.controller.frame_signer_min_bytes
+        self.frame_signer = FrameSigner(secret, min_frame_bytes=signer_min_bytes) if signer_min_bytes is not None else None
+        """Computes the MACs of the train batches' frames in a process of its own (started at the first one)."""
         self.server: Server | None = None
         self.loop: RunLoop | None = None
         self.client: EngineClient | None = None
@@ -135,7 +139,8 @@ class Controller(DriverInterface):
         """Listen at once; build the rollout stack (tokenizer, prompts: seconds) in the background, so
         that it overlaps the engines' and trainers' start-up. `ready()` waits for it."""
         gc.set_threshold(GC_FIRST_GENERATION, *gc.get_threshold()[1:])
-        self.server = Server(self.secret, self._handle, on_hello=self._on_hello, on_close=self._on_close)
+        self.server = Server(self.secret, self._handle, on_hello=self._on_hello, on_close=self._on_close,
+                             signer=self.frame_signer)
         await self.server.start(self.host, self.port)
         await self.fleet.start()
         self._rollout_stack = asyncio.create_task(self._start_rollout_stack(), name="build the rollout stack")
@@ -250,6 +255,8 @@ class Controller(DriverInterface):
             self.reward_thread.close()
         if self.server is not None:
             await self.server.close()
+        if self.frame_signer is not None:
+            await self.frame_signer.close()
         if self.loop is not None:
             self.loop.recorder.close()
 

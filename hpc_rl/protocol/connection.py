@@ -40,15 +40,16 @@ from hpc_rl.protocol.errors import (
     ProtocolError,
     RemoteError,
 )
+from hpc_rl.protocol.frame_signer import FrameSigner
 from hpc_rl.protocol.framing import (
     DEFAULT_MAX_FRAME_BYTES,
     HANDSHAKE_MAX_FRAME_BYTES,
     NONCE_BYTES,
     Buffer,
     FrameCounter,
-    frame_chunks,
     read_frame,
     session_counters,
+    unsigned_frame,
 )
 from hpc_rl.protocol.messages import (
     ErrorReply,
@@ -140,9 +141,12 @@ class Connection:
         secret: Secret,
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        signer: FrameSigner | None = None,
     ) -> None:
         self.reader, self.writer, self.secret = reader, writer, secret
         self.max_frame_bytes = max_frame_bytes
+        self.signer = signer
+        """Computes big frames' MACs in a process of its own (frame_signer.py); None: all here."""
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.hello: Hello | None = None
@@ -224,8 +228,21 @@ class Connection:
         """Write one frame (of the session's outgoing counter unless told) and wait for the transport to
         take it; the caller holds the write lock, so frame numbers follow the wire order."""
         header, parts = message_frame(msg, id=msg_id, reply_to=reply_to)
+        frame = unsigned_frame(counter or self._counter(self._outgoing), header, parts)
+        job = await self.signer.begin(frame) if self.signer is not None else None
+        if job is None:
+            await self._write_chunks(frame.chunks(frame.mac(self.secret)))
+            return
+        try:  # the frame goes out while the signer hashes it; its MAC, the last 32 bytes, when it is known
+            await self._write_chunks(frame.chunks(None))
+            tag = await job.tag()
+            await self._write_chunks([tag if tag is not None else frame.mac(self.secret)])
+        finally:
+            job.abandon()
+
+    async def _write_chunks(self, chunks: list[Buffer]) -> None:
         transport = self.writer.transport
-        for chunk in frame_chunks(self.secret, counter or self._counter(self._outgoing), header, parts):
+        for chunk in chunks:
             # One by one (writelines joins, i.e. copies, them on Python 3.11), and big arrays in slices with a
             # wait while the transport holds more than a slice: what the socket does not take is copied into
             # the transport's buffer, which otherwise grew to the whole message by repeated reallocation

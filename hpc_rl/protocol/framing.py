@@ -132,15 +132,46 @@ def frame_chunks(
 
     Advances ``counter``: the frames must reach the wire in the order this is called.
     """
+    frame = unsigned_frame(counter, header, payload)
+    return frame.chunks(frame.mac(secret))
+
+
+class UnsignedFrame:
+    """A frame whose MAC is yet to be computed, here (`mac`) or elsewhere (a frame signer process computes the
+    same HMAC over head, payload and binding, in that order); `chunks(tag)` are then the bytes to write. Its
+    frame number is taken: it must reach the wire before the next frame of its counter."""
+
+    __slots__ = ("binding", "head", "payload", "payload_bytes")
+
+    def __init__(self, head: bytes, payload: Sequence[Buffer], binding: bytes, payload_bytes: int) -> None:
+        self.head = head
+        """prefix + header bytes."""
+        self.payload, self.payload_bytes = payload, payload_bytes
+        self.binding = binding
+
+    def mac(self, secret: Secret) -> bytes:
+        """The frame's MAC, computed in this process."""
+        mac = hmac.new(secret.key, self.head, hashlib.sha256)
+        for part in self.payload:
+            mac.update(part)
+        mac.update(self.binding)
+        return mac.digest()
+
+    def chunks(self, tag: bytes | None) -> list[Buffer]:
+        """The frame's bytes as buffers to write in order (see `frame_chunks`); without its last 32 bytes
+        (the MAC) when ``tag`` is None: they follow once known."""
+        if tag is not None and len(tag) != MAC_BYTES:
+            raise ValueError(f"a frame MAC is {MAC_BYTES} bytes, got {len(tag)}")
+        return _coalesce([self.head, *self.payload] + ([tag] if tag is not None else []))
+
+
+def unsigned_frame(counter: FrameCounter, header: dict[str, Any], payload: Sequence[Buffer] = ()) -> UnsignedFrame:
+    """The next frame of ``counter``'s direction, its MAC not computed yet. Advances ``counter``: the frames
+    must reach the wire in the order this is called."""
     header_bytes = json.dumps(header, separators=(",", ":"), allow_nan=True).encode("utf-8")
     payload_len = sum(memoryview(p).nbytes for p in payload)
     prefix = PREFIX.pack(MAGIC, PROTOCOL_VERSION, 0, len(header_bytes), payload_len)
-    mac = hmac.new(secret.key, prefix, hashlib.sha256)
-    mac.update(header_bytes)
-    for part in payload:
-        mac.update(part)
-    mac.update(counter.take())
-    return _coalesce([prefix, header_bytes, *payload, mac.digest()])
+    return UnsignedFrame(prefix + header_bytes, payload, counter.take(), payload_len)
 
 
 def parse_prefix(prefix: bytes, max_frame_bytes: int) -> tuple[int, int]:

@@ -36,6 +36,7 @@ from typing import Self
 
 from hpc_rl.protocol.connection import STREAM_BUFFER_BYTES, Connection, Envelope
 from hpc_rl.protocol.errors import HandshakeError, PeerClosedError, ProtocolError
+from hpc_rl.protocol.frame_signer import FrameSigner
 from hpc_rl.protocol.framing import DEFAULT_MAX_FRAME_BYTES, HANDSHAKE_MAX_FRAME_BYTES
 from hpc_rl.protocol.messages import ErrorReply, Hello, Message, Welcome
 from hpc_rl.protocol.rejections import RejectionLog
@@ -65,8 +66,11 @@ class Server:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         handshake_timeout: float = 5.0,
         max_unauthenticated: int = 32,
+        signer: FrameSigner | None = None,
     ) -> None:
         self.secret, self.handler = secret, handler
+        self.signer = signer
+        """Computes the MACs of big frames to the peers in a process of its own (frame_signer.py)."""
         self.on_hello, self.on_close = on_hello, on_close
         self.max_frame_bytes = max_frame_bytes
         self.handshake_timeout = handshake_timeout
@@ -114,7 +118,7 @@ class Server:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
-        conn = Connection(reader, writer, self.secret, max_frame_bytes=self.max_frame_bytes)
+        conn = Connection(reader, writer, self.secret, max_frame_bytes=self.max_frame_bytes, signer=self.signer)
         conn_id = next(self._ids)
         error: BaseException | None = None
         self._admit(conn_id, task)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import time
@@ -62,9 +63,13 @@ def test_tiny_default_run_learns(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("mode", ["sync-decoupled", "sync-colocated", "async-decoupled"])  # async + colocated: refused
 def test_modes_mechanics(tmp_path: Path, mode: str) -> None:
-    """First-step ppo_kl == 0 exactly, a new weight version served after every sync, staleness bounded."""
+    """First-step ppo_kl == 0 exactly, a new weight version served after every sync, staleness bounded. The
+    sync-decoupled run has every frame's MAC to the trainer ranks computed in the frame signer process (the
+    tiny batches are far below its usual 1 MiB): the ranks verify them as ever."""
     run_dir = tmp_path / mode
     flags = ["--num-rollout", "4", *FAST, "--use-kl-loss", "--kl-loss-coef", "0.01"]
+    if mode == "sync-decoupled":
+        flags += ["--set", "controller.frame_signer_min_bytes=0"]
     if mode.startswith("async"):
         flags += ["--async-rollout", "--max-staleness", "1"]
     if mode.endswith("colocated"):
@@ -83,6 +88,11 @@ def test_modes_mechanics(tmp_path: Path, mode: str) -> None:
     for trained_at, row in enumerate(rows):
         lags = [trained_at - v for v in row["weight_versions_first_token"]]
         assert max(lags) <= (1 if mode.startswith("async") else 0), f"staleness {max(lags)} in rollout {trained_at}"
+    if mode == "sync-decoupled":
+        log = (run_dir / "logs" / "controller.log").read_text()
+        assert "frame signer started" in log and "frame signer (pid" not in log, log[-3000:]  # started, never lost
+        signed = re.search(r"frame signer ended: (\d+) frame MACs computed there", log)
+        assert signed and int(signed[1]) >= 4 * 2, log[-3000:]  # at least every train command to the ranks
     if mode.startswith("async"):
         # Generation of rollout k+1 overlapped training of k: some of its tokens came from the older policy.
         assert any(max(trained_at - v for v in row["weight_versions_first_token"]) == 1

@@ -192,6 +192,10 @@ class ControllerConfig:
     beating: this bounds silence, not a step's length (default: NCCL's 10 min collective watchdog)."""
     max_restarts: int = 0
     """Restarts of the whole run from its last checkpoint after a trainer rank dies (0: fail at once)."""
+    frame_signer_min_bytes: int | None = 1 << 20
+    """Frames to the job's processes whose payload (a train batch) has at least this many bytes get their HMAC
+    computed in a frame signer process of the controller (protocol/frame_signer.py; the same bytes on the wire);
+    smaller ones in the controller. None: every MAC in the controller."""
     max_logprob_mismatch: float | None = None
     """Fail the run when, right after a weight sync, the engines' log-probs differ from the trainer's by more
     than this per token (mean |trainer - rollout|); None: 1e-4 on cpu, 0.1 on cuda, 0.1 with FP8 engines (an FP8
