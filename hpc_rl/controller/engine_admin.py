@@ -21,7 +21,8 @@ from typing import Any
 
 import orjson
 
-from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError, Pipeline, ReadGate, RequestRound
+from hpc_rl.protocol.http_client import (EngineConnections, EngineHTTPTransportError, Pipeline, ReadGate,
+                                         RequestRound)
 
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ def weight_update_requests(buckets: list[BucketUpdate]) -> Pipeline:
 
 class PipelinedBuckets(list[BucketUpdate]):
     """A weight update's buckets with their requests encoded once (`requests`): the fan-out hands one to every
-    engine's `weight_update` (at 1,024 engines, 18 requests each, encoding per engine was a tenth of a sync's CPU)."""
+    engine's `weight_update` (1,024 engines, 18 requests each: bench_scale's syncCPU 0.137 -> 0.095 s)."""
 
     def __init__(self, buckets: list[BucketUpdate]) -> None:
         super().__init__(buckets)
@@ -187,7 +188,8 @@ class EngineAdmin:
         a round trip per call; with a `gate`, answers after the first are read when it opens (see
         transports.fanout.update_every_engine). Raises EngineAdminError naming the first endpoint that failed
         (the end call is still made, so a failed update does not leave the engine's session open)."""
-        requests = buckets.requests if isinstance(buckets, PipelinedBuckets) else weight_update_requests(buckets)
+        requests = buckets.requests if isinstance(buckets, PipelinedBuckets) \
+            else weight_update_requests(buckets)
         # not noticed per engine: a stuck engine stalls every engine's broadcast, so update_every_engine
         # watches the fan-out as a whole and names the one that does not answer /health
         answers = await self._exchange(requests, gate, notice=False)
@@ -197,8 +199,8 @@ class EngineAdmin:
                 what = f"{endpoint} (bucket {index} of {len(buckets)})" if 0 < index <= len(buckets) else endpoint
                 _checked(self.url, what, status, answer)
 
-    async def _exchange(self, requests: list[tuple[str, str, bytes | None]] | Pipeline, gate: ReadGate | None = None,
-                        *, notice: bool = True) -> list[tuple[int, bytes]]:
+    async def _exchange(self, requests: list[tuple[str, str, bytes | None]] | Pipeline,
+                        gate: ReadGate | None = None, *, notice: bool = True) -> list[tuple[int, bytes]]:
         head, tail = (requests.keys[0][1], requests.keys[-1][1]) if isinstance(requests, Pipeline) \
             else (requests[0][1], requests[-1][1])
         first = head if len(requests) == 1 else f"{head} ... {tail}"

@@ -272,8 +272,11 @@ class EngineConnection:
             link.gate = gate
             assert link.transport is not None
             sent_at = loop.time()
-            link.transport.write(requests.encoded_for(self) if isinstance(requests, Pipeline)
-                                 else b"".join(self._encode(method, path, body) for method, path, body in requests))
+            if isinstance(requests, Pipeline):
+                link.transport.write(requests.encoded_for(self))
+            else:
+                link.transport.write(b"".join(self._encode(method, path, body)
+                                              for method, path, body in requests))
             try:
                 await self._wait_all(link, answers.future, timeout_s)
                 link.gate = None
@@ -325,7 +328,8 @@ class EngineConnection:
         key = (method, path, "")
         head = self._encoded.get(key)
         if head is None:
-            head = self._encoded[key] = encode_request(method, path, self.host_header, self.auth, b"")[:-len(b"0\r\n\r\n")]
+            encoded = encode_request(method, path, self.host_header, self.auth, b"")
+            head = self._encoded[key] = encoded[:-len(b"0\r\n\r\n")]
         return head
 
     async def request(self, method: str, path: str, body: bytes | None, timeout_s: float) -> tuple[int, bytes]:
@@ -347,8 +351,8 @@ class EngineConnection:
 class Pipeline:
     """Requests written back to back to each of many engines (a weight update's begin, its buckets and end, to
     1,024 engines): each request's Content-Length line and body are encoded once, here, and an engine's bytes
-    are its heads (its Host) and these tails joined in one step (`encoded_for`), not one encoding per request per
-    engine. Every request has a body (b"" for none)."""
+    are its heads (its Host) and these tails joined in one step (`encoded_for`), not one encoding per request
+    per engine. Every request has a body (b"" for none)."""
 
     __slots__ = ("keys", "tails")
 

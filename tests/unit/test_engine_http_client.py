@@ -13,7 +13,8 @@ import pytest
 from aiohttp import web
 
 from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin, EngineAdminError, PipelinedBuckets
-from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError, Pipeline, request_blocking
+from hpc_rl.protocol.http_client import (EngineConnections, EngineHTTPTransportError, Pipeline,
+                                         request_blocking)
 from hpc_rl.sim.model import EngineModel
 from hpc_rl.sim.server import SimFleetServer
 
