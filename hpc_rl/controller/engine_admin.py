@@ -21,7 +21,8 @@ from typing import Any
 
 import orjson
 
-from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError, ReadGate, RequestRound
+from hpc_rl.protocol.http_client import (EngineConnections, EngineHTTPTransportError, Pipeline, ReadGate,
+                                         RequestRound)
 
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,22 @@ class BucketUpdate:
         if weight_version is not None:
             body["weight_version"] = weight_version
         return cls(orjson.dumps(body))
+
+
+def weight_update_requests(buckets: list[BucketUpdate]) -> Pipeline:
+    """A weight update's requests (begin, every bucket, end), encoded once for every engine."""
+    return Pipeline([("POST", "/begin_weight_update", b"{}"),
+                     *(("POST", "/update_weights_from_distributed", bucket.body) for bucket in buckets),
+                     ("POST", "/end_weight_update", b"{}")])
+
+
+class PipelinedBuckets(list[BucketUpdate]):
+    """A weight update's buckets with their requests encoded once (`requests`): the fan-out hands one to every
+    engine's `weight_update` (1,024 engines, 18 requests each: bench_scale's syncCPU 0.137 -> 0.095 s)."""
+
+    def __init__(self, buckets: list[BucketUpdate]) -> None:
+        super().__init__(buckets)
+        self.requests = weight_update_requests(self)
 
 
 class EngineAdmin:
@@ -171,20 +188,22 @@ class EngineAdmin:
         a round trip per call; with a `gate`, answers after the first are read when it opens (see
         transports.fanout.update_every_engine). Raises EngineAdminError naming the first endpoint that failed
         (the end call is still made, so a failed update does not leave the engine's session open)."""
-        requests: list[tuple[str, str, bytes | None]] = [("POST", "/begin_weight_update", b"{}")]
-        requests += [("POST", "/update_weights_from_distributed", bucket.body) for bucket in buckets]
-        requests.append(("POST", "/end_weight_update", b"{}"))
+        requests = buckets.requests if isinstance(buckets, PipelinedBuckets) \
+            else weight_update_requests(buckets)
         # not noticed per engine: a stuck engine stalls every engine's broadcast, so update_every_engine
         # watches the fan-out as a whole and names the one that does not answer /health
         answers = await self._exchange(requests, gate, notice=False)
-        for index, ((_, endpoint, _), (status, answer)) in enumerate(zip(requests, answers)):
+        for index, (status, answer) in enumerate(answers):
             if status != 200:  # 200 bodies are not read: only the status matters here
+                endpoint = requests.keys[index][1]
                 what = f"{endpoint} (bucket {index} of {len(buckets)})" if 0 < index <= len(buckets) else endpoint
                 _checked(self.url, what, status, answer)
 
-    async def _exchange(self, requests: list[tuple[str, str, bytes | None]], gate: ReadGate | None = None, *,
-                        notice: bool = True) -> list[tuple[int, bytes]]:
-        first = requests[0][1] if len(requests) == 1 else f"{requests[0][1]} ... {requests[-1][1]}"
+    async def _exchange(self, requests: list[tuple[str, str, bytes | None]] | Pipeline,
+                        gate: ReadGate | None = None, *, notice: bool = True) -> list[tuple[int, bytes]]:
+        head, tail = (requests.keys[0][1], requests.keys[-1][1]) if isinstance(requests, Pipeline) \
+            else (requests[0][1], requests[-1][1])
+        first = head if len(requests) == 1 else f"{head} ... {tail}"
         self._begin(first, notice=notice)
         try:
             return await self.connection.exchange(requests, self.timeout_s, gate=gate)

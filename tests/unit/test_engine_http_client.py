@@ -12,8 +12,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin, EngineAdminError
-from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError, request_blocking
+from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin, EngineAdminError, PipelinedBuckets
+from hpc_rl.protocol.http_client import (EngineConnections, EngineHTTPTransportError, Pipeline,
+                                         request_blocking)
 from hpc_rl.sim.model import EngineModel
 from hpc_rl.sim.server import SimFleetServer
 
@@ -305,5 +306,61 @@ def test_a_health_round_probes_warm_connections_at_once_and_falls_back_per_call(
             for index, (runner, _) in enumerate(servers):
                 if index != 2:
                     await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_a_pipeline_encoded_once_sends_each_engine_the_same_bytes_as_request_by_request() -> None:
+    """A weight update's requests are encoded once for every engine (`Pipeline`): each engine gets its own
+    Host in the heads and the very bytes the per-request encoding makes; the answers come back in order."""
+    async def scenario() -> None:
+        seen: list[tuple[int, str]] = []
+        runners_urls = [await serve(echo_app(seen)) for _ in range(2)]
+        pool = EngineConnections(api_key="secret")
+        requests = [("POST", "/begin", b"{}"), ("POST", "/bucket", b'{"names": ["w0"]}'),
+                    ("POST", "/bucket", b'{"names": ["w1"]}'), ("POST", "/end", b"")]
+        pipeline = Pipeline(requests)
+        try:
+            for _, url in runners_urls:
+                connection = pool.to(url)
+                assert pipeline.encoded_for(connection) == b"".join(
+                    connection._encode(method, path, body) for method, path, body in requests)
+                assert f"Host: {connection.host_header}\r\n".encode() in pipeline.encoded_for(connection)
+                answers = await connection.exchange(pipeline, timeout_s=5)
+                assert len(pipeline) == 4 and [orjson.loads(body)["path"] for _, body in answers] == \
+                    ["/begin", "/bucket", "/bucket", "/end"]
+                assert [orjson.loads(body)["body"] for _, body in answers][1:3] == ['{"names": ["w0"]}',
+                                                                                    '{"names": ["w1"]}']
+                assert {orjson.loads(body)["auth"] for _, body in answers} == {"Bearer secret"}
+            assert len({connection for connection, _ in seen}) == 2  # one connection per engine
+        finally:
+            await pool.close()
+            for runner, _ in runners_urls:
+                await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_a_pipelined_weight_update_names_the_failing_bucket() -> None:
+    """Through the fan-out's encoded-once buckets (PipelinedBuckets), a bucket an engine refuses is named with
+    its index and the engine, as the per-request path named it."""
+    async def scenario() -> None:
+        seen: list[tuple[int, str]] = []
+        runner, url = await serve(echo_app(seen))
+        pool = EngineConnections()
+        admin = EngineAdmin(url, pool)
+        good = BucketUpdate(b'{"names": ["w0"]}')
+        try:
+            await admin.weight_update(PipelinedBuckets([good, good]))
+            assert [path for _, path in seen] == ["/begin_weight_update", "/update_weights_from_distributed",
+                                                  "/update_weights_from_distributed", "/end_weight_update"]
+            # the echo server refuses /bad: a pipeline whose second bucket goes there is named "bucket 2 of 2"
+            buckets = PipelinedBuckets([good, good])
+            buckets.requests.keys = (*buckets.requests.keys[:2], ("POST", "/bad"), buckets.requests.keys[3])
+            with pytest.raises(EngineAdminError, match=f"{url}/bad \\(bucket 2 of 2\\) answered HTTP 400"):
+                await admin.weight_update(buckets)
+        finally:
+            await pool.close()
+            await runner.cleanup()
 
     asyncio.run(scenario())

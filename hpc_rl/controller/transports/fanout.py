@@ -13,7 +13,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from hpc_rl.controller.engine_admin import STUCK_NOTICE_S, BucketUpdate, EngineAdmin, EngineAdminError
+from hpc_rl.controller.engine_admin import (STUCK_NOTICE_S, BucketUpdate, EngineAdmin, EngineAdminError,
+                                           PipelinedBuckets)
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.protocol.http_client import EngineHTTPTransportError, ReadGate
 
@@ -89,6 +90,7 @@ async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpd
     error first awaits it (it aborts the trainer's side of the group, so the broadcast the other engines are
     in ends), then every other engine gets `settle_s` to answer and WeightGroupBroken is raised."""
     gate = ReadGate()
+    buckets = PipelinedBuckets(buckets)  # encoded once for every engine
     if len(admins) > 1:
         gate.shut()
     updates = [asyncio.ensure_future(admin.weight_update(buckets, gate=gate) if index
