@@ -44,7 +44,7 @@ class CannedAnswersClientForBench(EngineClient):
         column.frombytes(data)
         return column
 
-    async def _post_generate(self, base: str, body: dict[str, Any]) -> Any:
+    async def _post_generate(self, base: str, body: dict[str, Any], score: dict[str, Any] | None = None) -> Any:
         rids = body["rid"] if isinstance(body["rid"], list) else [body["rid"]]
         answers = [{"text": self.text, "output_ids": self._column("q", self.ids),
                     "meta_info": {"id": rid, "finish_reason": {"type": "stop"}, "weight_version": "0",

@@ -15,7 +15,7 @@ from typing import Any
 from hpc_rl.config.schema import AlgorithmConfig
 from hpc_rl.controller.logprob_guard import LogprobGuard
 from hpc_rl.controller.registry import Registry
-from hpc_rl.controller.train_batches import RewardShaping, pack_samples, split_for_data_parallel
+from hpc_rl.controller.train_batches import PackBuffers, RewardShaping, pack_samples, split_for_data_parallel
 from hpc_rl.controller.trainer_channel import TrainerChannel, merge_metrics
 from hpc_rl.data.samples import Group, Sample
 from hpc_rl.protocol.messages import EvalLossCommand, SaveCommand, StopCommand, TrainCommand
@@ -53,6 +53,9 @@ class Trainers:
         self.channel, self.registry, self.shaping, self.num_rollout = channel, registry, shaping, num_rollout
         self.guard = guard
         """Fails the run when the engines' log-probs are not the trainer's right after a sync."""
+        self.pack_buffers = PackBuffers()
+        """The train batches' per-token arrays, reused from one rollout to the next (given back only once every
+        rank reported the command that carried them done)."""
         self.trained: tuple[int, int] | None = None
         """(rollout id, weight version) the ranks hold after their last train command; None while one runs
         or after one was abandoned (their state is then not known here)."""
@@ -61,12 +64,16 @@ class Trainers:
         """One rollout's optimizer step(s) on every rank; its metrics (train/..., time/train)."""
         dp_of = {rank: int(t.info.get("dp_rank", 0)) for rank, t in self.registry.trainers.items()}
         dp_size = max(1, int(next(iter(self.registry.trainers.values())).info.get("dp_size", 1)))
-        batches = split_for_data_parallel(groups, self.shaping, dp_size)
+        lease = self.pack_buffers.lease()
+        batches = split_for_data_parallel(groups, self.shaping, dp_size, lease)
         start = time.perf_counter()
         self.trained = None
         done = await self.channel.run(lambda rank, seq: TrainCommand(
             seq=seq, rollout_id=rollout_id, batch=batches[dp_of[rank]],
             meta={"weight_version": weight_version, "num_rollout": self.num_rollout}))
+        # Every rank read its whole frame: no connection, transport or signer holds the arrays now. (Not reached
+        # when the command failed or was abandoned: that lease's arrays are never reused.)
+        lease.release()
         self.trained = (rollout_id, weight_version + 1)
         metrics = {f"train/{k}" if "/" not in k else k: v for k, v in trainer_summary(merge_metrics(done)).items()}
         metrics["time/train"] = time.perf_counter() - start

@@ -111,15 +111,30 @@ class Sample:
         fields = self.__dict__
         return fields[name] if name in fields else fields["_columns"][name]
 
-    def extend_response(self, token_ids: Iterable[int], logprobs: Iterable[float], versions: Iterable[int]) -> None:
+    def extend_response(self, token_ids: Iterable[int], logprobs: Iterable[float], versions: Iterable[int], *,
+                        adopt: bool = False) -> None:
         """Append generated tokens, their log-probs and weight versions (arrays or lists of numbers). A sample
-        whose three fields are empty lists starts holding them as compact columns."""
+        whose three fields are empty (all lists, or all columns) starts holding them as compact columns.
+
+        `adopt`: the caller hands the three over (arrays made for this call and used by no one after it, e.g.
+        those generate.py reads from an answer worker's frame): an empty sample then holds them as its columns
+        instead of copying them (the second copy of every answer). Values
+        that are not three distinct arrays of the columns' types are copied as without `adopt`."""
         fields = self.__dict__
-        if all(name in fields and not fields[name] for name in COLUMN_TYPECODES):
+        given = (token_ids, logprobs, versions)
+        listed = sum(name in fields for name in COLUMN_TYPECODES)
+        fresh = listed == 3 and not any(fields[name] for name in COLUMN_TYPECODES)
+        if adopt and (fresh or listed == 0 and not any(fields["_columns"][name] for name in COLUMN_TYPECODES)) \
+                and _adoptable(given):
+            for name in COLUMN_TYPECODES:
+                fields.pop(name, None)
+            fields["_columns"] = dict(zip(COLUMN_TYPECODES, given))
+            return
+        if fresh:
             for name in COLUMN_TYPECODES:
                 del fields[name]
             fields["_columns"] = {name: array(code) for name, code in COLUMN_TYPECODES.items()}
-        for name, values in zip(COLUMN_TYPECODES, (token_ids, logprobs, versions)):
+        for name, values in zip(COLUMN_TYPECODES, given):
             (fields[name] if name in fields else fields["_columns"][name]).extend(values)
 
     def compact_columns(self) -> dict[str, array]:
@@ -184,6 +199,12 @@ class Sample:
             data["top_logprobs"] = np.asarray(
                 [[-np.inf if v is None else v for v in row] for row in data["top_logprobs"]], dtype=np.float32)
         return cls(**data)
+
+
+def _adoptable(values: tuple[Any, ...]) -> bool:
+    """Three distinct arrays of the compact columns' types, in `COLUMN_TYPECODES`' order."""
+    return (all(isinstance(v, array) and v.typecode == code for v, code in zip(values, COLUMN_TYPECODES.values()))
+            and len({id(v) for v in values}) == len(values))
 
 
 _TOKEN_LISTS = ("prompt_token_ids", "response_token_ids", "response_logprobs", "weight_versions", "loss_mask",

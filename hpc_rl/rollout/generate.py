@@ -214,12 +214,13 @@ def response_budget(sample: Sample, sampling_params: SamplingParams, max_context
 
 
 def _append(sample: Sample, token_ids: list[int] | array, logprobs: list[float] | array, versions: list[int] | array,
-            text: str, trained: bool) -> None:
+            text: str, trained: bool, adopt: bool = False) -> None:
+    """`adopt`: the three arrays are this call's own (read from one answer), so a fresh sample may hold them."""
     if sample.loss_mask is not None or not trained:
         if sample.loss_mask is None:
             sample.loss_mask = [1] * sample.response_length
         sample.loss_mask.extend([1 if trained else 0] * len(token_ids))
-    sample.extend_response(token_ids, logprobs, versions)  # compact columns (data/samples.py)
+    sample.extend_response(token_ids, logprobs, versions, adopt=adopt)  # compact columns (data/samples.py)
     sample.response_text += text
 
 
@@ -442,7 +443,9 @@ class _Turns:
                 raise RunEndingGenerationError(f"sample {sample.index}: {error}") from None
             append_top_logprobs(sample, *head)
         text = str(body.get("text") or "")
-        _append(sample, token_ids, logprobs, versions, text, trained=True)
+        # The answer's arrays were made for this exchange (answer_pool.join_arrays, compact_answers; the version
+        # column just above) and nothing reads the body's after this: a fresh sample holds them, uncopied.
+        _append(sample, token_ids, logprobs, versions, text, trained=True, adopt=True)
         keep_reward(session.client.worker_rewards, sample, self.scoring, body, payload["rid"], text)
         metrics.generated_tokens += len(token_ids)
         finish = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) \

@@ -109,3 +109,39 @@ def test_to_dict_copies_the_token_lists_without_making_a_column_a_list() -> None
     data["metadata"]["tool"]["n"].append(2)
     listed.to_dict()["loss_mask"].append(0)
     assert sample.prompt_token_ids == [5, 6] and sample.metadata == {"tool": {"n": [1]}} and listed.loss_mask == [1, 0, 1]
+
+
+def adopted_sample(index: int = 1, versions: tuple[int, ...] = (2, 2, 3)) -> tuple[Sample, list[array]]:
+    given = [array("q", [10, 11]), array("d", [-0.5, -0.25]), array("q", versions[:2])]
+    sample = Sample(index=index, group_index=0, prompt="p", prompt_token_ids=[5, 6])
+    sample.extend_response(*given, adopt=True)
+    sample.extend_response([12], [-1.0], versions[2:])
+    return sample, given
+
+
+def test_a_fresh_sample_adopts_the_arrays_it_is_handed_over() -> None:
+    sample, given = adopted_sample()
+    for name, values in zip(("response_token_ids", "response_logprobs", "weight_versions"), given):
+        assert sample.column(name) is values  # held, not copied (and extended in place by the next answer)
+    assert given[0].typecode == "q" and given[1].typecode == "d" and given[2].typecode == "q"
+    listed = listed_sample()
+    assert sample == listed and sample.to_dict() == listed.to_dict()  # equality and the JSON form unchanged
+    assert sample.response_token_ids == [10, 11, 12] and isinstance(sample.response_token_ids, list)  # plug-ins: lists
+    assert sample.response_logprobs == [-0.5, -0.25, -1.0] and sample.weight_versions == [2, 2, 3]
+    packed, expected = pack_samples([adopted_sample()[0]], [1.0]), pack_samples([listed], [1.0])
+    for name in expected:
+        assert packed[name].dtype == expected[name].dtype and np.array_equal(packed[name], expected[name]), name
+
+
+def test_adoption_copies_what_is_not_its_own_or_a_sample_that_has_tokens() -> None:
+    shared = array("q", [1, 2])
+    sample = Sample(index=1, group_index=0, prompt="p", prompt_token_ids=[5])
+    sample.extend_response(shared, array("d", [0.0, 0.0]), shared, adopt=True)  # one array twice: copied
+    assert sample.column("response_token_ids") is not shared and sample.column("weight_versions") is not shared
+    lists = Sample(index=2, group_index=0, prompt="p", prompt_token_ids=[5])
+    lists.extend_response([1], [0.0], [0], adopt=True)  # lists: copied into compact columns
+    assert isinstance(lists.column("response_token_ids"), array)
+    given = array("q", [7])
+    sample.extend_response(given, array("d", [0.5]), array("q", [9]), adopt=True)  # has tokens: appended
+    assert sample.column("response_token_ids") is not given and sample.response_token_ids == [1, 2, 7]
+    assert sample.weight_versions == [1, 2, 9]
