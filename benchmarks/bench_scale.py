@@ -24,7 +24,8 @@ per prompt, 8k max response, deepscaler reward, TP2 engines) with the rollout ba
 
 Modes: sync; async (staleness 1); dynamic (DAPO filter, over-sampling 2x); dynamic+partial.
 Goals (printed against): controller < 2% of one core at 1,000 samples/s, i.e. < 0.02 CPU s per 1,000
-samples; abort-all < 1 s and weight-sync orchestration < 1 s at 1,024 engines; 0 lost.
+samples at the default token scale (32 simulated tokens per wire token); at `--token-scale 1` (every token sent,
+full-length answers) issue 36's <= 0.25 CPU s per 1,000 samples for the coordinating process; abort-all < 1 s and weight-sync orchestration < 1 s at 1,024 engines; 0 lost.
 
     python benchmarks/bench_scale.py --engines 8 64 256 1024 [--modes sync async dynamic partial]
 
@@ -74,6 +75,8 @@ SIM_PARAMS = REPO / "configs" / "sim" / "qwen3_4b_h100_tp2.yaml"
 TOKENIZER = REPO / "assets" / "tiny_qwen3"
 MODES = ("sync", "async", "dynamic", "partial")
 GOAL_CPU_PER_1K = 0.02
+GOAL_CPU_PER_1K_FULL_LENGTH = 0.25
+"""At --token-scale 1 (issue 36)."""
 GOAL_ABORT_S = 1.0
 GOAL_SYNC_S = 1.0
 
@@ -547,12 +550,17 @@ def row(r: ModeResult) -> str:
             f"{r.register_s:>6.1f} {100 * r.real_time_factor:>5.0f} {r.load_average:>5.1f} {r.wall_s:>7.1f}")
 
 
-def goals(results: list[ModeResult]) -> list[str]:
+def goals(results: list[ModeResult], token_scale: int = 32) -> list[str]:
     lines = []
     worst_cpu = max(r.cpu_s_per_1k for r in results)
-    lines.append(f"controller CPU per 1,000 samples: worst {worst_cpu:.2f} s (goal < {GOAL_CPU_PER_1K}: "
-                 f"{'met' if worst_cpu < GOAL_CPU_PER_1K else 'NOT met'}; at 1,000 samples/s it needs "
-                 f"{worst_cpu:.2f} cores)")
+    if token_scale == 1:
+        lines.append(f"controller CPU per 1,000 full-length samples: worst {worst_cpu:.2f} s (goal <= "
+                     f"{GOAL_CPU_PER_1K_FULL_LENGTH}: {'met' if worst_cpu <= GOAL_CPU_PER_1K_FULL_LENGTH else 'NOT met'}; "
+                     f"at 1,000 samples/s it needs {worst_cpu:.2f} cores)")
+    else:
+        lines.append(f"controller CPU per 1,000 samples: worst {worst_cpu:.2f} s (goal < {GOAL_CPU_PER_1K}: "
+                     f"{'met' if worst_cpu < GOAL_CPU_PER_1K else 'NOT met'}; at 1,000 samples/s it needs "
+                     f"{worst_cpu:.2f} cores)")
     biggest = max(r.engines for r in results)
     at_max = [r for r in results if r.engines == biggest]
     abort = max(r.abort_all_s for r in at_max)
@@ -602,7 +610,7 @@ async def main_async(args: argparse.Namespace) -> list[ModeResult]:
                 print("      churn:", json.dumps(result.extra["churn"]), flush=True)
             if args.verbose:
                 print("      ", json.dumps(result.extra), flush=True)
-    for line in goals(results):
+    for line in goals(results, args.token_scale):
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in results], indent=1, default=str))
