@@ -170,8 +170,7 @@ async def _reward_one(spec: RewardSpec, sample: Sample, session: RewardSession |
         return _as_reward(_keep_category(spec, sample, answer), spec.reward_key, spec.rm_url)
     known = _precomputed(spec, sample, rm_type)  # scored by the answer worker, for this very text and label
     if known is not None:
-        name_give_ups(sample, rm_type, list(known.give_ups))
-        return known.reward
+        return _taken(sample, known)
     take_give_ups()  # a custom function's graders on this thread are not this sample's
     reward = score(rm_type, sample.response_text, sample.label, sample.metadata)
     name_give_ups(sample, rm_type, take_give_ups())
@@ -180,6 +179,12 @@ async def _reward_one(spec: RewardSpec, sample: Sample, session: RewardSession |
 
 def _precomputed(spec: RewardSpec, sample: Sample, rm_type: str | None) -> WorkerReward | None:
     return spec.worker_rewards.precomputed(sample, rm_type) if spec.worker_rewards is not None else None
+
+
+def _taken(sample: Sample, known: WorkerReward) -> float:
+    """An answer worker's reward of `sample`, its grader's give-ups named as if scored here."""
+    name_give_ups(sample, known.rm_type, list(known.give_ups))
+    return known.reward
 
 
 def name_give_ups(sample: Sample, rm_type: str, give_ups: list[str]) -> None:
@@ -259,10 +264,7 @@ async def _reward_in_pool(spec: RewardSpec, pool: RewardPool, samples: list[Samp
     known = [_precomputed(spec, s, spec.rm_type) for s in samples]
     rest = [s for s, k in zip(samples, known) if k is None]
     scored = iter(await _score_in_pool(spec, pool, rest) if rest else [])
-    for sample, k in zip(samples, known):
-        if k is not None:
-            name_give_ups(sample, k.rm_type, list(k.give_ups))
-    return [k.reward if k is not None else next(scored) for k in known]
+    return [_taken(sample, k) if k is not None else next(scored) for sample, k in zip(samples, known)]
 
 
 async def _score_in_pool(spec: RewardSpec, pool: RewardPool, samples: list[Sample]) -> list[float]:
@@ -310,16 +312,10 @@ def _all_worker_scored(spec: RewardSpec, samples: list[Sample]) -> list[float] |
     """The answer workers' rewards of `samples` when every one provably applies (their give-ups named), else None."""
     if spec.worker_rewards is None:
         return None
-    known = [spec.worker_rewards.precomputed(s, spec.rm_type) for s in samples]
+    known = [_precomputed(spec, s, spec.rm_type) for s in samples]
     if any(k is None for k in known):
         return None
-    rewards = []
-    for sample, k in zip(samples, known):
-        assert k is not None
-        if k.give_ups:
-            name_give_ups(sample, k.rm_type, list(k.give_ups))
-        rewards.append(k.reward)
-    return rewards
+    return [_taken(sample, k) for sample, k in zip(samples, known) if k is not None]
 
 
 async def _rewards(spec: RewardSpec, samples: list[Sample]) -> list[float]:
