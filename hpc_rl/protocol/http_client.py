@@ -252,7 +252,7 @@ class EngineConnection:
         update writes 18 requests to each of 1,024 engines."""
         if body is None:
             return self.encoded(method, path)
-        return b"%s%d\r\n\r\n%s" % (self.body_head(method, path), len(body), body)
+        return self.body_head(method, path) + _length_and_body(body)
 
     async def exchange(self, requests: list[tuple[str, str, bytes | None]] | Pipeline, timeout_s: float, *,
                        gate: ReadGate | None = None) -> list[tuple[int, bytes]]:
@@ -348,6 +348,11 @@ class EngineConnection:
         self._idle.clear()
 
 
+def _length_and_body(body: bytes) -> bytes:
+    """What follows a request's `body_head` (which ends in "Content-Length: "): the length, the blank line, the body."""
+    return b"%d\r\n\r\n%s" % (len(body), body)
+
+
 class Pipeline:
     """Requests written back to back to each of many engines (a weight update's begin, its buckets and end, to
     1,024 engines): each request's Content-Length line and body are encoded once, here, and an engine's bytes
@@ -358,7 +363,7 @@ class Pipeline:
 
     def __init__(self, requests: list[tuple[str, str, bytes]]) -> None:
         self.keys = tuple((method, path) for method, path, _ in requests)
-        self.tails = [b"%d\r\n\r\n%s" % (len(body), body) for _, _, body in requests]
+        self.tails = [_length_and_body(body) for _, _, body in requests]
 
     def __len__(self) -> int:
         return len(self.tails)
