@@ -22,6 +22,7 @@ import numpy as np
 
 from hpc_rl.data.images import IMAGE_REFS_ARRAY, image_refs_array
 from hpc_rl.data.samples import Group, Sample
+from hpc_rl.data.uniform_column import UniformColumn
 from hpc_rl.training.batching import balanced_partitions
 
 STD_NORMALIZED_ESTIMATORS = ("grpo", "gspo", "cispo")
@@ -238,16 +239,27 @@ def pack_top_logprobs(samples: list[Sample]) -> dict[str, np.ndarray]:
 
 
 def _pack_versions(per_sample: list[Sequence[int]], out: np.ndarray | None = None) -> np.ndarray:
-    """The samples' per-token weight versions, concatenated (int64). A list with one version throughout (the
-    common case: `list.count` confirms it in one C pass) is filled, not walked token by token; a compact column
-    is copied as memory."""
-    parts: list[Any] = []
+    """The samples' per-token weight versions, concatenated (int64). A `UniformColumn` (data/uniform_column.py: the
+    common case, one version throughout) or a list with one version throughout (`list.count` confirms it in one C
+    pass) is a fill of its slice, not a copy of 8 bytes per token read; a compact column is copied as memory."""
+    total = sum(map(len, per_sample))
+    if out is None:
+        out = np.empty(total, dtype=np.int64)
+    elif len(out) != total:
+        raise ValueError(f"{len(out)} values to fill from parts of {total}")
+    position = 0
     for versions in per_sample:
-        if isinstance(versions, list) and versions and versions.count(versions[0]) == len(versions):
-            parts.append(np.full(len(versions), versions[0], dtype=np.int64))
+        end = position + len(versions)
+        if end == position:
+            continue
+        if isinstance(versions, UniformColumn):
+            out[position:end] = versions.value
+        elif isinstance(versions, list) and versions.count(versions[0]) == len(versions):
+            out[position:end] = versions[0]
         else:
-            parts.append(versions)
-    return _concatenate(parts, np.int64, out)
+            out[position:end] = _as_numpy(versions, np.int64)
+        position = end
+    return out
 
 
 def pack_routed_experts(samples: list[Sample]) -> dict[str, np.ndarray]:

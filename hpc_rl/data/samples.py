@@ -13,7 +13,10 @@ per-token work in benchmarks/bench_scale.py). So generation appends them to comp
 the trainer's packing). The fields stay lists for everyone else: the first read of `response_token_ids`,
 `response_logprobs` or `weight_versions` turns that column into the list it stands for (once; later reads
 and writes are the list's; an assigned list replaces the column), so plug-ins, checkpoints and equality see
-exactly what they saw before.
+exactly what they saw before. The weight versions are one version throughout in the common case (an answer from one
+policy): an answer's reader may hand them over as a `UniformColumn` (data/uniform_column.py: (version, length), read
+like the `array('q')` it stands for), which the sample holds until a second version appears (then an `array('q')`),
+so that no per-token version array is made, copied or scanned (`uniform_weight_version`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from hpc_rl.data.routed_experts import routing_from_json, routing_to_json
+from hpc_rl.data.uniform_column import UniformColumn
 
 
 COLUMN_TYPECODES = {"response_token_ids": "q", "response_logprobs": "d", "weight_versions": "q"}
@@ -113,8 +117,10 @@ class Sample:
 
     def extend_response(self, token_ids: Iterable[int], logprobs: Iterable[float], versions: Iterable[int], *,
                         adopt: bool = False) -> None:
-        """Append generated tokens, their log-probs and weight versions (arrays or lists of numbers). A sample
-        whose three fields are empty (all lists, or all columns) starts holding them as compact columns.
+        """Append generated tokens, their log-probs and weight versions (arrays or lists of numbers; the versions
+        also a `UniformColumn`). A sample whose three fields are empty (all lists, or all columns) starts holding
+        them as compact columns; a `UniformColumn` of versions is held as it is (immutable: never copied) and
+        grows as one while the versions appended are `UniformColumn`s of its version.
 
         `adopt`: the caller hands the three over (arrays made for this call and used by no one after it, e.g.
         those generate.py reads from an answer worker's frame): an empty sample then holds them as its columns
@@ -122,35 +128,59 @@ class Sample:
         that are not three distinct arrays of the columns' types are copied as without `adopt`."""
         fields = self.__dict__
         given = (token_ids, logprobs, versions)
-        listed = sum(name in fields for name in COLUMN_TYPECODES)
-        fresh = listed == 3 and not any(fields[name] for name in COLUMN_TYPECODES)
-        if adopt and (fresh or listed == 0 and not any(fields["_columns"][name] for name in COLUMN_TYPECODES)) \
-                and _adoptable(given):
-            for name in COLUMN_TYPECODES:
-                fields.pop(name, None)
+        listed = (_TOKENS in fields) + (_LOGPROBS in fields) + (_VERSIONS in fields)
+        if listed == 3:
+            fresh = not (fields[_TOKENS] or fields[_LOGPROBS] or fields[_VERSIONS])
+            columns = None
+        else:
+            fresh = False
+            columns = fields["_columns"]
+        if adopt and (fresh or listed == 0 and not (len(columns[_TOKENS]) or len(columns[_LOGPROBS])
+                                                    or len(columns[_VERSIONS]))) and _adoptable(given):
+            if listed:
+                del fields[_TOKENS], fields[_LOGPROBS], fields[_VERSIONS]
             fields["_columns"] = dict(zip(COLUMN_TYPECODES, given))
             return
         if fresh:
-            for name in COLUMN_TYPECODES:
-                del fields[name]
-            fields["_columns"] = {name: array(code) for name, code in COLUMN_TYPECODES.items()}
+            del fields[_TOKENS], fields[_LOGPROBS], fields[_VERSIONS]
+            columns = fields["_columns"] = {name: array(code) for name, code in COLUMN_TYPECODES.items()}
         for name, values in zip(COLUMN_TYPECODES, given):
-            (fields[name] if name in fields else fields["_columns"][name]).extend(values)
+            if name in fields:  # held as a list
+                fields[name].extend(values.tolist() if isinstance(values, UniformColumn) else values)
+            else:
+                columns[name] = _extended(columns[name], values)
 
-    def compact_columns(self) -> dict[str, array]:
+    def uniform_weight_version(self) -> int | None:
+        """The one weight version of all of the response's tokens when the sample holds its versions as a non-empty
+        `UniformColumn` (O(1): no token is read; the length is `len(self.column("weight_versions"))`); None when
+        they are held otherwise (a list or an array, even of one version) or there are none."""
+        if "weight_versions" in self.__dict__:
+            return None
+        held = self.__dict__["_columns"]["weight_versions"]
+        return held.value if isinstance(held, UniformColumn) and held.length else None
+
+    def compact_columns(self, *, expand_uniform: bool = True) -> dict[str, array]:
         """The per-token fields still held as compact arrays, name -> array (not copied: callers must not change
         them); a field assigned or read as a list is not among them. For writers of raw bytes (the
-        retained-rollouts journal) that must not turn a column into a list."""
+        retained-rollouts journal) that must not turn a column into a list. Versions held as a `UniformColumn` are
+        given as a new `array('q')` of its elements, or with `expand_uniform=False` as the `UniformColumn` itself
+        (`uniform_weight_version`)."""
         columns = self.__dict__.get("_columns")
         if not columns:
             return {}
-        return {name: values for name, values in columns.items() if name not in self.__dict__}
+        held = {name: values for name, values in columns.items() if name not in self.__dict__}
+        versions = held.get(_VERSIONS)
+        if expand_uniform and isinstance(versions, UniformColumn):
+            held[_VERSIONS] = versions.expanded()
+        return held
 
     def hold_columns(self, columns: dict[str, array]) -> None:
         """Hold these per-token fields as the given compact arrays (what `extend_response` builds; each of
-        `COLUMN_TYPECODES`' type), replacing their values: for readers of a stored sample."""
+        `COLUMN_TYPECODES`' type, the versions also a `UniformColumn`), replacing their values: for readers of a
+        stored sample."""
         for name, values in columns.items():
-            if COLUMN_TYPECODES.get(name) != getattr(values, "typecode", None):
+            if COLUMN_TYPECODES.get(name) != getattr(values, "typecode", None) or (
+                    isinstance(values, UniformColumn) and name != _VERSIONS):
                 raise ValueError(f"{name}: a compact column is array({COLUMN_TYPECODES.get(name)!r}), got "
                                  f"{type(values).__name__}({getattr(values, 'typecode', '')!r})")
         fields = self.__dict__
@@ -178,7 +208,8 @@ class Sample:
         data = asdict(replace(self, **dict.fromkeys(_TOKEN_LISTS)))  # (replace reads only the other fields)
         for name in _TOKEN_LISTS:
             values = self.column(name) if name in COLUMN_TYPECODES else getattr(self, name)
-            data[name] = (None if values is None else values.tolist() if isinstance(values, (array, np.ndarray))
+            data[name] = (None if values is None else values.tolist()
+                          if isinstance(values, (array, np.ndarray, UniformColumn))
                           else list(values))
         data["status"] = self.status.value
         if self.routed_experts is not None:
@@ -201,10 +232,31 @@ class Sample:
         return cls(**data)
 
 
+_TOKENS, _LOGPROBS, _VERSIONS = COLUMN_TYPECODES
+
+
 def _adoptable(values: tuple[Any, ...]) -> bool:
-    """Three distinct arrays of the compact columns' types, in `COLUMN_TYPECODES`' order."""
-    return (all(isinstance(v, array) and v.typecode == code for v, code in zip(values, COLUMN_TYPECODES.values()))
-            and len({id(v) for v in values}) == len(values))
+    """Three distinct arrays of the compact columns' types, in `COLUMN_TYPECODES`' order (the versions also a
+    `UniformColumn`: immutable, so held as it is)."""
+    tokens, logprobs, versions = values
+    return (isinstance(tokens, array) and tokens.typecode == "q" and isinstance(logprobs, array)
+            and logprobs.typecode == "d" and (isinstance(versions, UniformColumn) or isinstance(versions, array)
+                                              and versions.typecode == "q" and versions is not tokens))
+
+
+def _extended(held: array | UniformColumn, values: Iterable[Any]) -> array | UniformColumn:
+    """A compact column with `values` appended: the same array (extended in place), or a `UniformColumn` while
+    both are one version, else an array of both."""
+    if isinstance(values, UniformColumn):
+        if not len(held):
+            return values
+        if isinstance(held, UniformColumn) and (held.value == values.value or not values.length):
+            return UniformColumn(held.value, held.length + values.length)
+        values = values.expanded()
+    if isinstance(held, UniformColumn):
+        held = held.expanded()
+    held.extend(values)
+    return held
 
 
 _TOKEN_LISTS = ("prompt_token_ids", "response_token_ids", "response_logprobs", "weight_versions", "loss_mask",

@@ -49,6 +49,7 @@ from typing import Any
 
 from hpc_rl.data.images import image_data_url
 from hpc_rl.data.samples import Sample, SampleStatus
+from hpc_rl.data.uniform_column import UniformColumn
 from hpc_rl.retry_policy import RetryPolicy
 from hpc_rl.rollout.engine_client import (EngineClient, EngineHTTPError, GenerateAnswer, StopGeneration,
                                           TransportError)
@@ -213,8 +214,8 @@ def response_budget(sample: Sample, sampling_params: SamplingParams, max_context
     return budget
 
 
-def _append(sample: Sample, token_ids: list[int] | array, logprobs: list[float] | array, versions: list[int] | array,
-            text: str, trained: bool, adopt: bool = False) -> None:
+def _append(sample: Sample, token_ids: list[int] | array, logprobs: list[float] | array,
+            versions: list[int] | array | UniformColumn, text: str, trained: bool, adopt: bool = False) -> None:
     """`adopt`: the three arrays are this call's own (read from one answer), so a fresh sample may hold them."""
     if sample.loss_mask is not None or not trained:
         if sample.loss_mask is None:
@@ -228,7 +229,8 @@ def append_tool_tokens(sample: Sample, token_ids: list[int], text: str, *, weigh
     """Append tokens the model did not generate (tool output): logprob 0.0, loss_mask 0."""
     version = current_session().weight_version if weight_version is None else weight_version
     pad_top_logprobs(sample, len(token_ids))
-    _append(sample, list(token_ids), [0.0] * len(token_ids), [version] * len(token_ids), text, trained=False)
+    _append(sample, list(token_ids), [0.0] * len(token_ids), UniformColumn(version, len(token_ids)), text,
+            trained=False)
 
 
 def _finish(sample: Sample, status: SampleStatus, error: str | None = None) -> Sample:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from hpc_rl.data.samples import Group, Sample, SampleStatus
+from hpc_rl.data.uniform_column import UniformColumn
 from hpc_rl.rollout.filters import BufferFilter, pop_first
 
 FINISHED = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
@@ -76,7 +77,9 @@ def version_range(versions: Sequence[int]) -> tuple[int, int]:
     """(oldest, newest) of a non-empty list (or compact column) of per-token versions. Most samples have one
     version throughout (`[v] * n` from one answer): `list.count` confirms that in one C pass over identical
     objects, where min and max are two passes of comparisons (~30 us per full-length sample); a compact
-    `array('q')` column (data/samples.py) is read as memory by numpy."""
+    `array('q')` column (data/samples.py) is read as memory by numpy, a `UniformColumn` is its one version."""
+    if isinstance(versions, UniformColumn) and versions.length:
+        return versions.value, versions.value
     if isinstance(versions, array):
         view = np.frombuffer(versions, dtype=np.int64)
         low, high = int(view.min()), int(view.max())

@@ -11,6 +11,8 @@ from array import array
 from operator import itemgetter
 from typing import Any
 
+from hpc_rl.data.uniform_column import UniformColumn
+
 SamplingParams = dict[str, Any]
 
 
@@ -68,21 +70,29 @@ def parse_weight_versions(meta_info: dict[str, Any], n_tokens: int, fallback: in
     return weight_version_column(meta_info, n_tokens, fallback).tolist()
 
 
-def weight_version_column(meta_info: dict[str, Any], n_tokens: int, fallback: int) -> array:
-    """Per output token, the weight version that produced it, as an `array('q')`.
+def weight_version_column(meta_info: dict[str, Any], n_tokens: int, fallback: int) -> array | UniformColumn:
+    """Per output token, the weight version that produced it: a `UniformColumn` when it is one version throughout
+    (the common case: no per-token array is made; data/uniform_column.py), else an `array('q')`.
 
     `meta_info.weight_versions` = spans `[{"version", "start", "end"}]` over this request's output tokens
     (end exclusive); else the single `meta_info.weight_version`; tokens no span covers, and versions
     that are not integers ("default"), get `fallback` (the version the controller believes is loaded).
     """
     single = version_to_int(meta_info.get("weight_version"), fallback)
-    versions = array("q", (single,)) * n_tokens
+    spans = []
     for span in meta_info.get("weight_versions") or []:
         try:
             start, end = int(span["start"]), int(span["end"])
         except (KeyError, TypeError, ValueError):
             continue
         start, end = max(0, start), min(n_tokens, end)
-        if start < end:  # a slice, not a loop per token (~40 us per 1,000 tokens)
-            versions[start:end] = array("q", (version_to_int(span.get("version"), fallback),)) * (end - start)
+        if start < end:
+            spans.append((start, end, version_to_int(span.get("version"), fallback)))
+    if all(version == single for _, _, version in spans):
+        return UniformColumn(single, n_tokens)
+    versions = array("q", (single,)) * n_tokens
+    for start, end, version in spans:  # a slice, not a loop per token (~40 us per 1,000 tokens)
+        versions[start:end] = array("q", (version,)) * (end - start)
+    if versions.count(versions[0]) == n_tokens:  # spans of one other version covering every token
+        return UniformColumn(versions[0], n_tokens)
     return versions
