@@ -133,3 +133,19 @@ def test_trainers_reuse_a_batch_s_arrays_only_after_the_ranks_reported_it_done()
         assert not trainers.pack_buffers._free  # a failed command's arrays are never handed out again
 
     asyncio.run(scenario())
+
+
+def test_new_pack_arrays_are_writable_memory_of_their_own_mapping() -> None:
+    """A leased array that is new lives in an anonymous mapping of ordinary pages, not numpy's own (huge-page)
+    allocation: the first rollout's page faults (train_batches._small_page_array)."""
+    import mmap
+
+    lease = PackBuffers().lease()
+    got = lease.allocator(0)("tokens", 1000, np.int64)
+    base = got
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    base = base.obj if isinstance(base, memoryview) else base
+    assert isinstance(base, mmap.mmap) and got.flags.writeable and len(got) == 1000 and got.dtype == np.int64
+    got[:] = 7
+    assert int(got.sum()) == 7000
