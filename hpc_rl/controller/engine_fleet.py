@@ -248,7 +248,7 @@ class EngineFleet:
         engines = [e for e in self.registry.engines.values() if e.state not in (EngineState.FAILED, EngineState.LEFT)
                    and now >= self._first_probe_at.get(e.engine_index, 0.0)
                    and now - generated.get(e.url, float("-inf")) >= self.health_interval_s
-                   and not self.admins[e.engine_index].known_alive(self.health_interval_s)]
+                   and not self.admins[e.engine_index].known_alive(self.health_interval_s, now)]
         incarnations = [e.incarnation for e in engines]
         verdicts = await self._probe(engines)
         for engine, incarnation, healthy in zip(engines, incarnations, verdicts):
