@@ -35,6 +35,7 @@ import itertools
 import logging
 import multiprocessing
 import socket
+import zlib
 from typing import Any
 
 import orjson
@@ -207,11 +208,15 @@ class AnswerPool:
         it is home to (their /generate connections are warm there), one frame back. Per engine: whether it is
         healthy, or None where no worker answered (none running now, the pool closed, the worker ended or did not
         answer within two timeouts and HEALTH_GRACE_S): the caller probes those itself, so a worker's end never
-        makes an engine look dead. Engines without a home get one, as a post would give them."""
+        makes an engine look dead. An engine without a home (no /generate yet) is probed by a worker chosen from its
+        URL (the same each round) and gets no home here: the posts' homes are spread as without health rounds."""
         verdicts: list[bool | None] = [None] * len(urls)
         groups: dict[int, list[int]] = {}
         for position, url in enumerate(urls):
-            home = self._home.setdefault(url.rstrip("/"), len(self._home) % self.workers)
+            url = url.rstrip("/")
+            home = self._home.get(url)
+            if home is None:
+                home = zlib.crc32(url.encode()) % self.workers
             groups.setdefault(home, []).append(position)
         loop = asyncio.get_running_loop()
 
