@@ -4,10 +4,9 @@ Owns: one `EngineAdmin` per engine (over one `EngineConnections` pool), adding/r
 sglang-router (registrations made together go as one batch), the health-check task (concurrent
 probes, a bounded number at a time; an engine that dies or stops answering is marked FAILED and
 leaves the router at once, so its in-flight samples fail over to the others and are re-queued by the
-rollout client), and asking the launcher to restart it. With an answer pool the probes are made in its worker processes (`prober`;
-rollout/worker_probes.py) and the verdicts come back as one frame per worker; an engine no worker answered for is
-probed here. An engine is first probed `health_first_wait_s`
-after it registered (slime's --rollout-health-check-first-wait), at start and after each restart. A restarted engine stays STARTING (not behind the router) until the loop
+rollout client), and asking the launcher to restart it. With an answer pool the probes are made in its
+worker processes (`prober`; rollout/worker_probes.py) and the verdicts come back as one frame per worker;
+an engine no worker answered for is probed here. An engine is first probed `health_first_wait_s` after it registered (slime's --rollout-health-check-first-wait), at start and after each restart. A restarted engine stays STARTING (not behind the router) until the loop
 has pushed the current weights to it, then `mark_serving` puts it back. The router's own exit is noticed by
 the same task (reaped: no zombie) and reported (log, status event "router exited"); engines are then reached
 directly (`on_router_lost`), and no more membership calls go to it.
