@@ -128,14 +128,15 @@ class EngineAdmin:
             return 0.0
         return asyncio.get_running_loop().time() - max(self._started[0], self.connection.progress_at())
 
-    def known_alive(self, seconds: float) -> bool:
+    def known_alive(self, seconds: float, now: float | None = None) -> bool:
         """Whether the engine answered an admin call in the last `seconds`, or has one in flight that showed
         progress in the last max(`seconds`, IN_FLIGHT_TRUST_S): then no health probe. A probe of an engine
         busy with a call opens a second connection (a round during a 10 s sync at 1,024 engines made 1,024
-        of them); a silent call vouches for nothing (a stopped engine stalled a sync unnoticed: issue 24)."""
+        of them); a silent call vouches for nothing (a stopped engine stalled a sync unnoticed: issue 24).
+        `now`: the event loop's time, when the caller has it (a health round asks 1,024 engines at once)."""
         if self.calls_in_flight:
             return self.silent_for() < max(seconds, IN_FLIGHT_TRUST_S)
-        return asyncio.get_running_loop().time() - self.connection.answered_at < seconds
+        return (asyncio.get_running_loop().time() if now is None else now) - self.connection.answered_at < seconds
 
     async def healthy(self, timeout_s: float = 5.0) -> bool:
         try:

@@ -4,8 +4,9 @@ Owns: one `EngineAdmin` per engine (over one `EngineConnections` pool), adding/r
 sglang-router (registrations made together go as one batch), the health-check task (concurrent
 probes, a bounded number at a time; an engine that dies or stops answering is marked FAILED and
 leaves the router at once, so its in-flight samples fail over to the others and are re-queued by the
-rollout client), and asking the launcher to restart it. An engine is first probed `health_first_wait_s`
-after it registered (slime's --rollout-health-check-first-wait), at start and after each restart. A restarted engine stays STARTING (not behind the router) until the loop
+rollout client), and asking the launcher to restart it. With an answer pool the probes are made in its
+worker processes (`prober`; rollout/worker_probes.py) and the verdicts come back as one frame per worker;
+an engine no worker answered for is probed here. An engine is first probed `health_first_wait_s` after it registered (slime's --rollout-health-check-first-wait), at start and after each restart. A restarted engine stays STARTING (not behind the router) until the loop
 has pushed the current weights to it, then `mark_serving` puts it back. The router's own exit is noticed by
 the same task (reaped: no zombie) and reported (log, status event "router exited"); engines are then reached
 directly (`on_router_lost`), and no more membership calls go to it.
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 
 RestartFn = Callable[[int], Awaitable[str]]
 """Restart engine i (same placement) and return its URL once it answers /health."""
+HealthProber = Callable[[list[str], float, int], Awaitable[list[bool | None]]]
+"""(engine URLs, timeout s, concurrency) -> per engine: healthy, or None where it was not probed (the fleet probes
+those itself). The answer pool's `probe_health` (rollout/answer_pool.py): the probes in its worker processes."""
 DevicesOf = Callable[[int], list[str]]
 """The GPUs engine i's TP ranks run on, as its step read them back (its placement report)."""
 
@@ -63,6 +67,9 @@ class EngineFleet:
         self.generation_answered_at: Mapping[str, float] | None = None
         """Engine URL -> event-loop time of its last /generate answer (the rollout client's `answered_at`,
         set by the rollout stack): an engine that answered one within the interval is not probed."""
+        self.prober: HealthProber | None = None
+        """Where a health round's probes are made (set by the rollout stack when there is an answer pool); None, and
+        for every engine it did not probe: here, on the fleet's own connections (`healthy_all`)."""
         self.health_timeout_s = health_timeout_s
         self.health_first_wait_s = health_first_wait_s
         self._first_probe_at: dict[int, float] = {}
@@ -242,10 +249,9 @@ class EngineFleet:
         engines = [e for e in self.registry.engines.values() if e.state not in (EngineState.FAILED, EngineState.LEFT)
                    and now >= self._first_probe_at.get(e.engine_index, 0.0)
                    and now - generated.get(e.url, float("-inf")) >= self.health_interval_s
-                   and not self.admins[e.engine_index].known_alive(self.health_interval_s)]
+                   and not self.admins[e.engine_index].known_alive(self.health_interval_s, now)]
         incarnations = [e.incarnation for e in engines]
-        verdicts = await healthy_all([self.admins[e.engine_index] for e in engines], self.health_timeout_s,
-                                     concurrency=self.health_concurrency)
+        verdicts = await self._probe(engines)
         for engine, incarnation, healthy in zip(engines, incarnations, verdicts):
             current = self.registry.engines.get(engine.engine_index)
             if not healthy and current is not None and current.incarnation == incarnation:  # not restarted meanwhile
@@ -253,6 +259,21 @@ class EngineFleet:
                 stuck = (f" while {admin.in_flight[0]} had no answer for {admin.silent_for():.0f} s"
                          if admin.in_flight else "")
                 await self.fail_engine(engine.engine_index, f"health check failed{stuck}")
+
+    async def _probe(self, engines: list[EngineInfo]) -> list[bool]:
+        """Whether each engine answers /health: through `prober` where there is one (at 1,024 engines a round's
+        ~1,000 probes and their answers cost the loop ~20 us each), here for the engines it did not probe."""
+        admins = [self.admins[e.engine_index] for e in engines]
+        if self.prober is None or not engines:
+            return await healthy_all(admins, self.health_timeout_s, concurrency=self.health_concurrency)
+        found = await self.prober([e.url for e in engines], self.health_timeout_s, self.health_concurrency)
+        missing = [index for index, healthy in enumerate(found) if healthy is None]
+        here = await healthy_all([admins[i] for i in missing], self.health_timeout_s,
+                                 concurrency=self.health_concurrency) if missing else []
+        verdicts = [bool(healthy) for healthy in found]
+        for index, healthy in zip(missing, here):
+            verdicts[index] = healthy
+        return verdicts
 
     async def fail_engine(self, engine_index: int, reason: str, *, incarnation: int | None = None) -> None:
         """Take an engine out (router first, so no new request goes there) and restart it if allowed.

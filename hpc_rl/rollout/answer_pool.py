@@ -16,7 +16,8 @@ ids or log-probs are not plain numbers keeps its lists, so generate.py's handlin
 applies as before. The controller still decides everything else (which engine, rids, aborts, retries);
 its aborts go out through the same worker (`parse=False`), on that worker's warm connections to the engine (from
 the controller's own, which no longer carry /generate, an abort of 1,024 engines opened 1,024 connections:
-14 s of fan-out at load ~25 against 1.7 s), and the fleet's admin calls on the fleet's connections.
+14 s of fan-out at load ~25 against 1.7 s), and the fleet's admin calls on the fleet's connections. The fleet's
+health rounds are probed in the workers too (`probe_health`: one frame per worker and round, worker_probes.py).
 
 Each engine's requests go to one worker (its connections stay warm). A worker that dies fails the
 requests it held as transport failures (the samples retry them) and is started again for the next.
@@ -34,6 +35,7 @@ import itertools
 import logging
 import multiprocessing
 import socket
+import zlib
 from typing import Any
 
 import orjson
@@ -42,6 +44,9 @@ from hpc_rl.protocol.http_client import EngineHTTPTransportError
 from hpc_rl.rollout.answer_workers import PREFIX, AnswerNotJSON, encode_frame, join_arrays
 
 log = logging.getLogger(__name__)
+
+HEALTH_GRACE_S = 5.0
+"""A worker's health round answers within two probe timeouts (the round, then a retry per call) and this."""
 
 
 class _FrameReader(asyncio.BufferedProtocol):
@@ -197,6 +202,46 @@ class AnswerPool:
             return header["status"], bytes(payload)
         self.parsed_in_workers += 1
         return 200, join_arrays(header["body"], header["arrays"], payload)
+
+    async def probe_health(self, urls: list[str], timeout_s: float, concurrency: int = 64) -> list[bool | None]:
+        """One health round over `urls` in the workers (worker_probes.py): ONE frame to each worker for the engines
+        it is home to (their /generate connections are warm there), one frame back. Per engine: whether it is
+        healthy, or None where no worker answered (none running now, the pool closed, the worker ended or did not
+        answer within two timeouts and HEALTH_GRACE_S): the caller probes those itself, so a worker's end never
+        makes an engine look dead. An engine without a home (no /generate yet) is probed by a worker chosen from its
+        URL (the same each round) and gets no home here: the posts' homes are spread as without health rounds."""
+        verdicts: list[bool | None] = [None] * len(urls)
+        groups: dict[int, list[int]] = {}
+        for position, url in enumerate(urls):
+            url = url.rstrip("/")
+            home = self._home.get(url)
+            if home is None:
+                home = zlib.crc32(url.encode()) % self.workers
+            groups.setdefault(home, []).append(position)
+        loop = asyncio.get_running_loop()
+
+        async def ask(worker: _Worker, positions: list[int]) -> None:
+            request_id = next(self._ids)
+            future: asyncio.Future[tuple[dict[str, Any], bytes]] = loop.create_future()
+            worker.pending[request_id] = future
+            worker.send(encode_frame({"op": "health", "id": request_id, "urls": [urls[p] for p in positions],
+                                      "timeout_s": timeout_s, "concurrency": concurrency}))
+            try:
+                header, _ = await asyncio.wait_for(future, 2 * timeout_s + HEALTH_GRACE_S)
+            except (EngineHTTPTransportError, TimeoutError) as error:
+                log.warning("health round of %d engine(s) in answer worker pid %d: %s; the controller probes them",
+                            len(positions), worker.process.pid, error or "no answer")
+                return
+            finally:
+                worker.pending.pop(request_id, None)
+            unhealthy = set(header["unhealthy"])
+            for rank, position in enumerate(positions):
+                verdicts[position] = rank not in unhealthy
+
+        asks = [ask(worker, positions) for home, positions in groups.items()
+                if (worker := self._slots[home]) is not None and worker.alive]
+        await asyncio.gather(*asks)
+        return verdicts
 
     def close(self) -> None:
         """Stop the workers now (requests in flight are abandoned: their callers hear a transport error)."""

@@ -14,7 +14,9 @@ control call, e.g. /abort_request, answered raw), or `{"op": "cancel", "id"}`. A
 Worker to controller, one per post: `{"id", "status", "body", "arrays"}` with the answer's token ids (int64)
 and log-probs (float64) as payload, `arrays` saying where each goes back (answer index, field, count); or
 `{"id", "status", "raw": true}` with the engine's body (not 200); or `{"id", "not_json": orjson's message}`;
-or `{"id", "error": the transport error}`. No pickle: JSON and machine numbers only.
+or `{"id", "error": the transport error}`. `{"op": "health", "id", "urls", "timeout_s", "concurrency"}`: one health
+round over those engines, answered `{"id", "unhealthy": [indices into urls]}` (worker_probes.py). No pickle: JSON
+and machine numbers only.
 
 Why: at full response length a batched answer is ~1.2 MB of JSON; reading it and handing it to a parsing
 process cost the coordinating process more than the rest of a sample's work (docs/scaling.md). Here the
@@ -164,6 +166,12 @@ async def _serve(connection: socket.socket, api_key: str | None) -> None:
             request_id = header["id"]
             if header["op"] == "post":
                 task = asyncio.create_task(_post(engines, writer, header, payload))
+                tasks[request_id] = task
+                task.add_done_callback(lambda _, rid=request_id: finished(rid))
+            elif header["op"] == "health":  # one health round over this worker's engines (worker_probes.py)
+                from hpc_rl.rollout.worker_probes import serve_health
+
+                task = asyncio.create_task(serve_health(engines, writer, header))
                 tasks[request_id] = task
                 task.add_done_callback(lambda _, rid=request_id: finished(rid))
             elif header["op"] == "cancel" and request_id in tasks:

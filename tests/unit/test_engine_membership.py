@@ -48,7 +48,7 @@ class FakeAdmin:
         await asyncio.sleep(0.01)
         self.in_flight[self.url] = 0
 
-    def known_alive(self, seconds: float) -> bool:
+    def known_alive(self, seconds: float, now: float | None = None) -> bool:
         return True
 
 

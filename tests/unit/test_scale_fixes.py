@@ -68,7 +68,7 @@ class SlowProbeAdminForTest:
         self.probed = False
         self.in_flight: list[str] = []  # no admin call in flight
 
-    def known_alive(self, seconds: float) -> bool:
+    def known_alive(self, seconds: float, now: float | None = None) -> bool:
         return self.index == 5  # engine 5 just answered a weight-update call: no probe needed
 
     async def healthy(self, timeout_s: float) -> bool:
@@ -151,7 +151,7 @@ class AnswerlessAdminForTest:
         self.probes = 0
         self.in_flight: list[str] = []  # no admin call in flight
 
-    def known_alive(self, seconds: float) -> bool:
+    def known_alive(self, seconds: float, now: float | None = None) -> bool:
         return False
 
     async def healthy(self, timeout_s: float) -> bool:
