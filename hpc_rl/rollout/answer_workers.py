@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import socket
-import struct
 from array import array
 from operator import itemgetter
 from typing import Any
@@ -40,27 +39,12 @@ from typing import Any
 import orjson
 
 from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
+from hpc_rl.rollout.worker_frames import PREFIX, encode_frame, read_frame
 
-PREFIX = struct.Struct("<II")
-"""A frame's header and payload sizes."""
 COLLECT_EVERY = 1024
 """A worker's full GC collection every this many answers (its automatic GC is off: a full-length answer is
 ~10k lists, and gen-0 collections over a half-built one cost 1.5x the parse)."""
 ARRAY_FIELDS = (("ids", "q"), ("logprobs", "d"))
-
-
-def encode_frame(header: dict[str, Any], payload: list[Any] | tuple[Any, ...] = ()) -> list[Any]:
-    """The buffers of one frame, to write in order (the payload's buffers are not copied)."""
-    head = orjson.dumps(header)
-    size = sum(memoryview(part).nbytes for part in payload)
-    return [PREFIX.pack(len(head), size), head, *payload]
-
-
-async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]:
-    """The next frame's (header, payload); asyncio.IncompleteReadError when the other side is gone."""
-    head_size, size = PREFIX.unpack(await reader.readexactly(PREFIX.size))
-    header = orjson.loads(await reader.readexactly(head_size))
-    return header, (await reader.readexactly(size) if size else b"")
 
 
 def split_arrays(body: Any) -> tuple[Any, list[list[Any]], list[array]]:

@@ -24,7 +24,7 @@ import asyncio
 from typing import Any
 
 from hpc_rl.protocol.http_client import EngineConnection, EngineConnections, EngineHTTPTransportError, RequestRound
-from hpc_rl.rollout.answer_workers import encode_frame
+from hpc_rl.rollout.worker_frames import encode_frame
 
 
 async def _probe_once(connection: EngineConnection, timeout_s: float) -> bool:
