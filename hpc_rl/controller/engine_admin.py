@@ -61,11 +61,38 @@ class BucketUpdate:
         return cls(orjson.dumps(body))
 
 
+def weight_update_calls(buckets: list[BucketUpdate]) -> list[tuple[str, str, bytes]]:
+    """A weight update's requests: begin, every bucket, end."""
+    return [("POST", "/begin_weight_update", b"{}"),
+            *(("POST", "/update_weights_from_distributed", bucket.body) for bucket in buckets),
+            ("POST", "/end_weight_update", b"{}")]
+
+
 def weight_update_requests(buckets: list[BucketUpdate]) -> Pipeline:
     """A weight update's requests (begin, every bucket, end), encoded once for every engine."""
-    return Pipeline([("POST", "/begin_weight_update", b"{}"),
-                     *(("POST", "/update_weights_from_distributed", bucket.body) for bucket in buckets),
-                     ("POST", "/end_weight_update", b"{}")])
+    return Pipeline(weight_update_calls(buckets))
+
+
+def weight_update_call(requests: Pipeline, index: int) -> str:
+    """How errors name request `index` of a weight update: its endpoint, and which bucket."""
+    endpoint, buckets = requests.keys[index][1], len(requests) - 2
+    return f"{endpoint} (bucket {index} of {buckets})" if 0 < index <= buckets else endpoint
+
+
+def pipeline_span(requests: Pipeline) -> str:
+    """How a transport failure of a pipelined exchange names it (its first and last endpoints)."""
+    head, tail = requests.keys[0][1], requests.keys[-1][1]
+    return head if len(requests) == 1 else f"{head} ... {tail}"
+
+
+class RemoteProgress:
+    """When an engine last showed life on calls a worker process makes for it (`EngineAdmin.begin_elsewhere`)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        """Event-loop time of the latest answer the worker read (from the engines it updates)."""
 
 
 class PipelinedBuckets(list[BucketUpdate]):
@@ -90,6 +117,10 @@ class EngineAdmin:
         """Endpoints of the calls in flight, oldest first (what a stuck engine was asked)."""
         self._started: list[float] = []
         """When each call in flight began (the same order)."""
+        self.remote: RemoteProgress | None = None
+        """While an answer worker makes a call for this engine: its news of the engine's answers."""
+        self.answered_elsewhere_at = float("-inf")
+        """Event-loop time an answer worker last reported a call to this engine answered in full."""
 
     async def _call(self, method: str, endpoint: str, body: dict[str, Any] | None = None,
                     timeout_s: float | None = None, *, notice: bool = True) -> Any:
@@ -126,7 +157,22 @@ class EngineAdmin:
         """Seconds since the engine last showed life on a call in flight (0 when none is in flight)."""
         if not self.calls_in_flight:
             return 0.0
-        return asyncio.get_running_loop().time() - max(self._started[0], self.connection.progress_at())
+        remote = self.remote.at if self.remote is not None else float("-inf")
+        return asyncio.get_running_loop().time() - max(self._started[0], self.connection.progress_at(), remote)
+
+    def begin_elsewhere(self, endpoint: str, progress: RemoteProgress) -> None:
+        """A call an answer worker makes for this engine (the workers' weight-update fan-out) is in flight: it
+        counts as this admin's (a health round does not probe the engine while it shows progress), its
+        progress being what the worker reports."""
+        self._begin(endpoint, notice=False)
+        self.remote = progress
+
+    def end_elsewhere(self, endpoint: str, *, answered: bool) -> None:
+        """That call ended (`answered`: the engine answered every request, whatever the status)."""
+        self._end(endpoint)
+        self.remote = None
+        if answered:
+            self.answered_elsewhere_at = asyncio.get_running_loop().time()
 
     def known_alive(self, seconds: float) -> bool:
         """Whether the engine answered an admin call in the last `seconds`, or has one in flight that showed
@@ -135,7 +181,8 @@ class EngineAdmin:
         of them); a silent call vouches for nothing (a stopped engine stalled a sync unnoticed: issue 24)."""
         if self.calls_in_flight:
             return self.silent_for() < max(seconds, IN_FLIGHT_TRUST_S)
-        return asyncio.get_running_loop().time() - self.connection.answered_at < seconds
+        answered_at = max(self.connection.answered_at, self.answered_elsewhere_at)
+        return asyncio.get_running_loop().time() - answered_at < seconds
 
     async def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
@@ -195,15 +242,14 @@ class EngineAdmin:
         answers = await self._exchange(requests, gate, notice=False)
         for index, (status, answer) in enumerate(answers):
             if status != 200:  # 200 bodies are not read: only the status matters here
-                endpoint = requests.keys[index][1]
-                what = f"{endpoint} (bucket {index} of {len(buckets)})" if 0 < index <= len(buckets) else endpoint
-                _checked(self.url, what, status, answer)
+                _checked(self.url, weight_update_call(requests, index), status, answer)
 
     async def _exchange(self, requests: list[tuple[str, str, bytes | None]] | Pipeline,
                         gate: ReadGate | None = None, *, notice: bool = True) -> list[tuple[int, bytes]]:
-        head, tail = (requests.keys[0][1], requests.keys[-1][1]) if isinstance(requests, Pipeline) \
-            else (requests[0][1], requests[-1][1])
-        first = head if len(requests) == 1 else f"{head} ... {tail}"
+        if isinstance(requests, Pipeline):
+            first = pipeline_span(requests)
+        else:
+            first = requests[0][1] if len(requests) == 1 else f"{requests[0][1]} ... {requests[-1][1]}"
         self._begin(first, notice=notice)
         try:
             return await self.connection.exchange(requests, self.timeout_s, gate=gate)
@@ -278,9 +324,13 @@ async def healthy_all(admins: list[EngineAdmin], timeout_s: float, *, concurrenc
 def _checked(url: str, endpoint: str, status: int, answer: bytes) -> Any:
     """The JSON (or text) of a 200 answer; EngineAdminError naming the engine and endpoint otherwise."""
     if status != 200:
-        raise EngineAdminError(f"{url}{endpoint} answered HTTP {status}: {answer[:500].decode(errors='replace')}",
-                               url=url)
+        raise status_error(url, endpoint, status, answer[:500].decode(errors="replace"))
     try:
         return orjson.loads(answer) if answer else None
     except orjson.JSONDecodeError:
         return answer.decode(errors="replace")
+
+
+def status_error(url: str, endpoint: str, status: int, body_head: str) -> EngineAdminError:
+    """The error of an answer that was not 200 (`body_head`: its first 500 bytes, as text)."""
+    return EngineAdminError(f"{url}{endpoint} answered HTTP {status}: {body_head}", url=url)

@@ -22,6 +22,7 @@ from hpc_rl.protocol.http_client import EngineConnections
 from hpc_rl.controller.engine_admin import DEFAULT_ADMIN_TIMEOUT_S, EngineAdmin, healthy_all
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
 from hpc_rl.controller.stopping import stop_task
+from hpc_rl.rollout.answer_pool import AnswerPool
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,9 @@ class EngineFleet:
         self.generation_answered_at: Mapping[str, float] | None = None
         """Engine URL -> event-loop time of its last /generate answer (the rollout client's `answered_at`,
         set by the rollout stack): an engine that answered one within the interval is not probed."""
+        self.answer_pool: AnswerPool | None = None
+        """The rollout client's answer workers (set by the rollout stack), which also make the weight update's
+        per-engine exchanges (transports.fanout_workers); None: the fleet's own connections do."""
         self.health_timeout_s = health_timeout_s
         self.health_first_wait_s = health_first_wait_s
         self._first_probe_at: dict[int, float] = {}

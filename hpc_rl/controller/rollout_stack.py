@@ -163,6 +163,7 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
                           answer_pool=AnswerPool(rollout.answer_parse_workers, api_key=fleet.api_key)
                           if rollout.answer_parse_workers else None)
     fleet.generation_answered_at = client.answered_at  # a /generate answer is proof of life: no health probe
+    fleet.answer_pool = client.answer_pool  # its workers make the weight updates' per-engine exchanges too
     args = plugin_args(config)
     # No workers for custom functions (they run on the loop) or remote_rm (an HTTP call, no CPU to offload).
     rule_rewards = not rollout.custom_rm_path and split_boxed_prefix((rollout.rm_type or "").strip())[1] != REMOTE_RM

@@ -34,7 +34,8 @@ import itertools
 import logging
 import multiprocessing
 import socket
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import orjson
 
@@ -42,6 +43,15 @@ from hpc_rl.protocol.http_client import EngineHTTPTransportError
 from hpc_rl.rollout.answer_workers import PREFIX, AnswerNotJSON, encode_frame, join_arrays
 
 log = logging.getLogger(__name__)
+
+
+class FrameStream(Protocol):
+    """Where the frames of a request answered by several frames go (`AnswerPool.send_stream`)."""
+
+    def frame(self, header: dict[str, Any], payload: memoryview) -> None: ...
+
+    def ended(self, error: Exception) -> None:
+        """The worker ended before the frame that says "end"."""
 
 
 class _FrameReader(asyncio.BufferedProtocol):
@@ -85,6 +95,8 @@ class _Worker:
     def __init__(self, process: Any) -> None:
         self.process = process
         self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], memoryview]]] = {}
+        self.streams: dict[int, FrameStream] = {}
+        """Requests answered by several frames (`AnswerPool.send_stream`), by id."""
         self.alive = True
         self.reader = _FrameReader(self)
 
@@ -93,6 +105,12 @@ class _Worker:
         self.reader.transport.writelines(frame)
 
     def answered(self, header: dict[str, Any], payload: memoryview) -> None:
+        stream = self.streams.get(header["id"])
+        if stream is not None:
+            if header.get("end"):
+                del self.streams[header["id"]]
+            stream.frame(header, payload)
+            return
         future = self.pending.pop(header["id"], None)
         if future is not None and not future.done():
             future.set_result((header, payload))
@@ -107,6 +125,10 @@ class _Worker:
                     f"the answer worker (pid {self.process.pid}, exit {code}) ended before answering"
                     + (f" ({error})" if error else "")))
         self.pending.clear()
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream.ended(EngineHTTPTransportError(f"the answer worker (pid {self.process.pid}, exit {code}) ended "
+                                                  "before answering" + (f" ({error})" if error else "")))
 
     def close(self) -> None:
         if self.reader.transport is not None:
@@ -173,8 +195,7 @@ class AnswerPool:
         controller's own client raises it (and when the worker ended); AnswerNotJSON for a 200 body that is
         not JSON. `score` (worker_rewards.score_header): the worker also scores the answers' rule rewards."""
         url = url.rstrip("/")
-        index = self._home.setdefault(url, len(self._home) % self.workers)
-        worker = await self._worker(index)
+        worker = await self._worker(self.home(url))
         request_id = next(self._ids)
         future: asyncio.Future[tuple[dict[str, Any], bytes]] = asyncio.get_running_loop().create_future()
         worker.pending[request_id] = future
@@ -197,6 +218,28 @@ class AnswerPool:
             return header["status"], bytes(payload)
         self.parsed_in_workers += 1
         return 200, join_arrays(header["body"], header["arrays"], payload)
+
+    def home(self, url: str) -> int:
+        """The worker that makes `url`'s exchanges (each engine has one: its connections stay warm)."""
+        return self._home.setdefault(url.rstrip("/"), len(self._home) % self.workers)
+
+    async def send_stream(self, index: int, head: dict[str, Any], payload: list[bytes],
+                          stream: FrameStream) -> Callable[[], None]:
+        """Send `head` (an op answered by several frames: worker_fanout.py's "pipeline") and `payload` to worker
+        `index`; each frame back goes to `stream.frame` until one says "end", or `stream.ended` hears why the
+        worker ended first. Returns what cancels it (the worker drops what it still runs)."""
+        worker = await self._worker(index)
+        request_id = next(self._ids)
+        worker.streams[request_id] = stream
+        if not worker.alive:  # ended as it started: it will send nothing
+            worker.ended(None)
+        else:
+            worker.send(encode_frame({**head, "id": request_id}, payload))
+
+        def cancel() -> None:
+            if worker.streams.pop(request_id, None) is not None and worker.alive:
+                worker.send(encode_frame({"op": "cancel", "id": request_id}))
+        return cancel
 
     def close(self) -> None:
         """Stop the workers now (requests in flight are abandoned: their callers hear a transport error)."""

@@ -14,7 +14,8 @@ control call, e.g. /abort_request, answered raw), or `{"op": "cancel", "id"}`. A
 Worker to controller, one per post: `{"id", "status", "body", "arrays"}` with the answer's token ids (int64)
 and log-probs (float64) as payload, `arrays` saying where each goes back (answer index, field, count); or
 `{"id", "status", "raw": true}` with the engine's body (not 200); or `{"id", "not_json": orjson's message}`;
-or `{"id", "error": the transport error}`. No pickle: JSON and machine numbers only.
+or `{"id", "error": the transport error}`. The "pipeline" op (one frame, the same pipelined requests to many
+engines, answered by a few batched frames) is worker_fanout.py's. No pickle: JSON and machine numbers only.
 
 Why: at full response length a batched answer is ~1.2 MB of JSON; reading it and handing it to a parsing
 process cost the coordinating process more than the rest of a sample's work (docs/scaling.md). Here the
@@ -164,6 +165,13 @@ async def _serve(connection: socket.socket, api_key: str | None) -> None:
             request_id = header["id"]
             if header["op"] == "post":
                 task = asyncio.create_task(_post(engines, writer, header, payload))
+                tasks[request_id] = task
+                task.add_done_callback(lambda _, rid=request_id: finished(rid))
+            elif header["op"] == "pipeline":  # an admin fan-out to many engines (worker_fanout.py)
+                from hpc_rl.rollout.worker_fanout import run_pipeline
+
+                task = asyncio.create_task(run_pipeline(engines, lambda head: writer.writelines(encode_frame(head)),
+                                                        header, payload))
                 tasks[request_id] = task
                 task.add_done_callback(lambda _, rid=request_id: finished(rid))
             elif header["op"] == "cancel" and request_id in tasks:

@@ -56,6 +56,7 @@ from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.controller.transports.base import WeightTransport
 from hpc_rl.controller.transports.fanout import StuckEngine, WeightGroupBroken, update_every_engine
 from hpc_rl.protocol.messages import AbortWeightGroupCommand, SyncWeightsCommand, WeightPlan
+from hpc_rl.rollout.answer_pool import AnswerPool
 from hpc_rl.weights import DEFAULT_GROUP_NAME
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,9 @@ class GroupPush:
     def __init__(self, *, version: int, channel: TrainerChannel, engines: list[EngineInfo],
                  admins: dict[int, EngineAdmin], group: WeightGroup, backend: str, bucket_bytes: int,
                  timeout_s: float = 600.0, on_stuck: StuckEngine | None = None, clear_stale_groups: bool = False,
-                 flush_cache: bool = True) -> None:
+                 flush_cache: bool = True, pool: AnswerPool | None = None) -> None:
+        self.pool = pool
+        """The answer workers: they make the update's exchanges (transports.fanout_workers); None: the loop does."""
         self.version, self.channel, self.engines, self.admins, self.group = version, channel, engines, admins, group
         self.backend, self.bucket_bytes, self.timeout_s = backend, bucket_bytes, timeout_s
         self.on_stuck, self.clear_stale_groups, self.flush_cache = on_stuck, clear_stale_groups, flush_cache
@@ -145,7 +148,7 @@ class GroupPush:
                 await self._build_group(plan)
             await update_every_engine([self.admins[e.engine_index] for e in self.engines], self._buckets(plan),
                                       on_stuck=self.on_stuck, on_break=self._abort_trainer_side,
-                                      settle_s=ABORT_GRACE_S)
+                                      settle_s=ABORT_GRACE_S, pool=self.pool)
             await self._trainer_outcome()
         except WeightGroupBroken as broken:
             self.group.members = []  # rebuild next time
@@ -245,12 +248,13 @@ async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engi
                                   admins: dict[int, EngineAdmin], group: WeightGroup, backend: str,
                                   bucket_bytes: int, timeout_s: float = 600.0,
                                   on_stuck: StuckEngine | None = None, clear_stale_groups: bool = False,
-                                  flush_cache: bool = True) -> dict[str, float]:
+                                  flush_cache: bool = True, pool: AnswerPool | None = None) -> dict[str, float]:
     """One `GroupPush`. `clear_stale_groups` (external engines, which outlive runs): a group of the new group's
-    name is destroyed on each engine first. `flush_cache` False: the engines keep their KV cache (in place)."""
+    name is destroyed on each engine first. `flush_cache` False: the engines keep their KV cache (in place).
+    `pool`: the answer workers make the update's exchanges."""
     return await GroupPush(version=version, channel=channel, engines=engines, admins=admins, group=group,
                            backend=backend, bucket_bytes=bucket_bytes, timeout_s=timeout_s, on_stuck=on_stuck,
-                           clear_stale_groups=clear_stale_groups, flush_cache=flush_cache).run()
+                           clear_stale_groups=clear_stale_groups, flush_cache=flush_cache, pool=pool).run()
 
 
 class BroadcastTransport(WeightTransport):
@@ -303,7 +307,7 @@ class BroadcastTransport(WeightTransport):
                                              admins=self.fleet.admins, group=self.group, backend=settings.backend,
                                              bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s,
                                              on_stuck=self._engine_stuck, clear_stale_groups=settings.external_engines,
-                                             flush_cache=flush_cache)
+                                             flush_cache=flush_cache, pool=getattr(self.fleet, "answer_pool", None))
 
     async def _push_again(self, version: int, engines: list[EngineInfo], broken: WeightGroupBroken,
                           flush_cache: bool) -> dict[str, float]:

@@ -1,0 +1,99 @@
+"""A weight update's fan-out made by the answer workers (`rollout.answer_parse_workers` > 0): what
+`transports.fanout.update_every_engine` waits on instead of one pipelined exchange per engine on the controller's
+connections.
+
+Owns `WorkerUpdate`: one Future per engine, done when its worker reports the engine's outcome, failed with the
+EngineAdminError the controller's own exchange would raise (the same message naming the engine and the call or
+bucket; a transport failure, including the worker ending, with the EngineHTTPTransportError as its cause, as
+`_settled_failures` reads it); and each engine's `EngineAdmin` bookkeeping meanwhile (a call in flight whose
+progress is the worker's news, so the health round and `watch_fan_out` see the engines as before).
+
+Why: at 1,024 engines the controller parsed ~18,400 answers per sync on its loop (bench_scale's syncCPU
+~0.1 s); now it reads a few batched frames per worker. The requests, their order on each engine's connection and
+the engines' answers are unchanged. Does not own: the frames and the worker's side (rollout.worker_fanout), the
+sync's rules (transports.fanout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from hpc_rl.controller.engine_admin import (BucketUpdate, EngineAdmin, EngineAdminError, RemoteProgress,
+                                           pipeline_span, status_error, weight_update_call, weight_update_calls,
+                                           weight_update_requests)
+from hpc_rl.protocol.http_client import EngineHTTPTransportError
+from hpc_rl.rollout.answer_pool import AnswerPool
+from hpc_rl.rollout.worker_fanout import Outcome, PipelineFanOut
+
+
+class WorkerUpdate:
+    """Every engine's pipelined update (begin, the buckets, end), made by the answer workers."""
+
+    def __init__(self, pool: AnswerPool, admins: list[EngineAdmin], buckets: list[BucketUpdate]) -> None:
+        self.admins = admins
+        calls = weight_update_calls(buckets)
+        self.requests = weight_update_requests(buckets)  # (for the names in errors)
+        self.span = pipeline_span(self.requests)
+        loop = asyncio.get_running_loop()
+        self.updates: list[asyncio.Future[None]] = [loop.create_future() for _ in admins]
+        self.pool = pool
+        self.progress: dict[int, RemoteProgress] = {}
+        """Per worker: the latest answer it read from its engines still updating."""
+        self._open: set[int] = set()
+        self.fan_out = PipelineFanOut(pool, [admin.url for admin in admins], calls,
+                                      max(admin.timeout_s for admin in admins),
+                                      on_outcome=self._outcome, on_progress=self._progress)
+
+    async def start(self) -> list[asyncio.Future[None]]:
+        """Send it; each engine's Future (done, or failed with its EngineAdminError)."""
+        for position, admin in enumerate(self.admins):
+            admin.begin_elsewhere(self.span, self._worker_progress(position))
+            self._open.add(position)
+        try:
+            await self.fan_out.start()
+        except BaseException:
+            self.close()
+            raise
+        return self.updates
+
+    def close(self) -> None:
+        """However the update ended: the workers drop what they still run (an engine left waiting after an abort's
+        grace period, a cancelled sync) and each admin's call ends."""
+        self.fan_out.cancel()
+        for position in sorted(self._open):
+            self._end(position, answered=False)
+            update = self.updates[position]
+            if not update.done():
+                update.cancel()
+
+    def _end(self, position: int, *, answered: bool) -> None:
+        if position in self._open:
+            self._open.discard(position)
+            self.admins[position].end_elsewhere(self.span, answered=answered)
+
+    def _outcome(self, position: int, outcome: Outcome) -> None:
+        admin, update = self.admins[position], self.updates[position]
+        self._end(position, answered=outcome is None or outcome[0] == "status")
+        if update.done():
+            return
+        if outcome is None:
+            update.set_result(None)
+        elif outcome[0] == "status":
+            _, index, status, body_head = outcome
+            update.set_exception(status_error(admin.url, weight_update_call(self.requests, index), status, body_head))
+        else:
+            cause = EngineHTTPTransportError(outcome[3])
+            error = EngineAdminError(f"{admin.url}{self.span} failed: {cause}", url=admin.url)
+            error.__cause__ = cause
+            update.set_exception(error)
+
+    def _worker_progress(self, position: int) -> RemoteProgress:
+        worker = self.pool.home(self.admins[position].url)
+        progress = self.progress.get(worker)
+        if progress is None:
+            progress = self.progress[worker] = RemoteProgress(float("-inf"))
+        return progress
+
+    def _progress(self, positions: list[int], at: float) -> None:
+        progress = self._worker_progress(positions[0])  # (one worker's engines)
+        progress.at = max(progress.at, at)
