@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +105,17 @@ class PipelinedBuckets(list[BucketUpdate]):
         self.requests = weight_update_requests(self)
 
 
+FAN_OUT_CALLS: dict[str, Callable[..., tuple[str, dict[str, Any]]]] = {
+    "pause": lambda mode="retract": ("/pause_generation", {"mode": mode}),
+    "resume_generation": lambda: ("/continue_generation", {}),
+    "flush_cache": lambda: ("/flush_cache", {}),
+    "release_memory": lambda tags: ("/release_memory_occupation", {"tags": tags}),
+    "resume_memory": lambda tags: ("/resume_memory_occupation", {"tags": tags}),
+}
+"""The calls that are one POST (path, JSON body) whose answer only needs to be a 200, by EngineAdmin method and its
+arguments: what the answer workers can make for every engine at once (transports.fanout_workers)."""
+
+
 class EngineAdmin:
     """Admin endpoints of one engine (its connections come from the controller's `EngineConnections`)."""
 
@@ -160,11 +172,11 @@ class EngineAdmin:
         remote = self.remote.at if self.remote is not None else float("-inf")
         return asyncio.get_running_loop().time() - max(self._started[0], self.connection.progress_at(), remote)
 
-    def begin_elsewhere(self, endpoint: str, progress: RemoteProgress) -> None:
+    def begin_elsewhere(self, endpoint: str, progress: RemoteProgress, *, notice: bool = False) -> None:
         """A call an answer worker makes for this engine (the workers' weight-update fan-out) is in flight: it
         counts as this admin's (a health round does not probe the engine while it shows progress), its
         progress being what the worker reports."""
-        self._begin(endpoint, notice=False)
+        self._begin(endpoint, notice=notice)
         self.remote = progress
 
     def end_elsewhere(self, endpoint: str, *, answered: bool) -> None:
@@ -195,10 +207,10 @@ class EngineAdmin:
         return await self._call("GET", "/model_info", timeout_s=10.0)
 
     async def pause(self, mode: str = "retract") -> None:
-        await self._call("POST", "/pause_generation", {"mode": mode})
+        await self._call("POST", *FAN_OUT_CALLS["pause"](mode))
 
     async def resume_generation(self) -> None:
-        await self._call("POST", "/continue_generation", {})
+        await self._call("POST", *FAN_OUT_CALLS["resume_generation"]())
 
     async def abort_requests(self) -> None:
         """`/abort_request` of every request the engine holds (they answer with finish reason "abort", and the
@@ -206,7 +218,7 @@ class EngineAdmin:
         await self._call("POST", "/abort_request", {"rid": "", "abort_all": True}, timeout_s=30.0)
 
     async def flush_cache(self) -> None:
-        await self._call("POST", "/flush_cache", {})
+        await self._call("POST", *FAN_OUT_CALLS["flush_cache"]())
 
     async def init_weight_group(self, *, master_address: str, master_port: int, rank_offset: int,
                                 world_size: int, group_name: str, backend: str) -> None:
@@ -262,10 +274,10 @@ class EngineAdmin:
         await self._call("POST", "/end_weight_update", {})
 
     async def release_memory(self, tags: list[str] | None) -> None:
-        await self._call("POST", "/release_memory_occupation", {"tags": tags})
+        await self._call("POST", *FAN_OUT_CALLS["release_memory"](tags))
 
     async def resume_memory(self, tags: list[str] | None) -> None:
-        await self._call("POST", "/resume_memory_occupation", {"tags": tags})
+        await self._call("POST", *FAN_OUT_CALLS["resume_memory"](tags))
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         await self._call("POST", "/update_weights_from_disk", {"model_path": model_path,

@@ -222,3 +222,29 @@ def test_an_unusable_url_is_an_engine_error_not_a_silent_worker() -> None:
             await connections.close()
 
     asyncio.run(scenario())
+
+
+def test_pause_and_continue_of_every_engine_go_through_the_workers_and_fail_the_same_engines() -> None:
+    """`WeightUpdates.engines_call` with the pool: the calls are the workers', an engine whose call fails is failed
+    with the message the loop's own calls give."""
+    from tests.unit.test_weight_sync_recovery import weight_updates
+
+    async def scenario() -> None:
+        async with sim_fleet(3) as (urls, connections), started(AnswerPool(2, api_key="k")) as pool:
+            dead = "http://127.0.0.1:9"
+            reasons = []
+            for through in (pool, None):
+                admins = {i: EngineAdmin(url, connections) for i, url in enumerate([*urls, dead])}
+                weights, fleet, _ = weight_updates(4, admins)  # type: ignore[arg-type]
+                fleet.answer_pool = through  # (as rollout_stack sets the real fleet's)
+                await weights.engines_call("pause", "in_place")
+                assert fleet.failed == [3]
+                reasons.append(fleet.registry.engines[3].last_error)
+                assert all(admin.connection.progress_at() == float("-inf") for admin in admins.values()) \
+                    == (through is not None)  # the workers' calls, not the controller's connections
+                await weights.engines_call("resume_generation", engines=[0, 1, 2])
+                assert fleet.failed == [3] and not any(admin.in_flight for admin in admins.values())
+            assert reasons[0] == reasons[1] == f"pause failed: {dead}/pause_generation failed: {dead}: cannot connect: " \
+                + reasons[0].split("cannot connect: ", 1)[1]
+
+    asyncio.run(scenario())

@@ -161,9 +161,10 @@ class GroupPush:
             await self._settle(plan_future, what)
         seconds = time.perf_counter() - start
         total_bytes = sum(int(b.get("num_bytes", 0)) for b in plan.buckets)
-        log.info("weights v%d -> %d engine(s): %d bucket(s), %.1f MB in %.2f s%s%s", self.version, len(self.engines),
-                 len(plan.buckets), total_bytes / 1e6, seconds, " (new group)" if self.new_group else "",
-                 "" if self.flush_cache else " (in place, cache kept)")
+        log.info("weights v%d -> %d engine(s): %d bucket(s), %.1f MB in %.2f s%s%s%s", self.version,
+                 len(self.engines), len(plan.buckets), total_bytes / 1e6, seconds,
+                 " (new group)" if self.new_group else "", "" if self.flush_cache else " (in place, cache kept)",
+                 f" (through {self.pool.workers} answer worker(s))" if self.pool is not None else "")
         return {"weight_sync/seconds": seconds, "weight_sync/buckets": float(len(plan.buckets)),
                 "weight_sync/mbytes": total_bytes / 1e6, "weight_sync/new_group": float(self.new_group),
                 "perf/weight_sync_bytes": float(total_bytes)}

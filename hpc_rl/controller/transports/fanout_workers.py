@@ -17,37 +17,44 @@ sync's rules (transports.fanout).
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
-from hpc_rl.controller.engine_admin import (BucketUpdate, EngineAdmin, EngineAdminError, RemoteProgress,
-                                           pipeline_span, status_error, weight_update_call, weight_update_calls,
-                                           weight_update_requests)
-from hpc_rl.protocol.http_client import EngineHTTPTransportError
+import orjson
+
+from hpc_rl.controller.engine_admin import (FAN_OUT_CALLS, BucketUpdate, EngineAdmin, EngineAdminError,
+                                           RemoteProgress, pipeline_span, status_error, weight_update_call,
+                                           weight_update_calls)
+from hpc_rl.protocol.http_client import EngineHTTPTransportError, Pipeline
 from hpc_rl.rollout.answer_pool import AnswerPool
 from hpc_rl.rollout.worker_fanout import Outcome, PipelineFanOut
 
 
-class WorkerUpdate:
-    """Every engine's pipelined update (begin, the buckets, end), made by the answer workers."""
+class WorkerCalls:
+    """The same requests to every engine (pipelined on one connection each), made by the answer workers: one
+    Future per engine, failed with the EngineAdminError the controller's own call would raise."""
 
-    def __init__(self, pool: AnswerPool, admins: list[EngineAdmin], buckets: list[BucketUpdate]) -> None:
-        self.admins = admins
-        calls = weight_update_calls(buckets)
-        self.requests = weight_update_requests(buckets)  # (for the names in errors)
+    def __init__(self, pool: AnswerPool, admins: list[EngineAdmin], calls: list[tuple[str, str, bytes]], *,
+                 timeout_s: float | None = None, notice: bool = False) -> None:
+        self.admins, self.pool, self.notice = admins, pool, notice
+        self.requests = Pipeline(calls)  # (for the names in errors)
         self.span = pipeline_span(self.requests)
         loop = asyncio.get_running_loop()
         self.updates: list[asyncio.Future[None]] = [loop.create_future() for _ in admins]
-        self.pool = pool
         self.progress: dict[int, RemoteProgress] = {}
         """Per worker: the latest answer it read from its engines still updating."""
         self._open: set[int] = set()
         self.fan_out = PipelineFanOut(pool, [admin.url for admin in admins], calls,
-                                      max(admin.timeout_s for admin in admins),
+                                      timeout_s or max(admin.timeout_s for admin in admins),
                                       on_outcome=self._outcome, on_progress=self._progress)
+
+    def call_name(self, index: int) -> str:
+        """How errors name request `index`."""
+        return self.requests.keys[index][1]
 
     async def start(self) -> list[asyncio.Future[None]]:
         """Send it; each engine's Future (done, or failed with its EngineAdminError)."""
         for position, admin in enumerate(self.admins):
-            admin.begin_elsewhere(self.span, self._worker_progress(position))
+            admin.begin_elsewhere(self.span, self._worker_progress(position), notice=self.notice)
             self._open.add(position)
         try:
             await self.fan_out.start()
@@ -80,7 +87,7 @@ class WorkerUpdate:
             update.set_result(None)
         elif outcome[0] == "status":
             _, index, status, body_head = outcome
-            update.set_exception(status_error(admin.url, weight_update_call(self.requests, index), status, body_head))
+            update.set_exception(status_error(admin.url, self.call_name(index), status, body_head))
         else:
             cause = EngineHTTPTransportError(outcome[3])
             error = EngineAdminError(f"{admin.url}{self.span} failed: {cause}", url=admin.url)
@@ -97,3 +104,31 @@ class WorkerUpdate:
     def _progress(self, positions: list[int], at: float) -> None:
         progress = self._worker_progress(positions[0])  # (one worker's engines)
         progress.at = max(progress.at, at)
+
+
+class WorkerUpdate(WorkerCalls):
+    """Every engine's pipelined update (begin, the buckets, end), made by the answer workers."""
+
+    def __init__(self, pool: AnswerPool, admins: list[EngineAdmin], buckets: list[BucketUpdate]) -> None:
+        # not noticed per engine: update_every_engine watches the fan-out as a whole (as EngineAdmin.weight_update)
+        super().__init__(pool, admins, weight_update_calls(buckets))
+
+    def call_name(self, index: int) -> str:
+        return weight_update_call(self.requests, index)
+
+
+async def call_every_engine(pool: AnswerPool, admins: list[EngineAdmin], method: str,
+                            *args: Any) -> list[BaseException | None] | None:
+    """`EngineAdmin.method(*args)` on every engine at once, made by the answer workers: each engine's error (None
+    when it answered 200), as `asyncio.gather(..., return_exceptions=True)` of the calls would give; None (nothing
+    sent) when `method` is not a call they can make (`engine_admin.FAN_OUT_CALLS`) or an admin is not an
+    EngineAdmin (a test's fake). The answers' bodies are not read (those calls return nothing)."""
+    request = FAN_OUT_CALLS.get(method)
+    if request is None or not admins or not all(isinstance(admin, EngineAdmin) for admin in admins):
+        return None
+    path, body = request(*args)
+    calls = WorkerCalls(pool, admins, [("POST", path, orjson.dumps(body))], notice=True)
+    try:
+        return list(await asyncio.gather(*await calls.start(), return_exceptions=True))
+    finally:
+        calls.close()
