@@ -111,6 +111,10 @@ FAN_OUT_CALLS: dict[str, Callable[..., tuple[str, dict[str, Any]]]] = {
     "flush_cache": lambda: ("/flush_cache", {}),
     "release_memory": lambda tags: ("/release_memory_occupation", {"tags": tags}),
     "resume_memory": lambda tags: ("/resume_memory_occupation", {"tags": tags}),
+    "init_weight_group": lambda **group: ("/init_weights_update_group", {  # (the calls return when all joined)
+        key: group[key] for key in ("master_address", "master_port", "rank_offset", "world_size", "group_name",
+                                    "backend")}),
+    "destroy_weight_group": lambda group_name: ("/destroy_weights_update_group", {"group_name": group_name}),
 }
 """The calls that are one POST (path, JSON body) whose answer only needs to be a 200, by EngineAdmin method and its
 arguments: what the answer workers can make for every engine at once (transports.fanout_workers)."""
@@ -222,13 +226,12 @@ class EngineAdmin:
 
     async def init_weight_group(self, *, master_address: str, master_port: int, rank_offset: int,
                                 world_size: int, group_name: str, backend: str) -> None:
-        await self._call("POST", "/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend,
-        })
+        await self._call("POST", *FAN_OUT_CALLS["init_weight_group"](
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset, world_size=world_size,
+            group_name=group_name, backend=backend))
 
     async def destroy_weight_group(self, group_name: str) -> None:
-        await self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+        await self._call("POST", *FAN_OUT_CALLS["destroy_weight_group"](group_name))
 
     async def begin_weight_update(self) -> None:
         await self._call("POST", "/begin_weight_update", {})

@@ -197,11 +197,7 @@ class WeightUpdates:
         """`EngineAdmin.method(*args)` on every live engine at once; an engine whose call fails is failed."""
         indices = engines if engines is not None else [e.engine_index for e in self.registry.live_engines()]
         pool = getattr(self.fleet, "answer_pool", None)  # its workers make the calls (the loop reads a few frames)
-        results = await call_every_engine(pool, [self.fleet.admins[i] for i in indices], method, *args) \
-            if pool is not None else None
-        if results is None:
-            results = await asyncio.gather(*(getattr(self.fleet.admins[i], method)(*args) for i in indices),
-                                           return_exceptions=True)
+        results = await call_every_engine(pool, [self.fleet.admins[i] for i in indices], method, *args)
         for index, result in zip(indices, results):
             if isinstance(result, BaseException):
                 await self.fleet.fail_engine(index, f"{method} failed: {result}")

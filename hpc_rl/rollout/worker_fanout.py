@@ -5,6 +5,8 @@ reads the answers and sends back a few batched frames of outcomes (`rollout.answ
 Owns both halves of the "pipeline" op of the answer pool's frames (answer_workers.py has the frame format):
 - controller to worker, once per worker and fan-out: `{"op": "pipeline", "id", "urls", "requests": [[method, path,
   body bytes], ...], "timeout_s"}` with the request bodies, in order, as payload (sent once, not once per engine);
+  or, for one request whose body differs per engine (/init_weights_update_group's rank offset), `"own": [body
+  bytes per url]` with those bodies as payload;
   `{"op": "cancel", "id"}` drops the engines' exchanges still running (their connections close, as the
   controller's own client does when cancelled);
 - worker to controller, batched (at most one frame per FLUSH_S while outcomes come, and one per PROGRESS_S
@@ -66,6 +68,14 @@ class _Run:
             requests.append((method, path, bytes(view[offset:offset + size])))
             offset += size
         self.pipeline = Pipeline(requests)
+        self.own: list[Pipeline] | None = None
+        """With "own" (one request, a body per engine): each engine's."""
+        if "own" in header:
+            (method, path, _), = header["requests"]
+            self.own = []
+            for size in header["own"]:
+                self.own.append(Pipeline([(method, path, bytes(view[offset:offset + size]))]))
+                offset += size
         self.timeout_s: float = header["timeout_s"]
         self.ok: list[int] = []
         self.failed: list[dict[str, Any]] = []
@@ -102,7 +112,8 @@ class _Run:
 
     async def _one(self, position: int, gate: ReadGate | None) -> None:
         try:
-            answers = await self.engines.to(self.urls[position]).exchange(self.pipeline, self.timeout_s, gate=gate)
+            pipeline = self.own[position] if self.own is not None else self.pipeline
+            answers = await self.engines.to(self.urls[position]).exchange(pipeline, self.timeout_s, gate=gate)
         except EngineHTTPTransportError as error:
             self._outcome(position, {"at": position, "error": str(error)})
             return
@@ -189,10 +200,14 @@ class PipelineFanOut:
     transport failure for each engine of a worker that ended first; `on_progress(positions, at)` says the
     latest answer of those engines still updating came at event-loop time `at`."""
 
-    def __init__(self, pool: Workers, urls: list[str], requests: list[tuple[str, str, bytes]], timeout_s: float, *, on_outcome: Callable[[int, Outcome], None],
-                 on_progress: Callable[[list[int], float], None]) -> None:
+    def __init__(self, pool: Workers, urls: list[str], requests: list[tuple[str, str, bytes]], timeout_s: float, *,
+                 on_outcome: Callable[[int, Outcome], None], on_progress: Callable[[list[int], float], None],
+                 own_bodies: list[bytes] | None = None) -> None:
+        if own_bodies is not None and (len(requests) != 1 or len(own_bodies) != len(urls)):
+            raise ValueError("own_bodies: one request, and one body per engine")
         self.pool, self.urls, self.timeout_s = pool, urls, timeout_s
-        self.requests = requests
+        self.requests, self.own_bodies = requests, own_bodies
+        """`own_bodies`: each engine's body of the one request (its body in `requests` is not sent)."""
         self.on_outcome, self.on_progress = on_outcome, on_progress
         self.pending: set[int] = set()
         self._cancels: list[Callable[[], None]] = []
@@ -202,12 +217,16 @@ class PipelineFanOut:
         homes: dict[int, list[int]] = {}
         for position, url in enumerate(self.urls):
             homes.setdefault(self.pool.home(url), []).append(position)
-        specs = [[method, path, len(body)] for method, path, body in self.requests]
-        bodies = [body for _, _, body in self.requests]
+        own = self.own_bodies
+        specs = [[method, path, 0 if own is not None else len(body)] for method, path, body in self.requests]
+        bodies = [body for _, _, body in self.requests] if own is None else []
         self.pending = set(range(len(self.urls)))
         for worker, positions in homes.items():
-            head = {"op": "pipeline", "urls": [self.urls[p] for p in positions], "requests": specs,
-                    "timeout_s": self.timeout_s}
+            head: dict[str, Any] = {"op": "pipeline", "urls": [self.urls[p] for p in positions], "requests": specs,
+                                    "timeout_s": self.timeout_s}
+            if own is not None:
+                bodies = [own[p] for p in positions]
+                head["own"] = [len(body) for body in bodies]
             self._cancels.append(await self.pool.send_stream(worker, head, bodies, _Receiver(self, positions)))
 
     def cancel(self) -> None:

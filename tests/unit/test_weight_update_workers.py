@@ -10,10 +10,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import orjson
 import pytest
 from aiohttp import web
 
 from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin, EngineAdminError
+from hpc_rl.controller.registry import EngineInfo
+from hpc_rl.controller.trainer_channel import TrainerChannel
+from hpc_rl.controller.transports.broadcast import WeightGroup, push_weights_to_engines
 from hpc_rl.controller.transports.fanout import WeightGroupBroken, update_every_engine
 from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
 from hpc_rl.rollout.answer_pool import AnswerPool
@@ -37,13 +41,14 @@ async def started(pool: AnswerPool) -> AsyncIterator[AnswerPool]:
 
 class FakeUpdatingEngine:
     """A fake engine (aiohttp) for the update's calls: answers 200, except a 400 to the bucket numbered `fail_bucket`
-    (1-based, as errors name it), and with `hang` set it answers nothing after /begin_weight_update (its buckets,
-    /health) until released."""
+    (1-based, as errors name it), and with `hang` set it answers nothing but /begin_weight_update (its buckets,
+    /health, a join of a weight-update group that never completes) until released."""
 
     def __init__(self, *, fail_bucket: int = 0, hang: bool = False) -> None:
         self.fail_bucket, self.hang = fail_bucket, hang
         self.release = asyncio.Event()
         self.calls: list[str] = []
+        self.bodies: list[bytes] = []
         self.closed_while_hanging = 0
 
     async def start(self) -> str:
@@ -52,6 +57,7 @@ class FakeUpdatingEngine:
         async def call(request: web.Request) -> web.Response:
             nonlocal buckets_seen
             self.calls.append(request.path)
+            self.bodies.append(await request.read())
             if request.path == "/update_weights_from_distributed":
                 buckets_seen += 1
                 if buckets_seen == self.fail_bucket:
@@ -246,5 +252,53 @@ def test_pause_and_continue_of_every_engine_go_through_the_workers_and_fail_the_
                 assert fleet.failed == [3] and not any(admin.in_flight for admin in admins.values())
             assert reasons[0] == reasons[1] == f"pause failed: {dead}/pause_generation failed: {dead}: cannot connect: " \
                 + reasons[0].split("cannot connect: ", 1)[1]
+
+    asyncio.run(scenario())
+
+
+def test_a_push_builds_the_group_through_the_workers_and_an_engine_lost_in_init_is_named() -> None:
+    """`GroupPush` with the pool: each engine's /init_weights_update_group (its own rank offset), the destroy of the
+    old group and the update are the workers'; an engine whose init fails is named (WeightGroupBroken) and the
+    others' joins are dropped."""
+    from tests.unit.test_weight_group_join import rank0_waiting_for_the_group
+
+    async def scenario() -> None:
+        joining = FakeUpdatingEngine(hang=True)
+        joining_url = await joining.start()
+        try:
+            async with sim_fleet(2) as (urls, connections), started(AnswerPool(2, api_key="k")) as pool:
+                events: list[str] = []
+                channel = TrainerChannel(1)
+                trainer = asyncio.create_task(rank0_waiting_for_the_group(channel, events, joins=True))
+                engines = [EngineInfo(engine_index=i, url=url, tp_size=2) for i, url in enumerate(urls)]
+                admins = {i: EngineAdmin(url, connections) for i, url in enumerate(urls)}
+                group = WeightGroup()
+                checks = EngineConnections(api_key="k")  # (the test's reads; `connections` stay the controller's)
+                for version in (1, 2):
+                    await push_weights_to_engines(version=version, channel=channel, engines=engines[:version],
+                                                  admins=admins, group=group, backend="gloo", bucket_bytes=4,
+                                                  timeout_s=30, pool=pool)  # v2: a new group of both
+                    served = [(await EngineAdmin(url, checks).model_info())["weight_version"] for url in urls]
+                    assert served[:version] == [str(version)] * version
+                assert all(admin.connection.progress_at() == float("-inf") for admin in admins.values())
+                await checks.close()
+                engines += [EngineInfo(engine_index=2, url=joining_url), EngineInfo(engine_index=3, url="http://127.0.0.1:9")]
+                admins |= {2: EngineAdmin(joining_url, connections), 3: EngineAdmin("http://127.0.0.1:9", connections)}
+                with pytest.raises(WeightGroupBroken) as broken:
+                    await asyncio.wait_for(push_weights_to_engines(
+                        version=3, channel=channel, engines=engines, admins=admins, group=group, backend="gloo",
+                        bucket_bytes=4, timeout_s=30, pool=pool), 10)
+                trainer.cancel()
+                assert broken.value.engines == [3] and "127.0.0.1:9/init_weights_update_group failed" in str(broken.value)
+                for _ in range(100):  # the workers dropped the joins still waiting
+                    if joining.closed_while_hanging:
+                        break
+                    await asyncio.sleep(0.05)
+                assert joining.closed_while_hanging == 1
+                init = orjson.loads(joining.bodies[joining.calls.index("/init_weights_update_group")])
+                assert init["rank_offset"] == 5 and init["world_size"] == 7 and init["group_name"].endswith("_3")
+                assert events[-1] == "trainer AbortWeightGroupCommand"  # rank 0 had joined (joins=True)
+        finally:
+            await joining.stop()
 
     asyncio.run(scenario())

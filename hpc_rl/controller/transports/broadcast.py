@@ -55,6 +55,7 @@ from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.controller.transports.base import WeightTransport
 from hpc_rl.controller.transports.fanout import StuckEngine, WeightGroupBroken, update_every_engine
+from hpc_rl.controller.transports.fanout_workers import call_every_engine, calls_in_workers
 from hpc_rl.protocol.messages import AbortWeightGroupCommand, SyncWeightsCommand, WeightPlan
 from hpc_rl.rollout.answer_pool import AnswerPool
 from hpc_rl.weights import DEFAULT_GROUP_NAME
@@ -181,20 +182,27 @@ class GroupPush:
         """Destroy the old group on its members, then every engine joins the new one (with rank 0)."""
         group, admins = self.group, self.admins
         if group.members:
-            await asyncio.gather(*(admins[i].destroy_weight_group(group.previous_name()) for i, _, _ in group.members
-                                   if i in admins), return_exceptions=True)
+            await call_every_engine(self.pool, [admins[i] for i, _, _ in group.members if i in admins],
+                                    "destroy_weight_group", group.previous_name())
         # An external engine new to the group may hold one of this name from an earlier run, and an engine job's
         # from the controller before a trainer restart (which named its groups from _1 too).
         joined = {index for index, _, _ in group.members}
         stale = [e for e in self.engines if e.engine_index not in joined and (self.clear_stale_groups or e.job_id)]
-        await asyncio.gather(*(admins[e.engine_index].destroy_weight_group(group.name) for e in stale),
-                             return_exceptions=True)
-        inits = [asyncio.ensure_future(admins[e.engine_index].init_weight_group(
-            master_address=plan.master_address, master_port=plan.master_port, rank_offset=self.offsets[e.engine_index],
-            world_size=self.world_size, group_name=group.name, backend=self.backend)) for e in self.engines]
-        await asyncio.wait(inits, return_when=asyncio.FIRST_EXCEPTION)
-        if any(init.done() and init.exception() is not None for init in inits):
-            await self._give_up_the_group(inits)  # raises WeightGroupBroken (or what the trainer failed with)
+        await call_every_engine(self.pool, [admins[e.engine_index] for e in stale], "destroy_weight_group", group.name)
+        each = [{"master_address": plan.master_address, "master_port": plan.master_port,
+                 "rank_offset": self.offsets[e.engine_index], "world_size": self.world_size, "group_name": group.name,
+                 "backend": self.backend} for e in self.engines]
+        remote = calls_in_workers(self.pool, [admins[e.engine_index] for e in self.engines], "init_weight_group", each)
+        try:
+            inits = await remote.start() if remote is not None else [
+                asyncio.ensure_future(admins[e.engine_index].init_weight_group(**call))
+                for e, call in zip(self.engines, each)]
+            await asyncio.wait(inits, return_when=asyncio.FIRST_EXCEPTION)
+            if any(init.done() and init.exception() is not None for init in inits):
+                await self._give_up_the_group(inits)  # raises WeightGroupBroken (or what the trainer failed with)
+        finally:
+            if remote is not None:
+                remote.close()
         group.members = self.members
 
     async def _abort_trainer_side(self, error: EngineAdminError) -> None:

@@ -34,7 +34,8 @@ class WorkerCalls:
     Future per engine, failed with the EngineAdminError the controller's own call would raise."""
 
     def __init__(self, pool: AnswerPool, admins: list[EngineAdmin], calls: list[tuple[str, str, bytes]], *,
-                 timeout_s: float | None = None, notice: bool = False) -> None:
+                 timeout_s: float | None = None, notice: bool = False, own_bodies: list[bytes] | None = None) -> None:
+        """`own_bodies`: one call, with each engine's own body."""
         self.admins, self.pool, self.notice = admins, pool, notice
         self.requests = Pipeline(calls)  # (for the names in errors)
         self.span = pipeline_span(self.requests)
@@ -45,7 +46,7 @@ class WorkerCalls:
         self._open: set[int] = set()
         self.fan_out = PipelineFanOut(pool, [admin.url for admin in admins], calls,
                                       timeout_s or max(admin.timeout_s for admin in admins),
-                                      on_outcome=self._outcome, on_progress=self._progress)
+                                      on_outcome=self._outcome, on_progress=self._progress, own_bodies=own_bodies)
 
     def call_name(self, index: int) -> str:
         """How errors name request `index`."""
@@ -117,15 +118,29 @@ class WorkerUpdate(WorkerCalls):
         return weight_update_call(self.requests, index)
 
 
-async def call_every_engine(pool: AnswerPool, admins: list[EngineAdmin], method: str,
-                            *args: Any) -> list[BaseException | None] | None:
-    """`EngineAdmin.method(*args)` on every engine at once, made by the answer workers: each engine's error (None
-    when it answered 200), as `asyncio.gather(..., return_exceptions=True)` of the calls would give; None (nothing
-    sent) when `method` is not a call they can make (`engine_admin.FAN_OUT_CALLS`) or an admin is not an
-    EngineAdmin (a test's fake). The answers' bodies are not read (those calls return nothing)."""
+def calls_in_workers(pool: AnswerPool | None, admins: list[EngineAdmin], method: str,
+                     each: list[dict[str, Any]]) -> WorkerCalls | None:
+    """`EngineAdmin.method(**each[i])` of every engine i, to be made by the answer workers (each with its own
+    body: `start()` it, `close()` it however it ends); None when they cannot: no pool, a `method` that is not one
+    POST (`engine_admin.FAN_OUT_CALLS`), or an admin that is not an EngineAdmin (a test's fake)."""
     request = FAN_OUT_CALLS.get(method)
-    if request is None or not admins or not all(isinstance(admin, EngineAdmin) for admin in admins):
+    if pool is None or request is None or not admins or not all(isinstance(admin, EngineAdmin) for admin in admins):
         return None
+    paths_and_bodies = [request(**arguments) for arguments in each]
+    path = paths_and_bodies[0][0]
+    return WorkerCalls(pool, admins, [("POST", path, b"")], notice=True,
+                       own_bodies=[orjson.dumps(body) for _, body in paths_and_bodies])
+
+
+async def call_every_engine(pool: AnswerPool | None, admins: list[EngineAdmin], method: str,
+                            *args: Any) -> list[BaseException | None]:
+    """`EngineAdmin.method(*args)` on every engine at once: each engine's error (None when it answered 200), as
+    `asyncio.gather(..., return_exceptions=True)` of the calls gives. Made by the answer workers when they can (a
+    call in `engine_admin.FAN_OUT_CALLS`, real admins: the loop reads a few frames), else by the admins on the
+    loop. (The answers' bodies are not returned: those calls return nothing.)"""
+    request = FAN_OUT_CALLS.get(method)
+    if pool is None or request is None or not admins or not all(isinstance(admin, EngineAdmin) for admin in admins):
+        return list(await asyncio.gather(*(getattr(admin, method)(*args) for admin in admins), return_exceptions=True))
     path, body = request(*args)
     calls = WorkerCalls(pool, admins, [("POST", path, orjson.dumps(body))], notice=True)
     try:
