@@ -7,9 +7,9 @@ machine it includes the simulated engines' own HTTP handling, which a cluster sp
 
     python benchmarks/bench_admin_fanout.py --engines 256 1024 [--buckets 16] [--rounds 3] [--answer-workers 2]
 
-With `--answer-workers K` the update goes through K answer workers (rollout.answer_parse_workers; the
-controller reads their batched outcomes: transports.fanout_workers), and their CPU seconds in the update are
-printed beside the controller's.
+With `--answer-workers K` the calls go through K answer workers (rollout.answer_parse_workers; the controller
+reads their batched outcomes: transports.fanout_workers), and their CPU seconds in each round are printed beside
+the controller's.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin  # noqa: E402
 from hpc_rl.controller.transports.fanout import update_every_engine  # noqa: E402
+from hpc_rl.controller.transports.fanout_workers import call_every_engine  # noqa: E402
 from hpc_rl.engines import API_KEY_ENV  # noqa: E402
 from hpc_rl.protocol.http_client import EngineConnections  # noqa: E402
 from hpc_rl.rollout.answer_pool import AnswerPool  # noqa: E402
@@ -76,14 +77,14 @@ async def rounds(urls: list[str], buckets: list[BucketUpdate], count: int, answe
         await workers.start()
     for index in range(count):
         cpu, wall = time.process_time(), time.perf_counter()
-        await asyncio.gather(*(admin.pause("retract") for admin in admins))
-        paused = time.process_time()
         before = sum(process_cpu_s(pid) for pid in workers.pids()) if workers is not None else 0.0
+        await call_every_engine(workers, admins, "pause", "retract")  # (WeightUpdates.engines_call's way)
+        paused = time.process_time()
         await update_every_engine(admins, buckets, pool=workers)  # the controller's fan-out (transports.fanout)
         updated = time.process_time()
-        in_workers = sum(process_cpu_s(pid) for pid in workers.pids()) - before if workers is not None else 0.0
-        await asyncio.gather(*(admin.resume_generation() for admin in admins))
+        await call_every_engine(workers, admins, "resume_generation")
         done = time.process_time()
+        in_workers = sum(process_cpu_s(pid) for pid in workers.pids()) - before if workers is not None else 0.0
         print(f"{len(urls):>6} {index:>5} {paused - cpu:>8.3f} {updated - paused:>8.3f} {done - updated:>8.3f} "
               f"{done - cpu:>8.3f} {in_workers:>8.3f} {time.perf_counter() - wall:>7.2f} {os.getloadavg()[0]:>5.1f}",
               flush=True)
@@ -100,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-workers", type=int, default=0,
                         help="answer workers that make the update's exchanges (0: the controller's loop)")
     args = parser.parse_args(argv)
-    print(f"{'N':>6} {'round':>5} {'pause':>8} {'update':>8} {'continue':>8} {'ctrl CPU':>8} {'wk upd':>8} "
+    print(f"{'N':>6} {'round':>5} {'pause':>8} {'update':>8} {'continue':>8} {'ctrl CPU':>8} {'wk CPU':>8} "
           f"{'wall s':>7} {'load':>5}   (CPU s; update = begin + {args.buckets} buckets + end, pipelined per engine; "
-          f"wk upd: the {args.answer_workers} answer workers' CPU in the update)")
+          f"wk CPU: the {args.answer_workers} answer workers' CPU in the round)")
     with tempfile.TemporaryDirectory(prefix="bench_admin_fanout-") as tmp:
         for count in args.engines:
             process, urls = start_engines(count, Path(tmp))

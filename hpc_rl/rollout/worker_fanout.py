@@ -82,13 +82,15 @@ class _Run:
         self.waiting = set(range(len(self.urls)))
         self.flush_handle: asyncio.TimerHandle | None = None
         self.broken = False
+        """An engine failed: the gate stays open (the others' answers are read as they come, as the sync breaks)."""
+        self.gate = ReadGate()
         self.sent_latest = float("-inf")
         """The latest answer time (this worker's loop clock) the controller was told of."""
         self.loop = asyncio.get_running_loop()
         self.started = self.loop.time()
 
     async def run(self) -> None:
-        gate = ReadGate()
+        gate = self.gate
         if len(self.urls) > 1:
             gate.shut()
         tasks = [asyncio.ensure_future(self._one(position, gate if position else None))
@@ -134,6 +136,7 @@ class _Run:
         else:
             self.failed.append(failure)
             self.broken = True
+            self.gate.open()
         if self.flush_handle is None:
             self.flush_handle = self.loop.call_later(FLUSH_S, self._flush)
 
