@@ -119,16 +119,15 @@ class _Worker:
         """The socketpair closed (the worker died, or `close`): fail what it held."""
         self.alive = False
         code = self.process.exitcode if self.process.exitcode is not None else "running"
+        message = (f"the answer worker (pid {self.process.pid}, exit {code}) ended before answering"
+                   + (f" ({error})" if error else ""))
         for future in self.pending.values():
             if not future.done():
-                future.set_exception(EngineHTTPTransportError(
-                    f"the answer worker (pid {self.process.pid}, exit {code}) ended before answering"
-                    + (f" ({error})" if error else "")))
+                future.set_exception(EngineHTTPTransportError(message))
         self.pending.clear()
         streams, self.streams = self.streams, {}
         for stream in streams.values():
-            stream.ended(EngineHTTPTransportError(f"the answer worker (pid {self.process.pid}, exit {code}) ended "
-                                                  "before answering" + (f" ({error})" if error else "")))
+            stream.ended(EngineHTTPTransportError(message))
 
     def close(self) -> None:
         if self.reader.transport is not None:

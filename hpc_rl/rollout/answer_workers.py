@@ -39,6 +39,7 @@ from typing import Any
 import orjson
 
 from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
+from hpc_rl.rollout.worker_fanout import run_pipeline
 
 PREFIX = struct.Struct("<II")
 """A frame's header and payload sizes."""
@@ -168,8 +169,6 @@ async def _serve(connection: socket.socket, api_key: str | None) -> None:
                 tasks[request_id] = task
                 task.add_done_callback(lambda _, rid=request_id: finished(rid))
             elif header["op"] == "pipeline":  # an admin fan-out to many engines (worker_fanout.py)
-                from hpc_rl.rollout.worker_fanout import run_pipeline
-
                 task = asyncio.create_task(run_pipeline(engines, lambda head: writer.writelines(encode_frame(head)),
                                                         header, payload))
                 tasks[request_id] = task

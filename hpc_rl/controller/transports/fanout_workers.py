@@ -1,17 +1,21 @@
-"""A weight update's fan-out made by the answer workers (`rollout.answer_parse_workers` > 0): what
-`transports.fanout.update_every_engine` waits on instead of one pipelined exchange per engine on the controller's
-connections.
+"""A weight sync's fan-outs made by the answer workers (`rollout.answer_parse_workers` > 0): the pipelined update
+`transports.fanout.update_every_engine` waits on, and the one-call fan-outs around it (pause, continue, the new
+group's destroy and init calls, the colocated memory moves), instead of one exchange per engine on the
+controller's connections.
 
-Owns `WorkerUpdate`: one Future per engine, done when its worker reports the engine's outcome, failed with the
-EngineAdminError the controller's own exchange would raise (the same message naming the engine and the call or
-bucket; a transport failure, including the worker ending, with the EngineHTTPTransportError as its cause, as
-`_settled_failures` reads it); and each engine's `EngineAdmin` bookkeeping meanwhile (a call in flight whose
-progress is the worker's news, so the health round and `watch_fan_out` see the engines as before).
+Owns `WorkerCalls` (and `WorkerUpdate`, the update's): one Future per engine, done when its worker reports the
+engine's outcome, failed with the EngineAdminError the controller's own call would raise (the same message naming
+the engine and the call or bucket; a transport failure, including the worker ending, with the
+EngineHTTPTransportError as its cause, as `_settled_failures` reads it); and each engine's `EngineAdmin`
+bookkeeping meanwhile (a call in flight whose progress is the worker's news, so the health round and
+`watch_fan_out` see the engines as before). `call_every_engine` and `calls_in_workers` choose: the workers where
+they can make the call (`engine_admin.FAN_OUT_CALLS`), the loop otherwise.
 
-Why: at 1,024 engines the controller parsed ~18,400 answers per sync on its loop (bench_scale's syncCPU
-~0.1 s); now it reads a few batched frames per worker. The requests, their order on each engine's connection and
-the engines' answers are unchanged. Does not own: the frames and the worker's side (rollout.worker_fanout), the
-sync's rules (transports.fanout).
+Why: at 1,024 engines the controller parsed ~18,400 answers per update on its loop (bench_scale's syncCPU
+~0.1 s) and ~1,024 per pause or continue (~0.05 s each, bench_admin_fanout); now it reads a few batched frames
+per worker. The requests, their order on each engine's connection and the engines' answers are unchanged. Does
+not own: the frames and the worker's side (rollout.worker_fanout), the sync's rules (transports.fanout,
+transports.broadcast).
 """
 
 from __future__ import annotations
