@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 class FrameStream(Protocol):
-    """Where the frames of a request answered by several frames go (`AnswerPool.send_stream`)."""
+    """Where the frames of a request answered by several frames go (`AnswerPool.send_streams`)."""
 
     def frame(self, header: dict[str, Any], payload: memoryview) -> None: ...
 
@@ -96,7 +96,7 @@ class _Worker:
         self.process = process
         self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], memoryview]]] = {}
         self.streams: dict[int, FrameStream] = {}
-        """Requests answered by several frames (`AnswerPool.send_stream`), by id."""
+        """Requests answered by several frames (`AnswerPool.send_streams`), by id."""
         self.alive = True
         self.reader = _FrameReader(self)
 
@@ -222,12 +222,19 @@ class AnswerPool:
         """The worker that makes `url`'s exchanges (each engine has one: its connections stay warm)."""
         return self._home.setdefault(url.rstrip("/"), len(self._home) % self.workers)
 
-    async def send_stream(self, index: int, head: dict[str, Any], payload: list[bytes],
-                          stream: FrameStream) -> Callable[[], None]:
-        """Send `head` (an op answered by several frames: worker_fanout.py's "pipeline") and `payload` to worker
-        `index`; each frame back goes to `stream.frame` until one says "end", or `stream.ended` hears why the
-        worker ended first. Returns what cancels it (the worker drops what it still runs)."""
-        worker = await self._worker(index)
+    async def send_streams(self, sends: list[tuple[int, dict[str, Any], list[bytes], FrameStream]]
+                           ) -> list[Callable[[], None]]:
+        """For each (worker index, head, payload, stream): send `head` (an op answered by several frames:
+        worker_fanout.py's "pipeline") and `payload` to that worker; each frame back goes to `stream.frame` until
+        one says "end", or `stream.ended` hears why the worker ended first. Every worker is started (again) before
+        anything is sent: when one cannot be, this raises and nothing went out. Returns what cancels each (the
+        worker drops what it still runs)."""
+        workers = await asyncio.gather(*(self._worker(index) for index, _, _, _ in sends))
+        return [self._send_stream(worker, head, payload, stream)
+                for worker, (_, head, payload, stream) in zip(workers, sends)]
+
+    def _send_stream(self, worker: _Worker, head: dict[str, Any], payload: list[bytes],
+                     stream: FrameStream) -> Callable[[], None]:
         request_id = next(self._ids)
         worker.streams[request_id] = stream
         if not worker.alive:  # ended as it started: it will send nothing

@@ -193,8 +193,8 @@ class Workers(Protocol):
 
     def home(self, url: str) -> int: ...
 
-    def send_stream(self, index: int, head: dict[str, Any], payload: list[bytes],
-                    stream: Any) -> Awaitable[Callable[[], None]]: ...
+    def send_streams(self, sends: list[tuple[int, dict[str, Any], list[bytes], Any]]
+                     ) -> Awaitable[list[Callable[[], None]]]: ...
 
 
 class PipelineFanOut:
@@ -216,7 +216,7 @@ class PipelineFanOut:
         self._cancels: list[Callable[[], None]] = []
 
     async def start(self) -> None:
-        """One frame to each worker with engines among `urls`."""
+        """One frame to each worker with engines among `urls` (none when one of them cannot be started)."""
         homes: dict[int, list[int]] = {}
         for position, url in enumerate(self.urls):
             homes.setdefault(self.pool.home(url), []).append(position)
@@ -224,13 +224,15 @@ class PipelineFanOut:
         specs = [[method, path, 0 if own is not None else len(body)] for method, path, body in self.requests]
         bodies = [body for _, _, body in self.requests] if own is None else []
         self.pending = set(range(len(self.urls)))
+        sends = []
         for worker, positions in homes.items():
             head: dict[str, Any] = {"op": "pipeline", "urls": [self.urls[p] for p in positions], "requests": specs,
                                     "timeout_s": self.timeout_s}
             if own is not None:
                 bodies = [own[p] for p in positions]
                 head["own"] = [len(body) for body in bodies]
-            self._cancels.append(await self.pool.send_stream(worker, head, bodies, _Receiver(self, positions)))
+            sends.append((worker, head, bodies, _Receiver(self, positions)))
+        self._cancels = await self.pool.send_streams(sends)  # (raises, with nothing sent, if a worker cannot start)
 
     def cancel(self) -> None:
         """Drop the exchanges still running in the workers (their engines get no outcome). With none running,

@@ -302,3 +302,25 @@ def test_a_push_builds_the_group_through_the_workers_and_an_engine_lost_in_init_
             await joining.stop()
 
     asyncio.run(scenario())
+
+
+def test_workers_that_cannot_start_leave_the_calls_to_the_loop(caplog) -> None:
+    async def scenario() -> None:
+        async with sim_fleet(3) as (urls, connections):
+            pool = AnswerPool(2, api_key="k")
+
+            async def cannot_spawn(index: int, *, restart: bool) -> None:
+                raise OSError("fork: cannot allocate memory")
+
+            pool._spawn = cannot_spawn  # type: ignore[method-assign]
+            admins = [EngineAdmin(url, connections) for url in urls]
+            await update_every_engine(admins, buckets(), pool=pool)
+            assert all(admin.connection.answered_at > float("-inf") for admin in admins)  # the loop's calls
+            assert not any(admin.in_flight for admin in admins)
+            from hpc_rl.controller.transports.fanout_workers import call_every_engine
+            assert await call_every_engine(pool, admins, "pause", "retract") == [None, None, None]
+            pool.close()
+
+    asyncio.run(scenario())
+    warnings = [r.getMessage() for r in caplog.records if "cannot make" in r.getMessage()]
+    assert len(warnings) == 2 and "fork: cannot allocate memory" in warnings[0]

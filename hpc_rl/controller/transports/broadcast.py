@@ -55,7 +55,7 @@ from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.controller.transports.base import WeightTransport
 from hpc_rl.controller.transports.fanout import StuckEngine, WeightGroupBroken, update_every_engine
-from hpc_rl.controller.transports.fanout_workers import call_every_engine, calls_in_workers
+from hpc_rl.controller.transports.fanout_workers import call_every_engine, calls_in_workers, started_in_workers
 from hpc_rl.protocol.messages import AbortWeightGroupCommand, SyncWeightsCommand, WeightPlan
 from hpc_rl.rollout.answer_pool import AnswerPool
 from hpc_rl.weights import DEFAULT_GROUP_NAME
@@ -193,10 +193,12 @@ class GroupPush:
                  "rank_offset": self.offsets[e.engine_index], "world_size": self.world_size, "group_name": group.name,
                  "backend": self.backend} for e in self.engines]
         remote = calls_in_workers(self.pool, [admins[e.engine_index] for e in self.engines], "init_weight_group", each)
+        inits = await started_in_workers(remote)
+        if inits is None:  # (no pool, or its workers could not start: the loop makes them)
+            remote = None
+            inits = [asyncio.ensure_future(admins[e.engine_index].init_weight_group(**call))
+                     for e, call in zip(self.engines, each)]
         try:
-            inits = await remote.start() if remote is not None else [
-                asyncio.ensure_future(admins[e.engine_index].init_weight_group(**call))
-                for e, call in zip(self.engines, each)]
             await asyncio.wait(inits, return_when=asyncio.FIRST_EXCEPTION)
             if any(init.done() and init.exception() is not None for init in inits):
                 await self._give_up_the_group(inits)  # raises WeightGroupBroken (or what the trainer failed with)

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from hpc_rl.controller.engine_admin import (STUCK_NOTICE_S, BucketUpdate, EngineAdmin, EngineAdminError,
                                            PipelinedBuckets)
 from hpc_rl.controller.stopping import stop_task
-from hpc_rl.controller.transports.fanout_workers import WorkerUpdate
+from hpc_rl.controller.transports.fanout_workers import WorkerUpdate, started_in_workers
 from hpc_rl.protocol.http_client import EngineHTTPTransportError, ReadGate
 from hpc_rl.rollout.answer_pool import AnswerPool
 
@@ -96,11 +96,13 @@ async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpd
     With `pool` (the answer workers), the workers make the exchanges, read the answers in the same waves and
     report each engine's outcome in a few batched frames (fanout_workers; the same errors, watch and breaks)."""
     gate = ReadGate()
-    remote: WorkerUpdate | None = None
-    if pool is not None and admins and all(isinstance(admin, EngineAdmin) for admin in admins):
-        remote = WorkerUpdate(pool, admins, buckets)
-        updates = await remote.start()
+    remote = WorkerUpdate(pool, admins, buckets) \
+        if pool is not None and admins and all(isinstance(admin, EngineAdmin) for admin in admins) else None
+    started = await started_in_workers(remote)
+    if started is not None:
+        updates = started
     else:
+        remote = None
         buckets = PipelinedBuckets(buckets)  # encoded once for every engine
         if len(admins) > 1:
             gate.shut()

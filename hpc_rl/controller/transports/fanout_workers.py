@@ -21,6 +21,7 @@ transports.broadcast).
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import orjson
@@ -31,6 +32,8 @@ from hpc_rl.controller.engine_admin import (FAN_OUT_CALLS, BucketUpdate, EngineA
 from hpc_rl.protocol.http_client import EngineHTTPTransportError, Pipeline
 from hpc_rl.rollout.answer_pool import AnswerPool
 from hpc_rl.rollout.worker_fanout import Outcome, PipelineFanOut
+
+log = logging.getLogger(__name__)
 
 
 class WorkerCalls:
@@ -122,6 +125,19 @@ class WorkerUpdate(WorkerCalls):
         return weight_update_call(self.requests, index)
 
 
+async def started_in_workers(calls: WorkerCalls | None) -> list[asyncio.Future[None]] | None:
+    """`calls.start()`: each engine's Future; None, with nothing sent, when `calls` is None or a worker cannot be
+    started (logged): the caller then makes the calls on the loop, as without a pool."""
+    if calls is None:
+        return None
+    try:
+        return await calls.start()
+    except Exception as error:  # (a worker that cannot be spawned)
+        log.warning("the answer workers cannot make %s (%s: %s); the controller makes the calls", calls.span,
+                    type(error).__name__, error)
+        return None
+
+
 def calls_in_workers(pool: AnswerPool | None, admins: list[EngineAdmin], method: str,
                      each: list[dict[str, Any]]) -> WorkerCalls | None:
     """`EngineAdmin.method(**each[i])` of every engine i, to be made by the answer workers (each with its own
@@ -147,7 +163,10 @@ async def call_every_engine(pool: AnswerPool | None, admins: list[EngineAdmin], 
         return list(await asyncio.gather(*(getattr(admin, method)(*args) for admin in admins), return_exceptions=True))
     path, body = request(*args)
     calls = WorkerCalls(pool, admins, [("POST", path, orjson.dumps(body))], notice=True)
+    futures = await started_in_workers(calls)
+    if futures is None:
+        return list(await asyncio.gather(*(getattr(admin, method)(*args) for admin in admins), return_exceptions=True))
     try:
-        return list(await asyncio.gather(*await calls.start(), return_exceptions=True))
+        return list(await asyncio.gather(*futures, return_exceptions=True))
     finally:
         calls.close()
