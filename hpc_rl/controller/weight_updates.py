@@ -26,7 +26,6 @@ travel (`controller.transports`: one module per transport, each with its trainer
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable

@@ -21,14 +21,9 @@ from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.transports.fanout_workers import WorkerUpdate, started_in_workers
 from hpc_rl.protocol.http_client import EngineHTTPTransportError, ReadGate
 from hpc_rl.rollout.answer_pool import AnswerPool
+from hpc_rl.rollout.worker_fanout import GATE_PERIOD_S  # (one value for the loop's waves and the workers')
 
 log = logging.getLogger(__name__)
-
-GATE_PERIOD_S = 5.0
-"""During a weight update, the engines other than the first have their answers read at least this often
-(and when the first engine is done): an engine's failure is named at most this late. (A failed engine
-stalls every engine's broadcast anyway; at 1.0 s the 10 s syncs of 1,024 simulated engines read each
-engine ~10 times: 0.58-1.01 controller CPU s per sync against 0.42-0.64 at 5 s, bench_admin_fanout.)"""
 
 
 class WeightGroupBroken(RuntimeError):
