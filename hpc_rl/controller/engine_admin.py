@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,11 +62,38 @@ class BucketUpdate:
         return cls(orjson.dumps(body))
 
 
+def weight_update_calls(buckets: list[BucketUpdate]) -> list[tuple[str, str, bytes]]:
+    """A weight update's requests: begin, every bucket, end."""
+    return [("POST", "/begin_weight_update", b"{}"),
+            *(("POST", "/update_weights_from_distributed", bucket.body) for bucket in buckets),
+            ("POST", "/end_weight_update", b"{}")]
+
+
 def weight_update_requests(buckets: list[BucketUpdate]) -> Pipeline:
     """A weight update's requests (begin, every bucket, end), encoded once for every engine."""
-    return Pipeline([("POST", "/begin_weight_update", b"{}"),
-                     *(("POST", "/update_weights_from_distributed", bucket.body) for bucket in buckets),
-                     ("POST", "/end_weight_update", b"{}")])
+    return Pipeline(weight_update_calls(buckets))
+
+
+def weight_update_call(requests: Pipeline, index: int) -> str:
+    """How errors name request `index` of a weight update: its endpoint, and which bucket."""
+    endpoint, buckets = requests.keys[index][1], len(requests) - 2
+    return f"{endpoint} (bucket {index} of {buckets})" if 0 < index <= buckets else endpoint
+
+
+def pipeline_span(requests: Pipeline) -> str:
+    """How a transport failure of a pipelined exchange names it (its first and last endpoints)."""
+    head, tail = requests.keys[0][1], requests.keys[-1][1]
+    return head if len(requests) == 1 else f"{head} ... {tail}"
+
+
+class RemoteProgress:
+    """When an engine last showed life on calls a worker process makes for it (`EngineAdmin.begin_elsewhere`)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        """Event-loop time of the latest answer the worker read (from the engines it updates)."""
 
 
 class PipelinedBuckets(list[BucketUpdate]):
@@ -75,6 +103,21 @@ class PipelinedBuckets(list[BucketUpdate]):
     def __init__(self, buckets: list[BucketUpdate]) -> None:
         super().__init__(buckets)
         self.requests = weight_update_requests(self)
+
+
+FAN_OUT_CALLS: dict[str, Callable[..., tuple[str, dict[str, Any]]]] = {
+    "pause": lambda mode="retract": ("/pause_generation", {"mode": mode}),
+    "resume_generation": lambda: ("/continue_generation", {}),
+    "flush_cache": lambda: ("/flush_cache", {}),
+    "release_memory": lambda tags: ("/release_memory_occupation", {"tags": tags}),
+    "resume_memory": lambda tags: ("/resume_memory_occupation", {"tags": tags}),
+    "init_weight_group": lambda **group: ("/init_weights_update_group", {  # (the calls return when all joined)
+        key: group[key] for key in ("master_address", "master_port", "rank_offset", "world_size", "group_name",
+                                    "backend")}),
+    "destroy_weight_group": lambda group_name: ("/destroy_weights_update_group", {"group_name": group_name}),
+}
+"""The calls that are one POST (path, JSON body) whose answer only needs to be a 200, by EngineAdmin method and its
+arguments: what the answer workers can make for every engine at once (transports.fanout_workers)."""
 
 
 class EngineAdmin:
@@ -90,6 +133,10 @@ class EngineAdmin:
         """Endpoints of the calls in flight, oldest first (what a stuck engine was asked)."""
         self._started: list[float] = []
         """When each call in flight began (the same order)."""
+        self.remote: RemoteProgress | None = None
+        """While an answer worker makes a call for this engine: its news of the engine's answers."""
+        self.answered_elsewhere_at = float("-inf")
+        """Event-loop time an answer worker last reported a call to this engine answered in full."""
 
     async def _call(self, method: str, endpoint: str, body: dict[str, Any] | None = None,
                     timeout_s: float | None = None, *, notice: bool = True) -> Any:
@@ -126,7 +173,22 @@ class EngineAdmin:
         """Seconds since the engine last showed life on a call in flight (0 when none is in flight)."""
         if not self.calls_in_flight:
             return 0.0
-        return asyncio.get_running_loop().time() - max(self._started[0], self.connection.progress_at())
+        remote = self.remote.at if self.remote is not None else float("-inf")
+        return asyncio.get_running_loop().time() - max(self._started[0], self.connection.progress_at(), remote)
+
+    def begin_elsewhere(self, endpoint: str, progress: RemoteProgress, *, notice: bool = False) -> None:
+        """A call an answer worker makes for this engine (the workers' weight-update fan-out) is in flight: it
+        counts as this admin's (a health round does not probe the engine while it shows progress), its
+        progress being what the worker reports."""
+        self._begin(endpoint, notice=notice)
+        self.remote = progress
+
+    def end_elsewhere(self, endpoint: str, *, answered: bool) -> None:
+        """That call ended (`answered`: the engine answered every request, whatever the status)."""
+        self._end(endpoint)
+        self.remote = None
+        if answered:
+            self.answered_elsewhere_at = asyncio.get_running_loop().time()
 
     def known_alive(self, seconds: float, now: float | None = None) -> bool:
         """Whether the engine answered an admin call in the last `seconds`, or has one in flight that showed
@@ -136,7 +198,8 @@ class EngineAdmin:
         `now`: the event loop's time, when the caller has it (a health round asks 1,024 engines at once)."""
         if self.calls_in_flight:
             return self.silent_for() < max(seconds, IN_FLIGHT_TRUST_S)
-        return (asyncio.get_running_loop().time() if now is None else now) - self.connection.answered_at < seconds
+        answered_at = max(self.connection.answered_at, self.answered_elsewhere_at)
+        return (asyncio.get_running_loop().time() if now is None else now) - answered_at < seconds
 
     async def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
@@ -149,10 +212,10 @@ class EngineAdmin:
         return await self._call("GET", "/model_info", timeout_s=10.0)
 
     async def pause(self, mode: str = "retract") -> None:
-        await self._call("POST", "/pause_generation", {"mode": mode})
+        await self._call("POST", *FAN_OUT_CALLS["pause"](mode))
 
     async def resume_generation(self) -> None:
-        await self._call("POST", "/continue_generation", {})
+        await self._call("POST", *FAN_OUT_CALLS["resume_generation"]())
 
     async def abort_requests(self) -> None:
         """`/abort_request` of every request the engine holds (they answer with finish reason "abort", and the
@@ -160,17 +223,16 @@ class EngineAdmin:
         await self._call("POST", "/abort_request", {"rid": "", "abort_all": True}, timeout_s=30.0)
 
     async def flush_cache(self) -> None:
-        await self._call("POST", "/flush_cache", {})
+        await self._call("POST", *FAN_OUT_CALLS["flush_cache"]())
 
     async def init_weight_group(self, *, master_address: str, master_port: int, rank_offset: int,
                                 world_size: int, group_name: str, backend: str) -> None:
-        await self._call("POST", "/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend,
-        })
+        await self._call("POST", *FAN_OUT_CALLS["init_weight_group"](
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset, world_size=world_size,
+            group_name=group_name, backend=backend))
 
     async def destroy_weight_group(self, group_name: str) -> None:
-        await self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+        await self._call("POST", *FAN_OUT_CALLS["destroy_weight_group"](group_name))
 
     async def begin_weight_update(self) -> None:
         await self._call("POST", "/begin_weight_update", {})
@@ -196,15 +258,14 @@ class EngineAdmin:
         answers = await self._exchange(requests, gate, notice=False)
         for index, (status, answer) in enumerate(answers):
             if status != 200:  # 200 bodies are not read: only the status matters here
-                endpoint = requests.keys[index][1]
-                what = f"{endpoint} (bucket {index} of {len(buckets)})" if 0 < index <= len(buckets) else endpoint
-                _checked(self.url, what, status, answer)
+                _checked(self.url, weight_update_call(requests, index), status, answer)
 
     async def _exchange(self, requests: list[tuple[str, str, bytes | None]] | Pipeline,
                         gate: ReadGate | None = None, *, notice: bool = True) -> list[tuple[int, bytes]]:
-        head, tail = (requests.keys[0][1], requests.keys[-1][1]) if isinstance(requests, Pipeline) \
-            else (requests[0][1], requests[-1][1])
-        first = head if len(requests) == 1 else f"{head} ... {tail}"
+        if isinstance(requests, Pipeline):
+            first = pipeline_span(requests)
+        else:
+            first = requests[0][1] if len(requests) == 1 else f"{requests[0][1]} ... {requests[-1][1]}"
         self._begin(first, notice=notice)
         try:
             return await self.connection.exchange(requests, self.timeout_s, gate=gate)
@@ -217,10 +278,10 @@ class EngineAdmin:
         await self._call("POST", "/end_weight_update", {})
 
     async def release_memory(self, tags: list[str] | None) -> None:
-        await self._call("POST", "/release_memory_occupation", {"tags": tags})
+        await self._call("POST", *FAN_OUT_CALLS["release_memory"](tags))
 
     async def resume_memory(self, tags: list[str] | None) -> None:
-        await self._call("POST", "/resume_memory_occupation", {"tags": tags})
+        await self._call("POST", *FAN_OUT_CALLS["resume_memory"](tags))
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         await self._call("POST", "/update_weights_from_disk", {"model_path": model_path,
@@ -279,9 +340,13 @@ async def healthy_all(admins: list[EngineAdmin], timeout_s: float, *, concurrenc
 def _checked(url: str, endpoint: str, status: int, answer: bytes) -> Any:
     """The JSON (or text) of a 200 answer; EngineAdminError naming the engine and endpoint otherwise."""
     if status != 200:
-        raise EngineAdminError(f"{url}{endpoint} answered HTTP {status}: {answer[:500].decode(errors='replace')}",
-                               url=url)
+        raise status_error(url, endpoint, status, answer[:500].decode(errors="replace"))
     try:
         return orjson.loads(answer) if answer else None
     except orjson.JSONDecodeError:
         return answer.decode(errors="replace")
+
+
+def status_error(url: str, endpoint: str, status: int, body_head: str) -> EngineAdminError:
+    """The error of an answer that was not 200 (`body_head`: its first 500 bytes, as text)."""
+    return EngineAdminError(f"{url}{endpoint} answered HTTP {status}: {body_head}", url=url)

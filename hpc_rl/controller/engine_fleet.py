@@ -23,6 +23,7 @@ from hpc_rl.protocol.http_client import EngineConnections
 from hpc_rl.controller.engine_admin import DEFAULT_ADMIN_TIMEOUT_S, EngineAdmin, healthy_all
 from hpc_rl.controller.registry import EngineInfo, EngineState, Registry
 from hpc_rl.controller.stopping import stop_task
+from hpc_rl.rollout.answer_pool import AnswerPool
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class EngineFleet:
         self.prober: HealthProber | None = None
         """Where a health round's probes are made (set by the rollout stack when there is an answer pool); None, and
         for every engine it did not probe: here, on the fleet's own connections (`healthy_all`)."""
+        self.answer_pool: AnswerPool | None = None
+        """The rollout client's answer workers (set by the rollout stack), which also make the weight update's
+        per-engine exchanges (transports.fanout_workers); None: the fleet's own connections do."""
         self.health_timeout_s = health_timeout_s
         self.health_first_wait_s = health_first_wait_s
         self._first_probe_at: dict[int, float] = {}

@@ -165,6 +165,7 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
     fleet.generation_answered_at = client.answered_at  # a /generate answer is proof of life: no health probe
     if client.answer_pool is not None:  # the other engines are probed in the answer workers (worker_probes.py)
         fleet.prober = client.answer_pool.probe_health
+    fleet.answer_pool = client.answer_pool  # its workers make the weight updates' per-engine exchanges too
     args = plugin_args(config)
     # No workers for custom functions (they run on the loop) or remote_rm (an HTTP call, no CPU to offload).
     rule_rewards = not rollout.custom_rm_path and split_boxed_prefix((rollout.rm_type or "").strip())[1] != REMOTE_RM

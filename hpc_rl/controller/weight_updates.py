@@ -26,7 +26,6 @@ travel (`controller.transports`: one module per transport, each with its trainer
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from hpc_rl.controller.engine_fleet import EngineFleet
 from hpc_rl.controller.registry import EngineState, Registry
 from hpc_rl.controller.trainer_channel import TrainerChannel
 from hpc_rl.controller.transports import WeightSyncSettings, WeightTransport, make_transport
+from hpc_rl.controller.transports.fanout_workers import call_every_engine
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +195,8 @@ class WeightUpdates:
     async def engines_call(self, method: str, *args: Any, engines: list[int] | None = None) -> None:
         """`EngineAdmin.method(*args)` on every live engine at once; an engine whose call fails is failed."""
         indices = engines if engines is not None else [e.engine_index for e in self.registry.live_engines()]
-        results = await asyncio.gather(*(getattr(self.fleet.admins[i], method)(*args) for i in indices),
-                                       return_exceptions=True)
+        pool = getattr(self.fleet, "answer_pool", None)  # its workers make the calls (the loop reads a few frames)
+        results = await call_every_engine(pool, [self.fleet.admins[i] for i in indices], method, *args)
         for index, result in zip(indices, results):
             if isinstance(result, BaseException):
                 await self.fleet.fail_engine(index, f"{method} failed: {result}")

@@ -36,7 +36,8 @@ import logging
 import multiprocessing
 import socket
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import orjson
 
@@ -47,6 +48,15 @@ log = logging.getLogger(__name__)
 
 HEALTH_GRACE_S = 5.0
 """A worker's health round answers within two probe timeouts (the round, then a retry per call) and this."""
+
+
+class FrameStream(Protocol):
+    """Where the frames of a request answered by several frames go (`AnswerPool.send_streams`)."""
+
+    def frame(self, header: dict[str, Any], payload: memoryview) -> None: ...
+
+    def ended(self, error: Exception) -> None:
+        """The worker ended before the frame that says "end"."""
 
 
 class _FrameReader(asyncio.BufferedProtocol):
@@ -90,6 +100,8 @@ class _Worker:
     def __init__(self, process: Any) -> None:
         self.process = process
         self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], memoryview]]] = {}
+        self.streams: dict[int, FrameStream] = {}
+        """Requests answered by several frames (`AnswerPool.send_streams`), by id."""
         self.alive = True
         self.reader = _FrameReader(self)
 
@@ -98,6 +110,12 @@ class _Worker:
         self.reader.transport.writelines(frame)
 
     def answered(self, header: dict[str, Any], payload: memoryview) -> None:
+        stream = self.streams.get(header["id"])
+        if stream is not None:
+            if header.get("end"):
+                del self.streams[header["id"]]
+            stream.frame(header, payload)
+            return
         future = self.pending.pop(header["id"], None)
         if future is not None and not future.done():
             future.set_result((header, payload))
@@ -106,12 +124,15 @@ class _Worker:
         """The socketpair closed (the worker died, or `close`): fail what it held."""
         self.alive = False
         code = self.process.exitcode if self.process.exitcode is not None else "running"
+        message = (f"the answer worker (pid {self.process.pid}, exit {code}) ended before answering"
+                   + (f" ({error})" if error else ""))
         for future in self.pending.values():
             if not future.done():
-                future.set_exception(EngineHTTPTransportError(
-                    f"the answer worker (pid {self.process.pid}, exit {code}) ended before answering"
-                    + (f" ({error})" if error else "")))
+                future.set_exception(EngineHTTPTransportError(message))
         self.pending.clear()
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream.ended(EngineHTTPTransportError(message))
 
     def close(self) -> None:
         if self.reader.transport is not None:
@@ -178,8 +199,7 @@ class AnswerPool:
         controller's own client raises it (and when the worker ended); AnswerNotJSON for a 200 body that is
         not JSON. `score` (worker_rewards.score_header): the worker also scores the answers' rule rewards."""
         url = url.rstrip("/")
-        index = self._home.setdefault(url, len(self._home) % self.workers)
-        worker = await self._worker(index)
+        worker = await self._worker(self.home(url))
         request_id = next(self._ids)
         future: asyncio.Future[tuple[dict[str, Any], bytes]] = asyncio.get_running_loop().create_future()
         worker.pending[request_id] = future
@@ -242,6 +262,35 @@ class AnswerPool:
                 if (worker := self._slots[home]) is not None and worker.alive]
         await asyncio.gather(*asks)
         return verdicts
+
+    def home(self, url: str) -> int:
+        """The worker that makes `url`'s exchanges (each engine has one: its connections stay warm)."""
+        return self._home.setdefault(url.rstrip("/"), len(self._home) % self.workers)
+
+    async def send_streams(self, sends: list[tuple[int, dict[str, Any], list[bytes], FrameStream]]
+                           ) -> list[Callable[[], None]]:
+        """For each (worker index, head, payload, stream): send `head` (an op answered by several frames:
+        worker_fanout.py's "pipeline") and `payload` to that worker; each frame back goes to `stream.frame` until
+        one says "end", or `stream.ended` hears why the worker ended first. Every worker is started (again) before
+        anything is sent: when one cannot be, this raises and nothing went out. Returns what cancels each (the
+        worker drops what it still runs)."""
+        workers = await asyncio.gather(*(self._worker(index) for index, _, _, _ in sends))
+        return [self._send_stream(worker, head, payload, stream)
+                for worker, (_, head, payload, stream) in zip(workers, sends)]
+
+    def _send_stream(self, worker: _Worker, head: dict[str, Any], payload: list[bytes],
+                     stream: FrameStream) -> Callable[[], None]:
+        request_id = next(self._ids)
+        worker.streams[request_id] = stream
+        if not worker.alive:  # ended as it started: it will send nothing
+            worker.ended(None)
+        else:
+            worker.send(encode_frame({**head, "id": request_id}, payload))
+
+        def cancel() -> None:
+            if worker.streams.pop(request_id, None) is not None and worker.alive:
+                worker.send(encode_frame({"op": "cancel", "id": request_id}))
+        return cancel
 
     def close(self) -> None:
         """Stop the workers now (requests in flight are abandoned: their callers hear a transport error)."""

@@ -15,8 +15,8 @@ Worker to controller, one per post: `{"id", "status", "body", "arrays"}` with th
 and log-probs (float64) as payload, `arrays` saying where each goes back (answer index, field, count); or
 `{"id", "status", "raw": true}` with the engine's body (not 200); or `{"id", "not_json": orjson's message}`;
 or `{"id", "error": the transport error}`. `{"op": "health", "id", "urls", "timeout_s", "concurrency"}`: one health
-round over those engines, answered `{"id", "unhealthy": [indices into urls]}` (worker_probes.py). No pickle: JSON
-and machine numbers only.
+round over those engines, answered `{"id", "unhealthy": [indices into urls]}` (worker_probes.py). The "pipeline"
+op (one frame, the same pipelined requests to many engines, answered by a few batched frames) is worker_fanout.py's. No pickle: JSON and machine numbers only.
 
 Why: at full response length a batched answer is ~1.2 MB of JSON; reading it and handing it to a parsing
 process cost the coordinating process more than the rest of a sample's work (docs/scaling.md). Here the
@@ -40,6 +40,7 @@ import orjson
 
 from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
 from hpc_rl.rollout.worker_frames import PREFIX, encode_frame, read_frame
+from hpc_rl.rollout.worker_fanout import run_pipeline
 
 COLLECT_EVERY = 1024
 """A worker's full GC collection every this many answers (its automatic GC is off: a full-length answer is
@@ -156,6 +157,11 @@ async def _serve(connection: socket.socket, api_key: str | None) -> None:
                 from hpc_rl.rollout.worker_probes import serve_health
 
                 task = asyncio.create_task(serve_health(engines, writer, header))
+                tasks[request_id] = task
+                task.add_done_callback(lambda _, rid=request_id: finished(rid))
+            elif header["op"] == "pipeline":  # an admin fan-out to many engines (worker_fanout.py)
+                task = asyncio.create_task(run_pipeline(engines, lambda head: writer.writelines(encode_frame(head)),
+                                                        header, payload))
                 tasks[request_id] = task
                 task.add_done_callback(lambda _, rid=request_id: finished(rid))
             elif header["op"] == "cancel" and request_id in tasks:

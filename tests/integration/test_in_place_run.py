@@ -18,11 +18,14 @@ from tests.integration.test_engine_conformance import SGLANG_PYTHON, SGLANG_VENV
 pytestmark = pytest.mark.slow
 
 
-def test_async_in_place_updates_flush_every_second_sync(tmp_path: Path) -> None:
+@pytest.mark.parametrize("answer_workers", [0, 1])  # 1: pause, update and continue are the answer worker's calls
+def test_async_in_place_updates_flush_every_second_sync(tmp_path: Path, answer_workers: int) -> None:
     run_dir = tmp_path / "in-place"
     result = run_to_end(run_dir, "--num-rollout", "4", "--eval-interval", "100", "--async-rollout",
-                        "--max-staleness", "1", "--flush-cache-interval", "2", timeout_s=400)
+                        "--max-staleness", "1", "--flush-cache-interval", "2",
+                        "--answer-parse-workers", str(answer_workers), timeout_s=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert ("answer worker(s))" in (run_dir / "logs" / "controller.log").read_text()) == bool(answer_workers)
     rows = records(run_dir)
     assert [r["rollout_id"] for r in rows] == [0, 1, 2, 3]
     assert [r["metrics"]["rollout/weight_version"] for r in rows] == [1.0, 2.0, 3.0, 4.0]

@@ -76,13 +76,16 @@ def test_the_gloo_twin_hangs_on_a_dead_peer_as_nccl_does_until_the_group_is_abor
     assert waited < 1.0 and outcome == "no error" and total < 2.0  # the abort drops it: nothing waits
 
 
-def test_an_engine_dying_mid_sync_is_restarted_and_the_run_goes_on(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("answer_workers", [0, 1])  # 1: the update's exchanges are the answer worker's
+def test_an_engine_dying_mid_sync_is_restarted_and_the_run_goes_on(tmp_path: Path, monkeypatch,
+                                                                   answer_workers: int) -> None:
     run_dir = tmp_path / "engine-dies-mid-sync"
     marker = tmp_path / "engine-died"
     monkeypatch.setenv("HPC_RL_FAULT_EXIT_IN_WEIGHT_SYNC", str(marker))
     started = time.monotonic()
     result = run_to_end(run_dir, "--num-rollout", "4", "--rollout-num-gpus", "2", "--eval-interval", "1000",
-                        "--update-weight-buffer-size", str(BUCKET_BYTES), timeout_s=300)
+                        "--update-weight-buffer-size", str(BUCKET_BYTES), "--answer-parse-workers", str(answer_workers),
+                        timeout_s=300)
     elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert marker.exists()  # an engine did die mid-sync
@@ -92,6 +95,7 @@ def test_an_engine_dying_mid_sync_is_restarted_and_the_run_goes_on(tmp_path: Pat
     assert len(recovered) == 1 and recovered[0]["metrics"]["weight_sync/recovery_seconds"] < 60
     controller_log = (run_dir / "logs" / "controller.log").read_text()
     assert "aborting the weight-update group" in controller_log and "failed mid-update" in controller_log
+    assert ("answer worker(s))" in controller_log) == bool(answer_workers)
     assert "restarting from the last checkpoint" not in result.stderr  # the trainer never failed
     for row in rows[recovered[0]["rollout_id"] + 1:]:  # the engines serve the trainer's weights again
         assert row["metrics"]["train/first_step_train_rollout_logprob_abs_diff"] < 1e-5, row["metrics"]

@@ -55,7 +55,9 @@ from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerFailed
 from hpc_rl.controller.transports.base import WeightTransport
 from hpc_rl.controller.transports.fanout import StuckEngine, WeightGroupBroken, update_every_engine
+from hpc_rl.controller.transports.fanout_workers import call_every_engine, calls_in_workers, started_in_workers
 from hpc_rl.protocol.messages import AbortWeightGroupCommand, SyncWeightsCommand, WeightPlan
+from hpc_rl.rollout.answer_pool import AnswerPool
 from hpc_rl.weights import DEFAULT_GROUP_NAME
 
 log = logging.getLogger(__name__)
@@ -107,7 +109,9 @@ class GroupPush:
     def __init__(self, *, version: int, channel: TrainerChannel, engines: list[EngineInfo],
                  admins: dict[int, EngineAdmin], group: WeightGroup, backend: str, bucket_bytes: int,
                  timeout_s: float = 600.0, on_stuck: StuckEngine | None = None, clear_stale_groups: bool = False,
-                 flush_cache: bool = True) -> None:
+                 flush_cache: bool = True, pool: AnswerPool | None = None) -> None:
+        self.pool = pool
+        """The answer workers: they make the update's exchanges (transports.fanout_workers); None: the loop does."""
         self.version, self.channel, self.engines, self.admins, self.group = version, channel, engines, admins, group
         self.backend, self.bucket_bytes, self.timeout_s = backend, bucket_bytes, timeout_s
         self.on_stuck, self.clear_stale_groups, self.flush_cache = on_stuck, clear_stale_groups, flush_cache
@@ -145,7 +149,7 @@ class GroupPush:
                 await self._build_group(plan)
             await update_every_engine([self.admins[e.engine_index] for e in self.engines], self._buckets(plan),
                                       on_stuck=self.on_stuck, on_break=self._abort_trainer_side,
-                                      settle_s=ABORT_GRACE_S)
+                                      settle_s=ABORT_GRACE_S, pool=self.pool)
             await self._trainer_outcome()
         except WeightGroupBroken as broken:
             self.group.members = []  # rebuild next time
@@ -158,9 +162,10 @@ class GroupPush:
             await self._settle(plan_future, what)
         seconds = time.perf_counter() - start
         total_bytes = sum(int(b.get("num_bytes", 0)) for b in plan.buckets)
-        log.info("weights v%d -> %d engine(s): %d bucket(s), %.1f MB in %.2f s%s%s", self.version, len(self.engines),
-                 len(plan.buckets), total_bytes / 1e6, seconds, " (new group)" if self.new_group else "",
-                 "" if self.flush_cache else " (in place, cache kept)")
+        log.info("weights v%d -> %d engine(s): %d bucket(s), %.1f MB in %.2f s%s%s%s", self.version,
+                 len(self.engines), len(plan.buckets), total_bytes / 1e6, seconds,
+                 " (new group)" if self.new_group else "", "" if self.flush_cache else " (in place, cache kept)",
+                 f" (through {self.pool.workers} answer worker(s))" if self.pool is not None else "")
         return {"weight_sync/seconds": seconds, "weight_sync/buckets": float(len(plan.buckets)),
                 "weight_sync/mbytes": total_bytes / 1e6, "weight_sync/new_group": float(self.new_group),
                 "perf/weight_sync_bytes": float(total_bytes)}
@@ -177,20 +182,29 @@ class GroupPush:
         """Destroy the old group on its members, then every engine joins the new one (with rank 0)."""
         group, admins = self.group, self.admins
         if group.members:
-            await asyncio.gather(*(admins[i].destroy_weight_group(group.previous_name()) for i, _, _ in group.members
-                                   if i in admins), return_exceptions=True)
+            await call_every_engine(self.pool, [admins[i] for i, _, _ in group.members if i in admins],
+                                    "destroy_weight_group", group.previous_name())
         # An external engine new to the group may hold one of this name from an earlier run, and an engine job's
         # from the controller before a trainer restart (which named its groups from _1 too).
         joined = {index for index, _, _ in group.members}
         stale = [e for e in self.engines if e.engine_index not in joined and (self.clear_stale_groups or e.job_id)]
-        await asyncio.gather(*(admins[e.engine_index].destroy_weight_group(group.name) for e in stale),
-                             return_exceptions=True)
-        inits = [asyncio.ensure_future(admins[e.engine_index].init_weight_group(
-            master_address=plan.master_address, master_port=plan.master_port, rank_offset=self.offsets[e.engine_index],
-            world_size=self.world_size, group_name=group.name, backend=self.backend)) for e in self.engines]
-        await asyncio.wait(inits, return_when=asyncio.FIRST_EXCEPTION)
-        if any(init.done() and init.exception() is not None for init in inits):
-            await self._give_up_the_group(inits)  # raises WeightGroupBroken (or what the trainer failed with)
+        await call_every_engine(self.pool, [admins[e.engine_index] for e in stale], "destroy_weight_group", group.name)
+        each = [{"master_address": plan.master_address, "master_port": plan.master_port,
+                 "rank_offset": self.offsets[e.engine_index], "world_size": self.world_size, "group_name": group.name,
+                 "backend": self.backend} for e in self.engines]
+        remote = calls_in_workers(self.pool, [admins[e.engine_index] for e in self.engines], "init_weight_group", each)
+        inits = await started_in_workers(remote)
+        if inits is None:  # (no pool, or its workers could not start: the loop makes them)
+            remote = None
+            inits = [asyncio.ensure_future(admins[e.engine_index].init_weight_group(**call))
+                     for e, call in zip(self.engines, each)]
+        try:
+            await asyncio.wait(inits, return_when=asyncio.FIRST_EXCEPTION)
+            if any(init.done() and init.exception() is not None for init in inits):
+                await self._give_up_the_group(inits)  # raises WeightGroupBroken (or what the trainer failed with)
+        finally:
+            if remote is not None:
+                remote.close()
         group.members = self.members
 
     async def _abort_trainer_side(self, error: EngineAdminError) -> None:
@@ -245,12 +259,13 @@ async def push_weights_to_engines(*, version: int, channel: TrainerChannel, engi
                                   admins: dict[int, EngineAdmin], group: WeightGroup, backend: str,
                                   bucket_bytes: int, timeout_s: float = 600.0,
                                   on_stuck: StuckEngine | None = None, clear_stale_groups: bool = False,
-                                  flush_cache: bool = True) -> dict[str, float]:
+                                  flush_cache: bool = True, pool: AnswerPool | None = None) -> dict[str, float]:
     """One `GroupPush`. `clear_stale_groups` (external engines, which outlive runs): a group of the new group's
-    name is destroyed on each engine first. `flush_cache` False: the engines keep their KV cache (in place)."""
+    name is destroyed on each engine first. `flush_cache` False: the engines keep their KV cache (in place).
+    `pool`: the answer workers make the update's exchanges."""
     return await GroupPush(version=version, channel=channel, engines=engines, admins=admins, group=group,
                            backend=backend, bucket_bytes=bucket_bytes, timeout_s=timeout_s, on_stuck=on_stuck,
-                           clear_stale_groups=clear_stale_groups, flush_cache=flush_cache).run()
+                           clear_stale_groups=clear_stale_groups, flush_cache=flush_cache, pool=pool).run()
 
 
 class BroadcastTransport(WeightTransport):
@@ -303,7 +318,7 @@ class BroadcastTransport(WeightTransport):
                                              admins=self.fleet.admins, group=self.group, backend=settings.backend,
                                              bucket_bytes=settings.bucket_bytes, timeout_s=settings.timeout_s,
                                              on_stuck=self._engine_stuck, clear_stale_groups=settings.external_engines,
-                                             flush_cache=flush_cache)
+                                             flush_cache=flush_cache, pool=getattr(self.fleet, "answer_pool", None))
 
     async def _push_again(self, version: int, engines: list[EngineInfo], broken: WeightGroupBroken,
                           flush_cache: bool) -> dict[str, float]:

@@ -3,7 +3,9 @@
 Owns reading the engines' answers in waves (`update_every_engine`: a shut `ReadGate` for all but the first
 engine), naming an engine that stalls the update (`watch_fan_out`: /health probes when every engine went
 silent), and, when an engine breaks the update, which engines count as broken (`WeightGroupBroken`). Used by
-the broadcast transport (`transports.broadcast`); the benchmark `bench_admin_fanout` drives it alone. Not here:
+the broadcast transport (`transports.broadcast`); the benchmark `bench_admin_fanout` drives it alone. With the
+answer workers (`rollout.answer_parse_workers`), they make the exchanges and read the answers (`fanout_workers`):
+the rules here are the same. Not here:
 the group, the trainer's side, or what the caller does with a broken engine.
 """
 
@@ -16,15 +18,12 @@ from collections.abc import Awaitable, Callable
 from hpc_rl.controller.engine_admin import (STUCK_NOTICE_S, BucketUpdate, EngineAdmin, EngineAdminError,
                                            PipelinedBuckets)
 from hpc_rl.controller.stopping import stop_task
+from hpc_rl.controller.transports.fanout_workers import WorkerUpdate, started_in_workers
 from hpc_rl.protocol.http_client import EngineHTTPTransportError, ReadGate
+from hpc_rl.rollout.answer_pool import AnswerPool
+from hpc_rl.rollout.worker_fanout import GATE_PERIOD_S  # (one value for the loop's waves and the workers')
 
 log = logging.getLogger(__name__)
-
-GATE_PERIOD_S = 5.0
-"""During a weight update, the engines other than the first have their answers read at least this often
-(and when the first engine is done): an engine's failure is named at most this late. (A failed engine
-stalls every engine's broadcast anyway; at 1.0 s the 10 s syncs of 1,024 simulated engines read each
-engine ~10 times: 0.58-1.01 controller CPU s per sync against 0.42-0.64 at 5 s, bench_admin_fanout.)"""
 
 
 class WeightGroupBroken(RuntimeError):
@@ -78,7 +77,7 @@ async def watch_fan_out(admins: list[EngineAdmin], updates: list[asyncio.Future[
 async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpdate], *,
                               on_stuck: StuckEngine | None = None, notice_s: float = STUCK_NOTICE_S,
                               on_break: Callable[[EngineAdminError], Awaitable[None]] | None = None,
-                              settle_s: float = 0.0) -> None:
+                              settle_s: float = 0.0, pool: AnswerPool | None = None) -> None:
     """Every engine's pipelined update (begin, the buckets, end) at once: a bucket's broadcast completes only
     when every engine has joined it, so the engines cannot be taken a few at a time. The answers come in
     waves, each bucket's on every engine together: the first engine's are read as they come, every other
@@ -88,19 +87,28 @@ async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpd
     Raises the first EngineAdminError, naming the engine and the call, as soon as it is read. Meanwhile
     `watch_fan_out` names (and hands to `on_stuck`) an engine that stalls the update. With `on_break`, an
     error first awaits it (it aborts the trainer's side of the group, so the broadcast the other engines are
-    in ends), then every other engine gets `settle_s` to answer and WeightGroupBroken is raised."""
+    in ends), then every other engine gets `settle_s` to answer and WeightGroupBroken is raised.
+    With `pool` (the answer workers), the workers make the exchanges, read the answers in the same waves and
+    report each engine's outcome in a few batched frames (fanout_workers; the same errors, watch and breaks)."""
     gate = ReadGate()
-    buckets = PipelinedBuckets(buckets)  # encoded once for every engine
-    if len(admins) > 1:
-        gate.shut()
-    updates = [asyncio.ensure_future(admin.weight_update(buckets, gate=gate) if index
-                                     else admin.weight_update(buckets)) for index, admin in enumerate(admins)]
+    remote = WorkerUpdate(pool, admins, buckets) \
+        if pool is not None and admins and all(isinstance(admin, EngineAdmin) for admin in admins) else None
+    started = await started_in_workers(remote)
+    if started is not None:
+        updates = started
+    else:
+        remote = None
+        buckets = PipelinedBuckets(buckets)  # encoded once for every engine
+        if len(admins) > 1:
+            gate.shut()
+        updates = [asyncio.ensure_future(admin.weight_update(buckets, gate=gate) if index
+                                         else admin.weight_update(buckets)) for index, admin in enumerate(admins)]
     first, every = updates[0], asyncio.gather(*updates)
     watchdog = asyncio.create_task(
         watch_fan_out(admins, updates, on_stuck, notice_s=notice_s, probe_timeout_s=notice_s),
         name="weight update watchdog")
     try:
-        while not every.done():
+        while remote is None and not every.done():
             await asyncio.wait((every, first), timeout=GATE_PERIOD_S, return_when=asyncio.FIRST_COMPLETED)
             gate.open()  # read what came; shut again until the first engine is done
             if first.done():
@@ -121,6 +129,8 @@ async def update_every_engine(admins: list[EngineAdmin], buckets: list[BucketUpd
         raise
     finally:
         gate.open()
+        if remote is not None:
+            remote.close()
         await stop_task(watchdog, "the weight update watchdog")
 
 
