@@ -3,7 +3,7 @@
 Owns the format and the files under `<run_dir>/retained/` (controller/retention.py owns what goes in and what a
 resume keeps):
 
-    retained/rollout-00000012.rec     one record (FORMAT 2): a JSON line, then the raw bytes it describes
+    retained/rollout-00000012.rec     one record (FORMAT 3, or 2: read): a JSON line, then the raw bytes it describes
     retained/rollout-00000013.rec.tmp a record being written (a crash leaves it: torn, ignored, removed)
     retained/rollouts.jsonl           FORMAT 1 (hpc_rl before Nov 29): read, and rewritten as records by a resume
 
@@ -19,6 +19,11 @@ and to print (0.37 CPU-s per 1,000 full-length samples at bench_scale's N=256, a
 controller's per-sample work), and the trainer's packing then walked those lists again; raw, a sample costs its
 JSON line and one kernel copy of its bytes (`os.writev` straight from the arrays). A per-token field held as a list
 (a plug-in assigned one) stays in the JSON line, as before.
+FORMAT 3 (Nov 29, evening) does the same for the partial buffer in `state_after` when it is a `BufferSnapshot`
+(the controller's, rollout/buffer_snapshot.py): its samples' headers as `"buffer": {"version", "raw_groups"}`, their
+bytes after the groups', read back as a `BufferSnapshot`; and says its `state_before`'s digest kind ("digest":
+controller/state_digest.py). In partial mode the buffer was JSON lists, ~1 CPU-s of the journal threads per 4,096
+samples at bench_scale's N=256. A FORMAT-2 record (its buffer as JSON, its digest orjson's) reads as it did.
 
 Durability: a record is written to `.rec.tmp`, fsync'd, renamed to `.rec` and the directory fsync'd, so a crash
 leaves the records before it whole and at most one `.tmp` (ignored, and removed by the next write). No pickle.
@@ -37,13 +42,18 @@ from typing import Any
 import numpy as np
 import orjson
 
+from hpc_rl.controller.state_digest import DIGEST, KINDS
 from hpc_rl.data.samples import COLUMN_TYPECODES, Group, Sample
+from hpc_rl.rollout.buffer_snapshot import BufferSnapshot
 
 log = logging.getLogger(__name__)
 
 JOURNAL = Path("retained")
 """Under the run dir (the shared filesystem: what must outlive the trainer's job lives there)."""
-FORMAT = 2
+FORMAT = 3
+FORMATS = (2, 3)
+"""Record formats read: 3 adds the partial buffer's samples raw (`state_after`'s "raw_groups") and the digest kind
+("digest"); a FORMAT-2 record's `state_before` is orjson's digest."""
 LEGACY_FORMAT = 1
 LEGACY_FILE = "rollouts.jsonl"
 """FORMAT 1's one file of JSON lines (per-token data as JSON lists), in the same directory."""
@@ -69,13 +79,14 @@ class RetainedBatch:
     state_before: str
     """`state_digest` of the scheduler state the rollout started from."""
     state_after: dict[str, Any]
-    """The scheduler state it left (data cursor, counters, partial buffer)."""
+    """The scheduler state it left (data cursor, counters, partial buffer: `state_dict()`'s JSON form, or a
+    `BufferSnapshot`, which is written raw and read back as one)."""
     groups: list[Group]
     metrics: dict[str, float] = field(default_factory=dict)
     stored: Path | None = field(default=None, compare=False, repr=False)
     """Its record file (None: not written in FORMAT 2 yet, e.g. read from a FORMAT-1 journal)."""
-    legacy_digest: bool = field(default=False, compare=False, repr=False)
-    """`state_before` is the json module's digest (`state_digest(legacy=True)`): a FORMAT-1 record's."""
+    digest_kind: str = field(default=DIGEST, compare=False, repr=False)
+    """`state_before`'s kind (controller/state_digest.py): "json" in a FORMAT-1 record, "orjson" in a FORMAT-2 one."""
 
     @property
     def num_samples(self) -> int:
@@ -85,28 +96,45 @@ class RetainedBatch:
         """FORMAT 2: the JSON line, and the bytes that follow it (views of the arrays themselves, not copies)."""
         buffers: list[memoryview] = []
         groups = [[_sample_header(s, buffers) for s in g] for g in self.groups]
+        state_after = self.state_after
+        buffer = state_after.get("buffer")
+        if isinstance(buffer, BufferSnapshot):  # its samples as the groups' are, their bytes after the groups'
+            state_after = {**state_after, "buffer": {"version": buffer.version, "raw_groups": [
+                [_sample_header(s, buffers) for s in g] for g in buffer.groups]}}
         payload = sum(b.nbytes for b in buffers)
         line = orjson.dumps({"format": FORMAT, "rollout_id": self.rollout_id, "weight_version": self.weight_version,
                              "session_id": self.session_id, "state_before": self.state_before,
-                             "state_after": self.state_after, "metrics": self.metrics, "groups": groups,
-                             "payload_bytes": payload}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+                             "digest": self.digest_kind, "state_after": state_after, "metrics": self.metrics,
+                             "groups": groups, "payload_bytes": payload}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
         return line, buffers
 
     @classmethod
     def decode(cls, data: bytes) -> "RetainedBatch":
-        """A FORMAT-2 record file's bytes (ValueError/KeyError/TypeError: not a whole record)."""
+        """A FORMAT-2 or -3 record file's bytes (ValueError/KeyError/TypeError: not a whole record)."""
         end = data.find(b"\n")
         if end < 0:
             raise ValueError("no JSON line")
         header = orjson.loads(data[:end])
-        if header.get("format") != FORMAT:
-            raise ValueError(f"format {header.get('format')!r}, expected {FORMAT}")
+        if header.get("format") not in FORMATS:
+            raise ValueError(f"format {header.get('format')!r}, expected one of {FORMATS}")
+        kind = header.get("digest", "orjson")
+        if kind not in KINDS:
+            raise ValueError(f"state digest kind {kind!r}, expected one of {KINDS}")
         payload = memoryview(data)[end + 1:]
         if len(payload) != header["payload_bytes"]:
             raise ValueError(f"{len(payload)} bytes after the JSON line, it says {header['payload_bytes']}")
         reader = _RawReader(payload)
         groups = [[_sample_from_header(s, reader) for s in g] for g in header["groups"]]
-        return cls._from_header(header, groups)
+        buffer = header["state_after"].get("buffer")
+        if isinstance(buffer, dict) and "raw_groups" in buffer:
+            header["state_after"]["buffer"] = BufferSnapshot(
+                groups=[[_sample_from_header(s, reader) for s in g] for g in buffer["raw_groups"]],
+                version=int(buffer["version"]))
+        if reader.offset != len(payload):
+            raise ValueError(f"{len(payload) - reader.offset} bytes after the JSON line are not described in it")
+        batch = cls._from_header(header, groups)
+        batch.digest_kind = kind
+        return batch
 
     @classmethod
     def from_legacy_json(cls, data: dict[str, Any]) -> "RetainedBatch":
@@ -114,7 +142,7 @@ class RetainedBatch:
         if data.get("format") != LEGACY_FORMAT:
             raise ValueError(f"format {data.get('format')!r}, expected {LEGACY_FORMAT} in {LEGACY_FILE}")
         batch = cls._from_header(data, [[_legacy_sample(s) for s in g] for g in data["groups"]])
-        batch.legacy_digest = True
+        batch.digest_kind = "json"
         return batch
 
     @classmethod

@@ -378,6 +378,14 @@ class RolloutScheduler:
                 "next_sample_index": self.next_sample_index, "weight_version": self.weight_version,
                 "buffer": self.buffer.state_dict(), "prompt_source": self.source.state_dict()}
 
+    def snapshot(self) -> dict[str, Any]:
+        """`state_dict()` with the buffer as a `BufferSnapshot` (memory copies of its samples, no JSON lists:
+        what the controller keeps at each rollout boundary; `buffer_snapshot.json_state` makes it `state_dict()`'s
+        form). `load_state_dict` takes either."""
+        return {"version": 1, "next_group_index": self.next_group_index,
+                "next_sample_index": self.next_sample_index, "weight_version": self.weight_version,
+                "buffer": self.buffer.snapshot(), "prompt_source": self.source.state_dict()}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != 1:
             raise ValueError(f"rollout scheduler checkpoint has version {state.get('version')!r}, expected 1")

@@ -1,0 +1,158 @@
+"""The partial buffer's snapshot (rollout/buffer_snapshot.py), its digest (controller/state_digest.py) and its raw
+form in the retained-rollouts journal (FORMAT 3): a copy nobody's later generation changes, one digest for the
+state in memory, as a checkpoint gives it back and as the journal gives it back, and a resume that restores the
+same buffer as before; FORMAT-2 records (orjson digest, JSON buffer) are still attached."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from hpc_rl.controller.retention import JOURNAL, RetainedBatch, Retention, RolloutJournal, state_digest
+from hpc_rl.data.samples import COLUMN_TYPECODES, Sample, SampleStatus
+from hpc_rl.rollout.buffer_snapshot import BufferSnapshot, copy_sample, json_state
+from hpc_rl.rollout.partial_buffer import PartialRolloutBuffer
+from tests.unit.test_retention import group
+
+
+def partial(index: int, tokens: int, *, versions: list[int] | None = None) -> Sample:
+    """A partial sample as generation leaves it in the buffer: compact columns, metadata, a chat prompt."""
+    sample = Sample(index=index, group_index=index // 2, prompt=[{"role": "user", "content": f"q{index}"}],
+                    prompt_token_ids=[5, 6, 7], label={"answer": "7"}, metadata={"start_rollout_id": 1, "row": index},
+                    status=SampleStatus.ABORTED, rid=f"r{index}")
+    sample.extend_response([100 + k for k in range(tokens)], [-0.25 * (k % 7) for k in range(tokens)],
+                           versions if versions is not None else [3] * tokens)
+    return sample
+
+
+def buffer_of(groups: int, tokens: int = 6) -> PartialRolloutBuffer:
+    buffer = PartialRolloutBuffer()
+    buffer.add([[partial(2 * g, tokens), partial(2 * g + 1, tokens // 2, versions=[2] * (tokens // 2 - 1) + [3])]
+                for g in range(groups)], rollout_id=1)
+    return buffer
+
+
+def scheduler_state(buffer: PartialRolloutBuffer | BufferSnapshot | dict[str, Any], cursor: int = 4) -> dict[str, Any]:
+    """RolloutScheduler.state_dict()/snapshot()'s shape around `buffer`."""
+    held = buffer.snapshot() if isinstance(buffer, PartialRolloutBuffer) else buffer
+    return {"version": 1, "next_group_index": cursor, "next_sample_index": 2 * cursor, "weight_version": 3,
+            "buffer": held, "prompt_source": {"cursor": cursor, "epoch": 0}}
+
+
+def test_a_snapshot_is_a_copy_that_later_generation_does_not_change() -> None:
+    buffer = buffer_of(2)
+    expected = buffer.state_dict()
+    snapshot = buffer.snapshot()
+    live = buffer.groups[0][0]
+    live.extend_response([1, 2], [-0.5, -0.5], [4, 4])  # the next rollout resumes it
+    live.metadata["start_rollout_id"] = 9
+    live.prompt[0]["content"] = "changed"
+    live.label["answer"] = "8"
+    buffer.groups[0][1].response_logprobs.append(-1.0)  # (read as a list, then changed)
+    assert snapshot.state_dict() == expected != buffer.state_dict()
+    assert all(set(s.compact_columns()) == set(COLUMN_TYPECODES) for g in snapshot.groups for s in g)
+    copied = copy_sample(live)
+    assert copied.compact_columns()["response_token_ids"] is not live.compact_columns()["response_token_ids"]
+    assert copied.to_dict() == live.to_dict()
+    restored = PartialRolloutBuffer()
+    restored.load_state_dict(snapshot)
+    restored.groups[0][0].extend_response([1], [-0.5], [4])
+    assert snapshot.state_dict() == expected  # a buffer restored from it takes copies again
+    assert json_state(scheduler_state(snapshot))["buffer"] == expected
+
+
+def test_one_digest_in_memory_as_json_through_a_checkpoint_and_through_the_journal(tmp_path: Path) -> None:
+    buffer = buffer_of(3)
+    buffer.groups[1][0].compact_columns()["response_logprobs"][2] = float("-inf")  # (orjson writes it null)
+    memory = scheduler_state(buffer)
+    as_json = json_state(memory)
+    checkpoint = json.loads(json.dumps(as_json, allow_nan=True))  # the protocol's JSON
+    journal = RolloutJournal(tmp_path / JOURNAL)
+    journal.write(RetainedBatch(rollout_id=0, weight_version=3, session_id="s", state_before="-", state_after=memory,
+                                groups=[group(0)]))
+    (read,), _ = journal.read()
+    assert isinstance(read.state_after["buffer"], BufferSnapshot) and read.state_after == memory
+    digests = {state_digest(s) for s in (memory, as_json, checkpoint, read.state_after)}
+    assert len(digests) == 1
+    assert state_digest(memory | {"weight_version": 7}) in digests  # the engines' version aside
+    buffer.groups[2][1].compact_columns()["response_token_ids"][0] += 1  # one buffered token
+    assert state_digest(scheduler_state(buffer)) not in digests
+    assert state_digest(scheduler_state(buffer_of(3), cursor=5)) not in digests
+    # the older kinds, of either form
+    assert state_digest(memory, kind="orjson") == state_digest(checkpoint, kind="orjson")
+    assert state_digest(memory, legacy=True) == state_digest(checkpoint, legacy=True)
+
+
+def test_the_buffer_is_written_raw_and_a_resume_restores_it_exactly(tmp_path: Path) -> None:
+    """Rollout 2 is journaled with the buffer it left; a resume from the checkpoint of rollout 1 takes rollout 2 and
+    restores the buffer the first attempt had, every field and column (the next rollout resumes those samples)."""
+    before, after = buffer_of(2, tokens=40), buffer_of(3, tokens=2500)
+    retention = Retention(tmp_path, session_id="s", allowed_lag=1, print_fn=lambda line: None)
+    state_before, state_after = scheduler_state(before, cursor=4), scheduler_state(after, cursor=6)
+    retention._write(2, 3, state_before, [group(0), group(2)], {"rollout/x": 1.0}, state_after)
+    line = (tmp_path / JOURNAL / "rollout-00000002.rec").read_bytes().split(b"\n", 1)[0]
+    header = orjson.loads(line)
+    raw = header["state_after"]["buffer"]["raw_groups"]
+    assert header["format"] == 3 and header["digest"] == "raw" and len(raw) == 3
+    assert {name: dtype for name, dtype, *_ in raw[0][0]["raw"]} == {
+        "response_token_ids": "<i4", "response_logprobs": "<f4", "weight_versions": "<i8"}
+    assert len(line) < 3000 * len(raw) * 2  # no per-token JSON
+    checkpoint = json.loads(json.dumps({"scheduler": json_state(state_before)}))["scheduler"]
+    resumed = Retention(tmp_path, session_id="s", allowed_lag=1, print_fn=lambda line: None)
+    resumed.attach(next_rollout_id=2, weight_version=3, scheduler_state=checkpoint)
+    taken = resumed.take(2, checkpoint)
+    assert taken is not None
+    restored = PartialRolloutBuffer()
+    restored.load_state_dict(taken.state_after["buffer"])
+    assert restored.state_dict() == after.state_dict()
+    assert all(set(s.compact_columns()) == set(COLUMN_TYPECODES) for g in restored.groups for s in g)
+    assert state_digest(taken.state_after) == state_digest(state_after)
+
+
+def test_a_format_2_record_still_attaches(tmp_path: Path) -> None:
+    """Written before FORMAT 3: its buffer as JSON lists in `state_after` and its `state_before` orjson's digest."""
+    buffer = buffer_of(1)
+    before = json_state(scheduler_state(buffer, cursor=4))
+    old = RetainedBatch(rollout_id=2, weight_version=3, session_id="s", state_before=state_digest(before, kind="orjson"),
+                        state_after=json_state(scheduler_state(buffer_of(2), cursor=6)), groups=[group(0)])
+    line, buffers = old.encode()
+    header = orjson.loads(line)
+    header["format"] = 2
+    del header["digest"]
+    journal = RolloutJournal(tmp_path / JOURNAL)
+    journal.path.mkdir(parents=True)
+    journal.record_path(2).write_bytes(orjson.dumps(header) + b"\n" + b"".join(bytes(b) for b in buffers))
+    retention = Retention(tmp_path, session_id="s", allowed_lag=0, print_fn=lambda line: None)
+    retention.attach(next_rollout_id=2, weight_version=3, scheduler_state=json.loads(json.dumps(before)))
+    taken = retention.take(2, scheduler_state(buffer, cursor=4))  # the live state: a snapshot, today's digest
+    assert taken is not None and taken.state_after == old.state_after
+
+
+def test_snapshots_and_their_record_cost_less_than_the_json_form() -> None:
+    """Measured, printed: 64 buffered 2,500-token samples, the loop's snapshot and the journal's digest and
+    encoding, against `state_dict()` and orjson's digest and line (what each rollout did before)."""
+    buffer = buffer_of(32, tokens=2500)
+    batch = RetainedBatch(rollout_id=0, weight_version=0, session_id="s", state_before="-", state_after={}, groups=[])
+
+    def timed(work: Any) -> float:
+        start = time.process_time()
+        for _ in range(5):
+            work()
+        return (time.process_time() - start) / 5 / 64 * 1e6
+
+    def record(state: dict[str, Any]) -> None:
+        batch.state_after = state
+        batch.encode()
+
+    snapshot, as_json = scheduler_state(buffer), scheduler_state(buffer.state_dict())
+    new = (timed(buffer.snapshot), timed(lambda: state_digest(snapshot)), timed(lambda: record(snapshot)))
+    old = (timed(buffer.state_dict), timed(lambda: state_digest(as_json, kind="orjson")), timed(lambda: record(as_json)))
+    print(f"\nper buffered sample, us CPU: snapshot {new[0]:.0f} (state_dict {old[0]:.0f}), digest {new[1]:.0f} "
+          f"(orjson {old[1]:.0f}), record {new[2]:.0f} (JSON {old[2]:.0f})")
+    assert sum(new) < sum(old) / 2
+    assert np.isfinite(sum(new))
