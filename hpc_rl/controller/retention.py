@@ -18,7 +18,7 @@ policy around it:
 Not here: when rollouts are generated (`Rollouts`), the checkpoint (`Checkpoints`), the engines' weights on resume
 (`WeightUpdates.start` pushes the checkpoint's before the first rollout).
 
-Format (retained_journal.py): FORMAT 2, a record file per rollout, its JSON line then the per-token data as raw
+Format (retained_journal.py): FORMAT 3 (2 read), a record file per rollout, its JSON line then the per-token data as raw
 bytes, never turned into lists (the samples' compact columns stay compact); a crash mid-write leaves the records
 before it whole. FORMAT-1 journals (`retained/rollouts.jsonl`) are still read, and rewritten by a resume. No pickle.
 
