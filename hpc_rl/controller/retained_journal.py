@@ -271,6 +271,7 @@ class RolloutJournal:
             try:
                 _write_all(descriptor, [line, *buffers])
                 os.fsync(descriptor)
+                _drop_cached(descriptor)
             finally:
                 os.close(descriptor)
             os.replace(tmp, final)
@@ -349,6 +350,19 @@ class RolloutJournal:
                 self.path.rmdir()
             except OSError:  # something else in it (not ours): leave it
                 pass
+
+
+def _drop_cached(descriptor: int) -> None:
+    """Give the record's page-cache pages back now that they are on disk (clean: read again only by a resume).
+    Why: the pages a write allocates were most of its CPU. On this machine (a VM; 12 GB free) 56 MB records kept in
+    the cache cost 92-97 ms of the writing thread's CPU each in `writev`; with each record's pages dropped after its
+    fsync, 10-12 ms (+2.5 ms for the drop): the next record's pages come from those just freed. A memory cgroup near
+    its limit (a Slurm job's) makes the writer reclaim first, the same way. Best effort."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
 
 
 def _write_all(descriptor: int, buffers: list[bytes | memoryview]) -> None:
