@@ -156,3 +156,30 @@ def test_snapshots_and_their_record_cost_less_than_the_json_form() -> None:
           f"(orjson {old[1]:.0f}), record {new[2]:.0f} (JSON {old[2]:.0f})")
     assert sum(new) < sum(old) / 2
     assert np.isfinite(sum(new))
+
+
+def test_a_real_schedulers_snapshot_outlives_the_next_rollout_and_restores_through_the_journal(tmp_path: Path) -> None:
+    """A partial-rollout scheduler (fake engine): the snapshot taken after rollout 0 is still rollout 0's state once
+    rollout 1 has resumed its samples; journaled and read back, it restores a scheduler to that state exactly."""
+    from tests.unit.test_rollout_scheduler import Harness, run_with
+
+    async def body(h: Harness) -> None:
+        h.slow_rows = {6, 7}
+        scheduler = h.scheduler()
+        await scheduler.run(rollout_id=0)
+        expected, snapshot = json.loads(json.dumps(scheduler.state_dict())), scheduler.snapshot()
+        assert snapshot["buffer"].num_samples >= 8 and any(
+            s.response_length for g in snapshot["buffer"].groups for s in g)  # partial tokens in it
+        h.slow_rows = set()
+        await scheduler.run(rollout_id=1, weight_version=1)  # resumes and extends the buffered samples
+        assert json_state(snapshot) == expected != json.loads(json.dumps(scheduler.state_dict()))
+        journal = RolloutJournal(tmp_path / JOURNAL)
+        journal.write(RetainedBatch(rollout_id=0, weight_version=0, session_id="s", state_before="-",
+                                    state_after=snapshot, groups=[]))
+        (read,), _ = journal.read()
+        restored = h.scheduler()
+        restored.load_state_dict(read.state_after)
+        assert restored.state_dict() == expected
+        assert state_digest(read.state_after) == state_digest(expected) == state_digest(restored.snapshot())
+
+    run_with(body)
