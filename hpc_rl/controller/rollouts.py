@@ -129,10 +129,8 @@ class Rollouts:
         return result
 
     def _snapshot(self) -> dict[str, Any]:
-        """The scheduler's state now, its partial buffer as memory copies (`RolloutScheduler.snapshot`; a
-        scheduler without one: its `state_dict`). Taken at each boundary: its samples are copied as memory
-        (~5 us per full-length sample), so it is not worth proving nothing moved the scheduler between a
-        rollout's end and the next one's start (a weight sync, an eval, a restore) to take one fewer."""
+        """The scheduler's state now, its partial buffer as memory copies (`RolloutScheduler.snapshot`: the state
+        a rollout left is not copied again as the next one's start; a scheduler without one: its `state_dict`)."""
         snapshot = getattr(self.scheduler, "snapshot", None)
         return snapshot() if snapshot is not None else self.scheduler.state_dict()
 

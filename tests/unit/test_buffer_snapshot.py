@@ -168,18 +168,25 @@ def test_a_real_schedulers_snapshot_outlives_the_next_rollout_and_restores_throu
         scheduler = h.scheduler()
         await scheduler.run(rollout_id=0)
         expected, snapshot = json.loads(json.dumps(scheduler.state_dict())), scheduler.snapshot()
+        assert scheduler.snapshot() is snapshot  # taken once per state: the next rollout's start is the same
+        scheduler.set_weight_version(1)  # (a weight sync between them)
+        assert scheduler.snapshot()["buffer"] is snapshot["buffer"] and scheduler.snapshot()["weight_version"] == 1
         assert snapshot["buffer"].num_samples >= 8 and any(
             s.response_length for g in snapshot["buffer"].groups for s in g)  # partial tokens in it
         h.slow_rows = set()
         await scheduler.run(rollout_id=1, weight_version=1)  # resumes and extends the buffered samples
+        after = scheduler.snapshot()
+        assert after["buffer"] is not snapshot["buffer"] and json_state(after) == json.loads(json.dumps(
+            scheduler.state_dict()))
         assert json_state(snapshot) == expected != json.loads(json.dumps(scheduler.state_dict()))
         journal = RolloutJournal(tmp_path / JOURNAL)
         journal.write(RetainedBatch(rollout_id=0, weight_version=0, session_id="s", state_before="-",
                                     state_after=snapshot, groups=[]))
         (read,), _ = journal.read()
         restored = h.scheduler()
+        before_load = restored.snapshot()
         restored.load_state_dict(read.state_after)
-        assert restored.state_dict() == expected
+        assert restored.state_dict() == expected and restored.snapshot() is not before_load
         assert state_digest(read.state_after) == state_digest(expected) == state_digest(restored.snapshot())
 
     run_with(body)
