@@ -190,3 +190,30 @@ def test_a_real_schedulers_snapshot_outlives_the_next_rollout_and_restores_throu
         assert state_digest(read.state_after) == state_digest(expected) == state_digest(restored.snapshot())
 
     run_with(body)
+
+
+def test_narrowing_is_exact_for_negative_ids_nan_and_negative_zero(tmp_path: Path) -> None:
+    """The journal's narrowest exact form (`_column_raw`): a negative id still fits int32 (the OR pass alone would
+    refuse it); NaN and -0.0 log-probs come back with the same bits; a NaN whose payload float32 cannot hold keeps
+    float64."""
+    from hpc_rl.controller.retained_journal import _column_raw
+    from array import array
+
+    entry, _ = _column_raw("response_token_ids", array("q", [5, -3, 7]))
+    assert entry[1] == "<i4"
+    special = array("d", [float("nan"), -0.0, -1.5, float("-inf")])
+    entry, _ = _column_raw("response_logprobs", special)
+    assert entry[1] == "<f4"
+    payload = array("d", special)
+    payload.frombytes(np.array([0x7FF8000000000001], dtype=np.uint64).tobytes())  # a NaN with low payload bits
+    entry, _ = _column_raw("response_logprobs", payload)
+    assert entry[1] == "<f8"
+    sample = partial(0, 4)
+    sample.hold_columns({"response_logprobs": payload, "response_token_ids": array("q", [5, -3, 7, 2**40]),
+                         "weight_versions": array("q", [1, 1, 1, 2])})
+    journal = RolloutJournal(tmp_path / JOURNAL)
+    journal.write(RetainedBatch(rollout_id=0, weight_version=0, session_id="s", state_before="-", state_after={},
+                                groups=[[sample]]))
+    (read,), _ = journal.read()
+    assert {n: v.tobytes() for n, v in read.groups[0][0].compact_columns().items()} == {
+        n: v.tobytes() for n, v in sample.compact_columns().items()}
