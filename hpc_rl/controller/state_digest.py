@@ -9,9 +9,9 @@ Kinds (a record says which its `state_before` is; controller/retained_journal.py
   - "raw" (records since Nov 29 2026, evening): sha256 over the state's JSON less its buffer (orjson, keys sorted),
     then per buffered sample its fields less the per-token columns (orjson, keys sorted) and the columns' numbers as
     int64 / float64 bytes (a non-finite log-prob as one NaN: orjson, which earlier records used, wrote them null).
-    Why: "orjson" wrote every buffered token as JSON text, 46 ms per 1,000 buffered 2,500-token samples of the
-    journal thread's time, after the loop had made them lists (~0.2 ms per sample); the bytes hash at ~1.4 GB/s
-    straight from the samples' compact columns.
+    Why: "orjson" wrote every buffered token as JSON text, 110 us per buffered 2,500-token sample of the journal
+    thread's time, after the loop had made them lists (`state_dict()`, 125 us); "raw" hashes the bytes straight from
+    the samples' compact columns (sha256 at ~1.4 GB/s here): 32 us (tests/unit/test_buffer_snapshot.py prints both).
   - "orjson" (FORMAT-2 records before): sha256 of orjson's JSON of the whole state, keys sorted.
   - "json" (FORMAT-1 records): the json module's digest of a JSON round trip.
 """
