@@ -52,7 +52,7 @@ def copy_sample(sample: Sample) -> Sample:
     for name in _NESTED_FIELDS:
         if name in fields:
             fields[name] = _tree_copy(fields[name])
-    copied = object.__new__(Sample)
+    copied = object.__new__(type(sample))
     copied.__dict__.update(fields)
     return copied
 
