@@ -84,7 +84,7 @@ class RetainedBatch:
     groups: list[Group]
     metrics: dict[str, float] = field(default_factory=dict)
     stored: Path | None = field(default=None, compare=False, repr=False)
-    """Its record file (None: not written in FORMAT 2 yet, e.g. read from a FORMAT-1 journal)."""
+    """Its record file (None: not written as one yet, e.g. read from a FORMAT-1 journal)."""
     digest_kind: str = field(default=DIGEST, compare=False, repr=False)
     """`state_before`'s kind (controller/state_digest.py): "json" in a FORMAT-1 record, "orjson" in a FORMAT-2 one."""
 
@@ -93,7 +93,7 @@ class RetainedBatch:
         return sum(len(g) for g in self.groups)
 
     def encode(self) -> tuple[bytes, list[memoryview]]:
-        """FORMAT 2: the JSON line, and the bytes that follow it (views of the arrays themselves, not copies)."""
+        """FORMAT 3: the JSON line, and the bytes that follow it (views of the arrays themselves, not copies)."""
         buffers: list[memoryview] = []
         groups = [[_sample_header(s, buffers) for s in g] for g in self.groups]
         state_after = self.state_after
