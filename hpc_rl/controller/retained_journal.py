@@ -87,6 +87,18 @@ class RetainedBatch:
     """Its record file (None: not written as one yet, e.g. read from a FORMAT-1 journal)."""
     digest_kind: str = field(default=DIGEST, compare=False, repr=False)
     """`state_before`'s kind (controller/state_digest.py): "json" in a FORMAT-1 record, "orjson" in a FORMAT-2 one."""
+    file_only: bool = field(default=False, compare=False, repr=False)
+    """A `stub()`: its groups and state are only in its record file."""
+
+    def stub(self) -> "RetainedBatch":
+        """This written record without its groups and state (what the journal's bookkeeping needs: id, file).
+        Why: a rollout's samples (~60 kB each at full length) stayed alive in the controller's list of records
+        until a checkpoint dropped them, up to `MAX_RECORDS` rollouts after the trainer had them."""
+        if self.stored is None:
+            raise ValueError(f"rollout {self.rollout_id}'s record is not written: a stub would lose it")
+        return RetainedBatch(rollout_id=self.rollout_id, weight_version=self.weight_version,
+                             session_id=self.session_id, state_before=self.state_before, state_after={}, groups=[],
+                             stored=self.stored, digest_kind=self.digest_kind, file_only=True)
 
     @property
     def num_samples(self) -> int:
@@ -342,6 +354,9 @@ class RolloutJournal:
         written, every other file goes (the directory too, when nothing is left). Each step leaves whole records."""
         for batch in keep:
             if batch.stored is None or not batch.stored.exists():
+                if batch.file_only:  # (its file went: nothing left to write it from; a resume generates it again)
+                    log.warning("%s: gone, rollout %d is not retained", batch.stored, batch.rollout_id)
+                    continue
                 self.write(batch)
         if not self.path.is_dir():
             return

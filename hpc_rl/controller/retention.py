@@ -57,7 +57,8 @@ class Retention:
         self.session_id, self.allowed_lag, self.enabled = session_id, allowed_lag, enabled
         self.print = print_fn
         self._records: list[RetainedBatch] = []
-        """What the journal holds (this attempt's view), oldest first."""
+        """What the journal holds (this attempt's view), oldest first: `RetainedBatch.stub()`s once written and
+        not to be trained from memory (the samples are the trainer's, not kept here)."""
         self._ready: dict[int, RetainedBatch] = {}
         """Attached at resume: rollout id -> its batch, to train instead of generating."""
         self._lock = threading.Lock()
@@ -100,7 +101,7 @@ class Retention:
         encoded = batch.encode()
         with self._lock:
             self.journal.write(batch, encoded)
-            self._records = [r for r in self._records if r.rollout_id != rollout_id] + [batch]
+            self._records = [r for r in self._records if r.rollout_id != rollout_id] + [batch.stub()]
             if len(self._records) > MAX_RECORDS:
                 self._records = self._records[-MAX_RECORDS:]
                 self.journal.keep_only(self._records)
@@ -190,12 +191,20 @@ class Retention:
         if batch.state_before != state_digest(scheduler_state):  # cannot happen after attach's checks: be sure
             self._say(f"hpc_rl: retained rollout {rollout_id} does not follow the state now; generated again")
             self._ready.clear()
+            self._let_go()
             return None
+        self._let_go()  # (its samples are the caller's now)
         self.trained_samples += batch.num_samples
         log.info("rollout %d: %d retained samples (weights v%d) trained instead of generated", rollout_id,
                  batch.num_samples, batch.weight_version)
         return batch
 
+
+    def _let_go(self) -> None:
+        """Keep only stubs of the written records that are not to be trained from memory any more."""
+        with self._lock:
+            self._records = [r.stub() if r.rollout_id not in self._ready and r.stored is not None and not r.file_only
+                             else r for r in self._records]
 
     def summary(self) -> dict[str, Any]:
         """For status.json: rollouts journaled and not yet checkpointed, those a resume attached and has not

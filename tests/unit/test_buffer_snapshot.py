@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import orjson
 
 from hpc_rl.controller.retention import JOURNAL, RetainedBatch, Retention, RolloutJournal, state_digest
@@ -217,3 +218,37 @@ def test_narrowing_is_exact_for_negative_ids_nan_and_negative_zero(tmp_path: Pat
     (read,), _ = journal.read()
     assert {n: v.tobytes() for n, v in read.groups[0][0].compact_columns().items()} == {
         n: v.tobytes() for n, v in sample.compact_columns().items()}
+
+
+def test_a_written_record_keeps_no_samples_in_memory(tmp_path: Path) -> None:
+    """After its write a record is a stub (id and file): the rollout's samples are the trainer's, not held here
+    until a checkpoint; the file still has everything, a checkpoint still drops it, and a stub whose file went is
+    not rewritten empty."""
+    import asyncio
+
+    retention = Retention(tmp_path, session_id="s", allowed_lag=0, print_fn=lambda line: None)
+    groups = [group(0), group(2)]
+    for rollout_id in range(3):
+        asyncio.run(retention.keep(rollout_id, 0, scheduler_state(buffer_of(1)), groups, {},
+                                   scheduler_state(buffer_of(2))))
+    assert all(r.file_only and r.groups == [] and r.state_after == {} for r in retention._records)
+    records, _ = retention.journal.read()
+    assert [r.num_samples for r in records] == [4, 4, 4] and records[0].groups == groups
+    retention.journal.record_path(2).unlink()
+    asyncio.run(retention.checkpointed(0))
+    assert [p.name for p in sorted(retention.journal.path.iterdir())] == ["rollout-00000001.rec"]
+    assert retention.summary()["journaled"] == [1, 2]  # (rollout 2's file went; it is said once it is looked for)
+    with pytest.raises(ValueError, match="not written"):
+        RetainedBatch(rollout_id=9, weight_version=0, session_id="s", state_before="-", state_after={},
+                      groups=[]).stub()
+    # a resume: the taken record becomes a stub, the next one stays whole until taken
+    checkpoint = json_state(scheduler_state(buffer_of(1)))
+    again = Retention(tmp_path / "again", session_id="s", allowed_lag=0, print_fn=lambda line: None)
+    for rollout_id in (1, 2):
+        asyncio.run(again.keep(rollout_id, 0, scheduler_state(buffer_of(rollout_id)), groups, {},
+                               scheduler_state(buffer_of(rollout_id + 1))))
+    resumed = Retention(tmp_path / "again", session_id="s", allowed_lag=0, print_fn=lambda line: None)
+    resumed.attach(next_rollout_id=1, weight_version=0, scheduler_state=checkpoint)
+    taken = resumed.take(1, checkpoint)
+    assert taken is not None and taken.groups == groups
+    assert [(r.rollout_id, r.file_only) for r in resumed._records] == [(1, True), (2, False)]
