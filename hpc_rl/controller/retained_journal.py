@@ -3,7 +3,7 @@
 Owns the format and the files under `<run_dir>/retained/` (controller/retention.py owns what goes in and what a
 resume keeps):
 
-    retained/rollout-00000012.rec     one record (FORMAT 2): a JSON line, then the raw bytes it describes
+    retained/rollout-00000012.rec     one record (FORMAT 3, or 2: read): a JSON line, then the raw bytes it describes
     retained/rollout-00000013.rec.tmp a record being written (a crash leaves it: torn, ignored, removed)
     retained/rollouts.jsonl           FORMAT 1 (hpc_rl before Nov 29): read, and rewritten as records by a resume
 
@@ -19,6 +19,11 @@ and to print (0.37 CPU-s per 1,000 full-length samples at bench_scale's N=256, a
 controller's per-sample work), and the trainer's packing then walked those lists again; raw, a sample costs its
 JSON line and one kernel copy of its bytes (`os.writev` straight from the arrays). A per-token field held as a list
 (a plug-in assigned one) stays in the JSON line, as before.
+FORMAT 3 (Nov 29, evening) does the same for the partial buffer in `state_after` when it is a `BufferSnapshot`
+(the controller's, rollout/buffer_snapshot.py): its samples' headers as `"buffer": {"version", "raw_groups"}`, their
+bytes after the groups', read back as a `BufferSnapshot`; and says its `state_before`'s digest kind ("digest":
+controller/state_digest.py). In partial mode the buffer was JSON lists, ~1 CPU-s of the journal threads per 4,096
+samples at bench_scale's N=256. A FORMAT-2 record (its buffer as JSON, its digest orjson's) reads as it did.
 
 Durability: a record is written to `.rec.tmp`, fsync'd, renamed to `.rec` and the directory fsync'd, so a crash
 leaves the records before it whole and at most one `.tmp` (ignored, and removed by the next write). No pickle.
@@ -37,13 +42,19 @@ from typing import Any
 import numpy as np
 import orjson
 
+from hpc_rl.controller.state_digest import DIGEST, KINDS
 from hpc_rl.data.samples import COLUMN_TYPECODES, Group, Sample
+from hpc_rl.data.uniform_column import UniformColumn
+from hpc_rl.rollout.buffer_snapshot import BufferSnapshot
 
 log = logging.getLogger(__name__)
 
 JOURNAL = Path("retained")
 """Under the run dir (the shared filesystem: what must outlive the trainer's job lives there)."""
-FORMAT = 2
+FORMAT = 3
+FORMATS = (2, 3)
+"""Record formats read: 3 adds the partial buffer's samples raw (`state_after`'s "raw_groups") and the digest kind
+("digest"); a FORMAT-2 record's `state_before` is orjson's digest."""
 LEGACY_FORMAT = 1
 LEGACY_FILE = "rollouts.jsonl"
 """FORMAT 1's one file of JSON lines (per-token data as JSON lists), in the same directory."""
@@ -69,44 +80,74 @@ class RetainedBatch:
     state_before: str
     """`state_digest` of the scheduler state the rollout started from."""
     state_after: dict[str, Any]
-    """The scheduler state it left (data cursor, counters, partial buffer)."""
+    """The scheduler state it left (data cursor, counters, partial buffer: `state_dict()`'s JSON form, or a
+    `BufferSnapshot`, which is written raw and read back as one)."""
     groups: list[Group]
     metrics: dict[str, float] = field(default_factory=dict)
     stored: Path | None = field(default=None, compare=False, repr=False)
-    """Its record file (None: not written in FORMAT 2 yet, e.g. read from a FORMAT-1 journal)."""
-    legacy_digest: bool = field(default=False, compare=False, repr=False)
-    """`state_before` is the json module's digest (`state_digest(legacy=True)`): a FORMAT-1 record's."""
+    """Its record file (None: not written as one yet, e.g. read from a FORMAT-1 journal)."""
+    digest_kind: str = field(default=DIGEST, compare=False, repr=False)
+    """`state_before`'s kind (controller/state_digest.py): "json" in a FORMAT-1 record, "orjson" in a FORMAT-2 one."""
+    file_only: bool = field(default=False, compare=False, repr=False)
+    """A `stub()`: its groups and state are only in its record file."""
+
+    def stub(self) -> "RetainedBatch":
+        """This written record without its groups and state (what the journal's bookkeeping needs: id, file).
+        Why: a rollout's samples (~60 kB each at full length) stayed alive in the controller's list of records
+        until a checkpoint dropped them, up to `MAX_RECORDS` rollouts after the trainer had them."""
+        if self.stored is None:
+            raise ValueError(f"rollout {self.rollout_id}'s record is not written: a stub would lose it")
+        return RetainedBatch(rollout_id=self.rollout_id, weight_version=self.weight_version,
+                             session_id=self.session_id, state_before=self.state_before, state_after={}, groups=[],
+                             stored=self.stored, digest_kind=self.digest_kind, file_only=True)
 
     @property
     def num_samples(self) -> int:
         return sum(len(g) for g in self.groups)
 
     def encode(self) -> tuple[bytes, list[memoryview]]:
-        """FORMAT 2: the JSON line, and the bytes that follow it (views of the arrays themselves, not copies)."""
+        """FORMAT 3: the JSON line, and the bytes that follow it (views of the arrays themselves, not copies)."""
         buffers: list[memoryview] = []
         groups = [[_sample_header(s, buffers) for s in g] for g in self.groups]
+        state_after = self.state_after
+        buffer = state_after.get("buffer")
+        if isinstance(buffer, BufferSnapshot):  # its samples as the groups' are, their bytes after the groups'
+            state_after = {**state_after, "buffer": {"version": buffer.version, "raw_groups": [
+                [_sample_header(s, buffers) for s in g] for g in buffer.groups]}}
         payload = sum(b.nbytes for b in buffers)
         line = orjson.dumps({"format": FORMAT, "rollout_id": self.rollout_id, "weight_version": self.weight_version,
                              "session_id": self.session_id, "state_before": self.state_before,
-                             "state_after": self.state_after, "metrics": self.metrics, "groups": groups,
-                             "payload_bytes": payload}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+                             "digest": self.digest_kind, "state_after": state_after, "metrics": self.metrics,
+                             "groups": groups, "payload_bytes": payload}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
         return line, buffers
 
     @classmethod
     def decode(cls, data: bytes) -> "RetainedBatch":
-        """A FORMAT-2 record file's bytes (ValueError/KeyError/TypeError: not a whole record)."""
+        """A FORMAT-2 or -3 record file's bytes (ValueError/KeyError/TypeError: not a whole record)."""
         end = data.find(b"\n")
         if end < 0:
             raise ValueError("no JSON line")
         header = orjson.loads(data[:end])
-        if header.get("format") != FORMAT:
-            raise ValueError(f"format {header.get('format')!r}, expected {FORMAT}")
+        if header.get("format") not in FORMATS:
+            raise ValueError(f"format {header.get('format')!r}, expected one of {FORMATS}")
+        kind = header.get("digest", "orjson")
+        if kind not in KINDS:
+            raise ValueError(f"state digest kind {kind!r}, expected one of {KINDS}")
         payload = memoryview(data)[end + 1:]
         if len(payload) != header["payload_bytes"]:
             raise ValueError(f"{len(payload)} bytes after the JSON line, it says {header['payload_bytes']}")
         reader = _RawReader(payload)
         groups = [[_sample_from_header(s, reader) for s in g] for g in header["groups"]]
-        return cls._from_header(header, groups)
+        buffer = header["state_after"].get("buffer")
+        if isinstance(buffer, dict) and "raw_groups" in buffer:
+            header["state_after"]["buffer"] = BufferSnapshot(
+                groups=[[_sample_from_header(s, reader) for s in g] for g in buffer["raw_groups"]],
+                version=int(buffer["version"]))
+        if reader.offset != len(payload):
+            raise ValueError(f"{len(payload) - reader.offset} bytes after the JSON line are not described in it")
+        batch = cls._from_header(header, groups)
+        batch.digest_kind = kind
+        return batch
 
     @classmethod
     def from_legacy_json(cls, data: dict[str, Any]) -> "RetainedBatch":
@@ -114,7 +155,7 @@ class RetainedBatch:
         if data.get("format") != LEGACY_FORMAT:
             raise ValueError(f"format {data.get('format')!r}, expected {LEGACY_FORMAT} in {LEGACY_FILE}")
         batch = cls._from_header(data, [[_legacy_sample(s) for s in g] for g in data["groups"]])
-        batch.legacy_digest = True
+        batch.digest_kind = "json"
         return batch
 
     @classmethod
@@ -127,7 +168,7 @@ class RetainedBatch:
 def _sample_header(sample: Sample, buffers: list[memoryview]) -> dict[str, Any]:
     """`Sample.to_dict`'s form without its deep copy and without the per-token data held as arrays (appended to
     `buffers`, described in "raw"): a compact column is never turned into a list here."""
-    held = sample.compact_columns()
+    held = sample.compact_columns(expand_uniform=False)  # a one-version column is written as its value, not read
     data = {name: getattr(sample, name) for name in _JSON_FIELDS if name not in held}
     data["status"] = sample.status.value
     raw: list[list[Any]] = []
@@ -149,12 +190,17 @@ def _sample_header(sample: Sample, buffers: list[memoryview]) -> dict[str, Any]:
     return data
 
 
-def _column_raw(name: str, values: array) -> tuple[list[Any], memoryview | None]:
+def _column_raw(name: str, values: array | UniformColumn) -> tuple[list[Any], memoryview | None]:
     """A compact column's "raw" entry ([name, stored dtype, [length]], + [value] when every element is that value:
-    no bytes) and its bytes, in the narrowest form that holds its numbers exactly: the kernel's copy of a record's
-    bytes into the page cache is most of a record's cost (~1 us per KB here), a numpy pass over a column ~1 us.
+    no bytes) and its bytes, in the narrowest form that holds its numbers exactly: half the bytes for the kernel to
+    copy, fsync and keep on the shared filesystem, for a pass or two over a column that is in cache after the first.
     Weight versions are one version throughout but in samples that span a weight update; token ids fit int32;
-    log-probs are the engines' float32 values (float64 only when one is not)."""
+    log-probs are the engines' float32 values (float64 only when one is not).
+    Measured (2,048 samples of 1,500-3,500 tokens, caches cold as after a rollout, whole `Retention._write`): 40 us
+    per sample with min/max for the token ids and a float comparison for the log-probs, 37.5 with one OR pass and a
+    byte comparison of the log-probs' round trip; the same columns unnarrowed, 25.5 (twice the bytes)."""
+    if isinstance(values, UniformColumn):  # one weight version throughout (data/uniform_column.py): no bytes
+        return [name, _DTYPE_STR["q"], [len(values)], values.value], None
     numbers = np.frombuffer(values, dtype=_COLUMN_DTYPES[name]) if len(values) else None
     if numbers is None:
         return [name, _DTYPE_STR[values.typecode], [0]], None
@@ -162,11 +208,13 @@ def _column_raw(name: str, values: array) -> tuple[list[Any], memoryview | None]
         first = values[0]
         if values[-1] == first and bool((numbers == first).all()):
             return [name, _DTYPE_STR["q"], [len(values)], first], None
-        if numbers.min() >= _INT32.min and numbers.max() <= _INT32.max:
+        # all in [0, 2**31) iff their OR is (one pass); else (a negative number) the two-pass range check
+        if 0 <= int(np.bitwise_or.reduce(numbers)) <= _INT32.max or (
+                numbers.min() >= _INT32.min and numbers.max() <= _INT32.max):
             numbers = numbers.astype(np.int32)
     elif values.typecode == "d":
         narrow = numbers.astype(np.float32)
-        if bool((narrow == numbers).all()):  # (a NaN is unequal: kept as float64)
+        if narrow.astype(np.float64).tobytes() == numbers.tobytes():  # the same bits back (NaNs too; -0.0 kept)
             numbers = narrow
     return [name, numbers.dtype.str, [len(values)]], memoryview(numbers).cast("B")
 
@@ -194,7 +242,8 @@ def _sample_from_header(data: dict[str, Any], reader: _RawReader) -> Sample:
     for name, dtype_str, shape, *fill in raw:
         dtype = np.dtype(dtype_str)
         if name in COLUMN_TYPECODES and fill:  # every element that value
-            columns[name] = array(COLUMN_TYPECODES[name], fill) * int(shape[0])
+            columns[name] = (UniformColumn(fill[0], int(shape[0])) if name == "weight_versions"
+                             else array(COLUMN_TYPECODES[name], fill) * int(shape[0]))
             continue
         taken = reader.take(dtype, shape)
         if name in COLUMN_TYPECODES:
@@ -243,6 +292,7 @@ class RolloutJournal:
             try:
                 _write_all(descriptor, [line, *buffers])
                 os.fsync(descriptor)
+                _drop_cached(descriptor)
             finally:
                 os.close(descriptor)
             os.replace(tmp, final)
@@ -308,6 +358,9 @@ class RolloutJournal:
         written, every other file goes (the directory too, when nothing is left). Each step leaves whole records."""
         for batch in keep:
             if batch.stored is None or not batch.stored.exists():
+                if batch.file_only:  # (its file went: nothing left to write it from; a resume generates it again)
+                    log.warning("%s: gone, rollout %d is not retained", batch.stored, batch.rollout_id)
+                    continue
                 self.write(batch)
         if not self.path.is_dir():
             return
@@ -321,6 +374,19 @@ class RolloutJournal:
                 self.path.rmdir()
             except OSError:  # something else in it (not ours): leave it
                 pass
+
+
+def _drop_cached(descriptor: int) -> None:
+    """Give the record's page-cache pages back now that they are on disk (clean: read again only by a resume).
+    Why: the pages a write allocates were most of its CPU. On this machine (a VM; 12 GB free) 56 MB records kept in
+    the cache cost 92-97 ms of the writing thread's CPU each in `writev`; with each record's pages dropped after its
+    fsync, 10-12 ms (+2.5 ms for the drop): the next record's pages come from those just freed. A memory cgroup near
+    its limit (a Slurm job's) makes the writer reclaim first, the same way. Best effort."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
 
 
 def _write_all(descriptor: int, buffers: list[bytes | memoryview]) -> None:

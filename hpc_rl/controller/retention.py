@@ -18,54 +18,34 @@ policy around it:
 Not here: when rollouts are generated (`Rollouts`), the checkpoint (`Checkpoints`), the engines' weights on resume
 (`WeightUpdates.start` pushes the checkpoint's before the first rollout).
 
-Format (retained_journal.py): FORMAT 2, a record file per rollout, its JSON line then the per-token data as raw
+Format (retained_journal.py): FORMAT 3 (2 read), a record file per rollout, its JSON line then the per-token data as raw
 bytes, never turned into lists (the samples' compact columns stay compact); a crash mid-write leaves the records
 before it whole. FORMAT-1 journals (`retained/rollouts.jsonl`) are still read, and rewritten by a resume. No pickle.
 
-Left as it is: the scheduler state is snapshotted after each rollout (`state_after`) and again as the next one's
-start (`Rollouts._generate`, also without a journal: a checkpoint saved meanwhile stores it). Without a partial
-buffer a snapshot is a few counters (microseconds); with one it is its samples' `to_dict` (~0.2 ms per 3,000-token
-sample since `to_dict` copies token lists in C; `asdict` took 4.6 ms). Reusing the first would need proof that
-nothing moved the scheduler in between (the trainer step, a weight sync, an eval, a restore): a change counter in
-the scheduler, its buffer and its prompt source (rollout/), not here.
+The scheduler state at each boundary is `RolloutScheduler.snapshot()` (`Rollouts._generate`: the state a rollout
+starts from and the one it leaves): its partial buffer as memory copies of its samples (rollout/buffer_snapshot.py),
+digested from their bytes (controller/state_digest.py) and journaled raw; only a checkpoint makes it JSON.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from hpc_rl.controller.fault_hooks import (HOLD_CONTROLLER_AFTER_RETAIN, KILL_CONTROLLER_AFTER_RETAIN,
                                           hold_here_if_asked, kill_here_if_asked)
 from hpc_rl.controller.retained_journal import FORMAT, JOURNAL, MAX_RECORDS, RetainedBatch, RolloutJournal
+from hpc_rl.controller.state_digest import DIGEST, state_digest
 from hpc_rl.data.samples import Group
 
 __all__ = ["FORMAT", "JOURNAL", "MAX_RECORDS", "RetainedBatch", "Retention", "RolloutJournal", "allowed_lag",
            "state_digest"]
 
 log = logging.getLogger(__name__)
-
-
-def state_digest(state: dict[str, Any], *, legacy: bool = False) -> str:
-    """A scheduler state's identity, its weight version aside (the version the engines serve, set apart): the same
-    for the state in memory and the one a checkpoint or the journal gives back (orjson writes keys as strings,
-    sorted after that, tuples as lists, NaN as null: what a JSON round trip makes of them). One orjson pass: the
-    json module's round trip took 0.71 s for a partial buffer of 200 samples of 3,000 tokens (orjson ~0.03 s).
-    `legacy`: the json module's digest, which FORMAT-1 records hold."""
-    rest = {k: v for k, v in state.items() if k != "weight_version"}
-    if legacy:
-        plain = json.loads(json.dumps(rest, default=str))
-        return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
-    return hashlib.sha256(orjson.dumps(rest, default=str,
-                                       option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)).hexdigest()
 
 
 class Retention:
@@ -77,7 +57,8 @@ class Retention:
         self.session_id, self.allowed_lag, self.enabled = session_id, allowed_lag, enabled
         self.print = print_fn
         self._records: list[RetainedBatch] = []
-        """What the journal holds (this attempt's view), oldest first."""
+        """What the journal holds (this attempt's view), oldest first: `RetainedBatch.stub()`s once written and
+        not to be trained from memory (the samples are the trainer's, not kept here)."""
         self._ready: dict[int, RetainedBatch] = {}
         """Attached at resume: rollout id -> its batch, to train instead of generating."""
         self._lock = threading.Lock()
@@ -120,7 +101,7 @@ class Retention:
         encoded = batch.encode()
         with self._lock:
             self.journal.write(batch, encoded)
-            self._records = [r for r in self._records if r.rollout_id != rollout_id] + [batch]
+            self._records = [r for r in self._records if r.rollout_id != rollout_id] + [batch.stub()]
             if len(self._records) > MAX_RECORDS:
                 self._records = self._records[-MAX_RECORDS:]
                 self.journal.keep_only(self._records)
@@ -165,12 +146,12 @@ class Retention:
             if record.rollout_id < expected:
                 continue  # trained and checkpointed already
             digest = state_digest(state)
-            why = self._refusal(record, expected, state_digest(state, legacy=True) if record.legacy_digest else digest,
-                                weight_version)
+            why = self._refusal(record, expected, digest if record.digest_kind == DIGEST else
+                                state_digest(state, kind=record.digest_kind), weight_version)
             if why is not None:
                 self._say(f"hpc_rl: retained rollouts from rollout {record.rollout_id} on are generated again: {why}")
                 break
-            record.state_before, record.legacy_digest = digest, False  # (a FORMAT-1 record's: now orjson's digest)
+            record.state_before, record.digest_kind = digest, DIGEST  # (an older record's: now today's digest)
             self._ready[record.rollout_id] = record
             state, expected = record.state_after, expected + 1
         self._records = list(self._ready.values())
@@ -210,12 +191,20 @@ class Retention:
         if batch.state_before != state_digest(scheduler_state):  # cannot happen after attach's checks: be sure
             self._say(f"hpc_rl: retained rollout {rollout_id} does not follow the state now; generated again")
             self._ready.clear()
+            self._let_go()
             return None
+        self._let_go()  # (its samples are the caller's now)
         self.trained_samples += batch.num_samples
         log.info("rollout %d: %d retained samples (weights v%d) trained instead of generated", rollout_id,
                  batch.num_samples, batch.weight_version)
         return batch
 
+
+    def _let_go(self) -> None:
+        """Keep only stubs of the written records that are not to be trained from memory any more."""
+        with self._lock:
+            self._records = [r.stub() if r.rollout_id not in self._ready and r.stored is not None and not r.file_only
+                             else r for r in self._records]
 
     def summary(self) -> dict[str, Any]:
         """For status.json: rollouts journaled and not yet checkpointed, those a resume attached and has not

@@ -22,6 +22,7 @@ from hpc_rl.controller.retention import Retention
 from hpc_rl.controller.stopping import stop_task
 from hpc_rl.controller.trainer_channel import TrainerChannel
 from hpc_rl.controller.weight_updates import WeightUpdates
+from hpc_rl.rollout.buffer_snapshot import json_state
 from hpc_rl.rollout.scheduler import RolloutResult, RolloutScheduler
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class Rollouts:
     # -- checkpoint --------------------------------------------------------------------------------------
     def state_before(self, rollout_id: int) -> dict[str, Any]:
         """The scheduler's state as rollout `rollout_id` started (or now, if it has not started)."""
-        return self._boundary_states.get(rollout_id) or self.scheduler.state_dict()
+        return json_state(self._boundary_states.get(rollout_id) or self.scheduler.state_dict())
 
     def restore(self, scheduler_state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(scheduler_state)
@@ -109,7 +110,7 @@ class Rollouts:
         """One rollout, watching the engines meanwhile (a restarted engine gets the current weights at once in
         sync mode, where the trainer is idle while a rollout generates); a retained one is taken instead, and a
         generated one journaled (`retention`)."""
-        self._boundary_states[rollout_id] = before = self.scheduler.state_dict()
+        self._boundary_states[rollout_id] = before = self._snapshot()
         if self.retention is None or not self.retention.enabled:
             return await self.watch(self.scheduler.run(rollout_id, self.weights.version),
                                     f"rollout {rollout_id} generation", may_sync=not self.overlap)
@@ -124,9 +125,14 @@ class Rollouts:
         version = self.weights.version
         result = await self.watch(self.scheduler.run(rollout_id, version),
                                   f"rollout {rollout_id} generation", may_sync=not self.overlap)
-        await self.retention.keep(rollout_id, version, before, result.groups, result.metrics,
-                                  self.scheduler.state_dict())
+        await self.retention.keep(rollout_id, version, before, result.groups, result.metrics, self._snapshot())
         return result
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The scheduler's state now, its partial buffer as memory copies (`RolloutScheduler.snapshot`: the state
+        a rollout left is not copied again as the next one's start; a scheduler without one: its `state_dict`)."""
+        snapshot = getattr(self.scheduler, "snapshot", None)
+        return snapshot() if snapshot is not None else self.scheduler.state_dict()
 
     async def watch(self, work: Awaitable[T], what: str, *, may_sync: bool = True) -> T:
         """`work` (a rollout's generation, an eval) while the engines are watched: a lost fleet or a lost rank

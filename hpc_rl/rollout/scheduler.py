@@ -157,6 +157,10 @@ class RolloutScheduler:
         self.weight_version = 0
         self._session: GenerationSession | None = None
         self._running = False
+        self._changes = 0
+        """Bumped by whatever may change the state (`run`, `load_state_dict`): a `snapshot` of the same count is
+        the state now."""
+        self._snapshot: tuple[int, dict[str, Any]] | None = None
         self._too_long_said = False
         self._too_long_in_a_row = 0
 
@@ -261,6 +265,7 @@ class RolloutScheduler:
         if self._running:
             raise RuntimeError("RolloutScheduler.run is already running: one rollout at a time")
         self._running = True
+        self._changes += 1
         started = time.monotonic()
         if weight_version is not None:
             self.weight_version = weight_version
@@ -378,9 +383,28 @@ class RolloutScheduler:
                 "next_sample_index": self.next_sample_index, "weight_version": self.weight_version,
                 "buffer": self.buffer.state_dict(), "prompt_source": self.source.state_dict()}
 
+    def snapshot(self) -> dict[str, Any]:
+        """`state_dict()` with the buffer as a `BufferSnapshot` (memory copies of its samples, no JSON lists:
+        what the controller keeps at each rollout boundary; `buffer_snapshot.json_state` makes it `state_dict()`'s
+        form). `load_state_dict` takes either. Taken once per state: the one a rollout leaves is the next one's
+        start unless a `run` or `load_state_dict` came between (only its weight version may differ: a sync), so
+        it is returned again (nobody changes a snapshot)."""
+        cached = self._snapshot
+        if cached is not None and cached[0] == self._changes and not self._running:
+            state = cached[1]
+            return state if state["weight_version"] == self.weight_version else {
+                **state, "weight_version": self.weight_version}
+        state = {"version": 1, "next_group_index": self.next_group_index,
+                 "next_sample_index": self.next_sample_index, "weight_version": self.weight_version,
+                 "buffer": self.buffer.snapshot(), "prompt_source": self.source.state_dict()}
+        if not self._running:
+            self._snapshot = (self._changes, state)
+        return state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != 1:
             raise ValueError(f"rollout scheduler checkpoint has version {state.get('version')!r}, expected 1")
+        self._changes += 1
         self.next_group_index = state["next_group_index"]
         self.next_sample_index = state["next_sample_index"]
         self.weight_version = state["weight_version"]

@@ -285,4 +285,11 @@ def test_a_uniform_sample_survives_the_journal_as_the_same_sample() -> None:
                           groups=[[uniform_sample(1), uniform_sample(2, version=2, length=5)]])
     line, buffers = batch.encode()
     back = RetainedBatch.decode(line + b"".join(bytes(b) for b in buffers))
+    # the one-version column is written as its value (no bytes: only the ids and log-probs are stored) and read
+    # back as a UniformColumn, not expanded to 8 bytes per token
+    assert sum(memoryview(b).nbytes for b in buffers) == sum(
+        len(s.column("response_token_ids")) * 4 + len(s.column("response_logprobs")) * 4
+        for g in batch.groups for s in g)
+    assert all(isinstance(s.compact_columns(expand_uniform=False)["weight_versions"], UniformColumn)
+               for g in back.groups for s in g)
     assert back.groups == [[listed_uniform(1), listed_uniform(2, 2, 5)]]
