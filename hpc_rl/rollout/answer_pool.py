@@ -36,12 +36,20 @@ import logging
 import multiprocessing
 import socket
 import zlib
+from array import array
 from typing import Any
 
 import orjson
 
 from hpc_rl.protocol.http_client import EngineHTTPTransportError
-from hpc_rl.rollout.answer_workers import PREFIX, AnswerNotJSON, encode_frame, join_arrays
+from hpc_rl.rollout.answer_workers import (
+    PREFIX,
+    AnswerNotJSON,
+    array_targets,
+    encode_frame,
+    join_arrays,
+    place_arrays,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +58,33 @@ HEALTH_GRACE_S = 5.0
 
 
 class _FrameReader(asyncio.BufferedProtocol):
-    """The controller's end of a worker's socketpair: each frame is received straight into a buffer of its
-    own size (asyncio's StreamReader appended to one buffer and cut frames out of it: two more copies of
-    every answer, ~15% of the loop's profile)."""
+    """The controller's end of a worker's socketpair. Each frame's prefix and JSON header are received into
+    buffers of their size; an answer's payload (its token ids and log-probs, `arrays` in the header) straight
+    into the arrays the samples keep (answer_workers.array_targets: no frame buffer, no second copy), any
+    other payload into a buffer of its size. asyncio's StreamReader appended to one buffer and cut frames out
+    of it: two more copies of every answer, ~15% of the loop's profile.
+
+    A payload of several arrays is read with one scatter read (`recvmsg_into`) per readiness of the socket,
+    from this protocol's callback (asyncio hands out one buffer per read: an event-loop turn per array);
+    what that read cannot take now, asyncio's next read gets into the array being filled. End of file and
+    errors are left to asyncio's own read of the socket (`connection_lost`)."""
+
+    SCATTER = 512
+    """Arrays per scatter read at most (under the kernel's IOV_MAX of 1,024)."""
 
     def __init__(self, worker: "_Worker") -> None:
         self.worker = worker
         self.transport: asyncio.Transport | None = None
+        self.sock: socket.socket | None = None
+        """The socket the transport reads (set by the pool): the scatter reads of the payload's arrays."""
         self._prefix = bytearray(PREFIX.size)
         self._target = memoryview(self._prefix)
         self._filled = 0
-        self._head_size = -1  # -1: reading a prefix
+        self._stage = 0  # 0: the prefix, 1: the header, 2: the payload
+        self._size = 0
+        self._header: dict[str, Any] = {}
+        self._payload: bytearray | list[array] = bytearray()
+        self._views: list[memoryview] = []  # the payload's arrays still to fill (bytes views), this one first
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -72,15 +96,62 @@ class _FrameReader(asyncio.BufferedProtocol):
         self._filled += nbytes
         if self._filled < len(self._target):
             return
-        if self._head_size < 0:
-            self._head_size, size = PREFIX.unpack(self._prefix)
-            self._target, self._filled = memoryview(bytearray(self._head_size + size)), 0
+        if self._stage == 0:
+            head_size, self._size = PREFIX.unpack(self._prefix)
+            self._stage, self._target, self._filled = 1, memoryview(bytearray(head_size)), 0
             return
-        frame, head_size = self._target, self._head_size
-        self._target, self._filled, self._head_size = memoryview(self._prefix), 0, -1
-        self.worker.answered(orjson.loads(frame[:head_size]), frame[head_size:])
+        if self._stage == 1:
+            self._header = orjson.loads(self._target)
+            self._stage = 2
+            if self._size == 0:
+                return self._deliver(b"")
+            arrays = array_targets(self._header["arrays"], self._size) if "arrays" in self._header else None
+            if arrays is None:
+                self._payload = bytearray(self._size)
+                self._target, self._filled = memoryview(self._payload), 0
+                return
+            self._payload = arrays
+            self._views = [view for view in (memoryview(values).cast("B") for values in arrays) if view.nbytes]
+        elif not self._views:  # a payload of bytes, all here
+            return self._deliver(self._payload)
+        else:
+            self._views.pop(0)
+        if self._views:
+            self._target, self._filled = self._views[0], 0
+            self._scatter()
+            if self._views:
+                return
+        self._deliver(self._payload)
+
+    def _scatter(self) -> None:
+        """Fill the payload's arrays from what the socket holds now, in as few reads as it takes."""
+        views, sock = self._views, self.sock
+        while sock is not None and views:
+            batch = views[:self.SCATTER]
+            batch[0] = batch[0][self._filled:]
+            try:
+                nbytes = sock.recvmsg_into(batch)[0]
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # asyncio's own read of the socket meets the error too and ends the connection
+            if nbytes == 0:
+                return  # end of file: the same
+            self._filled += nbytes
+            while views and self._filled >= len(views[0]):
+                self._filled -= len(views[0])
+                views.pop(0)
+            if views:
+                self._target = views[0]
+
+    def _deliver(self, payload: bytes | bytearray | list[array]) -> None:
+        header = self._header
+        self._target, self._filled, self._stage = memoryview(self._prefix), 0, 0
+        self._header, self._payload, self._views = {}, bytearray(), []
+        self.worker.answered(header, payload)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._views, self._payload = [], bytearray()
         self.worker.ended(exc)
 
 
@@ -89,7 +160,7 @@ class _Worker:
 
     def __init__(self, process: Any) -> None:
         self.process = process
-        self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], memoryview]]] = {}
+        self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], Any]]] = {}
         self.alive = True
         self.reader = _FrameReader(self)
 
@@ -97,7 +168,7 @@ class _Worker:
         assert self.reader.transport is not None
         self.reader.transport.writelines(frame)
 
-    def answered(self, header: dict[str, Any], payload: memoryview) -> None:
+    def answered(self, header: dict[str, Any], payload: bytes | bytearray | list[array]) -> None:
         future = self.pending.pop(header["id"], None)
         if future is not None and not future.done():
             future.set_result((header, payload))
@@ -163,6 +234,7 @@ class AnswerPool:
         await asyncio.to_thread(process.start)  # the spawn writes the child's start data: off the loop
         theirs.close()
         worker = _Worker(process)
+        worker.reader.sock = ours
         await asyncio.get_running_loop().create_unix_connection(lambda: worker.reader, sock=ours)
         self._slots[index] = worker
         if restart:
@@ -201,6 +273,8 @@ class AnswerPool:
         if header.get("raw"):
             return header["status"], bytes(payload)
         self.parsed_in_workers += 1
+        if isinstance(payload, list):  # received straight into its arrays (_FrameReader)
+            return 200, place_arrays(header["body"], header["arrays"], payload)
         return 200, join_arrays(header["body"], header["arrays"], payload)
 
     async def probe_health(self, urls: list[str], timeout_s: float, concurrency: int = 64) -> list[bool | None]:
