@@ -137,10 +137,11 @@ class _FrameReader(asyncio.BufferedProtocol):
                 return  # asyncio's own read of the socket meets the error too and ends the connection
             if nbytes == 0:
                 return  # end of file: the same
-            self._filled += nbytes
-            while views and self._filled >= len(views[0]):
-                self._filled -= len(views[0])
+            filled = self._filled + nbytes
+            while views and filled >= (size := views[0].nbytes):
+                filled -= size
                 views.pop(0)
+            self._filled = filled
             if views:
                 self._target = views[0]
 

@@ -450,8 +450,8 @@ class _Turns:
         _append(sample, token_ids, logprobs, versions, text, trained=True, adopt=True)
         keep_reward(session.client.worker_rewards, sample, self.scoring, body, payload["rid"], text)
         metrics.generated_tokens += len(token_ids)
-        finish = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) \
-            else meta.get("finish_reason")
+        reason = meta.get("finish_reason")
+        finish = reason.get("type") if isinstance(reason, dict) else reason
         if finish == "abort":
             metrics.requests_aborted += 1
             if session.stopped.is_set():

@@ -79,8 +79,11 @@ def weight_version_column(meta_info: dict[str, Any], n_tokens: int, fallback: in
     that are not integers ("default"), get `fallback` (the version the controller believes is loaded).
     """
     single = version_to_int(meta_info.get("weight_version"), fallback)
+    given = meta_info.get("weight_versions")
+    if not given:  # SGLang's answers: one version, no spans
+        return UniformColumn(single, n_tokens)
     spans = []
-    for span in meta_info.get("weight_versions") or []:
+    for span in given:
         try:
             start, end = int(span["start"]), int(span["end"])
         except (KeyError, TypeError, ValueError):
