@@ -83,15 +83,21 @@ def weight_version_column(meta_info: dict[str, Any], n_tokens: int, fallback: in
     if not given:  # SGLang's answers: one version, no spans
         return UniformColumn(single, n_tokens)
     spans = []
+    uniform = True
     for span in given:
         try:
             start, end = int(span["start"]), int(span["end"])
         except (KeyError, TypeError, ValueError):
             continue
-        start, end = max(0, start), min(n_tokens, end)
+        if start < 0:
+            start = 0
+        if end > n_tokens:
+            end = n_tokens
         if start < end:
-            spans.append((start, end, version_to_int(span.get("version"), fallback)))
-    if all(version == single for _, _, version in spans):
+            version = version_to_int(span.get("version"), fallback)
+            spans.append((start, end, version))
+            uniform = uniform and version == single
+    if uniform:
         return UniformColumn(single, n_tokens)
     versions = array("q", (single,)) * n_tokens
     for start, end, version in spans:  # a slice, not a loop per token (~40 us per 1,000 tokens)
