@@ -252,7 +252,9 @@ class AnswerPool:
         not JSON. `score` (worker_rewards.score_header): the worker also scores the answers' rule rewards."""
         url = url.rstrip("/")
         index = self._home.setdefault(url, len(self._home) % self.workers)
-        worker = await self._worker(index)
+        worker = self._slots[index]
+        if worker is None or not worker.alive:
+            worker = await self._worker(index)
         request_id = next(self._ids)
         future: asyncio.Future[tuple[dict[str, Any], bytes]] = asyncio.get_running_loop().create_future()
         worker.pending[request_id] = future
