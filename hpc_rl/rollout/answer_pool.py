@@ -64,10 +64,11 @@ class _FrameReader(asyncio.BufferedProtocol):
     other payload into a buffer of its size. asyncio's StreamReader appended to one buffer and cut frames out
     of it: two more copies of every answer, ~15% of the loop's profile.
 
-    A payload of several arrays is read with one scatter read (`recvmsg_into`) per readiness of the socket,
-    from this protocol's callback (asyncio hands out one buffer per read: an event-loop turn per array);
-    what that read cannot take now, asyncio's next read gets into the array being filled. End of file and
-    errors are left to asyncio's own read of the socket (`connection_lost`)."""
+    asyncio hands out one buffer per read, and a read per event-loop turn: a frame of a header and 16 arrays
+    would take 18 turns. So once asyncio has read a frame's prefix, the rest of the frame that is already in
+    the socket is read from this protocol's callback: the header with one read, the payload's arrays with one
+    scatter read (`recvmsg_into`); what is not there yet, asyncio's next read gets into the buffer being filled.
+    End of file and errors are left to asyncio's own read of the socket (`connection_lost`)."""
 
     SCATTER = 512
     """Arrays per scatter read at most (under the kernel's IOV_MAX of 1,024)."""
@@ -76,7 +77,7 @@ class _FrameReader(asyncio.BufferedProtocol):
         self.worker = worker
         self.transport: asyncio.Transport | None = None
         self.sock: socket.socket | None = None
-        """The socket the transport reads (set by the pool): the scatter reads of the payload's arrays."""
+        """The socket the transport reads (set by the pool), for the reads made here; None: asyncio's reads only."""
         self._prefix = bytearray(PREFIX.size)
         self._target = memoryview(self._prefix)
         self._filled = 0
@@ -84,7 +85,7 @@ class _FrameReader(asyncio.BufferedProtocol):
         self._size = 0
         self._header: dict[str, Any] = {}
         self._payload: bytearray | list[array] = bytearray()
-        self._views: list[memoryview] = []  # the payload's arrays still to fill (bytes views), this one first
+        self._views: list[memoryview] = []  # the payload's arrays still to fill (bytes views), the target first
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -94,12 +95,16 @@ class _FrameReader(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._filled += nbytes
-        if self._filled < len(self._target):
-            return
+        while self._filled >= self._target.nbytes and self._advance() and self._pull():
+            pass
+
+    def _advance(self) -> bool:
+        """The target is full: on to the next one (delivering a finished frame). False when the frame was delivered
+        (the next prefix is left to asyncio's read: frames come a while apart)."""
         if self._stage == 0:
             head_size, self._size = PREFIX.unpack(self._prefix)
             self._stage, self._target, self._filled = 1, memoryview(bytearray(head_size)), 0
-            return
+            return True
         if self._stage == 1:
             self._header = orjson.loads(self._target)
             self._stage = 2
@@ -109,47 +114,51 @@ class _FrameReader(asyncio.BufferedProtocol):
             if arrays is None:
                 self._payload = bytearray(self._size)
                 self._target, self._filled = memoryview(self._payload), 0
-                return
+                return True
             self._payload = arrays
             self._views = [view for view in (memoryview(values).cast("B") for values in arrays) if view.nbytes]
         elif not self._views:  # a payload of bytes, all here
             return self._deliver(self._payload)
         else:
             self._views.pop(0)
-        if self._views:
-            self._target, self._filled = self._views[0], 0
-            self._scatter()
-            if self._views:
-                return
-        self._deliver(self._payload)
+        if not self._views:
+            return self._deliver(self._payload)
+        self._target, self._filled = self._views[0], 0
+        return True
 
-    def _scatter(self) -> None:
-        """Fill the payload's arrays from what the socket holds now, in as few reads as it takes."""
-        views, sock = self._views, self.sock
-        while sock is not None and views:
-            batch = views[:self.SCATTER]
-            batch[0] = batch[0][self._filled:]
-            try:
+    def _pull(self) -> bool:
+        """Read what the socket holds now into the target (and, in a payload of arrays, the arrays after it); True
+        when the target was filled."""
+        sock = self.sock
+        if sock is None:
+            return False
+        views = self._views
+        try:
+            if views:
+                batch = views[:self.SCATTER]
+                batch[0] = batch[0][self._filled:]
                 nbytes = sock.recvmsg_into(batch)[0]
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return  # asyncio's own read of the socket meets the error too and ends the connection
-            if nbytes == 0:
-                return  # end of file: the same
-            filled = self._filled + nbytes
-            while views and filled >= (size := views[0].nbytes):
+            else:
+                nbytes = sock.recv_into(self._target[self._filled:])
+        except OSError:  # BlockingIOError: nothing there yet; anything else: asyncio's own read meets it too
+            return False
+        if nbytes == 0:
+            return False  # end of file: the same
+        filled = self._filled + nbytes
+        if views:  # whole arrays filled go (the last one filled stays the target: `_advance` takes it)
+            while len(views) > 1 and filled >= (size := views[0].nbytes):
                 filled -= size
                 views.pop(0)
-            self._filled = filled
-            if views:
-                self._target = views[0]
+            self._target = views[0]
+        self._filled = filled
+        return filled >= self._target.nbytes
 
-    def _deliver(self, payload: bytes | bytearray | list[array]) -> None:
+    def _deliver(self, payload: bytes | bytearray | list[array]) -> bool:
         header = self._header
         self._target, self._filled, self._stage = memoryview(self._prefix), 0, 0
         self._header, self._payload, self._views = {}, bytearray(), []
         self.worker.answered(header, payload)
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._views, self._payload = [], bytearray()

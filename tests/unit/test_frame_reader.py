@@ -45,7 +45,7 @@ def answer_frame(request_id: int, lengths: list[int]) -> tuple[list[Any], list[d
 
 
 class ShortReads:
-    """A socket whose scatter reads return at most `limit` bytes (the kernel may return less than it holds)."""
+    """A socket whose reads return at most `limit` bytes (the kernel may return less than it holds)."""
 
     def __init__(self, sock: socket.socket, limit: int) -> None:
         self.sock, self.limit = sock, limit
@@ -58,6 +58,9 @@ class ShortReads:
             cut.append(buffer[:left])
             left -= len(cut[-1])
         return self.sock.recvmsg_into(cut)
+
+    def recv_into(self, buffer: memoryview) -> int:
+        return self.sock.recv_into(buffer[:self.limit])
 
 
 async def read_frames(chunks: list[bytes], *, close: bool = False, scatter: int | None = 0) -> FakeWorker:
