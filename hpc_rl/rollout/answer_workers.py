@@ -89,8 +89,8 @@ def join_arrays(body: Any, specs: list[list[Any]], payload: bytes) -> Any:
 def array_targets(specs: Any, size: int) -> list[array] | None:
     """Empty-valued arrays to receive a frame's payload into, one per spec of `split_arrays` (in the payload's
     order), so the payload lands in the arrays the samples keep (no buffer, no second copy; answer_pool's frame
-    reader); None when the specs do not account for exactly `size` bytes (the payload is then read as bytes and
-    `join_arrays` raises as before)."""
+    reader); None when the specs do not account for exactly `size` bytes (the payload is then read as bytes, and
+    `join_arrays` makes of it what it made before)."""
     codes = dict(ARRAY_FIELDS)
     arrays: list[array] = []
     total = 0
