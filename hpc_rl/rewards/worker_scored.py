@@ -41,6 +41,7 @@ from hpc_rl.rewards.scoring import REMOTE_RM, UnknownRewardType, check_rm_type, 
 from hpc_rl.rewards.sympy_bound import take_give_ups
 
 _INT64 = 1 << 63
+_UNSEEN: Any = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,14 +75,24 @@ def _label_travels(label: Any) -> bool:
 
 def scoring_request(rm_type: str | None, sample: Sample) -> dict[str, Any] | None:
     """What a worker needs to score `sample`'s answer under the run's `rm_type`, or None (see the module doc)."""
+    chosen = _rule_grader(rm_type, sample.metadata)
+    if chosen is None or not _label_travels(sample.label):
+        return None
+    return {"rm_type": chosen, "label": sample.label}
+
+
+def _rule_grader(rm_type: str | None, metadata: Any) -> str | None:
+    """The rm type that applies to a sample of this `metadata` when it is a rule grader a worker can run, else None."""
     try:
-        chosen = resolve_rm_type(rm_type, sample.metadata)
+        chosen = resolve_rm_type(rm_type, metadata)
         check_rm_type(chosen)
     except UnknownRewardType:
         return None
-    if split_boxed_prefix(chosen)[1] == REMOTE_RM or not _label_travels(sample.label):
-        return None
-    return {"rm_type": chosen, "label": sample.label}
+    return None if split_boxed_prefix(chosen)[1] == REMOTE_RM else chosen
+
+
+_GRADERS_KEPT = 64
+"""`WorkerRewards.request` remembers the verdict of this many rm type names at most (a run has a few)."""
 
 
 def score_answer(request: dict[str, Any], text: str) -> dict[str, Any]:
@@ -123,6 +134,11 @@ class WorkerRewards:
         self.rm_type = rm_type
         self._kept: dict[int, _Kept] = {}
         self._drop = self._dropped  # one callback for every sample's weak reference
+        self._graders: dict[str, str | None] = {}
+        """`_rule_grader` per rm type name (the run's, or a sample's `metadata["rm_type"]`): once per name, not per
+        request."""
+        self._label: Any = _UNSEEN  # the last label asked about (a group's samples share theirs) and its verdict
+        self._label_travels = False
 
     def _dropped(self, kept: _Kept) -> None:
         if self._kept.get(kept.key) is kept:
@@ -132,8 +148,24 @@ class WorkerRewards:
         return len(self._kept)
 
     def request(self, sample: Sample) -> dict[str, Any] | None:
-        """`scoring_request` under the run's rm type."""
-        return scoring_request(self.rm_type, sample)
+        """`scoring_request` under the run's rm type (its verdicts on the rm type and on the label remembered)."""
+        metadata = sample.metadata
+        named = (metadata.get("rm_type") if metadata else None) or self.rm_type
+        if type(named) is not str:
+            return scoring_request(self.rm_type, sample)
+        chosen = self._graders.get(named, _UNSEEN)
+        if chosen is _UNSEEN:
+            chosen = _rule_grader(named, None)
+            if len(self._graders) < _GRADERS_KEPT:
+                self._graders[named] = chosen
+        if chosen is None:
+            return None
+        label = sample.label
+        if label is not self._label:  # the same object: the same verdict (a label that travels is immutable)
+            self._label, self._label_travels = label, _label_travels(label)
+        if not self._label_travels:
+            return None
+        return {"rm_type": chosen, "label": label}
 
     def keep(self, sample: Sample, request: dict[str, Any], record: Any, text: str) -> None:
         """Keep a worker's `record` for `sample`, whose answer `text` was just appended: usable while the sample's

@@ -36,13 +36,21 @@ import logging
 import multiprocessing
 import socket
 import zlib
+from array import array
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import orjson
 
 from hpc_rl.protocol.http_client import EngineHTTPTransportError
-from hpc_rl.rollout.answer_workers import PREFIX, AnswerNotJSON, encode_frame, join_arrays
+from hpc_rl.rollout.answer_workers import (
+    PREFIX,
+    AnswerNotJSON,
+    array_targets,
+    encode_frame,
+    join_arrays,
+    place_arrays,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,17 +68,34 @@ class FrameStream(Protocol):
 
 
 class _FrameReader(asyncio.BufferedProtocol):
-    """The controller's end of a worker's socketpair: each frame is received straight into a buffer of its
-    own size (asyncio's StreamReader appended to one buffer and cut frames out of it: two more copies of
-    every answer, ~15% of the loop's profile)."""
+    """The controller's end of a worker's socketpair. Each frame's prefix and JSON header are received into
+    buffers of their size; an answer's payload (its token ids and log-probs, `arrays` in the header) straight
+    into the arrays the samples keep (answer_workers.array_targets: no frame buffer, no second copy), any
+    other payload into a buffer of its size. asyncio's StreamReader appended to one buffer and cut frames out
+    of it: two more copies of every answer, ~15% of the loop's profile.
+
+    asyncio hands out one buffer per read, and a read per event-loop turn: a frame of a header and 16 arrays
+    would take 18 turns. So once asyncio has read a frame's prefix, the rest of the frame that is already in
+    the socket is read from this protocol's callback: the header with one read, the payload's arrays with one
+    scatter read (`recvmsg_into`); what is not there yet, asyncio's next read gets into the buffer being filled.
+    End of file and errors are left to asyncio's own read of the socket (`connection_lost`)."""
+
+    SCATTER = 512
+    """Arrays per scatter read at most (under the kernel's IOV_MAX of 1,024)."""
 
     def __init__(self, worker: "_Worker") -> None:
         self.worker = worker
         self.transport: asyncio.Transport | None = None
+        self.sock: socket.socket | None = None
+        """The socket the transport reads (set by the pool), for the reads made here; None: asyncio's reads only."""
         self._prefix = bytearray(PREFIX.size)
         self._target = memoryview(self._prefix)
         self._filled = 0
-        self._head_size = -1  # -1: reading a prefix
+        self._stage = 0  # 0: the prefix, 1: the header, 2: the payload
+        self._size = 0
+        self._header: dict[str, Any] = {}
+        self._payload: bytearray | list[array] = bytearray()
+        self._views: list[memoryview] = []  # the payload's arrays still to fill (bytes views), the target first
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -80,17 +105,73 @@ class _FrameReader(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._filled += nbytes
-        if self._filled < len(self._target):
-            return
-        if self._head_size < 0:
-            self._head_size, size = PREFIX.unpack(self._prefix)
-            self._target, self._filled = memoryview(bytearray(self._head_size + size)), 0
-            return
-        frame, head_size = self._target, self._head_size
-        self._target, self._filled, self._head_size = memoryview(self._prefix), 0, -1
-        self.worker.answered(orjson.loads(frame[:head_size]), frame[head_size:])
+        while self._filled >= self._target.nbytes and self._advance() and self._pull():
+            pass
+
+    def _advance(self) -> bool:
+        """The target is full: on to the next one (delivering a finished frame). False when the frame was delivered
+        (the next prefix is left to asyncio's read: frames come a while apart)."""
+        if self._stage == 0:
+            head_size, self._size = PREFIX.unpack(self._prefix)
+            self._stage, self._target, self._filled = 1, memoryview(bytearray(head_size)), 0
+            return True
+        if self._stage == 1:
+            self._header = orjson.loads(self._target)
+            self._stage = 2
+            if self._size == 0:
+                return self._deliver(b"")
+            arrays = array_targets(self._header["arrays"], self._size) if "arrays" in self._header else None
+            if arrays is None:
+                self._payload = bytearray(self._size)
+                self._target, self._filled = memoryview(self._payload), 0
+                return True
+            self._payload = arrays
+            self._views = [view for view in (memoryview(values).cast("B") for values in arrays) if view.nbytes]
+        elif not self._views:  # a payload of bytes, all here
+            return self._deliver(self._payload)
+        else:
+            self._views.pop(0)
+        if not self._views:
+            return self._deliver(self._payload)
+        self._target, self._filled = self._views[0], 0
+        return True
+
+    def _pull(self) -> bool:
+        """Read what the socket holds now into the target (and, in a payload of arrays, the arrays after it); True
+        when the target was filled."""
+        sock = self.sock
+        if sock is None:
+            return False
+        views = self._views
+        try:
+            if views:
+                batch = views[:self.SCATTER]
+                batch[0] = batch[0][self._filled:]
+                nbytes = sock.recvmsg_into(batch)[0]
+            else:
+                nbytes = sock.recv_into(self._target[self._filled:])
+        except OSError:  # BlockingIOError: nothing there yet; anything else: asyncio's own read meets it too
+            return False
+        if nbytes == 0:
+            return False  # end of file: the same
+        filled = self._filled + nbytes
+        if views:  # whole arrays filled go (the last one filled stays the target: `_advance` takes it)
+            while len(views) > 1 and filled >= (size := views[0].nbytes):
+                filled -= size
+                views.pop(0)
+            self._target = views[0]
+        self._filled = filled
+        return filled >= self._target.nbytes
+
+    def _deliver(self, payload: bytes | bytearray | list[array]) -> bool:
+        header = self._header
+        self._target, self._filled, self._stage = memoryview(self._prefix), 0, 0
+        self._header, self._payload, self._views = {}, bytearray(), []
+        self.worker.answered(header, payload)
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._views, self._payload = [], bytearray()
         self.worker.ended(exc)
 
 
@@ -99,7 +180,7 @@ class _Worker:
 
     def __init__(self, process: Any) -> None:
         self.process = process
-        self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], memoryview]]] = {}
+        self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], Any]]] = {}
         self.streams: dict[int, FrameStream] = {}
         """Requests answered by several frames (`AnswerPool.send_streams`), by id."""
         self.alive = True
@@ -109,7 +190,7 @@ class _Worker:
         assert self.reader.transport is not None
         self.reader.transport.writelines(frame)
 
-    def answered(self, header: dict[str, Any], payload: memoryview) -> None:
+    def answered(self, header: dict[str, Any], payload: bytes | bytearray | list[array]) -> None:
         stream = self.streams.get(header["id"])
         if stream is not None:
             if header.get("end"):
@@ -184,6 +265,7 @@ class AnswerPool:
         await asyncio.to_thread(process.start)  # the spawn writes the child's start data: off the loop
         theirs.close()
         worker = _Worker(process)
+        worker.reader.sock = ours
         await asyncio.get_running_loop().create_unix_connection(lambda: worker.reader, sock=ours)
         self._slots[index] = worker
         if restart:
@@ -199,7 +281,10 @@ class AnswerPool:
         controller's own client raises it (and when the worker ended); AnswerNotJSON for a 200 body that is
         not JSON. `score` (worker_rewards.score_header): the worker also scores the answers' rule rewards."""
         url = url.rstrip("/")
-        worker = await self._worker(self.home(url))
+        index = self.home(url)
+        worker = self._slots[index]
+        if worker is None or not worker.alive:
+            worker = await self._worker(index)
         request_id = next(self._ids)
         future: asyncio.Future[tuple[dict[str, Any], bytes]] = asyncio.get_running_loop().create_future()
         worker.pending[request_id] = future
@@ -221,6 +306,8 @@ class AnswerPool:
         if header.get("raw"):
             return header["status"], bytes(payload)
         self.parsed_in_workers += 1
+        if isinstance(payload, list):  # received straight into its arrays (_FrameReader)
+            return 200, place_arrays(header["body"], header["arrays"], payload)
         return 200, join_arrays(header["body"], header["arrays"], payload)
 
     async def probe_health(self, urls: list[str], timeout_s: float, concurrency: int = 64) -> list[bool | None]:

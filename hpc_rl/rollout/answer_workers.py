@@ -87,6 +87,38 @@ def join_arrays(body: Any, specs: list[list[Any]], payload: bytes) -> Any:
     return body
 
 
+def array_targets(specs: Any, size: int) -> list[array] | None:
+    """Empty-valued arrays to receive a frame's payload into, one per spec of `split_arrays` (in the payload's
+    order), so the payload lands in the arrays the samples keep (no buffer, no second copy; answer_pool's frame
+    reader); None when the specs do not account for exactly `size` bytes (the payload is then read as bytes, and
+    `join_arrays` makes of it what it made before)."""
+    codes = dict(ARRAY_FIELDS)
+    arrays: list[array] = []
+    total = 0
+    try:
+        for _, field, count in specs:
+            values = array(codes[field], _ZERO[field]) * count
+            total += len(values) * values.itemsize
+            arrays.append(values)
+    except (TypeError, ValueError, KeyError, OverflowError, MemoryError):
+        return None
+    return arrays if total == size else None
+
+
+_ZERO = {"ids": (0,), "logprobs": (0.0,)}
+
+
+def place_arrays(body: Any, specs: list[list[Any]], arrays: list[array]) -> Any:
+    """Put the arrays `array_targets` made (and the payload filled) back into `body`, as `join_arrays` does."""
+    items = body if isinstance(body, list) else [body]
+    for (index, field, _), values in zip(specs, arrays):
+        if field == "ids":
+            items[index]["output_ids"] = values
+        else:
+            items[index]["meta_info"]["output_token_logprobs"] = values
+    return body
+
+
 class AnswerNotJSON(ValueError):
     """The body is not JSON; the message is orjson's."""
 

@@ -316,11 +316,18 @@ class EngineClient:
         queued: list[tuple[int, dict[str, Any]]] = []
         alone: list[tuple[int, dict[str, Any]]] = []
         batching = group is not None and self.batch_requests
+        context, lora_path = self.context_length, self.lora_path
+        longest = longest_served_prompt(context) if context else 0
         for position, payload in enumerate(payloads):
-            if self.lora_path is not None and "lora_path" not in payload:
-                payload = {**payload, "lora_path": self.lora_path}
-            payload = clip_to_context(payload, self.context_length)
-            full = context_full_answer(payload, self.context_length)
+            if lora_path is not None and "lora_path" not in payload:
+                payload = {**payload, "lora_path": lora_path}
+            ids, params = payload.get("input_ids"), payload.get("sampling_params")
+            if context and type(ids) is list and type(params) is dict and len(ids) <= longest \
+                    and type(max_new := params.get("max_new_tokens", 128)) is int and max_new <= context - len(ids):
+                full = None  # the common case, checked inline: fits the context as it is (clip_to_context's rule)
+            else:
+                payload = clip_to_context(payload, context)
+                full = context_full_answer(payload, context)
             if full is not None:
                 outcomes[position] = GenerateAnswer(body=full, engine_url=None)
             elif batching and batchable(payload):

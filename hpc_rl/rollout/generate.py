@@ -445,13 +445,14 @@ class _Turns:
                 raise RunEndingGenerationError(f"sample {sample.index}: {error}") from None
             append_top_logprobs(sample, *head)
         text = str(body.get("text") or "")
-        # The answer's arrays were made for this exchange (answer_pool.join_arrays, compact_answers; the version
-        # column just above) and nothing reads the body's after this: a fresh sample holds them, uncopied.
+        # The answer's arrays were made for this exchange (answer_workers.array_targets in the frame reader,
+        # compact_answers; the version column just above) and nothing reads the body's after this: a fresh sample
+        # holds them, uncopied.
         _append(sample, token_ids, logprobs, versions, text, trained=True, adopt=True)
         keep_reward(session.client.worker_rewards, sample, self.scoring, body, payload["rid"], text)
         metrics.generated_tokens += len(token_ids)
-        finish = (meta.get("finish_reason") or {}).get("type") if isinstance(meta.get("finish_reason"), dict) \
-            else meta.get("finish_reason")
+        reason = meta.get("finish_reason")
+        finish = reason.get("type") if isinstance(reason, dict) else reason
         if finish == "abort":
             metrics.requests_aborted += 1
             if session.stopped.is_set():

@@ -37,7 +37,7 @@ class BatchAnswerError(ValueError):
 def batchable(payload: dict[str, Any]) -> bool:
     """A single `/generate` body of token ids and a string rid, nothing else."""
     ids = payload.get("input_ids")
-    return (set(payload) <= BATCHABLE_KEYS and isinstance(payload.get("rid"), str) and isinstance(ids, list)
+    return (payload.keys() <= BATCHABLE_KEYS and isinstance(payload.get("rid"), str) and isinstance(ids, list)
             and bool(ids) and not isinstance(ids[0], list))
 
 
@@ -51,14 +51,17 @@ def merge_payloads(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The batched body of `batchable` payloads, items in order."""
     body: dict[str, Any] = {"rid": [p["rid"] for p in payloads], "input_ids": [p["input_ids"] for p in payloads],
                             "sampling_params": _shared_or_each([p.get("sampling_params") or {} for p in payloads])}
-    if any("return_logprob" in p for p in payloads):
+    present: set[str] = set()
+    for p in payloads:
+        present.update(p)
+    if "return_logprob" in present:
         body["return_logprob"] = _shared_or_each([bool(p.get("return_logprob", False)) for p in payloads])
-    if any("lora_path" in p for p in payloads):  # the LoRA adapter each item samples from (issue 33)
+    if "lora_path" in present:  # the LoRA adapter each item samples from (issue 33)
         body["lora_path"] = _shared_or_each([p.get("lora_path") for p in payloads])
-    if any("top_logprobs_num" in p for p in payloads):  # score centering: one k, or one per item
+    if "top_logprobs_num" in present:  # score centering: one k, or one per item
         body["top_logprobs_num"] = _shared_or_each([int(p.get("top_logprobs_num") or 0) for p in payloads])
-    if any(p.get("return_routed_experts") for p in payloads):  # SGLang takes one value for a whole batch
-        body["return_routed_experts"] = True
+    if "return_routed_experts" in present and any(p.get("return_routed_experts") for p in payloads):
+        body["return_routed_experts"] = True  # SGLang takes one value for a whole batch
     return body
 
 

@@ -79,16 +79,25 @@ def weight_version_column(meta_info: dict[str, Any], n_tokens: int, fallback: in
     that are not integers ("default"), get `fallback` (the version the controller believes is loaded).
     """
     single = version_to_int(meta_info.get("weight_version"), fallback)
+    given = meta_info.get("weight_versions")
+    if not given:  # SGLang's answers: one version, no spans
+        return UniformColumn(single, n_tokens)
     spans = []
-    for span in meta_info.get("weight_versions") or []:
+    uniform = True
+    for span in given:
         try:
             start, end = int(span["start"]), int(span["end"])
         except (KeyError, TypeError, ValueError):
             continue
-        start, end = max(0, start), min(n_tokens, end)
+        if start < 0:
+            start = 0
+        if end > n_tokens:
+            end = n_tokens
         if start < end:
-            spans.append((start, end, version_to_int(span.get("version"), fallback)))
-    if all(version == single for _, _, version in spans):
+            version = version_to_int(span.get("version"), fallback)
+            spans.append((start, end, version))
+            uniform = uniform and version == single
+    if uniform:
         return UniformColumn(single, n_tokens)
     versions = array("q", (single,)) * n_tokens
     for start, end, version in spans:  # a slice, not a loop per token (~40 us per 1,000 tokens)
