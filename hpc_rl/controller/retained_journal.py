@@ -9,11 +9,12 @@ resume keeps):
 
 A record's JSON line holds the rollout (id, weight version, session, `state_before` digest, `state_after`, metrics)
 and its groups' samples in `Sample.to_dict`'s form, less their per-token data: the compact columns
-(`Sample.compact_columns`: tokens, log-probs and weight versions as `array('q'/'d')`) and the numpy fields
+(`Sample.compact_columns`: tokens, log-probs and weight versions as `array('q'/'d')`, tokens and log-probs also
+narrow, `array('i'/'f')`: data/column_forms.py) and the numpy fields
 (routed experts, top-k log-probs) follow the line as their own bytes, each described in its sample's `"raw"`
 ([field, numpy dtype, shape], in order; a column in the narrowest dtype that holds its numbers exactly, or with a
 4th item, the value of all its elements, and no bytes) and read back as the same arrays (the columns as compact
-columns again, of their own types: the same bytes).
+columns again: in the form stored, narrow or wide; the same numbers).
 Why: as JSON, every token was a Python object to make (reading `response_token_ids` turns a column into a list)
 and to print (0.37 CPU-s per 1,000 full-length samples at bench_scale's N=256, as much as the rest of the
 controller's per-sample work), and the trainer's packing then walked those lists again; raw, a sample costs its
@@ -43,6 +44,7 @@ import numpy as np
 import orjson
 
 from hpc_rl.controller.state_digest import DIGEST, KINDS
+from hpc_rl.data.column_forms import COLUMN_FORMS, DTYPES
 from hpc_rl.data.samples import COLUMN_TYPECODES, Group, Sample
 from hpc_rl.data.uniform_column import UniformColumn
 from hpc_rl.rollout.buffer_snapshot import BufferSnapshot
@@ -65,7 +67,7 @@ _RECORD = re.compile(r"rollout-(\d+)\.rec")
 _NUMPY_FIELDS = ("routed_experts", "top_logprob_ids", "top_logprobs")
 _JSON_FIELDS = tuple(f.name for f in fields(Sample) if f.name not in _NUMPY_FIELDS)
 _COLUMN_DTYPES = {name: np.dtype(code) for name, code in COLUMN_TYPECODES.items()}
-_DTYPE_STR = {code: np.dtype(code).str for code in set(COLUMN_TYPECODES.values())}
+_DTYPE_STR = {code: dtype.str for code, dtype in DTYPES.items()}
 _INT32 = np.iinfo(np.int32)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -198,13 +200,18 @@ def _column_raw(name: str, values: array | UniformColumn) -> tuple[list[Any], me
     log-probs are the engines' float32 values (float64 only when one is not).
     Measured (2,048 samples of 1,500-3,500 tokens, caches cold as after a rollout, whole `Retention._write`): 40 us
     per sample with min/max for the token ids and a float comparison for the log-probs, 37.5 with one OR pass and a
-    byte comparison of the log-probs' round trip; the same columns unnarrowed, 25.5 (twice the bytes)."""
+    byte comparison of the log-probs' round trip; the same columns unnarrowed, 25.5 (twice the bytes).
+    A column already narrow (`array('i'/'f')`, as the answer workers send them) is written as it is."""
     if isinstance(values, UniformColumn):  # one weight version throughout (data/uniform_column.py): no bytes
         return [name, _DTYPE_STR["q"], [len(values)], values.value], None
-    numbers = np.frombuffer(values, dtype=_COLUMN_DTYPES[name]) if len(values) else None
+    numbers = np.frombuffer(values, dtype=DTYPES[values.typecode]) if len(values) else None
     if numbers is None:
         return [name, _DTYPE_STR[values.typecode], [0]], None
-    if values.typecode == "q":
+    if values.typecode == "i":
+        first = values[0]
+        if values[-1] == first and bool((numbers == first).all()):
+            return [name, _DTYPE_STR["i"], [len(values)], first], None
+    elif values.typecode == "q":
         first = values[0]
         if values[-1] == first and bool((numbers == first).all()):
             return [name, _DTYPE_STR["q"], [len(values)], first], None
@@ -217,6 +224,15 @@ def _column_raw(name: str, values: array | UniformColumn) -> tuple[list[Any], me
         if narrow.astype(np.float64).tobytes() == numbers.tobytes():  # the same bits back (NaNs too; -0.0 kept)
             numbers = narrow
     return [name, numbers.dtype.str, [len(values)]], memoryview(numbers).cast("B")
+
+
+def _stored_form(name: str, dtype: np.dtype) -> str:
+    """The typecode a column stored as `dtype` is read back as: its own form when it is one of the column's
+    (`COLUMN_FORMS`, native byte order), else the column's wide one."""
+    for code in COLUMN_FORMS[name]:
+        if DTYPES[code] == dtype:
+            return code
+    return COLUMN_TYPECODES[name]
 
 
 class _RawReader:
@@ -243,14 +259,15 @@ def _sample_from_header(data: dict[str, Any], reader: _RawReader) -> Sample:
         dtype = np.dtype(dtype_str)
         if name in COLUMN_TYPECODES and fill:  # every element that value
             columns[name] = (UniformColumn(fill[0], int(shape[0])) if name == "weight_versions"
-                             else array(COLUMN_TYPECODES[name], fill) * int(shape[0]))
+                             else array(_stored_form(name, dtype), fill) * int(shape[0]))
             continue
         taken = reader.take(dtype, shape)
         if name in COLUMN_TYPECODES:
-            column = array(COLUMN_TYPECODES[name])
-            if dtype == _COLUMN_DTYPES[name]:
+            code = _stored_form(name, dtype)
+            column = array(code)
+            if dtype == DTYPES[code]:  # kept in the form stored (narrow or wide: data/column_forms.py)
                 column.frombytes(taken)
-            else:  # stored narrower (or in the other byte order): the same numbers
+            else:  # stored in another dtype (or the other byte order): the same numbers, wide
                 column.frombytes(np.frombuffer(taken, dtype=dtype).astype(_COLUMN_DTYPES[name]).tobytes())
             columns[name] = column
         elif name in _NUMPY_FIELDS:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from hpc_rl.data.column_forms import COLUMN_FORMS, DTYPES
 from hpc_rl.data.samples import COLUMN_TYPECODES, Sample
 from hpc_rl.rollout.buffer_snapshot import BufferSnapshot, json_state
 
@@ -89,10 +90,13 @@ def _update_with_sample(digest: Any, sample: Sample) -> None:
 
 
 def _column_bytes(name: str, values: Any) -> memoryview:
-    """A per-token column's numbers as little-endian int64 / float64 bytes, from a compact column as it is."""
+    """A per-token column's numbers as little-endian int64 / float64 bytes, from a compact column as it is: the
+    same bytes whichever form it is held in (a narrow `array('i'/'f')` is widened: data/column_forms.py)."""
     dtype = _CANONICAL[name]
     if isinstance(values, array) and values.typecode == COLUMN_TYPECODES[name] and np.dtype(values.typecode) == dtype:
         numbers = np.frombuffer(values, dtype=dtype) if len(values) else np.zeros(0, dtype)
+    elif isinstance(values, array) and values.typecode in COLUMN_FORMS[name]:
+        numbers = np.frombuffer(values, dtype=DTYPES[values.typecode]).astype(dtype) if len(values) else np.zeros(0, dtype)
     else:
         numbers = np.asarray(values if len(values) else [], dtype=dtype)
     if dtype.kind == "f" and len(numbers) and not np.isfinite(numbers).all():

@@ -202,7 +202,9 @@ def pack_samples(samples: list[Sample], rewards: list[float], allocate: Allocate
     return arrays
 
 
-_ARRAY_DTYPES = {"q": np.int64, "d": np.float64}
+_ARRAY_DTYPES = {"q": np.int64, "d": np.float64, "i": np.int32, "f": np.float32}
+"""numpy's type of each compact column's typecode (narrow columns too: data/column_forms.py); the packed array's own
+dtype is the caller's (`_concatenate` casts into it: a narrow column gives the same numbers)."""
 
 
 def _as_numpy(values: Sequence[Any], dtype: type) -> np.ndarray:

@@ -8,7 +8,9 @@ Per-token columns. A full-length response is thousands of tokens, and the contro
 every engine: as Python lists its tokens, log-probs and versions cost a list item each to build from the
 engine's answer and again to pack for the trainer (~200 us per sample, most of the coordinating process's
 per-token work in benchmarks/bench_scale.py). So generation appends them to compact arrays
-(`array('q')` tokens and versions, `array('d')` log-probs: the same values) held beside the fields
+(`array('q')` tokens and versions, `array('d')` log-probs: the same values; tokens and log-probs also in their
+narrow forms, `array('i')` / `array('f')`, when those hold the same numbers exactly: data/column_forms.py, what
+the answer workers send) held beside the fields
 (`extend_response`), and the controller's own readers take them as they are (`column`, `response_length`,
 the trainer's packing). The fields stay lists for everyone else: the first read of `response_token_ids`,
 `response_logprobs` or `weight_versions` turns that column into the list it stands for (once; later reads
@@ -16,7 +18,9 @@ and writes are the list's; an assigned list replaces the column), so plug-ins, c
 exactly what they saw before. The weight versions are one version throughout in the common case (an answer from one
 policy): an answer's reader may hand them over as a `UniformColumn` (data/uniform_column.py: (version, length), read
 like the `array('q')` it stands for), which the sample holds until a second version appears (then an `array('q')`),
-so that no per-token version array is made, copied or scanned (`uniform_weight_version`).
+so that no per-token version array is made, copied or scanned (`uniform_weight_version`). A column keeps its form
+while what is appended fits it exactly (a narrow column is widened first when a later turn appends numbers that do
+not); readers of raw memory take the typecode from the array (`COLUMN_FORMS`).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from typing import Any
 
 import numpy as np
 
+from hpc_rl.data.column_forms import COLUMN_FORMS, narrowed, widened
 from hpc_rl.data.routed_experts import routing_from_json, routing_to_json
 from hpc_rl.data.uniform_column import UniformColumn
 
 
 COLUMN_TYPECODES = {"response_token_ids": "q", "response_logprobs": "d", "weight_versions": "q"}
-"""The per-token fields a sample may hold as compact arrays, and each array's type (int64, float64, int64)."""
+"""The per-token fields a sample may hold as compact arrays, and each array's wide type (int64, float64, int64); the
+token ids and log-probs may also be held narrow (int32, float32: `COLUMN_FORMS`)."""
 
 
 class SampleStatus(str, enum.Enum):
@@ -164,7 +170,7 @@ class Sample:
         them); a field assigned or read as a list is not among them. For writers of raw bytes (the
         retained-rollouts journal) that must not turn a column into a list. Versions held as a `UniformColumn` are
         given as a new `array('q')` of its elements, or with `expand_uniform=False` as the `UniformColumn` itself
-        (`uniform_weight_version`)."""
+        (`uniform_weight_version`). Tokens and log-probs may be narrow (`COLUMN_FORMS`): read the typecode."""
         columns = self.__dict__.get("_columns")
         if not columns:
             return {}
@@ -176,12 +182,13 @@ class Sample:
 
     def hold_columns(self, columns: dict[str, array]) -> None:
         """Hold these per-token fields as the given compact arrays (what `extend_response` builds; each of
-        `COLUMN_TYPECODES`' type, the versions also a `UniformColumn`), replacing their values: for readers of a
+        `COLUMN_FORMS`' types, the versions also a `UniformColumn`), replacing their values: for readers of a
         stored sample."""
         for name, values in columns.items():
-            if COLUMN_TYPECODES.get(name) != getattr(values, "typecode", None) or (
+            if getattr(values, "typecode", None) not in COLUMN_FORMS.get(name, ()) or (
                     isinstance(values, UniformColumn) and name != _VERSIONS):
-                raise ValueError(f"{name}: a compact column is array({COLUMN_TYPECODES.get(name)!r}), got "
+                raise ValueError(f"{name}: a compact column is an array of typecode "
+                                 f"{' or '.join(map(repr, COLUMN_FORMS.get(name, ('?',))))}, got "
                                  f"{type(values).__name__}({getattr(values, 'typecode', '')!r})")
         fields = self.__dict__
         held = fields.setdefault("_columns", {})
@@ -236,17 +243,22 @@ _TOKENS, _LOGPROBS, _VERSIONS = COLUMN_TYPECODES
 
 
 def _adoptable(values: tuple[Any, ...]) -> bool:
-    """Three distinct arrays of the compact columns' types, in `COLUMN_TYPECODES`' order (the versions also a
-    `UniformColumn`: immutable, so held as it is)."""
+    """Three distinct arrays of the compact columns' types (`COLUMN_FORMS`), in `COLUMN_TYPECODES`' order (the
+    versions also a `UniformColumn`: immutable, so held as it is)."""
     tokens, logprobs, versions = values
-    return (isinstance(tokens, array) and tokens.typecode == "q" and isinstance(logprobs, array)
-            and logprobs.typecode == "d" and (isinstance(versions, UniformColumn) or isinstance(versions, array)
-                                              and versions.typecode == "q" and versions is not tokens))
+    return (isinstance(tokens, array) and tokens.typecode in _TOKEN_FORMS and isinstance(logprobs, array)
+            and logprobs.typecode in _LOGPROB_FORMS
+            and (isinstance(versions, UniformColumn) or isinstance(versions, array)
+                 and versions.typecode == "q" and versions is not tokens))
+
+
+_TOKEN_FORMS, _LOGPROB_FORMS = COLUMN_FORMS[_TOKENS], COLUMN_FORMS[_LOGPROBS]
 
 
 def _extended(held: array | UniformColumn, values: Iterable[Any]) -> array | UniformColumn:
     """A compact column with `values` appended: the same array (extended in place), or a `UniformColumn` while
-    both are one version, else an array of both."""
+    both are one version, else an array of both. A narrow column (`COLUMN_FORMS`) stays narrow while the values fit
+    it exactly, else it is widened first; an empty column takes the form of an array appended to it."""
     if isinstance(values, UniformColumn):
         if not len(held):
             return values
@@ -255,8 +267,32 @@ def _extended(held: array | UniformColumn, values: Iterable[Any]) -> array | Uni
         values = values.expanded()
     if isinstance(held, UniformColumn):
         held = held.expanded()
-    held.extend(values)
+    if isinstance(values, array) and values.typecode == held.typecode:
+        held.extend(values)
+        return held
+    if held.typecode == "q" or held.typecode == "d":  # wide: any numbers (a narrow array's as the wide type)
+        if isinstance(values, array) and values.typecode != held.typecode:
+            if not len(held) and _WIDE_OF.get(values.typecode) == held.typecode:  # empty: take the narrow form
+                held = array(values.typecode)
+                held.extend(values)
+                return held
+            values = widened(values)
+            if values.typecode != held.typecode:
+                raise TypeError(f"cannot append an array({values.typecode!r}) to a column of array({held.typecode!r})")
+        held.extend(values)
+        return held
+    # narrow: the values as the wide type, narrowed when exact, else the column widened
+    wide = widened(values) if isinstance(values, array) else array(_WIDE_OF[held.typecode], values)
+    narrow = narrowed(wide)
+    if narrow.typecode == held.typecode:
+        held.extend(narrow)
+        return held
+    held = widened(held)
+    held.extend(wide)
     return held
+
+
+_WIDE_OF = {"i": "q", "f": "d"}
 
 
 _TOKEN_LISTS = ("prompt_token_ids", "response_token_ids", "response_logprobs", "weight_versions", "loss_mask",

@@ -2,7 +2,8 @@
 sends back each answer with its token arrays as raw memory (`rollout.answer_parse_workers`; answer_pool.py).
 
 Owns: `compact_answers(raw)`, the parse (JSON to SGLang's answer dicts, with each answer's `output_ids` an
-`array('q')` and `meta_info.output_token_logprobs` an `array('d')` of the output tokens' log-probs; the
+`array('i')` (`array('q')` when an id does not fit int32) and `meta_info.output_token_logprobs` an `array('f')` of the
+output tokens' log-probs (`array('d')` when one is not a float32 value: data/column_forms.py); the
 controller's loop uses it too when there is no pool), the local frame format between the controller and
 its workers, and the worker's program.
 
@@ -11,8 +12,9 @@ Frames (both ways, over a socketpair between the controller and a worker it spaw
 `{"op": "post", "id", "url", "path", "timeout_s", "parse"}` with the request body as payload (`parse` false: a
 control call, e.g. /abort_request, answered raw), or `{"op": "cancel", "id"}`. A post may carry `"score": {"rids",
 "requests"}`: its answers' rule rewards, computed here and returned inside each answer dict (worker_rewards.py).
-Worker to controller, one per post: `{"id", "status", "body", "arrays"}` with the answer's token ids (int64)
-and log-probs (float64) as payload, `arrays` saying where each goes back (answer index, field, count); or
+Worker to controller, one per post: `{"id", "status", "body", "arrays"}` with the answer's token ids (int32, or
+int64) and log-probs (float32, or float64) as payload, `arrays` saying where each goes back (answer index, field,
+count, typecode; a spec without the typecode is int64 / float64); or
 `{"id", "status", "raw": true}` with the engine's body (not 200); or `{"id", "not_json": orjson's message}`;
 or `{"id", "error": the transport error}`. `{"op": "health", "id", "urls", "timeout_s", "concurrency"}`: one health
 round over those engines, answered `{"id", "unhealthy": [indices into urls]}` (worker_probes.py). The "pipeline"
@@ -38,6 +40,7 @@ from typing import Any
 
 import orjson
 
+from hpc_rl.data.column_forms import COLUMN_FORMS, narrowed
 from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError
 from hpc_rl.rollout.worker_frames import PREFIX, encode_frame, read_frame
 from hpc_rl.rollout.worker_fanout import run_pipeline
@@ -46,6 +49,18 @@ COLLECT_EVERY = 1024
 """A worker's full GC collection every this many answers (its automatic GC is off: a full-length answer is
 ~10k lists, and gen-0 collections over a half-built one cost 1.5x the parse)."""
 ARRAY_FIELDS = (("ids", "q"), ("logprobs", "d"))
+"""Each array field and its typecode when a spec names none (a spec of three: before the narrow forms)."""
+_FORMS = {"ids": COLUMN_FORMS["response_token_ids"], "logprobs": COLUMN_FORMS["response_logprobs"]}
+
+
+def _spec_code(spec: list[Any]) -> str:
+    """The typecode of a frame's array spec ([answer index, field, count, typecode]): one of the field's forms."""
+    if len(spec) == 3:
+        return dict(ARRAY_FIELDS)[spec[1]]
+    _, field, _, code = spec
+    if code not in _FORMS[field]:
+        raise ValueError(f"array spec {spec!r}: typecode {code!r} is not one of {_FORMS[field]}")
+    return code
 
 
 def split_arrays(body: Any) -> tuple[Any, list[list[Any]], list[array]]:
@@ -58,13 +73,13 @@ def split_arrays(body: Any) -> tuple[Any, list[list[Any]], list[array]]:
             continue
         ids = item.get("output_ids")
         if isinstance(ids, array):
-            specs.append([index, "ids", len(ids)])
+            specs.append([index, "ids", len(ids), ids.typecode])
             buffers.append(ids)
             item["output_ids"] = None
         meta = item.get("meta_info")
         logprobs = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
         if isinstance(logprobs, array):
-            specs.append([index, "logprobs", len(logprobs)])
+            specs.append([index, "logprobs", len(logprobs), logprobs.typecode])
             buffers.append(logprobs)
             meta["output_token_logprobs"] = None
     return body, specs, buffers
@@ -74,9 +89,9 @@ def join_arrays(body: Any, specs: list[list[Any]], payload: bytes) -> Any:
     """Put the arrays `split_arrays` took out back into `body` (one copy of each from the payload)."""
     items = body if isinstance(body, list) else [body]
     view, offset = memoryview(payload), 0
-    codes = dict(ARRAY_FIELDS)
-    for index, field, count in specs:
-        values = array(codes[field])
+    for spec in specs:
+        index, field, count = spec[:3]
+        values = array(_spec_code(spec))
         end = offset + count * values.itemsize
         values.frombytes(view[offset:end])
         offset = end
@@ -92,12 +107,12 @@ def array_targets(specs: Any, size: int) -> list[array] | None:
     order), so the payload lands in the arrays the samples keep (no buffer, no second copy; answer_pool's frame
     reader); None when the specs do not account for exactly `size` bytes (the payload is then read as bytes, and
     `join_arrays` makes of it what it made before)."""
-    codes = dict(ARRAY_FIELDS)
     arrays: list[array] = []
     total = 0
     try:
-        for _, field, count in specs:
-            values = array(codes[field], _ZERO[field]) * count
+        for spec in specs:
+            field, count = spec[1], spec[2]
+            values = array(_spec_code(spec), _ZERO[field]) * count
             total += len(values) * values.itemsize
             arrays.append(values)
     except (TypeError, ValueError, KeyError, OverflowError, MemoryError):
@@ -111,7 +126,7 @@ _ZERO = {"ids": (0,), "logprobs": (0.0,)}
 def place_arrays(body: Any, specs: list[list[Any]], arrays: list[array]) -> Any:
     """Put the arrays `array_targets` made (and the payload filled) back into `body`, as `join_arrays` does."""
     items = body if isinstance(body, list) else [body]
-    for (index, field, _), values in zip(specs, arrays):
+    for (index, field, *_), values in zip(specs, arrays):
         if field == "ids":
             items[index]["output_ids"] = values
         else:
@@ -129,17 +144,23 @@ def _compact(item: Any) -> None:
         return
     ids = item.get("output_ids")
     if isinstance(ids, list):
-        try:
-            item["output_ids"] = array("q", ids)
-        except (TypeError, OverflowError):
+        try:  # int32 when every id fits (always, in practice: data/column_forms.py), else int64
+            item["output_ids"] = array("i", ids)
+        except OverflowError:
+            try:
+                item["output_ids"] = array("q", ids)
+            except (TypeError, OverflowError):
+                pass
+        except TypeError:
             pass
     meta = item.get("meta_info")
     entries = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
     if isinstance(entries, list):
         try:
-            meta["output_token_logprobs"] = array("d", map(itemgetter(0), entries))
+            logprobs = array("d", map(itemgetter(0), entries))
         except (TypeError, IndexError, KeyError):
-            pass  # None or a malformed entry: generate.output_logprobs reads the lists
+            return  # None or a malformed entry: generate.output_logprobs reads the lists
+        meta["output_token_logprobs"] = narrowed(logprobs)  # float32 when exact (SGLang's are), else float64
 
 
 def compact_answers(raw: bytes) -> tuple[bool, Any]:

@@ -21,6 +21,7 @@ from hpc_rl.controller.registry import EngineInfo, EngineState, Registry, Traine
 from hpc_rl.controller.rollout_stack import assemble_loop
 from hpc_rl.controller.trainer_channel import TrainerChannel
 from hpc_rl.controller.train_batches import pack_samples
+from hpc_rl.data.column_forms import COLUMN_FORMS, widened
 from hpc_rl.data.samples import COLUMN_TYPECODES, Sample, SampleStatus
 from hpc_rl.protocol.messages import SaveCommand
 from hpc_rl.rollout.scheduler import RolloutResult
@@ -77,6 +78,19 @@ def held(samples: list[Sample]) -> list[dict[str, tuple[str, bytes]]]:
             for s in samples]
 
 
+def held_wide(samples: list[Sample]) -> list[dict[str, tuple[str, bytes]]]:
+    """Each sample's compact columns in their wide form (data/column_forms.py): typecode and bytes."""
+    return [{name: (widened(values).typecode, widened(values).tobytes())
+             for name, values in s.compact_columns().items()} for s in samples]
+
+
+def read_forms(header: dict) -> list[dict[str, str]]:
+    """The typecode each stored column is read back as: its stored form when one of the column's, else wide."""
+    forms = {"<i4": "i", "<f4": "f"}
+    return [{name: forms[dtype] if forms.get(dtype) in COLUMN_FORMS[name] else COLUMN_TYPECODES[name]
+             for name, dtype, *_ in s.get("raw", []) if name in COLUMN_FORMS} for g in header["groups"] for s in g]
+
+
 def test_a_record_reads_back_equal_with_its_columns_compact(tmp_path: Path) -> None:
     journal = RolloutJournal(tmp_path / JOURNAL)
     written = batch(3, 2)
@@ -105,7 +119,10 @@ def test_a_record_reads_back_equal_with_its_columns_compact(tmp_path: Path) -> N
     assert skipped == []
     assert (read.rollout_id, read.weight_version, read.session_id, read.state_before, read.state_after,
             read.metrics) == (3, 2, "s1", written.state_before, written.state_after, {"rollout/reward": 0.5})
-    assert held([s for g in read.groups for s in g]) == columns_in  # the same columns, compact, bit for bit
+    # the same columns, compact, bit for bit in the wide form; each in the form stored (narrow where that is exact)
+    assert held_wide([s for g in read.groups for s in g]) == held_wide([s for g in written.groups for s in g])
+    assert [{name: code for name, (code, _) in h.items()} for h in held([s for g in read.groups for s in g])] == \
+        read_forms(header)
     assert read.groups[1][1].__dict__["response_logprobs"] == [-1.0, -2.0, -3.0, -4.0]  # the list, as a list
     assert read.groups == written.groups  # every field
     assert read.groups[0][0].remove_sample and not hasattr(read.groups[0][1], "remove_sample")
@@ -141,7 +158,8 @@ def test_a_record_of_more_buffers_than_one_writev_takes_reads_back_whole(tmp_pat
     assert len(buffers) > 1024  # (IOV_MAX: os.writev is called more than once)
     journal.write(written, (line, buffers))
     (read,), skipped = journal.read()
-    assert skipped == [] and held([s for g in read.groups for s in g]) == held([s for g in written.groups for s in g])
+    assert skipped == [] and held_wide([s for g in read.groups for s in g]) == \
+        held_wide([s for g in written.groups for s in g])
 
 
 def test_a_crash_mid_write_leaves_the_records_before_it_and_a_torn_one_is_ignored(tmp_path: Path) -> None:
