@@ -46,7 +46,8 @@ def narrowed(values: array) -> array:
         if not len(values):
             return array("f")
         wide = np.frombuffer(values, dtype=np.float64)
-        small = wide.astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):  # (beyond float32's range: inf, not the same bits)
+            small = wide.astype(np.float32)
         if small.astype(np.float64).tobytes() != wide.tobytes():  # not the same bits back (NaN payloads too)
             return values
         narrow = array("f")
