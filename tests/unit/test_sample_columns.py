@@ -227,7 +227,10 @@ def test_uniform_and_listed_versions_pack_to_the_same_trainer_arrays() -> None:
     def forms(index: int) -> list[Sample]:
         array_held = Sample(index=index, group_index=0, prompt="p", prompt_token_ids=[5, 6])
         array_held.extend_response(array("q", [10, 11, 12]), array("d", [-0.5] * 3), array("q", [4] * 3), adopt=True)
-        return [uniform_sample(index), listed_uniform(index), array_held]
+        narrow = Sample(index=index, group_index=0, prompt="p", prompt_token_ids=[5, 6])  # as answer workers send
+        narrow.extend_response(array("i", [10, 11, 12]), array("f", [-0.5] * 3), UniformColumn(4, 3), adopt=True)
+        assert (narrow.column("response_token_ids").typecode, narrow.column("response_logprobs").typecode) == ("i", "f")
+        return [uniform_sample(index), listed_uniform(index), array_held, narrow]
     spanning = uniform_sample(9, version=2, length=2)
     spanning.extend_response([12], [-0.5], UniformColumn(3, 1))
     packed = [pack_samples([form, spanning, other], [0.5, -0.5, 0.0])
