@@ -8,9 +8,10 @@ Why: at full response length (a median 2,500 tokens, 144 kB of JSON per sample w
 answers was most of the coordinating process's CPU (bench_scale, N=64, token scale 1: orjson.loads ~1.8
 and the log-probs ~0.5 of ~5 CPU s per 1,000 samples, profiled); then, with the parse in workers, reading
 the bodies and handing them over was (docs/scaling.md). A worker makes the whole exchange on its own
-keep-alive connections and sends back two flat arrays per sample (~40 kB of machine numbers) and the rest
-of the answer as JSON. What a run does is unchanged: the same request bytes, the same answers (same
-tokens, same float64 log-probs, a JSON integer log-prob coming back as the equal float), the same errors
+keep-alive connections and sends back two flat arrays per sample (~20 kB of machine numbers: int32 ids and
+float32 log-probs where exact, data/column_forms.py) and the rest of the answer as JSON. What a run does is
+unchanged: the same request bytes, the same answers (same tokens, the same log-prob values, a JSON integer
+log-prob coming back as the equal float), the same errors
 (a transport failure, a 4xx or 5xx with the engine's body, a body that is not JSON); an answer whose token
 ids or log-probs are not plain numbers keeps its lists, so generate.py's handling of malformed answers
 applies as before. The controller still decides everything else (which engine, rids, aborts, retries);
