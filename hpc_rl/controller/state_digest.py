@@ -96,7 +96,8 @@ def _column_bytes(name: str, values: Any) -> memoryview:
     if isinstance(values, array) and values.typecode == COLUMN_TYPECODES[name] and np.dtype(values.typecode) == dtype:
         numbers = np.frombuffer(values, dtype=dtype) if len(values) else np.zeros(0, dtype)
     elif isinstance(values, array) and values.typecode in COLUMN_FORMS[name]:
-        numbers = np.frombuffer(values, dtype=DTYPES[values.typecode]).astype(dtype) if len(values) else np.zeros(0, dtype)
+        numbers = (np.frombuffer(values, dtype=DTYPES[values.typecode]).astype(dtype) if len(values)
+                   else np.zeros(0, dtype))
     else:
         numbers = np.asarray(values if len(values) else [], dtype=dtype)
     if dtype.kind == "f" and len(numbers) and not np.isfinite(numbers).all():
