@@ -32,6 +32,7 @@ from hpc_rl.controller.transports.fanout_workers import call_every_engine  # noq
 from hpc_rl.engines import API_KEY_ENV  # noqa: E402
 from hpc_rl.protocol.http_client import EngineConnections  # noqa: E402
 from hpc_rl.rollout.answer_pool import AnswerPool  # noqa: E402
+from bench_scale import process_cpu_s  # noqa: E402  (benchmarks/ is on sys.path: this script's folder)
 
 SIM_PARAMS = REPO / "configs" / "sim" / "qwen3_4b_h100_tp2.yaml"
 KEY = "bench-admin-fanout-key"
@@ -57,15 +58,6 @@ def qwen3_4b_like_buckets(count: int) -> list[BucketUpdate]:
                             shapes=[[2560, 9728]] * 25, group_name="weight_update_group_1",
                             weight_version="1" if i == count - 1 else None, load_format=None)
             for i in range(count)]
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of process `pid` so far, from /proc (0 where there is no /proc)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def rounds(urls: list[str], buckets: list[BucketUpdate], count: int, answer_workers: int) -> None:

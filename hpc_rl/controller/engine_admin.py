@@ -22,8 +22,8 @@ from typing import Any
 
 import orjson
 
-from hpc_rl.protocol.http_client import (EngineConnections, EngineHTTPTransportError, Pipeline, ReadGate,
-                                         RequestRound)
+from hpc_rl.protocol.health_round import health_round
+from hpc_rl.protocol.http_client import EngineConnections, EngineHTTPTransportError, Pipeline, ReadGate
 
 
 log = logging.getLogger(__name__)
@@ -307,34 +307,8 @@ async def healthy_all(admins: list[EngineAdmin], timeout_s: float, *, concurrenc
     `concurrency` at a time. A probe whose connection closed before the answer (the engine dropped an idle
     connection as it was written) is made again on the per-call path, which reconnects; one that timed out is
     not (a stopped engine is failed one timeout after the probe, as before)."""
-    round_ = RequestRound()
-    sent = [isinstance(admin, EngineAdmin) and round_.send(admin.connection, "GET", "/health") for admin in admins]
-    limit = asyncio.Semaphore(concurrency)
-
-    async def one(admin: EngineAdmin) -> bool:
-        async with limit:
-            return await admin.healthy(timeout_s)
-
-    others = asyncio.gather(*(one(admin) for admin, done in zip(admins, sent) if not done))
-    try:
-        outcomes = await round_.wait(timeout_s)
-    except BaseException:
-        others.cancel()
-        raise
-    slow = iter(await others)
-    results: list[bool] = []
-    again: list[int] = []
-    for index, (admin, done) in enumerate(zip(admins, sent)):
-        if not done:
-            results.append(next(slow))
-            continue
-        outcome = outcomes.get(admin.connection.url)
-        results.append(isinstance(outcome, tuple) and outcome[0] == 200)
-        if not isinstance(outcome, tuple) and admin.connection.url not in round_.timed_out:
-            again.append(index)
-    for index, healthy in zip(again, await asyncio.gather(*(one(admins[i]) for i in again))):
-        results[index] = healthy
-    return results
+    return await health_round([admin.connection if isinstance(admin, EngineAdmin) else None for admin in admins],
+                              lambda index: admins[index].healthy(timeout_s), timeout_s, concurrency=concurrency)
 
 
 def _checked(url: str, endpoint: str, status: int, answer: bytes) -> Any:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from hpc_rl.protocol.http_client import EngineConnection, EngineConnections, EngineHTTPTransportError, RequestRound
+from hpc_rl.protocol.health_round import health_round
+from hpc_rl.protocol.http_client import EngineConnection, EngineConnections, EngineHTTPTransportError
 from hpc_rl.rollout.worker_frames import encode_frame
 
 
@@ -39,34 +40,8 @@ async def probe_round(engines: EngineConnections, urls: list[str], timeout_s: fl
                       concurrency: int = 64) -> list[bool]:
     """Whether each engine of `urls` answered /health with 200 (see the module docstring for the rules)."""
     connections = [engines.to(url) for url in urls]
-    round_ = RequestRound()
-    sent = [round_.send(connection, "GET", "/health") for connection in connections]
-    limit = asyncio.Semaphore(max(1, concurrency))
-
-    async def one(connection: EngineConnection) -> bool:
-        async with limit:
-            return await _probe_once(connection, timeout_s)
-
-    cold = asyncio.gather(*(one(c) for c, warm in zip(connections, sent) if not warm))
-    try:
-        outcomes = await round_.wait(timeout_s)
-    except BaseException:
-        cold.cancel()
-        raise
-    slow = iter(await cold)
-    results: list[bool] = []
-    again: list[int] = []
-    for index, (connection, warm) in enumerate(zip(connections, sent)):
-        if not warm:
-            results.append(next(slow))
-            continue
-        outcome = outcomes.get(connection.url)
-        results.append(isinstance(outcome, tuple) and outcome[0] == 200)
-        if not isinstance(outcome, tuple) and connection.url not in round_.timed_out:
-            again.append(index)  # the connection closed before the answer: once more, on a fresh one
-    for index, healthy in zip(again, await asyncio.gather(*(one(connections[i]) for i in again))):
-        results[index] = healthy
-    return results
+    return await health_round(connections, lambda index: _probe_once(connections[index], timeout_s), timeout_s,
+                              concurrency=concurrency)
 
 
 async def serve_health(engines: EngineConnections, writer: asyncio.StreamWriter, header: dict[str, Any]) -> None:
