@@ -15,6 +15,7 @@ directly (`on_router_lost`), and no more membership calls go to it.
 from __future__ import annotations
 
 import asyncio
+from math import inf
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
@@ -250,10 +251,13 @@ class EngineFleet:
         # probes were the controller's largest cost in a rollout (16% of its profile, bench_scale N=1,024).
         now = asyncio.get_running_loop().time()
         generated = self.generation_answered_at or {}
-        engines = [e for e in self.registry.engines.values() if e.state not in (EngineState.FAILED, EngineState.LEFT)
-                   and now >= self._first_probe_at.get(e.engine_index, 0.0)
-                   and now - generated.get(e.url, float("-inf")) >= self.health_interval_s
-                   and not self.admins[e.engine_index].known_alive(self.health_interval_s, now)]
+        gone, first_probe_at, admins = (EngineState.FAILED, EngineState.LEFT), self._first_probe_at, self.admins
+        interval = self.health_interval_s
+        answered_before = now - interval  # a /generate answer after this vouches for the engine
+        engines = [e for e in self.registry.engines.values() if e.state not in gone
+                   and now >= first_probe_at.get(e.engine_index, 0.0)
+                   and generated.get(e.url, -inf) <= answered_before
+                   and not admins[e.engine_index].known_alive(interval, now)]
         incarnations = [e.incarnation for e in engines]
         verdicts = await self._probe(engines)
         for engine, incarnation, healthy in zip(engines, incarnations, verdicts):

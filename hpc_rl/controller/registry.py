@@ -112,11 +112,12 @@ class Registry:
         """Engines that are up (serving or waiting for weights), in index order."""
         return [e for _, e in sorted(self.engines.items()) if e.state not in (EngineState.FAILED, EngineState.LEFT)]
 
-    def engine_urls(self) -> list[str]:
-        """EngineDirectory: base URLs of the engines serving now (rebuilt only after a change)."""
+    def engine_urls(self) -> tuple[str, ...]:
+        """EngineDirectory: base URLs of the engines serving now, as one tuple kept until a change (so a reader can
+        tell by identity that nothing changed: the rollout client picks an engine per request)."""
         if self._serving_urls is None:
             self._serving_urls = tuple(e.url for e in self.serving_engines())
-        return list(self._serving_urls)
+        return self._serving_urls
 
     def missing(self) -> list[str]:
         missing = [f"trainer rank {r}" for r in range(self.trainer_world_size) if r not in self.trainers]

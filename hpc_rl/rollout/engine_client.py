@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -58,8 +58,9 @@ log = logging.getLogger(__name__)
 class EngineDirectory(Protocol):
     """Where the engines are right now (the controller's registry implements this)."""
 
-    def engine_urls(self) -> list[str]:
-        """Base URLs (``http://host:port``) of the engines that are up."""
+    def engine_urls(self) -> Sequence[str]:
+        """Base URLs (``http://host:port``) of the engines that are up (a tuple may be the same object until they
+        change: callers do not change what they are given)."""
         ...
 
 

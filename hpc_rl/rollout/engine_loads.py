@@ -25,6 +25,9 @@ class EngineLoads:
         """URL -> requests in flight there (engines that left the directory may stay here)."""
         self._members: frozenset[str] = frozenset()
         self._member_list: list[str] = []
+        self._member_source: tuple[str, ...] | None = None
+        """The tuple `_member_list` was last read from (the registry's cached URLs: the same object until a change,
+        so a pick at 1,024 engines does not copy and compare 1,024 URLs)."""
         self._heap: list[tuple[int, str]] = []
 
     def change(self, url: str, delta: int) -> None:
@@ -39,10 +42,12 @@ class EngineLoads:
     def pick(self, urls: Sequence[str], room: int, cooling: Callable[[str], bool]) -> str | None:
         """The engine of `urls` with the fewest requests below `room`, preferring those not `cooling`
         (ties: the smallest URL); None when every engine holds `room` or more."""
-        if list(urls) != self._member_list:
-            self._member_list = list(urls)
-            self._members = frozenset(urls)
-            self._rebuild()
+        if not (isinstance(urls, tuple) and urls is self._member_source):  # (a tuple cannot have changed)
+            if list(urls) != self._member_list:
+                self._member_list = list(urls)
+                self._members = frozenset(urls)
+                self._rebuild()
+            self._member_source = urls if isinstance(urls, tuple) else None
         heap, counts = self._heap, self.counts
         set_aside: list[tuple[int, str]] = []
         fallback: str | None = None

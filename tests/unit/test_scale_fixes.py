@@ -18,15 +18,29 @@ def test_engine_urls_are_rebuilt_only_after_a_change(monkeypatch) -> None:
     builds = []
     original = registry.serving_engines
     monkeypatch.setattr(registry, "serving_engines", lambda: builds.append(1) or original())
-    assert [registry.engine_urls() for _ in range(5)] == [["http://e0", "http://e1", "http://e2"]] * 5
+    assert [registry.engine_urls() for _ in range(5)] == [("http://e0", "http://e1", "http://e2")] * 5
     assert len(builds) == 1
+    first = registry.engine_urls()
+    assert registry.engine_urls() is first  # the same tuple until a change: readers tell "unchanged" by identity
     registry.set_engine_state(1, EngineState.FAILED, "health check failed")
-    assert registry.engine_urls() == ["http://e0", "http://e2"]
+    assert registry.engine_urls() == ("http://e0", "http://e2") and registry.engine_urls() is not first
     registry.add_engine(EngineInfo(engine_index=1, url="http://e1b", state=EngineState.SERVING))
-    assert registry.engine_urls() == ["http://e0", "http://e1b", "http://e2"]
-    urls = registry.engine_urls()
-    urls.clear()  # a caller's copy: the registry's view is not changed through it
-    assert registry.engine_urls() == ["http://e0", "http://e1b", "http://e2"]
+    assert registry.engine_urls() == ("http://e0", "http://e1b", "http://e2")
+
+
+def test_engine_loads_reads_an_unchanged_url_tuple_without_comparing_it() -> None:
+    from hpc_rl.rollout.engine_loads import EngineLoads
+
+    loads = EngineLoads()
+    urls = ("http://a", "http://b")
+    assert loads.pick(urls, 2, lambda url: False) == "http://a"
+    loads.change("http://a", 1)
+    loads._member_list.append("sentinel")  # a compare would now see a change and rebuild; identity skips it
+    assert loads.pick(urls, 2, lambda url: False) == "http://b" and loads._member_list[-1] == "sentinel"
+    changed = ("http://a", "http://c")  # a new tuple (the registry changed): read again
+    loads.change("http://a", 1)
+    assert loads.pick(changed, 3, lambda url: False) == "http://c" and loads._member_list == list(changed)
+    assert loads.pick(["http://a", "http://b"], 3, lambda url: False) == "http://b"  # lists: compared every time
 
 
 class CountingRouterForTest:
