@@ -38,6 +38,7 @@ and the leavers' abort -> requeue times, and lost/dup (must stay 0).
 from __future__ import annotations
 
 import argparse
+import gc
 import asyncio
 import cProfile
 import json
@@ -442,6 +443,9 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as session:
             before = await fleet_stats(session, urls[0])
             workers0 = {pid: process_cpu_s(pid) for pid in worker_pids(controller)}
+            # Each mode runs its own controller in this one process: the modes before it left their garbage
+            # (reference cycles holding samples), which a collection during this run would charge to this mode.
+            gc.collect()
             cpu0 = time.process_time()
             run_start = time.perf_counter()
             # The loop thread's CPU time, not wall time: waits (for the GIL, a full pipe) are not its work.
