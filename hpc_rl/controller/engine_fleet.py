@@ -5,7 +5,7 @@ sglang-router (registrations made together go as one batch), the health-check ta
 probes, a bounded number at a time; an engine that dies or stops answering is marked FAILED and
 leaves the router at once, so its in-flight samples fail over to the others and are re-queued by the
 rollout client), and asking the launcher to restart it. With an answer pool the probes are made in its
-worker processes (`prober`; rollout/worker_probes.py) and the verdicts come back as one frame per worker;
+worker processes (`answer_pool.probe_health`; rollout/worker_probes.py) and the verdicts come back as one frame per worker;
 an engine no worker answered for is probed here. An engine is first probed `health_first_wait_s` after it registered (slime's --rollout-health-check-first-wait), at start and after each restart. A restarted engine stays STARTING (not behind the router) until the loop
 has pushed the current weights to it, then `mark_serving` puts it back. The router's own exit is noticed by
 the same task (reaped: no zombie) and reported (log, status event "router exited"); engines are then reached
@@ -30,9 +30,6 @@ log = logging.getLogger(__name__)
 
 RestartFn = Callable[[int], Awaitable[str]]
 """Restart engine i (same placement) and return its URL once it answers /health."""
-HealthProber = Callable[[list[str], float, int], Awaitable[list[bool | None]]]
-"""(engine URLs, timeout s, concurrency) -> per engine: healthy, or None where it was not probed (the fleet probes
-those itself). The answer pool's `probe_health` (rollout/answer_pool.py): the probes in its worker processes."""
 DevicesOf = Callable[[int], list[str]]
 """The GPUs engine i's TP ranks run on, as its step read them back (its placement report)."""
 
@@ -69,12 +66,10 @@ class EngineFleet:
         self.generation_answered_at: Mapping[str, float] | None = None
         """Engine URL -> event-loop time of its last /generate answer (the rollout client's `answered_at`,
         set by the rollout stack): an engine that answered one within the interval is not probed."""
-        self.prober: HealthProber | None = None
-        """Where a health round's probes are made (set by the rollout stack when there is an answer pool); None, and
-        for every engine it did not probe: here, on the fleet's own connections (`healthy_all`)."""
         self.answer_pool: AnswerPool | None = None
-        """The rollout client's answer workers (set by the rollout stack), which also make the weight update's
-        per-engine exchanges (transports.fanout_workers); None: the fleet's own connections do."""
+        """The rollout client's answer workers (set by the rollout stack). They make the health rounds' probes
+        (`probe_health`; an engine no worker answered for is probed here, on the fleet's own connections) and the
+        weight update's per-engine exchanges (transports.fanout_workers); None: the fleet's own connections do."""
         self.health_timeout_s = health_timeout_s
         self.health_first_wait_s = health_first_wait_s
         self._first_probe_at: dict[int, float] = {}
@@ -269,12 +264,13 @@ class EngineFleet:
                 await self.fail_engine(engine.engine_index, f"health check failed{stuck}")
 
     async def _probe(self, engines: list[EngineInfo]) -> list[bool]:
-        """Whether each engine answers /health: through `prober` where there is one (at 1,024 engines a round's
-        ~1,000 probes and their answers cost the loop ~20 us each), here for the engines it did not probe."""
+        """Whether each engine answers /health: in the answer pool's workers where there is one (at 1,024 engines a
+        round's ~1,000 probes and their answers cost the loop ~20 us each), here for the engines they did not probe."""
         admins = [self.admins[e.engine_index] for e in engines]
-        if self.prober is None or not engines:
+        if self.answer_pool is None or not engines:
             return await healthy_all(admins, self.health_timeout_s, concurrency=self.health_concurrency)
-        found = await self.prober([e.url for e in engines], self.health_timeout_s, self.health_concurrency)
+        found = await self.answer_pool.probe_health([e.url for e in engines], self.health_timeout_s,
+                                                    self.health_concurrency)
         missing = [index for index, healthy in enumerate(found) if healthy is None]
         here = await healthy_all([admins[i] for i in missing], self.health_timeout_s,
                                  concurrency=self.health_concurrency) if missing else []

@@ -163,9 +163,8 @@ def build_rollout_stack(config: RunConfig, *, registry: Registry, channel: Train
                           answer_pool=AnswerPool(rollout.answer_parse_workers, api_key=fleet.api_key)
                           if rollout.answer_parse_workers else None)
     fleet.generation_answered_at = client.answered_at  # a /generate answer is proof of life: no health probe
-    if client.answer_pool is not None:  # the other engines are probed in the answer workers (worker_probes.py)
-        fleet.prober = client.answer_pool.probe_health
-    fleet.answer_pool = client.answer_pool  # its workers make the weight updates' per-engine exchanges too
+    # its workers probe the other engines (worker_probes.py) and make the weight updates' per-engine exchanges
+    fleet.answer_pool = client.answer_pool
     args = plugin_args(config)
     # No workers for custom functions (they run on the loop) or remote_rm (an HTTP call, no CPU to offload).
     rule_rewards = not rollout.custom_rm_path and split_boxed_prefix((rollout.rm_type or "").strip())[1] != REMOTE_RM

@@ -1,5 +1,5 @@
 """Health rounds probed in the answer workers (rollout/worker_probes.py, AnswerPool.probe_health) and the fleet
-failing what they find (EngineFleet.prober): the same verdicts as the controller's own round, one frame per worker,
+failing what they find (EngineFleet.answer_pool): the same verdicts as the controller's own round, one frame per worker,
 and a worker that is gone never makes an engine look dead (the fleet probes those engines itself)."""
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def test_the_fleet_fails_exactly_the_unhealthy_engine_with_or_without_its_worker
                             health_timeout_s=0.5)
         pool = AnswerPool(1)
         await pool.start()
-        fleet.prober = pool.probe_health
+        fleet.answer_pool = pool
         await fleet.start()
         try:
             for index, server in enumerate(servers):
