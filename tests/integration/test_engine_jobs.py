@@ -3,7 +3,12 @@ one CPU engine), then an engine job for it (`python -m hpc_rl.submit --engines-f
 CPU engine and its agent). The joiner registers mid-run, gets the trainer's current weights before it serves (every
 rollout's engine log-probs equal the trainer's, and its /model_info reports the controller's version), takes
 requests, then leaves on SIGTERM while a rollout generates: its requests are aborted and requeued, and every
-rollout still trains exactly rollout_batch_size x n_samples_per_prompt samples, none twice."""
+rollout still trains exactly rollout_batch_size x n_samples_per_prompt samples, none twice.
+
+The joiner's requests are certainly in flight at the SIGTERM: before it, the test opens the CPU engine's hold gate
+(`faults.HOLD_GENERATION`, set only in the engine job's environment), so the joiner decodes nothing more and what
+the controller sends it stays there. Without the gate, answers of 24 tokens finished between the live status
+showing them and the signal: a CI run once saw "left: 0 request(s) requeued"."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc_rl.engines.cpu.faults import HOLD_GENERATION, HOLD_POLL_S
 from hpc_rl.protocol.http_client import request_blocking
 from hpc_rl.status import live_status
 from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
@@ -59,12 +65,14 @@ def test_an_engine_job_joins_with_the_current_weights_and_leaves_losing_nothing(
     run = start_run(run_dir, "--num-rollout", str(ROLLOUTS), "--rollout-max-response-len", "24",
                     "--eval-interval", "100", "--rollout-cleanup-timeout", "30")
     job_out = tmp_path / "engine-job.out"
+    hold_gate = tmp_path / "hold-the-joiners-generation"
     job = None
     try:
         wait_for(lambda: len(records(run_dir)) >= 1, 400, "the run's first rollout (weights v1 pushed after it)")
         job = subprocess.Popen([sys.executable, "-m", "hpc_rl.submit", "--engines-for", str(run_dir), "--executor",
                                 "local"], cwd=REPO_ROOT, stdout=open(job_out, "w"), stderr=subprocess.STDOUT,
-                               start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                               start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT),
+                                                               HOLD_GENERATION: str(hold_gate)})
         wait_for(lambda: (joined_engine(run_dir) or {}).get("first_request_s") is not None, 300,
                  f"the engine job's engine to join and take a request ({job_out})")
         engine = joined_engine(run_dir)
@@ -73,7 +81,13 @@ def test_an_engine_job_joins_with_the_current_weights_and_leaves_losing_nothing(
         served = int(json.loads(info)["weight_version"])
         controller_version = json.loads((run_dir / "status.json").read_text())["weight_version"]
         assert status == 200 and served >= 1 and abs(served - controller_version) <= 1, (served, controller_version)
-        wait_for(lambda: joined_in_flight(run_dir) > 0, 120, "requests on the engine job's engine", interval_s=0.02)
+        trained_before_hold = len(records(run_dir))
+        wait_for(lambda: len(records(run_dir)) > trained_before_hold, 300,
+                 "a rollout trained after the joiner took requests (its answers are checked below)")
+        hold_gate.touch()  # from here the joiner decodes nothing: a request on it stays until aborted
+        time.sleep(40 * HOLD_POLL_S)  # a step under way when the gate opened has ended (a decode step: ms)
+        wait_for(lambda: joined_in_flight(run_dir) > 0, 120, "requests held on the engine job's engine",
+                 interval_s=0.02)
         left_during = len(records(run_dir))
         os.killpg(job.pid, signal.SIGTERM)  # what Slurm sends at the end of the job: mid-rollout, requests on it
         assert job.wait(120) == 0, job_out.read_text()[-3000:]

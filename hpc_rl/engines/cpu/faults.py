@@ -12,20 +12,28 @@ runs then but one environment lookup per point).
                                                                                   GPU, a process frozen by the OS
     HPC_RL_FAULT_EXIT_IN_GROUP_INIT       /init_weights_update_group is asked     exits before joining the group
     HPC_RL_FAULT_EXIT_IN_GENERATE         a /generate request is asked            exits (an eval or rollout cut)
+
+One variable is a gate, not a failure, for tests that need requests certainly in flight at a moment they choose
+(an engine leaving mid-rollout, tests/integration/test_engine_jobs.py): it names a file the test creates.
+
+    HPC_RL_FAULT_HOLD_GENERATION          every scheduler step, while that        decodes nothing: its requests
+                                          file exists                             stay in flight until aborted
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 EXIT_IN_WEIGHT_SYNC = "HPC_RL_FAULT_EXIT_IN_WEIGHT_SYNC"
 STOP_IN_WEIGHT_SYNC = "HPC_RL_FAULT_STOP_IN_WEIGHT_SYNC"
 EXIT_IN_GROUP_INIT = "HPC_RL_FAULT_EXIT_IN_GROUP_INIT"
 EXIT_IN_GENERATE = "HPC_RL_FAULT_EXIT_IN_GENERATE"
+HOLD_GENERATION = "HPC_RL_FAULT_HOLD_GENERATION"
 
-FAULT_VARIABLES = (EXIT_IN_WEIGHT_SYNC, STOP_IN_WEIGHT_SYNC, EXIT_IN_GROUP_INIT, EXIT_IN_GENERATE)
+HOLD_POLL_S = 0.05
+"""How often a held scheduler looks at the gate file again when nothing else wakes it."""
 
 
 def _first_to_claim(marker: str) -> bool:
@@ -48,3 +56,12 @@ def fail_here_if_asked(*variables: str, environ: Mapping[str, str] = os.environ)
             os.kill(os.getpid(), signal.SIGSTOP)  # resumes only when someone sends SIGCONT (or it is killed)
             return
         os._exit(1)
+
+
+def generation_hold(environ: Mapping[str, str] = os.environ) -> Callable[[], bool] | None:
+    """The gate of `HOLD_GENERATION`: a check that is True while its file exists; None when the variable is unset
+    (every real run: the scheduler then never looks)."""
+    marker = environ.get(HOLD_GENERATION)
+    if not marker:
+        return None
+    return lambda: os.path.exists(marker)

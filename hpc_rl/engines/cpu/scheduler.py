@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from hpc_rl.engines.cpu import kv_batch
+from hpc_rl.engines.cpu.faults import HOLD_POLL_S, generation_hold
 from hpc_rl.engines.cpu.lora_serving import EngineLoraAdapters
 from hpc_rl.engines.cpu.memory_occupation import MemoryOccupation, MemoryTagError, WeightsNotLoaded
 from hpc_rl.engines.cpu.requests import (
@@ -87,6 +88,8 @@ class Scheduler:
         self.context_length = context_length
         self.weight_version = weight_version
         self.paused = False
+        self._held = generation_hold()
+        """A test's gate (`faults.HOLD_GENERATION`): while it says True nothing decodes; None in real runs."""
         self.memory = MemoryOccupation(model, memory_saver=memory_saver, weights_cpu_backup=weights_cpu_backup)
         """Released memory tags; with the memory saver, released weights are discarded as in SGLang."""
         eos = model.generation_config.eos_token_id if model.generation_config else None
@@ -234,7 +237,7 @@ class Scheduler:
             while not self._stopping:
                 self._wake.clear()
                 if not self.run_iteration():
-                    self._wake.wait()
+                    self._wake.wait(None if self._held is None else HOLD_POLL_S)
         except BaseException as error:  # noqa: BLE001 - a dead scheduler must end the engine, never hang it
             self._die(error)
             return
@@ -267,6 +270,8 @@ class Scheduler:
         The thread's loop body; tests call it directly to drive the scheduler step by step."""
         self._drain_inbox()
         if self.paused or self.released_tags or not (self._waiting or self._running):
+            return False
+        if self._held is not None and self._held():
             return False
         if self._refuse_waiting_if_weights_discarded():
             return False
