@@ -148,18 +148,22 @@ def test_no_listener_is_a_transport_failure_and_breaks_the_group_at_its_position
 
 
 def test_a_worker_dying_mid_update_fails_its_engines_as_transport_failures_without_a_hang() -> None:
+    """Both of the killed worker's engines are fakes that hang (a simulated engine there could finish its whole update
+    before the kill on a loaded machine, and rightly count as answered: a CI run once saw positions [0])."""
     async def scenario() -> None:
-        fake = FakeUpdatingEngine(hang=True)
-        fake_url = await fake.start()
+        fakes = [FakeUpdatingEngine(hang=True), FakeUpdatingEngine(hang=True)]
+        fake_urls = [await fake.start() for fake in fakes]
         try:
             async with sim_fleet(3) as (urls, connections), started(AnswerPool(2, api_key="k")) as pool:
-                admins = [EngineAdmin(url, connections) for url in [fake_url, *urls]]  # fake and urls[1]: worker 0
+                order = [fake_urls[0], urls[0], fake_urls[1], urls[1]]  # engines go to workers 0, 1, 0, 1 in turn
+                admins = [EngineAdmin(url, connections) for url in order]
                 update = asyncio.create_task(update_every_engine(admins, buckets(), pool=pool,
                                                                  on_break=lambda error: asyncio.sleep(0), settle_s=5.0))
-                while fake.calls.count("/update_weights_from_distributed") < 1:
+                while fakes[0].calls.count("/update_weights_from_distributed") < 1:
                     await asyncio.sleep(0.02)
                 assert admins[0].in_flight  # the worker's call counts as the admin's
-                victim = pool._slots[pool.home(fake_url)]
+                assert pool.home(fake_urls[0]) == pool.home(fake_urls[1]) != pool.home(urls[0])
+                victim = pool._slots[pool.home(fake_urls[0])]
                 assert victim is not None
                 victim.process.kill()
                 with pytest.raises(WeightGroupBroken) as broken:
@@ -167,10 +171,12 @@ def test_a_worker_dying_mid_update_fails_its_engines_as_transport_failures_witho
                 assert broken.value.positions == [0, 2]  # the killed worker's engines; worker 1's answered
                 assert "ended before answering" in str(broken.value)
                 assert not any(admin.in_flight for admin in admins)
-                await update_every_engine(admins[1:], buckets(), pool=pool)  # a new worker serves the next one
-                assert pool.restarts == 1
+                after = [*admins[1::2], EngineAdmin(urls[2], connections)]  # urls[2] is the fifth engine: worker 0
+                await update_every_engine(after, buckets(), pool=pool)  # a new worker serves the next one
+                assert pool.home(urls[2]) == pool.home(fake_urls[0]) and pool.restarts == 1
         finally:
-            await fake.stop()
+            for fake in fakes:
+                await fake.stop()
 
     asyncio.run(scenario())
 
