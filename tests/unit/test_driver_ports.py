@@ -20,6 +20,17 @@ def ports(plan: PortPlan) -> set[int]:
     return {plan.controller, plan.router, plan.router_metrics, plan.rendezvous, *plan.engines}
 
 
+def free_slurm_plan(monkeypatch: pytest.MonkeyPatch) -> PortPlan:
+    """The plan of the first job slot none of whose ports is in use here now: the test squats one of them itself, and
+    another process on this machine (a test run, a Slurm job) may hold a port of any fixed slot (CI once found job
+    7's controller port taken)."""
+    for job_id in range(1, JOB_PORT_SLOTS + 1):
+        plan = slurm_plan(monkeypatch, job_id)
+        if not any(port_in_use("127.0.0.1", port) for port in ports(plan)):
+            return plan
+    raise AssertionError("every job slot has a port in use on this machine")
+
+
 def test_neighbouring_jobs_share_no_port_and_stay_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
     plans = [slurm_plan(monkeypatch, job_id) for job_id in range(1, JOB_PORT_SLOTS + 1)]
     for a, b in zip(plans, plans[1:]):
@@ -28,8 +39,9 @@ def test_neighbouring_jobs_share_no_port_and_stay_below_the_ephemeral_range(monk
 
 
 def test_a_squatted_port_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
-    plan = slurm_plan(monkeypatch, 7)
+    plan = free_slurm_plan(monkeypatch)
     with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no user
         squatter.bind(("127.0.0.1", plan.controller))
         squatter.listen()
         assert port_in_use("127.0.0.1", plan.controller)
@@ -39,8 +51,9 @@ def test_a_squatted_port_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_remote_engine_ports_are_left_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    plan = slurm_plan(monkeypatch, 9)
+    plan = free_slurm_plan(monkeypatch)
     with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no user
         squatter.bind(("127.0.0.1", plan.engines[0]))
         squatter.listen()
         assert plan.avoiding_busy("127.0.0.1", ["10.0.0.2"] * len(plan.engines)).engines == plan.engines
