@@ -44,7 +44,7 @@ def run_probe(*probe_args: str) -> tuple[subprocess.CompletedProcess[str], list[
 
 
 @pytest.mark.slow
-def test_ranks_fork_from_the_preloaded_launcher_and_die_of_sigterm() -> None:
+def test_ranks_fork_from_the_preloaded_launcher_and_die_of_sigterm(tmp_path: Path) -> None:
     done, probes = run_probe("x", "--flag")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert sorted(p["rank"] for p in probes) == [0, 1]
@@ -54,7 +54,7 @@ def test_ranks_fork_from_the_preloaded_launcher_and_die_of_sigterm() -> None:
         # (plain torchrun: parent is the launcher too, but preloaded_in is None: each rank imports itself)
         assert probe["world_size"] == 2 and probe["argv"] == ["x", "--flag"] and probe["sigterm_default"]
 
-    died, probes = run_probe("die")
+    died, probes = run_probe("die", str(tmp_path / "rank0-printed"))  # rank 1 dies once rank 0 has printed
     assert died.returncode != 0 and len(probes) == 2
     failure = root_cause(died.stderr + died.stdout)
     assert failure is not None and (failure.rank, failure.exitcode) == (1, -15), died.stderr[-3000:]
