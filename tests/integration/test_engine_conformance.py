@@ -30,7 +30,7 @@ import pytest
 import requests
 import torch
 
-from hpc_rl.process.child_process import free_port
+from hpc_rl.process.child_process import planned_port
 from hpc_rl.engines.cpu.faults import HOLD_GENERATION
 from hpc_rl.engines.engine_process import CpuEngineProcess, SglangEngineProcess
 from hpc_rl.engines.sglang_launch import SGLANG_ON_CPU_ENV, SGLANG_ON_CPU_OPTIONS, SglangLaunchSpec
@@ -51,7 +51,7 @@ def engine(request, tiny_model_dir, tmp_path_factory):
         process.hold_gate = logs / "hold"  # type: ignore[attr-defined]  # read by `held`
         timeout = 120
     else:
-        spec = SglangLaunchSpec(hf_checkpoint=str(tiny_model_dir), host="127.0.0.1", port=free_port(),
+        spec = SglangLaunchSpec(hf_checkpoint=str(tiny_model_dir), host="127.0.0.1", port=planned_port(),
                                 python=str(SGLANG_PYTHON),
                                 sglang_options={**SGLANG_ON_CPU_OPTIONS, "max_total_tokens": 4096})
         process = SglangEngineProcess(spec, log_path=logs / "engine.log", env=SGLANG_ON_CPU_ENV)
@@ -438,7 +438,7 @@ def test_update_while_paused_in_place_keeps_the_request_and_spans_both_versions(
     an unpaused run's. The engine serves the perturbed weights afterwards (second to last: the OOV test ends it)."""
     body = {"input_ids": [9, 15], "return_logprob": True, "sampling_params": greedy(300, ignore_eos=True)}
     reference = generate(engine, {**body, "rid": "in-place-ref"}).json()
-    master_port = free_port()
+    master_port = planned_port()
     trainer = multiprocessing.get_context("spawn").Process(
         target=_broadcast_perturbed_weights, args=(master_port, str(tiny_model_dir)), daemon=True)
     weights = perturbed_weights(str(tiny_model_dir))

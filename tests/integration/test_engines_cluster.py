@@ -27,7 +27,7 @@ import torch
 
 from hpc_rl.engines.cpu.faults import HOLD_GENERATION
 from hpc_rl.weights.bucket_layout import order_for_alignment
-from hpc_rl.process.child_process import free_port
+from hpc_rl.process.child_process import planned_port
 from hpc_rl.engines.engine_process import CpuEngineProcess
 from hpc_rl.engines.router import RouterProcess
 from hpc_rl.tiny_model import TinyModelSpec, make_tiny_model
@@ -276,7 +276,7 @@ def test_weight_update_over_gloo_changes_outputs(cluster, model_dir, tmp_path, h
     per_tensor, bucket = names[: len(names) // 2], names[len(names) // 2:]
     fields = lambda subset: {"names": subset, "dtypes": [str(tensors[n].dtype).removeprefix("torch.") for n in subset],
                              "shapes": [list(tensors[n].shape) for n in subset], "group_name": "weight_update_group"}
-    master_port = free_port()
+    master_port = planned_port()
     trainer = multiprocessing.get_context("spawn").Process(
         target=_trainer_rank0, args=(master_port, 3, str(new_dir), per_tensor, bucket), daemon=True)
 
