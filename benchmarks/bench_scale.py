@@ -454,7 +454,8 @@ async def run_mode(engines: int, mode: str, args: argparse.Namespace, work: Path
             if profiler is not None:
                 profiler.enable()
             churning = asyncio.create_task(churn(controller, secret, join_urls=join_urls, leave=args.leave,
-                                                 tp_size=config.cluster.rollout_num_gpus_per_engine)) \
+                                                 tp_size=config.cluster.rollout_num_gpus_per_engine,
+                                                 hold_leavers=args.hold_leavers)) \
                 if args.join or args.leave else None
             churned = None
             await controller.run()
@@ -652,6 +653,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "per sample through sglang-router")
     parser.add_argument("--join", type=int, default=0, help="engines that join mid-rollout (engine jobs' agents)")
     parser.add_argument("--leave", type=int, default=0, help="serving engines that leave mid-rollout (drained)")
+    parser.add_argument("--hold-leavers", action="store_true",
+                        help="pause the leavers in place once they hold requests, then leave (tests: requests are "
+                             "certainly in flight on them)")
     parser.add_argument("--work-dir", default=None)
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--verbose", action="store_true")

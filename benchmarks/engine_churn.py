@@ -6,6 +6,11 @@ Each joiner and each leaver speaks the controller's authenticated protocol on a 
 requests in flight are aborted and requeued. Handshakes go at most HANDSHAKES_AT_ONCE at a time (the server drops the
 oldest of more than 32 unauthenticated connections). The counts and the controller's measured times
 (`EngineMembership.records`) come back in `ChurnResult`.
+
+With `hold_leavers` (tests: tests/integration/test_bench_scale.py), the leavers are paused in place while they hold
+requests, then left: they finish nothing from the pause on, so requests are in flight on them when the controller
+takes the leave. Without it (the measured runs) a leave can come as the rollout's last answers do, and then
+requeues none.
 """
 
 from __future__ import annotations
@@ -66,10 +71,27 @@ async def generating(controller: Any, rollout_id: int = 0, timeout_s: float = 60
         await asyncio.sleep(0.05)
 
 
+async def holding(controller: Any, leavers: list[int], timeout_s: float = 600.0) -> None:
+    """Once `leavers` hold requests of the controller's, pause them in place (they finish nothing from then on) and
+    return if they still hold one: it stays in flight on them until their leave aborts it. (A weight sync's continue
+    resumes them; in async mode one can end between this and the leave, which waits for it: a window of one poll.)"""
+    urls = [controller.registry.engines[index].url for index in leavers]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        while not any(controller.client.in_flight_on(url) for url in urls):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the leavers {leavers} were sent no request within {timeout_s:.0f} s")
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*(controller.fleet.admins[index].pause("in_place") for index in leavers))
+        if any(controller.client.in_flight_on(url) for url in urls):
+            return
+
+
 async def churn(controller: Any, secret: Secret, *, join_urls: list[str], leave: int, tp_size: int,
-                rollout_id: int = 1) -> ChurnResult:
+                rollout_id: int = 1, hold_leavers: bool = False) -> ChurnResult:
     """While rollout `rollout_id` generates (1: after the first weight sync, so joiners get the weights before they
-    serve): every `join_urls` engine joins, then `leave` serving engines leave (all at once)."""
+    serve): every `join_urls` engine joins, then `leave` serving engines leave (all at once; with `hold_leavers`,
+    paused in place first and left once they hold requests: `holding`)."""
     result = ChurnResult()
     address = ("127.0.0.1", controller.address[1])
     gate = asyncio.Semaphore(HANDSHAKES_AT_ONCE)
@@ -84,6 +106,8 @@ async def churn(controller: Any, secret: Secret, *, join_urls: list[str], leave:
     await generating(controller, rollout_id)
     leavers = [engine.engine_index for engine in controller.registry.serving_engines()
                if engine.engine_index not in joined][:leave]
+    if hold_leavers:
+        await holding(controller, leavers)
     start = time.perf_counter()
     replies = await asyncio.gather(*(_request(address, secret, EngineLeave(engine_index=index, reason="bench churn"),
                                               gate) for index in leavers))

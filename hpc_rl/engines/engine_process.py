@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hpc_rl.engines import API_KEY_ENV
-from hpc_rl.process.child_process import ChildProcess, free_port, http_ok, wait_until
+from hpc_rl.process.child_process import ChildProcess, http_ok, planned_port, wait_until
 from hpc_rl.engines.sglang_launch import SglangLaunchSpec, build_sglang_command, build_sglang_env
 
 
@@ -66,7 +66,7 @@ class CpuEngineProcess(_HttpEngineProcess):
                  port: int | None = None, api_key: str | None = None, max_running_requests: int = 64,
                  weight_version: str = "default", num_threads: int = 1, extra_args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None) -> None:
-        port = port or free_port(host)
+        port = port or planned_port(host)
         command = cpu_engine_command(model_path, host=host, port=port, max_running_requests=max_running_requests,
                                      weight_version=weight_version, num_threads=num_threads, extra_args=extra_args)
         environment = build_sglang_env(os.environ if env is None else env)

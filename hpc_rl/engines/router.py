@@ -33,7 +33,7 @@ from pathlib import Path
 
 from hpc_rl.config.sections.rollout import ROUTER_POLICIES
 from hpc_rl.engines import API_KEY_ENV
-from hpc_rl.process.child_process import ChildProcess, ChildProcessFailed, free_port, http_ok, wait_until
+from hpc_rl.process.child_process import ChildProcess, ChildProcessFailed, http_ok, planned_port, wait_until
 from hpc_rl.protocol.http_client import request_blocking
 
 
@@ -80,8 +80,8 @@ class RouterProcess:
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  api_key: str | None = None) -> None:
         self.host = host
-        self.port = port or free_port(host)
-        self.prometheus_port = prometheus_port or free_port(host)
+        self.port = port or planned_port(host)
+        self.prometheus_port = prometheus_port or planned_port(host)
         self.api_key = api_key
         command = build_router_command(
             host=host, port=self.port, prometheus_port=self.prometheus_port, policy=policy,

@@ -10,6 +10,7 @@ A `ChildProcess` also stops its group when the parent exits normally (atexit). A
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import os
 import random
@@ -33,6 +34,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 PLANNED_PORTS_START = 30000
+_PLANNED_HERE: collections.deque[int] = collections.deque(maxlen=64)
+"""The last ports `planned_port` returned in this process: two plans made before either binds (an engine and a
+router, two engines of a test) never get the same port."""
 
 
 def ephemeral_port_range() -> tuple[int, int]:
@@ -54,12 +58,15 @@ def planned_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> i
         return free_port(host)
     for _ in range(200):
         port = rng.randrange(PLANNED_PORTS_START, low)
+        if port in _PLANNED_HERE:  # handed out by this process, maybe not bound yet: free now, taken soon
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
-            return port
+        _PLANNED_HERE.append(port)
+        return port
     return free_port(host)
 
 

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from hpc_rl.process.child_process import free_port
+from hpc_rl.process.child_process import planned_port
 
 
 _PRELOAD = ["torch", "megatron.core", "hpc_rl.training.model_provider"]
@@ -64,7 +64,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """
     context = _start_context()
     results = context.Queue()
-    port = free_port()
+    port = planned_port()  # rank 0 binds it after its imports: seconds later
     environ = dict(os.environ)
     procs = [context.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, environ),
                              daemon=False)

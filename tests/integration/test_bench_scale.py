@@ -55,10 +55,11 @@ def test_harness_at_eight_engines_loses_and_duplicates_nothing(tmp_path):
 def test_engines_joining_and_leaving_mid_rollout_lose_nothing(tmp_path):
     """bench_scale --join/--leave at N=4 (the 256-engine run is in docs/faults.md): 4 engines join through the
     controller's protocol while rollout 1 generates, then the 4 the run started with leave, drained; both modes
-    train every sample once."""
+    train every sample once. The leavers are paused in place while they hold requests (--hold-leavers), so those
+    are in flight when they leave, however long the leave's handshake takes on a loaded machine."""
     bench = load_bench()
-    args = bench.parse_args(["--engines", "4", "--join", "4", "--leave", "4", "--modes", "sync", "async",
-                             "--rollouts", "3", "--samples-per-engine", "16", "--work-dir", str(tmp_path)])
+    args = bench.parse_args(["--engines", "4", "--join", "4", "--leave", "4", "--hold-leavers", "--modes", "sync",
+                             "async", "--rollouts", "3", "--samples-per-engine", "16", "--work-dir", str(tmp_path)])
     results = asyncio.run(bench.main_async(args))
     for result in results:
         churn = result.extra["churn"]

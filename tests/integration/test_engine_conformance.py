@@ -8,6 +8,11 @@ item, one aborted alone, duplicates refused), SSE
 streaming, error and control bodies, 0-token weight_versions, abort reasons, logprobs equal to a
 forward pass. The last check sends an out-of-vocabulary id: SGLang's process exits, and so must the CPU
 engine's (never a live /health with a dead scheduler). Tests run in file order per engine.
+
+Checks that act on a running request (pause, abort, a weight update mid-request) hold the CPU engine first, once the
+request's first token is back: its hold gate (`faults.HOLD_GENERATION`, set only in this module's engine) stops it
+decoding, so the request cannot finish by length before the call lands, whatever the load. SGLang has no such gate:
+there those checks still race a 300-500-token budget.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import orjson
@@ -23,7 +30,8 @@ import pytest
 import requests
 import torch
 
-from hpc_rl.process.child_process import free_port
+from hpc_rl.process.child_process import planned_port
+from hpc_rl.engines.cpu.faults import HOLD_GENERATION
 from hpc_rl.engines.engine_process import CpuEngineProcess, SglangEngineProcess
 from hpc_rl.engines.sglang_launch import SGLANG_ON_CPU_ENV, SGLANG_ON_CPU_OPTIONS, SglangLaunchSpec
 
@@ -38,10 +46,12 @@ pytestmark = pytest.mark.slow
 def engine(request, tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp(f"{request.param}_engine")
     if request.param == "cpu":
-        process = CpuEngineProcess(tiny_model_dir, log_path=logs / "engine.log")
+        process = CpuEngineProcess(tiny_model_dir, log_path=logs / "engine.log",
+                                   env={**os.environ, HOLD_GENERATION: str(logs / "hold")})
+        process.hold_gate = logs / "hold"  # type: ignore[attr-defined]  # read by `held`
         timeout = 120
     else:
-        spec = SglangLaunchSpec(hf_checkpoint=str(tiny_model_dir), host="127.0.0.1", port=free_port(),
+        spec = SglangLaunchSpec(hf_checkpoint=str(tiny_model_dir), host="127.0.0.1", port=planned_port(),
                                 python=str(SGLANG_PYTHON),
                                 sglang_options={**SGLANG_ON_CPU_OPTIONS, "max_total_tokens": 4096})
         process = SglangEngineProcess(spec, log_path=logs / "engine.log", env=SGLANG_ON_CPU_ENV)
@@ -67,6 +77,21 @@ def generate(engine, body: dict, timeout: float = 120) -> requests.Response:
 
 def greedy(max_new_tokens: int, **extra) -> dict:
     return {"max_new_tokens": max_new_tokens, "temperature": 0, **extra}
+
+
+@contextmanager
+def held(engine) -> Iterator[None]:
+    """The CPU engine decodes nothing inside (its hold gate): a running request stays running, with the tokens it
+    had, until the block ends. A no-op on SGLang."""
+    gate = getattr(engine, "hold_gate", None)
+    if gate is None:
+        yield
+        return
+    gate.touch()
+    try:
+        yield
+    finally:
+        gate.unlink()
 
 
 def test_text_is_the_continuation_of_the_prompt_text(engine, tokenizer):
@@ -215,27 +240,20 @@ def test_error_and_control_bodies(engine):
 
 def test_abort_returns_partial_output_with_sglangs_reason(engine):
     """Aborts once the first token has streamed back, so the request is running (never a fixed sleep:
-    a quiet machine decodes the whole budget within one). The CPU engine holds the running request (paused
-    in place: it keeps its row and decodes nothing) until the abort has landed, so it cannot finish by
-    length first; on SGLang the abort still races the budget (500 tokens at SGLang-on-CPU speed)."""
+    a quiet machine decodes the whole budget within one). The CPU engine is held from then on (`held`: it
+    decodes nothing), so the request cannot finish by length before the abort lands; on SGLang the abort still
+    races the budget (500 tokens at SGLang-on-CPU speed)."""
     budget = 500  # as long as the tiny model's 512-token context allows
     body = {"rid": "to-abort", "input_ids": [9, 15], "stream": True,
             "sampling_params": {"max_new_tokens": budget, "ignore_eos": True}}
-    hold = isinstance(engine, CpuEngineProcess)
     with requests.post(f"{engine.url}/generate", json=body, stream=True, timeout=120) as response:
         events = response.iter_lines()
         first = next(line for line in events if line)
         assert first.startswith(b"data: ")
-        if hold:
-            paused = requests.post(f"{engine.url}/pause_generation", json={"mode": "in_place"}, timeout=30)
-            assert paused.status_code == 200, paused.text
-        try:
+        with held(engine):
             aborted = requests.post(f"{engine.url}/abort_request", json={"rid": "to-abort"}, timeout=30)
             assert aborted.status_code == 200
-        finally:
-            if hold:
-                requests.post(f"{engine.url}/continue_generation", json={}, timeout=30)
-        rest = [line for line in events if line]
+            rest = [line for line in events if line]  # the abort's answer comes while held
     chunks = [orjson.loads(event[len(b"data: "):]) for event in [first, *rest] if event != b"data: [DONE]"]
     reason = chunks[-1]["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and reason["message"] == "Aborted"
@@ -301,15 +319,17 @@ def test_unknown_sampling_key_gets_sglangs_schema_error(engine):
 
 
 def test_pause_retract_is_counted_in_num_retractions(engine):
-    """The pause must land while the request runs: 500 tokens (0.7 s on the CPU engine at load 10), not 60
-    (0.09 s, within a pause request's round trip under load). Still a race in principle: a running request
-    can only be held by an engine hook (a queued one by a pause, as test_batched_rid_list_... does)."""
+    """The pause must land while the request runs: the CPU engine is held (`held`) from its first token until
+    the pause and the continue are done. On SGLang a race in principle: 500 tokens, not 60 (0.09 s on the CPU
+    engine, within a pause request's round trip under load)."""
     body = {"rid": "retracted", "input_ids": [9, 15], "stream": True, "sampling_params": greedy(500, ignore_eos=True)}
     with requests.post(f"{engine.url}/generate", json=body, stream=True, timeout=120) as response:
         events = response.iter_lines()
         first = next(line for line in events if line)  # running: its first token is back
-        assert requests.post(f"{engine.url}/pause_generation", json={"mode": "retract"}, timeout=30).status_code == 200
-        assert requests.post(f"{engine.url}/continue_generation", json={}, timeout=30).status_code == 200
+        with held(engine):
+            assert requests.post(f"{engine.url}/pause_generation", json={"mode": "retract"},
+                                 timeout=30).status_code == 200
+            assert requests.post(f"{engine.url}/continue_generation", json={}, timeout=30).status_code == 200
         rest = [line for line in events if line and line != b"data: [DONE]"]
     final = orjson.loads((rest or [first])[-1][len(b"data: "):])
     assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 500}
@@ -354,16 +374,17 @@ def test_info_admin_and_session_bodies(engine):
 def test_pause_in_place_keeps_the_request_running_and_refuses_a_flush(engine):
     """SGLang's in_place pause (in-place weight updates, issue 34): the request stays in the running batch with
     its KV cache, so /flush_cache fails until it finishes; on continue it goes on, never retracted, every token
-    once. The same race as the retract test above (500 tokens, the pause sent once the first one is back)."""
+    once. Held as the retract test above (on SGLang: 500 tokens, the pause sent once the first one is back)."""
     body = {"rid": "in-place", "input_ids": [9, 15], "stream": True, "sampling_params": greedy(500, ignore_eos=True)}
     with requests.post(f"{engine.url}/generate", json=body, stream=True, timeout=120) as response:
         events = response.iter_lines()
         first = next(line for line in events if line)  # running: its first token is back
-        paused = requests.post(f"{engine.url}/pause_generation", json={"mode": "in_place"}, timeout=30)
-        assert paused.status_code == 200
-        flush = requests.post(f"{engine.url}/flush_cache", json={}, timeout=30)
-        assert flush.status_code == 400, flush.text
-        assert requests.post(f"{engine.url}/continue_generation", json={}, timeout=30).status_code == 200
+        with held(engine):
+            paused = requests.post(f"{engine.url}/pause_generation", json={"mode": "in_place"}, timeout=30)
+            assert paused.status_code == 200
+            flush = requests.post(f"{engine.url}/flush_cache", json={}, timeout=30)
+            assert flush.status_code == 400, flush.text
+            assert requests.post(f"{engine.url}/continue_generation", json={}, timeout=30).status_code == 200
         rest = [line for line in events if line and line != b"data: [DONE]"]
     final = orjson.loads((rest or [first])[-1][len(b"data: "):])
     assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 500}
@@ -417,7 +438,7 @@ def test_update_while_paused_in_place_keeps_the_request_and_spans_both_versions(
     an unpaused run's. The engine serves the perturbed weights afterwards (second to last: the OOV test ends it)."""
     body = {"input_ids": [9, 15], "return_logprob": True, "sampling_params": greedy(300, ignore_eos=True)}
     reference = generate(engine, {**body, "rid": "in-place-ref"}).json()
-    master_port = free_port()
+    master_port = planned_port()
     trainer = multiprocessing.get_context("spawn").Process(
         target=_broadcast_perturbed_weights, args=(master_port, str(tiny_model_dir)), daemon=True)
     weights = perturbed_weights(str(tiny_model_dir))
@@ -430,19 +451,21 @@ def test_update_while_paused_in_place_keeps_the_request_and_spans_both_versions(
                            stream=True, timeout=120) as response:
             events = response.iter_lines()
             first = next(line for line in events if line)  # running: its first token is back
-            assert post("/pause_generation", {"mode": "in_place"}).status_code == 200
-            trainer.start()
-            joined = post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": master_port,
-                                                         "rank_offset": 1, "world_size": 2, "backend": "gloo",
-                                                         "group_name": "in_place_group"}, timeout=120)
-            assert joined.status_code == 200, joined.text
-            assert post("/begin_weight_update", {}).status_code == 200
-            started = time.monotonic()
-            updated = post("/update_weights_from_distributed", update, timeout=120)  # a hang: ReadTimeout here
-            update_s = time.monotonic() - started
-            assert updated.status_code == 200, updated.text
-            assert post("/end_weight_update", {}).status_code == 200
-            assert post("/continue_generation", {}).status_code == 200
+            with held(engine):  # (the CPU engine: the request cannot finish its 300 tokens before the pause)
+                assert post("/pause_generation", {"mode": "in_place"}).status_code == 200
+                trainer.start()
+                joined = post("/init_weights_update_group", {"master_address": "127.0.0.1",
+                                                             "master_port": master_port, "rank_offset": 1,
+                                                             "world_size": 2, "backend": "gloo",
+                                                             "group_name": "in_place_group"}, timeout=120)
+                assert joined.status_code == 200, joined.text
+                assert post("/begin_weight_update", {}).status_code == 200
+                started = time.monotonic()
+                updated = post("/update_weights_from_distributed", update, timeout=120)  # a hang: ReadTimeout
+                update_s = time.monotonic() - started
+                assert updated.status_code == 200, updated.text
+                assert post("/end_weight_update", {}).status_code == 200
+                assert post("/continue_generation", {}).status_code == 200
             rest = [line for line in events if line and line != b"data: [DONE]"]
         trainer.join(60)
         assert trainer.exitcode == 0

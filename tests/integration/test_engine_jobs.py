@@ -8,7 +8,11 @@ rollout still trains exactly rollout_batch_size x n_samples_per_prompt samples, 
 The joiner's requests are certainly in flight at the SIGTERM: before it, the test opens the CPU engine's hold gate
 (`faults.HOLD_GENERATION`, set only in the engine job's environment), so the joiner decodes nothing more and what
 the controller sends it stays there. Without the gate, answers of 24 tokens finished between the live status
-showing them and the signal: a CI run once saw "left: 0 request(s) requeued"."""
+showing them and the signal: a CI run once saw "left: 0 request(s) requeued".
+
+The run cannot end before the joiner comes either: the run's own engine has a gate of its own (in the run's
+environment), opened once the run has trained its first rollout and closed once the joiner has registered, so the
+run waits mid-rollout meanwhile (a quiet machine trains a rollout in ~0.3 s, and an engine job starts in 10-30 s)."""
 
 from __future__ import annotations
 
@@ -60,8 +64,11 @@ def joined_in_flight(run_dir: Path) -> int:
 
 
 @pytest.mark.timeout(900)
-def test_an_engine_job_joins_with_the_current_weights_and_leaves_losing_nothing(tmp_path: Path) -> None:
+def test_an_engine_job_joins_with_the_current_weights_and_leaves_losing_nothing(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     run_dir = tmp_path / "run"
+    run_gate = tmp_path / "hold-the-runs-own-engine"
+    monkeypatch.setenv(HOLD_GENERATION, str(run_gate))  # the run's environment (the engine job gets its own gate)
     run = start_run(run_dir, "--num-rollout", str(ROLLOUTS), "--rollout-max-response-len", "24",
                     "--eval-interval", "100", "--rollout-cleanup-timeout", "30")
     job_out = tmp_path / "engine-job.out"
@@ -69,12 +76,15 @@ def test_an_engine_job_joins_with_the_current_weights_and_leaves_losing_nothing(
     job = None
     try:
         wait_for(lambda: len(records(run_dir)) >= 1, 400, "the run's first rollout (weights v1 pushed after it)")
+        run_gate.touch()  # the run waits mid-rollout until the joiner has registered: it cannot end before
         job = subprocess.Popen([sys.executable, "-m", "hpc_rl.submit", "--engines-for", str(run_dir), "--executor",
                                 "local"], cwd=REPO_ROOT, stdout=open(job_out, "w"), stderr=subprocess.STDOUT,
                                start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT),
                                                                HOLD_GENERATION: str(hold_gate)})
+        wait_for(lambda: joined_engine(run_dir) is not None, 300, f"the engine job's engine to register ({job_out})")
+        run_gate.unlink()
         wait_for(lambda: (joined_engine(run_dir) or {}).get("first_request_s") is not None, 300,
-                 f"the engine job's engine to join and take a request ({job_out})")
+                 f"the engine job's engine to take a request ({job_out})")
         engine = joined_engine(run_dir)
         key = engine_api_key(load_secret(secret_path(run_dir)))
         status, info = request_blocking("GET", f"{engine['url']}/model_info", None, timeout_s=10, api_key=key)

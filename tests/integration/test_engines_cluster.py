@@ -5,21 +5,29 @@ abort/pause semantics and misuse answers on an engine, and a weight update over 
 "trainer rank 0" process following SGLang's protocol (pause, init group, begin, update per tensor
 and as a flattened bucket, end, continue). Tests share one cluster and run in file order; the
 weight update is last because it changes the engines' weights.
+
+Where a check acts on requests that must still be running when its call lands (a pause, an abort), the test
+holds the engines first (`held`: their hold gate, `faults.HOLD_GENERATION`, set only in this module's engines),
+so no request finishes by length in between, whatever the machine's load.
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
 import pytest
 import torch
 
+from hpc_rl.engines.cpu.faults import HOLD_GENERATION
 from hpc_rl.weights.bucket_layout import order_for_alignment
-from hpc_rl.process.child_process import free_port
+from hpc_rl.process.child_process import planned_port
 from hpc_rl.engines.engine_process import CpuEngineProcess
 from hpc_rl.engines.router import RouterProcess
 from hpc_rl.tiny_model import TinyModelSpec, make_tiny_model
@@ -35,9 +43,27 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir, tmp_path_factory):
+def hold_gate(tmp_path_factory) -> Path:
+    """The engines' hold gate: while this file exists they decode nothing (`held`)."""
+    return tmp_path_factory.mktemp("gate") / "hold"
+
+
+@contextmanager
+def held(gate: Path) -> Iterator[None]:
+    """Inside, the cluster's engines admit and decode nothing: running requests keep their rows and tokens."""
+    gate.touch()
+    try:
+        yield
+    finally:
+        gate.unlink()
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory, hold_gate):
     logs = tmp_path_factory.mktemp("logs")
-    engines = [CpuEngineProcess(model_dir, log_path=logs / f"engine{i}.log", api_key=API_KEY) for i in range(2)]
+    environment = {**os.environ, HOLD_GENERATION: str(hold_gate)}
+    engines = [CpuEngineProcess(model_dir, log_path=logs / f"engine{i}.log", api_key=API_KEY, env=environment)
+               for i in range(2)]
     router = RouterProcess(log_path=logs / "router.log", policy="cache_aware", api_key=API_KEY)
     started = []
     try:
@@ -147,30 +173,44 @@ async def until_running(session: aiohttp.ClientSession, engine: str, count: int,
         await asyncio.sleep(0.05)
 
 
-def test_abort_pause_and_misuse_on_one_engine(cluster):
+async def until_waiting(session: aiohttp.ClientSession, engine: str, count: int, timeout_s: float = 120) -> None:
+    """Until `count` requests are queued in the engine, not running (its /server_info `internal_states`)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        async with session.get(f"{engine}/server_info") as response:
+            waiting = (await response.json())["internal_states"][0]["num_waiting_reqs"]
+        if waiting >= count:
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"{waiting} of {count} requests queued after {timeout_s} s"
+        await asyncio.sleep(0.05)
+
+
+def test_abort_pause_and_misuse_on_one_engine(cluster, hold_gate):
     engine = cluster[0][0].url
     long = {"ignore_eos": True}
 
     async def scenario():
         async with aiohttp.ClientSession(headers=AUTH) as session:
             # 29 filler requests share the batch (each decode step ~10 ms on an idle box). Once all 32 are
-            # admitted (each has its first token), the engine holds them, paused in place (they keep their rows
-            # and decode nothing), so none can finish by length before the aborts land, whatever the load.
+            # admitted (each has its first token), the engine is held (it decodes nothing) and paused in place (they
+            # keep their rows), so none can finish by length before the aborts land, whatever the load.
             fillers = [asyncio.create_task(post(session, f"{engine}/generate", generate_body(f"f{i}", [5], 480, **long)))
                        for i in range(29)]
             tasks = [asyncio.create_task(post(session, f"{engine}/generate", generate_body(rid, [5, 6], 480, **long)))
                      for rid in ("a1", "a2", "a3")]
             await until_running(session, engine, 32)
-            assert (await post(session, f"{engine}/pause_generation", {"mode": "in_place"}, AUTH))[0] == 200
-            # misuse while requests run
-            status, body = await post(session, f"{engine}/release_memory_occupation", {"tags": None}, AUTH)
-            assert status == 400 and "pause" in body["message"]
-            status, _ = await post(session, f"{engine}/abort_request", {"rid": "a2"}, {"Authorization": "Bearer x"})
-            assert status == 401  # admin endpoint with a wrong key
-            assert (await post(session, f"{engine}/abort_request", {"rid": "a2"}, AUTH))[0] == 200
-            assert not tasks[0].done()
-            assert (await post(session, f"{engine}/abort_request", {"abort_all": True}, AUTH))[0] == 200
-            assert (await post(session, f"{engine}/continue_generation", {}, AUTH))[0] == 200
+            with held(hold_gate):
+                assert (await post(session, f"{engine}/pause_generation", {"mode": "in_place"}, AUTH))[0] == 200
+                # misuse while requests run
+                status, body = await post(session, f"{engine}/release_memory_occupation", {"tags": None}, AUTH)
+                assert status == 400 and "pause" in body["message"]
+                status, _ = await post(session, f"{engine}/abort_request", {"rid": "a2"},
+                                       {"Authorization": "Bearer x"})
+                assert status == 401  # admin endpoint with a wrong key
+                assert (await post(session, f"{engine}/abort_request", {"rid": "a2"}, AUTH))[0] == 200
+                assert not tasks[0].done()
+                assert (await post(session, f"{engine}/abort_request", {"abort_all": True}, AUTH))[0] == 200
+                assert (await post(session, f"{engine}/continue_generation", {}, AUTH))[0] == 200
             status, body = await tasks[1]
             assert status == 200 and body["meta_info"]["finish_reason"]["type"] == "abort"
             assert 0 < len(body["output_ids"]) < 480
@@ -183,19 +223,21 @@ def test_abort_pause_and_misuse_on_one_engine(cluster):
             fillers = [asyncio.create_task(post(session, f"{engine}/generate", generate_body(f"g{i}", [5], 480, **long)))
                        for i in range(29)]
             running = asyncio.create_task(post(session, f"{engine}/generate", generate_body("p1", [7], 480, **long)))
-            await until_running(session, engine, 30)  # all admitted; 480 tokens take seconds more
-            assert (await post(session, f"{engine}/pause_generation", {"mode": "abort"}, AUTH))[0] == 200
+            await until_running(session, engine, 30)  # all admitted; held below, none can finish by length
+            with held(hold_gate):
+                assert (await post(session, f"{engine}/pause_generation", {"mode": "abort"}, AUTH))[0] == 200
             for task in (running, *fillers):
                 status, body = await task
                 assert body["meta_info"]["finish_reason"]["type"] == "abort"
             waiting = asyncio.create_task(post(session, f"{engine}/generate", generate_body("p2", [7], 4, **long)))
-            await asyncio.sleep(0.5)
+            await until_waiting(session, engine, 1)  # it reached the engine, which queues it behind the pause
             assert not waiting.done()
             status, body = await post(session, f"{engine}/resume_memory_occupation", {"tags": ["weights"]}, AUTH)
             assert status == 400 and "not released" in body["message"]
             status, body = await post(session, f"{engine}/update_weights_from_distributed",
                                       {"names": [], "dtypes": [], "shapes": []}, AUTH)
             assert status == 400 and "begin_weight_update" in body["message"]
+            assert not waiting.done()
             assert (await post(session, f"{engine}/continue_generation", {}, AUTH))[0] == 200
             status, body = await waiting
             assert status == 200 and body["meta_info"]["finish_reason"]["type"] == "length"
@@ -222,7 +264,7 @@ def _trainer_rank0(master_port: int, world_size: int, checkpoint: str, per_tenso
     destroy_weight_update_group(group)
 
 
-def test_weight_update_over_gloo_changes_outputs(cluster, model_dir, tmp_path):
+def test_weight_update_over_gloo_changes_outputs(cluster, model_dir, tmp_path, hold_gate):
     engines, _ = cluster
     urls = [engine.url for engine in engines]
     new_dir = make_tiny_model(tmp_path / "new", TinyModelSpec(seed=1))
@@ -234,7 +276,7 @@ def test_weight_update_over_gloo_changes_outputs(cluster, model_dir, tmp_path):
     per_tensor, bucket = names[: len(names) // 2], names[len(names) // 2:]
     fields = lambda subset: {"names": subset, "dtypes": [str(tensors[n].dtype).removeprefix("torch.") for n in subset],
                              "shapes": [list(tensors[n].shape) for n in subset], "group_name": "weight_update_group"}
-    master_port = free_port()
+    master_port = planned_port()
     trainer = multiprocessing.get_context("spawn").Process(
         target=_trainer_rank0, args=(master_port, 3, str(new_dir), per_tensor, bucket), daemon=True)
 
@@ -250,6 +292,7 @@ def test_weight_update_over_gloo_changes_outputs(cluster, model_dir, tmp_path):
                         break
                 await asyncio.sleep(0.005)
             await asyncio.sleep(0.03)  # a few tokens from the old weights (480 take ~0.4 s on an idle machine)
+            hold_gate.touch()  # from here it decodes nothing until the continue: it cannot finish by length first
             for url in urls:
                 assert (await post(session, f"{url}/pause_generation", {"mode": "retract"}, AUTH))[0] == 200
             assert not spanning.done()
@@ -277,6 +320,7 @@ def test_weight_update_over_gloo_changes_outputs(cluster, model_dir, tmp_path):
                 assert (await post(session, f"{url}/continue_generation", {}, AUTH))[0] == 200
                 async with session.get(f"{url}/model_info") as response:
                     assert (await response.json())["weight_version"] == "1"
+            hold_gate.unlink()
             _, spanned = await spanning
             greedy = [await post(session, f"{url}/generate", generate_body(f"g{i}", [5, 6, 7], 10, temperature=0))
                       for i, url in enumerate(urls)]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rl.process.child_process import free_port
+from hpc_rl.process.child_process import planned_port
 from hpc_rl.engines.engine_process import CpuEngineProcess
 from hpc_rl.protocol.http_client import request_blocking
 from tests.integration.run_helpers import SHORT_RUN_ROLLOUTS, records, run_to_end
@@ -42,7 +42,7 @@ def test_a_run_attaches_to_an_engine_it_did_not_start_and_its_weights_follow(tmp
 
 
 def test_an_unreachable_external_engine_is_named_at_start(tmp_path: Path) -> None:
-    port = free_port()  # nothing listens there
+    port = planned_port()  # nothing listens there
     result = run_to_end(tmp_path / "run", "--rollout-external-engine-addrs", f"127.0.0.1:{port}", "--rollout-num-gpus",
                         "0", timeout_s=300)
     assert result.returncode == 1

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpc_rl.config.loading import load_config
-from hpc_rl.process.child_process import free_port
+from hpc_rl.process.child_process import planned_port
 from hpc_rl.launch.bound_torchrun import FORK_FLAG, STORE_ADDRESS_ENV
 from hpc_rl.launch.step_plan import trainer_command
 from hpc_rl.launch.trainer_exit import root_cause
@@ -32,7 +32,7 @@ def test_the_driver_forks_preloaded_ranks_on_cpu_only(tmp_path: Path) -> None:
 def run_probe(*probe_args: str) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
     argv = [sys.executable, "-m", "hpc_rl.launch.bound_torchrun", FORK_FLAG,
             "--local-addr=127.0.0.1", "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=probe", "--max-restarts=0",
+            f"--rdzv-endpoint=127.0.0.1:{planned_port()}", "--rdzv-id=probe", "--max-restarts=0",
             "-m", PROBE, *probe_args]
     env = {**os.environ, STORE_ADDRESS_ENV: "127.0.0.1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -44,7 +44,7 @@ def run_probe(*probe_args: str) -> tuple[subprocess.CompletedProcess[str], list[
 
 
 @pytest.mark.slow
-def test_ranks_fork_from_the_preloaded_launcher_and_die_of_sigterm() -> None:
+def test_ranks_fork_from_the_preloaded_launcher_and_die_of_sigterm(tmp_path: Path) -> None:
     done, probes = run_probe("x", "--flag")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert sorted(p["rank"] for p in probes) == [0, 1]
@@ -54,7 +54,7 @@ def test_ranks_fork_from_the_preloaded_launcher_and_die_of_sigterm() -> None:
         # (plain torchrun: parent is the launcher too, but preloaded_in is None: each rank imports itself)
         assert probe["world_size"] == 2 and probe["argv"] == ["x", "--flag"] and probe["sigterm_default"]
 
-    died, probes = run_probe("die")
+    died, probes = run_probe("die", str(tmp_path / "rank0-printed"))  # rank 1 dies once rank 0 has printed
     assert died.returncode != 0 and len(probes) == 2
     failure = root_cause(died.stderr + died.stdout)
     assert failure is not None and (failure.rank, failure.exitcode) == (1, -15), died.stderr[-3000:]

@@ -25,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-from hpc_rl.process.child_process import free_port
+from hpc_rl.process.child_process import planned_port
 from hpc_rl.training.local_ranks import run_ranks
 from tests.integration.grad_shards import gather_reduced_grads
 
@@ -273,7 +273,7 @@ def test_mla_families_match_transformers_across_layouts_and_convert_exactly(tmp_
             assert torch.equal(tensor, synced[hf_name]), hf_name
 
     forward = subprocess.run(  # slime's conversion line (MODEL_ARGS as scripts/models/deepseek-v3.sh), PP 2 uneven
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(planned_port()),
          str(ROOT / "tools/convert_hf_to_torch_dist.py"), *DEEPSEEK_FLAGS.split(), "--hf-checkpoint",
          models["deepseek"][0], "--save", str(tmp_path / "pp2_torch_dist"), "--pipeline-model-parallel-size", "2",
          "--decoder-last-pipeline-num-layers", "1"], capture_output=True, text=True, timeout=300)

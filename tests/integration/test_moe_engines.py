@@ -15,7 +15,7 @@ import pytest
 import requests
 import torch
 
-from hpc_rl.process.child_process import free_port
+from hpc_rl.process.child_process import planned_port
 from hpc_rl.engines.engine_process import SglangEngineProcess
 from hpc_rl.engines.sglang_launch import SGLANG_ON_CPU_ENV, SGLANG_ON_CPU_OPTIONS, SglangLaunchSpec
 from tests.integration.test_engine_conformance import SGLANG_PYTHON, needs_sglang
@@ -31,7 +31,8 @@ def test_sglang_serves_the_tiny_moe_with_transformers_logprobs(tmp_path: Path) -
     from transformers import AutoModelForCausalLM
 
     # float32 like the trainer (SGLang's "auto" keeps a float16 KV cache on CPU: ~1e-4 off)
-    spec = SglangLaunchSpec(hf_checkpoint=str(MOE_DIR), host="127.0.0.1", port=free_port(), python=str(SGLANG_PYTHON),
+    spec = SglangLaunchSpec(hf_checkpoint=str(MOE_DIR), host="127.0.0.1", port=planned_port(),
+                            python=str(SGLANG_PYTHON),
                             sglang_options={**SGLANG_ON_CPU_OPTIONS, "max_total_tokens": 4096, "dtype": "float32"})
     engine = SglangEngineProcess(spec, log_path=tmp_path / "engine.log", env=SGLANG_ON_CPU_ENV)
     engine.start()

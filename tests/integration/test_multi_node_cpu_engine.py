@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from hpc_rl.process.child_process import free_port, http_ok
+from hpc_rl.process.child_process import http_ok, planned_port
 from hpc_rl.engines.engine_process import CpuEngineProcess
 from hpc_rl.protocol.http_client import EngineHTTPTransportError, request_blocking
 from hpc_rl.weights.colocated import update_weights_from_tensor_body, write_shared_memory_bucket
@@ -31,9 +31,22 @@ def node_env(node: str, rank: int) -> dict[str, str]:
             "PYTHONPATH": str(REPO)}
 
 
+def distinct_ports(count: int) -> list[int]:
+    """`count` different ports, each free now in the planned range (no outgoing connection takes one before the
+    engines bind it, seconds later: `planned_port`)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = planned_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 @pytest.fixture()
 def two_node_engine(tmp_path: Path) -> Iterator[tuple[CpuEngineProcess, CpuEngineProcess]]:
-    ports, dist_init = [free_port(), free_port()], free_port()
+    ports, dist_init = distinct_ports(2), planned_port()
+    while dist_init in ports:
+        dist_init = planned_port()
     processes = [CpuEngineProcess(MODEL, log_path=tmp_path / f"node{rank}.log", port=ports[rank], env=node_env(node, rank),
                                   extra_args=["--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr",
                                               f"127.0.0.1:{dist_init}", "--enable-memory-saver"])

@@ -100,3 +100,10 @@ def test_planned_ports_stay_out_of_the_ephemeral_range():
     low, _ = ephemeral_port_range()
     ports = {planned_port(rng=random.Random(seed)) for seed in range(20)}
     assert all(PLANNED_PORTS_START <= port < low for port in ports) and len(ports) > 10
+
+
+def test_planned_ports_of_one_process_differ_until_bound():
+    """Two plans drawn before either binds (a local run's engines, a test's two engines) get different ports, even
+    from draws that would repeat (the same seed twice)."""
+    first, second = planned_port(rng=random.Random(5)), planned_port(rng=random.Random(5))
+    assert first != second

@@ -14,7 +14,9 @@ runs then but one environment lookup per point).
     HPC_RL_FAULT_EXIT_IN_GENERATE         a /generate request is asked            exits (an eval or rollout cut)
 
 One variable is a gate, not a failure, for tests that need requests certainly in flight at a moment they choose
-(an engine leaving mid-rollout, tests/integration/test_engine_jobs.py): it names a file the test creates.
+(an engine leaving mid-rollout, a run that must wait for a joiner: tests/integration/test_engine_jobs.py; a pause,
+an abort or a weight update that must find a request running: test_engine_conformance.py, test_engines_cluster.py):
+it names a file the test creates and removes.
 
     HPC_RL_FAULT_HOLD_GENERATION          every scheduler step, while that        decodes nothing: its requests
                                           file exists                             stay in flight until aborted
