@@ -25,7 +25,7 @@ from hpc_rl.launch.slurm_status import component_states, job_state
 from hpc_rl.protocol.http_client import request_blocking
 from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
 from tests.integration.run_helpers import records, wait_for
-from tests.slurm.test_engine_jobs_slurm import engine_jobs, serving_job, submit_engines
+from tests.slurm.test_engine_jobs_slurm import ENDED, engine_jobs, serving_job, submit_engines
 
 pytestmark = pytest.mark.slurm
 
@@ -56,6 +56,12 @@ def running(job: str) -> bool:
     return job_state(component_states(job)) in ("RUNNING", "PENDING")
 
 
+def ended(job: str) -> bool:
+    """Slurm says the job ended (a state read right after its end can still be COMPLETING, or UNKNOWN when sacct and
+    squeue did not answer: neither is taken for the end)."""
+    return job_state(component_states(job)) in ENDED
+
+
 def het_engine_url(run_dir: Path) -> str | None:
     try:
         engines = json.loads((run_dir / "status.json").read_text())["components"]["engines"]
@@ -80,7 +86,7 @@ def test_a_resubmitted_trainer_at_another_tp_trains_the_retained_rollout_with_th
         served_before = requests_total(url, key)
         assert served_before > 0  # the engine job took part in the first attempt
         subprocess.run(["scancel", first], check=True)
-        wait_for(lambda: not running(first), 120, "the trainer's job to end")
+        wait_for(lambda: ended(first), 120, "the trainer's job to end")
         assert [r["rollout_id"] for r in records(run_dir)] == list(range(RETAINED))
         journaled, _ = RolloutJournal(run_dir / JOURNAL).read()
         assert [(r.rollout_id, r.weight_version, r.num_samples) for r in journaled] == [(RETAINED, RETAINED, SAMPLES)]
@@ -91,7 +97,7 @@ def test_a_resubmitted_trainer_at_another_tp_trains_the_retained_rollout_with_th
         jobs.append(second)
         het_served = 0  # the new job's own engine: read until it stops with the job
         reattach_s = None
-        while running(second):
+        while not ended(second):
             het = het_engine_url(run_dir)
             if het and het != url:
                 try:
