@@ -148,5 +148,11 @@ def test_engine_jobs_join_leave_on_scancel_and_a_new_one_serves_the_current_weig
     for row in rows:  # nothing lost or trained twice; every engine served the trainer's weights
         assert len(row["sample_indices"]) == len(set(row["sample_indices"])) == SAMPLES_PER_ROLLOUT, row["rollout_id"]
         assert row["metrics"]["train/train_rollout_logprob_abs_diff"] < 1e-4, (row["rollout_id"], row["metrics"])
+    # The held requests came back: aborted by the leave (requeued), or failed when Slurm's SIGTERM ended the engine
+    # before its agent left (then the leave finds none: "0 request(s) requeued"); either way sent again.
+    came_back = sum(row["metrics"].get(f"rollout/requests_{end}", 0) for row in rows
+                    for end in ("aborted", "transport_failed", "http_failed"))
+    assert came_back > 0, "no request of the scancelled engine job came back to the rollout"
+    print(f"requests that came back to the rollout: {came_back:.0f}")
     ended = {j: job_state(component_states(j)) for j in jobs[1:]}
     assert all(state == "COMPLETED" for state in ended.values()), ended
