@@ -93,7 +93,8 @@ def controller_version(run_dir: Path) -> int:
 def engine_environment(url: str) -> dict[str, str]:
     """The environment of the CPU engine serving at `url` (a process on this machine: the nodes are virtual)."""
     port = url.rsplit(":", 1)[1]
-    (process,) = [line for line in processes_mentioning("hpc_rl.engines.cpu") if f"--port {port} " in line + " "]
+    (process,) = [line for line in processes_mentioning("hpc_rl.engines.cpu") if f"--port {port} " in line + " "
+                  and not line.partition(": ")[2].startswith("srun")]  # a het job's engine step: srun's too
     entries = Path(f"/proc/{process.split(':', 1)[0]}/environ").read_bytes().decode(errors="replace").split("\0")
     return dict(entry.split("=", 1) for entry in entries if "=" in entry)
 

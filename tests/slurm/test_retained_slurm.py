@@ -31,7 +31,7 @@ from hpc_rl.launch.slurm_status import component_states, job_state
 from hpc_rl.protocol.http_client import request_blocking
 from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
 from tests.integration.run_helpers import records, wait_for
-from tests.slurm.test_engine_jobs_slurm import ENDED, engine_jobs, serving_job, submit_engines
+from tests.slurm.test_engine_jobs_slurm import ENDED, engine_environment, engine_jobs, serving_job, submit_engines
 
 pytestmark = pytest.mark.slurm
 
@@ -94,6 +94,9 @@ def test_a_resubmitted_trainer_at_another_tp_trains_the_retained_rollout_with_th
         engine_job = submit_engines(run_dir)
         jobs.append(engine_job)
         wait_for(lambda: joined(run_dir, engine_job), 400, f"engine job {engine_job} to join the first attempt")
+        wait_for(lambda: het_engine_url(run_dir) is not None, 400, "the trainer job's engine to register")
+        held = engine_environment(het_engine_url(run_dir)).get(HOLD_GENERATION)
+        assert held == str(hold_gate), f"the gate did not reach the trainer job's engine step: {held}"
         hold_gate.unlink()
         wait_for(lambda: serving_job(run_dir, engine_job) is not None, 400, f"engine job {engine_job} to serve")
         url = serving_job(run_dir, engine_job)["url"]
