@@ -41,7 +41,8 @@ def test_torchrun_entry_trains_from_a_batches_file(tmp_path: Path) -> None:
                                               batch.rollout_logprobs)]
             handle.write(json.dumps({"samples": rows}) + "\n")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(planned_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(planned_port()),
          "-m", "hpc_rl.training", str(config_path), "--batches-file", str(batches)],
         cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
