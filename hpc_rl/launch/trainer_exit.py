@@ -16,7 +16,10 @@ from pathlib import Path
 
 _ROOT_CAUSE = re.compile(r"Root Cause \(\s*first observed failure\):")
 """The header, also when srun's --label split it over two labelled lines (a write that came in two pieces)."""
-_FIELD = re.compile(r"^\s*(rank|exitcode|host)\s*:\s*(.*?)\s*$")
+_RANK = re.compile(r"(?<!\w)rank\s*:\s*(-?\d+)")
+_EXITCODE = re.compile(r"(?<!\w)exitcode\s*:\s*(-?\d+)")
+"""A block's fields, read from its lines joined without separators: srun --label also splits a field over two
+labelled lines ('1:   exitcod' and '1: e  : -9 (pid: 12091)', seen at load 12); each field's line starts indented."""
 _LABEL = re.compile(r"^(\d+): ?")
 
 @dataclass(frozen=True)
@@ -68,15 +71,10 @@ def root_causes(log_text: str) -> list[RankFailure]:
             starts.append(starts[-1] + len(line) + 1)
         for header in _ROOT_CAUSE.finditer(text):
             index = next(i for i in range(len(lines)) if starts[i + 1] > header.end())  # the header's last line
-            fields: dict[str, str] = {}
-            for _, line in lines[index + 1:index + 12]:
-                match = _FIELD.match(line)
-                if match and match.group(1) not in fields:
-                    fields[match.group(1)] = match.group(2)
-            rank = re.match(r"-?\d+", fields.get("rank", ""))
-            code = re.match(r"-?\d+", fields.get("exitcode", ""))
-            found.append((lines[index][0], RankFailure(rank=int(rank.group()) if rank else None,
-                                                       exitcode=int(code.group()) if code else None,
+            block = "".join(line for _, line in lines[index + 1:index + 16]).split("=====", 1)[0]
+            rank, code = _RANK.search(block), _EXITCODE.search(block)
+            found.append((lines[index][0], RankFailure(rank=int(rank.group(1)) if rank else None,
+                                                       exitcode=int(code.group(1)) if code else None,
                                                        task_label=task)))
     return [failure for _, failure in sorted(found, key=lambda item: item[0])]
 

@@ -32,10 +32,13 @@ def run_to_end(run_dir: Path, *flags: str, timeout_s: float = 600) -> subprocess
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's rollout records so far. A line is one write(2) (`run_files.append_line`), but a reader can meet one
+    half copied (the kernel extends the file page by page): a last line without its newline is not a record yet."""
     path = run_dir / "rollouts.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().split("\n")[:-1]  # what follows the last newline is a line still being written
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 # Rollouts of the short runs that check a mode or a model family serves the trainer's weights: each sync's

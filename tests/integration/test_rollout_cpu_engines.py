@@ -20,6 +20,7 @@ import pytest
 from hpc_rl.data.prompts import PromptDataset, PromptRecord, PromptSource, make_prompt_encoder
 from hpc_rl.data.samples import Sample, SampleStatus
 from hpc_rl.data.tiny_task import tiny_task_reward, tiny_task_rows
+from hpc_rl.engines.cpu.faults import HOLD_GENERATION, HOLD_POLL_S
 from hpc_rl.engines.engine_process import CpuEngineProcess
 from hpc_rl.engines.router import RouterProcess
 from hpc_rl.rollout import (
@@ -160,8 +161,11 @@ async def _until_running(url: str, timeout_s: float = 60.0) -> None:
 def test_engine_death_loses_no_sample(cluster: SimpleNamespace) -> None:
     """An engine crashes mid-rollout and is removed (as the controller's registry would): no sample lost.
 
-    Its own round-robin router over [a cluster engine, a fresh engine], so the victim surely has work."""
-    extra = CpuEngineProcess(cluster.model, log_path=cluster.logs / "engine_extra.log")
+    Its own round-robin router over [a cluster engine, a fresh engine], so the victim surely has work; once it runs
+    requests, its hold gate (`faults.HOLD_GENERATION`, its environment only) keeps them there until it dies."""
+    hold_gate = cluster.logs / "hold-the-victims-generation"
+    extra = CpuEngineProcess(cluster.model, log_path=cluster.logs / "engine_extra.log",
+                             env={**os.environ, HOLD_GENERATION: str(hold_gate)})
     router = RouterProcess(log_path=cluster.logs / "router_rr.log", policy="round_robin",
                            worker_urls=[cluster.engines[0].url])
     extra.start()
@@ -179,6 +183,9 @@ def test_engine_death_loses_no_sample(cluster: SimpleNamespace) -> None:
                                            partial_rollout=False, retry=retry)
                 scheduler.sampling_params = {"max_new_tokens": 300, "temperature": 1.0, "ignore_eos": True}
                 run = asyncio.create_task(scheduler.run(rollout_id=0))
+                await _until_running(extra.url)
+                hold_gate.touch()  # from here the victim decodes nothing: what runs on it stays until it dies
+                await asyncio.sleep(40 * HOLD_POLL_S)  # a step under way when the gate opened has ended
                 await _until_running(extra.url)  # the victim surely has work when it dies
                 os.killpg(extra.process.pid, signal.SIGKILL)  # a crash, not a clean shutdown
                 directory.urls.remove(extra.url)

@@ -1,6 +1,10 @@
 """Run safety on whole local runs (issue 24): one run per run dir, a dead run's truth and its resume, a reward
 that hangs, SIGTERM, and a loss that turns NaN. Each case is timed (printed: docs/faults.md quotes
-these numbers) and checked for processes left behind and rollouts lost or done twice."""
+these numbers) and checked for processes left behind and rollouts lost or done twice.
+
+The live run that a second submit is refused for, then SIGKILLed, is certainly still running then: the CPU engine's
+hold gate (`faults.HOLD_GENERATION`, in that run's environment only) stops its generation first, so it cannot finish
+its rollouts while the second submit starts (seconds on a loaded machine)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc_rl.engines.cpu.faults import HOLD_GENERATION
 from hpc_rl.launch.signals import TERM_GRACE_LOCAL_S
 from hpc_rl.training.checkpoint_files import iteration_dir, latest_iteration
 from tests.integration.run_helpers import REPO_ROOT, processes_of_run, records, run_to_end, start_run, wait_for
@@ -39,13 +44,18 @@ def gone_within(run_dir: Path, timeout_s: float) -> float:
     return time.monotonic() - started
 
 
-def test_one_run_per_run_dir_a_dead_run_told_and_resumed_and_a_finished_one_left_alone(tmp_path: Path) -> None:
+def test_one_run_per_run_dir_a_dead_run_told_and_resumed_and_a_finished_one_left_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run_dir = tmp_path / "life"
     flags = ("--num-rollout", "60", "--save-interval", "5", "--keep-last", "2", "--set", "eval.eval_interval=null")
+    hold_gate = tmp_path / "hold-the-first-runs-generation"
+    monkeypatch.setenv(HOLD_GENERATION, str(hold_gate))
     first = start_run(run_dir, *flags)
+    monkeypatch.delenv(HOLD_GENERATION)
     try:
         wait_for(lambda: latest_iteration(run_dir / "checkpoints") is not None and len(records(run_dir)) >= 7, 300,
                  "a checkpoint and 7 rollouts")
+        hold_gate.touch()  # the run stays live (its engine generates nothing more) until it is killed below
         secret = (run_dir / "secret").read_bytes()
 
         started = time.monotonic()  # 1. a second submit into the live run's dir is refused, touching nothing

@@ -28,7 +28,7 @@ import torch
 from hpc_rl.config.lora import LoraConfig, engine_lora_options
 from hpc_rl.engines.engine_process import SglangEngineProcess
 from hpc_rl.engines.sglang_launch import SGLANG_ON_CPU_ENV, SGLANG_ON_CPU_OPTIONS, SglangLaunchSpec
-from hpc_rl.process.child_process import free_port
+from hpc_rl.process.child_process import planned_port
 from hpc_rl.training.lora.peft_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_config
 
 SGLANG_VENV = Path(os.environ.get("HPC_RL_SGLANG_VENV", Path.home() / ".cache/hpc_rl/sglang-cpu-venv"))
@@ -85,7 +85,7 @@ def test_sglang_serves_an_hpc_rl_adapter_with_pefts_logprobs(tmp_path: Path, tin
 
     options = {**SGLANG_ON_CPU_OPTIONS, "max_total_tokens": 4096, "dtype": "float32",  # auto: float16 on CPU
                **engine_lora_options(LORA), "lora_backend": "torch_native"}
-    spec = SglangLaunchSpec(hf_checkpoint=str(tiny_model_dir), host="127.0.0.1", port=free_port(),
+    spec = SglangLaunchSpec(hf_checkpoint=str(tiny_model_dir), host="127.0.0.1", port=planned_port(),
                             python=str(SGLANG_PYTHON), sglang_options=options)
     engine = SglangEngineProcess(spec, log_path=tmp_path / "engine.log",
                                  env={**SGLANG_ON_CPU_ENV, "PYTHONPATH": str(PINNING_STAND_IN)})

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from hpc_rl.config.loading import load_config
 from hpc_rl.launch.bound_torchrun import STORE_ADDRESS_ENV
 from hpc_rl.launch.step_plan import trainer_command
+from hpc_rl.process.child_process import planned_port
 
 pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -36,9 +36,7 @@ dist.destroy_process_group()
 
 
 def test_local_trainer_stores_listen_on_loopback_only(tmp_path: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        rdzv_port = probe.getsockname()[1]
+    rdzv_port = planned_port()  # outside the ephemeral range: no outgoing connection takes it before torchrun binds
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT.format(repo=str(REPO_ROOT), rdzv_port=rdzv_port))
     config = load_config([REPO_ROOT / "configs/tiny_cpu.yaml"], ["--set", "cluster.actor_num_gpus_per_node=2"])

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_torchrun_entry_trains_from_a_batches_file(tmp_path: Path) -> None:
     from hpc_rl.config.loading import load_config, write_resolved_config
     from hpc_rl.tiny_model import make_tiny_model
-    from hpc_rl.process.child_process import free_port
+    from hpc_rl.process.child_process import planned_port
 
     sys.path.insert(0, str(Path(__file__).parent))
     from test_trainer_step import make_batch
@@ -41,7 +41,8 @@ def test_torchrun_entry_trains_from_a_batches_file(tmp_path: Path) -> None:
                                               batch.rollout_logprobs)]
             handle.write(json.dumps({"samples": rows}) + "\n")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(planned_port()),
          "-m", "hpc_rl.training", str(config_path), "--batches-file", str(batches)],
         cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rl.process.child_process import free_port
+from hpc_rl.process.child_process import planned_port
 from tests.integration.test_run_local import tensorboard_scalars
 
 pytestmark = pytest.mark.slow
@@ -54,8 +54,8 @@ def train(tmp_path: Path, name: str, flags: list[str], batches: list[list[dict]]
     batches_file.write_text("".join(json.dumps({"samples": rows}) + "\n" for rows in batches))
     ranks = config.cluster.trainer_world_size
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(free_port()),
-         "-m", "hpc_rl.training", str(path), "--batches-file", str(batches_file)],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+         "--master-port", str(planned_port()), "-m", "hpc_rl.training", str(path), "--batches-file", str(batches_file)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     steps = {}

@@ -40,12 +40,12 @@ def broadcast_to_a_dead_peer(*, abort: bool) -> tuple[float, float, str]:
     import torch
     import torch.distributed as dist
 
-    from hpc_rl.process.child_process import free_port
+    from hpc_rl.process.child_process import planned_port
     from hpc_rl.weights.collective_stream import CollectiveStream, CollectiveTimeout
     from hpc_rl.weights.process_group import destroy_weight_update_group, init_weight_update_group
 
     context = multiprocessing.get_context("fork")  # this process has torch loaded: the peer starts in ms
-    joined, port, name = context.Event(), free_port(), f"fault_test_{abort}"
+    joined, port, name = context.Event(), planned_port(), f"fault_test_{abort}"
     peer = context.Process(target=_peer, args=(port, name, joined))
     peer.start()
     group = init_weight_update_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=2,

@@ -51,6 +51,8 @@ def stopping_driver(run_dir: str, launcher: StepLauncher, *, local: bool) -> int
         time.sleep(0.2)
     before = len(running())
     codes = [step.stop(3.0) for step in steps]
-    time.sleep(2.0)
+    deadline = time.monotonic() + 30  # the step's scancel --signal=KILL reaches the tasks through slurmctld and
+    while running() and time.monotonic() < deadline:  # slurmd: seconds on a loaded machine, not a fixed 2 s
+        time.sleep(0.2)
     (out / "stopped").write_text(f"{before} {len(running())} {codes}\n")
     return 0

@@ -50,10 +50,10 @@ def test_het_job_runs_to_completion_and_reports_state(run_dir: Path) -> None:
     assert (run_dir / "addresses").read_text().split() == ["127.0.0.1"] * 3  # node names resolve
     assert job.result() == 0
     _eventually(lambda: job.watcher.get_state(job.job_id, mode="force") == "COMPLETED", 30, "state COMPLETED")
-    # Accounting records reach slurmdbd a moment after the job ends (squeue answers meanwhile).
+    # Accounting records reach slurmdbd a moment after the job ends (squeue answers meanwhile, COMPLETING).
     components = {f"{job.job_id}+0", f"{job.job_id}+1"}
-    _eventually(lambda: {s.job_id for s in component_states(job.job_id)} == components, 30, "both components")
-    assert job_state(component_states(job.job_id)) == "COMPLETED"
+    _eventually(lambda: {s.job_id for s in component_states(job.job_id)} == components
+                and job_state(component_states(job.job_id)) == "COMPLETED", 30, "both components, COMPLETED")
     assert "COMPLETED" in describe_slurm_status(run_dir)
     print(f"het job submit-to-finish: {elapsed:.1f}s")
 

@@ -5,7 +5,12 @@ holds rollouts 0-1, weights v2). It is resubmitted into its run dir at TP 2 with
 engine job's engine (the same process: its request counter goes on) re-joins the new controller, which pushes it
 the checkpoint's weights; rollout 2 is trained from the journal, not generated again (counted on the engines'
 /metrics), rollouts 3-4 are generated; nothing lost or trained twice. Prints the resubmit -> retained batch trained
-time and the generations saved (docs/faults.md, "Retained rollouts")."""
+time and the generations saved (docs/faults.md, "Retained rollouts").
+
+The engine job certainly takes part in the first attempt: the trainer's own engine starts held (the CPU engine's
+hold gate, `faults.HOLD_GENERATION`, in the first trainer job's environment only) and is let go once the engine job
+joined; otherwise a joiner that starts slower than the trainer's three short rollouts (0.1-0.5 s each) would come
+after the hold and never serve that controller."""
 
 from __future__ import annotations
 
@@ -21,11 +26,12 @@ import pytest
 
 from hpc_rl.controller.fault_hooks import HOLD_CONTROLLER_AFTER_RETAIN
 from hpc_rl.controller.retention import JOURNAL, RolloutJournal
+from hpc_rl.engines.cpu.faults import HOLD_GENERATION
 from hpc_rl.launch.slurm_status import component_states, job_state
 from hpc_rl.protocol.http_client import request_blocking
 from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
 from tests.integration.run_helpers import records, wait_for
-from tests.slurm.test_engine_jobs_slurm import engine_jobs, serving_job, submit_engines
+from tests.slurm.test_engine_jobs_slurm import ENDED, engine_environment, engine_jobs, serving_job, submit_engines
 
 pytestmark = pytest.mark.slurm
 
@@ -56,6 +62,17 @@ def running(job: str) -> bool:
     return job_state(component_states(job)) in ("RUNNING", "PENDING")
 
 
+def ended(job: str) -> bool:
+    """Slurm says the job ended (a state read right after its end can still be COMPLETING, or UNKNOWN when sacct and
+    squeue did not answer: neither is taken for the end)."""
+    return job_state(component_states(job)) in ENDED
+
+
+def joined(run_dir: Path, job: str) -> bool:
+    """An engine of engine job `job` is registered with the run's controller and serving (requests or not)."""
+    return any(e.get("state") == "serving" for e in (engine_jobs(run_dir).get(job) or {}).get("engines", {}).values())
+
+
 def het_engine_url(run_dir: Path) -> str | None:
     try:
         engines = json.loads((run_dir / "status.json").read_text())["components"]["engines"]
@@ -68,11 +85,19 @@ def het_engine_url(run_dir: Path) -> str | None:
 def test_a_resubmitted_trainer_at_another_tp_trains_the_retained_rollout_with_the_engine_jobs_engines(
         run_dir: Path) -> None:
     marker = run_dir.parent / f"{run_dir.name}-held"
-    first = submit_trainer(run_dir, env={HOLD_CONTROLLER_AFTER_RETAIN: f"{RETAINED}:{marker}"})
+    hold_gate = run_dir.parent / f"{run_dir.name}-hold-generation"
+    hold_gate.touch()  # the first attempt's own engine generates nothing until the engine job joined
+    first = submit_trainer(run_dir, env={HOLD_CONTROLLER_AFTER_RETAIN: f"{RETAINED}:{marker}",
+                                         HOLD_GENERATION: str(hold_gate)})
     jobs = [first]
     try:
         engine_job = submit_engines(run_dir)
         jobs.append(engine_job)
+        wait_for(lambda: joined(run_dir, engine_job), 400, f"engine job {engine_job} to join the first attempt")
+        wait_for(lambda: het_engine_url(run_dir) is not None, 400, "the trainer job's engine to register")
+        held = engine_environment(het_engine_url(run_dir)).get(HOLD_GENERATION)
+        assert held == str(hold_gate), f"the gate did not reach the trainer job's engine step: {held}"
+        hold_gate.unlink()
         wait_for(lambda: serving_job(run_dir, engine_job) is not None, 400, f"engine job {engine_job} to serve")
         url = serving_job(run_dir, engine_job)["url"]
         key = engine_api_key(load_secret(secret_path(run_dir)))
@@ -80,7 +105,7 @@ def test_a_resubmitted_trainer_at_another_tp_trains_the_retained_rollout_with_th
         served_before = requests_total(url, key)
         assert served_before > 0  # the engine job took part in the first attempt
         subprocess.run(["scancel", first], check=True)
-        wait_for(lambda: not running(first), 120, "the trainer's job to end")
+        wait_for(lambda: ended(first), 120, "the trainer's job to end")
         assert [r["rollout_id"] for r in records(run_dir)] == list(range(RETAINED))
         journaled, _ = RolloutJournal(run_dir / JOURNAL).read()
         assert [(r.rollout_id, r.weight_version, r.num_samples) for r in journaled] == [(RETAINED, RETAINED, SAMPLES)]
@@ -91,7 +116,7 @@ def test_a_resubmitted_trainer_at_another_tp_trains_the_retained_rollout_with_th
         jobs.append(second)
         het_served = 0  # the new job's own engine: read until it stops with the job
         reattach_s = None
-        while running(second):
+        while not ended(second):
             het = het_engine_url(run_dir)
             if het and het != url:
                 try:

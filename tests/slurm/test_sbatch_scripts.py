@@ -44,8 +44,16 @@ def test_colocated_recipe_script_finishes_a_tiny_run(run_dir: Path) -> None:
     assert [r["rollout_id"] for r in records(run_dir)] == [0, 1]
     assert "rollout 2/2" in output
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
-    states = sacct_states(job_id)
-    assert states.get("qwen3-4b-grpo") == "COMPLETED" and states.get("trainer") == "COMPLETED", states
+    states: dict[str, str] = {}
+
+    def accounted() -> bool:  # slurmdbd records the job's end a moment after sbatch --wait returns
+        states.update(sacct_states(job_id))
+        return states.get("qwen3-4b-grpo") == "COMPLETED" and states.get("trainer") == "COMPLETED"
+
+    try:
+        wait_for(accounted, 60, "sacct to account the job and its trainer step COMPLETED", interval_s=1.0)
+    except AssertionError as error:
+        raise AssertionError(f"{error}: {states}") from None
     assert "engine-0" in states  # the engine ran as its own srun step of the script's allocation
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     wait_for(lambda: processes_mentioning(str(run_dir)) == [], 60, "every process of the job to end")

@@ -83,3 +83,15 @@ def test_a_header_srun_split_over_two_labelled_lines_and_interleaved_agents(tmp_
     log.write_text("\n".join(mixed) + "\n")
     assert describe_trainer_exit(1, log, ["node1", "node2"]).startswith(
         "trainer rank 1 (on node2) was killed by signal 9 (SIGKILL)")
+
+
+def test_a_field_srun_split_over_two_labelled_lines(tmp_path: Path) -> None:
+    """Seen at load 12 (tests/slurm/test_faults_slurm.py, Nov 29): node2's block had '1:   exitcod' and
+    '1: e  : -9 (pid: 12091)  (SIGKILL)', its exit code went unread, and node1's rank 0 (exit 1) was named."""
+    killed = "".join(f"1: {line}\n" for line in TORCHRUN_REPORT.format(rank=1, code=-9).replace(
+        "  exitcode  : -9", "  exitcod\ne  : -9").replace("  rank      : 1", "  ra\nnk      : 1").splitlines())
+    refused = "".join(f"0: {line}\n" for line in TORCHRUN_REPORT.format(rank=0, code=1).splitlines())
+    log = tmp_path / "trainer.log"
+    log.write_text(killed + refused)
+    assert describe_trainer_exit(143, log, ["node1", "node2"]).startswith(
+        "trainer rank 1 (on node2) was killed by signal 9 (SIGKILL);")
