@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpc_rl.status import StatusUnavailable, live_status
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -164,3 +166,21 @@ def processes_of_run(run_dir: Path) -> list[str]:
             shown = cmdline.replace(b"\0", b" ").decode(errors="replace")[:200]
             found.append(f"{pid}: {shown}")
     return found
+
+
+def live(run_dir: Path) -> dict:
+    """The controller's live status; {} while it has none to say (no address yet, or a status call that timed out
+    on a loaded machine: StatusUnavailable)."""
+    try:
+        return live_status(run_dir) or {}
+    except StatusUnavailable:
+        return {}
+
+
+def controller_version(run_dir: Path) -> int:
+    """The controller's weight version now (live: status.json is written every 2 s, several rollouts here)."""
+    deadline = time.monotonic() + 60
+    while "weight_version" not in (status := live(run_dir)):
+        assert time.monotonic() < deadline, "the controller gave no live status for 60 s"
+        time.sleep(0.2)
+    return int(status["weight_version"])

@@ -29,8 +29,7 @@ from hpc_rl.engines.cpu.faults import HOLD_GENERATION, HOLD_POLL_S
 from hpc_rl.launch.slurm_status import component_states, job_state
 from hpc_rl.protocol.http_client import request_blocking
 from hpc_rl.protocol.secret import engine_api_key, load_secret, secret_path
-from hpc_rl.status import StatusUnavailable, live_status
-from tests.integration.run_helpers import processes_mentioning, records, wait_for
+from tests.integration.run_helpers import controller_version, live, processes_mentioning, records, wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -66,28 +65,10 @@ def submit_engines(run_dir: Path, **env: str) -> str:
     return re.search(r"engine job (\d+) submitted", done.stdout).group(1)
 
 
-def live(run_dir: Path) -> dict:
-    """The controller's live status; {} while it has none to say (no address yet, or a status call that timed out
-    on a loaded machine: StatusUnavailable)."""
-    try:
-        return live_status(run_dir) or {}
-    except StatusUnavailable:
-        return {}
-
-
 def in_flight(run_dir: Path, job_id: str) -> int:
     """Requests on `job_id`'s engines, from the controller's live status (0 while it has none to say)."""
     engines = (live(run_dir).get("engine_jobs") or {}).get(job_id, {}).get("engines") or {}
     return sum(int(engine.get("in_flight") or 0) for engine in engines.values())
-
-
-def controller_version(run_dir: Path) -> int:
-    """The controller's weight version now (live: status.json is written every 2 s, several rollouts here)."""
-    deadline = time.monotonic() + 60
-    while "weight_version" not in (status := live(run_dir)):
-        assert time.monotonic() < deadline, "the controller gave no live status for 60 s"
-        time.sleep(0.2)
-    return int(status["weight_version"])
 
 
 def engine_environment(url: str) -> dict[str, str]:
