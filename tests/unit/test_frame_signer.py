@@ -155,10 +155,9 @@ def test_a_signer_that_dies_mid_frame_costs_no_frame(caplog: pytest.LogCaptureFi
         os.kill(pid, signal.SIGSTOP)
         await asyncio.gather(echo_round(server, big_arrays(2)), echo_round(server, big_arrays(3)))
         assert signer.lost is not None and "1 s" in signer.lost
-        for _ in range(50):  # killed, reaped by Popen.poll in _lose or close
-            if signer.process is not None and signer.process.poll() is not None:
-                break
-            await asyncio.sleep(0.05)
+        # killed, reaped by Popen.poll in _lose or close
+        await wait_until(lambda: signer.process is not None and signer.process.poll() is not None,
+                         what="the signer reaped")
         assert signer.process is not None and signer.process.returncode == -signal.SIGKILL
 
     with caplog.at_level(logging.WARNING, logger="hpc_rl.protocol"):
