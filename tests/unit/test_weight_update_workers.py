@@ -7,6 +7,7 @@ own connections carry none of it."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -210,7 +211,10 @@ def test_a_stuck_engine_is_named_not_its_peers_and_a_cancel_drops_its_exchange()
                                                                  notice_s=2.0))
                 await asyncio.wait_for(found.wait(), 30)
                 assert len(named) == 1 and named[0].startswith(f"{fake_url}: stuck in a weight update: no answer for")
-                assert admins[2].silent_for() >= 2.0
+                # named for the silence the watchdog measured (not `silent_for()` now: on a loaded machine the fake's
+                # answer to /begin_weight_update can reach the controller during the /health probe that follows)
+                silent = re.search(r"no answer for (\d+) s", named[0])
+                assert silent is not None and int(silent.group(1)) >= 2
                 # the peers end their update (a loaded machine may still be reading their answers at the notice)
                 await wait_until(lambda: not admins[0].in_flight and not admins[1].in_flight, what="the peers done")
                 assert len(named) == 1 and admins[2].in_flight  # and only the stuck one is named, still in flight
