@@ -77,6 +77,17 @@ def closed_port_url() -> str:
         return f"http://127.0.0.1:{probe.getsockname()[1]}"  # nothing listens there once closed
 
 
+async def serving(pool: AnswerPool) -> None:
+    """Wait until every worker of a started pool answers a round: a worker still starting (a spawned interpreter,
+    seconds on a loaded machine) answers None, and the caller would probe itself, not what these tests check."""
+    closed = [closed_port_url() for _ in range(pool.workers)]
+    for index, url in enumerate(closed):
+        pool._home[url] = index
+    assert await pool.probe_health(closed, 30.0) == [False] * pool.workers  # refused: an answer from each worker
+    for url in closed:
+        del pool._home[url]
+
+
 def test_a_round_gives_the_controllers_verdicts_and_retries_a_closed_connection_once() -> None:
     """probe_round (what a worker runs): 200 healthy; 503, refused, no answer in time unhealthy; a warm connection
     closed before the answer is probed once more on a fresh one (healthy when that answers, unhealthy when not)."""
@@ -109,6 +120,7 @@ def test_the_pool_probes_in_its_workers_one_frame_each_and_says_none_when_a_work
         urls = [s.url for s in servers]
         pool = AnswerPool(2)
         await pool.start()
+        await serving(pool)
         for index, url in enumerate(urls[:4]):
             pool._home[url] = index % 2  # engines 0, 2 are worker 0's (as their posts made them), 1, 3 worker 1's
         spare = zlib.crc32(urls[4].encode()) % 2  # engine 4 never generated: the worker its URL picks
@@ -146,6 +158,7 @@ def test_the_fleet_fails_exactly_the_unhealthy_engine_with_or_without_its_worker
                             health_timeout_s=1.0)
         pool = AnswerPool(1)
         await pool.start()
+        await serving(pool)
         fleet.answer_pool = pool
         await fleet.start()
         try:
