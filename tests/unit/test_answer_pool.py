@@ -17,6 +17,7 @@ from hpc_rl.rollout.answer_workers import PREFIX, compact_answers, encode_frame,
 from hpc_rl.rollout.engine_client import EngineClient, EngineHTTPError, StaticEngineDirectory, TransportError
 from hpc_rl.rollout.generate import GenerationSession, generate_turn
 from tests.unit.test_rollout_fake_engine import FakeSglangEngine
+from tests.unit.waiting import wait_until
 
 
 def answer(ids: list[int], logprobs: list[object]) -> dict[str, object]:
@@ -109,10 +110,12 @@ class OddEngine:
         from aiohttp import web
 
         self.release = asyncio.Event()  # set by stop(): a "slow" request ends then (the server's cleanup waits for it)
+        self.slow_seen = 0  # "slow" requests received: a test waits for one to be held, not for a fixed time
 
         async def generate(request: web.Request) -> web.Response:
             kind = (await request.json())["rid"]
             if kind == "slow":
+                self.slow_seen += 1
                 try:
                     await asyncio.wait_for(self.release.wait(), 30)
                 except asyncio.TimeoutError:
@@ -174,7 +177,7 @@ def test_a_killed_worker_fails_its_requests_as_transport_errors_and_is_replaced(
         try:
             async with EngineClient(StaticEngineDirectory([engine.url]), answer_pool=pool) as client:
                 waiting = asyncio.ensure_future(client._post_generate(slow.url, {"rid": "slow"}))
-                await asyncio.sleep(0.5)
+                await wait_until(lambda: slow.slow_seen == 1, what="the slow request held by the worker")
                 [pid] = pool.pids()
                 os.kill(pid, signal.SIGKILL)
                 with pytest.raises(TransportError, match="answer worker"):
@@ -196,7 +199,7 @@ def test_a_cancelled_request_leaves_the_worker_serving() -> None:
         try:
             async with EngineClient(StaticEngineDirectory([engine.url]), answer_pool=AnswerPool(1)) as client:
                 waiting = asyncio.ensure_future(client._post_generate(slow.url, {"rid": "slow"}))
-                await asyncio.sleep(0.5)
+                await wait_until(lambda: slow.slow_seen == 1, what="the slow request held by the worker")
                 waiting.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await waiting

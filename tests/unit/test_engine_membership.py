@@ -273,7 +273,7 @@ def test_the_agent_gives_up_without_a_controller(tmp_path: Path) -> None:
     start = time.monotonic()
     outcome = agent.run()
     assert "no controller for 0.3 s" in outcome.reason and outcome.joins == [] and outcome.left is None
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # it gives up (after 0.3 s), it does not wait on
 
 
 def test_status_lists_engine_jobs_with_their_ids_and_engines(tmp_path: Path, monkeypatch) -> None:

@@ -14,6 +14,7 @@ import pytest
 from hpc_rl.process.child_process import (PLANNED_PORTS_START, ChildProcess, ChildProcessFailed, ephemeral_port_range, free_port,
                                           http_ok, planned_port, wait_until)
 from hpc_rl.engines.engine_process import _HttpEngineProcess
+from tests.unit import waiting
 
 
 def test_dead_engine_error_shows_log_tail(tmp_path):
@@ -38,13 +39,15 @@ def test_timeout_error_and_stop_kills_the_whole_group(tmp_path):
     try:
         with pytest.raises(ChildProcessFailed, match="(?s)was not ready after 1 s.*still running"):
             wait_until(lambda: pid_file.exists() and False, process=process, timeout=1, what="ready")
-        deadline = time.monotonic() + 10
-        while not pid_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # the file exists (empty) before the pid is in it: wait for the pid itself
+        waiting.wait_until_blocking(lambda: pid_file.exists() and pid_file.read_text().strip().isdigit(),
+                                    what="the grandchild's pid")
     finally:
         process.stop(grace_seconds=2)
     grandchild = int(pid_file.read_text())
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30  # signalled by the stop; it ends once scheduled (seconds on a loaded machine)
+    while _running(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not _running(grandchild)
     assert not process.alive()
 
@@ -81,7 +84,7 @@ def test_exit_without_teardown_runs_exit_handlers_and_leaves_no_child(tmp_path):
     assert marker.read_text() == "atexit ran"
     assert done.stdout.endswith("buffered line, never flushed by hand")
     manager_pid = int(done.stdout.split()[1])
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while running(manager_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not running(manager_pid), "the Manager process outlived its parent"

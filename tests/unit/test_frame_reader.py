@@ -14,6 +14,7 @@ import pytest
 
 from hpc_rl.rollout.answer_pool import _FrameReader
 from hpc_rl.rollout.answer_workers import compact_answers, encode_frame, place_arrays, split_arrays
+from tests.unit.waiting import wait_until
 
 
 class FakeWorker:
@@ -63,9 +64,11 @@ class ShortReads:
         return self.sock.recv_into(buffer[:self.limit])
 
 
-async def read_frames(chunks: list[bytes], *, close: bool = False, scatter: int | None = 0) -> FakeWorker:
-    """Send `chunks` (one write each, a loop turn apart) into a reader on a socketpair; what it delivered.
-    `scatter`: None, no scatter reads (asyncio's reads only)."""
+async def read_frames(chunks: list[bytes], *, frames: int = 0, close: bool = False,
+                      scatter: int | None = 0) -> FakeWorker:
+    """Send `chunks` (one write each, a loop turn apart) into a reader on a socketpair; what it delivered once
+    `frames` frames came (and, with `close`, once the reader saw the end). `scatter`: None, no scatter reads
+    (asyncio's reads only)."""
     ours, theirs = socket.socketpair()
     worker = FakeWorker()
     reader = _FrameReader(worker)  # type: ignore[arg-type]
@@ -77,10 +80,10 @@ async def read_frames(chunks: list[bytes], *, close: bool = False, scatter: int 
         await asyncio.get_running_loop().sock_sendall(theirs, chunk)
         for _ in range(3):
             await asyncio.sleep(0)
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: len(worker.frames) >= frames, what=f"{frames} frame(s) delivered")
     if close:
         theirs.close()
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: bool(worker.ended_with), what="the reader's end")
     else:
         transport.close()
         theirs.close()
@@ -98,7 +101,7 @@ def pieces(frame: list[Any], size: int) -> list[bytes]:
 def test_answer_payload_lands_in_arrays_equal_to_the_workers(chunk: int, scatter: int | None) -> None:
     first, expected_first = answer_frame(3, [5, 0, 2000, 1])
     second, expected_second = answer_frame(4, [3, 3])
-    worker = asyncio.run(read_frames(pieces(first + second, chunk), scatter=scatter))
+    worker = asyncio.run(read_frames(pieces(first + second, chunk), frames=2, scatter=scatter))
     assert [header["id"] for header, _ in worker.frames] == [3, 4]
     for (header, arrays), expected in zip(worker.frames, [expected_first, expected_second]):
         assert isinstance(arrays, list) and all(isinstance(values, array) for values in arrays)
@@ -116,7 +119,7 @@ def test_other_payloads_arrive_as_bytes_and_bad_array_specs_fail_as_before() -> 
     empty = encode_frame({"id": 2, "error": "connection refused"})
     bad = encode_frame({"id": 5, "status": 200, "body": [{"output_ids": None}], "arrays": [[0, "ids", 5]]},
                        [array("q", [1, 2])])
-    worker = asyncio.run(read_frames(pieces(raw + empty + bad, 7)))
+    worker = asyncio.run(read_frames(pieces(raw + empty + bad, 7), frames=3))
     (h1, p1), (h2, p2), (h5, p5) = worker.frames
     assert (h1["id"], bytes(p1)) == (1, b"engine overloaded")
     assert (h2["error"], bytes(p2)) == ("connection refused", b"")

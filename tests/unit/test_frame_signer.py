@@ -21,6 +21,7 @@ from hpc_rl.protocol.frame_signer import FrameSigner
 from hpc_rl.protocol.messages import Arrays, Hello
 from hpc_rl.protocol.secret import Secret
 from hpc_rl.protocol.server import Server, serve
+from tests.unit.waiting import wait_until
 
 SECRET = Secret(key=b"s" * 32, origin="/run/job/secret")
 HELLO = Hello(role="status")
@@ -154,10 +155,9 @@ def test_a_signer_that_dies_mid_frame_costs_no_frame(caplog: pytest.LogCaptureFi
         os.kill(pid, signal.SIGSTOP)
         await asyncio.gather(echo_round(server, big_arrays(2)), echo_round(server, big_arrays(3)))
         assert signer.lost is not None and "1 s" in signer.lost
-        for _ in range(50):  # killed, reaped by Popen.poll in _lose or close
-            if signer.process is not None and signer.process.poll() is not None:
-                break
-            await asyncio.sleep(0.05)
+        # killed, reaped by Popen.poll in _lose or close
+        await wait_until(lambda: signer.process is not None and signer.process.poll() is not None,
+                         what="the signer reaped")
         assert signer.process is not None and signer.process.returncode == -signal.SIGKILL
 
     with caplog.at_level(logging.WARNING, logger="hpc_rl.protocol"):
@@ -207,8 +207,9 @@ def test_an_abandoned_frame_leaves_the_ring_usable() -> None:
         os.kill(pid, signal.SIGSTOP)  # the ring's two chunks stay full
         try:
             sending = asyncio.create_task(conn.send(Arrays(arrays=big_arrays(7, 64 << 20))))
-            await asyncio.sleep(0.3)
-            assert not sending.done() and len(signer._jobs) == 1 and signer._free == []
+            await wait_until(lambda: len(signer._jobs) == 1 and signer._free == [],
+                             what="the frame's job holding both chunks")
+            assert not sending.done()
             sending.cancel()
             await asyncio.gather(sending, return_exceptions=True)
             assert signer._jobs == {}

@@ -17,7 +17,8 @@ from hpc_rl.protocol.connection import connect, read_envelope
 from hpc_rl.protocol.errors import BadMacError, ProtocolError, RemoteError
 from hpc_rl.protocol.messages import ErrorReply, Ping, Pong, ServerHello
 from hpc_rl.protocol.server import Server
-from tests.unit.test_protocol_server import HELLO, SECRET, assert_still_serving, run_with_server, wait_until
+from tests.unit.test_protocol_server import HELLO, SECRET, assert_still_serving, run_with_server
+from tests.unit.waiting import wait_until
 
 
 class TappedConnection:

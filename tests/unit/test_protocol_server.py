@@ -21,6 +21,7 @@ from hpc_rl.protocol.messages import (Arrays, ErrorReply, Hello, Message, Ping, 
 from hpc_rl.protocol.secret import Secret
 from hpc_rl.protocol.server import Server, serve
 from tests.unit.protocol_frames import encode_frame
+from tests.unit.waiting import wait_until
 
 SECRET = Secret(key=b"k" * 32, origin="/run/job/secret")
 WRONG = Secret(key=b"x" * 32, origin="/elsewhere/secret")
@@ -76,13 +77,6 @@ async def assert_still_serving(good: Connection, server: Server) -> None:
     fresh = await connect("127.0.0.1", server.port, SECRET, Hello(role="status"))
     assert await fresh.request(Ping(payload="new")) == Pong(payload="new")
     await fresh.close()
-
-
-async def wait_until(condition: Callable[[], bool], timeout: float = 3.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 def frame_bytes(msg: Message, counter: framing.FrameCounter, secret: Secret = SECRET, id: int = 1) -> bytes:

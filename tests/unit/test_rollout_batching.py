@@ -21,6 +21,7 @@ from hpc_rl.rollout.request_batching import (
 )
 from tests.unit.test_rollout_fake_engine import FakeSglangEngine
 from tests.unit.test_rollout_generate import accounted
+from tests.unit.waiting import wait_until
 
 FAST_RETRY = RetryPolicy(max_transport_retries=3, base_delay_s=0.01, max_delay_s=0.05)
 
@@ -120,9 +121,8 @@ def test_stop_aborts_a_running_batch_each_sample_keeps_its_partial_tokens() -> N
         session = GenerationSession(client)
         tasks = [asyncio.create_task(generate_turn(s, {"max_new_tokens": 10_000}, session=session))
                  for s in samples]
-        while not fakes[0].running:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: all(fakes[0].tokens_made.get(s.rid, 0) > 0 for s in samples),
+                         what="a first token of every sample")
         assert await session.stop(timeout_s=5)
         await asyncio.gather(*tasks)
         assert all(s.status is SampleStatus.ABORTED and 0 < s.response_length < 10_000 for s in samples)
@@ -139,9 +139,8 @@ def test_abort_of_one_rid_in_a_batch_resumes_only_that_sample() -> None:
         samples = [sample(i, 0) for i in range(4)]
         session = GenerationSession(client, retry=FAST_RETRY)
         tasks = [asyncio.create_task(generate_turn(s, {"max_new_tokens": 30}, session=session)) for s in samples]
-        while len(fakes[0].running) < 4:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.03)
+        await wait_until(lambda: all(fakes[0].tokens_made.get(s.rid, 0) > 0 for s in samples),
+                         what="a first token of every sample")
         victim = samples[2].rid
         status, _ = await client.connections.to(fakes[0].url).request(
             "POST", "/abort_request", orjson.dumps({"rid": victim}), 10.0)

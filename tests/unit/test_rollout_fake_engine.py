@@ -18,6 +18,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from tests.unit.waiting import wait_until
+
 EOS = 2
 
 
@@ -31,6 +33,8 @@ class FakeSglangEngine:
         self.fail_with: tuple[int, dict[str, Any]] = (500, {"error": "injected failure"})
         """(status, JSON body) of the next `fail_next` answers."""
         self.running: dict[str, asyncio.Event] = {}
+        self.tokens_made: dict[str, int] = {}
+        """Tokens generated so far for each rid (kept after it ends): tests wait on it, not on a fixed sleep."""
         self.rids_seen: list[str] = []
         self.requests_seen = 0
         """/generate requests received (a batch counts once)."""
@@ -119,6 +123,7 @@ class FakeSglangEngine:
                 else:
                     spans.append({"version": self.weight_version, "start": len(out), "end": len(out) + 1})
                 out.append(token)
+                self.tokens_made[rid] = len(out)
         finally:
             self.running.pop(rid, None)
         return {
@@ -166,7 +171,7 @@ def test_fake_engine_generate_and_abort() -> None:
                         return await response.json()
 
                 task = asyncio.create_task(gen())
-                await asyncio.sleep(0.1)
+                await wait_until(lambda: engine.tokens_made.get("a", 0) > 0, what="a first token")
                 async with http.post(f"{engine.url}/abort_request", json={"rid": "", "abort_all": True}) as r:
                     assert r.status == 200
                 body = await task

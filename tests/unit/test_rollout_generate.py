@@ -26,6 +26,7 @@ from hpc_rl.rollout.generate import (
     run_generate,
 )
 from tests.unit.test_rollout_fake_engine import FakeSglangEngine
+from tests.unit.waiting import wait_until
 
 FAST_RETRY = RetryPolicy(max_transport_retries=3, base_delay_s=0.01, max_delay_s=0.05)
 
@@ -111,7 +112,7 @@ def test_dead_engine_is_avoided_and_tokens_are_kept() -> None:
         sample = make_sample(0)
         sample.response_token_ids, sample.response_logprobs, sample.weight_versions = [5], [-1.0], [0]
         task = asyncio.create_task(generate_turn(sample, {"max_new_tokens": 30}, session=session))
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: any(e.running for e in engines), what="the request on an engine")
         victim = next(e for e in engines if e.running)
         await victim.stop()
         done = await task
@@ -129,7 +130,7 @@ def test_unrequested_abort_resumes_with_new_version() -> None:
         engine = engines[0]
         engine.set_weight_version(0)
         task = asyncio.create_task(generate_turn(make_sample(0), {"max_new_tokens": 100}, session=session))
-        await asyncio.sleep(0.08)
+        await wait_until(lambda: sum(engine.tokens_made.values()) > 0, what="a first token at version 0")
         await client.connections.to(engine.url).request("POST", "/pause_generation", b'{"mode": "abort"}', 10)
         engine.set_weight_version(1)
         await asyncio.sleep(0.05)
@@ -174,7 +175,8 @@ def test_a_group_shares_one_batched_call_and_each_sample_retries_and_resumes_alo
         engine.set_weight_version(0)
         engine.natural_length = lambda ids: 30  # longer than the budget: still running at the pause
         task = asyncio.create_task(generate_group([*long, full], {"max_new_tokens": 10}, session))
-        await asyncio.sleep(0.02)
+        await wait_until(lambda: all(engine.tokens_made.get(s.rid, 0) > 0 for s in long),
+                         what="a first token of each long sample at version 0")
         await client.connections.to(engine.url).request("POST", "/pause_generation", b'{"mode": "abort"}', 10)
         engine.set_weight_version(1)
         await client.connections.to(engine.url).request("POST", "/continue_generation", b"{}", 10)
@@ -192,7 +194,8 @@ def test_stop_aborts_in_flight_and_queued() -> None:
         session = GenerationSession(client)
         samples = [make_sample(i) for i in range(6)]
         tasks = [asyncio.create_task(generate_turn(s, {"max_new_tokens": 1000}, session=session)) for s in samples]
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: sum(n > 0 for n in engines[0].tokens_made.values()) == 2,
+                         what="tokens from the two requests the limit lets run")
         assert engines[0].max_running <= 2  # concurrency limit: 2 per engine, 1 engine
         assert await session.stop(timeout_s=5)
         await asyncio.gather(*tasks)

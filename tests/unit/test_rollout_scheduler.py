@@ -155,7 +155,7 @@ def test_slow_reward_is_not_waited_for() -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
         result = await scheduler.run(rollout_id=0)
-        assert loop.time() - started < 5
+        assert loop.time() - started < 30  # the slow rewards sleep 60 s: they were not waited for
         assert sorted(row(g[0]) for g in result.groups) == [0, 1]
         assert cancelled and set(cancelled) <= set(range(2, 8))
         # Unscored groups wait in the buffer, reward cleared; the fully generated ones keep all their tokens.

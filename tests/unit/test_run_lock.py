@@ -26,6 +26,7 @@ from hpc_rl.launch.run_lock import (
     process_start_time,
     read_lock,
 )
+from tests.unit.waiting import wait_until_blocking
 
 
 def write_lock(run_dir: Path, *, pid: int, host: str | None = None, job_id: str | None = None,
@@ -106,16 +107,18 @@ def test_the_heartbeat_touches_the_lock(tmp_path: Path) -> None:
     old = time.time() - 1000
     os.utime(lock.path, (old, old))
     lock.start_heartbeat(interval_s=0.05)
-    time.sleep(0.3)
-    assert time.time() - lock.path.stat().st_mtime < 5
+    wait_until_blocking(lambda: lock.path.stat().st_mtime > old + 500, what="the heartbeat's touch")
+    assert time.time() - lock.path.stat().st_mtime < 30
     lock.release()
 
 
-def _race(run_dir: str, results) -> None:
+def _race(run_dir: str, results, everyone_looked) -> None:
     try:
         acquire(run_dir, role="submit", slurm_state=no_slurm)
         results.put("won")
-        time.sleep(1.0)  # hold it (alive) while the others look
+        # hold it (alive) until every taker has looked: one that came after the winner's exit would take the
+        # lock over, rightly (a fixed hold of 1 s let that happen on a loaded machine)
+        everyone_looked.wait(60)
     except RunDirLocked:
         results.put("refused")
 
@@ -123,12 +126,16 @@ def _race(run_dir: str, results) -> None:
 def test_racing_takers_leave_exactly_one_winner(tmp_path: Path) -> None:
     context = multiprocessing.get_context("fork")
     results = context.Queue()
-    takers = [context.Process(target=_race, args=(str(tmp_path), results)) for _ in range(4)]
+    everyone_looked = context.Event()
+    takers = [context.Process(target=_race, args=(str(tmp_path), results, everyone_looked)) for _ in range(4)]
     for taker in takers:
         taker.start()
-    outcomes = sorted(results.get(timeout=30) for _ in takers)
-    for taker in takers:
-        taker.join(10)
+    try:
+        outcomes = sorted(results.get(timeout=60) for _ in takers)
+    finally:
+        everyone_looked.set()
+        for taker in takers:
+            taker.join(10)
     assert outcomes == ["refused", "refused", "refused", "won"]
 
 

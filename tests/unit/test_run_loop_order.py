@@ -27,14 +27,20 @@ from hpc_rl.telemetry.recorder import RunRecorder
 from hpc_rl.telemetry.scalars import ScalarLog
 
 
+ENDS_AFTER_CAP_S = 10.0
+
+
 class FakeScheduler:
     """Each rollout: one group of two scored samples (a fake of rollout.scheduler.RolloutScheduler)."""
 
-    def __init__(self, events: list[str], seconds: float = 0.0) -> None:
+    def __init__(self, events: list[str], seconds: float = 0.0, ends_after: dict[int, str] | None = None) -> None:
         self.events = events
         self.buffer: list[Any] = []
         self.seconds = seconds
         """How long each rollout generates (> 0: its end is recorded too, "generated k")."""
+        self.ends_after = ends_after or {}
+        """Rollout id -> an event that rollout generates until (at most `ENDS_AFTER_CAP_S`) instead of `seconds`:
+        what a test says happens during the generation then does, however slow the machine (a fixed time raced it)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -47,8 +53,14 @@ class FakeScheduler:
 
     async def run(self, rollout_id: int, weight_version: int) -> RolloutResult:
         self.events.append(f"generate {rollout_id}")
-        await asyncio.sleep(self.seconds)
-        if self.seconds:
+        if rollout_id in self.ends_after:
+            awaited = self.ends_after[rollout_id]
+            deadline = asyncio.get_running_loop().time() + ENDS_AFTER_CAP_S  # a loop that waits for the generation
+            while awaited not in self.events and asyncio.get_running_loop().time() < deadline:  # fails its order
+                await asyncio.sleep(0.005)                                                      # check, not hangs
+        else:
+            await asyncio.sleep(self.seconds)
+        if self.seconds or rollout_id in self.ends_after:
             self.events.append(f"generated {rollout_id}")
         return RolloutResult(groups=[[Sample(index=2 * rollout_id + i, group_index=rollout_id, prompt="p",
                                              prompt_token_ids=[1], response_token_ids=[2], response_logprobs=[-0.5],
@@ -130,7 +142,8 @@ async def answer_command(channel: TrainerChannel, command: object) -> None:
 def run_mode(tmp_path: Path, *, colocate: bool, async_rollout: bool, num_rollout: int = 2,
              update_weights_interval: int = 1, engine_state: EngineState = EngineState.SERVING,
              flags: tuple[str, ...] = (), trainer_starts_after_engines: bool = False,
-             generation_seconds: float = 0.0, engine_waiting: bool = False) -> list[str]:
+             generation_seconds: float = 0.0, engine_waiting: bool = False,
+             generation_ends_after: dict[int, str] | None = None) -> list[str]:
     config = load_config(["configs/tiny_cpu.yaml"], ["--set", f"run_dir={tmp_path}", *flags])
     config.rollout.update_weights_interval = update_weights_interval
     config.cluster.colocate = colocate
@@ -146,7 +159,7 @@ def run_mode(tmp_path: Path, *, colocate: bool, async_rollout: bool, num_rollout
         registry.add_engine(EngineInfo(engine_index=0, url="http://e0", state=engine_state, devices=["h/gpu0"]))
         channel = TrainerChannel(1)
         recorder = RunRecorder(tmp_path, ScalarLog(None), num_rollout=num_rollout, print_fn=lambda line: None)
-        loop = assemble_loop(config, scheduler=FakeScheduler(events, generation_seconds), registry=registry, channel=channel,  # type: ignore[arg-type]
+        loop = assemble_loop(config, scheduler=FakeScheduler(events, generation_seconds, generation_ends_after), registry=registry, channel=channel,  # type: ignore[arg-type]
                              fleet=FakeFleet(events, engine_waiting), recorder=recorder, evaluate=None,  # type: ignore[arg-type]
                              num_rollout=num_rollout)
         if trainer_starts_after_engines:  # what the driver does before starting a colocated trainer
@@ -247,8 +260,8 @@ def test_an_engine_waiting_mid_rollout_gets_the_weights_alone_while_the_others_g
     """Sync mode, an engine restarted (or joined from an engine job) mid-rollout: it gets the current weights at once,
     over a group of the waiting engines only, so the engines serving are not paused (no pause/continue pair), and it
     serves before the rollout ends."""
-    events = run_mode(tmp_path, colocate=False, async_rollout=False, num_rollout=1, generation_seconds=0.05,
-                      engine_state=EngineState.STARTING, engine_waiting=True)
+    events = run_mode(tmp_path, colocate=False, async_rollout=False, num_rollout=1, engine_state=EngineState.STARTING,
+                      engine_waiting=True, generation_ends_after={0: "engine end_weight_update()"})
     assert events[:3] == ["generate 0", "trainer broadcast v0", "engine init_weight_group()"]
     assert "engine pause(retract)" not in events and "engine resume_generation()" not in events
     assert events.index("engine end_weight_update()") < events.index("generated 0")
@@ -258,7 +271,8 @@ def test_async_in_place_syncs_while_the_rollout_ahead_generates(tmp_path: Path) 
     """flush_cache_interval 2 (slime's --flush-cache-interval): the sync does not wait for the rollout ahead; its
     requests pause in place (kept with their KV cache) around the push and go on; every second sync retracts
     them instead, so the engines can flush their cache."""
-    events = run_mode(tmp_path, colocate=False, async_rollout=True, num_rollout=3, generation_seconds=0.3,
+    events = run_mode(tmp_path, colocate=False, async_rollout=True, num_rollout=3,
+                      generation_ends_after={1: "engine resume_generation()", 2: "engines serve v2"},
                       flags=("--async-rollout", "--flush-cache-interval", "2"))
     assert events.index("generate 1") < events.index("trainer broadcast v1") < events.index("generated 1")
     first = events.index("trainer broadcast v1")

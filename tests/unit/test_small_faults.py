@@ -30,6 +30,7 @@ from hpc_rl.rewards import RewardError, RewardSpec, reward_group
 from hpc_rl.rewards.reward_thread import RewardThread
 from hpc_rl.telemetry.event_file import ScalarEventFile
 from tests.unit.test_run_lock import live_process, no_slurm, write_lock  # noqa: F401 (a fixture)
+from tests.unit.waiting import wait_until
 
 TINY = "configs/tiny_cpu.yaml"
 KEY = "k" * 36 + "1234"
@@ -56,10 +57,11 @@ def test_the_wandb_key_is_never_readable_by_others(tmp_path: Path, in_repo: Path
 
 BLOCKS_ON_19 = textwrap.dedent(
     """
-    import time
+    import pathlib, time
 
     async def reward(args, sample):
         if sample.index == 19:
+            pathlib.Path(__file__).with_suffix(".started").touch()  # the test waits for it
             time.sleep(2.5)     # blocking, in an async def: it holds the reward thread
         return 1.0
     """
@@ -78,7 +80,7 @@ def test_a_reward_timeout_names_the_call_that_blocks_not_the_samples_queued_behi
 
     async def scenario() -> str:
         blocked = asyncio.create_task(reward_group(spec, group(16)))  # sample 19 starts and blocks the thread
-        await asyncio.sleep(0.2)
+        await wait_until(plugin.with_suffix(".started").exists, what="sample 19's reward started")
         with pytest.raises(RewardError) as failed:
             await reward_group(spec, group(0))  # queued behind it: times out without having started
         await asyncio.gather(blocked, return_exceptions=True)

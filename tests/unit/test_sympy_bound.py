@@ -33,7 +33,7 @@ def _sympy_imported() -> None:
 def test_answers_that_blow_sympy_up_are_refused_at_once_and_noted(answer: str) -> None:
     started = time.monotonic()
     assert not answers_match(answer, r"\sqrt{8}")  # old: 9**9**9 and 10**10**8 ran for minutes, (9!)! 9.6 s
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 5.0  # refused before sympy: old, (9!)! took 9.6 s and 9**9**9 minutes
     notes = take_give_ups()
     assert len(notes) == 1 and notes[0].startswith("sympy not asked about"), notes
 
@@ -44,7 +44,7 @@ def test_a_slow_simplify_is_cut_at_the_time_limit(monkeypatch) -> None:
     started = time.monotonic()
     assert not answers_match(SLOW_FOR_SYMPY, r"\sqrt{8}")
     elapsed = time.monotonic() - started
-    assert elapsed < 3.0, f"took {elapsed:.1f} s"
+    assert elapsed < 10.0, f"took {elapsed:.1f} s"  # cut after 1 s: uncut, more than 20 s
     assert take_give_ups() == [f"sympy gave up on '(sqrt(8))-({SLOW_FOR_SYMPY})' after 1 s"]
 
 

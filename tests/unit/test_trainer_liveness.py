@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from hpc_rl.controller.app import Controller
 from hpc_rl.controller.trainer_channel import TrainerChannel, TrainerUnresponsive
 from hpc_rl.protocol import create_secret, secret_path
 from hpc_rl.protocol.messages import CommandDone, StopCommand
+from tests.unit.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +31,8 @@ async def beat(channel: TrainerChannel, rank: int, every_s: float, stop: asyncio
 
 def test_a_silent_rank_is_named_then_fails_the_command_and_a_beating_one_is_not() -> None:
     async def main() -> tuple[str, list[str], float]:
-        channel = TrainerChannel(2, heartbeat_interval_s=0.05, silence_warn_s=0.3, silence_timeout_s=0.9)
+        # rank 0 beats every 0.05 s: only a 1 s stall of this process (load, a full GC) would have it named
+        channel = TrainerChannel(2, heartbeat_interval_s=0.05, silence_warn_s=1.0, silence_timeout_s=1.5)
         stop = asyncio.Event()
         beating = asyncio.create_task(beat(channel, 0, 0.05, stop))  # rank 1 never beats: SIGSTOPped
         seen: list[str] = []
@@ -54,17 +57,17 @@ def test_a_silent_rank_is_named_then_fails_the_command_and_a_beating_one_is_not(
     assert seen and seen[0].startswith("trainer rank 1 has not answered for ")
     assert "stopped or hung?" in seen[0]
     assert not any("rank 0" in line for line in seen)
-    assert 0.9 <= took < 3.0
+    assert 1.5 <= took < 15.0
 
 
 def test_a_long_command_whose_ranks_beat_is_never_failed() -> None:
     async def main() -> list[CommandDone]:
-        channel = TrainerChannel(2, heartbeat_interval_s=0.05, silence_warn_s=0.2, silence_timeout_s=0.4)
+        channel = TrainerChannel(2, heartbeat_interval_s=0.05, silence_warn_s=0.5, silence_timeout_s=1.0)
         stop = asyncio.Event()
         beats = [asyncio.create_task(beat(channel, rank, 0.05, stop)) for rank in (0, 1)]
 
         async def finish_later() -> None:
-            await asyncio.sleep(1.5)  # several timeouts long
+            await asyncio.sleep(2.5)  # several timeouts long
             for rank in (0, 1):
                 channel.on_done(CommandDone(rank=rank, seq=1))
 
@@ -91,7 +94,7 @@ def test_a_rank_that_beats_again_is_no_longer_named() -> None:
         return named
 
     named = asyncio.run(main())
-    assert len(named) == 1 and named[0].startswith("trainer rank 0 has not answered for 0.")
+    assert len(named) == 1 and re.match(r"trainer rank 0 has not answered for \d+\.\d s during StopCommand", named[0])
     assert channel.liveness_warnings() == []
 
 
@@ -122,7 +125,7 @@ def test_the_heartbeat_thread_of_a_real_link_beats_a_real_controller(tmp_path: P
                          ["--set", f"run_dir={run_dir}", "--set", "controller.trainer_command_timeout=0.6"])
     write_resolved_config(config, run_dir)
 
-    async def main() -> tuple[int, float]:
+    async def main() -> tuple[int, int]:
         controller = Controller(config, secret=create_secret(secret_path(run_dir)), router=None, router_url=None)
         await controller.start()
         host, port = controller.address
@@ -130,16 +133,20 @@ def test_the_heartbeat_thread_of_a_real_link_beats_a_real_controller(tmp_path: P
                                        address=f"{host}:{port}")
         try:
             assert link.heartbeat is not None and link.heartbeat.interval_s == pytest.approx(0.1)
-            await asyncio.sleep(1.0)
-            silent_for = time.monotonic() - controller.channel._heard[0]
-            return link.heartbeat.beats, silent_for
+            heard: set[float] = set()  # the times the controller's channel heard rank 0, as it records them
+
+            def heard_again() -> bool:
+                heard.add(controller.channel._heard.get(0, -1.0))
+                return len(heard - {-1.0}) >= 5
+            await wait_until(heard_again, what="rank 0 heard 5 times")  # by its beats: the link sends nothing else
+            return link.heartbeat.beats, len(heard - {-1.0})
         finally:
             link.close()
             await controller.close()
 
-    beats, silent_for = asyncio.run(main())
-    assert beats >= 5
-    assert silent_for < 0.5
+    beats, heard = asyncio.run(main())
+    # heard 5 times: the Hello at most once, then beats, all acknowledged but the one in flight at most
+    assert heard >= 5 and beats >= 3
 
 
 def test_status_prints_the_warnings_a_run_reports() -> None:

