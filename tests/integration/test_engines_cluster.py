@@ -161,28 +161,26 @@ def test_router_removes_and_adds_workers_at_run_time(cluster):
     assert sorted(router.worker_urls()) == sorted(e.url for e in engines)
 
 
-async def until_running(session: aiohttp.ClientSession, engine: str, count: int, timeout_s: float = 120) -> None:
-    """Until `count` requests sit in the engine's running batch (its /server_info `internal_states`)."""
+async def until_counted(session: aiohttp.ClientSession, engine: str, state: str, count: int,
+                        timeout_s: float = 120) -> None:
+    """Until `count` requests are in `state` in the engine (its /server_info `internal_states`: "running" in the
+    running batch, "waiting" queued)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         async with session.get(f"{engine}/server_info") as response:
-            running = (await response.json())["internal_states"][0]["num_running_reqs"]
-        if running >= count:
+            seen = (await response.json())["internal_states"][0][f"num_{state}_reqs"]
+        if seen >= count:
             return
-        assert asyncio.get_running_loop().time() < deadline, f"{running} of {count} requests running after {timeout_s} s"
+        assert asyncio.get_running_loop().time() < deadline, f"{seen} of {count} requests {state} after {timeout_s} s"
         await asyncio.sleep(0.05)
+
+
+async def until_running(session: aiohttp.ClientSession, engine: str, count: int, timeout_s: float = 120) -> None:
+    await until_counted(session, engine, "running", count, timeout_s)
 
 
 async def until_waiting(session: aiohttp.ClientSession, engine: str, count: int, timeout_s: float = 120) -> None:
-    """Until `count` requests are queued in the engine, not running (its /server_info `internal_states`)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        async with session.get(f"{engine}/server_info") as response:
-            waiting = (await response.json())["internal_states"][0]["num_waiting_reqs"]
-        if waiting >= count:
-            return
-        assert asyncio.get_running_loop().time() < deadline, f"{waiting} of {count} requests queued after {timeout_s} s"
-        await asyncio.sleep(0.05)
+    await until_counted(session, engine, "waiting", count, timeout_s)
 
 
 def test_abort_pause_and_misuse_on_one_engine(cluster, hold_gate):
