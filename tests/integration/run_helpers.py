@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -184,3 +186,17 @@ def controller_version(run_dir: Path) -> int:
         assert time.monotonic() < deadline, "the controller gave no live status for 60 s"
         time.sleep(0.2)
     return int(status["weight_version"])
+
+
+@contextmanager
+def held(gate: Path | None) -> Iterator[None]:
+    """Inside, the CPU engines started with `faults.HOLD_GENERATION` naming `gate` decode nothing: their running
+    requests keep their rows and tokens until the block ends. None (an engine without a gate: real SGLang): a no-op."""
+    if gate is None:
+        yield
+        return
+    gate.touch()
+    try:
+        yield
+    finally:
+        gate.unlink()

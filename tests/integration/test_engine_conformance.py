@@ -21,8 +21,6 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import orjson
@@ -34,6 +32,7 @@ from hpc_rl.process.child_process import planned_port
 from hpc_rl.engines.cpu.faults import HOLD_GENERATION
 from hpc_rl.engines.engine_process import CpuEngineProcess, SglangEngineProcess
 from hpc_rl.engines.sglang_launch import SGLANG_ON_CPU_ENV, SGLANG_ON_CPU_OPTIONS, SglangLaunchSpec
+from tests.integration.run_helpers import held
 
 SGLANG_VENV = Path(os.environ.get("HPC_RL_SGLANG_VENV", Path.home() / ".cache/hpc_rl/sglang-cpu-venv"))
 SGLANG_PYTHON = SGLANG_VENV / "bin" / "python"
@@ -48,7 +47,7 @@ def engine(request, tiny_model_dir, tmp_path_factory):
     if request.param == "cpu":
         process = CpuEngineProcess(tiny_model_dir, log_path=logs / "engine.log",
                                    env={**os.environ, HOLD_GENERATION: str(logs / "hold")})
-        process.hold_gate = logs / "hold"  # type: ignore[attr-defined]  # read by `held`
+        process.hold_gate = logs / "hold"  # type: ignore[attr-defined]  # what `held` opens; SGLang has none
         timeout = 120
     else:
         spec = SglangLaunchSpec(hf_checkpoint=str(tiny_model_dir), host="127.0.0.1", port=planned_port(),
@@ -77,21 +76,6 @@ def generate(engine, body: dict, timeout: float = 120) -> requests.Response:
 
 def greedy(max_new_tokens: int, **extra) -> dict:
     return {"max_new_tokens": max_new_tokens, "temperature": 0, **extra}
-
-
-@contextmanager
-def held(engine) -> Iterator[None]:
-    """The CPU engine decodes nothing inside (its hold gate): a running request stays running, with the tokens it
-    had, until the block ends. A no-op on SGLang."""
-    gate = getattr(engine, "hold_gate", None)
-    if gate is None:
-        yield
-        return
-    gate.touch()
-    try:
-        yield
-    finally:
-        gate.unlink()
 
 
 def test_text_is_the_continuation_of_the_prompt_text(engine, tokenizer):
@@ -250,7 +234,7 @@ def test_abort_returns_partial_output_with_sglangs_reason(engine):
         events = response.iter_lines()
         first = next(line for line in events if line)
         assert first.startswith(b"data: ")
-        with held(engine):
+        with held(getattr(engine, "hold_gate", None)):
             aborted = requests.post(f"{engine.url}/abort_request", json={"rid": "to-abort"}, timeout=30)
             assert aborted.status_code == 200
             rest = [line for line in events if line]  # the abort's answer comes while held
@@ -326,7 +310,7 @@ def test_pause_retract_is_counted_in_num_retractions(engine):
     with requests.post(f"{engine.url}/generate", json=body, stream=True, timeout=120) as response:
         events = response.iter_lines()
         first = next(line for line in events if line)  # running: its first token is back
-        with held(engine):
+        with held(getattr(engine, "hold_gate", None)):
             assert requests.post(f"{engine.url}/pause_generation", json={"mode": "retract"},
                                  timeout=30).status_code == 200
             assert requests.post(f"{engine.url}/continue_generation", json={}, timeout=30).status_code == 200
@@ -379,7 +363,7 @@ def test_pause_in_place_keeps_the_request_running_and_refuses_a_flush(engine):
     with requests.post(f"{engine.url}/generate", json=body, stream=True, timeout=120) as response:
         events = response.iter_lines()
         first = next(line for line in events if line)  # running: its first token is back
-        with held(engine):
+        with held(getattr(engine, "hold_gate", None)):
             paused = requests.post(f"{engine.url}/pause_generation", json={"mode": "in_place"}, timeout=30)
             assert paused.status_code == 200
             flush = requests.post(f"{engine.url}/flush_cache", json={}, timeout=30)
@@ -451,7 +435,7 @@ def test_update_while_paused_in_place_keeps_the_request_and_spans_both_versions(
                            stream=True, timeout=120) as response:
             events = response.iter_lines()
             first = next(line for line in events if line)  # running: its first token is back
-            with held(engine):  # (the CPU engine: the request cannot finish its 300 tokens before the pause)
+            with held(getattr(engine, "hold_gate", None)):  # (the CPU engine: the request cannot finish its 300 tokens before the pause)
                 assert post("/pause_generation", {"mode": "in_place"}).status_code == 200
                 trainer.start()
                 joined = post("/init_weights_update_group", {"master_address": "127.0.0.1",

@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
@@ -31,6 +29,7 @@ from hpc_rl.process.child_process import planned_port
 from hpc_rl.engines.engine_process import CpuEngineProcess
 from hpc_rl.engines.router import RouterProcess
 from hpc_rl.tiny_model import TinyModelSpec, make_tiny_model
+from tests.integration.run_helpers import held
 
 pytestmark = pytest.mark.slow
 API_KEY = "test-admin-key"
@@ -46,16 +45,6 @@ def model_dir(tmp_path_factory) -> Path:
 def hold_gate(tmp_path_factory) -> Path:
     """The engines' hold gate: while this file exists they decode nothing (`held`)."""
     return tmp_path_factory.mktemp("gate") / "hold"
-
-
-@contextmanager
-def held(gate: Path) -> Iterator[None]:
-    """Inside, the cluster's engines admit and decode nothing: running requests keep their rows and tokens."""
-    gate.touch()
-    try:
-        yield
-    finally:
-        gate.unlink()
 
 
 @pytest.fixture(scope="module")
